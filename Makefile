@@ -1,0 +1,25 @@
+# Two entry points: `make run` (the app on the default model) and `make test` (the suite).
+# Both create .venv, install torch 2.13.0 first (a looser pin would pull CUDA wheels), then the project.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL ?= smollm2-135m
+
+.PHONY: run test clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[export,gui,test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fleet generate --model $(MODEL) --stages 2
+
+test: $(STAMP)
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,90 @@
+"""``fleet bench parity``: our stage chains against openvino_genai.LLMPipeline on the same export.
+
+Every configuration decodes the same chat-templated input ids for ``tokens`` new tokens with EOS
+ignored.  Configurations run round-robin (one run of each per round) so that the machine's drift
+hits them alike; the table reports medians and ratios to LLMPipeline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from engine.bench.report import median, write_report
+from engine.export.exporter import export_model
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
+from engine.runtime.tokenizer import ChatTokenizer
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _genai_runner(folder: Path, ids: np.ndarray, tokens: int, device: str) -> Callable[[], tuple[float, float]]:
+    import openvino as ov
+    import openvino_genai
+
+    pipe = openvino_genai.LLMPipeline(str(folder), device)
+    config = pipe.get_generation_config()
+    config.max_new_tokens = tokens
+    config.min_new_tokens = tokens
+    config.ignore_eos = True
+    config.do_sample = False
+    config.apply_chat_template = False
+    inputs = openvino_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
+
+    def run():
+        metrics = pipe.generate(inputs, config).perf_metrics
+        return metrics.get_throughput().mean, metrics.get_ttft().mean
+
+    return run
+
+
+def _chain_runner(folders: list[Path], ids: np.ndarray, tokens: int, device: str) -> Callable[[], tuple[float, float]]:
+    chain = LocalChain(folders, device=device)
+    gen = Generator(chain, max_length=ids.shape[1] + tokens + 1)
+
+    def run():
+        result = gen.generate(ids, tokens, ignore_eos=True)
+        return result.decode_tok_s, result.ttft_s * 1e3
+
+    return run
+
+
+def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5, weights: str = "int4",
+               device: str = "CPU", out: Path | None = None, log=print) -> dict:
+    exports = {n: export_model(model, stages=n, weights=weights) for n in (1, 2, 3)}
+    nobeam = export_model(model, stages=1, weights=weights, beam_idx=False)
+    first = exports[1].folders[0]
+    ids = ChatTokenizer(first).prompt_ids(PROMPT)
+    configs = {
+        "LLMPipeline 1-stage": _genai_runner(first, ids, tokens, device),
+        "ours 1-stage": _chain_runner(exports[1].folders, ids, tokens, device),
+        "ours 2-stage": _chain_runner(exports[2].folders, ids, tokens, device),
+        "ours 3-stage": _chain_runner(exports[3].folders, ids, tokens, device),
+        "ours 1-stage, no beam_idx": _chain_runner(nobeam.folders, ids, tokens, device),
+    }
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    for round_index in range(warmup + runs):
+        for name, run in configs.items():
+            result = run()
+            if round_index >= warmup:
+                samples[name].append(result)
+        log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
+    base = median([s[0] for s in samples["LLMPipeline 1-stage"]])
+    rows = []
+    for name, values in samples.items():
+        tps = [v[0] for v in values]
+        rows.append({
+            "config": name,
+            "tok_s": round(median(tps), 2),
+            "min": round(min(tps), 2),
+            "max": round(max(tps), 2),
+            "ttft_ms": round(median([v[1] for v in values]), 1),
+            "vs_llmpipeline": round(median(tps) / base, 3) if base else 0.0,
+        })
+    ratios = {row["config"]: row["vs_llmpipeline"] for row in rows}
+    meta = {"model": model, "weights": weights, "device": device, "prompt_tokens": int(ids.shape[1]),
+            "new_tokens": tokens, "warmup": warmup, "runs": runs}
+    return write_report("parity", rows, ratios, out, settings=meta)

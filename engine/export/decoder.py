@@ -1,0 +1,138 @@
+"""A traceable decoder stage in PyTorch: explicit KV tensors in and out, rotary from position ids.
+
+Hugging Face's cache objects and rotary modules do not trace; this rewrite holds only the stage's
+own layers (plus embeddings for the first stage, final norm and head for the last) and takes
+everything that changes per step as a tensor input, so ``torch.jit.trace`` records one graph that
+serves prefill and decode alike.
+
+The attention mask covers the physical KV slots (past plus current).  The graph derives the causal
+part from the physical cache length and ANDs it with ``attention_mask``, so a later forward can
+hide rejected draft slots by zeroing their mask entries while ``position_ids`` follow the logical
+sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.models.architectures import ModelSpec
+from engine.models.checkpoint import Checkpoint
+
+
+def _param(array: np.ndarray) -> nn.Parameter:
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if not array.flags.writeable:  # memory-mapped checkpoint data: torch wants its own buffer
+        array = array.copy()
+    return nn.Parameter(torch.from_numpy(array), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: np.ndarray, eps: float):
+        super().__init__()
+        self.weight = _param(weight)
+        self.eps = eps
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray]):
+        super().__init__()
+        self.spec = spec
+        self.input_norm = RMSNorm(weights["input_norm"], spec.rms_eps)
+        self.post_norm = RMSNorm(weights["post_norm"], spec.rms_eps)
+        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+            setattr(self, name, _param(weights[name]))
+        for name in ("q_bias", "k_bias", "v_bias"):
+            setattr(self, name, _param(weights[name]) if name in weights else None)
+
+    def _project(self, x, heads, weight, bias):
+        b, t, _ = x.shape
+        y = F.linear(x, weight, bias)
+        return y.view(b, t, heads, self.spec.head_dim).transpose(1, 2)
+
+    def forward(self, x, cos, sin, mask, past_k, past_v):
+        spec = self.spec
+        h = self.input_norm(x)
+        q = self._project(h, spec.num_heads, self.q, self.q_bias)
+        k = self._project(h, spec.num_kv_heads, self.k, self.k_bias)
+        v = self._project(h, spec.num_kv_heads, self.v, self.v_bias)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = torch.cat([past_k, k], dim=2)
+        v = torch.cat([past_v, v], dim=2)
+        groups = spec.num_heads // spec.num_kv_heads
+        k_all, v_all = k, v
+        if groups > 1:
+            b, kvh, s, d = k.shape
+            k_all = k[:, :, None, :, :].expand(b, kvh, groups, s, d).reshape(b, kvh * groups, s, d)
+            v_all = v[:, :, None, :, :].expand(b, kvh, groups, s, d).reshape(b, kvh * groups, s, d)
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=spec.head_dim ** -0.5)
+        b, _, t, _ = attn.shape
+        x = x + F.linear(attn.transpose(1, 2).reshape(b, t, spec.num_heads * spec.head_dim), self.o)
+        h = self.post_norm(x)
+        x = x + F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
+        return x, k, v
+
+
+class DecoderStage(nn.Module):
+    """Layers ``[start, end)`` of a decoder; ``first`` adds the embeddings, ``last`` the norm and head.
+
+    forward(tokens_or_hidden, attention_mask, position_ids, *past) -> (logits_or_hidden, *present)
+    with ``past``/``present`` as (key, value) per layer, each ``[batch, kv_heads, seq, head_dim]``.
+    """
+
+    def __init__(self, ckpt: Checkpoint, start: int, end: int):
+        super().__init__()
+        spec = ckpt.spec
+        self.spec, self.start, self.end = spec, start, end
+        self.first = start == 0
+        self.last = end == spec.num_layers
+        parts = ckpt.arch.layer_parts()
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, {p: ckpt.read(p, i) for p in parts if ckpt.has(p, i)})
+            for i in range(start, end)
+        )
+        self.embed = _param(ckpt.read("embed")) if self.first else None
+        if self.last:
+            self.final_norm = RMSNorm(ckpt.read("final_norm"), spec.rms_eps)
+            # A tied single-stage graph reuses the embedding constant for the head.
+            self.head = None if (self.first and spec.tie_embeddings) else _param(ckpt.read_head())
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x, attention_mask, position_ids, *past):
+        if self.first:
+            x = F.embedding(x, self.embed)
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+        mask = self._mask(attention_mask, x.shape[1], past[0].shape[2])
+        present = []
+        for n, layer in enumerate(self.layers):
+            x, k, v = layer(x, cos, sin, mask, past[2 * n], past[2 * n + 1])
+            present += [k, v]
+        if self.last:
+            x = F.linear(self.final_norm(x), self.embed if self.head is None else self.head)
+        return (x, *present)
+
+    @staticmethod
+    def _mask(attention_mask, query_len, past_len):
+        """Additive [batch, 1, query, kv] mask: causal over physical slots AND the given slot mask."""
+        kv_len = past_len + query_len
+        kv_pos = torch.arange(kv_len)
+        q_pos = torch.arange(query_len) + past_len
+        causal = kv_pos[None, :] <= q_pos[:, None]
+        allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)
+        zero = torch.zeros((), dtype=torch.float32)
+        return torch.where(allowed, zero, torch.tensor(torch.finfo(torch.float32).min))

@@ -1,0 +1,277 @@
+"""Per-stage export: a model source and a split in, a folder of verified shard folders out.
+
+Every stage is exported in a fresh process that loads only that stage's tensors, so its peak memory
+scales with the stage, is measured on its own, and is handed back to the OS when it ends; the
+parent only plans, reports progress and can cancel by ending the child.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import queue
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from engine.config import paths
+from engine.errors import ExportError, FleetError, ShardError
+from engine.export.compress import WEIGHT_FORMATS
+from engine.manifest import check_chain, load_manifest
+
+STAGE_STEPS = ("load", "convert", "stateful", "compress", "save", "tokenizer", "hash")
+Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
+
+
+def plan_split(num_layers: int, stages: int | None = None, split: list[int] | None = None) -> list[tuple[int, int]]:
+    """Layer ranges ``[(0, a), (a, b), ...]`` from a stage count (even split) or boundaries."""
+    if split:
+        bounds = [0, *split, num_layers]
+        if any(b <= a for a, b in zip(bounds, bounds[1:])) or bounds[-2] >= num_layers:
+            raise ExportError(
+                f"split {','.join(map(str, split))} is not strictly increasing inside 1..{num_layers - 1}"
+            )
+        return list(zip(bounds, bounds[1:]))
+    stages = 1 if stages is None else stages
+    if not 1 <= stages <= num_layers:
+        raise ExportError(f"cannot cut {num_layers} layers into {stages} stages (1 to {num_layers})")
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for i in range(stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+@dataclasses.dataclass
+class StageReport:
+    index: int
+    layers: tuple[int, int]
+    folder: Path
+    peak_rss_mb: float
+    seconds: float
+    size_mb: float
+
+
+@dataclasses.dataclass
+class ExportResult:
+    out: Path
+    stages: list[StageReport]
+    cached: bool
+
+    @property
+    def folders(self) -> list[Path]:
+        return [s.folder for s in self.stages]
+
+
+def default_out(name: str, fingerprint: str, weights: str, ranges: list[tuple[int, int]], beam_idx: bool = True) -> Path:
+    cuts = "-".join(str(end) for _, end in ranges)
+    return paths().shards / f"{name}-{weights}-{cuts}{'' if beam_idx else '-nobeam'}-{fingerprint[:10]}"
+
+
+def stage_folder(out: Path, index: int) -> Path:
+    return Path(out) / f"stage{index}"
+
+
+def export_model(
+    source: str,
+    *,
+    stages: int | None = None,
+    split: list[int] | None = None,
+    weights: str = "int4",
+    out: Path | None = None,
+    progress: Progress | None = None,
+    cancel=None,
+    force: bool = False,
+    beam_idx: bool = True,
+) -> ExportResult:
+    """Exports ``source`` (catalog name, GGUF path or HF folder) into one shard folder per stage.
+
+    ``cancel`` is anything with ``is_set()``; when it becomes set the running stage is ended and the
+    partial output removed.  An existing complete export at ``out`` is reused unless ``force``.
+    """
+    from engine.models.catalog import resolve_source
+    from engine.models.checkpoint import open_checkpoint
+
+    if weights not in WEIGHT_FORMATS:
+        raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    resolved = resolve_source(source)
+    spec = open_checkpoint(resolved.kind, resolved.path).spec
+    ranges = plan_split(spec.num_layers, stages, split)
+    name = resolved.entry.name if resolved.entry else resolved.path.stem
+    out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx)
+
+    cached = None if force else _reuse(out, resolved.fingerprint, weights, ranges, beam_idx)
+    if cached is not None:
+        return ExportResult(out, cached, cached=True)
+
+    out.mkdir(parents=True, exist_ok=True)
+    reports = []
+    for index, (start, end) in enumerate(ranges):
+        job = dict(
+            kind=resolved.kind, path=str(resolved.path), name=name, fingerprint=resolved.fingerprint,
+            start=start, end=end, index=index, count=len(ranges), weights=weights,
+            folder=str(stage_folder(out, index)), beam_idx=beam_idx,
+        )
+        reports.append(_run_stage(job, progress, cancel))
+    return ExportResult(out, reports, cached=False)
+
+
+def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool) -> list[StageReport] | None:
+    try:
+        manifests = [load_manifest(stage_folder(out, i)) for i in range(len(ranges))]
+        check_chain(manifests)
+    except ShardError:
+        return None
+    if any(m.fingerprint != fingerprint or m.weights != weights or tuple(m.layers) != r
+           or m.export.get("beam_idx", True) != beam_idx for m, r in zip(manifests, ranges)):
+        return None
+    return [
+        StageReport(m.stage_index, tuple(m.layers), stage_folder(out, i), m.export.get("peak_rss_mb", 0.0),
+                    m.export.get("seconds", 0.0), _size_mb(stage_folder(out, i)))
+        for i, m in enumerate(manifests)
+    ]
+
+
+def _size_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file()) / 2**20
+
+
+def _run_stage(job: dict, progress: Progress | None, cancel) -> StageReport:
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    child = ctx.Process(target=_stage_main, args=(job, events), daemon=True)
+    child.start()
+    result = None
+    try:
+        while result is None:
+            if cancel is not None and cancel.is_set():
+                child.terminate()
+                child.join()
+                shutil.rmtree(job["folder"] + ".partial", ignore_errors=True)
+                raise ExportError(f"export cancelled during stage {job['index']}")
+            try:
+                kind, payload = events.get(timeout=0.2)
+            except queue.Empty:
+                if not child.is_alive():
+                    raise ExportError(
+                        f"stage {job['index']} export process died (exit code {child.exitcode}); "
+                        "out of memory is the usual cause"
+                    ) from None
+                continue
+            if kind == "progress" and progress:
+                progress(job["index"], payload[0], payload[1])
+            elif kind == "error":
+                raise ExportError(f"stage {job['index']} (layers {job['start']}-{job['end']}): {payload}")
+            elif kind == "done":
+                result = payload
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    return StageReport(job["index"], (job["start"], job["end"]), Path(job["folder"]), result["peak_rss_mb"],
+                       result["seconds"], _size_mb(Path(job["folder"])))
+
+
+def _peak_rss_mb() -> float:
+    try:
+        import resource
+
+        scale = 1024 if sys.platform != "darwin" else 1
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+    except ImportError:  # Windows
+        import psutil
+
+        return psutil.Process().memory_info().peak_wset / 2**20
+
+
+def _stage_main(job: dict, events) -> None:
+    """Child process: export one stage into ``folder`` (written as ``folder.partial``, then renamed).
+
+    The converters' own chatter (trace warnings, NNCF progress bars) goes to ``stageN.log`` beside
+    the stage folder; progress and errors travel to the parent through ``events``.
+    """
+    import os
+    import warnings
+
+    log = open(Path(job["folder"]).with_suffix(".log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    warnings.simplefilter("ignore")
+    try:
+        events.put(("done", export_stage(job, lambda step, frac: events.put(("progress", (step, frac))))))
+    except FleetError as exc:
+        events.put(("error", str(exc)))
+    except Exception as exc:  # anything else is a bug or a conversion failure: say what it was
+        events.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
+    import openvino as ov
+
+    from engine.export.compress import compress, save_fp16
+    from engine.export.decoder import DecoderStage
+    from engine.export.graph import convert_stage, io_names, make_stateful
+    from engine.export import tokenizer as tok
+    from engine.manifest import MODEL_XML, Manifest
+    from engine.models.checkpoint import open_checkpoint
+
+    t0 = time.perf_counter()
+    folder = Path(job["folder"])
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    steps = iter(enumerate(STAGE_STEPS))
+
+    def step():
+        i, name = next(steps)
+        report(name, i / len(STAGE_STEPS))
+
+    step()
+    ckpt = open_checkpoint(job["kind"], Path(job["path"]))
+    stage = DecoderStage(ckpt, job["start"], job["end"])
+    in_names, _, pairs = io_names(stage)
+    step()
+    model = convert_stage(stage)
+    del stage
+    step()
+    model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))
+    step()
+    model = compress(model, job["weights"])
+    step()
+    ov.save_model(model, partial / MODEL_XML, compress_to_fp16=save_fp16(job["weights"]))
+    interface = [
+        {"name": p.get_any_name(), "shape": str(p.get_partial_shape()), "dtype": p.get_element_type().get_type_name()}
+        for p in model.inputs
+    ], [
+        {"name": p.get_any_name(), "shape": str(p.get_partial_shape()), "dtype": p.get_element_type().get_type_name()}
+        for p in model.outputs
+    ]
+    del model
+    step()
+    eos = []
+    if job["start"] == 0:
+        hf_tok = tok.load_hf_tokenizer(job["kind"], Path(job["path"]))
+        eos = tok.stop_token_ids(hf_tok)
+        tok.write_tokenizer(hf_tok, partial)
+        tok.write_hf_configs(hf_tok, ckpt.spec, partial, eos)
+    step()
+    peak = _peak_rss_mb()
+    seconds = time.perf_counter() - t0
+    manifest = Manifest(
+        model_name=job["name"], fingerprint=job["fingerprint"], spec=ckpt.spec,
+        stage_index=job["index"], stage_count=job["count"], layers=(job["start"], job["end"]),
+        weights=job["weights"], inputs=interface[0], outputs=interface[1],
+        states=[p for p, _ in pairs], eos_token_ids=eos,
+        export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
+                "beam_idx": job.get("beam_idx", True),
+                "openvino": ov.get_version()},
+    )
+    manifest.write(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    report("done", 1.0)
+    return {"peak_rss_mb": peak, "seconds": seconds}

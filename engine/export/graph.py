@@ -1,0 +1,119 @@
+"""From a traced decoder stage to a stateful OpenVINO graph with the ``beam_idx`` cache-reorder pattern.
+
+Steps: ``torch.jit.trace`` with real tensors, ``openvino.convert_model`` with every input and output
+named explicitly, then our own make-stateful pass that turns each ``past``/``present`` pair into a
+ReadValue/Assign variable whose initializer is a zero-length cache with the batch size of the
+current input, and routes every ReadValue through ``Gather(state, beam_idx, axis=0)``.  The Gather
+is an identity at run time (``beam_idx = [0]``) but it is the pattern the CPU and GPU plugins need
+to fuse ReadValue -> Concat -> attention into their stateful SDPA kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import torch
+from openvino.op.util import Variable, VariableInfo
+
+from engine.export.decoder import DecoderStage
+from engine.manifest import BEAM_IDX
+
+
+def io_names(stage: DecoderStage) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Input names, output names and (past input, present output) pairs of a stage's stateless graph."""
+    inputs = ["input_ids" if stage.first else "hidden_states", "attention_mask", "position_ids"]
+    outputs = ["logits" if stage.last else "output_hidden_states"]
+    pairs = []
+    for layer in range(stage.start, stage.end):
+        for kind in ("key", "value"):
+            pairs.append((f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}"))
+    return inputs + [p for p, _ in pairs], outputs + [r for _, r in pairs], pairs
+
+
+def example_inputs(stage: DecoderStage, seq: int = 3, past: int = 2) -> tuple[torch.Tensor, ...]:
+    spec = stage.spec
+    if stage.first:
+        first = torch.randint(0, spec.vocab_size, (1, seq))
+    else:
+        first = torch.randn(1, seq, spec.hidden_size)
+    mask = torch.ones(1, past + seq, dtype=torch.int64)
+    pos = torch.arange(past, past + seq)[None]
+    kv = [torch.randn(1, spec.num_kv_heads, past, spec.head_dim) for _ in range(2 * (stage.end - stage.start))]
+    return (first, mask, pos, *kv)
+
+
+def convert_stage(stage: DecoderStage) -> ov.Model:
+    """Trace and convert a stage to a stateless IR with named, dynamically shaped inputs and outputs."""
+    spec = stage.spec
+    in_names, out_names, _ = io_names(stage)
+    example = example_inputs(stage)
+    with torch.no_grad():
+        traced = torch.jit.trace(stage.eval(), example, check_trace=False)
+    kv_shape = ov.PartialShape([-1, spec.num_kv_heads, -1, spec.head_dim])
+    shapes = [
+        ov.PartialShape([-1, -1]) if stage.first else ov.PartialShape([-1, -1, spec.hidden_size]),
+        ov.PartialShape([-1, -1]),
+        ov.PartialShape([-1, -1]),
+    ] + [kv_shape] * (len(in_names) - 3)
+    types = [ov.Type.i64 if stage.first else ov.Type.f32, ov.Type.i64, ov.Type.i64] + [ov.Type.f32] * (len(in_names) - 3)
+    model = ov.convert_model(traced, example_input=example, input=list(zip(shapes, types)))
+    for port, name in zip(model.inputs, in_names):
+        # LLMPipeline's paged-attention conversion finds ``input_ids`` by the node's friendly name.
+        port.get_node().set_friendly_name(name)
+        port.get_tensor().set_names({name})
+    for port, name in zip(model.outputs, out_names):
+        port.get_tensor().set_names({name})
+    return model
+
+
+def make_stateful(model: ov.Model, pairs: list[tuple[str, str]], batch_source: str, beam_idx: bool = True) -> ov.Model:
+    """Fold each (past input, present output) pair into a variable read through the beam_idx Gather.
+
+    ``beam_idx=False`` leaves the Gathers out: only the parity benchmark wants that, to show what
+    the pattern is worth.
+    """
+    params = {p.get_output_tensor(0).get_any_name(): p for p in model.get_parameters()}
+    results = {out.get_any_name(): out.get_node() for out in model.outputs}
+    # A zero-length cache shaped [batch, kv_heads, 0, head_dim], batch taken from the current input,
+    # so the first concat of a fresh request sees a proper empty tensor.
+    batch = ops.gather(ops.shape_of(params[batch_source]), ops.constant([0]), ops.constant(0))
+    beam = ops.parameter(ov.PartialShape([-1]), ov.Type.i32, name=BEAM_IDX)
+    beam.get_output_tensor(0).set_names({BEAM_IDX})
+    sinks = []
+    for past, present in pairs:
+        param, result = params[past], results[present]
+        pshape = param.get_output_partial_shape(0)
+        init_shape = ops.concat(
+            [batch, ops.constant(np.array([pshape[1].get_length(), 0, pshape[3].get_length()], dtype=np.int64))], 0
+        )
+        init = ops.broadcast(ops.constant(np.float32(0.0)), init_shape)
+        info = VariableInfo()
+        info.variable_id = past
+        info.data_shape = pshape
+        info.data_type = ov.Type.f32
+        variable = Variable(info)
+        state = ops.read_value(init, variable)
+        source = ops.gather(state, beam, ops.constant(0)) if beam_idx else state
+        for target in list(param.output(0).get_target_inputs()):
+            target.replace_source_output(source.output(0))
+        sinks.append(ops.assign(result.input_value(0).get_node(), variable))
+        model.remove_result(result)
+        model.remove_parameter(param)
+    model.add_sinks(sinks)
+    if beam_idx:
+        model.add_parameters([beam])
+    model.validate_nodes_and_infer_types()
+    return model
+
+
+def count_beam_gathers(model: ov.Model) -> int:
+    """How many KV ReadValues flow through a Gather indexed by the beam_idx Parameter."""
+    count = 0
+    for node in model.get_ops():
+        if node.get_type_name() != "Gather":
+            continue
+        src, idx = node.input_value(0).get_node(), node.input_value(1).get_node()
+        if src.get_type_name() == "ReadValue" and idx.get_friendly_name() == BEAM_IDX:
+            count += 1
+    return count

@@ -1,0 +1,171 @@
+"""The shard manifest: what a shard folder holds, written at export and verified on every load.
+
+A shard folder is self-contained: ``openvino_model.xml/.bin`` (the stage graph), ``manifest.json``,
+and for the first stage the tokenizer IRs and Hugging Face config files.  The manifest names the
+model fingerprint, the stage's layer range and role, its graph interface and KV layout, the weight
+format, and the sha256 of every other file in the folder; a shard whose files do not match is
+refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from engine.errors import ShardError
+from engine.models.architectures import ModelSpec
+
+MANIFEST = "manifest.json"
+MODEL_XML = "openvino_model.xml"
+FORMAT_VERSION = 1
+KV_LAYOUT = "batch,kv_heads,seq,head_dim"
+BEAM_IDX = "beam_idx"  # the cache-reorder input every stateful stage takes (always [0] at run time)
+
+
+def role_of(start: int, end: int, num_layers: int) -> str:
+    if start == 0 and end == num_layers:
+        return "only"
+    if start == 0:
+        return "first"
+    return "last" if end == num_layers else "middle"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class Manifest:
+    model_name: str
+    fingerprint: str
+    spec: ModelSpec
+    stage_index: int
+    stage_count: int
+    layers: tuple[int, int]
+    weights: str
+    inputs: list[dict]
+    outputs: list[dict]
+    states: list[str]
+    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    export: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def role(self) -> str:
+        return role_of(*self.layers, self.spec.num_layers)
+
+    @property
+    def first(self) -> bool:
+        return self.layers[0] == 0
+
+    @property
+    def last(self) -> bool:
+        return self.layers[1] == self.spec.num_layers
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "model": {"name": self.model_name, "fingerprint": self.fingerprint, "spec": self.spec.to_json()},
+            "stage": {
+                "index": self.stage_index,
+                "count": self.stage_count,
+                "layers": list(self.layers),
+                "role": self.role,
+            },
+            "weights": self.weights,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "kv": {
+                "layout": KV_LAYOUT,
+                "seq_axis": 2,
+                "num_kv_heads": self.spec.num_kv_heads,
+                "head_dim": self.spec.head_dim,
+                "states": self.states,
+            },
+            "hidden_size": self.spec.hidden_size,
+            "eos_token_ids": self.eos_token_ids,
+            "files": self.files,
+            "export": self.export,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "Manifest":
+        if raw.get("format") != FORMAT_VERSION:
+            raise ShardError(f"manifest format {raw.get('format')!r} is not supported (expected {FORMAT_VERSION})")
+        return cls(
+            model_name=raw["model"]["name"],
+            fingerprint=raw["model"]["fingerprint"],
+            spec=ModelSpec.from_json(raw["model"]["spec"]),
+            stage_index=raw["stage"]["index"],
+            stage_count=raw["stage"]["count"],
+            layers=tuple(raw["stage"]["layers"]),
+            weights=raw["weights"],
+            inputs=raw["inputs"],
+            outputs=raw["outputs"],
+            states=raw["kv"]["states"],
+            eos_token_ids=raw.get("eos_token_ids", []),
+            files=raw["files"],
+            export=raw.get("export", {}),
+        )
+
+    def write(self, folder: Path) -> None:
+        """Hashes every file of the folder into the manifest and writes it."""
+        self.files = {
+            p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST
+        }
+        (folder / MANIFEST).write_text(json.dumps(self.to_json(), indent=2))
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """Reads a shard's manifest without checking its files (cheap, for listings)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ShardError(f"shard folder {folder} does not exist")
+    path = folder / MANIFEST
+    if not path.exists():
+        raise ShardError(f"{folder} is not a shard: it has no {MANIFEST}")
+    try:
+        return Manifest.from_json(json.loads(path.read_text()))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ShardError(f"{path} is damaged or not a fleetshard manifest ({exc})") from exc
+
+
+def load_manifest(folder: Path) -> Manifest:
+    """Reads a shard's manifest and verifies the sha256 of every file it lists."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    for name, expected in manifest.files.items():
+        path = folder / name
+        if not path.exists():
+            raise ShardError(f"shard {folder} is incomplete: {name} is missing")
+        if sha256_file(path) != expected:
+            raise ShardError(f"shard {folder} was modified or corrupted: {name} does not match its manifest hash")
+    if MODEL_XML not in manifest.files:
+        raise ShardError(f"shard {folder} lists no {MODEL_XML}")
+    return manifest
+
+
+def check_chain(manifests: list[Manifest]) -> None:
+    """Refuses a list of shards that is not one model's contiguous chain from layer 0 to the last."""
+    if not manifests:
+        raise ShardError("no shards given")
+    head = manifests[0]
+    for m in manifests:
+        if m.fingerprint != head.fingerprint:
+            raise ShardError(
+                f"shard of stage {m.stage_index} belongs to another model ({m.model_name}, {m.fingerprint[:12]}) "
+                f"than stage {head.stage_index} ({head.model_name}, {head.fingerprint[:12]})"
+            )
+    expected = 0
+    for m in manifests:
+        if m.layers[0] != expected:
+            raise ShardError(f"shards are not contiguous: expected a stage starting at layer {expected}, got {m.layers}")
+        expected = m.layers[1]
+    if expected != head.spec.num_layers:
+        raise ShardError(f"shards end at layer {expected}, the model has {head.spec.num_layers} layers")

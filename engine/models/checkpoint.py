@@ -1,0 +1,170 @@
+"""Selective checkpoint readers: one tensor at a time from a GGUF file or a Hugging Face folder.
+
+An exporter asks for a stage part (``("q", 7)`` or ``"embed"``) and gets a float32 numpy array in
+Hugging Face layout ([out, in] for projections).  Nothing else of the checkpoint is read, so memory
+scales with the stage, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import SourceError
+from engine.models.architectures import (
+    Architecture,
+    ModelSpec,
+    architecture,
+    gguf_config_values,
+    hf_config_values,
+    spec_from_values,
+)
+
+
+class Checkpoint:
+    """Common interface: ``spec``, ``arch``, ``has(part, layer)``, ``read(part, layer)``."""
+
+    spec: ModelSpec
+    arch: Architecture
+
+    def _name(self, part: str, layer: int | None) -> str:
+        raise NotImplementedError  # each format below implements it
+
+    def has(self, part: str, layer: int | None = None) -> bool:
+        raise NotImplementedError  # each format below implements it
+
+    def read(self, part: str, layer: int | None = None) -> np.ndarray:
+        raise NotImplementedError  # each format below implements it
+
+    def read_head(self) -> np.ndarray:
+        """The output projection; the embedding matrix when the model ties them."""
+        if self.has("lm_head"):
+            return self.read("lm_head")
+        return self.read("embed")
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: Path):
+        import gguf
+
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # the reader raises assorted errors on damaged files
+            raise SourceError(f"{path} is not a readable GGUF file ({exc})") from exc
+        self.path = Path(path)
+        self.metadata = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except Exception:  # fields of exotic types are not needed
+                continue
+        arch_name = self.metadata.get("general.architecture")
+        self.arch = architecture(arch_name or "unknown")
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        values = gguf_config_values(arch_name, self.metadata)
+        if "vocab_size" not in values:
+            values["vocab_size"] = int(self._tensors[self.arch.gguf_global["embed"]].shape[-1])
+        values["tie_embeddings"] = self.arch.gguf_global["lm_head"] not in self._tensors
+        scaling = self.metadata.get(f"{arch_name}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise SourceError(f"rope scaling {scaling!r} is not supported yet")
+        self.spec = spec_from_values(self.arch, values)
+
+    def _name(self, part, layer):
+        table = self.arch.gguf_layer if layer is not None else self.arch.gguf_global
+        return table[part].format(i=layer)
+
+    def has(self, part, layer=None):
+        return self._name(part, layer) in self._tensors
+
+    def read(self, part, layer=None):
+        import gguf
+
+        name = self._name(part, layer)
+        if name not in self._tensors:
+            raise SourceError(f"{self.path.name} has no tensor {name}")
+        t = self._tensors[name]
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        data = data.reshape([int(d) for d in reversed(t.shape)])
+        if self.arch.gguf_permuted_qk and part in ("q", "k"):
+            heads = self.spec.num_heads if part == "q" else self.spec.num_kv_heads
+            data = _unpermute_rotary(data, heads)
+        return data
+
+
+def _unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp interleaves the two rotary halves of each head's q/k rows; undo it."""
+    half = w.shape[0] // heads // 2
+    return np.ascontiguousarray(
+        w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+class HFCheckpoint(Checkpoint):
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        config_path = folder / "config.json"
+        if not config_path.exists():
+            raise SourceError(f"{folder} has no config.json: not a Hugging Face model folder")
+        self.folder = folder
+        self.config = json.loads(config_path.read_text())
+        model_type = self.config.get("model_type", "unknown")
+        self.arch = architecture(model_type)
+        # transformers 5 keeps theta and scaling in "rope_parameters"; older configs use top-level keys.
+        rope = self.config.get("rope_parameters") or self.config.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind not in (None, "default"):
+            raise SourceError(f"rope scaling {kind!r} is not supported yet")
+        if self.config.get("use_sliding_window"):
+            raise SourceError("sliding-window attention is not supported yet")
+        values = hf_config_values(self.config)
+        if "rope_theta" not in values and "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        self.spec = spec_from_values(self.arch, values)
+        self._files = self._index(folder)
+
+    @staticmethod
+    def _index(folder: Path) -> dict[str, Path]:
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: folder / fname for name, fname in weight_map.items()}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise SourceError(f"{folder} holds no *.safetensors weights")
+        from safetensors import safe_open
+
+        names = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                names.update({k: f for k in handle.keys()})
+        return names
+
+    def _name(self, part, layer):
+        table = self.arch.hf_layer if layer is not None else self.arch.hf_global
+        return table[part].format(i=layer)
+
+    def has(self, part, layer=None):
+        return self._name(part, layer) in self._files
+
+    def read(self, part, layer=None):
+        from safetensors import safe_open
+
+        name = self._name(part, layer)
+        if name not in self._files:
+            raise SourceError(f"{self.folder} has no tensor {name}")
+        with safe_open(str(self._files[name]), framework="pt") as handle:
+            return handle.get_tensor(name).float().numpy()
+
+    def read_head(self):
+        if self.spec.tie_embeddings or not self.has("lm_head"):
+            return self.read("embed")
+        return self.read("lm_head")
+
+
+def open_checkpoint(kind: str, path: Path) -> Checkpoint:
+    return GGUFCheckpoint(path) if kind == "gguf" else HFCheckpoint(path)

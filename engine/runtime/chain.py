@@ -1,0 +1,55 @@
+"""The in-process stage chain: every shard of a model in this process, called one after another."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import ShardError
+from engine.manifest import MANIFEST, check_chain, load_manifest
+from engine.runtime.stage import StageRunner
+
+
+def expand_shard_dirs(dirs: list[Path | str]) -> list[Path]:
+    """Accepts shard folders or export folders holding ``stage0``, ``stage1``, ...; returns shard folders."""
+    folders: list[Path] = []
+    for d in map(Path, dirs):
+        if not d.exists():
+            raise ShardError(f"shard folder {d} does not exist")
+        if (d / MANIFEST).exists():
+            folders.append(d)
+            continue
+        stages = sorted((p for p in d.glob("stage*") if (p / MANIFEST).exists()), key=lambda p: int(p.name[5:] or 0))
+        if not stages:
+            raise ShardError(f"{d} is neither a shard folder nor an export holding stage folders")
+        folders.extend(stages)
+    return folders
+
+
+class LocalChain:
+    """All stages in one process; ``forward`` maps token ids to last-stage logits."""
+
+    def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None,
+                 devices: list[str] | None = None):
+        folders = expand_shard_dirs(shard_dirs)
+        manifests = [load_manifest(f) for f in folders]
+        check_chain(manifests)
+        devices = devices or [device] * len(folders)
+        self.stages = [StageRunner(f, dev, config, m) for f, dev, m in zip(folders, devices, manifests)]
+        self.manifest = manifests[0]
+        self.spec = self.manifest.spec
+
+    @property
+    def first_folder(self) -> Path:
+        return self.stages[0].folder
+
+    def reset(self) -> None:
+        for stage in self.stages:
+            stage.reset()
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        x = input_ids
+        for stage in self.stages:
+            x = stage.forward(x, attention_mask, position_ids)
+        return x

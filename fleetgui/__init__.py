@@ -1,0 +1,1 @@
+"""fleetgui: the PySide6 desktop app (views and Qt glue only; inference lives in ``engine``)."""

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random-weight Llama and Qwen2 checkpoints (with a real byte-level BPE
+tokenizer) built in the test run, and session-cached exports of them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+TINY_LAYERS = 4
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "A fleet of laptops can serve one language model together.",
+    "def add(a, b):\n    return a + b\n",
+] * 20
+
+
+def _tokenizer(folder: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=320, min_frequency=2,
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>",
+                                  bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return tok
+
+
+def build_tiny(arch: str, folder: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0 if arch == "llama" else 1)
+    common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=TINY_LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False))
+    # Random init leaves biases and norms at 0/1; perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    _tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: build_tiny(arch, root / arch) for arch in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_exports(tiny_models, tmp_path_factory):
+    """f32 exports of each tiny model as 1, 2 (even) and 3 (uneven 1/2/1) stages, made once."""
+    from engine.export.exporter import export_model
+
+    root = tmp_path_factory.mktemp("tiny-exports")
+    out = {}
+    for arch, folder in tiny_models.items():
+        for label, kw in (("1", {"stages": 1}), ("2", {"stages": 2}), ("3", {"split": [1, 3]})):
+            out[arch, label] = export_model(str(folder), weights="f32", out=root / f"{arch}-{label}", **kw)
+    return out

@@ -1,0 +1,186 @@
+"""Export of tiny random Llama and Qwen2 models: per-stage numerics against Hugging Face, greedy
+equality across 1/2/3-stage chains, the beam_idx pattern, and refusal of damaged shards."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import openvino as ov
+import pytest
+import torch
+
+from engine.errors import ExportError, ShardError, SourceError
+from engine.export.exporter import plan_split
+from engine.manifest import MODEL_XML, check_chain, load_manifest
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
+from engine.runtime.stage import StageRunner, core
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+# Stage outputs against the Hugging Face forward of the same layers, all in f32: the graphs differ
+# only in op order and fusions, so anything above this is a real mismatch.
+TOLERANCE = 1e-4
+ARCHS = ("llama", "qwen2")
+IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
+
+
+def _hf(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_stage_matches_hf_forward_of_its_layers(arch, tiny_models, tiny_exports):
+    model = _hf(tiny_models[arch])
+    n = IDS.shape[1]
+    with torch.no_grad():
+        out = model(torch.from_numpy(IDS), output_hidden_states=True)
+    hidden = [h.numpy() for h in out.hidden_states]
+    mask, pos = np.ones((1, n), np.int64), np.arange(n)[None]
+    for folder in tiny_exports[arch, "3"].folders:
+        stage = StageRunner(folder, config=F32)
+        start, end = stage.manifest.layers
+        x = IDS if stage.first else hidden[start]
+        got = stage.forward(x, mask, pos)
+        want = out.logits.numpy() if stage.last else hidden[end]
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() < TOLERANCE, f"{arch} stage {start}-{end}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_decode_step_matches_hf_full_forward(arch, tiny_models, tiny_exports):
+    model = _hf(tiny_models[arch])
+    chain = LocalChain(tiny_exports[arch, "2"].folders, config=F32)
+    n = IDS.shape[1]
+    chain.forward(IDS, np.ones((1, n), np.int64), np.arange(n)[None])
+    step = chain.forward(np.array([[11]]), np.ones((1, n + 1), np.int64), np.array([[n]])).copy()
+    with torch.no_grad():
+        want = model(torch.from_numpy(np.concatenate([IDS, [[11]]], axis=1))).logits[:, -1:].numpy()
+    assert np.abs(step - want).max() < TOLERANCE
+
+
+def _hf_greedy(model, ids, steps):
+    seq = torch.from_numpy(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    return seq[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_two_three_stage_chains_give_hf_greedy_tokens(arch, tiny_models, tiny_exports):
+    want = _hf_greedy(_hf(tiny_models[arch]), IDS, 24)
+    for label in ("1", "2", "3"):
+        chain = LocalChain(tiny_exports[arch, label].folders, config=F32)
+        got = Generator(chain, max_length=128).generate(IDS, 24, ignore_eos=True).tokens
+        assert got == want, f"{arch} {label}-stage chain"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kv_state_flows_through_a_beam_idx_gather_and_fuses(arch, tiny_exports):
+    from engine.export.graph import count_beam_gathers
+
+    for folder in tiny_exports[arch, "3"].folders:
+        manifest = load_manifest(folder)
+        layers = manifest.layers[1] - manifest.layers[0]
+        model = core().read_model(str(folder / MODEL_XML))
+        assert [p.get_any_name() for p in model.inputs][1:] == ["attention_mask", "position_ids", "beam_idx"]
+        assert count_beam_gathers(model) == 2 * layers
+        assert len(model.get_sinks()) == 2 * layers
+        runtime = core().compile_model(model, "CPU").get_runtime_model()
+        fused = [op for op in runtime.get_ops()
+                 if op.get_rt_info()["layerType"].astype(str) == "ScaledDotProductAttention" and op.get_output_size() == 3]
+        assert len(fused) == layers, "the CPU plugin did not fuse the stateful attention"
+
+
+def test_manifest_describes_the_stage(tiny_exports):
+    folders = tiny_exports["qwen2", "3"].folders
+    manifests = [load_manifest(f) for f in folders]
+    assert [m.role for m in manifests] == ["first", "middle", "last"]
+    assert [tuple(m.layers) for m in manifests] == [(0, 1), (1, 3), (3, 4)]
+    first = manifests[0]
+    assert first.spec.arch == "qwen2" and first.spec.hidden_size == 64 and first.weights == "f32"
+    assert first.inputs[0]["name"] == "input_ids" and manifests[1].inputs[0]["name"] == "hidden_states"
+    assert manifests[-1].outputs[0]["name"] == "logits"
+    assert first.states == ["past_key_values.0.key", "past_key_values.0.value"]
+    assert "openvino_tokenizer.xml" in first.files and "openvino_tokenizer.xml" not in manifests[1].files
+    assert first.eos_token_ids, "the first stage carries the stop tokens"
+    check_chain(manifests)
+
+
+def test_tampered_shard_is_refused(tiny_exports, tmp_path):
+    src = tiny_exports["llama", "2"].folders[1]
+    bad = tmp_path / "stage1"
+    shutil.copytree(src, bad)
+    data = bytearray((bad / "openvino_model.bin").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "openvino_model.bin").write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="modified or corrupted"):
+        load_manifest(bad)
+    with pytest.raises(ShardError, match="modified or corrupted"):
+        LocalChain([tiny_exports["llama", "2"].folders[0], bad])
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(src, incomplete)
+    (incomplete / "openvino_model.xml").unlink()
+    with pytest.raises(ShardError, match="openvino_model.xml is missing"):
+        load_manifest(incomplete)
+
+
+def test_chain_of_two_models_or_with_gaps_is_refused(tiny_exports):
+    llama, qwen = tiny_exports["llama", "2"].folders, tiny_exports["qwen2", "2"].folders
+    with pytest.raises(ShardError, match="another model"):
+        LocalChain([llama[0], qwen[1]])
+    with pytest.raises(ShardError, match="not contiguous"):
+        LocalChain([tiny_exports["llama", "3"].folders[0], llama[1]])
+    with pytest.raises(ShardError, match="layer 2"):
+        LocalChain([llama[0]])
+    with pytest.raises(ShardError, match="does not exist"):
+        LocalChain(["/nonexistent/shard"])
+
+
+def test_export_reuses_a_complete_export(tiny_models, tiny_exports):
+    from engine.export.exporter import export_model
+
+    first = tiny_exports["llama", "2"]
+    again = export_model(str(tiny_models["llama"]), stages=2, weights="f32", out=first.out)
+    assert again.cached and again.folders == first.folders
+
+
+def test_split_planning():
+    assert plan_split(30, stages=2) == [(0, 15), (15, 30)]
+    assert plan_split(30, split=[12]) == [(0, 12), (12, 30)]
+    assert plan_split(10, stages=3) == [(0, 4), (4, 7), (7, 10)]
+    assert plan_split(4, stages=4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    for bad in ({"stages": 0}, {"stages": 31}, {"split": [15, 10]}, {"split": [30]}, {"split": [0, 10]}):
+        with pytest.raises(ExportError):
+            plan_split(30, **bad)
+
+
+def test_unsupported_architecture_is_named(tiny_models, tmp_path):
+    import json
+
+    from engine.models.checkpoint import HFCheckpoint
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_models["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SourceError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2"):
+        HFCheckpoint(folder)
+
+
+def test_int4_export_of_a_tiny_model_runs(tiny_models, tmp_path):
+    from engine.export.exporter import export_model
+
+    result = export_model(str(tiny_models["qwen2"]), stages=2, weights="int4", out=tmp_path / "q4")
+    manifests = [load_manifest(f) for f in result.folders]
+    assert all(m.weights == "int4" for m in manifests)
+    assert all(s.peak_rss_mb > 0 for s in result.stages)
+    model = core().read_model(str(result.folders[0] / MODEL_XML))
+    assert any(c.get_element_type() in (ov.Type.i4, ov.Type.u4) for c in model.get_ops() if c.get_type_name() == "Constant")
+    tokens = Generator(LocalChain(result.folders), max_length=64).generate(IDS, 8, ignore_eos=True).tokens
+    assert len(tokens) == 8
