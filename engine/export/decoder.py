@@ -22,11 +22,17 @@ from engine.models.architectures import ModelSpec
 from engine.models.checkpoint import Checkpoint
 
 
-def _param(array: np.ndarray) -> nn.Parameter:
-    array = np.ascontiguousarray(array, dtype=np.float32)
+def _param(array: np.ndarray, dtype=np.float32) -> nn.Parameter:
+    array = np.ascontiguousarray(array, dtype=dtype)
     if not array.flags.writeable:  # memory-mapped checkpoint data: torch wants its own buffer
         array = array.copy()
     return nn.Parameter(torch.from_numpy(array), requires_grad=False)
+
+
+def _w(param: torch.Tensor) -> torch.Tensor:
+    """A weight as f32 for the computation; a 16-bit weight traces as constant + Convert, the
+    decompression pattern OpenVINO and NNCF expect, so the graph still computes in f32."""
+    return param if param.dtype == torch.float32 else param.float()
 
 
 class RMSNorm(nn.Module):
@@ -45,20 +51,23 @@ def _rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray]):
+    def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], dtype=np.float32):
         super().__init__()
         self.spec = spec
         self.input_norm = RMSNorm(weights["input_norm"], spec.rms_eps)
         self.post_norm = RMSNorm(weights["post_norm"], spec.rms_eps)
-        for name in ("q", "k", "v", "o", "gate", "up", "down"):
-            setattr(self, name, _param(weights[name]))
+        for name in MATRICES:
+            setattr(self, name, _param(weights[name], dtype))
         for name in ("q_bias", "k_bias", "v_bias"):
             setattr(self, name, _param(weights[name]) if name in weights else None)
 
     def _project(self, x, heads, weight, bias):
         b, t, _ = x.shape
-        y = F.linear(x, weight, bias)
+        y = F.linear(x, _w(weight), bias)
         return y.view(b, t, heads, self.spec.head_dim).transpose(1, 2)
 
     def forward(self, x, cos, sin, mask, past_k, past_v):
@@ -79,20 +88,25 @@ class DecoderLayer(nn.Module):
             v_all = v[:, :, None, :, :].expand(b, kvh, groups, s, d).reshape(b, kvh * groups, s, d)
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=spec.head_dim ** -0.5)
         b, _, t, _ = attn.shape
-        x = x + F.linear(attn.transpose(1, 2).reshape(b, t, spec.num_heads * spec.head_dim), self.o)
+        x = x + F.linear(attn.transpose(1, 2).reshape(b, t, spec.num_heads * spec.head_dim), _w(self.o))
         h = self.post_norm(x)
-        x = x + F.linear(F.silu(F.linear(h, self.gate)) * F.linear(h, self.up), self.down)
+        x = x + F.linear(F.silu(F.linear(h, _w(self.gate))) * F.linear(h, _w(self.up)), _w(self.down))
         return x, k, v
 
 
 class DecoderStage(nn.Module):
-    """Layers ``[start, end)`` of a decoder; ``first`` adds the embeddings, ``last`` the norm and head.
+    """Layers ``[start, end)`` of a decoder, plus the final norm when the stage is the last.
 
-    forward(tokens_or_hidden, attention_mask, position_ids, *past) -> (logits_or_hidden, *present)
-    with ``past``/``present`` as (key, value) per layer, each ``[batch, kv_heads, seq, head_dim]``.
+    forward(hidden, attention_mask, position_ids, *past) -> (hidden, *present) with ``past`` and
+    ``present`` as (key, value) per layer, each ``[batch, kv_heads, seq, head_dim]``.  The vocabulary
+    matrices (embedding, head) never enter torch: ``graph.attach_vocabulary`` adds them to the
+    converted graph straight from the checkpoint, so the largest matrices of a model are neither
+    traced nor held twice.
     """
 
-    def __init__(self, ckpt: Checkpoint, start: int, end: int):
+    def __init__(self, ckpt: Checkpoint, start: int, end: int, weight_dtype=np.float32):
+        """``weight_dtype=np.float16`` halves the memory of the matrices (exports to 16-bit or
+        compressed formats lose nothing by it); norms, biases and the computation stay f32."""
         super().__init__()
         spec = ckpt.spec
         self.spec, self.start, self.end = spec, start, end
@@ -100,20 +114,18 @@ class DecoderStage(nn.Module):
         self.last = end == spec.num_layers
         parts = ckpt.arch.layer_parts()
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, {p: ckpt.read(p, i) for p in parts if ckpt.has(p, i)})
+            DecoderLayer(
+                spec,
+                {p: ckpt.read(p, i, dtype=weight_dtype if p in MATRICES else np.float32) for p in parts if ckpt.has(p, i)},
+                weight_dtype,
+            )
             for i in range(start, end)
         )
-        self.embed = _param(ckpt.read("embed")) if self.first else None
-        if self.last:
-            self.final_norm = RMSNorm(ckpt.read("final_norm"), spec.rms_eps)
-            # A tied single-stage graph reuses the embedding constant for the head.
-            self.head = None if (self.first and spec.tie_embeddings) else _param(ckpt.read_head())
+        self.final_norm = RMSNorm(ckpt.read("final_norm"), spec.rms_eps) if self.last else None
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x, attention_mask, position_ids, *past):
-        if self.first:
-            x = F.embedding(x, self.embed)
         freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None], emb.sin()[:, None]
@@ -123,7 +135,7 @@ class DecoderStage(nn.Module):
             x, k, v = layer(x, cos, sin, mask, past[2 * n], past[2 * n + 1])
             present += [k, v]
         if self.last:
-            x = F.linear(self.final_norm(x), self.embed if self.head is None else self.head)
+            x = self.final_norm(x)
         return (x, *present)
 
     @staticmethod

@@ -16,11 +16,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from engine.config import paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.manifest import check_chain, load_manifest
 
+# Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
+EXPORTER_VERSION = 4
 STAGE_STEPS = ("load", "convert", "stateful", "compress", "save", "tokenizer", "hash")
 Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
 
@@ -93,11 +97,14 @@ def export_model(
     ``cancel`` is anything with ``is_set()``; when it becomes set the running stage is ended and the
     partial output removed.  An existing complete export at ``out`` is reused unless ``force``.
     """
-    from engine.models.catalog import resolve_source
+    from engine.models.architectures import architecture
+    from engine.models.catalog import CATALOG, resolve_source
     from engine.models.checkpoint import open_checkpoint
 
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if source in CATALOG:
+        architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
     resolved = resolve_source(source)
     spec = open_checkpoint(resolved.kind, resolved.path).spec
     ranges = plan_split(spec.num_layers, stages, split)
@@ -127,7 +134,8 @@ def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool) ->
     except ShardError:
         return None
     if any(m.fingerprint != fingerprint or m.weights != weights or tuple(m.layers) != r
-           or m.export.get("beam_idx", True) != beam_idx for m, r in zip(manifests, ranges)):
+           or m.export.get("beam_idx", True) != beam_idx or m.export.get("exporter") != EXPORTER_VERSION
+           for m, r in zip(manifests, ranges)):
         return None
     return [
         StageReport(m.stage_index, tuple(m.layers), stage_folder(out, i), m.export.get("peak_rss_mb", 0.0),
@@ -154,12 +162,16 @@ def _run_stage(job: dict, progress: Progress | None, cancel) -> StageReport:
                 shutil.rmtree(job["folder"] + ".partial", ignore_errors=True)
                 raise ExportError(f"export cancelled during stage {job['index']}")
             try:
-                kind, payload = events.get(timeout=0.2)
+                # A child that just exited may still have its last messages in the pipe: drain first.
+                kind, payload = events.get(timeout=0.2 if child.is_alive() else 2.0)
             except queue.Empty:
                 if not child.is_alive():
+                    log = Path(job["folder"]).with_suffix(".log")
+                    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
                     raise ExportError(
-                        f"stage {job['index']} export process died (exit code {child.exitcode}); "
-                        "out of memory is the usual cause"
+                        f"stage {job['index']} export process died (exit code {child.exitcode}"
+                        f"{', killed: out of memory?' if child.exitcode and child.exitcode < 0 else ''})"
+                        + (":\n" + "\n".join(tail) if tail else "")
                     ) from None
                 continue
             if kind == "progress" and progress:
@@ -188,6 +200,31 @@ def _peak_rss_mb() -> float:
         return psutil.Process().memory_info().peak_wset / 2**20
 
 
+def _vocabulary(ckpt, job: dict):
+    """The embedding table (first stage) and head (last stage) as graph outputs, built one at a
+    time from the checkpoint; a tied single-stage model shares one table."""
+    from engine.export.compress import vocab_table
+
+    first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
+    dtype = np.float32 if job["weights"] == "f32" else np.float16
+    embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"]) if first else None
+    head = None
+    if last:
+        head = embed if (first and ckpt.spec.tie_embeddings) else vocab_table(ckpt.read_head(dtype=dtype), job["weights"])
+    return embed, head
+
+
+def _release_free_memory() -> None:
+    """Hands freed heap back to the OS (glibc keeps it otherwise): dequantizing leaves many
+    large temporaries behind, and the stage's measured peak should be its real working set."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def _stage_main(job: dict, events) -> None:
     """Child process: export one stage into ``folder`` (written as ``folder.partial``, then renamed).
 
@@ -214,7 +251,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
 
     from engine.export.compress import compress, save_fp16
     from engine.export.decoder import DecoderStage
-    from engine.export.graph import convert_stage, io_names, make_stateful
+    from engine.export.graph import attach_vocabulary, convert_stage, io_names, make_stateful
     from engine.export import tokenizer as tok
     from engine.manifest import MODEL_XML, Manifest
     from engine.models.checkpoint import open_checkpoint
@@ -232,15 +269,20 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
 
     step()
     ckpt = open_checkpoint(job["kind"], Path(job["path"]))
-    stage = DecoderStage(ckpt, job["start"], job["end"])
+    stage = DecoderStage(ckpt, job["start"], job["end"],
+                         weight_dtype=np.float32 if job["weights"] == "f32" else np.float16)
+    _release_free_memory()
     in_names, _, pairs = io_names(stage)
     step()
     model = convert_stage(stage)
     del stage
+    model = attach_vocabulary(model, *_vocabulary(ckpt, job))
+    _release_free_memory()
     step()
     model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))
     step()
     model = compress(model, job["weights"])
+    _release_free_memory()
     step()
     ov.save_model(model, partial / MODEL_XML, compress_to_fp16=save_fp16(job["weights"]))
     interface = [
@@ -267,7 +309,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
         weights=job["weights"], inputs=interface[0], outputs=interface[1],
         states=[p for p, _ in pairs], eos_token_ids=eos,
         export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
-                "beam_idx": job.get("beam_idx", True),
+                "beam_idx": job.get("beam_idx", True), "exporter": EXPORTER_VERSION,
                 "openvino": ov.get_version()},
     )
     manifest.write(partial)

@@ -21,7 +21,7 @@ from engine.manifest import BEAM_IDX
 
 
 def io_names(stage: DecoderStage) -> tuple[list[str], list[str], list[tuple[str, str]]]:
-    """Input names, output names and (past input, present output) pairs of a stage's stateless graph."""
+    """Input names, output names and (past input, present output) pairs of the final stage interface."""
     inputs = ["input_ids" if stage.first else "hidden_states", "attention_mask", "position_ids"]
     outputs = ["logits" if stage.last else "output_hidden_states"]
     pairs = []
@@ -33,30 +33,29 @@ def io_names(stage: DecoderStage) -> tuple[list[str], list[str], list[tuple[str,
 
 def example_inputs(stage: DecoderStage, seq: int = 3, past: int = 2) -> tuple[torch.Tensor, ...]:
     spec = stage.spec
-    if stage.first:
-        first = torch.randint(0, spec.vocab_size, (1, seq))
-    else:
-        first = torch.randn(1, seq, spec.hidden_size)
+    hidden = torch.randn(1, seq, spec.hidden_size)
     mask = torch.ones(1, past + seq, dtype=torch.int64)
     pos = torch.arange(past, past + seq)[None]
     kv = [torch.randn(1, spec.num_kv_heads, past, spec.head_dim) for _ in range(2 * (stage.end - stage.start))]
-    return (first, mask, pos, *kv)
+    return (hidden, mask, pos, *kv)
 
 
 def convert_stage(stage: DecoderStage) -> ov.Model:
-    """Trace and convert a stage to a stateless IR with named, dynamically shaped inputs and outputs."""
+    """Trace and convert a stage's layers to a stateless IR with named, dynamically shaped ports.
+
+    The traced graph takes and returns hidden states; ``attach_vocabulary`` then gives the first
+    stage its ``input_ids`` and the last its ``logits``.
+    """
     spec = stage.spec
     in_names, out_names, _ = io_names(stage)
+    in_names[0], out_names[0] = "hidden_states", "output_hidden_states"
     example = example_inputs(stage)
     with torch.no_grad():
         traced = torch.jit.trace(stage.eval(), example, check_trace=False)
     kv_shape = ov.PartialShape([-1, spec.num_kv_heads, -1, spec.head_dim])
-    shapes = [
-        ov.PartialShape([-1, -1]) if stage.first else ov.PartialShape([-1, -1, spec.hidden_size]),
-        ov.PartialShape([-1, -1]),
-        ov.PartialShape([-1, -1]),
-    ] + [kv_shape] * (len(in_names) - 3)
-    types = [ov.Type.i64 if stage.first else ov.Type.f32, ov.Type.i64, ov.Type.i64] + [ov.Type.f32] * (len(in_names) - 3)
+    shapes = [ov.PartialShape([-1, -1, spec.hidden_size]), ov.PartialShape([-1, -1]), ov.PartialShape([-1, -1])]
+    shapes += [kv_shape] * (len(in_names) - 3)
+    types = [ov.Type.f32, ov.Type.i64, ov.Type.i64] + [ov.Type.f32] * (len(in_names) - 3)
     model = ov.convert_model(traced, example_input=example, input=list(zip(shapes, types)))
     for port, name in zip(model.inputs, in_names):
         # LLMPipeline's paged-attention conversion finds ``input_ids`` by the node's friendly name.
@@ -65,6 +64,34 @@ def convert_stage(stage: DecoderStage) -> ov.Model:
     for port, name in zip(model.outputs, out_names):
         port.get_tensor().set_names({name})
     return model
+
+
+def attach_vocabulary(model: ov.Model, embed: ov.Output | None, head: ov.Output | None) -> ov.Model:
+    """Gives a first stage ``input_ids -> Gather(embed)`` in place of its hidden-state input, and a
+    last stage ``MatMul(hidden, head^T) -> logits`` in place of its hidden-state output.
+
+    ``embed`` and ``head`` are f32 outputs of the vocabulary tables (``compress.vocab_table``); a
+    tied single-stage model passes the same table twice.
+    """
+    params = list(model.get_parameters())
+    if embed is not None:
+        hidden = params[0]
+        ids = ops.parameter(ov.PartialShape([-1, -1]), ov.Type.i64, name="input_ids")
+        ids.get_output_tensor(0).set_names({"input_ids"})
+        gathered = ops.gather(embed, ids, ops.constant(0))
+        for target in list(hidden.output(0).get_target_inputs()):
+            target.replace_source_output(gathered.output(0))
+        params[0] = ids
+    results = list(model.get_results())
+    if head is not None:
+        normed = results[0].input_value(0)
+        logits = ops.matmul(normed, head, transpose_a=False, transpose_b=True)
+        results[0].input(0).replace_source_output(logits.output(0))
+    rebuilt = ov.Model(results, params, model.get_friendly_name())
+    if head is not None:
+        rebuilt.outputs[0].get_tensor().set_names({"logits"})
+    rebuilt.validate_nodes_and_infer_types()
+    return rebuilt
 
 
 def make_stateful(model: ov.Model, pairs: list[tuple[str, str]], batch_source: str, beam_idx: bool = True) -> ov.Model:

@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple
 
 from engine.config import paths
 from engine.errors import SourceError
+from engine.hashing import sha256_file
 
 Progress = Callable[[str, int, int], None]
 DEFAULT_MODEL = "smollm2-135m"
@@ -158,14 +159,6 @@ def _write_marker(e: CatalogEntry) -> None:
     _marker(e).write_text(json.dumps({"sha256": e.sha256, **_stamp(e.path)}))
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def pull(model: str | CatalogEntry, progress: Progress | None = None) -> Path:
     """Returns the verified GGUF of a catalog model, downloading and assembling it when needed."""
     e = model if isinstance(model, CatalogEntry) else entry(model)
@@ -174,7 +167,7 @@ def pull(model: str | CatalogEntry, progress: Progress | None = None) -> Path:
         return e.path
     if e.path.exists() and e.path.stat().st_size == e.size:  # present but unverified: hash once
         report("verify", 0, 1)
-        if _sha256_file(e.path) == e.sha256:
+        if sha256_file(e.path) == e.sha256:
             _write_marker(e)
             report("verify", 1, 1)
             return e.path

@@ -7,8 +7,10 @@ scales with the stage, not the model.
 
 from __future__ import annotations
 
+import abc
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,26 +25,37 @@ from engine.models.architectures import (
 )
 
 
-class Checkpoint:
+_ROW_BLOCK = 4096
+
+
+class _TensorInfo(NamedTuple):
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order (innermost first)
+    data_offset: int
+    n_bytes: int
+    raw_dtype: np.dtype  # how the gguf package views the raw bytes
+    raw_shape: tuple[int, ...]
+
+
+class Checkpoint(abc.ABC):
     """Common interface: ``spec``, ``arch``, ``has(part, layer)``, ``read(part, layer)``."""
 
     spec: ModelSpec
     arch: Architecture
 
-    def _name(self, part: str, layer: int | None) -> str:
-        raise NotImplementedError  # each format below implements it
-
+    @abc.abstractmethod
     def has(self, part: str, layer: int | None = None) -> bool:
-        raise NotImplementedError  # each format below implements it
+        """Whether the checkpoint holds this part (biases and the head are optional)."""
 
-    def read(self, part: str, layer: int | None = None) -> np.ndarray:
-        raise NotImplementedError  # each format below implements it
+    @abc.abstractmethod
+    def read(self, part: str, layer: int | None = None, dtype=np.float32) -> np.ndarray:
+        """The part in Hugging Face layout, as ``dtype``."""
 
-    def read_head(self) -> np.ndarray:
+    def read_head(self, dtype=np.float32) -> np.ndarray:
         """The output projection; the embedding matrix when the model ties them."""
         if self.has("lm_head"):
-            return self.read("lm_head")
-        return self.read("embed")
+            return self.read("lm_head", dtype=dtype)
+        return self.read("embed", dtype=dtype)
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -50,12 +63,12 @@ class GGUFCheckpoint(Checkpoint):
         import gguf
 
         try:
-            self._reader = gguf.GGUFReader(str(path))
+            reader = gguf.GGUFReader(str(path))
         except Exception as exc:  # the reader raises assorted errors on damaged files
             raise SourceError(f"{path} is not a readable GGUF file ({exc})") from exc
         self.path = Path(path)
         self.metadata = {}
-        for key, field in self._reader.fields.items():
+        for key, field in reader.fields.items():
             if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
                 continue
             try:
@@ -64,7 +77,13 @@ class GGUFCheckpoint(Checkpoint):
                 continue
         arch_name = self.metadata.get("general.architecture")
         self.arch = architecture(arch_name or "unknown")
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        # Keep only where each tensor lives; the reader (with its per-token vocabulary
+        # objects, hundreds of MB for a 150k vocabulary) is dropped once the header is read.
+        self._tensors = {
+            t.name: _TensorInfo(t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes,
+                                t.data.dtype, tuple(t.data.shape))
+            for t in reader.tensors
+        }
         values = gguf_config_values(arch_name, self.metadata)
         if "vocab_size" not in values:
             values["vocab_size"] = int(self._tensors[self.arch.gguf_global["embed"]].shape[-1])
@@ -81,15 +100,28 @@ class GGUFCheckpoint(Checkpoint):
     def has(self, part, layer=None):
         return self._name(part, layer) in self._tensors
 
-    def read(self, part, layer=None):
+    def read(self, part, layer=None, dtype=np.float32):
         import gguf
 
         name = self._name(part, layer)
         if name not in self._tensors:
             raise SourceError(f"{self.path.name} has no tensor {name}")
         t = self._tensors[name]
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape([int(d) for d in reversed(t.shape)])
+        shape = list(reversed(t.shape))
+        # Plain file reads rather than the reader's memory map (mapped pages would stay resident),
+        # dequantized a block of rows at a time straight into the target dtype, so a large matrix
+        # never exists in float32 all at once.
+        n_rows = shape[0] if len(shape) > 1 else 1
+        row_items = int(np.prod(t.raw_shape)) // n_rows
+        row_bytes = row_items * t.raw_dtype.itemsize
+        out = np.empty((n_rows, int(np.prod(shape)) // n_rows), dtype=dtype)
+        with open(self.path, "rb") as f:
+            for start in range(0, n_rows, _ROW_BLOCK):
+                count = min(_ROW_BLOCK, n_rows - start)
+                f.seek(t.data_offset + start * row_bytes)
+                raw = np.frombuffer(f.read(count * row_bytes), dtype=t.raw_dtype).reshape(count, row_items)
+                out[start:start + count] = gguf.quants.dequantize(raw, t.tensor_type).reshape(count, -1)
+        data = out.reshape(shape)
         if self.arch.gguf_permuted_qk and part in ("q", "k"):
             heads = self.spec.num_heads if part == "q" else self.spec.num_kv_heads
             data = _unpermute_rotary(data, heads)
@@ -151,19 +183,20 @@ class HFCheckpoint(Checkpoint):
     def has(self, part, layer=None):
         return self._name(part, layer) in self._files
 
-    def read(self, part, layer=None):
+    def read(self, part, layer=None, dtype=np.float32):
+        import torch
         from safetensors import safe_open
 
         name = self._name(part, layer)
         if name not in self._files:
             raise SourceError(f"{self.folder} has no tensor {name}")
         with safe_open(str(self._files[name]), framework="pt") as handle:
-            return handle.get_tensor(name).float().numpy()
+            return handle.get_tensor(name).to(torch.float16 if dtype == np.float16 else torch.float32).numpy()
 
-    def read_head(self):
+    def read_head(self, dtype=np.float32):
         if self.spec.tie_embeddings or not self.has("lm_head"):
-            return self.read("embed")
-        return self.read("lm_head")
+            return self.read("embed", dtype=dtype)
+        return self.read("lm_head", dtype=dtype)
 
 
 def open_checkpoint(kind: str, path: Path) -> Checkpoint:
