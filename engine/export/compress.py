@@ -22,7 +22,7 @@ WEIGHT_FORMATS = ("int4", "int8", "fp16", "f32")
 INT4_GROUP = 128
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
-_ROW_BLOCK = 8192
+_ROW_BLOCK = 2048
 
 
 def compress(model: ov.Model, weights: str) -> ov.Model:
@@ -73,7 +73,9 @@ def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
         q[start:start + _ROW_BLOCK] = np.clip(np.rint(rows / s) + zp, 0, 255).astype(np.uint8)
         zero[start:start + _ROW_BLOCK] = zp.astype(np.uint8)
         scale[start:start + _ROW_BLOCK] = s
-    centered = ops.subtract(ops.convert(ops.constant(q), ov.Type.f16), ops.convert(ops.constant(zero), ov.Type.f16))
+    # shared_memory: the constant keeps the array alive instead of holding a second copy of it.
+    centered = ops.subtract(ops.convert(ops.constant(q, shared_memory=True), ov.Type.f16),
+                            ops.convert(ops.constant(zero), ov.Type.f16))
     return ops.convert(ops.multiply(centered, ops.constant(scale)), ov.Type.f32).output(0)
 
 

@@ -24,7 +24,7 @@ from engine.export.compress import WEIGHT_FORMATS
 from engine.manifest import check_chain, load_manifest
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
-EXPORTER_VERSION = 4
+EXPORTER_VERSION = 5
 STAGE_STEPS = ("load", "convert", "stateful", "compress", "save", "tokenizer", "hash")
 Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
 
@@ -269,6 +269,9 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
 
     step()
     ckpt = open_checkpoint(job["kind"], Path(job["path"]))
+    # Vocabulary tables first: their float staging is gone before the layers arrive.
+    vocabulary = _vocabulary(ckpt, job)
+    _release_free_memory()
     stage = DecoderStage(ckpt, job["start"], job["end"],
                          weight_dtype=np.float32 if job["weights"] == "f32" else np.float16)
     _release_free_memory()
@@ -276,8 +279,8 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     step()
     model = convert_stage(stage)
     del stage
-    model = attach_vocabulary(model, *_vocabulary(ckpt, job))
-    _release_free_memory()
+    model = attach_vocabulary(model, *vocabulary)
+    del vocabulary
     step()
     model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))
     step()
