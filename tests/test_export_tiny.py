@@ -184,3 +184,23 @@ def test_int4_export_of_a_tiny_model_runs(tiny_models, tmp_path):
     assert any(c.get_element_type() in (ov.Type.i4, ov.Type.u4) for c in model.get_ops() if c.get_type_name() == "Constant")
     tokens = Generator(LocalChain(result.folders), max_length=64).generate(IDS, 8, ignore_eos=True).tokens
     assert len(tokens) == 8
+
+
+def test_cancelled_export_leaves_nothing_half_done(tiny_models, tmp_path):
+    import threading
+
+    from engine.export.exporter import export_model
+
+    cancel = threading.Event()
+    steps = []
+
+    def progress(stage, step, fraction):
+        steps.append((stage, step))
+        if step == "convert":
+            cancel.set()
+
+    with pytest.raises(ExportError, match="cancelled during stage 0"):
+        export_model(str(tiny_models["llama"]), stages=2, weights="f32", out=tmp_path / "c",
+                     progress=progress, cancel=cancel)
+    assert ("0", "convert") in [(str(s), n) for s, n in steps]
+    assert not any(p.name.startswith("stage") and p.is_dir() for p in (tmp_path / "c").iterdir())

@@ -200,6 +200,11 @@ def _peak_rss_mb() -> float:
         return psutil.Process().memory_info().peak_wset / 2**20
 
 
+def _describe(ports) -> list[dict]:
+    return [{"name": p.get_any_name(), "shape": str(p.get_partial_shape()),
+             "dtype": p.get_element_type().get_type_name()} for p in ports]
+
+
 def _vocabulary(ckpt, job: dict):
     """The embedding table (first stage) and head (last stage) as graph outputs, built one at a
     time from the checkpoint; a tied single-stage model shares one table."""
@@ -288,13 +293,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     _release_free_memory()
     step()
     ov.save_model(model, partial / MODEL_XML, compress_to_fp16=save_fp16(job["weights"]))
-    interface = [
-        {"name": p.get_any_name(), "shape": str(p.get_partial_shape()), "dtype": p.get_element_type().get_type_name()}
-        for p in model.inputs
-    ], [
-        {"name": p.get_any_name(), "shape": str(p.get_partial_shape()), "dtype": p.get_element_type().get_type_name()}
-        for p in model.outputs
-    ]
+    inputs, outputs = _describe(model.inputs), _describe(model.outputs)
     del model
     step()
     eos = []
@@ -309,7 +308,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     manifest = Manifest(
         model_name=job["name"], fingerprint=job["fingerprint"], spec=ckpt.spec,
         stage_index=job["index"], stage_count=job["count"], layers=(job["start"], job["end"]),
-        weights=job["weights"], inputs=interface[0], outputs=interface[1],
+        weights=job["weights"], inputs=inputs, outputs=outputs,
         states=[p for p, _ in pairs], eos_token_ids=eos,
         export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
                 "beam_idx": job.get("beam_idx", True), "exporter": EXPORTER_VERSION,
