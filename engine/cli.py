@@ -90,7 +90,8 @@ def cmd_generate(args) -> int:
         stages = args.stages or settings.stages
         shard_dirs = _export(args.model or settings.default_model, stages, None, settings.weights, None).folders
     config = {"INFERENCE_PRECISION_HINT": args.precision} if args.precision else {}
-    chain = LocalChain(shard_dirs, device=args.device or settings.device, config=config)
+    devices = (args.device or settings.device).split(",")
+    chain = LocalChain(shard_dirs, config=config, devices=devices if len(devices) > 1 else None, device=devices[0])
     tokenizer = ChatTokenizer(chain.first_folder)
     gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids)
     prompts = args.prompt or []
@@ -173,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-new-tokens", type=int)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...)")
+    gen.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...), "
+                     "or one per stage separated by commas (CPU,GPU.1)")
     gen.add_argument("--precision", help="inference precision hint (f32, bf16, f16)")
     gen.add_argument("--json", help="write the generations with timings to this file")
     gen.set_defaults(func=cmd_generate)

@@ -58,3 +58,26 @@ def test_gui_placeholder_window_builds(qtbot):
     qtbot.addWidget(window)
     window.show()
     assert window.windowTitle() == "fleetshard"
+
+
+def test_runtime_path_needs_no_torch_transformers_or_nncf(tiny_exports):
+    """A worker laptop serves shards with openvino, numpy and the tokenizer only."""
+    code = (
+        "import sys, numpy as np\n"
+        "from engine.runtime.chain import LocalChain\n"
+        "from engine.runtime.generate import Generator\n"
+        "from engine.runtime.tokenizer import ChatTokenizer\n"
+        f"chain = LocalChain({[str(f) for f in tiny_exports['qwen2', '2'].folders]!r})\n"
+        "ids = ChatTokenizer(chain.first_folder).prompt_ids('hello')\n"
+        "Generator(chain, 64).generate(ids, 4, ignore_eos=True)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'nncf', 'gguf', 'PySide6') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_device_list_must_match_the_stages(tiny_exports):
+    proc = fleet("generate", "--shards", str(tiny_exports["llama", "2"].out), "--prompt", "hi",
+                 "--device", "CPU,CPU,CPU")
+    assert proc.returncode == 2 and "3 devices given for 2 stages" in proc.stderr

@@ -36,6 +36,8 @@ class LocalChain:
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
         devices = devices or [device] * len(folders)
+        if len(devices) != len(folders):
+            raise ShardError(f"{len(devices)} devices given for {len(folders)} stages")
         self.stages = [StageRunner(f, dev, config, m) for f, dev, m in zip(folders, devices, manifests)]
         self.manifest = manifests[0]
         self.spec = self.manifest.spec
