@@ -105,8 +105,9 @@ def make_stateful(model: ov.Model, pairs: list[tuple[str, str]], batch_source: s
     # A zero-length cache shaped [batch, kv_heads, 0, head_dim], batch taken from the current input,
     # so the first concat of a fresh request sees a proper empty tensor.
     batch = ops.gather(ops.shape_of(params[batch_source]), ops.constant([0]), ops.constant(0))
-    beam = ops.parameter(ov.PartialShape([-1]), ov.Type.i32, name=BEAM_IDX)
-    beam.get_output_tensor(0).set_names({BEAM_IDX})
+    beam = ops.parameter(ov.PartialShape([-1]), ov.Type.i32, name=BEAM_IDX) if beam_idx else None
+    if beam is not None:
+        beam.get_output_tensor(0).set_names({BEAM_IDX})
     sinks = []
     for past, present in pairs:
         param, result = params[past], results[present]
@@ -121,14 +122,14 @@ def make_stateful(model: ov.Model, pairs: list[tuple[str, str]], batch_source: s
         info.data_type = ov.Type.f32
         variable = Variable(info)
         state = ops.read_value(init, variable)
-        source = ops.gather(state, beam, ops.constant(0)) if beam_idx else state
+        source = ops.gather(state, beam, ops.constant(0)) if beam is not None else state
         for target in list(param.output(0).get_target_inputs()):
             target.replace_source_output(source.output(0))
         sinks.append(ops.assign(result.input_value(0).get_node(), variable))
         model.remove_result(result)
         model.remove_parameter(param)
     model.add_sinks(sinks)
-    if beam_idx:
+    if beam is not None:
         model.add_parameters([beam])
     model.validate_nodes_and_infer_types()
     return model

@@ -57,8 +57,3 @@ class StageRunner:
         inputs["position_ids"] = position_ids
         self.request.infer(inputs, share_inputs=True, share_outputs=True)
         return self.request.get_tensor(self._output).data
-
-    def kv_length(self) -> int:
-        """Physical length of the cache (slots written, including any masked ones)."""
-        states = self.request.query_state()
-        return int(states[0].state.shape[2]) if states else 0
