@@ -1,0 +1,251 @@
+"""The one wire protocol between fleet processes: framing, tensors, and the authenticated handshake.
+
+A frame is a fixed little-endian header followed by its payload::
+
+    header  <2s B B I I H H Q>  magic b"FS", version, message type, stream id, sequence number,
+                                 tensor count, reserved (0), payload length in bytes
+    payload per tensor: <B B H 4I> dtype code, ndim (0..4), reserved (0), dims (unused dims 0),
+                        then the tensor's raw little-endian bytes
+
+Nothing is unpickled or evaluated: control messages carry JSON as a uint8 tensor.  Every length is
+checked before anything is allocated or read, so a hostile or truncated frame costs a
+``ProtocolError`` and the connection, never the process.
+
+The handshake proves on both sides that the peer knows the fleet key (HMAC-SHA256 over fresh
+nonces; the key never crosses the wire) and that both hold the same model and protocol version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+
+import numpy as np
+
+from engine.errors import FleetError
+
+MAGIC = b"FS"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIIHHQ")
+TENSOR_HEADER = struct.Struct("<BBH4I")
+MAX_DIMS = 4
+DEFAULT_MAX_FRAME = 256 << 20  # a [1, 8192, 8192] f32 activation fits; anything larger is refused
+
+
+class ProtocolError(FleetError):
+    """A peer sent something that is not a valid frame; the connection must be closed."""
+
+
+class AuthError(FleetError):
+    """The handshake failed: wrong fleet key, another model, or another protocol version."""
+
+
+class Msg(enum.IntEnum):
+    HELLO = 1
+    CHALLENGE = 2
+    PROOF = 3
+    WELCOME = 4
+    REFUSE = 5
+    FORWARD = 10  # activations (and their attention mask, positions) towards the next stage
+    RESULT = 11  # what the last stage sends back: token ids, probabilities or logits
+    RESET = 12  # drop a stream's KV state
+    ERROR = 13
+    PING = 14
+    PONG = 15
+    BYE = 16
+
+
+DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: np.dtype("<i8"), 4: np.dtype("<i4"), 5: np.dtype("u1"),
+          6: np.dtype("<u2")}
+_DTYPE_CODES = {dt: code for code, dt in DTYPES.items()}
+
+
+@dataclasses.dataclass
+class Frame:
+    type: Msg
+    stream: int = 0
+    seq: int = 0
+    tensors: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    def json(self) -> dict:
+        """The JSON document a control frame carries in its first tensor."""
+        if not self.tensors or self.tensors[0].dtype != np.uint8:
+            raise ProtocolError(f"{self.type.name} frame carries no JSON document")
+        try:
+            doc = json.loads(self.tensors[0].tobytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ProtocolError(f"{self.type.name} frame carries malformed JSON ({exc})") from None
+        if not isinstance(doc, dict):
+            raise ProtocolError(f"{self.type.name} frame's JSON is not an object")
+        return doc
+
+
+def control(kind: Msg, doc: dict, stream: int = 0, seq: int = 0) -> Frame:
+    return Frame(kind, stream, seq, [np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)])
+
+
+def encode(frame: Frame) -> bytes:
+    parts = []
+    for t in frame.tensors:
+        arr = np.asarray(t)  # (ascontiguousarray would turn a 0-d scalar into shape (1,))
+        code = _DTYPE_CODES.get(arr.dtype.newbyteorder("<"))
+        if code is None or arr.ndim > MAX_DIMS:
+            raise ProtocolError(f"cannot send a {arr.dtype} tensor of {arr.ndim} dims")
+        dims = list(arr.shape) + [0] * (MAX_DIMS - arr.ndim)
+        parts.append(TENSOR_HEADER.pack(code, arr.ndim, 0, *dims))
+        parts.append(arr.astype(DTYPES[code], copy=False).tobytes())
+    payload = b"".join(parts)
+    return HEADER.pack(MAGIC, VERSION, int(frame.type), frame.stream, frame.seq, len(frame.tensors), 0,
+                       len(payload)) + payload
+
+
+def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, int, int, int, int]:
+    magic, version, kind, stream, seq, count, reserved, length = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a fleetshard frame (magic {magic!r})")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    try:
+        kind = Msg(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {kind}") from None
+    if reserved:
+        raise ProtocolError("reserved header field is not zero")
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
+    if length < count * TENSOR_HEADER.size:
+        raise ProtocolError(f"frame of {length} bytes cannot hold {count} tensors")
+    return kind, stream, seq, count, length
+
+
+def parse_payload(count: int, payload: bytes | memoryview) -> list[np.ndarray]:
+    tensors, pos, view = [], 0, memoryview(payload)
+    for _ in range(count):
+        if pos + TENSOR_HEADER.size > len(view):
+            raise ProtocolError("tensor header runs past the end of the frame")
+        code, ndim, reserved, *dims = TENSOR_HEADER.unpack_from(view, pos)
+        pos += TENSOR_HEADER.size
+        dtype = DTYPES.get(code)
+        if dtype is None:
+            raise ProtocolError(f"unknown dtype code {code}")
+        if ndim > MAX_DIMS or reserved or any(dims[ndim:]):
+            raise ProtocolError(f"malformed tensor header (ndim {ndim}, dims {dims})")
+        shape = tuple(dims[:ndim])
+        nbytes = int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize if ndim else dtype.itemsize
+        if nbytes > len(view) - pos:
+            raise ProtocolError(f"tensor of shape {shape} {dtype} needs {nbytes} bytes, frame has {len(view) - pos}")
+        tensors.append(np.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=pos).reshape(shape))
+        pos += nbytes
+    if pos != len(view):
+        raise ProtocolError(f"frame has {len(view) - pos} bytes beyond its tensors")
+    return tensors
+
+
+def decode(data: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
+    """Decodes one complete frame held in memory."""
+    if len(data) < HEADER.size:
+        raise ProtocolError("truncated frame header")
+    kind, stream, seq, count, length = parse_header(data[: HEADER.size], max_frame)
+    if len(data) != HEADER.size + length:
+        raise ProtocolError(f"frame announces {length} payload bytes, has {len(data) - HEADER.size}")
+    return Frame(kind, stream, seq, parse_payload(count, data[HEADER.size:]))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ProtocolError(f"connection closed after {got} of {n} bytes" if got else "connection closed")
+        got += k
+    return buf
+
+
+def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
+    """Reads one frame; the payload is read only after the header proved it acceptable."""
+    kind, stream, seq, count, length = parse_header(bytes(_recv_exact(sock, HEADER.size)), max_frame)
+    payload = _recv_exact(sock, length) if length else bytearray()
+    return Frame(kind, stream, seq, parse_payload(count, payload))
+
+
+def send_frame(sock: socket.socket, frame: Frame) -> None:
+    sock.sendall(encode(frame))
+
+
+# --- handshake ------------------------------------------------------------------------------------
+
+def _mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"fleetshard-v1|" + role + b"|" + b"|".join(parts), hashlib.sha256).digest()
+
+
+def client_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
+    """Dials side. ``identity`` names what we expect of the peer (model fingerprint, stage);
+    returns the peer's WELCOME document or raises AuthError with the reason."""
+    nonce = os.urandom(32)
+    send_frame(sock, control(Msg.HELLO, {**identity, "version": VERSION, "nonce": nonce.hex()}))
+    reply = recv_frame(sock, max_frame=1 << 16)
+    if reply.type == Msg.REFUSE:
+        raise AuthError(f"peer refused the connection: {reply.json().get('reason', 'no reason given')}")
+    if reply.type != Msg.CHALLENGE:
+        raise AuthError(f"peer answered HELLO with {reply.type.name}")
+    doc = reply.json()
+    try:
+        server_nonce = bytes.fromhex(doc["nonce"])
+        server_proof = bytes.fromhex(doc["proof"])
+    except (KeyError, ValueError, TypeError):
+        raise AuthError("peer sent a malformed challenge") from None
+    fp = str(identity.get("fingerprint", "")).encode()
+    if not hmac.compare_digest(server_proof, _mac(key, b"server", nonce, server_nonce, fp)):
+        send_frame(sock, control(Msg.REFUSE, {"reason": "you did not prove the fleet key"}))
+        raise AuthError("peer does not know the fleet key")
+    send_frame(sock, control(Msg.PROOF, {"proof": _mac(key, b"client", server_nonce, nonce, fp).hex()}))
+    final = recv_frame(sock, max_frame=1 << 16)
+    if final.type != Msg.WELCOME:
+        reason = final.json().get("reason", "") if final.type == Msg.REFUSE else final.type.name
+        raise AuthError(f"peer refused the connection: {reason}")
+    return final.json()
+
+
+def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
+    """Listening side: checks version and model, proves the key, verifies the client's proof.
+    Returns the client's HELLO document; refuses (and raises AuthError) otherwise."""
+    hello = recv_frame(sock, max_frame=1 << 16)
+    if hello.type != Msg.HELLO:
+        raise AuthError(f"expected HELLO, got {hello.type.name}")
+    doc = hello.json()
+
+    def refuse(reason: str):
+        send_frame(sock, control(Msg.REFUSE, {"reason": reason}))
+        raise AuthError(reason)
+
+    if doc.get("version") != VERSION:
+        refuse(f"protocol version {doc.get('version')} is not {VERSION}")
+    for field in ("fingerprint", "stage"):
+        if field in doc and field in identity and doc[field] != identity[field]:
+            refuse(f"{field} mismatch: peer expects {doc[field]!r}, this node serves {identity[field]!r}")
+    try:
+        client_nonce = bytes.fromhex(doc["nonce"])
+    except (KeyError, ValueError, TypeError):
+        refuse("malformed HELLO")
+    nonce = os.urandom(32)
+    fp = str(doc.get("fingerprint", "")).encode()
+    send_frame(sock, control(Msg.CHALLENGE, {"nonce": nonce.hex(),
+                                             "proof": _mac(key, b"server", client_nonce, nonce, fp).hex()}))
+    proof = recv_frame(sock, max_frame=1 << 16)
+    if proof.type == Msg.REFUSE:
+        raise AuthError(f"peer refused: {proof.json().get('reason', '')}")
+    try:
+        given = bytes.fromhex(proof.json()["proof"]) if proof.type == Msg.PROOF else b""
+    except (KeyError, ValueError, TypeError):
+        given = b""
+    if not hmac.compare_digest(given, _mac(key, b"client", nonce, client_nonce, fp)):
+        refuse("the peer does not know the fleet key")
+    send_frame(sock, control(Msg.WELCOME, identity))
+    return doc

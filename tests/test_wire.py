@@ -1,0 +1,114 @@
+"""The wire protocol: round trips, hostile and truncated frames, and the fleet-key handshake."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from engine import wire
+from engine.wire import AuthError, Frame, Msg, ProtocolError
+
+
+def test_tensors_round_trip_bit_exact():
+    rng = np.random.default_rng(0)
+    tensors = [rng.standard_normal((1, 3, 576)).astype(np.float32), rng.integers(0, 9, (1, 7)),
+               np.array([0], np.int32), rng.standard_normal((2, 2)).astype(np.float16),
+               np.arange(5, dtype=np.uint8), np.array(3.5, np.float32), np.zeros((1, 0, 4), np.float32)]
+    frame = wire.decode(wire.encode(Frame(Msg.FORWARD, stream=7, seq=42, tensors=tensors)))
+    assert (frame.type, frame.stream, frame.seq) == (Msg.FORWARD, 7, 42)
+    for got, want in zip(frame.tensors, tensors):
+        assert got.dtype == want.dtype.newbyteorder("<") and got.shape == want.shape
+        assert got.tobytes() == want.tobytes()
+
+
+def test_control_frames_carry_json():
+    frame = wire.decode(wire.encode(wire.control(Msg.ERROR, {"stage": 2, "reason": "boom"})))
+    assert frame.json() == {"stage": 2, "reason": "boom"}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b"XX" + b[2:], "magic"),
+    (lambda b: b[:2] + bytes([9]) + b[3:], "version 9"),
+    (lambda b: b[:3] + bytes([200]) + b[4:], "unknown message type 200"),
+    (lambda b: b[:-1], "announces"),
+    (lambda b: b + b"\0", "announces"),
+    (lambda b: b[:10], "truncated frame header"),
+    (lambda b: b[:24] + bytes([77]) + b[25:], "unknown dtype code 77"),
+    (lambda b: b[:25] + bytes([5]) + b[26:], "malformed tensor header"),
+    (lambda b: b[:28] + struct.pack("<I", 1000) + b[32:], "needs"),
+])
+def test_malformed_frames_are_refused_with_a_reason(mutate, message):
+    good = wire.encode(Frame(Msg.FORWARD, tensors=[np.ones((1, 2, 8), np.float32)]))
+    with pytest.raises(ProtocolError, match=message):
+        wire.decode(mutate(good))
+
+
+def test_oversized_frame_is_refused_before_reading_it():
+    header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Msg.FORWARD), 0, 0, 1, 0, 1 << 40)
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(header)  # no payload follows: reading it would hang
+        with pytest.raises(ProtocolError, match="exceeds the limit"):
+            wire.recv_frame(b, max_frame=1 << 20)
+
+
+def test_thousands_of_random_frames_never_escape_as_other_errors():
+    rng = np.random.default_rng(1)
+    good = wire.encode(Frame(Msg.FORWARD, 1, 2, [rng.standard_normal((1, 4, 16)).astype(np.float32),
+                                                 np.ones((1, 9), np.int64)]))
+    outcomes = {"refused": 0, "accepted": 0}
+    for i in range(3000):
+        data = bytearray(good)
+        for _ in range(rng.integers(1, 6)):
+            data[rng.integers(0, len(data))] = rng.integers(0, 256)
+        if i % 3 == 0:
+            data = data[: rng.integers(0, len(data))]
+        if i % 7 == 0:
+            data = bytearray(rng.integers(0, 256, rng.integers(0, 200), dtype=np.uint8).tobytes())
+        try:
+            wire.decode(bytes(data), max_frame=1 << 20)
+            outcomes["accepted"] += 1  # a flip inside tensor data is still a valid frame
+        except ProtocolError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 1000 and outcomes["accepted"] > 0
+
+
+def _pair(server_key, client_key, server_id, client_id):
+    a, b = socket.socketpair()
+    result = {}
+
+    def serve():
+        try:
+            result["server"] = wire.server_handshake(b, server_key, server_id)
+        except AuthError as exc:
+            result["server_error"] = str(exc)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        result["client"] = wire.client_handshake(a, client_key, client_id)
+    except AuthError as exc:
+        result["client_error"] = str(exc)
+    t.join(5)
+    a.close()
+    b.close()
+    return result
+
+
+def test_handshake_with_the_fleet_key_succeeds():
+    r = _pair(b"k" * 32, b"k" * 32, {"fingerprint": "abc", "stage": 1}, {"fingerprint": "abc", "stage": 1})
+    assert r["client"] == {"fingerprint": "abc", "stage": 1} and r["server"]["fingerprint"] == "abc"
+
+
+def test_wrong_key_is_refused_on_both_sides():
+    r = _pair(b"server-key", b"other-key", {"fingerprint": "abc"}, {"fingerprint": "abc"})
+    assert "fleet key" in r["client_error"] and "fleet key" in r["server_error"]
+
+
+def test_other_model_is_refused_on_both_sides():
+    r = _pair(b"k", b"k", {"fingerprint": "abc", "stage": 1}, {"fingerprint": "xyz", "stage": 1})
+    assert "fingerprint mismatch" in r["client_error"] and "fingerprint mismatch" in r["server_error"]
