@@ -173,15 +173,21 @@ def test_unsupported_architecture_is_named(tiny_models, tmp_path):
         HFCheckpoint(folder)
 
 
-def test_int4_export_of_a_tiny_model_runs(tiny_models, tmp_path):
+@pytest.mark.parametrize("weights, layer_type", [("int4", ov.Type.i4), ("int8", ov.Type.u8), ("fp16", ov.Type.f16)])
+def test_compressed_exports_of_a_tiny_model_run(tiny_models, tmp_path, weights, layer_type):
     from engine.export.exporter import export_model
 
-    result = export_model(str(tiny_models["qwen2"]), stages=2, weights="int4", out=tmp_path / "q4")
+    result = export_model(str(tiny_models["qwen2"]), stages=2, weights=weights, out=tmp_path / weights)
     manifests = [load_manifest(f) for f in result.folders]
-    assert all(m.weights == "int4" for m in manifests)
+    assert all(m.weights == weights for m in manifests)
     assert all(s.peak_rss_mb > 0 for s in result.stages)
-    model = core().read_model(str(result.folders[0] / MODEL_XML))
-    assert any(c.get_element_type() in (ov.Type.i4, ov.Type.u4) for c in model.get_ops() if c.get_type_name() == "Constant")
+    for folder in result.folders:
+        model = core().read_model(str(folder / MODEL_XML))
+        # Every matrix-sized constant (the smallest is k: 32 x 64) is stored in the chosen format.
+        big = {c.get_element_type() for c in model.get_ops() if c.get_type_name() == "Constant"
+               and int(np.prod(c.get_output_shape(0))) >= 32 * 64}
+        assert layer_type in big, f"{weights}: matrices stored as {big}"
+        assert ov.Type.f32 not in big
     tokens = Generator(LocalChain(result.folders), max_length=64).generate(IDS, 8, ignore_eos=True).tokens
     assert len(tokens) == 8
 

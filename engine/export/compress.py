@@ -37,7 +37,7 @@ def compress(model: ov.Model, weights: str) -> ov.Model:
 
     logging.getLogger("nncf").setLevel(logging.WARNING)
     if weights == "int8":
-        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, all_layers=True)
+        return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)  # per channel, every layer
     return nncf.compress_weights(
         model,
         mode=nncf.CompressWeightsMode.INT4_SYM,
