@@ -90,8 +90,7 @@ def cmd_generate(args) -> int:
         stages = args.stages or settings.stages
         shard_dirs = _export(args.model or settings.default_model, stages, None, settings.weights, None).folders
     config = {"INFERENCE_PRECISION_HINT": args.precision} if args.precision else {}
-    devices = (args.device or settings.device).split(",")
-    chain = LocalChain(shard_dirs, config=config, devices=devices if len(devices) > 1 else None, device=devices[0])
+    chain = LocalChain(shard_dirs, device=args.device or settings.device, config=config)
     tokenizer = ChatTokenizer(chain.first_folder)
     gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids)
     prompts = args.prompt or []

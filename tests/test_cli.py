@@ -7,9 +7,8 @@ import subprocess
 import sys
 
 
-def fleet(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+def fleet(*args):
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_generate_streams_text_and_reports_speed(tiny_exports, tmp_path):

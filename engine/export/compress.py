@@ -79,6 +79,11 @@ def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
     return ops.convert(ops.multiply(centered, ops.constant(scale)), ov.Type.f32).output(0)
 
 
+def staging_dtype(weights: str):
+    """The dtype matrices are held in before compression: f32 only for the f32 reference format."""
+    return np.float32 if weights == "f32" else np.float16
+
+
 def save_fp16(weights: str) -> bool:
     """Whether ``ov.save_model`` should store the remaining float constants as fp16."""
     return weights != "f32"

@@ -23,10 +23,7 @@ from engine.models.checkpoint import Checkpoint
 
 
 def _param(array: np.ndarray, dtype=np.float32) -> nn.Parameter:
-    array = np.ascontiguousarray(array, dtype=dtype)
-    if not array.flags.writeable:  # memory-mapped checkpoint data: torch wants its own buffer
-        array = array.copy()
-    return nn.Parameter(torch.from_numpy(array), requires_grad=False)
+    return nn.Parameter(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)), requires_grad=False)
 
 
 def _w(param: torch.Tensor) -> torch.Tensor:

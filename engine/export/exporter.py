@@ -16,8 +16,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from engine.config import paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export.compress import WEIGHT_FORMATS
@@ -208,10 +206,10 @@ def _describe(ports) -> list[dict]:
 def _vocabulary(ckpt, job: dict):
     """The embedding table (first stage) and head (last stage) as graph outputs, built one at a
     time from the checkpoint; a tied single-stage model shares one table."""
-    from engine.export.compress import vocab_table
+    from engine.export.compress import staging_dtype, vocab_table
 
     first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
-    dtype = np.float32 if job["weights"] == "f32" else np.float16
+    dtype = staging_dtype(job["weights"])
     embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"]) if first else None
     head = None
     if last:
@@ -254,7 +252,7 @@ def _stage_main(job: dict, events) -> None:
 def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     import openvino as ov
 
-    from engine.export.compress import compress, save_fp16
+    from engine.export.compress import compress, save_fp16, staging_dtype
     from engine.export.decoder import DecoderStage
     from engine.export.graph import attach_vocabulary, convert_stage, io_names, make_stateful
     from engine.export import tokenizer as tok
@@ -277,8 +275,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     # Vocabulary tables first: their float staging is gone before the layers arrive.
     vocabulary = _vocabulary(ckpt, job)
     _release_free_memory()
-    stage = DecoderStage(ckpt, job["start"], job["end"],
-                         weight_dtype=np.float32 if job["weights"] == "f32" else np.float16)
+    stage = DecoderStage(ckpt, job["start"], job["end"], weight_dtype=staging_dtype(job["weights"]))
     _release_free_memory()
     in_names, _, pairs = io_names(stage)
     step()

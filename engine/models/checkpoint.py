@@ -53,7 +53,7 @@ class Checkpoint(abc.ABC):
 
     def read_head(self, dtype=np.float32) -> np.ndarray:
         """The output projection; the embedding matrix when the model ties them."""
-        if self.has("lm_head"):
+        if not self.spec.tie_embeddings and self.has("lm_head"):
             return self.read("lm_head", dtype=dtype)
         return self.read("embed", dtype=dtype)
 
@@ -192,11 +192,6 @@ class HFCheckpoint(Checkpoint):
             raise SourceError(f"{self.folder} has no tensor {name}")
         with safe_open(str(self._files[name]), framework="pt") as handle:
             return handle.get_tensor(name).to(torch.float16 if dtype == np.float16 else torch.float32).numpy()
-
-    def read_head(self, dtype=np.float32):
-        if self.spec.tie_embeddings or not self.has("lm_head"):
-            return self.read("embed", dtype=dtype)
-        return self.read("lm_head", dtype=dtype)
 
 
 def open_checkpoint(kind: str, path: Path) -> Checkpoint:

@@ -30,12 +30,14 @@ def expand_shard_dirs(dirs: list[Path | str]) -> list[Path]:
 class LocalChain:
     """All stages in one process; ``forward`` maps token ids to last-stage logits."""
 
-    def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None,
-                 devices: list[str] | None = None):
+    def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None):
+        """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
-        devices = devices or [device] * len(folders)
+        devices = [d.strip() for d in device.split(",")]
+        if len(devices) == 1:
+            devices *= len(folders)
         if len(devices) != len(folders):
             raise ShardError(f"{len(devices)} devices given for {len(folders)} stages")
         self.stages = [StageRunner(f, dev, config, m) for f, dev, m in zip(folders, devices, manifests)]
