@@ -78,21 +78,80 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _precision_config(precision: str | None) -> dict:
+    return {"INFERENCE_PRECISION_HINT": precision} if precision else {}
+
+
+def open_chain(args, settings: Settings):
+    """The chain ``fleet generate`` asked for: in-process, stage 0 here and the rest remote, or a
+    local fleet of worker processes.  Returns (chain, local fleet or None)."""
+    from engine.fleetkey import key_file, load_key, load_tls
+    from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
+
+    if args.remote and args.local_workers:
+        raise FleetError("--remote and --local-workers exclude each other")
+    if args.shards:
+        shard_dirs = expand_shard_dirs(args.shards)
+    else:
+        stages = args.stages or settings.stages
+        shard_dirs = _export(args.model or settings.default_model, stages, None, settings.weights, None).folders
+    config = _precision_config(args.precision)
+    device = args.device or settings.device
+    if not (args.remote or args.local_workers):
+        return LocalChain(shard_dirs, device=device, config=config), None
+
+    from engine.runtime.remote import RemoteChain
+
+    tls_on = args.tls or settings.tls
+    key = load_key(args.fleet_key_file, create=args.local_workers)
+    tls = load_tls(tls_on, args.fleet_key_file)
+    deadline = args.deadline or settings.deadline_s
+    fleet = None
+    if args.remote:
+        if len(shard_dirs) != 1:
+            raise FleetError("with --remote, give only the stage-0 shard folder in --shards")
+        remotes = [a.strip() for a in args.remote.split(",") if a.strip()]
+        devices = [device]
+    else:
+        from engine.runtime.localfleet import LocalFleet
+
+        if len(shard_dirs) < 2:
+            raise FleetError("--local-workers needs a model split into at least 2 stages")
+        devices = parse_devices(device, len(shard_dirs))
+        fleet = LocalFleet(shard_dirs[1:], key_file(args.fleet_key_file), devices=devices[1:],
+                           precision=args.precision, delay_ms=args.delay_ms or 0.0, tls=tls_on,
+                           deadline_s=deadline).start()
+        remotes = fleet.addresses
+    try:
+        chain = RemoteChain(shard_dirs[0], remotes, key=key, device=devices[0], config=config, tls=tls,
+                            deadline_s=deadline, connect_timeout_s=args.connect_timeout)
+    except BaseException:
+        if fleet is not None:
+            fleet.close()
+        raise
+    return chain, fleet
+
+
 def cmd_generate(args) -> int:
-    from engine.runtime.chain import LocalChain
     from engine.runtime.generate import Generator
     from engine.runtime.tokenizer import ChatTokenizer, TextStream
 
     settings = Settings.load()
-    if args.shards:
-        shard_dirs = args.shards
-    else:
-        stages = args.stages or settings.stages
-        shard_dirs = _export(args.model or settings.default_model, stages, None, settings.weights, None).folders
-    config = {"INFERENCE_PRECISION_HINT": args.precision} if args.precision else {}
-    chain = LocalChain(shard_dirs, device=args.device or settings.device, config=config)
-    tokenizer = ChatTokenizer(chain.first_folder)
-    gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids)
+    chain, fleet = open_chain(args, settings)
+    try:
+        tokenizer = ChatTokenizer(chain.first_folder)
+        gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids)
+        results = _chat_loop(args, settings, tokenizer, gen, TextStream)
+    finally:
+        chain.close()
+        if fleet is not None:
+            fleet.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream) -> list[dict]:
     prompts = args.prompt or []
     interactive = not prompts
     results = []
@@ -111,7 +170,7 @@ def cmd_generate(args) -> int:
         else:
             break
         ids = tokenizer.prompt_ids(prompt, system=args.system, chat=not args.no_chat)
-        stream = TextStream(tokenizer)
+        stream = text_stream(tokenizer)
         result = gen.generate(
             ids, args.max_new_tokens or settings.max_new_tokens, ignore_eos=args.ignore_eos,
             on_token=lambda t: print(stream.push(t), end="", flush=True),
@@ -123,8 +182,52 @@ def cmd_generate(args) -> int:
                         **result.to_json()})
         if interactive and not sys.stdin.isatty():
             break
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+def cmd_worker(args) -> int:
+    import os
+    import threading
+
+    from engine.fleetkey import load_key, load_tls
+    from engine.runtime.worker import Worker
+
+    settings = Settings.load()
+    key = load_key(args.fleet_key_file)
+    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    if args.lifeline:  # started by a parent process: exit when it goes away
+        def watch():
+            while sys.stdin.read(4096):
+                pass
+            os._exit(0)
+
+        threading.Thread(target=watch, daemon=True).start()
+    worker = Worker(args.shard, args.listen, args.next, key=key, device=args.device or settings.device,
+                    config=_precision_config(args.precision), delay_ms=args.delay_ms,
+                    deadline_s=args.deadline or settings.deadline_s, tls=tls)
+    m = worker.manifest
+    print(f"stage {m.stage_index} of {m.stage_count} (layers {m.layers[0]}-{m.layers[1]}) on "
+          f"{worker.runner.device}, listening on {worker.address}"
+          + (f", next stage {args.next}" if args.next else ""), file=sys.stderr, flush=True)
+    print(f"ready {worker.address}", flush=True)
+    worker.serve_forever()
+    return 0
+
+
+def cmd_key(args) -> int:
+    from engine.fleetkey import create_certificate, create_key, key_file, tls_file
+
+    path = key_file(args.fleet_key_file)
+    if args.key_cmd == "init":
+        create_key(path, force=args.force)
+        print(f"fleet key written to {path}; copy it to every machine of the fleet")
+        if args.tls:
+            pem = create_certificate(tls_file(path), force=args.force)
+            print(f"fleet TLS certificate written to {pem}; copy it beside the key on every machine")
+        return 0
+    if not path.exists():
+        raise FleetError(f"no fleet key at {path}: run `fleet key init`")
+    print(path)
     return 0
 
 
@@ -140,7 +243,23 @@ def cmd_bench(args) -> int:
                             log=lambda m: print(m, file=sys.stderr, flush=True))
         print(format_table(report["rows"], ["config", "tok_s", "min", "max", "ttft_ms", "vs_llmpipeline"]))
         return 0
+    if args.name == "pipeline":
+        from engine.bench.pipeline import run_pipeline
+
+        report = run_pipeline(args.model, stages=args.stages, tokens=args.tokens, warmup=args.warmup,
+                              runs=args.runs, weights=args.weights, delay_ms=args.delay_ms,
+                              out=Path(args.json) if args.json else None,
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(format_table(report["rows"], list(report["rows"][0])))
+        print("  ".join(f"{k}={v}" for k, v in report["ratios"].items()))
+        return 0
     raise FleetError(f"unknown benchmark {args.name!r}")
+
+
+def _connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet-key-file", help="the shared fleet key (default: from the settings)")
+    parser.add_argument("--tls", action="store_true", help="TLS with the fleet certificate beside the key")
+    parser.add_argument("--deadline", type=float, help="seconds of silence before a stage counts as dead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,16 +296,47 @@ def build_parser() -> argparse.ArgumentParser:
                      "or one per stage separated by commas (CPU,GPU.1)")
     gen.add_argument("--precision", help="inference precision hint (f32, bf16, f16)")
     gen.add_argument("--json", help="write the generations with timings to this file")
+    gen.add_argument("--remote", help="run stage 0 here and the rest on workers: HOST:PORT of stage 1 "
+                     "(and optionally of the later stages, comma-separated)")
+    gen.add_argument("--local-workers", action="store_true",
+                     help="run stages 1.. as worker processes on this machine (the local fleet)")
+    gen.add_argument("--delay-ms", type=float, help="with --local-workers: one-way delay per hop (WAN simulation)")
+    _connection_args(gen)
+    gen.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the chain to come up")
     gen.set_defaults(func=cmd_generate)
 
+    worker = sub.add_parser("worker", help="serve one shard as a stage of the pipeline")
+    worker.add_argument("--shard", required=True, help="the shard folder this worker serves")
+    worker.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any free port)")
+    worker.add_argument("--next", help="HOST:PORT of the next stage (default: the coordinator names it)")
+    worker.add_argument("--device", help="OpenVINO device (CPU, GPU, NPU, GPU.1...)")
+    worker.add_argument("--precision", help="inference precision hint (f32, bf16, f16)")
+    worker.add_argument("--delay-ms", type=float, default=0.0,
+                        help="add this one-way delay to every frame received and sent upstream")
+    worker.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
+    _connection_args(worker)
+    worker.set_defaults(func=cmd_worker)
+
+    key = sub.add_parser("key", help="the fleet key every machine shares")
+    ksub = key.add_subparsers(dest="key_cmd", required=True)
+    kinit = ksub.add_parser("init", help="create a new fleet key (and with --tls a fleet certificate)")
+    kinit.add_argument("--force", action="store_true", help="replace an existing key")
+    kinit.add_argument("--tls", action="store_true", help="also create a self-signed fleet TLS certificate")
+    kinit.add_argument("--fleet-key-file", help="where to write the key (default: the config folder)")
+    kshow = ksub.add_parser("path", help="print where the fleet key is")
+    kshow.add_argument("--fleet-key-file")
+    key.set_defaults(func=cmd_key)
+
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
-    bench.add_argument("name", choices=["parity"])
+    bench.add_argument("name", choices=["parity", "pipeline"])
     bench.add_argument("--model", default="smollm2-135m")
     bench.add_argument("--tokens", type=int, default=128)
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--runs", type=int, default=5)
     bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     bench.add_argument("--device", default="CPU")
+    bench.add_argument("--stages", type=int, default=2, help="pipeline: number of stages")
+    bench.add_argument("--delay-ms", type=float, default=0.0, help="pipeline: injected one-way delay per hop")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)
     return parser

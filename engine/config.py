@@ -64,7 +64,9 @@ class Settings:
     weights: str = "int4"
     stages: int = 2
     max_new_tokens: int = 128
-    fleet_key_file: str | None = None
+    fleet_key_file: str | None = None  # default: fleet.key in the config folder
+    tls: bool = False  # wrap every fleet connection in TLS with the shared fleet certificate
+    deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Settings":

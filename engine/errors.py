@@ -15,3 +15,13 @@ class ShardError(FleetError):
 
 class ExportError(FleetError):
     """An export could not be carried out (bad split, conversion failure)."""
+
+
+class StageError(FleetError):
+    """A pipeline stage failed, died or went silent: names which stage and where it runs."""
+
+    def __init__(self, stage: int, address: str, reason: str):
+        super().__init__(f"stage {stage} at {address}: {reason}")
+        self.stage = stage
+        self.address = address
+        self.reason = reason

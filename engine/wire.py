@@ -3,7 +3,7 @@
 A frame is a fixed little-endian header followed by its payload::
 
     header  <2s B B I I H H Q>  magic b"FS", version, message type, stream id, sequence number,
-                                 tensor count, reserved (0), payload length in bytes
+                                 tensor count, flags (``Flag``), payload length in bytes
     payload per tensor: <B B H 4I> dtype code, ndim (0..4), reserved (0), dims (unused dims 0),
                         then the tensor's raw little-endian bytes
 
@@ -42,11 +42,20 @@ class ProtocolError(FleetError):
     """A peer sent something that is not a valid frame; the connection must be closed."""
 
 
+class PeerClosed(ProtocolError):
+    """The peer closed the connection cleanly, between frames."""
+
+
 class AuthError(FleetError):
     """The handshake failed: wrong fleet key, another model, or another protocol version."""
 
 
 class Msg(enum.IntEnum):
+    """Message types.  FORWARD carries ``[x, attention_mask (u8), position_ids, stage_ms (f32)]``:
+    token ids (stage 0) or hidden states, the mask over every KV slot, the positions of the new
+    tokens, and the compute time of each stage so far.  RESULT carries ``[token_ids (i64),
+    stage_ms]``, plus probabilities (``Flag.PROBS``) or full logits (``Flag.LOGITS``) before stage_ms."""
+
     HELLO = 1
     CHALLENGE = 2
     PROOF = 3
@@ -59,6 +68,19 @@ class Msg(enum.IntEnum):
     PING = 14
     PONG = 15
     BYE = 16
+    ALIVE = 17  # heartbeat upstream while a request is outstanding (deadlines, not keep-alive)
+
+
+class Flag(enum.IntFlag):
+    """What a FORWARD asks the final stage to return; echoed on the RESULT."""
+
+    NONE = 0
+    ALL_POSITIONS = 1  # a result for every new position (speculative verify), not just the last
+    PROBS = 2  # the probability of each top-1 token
+    LOGITS = 4  # full logits (only where a feature needs them: they are vocabulary-sized)
+
+
+_ALL_FLAGS = int(Flag.ALL_POSITIONS | Flag.PROBS | Flag.LOGITS)
 
 
 DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: np.dtype("<i8"), 4: np.dtype("<i4"), 5: np.dtype("u1"),
@@ -72,6 +94,7 @@ class Frame:
     stream: int = 0
     seq: int = 0
     tensors: list[np.ndarray] = dataclasses.field(default_factory=list)
+    flags: Flag = Flag.NONE
 
     def json(self) -> dict:
         """The JSON document a control frame carries in its first tensor."""
@@ -101,12 +124,12 @@ def encode(frame: Frame) -> bytes:
         parts.append(TENSOR_HEADER.pack(code, arr.ndim, 0, *dims))
         parts.append(arr.astype(DTYPES[code], copy=False).tobytes())
     payload = b"".join(parts)
-    return HEADER.pack(MAGIC, VERSION, int(frame.type), frame.stream, frame.seq, len(frame.tensors), 0,
-                       len(payload)) + payload
+    return HEADER.pack(MAGIC, VERSION, int(frame.type), frame.stream, frame.seq, len(frame.tensors),
+                       int(frame.flags), len(payload)) + payload
 
 
-def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, int, int, int, int]:
-    magic, version, kind, stream, seq, count, reserved, length = HEADER.unpack(raw)
+def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, int, int, int, Flag, int]:
+    magic, version, kind, stream, seq, count, flags, length = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"not a fleetshard frame (magic {magic!r})")
     if version != VERSION:
@@ -115,13 +138,13 @@ def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, i
         kind = Msg(kind)
     except ValueError:
         raise ProtocolError(f"unknown message type {kind}") from None
-    if reserved:
-        raise ProtocolError("reserved header field is not zero")
+    if flags & ~_ALL_FLAGS:
+        raise ProtocolError(f"unknown flags {flags:#x}")
     if length > max_frame:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
     if length < count * TENSOR_HEADER.size:
         raise ProtocolError(f"frame of {length} bytes cannot hold {count} tensors")
-    return kind, stream, seq, count, length
+    return kind, stream, seq, count, Flag(flags), length
 
 
 def parse_payload(count: int, payload: bytes | memoryview) -> list[np.ndarray]:
@@ -151,28 +174,30 @@ def decode(data: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
     """Decodes one complete frame held in memory."""
     if len(data) < HEADER.size:
         raise ProtocolError("truncated frame header")
-    kind, stream, seq, count, length = parse_header(data[: HEADER.size], max_frame)
+    kind, stream, seq, count, flags, length = parse_header(data[: HEADER.size], max_frame)
     if len(data) != HEADER.size + length:
         raise ProtocolError(f"frame announces {length} payload bytes, has {len(data) - HEADER.size}")
-    return Frame(kind, stream, seq, parse_payload(count, data[HEADER.size:]))
+    return Frame(kind, stream, seq, parse_payload(count, data[HEADER.size:]), flags)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock: socket.socket, n: int, boundary: bool = False) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            raise ProtocolError(f"connection closed after {got} of {n} bytes" if got else "connection closed")
+            if boundary and not got:
+                raise PeerClosed("connection closed")
+            raise ProtocolError(f"truncated frame: connection closed after {got} of {n} bytes")
         got += k
     return buf
 
 
 def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
     """Reads one frame; the payload is read only after the header proved it acceptable."""
-    kind, stream, seq, count, length = parse_header(bytes(_recv_exact(sock, HEADER.size)), max_frame)
+    kind, stream, seq, count, flags, length = parse_header(bytes(_recv_exact(sock, HEADER.size, True)), max_frame)
     payload = _recv_exact(sock, length) if length else bytearray()
-    return Frame(kind, stream, seq, parse_payload(count, payload))
+    return Frame(kind, stream, seq, parse_payload(count, payload), flags)
 
 
 def send_frame(sock: socket.socket, frame: Frame) -> None:
@@ -227,7 +252,7 @@ def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
 
     if doc.get("version") != VERSION:
         refuse(f"protocol version {doc.get('version')} is not {VERSION}")
-    for field in ("fingerprint", "stage"):
+    for field in ("fingerprint", "stage", "first_layer"):
         if field in doc and field in identity and doc[field] != identity[field]:
             refuse(f"{field} mismatch: peer expects {doc[field]!r}, this node serves {identity[field]!r}")
     try:

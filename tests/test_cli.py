@@ -79,4 +79,34 @@ def test_runtime_path_needs_no_torch_transformers_or_nncf(tiny_exports):
 def test_device_list_must_match_the_stages(tiny_exports):
     proc = fleet("generate", "--shards", str(tiny_exports["llama", "2"].out), "--prompt", "hi",
                  "--device", "CPU,CPU,CPU")
-    assert proc.returncode == 2 and "3 devices given for 2 stages" in proc.stderr
+    assert proc.returncode == 2 and "'CPU,CPU,CPU' names 3 devices for 2 stages" in proc.stderr
+
+
+def test_local_workers_generate_the_in_process_tokens(tiny_exports, tmp_path):
+    shards = str(tiny_exports["qwen2", "3"].out)
+    args = ("generate", "--shards", shards, "--prompt", "Paris is", "--max-new-tokens", "10", "--ignore-eos",
+            "--no-chat", "--fleet-key-file", str(tmp_path / "fleet.key"))
+    proc = fleet("key", "init", "--fleet-key-file", str(tmp_path / "fleet.key"))
+    assert proc.returncode == 0 and "fleet key written" in proc.stdout
+    assert (tmp_path / "fleet.key").stat().st_mode & 0o077 == 0  # readable by its owner only
+    local = fleet(*args, "--json", str(tmp_path / "local.json"))
+    remote = fleet(*args, "--local-workers", "--json", str(tmp_path / "remote.json"))
+    assert local.returncode == 0 and remote.returncode == 0, remote.stderr
+    (a,), (b,) = (json.loads((tmp_path / f).read_text()) for f in ("local.json", "remote.json"))
+    assert a["tokens"] == b["tokens"] and len(b["tokens"]) == 10
+    assert len(b["breakdown"]["stage_compute_ms"]) == 3 and b["breakdown"]["network_ms"] > 0
+
+
+def test_worker_errors_are_specific(tiny_exports, tmp_path):
+    stage1 = str(tiny_exports["llama", "2"].folders[1])
+    proc = fleet("worker", "--shard", stage1, "--listen", "127.0.0.1:0", "--fleet-key-file", str(tmp_path / "none"))
+    assert proc.returncode == 2 and "no fleet key at" in proc.stderr and "fleet key init" in proc.stderr
+    (tmp_path / "bad.key").write_text("not hex")
+    proc = fleet("worker", "--shard", stage1, "--listen", "127.0.0.1:0", "--fleet-key-file", str(tmp_path / "bad.key"))
+    assert proc.returncode == 2 and "does not hold hex digits" in proc.stderr
+    proc = fleet("key", "init", "--fleet-key-file", str(tmp_path / "k"))
+    proc = fleet("worker", "--shard", stage1, "--listen", "nonsense", "--fleet-key-file", str(tmp_path / "k"))
+    assert proc.returncode == 2 and "'nonsense' is not HOST:PORT" in proc.stderr
+    proc = fleet("generate", "--shards", stage1, "--remote", "127.0.0.1:1", "--fleet-key-file", str(tmp_path / "k"),
+                 "--prompt", "hi")
+    assert proc.returncode == 2 and "the coordinator runs stage 0" in proc.stderr

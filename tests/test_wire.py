@@ -37,6 +37,7 @@ def test_control_frames_carry_json():
     (lambda b: b[:-1], "announces"),
     (lambda b: b + b"\0", "announces"),
     (lambda b: b[:10], "truncated frame header"),
+    (lambda b: b[:14] + struct.pack("<H", 0x80) + b[16:], "unknown flags 0x80"),
     (lambda b: b[:24] + bytes([77]) + b[25:], "unknown dtype code 77"),
     (lambda b: b[:25] + bytes([5]) + b[26:], "malformed tensor header"),
     (lambda b: b[:28] + struct.pack("<I", 1000) + b[32:], "needs"),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
 from engine.errors import ShardError
 from engine.manifest import MANIFEST, check_chain, load_manifest
-from engine.runtime.stage import StageRunner
+from engine.runtime.stage import Output, StageRunner, select
+from engine.wire import Flag
 
 
 def expand_shard_dirs(dirs: list[Path | str]) -> list[Path]:
@@ -27,19 +29,25 @@ def expand_shard_dirs(dirs: list[Path | str]) -> list[Path]:
     return folders
 
 
+def parse_devices(device: str, count: int) -> list[str]:
+    """One OpenVINO device for every stage (``"CPU"``) or one per stage (``"CPU,GPU.1"``)."""
+    devices = [d.strip() for d in device.split(",")]
+    if len(devices) == 1:
+        devices *= count
+    if len(devices) != count or not all(devices):
+        raise ShardError(f"{device!r} names {len(devices)} devices for {count} stages")
+    return devices
+
+
 class LocalChain:
-    """All stages in one process; ``forward`` maps token ids to last-stage logits."""
+    """All stages in one process; ``forward`` maps token ids to the last stage's top-1 tokens."""
 
     def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None):
         """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
-        devices = [d.strip() for d in device.split(",")]
-        if len(devices) == 1:
-            devices *= len(folders)
-        if len(devices) != len(folders):
-            raise ShardError(f"{len(devices)} devices given for {len(folders)} stages")
+        devices = parse_devices(device, len(folders))
         self.stages = [StageRunner(f, dev, config, m) for f, dev, m in zip(folders, devices, manifests)]
         self.manifest = manifests[0]
         self.spec = self.manifest.spec
@@ -48,12 +56,20 @@ class LocalChain:
     def first_folder(self) -> Path:
         return self.stages[0].folder
 
-    def reset(self) -> None:
+    def reset(self, stream: int = 0) -> None:
         for stage in self.stages:
-            stage.reset()
+            stage.reset(stream)
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        x = input_ids
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                flags: Flag = Flag.NONE, stream: int = 0) -> Output:
+        x, stage_ms = input_ids, []
         for stage in self.stages:
-            x = stage.forward(x, attention_mask, position_ids)
-        return x
+            t = time.perf_counter()
+            x = stage.forward(x, attention_mask, position_ids, stream)
+            stage_ms.append((time.perf_counter() - t) * 1e3)
+        out = select(x, flags)
+        out.stage_ms = stage_ms
+        return out
+
+    def close(self) -> None:
+        pass

@@ -1,7 +1,7 @@
 """The generation loop: prefill, then greedy decode through a stage chain, with timings.
 
 The loop only needs something with ``reset()`` and ``forward(ids, attention_mask, position_ids)``
-returning logits, so the in-process chain and (later) the distributed pipeline share it.
+returning an ``Output`` (top-1 tokens), so the in-process chain and the distributed pipeline share it.
 """
 
 from __future__ import annotations
@@ -12,11 +12,47 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from engine.runtime.stage import Output
+from engine.wire import Flag
+
 
 class Chain(Protocol):
-    def reset(self) -> None: ...
+    def reset(self, stream: int = 0) -> None: ...
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray: ...
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                flags: Flag = Flag.NONE, stream: int = 0) -> Output: ...
+
+
+class Breakdown:
+    """Where a decode step's time goes, summed over steps: compute per stage, the network (waiting
+    beyond the remote stages' compute) and the host (everything else: the loop, masks, framing)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.total_ms = 0.0
+        self.stage_ms: list[float] = []
+        self.network_ms = 0.0
+
+    def add(self, wall_ms: float, out: Output) -> None:
+        if not self.stage_ms:
+            self.stage_ms = [0.0] * len(out.stage_ms)
+        self.steps += 1
+        self.total_ms += wall_ms
+        self.stage_ms = [a + b for a, b in zip(self.stage_ms, out.stage_ms)]
+        self.network_ms += out.network_ms
+
+    def to_json(self) -> dict:
+        n = max(self.steps, 1)
+        stage = [s / n for s in self.stage_ms]
+        network = self.network_ms / n
+        total = self.total_ms / n
+        return {
+            "steps": self.steps,
+            "token_ms": round(total, 3),
+            "stage_compute_ms": [round(s, 3) for s in stage],
+            "network_ms": round(network, 3),
+            "host_ms": round(max(total - sum(stage) - network, 0.0), 3),
+        }
 
 
 @dataclasses.dataclass
@@ -26,6 +62,7 @@ class Generation:
     ttft_s: float  # prompt in -> first new token out
     decode_s: float  # first token -> last token
     stopped_by: str  # "eos" | "max_tokens" | "cancelled"
+    breakdown: Breakdown = dataclasses.field(default_factory=Breakdown)  # decode steps only
 
     @property
     def decode_tok_s(self) -> float:
@@ -40,6 +77,7 @@ class Generation:
             "ttft_ms": round(self.ttft_s * 1e3, 2),
             "decode_tok_s": round(self.decode_tok_s, 2),
             "stopped_by": self.stopped_by,
+            "breakdown": self.breakdown.to_json(),
         }
 
 
@@ -69,11 +107,11 @@ class Generator:
         if max_new_tokens <= 0:
             raise ValueError(f"the prompt ({n} tokens) leaves no room in the context of {self.max_length}")
         eos = frozenset() if ignore_eos else self.eos_ids
+        breakdown = Breakdown()
         self.chain.reset()
         start = time.perf_counter()
-        logits = self.chain.forward(ids, self._mask[:, :n], self._positions[:, :n])
-        token = int(logits[0, -1].argmax())
-        first = time.perf_counter()
+        token = int(self.chain.forward(ids, self._mask[:, :n], self._positions[:, :n]).tokens[-1])
+        first = step_start = time.perf_counter()
         tokens = [token]
         if on_token:
             on_token(token)
@@ -84,13 +122,16 @@ class Generator:
                 stopped = "cancelled"
                 break
             self._token[0, 0] = token
-            logits = self.chain.forward(self._token, self._mask[:, : pos + 1], self._positions[:, pos : pos + 1])
-            token = int(logits[0, -1].argmax())
+            out = self.chain.forward(self._token, self._mask[:, : pos + 1], self._positions[:, pos : pos + 1])
+            token = int(out.tokens[-1])
             pos += 1
             tokens.append(token)
             if on_token:
                 on_token(token)
             if token in eos:
                 stopped = "eos"
+            now = time.perf_counter()
+            breakdown.add((now - step_start) * 1e3, out)
+            step_start = now
         end = time.perf_counter()
-        return Generation(n, tokens, first - start, end - first, stopped)
+        return Generation(n, tokens, first - start, end - first, stopped, breakdown)

@@ -1,10 +1,12 @@
-"""One compiled shard and its inference request: the unit a worker or the coordinator runs.
+"""One compiled shard and its inference requests: the unit a worker or the coordinator runs.
 
-Only openvino and numpy are needed here; a worker laptop serves a shard with nothing else.
+Each stream (one user's sequence) has its own InferRequest and therefore its own KV cache.  Only
+openvino and numpy are needed here; a worker laptop serves a shard with nothing else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import openvino as ov
 
 from engine.errors import ShardError
 from engine.manifest import BEAM_IDX, MODEL_XML, Manifest, load_manifest
+from engine.wire import Flag
 
 _core: ov.Core | None = None
 
@@ -24,8 +27,32 @@ def core() -> ov.Core:
     return _core
 
 
+@dataclasses.dataclass
+class Output:
+    """What a chain returns for one forward: the top-1 token per returned position, optionally
+    their probabilities or the full logits, and where the time went."""
+
+    tokens: np.ndarray  # int64 [positions]
+    probs: np.ndarray | None = None  # float32 [positions]
+    logits: np.ndarray | None = None  # float32 [1, positions, vocab]
+    stage_ms: list[float] = dataclasses.field(default_factory=list)  # compute per stage
+    network_ms: float = 0.0  # waiting on the wire and relaying, beyond the remote stages' compute
+
+
+def select(logits: np.ndarray, flags: Flag) -> Output:
+    """Top-1 compression of last-stage logits ``[1, q, vocab]``: what the caller asked for and no more."""
+    rows = logits[0] if flags & Flag.ALL_POSITIONS else logits[0, -1:]
+    out = Output(rows.argmax(-1).astype(np.int64))
+    if flags & Flag.PROBS:
+        top = rows.max(-1, keepdims=True)
+        out.probs = (1.0 / np.exp(rows - top).sum(-1)).astype(np.float32)
+    if flags & Flag.LOGITS:
+        out.logits = np.array(rows[None], dtype=np.float32)
+    return out
+
+
 class StageRunner:
-    """A verified shard compiled for ``device`` with one stateful request (one KV cache)."""
+    """A verified shard compiled for ``device``, with one stateful request per stream."""
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None):
@@ -36,24 +63,44 @@ class StageRunner:
             self.compiled = core().compile_model(str(self.folder / MODEL_XML), device, config or {})
         except RuntimeError as exc:
             raise ShardError(f"cannot compile shard {self.folder} on {device}: {exc}") from exc
-        self.request = self.compiled.create_infer_request()
         self.first = self.manifest.first
         self.last = self.manifest.last
         self._input = "input_ids" if self.first else "hidden_states"
         self._output = self.compiled.output(0)
-        self._inputs = {"attention_mask": None, "position_ids": None}
-        if any(BEAM_IDX in port.get_names() for port in self.compiled.inputs):
-            self._inputs[BEAM_IDX] = np.zeros(1, dtype=np.int32)  # identity reorder: batch 1, no beams
+        self._beam = any(BEAM_IDX in port.get_names() for port in self.compiled.inputs)
+        self._requests: dict[int, tuple[ov.InferRequest, dict]] = {}
+        self.request(0)
 
-    def reset(self) -> None:
-        """Drops the KV cache: the next forward starts a new sequence."""
-        self.request.reset_state()
+    def request(self, stream: int) -> tuple[ov.InferRequest, dict]:
+        entry = self._requests.get(stream)
+        if entry is None:
+            inputs = {"attention_mask": None, "position_ids": None}
+            if self._beam:
+                inputs[BEAM_IDX] = np.zeros(1, dtype=np.int32)  # identity reorder: batch 1, no beams
+            entry = self._requests[stream] = (self.compiled.create_infer_request(), inputs)
+        return entry
 
-    def forward(self, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Runs one step. The result is a view of the request's output buffer, valid until the next call."""
-        inputs = self._inputs
+    @property
+    def streams(self) -> int:
+        return len(self._requests)
+
+    def reset(self, stream: int = 0) -> None:
+        """Drops the stream's KV cache: its next forward starts a new sequence."""
+        self.request(stream)[0].reset_state()
+
+    def drop(self, stream: int) -> None:
+        """Forgets a stream entirely (its request and cache memory)."""
+        if stream:
+            self._requests.pop(stream, None)
+        else:
+            self.reset(0)
+
+    def forward(self, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                stream: int = 0) -> np.ndarray:
+        """Runs one step. The result is a view of the request's output buffer, valid until its next call."""
+        request, inputs = self.request(stream)
         inputs[self._input] = x
         inputs["attention_mask"] = attention_mask
         inputs["position_ids"] = position_ids
-        self.request.infer(inputs, share_inputs=True, share_outputs=True)
-        return self.request.get_tensor(self._output).data
+        request.infer(inputs, share_inputs=True, share_outputs=True)
+        return request.get_tensor(self._output).data

@@ -1,0 +1,95 @@
+"""``fleet bench pipeline``: what the TCP relay costs.
+
+Single-stream greedy decode of one prompt through the 1-stage in-process chain, the N-stage chain
+in-process, and the N-stage chain over loopback TCP with each stage beyond the first in its own
+worker process.  Runs are interleaved round-robin (this machine is noisy).  The relay overhead per
+hop is the loopback chain's extra time per token over the same shards in-process, divided by the
+number of connections (stages - 1); each hop is crossed twice per token (activations down, the
+token back).  On one machine that figure includes the stages fighting over the same cores (the
+OpenVINO threads of a stage that just finished keep spinning for a while), so the report also
+gives the idle round trip per hop: a ping down the chain and back with no compute in between.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+from engine.bench.report import write_report
+from engine.export.exporter import export_model
+from engine.fleetkey import create_key, load_key
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
+from engine.runtime.localfleet import LocalFleet
+from engine.runtime.remote import RemoteChain
+from engine.runtime.tokenizer import ChatTokenizer
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int = 1, runs: int = 5,
+                 weights: str = "int4", delay_ms: float = 0.0, out: Path | None = None, log=print) -> dict:
+    whole = export_model(model, stages=1, weights=weights)
+    split = export_model(model, stages=stages, weights=weights)
+    ids = ChatTokenizer(whole.folders[0]).prompt_ids(PROMPT)
+    length = ids.shape[1] + tokens + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        key_path = create_key(Path(tmp) / "bench.key")
+        fleet = LocalFleet(split.folders[1:], key_path, delay_ms=delay_ms, log_dir=Path(tmp)).start()
+        try:
+            remote = RemoteChain(split.folders[0], fleet.addresses, key=load_key(key_path))
+            chains = {
+                "1-stage in-process": LocalChain(whole.folders),
+                f"{stages}-stage in-process": LocalChain(split.folders),
+                f"{stages}-stage loopback TCP": remote,
+            }
+            samples: dict[str, list] = {name: [] for name in chains}
+            reference = None
+            for round_index in range(warmup + runs):
+                for name, chain in chains.items():
+                    result = Generator(chain, length).generate(ids, tokens, ignore_eos=True)
+                    if reference is None:
+                        reference = result.tokens
+                    if round_index >= warmup:
+                        samples[name].append(result)
+                log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
+            pings = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(100):
+                    remote.ping()
+                pings.append((time.perf_counter() - start) * 10)  # ms per ping
+            remote.close()
+        finally:
+            fleet.close()
+    rows = []
+    for name, results in samples.items():
+        token_ms = median(r.breakdown.to_json()["token_ms"] for r in results)
+        mid = sorted(results, key=lambda r: r.decode_tok_s)[len(results) // 2]
+        bd = mid.breakdown.to_json()
+        rows.append({
+            "config": name,
+            "tok_s": round(median(r.decode_tok_s for r in results), 2),
+            "token_ms": round(token_ms, 3),
+            "ttft_ms": round(median(r.ttft_s * 1e3 for r in results), 1),
+            "stage_ms": "/".join(f"{s:.2f}" for s in bd["stage_compute_ms"]),
+            "network_ms": bd["network_ms"],
+            "host_ms": bd["host_ms"],
+            "same_tokens": all(r.tokens == samples[name][0].tokens for r in results),
+        })
+    by = {r["config"]: r for r in rows}
+    inproc, tcp = by[f"{stages}-stage in-process"], by[f"{stages}-stage loopback TCP"]
+    hops = stages - 1
+    ratios = {
+        "tcp_vs_inprocess": round(tcp["tok_s"] / inproc["tok_s"], 3),
+        "split_vs_whole": round(inproc["tok_s"] / by["1-stage in-process"]["tok_s"], 3),
+        "relay_overhead_ms_per_hop": round((tcp["token_ms"] - inproc["token_ms"]) / hops, 3),
+        "network_ms_per_hop": round(tcp["network_ms"] / hops, 3),
+        "idle_round_trip_ms_per_hop": round(median(pings) / hops, 3),
+    }
+    meta = {"model": model, "stages": stages, "weights": weights, "prompt_tokens": int(ids.shape[1]),
+            "new_tokens": tokens, "warmup": warmup, "runs": runs, "delay_ms": delay_ms,
+            "return_path": "hop by hop"}
+    return write_report("pipeline", rows, ratios, out, settings=meta)

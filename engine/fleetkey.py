@@ -1,0 +1,119 @@
+"""The fleet's shared secret and optional TLS certificate: where they live, creating and loading them.
+
+Every process that listens or dials proves knowledge of the fleet key (see ``engine.wire``); the key
+itself never crosses the wire.  It is a file of 64 hex digits, readable only by its owner, kept in the
+user config folder unless the settings or ``--fleet-key-file`` name another.  An admin copies the
+same file to every machine of the fleet.
+
+For untrusted networks the fleet can also share one self-signed certificate (``fleet.pem`` beside
+the key, holding certificate and private key): every connection is then TLS, and each side accepts
+only a peer presenting that certificate.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import ssl
+from pathlib import Path
+
+from engine.config import Settings, paths
+from engine.errors import FleetError
+
+KEY_BYTES = 32
+
+
+def key_file(override: str | Path | None = None) -> Path:
+    """The key file in force: the command-line path, else the settings' path, else the default."""
+    if override:
+        return Path(override).expanduser()
+    configured = Settings.load().fleet_key_file
+    return Path(configured).expanduser() if configured else paths().config / "fleet.key"
+
+
+def create_key(path: Path, force: bool = False) -> Path:
+    if path.exists() and not force:
+        raise FleetError(f"a fleet key already exists at {path} (pass --force to replace it; every "
+                         "machine of the fleet then needs the new key)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(KEY_BYTES) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_key(override: str | Path | None = None, create: bool = False) -> bytes:
+    """Reads the fleet key; with ``create`` a missing default key is made (a local fleet needs no setup)."""
+    path = key_file(override)
+    if not path.exists():
+        if create and not override:
+            create_key(path)
+        else:
+            raise FleetError(f"no fleet key at {path}: run `fleet key init` on one machine and copy the "
+                             "file to the others, or pass --fleet-key-file PATH")
+    text = path.read_text().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise FleetError(f"fleet key file {path} does not hold hex digits") from None
+    if len(key) < 16:
+        raise FleetError(f"fleet key in {path} is too short ({len(key)} bytes; at least 16)")
+    return key
+
+
+def tls_file(key_path: Path) -> Path:
+    return key_path.with_name("fleet.pem")
+
+
+def create_certificate(path: Path, force: bool = False) -> Path:
+    """A self-signed fleet certificate and its private key in one PEM file."""
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        raise FleetError("creating a TLS certificate needs the 'cryptography' package") from None
+    if path.exists() and not force:
+        raise FleetError(f"a fleet certificate already exists at {path} (pass --force to replace it)")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fleetshard fleet")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    pem = cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    return path
+
+
+class TLS:
+    """Server and client contexts that accept exactly the fleet certificate."""
+
+    def __init__(self, pem: Path):
+        if not pem.exists():
+            raise FleetError(f"no fleet certificate at {pem}: run `fleet key init --tls` and copy it to "
+                             "every machine, or run without --tls")
+        try:
+            self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.server.minimum_version = ssl.TLSVersion.TLSv1_2
+            self.server.load_cert_chain(pem)
+            self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            self.client.minimum_version = ssl.TLSVersion.TLSv1_2
+            self.client.check_hostname = False  # the pinned fleet certificate is the identity, not a host name
+            self.client.load_verify_locations(pem)
+        except (ssl.SSLError, OSError) as exc:
+            raise FleetError(f"cannot use the fleet certificate {pem}: {exc}") from None
+
+
+def load_tls(enabled: bool, key_override: str | Path | None = None) -> TLS | None:
+    return TLS(tls_file(key_file(key_override))) if enabled else None

@@ -1,0 +1,116 @@
+"""The local fleet: stages 1.. of a model as ``fleet worker`` processes on loopback.
+
+This is what ``fleet generate --local-workers`` (and the app's default) runs: the same processes,
+sockets and handshake as a multi-machine fleet, all on this computer.  Each worker's log goes to
+a file; a worker that fails to start is reported with the end of its log.  The workers exit with
+their parent: each watches its stdin, which only the parent holds open.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine.config import paths
+from engine.errors import FleetError
+
+READY = "ready"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalFleet:
+    def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
+                 precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
+                 deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True):
+        """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
+        route tells them."""
+        self.shard_dirs = [Path(d) for d in shard_dirs]
+        self.devices = devices or ["CPU"] * len(self.shard_dirs)
+        self.addresses = [f"127.0.0.1:{free_port()}" for _ in self.shard_dirs]
+        self.log_dir = log_dir or paths().data / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        self._key_file = key_file
+        self._link = link_workers
+        self._extra = {"precision": precision, "delay_ms": delay_ms, "tls": tls, "deadline_s": deadline_s}
+
+    def command(self, i: int) -> list[str]:
+        cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(self.shard_dirs[i]),
+               "--listen", self.addresses[i], "--device", self.devices[i],
+               "--fleet-key-file", str(self._key_file), "--lifeline",
+               "--deadline", str(self._extra["deadline_s"])]
+        if self._link and i + 1 < len(self.shard_dirs):
+            cmd += ["--next", self.addresses[i + 1]]
+        if self._extra["precision"]:
+            cmd += ["--precision", self._extra["precision"]]
+        if self._extra["delay_ms"]:
+            cmd += ["--delay-ms", str(self._extra["delay_ms"])]
+        if self._extra["tls"]:
+            cmd += ["--tls"]
+        return cmd
+
+    def start_worker(self, i: int) -> subprocess.Popen:
+        log = self.log_dir / f"worker-{self.addresses[i].replace(':', '-')}.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen(self.command(i), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=err, text=True)
+        if i < len(self.procs):
+            self.procs[i], self.logs[i] = proc, log
+        else:
+            self.procs.append(proc)
+            self.logs.append(log)
+        return proc
+
+    def start(self, timeout_s: float = 120.0) -> "LocalFleet":
+        for i in range(len(self.shard_dirs)):
+            self.start_worker(i)
+        for i in range(len(self.shard_dirs)):
+            self.wait_ready(i, timeout_s)
+        return self
+
+    def wait_ready(self, i: int, timeout_s: float = 120.0) -> None:
+        """Blocks until worker ``i`` printed its ready line; raises with its log if it died instead."""
+        proc = self.procs[i]
+        deadline = time.monotonic() + timeout_s
+        line = proc.stdout.readline()  # the worker prints one line once it listens, or exits
+        while line and not line.startswith(READY):
+            if time.monotonic() > deadline:
+                break
+            line = proc.stdout.readline()
+        if not line.startswith(READY):
+            proc.wait(timeout=5)
+            tail = self.logs[i].read_text().strip().splitlines()[-5:]
+            self.close()
+            raise FleetError(f"local worker for stage {i + 1} did not start:\n  " + "\n  ".join(tail))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        self.procs = []
+
+    def __enter__(self) -> "LocalFleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,201 @@
+"""The coordinator's side of the distributed pipeline: stage 0 in this process, the rest over TCP.
+
+``RemoteChain`` has the same ``reset()/forward()`` as the in-process chain, so the generation
+loop runs unchanged over it.  It dials the first remote stage (retrying until it is up), proves
+the fleet key, and pings the chain until every stage answers; the ping carries the route, so
+workers started without ``--next`` learn their successor from the coordinator.  Each forward runs
+stage 0 locally, sends the activations on and waits for the RESULT under a deadline refreshed by
+the workers' heartbeats: a dead or silent stage becomes a ``StageError`` naming it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine import wire
+from engine.errors import FleetError, ShardError, StageError
+from engine.runtime.link import Link, dial
+from engine.runtime.stage import Output, StageRunner
+from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
+
+
+class RemoteChain:
+    def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
+                 config: dict | None = None, tls=None, deadline_s: float = 2.0,
+                 connect_timeout_s: float = 60.0):
+        if not remotes:
+            raise FleetError("a remote chain needs the address of at least one worker")
+        self.local = StageRunner(Path(stage0), device, config)
+        self.manifest = self.local.manifest
+        if not self.manifest.first:
+            raise ShardError(f"{stage0} is stage {self.manifest.stage_index}; the coordinator runs stage 0")
+        if self.manifest.last:
+            raise ShardError(f"{stage0} holds the whole model: there is nothing for remote workers to run")
+        self.spec = self.manifest.spec
+        self.remotes = list(remotes)
+        self.key = key
+        self.tls = tls
+        self.deadline_s = deadline_s
+        self.connect_timeout_s = connect_timeout_s
+        self.stages: list[dict] = []  # what each remote stage reported when the chain came up
+        self._link: Link | None = None
+        self._silence = deadline_s
+        self._ready = False
+        self._seq = random.getrandbits(31)  # a fresh range, so a previous session's late replies never match
+        self.connect()
+
+    @property
+    def first_folder(self) -> Path:
+        return self.local.folder
+
+    @property
+    def first_address(self) -> str:
+        return self.remotes[0]
+
+    def _fail(self, reason: str) -> StageError:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        self._ready = False
+        return StageError(self.manifest.stage_index + 1, self.first_address, reason)
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        return self._seq
+
+    # --- bring-up ------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Dials the first worker and waits until the whole chain answers (or the connect timeout)."""
+        deadline = time.monotonic() + self.connect_timeout_s
+        m = self.manifest
+        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1]}
+        last_reason = "not reachable"
+        while self._link is None:
+            try:
+                sock = dial(self.first_address, self.tls)
+            except OSError as exc:
+                last_reason = f"not reachable ({exc.strerror or exc})"
+                if time.monotonic() > deadline:
+                    raise StageError(m.stage_index + 1, self.first_address,
+                                     f"{last_reason} within {self.connect_timeout_s:.0f} s") from None
+                time.sleep(0.2)
+                continue
+            try:
+                welcome = wire.client_handshake(sock, self.key, expect)
+            except (AuthError, ProtocolError, OSError) as exc:
+                sock.close()
+                raise StageError(m.stage_index + 1, self.first_address, f"handshake failed: {exc}") from None
+            self._link = Link(sock, self.first_address)
+            self._silence = 0.75 * self.deadline_s + 2 * float(welcome.get("delay_ms", 0) or 0) / 1e3
+        self._wait_ready(deadline)
+
+    def ping(self) -> list[dict]:
+        """One trip down the chain and back; returns what every remote stage reports of itself."""
+        reply = self._call(wire.control(Msg.PING, {"route": self.remotes[1:]}, 0, self._next_seq()))
+        stages = reply.json().get("stages", [])
+        if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+            raise self._fail("sent a malformed description of the chain")
+        return stages
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            try:
+                self.stages = self.ping()
+                break
+            except StageError as exc:
+                if self._link is None or time.monotonic() > deadline or "redialing" not in exc.reason:
+                    raise
+                time.sleep(0.2)
+        self._check_stages()
+        self._ready = True
+
+    def _check_stages(self) -> None:
+        end = self.manifest.layers[1]
+        for expected, info in enumerate(self.stages, start=self.manifest.stage_index + 1):
+            layers = info.get("layers", [None, None])
+            if info.get("stage") != expected or layers[0] != end:
+                raise self._fail(f"the chain is not contiguous: stage {info.get('stage')} at "
+                                 f"{info.get('address')} holds layers {layers}, expected stage {expected} from {end}")
+            end = layers[1]
+        if end != self.spec.num_layers:
+            raise self._fail(f"the chain ends at layer {end} of {self.spec.num_layers}: give the rest of the route")
+
+    # --- the chain interface -------------------------------------------------------------------------
+
+    def reset(self, stream: int = 0) -> None:
+        """Starts a new sequence on every stage; reconnects first if the chain broke since."""
+        if self._link is None:
+            self.connect()
+        elif not self._ready:
+            self._wait_ready(time.monotonic() + self.connect_timeout_s)
+        self.local.reset(stream)
+        try:
+            self._link.send(Frame(Msg.RESET, stream))
+        except OSError as exc:
+            raise self._fail(f"connection lost ({exc})") from None
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                flags: Flag = Flag.NONE, stream: int = 0) -> Output:
+        if self._link is None:
+            raise self._fail("not connected (call reset() to reconnect)")
+        start = time.perf_counter()
+        hidden = self.local.forward(input_ids, attention_mask, position_ids, stream)
+        local_ms = (time.perf_counter() - start) * 1e3
+        frame = Frame(Msg.FORWARD, stream, self._next_seq(),
+                      [hidden, attention_mask.astype(np.uint8), position_ids, np.array([local_ms], np.float32)],
+                      flags)
+        sent = time.perf_counter()
+        reply = self._call(frame)
+        wait_ms = (time.perf_counter() - sent) * 1e3
+        tensors = reply.tensors
+        want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS)
+        if reply.flags != flags or len(tensors) != want or tensors[0].dtype != np.int64:
+            raise self._fail(f"sent a RESULT that does not answer the request ({len(tensors)} tensors)")
+        stage_ms = tensors[-1].tolist()
+        out = Output(tokens=tensors[0], stage_ms=stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
+        if reply.flags & Flag.PROBS:
+            out.probs = tensors[1]
+        if reply.flags & Flag.LOGITS:
+            out.logits = tensors[-2]
+        return out
+
+    def _call(self, frame: Frame) -> Frame:
+        """Sends a request and waits for its reply; heartbeats keep the deadline from expiring."""
+        try:
+            self._link.send(frame)
+        except OSError as exc:
+            raise self._fail(f"connection lost ({exc})") from None
+        while True:
+            try:
+                reply = self._link.recv(self._silence)
+            except ConnectionError:
+                raise self._fail("connection lost (the worker stopped?)") from None
+            except ProtocolError as exc:
+                raise self._fail(f"sent a malformed frame ({exc})") from None
+            if reply is None:
+                raise self._fail(f"no reply for {self._silence:.1f} s (stalled)")
+            if reply.type == Msg.ALIVE or (reply.stream, reply.seq) != (frame.stream, frame.seq):
+                continue  # a heartbeat, or a late reply to a request we already gave up on
+            if reply.type == Msg.ERROR:
+                doc = reply.json()
+                self._ready = False  # re-check the whole chain before the next request
+                raise StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
+                                 str(doc.get("reason", "failed")))
+            expected = Msg.PONG if frame.type == Msg.PING else Msg.RESULT
+            if reply.type != expected:
+                raise self._fail(f"answered {frame.type.name} with {reply.type.name}")
+            return reply
+
+    def close(self) -> None:
+        if self._link is not None:
+            try:
+                self._link.send(Frame(Msg.BYE))
+            except OSError:
+                pass
+            self._link.close()
+            self._link = None

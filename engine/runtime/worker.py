@@ -1,0 +1,411 @@
+"""The stage worker: serves one shard on a TCP port as a link of the daisy chain.
+
+A worker accepts one upstream peer (the coordinator or the previous stage) after the fleet-key
+handshake, dials its successor and keeps retrying until it is up, and per request runs its shard
+and passes the activations on.  The final stage turns logits into top-1 tokens and sends the RESULT
+back; results travel hop by hop over the same connections.
+
+Deadlines: while a worker owes its upstream a reply it sends ALIVE heartbeats, and while its
+successor owes it one it watches for them.  A successor that dies or goes silent turns, within
+the deadline, into an ERROR naming that stage and its address; the worker then redials it, so the
+chain serves the next request once the stage is back.  Anything malformed a peer sends costs that
+peer its connection (before the handshake) or an ERROR reply (after it), never the process.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from engine import wire
+from engine.errors import FleetError
+from engine.runtime.link import Link, dial, parse_address, tune
+from engine.runtime.stage import StageRunner, select
+from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
+
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_STREAMS = 64
+
+
+class RequestError(FleetError):
+    """An authenticated peer sent a well-formed frame this stage (or ``stage`` at ``address``)
+    cannot serve."""
+
+    def __init__(self, reason: str, stage: int | None = None, address: str | None = None):
+        super().__init__(reason)
+        self.stage = stage
+        self.address = address
+
+
+def heartbeat_interval(deadline_s: float) -> float:
+    return min(0.25, deadline_s / 10)
+
+
+def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Frame:
+    out = select(logits, frame.flags)
+    tensors = [out.tokens]
+    if out.probs is not None:
+        tensors.append(out.probs)
+    if out.logits is not None:
+        tensors.append(out.logits)
+    tensors.append(stage_ms)
+    return Frame(Msg.RESULT, frame.stream, frame.seq, tensors, frame.flags)
+
+
+class Worker:
+    def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
+                 device: str = "CPU", config: dict | None = None, delay_ms: float = 0.0,
+                 deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
+                 max_frame: int = wire.DEFAULT_MAX_FRAME):
+        self.runner = StageRunner(Path(shard), device, config)
+        m = self.manifest = self.runner.manifest
+        self.key = key
+        self.tls = tls
+        self.delay_s = delay_ms / 1e3
+        self.deadline_s = deadline_s
+        self.max_frame = max_frame
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.identity = {"fingerprint": m.fingerprint, "stage": m.stage_index, "first_layer": m.layers[0],
+                         "delay_ms": delay_ms}
+        self.max_length = m.spec.max_position
+        self.hidden = m.spec.hidden_size
+
+        try:
+            self._listener = socket.create_server(parse_address(listen, "0.0.0.0"))
+        except OSError as exc:
+            raise FleetError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+        self.address = "%s:%d" % self._listener.getsockname()[:2]
+        self._fixed_next = next_address is not None
+        self._next = next_address
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._upstream: Link | None = None
+        self._downstream: Link | None = None
+        self._down_ready = threading.Event()
+        self._down_silence = 0.0
+        self._down_last_rx = 0.0
+        self._down_reason = "not connected yet"
+        self._owed: set[tuple[int, int]] = set()  # requests we still owe upstream a reply for
+        self._outstanding: set[tuple[int, int]] = set()  # requests the successor owes us
+        self._masks: dict[int, np.ndarray] = {}
+        self._kv_length: dict[int, int] = {}
+        self._threads: list[threading.Thread] = []
+
+    # --- life cycle --------------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        m = self.manifest
+        return {"stage": m.stage_index, "layers": list(m.layers), "address": self.address,
+                "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname()}
+
+    def start(self) -> "Worker":
+        for target, name in ((self._accept_loop, "accept"), (self._heartbeat_loop, "heartbeat"),
+                             (self._downstream_loop, "downstream")):
+            t = threading.Thread(target=target, daemon=True, name=f"worker {name}")
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def serve_forever(self) -> None:
+        self.start()
+        try:
+            while not self._stop.wait(0.5):
+                pass
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        for link in (self._upstream, self._downstream):
+            if link is not None:
+                link.close()
+
+    # --- upstream: accept, authenticate, serve -----------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            threading.Thread(target=self._session, args=(conn, "%s:%d" % addr[:2]), daemon=True,
+                             name=f"upstream {addr}").start()
+
+    def _session(self, conn: socket.socket, peer: str) -> None:
+        try:
+            tune(conn)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self.tls is not None:
+                conn = self.tls.server.wrap_socket(conn, server_side=True)
+            wire.server_handshake(conn, self.key, self.identity)
+        except (ProtocolError, AuthError, OSError, ValueError) as exc:
+            self.log(f"refused connection from {peer}: {exc}")
+            conn.close()
+            return
+        link = Link(conn, peer, self.delay_s, self.max_frame)
+        with self._lock:
+            previous, self._upstream = self._upstream, link
+            self._owed.clear()
+        if previous is not None:
+            self.log(f"upstream {peer} replaces {previous.peer}")
+            previous.close()
+        self.log(f"serving upstream {peer}")
+        try:
+            while not self._stop.is_set():
+                frame = link.recv()
+                if frame.type == Msg.BYE:
+                    break
+                self._dispatch(link, frame)
+        except ConnectionError as exc:
+            self.log(f"upstream {peer} gone: {exc}")
+        except ProtocolError as exc:
+            self.log(f"closing upstream {peer}: {exc}")
+        finally:
+            link.close()
+            with self._lock:
+                if self._upstream is link:
+                    self._upstream = None
+
+    def _reply(self, link: Link, frame: Frame) -> None:
+        with self._lock:
+            self._owed.discard((frame.stream, frame.seq))
+        try:
+            link.send(frame)
+        except OSError:
+            link.close()
+
+    def _error(self, link: Link, frame: Frame, reason: str, stage: int | None = None,
+               address: str | None = None) -> None:
+        doc = {"stage": self.manifest.stage_index if stage is None else stage,
+               "address": address or self.address, "reason": reason}
+        self._reply(link, wire.control(Msg.ERROR, doc, frame.stream, frame.seq))
+
+    def _dispatch(self, link: Link, frame: Frame) -> None:
+        if frame.type in (Msg.FORWARD, Msg.PING):
+            with self._lock:
+                self._owed.add((frame.stream, frame.seq))
+        try:
+            if frame.type == Msg.FORWARD:
+                self._forward(link, frame)
+            elif frame.type == Msg.RESET:
+                self._reset(frame.stream)
+            elif frame.type == Msg.PING:
+                self._ping(link, frame)
+            else:
+                raise RequestError(f"unexpected {frame.type.name} frame")
+        except RequestError as exc:
+            self._error(link, frame, str(exc), exc.stage, exc.address)
+        except ProtocolError as exc:
+            self._error(link, frame, str(exc))
+        except RuntimeError as exc:  # OpenVINO refused the request
+            self._error(link, frame, f"inference failed: {exc}")
+
+    def _reset(self, stream: int) -> None:
+        if stream in self._kv_length:
+            self.runner.reset(stream)
+            self._kv_length[stream] = 0
+        self._send_down(Frame(Msg.RESET, stream), track=False)
+
+    def _check_forward(self, frame: Frame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if len(frame.tensors) != 4:
+            raise RequestError(f"FORWARD carries {len(frame.tensors)} tensors, expected 4")
+        x, mask, pos, stage_ms = frame.tensors
+        if self.runner.first:
+            ok = x.dtype == np.int64 and x.ndim == 2 and x.shape[0] == 1
+        else:
+            ok = x.dtype == np.float32 and x.ndim == 3 and x.shape[0] == 1 and x.shape[2] == self.hidden
+        q = x.shape[1] if x.ndim >= 2 else 0
+        if not ok or q == 0:
+            raise RequestError(f"activations of shape {x.shape} {x.dtype} do not fit stage "
+                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
+        if pos.dtype != np.int64 or pos.shape != (1, q):
+            raise RequestError(f"position_ids {pos.shape} {pos.dtype} do not match {q} new tokens")
+        past = self._kv_length.get(frame.stream, 0)
+        if mask.dtype != np.uint8 or mask.shape != (1, past + q):
+            raise RequestError(f"attention mask {mask.shape} {mask.dtype} does not cover the {past} cached "
+                               f"and {q} new positions of stream {frame.stream}")
+        if past + q > self.max_length or pos.min() < 0 or pos.max() >= self.max_length:
+            raise RequestError(f"positions beyond the context of {self.max_length}")
+        if stage_ms.dtype != np.float32 or stage_ms.ndim != 1 or stage_ms.shape[0] > 64:
+            raise RequestError("malformed stage timings")
+        if frame.stream not in self._masks and len(self._masks) >= MAX_STREAMS:
+            raise RequestError(f"more than {MAX_STREAMS} streams")
+        return x, mask, pos, stage_ms
+
+    def _forward(self, link: Link, frame: Frame) -> None:
+        x, mask, pos, stage_ms = self._check_forward(frame)
+        stream = frame.stream
+        buf = self._masks.get(stream)
+        if buf is None:
+            buf = self._masks[stream] = np.zeros((1, self.max_length), np.int64)
+        length = mask.shape[1]
+        buf[0, :length] = mask[0]
+        if not self.runner.last and not self._down_ready.is_set():
+            raise self._down_missing()
+        start = time.perf_counter()
+        y = self.runner.forward(x, buf[:, :length], pos, stream)
+        self._kv_length[stream] = length
+        timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
+        if self.runner.last:
+            self._reply(link, result_frame(y, frame, timings))
+        elif not self._send_down(Frame(Msg.FORWARD, stream, frame.seq, [y, mask, pos, timings], frame.flags)):
+            self._error(link, frame, "connection lost", self.manifest.stage_index + 1, self._next)
+
+    def _ping(self, link: Link, frame: Frame) -> None:
+        """Readiness check from the coordinator; its ``route`` names the stages after this one."""
+        route = frame.json().get("route", [])
+        if not isinstance(route, list) or not all(isinstance(a, str) for a in route):
+            raise RequestError("malformed route")
+        if self.runner.last:
+            if route:
+                raise RequestError(f"this is the last stage, but the route continues to {route}")
+            self._reply(link, wire.control(Msg.PONG, {"stages": [self.describe()]}, frame.stream, frame.seq))
+            return
+        if route and route[0] != self._next:
+            if self._fixed_next:
+                raise RequestError(f"this stage forwards to {self._next} (--next), not {route[0]}")
+            self.log(f"next stage set to {route[0]} by the coordinator")
+            with self._lock:
+                self._next = route[0]
+                down = self._downstream
+            if down is not None:
+                down.close()
+        if self._next is None:
+            raise RequestError("no next stage configured (start the worker with --next, or give the "
+                               "coordinator the whole route)")
+        if not self._down_ready.wait(min(1.0, self.deadline_s)):
+            raise self._down_missing()
+        if not self._send_down(wire.control(Msg.PING, {"route": route[1:]}, frame.stream, frame.seq)):
+            raise self._down_missing()
+
+    def _down_missing(self) -> RequestError:
+        return RequestError(f"{self._down_reason} (redialing)", self.manifest.stage_index + 1, self._next)
+
+    # --- downstream: dial, relay results, watch the deadline ---------------------------------------
+
+    def _send_down(self, frame: Frame, track: bool = True) -> bool:
+        link = self._downstream
+        if link is None or not self._down_ready.is_set():
+            return False
+        with self._lock:
+            if track:
+                if not self._outstanding:
+                    self._down_last_rx = time.monotonic()  # the silence clock starts now
+                self._outstanding.add((frame.stream, frame.seq))
+        try:
+            link.send(frame)
+        except OSError:
+            link.close()
+            return False
+        return True
+
+    def _downstream_loop(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            target = self._next
+            if target is None or self.runner.last:
+                self._stop.wait(0.2)
+                continue
+            link = self._connect_down(target)
+            if link is None:
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.1
+            reason = self._relay_from(link)
+            link.close()
+            with self._lock:
+                self._downstream = None
+                self._down_ready.clear()
+                lost, self._outstanding = self._outstanding, set()
+            self._down_reason = reason
+            up = self._upstream
+            if not self._stop.is_set():
+                self.log(f"next stage {target}: {reason}")
+            for stream, seq in sorted(lost):
+                if up is not None:
+                    self._error(up, Frame(Msg.ERROR, stream, seq), reason, self.manifest.stage_index + 1, target)
+
+    def _connect_down(self, target: str) -> Link | None:
+        try:
+            sock = dial(target, self.tls)
+        except OSError:
+            return None
+        m = self.manifest
+        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1]}
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            welcome = wire.client_handshake(sock, self.key, expect)
+        except (AuthError, ProtocolError, OSError) as exc:
+            self.log(f"next stage {target} refused: {exc}")
+            sock.close()
+            self._stop.wait(2.0)  # a misconfiguration: do not hammer the peer
+            return None
+        link = Link(sock, target, 0.0, self.max_frame)
+        peer_delay = float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
+        self._down_silence = self.deadline_s / 2 + 2 * peer_delay
+        with self._lock:
+            if target != self._next:  # re-routed while we dialed
+                link.close()
+                return None
+            self._downstream = link
+            self._down_ready.set()
+        self.log(f"connected to next stage {target}")
+        return link
+
+    def _relay_from(self, link: Link) -> str:
+        """Relays everything the successor sends back upstream; returns why the link ended."""
+        tick = heartbeat_interval(self.deadline_s)
+        self._down_last_rx = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                frame = link.recv(tick)
+            except ConnectionError:
+                return "connection lost"
+            except ProtocolError as exc:
+                return f"sent a malformed frame ({exc})"
+            now = time.monotonic()
+            if frame is None:
+                if link.closed.is_set():
+                    return "connection closed (re-routed)"
+                if self._outstanding and now - self._down_last_rx > self._down_silence:
+                    return f"no reply for {now - self._down_last_rx:.1f} s (stalled)"
+                continue
+            self._down_last_rx = now
+            if frame.type == Msg.ALIVE:
+                continue
+            key = (frame.stream, frame.seq)
+            with self._lock:
+                self._outstanding.discard(key)
+            if frame.type == Msg.PONG:
+                doc = frame.json()
+                frame = wire.control(Msg.PONG, {"stages": [self.describe(), *doc.get("stages", [])]},
+                                     frame.stream, frame.seq)
+            if frame.type in (Msg.RESULT, Msg.ERROR, Msg.PONG):
+                up = self._upstream
+                if up is not None:
+                    self._reply(up, frame)
+        return "stopped"
+
+    def _heartbeat_loop(self) -> None:
+        tick = heartbeat_interval(self.deadline_s)
+        while not self._stop.wait(tick):
+            up = self._upstream
+            if up is not None and self._owed:
+                try:
+                    up.send(Frame(Msg.ALIVE))
+                except OSError:
+                    pass

@@ -1,0 +1,299 @@
+"""The distributed pipeline on loopback with real worker processes: the same tokens as in-process,
+refusal of strangers and foreign shards, a fuzzed worker that keeps serving, and dead or stalled
+workers reported by stage and address within the deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine import wire
+from engine.errors import StageError
+from engine.fleetkey import create_certificate, create_key, load_key, tls_file
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
+from engine.runtime.link import dial
+from engine.runtime.localfleet import LocalFleet
+from engine.runtime.remote import RemoteChain
+from engine.wire import Flag, Frame, Msg
+
+IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    return create_key(tmp_path_factory.mktemp("keys") / "fleet.key")
+
+
+@contextlib.contextmanager
+def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, **fleet_args):
+    """Stages 1.. as worker processes, stage 0 in this process."""
+    fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
+    chain = None
+    try:
+        chain = RemoteChain(folders[0], fleet.addresses, key=coordinator_key or load_key(key_file),
+                            connect_timeout_s=30, tls=fleet_args.get("tls") and _tls(key_file))
+        yield fleet, chain
+    finally:
+        if chain is not None:
+            chain.close()
+        fleet.close()
+
+
+def _tls(key_file):
+    from engine.fleetkey import TLS
+
+    return TLS(tls_file(key_file))
+
+
+def _greedy(chain, tokens=TOKENS, **kw):
+    return Generator(chain, max_length=128).generate(IDS, tokens, ignore_eos=True, **kw).tokens
+
+
+@pytest.mark.parametrize("arch, label", [("llama", "2"), ("qwen2", "3")])
+def test_loopback_pipeline_equals_in_process_chain(arch, label, tiny_exports, key_file, tmp_path):
+    folders = tiny_exports[arch, label].folders
+    local = LocalChain(folders)
+    want = _greedy(local)
+    n = IDS.shape[1]
+    mask, pos = np.ones((1, n), np.int64), np.arange(n)[None]
+    local.reset()
+    want_out = local.forward(IDS, mask, pos, Flag.LOGITS | Flag.PROBS | Flag.ALL_POSITIONS)
+    with pipeline(folders, key_file, tmp_path) as (fleet, chain):
+        assert [s["stage"] for s in chain.stages] == list(range(1, len(folders)))
+        assert _greedy(chain) == want
+        assert _greedy(chain) == want  # a second request on the same connections starts clean
+        chain.reset()
+        got = chain.forward(IDS, mask, pos, Flag.LOGITS | Flag.PROBS | Flag.ALL_POSITIONS)
+        # Same shards, same device: the relay must not change a single bit.
+        assert np.array_equal(got.tokens, want_out.tokens) and got.tokens.shape == (n,)
+        assert np.array_equal(got.logits, want_out.logits)
+        assert np.array_equal(got.probs, want_out.probs)
+        assert np.allclose(got.probs, 1 / np.exp(got.logits[0] - got.logits[0].max(-1, keepdims=True)).sum(-1))
+        chain.reset()
+        top1 = chain.forward(IDS, mask, pos)  # the default: top-1 of the last position only
+        assert top1.logits is None and top1.probs is None and top1.tokens.tolist() == [want_out.tokens[-1]]
+        assert len(top1.stage_ms) == len(folders) and top1.network_ms >= 0
+
+
+def test_breakdown_and_injected_delay(tiny_exports, key_file, tmp_path):
+    folders = tiny_exports["llama", "2"].folders
+    want = _greedy(LocalChain(folders), 6)
+    with pipeline(folders, key_file, tmp_path, delay_ms=20) as (fleet, chain):
+        gen = Generator(chain, max_length=128).generate(IDS, 6, ignore_eos=True)
+    assert gen.tokens == want
+    bd = gen.breakdown.to_json()
+    assert bd["steps"] == 5 and len(bd["stage_compute_ms"]) == 2
+    # 20 ms on the way in and 20 ms on the way out of the worker, every token.
+    assert bd["network_ms"] >= 40 and bd["token_ms"] >= 40
+
+
+def test_wrong_key_is_refused_on_both_sides(tiny_exports, key_file, tmp_path):
+    folders = tiny_exports["llama", "2"].folders
+    other = load_key(create_key(tmp_path / "other.key"))
+    with LocalFleet(folders[1:], key_file, log_dir=tmp_path) as fleet:
+        with pytest.raises(StageError, match="stage 1 at 127.0.0.1:\\d+: handshake failed: .*fleet key"):
+            RemoteChain(folders[0], fleet.addresses, key=other, connect_timeout_s=10)
+        assert _wait_for_log(fleet.logs[0], "refused connection from 127.0.0.1")
+    assert "fleet key" in fleet.logs[0].read_text()
+
+
+def _wait_for_log(path, text, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if text in path.read_text():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_foreign_shards_are_refused(tiny_exports, key_file, tmp_path):
+    llama, qwen = tiny_exports["llama", "2"].folders, tiny_exports["qwen2", "2"].folders
+    fleet = LocalFleet(qwen[1:], key_file, log_dir=tmp_path).start()
+    try:
+        with pytest.raises(StageError, match="fingerprint mismatch"):
+            RemoteChain(llama[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=10)
+        # Same model, but the worker serves layers 1-3 of the 3-stage split, not 2-4.
+        three = tiny_exports["llama", "3"].folders
+        fleet2 = LocalFleet(three[1:2], key_file, log_dir=tmp_path).start()
+        try:
+            with pytest.raises(StageError, match="first_layer mismatch"):
+                RemoteChain(llama[0], fleet2.addresses, key=load_key(key_file), connect_timeout_s=10)
+        finally:
+            fleet2.close()
+    finally:
+        fleet.close()
+
+
+def _garbage(rng, good: bytes) -> bytes:
+    kind = rng.integers(6)
+    if kind == 0:
+        return rng.bytes(int(rng.integers(1, 200)))
+    if kind == 1:
+        return good[: int(rng.integers(1, len(good)))]  # truncated
+    if kind == 2:  # a header announcing a huge payload
+        return wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Msg.FORWARD), 0, 1, 1, 0, 1 << 40)
+    data = bytearray(good)
+    for _ in range(int(rng.integers(1, 4))):
+        data[int(rng.integers(len(data)))] = int(rng.integers(256))
+    return bytes(data)
+
+
+def _bad_forwards(rng, hidden: int):
+    """Well-framed FORWARDs that no stage can serve."""
+    f32 = np.float32
+    good = [rng.standard_normal((1, 3, hidden)).astype(f32), np.ones((1, 3), np.uint8),
+            np.arange(3)[None], np.zeros(1, f32)]
+    variants = [
+        good[:3],
+        [good[0].astype(np.float16), *good[1:]],
+        [good[0][:, :, :-1], *good[1:]],
+        [good[0], np.ones((1, 2), np.uint8), *good[2:]],
+        [good[0], good[1], np.arange(4)[None], good[3]],
+        [good[0], good[1], np.array([[0, 1, 99999]]), good[3]],
+        [good[0], good[1].astype(np.int64), *good[2:]],
+        [good[0], good[1], good[2], np.zeros((2, 2), f32)],
+        [np.zeros((1, 0, hidden), f32), np.ones((1, 0), np.uint8), np.zeros((1, 0), np.int64), good[3]],
+    ]
+    return [Frame(Msg.FORWARD, int(rng.integers(4)), i, variants[i % len(variants)]) for i in range(300)]
+
+
+def test_fuzzed_worker_keeps_serving(tiny_exports, key_file, tmp_path):
+    folders = tiny_exports["llama", "2"].folders
+    want = _greedy(LocalChain(folders))
+    manifest = LocalChain(folders).manifest
+    identity = {"fingerprint": manifest.fingerprint, "stage": 1, "first_layer": 2}
+    key = load_key(key_file)
+    rng = np.random.default_rng(7)
+    hidden = manifest.spec.hidden_size
+    good = wire.encode(Frame(Msg.FORWARD, 0, 1, [np.ones((1, 1, hidden), np.float32), np.ones((1, 1), np.uint8),
+                                                  np.zeros((1, 1), np.int64), np.zeros(1, np.float32)]))
+    fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path).start()
+    address = fleet.addresses[0]
+    sent = 0
+    try:
+        for i in range(400):  # strangers: garbage before (or instead of) a handshake
+            with contextlib.closing(dial(address)) as s:
+                s.sendall(_garbage(rng, good) if i % 2 else wire.encode(
+                    wire.control(Msg.HELLO, {"version": 1, "nonce": "zz"})))
+            sent += 1
+        for _ in range(350):  # authenticated peers sending broken frames: each costs its connection
+            with contextlib.closing(dial(address)) as s:
+                s.settimeout(5)
+                wire.client_handshake(s, key, identity)
+                s.sendall(_garbage(rng, good))
+            sent += 1
+        with contextlib.closing(dial(address)) as s:  # well-framed nonsense: answered with ERROR each
+            s.settimeout(5)
+            wire.client_handshake(s, key, identity)
+            for frame in _bad_forwards(rng, hidden):
+                wire.send_frame(s, frame)
+                reply = wire.recv_frame(s)
+                while reply.type == Msg.ALIVE:
+                    reply = wire.recv_frame(s)
+                assert reply.type == Msg.ERROR and reply.seq == frame.seq, reply
+                assert reply.json()["stage"] == 1 and reply.json()["reason"]
+                sent += 1
+        assert sent >= 1000
+        assert fleet.procs[0].poll() is None, "the worker died"
+        chain = RemoteChain(folders[0], fleet.addresses, key=key, connect_timeout_s=10)
+        try:
+            assert _greedy(chain) == want
+        finally:
+            chain.close()
+    finally:
+        fleet.close()
+    log = fleet.logs[0].read_text()
+    assert "refused connection" in log and "closing upstream" in log
+
+
+def _fail_at(n, action):
+    calls = []
+
+    def on_token(_):
+        calls.append(1)
+        if len(calls) == n:
+            action()
+
+    return on_token
+
+
+@pytest.mark.parametrize("victim, how", [(2, "kill"), (1, "kill"), (2, "stop"), (1, "stop")])
+def test_dead_or_stalled_worker_is_reported_within_the_deadline(victim, how, tiny_exports, key_file, tmp_path):
+    folders = tiny_exports["qwen2", "3"].folders
+    want = _greedy(LocalChain(folders), 24)
+    with pipeline(folders, key_file, tmp_path) as (fleet, chain):
+        proc = fleet.procs[victim - 1]
+        when = {}
+
+        def strike():
+            when["t"] = time.monotonic()
+            os.kill(proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+        with pytest.raises(StageError) as info:
+            _greedy(chain, 24, on_token=_fail_at(4, strike))
+        elapsed = time.monotonic() - when["t"]
+        err = info.value
+        assert (err.stage, err.address) == (victim, fleet.addresses[victim - 1]), str(err)
+        assert elapsed < 2.0, f"took {elapsed:.2f} s to report {err}"
+        assert ("stalled" if how == "stop" else "connection lost") in err.reason
+        # Bring the stage back; the next request is served and correct.
+        if how == "stop":
+            os.kill(proc.pid, signal.SIGCONT)
+        else:
+            proc.wait()
+            fleet.start_worker(victim - 1)
+            fleet.wait_ready(victim - 1)
+        assert _greedy(chain, 24) == want
+
+
+def test_coordinator_routes_workers_started_without_next(tiny_exports, key_file, tmp_path):
+    """``fleet generate --remote A,B``: the workers learn their successor from the coordinator."""
+    folders = tiny_exports["qwen2", "3"].folders
+    want = _greedy(LocalChain(folders), 8)
+    fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path, link_workers=False).start()
+    try:
+        out = tmp_path / "gen.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine.cli", "generate", "--shards", str(folders[0]),
+             "--remote", ",".join(fleet.addresses), "--fleet-key-file", str(key_file), "--no-chat",
+             "--prompt", "Paris is", "--max-new-tokens", "8", "--ignore-eos", "--json", str(out)],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        fleet.close()
+    assert "next stage set to" in fleet.logs[0].read_text()
+    import json
+
+    (result,) = json.loads(out.read_text())
+    assert result["new_tokens"] == 8 and "breakdown" in result
+
+
+def test_tls_fleet_serves_and_refuses_plain_peers(tiny_exports, tmp_path):
+    folders = tiny_exports["llama", "2"].folders
+    key_file = create_key(tmp_path / "tls" / "fleet.key")
+    create_certificate(tls_file(key_file))
+    want = _greedy(LocalChain(folders), 8)
+    with pipeline(folders, key_file, tmp_path, tls=True) as (fleet, chain):
+        assert _greedy(chain, 8) == want
+        with pytest.raises(StageError, match="handshake failed"):
+            RemoteChain(folders[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=5)
+
+
+def test_worker_reports_a_port_in_use(tiny_exports, key_file, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        fleet = LocalFleet(tiny_exports["llama", "2"].folders[1:], key_file, log_dir=tmp_path)
+        fleet.addresses = ["127.0.0.1:%d" % busy.getsockname()[1]]
+        with pytest.raises(Exception, match="did not start(.|\n)*Address already in use"):
+            fleet.start()
