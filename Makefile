@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/fleet generate --model $(MODEL) --stages 2
+	$(BIN)/fleet generate --model $(MODEL) --stages 2 --local-workers
 
 test: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -78,15 +78,12 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _precision_config(precision: str | None) -> dict:
-    return {"INFERENCE_PRECISION_HINT": precision} if precision else {}
-
-
 def open_chain(args, settings: Settings):
     """The chain ``fleet generate`` asked for: in-process, stage 0 here and the rest remote, or a
     local fleet of worker processes.  Returns (chain, local fleet or None)."""
     from engine.fleetkey import key_file, load_key, load_tls
     from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
+    from engine.runtime.stage import compile_config
 
     if args.remote and args.local_workers:
         raise FleetError("--remote and --local-workers exclude each other")
@@ -95,10 +92,10 @@ def open_chain(args, settings: Settings):
     else:
         stages = args.stages or settings.stages
         shard_dirs = _export(args.model or settings.default_model, stages, None, settings.weights, None).folders
-    config = _precision_config(args.precision)
+    mode = args.mode or settings.mode
     device = args.device or settings.device
     if not (args.remote or args.local_workers):
-        return LocalChain(shard_dirs, device=device, config=config), None
+        return LocalChain(shard_dirs, device=device, config=compile_config(mode, args.precision)), None
 
     from engine.runtime.remote import RemoteChain
 
@@ -119,11 +116,12 @@ def open_chain(args, settings: Settings):
             raise FleetError("--local-workers needs a model split into at least 2 stages")
         devices = parse_devices(device, len(shard_dirs))
         fleet = LocalFleet(shard_dirs[1:], key_file(args.fleet_key_file), devices=devices[1:],
-                           precision=args.precision, delay_ms=args.delay_ms or 0.0, tls=tls_on,
+                           mode=mode, precision=args.precision, delay_ms=args.delay_ms or 0.0, tls=tls_on,
                            deadline_s=deadline).start()
         remotes = fleet.addresses
     try:
-        chain = RemoteChain(shard_dirs[0], remotes, key=key, device=devices[0], config=config, tls=tls,
+        chain = RemoteChain(shard_dirs[0], remotes, key=key, device=devices[0], mode=mode,
+                            precision=args.precision, tls=tls,
                             deadline_s=deadline, connect_timeout_s=args.connect_timeout)
     except BaseException:
         if fleet is not None:
@@ -132,16 +130,69 @@ def open_chain(args, settings: Settings):
     return chain, fleet
 
 
+def open_drafter(args, settings: Settings, chain, streams: int):
+    """One drafter per stream, or None: ``lookup``, a draft model (shard folder or model source), or
+    ``hybrid:MODEL`` (lookup where it matches, the model otherwise)."""
+    from engine.runtime.chain import LocalChain, expand_shard_dirs
+    from engine.runtime.speculative import DraftModel, Hybrid, PromptLookup, check_draft_tokenizer
+    from engine.runtime.stage import compile_config
+
+    spec = args.draft
+    if not spec:
+        return None
+    if spec == "lookup":
+        return [PromptLookup() for _ in range(streams)]
+    hybrid = spec.startswith("hybrid:")
+    source = spec.split(":", 1)[1] if hybrid else spec
+    if Path(source).exists():
+        folders = expand_shard_dirs([source])
+    else:
+        folders = _export(source, 1, None, settings.weights, None).folders
+    draft_chain = LocalChain(folders, device=(args.device or settings.device).split(",")[0],
+                             config=compile_config(args.mode or settings.mode, args.precision))
+    check_draft_tokenizer(chain.manifest, draft_chain.manifest, folders[0])
+    rewind = args.rewind
+    models = [DraftModel(draft_chain, rewind, stream=i) for i in range(streams)]
+    return [Hybrid(PromptLookup(), m) for m in models] if hybrid else models
+
+
+def _k(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes a number or 'auto', not {text!r}") from None
+    if not 0 <= value <= 32:
+        raise argparse.ArgumentTypeError("--k must be between 0 and 32")
+    return value
+
+
 def cmd_generate(args) -> int:
     from engine.runtime.generate import Generator
     from engine.runtime.tokenizer import ChatTokenizer, TextStream
 
     settings = Settings.load()
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        try:
+            prompts += [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            raise FleetError(f"cannot read --prompts {args.prompts}: {exc.strerror}") from None
+    streams = args.streams or 1
+    if streams > 1 and not prompts:
+        raise FleetError("--streams needs prompts (--prompt repeated or --prompts FILE)")
     chain, fleet = open_chain(args, settings)
     try:
         tokenizer = ChatTokenizer(chain.first_folder)
-        gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids)
-        results = _chat_loop(args, settings, tokenizer, gen, TextStream)
+        drafters = open_drafter(args, settings, chain, streams)
+        if streams > 1:
+            results = _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters)
+        else:
+            gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids,
+                            rewind=args.rewind)
+            results = _chat_loop(args, settings, tokenizer, gen, TextStream, prompts,
+                                 drafters[0] if drafters else None)
     finally:
         chain.close()
         if fleet is not None:
@@ -151,8 +202,30 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream) -> list[dict]:
-    prompts = args.prompt or []
+def _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters) -> list[dict]:
+    """Micro-batching: prompts in rounds of ``streams`` concurrent streams."""
+    from engine.runtime.generate import generate_streams
+
+    results = []
+    for start in range(0, len(prompts), streams):
+        batch = prompts[start : start + streams]
+        ids = [tokenizer.prompt_ids(p, system=args.system, chat=not args.no_chat) for p in batch]
+        gens, wall = generate_streams(chain, ids, args.max_new_tokens or settings.max_new_tokens,
+                                      max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids,
+                                      ignore_eos=args.ignore_eos, rewind=args.rewind,
+                                      drafters=drafters[: len(batch)] if drafters else None, k=args.k)
+        total = sum(len(g.tokens) for g in gens)
+        for i, (prompt, g) in enumerate(zip(batch, gens)):
+            text = tokenizer.decode(g.tokens)
+            print(f"--- stream {i} ({len(g.tokens)} tokens, {g.decode_tok_s:.1f} tok/s"
+                  + (f", acceptance {g.acceptance:.2f}" if g.drafted else "") + f")\n{text}")
+            results.append({"stream": i, "prompt": prompt, "text": text, "tokens": g.tokens, **g.to_json()})
+        print(f"[{len(batch)} streams, {total} tokens in {wall:.2f} s: {total / wall:.1f} tok/s aggregate]",
+              file=sys.stderr)
+    return results
+
+
+def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream, prompts, drafter) -> list[dict]:
     interactive = not prompts
     results = []
     while True:
@@ -173,11 +246,12 @@ def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream) -> list[di
         stream = text_stream(tokenizer)
         result = gen.generate(
             ids, args.max_new_tokens or settings.max_new_tokens, ignore_eos=args.ignore_eos,
-            on_token=lambda t: print(stream.push(t), end="", flush=True),
+            on_token=lambda t: print(stream.push(t), end="", flush=True), drafter=drafter, k=args.k,
         )
         print()
+        spec = f", acceptance {result.acceptance:.2f}" if result.drafted else ""
         print(f"[{len(result.tokens)} tokens, {result.decode_tok_s:.1f} tok/s, "
-              f"first token {result.ttft_s * 1e3:.0f} ms, stopped by {result.stopped_by}]", file=sys.stderr)
+              f"first token {result.ttft_s * 1e3:.0f} ms{spec}, stopped by {result.stopped_by}]", file=sys.stderr)
         results.append({"prompt": prompt, "text": tokenizer.decode(result.tokens), "tokens": result.tokens,
                         **result.to_json()})
         if interactive and not sys.stdin.isatty():
@@ -203,7 +277,7 @@ def cmd_worker(args) -> int:
 
         threading.Thread(target=watch, daemon=True).start()
     worker = Worker(args.shard, args.listen, args.next, key=key, device=args.device or settings.device,
-                    config=_precision_config(args.precision), delay_ms=args.delay_ms,
+                    mode=args.mode or settings.mode, precision=args.precision, delay_ms=args.delay_ms,
                     deadline_s=args.deadline or settings.deadline_s, tls=tls)
     m = worker.manifest
     print(f"stage {m.stage_index} of {m.stage_count} (layers {m.layers[0]}-{m.layers[1]}) on "
@@ -288,6 +362,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
     gen.add_argument("--stages", type=int, help="with --model: number of stages")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); none: read from stdin")
+    gen.add_argument("--prompts", help="a file with one prompt per line")
+    gen.add_argument("--streams", type=int, help="generate this many prompts concurrently (micro-batching)")
+    gen.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
+                     "model (shard folder or model source with the target's tokenizer), or hybrid:MODEL")
+    gen.add_argument("--k", type=_k, default=4, help="draft tokens per round, or 'auto' (default 4)")
+    gen.add_argument("--rewind", choices=["mask", "trim"], default="mask",
+                     help="drop rejected drafts by masking them (default) or trimming the KV cache")
+    gen.add_argument("--mode", choices=["fast", "exact"],
+                     help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
     gen.add_argument("--system", help="system prompt")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-new-tokens", type=int)
@@ -311,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--next", help="HOST:PORT of the next stage (default: the coordinator names it)")
     worker.add_argument("--device", help="OpenVINO device (CPU, GPU, NPU, GPU.1...)")
     worker.add_argument("--precision", help="inference precision hint (f32, bf16, f16)")
+    worker.add_argument("--mode", choices=["fast", "exact"], help="correctness mode (every stage must agree)")
     worker.add_argument("--delay-ms", type=float, default=0.0,
                         help="add this one-way delay to every frame received and sent upstream")
     worker.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)

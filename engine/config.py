@@ -66,6 +66,7 @@ class Settings:
     max_new_tokens: int = 128
     fleet_key_file: str | None = None  # default: fleet.key in the config folder
     tls: bool = False  # wrap every fleet connection in TLS with the shared fleet certificate
+    mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
     deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
 
     @classmethod

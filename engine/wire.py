@@ -69,6 +69,7 @@ class Msg(enum.IntEnum):
     PONG = 15
     BYE = 16
     ALIVE = 17  # heartbeat upstream while a request is outstanding (deadlines, not keep-alive)
+    KEEP = 18  # keep only these physical KV slots of a stream ([slots i32]): rewind and compaction
 
 
 class Flag(enum.IntFlag):
@@ -252,7 +253,7 @@ def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
 
     if doc.get("version") != VERSION:
         refuse(f"protocol version {doc.get('version')} is not {VERSION}")
-    for field in ("fingerprint", "stage", "first_layer"):
+    for field in ("fingerprint", "stage", "first_layer", "mode"):
         if field in doc and field in identity and doc[field] != identity[field]:
             refuse(f"{field} mismatch: peer expects {doc[field]!r}, this node serves {identity[field]!r}")
     try:

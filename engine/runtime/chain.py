@@ -60,6 +60,10 @@ class LocalChain:
         for stage in self.stages:
             stage.reset(stream)
 
+    def keep(self, stream: int, slots: np.ndarray) -> None:
+        for stage in self.stages:
+            stage.keep(stream, slots)
+
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output:
         x, stage_ms = input_ids, []
@@ -70,6 +74,13 @@ class LocalChain:
         out = select(x, flags)
         out.stage_ms = stage_ms
         return out
+
+    def submit(self, input_ids, attention_mask, position_ids, flags: Flag = Flag.NONE, stream: int = 0) -> Output:
+        """In process there is nothing to overlap: the work is done now, ``collect`` hands it over."""
+        return self.forward(input_ids, attention_mask, position_ids, flags, stream)
+
+    def collect(self, ticket: Output) -> Output:
+        return ticket
 
     def close(self) -> None:
         pass

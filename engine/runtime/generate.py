@@ -1,7 +1,13 @@
-"""The generation loop: prefill, then greedy decode through a stage chain, with timings.
+"""The generation loop: prefill, then greedy decode through a stage chain, optionally speculative.
 
-The loop only needs something with ``reset()`` and ``forward(ids, attention_mask, position_ids)``
-returning an ``Output`` (top-1 tokens), so the in-process chain and the distributed pipeline share it.
+The loop only needs something with ``reset()``, ``forward(ids, attention_mask, position_ids, flags,
+stream)`` returning an ``Output`` (top-1 tokens) and, for speculation, ``keep(stream, slots)``; the
+in-process chain and the distributed pipeline both have them.
+
+Speculative rounds feed the pending token plus K drafted ones and verify all K+1 positions in one
+traversal; the accepted prefix plus the target's own next token are emitted.  Rejected positions
+are masked out (``rewind="mask"``, the paper's mask-based rewind: nothing is copied, position ids
+follow the logical length) or cut from every stage's cache (``"trim"``).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from engine.runtime.speculative import AutoK, KVSequence
 from engine.runtime.stage import Output
 from engine.wire import Flag
 
@@ -22,36 +29,43 @@ class Chain(Protocol):
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output: ...
 
+    def keep(self, stream: int, slots: np.ndarray) -> None: ...
+
 
 class Breakdown:
-    """Where a decode step's time goes, summed over steps: compute per stage, the network (waiting
-    beyond the remote stages' compute) and the host (everything else: the loop, masks, framing)."""
+    """Where decode time goes, summed over rounds: compute per stage, the network (waiting beyond
+    the remote stages' compute), drafting, and the host (everything else: the loop, masks, framing).
+    ``to_json`` gives each per generated token."""
 
     def __init__(self):
-        self.steps = 0
+        self.rounds = 0
+        self.tokens = 0
         self.total_ms = 0.0
         self.stage_ms: list[float] = []
         self.network_ms = 0.0
+        self.draft_ms = 0.0
 
-    def add(self, wall_ms: float, out: Output) -> None:
+    def add(self, wall_ms: float, out: Output, tokens: int = 1, draft_ms: float = 0.0) -> None:
         if not self.stage_ms:
             self.stage_ms = [0.0] * len(out.stage_ms)
-        self.steps += 1
+        self.rounds += 1
+        self.tokens += tokens
         self.total_ms += wall_ms
         self.stage_ms = [a + b for a, b in zip(self.stage_ms, out.stage_ms)]
         self.network_ms += out.network_ms
+        self.draft_ms += draft_ms
 
     def to_json(self) -> dict:
-        n = max(self.steps, 1)
+        n = max(self.tokens, 1)
         stage = [s / n for s in self.stage_ms]
-        network = self.network_ms / n
-        total = self.total_ms / n
+        network, draft, total = self.network_ms / n, self.draft_ms / n, self.total_ms / n
         return {
-            "steps": self.steps,
+            "steps": self.rounds,
             "token_ms": round(total, 3),
             "stage_compute_ms": [round(s, 3) for s in stage],
             "network_ms": round(network, 3),
-            "host_ms": round(max(total - sum(stage) - network, 0.0), 3),
+            "draft_ms": round(draft, 3),
+            "host_ms": round(max(total - sum(stage) - network - draft, 0.0), 3),
         }
 
 
@@ -62,7 +76,13 @@ class Generation:
     ttft_s: float  # prompt in -> first new token out
     decode_s: float  # first token -> last token
     stopped_by: str  # "eos" | "max_tokens" | "cancelled"
-    breakdown: Breakdown = dataclasses.field(default_factory=Breakdown)  # decode steps only
+    breakdown: Breakdown = dataclasses.field(default_factory=Breakdown)  # decode rounds only
+    drafted: int = 0
+    accepted: int = 0
+    k_history: list[int] = dataclasses.field(default_factory=list)
+    bloat: float = 1.0  # physical KV slots per logical token at the end
+    compactions: int = 0
+    trim_ms: float = 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -70,8 +90,12 @@ class Generation:
         n = len(self.tokens) - 1
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
     def to_json(self) -> dict:
-        return {
+        doc = {
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": len(self.tokens),
             "ttft_ms": round(self.ttft_s * 1e3, 2),
@@ -79,59 +103,155 @@ class Generation:
             "stopped_by": self.stopped_by,
             "breakdown": self.breakdown.to_json(),
         }
+        if self.drafted:
+            rounds = max(len(self.k_history), 1)
+            doc["speculative"] = {
+                "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": round(self.acceptance, 3),
+                "tokens_per_round": round(len(self.tokens) / rounds, 2),
+                "mean_k": round(sum(self.k_history) / rounds, 2),
+                "kv_bloat": round(self.bloat, 3), "compactions": self.compactions,
+                "trim_ms": round(self.trim_ms, 2),
+            }
+        return doc
+
+
+class Decoding:
+    """One stream's generation as a state machine: ``start`` submits the prefill, each ``advance``
+    collects the round in flight, emits its tokens and submits the next.  ``Generator`` drives one;
+    ``generate_streams`` interleaves several through the same chain (micro-batching)."""
+
+    def __init__(self, seq: KVSequence, prompt: list[int], max_new_tokens: int, eos: frozenset, *,
+                 drafter=None, k: int | str = 4, on_token: Callable[[int], None] | None = None, cancel=None):
+        self.seq = seq
+        self.prompt = prompt
+        room = seq.max_length - len(prompt)
+        if room <= 0 or max_new_tokens <= 0:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {seq.max_length}")
+        self.max_new_tokens = min(max_new_tokens, room)
+        self.eos = eos
+        self.drafter = drafter
+        self.auto = AutoK() if k == "auto" else None
+        self.k = self.auto.k if self.auto else int(k)
+        self.on_token = on_token
+        self.cancel = cancel
+        self.result = Generation(len(prompt), [], 0.0, 0.0, "max_tokens")
+        self.history = list(prompt)
+        self.active = True
+        self._ticket = None
+        self._drafts: list[int] = []
+        self._draft_ms = 0.0
+        self._times: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.seq.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        self._times["start"] = self._times["round"] = time.perf_counter()
+        self._ticket = self.seq.submit(self.prompt)
+
+    def _submit_round(self) -> None:
+        room = self.max_new_tokens - len(self.result.tokens)
+        self._drafts, self._draft_ms = [], 0.0
+        if self.drafter is not None and self.k > 0 and room > 1:
+            t = time.perf_counter()
+            self._drafts = self.drafter.propose(self.history, min(self.k, room - 1))
+            self._draft_ms = (time.perf_counter() - t) * 1e3
+        self._times["verify"] = time.perf_counter()
+        flags = Flag.ALL_POSITIONS if self._drafts else Flag.NONE
+        self._ticket = self.seq.submit([self.result.tokens[-1], *self._drafts], flags)
+
+    def advance(self) -> bool:
+        """Collects the round in flight and submits the next; False once the stream has finished."""
+        out = self.seq.chain.collect(self._ticket)
+        now = time.perf_counter()
+        result, drafts = self.result, self._drafts
+        targets = out.tokens[-(len(drafts) + 1):].tolist()
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        self.seq.reject(len(drafts) - accepted)
+        emitted = targets[: accepted + 1]  # the accepted drafts equal the targets before them
+        first = not result.tokens
+        if drafts:
+            result.drafted += len(drafts)
+            result.accepted += accepted
+            result.k_history.append(len(drafts))
+            if self.auto:
+                verify_ms = (now - self._times["verify"]) * 1e3
+                self.k = self.auto.update(len(drafts), accepted, verify_ms, getattr(self.drafter, "ms_per_token", 0.0))
+        for token in emitted:
+            result.tokens.append(token)
+            self.history.append(token)
+            if self.on_token:
+                self.on_token(token)
+            if token in self.eos:
+                result.stopped_by = "eos"
+                break
+            if len(result.tokens) >= self.max_new_tokens:
+                break
+        if first:
+            result.ttft_s = now - self._times["start"]
+            self._times["first"] = now
+        else:
+            result.breakdown.add((now - self._times["round"]) * 1e3, out, len(emitted), self._draft_ms)
+        self._times["round"] = now
+        if result.stopped_by == "max_tokens" and self.cancel is not None and self.cancel.is_set():
+            result.stopped_by = "cancelled"
+        if result.stopped_by != "max_tokens" or len(result.tokens) >= self.max_new_tokens:
+            self._finish(now)
+            return False
+        self._submit_round()
+        return True
+
+    def _finish(self, now: float) -> None:
+        self.active = False
+        result = self.result
+        result.decode_s = now - self._times["first"]
+        result.bloat, result.compactions, result.trim_ms = self.seq.bloat, self.seq.compactions, self.seq.trim_ms
 
 
 class Generator:
-    """Greedy generation over a chain, with preallocated mask and position buffers."""
+    """Greedy generation over a chain; with a drafter, speculative (``k`` an int or ``"auto"``)."""
 
-    def __init__(self, chain: Chain, max_length: int, eos_ids: list[int] | tuple[int, ...] = ()):
+    def __init__(self, chain: Chain, max_length: int, eos_ids: list[int] | tuple[int, ...] = (),
+                 rewind: str = "mask", stream: int = 0):
         self.chain = chain
         self.max_length = max_length
         self.eos_ids = frozenset(int(i) for i in eos_ids)
-        self._mask = np.ones((1, max_length), dtype=np.int64)
-        self._positions = np.arange(max_length, dtype=np.int64)[None, :]
-        self._token = np.zeros((1, 1), dtype=np.int64)
+        self.seq = KVSequence(chain, max_length, stream, rewind)
 
-    def generate(
-        self,
-        input_ids: np.ndarray,
-        max_new_tokens: int,
-        *,
-        ignore_eos: bool = False,
-        on_token: Callable[[int], None] | None = None,
-        cancel=None,
-    ) -> Generation:
-        ids = np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, -1)
-        n = ids.shape[1]
-        max_new_tokens = min(max_new_tokens, self.max_length - n)
-        if max_new_tokens <= 0:
-            raise ValueError(f"the prompt ({n} tokens) leaves no room in the context of {self.max_length}")
-        eos = frozenset() if ignore_eos else self.eos_ids
-        breakdown = Breakdown()
-        self.chain.reset()
-        start = time.perf_counter()
-        token = int(self.chain.forward(ids, self._mask[:, :n], self._positions[:, :n]).tokens[-1])
-        first = step_start = time.perf_counter()
-        tokens = [token]
-        if on_token:
-            on_token(token)
-        stopped = "eos" if token in eos else "max_tokens"
-        pos = n
-        while stopped == "max_tokens" and len(tokens) < max_new_tokens:
-            if cancel is not None and cancel.is_set():
-                stopped = "cancelled"
-                break
-            self._token[0, 0] = token
-            out = self.chain.forward(self._token, self._mask[:, : pos + 1], self._positions[:, pos : pos + 1])
-            token = int(out.tokens[-1])
-            pos += 1
-            tokens.append(token)
-            if on_token:
-                on_token(token)
-            if token in eos:
-                stopped = "eos"
-            now = time.perf_counter()
-            breakdown.add((now - step_start) * 1e3, out)
-            step_start = now
-        end = time.perf_counter()
-        return Generation(n, tokens, first - start, end - first, stopped, breakdown)
+    def generate(self, input_ids: np.ndarray, max_new_tokens: int, *, ignore_eos: bool = False,
+                 on_token: Callable[[int], None] | None = None, cancel=None, drafter=None,
+                 k: int | str = 4) -> Generation:
+        prompt = [int(t) for t in np.asarray(input_ids).reshape(-1)]
+        decoding = Decoding(self.seq, prompt, max_new_tokens, frozenset() if ignore_eos else self.eos_ids,
+                            drafter=drafter, k=k, on_token=on_token, cancel=cancel)
+        decoding.start()
+        while decoding.advance():
+            pass
+        return decoding.result
+
+
+def generate_streams(chain: Chain, prompts: list[np.ndarray], max_new_tokens: int, *, max_length: int,
+                     eos_ids=(), ignore_eos: bool = False, rewind: str = "mask", drafters=None,
+                     k: int | str = 4, on_token: Callable[[int, int], None] | None = None,
+                     cancels=None) -> tuple[list[Generation], float]:
+    """Micro-batching: one stream per prompt (stream ids 0..N-1, each with its own KV state on every
+    stage), interleaved so that one stream's round is in flight while another is collected and
+    resubmitted.  Returns the generations and the wall time of the whole batch."""
+    eos = frozenset() if ignore_eos else frozenset(int(i) for i in eos_ids)
+    decodings = []
+    for i, ids in enumerate(prompts):
+        callback = (lambda t, i=i: on_token(i, t)) if on_token else None
+        decodings.append(Decoding(KVSequence(chain, max_length, i, rewind),
+                                  [int(t) for t in np.asarray(ids).reshape(-1)], max_new_tokens, eos,
+                                  drafter=drafters[i] if drafters else None, k=k, on_token=callback,
+                                  cancel=cancels[i] if cancels else None))
+    start = time.perf_counter()
+    for d in decodings:
+        d.start()
+    active = list(decodings)
+    while active:
+        active = [d for d in active if d.advance()]
+    return [d.result for d in decodings], time.perf_counter() - start

@@ -28,7 +28,7 @@ def free_port() -> int:
 
 class LocalFleet:
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
-                 precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
+                 mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
                  deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True):
         """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
         route tells them."""
@@ -41,13 +41,13 @@ class LocalFleet:
         self.logs: list[Path] = []
         self._key_file = key_file
         self._link = link_workers
-        self._extra = {"precision": precision, "delay_ms": delay_ms, "tls": tls, "deadline_s": deadline_s}
+        self._extra = {"mode": mode, "precision": precision, "delay_ms": delay_ms, "tls": tls, "deadline_s": deadline_s}
 
     def command(self, i: int) -> list[str]:
         cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(self.shard_dirs[i]),
                "--listen", self.addresses[i], "--device", self.devices[i],
                "--fleet-key-file", str(self._key_file), "--lifeline",
-               "--deadline", str(self._extra["deadline_s"])]
+               "--deadline", str(self._extra["deadline_s"]), "--mode", self._extra["mode"]]
         if self._link and i + 1 < len(self.shard_dirs):
             cmd += ["--next", self.addresses[i + 1]]
         if self._extra["precision"]:

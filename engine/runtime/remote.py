@@ -19,17 +19,19 @@ import numpy as np
 from engine import wire
 from engine.errors import FleetError, ShardError, StageError
 from engine.runtime.link import Link, dial
-from engine.runtime.stage import Output, StageRunner
+from engine.runtime.stage import Output, StageRunner, compile_config
 from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 
 class RemoteChain:
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
-                 config: dict | None = None, tls=None, deadline_s: float = 2.0,
+                 mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
                  connect_timeout_s: float = 60.0):
+        """``mode``: the correctness mode (``engine.runtime.stage.MODES``); every stage must run the same."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
-        self.local = StageRunner(Path(stage0), device, config)
+        self.mode = mode
+        self.local = StageRunner(Path(stage0), device, compile_config(mode, precision))
         self.manifest = self.local.manifest
         if not self.manifest.first:
             raise ShardError(f"{stage0} is stage {self.manifest.stage_index}; the coordinator runs stage 0")
@@ -45,6 +47,8 @@ class RemoteChain:
         self._link: Link | None = None
         self._silence = deadline_s
         self._ready = False
+        self._in_flight: set[tuple[int, int]] = set()
+        self._early: dict[tuple[int, int], Frame] = {}
         self._seq = random.getrandbits(31)  # a fresh range, so a previous session's late replies never match
         self.connect()
 
@@ -61,6 +65,8 @@ class RemoteChain:
             self._link.close()
             self._link = None
         self._ready = False
+        self._in_flight.clear()
+        self._early.clear()
         return StageError(self.manifest.stage_index + 1, self.first_address, reason)
 
     def _next_seq(self) -> int:
@@ -73,7 +79,8 @@ class RemoteChain:
         """Dials the first worker and waits until the whole chain answers (or the connect timeout)."""
         deadline = time.monotonic() + self.connect_timeout_s
         m = self.manifest
-        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1]}
+        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1],
+                  "mode": self.mode}
         last_reason = "not reachable"
         while self._link is None:
             try:
@@ -139,8 +146,22 @@ class RemoteChain:
         except OSError as exc:
             raise self._fail(f"connection lost ({exc})") from None
 
+    def keep(self, stream: int, slots: np.ndarray) -> None:
+        """Every stage keeps only these KV slots; ordered before the next FORWARD, so no reply."""
+        self.local.keep(stream, slots)
+        try:
+            self._link.send(Frame(Msg.KEEP, stream, 0, [np.asarray(slots, np.int32)]))
+        except (OSError, AttributeError) as exc:
+            raise self._fail(f"connection lost ({exc})") from None
+
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output:
+        return self.collect(self.submit(input_ids, attention_mask, position_ids, flags, stream))
+
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+               flags: Flag = Flag.NONE, stream: int = 0) -> tuple:
+        """Runs stage 0 and sends the activations on; ``collect`` waits for the result.  Several
+        streams may be in flight at once (micro-batching): one computes here while others travel."""
         if self._link is None:
             raise self._fail("not connected (call reset() to reconnect)")
         start = time.perf_counter()
@@ -149,47 +170,74 @@ class RemoteChain:
         frame = Frame(Msg.FORWARD, stream, self._next_seq(),
                       [hidden, attention_mask.astype(np.uint8), position_ids, np.array([local_ms], np.float32)],
                       flags)
-        sent = time.perf_counter()
-        reply = self._call(frame)
+        self._send(frame)
+        return frame, time.perf_counter()
+
+    def collect(self, ticket: tuple) -> Output:
+        frame, sent = ticket
+        reply = self._await(frame)
         wait_ms = (time.perf_counter() - sent) * 1e3
+        flags = frame.flags
         tensors = reply.tensors
         want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS)
         if reply.flags != flags or len(tensors) != want or tensors[0].dtype != np.int64:
             raise self._fail(f"sent a RESULT that does not answer the request ({len(tensors)} tensors)")
         stage_ms = tensors[-1].tolist()
         out = Output(tokens=tensors[0], stage_ms=stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
-        if reply.flags & Flag.PROBS:
+        if flags & Flag.PROBS:
             out.probs = tensors[1]
-        if reply.flags & Flag.LOGITS:
+        if flags & Flag.LOGITS:
             out.logits = tensors[-2]
         return out
 
-    def _call(self, frame: Frame) -> Frame:
-        """Sends a request and waits for its reply; heartbeats keep the deadline from expiring."""
+    def _send(self, frame: Frame) -> None:
+        if frame.type in (Msg.FORWARD, Msg.PING):
+            self._in_flight.add((frame.stream, frame.seq))
         try:
             self._link.send(frame)
         except OSError as exc:
             raise self._fail(f"connection lost ({exc})") from None
+
+    def _call(self, frame: Frame) -> Frame:
+        self._send(frame)
+        return self._await(frame)
+
+    def _await(self, frame: Frame) -> Frame:
+        """Waits for the reply to ``frame``; replies to other requests in flight are kept for their
+        own ``collect``.  Heartbeats keep the deadline from expiring."""
+        key = (frame.stream, frame.seq)
+        expected = Msg.PONG if frame.type == Msg.PING else Msg.RESULT
         while True:
-            try:
-                reply = self._link.recv(self._silence)
-            except ConnectionError:
-                raise self._fail("connection lost (the worker stopped?)") from None
-            except ProtocolError as exc:
-                raise self._fail(f"sent a malformed frame ({exc})") from None
+            reply = self._early.pop(key, None)
             if reply is None:
-                raise self._fail(f"no reply for {self._silence:.1f} s (stalled)")
-            if reply.type == Msg.ALIVE or (reply.stream, reply.seq) != (frame.stream, frame.seq):
-                continue  # a heartbeat, or a late reply to a request we already gave up on
+                reply = self._receive()
+                if reply is None:
+                    continue
+                if (reply.stream, reply.seq) != key:
+                    if (reply.stream, reply.seq) in self._in_flight:
+                        self._early[reply.stream, reply.seq] = reply
+                    continue  # otherwise a late reply to a request we already gave up on
+            self._in_flight.discard(key)
             if reply.type == Msg.ERROR:
                 doc = reply.json()
                 self._ready = False  # re-check the whole chain before the next request
                 raise StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
                                  str(doc.get("reason", "failed")))
-            expected = Msg.PONG if frame.type == Msg.PING else Msg.RESULT
             if reply.type != expected:
                 raise self._fail(f"answered {frame.type.name} with {reply.type.name}")
             return reply
+
+    def _receive(self) -> Frame | None:
+        """The next reply from stage 1 (None for a heartbeat); raises StageError on silence or loss."""
+        try:
+            reply = self._link.recv(self._silence)
+        except ConnectionError:
+            raise self._fail("connection lost (the worker stopped?)") from None
+        except ProtocolError as exc:
+            raise self._fail(f"sent a malformed frame ({exc})") from None
+        if reply is None:
+            raise self._fail(f"no reply for {self._silence:.1f} s (stalled)")
+        return None if reply.type == Msg.ALIVE else reply
 
     def close(self) -> None:
         if self._link is not None:

@@ -18,6 +18,24 @@ from engine.wire import Flag
 
 _core: ov.Core | None = None
 
+# Compile settings per correctness mode.  "exact": speculative decoding must give the very tokens of
+# plain greedy decoding.  Measured here: a K+1-position verify matches K+1 single steps only with
+# f32 compute, an f32 KV cache and no dynamic activation quantization (at the bf16/u8 defaults the
+# logits differ by up to 0.5 and near-ties flip).  "fast" keeps the device defaults.
+MODES = {
+    "fast": {},
+    "exact": {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
+}
+
+
+def compile_config(mode: str = "fast", precision: str | None = None) -> dict:
+    if mode not in MODES:
+        raise ShardError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    config = dict(MODES[mode])
+    if precision:
+        config["INFERENCE_PRECISION_HINT"] = precision
+    return config
+
 
 def core() -> ov.Core:
     """The process-wide OpenVINO core (creating one per stage would reload the plugins)."""
@@ -94,6 +112,16 @@ class StageRunner:
             self._requests.pop(stream, None)
         else:
             self.reset(0)
+
+    def keep(self, stream: int, slots: np.ndarray) -> None:
+        """Keeps only these physical KV slots (in order) of every state: the physical rewind and the
+        compaction of masked holes.  Sets copies: a state set from a view can corrupt a u8 cache."""
+        request, _ = self.request(stream)
+        contiguous = len(slots) == 0 or (slots[0] == 0 and slots[-1] == len(slots) - 1)
+        for state in request.query_state():
+            data = state.state.data
+            kept = data[:, :, : len(slots)] if contiguous else np.take(data, slots, axis=2)
+            state.state = ov.Tensor(np.ascontiguousarray(kept))
 
     def forward(self, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 stream: int = 0) -> np.ndarray:

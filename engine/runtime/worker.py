@@ -26,7 +26,7 @@ import numpy as np
 from engine import wire
 from engine.errors import FleetError
 from engine.runtime.link import Link, dial, parse_address, tune
-from engine.runtime.stage import StageRunner, select
+from engine.runtime.stage import StageRunner, compile_config, select
 from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -60,10 +60,10 @@ def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Fram
 
 class Worker:
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
-                 device: str = "CPU", config: dict | None = None, delay_ms: float = 0.0,
+                 device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
                  max_frame: int = wire.DEFAULT_MAX_FRAME):
-        self.runner = StageRunner(Path(shard), device, config)
+        self.runner = StageRunner(Path(shard), device, compile_config(mode, precision))
         m = self.manifest = self.runner.manifest
         self.key = key
         self.tls = tls
@@ -72,7 +72,7 @@ class Worker:
         self.max_frame = max_frame
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.identity = {"fingerprint": m.fingerprint, "stage": m.stage_index, "first_layer": m.layers[0],
-                         "delay_ms": delay_ms}
+                         "mode": mode, "delay_ms": delay_ms}
         self.max_length = m.spec.max_position
         self.hidden = m.spec.hidden_size
 
@@ -202,6 +202,8 @@ class Worker:
                 self._forward(link, frame)
             elif frame.type == Msg.RESET:
                 self._reset(frame.stream)
+            elif frame.type == Msg.KEEP:
+                self._keep(frame)
             elif frame.type == Msg.PING:
                 self._ping(link, frame)
             else:
@@ -218,6 +220,16 @@ class Worker:
             self.runner.reset(stream)
             self._kv_length[stream] = 0
         self._send_down(Frame(Msg.RESET, stream), track=False)
+
+    def _keep(self, frame: Frame) -> None:
+        past = self._kv_length.get(frame.stream, 0)
+        slots = frame.tensors[0] if len(frame.tensors) == 1 else None
+        if (slots is None or slots.dtype != np.int32 or slots.ndim != 1 or len(slots) > past
+                or (len(slots) and (slots.min() < 0 or slots.max() >= past or np.any(np.diff(slots) <= 0)))):
+            raise RequestError(f"KEEP needs increasing slot indices below the {past} cached positions")
+        self.runner.keep(frame.stream, slots)
+        self._kv_length[frame.stream] = len(slots)
+        self._send_down(Frame(Msg.KEEP, frame.stream, 0, [slots]), track=False)
 
     def _check_forward(self, frame: Frame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         if len(frame.tensors) != 4:
@@ -345,7 +357,8 @@ class Worker:
         except OSError:
             return None
         m = self.manifest
-        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1]}
+        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1],
+                  "mode": self.identity["mode"]}
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             welcome = wire.client_handshake(sock, self.key, expect)

@@ -1,0 +1,264 @@
+"""Draft sources for speculative decoding, and the online choice of K.
+
+A drafter proposes up to K next tokens from the sequence so far; the target pipeline verifies them
+all in one traversal.  Three sources: prompt lookup (the longest recent n-gram match in the
+sequence: free, no model), a small draft model with the target's tokenizer (run in this process,
+with its own KV cache rewound the same way as the target's), and the hybrid of the two (lookup where
+it matches, the model otherwise).
+
+``AutoK`` picks K while generating: it keeps a running estimate of the per-token acceptance rate
+and of what a verify round costs (fixed cost per traversal, cost per verified position, cost per
+drafted token) and takes the K that maximises expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import ShardError
+from engine.manifest import Manifest
+from engine.wire import Flag
+
+TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
+
+
+class PromptLookup:
+    """Proposes the continuation of the most recent earlier occurrence of the sequence's last n-gram."""
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        n_hist = len(history)
+        arr = None
+        for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
+            if arr is None:
+                arr = np.asarray(history, dtype=np.int64)
+            tail = arr[-n:]
+            # candidate starts of an earlier copy of the tail, most recent first
+            starts = np.flatnonzero(arr[: n_hist - n] == tail[0])[::-1]
+            for s in starts:
+                if np.array_equal(arr[s : s + n], tail):
+                    follow = arr[s + n : s + n + k]
+                    if len(follow):
+                        return follow.tolist()
+        return []
+
+    def accepted(self, proposed: int, n: int) -> None:
+        pass
+
+
+class KVSequence:
+    """One stream's bookkeeping over a stateful chain: the mask over physical KV slots, how many
+    slots are filled, and the logical length that position_ids follow.  Rejected slots are either
+    masked out (``rewind="mask"``, the cache keeps them) or cut off the cache (``"trim"``)."""
+
+    def __init__(self, chain, max_length: int, stream: int = 0, rewind: str = "mask"):
+        if rewind not in ("mask", "trim"):
+            raise ValueError(f"rewind must be 'mask' or 'trim', not {rewind!r}")
+        self.chain = chain
+        self.stream = stream
+        self.rewind = rewind
+        self.max_length = max_length
+        self.mask = np.zeros((1, max_length), np.int64)
+        self.positions = np.arange(max_length, dtype=np.int64)[None, :]
+        self.physical = 0
+        self.logical = 0
+        self.trim_ms = 0.0
+        self.compactions = 0
+
+    def reset(self) -> None:
+        self.chain.reset(self.stream)
+        self.physical = self.logical = 0
+
+    def forward(self, ids: list[int] | np.ndarray, flags: Flag = Flag.NONE):
+        return self.chain.collect(self.submit(ids, flags))
+
+    def submit(self, ids: list[int] | np.ndarray, flags: Flag = Flag.NONE):
+        """Feeds ``ids`` as the next positions; the chain's ticket is collected later (micro-batching)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        q = ids.shape[1]
+        if self.physical + q > self.max_length:
+            self.compact()
+            if self.physical + q > self.max_length:
+                raise ValueError(f"the sequence ({self.logical + q} tokens) outgrows the context of {self.max_length}")
+        p, n = self.physical, self.logical
+        self.mask[0, p : p + q] = 1
+        ticket = self.chain.submit(ids, self.mask[:, : p + q], self.positions[:, n : n + q], flags, self.stream)
+        self.physical += q
+        self.logical += q
+        return ticket
+
+    def reject(self, count: int) -> None:
+        """The last ``count`` positions fed were wrong guesses: drop them from the sequence."""
+        if count <= 0:
+            return
+        self.logical -= count
+        if self.rewind == "trim":
+            start = time.perf_counter()
+            self.chain.keep(self.stream, np.arange(self.physical - count, dtype=np.int32))
+            self.trim_ms += (time.perf_counter() - start) * 1e3
+            self.physical -= count
+        else:
+            self.mask[0, self.physical - count : self.physical] = 0
+
+    def compact(self) -> None:
+        """Squeezes the masked holes out of every stage's cache."""
+        keep = np.flatnonzero(self.mask[0, : self.physical]).astype(np.int32)
+        if len(keep) == self.physical:
+            return
+        self.chain.keep(self.stream, keep)
+        self.physical = len(keep)
+        self.mask[0, : self.physical] = 1
+        self.mask[0, self.physical :] = 0
+        self.compactions += 1
+
+    @property
+    def bloat(self) -> float:
+        """Physical KV slots per logical token (1.0: no masked holes)."""
+        return self.physical / self.logical if self.logical else 1.0
+
+
+class DraftModel:
+    """A small model with the target's tokenizer, proposing greedily from its own KV cache."""
+
+    name = "model"
+
+    def __init__(self, chain, rewind: str = "mask", stream: int = 0):
+        self.chain = chain
+        self.seq = KVSequence(chain, chain.spec.max_position, stream, rewind)
+        self.fed: list[int] = []  # the tokens whose KV the draft cache holds (logically)
+        self.ms_per_token = 0.0
+        self._pending_spec = 0
+
+    def reset(self) -> None:
+        self.seq.reset()
+        self.fed = []
+        self._pending_spec = 0
+
+    def _catch_up(self, history: list[int]) -> int:
+        common = 0
+        limit = min(len(self.fed), len(history))
+        while common < limit and self.fed[common] == history[common]:
+            common += 1
+        common = min(common, len(history) - 1)  # re-feed at least one token: its logits give the next
+        if common < len(self.fed):  # the draft cache holds tokens the sequence no longer has
+            self.seq.reject(len(self.fed) - common)
+            del self.fed[common:]
+        new = history[common:]
+        out = self.seq.forward(new)
+        self.fed.extend(new)
+        return int(out.tokens[-1])
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        if k <= 0 or not history:
+            return []
+        start = time.perf_counter()
+        token = self._catch_up(history)
+        drafts = [token]
+        while len(drafts) < k:
+            out = self.seq.forward([token])
+            self.fed.append(token)
+            token = int(out.tokens[-1])
+            drafts.append(token)
+        elapsed = (time.perf_counter() - start) * 1e3
+        per = elapsed / k
+        self.ms_per_token = per if not self.ms_per_token else 0.8 * self.ms_per_token + 0.2 * per
+        return drafts
+
+    def accepted(self, proposed: int, n: int) -> None:
+        pass  # the next propose() rewinds whatever the target did not keep
+
+
+class Hybrid:
+    """Prompt lookup where it finds a continuation, the draft model otherwise."""
+
+    name = "hybrid"
+
+    def __init__(self, lookup: PromptLookup, model: DraftModel):
+        self.lookup = lookup
+        self.model = model
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.model.ms_per_token
+
+    def reset(self) -> None:
+        self.lookup.reset()
+        self.model.reset()
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        return self.lookup.propose(history, k) or self.model.propose(history, k)
+
+    def accepted(self, proposed: int, n: int) -> None:
+        pass
+
+
+def check_draft_tokenizer(target: Manifest, draft: Manifest, draft_folder: Path) -> None:
+    """Refuses a draft model whose tokenizer is not the target's (same token ids, same text)."""
+    for name in TOKENIZER_FILES:
+        a, b = target.files.get(name), draft.files.get(name)
+        if a is None or b is None or a != b:
+            raise ShardError(f"draft model {draft.model_name} ({draft_folder}) does not share the target "
+                             f"{target.model_name}'s tokenizer ({name} differs): its token ids would mean "
+                             "other text")
+
+
+class AutoK:
+    """Chooses K online from the measured acceptance rate and round costs."""
+
+    def __init__(self, k_max: int = 12, k_start: int = 4):
+        self.k_max = k_max
+        self.k = k_start
+        self.successes = 1.0  # a weak prior: acceptance 0.5
+        self.failures = 1.0
+        # verify round time = fixed + per_position * (K + 1); least squares over recent rounds
+        self._rounds: list[tuple[int, float]] = []
+        self.draft_ms = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def update(self, k: int, accepted: int, verify_ms: float, draft_ms_per_token: float) -> int:
+        decay = 0.95
+        self.successes = self.successes * decay + accepted
+        self.failures = self.failures * decay + (1 if accepted < k else 0)
+        self.draft_ms = draft_ms_per_token
+        self._rounds.append((k + 1, verify_ms))
+        del self._rounds[:-64]
+        self.k = self.choose()
+        return self.k
+
+    def _cost_model(self) -> tuple[float, float]:
+        xs = np.array([r[0] for r in self._rounds], np.float64)
+        ys = np.array([r[1] for r in self._rounds], np.float64)
+        if len(set(xs.tolist())) < 2:
+            base = float(np.median(ys)) if len(ys) else 1.0
+            return base, base * 0.03  # until two K values were seen: a verify position costs ~3% of a round
+        slope, intercept = np.polyfit(xs, ys, 1)
+        slope = max(float(slope), 0.0)
+        return max(float(intercept), 1e-3), slope
+
+    def choose(self) -> int:
+        a = min(self.acceptance, 0.995)
+        fixed, per_position = self._cost_model()
+        best_k, best_rate = 1, 0.0
+        for k in range(1, self.k_max + 1):
+            expected = (1 - a ** (k + 1)) / (1 - a)
+            cost = fixed + per_position * (k + 1) + self.draft_ms * k
+            if expected / cost > best_rate:
+                best_k, best_rate = k, expected / cost
+        # keep the cost model honest: now and then try a neighbour
+        if len(self._rounds) % 8 == 7:
+            best_k = max(1, min(self.k_max, best_k + (1 if len(self._rounds) % 16 == 7 else -1)))
+        return best_k

@@ -1,0 +1,129 @@
+"""Speculative decoding and micro-batching: mask-based rewind against the physical trim, exact-mode
+output equal to plain greedy decoding for several K and draft sources, compaction instead of
+overflow, refusal of a foreign draft tokenizer, and isolated streams in process and over loopback."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from engine.errors import ShardError
+from engine.fleetkey import create_key, load_key
+from engine.manifest import load_manifest
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator, generate_streams
+from engine.runtime.localfleet import LocalFleet
+from engine.runtime.remote import RemoteChain
+from engine.runtime.speculative import DraftModel, Hybrid, KVSequence, PromptLookup, check_draft_tokenizer
+from engine.runtime.stage import MODES
+from engine.wire import Flag
+
+EXACT = MODES["exact"]
+PROMPT = [5, 17, 42, 101, 7, 250, 33, 64, 9, 17, 42, 101]
+
+
+def test_masked_rewind_equals_physical_trim_exactly(tiny_exports):
+    chain = LocalChain(tiny_exports["qwen2", "2"].folders, config={"KV_CACHE_PRECISION": "bf16"})
+    logits = {}
+    for rewind in ("mask", "trim"):
+        seq = KVSequence(chain, 128, rewind=rewind)
+        seq.reset()
+        seq.forward(PROMPT)
+        seq.forward([3, 4, 5])
+        seq.reject(2)  # two wrong guesses
+        seq.forward([8, 9, 10])
+        seq.reject(1)
+        logits[rewind] = seq.forward([11], Flag.LOGITS).logits
+        assert seq.logical == len(PROMPT) + 1 + 2 + 1
+        assert seq.physical == (seq.logical + 3 if rewind == "mask" else seq.logical)
+    assert np.array_equal(logits["mask"], logits["trim"])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, "auto"])
+@pytest.mark.parametrize("rewind", ["mask", "trim"])
+def test_exact_speculation_equals_greedy_on_tiny(k, rewind, tiny_exports):
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    want = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+    # A draft that is the target itself accepts everything; prompt lookup accepts some; the hybrid both.
+    self_draft = DraftModel(LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT), rewind)
+    for drafter in (self_draft, PromptLookup(), Hybrid(PromptLookup(), self_draft)):
+        gen = Generator(target, 128, rewind=rewind).generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k=k)
+        assert gen.tokens == want, drafter.name
+        assert gen.drafted > 0
+        if drafter is self_draft:
+            assert gen.acceptance > 0.9
+        if rewind == "trim":
+            assert gen.bloat == 1.0
+
+
+class WrongGuesses:
+    name = "wrong"
+
+    def reset(self):
+        pass
+
+    def propose(self, history, k):
+        return [(history[-1] + 1 + i) % 384 for i in range(k)]
+
+
+def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
+    target = LocalChain(tiny_exports["llama", "2"].folders, config=EXACT)
+    want = Generator(target, 72).generate(PROMPT, 60, ignore_eos=True).tokens
+    # Drafts that are (almost) always wrong: the masked holes push the physical length past 72 long
+    # before the logical one gets there.
+    gen = Generator(target, 72, rewind="mask").generate(PROMPT, 60, ignore_eos=True, drafter=WrongGuesses(), k=6)
+    assert gen.tokens == want
+    assert gen.compactions >= 1
+    assert gen.to_json()["speculative"]["kv_bloat"] >= 1.0
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_exports):
+    qwen = tiny_exports["qwen2", "1"].folders[0]
+    llama = tiny_exports["llama", "1"].folders[0]
+    with pytest.raises(ShardError, match="does not share the target .*tokenizer"):
+        check_draft_tokenizer(load_manifest(qwen), load_manifest(llama), llama)
+    check_draft_tokenizer(load_manifest(qwen), load_manifest(tiny_exports["qwen2", "2"].folders[0]), qwen)
+
+
+def _streams(chain, prompts, tokens=24, **kw):
+    results, _ = generate_streams(chain, prompts, tokens, max_length=128, ignore_eos=True, **kw)
+    return [r.tokens for r in results]
+
+
+def _isolation(chain):
+    a, b, c = PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4]
+    single = {name: Generator(chain, 128).generate(p, 24, ignore_eos=True).tokens
+              for name, p in (("a", a), ("b", b), ("c", c))}
+    assert _streams(chain, [a, a]) == [single["a"], single["a"]]
+    assert _streams(chain, [a, b, c]) == [single["a"], single["b"], single["c"]]
+    assert _streams(chain, [c, b, a]) == [single["c"], single["b"], single["a"]]
+    # speculation inside micro-batching (each stream its own lookup drafter)
+    assert _streams(chain, [a, c], drafters=[PromptLookup(), PromptLookup()], k=3) == [single["a"], single["c"]]
+    # a stream cancelled early leaves its neighbours alone
+    stop = threading.Event()
+    results, _ = generate_streams(chain, [a, b], 24, max_length=128, ignore_eos=True, cancels=[None, stop],
+                                  on_token=lambda i, t: stop.set() if i == 1 else None)
+    assert results[1].stopped_by == "cancelled" and len(results[1].tokens) < 24
+    assert results[0].tokens == single["a"]
+
+
+def test_micro_batched_streams_are_isolated_in_process(tiny_exports):
+    _isolation(LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT))
+
+
+def test_micro_batched_streams_are_isolated_over_loopback(tiny_exports, tmp_path):
+    folders = tiny_exports["qwen2", "3"].folders
+    key = create_key(tmp_path / "fleet.key")
+    with LocalFleet(folders[1:], key, log_dir=tmp_path, mode="exact") as fleet:
+        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact")
+        try:
+            _isolation(chain)
+            # speculation with physical trim over the wire (KEEP frames) is still exact
+            want = Generator(chain, 128).generate(PROMPT, 30, ignore_eos=True).tokens
+            gen = Generator(chain, 128, rewind="trim").generate(PROMPT, 30, ignore_eos=True,
+                                                                drafter=PromptLookup(), k=4)
+            assert gen.tokens == want and gen.drafted > 0
+        finally:
+            chain.close()
