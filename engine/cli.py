@@ -317,6 +317,15 @@ def cmd_bench(args) -> int:
                             log=lambda m: print(m, file=sys.stderr, flush=True))
         print(format_table(report["rows"], ["config", "tok_s", "min", "max", "ttft_ms", "vs_llmpipeline"]))
         return 0
+    if args.name == "spec":
+        from engine.bench.spec import run_spec
+
+        report = run_spec(args.model, args.draft or "qwen2.5-coder-0.5b", tokens=args.tokens, k=args.spec_k,
+                          weights=args.weights, out=Path(args.json) if args.json else None,
+                          log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(format_table(report["rows"], list(report["rows"][0])))
+        print("\n".join(f"{k}: {v}" for k, v in report["ratios"].items()))
+        return 0
     if args.name == "pipeline":
         from engine.bench.pipeline import run_pipeline
 
@@ -412,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     key.set_defaults(func=cmd_key)
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
-    bench.add_argument("name", choices=["parity", "pipeline"])
+    bench.add_argument("name", choices=["parity", "pipeline", "spec"])
     bench.add_argument("--model", default="smollm2-135m")
     bench.add_argument("--tokens", type=int, default=128)
     bench.add_argument("--warmup", type=int, default=2)
@@ -420,6 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     bench.add_argument("--device", default="CPU")
     bench.add_argument("--stages", type=int, default=2, help="pipeline: number of stages")
+    bench.add_argument("--draft", help="spec: the draft model (default qwen2.5-coder-0.5b)")
+    bench.add_argument("--spec-k", type=int, default=3, help="spec: the fixed K to compare with auto")
     bench.add_argument("--delay-ms", type=float, default=0.0, help="pipeline: injected one-way delay per hop")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)

@@ -63,6 +63,19 @@ def test_loopback_workers_equal_in_process_chain(stages, smol_exports, tmp_path)
     assert len(got.breakdown.to_json()["stage_compute_ms"]) == stages
 
 
+def test_exact_prompt_lookup_speculation_equals_greedy_for_64_tokens(smol_exports):
+    from engine.runtime.speculative import PromptLookup
+    from engine.runtime.stage import MODES
+
+    chain = LocalChain(smol_exports[2].folders, config=MODES["exact"])
+    ids = ChatTokenizer(chain.first_folder).prompt_ids("List the planets of the solar system with one fact each.")
+    gen = Generator(chain, max_length=2048)
+    want = gen.generate(ids, 64, ignore_eos=True).tokens
+    for k in (3, "auto"):
+        got = gen.generate(ids, 64, ignore_eos=True, drafter=PromptLookup(), k=k)
+        assert got.tokens == want and got.accepted > 0
+
+
 def test_answer_is_coherent(smol_exports):
     result, text = _generate(smol_exports[2].folders, QUESTION, 48, ignore_eos=False)
     assert "Paris" in text

@@ -2,12 +2,13 @@
 
 Single-stream greedy decode of one prompt through the 1-stage in-process chain, the N-stage chain
 in-process, and the N-stage chain over loopback TCP with each stage beyond the first in its own
-worker process.  Runs are interleaved round-robin (this machine is noisy).  The relay overhead per
-hop is the loopback chain's extra time per token over the same shards in-process, divided by the
-number of connections (stages - 1); each hop is crossed twice per token (activations down, the
-token back).  On one machine that figure includes the stages fighting over the same cores (the
-OpenVINO threads of a stage that just finished keep spinning for a while), so the report also
-gives the idle round trip per hop: a ping down the chain and back with no compute in between.
+worker process.  Runs are interleaved round-robin (this machine is noisy).
+
+Two per-hop figures: ``relay_round_trip_ms_per_hop`` is what the relay itself costs (a frame down
+the chain and back through every worker, no compute in between); ``loopback_extra_ms_per_hop`` is
+the loopback chain's extra time per token over the same shards in-process, divided by stages - 1.
+On one machine the second includes the stages fighting over the same cores (the OpenVINO threads of
+a stage that just finished keep spinning for a while), which separate machines do not have.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int 
     ratios = {
         "tcp_vs_inprocess": round(tcp["tok_s"] / inproc["tok_s"], 3),
         "split_vs_whole": round(inproc["tok_s"] / by["1-stage in-process"]["tok_s"], 3),
-        "relay_overhead_ms_per_hop": round((tcp["token_ms"] - inproc["token_ms"]) / hops, 3),
+        "loopback_extra_ms_per_hop": round((tcp["token_ms"] - inproc["token_ms"]) / hops, 3),
         "network_ms_per_hop": round(tcp["network_ms"] / hops, 3),
-        "idle_round_trip_ms_per_hop": round(median(pings) / hops, 3),
+        "relay_round_trip_ms_per_hop": round(median(pings) / hops, 3),
     }
     meta = {"model": model, "stages": stages, "weights": weights, "prompt_tokens": int(ids.shape[1]),
             "new_tokens": tokens, "warmup": warmup, "runs": runs, "delay_ms": delay_ms,
