@@ -80,7 +80,9 @@ class Worker:
             self._listener = socket.create_server(parse_address(listen, "0.0.0.0"))
         except OSError as exc:
             raise FleetError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
-        self.address = "%s:%d" % self._listener.getsockname()[:2]
+        host, port = self._listener.getsockname()[:2]
+        # what peers and error messages call this worker: a wildcard bind is shown as the host name
+        self.address = f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
         self._fixed_next = next_address is not None
         self._next = next_address
         self._stop = threading.Event()
