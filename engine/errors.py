@@ -20,8 +20,9 @@ class ExportError(FleetError):
 class StageError(FleetError):
     """A pipeline stage failed, died or went silent: names which stage and where it runs."""
 
-    def __init__(self, stage: int, address: str, reason: str):
+    def __init__(self, stage: int, address: str, reason: str, transient: bool = False):
         super().__init__(f"stage {stage} at {address}: {reason}")
         self.stage = stage
         self.address = address
         self.reason = reason
+        self.transient = transient  # the stage reported it will pass (a successor being redialed)

@@ -5,6 +5,7 @@ workers reported by stage and address within the deadline."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -259,7 +260,6 @@ def test_dead_or_stalled_worker_is_reported_within_the_deadline(victim, how, tin
 def test_coordinator_routes_workers_started_without_next(tiny_exports, key_file, tmp_path):
     """``fleet generate --remote A,B``: the workers learn their successor from the coordinator."""
     folders = tiny_exports["qwen2", "3"].folders
-    want = _greedy(LocalChain(folders), 8)
     fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path, link_workers=False).start()
     try:
         out = tmp_path / "gen.json"
@@ -272,8 +272,6 @@ def test_coordinator_routes_workers_started_without_next(tiny_exports, key_file,
     finally:
         fleet.close()
     assert "next stage set to" in fleet.logs[0].read_text()
-    import json
-
     (result,) = json.loads(out.read_text())
     assert result["new_tokens"] == 8 and "breakdown" in result
 

@@ -1,8 +1,8 @@
 """The generation loop: prefill, then greedy decode through a stage chain, optionally speculative.
 
-The loop only needs something with ``reset()``, ``forward(ids, attention_mask, position_ids, flags,
-stream)`` returning an ``Output`` (top-1 tokens) and, for speculation, ``keep(stream, slots)``; the
-in-process chain and the distributed pipeline both have them.
+The loop needs a ``Chain``: ``reset``, ``submit``/``collect`` (a forward in two halves, so several
+streams can be in flight) returning an ``Output`` (top-1 tokens), and ``keep`` for the trim rewind;
+the in-process chain and the distributed pipeline both have them.
 
 Speculative rounds feed the pending token plus K drafted ones and verify all K+1 positions in one
 traversal; the accepted prefix plus the target's own next token are emitted.  Rejected positions
@@ -30,6 +30,11 @@ class Chain(Protocol):
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output: ...
 
     def keep(self, stream: int, slots: np.ndarray) -> None: ...
+
+    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+               flags: Flag = Flag.NONE, stream: int = 0): ...
+
+    def collect(self, ticket) -> Output: ...
 
 
 class Breakdown:

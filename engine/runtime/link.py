@@ -17,9 +17,11 @@ import time
 
 from engine import wire
 from engine.errors import FleetError
+from engine.manifest import Manifest
 from engine.wire import Frame, PeerClosed, ProtocolError
 
 FRAME_STALL_S = 10.0  # once a frame has started arriving, the rest must follow within this
+HANDSHAKE_TIMEOUT_S = 5.0
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -47,6 +49,30 @@ def dial(address: str, tls=None, timeout: float = 5.0) -> socket.socket:
     if tls is not None:
         sock = tls.client.wrap_socket(sock, server_hostname=None)
     return sock
+
+
+def successor_identity(manifest: Manifest, mode: str) -> dict:
+    """What the stage after ``manifest``'s must be: same model and mode, next index, next layer."""
+    return {"fingerprint": manifest.fingerprint, "stage": manifest.stage_index + 1,
+            "first_layer": manifest.layers[1], "mode": mode}
+
+
+def connect_successor(address: str, key: bytes, manifest: Manifest, mode: str, tls=None,
+                      max_frame: int = wire.DEFAULT_MAX_FRAME) -> tuple["Link", float]:
+    """Dials and authenticates the next stage; returns the link and the peer's injected one-way
+    delay in seconds.  Raises OSError when it is not up (yet), AuthError/ProtocolError when it
+    answered but refused or broke off the handshake (a plain peer against TLS drops it)."""
+    sock = dial(address, tls)
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        welcome = wire.client_handshake(sock, key, successor_identity(manifest, mode))
+    except OSError as exc:
+        sock.close()
+        raise wire.AuthError(f"the connection broke during the handshake ({exc})") from None
+    except BaseException:
+        sock.close()
+        raise
+    return Link(sock, address, 0.0, max_frame), float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
 
 
 class Link:

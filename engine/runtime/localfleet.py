@@ -39,22 +39,22 @@ class LocalFleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
-        self._key_file = key_file
-        self._link = link_workers
-        self._extra = {"mode": mode, "precision": precision, "delay_ms": delay_ms, "tls": tls, "deadline_s": deadline_s}
+        self.key_file = key_file
+        self.link_workers = link_workers
+        self.mode, self.precision, self.delay_ms, self.tls, self.deadline_s = mode, precision, delay_ms, tls, deadline_s
 
     def command(self, i: int) -> list[str]:
         cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(self.shard_dirs[i]),
                "--listen", self.addresses[i], "--device", self.devices[i],
-               "--fleet-key-file", str(self._key_file), "--lifeline",
-               "--deadline", str(self._extra["deadline_s"]), "--mode", self._extra["mode"]]
-        if self._link and i + 1 < len(self.shard_dirs):
+               "--fleet-key-file", str(self.key_file), "--lifeline",
+               "--deadline", str(self.deadline_s), "--mode", self.mode]
+        if self.link_workers and i + 1 < len(self.shard_dirs):
             cmd += ["--next", self.addresses[i + 1]]
-        if self._extra["precision"]:
-            cmd += ["--precision", self._extra["precision"]]
-        if self._extra["delay_ms"]:
-            cmd += ["--delay-ms", str(self._extra["delay_ms"])]
-        if self._extra["tls"]:
+        if self.precision:
+            cmd += ["--precision", self.precision]
+        if self.delay_ms:
+            cmd += ["--delay-ms", str(self.delay_ms)]
+        if self.tls:
             cmd += ["--tls"]
         return cmd
 

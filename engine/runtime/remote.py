@@ -18,7 +18,7 @@ import numpy as np
 
 from engine import wire
 from engine.errors import FleetError, ShardError, StageError
-from engine.runtime.link import Link, dial
+from engine.runtime.link import Link, connect_successor
 from engine.runtime.stage import Output, StageRunner, compile_config
 from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
@@ -78,27 +78,20 @@ class RemoteChain:
     def connect(self) -> None:
         """Dials the first worker and waits until the whole chain answers (or the connect timeout)."""
         deadline = time.monotonic() + self.connect_timeout_s
-        m = self.manifest
-        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1],
-                  "mode": self.mode}
-        last_reason = "not reachable"
+        stage = self.manifest.stage_index + 1
         while self._link is None:
             try:
-                sock = dial(self.first_address, self.tls)
+                self._link, peer_delay = connect_successor(self.first_address, self.key, self.manifest, self.mode,
+                                                           self.tls)
+            except (AuthError, ProtocolError) as exc:
+                raise StageError(stage, self.first_address, f"handshake failed: {exc}") from None
             except OSError as exc:
-                last_reason = f"not reachable ({exc.strerror or exc})"
                 if time.monotonic() > deadline:
-                    raise StageError(m.stage_index + 1, self.first_address,
-                                     f"{last_reason} within {self.connect_timeout_s:.0f} s") from None
+                    raise StageError(stage, self.first_address, f"not reachable ({exc.strerror or exc}) within "
+                                     f"{self.connect_timeout_s:.0f} s") from None
                 time.sleep(0.2)
                 continue
-            try:
-                welcome = wire.client_handshake(sock, self.key, expect)
-            except (AuthError, ProtocolError, OSError) as exc:
-                sock.close()
-                raise StageError(m.stage_index + 1, self.first_address, f"handshake failed: {exc}") from None
-            self._link = Link(sock, self.first_address)
-            self._silence = 0.75 * self.deadline_s + 2 * float(welcome.get("delay_ms", 0) or 0) / 1e3
+            self._silence = 0.75 * self.deadline_s + 2 * peer_delay
         self._wait_ready(deadline)
 
     def ping(self) -> list[dict]:
@@ -115,7 +108,7 @@ class RemoteChain:
                 self.stages = self.ping()
                 break
             except StageError as exc:
-                if self._link is None or time.monotonic() > deadline or "redialing" not in exc.reason:
+                if self._link is None or time.monotonic() > deadline or not exc.transient:
                     raise
                 time.sleep(0.2)
         self._check_stages()
@@ -141,18 +134,12 @@ class RemoteChain:
         elif not self._ready:
             self._wait_ready(time.monotonic() + self.connect_timeout_s)
         self.local.reset(stream)
-        try:
-            self._link.send(Frame(Msg.RESET, stream))
-        except OSError as exc:
-            raise self._fail(f"connection lost ({exc})") from None
+        self._send(Frame(Msg.RESET, stream))
 
     def keep(self, stream: int, slots: np.ndarray) -> None:
         """Every stage keeps only these KV slots; ordered before the next FORWARD, so no reply."""
         self.local.keep(stream, slots)
-        try:
-            self._link.send(Frame(Msg.KEEP, stream, 0, [np.asarray(slots, np.int32)]))
-        except (OSError, AttributeError) as exc:
-            raise self._fail(f"connection lost ({exc})") from None
+        self._send(Frame(Msg.KEEP, stream, 0, [np.asarray(slots, np.int32)]))
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output:
@@ -162,8 +149,6 @@ class RemoteChain:
                flags: Flag = Flag.NONE, stream: int = 0) -> tuple:
         """Runs stage 0 and sends the activations on; ``collect`` waits for the result.  Several
         streams may be in flight at once (micro-batching): one computes here while others travel."""
-        if self._link is None:
-            raise self._fail("not connected (call reset() to reconnect)")
         start = time.perf_counter()
         hidden = self.local.forward(input_ids, attention_mask, position_ids, stream)
         local_ms = (time.perf_counter() - start) * 1e3
@@ -191,6 +176,8 @@ class RemoteChain:
         return out
 
     def _send(self, frame: Frame) -> None:
+        if self._link is None:
+            raise self._fail("not connected (call reset() to reconnect)")
         if frame.type in (Msg.FORWARD, Msg.PING):
             self._in_flight.add((frame.stream, frame.seq))
         try:
@@ -222,7 +209,7 @@ class RemoteChain:
                 doc = reply.json()
                 self._ready = False  # re-check the whole chain before the next request
                 raise StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
-                                 str(doc.get("reason", "failed")))
+                                 str(doc.get("reason", "failed")), bool(doc.get("transient")))
             if reply.type != expected:
                 raise self._fail(f"answered {frame.type.name} with {reply.type.name}")
             return reply

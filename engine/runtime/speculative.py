@@ -53,9 +53,6 @@ class PromptLookup:
                         return follow.tolist()
         return []
 
-    def accepted(self, proposed: int, n: int) -> None:
-        pass
-
 
 class KVSequence:
     """One stream's bookkeeping over a stateful chain: the mask over physical KV slots, how many
@@ -138,12 +135,10 @@ class DraftModel:
         self.seq = KVSequence(chain, chain.spec.max_position, stream, rewind)
         self.fed: list[int] = []  # the tokens whose KV the draft cache holds (logically)
         self.ms_per_token = 0.0
-        self._pending_spec = 0
 
     def reset(self) -> None:
         self.seq.reset()
         self.fed = []
-        self._pending_spec = 0
 
     def _catch_up(self, history: list[int]) -> int:
         common = 0
@@ -173,10 +168,7 @@ class DraftModel:
         elapsed = (time.perf_counter() - start) * 1e3
         per = elapsed / k
         self.ms_per_token = per if not self.ms_per_token else 0.8 * self.ms_per_token + 0.2 * per
-        return drafts
-
-    def accepted(self, proposed: int, n: int) -> None:
-        pass  # the next propose() rewinds whatever the target did not keep
+        return drafts  # the next propose() rewinds whatever the target did not keep
 
 
 class Hybrid:
@@ -198,9 +190,6 @@ class Hybrid:
 
     def propose(self, history: list[int], k: int) -> list[int]:
         return self.lookup.propose(history, k) or self.model.propose(history, k)
-
-    def accepted(self, proposed: int, n: int) -> None:
-        pass
 
 
 def check_draft_tokenizer(target: Manifest, draft: Manifest, draft_folder: Path) -> None:

@@ -25,22 +25,23 @@ import numpy as np
 
 from engine import wire
 from engine.errors import FleetError
-from engine.runtime.link import Link, dial, parse_address, tune
+from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, connect_successor, parse_address, tune
 from engine.runtime.stage import StageRunner, compile_config, select
-from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
+from engine.wire import AuthError, Frame, Msg, ProtocolError
 
-HANDSHAKE_TIMEOUT_S = 5.0
 MAX_STREAMS = 64
 
 
 class RequestError(FleetError):
     """An authenticated peer sent a well-formed frame this stage (or ``stage`` at ``address``)
-    cannot serve."""
+    cannot serve; ``transient`` when it will pass (a successor being redialed)."""
 
-    def __init__(self, reason: str, stage: int | None = None, address: str | None = None):
+    def __init__(self, reason: str, stage: int | None = None, address: str | None = None,
+                 transient: bool = False):
         super().__init__(reason)
         self.stage = stage
         self.address = address
+        self.transient = transient
 
 
 def heartbeat_interval(deadline_s: float) -> float:
@@ -97,7 +98,6 @@ class Worker:
         self._outstanding: set[tuple[int, int]] = set()  # requests the successor owes us
         self._masks: dict[int, np.ndarray] = {}
         self._kv_length: dict[int, int] = {}
-        self._threads: list[threading.Thread] = []
 
     # --- life cycle --------------------------------------------------------------------------------
 
@@ -109,9 +109,7 @@ class Worker:
     def start(self) -> "Worker":
         for target, name in ((self._accept_loop, "accept"), (self._heartbeat_loop, "heartbeat"),
                              (self._downstream_loop, "downstream")):
-            t = threading.Thread(target=target, daemon=True, name=f"worker {name}")
-            t.start()
-            self._threads.append(t)
+            threading.Thread(target=target, daemon=True, name=f"worker {name}").start()
         return self
 
     def serve_forever(self) -> None:
@@ -190,9 +188,9 @@ class Worker:
             link.close()
 
     def _error(self, link: Link, frame: Frame, reason: str, stage: int | None = None,
-               address: str | None = None) -> None:
+               address: str | None = None, transient: bool = False) -> None:
         doc = {"stage": self.manifest.stage_index if stage is None else stage,
-               "address": address or self.address, "reason": reason}
+               "address": address or self.address, "reason": reason, "transient": transient}
         self._reply(link, wire.control(Msg.ERROR, doc, frame.stream, frame.seq))
 
     def _dispatch(self, link: Link, frame: Frame) -> None:
@@ -211,7 +209,7 @@ class Worker:
             else:
                 raise RequestError(f"unexpected {frame.type.name} frame")
         except RequestError as exc:
-            self._error(link, frame, str(exc), exc.stage, exc.address)
+            self._error(link, frame, str(exc), exc.stage, exc.address, exc.transient)
         except ProtocolError as exc:
             self._error(link, frame, str(exc))
         except RuntimeError as exc:  # OpenVINO refused the request
@@ -276,7 +274,7 @@ class Worker:
         if self.runner.last:
             self._reply(link, result_frame(y, frame, timings))
         elif not self._send_down(Frame(Msg.FORWARD, stream, frame.seq, [y, mask, pos, timings], frame.flags)):
-            self._error(link, frame, "connection lost", self.manifest.stage_index + 1, self._next)
+            self._error(link, frame, "connection lost", self.manifest.stage_index + 1, self._next, True)
 
     def _ping(self, link: Link, frame: Frame) -> None:
         """Readiness check from the coordinator; its ``route`` names the stages after this one."""
@@ -306,7 +304,7 @@ class Worker:
             raise self._down_missing()
 
     def _down_missing(self) -> RequestError:
-        return RequestError(f"{self._down_reason} (redialing)", self.manifest.stage_index + 1, self._next)
+        return RequestError(f"{self._down_reason} (redialing)", self.manifest.stage_index + 1, self._next, True)
 
     # --- downstream: dial, relay results, watch the deadline ---------------------------------------
 
@@ -351,26 +349,18 @@ class Worker:
                 self.log(f"next stage {target}: {reason}")
             for stream, seq in sorted(lost):
                 if up is not None:
-                    self._error(up, Frame(Msg.ERROR, stream, seq), reason, self.manifest.stage_index + 1, target)
+                    self._error(up, Frame(Msg.ERROR, stream, seq), reason, self.manifest.stage_index + 1, target, True)
 
     def _connect_down(self, target: str) -> Link | None:
         try:
-            sock = dial(target, self.tls)
-        except OSError:
-            return None
-        m = self.manifest
-        expect = {"fingerprint": m.fingerprint, "stage": m.stage_index + 1, "first_layer": m.layers[1],
-                  "mode": self.identity["mode"]}
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            welcome = wire.client_handshake(sock, self.key, expect)
-        except (AuthError, ProtocolError, OSError) as exc:
+            link, peer_delay = connect_successor(target, self.key, self.manifest, self.identity["mode"], self.tls,
+                                                 self.max_frame)
+        except (AuthError, ProtocolError) as exc:
             self.log(f"next stage {target} refused: {exc}")
-            sock.close()
             self._stop.wait(2.0)  # a misconfiguration: do not hammer the peer
             return None
-        link = Link(sock, target, 0.0, self.max_frame)
-        peer_delay = float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
+        except OSError:
+            return None
         self._down_silence = self.deadline_s / 2 + 2 * peer_delay
         with self._lock:
             if target != self._next:  # re-routed while we dialed
