@@ -88,6 +88,9 @@ class Worker:
         self._next = next_address
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        # One frame at a time, and only from the current upstream: a replaced session may still hold
+        # frames its peer sent before giving up on it, and they must not touch the new session's KV.
+        self._serving = threading.Lock()
         self._upstream: Link | None = None
         self._downstream: Link | None = None
         self._down_ready = threading.Event()
@@ -168,7 +171,10 @@ class Worker:
                 frame = link.recv()
                 if frame.type == Msg.BYE:
                     break
-                self._dispatch(link, frame)
+                with self._serving:
+                    if self._upstream is not link:
+                        break
+                    self._dispatch(link, frame)
         except ConnectionError as exc:
             self.log(f"upstream {peer} gone: {exc}")
         except ProtocolError as exc:
