@@ -95,7 +95,8 @@ def open_chain(args, settings: Settings):
     mode = args.mode or settings.mode
     device = args.device or settings.device
     if not (args.remote or args.local_workers):
-        return LocalChain(shard_dirs, device=device, config=compile_config(mode, args.precision)), None
+        return LocalChain(shard_dirs, device=device, config=compile_config(mode, args.precision),
+                          isolate=args.isolate_streams), None
 
     from engine.runtime.remote import RemoteChain
 
@@ -117,12 +118,13 @@ def open_chain(args, settings: Settings):
         devices = parse_devices(device, len(shard_dirs))
         fleet = LocalFleet(shard_dirs[1:], key_file(args.fleet_key_file), devices=devices[1:],
                            mode=mode, precision=args.precision, delay_ms=args.delay_ms or 0.0, tls=tls_on,
-                           deadline_s=deadline).start()
+                           deadline_s=deadline, isolate=args.isolate_streams).start()
         remotes = fleet.addresses
     try:
         chain = RemoteChain(shard_dirs[0], remotes, key=key, device=devices[0], mode=mode,
                             precision=args.precision, tls=tls,
-                            deadline_s=deadline, connect_timeout_s=args.connect_timeout)
+                            deadline_s=deadline, connect_timeout_s=args.connect_timeout,
+                            isolate=args.isolate_streams)
     except BaseException:
         if fleet is not None:
             fleet.close()
@@ -170,6 +172,7 @@ def _k(text: str):
 
 def cmd_generate(args) -> int:
     from engine.runtime.generate import Generator
+    from engine.runtime.stage import REWIND
     from engine.runtime.tokenizer import ChatTokenizer, TextStream
 
     settings = Settings.load()
@@ -180,6 +183,7 @@ def cmd_generate(args) -> int:
         except OSError as exc:
             raise FleetError(f"cannot read --prompts {args.prompts}: {exc.strerror}") from None
     streams = args.streams or 1
+    args.rewind = args.rewind or REWIND[args.mode or settings.mode]
     if streams > 1 and not prompts:
         raise FleetError("--streams needs prompts (--prompt repeated or --prompts FILE)")
     chain, fleet = open_chain(args, settings)
@@ -264,8 +268,10 @@ def cmd_worker(args) -> int:
     import threading
 
     from engine.fleetkey import load_key, load_tls
+    from engine.runtime.affinity import pin
     from engine.runtime.worker import Worker
 
+    pin(args.cpus)
     settings = Settings.load()
     key = load_key(args.fleet_key_file)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
@@ -278,7 +284,7 @@ def cmd_worker(args) -> int:
         threading.Thread(target=watch, daemon=True).start()
     worker = Worker(args.shard, args.listen, args.next, key=key, device=args.device or settings.device,
                     mode=args.mode or settings.mode, precision=args.precision, delay_ms=args.delay_ms,
-                    deadline_s=args.deadline or settings.deadline_s, tls=tls)
+                    deadline_s=args.deadline or settings.deadline_s, tls=tls, isolate=args.isolate_streams)
     m = worker.manifest
     print(f"stage {m.stage_index} of {m.stage_count} (layers {m.layers[0]}-{m.layers[1]}) on "
           f"{worker.runner.device}, listening on {worker.address}"
@@ -305,38 +311,46 @@ def cmd_key(args) -> int:
     return 0
 
 
+def _delays(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"delays are comma-separated milliseconds, not {text!r}") from None
+
+
 def cmd_bench(args) -> int:
+    """Every benchmark writes the same report (``engine.bench.report``) and prints its table."""
+    import importlib
+
     from engine.bench.report import format_table
 
-    if args.name == "parity":
-        from engine.bench.parity import run_parity
-
-        report = run_parity(args.model, tokens=args.tokens, warmup=args.warmup, runs=args.runs,
-                            weights=args.weights, device=args.device,
-                            out=Path(args.json) if args.json else None,
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
-        print(format_table(report["rows"], ["config", "tok_s", "min", "max", "ttft_ms", "vs_llmpipeline"]))
-        return 0
-    if args.name == "spec":
-        from engine.bench.spec import run_spec
-
-        report = run_spec(args.model, args.draft or "qwen2.5-coder-0.5b", tokens=args.tokens, k=args.spec_k,
-                          weights=args.weights, out=Path(args.json) if args.json else None,
-                          log=lambda m: print(m, file=sys.stderr, flush=True))
-        print(format_table(report["rows"], list(report["rows"][0])))
-        print("\n".join(f"{k}: {v}" for k, v in report["ratios"].items()))
-        return 0
-    if args.name == "pipeline":
-        from engine.bench.pipeline import run_pipeline
-
-        report = run_pipeline(args.model, stages=args.stages, tokens=args.tokens, warmup=args.warmup,
-                              runs=args.runs, weights=args.weights, delay_ms=args.delay_ms,
-                              out=Path(args.json) if args.json else None,
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
-        print(format_table(report["rows"], list(report["rows"][0])))
-        print("  ".join(f"{k}={v}" for k, v in report["ratios"].items()))
-        return 0
-    raise FleetError(f"unknown benchmark {args.name!r}")
+    draft = args.draft or "qwen2.5-coder-0.5b"
+    common = {"weights": args.weights, "out": Path(args.json) if args.json else None,
+              "log": lambda m: print(m, file=sys.stderr, flush=True)}
+    # the speculation and fleet benchmarks run the 1.5B target that has a 0.5B draft
+    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline") else "qwen2.5-coder-1.5b")
+    fleet = {"cpu_sets": args.cpus or ""}
+    # each benchmark has its own default length, repetitions and stage count
+    sizes = {k: v for k, v in (("tokens", args.tokens), ("stages", args.stages)) if v}
+    runs = {"runs": args.runs} if args.runs else {}
+    delays = {"delays": args.delays} if args.delays else {}
+    kind = {"draft_kind": args.draft_kind}
+    calls = {
+        "parity": lambda f: f(model, warmup=args.warmup, device=args.device, tokens=args.tokens or 128, **runs,
+                              **common),
+        "pipeline": lambda f: f(model, warmup=args.warmup, delay_ms=args.delay_ms, **sizes, **runs, **common),
+        "spec": lambda f: f(model, draft, k=args.spec_k, tokens=args.tokens or 128, **common),
+        "ksweep": lambda f: f(model, draft, **sizes, **kind, **delays, **fleet, **common),
+        "microbatch": lambda f: f(model, tokens=args.tokens or 64, **runs, **delays, **fleet, **common),
+        "wan": lambda f: f(model, draft, **sizes, **runs, **kind, **delays, **fleet, **common),
+        "progression": lambda f: f(model, draft, delay_ms=args.delay_ms, **sizes, **runs, **kind, **fleet, **common),
+    }
+    module = importlib.import_module(f"engine.bench.{args.name}")
+    report = calls[args.name](getattr(module, f"run_{args.name}"))
+    columns = list(dict.fromkeys(c for row in report["rows"] for c in row))
+    print(format_table(report["rows"], columns))
+    print("\n".join(f"{k}: {v}" for k, v in report["ratios"].items()))
+    return 0
 
 
 def _connection_args(parser: argparse.ArgumentParser) -> None:
@@ -375,9 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--streams", type=int, help="generate this many prompts concurrently (micro-batching)")
     gen.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
                      "model (shard folder or model source with the target's tokenizer), or hybrid:MODEL")
+    gen.add_argument("--isolate-streams", action="store_true",
+                     help="compile each stage once per stream instead of sharing one compiled model")
     gen.add_argument("--k", type=_k, default=4, help="draft tokens per round, or 'auto' (default 4)")
-    gen.add_argument("--rewind", choices=["mask", "trim"], default="mask",
-                     help="drop rejected drafts by masking them (default) or trimming the KV cache")
+    gen.add_argument("--rewind", choices=["mask", "trim"],
+                     help="drop rejected drafts by masking them (fast mode's default) or trimming the KV "
+                     "cache (exact mode's default)")
     gen.add_argument("--mode", choices=["fast", "exact"],
                      help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
     gen.add_argument("--system", help="system prompt")
@@ -406,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--mode", choices=["fast", "exact"], help="correctness mode (every stage must agree)")
     worker.add_argument("--delay-ms", type=float, default=0.0,
                         help="add this one-way delay to every frame received and sent upstream")
+    worker.add_argument("--isolate-streams", action="store_true",
+                        help="compile the shard once per stream instead of sharing one compiled model")
+    worker.add_argument("--cpus", help="pin this worker to these CPUs (Linux; like taskset: 0-3,6)")
     worker.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
     _connection_args(worker)
     worker.set_defaults(func=cmd_worker)
@@ -421,17 +441,22 @@ def build_parser() -> argparse.ArgumentParser:
     key.set_defaults(func=cmd_key)
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
-    bench.add_argument("name", choices=["parity", "pipeline", "spec"])
-    bench.add_argument("--model", default="smollm2-135m")
-    bench.add_argument("--tokens", type=int, default=128)
+    bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression"])
+    bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
+                       "spec, ksweep, microbatch, wan and progression)")
+    bench.add_argument("--tokens", type=int, help="new tokens per prompt and stream (each benchmark has a default)")
     bench.add_argument("--warmup", type=int, default=2)
-    bench.add_argument("--runs", type=int, default=5)
+    bench.add_argument("--runs", type=int, help="interleaved repetitions (each benchmark has a default)")
     bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     bench.add_argument("--device", default="CPU")
-    bench.add_argument("--stages", type=int, default=2, help="pipeline: number of stages")
-    bench.add_argument("--draft", help="spec: the draft model (default qwen2.5-coder-0.5b)")
+    bench.add_argument("--stages", type=int, help="number of pipeline stages (ksweep: 3, others: 2)")
+    bench.add_argument("--draft", help="the draft model (default qwen2.5-coder-0.5b)")
+    bench.add_argument("--draft-kind", default="model", choices=["model", "lookup", "hybrid"],
+                       help="ksweep, wan, progression: what drafts")
     bench.add_argument("--spec-k", type=int, default=3, help="spec: the fixed K to compare with auto")
-    bench.add_argument("--delay-ms", type=float, default=0.0, help="pipeline: injected one-way delay per hop")
+    bench.add_argument("--delay-ms", type=float, default=0.0, help="pipeline, progression: one-way delay per hop")
+    bench.add_argument("--delays", type=_delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
+    bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)
     return parser

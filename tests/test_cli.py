@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -110,3 +111,23 @@ def test_worker_errors_are_specific(tiny_exports, tmp_path):
     proc = fleet("generate", "--shards", stage1, "--remote", "127.0.0.1:1", "--fleet-key-file", str(tmp_path / "k"),
                  "--prompt", "hi")
     assert proc.returncode == 2 and "the coordinator runs stage 0" in proc.stderr
+    proc = fleet("worker", "--shard", stage1, "--listen", "127.0.0.1:0", "--fleet-key-file", str(tmp_path / "k"),
+                 "--cpus", "0-x")
+    assert proc.returncode == 2 and "'0-x' is not a CPU list" in proc.stderr
+    proc = fleet("worker", "--shard", stage1, "--listen", "127.0.0.1:0", "--fleet-key-file", str(tmp_path / "k"),
+                 "--cpus", "4096")
+    assert proc.returncode == 2 and "CPUs [4096] are not available here" in proc.stderr
+
+
+def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
+    """What ``fleet bench --cpus`` does for each stage.  (OpenVINO 2026.4 dies with SIGFPE when pinned
+    to a single CPU on this 2-vCPU VM, so the pinned process here does not load OpenVINO.)"""
+    from engine.runtime.localfleet import LocalFleet
+
+    cpu = max(os.sched_getaffinity(0))
+    probe = subprocess.run([sys.executable, "-c", "import os; from engine.runtime.affinity import pin; "
+                            f"pin('{cpu}'); print(sorted(os.sched_getaffinity(0)))"],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == f"[{cpu}]", probe.stderr
+    local = LocalFleet(tiny_exports["llama", "2"].folders[1:], tmp_path / "k", log_dir=tmp_path, cpu_sets=["0-1"])
+    assert local.command(0)[-2:] == ["--cpus", "0-1"]

@@ -2,7 +2,8 @@
 
 Every configuration decodes the same chat-templated input ids for ``tokens`` new tokens with EOS
 ignored.  Configurations run round-robin (one run of each per round) so that the machine's drift
-hits them alike; the table reports medians and ratios to LLMPipeline.
+hits them alike; the table reports medians and ratios to LLMPipeline compiled with the same
+settings as our stages (and, for reference, LLMPipeline at OpenVINO's own defaults).
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from engine.bench.report import median, write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
+from engine.runtime.stage import device_config
 from engine.runtime.tokenizer import ChatTokenizer
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _genai_runner(folder: Path, ids: np.ndarray, tokens: int, device: str) -> Callable[[], tuple[float, float]]:
+def _genai_runner(folder: Path, ids: np.ndarray, tokens: int, device: str,
+                  props: dict) -> Callable[[], tuple[float, float]]:
     import openvino as ov
     import openvino_genai
 
-    pipe = openvino_genai.LLMPipeline(str(folder), device)
+    pipe = openvino_genai.LLMPipeline(str(folder), device, **props)
     config = pipe.get_generation_config()
     config.max_new_tokens = tokens
     config.min_new_tokens = tokens
@@ -59,7 +62,8 @@ def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5,
     first = exports[1].folders[0]
     ids = ChatTokenizer(first).prompt_ids(PROMPT)
     configs = {
-        "LLMPipeline 1-stage": _genai_runner(first, ids, tokens, device),
+        "LLMPipeline 1-stage": _genai_runner(first, ids, tokens, device, device_config(device)),
+        "LLMPipeline 1-stage, OpenVINO defaults": _genai_runner(first, ids, tokens, device, {}),
         "ours 1-stage": _chain_runner(exports[1].folders, ids, tokens, device),
         "ours 2-stage": _chain_runner(exports[2].folders, ids, tokens, device),
         "ours 3-stage": _chain_runner(exports[3].folders, ids, tokens, device),

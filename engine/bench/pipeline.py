@@ -13,18 +13,15 @@ a stage that just finished keep spinning for a while), which separate machines d
 
 from __future__ import annotations
 
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
 
+from engine.bench.harness import loopback
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
-from engine.fleetkey import create_key, load_key
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
-from engine.runtime.localfleet import LocalFleet
-from engine.runtime.remote import RemoteChain
 from engine.runtime.tokenizer import ChatTokenizer
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -36,35 +33,25 @@ def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int 
     split = export_model(model, stages=stages, weights=weights)
     ids = ChatTokenizer(whole.folders[0]).prompt_ids(PROMPT)
     length = ids.shape[1] + tokens + 1
-    with tempfile.TemporaryDirectory() as tmp:
-        key_path = create_key(Path(tmp) / "bench.key")
-        fleet = LocalFleet(split.folders[1:], key_path, delay_ms=delay_ms, log_dir=Path(tmp)).start()
-        try:
-            remote = RemoteChain(split.folders[0], fleet.addresses, key=load_key(key_path))
-            chains = {
-                "1-stage in-process": LocalChain(whole.folders),
-                f"{stages}-stage in-process": LocalChain(split.folders),
-                f"{stages}-stage loopback TCP": remote,
-            }
-            samples: dict[str, list] = {name: [] for name in chains}
-            reference = None
-            for round_index in range(warmup + runs):
-                for name, chain in chains.items():
-                    result = Generator(chain, length).generate(ids, tokens, ignore_eos=True)
-                    if reference is None:
-                        reference = result.tokens
-                    if round_index >= warmup:
-                        samples[name].append(result)
-                log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
-            pings = []
-            for _ in range(5):
-                start = time.perf_counter()
-                for _ in range(100):
-                    remote.ping()
-                pings.append((time.perf_counter() - start) * 10)  # ms per ping
-            remote.close()
-        finally:
-            fleet.close()
+    with loopback(split.folders, delay_ms=delay_ms) as (remote, _):
+        chains = {
+            "1-stage in-process": LocalChain(whole.folders),
+            f"{stages}-stage in-process": LocalChain(split.folders),
+            f"{stages}-stage loopback TCP": remote,
+        }
+        samples: dict[str, list] = {name: [] for name in chains}
+        for round_index in range(warmup + runs):
+            for name, chain in chains.items():
+                result = Generator(chain, length).generate(ids, tokens, ignore_eos=True)
+                if round_index >= warmup:
+                    samples[name].append(result)
+            log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
+        pings = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(100):
+                remote.ping()
+            pings.append((time.perf_counter() - start) * 10)  # ms per ping
     rows = []
     for name, results in samples.items():
         token_ms = median(r.breakdown.to_json()["token_ms"] for r in results)

@@ -42,13 +42,15 @@ def parse_devices(device: str, count: int) -> list[str]:
 class LocalChain:
     """All stages in one process; ``forward`` maps token ids to the last stage's top-1 tokens."""
 
-    def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None):
-        """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``."""
+    def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None,
+                 isolate: bool = False):
+        """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``;
+        ``isolate`` compiles each stage once per stream instead of sharing one compiled model."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
         devices = parse_devices(device, len(folders))
-        self.stages = [StageRunner(f, dev, config, m) for f, dev, m in zip(folders, devices, manifests)]
+        self.stages = [StageRunner(f, dev, config, m, isolate) for f, dev, m in zip(folders, devices, manifests)]
         self.manifest = manifests[0]
         self.spec = self.manifest.spec
 

@@ -182,8 +182,10 @@ class Decoding:
             result.drafted += len(drafts)
             result.accepted += accepted
             result.k_history.append(len(drafts))
+            verify_ms = (now - self._times["verify"]) * 1e3
+            if hasattr(self.drafter, "feedback"):
+                self.drafter.feedback(len(drafts), accepted, verify_ms)
             if self.auto:
-                verify_ms = (now - self._times["verify"]) * 1e3
                 self.k = self.auto.update(len(drafts), accepted, verify_ms, getattr(self.drafter, "ms_per_token", 0.0))
         for token in emitted:
             result.tokens.append(token)

@@ -29,9 +29,11 @@ def free_port() -> int:
 class LocalFleet:
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
-                 deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True):
+                 deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True,
+                 isolate: bool = False, cpu_sets: list[str | None] | None = None):
         """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
-        route tells them."""
+        route tells them.  ``isolate``: one compiled model per stream; ``cpu_sets``: a CPU list per
+        worker to pin it to (``engine.runtime.affinity``)."""
         self.shard_dirs = [Path(d) for d in shard_dirs]
         self.devices = devices or ["CPU"] * len(self.shard_dirs)
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in self.shard_dirs]
@@ -42,6 +44,8 @@ class LocalFleet:
         self.key_file = key_file
         self.link_workers = link_workers
         self.mode, self.precision, self.delay_ms, self.tls, self.deadline_s = mode, precision, delay_ms, tls, deadline_s
+        self.isolate = isolate
+        self.cpu_sets = cpu_sets or [None] * len(self.shard_dirs)
 
     def command(self, i: int) -> list[str]:
         cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(self.shard_dirs[i]),
@@ -56,6 +60,10 @@ class LocalFleet:
             cmd += ["--delay-ms", str(self.delay_ms)]
         if self.tls:
             cmd += ["--tls"]
+        if self.isolate:
+            cmd += ["--isolate-streams"]
+        if self.cpu_sets[i]:
+            cmd += ["--cpus", self.cpu_sets[i]]
         return cmd
 
     def start_worker(self, i: int) -> subprocess.Popen:

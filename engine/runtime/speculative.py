@@ -172,24 +172,54 @@ class DraftModel:
 
 
 class Hybrid:
-    """Prompt lookup where it finds a continuation, the draft model otherwise."""
+    """Prompt lookup or the draft model, whichever is expected to give more tokens per millisecond.
+
+    A lookup proposal costs nothing to make but is often wrong; the model's is right more often but
+    costs ``k`` draft steps.  Each source's acceptance (accepted per proposed, decayed) and the verify
+    cost come from the rounds' outcomes; the lookup, being free, is still tried now and then when it
+    is losing, so its estimate keeps up with the text."""
 
     name = "hybrid"
+    DECAY = 0.9
 
     def __init__(self, lookup: PromptLookup, model: DraftModel):
         self.lookup = lookup
         self.model = model
+        self.reset()
 
     @property
     def ms_per_token(self) -> float:
-        return self.model.ms_per_token
+        return self.model.ms_per_token if self.last == "model" else 0.0
 
     def reset(self) -> None:
         self.lookup.reset()
         self.model.reset()
+        # decayed [accepted, proposed] per source: a prior of one half
+        self.stats = {"lookup": [1.0, 2.0], "model": [1.0, 2.0]}
+        self.verify_ms = 0.0
+        self.last = None
+        self._lookup_skipped = 0
+
+    def _rate(self, source: str, proposed: int, draft_ms: float) -> float:
+        accepted, seen = self.stats[source]
+        return (1 + proposed * accepted / seen) / (self.verify_ms + draft_ms + 1e-3)
 
     def propose(self, history: list[int], k: int) -> list[int]:
-        return self.lookup.propose(history, k) or self.model.propose(history, k)
+        drafts = self.lookup.propose(history, k)
+        if drafts:
+            lookup_wins = self._rate("lookup", len(drafts), 0.0) >= self._rate("model", k, k * self.model.ms_per_token)
+            if lookup_wins or self._lookup_skipped >= 8:
+                self.last, self._lookup_skipped = "lookup", 0
+                return drafts
+            self._lookup_skipped += 1
+        self.last = "model"
+        return self.model.propose(history, k)
+
+    def feedback(self, proposed: int, accepted: int, verify_ms: float) -> None:
+        stats = self.stats[self.last]
+        stats[0] = stats[0] * self.DECAY + accepted
+        stats[1] = stats[1] * self.DECAY + proposed
+        self.verify_ms = verify_ms if not self.verify_ms else 0.8 * self.verify_ms + 0.2 * verify_ms
 
 
 def check_draft_tokenizer(target: Manifest, draft: Manifest, draft_folder: Path) -> None:

@@ -1,0 +1,92 @@
+"""``fleet bench microbatch``: aggregate throughput of 1, 2 and 3 concurrent streams on 2- and
+3-stage loopback pipelines at several injected hop delays.
+
+All stages share this machine's cores, so N streams can gain at most
+``min(N, (compute + waiting) / compute)``: whatever the single stream spends waiting on the wire can
+be filled with another stream's compute, nothing more.  The ideal comes from the same run's
+single-stream breakdown (compute = every stage plus the coordinator's own work per token; waiting =
+the rest).  Stream counts are interleaved, ``runs`` times each; the median counts.
+
+``isolation``: at one point (first stage count, 10 ms, 2 and 3 streams) shared compiled models
+against one compiled model per stream, with the workers' resident memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+
+from engine.bench.harness import loopback, run_batch, warm_up
+from engine.bench.report import write_report
+from engine.bench.spec import PROMPTS
+from engine.export.exporter import export_model
+from engine.runtime.tokenizer import ChatTokenizer
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _sweep(chain, prompts, counts, tokens: int, runs: int) -> dict[int, list]:
+    warm_up(chain, prompts[: max(counts)])
+    samples: dict[int, list] = {n: [] for n in counts}
+    for r in range(runs):
+        for n in (counts if r % 2 == 0 else counts[::-1]):
+            samples[n].append(run_batch(chain, prompts[:n], tokens))
+    return samples
+
+
+def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0), counts=(1, 2, 3),
+                   tokens: int = 64, runs: int = 2, isolation: bool = True, weights: str = "int4",
+                   cpu_sets: str = "", out: Path | None = None, log=print) -> dict:
+    names = list(PROMPTS)
+    rows, ratios = [], {}
+    for stages in stage_counts:
+        split = export_model(model, stages=stages, weights=weights)
+        tok = ChatTokenizer(split.folders[0])
+        prompts = [tok.prompt_ids(PROMPTS[names[i]]) for i in range(max(counts))]
+        sets = cpu_sets if len(cpu_sets.split(";")) == stages else ""
+        for delay in delays:
+            with loopback(split.folders, delay_ms=delay, cpu_sets=sets) as (chain, _):
+                samples = _sweep(chain, prompts, counts, tokens, runs)
+            single = sorted(samples[1], key=lambda b: b.tok_s)[len(samples[1]) // 2]
+            bd = single.breakdown()
+            bound = bd["token_ms"] / bd["compute_ms"]
+            base = median(b.tok_s for b in samples[1])
+            for n in counts:
+                tok_s = median(b.tok_s for b in samples[n])
+                ideal = min(n, bound)
+                gain = tok_s / base
+                rows.append({"stages": stages, "delay_ms": delay, "streams": n, "tok_s": round(tok_s, 2),
+                             "per_stream": round(tok_s / n, 2), "gain": round(gain, 3), "ideal": round(ideal, 3),
+                             "of_ideal": round(gain / ideal, 3), "compute_ms": round(bd["compute_ms"], 2),
+                             "waiting_ms": round(bd["token_ms"] - bd["compute_ms"], 2)})
+                if n > 1:
+                    ratios[f"{stages}st {delay:g}ms {n} streams gain"] = round(gain, 3)
+                    ratios[f"{stages}st {delay:g}ms {n} streams of ideal"] = round(gain / ideal, 3)
+            log(f"{stages} stages, {delay:g} ms: " + ", ".join(f"{r['streams']}x {r['tok_s']}"
+                                                              for r in rows[-len(counts):]))
+    if isolation:
+        stages = stage_counts[0]
+        split = export_model(model, stages=stages, weights=weights)
+        prompts = [ChatTokenizer(split.folders[0]).prompt_ids(PROMPTS[names[i]]) for i in range(max(counts))]
+        speeds = {}
+        for isolate in (False, True):
+            with loopback(split.folders, delay_ms=10.0, isolate=isolate) as (chain, fleet):
+                samples = _sweep(chain, prompts, counts, tokens, runs)
+                memory = sum(rss_mb(p.pid) for p in fleet.procs)
+            label = "per-stream compiled" if isolate else "shared compiled"
+            for n in counts:
+                speeds[label, n] = median(b.tok_s for b in samples[n])
+                rows.append({"stages": stages, "delay_ms": 10.0, "streams": n, "tok_s": round(speeds[label, n], 2),
+                             "per_stream": round(speeds[label, n] / n, 2), "isolation": label,
+                             "workers_rss_mb": round(memory, 1)})
+        for n in counts[1:]:
+            ratios[f"isolated vs shared {n} streams"] = round(
+                speeds["per-stream compiled", n] / speeds["shared compiled", n], 3)
+    meta = {"model": model, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets,
+            "ideal": "min(N, token_ms / compute_ms) from the single-stream breakdown of the same point"}
+    return write_report("microbatch", rows, ratios, out, settings=meta)

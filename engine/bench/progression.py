@@ -1,0 +1,61 @@
+"""``fleet bench progression``: the paper's "Progressive Optimization" table on this machine.
+
+Monolithic (the whole model in one process, one stream), then the N-stage loopback pipeline with
+one stream, + micro-batching (two streams), + speculation (two streams, each with its own draft,
+K auto).  Configurations are interleaved ``runs`` times; throughput is aggregate tokens over wall
+time, with each step's ratio to monolithic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+
+from engine.bench.harness import drafters, loopback, run_batch, warm_up
+from engine.bench.report import write_report
+from engine.bench.spec import PROMPTS
+from engine.export.exporter import export_model
+from engine.runtime.chain import LocalChain
+from engine.runtime.tokenizer import ChatTokenizer
+
+STREAM_PROMPTS = ("code", "chat")
+
+
+def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96, runs: int = 2,
+                    delay_ms: float = 0.0, draft_kind: str = "model", weights: str = "int4", cpu_sets: str = "",
+                    out: Path | None = None, log=print) -> dict:
+    whole = export_model(model, stages=1, weights=weights)
+    split = export_model(model, stages=stages, weights=weights)
+    draft_folders = export_model(draft, stages=1, weights=weights).folders if draft_kind in ("model", "hybrid") else None
+    tok = ChatTokenizer(whole.folders[0])
+    prompts = [tok.prompt_ids(PROMPTS[name]) for name in STREAM_PROMPTS]
+    mono = LocalChain(whole.folders)
+    names = ["monolithic, 1 stream", f"{stages}-stage, 1 stream", f"{stages}-stage, 2 streams",
+             f"{stages}-stage, 2 streams + speculation"]
+    samples: dict[str, list] = {n: [] for n in names}
+    with loopback(split.folders, delay_ms=delay_ms, cpu_sets=cpu_sets) as (chain, _):
+        spec = drafters(draft_kind, chain, draft_folders, len(prompts))
+        warm_up(mono, prompts[:1])
+        warm_up(chain, prompts, spec)
+        steps = {
+            names[0]: lambda: [run_batch(mono, [p], tokens) for p in prompts],
+            names[1]: lambda: [run_batch(chain, [p], tokens) for p in prompts],
+            names[2]: lambda: [run_batch(chain, prompts, tokens)],
+            names[3]: lambda: [run_batch(chain, prompts, tokens, drafters_=spec, k="auto")],
+        }
+        for r in range(runs):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                batches = steps[name]()
+                samples[name].append((sum(b.tokens for b in batches) / sum(b.wall_s for b in batches),
+                                      batches[-1].acceptance))
+            log(f"round {r + 1}/{runs}")
+    base = median(s[0] for s in samples[names[0]])
+    rows, ratios = [], {}
+    for name in names:
+        tok_s = median(s[0] for s in samples[name])
+        rows.append({"config": name, "tok_s": round(tok_s, 2), "vs_monolithic": round(tok_s / base, 3),
+                     "acceptance": round(samples[name][-1][1], 3) if "speculation" in name else None})
+        ratios[f"{name} vs monolithic"] = round(tok_s / base, 3)
+    meta = {"model": model, "draft": draft if draft_folders else draft_kind, "stages": stages, "tokens": tokens,
+            "runs": runs, "delay_ms": delay_ms, "weights": weights, "cpu_sets": cpu_sets}
+    return write_report("progression", rows, ratios, out, settings=meta)

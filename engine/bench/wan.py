@@ -1,0 +1,52 @@
+"""``fleet bench wan``: naive distributed decode against the full stack as hop latency grows.
+
+Naive: one stream, no speculation.  Full stack: two streams, each speculating with its own draft
+(K auto).  Both on the same N-stage loopback pipeline (default 2) at each injected one-way hop delay,
+interleaved; throughput is aggregate tokens over wall time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.bench.harness import drafters, loopback, run_batch, warm_up
+from engine.bench.report import write_report
+from engine.bench.spec import PROMPTS
+from engine.export.exporter import export_model
+from engine.runtime.tokenizer import ChatTokenizer
+
+WAN_PROMPTS = ("code", "chat")
+
+
+def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0, 100.0), tokens: int = 64,
+            runs: int = 1, draft_kind: str = "model", k="auto", weights: str = "int4", cpu_sets: str = "",
+            out: Path | None = None, log=print) -> dict:
+    split = export_model(model, stages=stages, weights=weights)
+    draft_folders = export_model(draft, stages=1, weights=weights).folders if draft_kind in ("model", "hybrid") else None
+    tok = ChatTokenizer(split.folders[0])
+    prompts = [tok.prompt_ids(PROMPTS[name]) for name in WAN_PROMPTS]
+    rows, ratios = [], {}
+    for delay in delays:
+        naive_tokens = naive_s = 0.0
+        full = []
+        with loopback(split.folders, delay_ms=delay, cpu_sets=cpu_sets) as (chain, _):
+            spec = drafters(draft_kind, chain, draft_folders, len(prompts))
+            warm_up(chain, prompts, spec)
+            for r in range(runs):
+                for ids in prompts:  # naive: one stream at a time
+                    one = run_batch(chain, [ids], tokens)
+                    naive_tokens += one.tokens
+                    naive_s += one.wall_s
+                full.append(run_batch(chain, prompts, tokens, drafters_=spec, k=k))
+        naive = naive_tokens / naive_s
+        full_tok_s = sum(b.tokens for b in full) / sum(b.wall_s for b in full)
+        acceptance = sum(b.acceptance for b in full) / len(full)
+        mean_k = sum(b.mean_k for b in full) / len(full)
+        rows.append({"delay_ms": delay, "naive_tok_s": round(naive, 2), "full_tok_s": round(full_tok_s, 2),
+                     "full_per_stream": round(full_tok_s / len(prompts), 2), "full_vs_naive": round(full_tok_s / naive, 3),
+                     "acceptance": round(acceptance, 3), "mean_k": round(mean_k, 2)})
+        ratios[f"{delay:g}ms full vs naive"] = round(full_tok_s / naive, 3)
+        log(f"{delay:g} ms: naive {naive:.2f} tok/s, full stack {full_tok_s:.2f} tok/s")
+    meta = {"model": model, "draft": draft if draft_folders else draft_kind, "stages": stages, "streams": len(prompts),
+            "k": k, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets}
+    return write_report("wan", rows, ratios, out, settings=meta)
