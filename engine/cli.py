@@ -134,16 +134,14 @@ def open_chain(args, settings: Settings):
 
 def open_drafter(args, settings: Settings, chain, streams: int):
     """One drafter per stream, or None: ``lookup``, a draft model (shard folder or model source), or
-    ``hybrid:MODEL`` (lookup where it matches, the model otherwise)."""
+    ``hybrid:MODEL`` (lookup or the model, per round)."""
     from engine.runtime.chain import LocalChain, expand_shard_dirs
-    from engine.runtime.speculative import DraftModel, Hybrid, PromptLookup, check_draft_tokenizer
+    from engine.runtime.speculative import stream_drafters
     from engine.runtime.stage import compile_config
 
     spec = args.draft
-    if not spec:
-        return None
-    if spec == "lookup":
-        return [PromptLookup() for _ in range(streams)]
+    if not spec or spec == "lookup":
+        return stream_drafters("lookup" if spec else "none", streams)
     hybrid = spec.startswith("hybrid:")
     source = spec.split(":", 1)[1] if hybrid else spec
     if Path(source).exists():
@@ -152,10 +150,7 @@ def open_drafter(args, settings: Settings, chain, streams: int):
         folders = _export(source, 1, None, settings.weights, None).folders
     draft_chain = LocalChain(folders, device=(args.device or settings.device).split(",")[0],
                              config=compile_config(args.mode or settings.mode, args.precision))
-    check_draft_tokenizer(chain.manifest, draft_chain.manifest, folders[0])
-    rewind = args.rewind
-    models = [DraftModel(draft_chain, rewind, stream=i) for i in range(streams)]
-    return [Hybrid(PromptLookup(), m) for m in models] if hybrid else models
+    return stream_drafters("hybrid" if hybrid else "model", streams, chain.manifest, draft_chain, args.rewind)
 
 
 def _k(text: str):

@@ -115,7 +115,7 @@ def control(kind: Msg, doc: dict, stream: int = 0, seq: int = 0) -> Frame:
 
 
 def encode(frame: Frame) -> bytes:
-    parts = []
+    parts = [b""]  # the frame header goes first, once the payload length is known
     for t in frame.tensors:
         arr = np.asarray(t)  # (ascontiguousarray would turn a 0-d scalar into shape (1,))
         code = _DTYPE_CODES.get(arr.dtype.newbyteorder("<"))
@@ -124,9 +124,9 @@ def encode(frame: Frame) -> bytes:
         dims = list(arr.shape) + [0] * (MAX_DIMS - arr.ndim)
         parts.append(TENSOR_HEADER.pack(code, arr.ndim, 0, *dims))
         parts.append(arr.astype(DTYPES[code], copy=False).tobytes())
-    payload = b"".join(parts)
-    return HEADER.pack(MAGIC, VERSION, int(frame.type), frame.stream, frame.seq, len(frame.tensors),
-                       int(frame.flags), len(payload)) + payload
+    parts[0] = HEADER.pack(MAGIC, VERSION, int(frame.type), frame.stream, frame.seq, len(frame.tensors),
+                           int(frame.flags), sum(len(part) for part in parts))
+    return b"".join(parts)
 
 
 def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, int, int, int, Flag, int]:

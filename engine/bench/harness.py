@@ -1,5 +1,6 @@
-"""What the fleet benchmarks share: a loopback pipeline with injected hop delay, draft models per
-stream, and decoding a set of prompts as concurrent streams with aggregate throughput.
+"""What the benchmarks share: the prompt set, a loopback pipeline with injected hop delay, draft
+models per stream, decoding a set of prompts as concurrent streams with aggregate throughput, and
+OpenVINO GenAI's LLMPipeline as the reference.
 
 Every stage beyond the first runs in its own ``fleet worker`` process, as on a real fleet; with
 ``cpu_sets`` (``"0-1;2-3"``) each stage, the coordinator included, is pinned to its own cores.
@@ -12,14 +13,45 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
 from engine.runtime.affinity import parse_cpu_sets, pin
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generation, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import DraftModel, Hybrid, PromptLookup, check_draft_tokenizer
+from engine.runtime.speculative import stream_drafters
 from engine.runtime.stage import compile_config
+from engine.runtime.tokenizer import ChatTokenizer
+
+# The single-stream benchmarks' prompt (parity, pipeline).
+STORY_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+# Eight categories; the speculation benchmark runs all of them, the others a named few.
+PROMPTS = {
+    "short factual": "What is the boiling point of water at sea level, in Celsius and Fahrenheit?",
+    "reasoning": "A train leaves at 3 pm going 60 km/h; another leaves the same station at 4 pm going 90 km/h. "
+                 "When does the second catch up? Explain step by step.",
+    "code": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "list": "List ten common data structures and one typical use of each.",
+    "creative": "Write a short poem about a lighthouse in a storm.",
+    "technical explanation": "Explain how a hash map handles collisions.",
+    "chat": "Hi! I'm planning a weekend trip to the mountains. Any tips?",
+    "translation": "Translate into French: The meeting is moved to Thursday at ten, please bring the report.",
+}
+
+
+def prompt_ids(folder: Path, names) -> list[np.ndarray]:
+    """The named prompts, chat-templated and tokenized with the shard's tokenizer."""
+    tok = ChatTokenizer(folder)
+    return [tok.prompt_ids(PROMPTS[name]) for name in names]
+
+
+def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
+    """The draft model's 1-stage shard when ``kind`` needs a model."""
+    return export_model(draft, stages=1, weights=weights).folders if kind in ("model", "hybrid") else None
 
 
 @contextlib.contextmanager
@@ -41,14 +73,8 @@ def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", 
 
 def drafters(kind: str, target, draft_folders: list[Path] | None, streams: int, mode: str = "fast"):
     """``streams`` drafters of one kind: ``none``, ``lookup``, ``model`` or ``hybrid``."""
-    if kind == "none":
-        return None
-    if kind == "lookup":
-        return [PromptLookup() for _ in range(streams)]
-    draft_chain = LocalChain(draft_folders, config=compile_config(mode))
-    check_draft_tokenizer(target.manifest, draft_chain.manifest, draft_folders[0])
-    models = [DraftModel(draft_chain, stream=i) for i in range(streams)]
-    return [Hybrid(PromptLookup(), m) for m in models] if kind == "hybrid" else models
+    draft_chain = LocalChain(draft_folders, config=compile_config(mode)) if draft_folders else None
+    return stream_drafters(kind, streams, target.manifest, draft_chain)
 
 
 @dataclass
@@ -76,10 +102,10 @@ class BatchRun:
         return sum(ks) / len(ks) if ks else 0.0
 
     def breakdown(self) -> dict:
-        """Per-token compute (all stages plus the coordinator's own work) and waiting, stream 0."""
+        """Per-token wall and compute (all stages plus the coordinator's own work), stream 0."""
         bd = self.results[0].breakdown.to_json()
         compute = sum(bd["stage_compute_ms"]) + bd["host_ms"] + bd["draft_ms"]
-        return {"token_ms": bd["token_ms"], "compute_ms": compute, "network_ms": bd["network_ms"]}
+        return {"token_ms": bd["token_ms"], "compute_ms": compute}
 
 
 def run_batch(chain, prompts, tokens: int, *, drafters_=None, k="auto") -> BatchRun:
@@ -95,3 +121,30 @@ def warm_up(chain, prompts, drafters_=None) -> None:
     run_batch(chain, prompts, 4)
     if drafters_:
         run_batch(chain, prompts, 4, drafters_=drafters_[: len(prompts)], k=3)
+
+
+def genai_runner(folder: Path, tokens: int, *, device: str = "CPU", props: dict | None = None,
+                 draft: Path | None = None, k: int = 3):
+    """OpenVINO GenAI's LLMPipeline on our export, compiled with ``props``, optionally with ``draft``
+    as its draft model (``k`` assistant tokens): greedy, ``tokens`` new tokens, EOS ignored, input
+    ids as given.  ``run(ids)`` returns (decode tok/s, TTFT ms, tokens)."""
+    import openvino as ov
+    import openvino_genai
+
+    props = props or {}
+    extra = {"draft_model": openvino_genai.draft_model(str(draft), device, **props)} if draft else {}
+    pipe = openvino_genai.LLMPipeline(str(folder), device, **extra, **props)
+    config = pipe.get_generation_config()
+    config.max_new_tokens = config.min_new_tokens = tokens
+    config.ignore_eos = True
+    config.do_sample = False
+    config.apply_chat_template = False
+    if draft:
+        config.num_assistant_tokens = k
+
+    def run(ids: np.ndarray) -> tuple[float, float, list[int]]:
+        result = pipe.generate(openvino_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids))), config)
+        metrics = result.perf_metrics
+        return metrics.get_throughput().mean, metrics.get_ttft().mean, list(result.tokens[0])
+
+    return run

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.harness import drafters, loopback, run_batch, warm_up
+from engine.bench.harness import draft_export, drafters, loopback, prompt_ids, run_batch, warm_up
 from engine.bench.report import write_report
-from engine.bench.spec import PROMPTS
 from engine.export.exporter import export_model
-from engine.runtime.tokenizer import ChatTokenizer
 
 SWEEP_PROMPTS = ("code", "technical explanation")
 
@@ -22,9 +20,8 @@ def run_ksweep(model: str, draft: str, *, stages: int = 3, delays=(0.0, 50.0, 10
                tokens: int = 96, draft_kind: str = "model", weights: str = "int4", cpu_sets: str = "",
                out: Path | None = None, log=print) -> dict:
     split = export_model(model, stages=stages, weights=weights)
-    draft_folders = export_model(draft, stages=1, weights=weights).folders if draft_kind in ("model", "hybrid") else None
-    tok = ChatTokenizer(split.folders[0])
-    prompts = [tok.prompt_ids(PROMPTS[name]) for name in SWEEP_PROMPTS]
+    draft_folders = draft_export(draft, draft_kind, weights)
+    prompts = prompt_ids(split.folders[0], SWEEP_PROMPTS)
     configs = ["none", *ks]
     rows, ratios = [], {}
     for delay in delays:

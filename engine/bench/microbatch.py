@@ -16,11 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import loopback, run_batch, warm_up
+from engine.bench.harness import PROMPTS, loopback, prompt_ids, run_batch, warm_up
 from engine.bench.report import write_report
-from engine.bench.spec import PROMPTS
 from engine.export.exporter import export_model
-from engine.runtime.tokenizer import ChatTokenizer
 
 
 def rss_mb(pid: int) -> float:
@@ -42,13 +40,14 @@ def _sweep(chain, prompts, counts, tokens: int, runs: int) -> dict[int, list]:
 def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0), counts=(1, 2, 3),
                    tokens: int = 64, runs: int = 2, isolation: bool = True, weights: str = "int4",
                    cpu_sets: str = "", out: Path | None = None, log=print) -> dict:
-    names = list(PROMPTS)
+    names = list(PROMPTS)[: max(counts)]
     rows, ratios = [], {}
     for stages in stage_counts:
         split = export_model(model, stages=stages, weights=weights)
-        tok = ChatTokenizer(split.folders[0])
-        prompts = [tok.prompt_ids(PROMPTS[names[i]]) for i in range(max(counts))]
+        prompts = prompt_ids(split.folders[0], names)
         sets = cpu_sets if len(cpu_sets.split(";")) == stages else ""
+        if cpu_sets and not sets:
+            log(f"--cpus names {len(cpu_sets.split(';'))} CPU sets: the {stages}-stage points run unpinned")
         for delay in delays:
             with loopback(split.folders, delay_ms=delay, cpu_sets=sets) as (chain, _):
                 samples = _sweep(chain, prompts, counts, tokens, runs)
@@ -72,7 +71,7 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
     if isolation:
         stages = stage_counts[0]
         split = export_model(model, stages=stages, weights=weights)
-        prompts = [ChatTokenizer(split.folders[0]).prompt_ids(PROMPTS[names[i]]) for i in range(max(counts))]
+        prompts = prompt_ids(split.folders[0], names)
         speeds = {}
         for isolate in (False, True):
             with loopback(split.folders, delay_ms=10.0, isolate=isolate) as (chain, fleet):

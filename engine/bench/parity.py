@@ -13,6 +13,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.bench.harness import STORY_PROMPT, genai_runner
 from engine.bench.report import median, write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
@@ -20,28 +21,9 @@ from engine.runtime.generate import Generator
 from engine.runtime.stage import device_config
 from engine.runtime.tokenizer import ChatTokenizer
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def _genai_runner(folder: Path, ids: np.ndarray, tokens: int, device: str,
-                  props: dict) -> Callable[[], tuple[float, float]]:
-    import openvino as ov
-    import openvino_genai
-
-    pipe = openvino_genai.LLMPipeline(str(folder), device, **props)
-    config = pipe.get_generation_config()
-    config.max_new_tokens = tokens
-    config.min_new_tokens = tokens
-    config.ignore_eos = True
-    config.do_sample = False
-    config.apply_chat_template = False
-    inputs = openvino_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
-
-    def run():
-        metrics = pipe.generate(inputs, config).perf_metrics
-        return metrics.get_throughput().mean, metrics.get_ttft().mean
-
-    return run
+def _genai(folder: Path, ids: np.ndarray, tokens: int, device: str, props: dict) -> Callable[[], tuple[float, float]]:
+    run = genai_runner(folder, tokens, device=device, props=props)
+    return lambda: run(ids)[:2]
 
 
 def _chain_runner(folders: list[Path], ids: np.ndarray, tokens: int, device: str) -> Callable[[], tuple[float, float]]:
@@ -60,10 +42,10 @@ def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5,
     exports = {n: export_model(model, stages=n, weights=weights) for n in (1, 2, 3)}
     nobeam = export_model(model, stages=1, weights=weights, beam_idx=False)
     first = exports[1].folders[0]
-    ids = ChatTokenizer(first).prompt_ids(PROMPT)
+    ids = ChatTokenizer(first).prompt_ids(STORY_PROMPT)
     configs = {
-        "LLMPipeline 1-stage": _genai_runner(first, ids, tokens, device, device_config(device)),
-        "LLMPipeline 1-stage, OpenVINO defaults": _genai_runner(first, ids, tokens, device, {}),
+        "LLMPipeline 1-stage": _genai(first, ids, tokens, device, device_config(device)),
+        "LLMPipeline 1-stage, OpenVINO defaults": _genai(first, ids, tokens, device, {}),
         "ours 1-stage": _chain_runner(exports[1].folders, ids, tokens, device),
         "ours 2-stage": _chain_runner(exports[2].folders, ids, tokens, device),
         "ours 3-stage": _chain_runner(exports[3].folders, ids, tokens, device),

@@ -17,21 +17,18 @@ import time
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import loopback
+from engine.bench.harness import STORY_PROMPT, loopback
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
 from engine.runtime.tokenizer import ChatTokenizer
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
 def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int = 1, runs: int = 5,
                  weights: str = "int4", delay_ms: float = 0.0, out: Path | None = None, log=print) -> dict:
     whole = export_model(model, stages=1, weights=weights)
     split = export_model(model, stages=stages, weights=weights)
-    ids = ChatTokenizer(whole.folders[0]).prompt_ids(PROMPT)
+    ids = ChatTokenizer(whole.folders[0]).prompt_ids(STORY_PROMPT)
     length = ids.shape[1] + tokens + 1
     with loopback(split.folders, delay_ms=delay_ms) as (remote, _):
         chains = {

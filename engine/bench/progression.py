@@ -11,12 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import drafters, loopback, run_batch, warm_up
+from engine.bench.harness import draft_export, drafters, loopback, prompt_ids, run_batch, warm_up
 from engine.bench.report import write_report
-from engine.bench.spec import PROMPTS
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
-from engine.runtime.tokenizer import ChatTokenizer
 
 STREAM_PROMPTS = ("code", "chat")
 
@@ -26,9 +24,8 @@ def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96
                     out: Path | None = None, log=print) -> dict:
     whole = export_model(model, stages=1, weights=weights)
     split = export_model(model, stages=stages, weights=weights)
-    draft_folders = export_model(draft, stages=1, weights=weights).folders if draft_kind in ("model", "hybrid") else None
-    tok = ChatTokenizer(whole.folders[0])
-    prompts = [tok.prompt_ids(PROMPTS[name]) for name in STREAM_PROMPTS]
+    draft_folders = draft_export(draft, draft_kind, weights)
+    prompts = prompt_ids(whole.folders[0], STREAM_PROMPTS)
     mono = LocalChain(whole.folders)
     names = ["monolithic, 1 stream", f"{stages}-stage, 1 stream", f"{stages}-stage, 2 streams",
              f"{stages}-stage, 2 streams + speculation"]

@@ -12,74 +12,39 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import mean
 
-import numpy as np
-
+from engine.bench.harness import PROMPTS, genai_runner, prompt_ids
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
-from engine.runtime.speculative import DraftModel, Hybrid, PromptLookup, check_draft_tokenizer
+from engine.runtime.speculative import stream_drafters
 from engine.runtime.stage import REWIND, compile_config, device_config
-from engine.runtime.tokenizer import ChatTokenizer
-
-PROMPTS = {
-    "short factual": "What is the boiling point of water at sea level, in Celsius and Fahrenheit?",
-    "reasoning": "A train leaves at 3 pm going 60 km/h; another leaves the same station at 4 pm going 90 km/h. "
-                 "When does the second catch up? Explain step by step.",
-    "code": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
-    "list": "List ten common data structures and one typical use of each.",
-    "creative": "Write a short poem about a lighthouse in a storm.",
-    "technical explanation": "Explain how a hash map handles collisions.",
-    "chat": "Hi! I'm planning a weekend trip to the mountains. Any tips?",
-    "translation": "Translate into French: The meeting is moved to Thursday at ten, please bring the report.",
-}
-
-
-def _genai(folder: Path, draft: Path | None, tokens: int, k: int):
-    """OpenVINO GenAI's LLMPipeline on the same export and compile settings, with ``draft`` as its
-    draft model (or none)."""
-    import openvino as ov
-    import openvino_genai
-
-    props = device_config("CPU")  # the same compile settings as our fast mode
-    extra = {"draft_model": openvino_genai.draft_model(str(draft), "CPU", **props)} if draft else {}
-    pipe = openvino_genai.LLMPipeline(str(folder), "CPU", **extra, **props)
-
-    def run(ids: np.ndarray):
-        config = pipe.get_generation_config()
-        config.max_new_tokens = config.min_new_tokens = tokens
-        config.ignore_eos = True
-        config.do_sample = False
-        config.apply_chat_template = False
-        if draft:
-            config.num_assistant_tokens = k
-        inputs = openvino_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
-        result = pipe.generate(inputs, config)
-        return result.perf_metrics.get_throughput().mean, list(result.tokens[0])
-
-    return run
 
 
 def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("fast", "exact"),
              weights: str = "int4", genai: bool = True, out: Path | None = None, log=print) -> dict:
     target_folders = export_model(model, stages=1, weights=weights).folders
     draft_folders = export_model(draft, stages=1, weights=weights).folders
-    tok = ChatTokenizer(target_folders[0])
-    prompts = {name: tok.prompt_ids(text) for name, text in PROMPTS.items()}
+    prompts = dict(zip(PROMPTS, prompt_ids(target_folders[0], PROMPTS)))
     rows = []
-    genai_spec = _genai(target_folders[0], draft_folders[0], tokens, k) if genai else None
-    genai_alone = _genai(target_folders[0], None, tokens, k) if genai else None
+    if genai:  # the same compile settings as our fast mode
+        props = device_config("CPU")
+        genai_spec = genai_runner(target_folders[0], tokens, props=props, draft=draft_folders[0], k=k)
+        genai_alone = genai_runner(target_folders[0], tokens, props=props)
     for mode in modes:
         config = compile_config(mode)
         target = LocalChain(target_folders, config=config)
         draft_chain = LocalChain(draft_folders, config=config)
-        check_draft_tokenizer(target.manifest, draft_chain.manifest, draft_folders[0])
+
+        def one(kind: str):
+            return stream_drafters(kind, 1, target.manifest, draft_chain, REWIND[mode])[0]
+
         gen = Generator(target, 2048, rewind=REWIND[mode])
         configs = {
-            f"model K={k}": (DraftModel(draft_chain, REWIND[mode]), k),
-            "model K=auto": (DraftModel(draft_chain, REWIND[mode]), "auto"),
-            f"lookup K={k}": (PromptLookup(), k),
-            "hybrid K=auto": (Hybrid(PromptLookup(), DraftModel(draft_chain, REWIND[mode])), "auto"),
+            f"model K={k}": (one("model"), k),
+            "model K=auto": (one("model"), "auto"),
+            f"lookup K={k}": (one("lookup"), k),
+            "hybrid K=auto": (one("hybrid"), "auto"),
         }
         for name, ids in prompts.items():
             base = gen.generate(ids, tokens, ignore_eos=True)
@@ -94,9 +59,9 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
                     row[f"{label} diverges at"] = next((i for i, (a, b) in pairs if a != b), len(base.tokens))
             best_single = max(row["model K=auto x"], row[f"lookup K={k} x"])
             row["hybrid vs better of two"] = round(row["hybrid K=auto x"] / best_single, 3)
-            if genai_spec and mode == "fast":
-                alone, _ = genai_alone(ids)
-                tps, _ = genai_spec(ids)
+            if genai and mode == "fast":
+                alone, _, _ = genai_alone(ids)
+                tps, _, _ = genai_spec(ids)
                 row["genai_target_tok_s"] = round(alone, 2)
                 row["genai_spec_tok_s"] = round(tps, 2)
                 for label in (f"model K={k}", "model K=auto", "hybrid K=auto"):

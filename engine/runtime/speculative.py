@@ -3,8 +3,8 @@
 A drafter proposes up to K next tokens from the sequence so far; the target pipeline verifies them
 all in one traversal.  Three sources: prompt lookup (the longest recent n-gram match in the
 sequence: free, no model), a small draft model with the target's tokenizer (run in this process,
-with its own KV cache rewound the same way as the target's), and the hybrid of the two (lookup where
-it matches, the model otherwise).
+with its own KV cache rewound the same way as the target's), and the hybrid of the two (each round,
+whichever is expected to give more tokens per millisecond).
 
 ``AutoK`` picks K while generating: it keeps a running estimate of the per-token acceptance rate
 and of what a verify round costs (fixed cost per traversal, cost per verified position, cost per
@@ -23,6 +23,11 @@ from engine.manifest import Manifest
 from engine.wire import Flag
 
 TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
+
+
+def smooth(average: float, sample: float) -> float:
+    """A running cost estimate: the first sample, then an exponential average."""
+    return sample if not average else 0.8 * average + 0.2 * sample
 
 
 class PromptLookup:
@@ -167,7 +172,7 @@ class DraftModel:
             drafts.append(token)
         elapsed = (time.perf_counter() - start) * 1e3
         per = elapsed / k
-        self.ms_per_token = per if not self.ms_per_token else 0.8 * self.ms_per_token + 0.2 * per
+        self.ms_per_token = smooth(self.ms_per_token, per)
         return drafts  # the next propose() rewinds whatever the target did not keep
 
 
@@ -185,7 +190,7 @@ class Hybrid:
     def __init__(self, lookup: PromptLookup, model: DraftModel):
         self.lookup = lookup
         self.model = model
-        self.reset()
+        self._forget()
 
     @property
     def ms_per_token(self) -> float:
@@ -194,6 +199,9 @@ class Hybrid:
     def reset(self) -> None:
         self.lookup.reset()
         self.model.reset()
+        self._forget()
+
+    def _forget(self) -> None:
         # decayed [accepted, proposed] per source: a prior of one half
         self.stats = {"lookup": [1.0, 2.0], "model": [1.0, 2.0]}
         self.verify_ms = 0.0
@@ -219,7 +227,20 @@ class Hybrid:
         stats = self.stats[self.last]
         stats[0] = stats[0] * self.DECAY + accepted
         stats[1] = stats[1] * self.DECAY + proposed
-        self.verify_ms = verify_ms if not self.verify_ms else 0.8 * self.verify_ms + 0.2 * verify_ms
+        self.verify_ms = smooth(self.verify_ms, verify_ms)
+
+
+def stream_drafters(kind: str, streams: int, target: Manifest | None = None, draft_chain=None,
+                    rewind: str = "mask") -> list | None:
+    """One drafter per stream of a kind: ``none``, ``lookup``, or ``model``/``hybrid`` over
+    ``draft_chain`` (one draft KV stream each), which must share the target's tokenizer."""
+    if kind == "none":
+        return None
+    if kind == "lookup":
+        return [PromptLookup() for _ in range(streams)]
+    check_draft_tokenizer(target, draft_chain.manifest, draft_chain.first_folder)
+    models = [DraftModel(draft_chain, rewind, stream=i) for i in range(streams)]
+    return [Hybrid(PromptLookup(), m) for m in models] if kind == "hybrid" else models
 
 
 def check_draft_tokenizer(target: Manifest, draft: Manifest, draft_folder: Path) -> None:
