@@ -1,0 +1,1 @@
+"""Fleet operations: node agents, discovery, profiles, placement and deployment."""
