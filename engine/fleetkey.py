@@ -13,6 +13,8 @@ only a peer presenting that certificate.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import os
 import secrets
 import ssl
@@ -62,6 +64,12 @@ def load_key(override: str | Path | None = None, create: bool = False) -> bytes:
     if len(key) < 16:
         raise FleetError(f"fleet key in {path} is too short ({len(key)} bytes; at least 16)")
     return key
+
+
+def fleet_id(key: bytes) -> str:
+    """The fleet's public name: nodes advertise it so peers of one fleet find each other, and it
+    reveals nothing of the key (a keyed hash, cut to 12 hex digits)."""
+    return hmac.new(key, b"fleetshard fleet id", hashlib.sha256).hexdigest()[:12]
 
 
 def tls_file(key_path: Path) -> Path:

@@ -1,0 +1,256 @@
+"""Finding the fleet on the LAN with mDNS/DNS-SD: each node agent advertises its ``NodeInfo`` as a
+``_fleetshard._tcp`` service, and a browser keeps the live set of nodes of its fleet.
+
+Only public facts travel: the record names the fleet by its id (a keyed hash), never by the key.
+Both sides run zeroconf on its own thread, so they work the same from plain threads or asyncio code.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import socket
+import threading
+import time
+from typing import Callable
+
+import psutil
+from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
+
+from engine.errors import FleetError
+from engine.fleet.node import BadRecord, NodeInfo
+
+log = logging.getLogger(__name__)
+
+SERVICE = "_fleetshard._tcp.local."
+# A node that vanishes without a goodbye (power cut, crash) drops out of browsers after this many
+# seconds; zeroconf's default of 75 minutes for the service records would keep it listed far too long.
+TTL = 120
+RESOLVE_MS = 3000
+MAX_REJECTED = 64  # reasons kept for inspection; a flood of bad records must not grow memory
+
+
+def local_addresses() -> list[str]:
+    """This machine's IPv4 addresses on interfaces that are up: ordinary ones, then link-local,
+    then 127.0.0.1 (so a machine alone, even offline, still finds its own agent)."""
+    stats = psutil.net_if_stats()
+    found = []
+    for nic, addrs in psutil.net_if_addrs().items():
+        if nic in stats and not stats[nic].isup:
+            continue
+        found += [a.address for a in addrs if a.family == socket.AF_INET]
+    return sorted(set(found) | {"127.0.0.1"}, key=_preference)
+
+
+def _preference(address: str) -> tuple:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback, ip.is_link_local, ip.version, int(ip)
+
+
+def _open(addresses: list[str]) -> Zeroconf:
+    hint = ("mDNS needs multicast to 224.0.0.251, UDP port 5353, on the local network; check the "
+            "firewall, or that the network allows multicast")
+    try:
+        # use_asyncio=False: zeroconf otherwise binds to a running asyncio loop of the calling thread,
+        # and then its blocking register/unregister calls would deadlock that loop.
+        zc = Zeroconf(interfaces=addresses, ip_version=IPVersion.V4Only, use_asyncio=False)
+    except (OSError, RuntimeError) as exc:
+        raise FleetError(f"cannot start mDNS on {', '.join(addresses)}: {exc} ({hint})") from None
+    if not zc.engine.senders:  # zeroconf skips interfaces it cannot join, silently, even all of them
+        zc.close()
+        raise FleetError(f"cannot start mDNS: none of {', '.join(addresses)} accepts multicast ({hint})")
+    return zc
+
+
+def _instance(info: NodeInfo) -> str:
+    label = re.sub(r"[^\w\- ]+", "-", info.name).strip("- ")
+    label = label.encode()[:40].decode(errors="ignore") or "node"
+    return f"{label} ({info.node_id[:6]}).{SERVICE}"
+
+
+class Advertiser:
+    """Announces one node on the given addresses (default: every local IPv4 address, see
+    ``local_addresses``) until closed."""
+
+    def __init__(self, info: NodeInfo, addresses: list[str] | None = None):
+        self.addresses = list(addresses) if addresses else local_addresses()
+        self.info = info
+        self._zc: Zeroconf | None = None
+        self._service: ServiceInfo | None = None
+        self._lock = threading.Lock()
+
+    def _service_info(self, info: NodeInfo, name: str) -> ServiceInfo:
+        return ServiceInfo(SERVICE, name, port=info.port, properties=info.to_txt(),
+                           server=f"fleetshard-{info.node_id}.local.", parsed_addresses=self.addresses,
+                           host_ttl=TTL, other_ttl=TTL)
+
+    def start(self) -> "Advertiser":
+        with self._lock:
+            if self._zc is not None:
+                return self
+            zc = _open(self.addresses)
+            service = self._service_info(self.info, _instance(self.info))
+            try:
+                # Probes first; another node holding the name (a clone of this one's node.id) gets
+                # " (2)" appended rather than a conflict.
+                zc.register_service(service, allow_name_change=True)
+            except Exception as exc:
+                zc.close()
+                raise FleetError(f"cannot advertise {service.name!r} over mDNS: {exc}") from None
+            self._zc, self._service = zc, service
+        return self
+
+    @property
+    def service_name(self) -> str | None:
+        return self._service.name if self._service else None
+
+    def update(self, info: NodeInfo) -> None:
+        """Re-announces changed facts (status, available memory) under the same service name."""
+        with self._lock:
+            self.info = info
+            if self._zc is None or self._service is None:
+                return
+            service = self._service_info(info, self._service.name)
+            self._zc.update_service(service)
+            self._service = service
+
+    def close(self) -> None:
+        """Sends goodbyes, so browsers drop the node at once, and stops zeroconf."""
+        with self._lock:
+            zc, service, self._zc, self._service = self._zc, self._service, None, None
+        if zc is None:
+            return
+        try:
+            if service is not None:
+                zc.unregister_service(service)
+        except Exception as exc:  # the network went away first: browsers drop us after TTL instead
+            log.warning("mDNS goodbye for %s failed: %s", service.name if service else "?", exc)
+        finally:
+            zc.close()
+
+    def __enter__(self) -> "Advertiser":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Browser:
+    """Keeps the nodes currently advertised, optionally of one fleet only.
+
+    ``on_event(kind, info)`` runs on zeroconf's browser thread with kind "added", "updated" or
+    "removed"; it must not call ``close()``.  A record that cannot be decoded is skipped, and its reason
+    kept in ``rejected()``.
+    """
+
+    def __init__(self, fleet_id: str | None = None, on_event: Callable[[str, NodeInfo], None] | None = None,
+                 addresses: list[str] | None = None):
+        self.fleet_id = fleet_id
+        self.addresses = list(addresses) if addresses else local_addresses()
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeInfo] = {}
+        self._names: dict[str, str] = {}  # service name -> node id
+        self._rejected: dict[str, str] = {}  # service name -> reason
+        self._zc: Zeroconf | None = None
+        self._browser: ServiceBrowser | None = None
+
+    def start(self) -> "Browser":
+        with self._lock:
+            if self._zc is None:
+                self._zc = _open(self.addresses)
+                self._browser = ServiceBrowser(self._zc, SERVICE, handlers=[self._on_change])
+        return self
+
+    def nodes(self) -> dict[str, NodeInfo]:
+        with self._lock:
+            return dict(self._nodes)
+
+    def rejected(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._rejected)
+
+    def close(self) -> None:
+        with self._lock:
+            zc, browser, self._zc, self._browser = self._zc, self._browser, None, None
+        if browser is not None:
+            browser.cancel()
+        if zc is not None:
+            zc.close()
+
+    def __enter__(self) -> "Browser":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _on_change(self, zeroconf: Zeroconf, service_type: str, name: str, state_change: ServiceStateChange) -> None:
+        if state_change is ServiceStateChange.Removed:
+            self._forget(name)
+            return
+        # Blocking here is fine: this is the browser's own thread, not zeroconf's event loop.
+        service = ServiceInfo(service_type, name)
+        if not service.request(zeroconf, RESOLVE_MS):
+            self._reject(name, f"no answer resolving {name!r} within {RESOLVE_MS} ms")
+            return
+        addresses = sorted(service.parsed_addresses(IPVersion.V4Only), key=_preference)
+        try:
+            info = NodeInfo.from_txt(name, service.properties, addresses, service.port or 0)
+        except BadRecord as exc:
+            self._reject(name, str(exc))
+            return
+        if self.fleet_id is not None and info.fleet_id != self.fleet_id:
+            log.debug("ignoring %s of fleet %s", name, info.fleet_id)
+            self._forget(name)
+            return
+        events = []
+        with self._lock:
+            self._rejected.pop(name, None)
+            before = self._names.get(name)
+            if before is not None and before != info.node_id:
+                events += self._unlink(name)
+            previous = self._nodes.get(info.node_id)
+            self._names[name] = info.node_id
+            self._nodes[info.node_id] = info
+            if previous != info:
+                events.append(("added" if previous is None else "updated", info))
+        self._emit(events)
+
+    def _reject(self, name: str, reason: str) -> None:
+        log.warning("skipping mDNS service %s: %s", name, reason)
+        with self._lock:
+            self._rejected[name] = reason
+            while len(self._rejected) > MAX_REJECTED:
+                del self._rejected[next(iter(self._rejected))]
+            events = self._unlink(name)
+        self._emit(events)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._rejected.pop(name, None)
+            events = self._unlink(name)
+        self._emit(events)
+
+    def _unlink(self, name: str) -> list[tuple[str, NodeInfo]]:
+        """Drops a service name; its node goes too unless another name still carries it.  Lock held."""
+        node = self._names.pop(name, None)
+        if node is None or node in self._names.values():
+            return []
+        return [("removed", self._nodes.pop(node))]
+
+    def _emit(self, events: list[tuple[str, NodeInfo]]) -> None:
+        if self._on_event is None:
+            return
+        for kind, info in events:
+            try:
+                self._on_event(kind, info)
+            except Exception:
+                log.exception("discovery callback failed on %s of %s", kind, info.name)
+
+
+def browse(seconds: float, fleet_id: str | None = None, addresses: list[str] | None = None) -> list[NodeInfo]:
+    """The nodes heard within ``seconds``."""
+    with Browser(fleet_id, addresses=addresses) as browser:
+        time.sleep(seconds)
+        return list(browser.nodes().values())

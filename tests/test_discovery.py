@@ -1,0 +1,336 @@
+"""Node facts and mDNS discovery: TXT encoding and its hostile inputs, the fleet id, and real zeroconf
+traffic between processes and between network namespaces."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from zeroconf import IPVersion, ServiceInfo, Zeroconf
+
+from engine.errors import FleetError
+from engine.fleet import discovery
+from engine.fleet.discovery import SERVICE, Advertiser, Browser
+from engine.fleet.node import MAX_ENTRY, BadRecord, NodeInfo, local_node_info, node_id
+from engine.fleetkey import fleet_id
+
+ROOT = Path(__file__).resolve().parents[1]
+WAIT = 10.0
+
+# Advertises the NodeInfo given as JSON (on the addresses given as a JSON list, else the defaults)
+# until SIGTERM, then closes the Advertiser so its goodbye goes out.
+ADVERTISE = r"""
+import json, signal, sys, threading
+from engine.fleet.discovery import Advertiser
+from engine.fleet.node import NodeInfo
+
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+addresses = json.loads(sys.argv[2]) if len(sys.argv) > 2 else None
+with Advertiser(NodeInfo.from_json(sys.argv[1]), addresses) as advertiser:
+    print("ready", advertiser.service_name, flush=True)
+    while not stop.wait(0.1):
+        pass
+print("closed", flush=True)
+"""
+
+# Browses until the node id in argv[1] shows up (or 15 s pass) and prints every node found as JSON.
+FIND = r"""
+import json, sys, time
+from engine.errors import FleetError
+from engine.fleet.discovery import Browser
+
+try:
+    with Browser() as browser:
+        deadline = time.monotonic() + 15
+        while sys.argv[1] not in browser.nodes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(json.dumps([json.loads(n.to_json()) for n in browser.nodes().values()]), flush=True)
+except FleetError as exc:
+    print(json.dumps({"error": str(exc)}), flush=True)
+"""
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path))
+    return tmp_path
+
+
+def sample(fleet: str = "0123456789ab", **changes) -> NodeInfo:
+    info = NodeInfo(node_id=secrets.token_hex(8), name="alice-pc", os="Windows 11",
+                    cpu="Intel(R) Core(TM) Ultra 7 155H", cores=22, memory_mb=32000, available_mb=21000,
+                    openvino="2026.4.1",
+                    devices=[{"name": "CPU", "full_name": "Intel(R) Core(TM) Ultra 7 155H", "memory_mb": None},
+                             {"name": "GPU.0", "full_name": "Intel(R) Arc(TM) Graphics (iGPU)", "memory_mb": 18000},
+                             {"name": "NPU", "full_name": "", "memory_mb": None}],
+                    port=7461, fleet_id=fleet)
+    return dataclasses.replace(info, **changes)
+
+
+def as_bytes(txt: dict[str, str]) -> dict[bytes, bytes]:
+    return {k.encode(): v.encode() for k, v in txt.items()}
+
+
+def wait_for(predicate, seconds: float = WAIT):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_txt_round_trip():
+    info = sample(status="busy")
+    txt = info.to_txt()
+    assert all(len(k) + 1 + len(v.encode()) <= MAX_ENTRY for k, v in txt.items())
+    assert txt["dev"] == "CPU,GPU.0:18000,NPU"
+    back = NodeInfo.from_txt("alice-pc (abc)._fleetshard._tcp.local.", as_bytes(txt), ["10.0.0.5", "bogus"], 7461)
+    assert back == dataclasses.replace(info, addresses=["10.0.0.5"])
+
+
+def test_long_strings_are_clipped_to_fit_a_txt_entry():
+    worst = sample(name="N" * 400, os="O" * 400, cpu="é" * 300, openvino="v" * 99, status="s" * 99,
+                   cores=10**12 - 1, memory_mb=10**12 - 1, available_mb=10**12 - 1,
+                   devices=[{"name": "GPU" + "X" * 29, "full_name": "x" * 500, "memory_mb": 10**12 - 1}] * 20)
+    txt = worst.to_txt()
+    assert all(len(k) + 1 + len(v.encode()) <= MAX_ENTRY for k, v in txt.items())
+    back = NodeInfo.from_txt("n", as_bytes(txt), [], 1)  # the worst case we send is one we accept
+    assert back.cpu == "é" * 63 and len(back.name) == 63 and len(back.devices) == 5
+    assert back.devices[4] == {"name": "GPU" + "X" * 29, "full_name": "x" * 63, "memory_mb": 10**12 - 1}
+    many = NodeInfo.from_txt("n", as_bytes(sample(devices=[{"name": "GPU.1", "full_name": "", "memory_mb": 8}] * 20)
+                                           .to_txt()), [], 1)
+    assert len(many.devices) == 8
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda t: t.pop(b"id"), "lacks 'id'"),
+    (lambda t: t.update({b"id": b"../../etc"}), "'id' is malformed"),
+    (lambda t: t.update({b"fleet": b"0123"}), "'fleet' is malformed"),
+    (lambda t: t.update({b"mem": b"-5"}), "'mem' is malformed"),
+    (lambda t: t.update({b"cores": b"9" * 40}), "'cores' is malformed"),
+    (lambda t: t.update({b"name": b"x" * 300}), "is 305 bytes (at most 255)"),
+    (lambda t: t.update({b"cpu": b"\xff\xfe"}), "is not text"),
+    (lambda t: t.update({b"os": b"Linux\x00"}), "control characters"),
+    (lambda t: t.update({b"dev": b"CPU,GPU.0:lots"}), "device entry 'GPU.0:lots' is malformed"),
+    (lambda t: t.update({b"dev": b",".join([b"CPU"] * 9)}), "9 devices"),
+    (lambda t: t.update({f"x{i}".encode(): b"" for i in range(50)}), "TXT entries (at most 40)"),
+    (lambda t: t.update({f"x{i}".encode(): b"y" * 200 for i in range(8)}), "TXT record is"),
+])
+def test_malformed_or_oversized_txt_is_refused_with_a_reason(mutate, reason):
+    txt = as_bytes(sample().to_txt())
+    mutate(txt)
+    with pytest.raises(BadRecord, match="node 'alice-pc'") as err:
+        NodeInfo.from_txt("alice-pc._fleetshard._tcp.local.", txt, [], 7461)
+    assert reason in str(err.value)
+
+
+def test_bad_port_and_unknown_keys():
+    txt = as_bytes(sample().to_txt())
+    with pytest.raises(BadRecord, match="port 0"):
+        NodeInfo.from_txt("n", txt, [], 0)
+    txt[b"future"] = b"something"  # a newer node's extra fields are ignored
+    assert NodeInfo.from_txt("n", txt, [], 1).port == 1
+
+
+def test_json_round_trip_and_type_checks():
+    info = sample(addresses=["10.0.0.5"])
+    assert NodeInfo.from_json(info.to_json()) == info
+    bad = json.loads(info.to_json()) | {"memory_mb": "lots"}
+    with pytest.raises(BadRecord, match="memory_mb"):
+        NodeInfo.from_json(json.dumps(bad))
+    with pytest.raises(BadRecord):
+        NodeInfo.from_json(json.dumps({"node_id": "abcdef12"}))
+
+
+def test_fleet_id_is_stable_short_and_hides_the_key():
+    key = bytes(range(32))
+    fid = fleet_id(key)
+    assert fid == fleet_id(bytes(range(32))) and len(fid) == 12 and int(fid, 16) >= 0
+    assert fid != fleet_id(bytes(range(1, 33)))
+    assert fid not in key.hex() and key.hex()[:12] != fid
+
+
+def test_node_id_is_made_once_and_kept(home, monkeypatch):
+    first = node_id()
+    assert (home / "config" / "node.id").read_text().strip() == first and node_id() == first
+    monkeypatch.setenv("FLEETSHARD_HOME", str(home / "other"))
+    assert node_id() != first
+
+
+def test_local_node_info_describes_this_machine():
+    info = local_node_info(7461, "0123456789ab")
+    assert info.node_id == node_id() and info.name and info.cpu and info.cores >= 1
+    assert 0 < info.available_mb <= info.memory_mb and info.os.split()[0] in ("Linux", "Windows", "macOS", "Darwin")
+    assert info.openvino and any(d["name"] == "CPU" for d in info.devices)
+    assert NodeInfo.from_txt("x", as_bytes(info.to_txt()), [], 7461) == info
+
+
+def spawn(code: str, *args: str, netns: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", code, *args]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    return subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def ready(proc: subprocess.Popen) -> str:
+    """Waits for the advertiser's "ready" line (a child that dies or hangs instead fails the test)."""
+    line = proc.stdout.readline() if select.select([proc.stdout], [], [], 30)[0] else "(silent for 30 s)"
+    if not line.startswith("ready"):
+        proc.kill()
+        pytest.fail(f"advertiser did not start: {line!r} {proc.stderr.read()}")
+    return line.split(" ", 1)[1].strip()
+
+
+def stop(proc: subprocess.Popen) -> tuple[int, str]:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return proc.returncode, out + err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs SIGTERM to reach the advertiser (POSIX only)")
+def test_nodes_find_each_other_across_processes_and_other_fleets_are_ignored():
+    ours, theirs = fleet_id(secrets.token_bytes(32)), fleet_id(secrets.token_bytes(32))
+    node, stranger = sample(ours, name="bob-pc"), sample(theirs, name="eve-pc")
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def record(kind: str, info: NodeInfo) -> None:
+        with lock:
+            events.append((kind, info.node_id))
+
+    procs = []
+    with Browser(fleet_id=ours, on_event=record) as mine, Browser() as everyone:
+        try:
+            procs = [spawn(ADVERTISE, node.to_json()), spawn(ADVERTISE, stranger.to_json())]
+            assert ready(procs[0]).startswith("bob-pc (")
+            ready(procs[1])
+            seen = wait_for(lambda: mine.nodes().get(node.node_id))
+            assert seen, f"not discovered within {WAIT} s; rejected: {mine.rejected()}"
+            assert dataclasses.replace(seen, addresses=[]) == node
+            assert "127.0.0.1" in seen.addresses and seen.addresses[-1] == "127.0.0.1"
+
+            assert wait_for(lambda: stranger.node_id in everyone.nodes()), "the other fleet's node never showed"
+            assert stranger.node_id not in mine.nodes()
+
+            code, output = stop(procs[0])
+            assert code == 0 and "closed" in output, output
+            # The goodbye makes the departure immediate, far below the record's TTL.
+            assert wait_for(lambda: ("removed", node.node_id) in events), events
+            assert node.node_id not in mine.nodes()
+            with lock:
+                assert events == [("added", node.node_id), ("removed", node.node_id)]
+        finally:
+            for proc in procs:
+                stop(proc)
+
+
+def test_update_reaches_browsers():
+    info = sample(fleet_id(secrets.token_bytes(32)))
+    seen = []
+    with Browser(fleet_id=info.fleet_id, on_event=lambda kind, i: seen.append((kind, i.status, i.available_mb))):
+        with Advertiser(info) as advertiser:
+            assert wait_for(lambda: ("added", "ready", 21000) in seen), seen
+            advertiser.update(dataclasses.replace(info, status="busy", available_mb=1234))
+            assert wait_for(lambda: ("updated", "busy", 1234) in seen), seen
+
+
+def test_malformed_record_on_the_network_is_skipped_with_its_reason():
+    fid = fleet_id(secrets.token_bytes(32))
+    txt = sample(fid).to_txt() | {"mem": "a lot"}
+    name = f"broken ({secrets.token_hex(3)}).{SERVICE}"
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        with Browser(fleet_id=fid) as browser:
+            zc.register_service(ServiceInfo(SERVICE, name, port=7461, properties=txt,
+                                            server="broken.local.", parsed_addresses=["127.0.0.1"]))
+            reason = wait_for(lambda: browser.rejected().get(name))
+            assert reason and "'mem' is malformed" in reason
+            assert browser.nodes() == {}
+    finally:
+        zc.close()
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def namespaces():
+    """Two network namespaces joined by a veth pair, 10.77.0.1/24 and 10.77.0.2/24; removed afterwards."""
+    tag = secrets.token_hex(3)
+    names = [f"fs-{tag}-a", f"fs-{tag}-b"]
+    made = []
+    try:
+        for ns in names:
+            try:
+                proc = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+            except FileNotFoundError as exc:
+                pytest.skip(f"`ip netns add` failed: {exc}")
+            if proc.returncode != 0:
+                pytest.skip(f"`ip netns add` failed: {proc.stderr.strip() or proc.returncode}")
+            made.append(ns)
+        ip("link", "add", f"fsv{tag}a", "netns", names[0], "type", "veth", "peer", "name", f"fsv{tag}b",
+           "netns", names[1])
+        for ns, side, address in ((names[0], "a", "10.77.0.1"), (names[1], "b", "10.77.0.2")):
+            dev = f"fsv{tag}{side}"
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", dev)
+        yield names
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_discovery_between_network_namespaces(namespaces):
+    info = sample(fleet_id(secrets.token_bytes(32)), name="carol-pc")
+    advertiser = spawn(ADVERTISE, info.to_json(), netns=namespaces[0])
+    try:
+        ready(advertiser)
+        finder = spawn(FIND, info.node_id, netns=namespaces[1])
+        out, err = finder.communicate(timeout=30)
+        found = {n["node_id"]: n for n in json.loads(out)}
+        assert info.node_id in found, f"not found from the other namespace: {out} {err}"
+        node = found[info.node_id]
+        assert node["addresses"] == ["10.77.0.1", "127.0.0.1"] and node["port"] == info.port
+        assert node["name"] == "carol-pc" and node["memory_mb"] == info.memory_mb
+    finally:
+        code, output = stop(advertiser)
+    assert code == 0 and "closed" in output, output
+
+
+def test_a_host_without_multicast_gets_a_readable_error(namespaces):
+    # A namespace whose only interface, lo, is down: nothing can join the mDNS group.
+    lonely = namespaces[0] + "-x"
+    ip("netns", "add", lonely)
+    try:
+        finder = spawn(FIND, "0" * 16, netns=lonely)
+        out, err = finder.communicate(timeout=30)
+        assert "cannot start mDNS on 127.0.0.1" in json.loads(out)["error"], out + err
+    finally:
+        subprocess.run(["ip", "netns", "del", lonely], capture_output=True)
+
+
+def test_no_usable_interface_is_a_fleet_error():
+    with pytest.raises(FleetError, match="cannot start mDNS"):
+        discovery._open(["203.0.113.77"])  # not an address of this machine
