@@ -85,8 +85,15 @@ def open_chain(args, settings: Settings):
     from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
     from engine.runtime.stage import compile_config
 
-    if args.remote and args.local_workers:
-        raise FleetError("--remote and --local-workers exclude each other")
+    if sum(map(bool, (args.remote, args.local_workers, args.deployment))) > 1:
+        raise FleetError("--remote, --local-workers and --deployment exclude each other")
+    if args.deployment:
+        from engine.fleet.deploy import Deployment
+
+        record = Deployment.load(None if args.deployment == "last" else Path(args.deployment))
+        return record.chain(load_key(args.fleet_key_file), tls=load_tls(args.tls or settings.tls, args.fleet_key_file),
+                            deadline_s=args.deadline or settings.deadline_s, connect_timeout_s=args.connect_timeout,
+                            isolate=args.isolate_streams), None
     if args.shards:
         shard_dirs = expand_shard_dirs(args.shards)
     else:
@@ -259,9 +266,6 @@ def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream, prompts, d
 
 
 def cmd_worker(args) -> int:
-    import os
-    import threading
-
     from engine.fleetkey import load_key, load_tls
     from engine.runtime.affinity import pin
     from engine.runtime.worker import Worker
@@ -270,16 +274,13 @@ def cmd_worker(args) -> int:
     settings = Settings.load()
     key = load_key(args.fleet_key_file)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
-    if args.lifeline:  # started by a parent process: exit when it goes away
-        def watch():
-            while sys.stdin.read(4096):
-                pass
-            os._exit(0)
-
-        threading.Thread(target=watch, daemon=True).start()
     worker = Worker(args.shard, args.listen, args.next, key=key, device=args.device or settings.device,
                     mode=args.mode or settings.mode, precision=args.precision, delay_ms=args.delay_ms,
                     deadline_s=args.deadline or settings.deadline_s, tls=tls, isolate=args.isolate_streams)
+    if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
+        from engine.runtime.localfleet import lifeline
+
+        lifeline()
     m = worker.manifest
     print(f"stage {m.stage_index} of {m.stage_count} (layers {m.layers[0]}-{m.layers[1]}) on "
           f"{worker.runner.device}, listening on {worker.address}"
@@ -404,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "(and optionally of the later stages, comma-separated)")
     gen.add_argument("--local-workers", action="store_true",
                      help="run stages 1.. as worker processes on this machine (the local fleet)")
+    gen.add_argument("--deployment", nargs="?", const="last",
+                     help="use the chain `fleet deploy`/`fleet up` started (default: the last one recorded)")
     gen.add_argument("--delay-ms", type=float, help="with --local-workers: one-way delay per hop (WAN simulation)")
     _connection_args(gen)
     gen.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the chain to come up")
@@ -454,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)
+
+    from engine.fleet.commands import add_commands
+
+    add_commands(sub, _connection_args)
     return parser
 
 

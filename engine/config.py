@@ -68,6 +68,7 @@ class Settings:
     tls: bool = False  # wrap every fleet connection in TLS with the shared fleet certificate
     mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
     deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
+    nodes: list[str] = dataclasses.field(default_factory=list)  # agents added by address (no multicast there)
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Settings":

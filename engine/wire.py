@@ -70,6 +70,8 @@ class Msg(enum.IntEnum):
     BYE = 16
     ALIVE = 17  # heartbeat upstream while a request is outstanding (deadlines, not keep-alive)
     KEEP = 18  # keep only these physical KV slots of a stream ([slots i32]): rewind and compaction
+    CALL = 20  # a node agent's control API: [JSON {"op": ..., ...}] plus an optional raw uint8 payload
+    REPLY = 21  # the agent's answer to a CALL: [JSON] plus an optional raw uint8 payload
 
 
 class Flag(enum.IntFlag):
@@ -253,7 +255,7 @@ def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
 
     if doc.get("version") != VERSION:
         refuse(f"protocol version {doc.get('version')} is not {VERSION}")
-    for field in ("fingerprint", "stage", "first_layer", "mode"):
+    for field in ("role", "fingerprint", "stage", "first_layer", "mode"):
         if field in doc and field in identity and doc[field] != identity[field]:
             refuse(f"{field} mismatch: peer expects {doc[field]!r}, this node serves {identity[field]!r}")
     try:

@@ -89,11 +89,14 @@ def export_model(
     cancel=None,
     force: bool = False,
     beam_idx: bool = True,
+    only: list[int] | None = None,
 ) -> ExportResult:
     """Exports ``source`` (catalog name, GGUF path or HF folder) into one shard folder per stage.
 
     ``cancel`` is anything with ``is_set()``; when it becomes set the running stage is ended and the
     partial output removed.  An existing complete export at ``out`` is reused unless ``force``.
+    ``only`` exports just those stage indices of the split (a profile needs the first and last few
+    layers, not the whole model).
     """
     from engine.models.architectures import architecture
     from engine.models.catalog import CATALOG, resolve_source
@@ -109,13 +112,17 @@ def export_model(
     name = resolved.entry.name if resolved.entry else resolved.path.stem
     out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx)
 
-    cached = None if force else _reuse(out, resolved.fingerprint, weights, ranges, beam_idx)
+    indices = sorted(set(only)) if only else list(range(len(ranges)))
+    if indices[0] < 0 or indices[-1] >= len(ranges):
+        raise ExportError(f"stage indices {only} do not exist in a {len(ranges)}-stage split")
+    cached = None if force else _reuse(out, resolved.fingerprint, weights, ranges, beam_idx, indices)
     if cached is not None:
         return ExportResult(out, cached, cached=True)
 
     out.mkdir(parents=True, exist_ok=True)
     reports = []
-    for index, (start, end) in enumerate(ranges):
+    for index in indices:
+        start, end = ranges[index]
         job = dict(
             kind=resolved.kind, path=str(resolved.path), name=name, fingerprint=resolved.fingerprint,
             start=start, end=end, index=index, count=len(ranges), weights=weights,
@@ -125,20 +132,23 @@ def export_model(
     return ExportResult(out, reports, cached=False)
 
 
-def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool) -> list[StageReport] | None:
+def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool,
+           indices: list[int]) -> list[StageReport] | None:
     try:
-        manifests = [load_manifest(stage_folder(out, i)) for i in range(len(ranges))]
-        check_chain(manifests)
+        manifests = [load_manifest(stage_folder(out, i)) for i in indices]
+        if len(indices) == len(ranges):
+            check_chain(manifests)
     except ShardError:
         return None
-    if any(m.fingerprint != fingerprint or m.weights != weights or tuple(m.layers) != r
-           or m.export.get("beam_idx", True) != beam_idx or m.export.get("exporter") != EXPORTER_VERSION
-           for m, r in zip(manifests, ranges)):
+    if any(m.fingerprint != fingerprint or m.weights != weights or tuple(m.layers) != ranges[i]
+           or m.stage_index != i or m.export.get("beam_idx", True) != beam_idx
+           or m.export.get("exporter") != EXPORTER_VERSION
+           for m, i in zip(manifests, indices)):
         return None
     return [
         StageReport(m.stage_index, tuple(m.layers), stage_folder(out, i), m.export.get("peak_rss_mb", 0.0),
                     m.export.get("seconds", 0.0), _size_mb(stage_folder(out, i)))
-        for i, m in enumerate(manifests)
+        for i, m in zip(indices, manifests)
     ]
 
 

@@ -225,7 +225,10 @@ def _cpu_model(devices: list[dict]) -> str:
 def _openvino_devices() -> tuple[str, list[dict]]:
     try:
         import openvino
-        core = openvino.Core()
+
+        from engine.runtime.stage import core as shared_core
+
+        core = shared_core()  # one Core per process: creating one forks a short-lived child each time
         names = core.available_devices
     except Exception as exc:  # a broken driver or plugin raises all sorts; the node still serves on CPU
         log.warning("OpenVINO devices unavailable: %s", exc)

@@ -8,10 +8,11 @@ their parent: each watches its stdin, which only the parent holds open.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 from engine.config import paths
@@ -24,6 +25,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def lifeline() -> None:
+    """The child's side: exit as soon as the parent that holds our stdin goes away.  Call it once
+    OpenVINO is up: a thread running while a Core starts can hang the child process the Core forks."""
+    def watch():
+        while sys.stdin.read(4096):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="lifeline").start()
+
+
+def await_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """Waits for a ``fleet worker`` process's ready line and returns the address it printed; a worker
+    that exits or stays silent past ``timeout_s`` is ended and reported with the end of its log."""
+    found: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith(READY):
+                found.append(line.split()[1])
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if found:
+        return found[0]
+    reason = f"it exited with code {proc.poll()}" if proc.poll() is not None else f"no ready line in {timeout_s:.0f} s"
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=5)
+    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
+    raise FleetError(reason + ":\n  " + "\n  ".join(tail))
 
 
 class LocalFleet:
@@ -87,18 +123,11 @@ class LocalFleet:
 
     def wait_ready(self, i: int, timeout_s: float = 120.0) -> None:
         """Blocks until worker ``i`` printed its ready line; raises with its log if it died instead."""
-        proc = self.procs[i]
-        deadline = time.monotonic() + timeout_s
-        line = proc.stdout.readline()  # the worker prints one line once it listens, or exits
-        while line and not line.startswith(READY):
-            if time.monotonic() > deadline:
-                break
-            line = proc.stdout.readline()
-        if not line.startswith(READY):
-            proc.wait(timeout=5)
-            tail = self.logs[i].read_text().strip().splitlines()[-5:]
+        try:
+            await_ready(self.procs[i], self.logs[i], timeout_s)
+        except FleetError as exc:
             self.close()
-            raise FleetError(f"local worker for stage {i + 1} did not start:\n  " + "\n  ".join(tail))
+            raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from None
 
     def close(self) -> None:
         for proc in self.procs:

@@ -72,7 +72,7 @@ class Worker:
         self.deadline_s = deadline_s
         self.max_frame = max_frame
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.identity = {"fingerprint": m.fingerprint, "stage": m.stage_index, "first_layer": m.layers[0],
+        self.identity = {"role": "stage", "fingerprint": m.fingerprint, "stage": m.stage_index, "first_layer": m.layers[0],
                          "mode": mode, "delay_ms": delay_ms}
         self.max_length = m.spec.max_position
         self.hidden = m.spec.hidden_size

@@ -1,0 +1,360 @@
+"""The node agent (``fleet agent``): the process every PC of the fleet runs.
+
+It advertises the node over mDNS (``engine.fleet.discovery``) and answers the authenticated control
+API (``engine.fleet.control`` is the client): status, receiving shards into its store
+(``engine.fleet.shardstore``), starting and stopping ``fleet worker`` processes for them, profiling,
+and measuring round trips to peers.  Workers run as child processes tied to the agent (they exit
+with it), so stopping the agent closes every connection the node holds and the coordinator sees a
+clean departure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from engine import wire
+from engine.config import paths
+from engine.errors import FleetError
+from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
+from engine.fleet.shardstore import ShardStore, check_hash
+from engine.fleetkey import fleet_id, load_key
+from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, parse_address, tune
+from engine.runtime.localfleet import await_ready
+from engine.wire import AuthError, Frame, Msg, ProtocolError
+
+MAX_WORKERS = 8
+
+
+class _Worker:
+    def __init__(self, wid: str, digest: str, proc: subprocess.Popen, address: str, port: int, info: dict,
+                 log: Path):
+        self.id, self.hash, self.proc, self.address, self.port, self.info, self.log = (
+            wid, digest, proc, address, port, info, log)
+
+    def to_json(self) -> dict:
+        alive = self.proc.poll() is None
+        return {"id": self.id, "hash": self.hash, "address": self.address, "port": self.port,
+                "pid": self.proc.pid, "state": "running" if alive else f"exited ({self.proc.returncode})",
+                **self.info}
+
+
+class Agent:
+    def __init__(self, listen: str = "0.0.0.0:0", *, key_file: Path, name: str | None = None, tls=None,
+                 store: Path | None = None, advertise: bool = True, log: Callable[[str], None] | None = None):
+        from engine.runtime.stage import core
+
+        core()  # before any thread starts: OpenVINO forks a short-lived child when a Core is created
+        self.key_file = Path(key_file)
+        self.key = load_key(self.key_file)
+        self.fleet_id = fleet_id(self.key)
+        self.tls = tls
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.store = ShardStore(store or paths().data / "agent")
+        host, port = parse_address(listen, "0.0.0.0")
+        try:
+            self._listener = socket.create_server((host, port))
+        except OSError as exc:
+            raise FleetError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+        self.host, self.port = self._listener.getsockname()[:2]
+        self.name = name or socket.gethostname()
+        self.workers: dict[str, _Worker] = {}
+        self.activity = "idle"  # receiving, profiling: what the node does besides serving
+        self.paused = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._advertiser = None
+        self._advert_thread: threading.Thread | None = None
+        self._want_advert = advertise
+        self._links: set[Link] = set()
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"{host}:{self.port}"
+
+    def info(self):
+        from engine.fleet.node import local_node_info
+
+        info = local_node_info(self.port, self.fleet_id, self.name)
+        info.status = self.state()
+        return info
+
+    def state(self) -> str:
+        if self.paused:
+            return "paused"
+        serving = [w for w in self.workers.values() if w.proc.poll() is None]
+        if serving:
+            return "serving " + ",".join(f"stage {w.info.get('stage')}" for w in serving)
+        return self.activity
+
+    # --- life cycle ----------------------------------------------------------------------------------
+
+    def start(self) -> "Agent":
+        threading.Thread(target=self._accept_loop, daemon=True, name="agent accept").start()
+        if self._want_advert:  # registering takes seconds (name probing): the control API is up meanwhile
+            self._advert_thread = threading.Thread(target=self._advertise, daemon=True, name="agent mdns")
+            self._advert_thread.start()
+        return self
+
+    def _advertise(self) -> None:
+        from engine.fleet.discovery import Advertiser
+
+        addresses = None if self.host in ("0.0.0.0", "::") else [self.host]
+        advertiser = Advertiser(self.info(), addresses)
+        try:
+            advertiser.start()
+        except FleetError as exc:
+            self.log(f"not advertised over mDNS: {exc}")
+            return
+        with self._lock:
+            self._advertiser = advertiser
+
+    def serve_forever(self) -> None:
+        self.start()
+        try:
+            while not self._stop.wait(0.5):
+                pass
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stops workers, says goodbye over mDNS and closes every control connection."""
+        self._stop.set()
+        self.stop_workers()
+        if self._advert_thread is not None:  # a registration under way ends first, so its goodbye goes out
+            self._advert_thread.join(timeout=10)
+        with self._lock:
+            advertiser, self._advertiser = self._advertiser, None
+        if advertiser is not None:
+            advertiser.close()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        for link in list(self._links):
+            link.close()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if paused:
+            self.stop_workers()
+
+    def _changed(self) -> None:
+        if self._advertiser is not None:
+            try:
+                self._advertiser.update(self.info())
+            except FleetError as exc:
+                self.log(f"mDNS update failed: {exc}")
+
+    # --- connections ---------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            threading.Thread(target=self._session, args=(conn, "%s:%d" % addr[:2]), daemon=True,
+                             name=f"control {addr}").start()
+
+    def _session(self, conn: socket.socket, peer: str) -> None:
+        try:
+            tune(conn)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            if self.tls is not None:
+                conn = self.tls.server.wrap_socket(conn, server_side=True)
+            wire.server_handshake(conn, self.key, {**ROLE, "node": {"name": self.name, "fleet": self.fleet_id}})
+        except (ProtocolError, AuthError, OSError, ValueError) as exc:
+            self.log(f"refused control connection from {peer}: {exc}")
+            conn.close()
+            return
+        link = Link(conn, peer, max_frame=CONTROL_MAX_FRAME)
+        self._links.add(link)
+        try:
+            while not self._stop.is_set():
+                frame = link.recv()
+                if frame.type == Msg.BYE:
+                    break
+                link.send(self._answer(frame))
+        except (ConnectionError, ProtocolError, OSError) as exc:
+            self.log(f"control connection from {peer} ended: {exc}")
+        finally:
+            self._links.discard(link)
+            link.close()
+
+    def _answer(self, frame: Frame) -> Frame:
+        try:
+            if frame.type != Msg.CALL:
+                raise FleetError(f"this is a node agent's control port; it does not take {frame.type.name} frames")
+            doc = frame.json()
+            data = frame.tensors[1].tobytes() if len(frame.tensors) > 1 else None
+            handler = getattr(self, f"op_{doc.get('op')}", None) if isinstance(doc.get("op"), str) else None
+            if handler is None:
+                raise FleetError(f"unknown operation {doc.get('op')!r}")
+            result = handler(doc, data)
+            reply_data = result.pop("_data", None) if isinstance(result, dict) else None
+            out = wire.control(Msg.REPLY, result, frame.stream, frame.seq)
+            if reply_data is not None:
+                out.tensors.append(np.frombuffer(reply_data, dtype=np.uint8))
+            return out
+        except (FleetError, ProtocolError) as exc:
+            return wire.control(Msg.ERROR, {"reason": str(exc)}, frame.stream, frame.seq)
+        except (KeyError, TypeError, ValueError) as exc:
+            return wire.control(Msg.ERROR, {"reason": f"malformed request ({exc!r})"}, frame.stream, frame.seq)
+
+    # --- operations ----------------------------------------------------------------------------------
+
+    def op_ping(self, doc, data) -> dict:
+        return {}
+
+    def op_status(self, doc, data) -> dict:
+        return {"node": dataclasses.asdict(self.info()), "state": self.state(), "paused": self.paused,
+                "shards": self.store.listing(), "workers": [w.to_json() for w in self.workers.values()]}
+
+    def op_has_shard(self, doc, data) -> dict:
+        return {"present": self.store.has(doc["hash"])}
+
+    def op_put_begin(self, doc, data) -> dict:
+        if data is None:
+            raise FleetError("put_begin carries the shard's manifest")
+        self.activity = "receiving"
+        self._changed()
+        return {"have": self.store.begin(doc["hash"], data, doc["sizes"])}
+
+    def op_put_chunk(self, doc, data) -> dict:
+        return {"offset": self.store.write(doc["hash"], doc["file"], int(doc["offset"]), data or b"")}
+
+    def op_put_end(self, doc, data) -> dict:
+        try:
+            path = self.store.finish(doc["hash"])
+        finally:
+            self.activity = "idle"
+            self._changed()
+        self.log(f"received shard {doc['hash'][:12]} into {path}")
+        return {"ok": True}
+
+    def op_drop_shard(self, doc, data) -> dict:
+        digest = check_hash(doc["hash"])
+        if any(w.hash == digest and w.proc.poll() is None for w in self.workers.values()):
+            raise FleetError(f"shard {digest[:12]} is being served; stop its worker first")
+        self.store.drop(digest)
+        return {"ok": True}
+
+    def op_start_worker(self, doc, data) -> dict:
+        from engine.manifest import read_manifest
+
+        if self.paused:
+            raise FleetError(f"node {self.name} is paused and does not take work")
+        digest = check_hash(doc["hash"])
+        if not self.store.has(digest):
+            raise FleetError(f"this node does not hold shard {digest[:12]}; send it first")
+        with self._lock:
+            live = [w for w in self.workers.values() if w.proc.poll() is None]
+            if len(live) >= MAX_WORKERS:
+                raise FleetError(f"node {self.name} already runs {len(live)} workers")
+        folder = self.store.path(digest)
+        manifest = read_manifest(folder)
+        host = self.host if self.host not in ("::",) else "0.0.0.0"
+        cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(folder), "--listen", f"{host}:0",
+               "--device", str(doc.get("device") or "CPU"), "--mode", str(doc.get("mode") or "fast"),
+               "--fleet-key-file", str(self.key_file), "--lifeline"]
+        if doc.get("precision"):
+            cmd += ["--precision", str(doc["precision"])]
+        if float(doc.get("delay_ms") or 0):
+            cmd += ["--delay-ms", str(float(doc["delay_ms"]))]
+        if self.tls is not None:
+            cmd += ["--tls"]
+        wid = uuid.uuid4().hex[:8]
+        log = paths().data / "logs" / f"agent-worker-{wid}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            printed = await_ready(proc, log, float(doc.get("wait_s") or 180))
+        except FleetError as exc:
+            raise FleetError(f"worker for stage {manifest.stage_index} did not start ({exc})") from None
+        port = int(printed.rpartition(":")[2])
+        info = {"stage": manifest.stage_index, "layers": list(manifest.layers), "model": manifest.model_name,
+                "device": doc.get("device") or "CPU"}
+        worker = _Worker(wid, digest, proc, printed, port, info, log)
+        with self._lock:
+            self.workers[wid] = worker
+        self.log(f"started worker {wid}: stage {manifest.stage_index} on port {port}")
+        self._changed()
+        return worker.to_json()
+
+    def op_stop_worker(self, doc, data) -> dict:
+        stopped = self.stop_workers(doc.get("worker"))
+        return {"stopped": stopped}
+
+    def stop_workers(self, wid: str | None = None) -> list[str]:
+        with self._lock:
+            chosen = [w for w in self.workers.values() if wid is None or w.id == wid]
+            if wid is not None and not chosen:
+                raise FleetError(f"no worker {wid} on node {self.name}")
+            for w in chosen:
+                del self.workers[w.id]
+        for w in chosen:
+            if w.proc.poll() is None:
+                w.proc.terminate()
+        for w in chosen:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+            for stream in (w.proc.stdin, w.proc.stdout):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        if chosen:
+            self._changed()
+        return [w.id for w in chosen]
+
+    def op_pause(self, doc, data) -> dict:
+        self.set_paused(bool(doc.get("paused", True)))
+        self._changed()
+        return {"paused": self.paused}
+
+    def op_profile(self, doc, data) -> dict:
+        from engine.fleet.profile import profile_shards
+
+        digests = [check_hash(d) for d in doc["hashes"]]
+        missing = [d[:12] for d in digests if not self.store.has(d)]
+        if missing:
+            raise FleetError(f"this node does not hold shards {', '.join(missing)}; send them first")
+        self.activity = "profiling"
+        self._changed()
+        try:
+            result = profile_shards([self.store.path(d) for d in digests], device=str(doc.get("device") or "CPU"),
+                                    tokens=int(doc.get("tokens", 16)), prompt=int(doc.get("prompt", 32)))
+        finally:
+            self.activity = "idle"
+            self._changed()
+        return result
+
+    def op_rtt(self, doc, data) -> dict:
+        """Round trip from this node to each peer agent (its control API's median ping)."""
+        out = {}
+        for address in doc["peers"][:64]:
+            try:
+                with ControlClient(str(address), self.key, tls=self.tls, timeout_s=5) as peer:
+                    out[address] = peer.round_trip_ms(int(doc.get("count", 5)))
+            except AgentError as exc:
+                out[address] = None
+                self.log(f"rtt to {address}: {exc}")
+        return {"rtt_ms": out}

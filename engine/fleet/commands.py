@@ -1,0 +1,407 @@
+"""The fleet-operations commands of ``fleet``: agent, nodes, profile, place, deploy and up.
+
+``engine.cli`` registers them with ``add_commands``; each ``cmd_*`` is a thin layer over the engine
+modules of this package, which the app drives the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine.config import Settings, paths
+from engine.errors import FleetError
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def cmd_agent(args) -> int:
+    from engine.fleet.agent import Agent
+    from engine.fleetkey import key_file, load_tls
+    from engine.runtime.localfleet import lifeline
+
+    settings = Settings.load()
+    agent = Agent(args.listen, key_file=key_file(args.fleet_key_file), name=args.name,
+                  tls=load_tls(args.tls or settings.tls, args.fleet_key_file),
+                  store=Path(args.store) if args.store else None, advertise=not args.no_mdns, log=_say)
+    if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
+        lifeline()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    agent.start()
+    _say(f"node agent {agent.name} of fleet {agent.fleet_id} listening on {agent.host}:{agent.port}"
+         + ("" if args.no_mdns else ", advertised over mDNS"))
+    print(f"ready {agent.address}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        agent.stop()  # workers stopped, mDNS goodbye sent, connections closed
+    # Exit now: at interpreter shutdown multiprocessing joins a child forked behind our back (seen after
+    # OpenVINO's device queries), which can hang; everything the agent holds is already released.
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _static_status(address: str, key: bytes, tls) -> dict:
+    from engine.fleet.control import AgentError, ControlClient
+
+    try:
+        with ControlClient(address, key, tls=tls, timeout_s=5) as agent:
+            status = agent.status()
+            return {**status["node"], "addresses": [address.rpartition(":")[0]], "status": status["state"],
+                    "source": "address", "address": address}
+    except AgentError as exc:
+        return {"address": address, "source": "address", "status": "unreachable", "error": str(exc)}
+
+
+def _row(node: dict) -> str:
+    devices = ",".join(d.get("name", "?") for d in node.get("devices", []))
+    where = node.get("address") or f"{(node.get('addresses') or ['?'])[0]}:{node.get('port', '?')}"
+    return (f"{node.get('name', '?'):<20} {where:<22} {node.get('status', '?'):<16} {node.get('os', ''):<14} "
+            f"{devices:<14} {node.get('memory_mb', 0) / 1024:.1f} GB  {node.get('error', '')}")
+
+
+def cmd_nodes(args) -> int:
+    import dataclasses
+
+    from engine.fleet.discovery import Browser
+    from engine.fleetkey import fleet_id, load_key, load_tls
+
+    settings = Settings.load()
+    if args.nodes_cmd in ("add", "remove"):
+        from engine.runtime.link import parse_address
+
+        parse_address(args.address)
+        nodes = [n for n in settings.nodes if n != args.address]
+        if args.nodes_cmd == "add":
+            nodes.append(args.address)
+        settings.nodes = nodes
+        settings.save()
+        _say(f"{'added' if args.nodes_cmd == 'add' else 'removed'} {args.address}; nodes by address: "
+             f"{', '.join(nodes) or 'none'}")
+        return 0
+    key = load_key(args.fleet_key_file)
+    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+
+    def show(kind: str, info) -> None:
+        if args.json:
+            print(json.dumps({"event": kind, **dataclasses.asdict(info)}), flush=True)
+        else:
+            print(f"{kind:<8} {_row({**dataclasses.asdict(info), 'source': 'mdns'})}", flush=True)
+
+    with Browser(fleet_id(key), on_event=show if args.watch else None) as browser:
+        found = [_static_status(a, key, tls) for a in settings.nodes]
+        if args.watch:
+            for node in found:
+                print(json.dumps({"event": "added", **node}) if args.json else f"added    {_row(node)}", flush=True)
+            try:
+                while True:
+                    time.sleep(1)
+            except KeyboardInterrupt:
+                return 0
+        time.sleep(args.seconds)
+        heard = [{**dataclasses.asdict(n), "source": "mdns"} for n in browser.nodes().values()]
+    known = {n.get("node_id") for n in heard}
+    nodes = heard + [n for n in found if n.get("node_id") not in known or not n.get("node_id")]
+    if args.json:
+        print(json.dumps(nodes, indent=2))
+    elif not nodes:
+        _say("no nodes found (start `fleet agent` on the other PCs; where multicast does not pass, "
+             "add them with `fleet nodes add HOST:PORT`)")
+    else:
+        for node in nodes:
+            print(_row(node))
+    return 0
+
+
+def _agent_addresses(args, key: bytes) -> list[str]:
+    """--nodes: 'all' (mDNS plus nodes added by address) or a comma-separated HOST:PORT list."""
+    from engine.fleet.discovery import browse
+    from engine.fleetkey import fleet_id
+
+    if args.nodes and args.nodes != "all":
+        return [a.strip() for a in args.nodes.split(",") if a.strip()]
+    found = [f"{n.addresses[0]}:{n.port}" for n in browse(args.seconds, fleet_id(key)) if n.addresses]
+    return list(dict.fromkeys(found + Settings.load().nodes))
+
+
+def cmd_profile(args) -> int:
+    from engine.fleet.node import node_id
+    from engine.fleet.survey import survey
+    from engine.fleetkey import load_key, load_tls
+
+    settings = Settings.load()
+    key = load_key(args.fleet_key_file, create=not args.nodes)
+    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    agents = _agent_addresses(args, key) if args.nodes else []
+    doc = survey(args.model or settings.default_model, agents, key=key, tls=tls, local_node=node_id(),
+                 local_devices=[d.strip() for d in (args.device or settings.device).split(",")],
+                 weights=args.weights, context=args.context, streams=args.streams, log=_say)
+    out = Path(args.out) if args.out else paths().data / "fleet-profile.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    for d in doc["fleet"]["devices"]:
+        print(f"{doc['nodes'][d['node']]['name']:<20} {d['device']:<8} layer {d['layer_ms']:.3f} ms  "
+              f"head {d['head_ms']:.3f} ms  call {d.get('call_ms', 0):.3f} ms  "
+              f"memory {d['memory_bytes'] / 2**30:.1f} GB  {'supported' if d['supported'] else 'UNSUPPORTED'}")
+    _say(f"fleet profile written to {out}")
+    return 0
+
+
+def _pin(text: str):
+    from engine.fleet.placement import Pin
+
+    try:
+        node, rng, *device = text.split(":")
+        start, end = (int(x) for x in rng.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pin takes NODE:START-END[:DEVICE], not {text!r}") from None
+    return Pin(node=node, start=start, end=end, device=device[0] if device else None)
+
+
+def cmd_place(args) -> int:
+    from engine.fleet.placement import solve
+    from engine.fleet.survey import load_survey
+
+    source = Path(args.profile) if args.profile else paths().data / "fleet-profile.json"
+    shape, nodes, fleet = load_survey(source)
+    names = {n: info.get("name", n) for n, info in nodes.items()}
+    pins = [p if p.node in nodes else _resolve_pin(p, names) for p in args.pin or []]
+    plan = solve(shape, fleet, objective=args.objective, users=args.users, pins=pins)
+    print(plan.explain())
+    out = Path(args.out) if args.out else paths().data / "plan.json"
+    out.write_text(json.dumps({"plan": plan.to_json(), "nodes": nodes}, indent=2))
+    _say(f"plan written to {out}; deploy it with `fleet deploy --model {shape.name} --plan {out}`")
+    return 0
+
+
+def _resolve_pin(pin, names: dict):
+    """A pin may name a node by its display name."""
+    import dataclasses
+
+    matches = [n for n, name in names.items() if name == pin.node]
+    if len(matches) != 1:
+        raise FleetError(f"--pin names {pin.node!r}, which is not one node of the profile "
+                         f"({', '.join(names.values())})")
+    return dataclasses.replace(pin, node=matches[0])
+
+
+def placement_stages(plan_doc: dict):
+    """The deployable stages of a ``fleet place`` plan document."""
+    from engine.fleet.deploy import StagePlacement
+
+    try:
+        nodes = plan_doc["nodes"]
+        return [StagePlacement(agent=nodes[s["node"]]["address"], device=s["device"], start=s["start"], end=s["end"])
+                for s in plan_doc["plan"]["stages"]]
+    except (KeyError, TypeError) as exc:
+        raise FleetError(f"not a plan written by `fleet place` (missing {exc})") from None
+
+
+def _progress_printer():
+    last = {}
+
+    def progress(stage: int, phase: str, fraction: float) -> None:
+        step = int(fraction * 10)
+        if last.get((stage, phase)) != step:
+            last[(stage, phase)] = step
+            _say(f"stage {stage}: {phase} {fraction * 100:.0f}%")
+
+    return progress
+
+
+def cmd_deploy(args) -> int:
+    from engine.fleet.deploy import Deployment, deploy
+    from engine.fleetkey import load_key, load_tls
+
+    settings = Settings.load()
+    key = load_key(args.fleet_key_file)
+    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    if args.stop:
+        record = Deployment.load(Path(args.record) if args.record else None)
+        problems = record.stop(key, tls)
+        for p in problems:
+            _say(f"warning: {p}")
+        _say(f"stopped {len(record.workers) - len(problems)} of {len(record.workers)} workers")
+        return 0
+    if not (args.model and args.plan):
+        raise FleetError("fleet deploy needs --model and --plan (or --stop)")
+    try:
+        plan_doc = json.loads(Path(args.plan).read_text())
+    except (OSError, ValueError) as exc:
+        raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
+    deployment, chain = deploy(args.model, placement_stages(plan_doc), key=key, tls=tls, weights=args.weights,
+                               mode=args.mode or settings.mode, progress=_progress_printer(),
+                               deadline_s=settings.deadline_s)
+    chain.close()
+    path = deployment.save(Path(args.record) if args.record else None)
+    print(f"deployed {args.model}: stage 0 here, workers at {', '.join(deployment.remotes)}")
+    _say(f"deployment recorded in {path}; chat with `fleet generate --deployment`; stop with `fleet deploy --stop`")
+    return 0
+
+
+def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """A node agent process on loopback, tied to this process (it exits when we do)."""
+    from engine.runtime.localfleet import await_ready
+
+    log = paths().data / "logs" / "local-agent.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "agent", "--listen", "127.0.0.1:0",
+                                 "--no-mdns", "--lifeline", "--fleet-key-file", str(key_file), "--name", "local"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        return proc, await_ready(proc, log, timeout_s)
+    except FleetError as exc:
+        raise FleetError(f"the local node agent did not start ({exc})") from None
+
+
+def stop_local_agent(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+
+def local_up(model: str, stages: int, key_file: Path, *, weights: str = "int4", mode: str = "fast",
+             device: str = "CPU", progress=None, deadline_s: float = 2.0):
+    """The embedded default: ``model`` as a local fleet, stage 0 in this process and the rest in a
+    local node agent's workers.  Returns (deployment, chain, agent process)."""
+    from engine.export.exporter import plan_split
+    from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+    from engine.fleetkey import load_key
+    from engine.models.catalog import resolve_source
+    from engine.models.checkpoint import open_checkpoint
+
+    key = load_key(key_file, create=True)
+    resolved = resolve_source(model)
+    ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
+    proc, address = start_local_agent(key_file)
+    try:
+        placement = [StagePlacement(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
+        deployment, chain = deploy(model, placement, key=key, weights=weights, mode=mode, progress=progress,
+                                   deadline_s=deadline_s)
+    except BaseException:
+        stop_local_agent(proc)
+        raise
+    return deployment, chain, proc
+
+
+def cmd_up(args) -> int:
+    from engine.fleet.discovery import browse
+    from engine.fleetkey import fleet_id, key_file, load_key
+
+    settings = Settings.load()
+    path = key_file(args.fleet_key_file)
+    key = load_key(args.fleet_key_file, create=True)
+    peers = [] if args.local else browse(args.seconds, fleet_id(key))
+    if peers:
+        _say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
+             "the local default; to use them run `fleet profile --nodes all`, `fleet place` and `fleet deploy`")
+    model = args.model or settings.default_model
+    deployment, chain, proc = local_up(model, args.stages or settings.stages, path, weights=settings.weights,
+                                       mode=settings.mode, device=settings.device, progress=_progress_printer(),
+                                       deadline_s=settings.deadline_s)
+    chain.close()
+    record = deployment.save()
+    _say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
+    try:
+        if args.no_chat:
+            print(f"ready {record}", flush=True)
+            if args.lifeline:
+                from engine.runtime.localfleet import lifeline
+
+                lifeline()
+            while True:
+                time.sleep(1)
+        from engine.cli import build_parser, cmd_generate
+
+        gen_args = build_parser().parse_args(["generate", "--deployment", str(record), *(
+            ["--fleet-key-file", args.fleet_key_file] if args.fleet_key_file else [])])
+        return cmd_generate(gen_args)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_local_agent(proc)
+
+
+def add_commands(sub, connection_args) -> None:
+    agent = sub.add_parser("agent", help="run this PC's node agent (advertised over mDNS, controlled by the fleet)")
+    agent.add_argument("--listen", default="0.0.0.0:7390", help="HOST:PORT of the control API (default 0.0.0.0:7390)")
+    agent.add_argument("--name", help="display name (default: the host name)")
+    agent.add_argument("--store", help="where received shards are kept (default: the data folder)")
+    agent.add_argument("--no-mdns", action="store_true", help="do not advertise the node over mDNS")
+    agent.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
+    connection_args(agent)
+    agent.set_defaults(func=cmd_agent)
+
+    nodes = sub.add_parser("nodes", help="list the fleet's nodes (mDNS, plus nodes added by address)")
+    nodes.add_argument("--json", action="store_true")
+    nodes.add_argument("--watch", action="store_true", help="keep listing nodes as they appear and leave")
+    nodes.add_argument("--seconds", type=float, default=3.0, help="how long to listen (default 3)")
+    nsub = nodes.add_subparsers(dest="nodes_cmd")
+    for verb in ("add", "remove"):
+        p = nsub.add_parser(verb, help=f"{verb} a node by address (networks where multicast does not pass)")
+        p.add_argument("address", help="HOST:PORT of its agent")
+    connection_args(nodes)
+    nodes.set_defaults(func=cmd_nodes)
+
+    profile = sub.add_parser("profile", help="measure this machine (and nodes) for the placement solver")
+    profile.add_argument("--model", help="the model to profile (default: the settings' model)")
+    profile.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents")
+    profile.add_argument("--device", help="this machine's devices to profile, comma-separated (default: settings)")
+    profile.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    profile.add_argument("--context", type=int, default=4096, help="context length the KV cache is planned for")
+    profile.add_argument("--streams", type=int, default=1, help="concurrent streams the KV cache is planned for")
+    profile.add_argument("--seconds", type=float, default=3.0, help="with --nodes all: how long to listen")
+    profile.add_argument("--out", help="where to write the profile (default: the data folder)")
+    connection_args(profile)
+    profile.set_defaults(func=cmd_profile)
+
+    place = sub.add_parser("place", help="choose stages for the fleet with the placement solver")
+    place.add_argument("--profile", help="a `fleet profile` document (default: the last one)")
+    place.add_argument("--objective", default="latency", choices=["latency", "throughput"])
+    place.add_argument("--users", type=int, default=1, help="concurrent users (throughput objective)")
+    place.add_argument("--pin", action="append", type=_pin, help="NODE:START-END[:DEVICE], fixed by hand")
+    place.add_argument("--out", help="where to write the plan (default: the data folder)")
+    place.set_defaults(func=cmd_place)
+
+    dep = sub.add_parser("deploy", help="ship a plan's shards to its nodes and start the chain")
+    dep.add_argument("--model")
+    dep.add_argument("--plan", help="a plan written by `fleet place`")
+    dep.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    dep.add_argument("--mode", choices=["fast", "exact"])
+    dep.add_argument("--record", help="where to record the deployment (default: the data folder)")
+    dep.add_argument("--stop", action="store_true", help="stop the recorded deployment's workers")
+    connection_args(dep)
+    dep.set_defaults(func=cmd_deploy)
+
+    up = sub.add_parser("up", help="bring up the default model on a local 2-stage fleet and chat")
+    up.add_argument("--model")
+    up.add_argument("--stages", type=int)
+    up.add_argument("--local", action="store_true", help="do not look for peers")
+    up.add_argument("--seconds", type=float, default=2.0, help="how long to look for peers")
+    up.add_argument("--no-chat", action="store_true", help="keep the fleet up without chatting (prints ready)")
+    up.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
+    connection_args(up)
+    up.set_defaults(func=cmd_up)

@@ -1,0 +1,143 @@
+"""The client side of a node agent's control API: status, shard transfer, workers, profiles.
+
+Every call is one CALL frame (a JSON document naming the ``op``, plus raw bytes for shard chunks)
+answered by one REPLY or ERROR frame, over a connection authenticated with the fleet key (the same
+handshake as the activation relay, ``engine.wire``).  ``send_shard`` streams a shard folder in
+chunks, resumes a transfer the node already holds part of, and skips a shard it already has.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from engine import wire
+from engine.errors import FleetError
+from engine.fleet.shardstore import content_hash
+from engine.manifest import MANIFEST, read_manifest
+from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, dial
+from engine.wire import AuthError, Frame, Msg, ProtocolError
+
+CHUNK_BYTES = 4 << 20
+CONTROL_MAX_FRAME = CHUNK_BYTES + (1 << 20)
+ROLE = {"role": "agent"}
+
+
+class AgentError(FleetError):
+    """A node agent could not be reached, refused us, or could not carry out a request."""
+
+
+def call_frame(op: str, doc: dict | None = None, data: bytes | None = None) -> Frame:
+    frame = wire.control(Msg.CALL, {"op": op, **(doc or {})})
+    if data is not None:
+        frame.tensors.append(np.frombuffer(data, dtype=np.uint8))
+    return frame
+
+
+class ControlClient:
+    def __init__(self, address: str, key: bytes, *, tls=None, timeout_s: float = 10.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        try:
+            sock = dial(address, tls, timeout=timeout_s)
+        except OSError as exc:
+            raise AgentError(f"node agent at {address} is not reachable ({exc.strerror or exc})") from None
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            self.welcome = wire.client_handshake(sock, key, ROLE)
+        except (AuthError, ProtocolError, OSError) as exc:
+            sock.close()
+            raise AgentError(f"node agent at {address}: {exc}") from None
+        self.node = self.welcome.get("node", {})
+        self._link = Link(sock, address, max_frame=CONTROL_MAX_FRAME)
+
+    def call(self, op: str, data: bytes | None = None, timeout_s: float | None = None, **doc) -> dict:
+        """One request; returns the reply's JSON (raw reply bytes, if any, under ``"_data"``)."""
+        with self._lock:
+            try:
+                self._link.send(call_frame(op, doc, data))
+                reply = self._link.recv(timeout=timeout_s or self.timeout_s)
+            except (ConnectionError, OSError, ProtocolError) as exc:
+                self.close()
+                raise AgentError(f"node agent at {self.address} lost during {op!r}: {exc}") from None
+        if reply is None:
+            self.close()
+            raise AgentError(f"node agent at {self.address} did not answer {op!r} within "
+                             f"{timeout_s or self.timeout_s:.0f} s")
+        doc = reply.json()
+        if reply.type == Msg.ERROR:
+            raise AgentError(f"node {self.node.get('name', self.address)}: {doc.get('reason', 'request failed')}")
+        if reply.type != Msg.REPLY:
+            raise AgentError(f"node agent at {self.address} answered {op!r} with {reply.type.name}")
+        if len(reply.tensors) > 1:
+            doc["_data"] = reply.tensors[1].tobytes()
+        return doc
+
+    # --- operations ----------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        return self.call("status")
+
+    def round_trip_ms(self, count: int = 5) -> float:
+        """Median time of ``count`` empty calls: what a hop to this node costs."""
+        times = []
+        for _ in range(count):
+            t = time.perf_counter()
+            self.call("ping")
+            times.append((time.perf_counter() - t) * 1e3)
+        return float(np.median(times))
+
+    def send_shard(self, folder: Path, progress: Callable[[int, int], None] | None = None, cancel=None,
+                   chunk_bytes: int = CHUNK_BYTES) -> tuple[str, bool]:
+        """Ships a shard folder; returns (content hash, whether bytes were sent).  ``progress(sent,
+        total)`` counts bytes including those the node already had; ``cancel.is_set()`` stops
+        between chunks (the partial transfer stays on the node and resumes next time)."""
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        digest = content_hash(folder)
+        sizes = {name: (folder / name).stat().st_size for name in manifest.files}
+        total = sum(sizes.values())
+        if self.call("has_shard", hash=digest)["present"]:
+            if progress:
+                progress(total, total)
+            return digest, False
+        have = self.call("put_begin", (folder / MANIFEST).read_bytes(), hash=digest, sizes=sizes)["have"]
+        done = sum(have.values())
+        if progress:
+            progress(done, total)
+        for name, size in sizes.items():
+            offset = int(have.get(name, 0))
+            with open(folder / name, "rb") as f:
+                f.seek(offset)
+                while offset < size:
+                    if cancel is not None and cancel.is_set():
+                        raise AgentError(f"transfer to {self.address} cancelled (it resumes next time)")
+                    block = f.read(chunk_bytes)
+                    offset = self.call("put_chunk", block, hash=digest, file=name, offset=offset)["offset"]
+                    done += len(block)
+                    if progress:
+                        progress(done, total)
+        self.call("put_end", hash=digest, timeout_s=max(self.timeout_s, 120.0))
+        return digest, True
+
+    def start_worker(self, digest: str, *, device: str = "CPU", mode: str = "fast", delay_ms: float = 0.0,
+                     precision: str | None = None, timeout_s: float = 180.0) -> dict:
+        return self.call("start_worker", timeout_s=timeout_s + 10, hash=digest, device=device, mode=mode,
+                         delay_ms=delay_ms, precision=precision, wait_s=timeout_s)
+
+    def stop_worker(self, worker: str | None = None) -> dict:
+        return self.call("stop_worker", worker=worker)
+
+    def close(self) -> None:
+        self._link.close()
+
+    def __enter__(self) -> "ControlClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

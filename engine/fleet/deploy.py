@@ -1,0 +1,171 @@
+"""Deployment: from a placement to a running chain of stage workers on the fleet's node agents.
+
+``deploy`` exports the shards a placement needs (reusing the cache), ships each to its node's agent
+(chunked, resumable, verified, skipped when the node already holds it), starts the workers in chain
+order and connects the coordinator, which runs stage 0 itself.  If anything fails on the way (a node
+lost, a worker that does not start, a chain that does not answer) every worker already started is
+stopped again: a failed deployment leaves no half-started chain.  A ``Deployment`` is saved as JSON
+so ``fleet generate --deployment`` and the app reuse a running chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+from engine.config import paths
+from engine.errors import FleetError
+from engine.fleet.control import AgentError, ControlClient
+from engine.runtime.link import parse_address
+
+LOCAL = "local"  # the coordinator's own stage in a placement's address list
+# progress(stage index, phase, fraction of that phase): phases "export", "send", "start", "connect"
+DeployProgress = Callable[[int, str, float], None]
+
+
+@dataclasses.dataclass
+class StagePlacement:
+    """Where one stage runs: ``agent`` is a node agent's HOST:PORT, or ``LOCAL`` for stage 0."""
+
+    agent: str
+    device: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass
+class Deployment:
+    model: str
+    stage0: str  # shard folder the coordinator runs
+    device: str  # stage 0's device
+    remotes: list[str]  # worker addresses of stages 1..
+    workers: list[dict]  # {"agent": HOST:PORT, "worker": id, "stage": k}
+    mode: str = "fast"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "Deployment":
+        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)})
+
+    def save(self, path: Path | None = None) -> Path:
+        path = Path(path or default_record())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2))
+        return path
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> "Deployment":
+        path = Path(path or default_record())
+        if not path.exists():
+            raise FleetError(f"no deployment recorded at {path}: run `fleet deploy` or `fleet up` first")
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FleetError(f"{path} is not a deployment record ({exc})") from None
+
+    def chain(self, key: bytes, *, tls=None, deadline_s: float = 2.0, connect_timeout_s: float = 30.0, **kw):
+        from engine.runtime.remote import RemoteChain
+
+        return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
+                           deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, **kw)
+
+    def stop(self, key: bytes, tls=None) -> list[str]:
+        """Stops every worker of the deployment; returns the problems met (unreachable agents)."""
+        return _stop_workers(self.workers, key, tls)
+
+
+def default_record() -> Path:
+    return paths().data / "deployment.json"
+
+
+def worker_address(agent: str, port: int) -> str:
+    host, _ = parse_address(agent)
+    return f"{host}:{port}"
+
+
+def _stop_workers(workers: list[dict], key: bytes, tls) -> list[str]:
+    problems = []
+    for w in reversed(workers):
+        try:
+            with ControlClient(w["agent"], key, tls=tls, timeout_s=10) as agent:
+                agent.stop_worker(w["worker"])
+        except AgentError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def split_of(stages: list[StagePlacement], num_layers: int | None = None) -> list[int]:
+    """Stage boundaries of a placement, after checking it covers the layers once, in order."""
+    if not stages:
+        raise FleetError("a placement needs at least one stage")
+    if stages[0].start != 0:
+        raise FleetError(f"the first stage starts at layer {stages[0].start}, not 0")
+    for a, b in zip(stages, stages[1:]):
+        if b.start != a.end or a.end <= a.start:
+            raise FleetError(f"stages {a.start}-{a.end} and {b.start}-{b.end} are not contiguous")
+    if num_layers is not None and stages[-1].end != num_layers:
+        raise FleetError(f"the placement ends at layer {stages[-1].end}, the model has {num_layers}")
+    return [s.end for s in stages[:-1]]
+
+
+def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, weights: str = "int4",
+           mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
+           progress: DeployProgress | None = None, cancel=None, worker_timeout_s: float = 180.0,
+           deadline_s: float = 2.0):
+    """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it)."""
+    from engine.export.exporter import export_model
+
+    if stages[0].agent != LOCAL:
+        raise FleetError("stage 0 runs in the coordinator: the placement's first stage must be on this machine")
+    if len(stages) < 2:
+        raise FleetError("a deployment needs at least one stage on a node agent")
+    if any(s.agent == LOCAL for s in stages[1:]):
+        raise FleetError("only stage 0 runs in the coordinator; later stages need a node agent's address")
+    split = split_of(stages)
+
+    def report(stage: int, phase: str, fraction: float) -> None:
+        if progress:
+            progress(stage, phase, fraction)
+
+    export = export_model(model, split=split, weights=weights, cancel=cancel,
+                          progress=lambda i, step, frac: report(i, "export", frac))
+    if stages[-1].end != export.stages[-1].layers[1]:
+        raise FleetError(f"the placement ends at layer {stages[-1].end}, the model has "
+                         f"{export.stages[-1].layers[1]}")
+    digests = {}
+    for i, (stage, folder) in enumerate(zip(stages, export.folders)):
+        if i == 0:
+            continue
+        try:
+            with ControlClient(stage.agent, key, tls=tls) as agent:
+                digests[i], _ = agent.send_shard(folder, progress=lambda done, total, i=i: report(
+                    i, "send", done / max(1, total)), cancel=cancel)
+        except AgentError as exc:
+            raise FleetError(f"deployment stopped while sending stage {i}: {exc}") from None
+    started: list[dict] = []
+    remotes: list[str] = []
+    try:
+        for i, stage in enumerate(stages[1:], start=1):
+            report(i, "start", 0.0)
+            try:
+                with ControlClient(stage.agent, key, tls=tls) as agent:
+                    info = agent.start_worker(digests[i], device=stage.device, mode=mode, delay_ms=delay_ms,
+                                              precision=precision, timeout_s=worker_timeout_s)
+            except AgentError as exc:
+                raise FleetError(f"deployment stopped while starting stage {i}: {exc}") from None
+            started.append({"agent": stage.agent, "worker": info["id"], "stage": i})
+            remotes.append(worker_address(stage.agent, info["port"]))
+            report(i, "start", 1.0)
+        deployment = Deployment(model=model, stage0=str(export.folders[0]), device=stages[0].device,
+                                remotes=remotes, workers=started, mode=mode)
+        report(0, "connect", 0.0)
+        chain = deployment.chain(key, tls=tls, deadline_s=deadline_s)  # the whole route answers, stage by stage
+        report(0, "connect", 1.0)
+        return deployment, chain
+    except BaseException:
+        _stop_workers(started, key, tls)
+        raise

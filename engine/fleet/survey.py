@@ -1,0 +1,89 @@
+"""Measuring a fleet for the placement solver: every device's profile and every round trip.
+
+``survey`` profiles this machine (the coordinator) directly and each node through its agent: it
+ships the model's profiling shards (``engine.fleet.profile``), has the node run them on each of its
+devices, and asks every node for its round trip to the others.  The result is one JSON document,
+``{"model": ModelShape, "nodes": {id: {"name", "address"}}, "fleet": Fleet}``, that ``fleet place``
+and the app's placement view hand to ``engine.fleet.placement``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import FleetError
+from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.deploy import LOCAL
+from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
+from engine.fleet.profile import export_profile_shards, model_shape, profile_shards
+from engine.manifest import load_manifest
+
+Log = Callable[[str], None]
+
+
+def device_profile(node: str, measured: dict) -> DeviceProfile:
+    return DeviceProfile(node=node, device=measured["device"], memory_bytes=int(measured["memory_bytes"]),
+                         layer_ms=measured["layer_ms"], head_ms=measured["head_ms"], embed_ms=measured["embed_ms"],
+                         prefill_layer_ms=measured["prefill_layer_ms"], supported=bool(measured["supported"]),
+                         call_ms=measured["call_ms"])
+
+
+def node_devices(status: dict) -> list[str]:
+    names = [d.get("name") for d in status.get("node", {}).get("devices", []) if isinstance(d, dict)]
+    return [n for n in names if isinstance(n, str) and n] or ["CPU"]
+
+
+def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: str, local_devices=("CPU",),
+           weights: str = "int4", context: int = 4096, streams: int = 1, log: Log = print) -> dict:
+    """Profiles this machine and the agents at ``agents`` (HOST:PORT each) for ``model``."""
+    folders = export_profile_shards(model, weights)
+    shape = ModelShape(**model_shape(load_manifest(folders[0]), context, streams))
+    devices: list[DeviceProfile] = []
+    for device in local_devices:
+        log(f"profiling this machine's {device}")
+        devices.append(device_profile(local_node, profile_shards(folders, device)))
+    nodes = {local_node: {"name": "this machine", "address": LOCAL}}
+    rtt: dict[tuple[str, str], float] = {}
+    ids: dict[str, str] = {}
+    for address in agents:
+        try:
+            with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
+                status = agent.status()
+                node = status["node"]["node_id"]
+                ids[address] = node
+                nodes[node] = {"name": status["node"].get("name", address), "address": address}
+                rtt[(local_node, node)] = agent.round_trip_ms()
+                digests = []
+                for i, folder in enumerate(folders):
+                    log(f"sending profiling shard {i + 1}/{len(folders)} to {nodes[node]['name']}")
+                    digests.append(agent.send_shard(folder)[0])
+                for device in node_devices(status):
+                    log(f"profiling {nodes[node]['name']}'s {device}")
+                    measured = agent.call("profile", timeout_s=600, hashes=digests, device=device)
+                    devices.append(device_profile(node, measured))
+        except AgentError as exc:
+            raise FleetError(f"survey of the node at {address} failed: {exc}") from None
+    for address, node in ids.items():
+        peers = [a for a in ids if a != address]
+        if not peers:
+            continue
+        with ControlClient(address, key, tls=tls, timeout_s=60) as agent:
+            measured = agent.call("rtt", timeout_s=120, peers=peers)["rtt_ms"]
+        for peer, ms in measured.items():
+            if ms is None:
+                raise FleetError(f"node {nodes[node]['name']} cannot reach the node at {peer}")
+            pair = tuple(sorted((node, ids[peer])))
+            rtt[pair] = max(rtt.get(pair, 0.0), float(ms))  # each direction measured: keep the slower
+    fleet = Fleet(devices=devices, rtt_ms=rtt, coordinator=local_node)
+    return {"model": shape.to_json(), "nodes": nodes, "fleet": fleet.to_json()}
+
+
+def load_survey(path: Path) -> tuple[ModelShape, dict, Fleet]:
+    import json
+
+    try:
+        raw = json.loads(Path(path).read_text())
+        return ModelShape.from_json(raw["model"]), raw["nodes"], Fleet.from_json(raw["fleet"])
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise FleetError(f"{path} is not a fleet profile written by `fleet profile` ({exc})") from None

@@ -1,0 +1,235 @@
+"""Fleet operations with real agent processes on loopback: the control API refuses strangers,
+shards arrive verified (resuming, refusing corruption, skipped when present), deployment to two
+agents gives the in-process chain's tokens, a node lost mid-deployment leaves nothing running,
+agents are discovered over real mDNS and noticed leaving, and the survey feeds the solver."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.errors import FleetError
+from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.shardstore import content_hash
+from engine.fleetkey import create_key, fleet_id, load_key
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
+from engine.runtime.localfleet import await_ready
+
+IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory):
+    return create_key(tmp_path_factory.mktemp("keys") / "fleet.key")
+
+
+@contextlib.contextmanager
+def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node"):
+    """A ``fleet agent`` process with its own home (its own node id and shard store)."""
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "agent.log"
+    cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", "127.0.0.1:0", "--lifeline",
+           "--fleet-key-file", str(key_file), "--name", name] + ([] if mdns else ["--no-mdns"])
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "FLEETSHARD_HOME": str(home)})
+    try:
+        address = await_ready(proc, log, 60)
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=15)
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+@pytest.fixture
+def two_agents(key_file, tmp_path):
+    with agent_process(key_file, tmp_path / "a", name="alpha") as a, \
+            agent_process(key_file, tmp_path / "b", name="beta") as b:
+        yield a, b
+
+
+def _greedy(chain, tokens=12):
+    return Generator(chain, max_length=128).generate(IDS, tokens, ignore_eos=True).tokens
+
+
+def test_agent_refuses_without_the_fleet_key(two_agents, key_file, tmp_path):
+    (_, address), _ = two_agents
+    stranger = create_key(tmp_path / "other.key")
+    with pytest.raises(AgentError, match="fleet key"):
+        ControlClient(address, load_key(stranger))
+    with ControlClient(address, load_key(key_file)) as agent:  # the agent kept serving
+        status = agent.status()
+    assert status["node"]["name"] == "alpha" and status["node"]["fleet_id"] == fleet_id(load_key(key_file))
+    assert "key" not in str(status["node"]).lower().replace("fleet_id", "")
+
+
+def test_agent_answers_bad_requests_with_errors(two_agents, key_file):
+    (_, address), _ = two_agents
+    with ControlClient(address, load_key(key_file)) as agent:
+        with pytest.raises(AgentError, match="unknown operation"):
+            agent.call("format_disk")
+        with pytest.raises(AgentError, match="not a shard content hash"):
+            agent.call("has_shard", hash="../../etc/passwd")
+        with pytest.raises(AgentError, match="send it first"):
+            agent.start_worker("0" * 64)
+        assert agent.call("ping") == {}
+
+
+def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tiny_exports):
+    (_, address), _ = two_agents
+    folder = tiny_exports["llama", "2"].folders[1]
+    digest = content_hash(folder)
+    key = load_key(key_file)
+    with ControlClient(address, key) as agent:
+        cancel, seen = threading.Event(), []
+
+        def stop_after_two(done, total):
+            seen.append(done)
+            if len(seen) >= 3:
+                cancel.set()
+
+        with pytest.raises(AgentError, match="cancelled"):
+            agent.send_shard(folder, progress=stop_after_two, cancel=cancel, chunk_bytes=64 << 10)
+        assert not agent.call("has_shard", hash=digest)["present"]
+        interrupted_at = seen[-1]
+        resumed = []
+        _, sent = agent.send_shard(folder, progress=lambda d, t: resumed.append((d, t)), chunk_bytes=64 << 10)
+        assert sent and resumed[0][0] == interrupted_at > 0  # picked up where the bytes on the node ended
+        assert resumed[-1][0] == resumed[-1][1]
+        assert agent.call("has_shard", hash=digest)["present"]
+        assert agent.send_shard(folder)[1] is False  # already there: nothing sent
+        assert [s["hash"] for s in agent.status()["shards"]] == [digest]
+
+    corrupt = tiny_exports["llama", "3"].folders[1]
+    cdigest = content_hash(corrupt)
+    with ControlClient(address, key) as agent:
+        names = sorted(p.name for p in corrupt.iterdir() if p.name != "manifest.json")
+        sizes = {n: (corrupt / n).stat().st_size for n in names}
+        agent.call("put_begin", (corrupt / "manifest.json").read_bytes(), hash=cdigest, sizes=sizes)
+        for n in names:
+            data = bytearray((corrupt / n).read_bytes())
+            if n == "openvino_model.bin":
+                data[len(data) // 2] ^= 0xFF
+            agent.call("put_chunk", bytes(data), hash=cdigest, file=n, offset=0)
+        with pytest.raises(AgentError, match="openvino_model.bin.*corrupted"):
+            agent.call("put_end", hash=cdigest)
+        assert not agent.call("has_shard", hash=cdigest)["present"]
+        with pytest.raises(AgentError, match="not a plain file name"):
+            agent.call("put_chunk", b"x", hash=cdigest, file="../escape", offset=0)
+        with pytest.raises(AgentError, match="does not match the announced content hash"):
+            agent.call("put_begin", b"{}", hash=cdigest, sizes={})
+
+
+def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny_models):
+    (_, a), (_, b) = two_agents
+    key = load_key(key_file)
+    stages = [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(a, "CPU", 1, 3), StagePlacement(b, "CPU", 3, 4)]
+    phases = []
+    deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
+                               progress=lambda i, phase, f: phases.append((i, phase)))
+    try:
+        got = _greedy(chain)
+        assert [s["stage"] for s in chain.stages] == [1, 2]
+    finally:
+        chain.close()
+    folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
+    assert _greedy(LocalChain(folders)) == got
+    assert {(1, "send"), (2, "send"), (1, "start"), (2, "start"), (0, "connect")} <= set(phases)
+    for address, stage in ((a, 1), (b, 2)):
+        with ControlClient(address, key) as agent:
+            status = agent.status()
+            assert [w["stage"] for w in status["workers"]] == [stage]
+            assert status["state"] == f"serving stage {stage}"
+    # a second deployment of the same plan sends nothing: the nodes hold those shards
+    assert deployment.stop(key) == []
+    again, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
+                          progress=lambda i, phase, f: phases.append((i, phase, f)))
+    chain.close()
+    again.stop(key)
+    with ControlClient(a, key) as agent:
+        assert agent.status()["workers"] == []
+
+
+def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_models):
+    (_, a), (proc_b, b) = two_agents
+    key = load_key(key_file)
+    stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(a, "CPU", 2, 3), StagePlacement(b, "CPU", 3, 4)]
+
+    def lose_b(stage, phase, fraction):
+        if (stage, phase) == (2, "start") and fraction == 0.0:  # stage 1's worker is already up
+            proc_b.kill()
+            proc_b.wait()
+
+    with pytest.raises(FleetError, match=r"starting stage 2: node agent at .* (lost|not reachable)"):
+        deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=lose_b)
+    with ControlClient(a, key) as agent:
+        assert agent.status()["workers"] == []  # stage 1's worker was stopped again
+
+
+def test_agents_are_discovered_over_mdns_and_seen_leaving(key_file, tmp_path):
+    from engine.fleet.discovery import Browser
+
+    events = []
+    with Browser(fleet_id(load_key(key_file)), on_event=lambda kind, info: events.append((kind, info))) as browser:
+        with agent_process(key_file, tmp_path / "m", mdns=True, name="mdns-node") as (proc, address):
+            deadline = time.monotonic() + 20
+            while not any(i.name == "mdns-node" for i in browser.nodes().values()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            found = [i for i in browser.nodes().values() if i.name == "mdns-node"]
+            assert found, f"agent not discovered; rejected: {browser.rejected()}"
+            assert found[0].port == int(address.rpartition(":")[2]) and "127.0.0.1" in found[0].addresses
+            proc.terminate()  # a clean stop says goodbye over mDNS
+            proc.wait(timeout=15)
+            deadline = time.monotonic() + 20
+            while any(i.name == "mdns-node" for i in browser.nodes().values()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        assert [k for k, i in events if i.name == "mdns-node"][-1] == "removed"
+        assert not any(i.name == "mdns-node" for i in browser.nodes().values())
+
+
+def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, monkeypatch):
+    from engine.fleet.placement import solve
+    from engine.fleet.survey import survey
+
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
+    (_, a), (_, b) = two_agents
+    key = load_key(key_file)
+    source = str(tiny_models["llama"])
+    doc = survey(source, [a, b], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
+    names = {info["name"] for info in doc["nodes"].values()}
+    assert names == {"this machine", "alpha", "beta"}
+    devices = doc["fleet"]["devices"]
+    assert len(devices) == 3 and all(d["layer_ms"] > 0 and d["supported"] for d in devices)
+    assert len(doc["fleet"]["rtt"]) == 3  # coordinator-alpha, coordinator-beta, alpha-beta
+    from engine.fleet.survey import load_survey
+    import json
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    shape, nodes, fleet = load_survey(path)
+    plan = solve(shape, fleet, objective="throughput", users=2)
+    assert plan.stages[0].node == "coordinator"
+    from engine.fleet.commands import placement_stages
+
+    stages = placement_stages({"plan": plan.to_json(), "nodes": nodes})
+    if len(stages) > 1:
+        deployment, chain = deploy(source, stages, key=key, weights="f32")
+        try:
+            got = _greedy(chain)
+        finally:
+            chain.close()
+            deployment.stop(key)
+        assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
