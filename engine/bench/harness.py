@@ -4,6 +4,10 @@ OpenVINO GenAI's LLMPipeline as the reference.
 
 Every stage beyond the first runs in its own ``fleet worker`` process, as on a real fleet; with
 ``cpu_sets`` (``"0-1;2-3"``) each stage, the coordinator included, is pinned to its own cores.
+
+A caller that wants to follow a benchmark (the desktop app) passes ``Hooks``: progress, every
+generated token, every result row as soon as it is measured, and a cancel flag checked at every
+decode round.  The command line passes none and sees no difference.
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import contextlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
+from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
 from engine.runtime.affinity import parse_cpu_sets, pin
-from engine.runtime.chain import LocalChain
+from engine.runtime.chain import LocalChain, expand_shard_dirs
 from engine.runtime.generate import Generation, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
@@ -41,6 +47,45 @@ PROMPTS = {
     "chat": "Hi! I'm planning a weekend trip to the mountains. Any tips?",
     "translation": "Translate into French: The meeting is moved to Thursday at ten, please bring the report.",
 }
+
+
+class BenchCancelled(FleetError):
+    """The caller cancelled the benchmark."""
+
+
+@dataclass
+class Hooks:
+    """How a caller follows and stops a benchmark."""
+
+    progress: Callable[[float, str], None] | None = None  # (fraction done, what runs now)
+    on_token: Callable[[int, int], None] | None = None  # (stream, token) as each is generated
+    on_row: Callable[[dict], None] | None = None  # each result row once measured
+    cancel: object = None  # anything with is_set(): the benchmark stops at the next decode round
+
+    def check(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise BenchCancelled("benchmark cancelled")
+
+    def step(self, done: int, total: int, message: str) -> None:
+        """Reports progress (``done`` of ``total`` units) and stops here if cancelled."""
+        self.check()
+        if self.progress:
+            self.progress(min(done / total, 1.0) if total else 1.0, message)
+
+    def row(self, row: dict) -> None:
+        if self.on_row:
+            self.on_row(row)
+
+
+NO_HOOKS = Hooks()
+
+
+def split_export(model: str, stages: int, weights: str, shards=None, hooks: Hooks = NO_HOOKS):
+    """The model's shard folders split into ``stages``, or the given ``shards`` (an export folder or
+    stage folders) as they are."""
+    if shards:
+        return expand_shard_dirs(shards if isinstance(shards, (list, tuple)) else [shards])
+    return export_model(model, stages=stages, weights=weights, cancel=hooks.cancel).folders
 
 
 def prompt_ids(folder: Path, names) -> list[np.ndarray]:
@@ -108,19 +153,22 @@ class BatchRun:
         return {"token_ms": bd["token_ms"], "compute_ms": compute}
 
 
-def run_batch(chain, prompts, tokens: int, *, drafters_=None, k="auto") -> BatchRun:
+def run_batch(chain, prompts, tokens: int, *, drafters_=None, k="auto", hooks: Hooks = NO_HOOKS) -> BatchRun:
     length = max(p.shape[-1] for p in prompts) + tokens + 16
+    hooks.check()
     results, wall = generate_streams(chain, prompts, tokens, max_length=length, ignore_eos=True,
-                                     drafters=drafters_, k=k)
+                                     drafters=drafters_, k=k, on_token=hooks.on_token,
+                                     cancels=[hooks.cancel] * len(prompts) if hooks.cancel is not None else None)
+    hooks.check()
     return BatchRun(results, wall)
 
 
-def warm_up(chain, prompts, drafters_=None) -> None:
+def warm_up(chain, prompts, drafters_=None, hooks: Hooks = NO_HOOKS) -> None:
     """First inferences (and, with per-stream compiled models, first compiles) are slow: run every
     stream a few tokens, with and without drafting, before anything is measured."""
-    run_batch(chain, prompts, 4)
+    run_batch(chain, prompts, 4, hooks=hooks)
     if drafters_:
-        run_batch(chain, prompts, 4, drafters_=drafters_[: len(prompts)], k=3)
+        run_batch(chain, prompts, 4, drafters_=drafters_[: len(prompts)], k=3, hooks=hooks)
 
 
 def genai_runner(folder: Path, tokens: int, *, device: str = "CPU", props: dict | None = None,

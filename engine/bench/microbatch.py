@@ -9,6 +9,9 @@ the rest).  Stream counts are interleaved, ``runs`` times each; the median count
 
 ``isolation``: at one point (first stage count, 10 ms, 2 and 3 streams) shared compiled models
 against one compiled model per stream, with the workers' resident memory.
+
+``shards`` runs an existing split (an export folder or its stage folders) instead of exporting
+``model`` once per stage count.
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import PROMPTS, loopback, prompt_ids, run_batch, warm_up
+from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, loopback, prompt_ids, run_batch, split_export, warm_up
 from engine.bench.report import write_report
-from engine.export.exporter import export_model
 
 
 def rss_mb(pid: int) -> float:
@@ -28,29 +30,47 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _sweep(chain, prompts, counts, tokens: int, runs: int) -> dict[int, list]:
-    warm_up(chain, prompts[: max(counts)])
+def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks = NO_HOOKS, tick=lambda: None) -> dict[int, list]:
+    warm_up(chain, prompts[: max(counts)], hooks=hooks)
     samples: dict[int, list] = {n: [] for n in counts}
     for r in range(runs):
         for n in (counts if r % 2 == 0 else counts[::-1]):
-            samples[n].append(run_batch(chain, prompts[:n], tokens))
+            tick()
+            samples[n].append(run_batch(chain, prompts[:n], tokens, hooks=hooks))
     return samples
 
 
 def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0), counts=(1, 2, 3),
                    tokens: int = 64, runs: int = 2, isolation: bool = True, weights: str = "int4",
-                   cpu_sets: str = "", out: Path | None = None, log=print) -> dict:
+                   cpu_sets: str = "", out: Path | None = None, log=print, shards=None,
+                   hooks: Hooks = NO_HOOKS) -> dict:
     names = list(PROMPTS)[: max(counts)]
     rows, ratios = [], {}
+    splits = {}
+    if shards:
+        given = split_export(model, 0, weights, shards)
+        splits = {len(given): given}
+        stage_counts = (len(given),)
+    points = len(stage_counts) * len(delays) + (2 if isolation else 0)
+    total, done = points * runs * len(counts), 0
+
+    def tick(message: str):
+        def step():
+            nonlocal done
+            hooks.step(done, total, message)
+            done += 1
+        return step
+
     for stages in stage_counts:
-        split = export_model(model, stages=stages, weights=weights)
-        prompts = prompt_ids(split.folders[0], names)
+        folders = splits.get(stages) or split_export(model, stages, weights, hooks=hooks)
+        splits[stages] = folders
+        prompts = prompt_ids(folders[0], names)
         sets = cpu_sets if len(cpu_sets.split(";")) == stages else ""
         if cpu_sets and not sets:
             log(f"--cpus names {len(cpu_sets.split(';'))} CPU sets: the {stages}-stage points run unpinned")
         for delay in delays:
-            with loopback(split.folders, delay_ms=delay, cpu_sets=sets) as (chain, _):
-                samples = _sweep(chain, prompts, counts, tokens, runs)
+            with loopback(folders, delay_ms=delay, cpu_sets=sets) as (chain, _):
+                samples = _sweep(chain, prompts, counts, tokens, runs, hooks, tick(f"{stages} stages, {delay:g} ms"))
             single = sorted(samples[1], key=lambda b: b.tok_s)[len(samples[1]) // 2]
             bd = single.breakdown()
             bound = bd["token_ms"] / bd["compute_ms"]
@@ -66,26 +86,29 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
                 if n > 1:
                     ratios[f"{stages}st {delay:g}ms {n} streams gain"] = round(gain, 3)
                     ratios[f"{stages}st {delay:g}ms {n} streams of ideal"] = round(gain / ideal, 3)
+                hooks.row(rows[-1])
             log(f"{stages} stages, {delay:g} ms: " + ", ".join(f"{r['streams']}x {r['tok_s']}"
                                                               for r in rows[-len(counts):]))
     if isolation:
         stages = stage_counts[0]
-        split = export_model(model, stages=stages, weights=weights)
-        prompts = prompt_ids(split.folders[0], names)
+        folders = splits[stages]
+        prompts = prompt_ids(folders[0], names)
         speeds = {}
         for isolate in (False, True):
-            with loopback(split.folders, delay_ms=10.0, isolate=isolate) as (chain, fleet):
-                samples = _sweep(chain, prompts, counts, tokens, runs)
-                memory = sum(rss_mb(p.pid) for p in fleet.procs)
             label = "per-stream compiled" if isolate else "shared compiled"
+            with loopback(folders, delay_ms=10.0, isolate=isolate) as (chain, fleet):
+                samples = _sweep(chain, prompts, counts, tokens, runs, hooks, tick(f"isolation: {label}"))
+                memory = sum(rss_mb(p.pid) for p in fleet.procs)
             for n in counts:
                 speeds[label, n] = median(b.tok_s for b in samples[n])
                 rows.append({"stages": stages, "delay_ms": 10.0, "streams": n, "tok_s": round(speeds[label, n], 2),
                              "per_stream": round(speeds[label, n] / n, 2), "isolation": label,
                              "workers_rss_mb": round(memory, 1)})
+                hooks.row(rows[-1])
         for n in counts[1:]:
             ratios[f"isolated vs shared {n} streams"] = round(
                 speeds["per-stream compiled", n] / speeds["shared compiled", n], 3)
+    hooks.step(total, total, "done")
     meta = {"model": model, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets,
             "ideal": "min(N, token_ms / compute_ms) from the single-stream breakdown of the same point"}
     return write_report("microbatch", rows, ratios, out, settings=meta)

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.bench.harness import STORY_PROMPT, genai_runner
+from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, genai_runner
 from engine.bench.report import median, write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
@@ -26,34 +26,39 @@ def _genai(folder: Path, ids: np.ndarray, tokens: int, device: str, props: dict)
     return lambda: run(ids)[:2]
 
 
-def _chain_runner(folders: list[Path], ids: np.ndarray, tokens: int, device: str) -> Callable[[], tuple[float, float]]:
+def _chain_runner(folders: list[Path], ids: np.ndarray, tokens: int, device: str,
+                  hooks: Hooks = NO_HOOKS) -> Callable[[], tuple[float, float]]:
     chain = LocalChain(folders, device=device)
     gen = Generator(chain, max_length=ids.shape[1] + tokens + 1)
+    on_token = (lambda t: hooks.on_token(0, t)) if hooks.on_token else None
 
     def run():
-        result = gen.generate(ids, tokens, ignore_eos=True)
+        result = gen.generate(ids, tokens, ignore_eos=True, on_token=on_token, cancel=hooks.cancel)
+        hooks.check()
         return result.decode_tok_s, result.ttft_s * 1e3
 
     return run
 
 
 def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5, weights: str = "int4",
-               device: str = "CPU", out: Path | None = None, log=print) -> dict:
-    exports = {n: export_model(model, stages=n, weights=weights) for n in (1, 2, 3)}
-    nobeam = export_model(model, stages=1, weights=weights, beam_idx=False)
+               device: str = "CPU", out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
+    exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel) for n in (1, 2, 3)}
+    nobeam = export_model(model, stages=1, weights=weights, beam_idx=False, cancel=hooks.cancel)
     first = exports[1].folders[0]
     ids = ChatTokenizer(first).prompt_ids(STORY_PROMPT)
     configs = {
         "LLMPipeline 1-stage": _genai(first, ids, tokens, device, device_config(device)),
         "LLMPipeline 1-stage, OpenVINO defaults": _genai(first, ids, tokens, device, {}),
-        "ours 1-stage": _chain_runner(exports[1].folders, ids, tokens, device),
-        "ours 2-stage": _chain_runner(exports[2].folders, ids, tokens, device),
-        "ours 3-stage": _chain_runner(exports[3].folders, ids, tokens, device),
-        "ours 1-stage, no beam_idx": _chain_runner(nobeam.folders, ids, tokens, device),
+        "ours 1-stage": _chain_runner(exports[1].folders, ids, tokens, device, hooks),
+        "ours 2-stage": _chain_runner(exports[2].folders, ids, tokens, device, hooks),
+        "ours 3-stage": _chain_runner(exports[3].folders, ids, tokens, device, hooks),
+        "ours 1-stage, no beam_idx": _chain_runner(nobeam.folders, ids, tokens, device, hooks),
     }
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    total = (warmup + runs) * len(configs)
     for round_index in range(warmup + runs):
-        for name, run in configs.items():
+        for i, (name, run) in enumerate(configs.items()):
+            hooks.step(round_index * len(configs) + i, total, f"round {round_index + 1}/{warmup + runs}: {name}")
             result = run()
             if round_index >= warmup:
                 samples[name].append(result)
@@ -70,6 +75,8 @@ def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5,
             "ttft_ms": round(median([v[1] for v in values]), 1),
             "vs_llmpipeline": round(median(tps) / base, 3) if base else 0.0,
         })
+        hooks.row(rows[-1])
+    hooks.step(total, total, "done")
     ratios = {row["config"]: row["vs_llmpipeline"] for row in rows}
     meta = {"model": model, "weights": weights, "device": device, "prompt_tokens": int(ids.shape[1]),
             "new_tokens": tokens, "warmup": warmup, "runs": runs}

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import STORY_PROMPT, loopback
+from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, loopback, split_export
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
@@ -25,21 +25,31 @@ from engine.runtime.generate import Generator
 from engine.runtime.tokenizer import ChatTokenizer
 
 def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int = 1, runs: int = 5,
-                 weights: str = "int4", delay_ms: float = 0.0, out: Path | None = None, log=print) -> dict:
-    whole = export_model(model, stages=1, weights=weights)
-    split = export_model(model, stages=stages, weights=weights)
+                 weights: str = "int4", delay_ms: float = 0.0, out: Path | None = None, log=print, shards=None,
+                 hooks: Hooks = NO_HOOKS) -> dict:
+    """``shards`` runs an existing split (an export folder or its stage folders) instead of
+    exporting ``model`` into ``stages``."""
+    whole = export_model(model, stages=1, weights=weights, cancel=hooks.cancel)
+    split = split_export(model, stages, weights, shards, hooks)
+    stages = len(split)
     ids = ChatTokenizer(whole.folders[0]).prompt_ids(STORY_PROMPT)
     length = ids.shape[1] + tokens + 1
-    with loopback(split.folders, delay_ms=delay_ms) as (remote, _):
+    on_token = (lambda t: hooks.on_token(0, t)) if hooks.on_token else None
+    total = (warmup + runs) * 3 + 1
+    hooks.step(0, total, "starting the pipeline")
+    with loopback(split, delay_ms=delay_ms) as (remote, _):
         chains = {
             "1-stage in-process": LocalChain(whole.folders),
-            f"{stages}-stage in-process": LocalChain(split.folders),
+            f"{stages}-stage in-process": LocalChain(split),
             f"{stages}-stage loopback TCP": remote,
         }
         samples: dict[str, list] = {name: [] for name in chains}
         for round_index in range(warmup + runs):
-            for name, chain in chains.items():
-                result = Generator(chain, length).generate(ids, tokens, ignore_eos=True)
+            for i, (name, chain) in enumerate(chains.items()):
+                hooks.step(1 + round_index * 3 + i, total, f"round {round_index + 1}/{warmup + runs}: {name}")
+                result = Generator(chain, length).generate(ids, tokens, ignore_eos=True, on_token=on_token,
+                                                           cancel=hooks.cancel)
+                hooks.check()
                 if round_index >= warmup:
                     samples[name].append(result)
             log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
@@ -64,6 +74,8 @@ def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int 
             "host_ms": bd["host_ms"],
             "same_tokens": all(r.tokens == samples[name][0].tokens for r in results),
         })
+        hooks.row(rows[-1])
+    hooks.step(total, total, "done")
     by = {r["config"]: r for r in rows}
     inproc, tcp = by[f"{stages}-stage in-process"], by[f"{stages}-stage loopback TCP"]
     hops = stages - 1

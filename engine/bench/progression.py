@@ -3,7 +3,8 @@
 Monolithic (the whole model in one process, one stream), then the N-stage loopback pipeline with
 one stream, + micro-batching (two streams), + speculation (two streams, each with its own draft,
 K auto).  Configurations are interleaved ``runs`` times; throughput is aggregate tokens over wall
-time, with each step's ratio to monolithic.
+time, with each step's ratio to monolithic.  ``shards`` runs an existing split (an export folder
+or its stage folders) instead of exporting ``model`` into ``stages``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import draft_export, drafters, loopback, prompt_ids, run_batch, warm_up
+from engine.bench.harness import (NO_HOOKS, Hooks, draft_export, drafters, loopback, prompt_ids, run_batch,
+                                  split_export, warm_up)
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
@@ -21,28 +23,34 @@ STREAM_PROMPTS = ("code", "chat")
 
 def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96, runs: int = 2,
                     delay_ms: float = 0.0, draft_kind: str = "model", weights: str = "int4", cpu_sets: str = "",
-                    out: Path | None = None, log=print) -> dict:
-    whole = export_model(model, stages=1, weights=weights)
-    split = export_model(model, stages=stages, weights=weights)
+                    out: Path | None = None, log=print, shards=None, hooks: Hooks = NO_HOOKS) -> dict:
+    whole = export_model(model, stages=1, weights=weights, cancel=hooks.cancel)
+    split = split_export(model, stages, weights, shards, hooks)
+    stages = len(split)
     draft_folders = draft_export(draft, draft_kind, weights)
     prompts = prompt_ids(whole.folders[0], STREAM_PROMPTS)
     mono = LocalChain(whole.folders)
     names = ["monolithic, 1 stream", f"{stages}-stage, 1 stream", f"{stages}-stage, 2 streams",
              f"{stages}-stage, 2 streams + speculation"]
     samples: dict[str, list] = {n: [] for n in names}
-    with loopback(split.folders, delay_ms=delay_ms, cpu_sets=cpu_sets) as (chain, _):
+    total, done = 1 + runs * len(names), 0
+    hooks.step(done, total, "starting the pipeline")
+    with loopback(split, delay_ms=delay_ms, cpu_sets=cpu_sets) as (chain, _):
         spec = drafters(draft_kind, chain, draft_folders, len(prompts))
-        warm_up(mono, prompts[:1])
-        warm_up(chain, prompts, spec)
+        warm_up(mono, prompts[:1], hooks=hooks)
+        warm_up(chain, prompts, spec, hooks)
+        done += 1
         steps = {
-            names[0]: lambda: [run_batch(mono, [p], tokens) for p in prompts],
-            names[1]: lambda: [run_batch(chain, [p], tokens) for p in prompts],
-            names[2]: lambda: [run_batch(chain, prompts, tokens)],
-            names[3]: lambda: [run_batch(chain, prompts, tokens, drafters_=spec, k="auto")],
+            names[0]: lambda: [run_batch(mono, [p], tokens, hooks=hooks) for p in prompts],
+            names[1]: lambda: [run_batch(chain, [p], tokens, hooks=hooks) for p in prompts],
+            names[2]: lambda: [run_batch(chain, prompts, tokens, hooks=hooks)],
+            names[3]: lambda: [run_batch(chain, prompts, tokens, drafters_=spec, k="auto", hooks=hooks)],
         }
         for r in range(runs):
             for name in (names if r % 2 == 0 else names[::-1]):
+                hooks.step(done, total, f"run {r + 1}/{runs}: {name}")
                 batches = steps[name]()
+                done += 1
                 samples[name].append((sum(b.tokens for b in batches) / sum(b.wall_s for b in batches),
                                       batches[-1].acceptance))
             log(f"round {r + 1}/{runs}")
@@ -53,6 +61,8 @@ def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96
         rows.append({"config": name, "tok_s": round(tok_s, 2), "vs_monolithic": round(tok_s / base, 3),
                      "acceptance": round(samples[name][-1][1], 3) if "speculation" in name else None})
         ratios[f"{name} vs monolithic"] = round(tok_s / base, 3)
+        hooks.row(rows[-1])
+    hooks.step(total, total, "done")
     meta = {"model": model, "draft": draft if draft_folders else draft_kind, "stages": stages, "tokens": tokens,
             "runs": runs, "delay_ms": delay_ms, "weights": weights, "cpu_sets": cpu_sets}
     return write_report("progression", rows, ratios, out, settings=meta)

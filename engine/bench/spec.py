@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import mean
 
-from engine.bench.harness import PROMPTS, genai_runner, prompt_ids
+from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, prompt_ids
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
@@ -22,9 +22,12 @@ from engine.runtime.stage import REWIND, compile_config, device_config
 
 
 def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("fast", "exact"),
-             weights: str = "int4", genai: bool = True, out: Path | None = None, log=print) -> dict:
-    target_folders = export_model(model, stages=1, weights=weights).folders
-    draft_folders = export_model(draft, stages=1, weights=weights).folders
+             weights: str = "int4", genai: bool = True, out: Path | None = None, log=print,
+             hooks: Hooks = NO_HOOKS) -> dict:
+    target_folders = export_model(model, stages=1, weights=weights, cancel=hooks.cancel).folders
+    draft_folders = export_model(draft, stages=1, weights=weights, cancel=hooks.cancel).folders
+    on_token = (lambda t: hooks.on_token(0, t)) if hooks.on_token else None
+    total, done = len(modes) * len(PROMPTS), 0
     prompts = dict(zip(PROMPTS, prompt_ids(target_folders[0], PROMPTS)))
     rows = []
     if genai:  # the same compile settings as our fast mode
@@ -47,10 +50,14 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
             "hybrid K=auto": (one("hybrid"), "auto"),
         }
         for name, ids in prompts.items():
-            base = gen.generate(ids, tokens, ignore_eos=True)
+            hooks.step(done, total, f"{mode}: {name}")
+            done += 1
+            base = gen.generate(ids, tokens, ignore_eos=True, on_token=on_token, cancel=hooks.cancel)
             row = {"mode": mode, "prompt": name, "target_tok_s": round(base.decode_tok_s, 2)}
             for label, (drafter, kk) in configs.items():
-                g = gen.generate(ids, tokens, ignore_eos=True, drafter=drafter, k=kk)
+                g = gen.generate(ids, tokens, ignore_eos=True, drafter=drafter, k=kk, on_token=on_token,
+                                 cancel=hooks.cancel)
+                hooks.check()
                 row[f"{label} x"] = round(g.decode_tok_s / base.decode_tok_s, 3)
                 row[f"{label} acc"] = round(g.acceptance, 2)
                 row[f"{label} same"] = g.tokens == base.tokens
@@ -67,7 +74,9 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
                 for label in (f"model K={k}", "model K=auto", "hybrid K=auto"):
                     row[f"{label} vs genai"] = round(row[f"{label} x"] * base.decode_tok_s / tps, 3)
             rows.append(row)
+            hooks.row(row)
             log(f"{mode} {name}: " + ", ".join(f"{c}={row[f'{c} x']}" for c in configs))
+    hooks.step(total, total, "done")
     ratios = {}
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]

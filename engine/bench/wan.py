@@ -2,39 +2,49 @@
 
 Naive: one stream, no speculation.  Full stack: two streams, each speculating with its own draft
 (K auto).  Both on the same N-stage loopback pipeline (default 2) at each injected one-way hop delay,
-interleaved; throughput is aggregate tokens over wall time.
+interleaved; throughput is aggregate tokens over wall time.  ``shards`` runs an existing split
+(an export folder or its stage folders) instead of exporting ``model``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.harness import draft_export, drafters, loopback, prompt_ids, run_batch, warm_up
+from engine.bench.harness import (NO_HOOKS, Hooks, draft_export, drafters, loopback, prompt_ids, run_batch,
+                                  split_export, warm_up)
 from engine.bench.report import write_report
-from engine.export.exporter import export_model
 
 WAN_PROMPTS = ("code", "chat")
 
 
 def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0, 100.0), tokens: int = 64,
             runs: int = 1, draft_kind: str = "model", k="auto", weights: str = "int4", cpu_sets: str = "",
-            out: Path | None = None, log=print) -> dict:
-    split = export_model(model, stages=stages, weights=weights)
+            out: Path | None = None, log=print, shards=None, hooks: Hooks = NO_HOOKS) -> dict:
+    folders = split_export(model, stages, weights, shards, hooks)
+    stages = len(folders)
     draft_folders = draft_export(draft, draft_kind, weights)
-    prompts = prompt_ids(split.folders[0], WAN_PROMPTS)
+    prompts = prompt_ids(folders[0], WAN_PROMPTS)
     rows, ratios = [], {}
+    steps_per_delay = 1 + runs * (len(prompts) + 1)
+    total, done = len(delays) * steps_per_delay, 0
     for delay in delays:
         naive_tokens = naive_s = 0.0
         full = []
-        with loopback(split.folders, delay_ms=delay, cpu_sets=cpu_sets) as (chain, _):
+        hooks.step(done, total, f"{delay:g} ms: starting the pipeline")
+        with loopback(folders, delay_ms=delay, cpu_sets=cpu_sets) as (chain, _):
             spec = drafters(draft_kind, chain, draft_folders, len(prompts))
-            warm_up(chain, prompts, spec)
+            warm_up(chain, prompts, spec, hooks)
+            done += 1
             for r in range(runs):
                 for ids in prompts:  # naive: one stream at a time
-                    one = run_batch(chain, [ids], tokens)
+                    hooks.step(done, total, f"{delay:g} ms: naive, run {r + 1}/{runs}")
+                    one = run_batch(chain, [ids], tokens, hooks=hooks)
                     naive_tokens += one.tokens
                     naive_s += one.wall_s
-                full.append(run_batch(chain, prompts, tokens, drafters_=spec, k=k))
+                    done += 1
+                hooks.step(done, total, f"{delay:g} ms: full stack, run {r + 1}/{runs}")
+                full.append(run_batch(chain, prompts, tokens, drafters_=spec, k=k, hooks=hooks))
+                done += 1
         naive = naive_tokens / naive_s
         full_tok_s = sum(b.tokens for b in full) / sum(b.wall_s for b in full)
         acceptance = sum(b.acceptance for b in full) / len(full)
@@ -42,8 +52,10 @@ def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0,
         rows.append({"delay_ms": delay, "naive_tok_s": round(naive, 2), "full_tok_s": round(full_tok_s, 2),
                      "full_per_stream": round(full_tok_s / len(prompts), 2), "full_vs_naive": round(full_tok_s / naive, 3),
                      "acceptance": round(acceptance, 3), "mean_k": round(mean_k, 2)})
+        hooks.row(rows[-1])
         ratios[f"{delay:g}ms full vs naive"] = round(full_tok_s / naive, 3)
         log(f"{delay:g} ms: naive {naive:.2f} tok/s, full stack {full_tok_s:.2f} tok/s")
+    hooks.step(total, total, "done")
     meta = {"model": model, "draft": draft if draft_folders else draft_kind, "stages": stages, "streams": len(prompts),
             "k": k, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets}
     return write_report("wan", rows, ratios, out, settings=meta)

@@ -8,6 +8,8 @@ import numpy as np
 
 from engine.errors import ShardError
 
+REPLACEMENT = "\ufffd"
+
 
 class ChatTokenizer:
     def __init__(self, folder: Path):
@@ -21,12 +23,18 @@ class ChatTokenizer:
 
     def prompt_ids(self, prompt: str, system: str | None = None, chat: bool = True) -> np.ndarray:
         """Token ids [1, n] of a user prompt, wrapped in the model's chat template when it has one."""
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return self.chat_ids(messages, chat)
+
+    def chat_ids(self, messages: list[dict], chat: bool = True) -> np.ndarray:
+        """Token ids [1, n] of a conversation (``{"role", "content"}`` dicts, oldest first) ready for
+        the assistant's next reply.  Without a chat template (or ``chat=False``) the messages' texts
+        are joined by blank lines and encoded as plain text."""
         if chat and self.has_chat_template:
-            history = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-            text = self._tok.apply_chat_template(history, add_generation_prompt=True)
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=True)
             ids = self._tok.encode(text, add_special_tokens=False).input_ids
         else:
-            ids = self._tok.encode(prompt).input_ids
+            ids = self._tok.encode("\n\n".join(m["content"] for m in messages)).input_ids
         return np.array(ids.data, dtype=np.int64)
 
     def decode(self, ids) -> str:
@@ -34,17 +42,39 @@ class ChatTokenizer:
 
 
 class TextStream:
-    """Turns a growing list of token ids into text increments, holding back incomplete characters."""
+    """Turns a growing list of token ids into text increments, holding back incomplete characters.
+
+    Only a small window is decoded per token: the ids of the last emitted piece (as context, so
+    that tokenizers which drop a leading space at the start of a decode still give it back) and the
+    ids not emitted yet.  A piece is emitted once the window decodes without a trailing replacement
+    character, i.e. once a character split across tokens is complete."""
+
+    MAX_PENDING = 8  # ids that still decode to a broken character after this many are emitted as is
 
     def __init__(self, tokenizer: ChatTokenizer):
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._text = ""
+        self._prefix = 0  # start of the context window
+        self._read = 0  # ids before this are emitted
 
     def push(self, token: int) -> str:
         self._ids.append(int(token))
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+        pending = len(self._ids) - self._read
+        context = self._tok.decode(self._ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        text = self._tok.decode(self._ids[self._prefix :])
+        if (text.endswith(REPLACEMENT) or len(text) <= len(context)) and pending < self.MAX_PENDING:
+            return ""  # a character split across tokens, or nothing printable yet (a special token)
+        return self._emit(context, text)
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        if self._read >= len(self._ids):
             return ""
-        new, self._text = text[len(self._text):], text
+        context = self._tok.decode(self._ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        return self._emit(context, self._tok.decode(self._ids[self._prefix :]))
+
+    def _emit(self, context: str, text: str) -> str:
+        # the context normally decodes the same inside the window; if not, decode the new ids alone
+        new = text[len(context):] if text.startswith(context) else self._tok.decode(self._ids[self._read :])
+        self._prefix, self._read = self._read, len(self._ids)
         return new

@@ -1,0 +1,378 @@
+"""The chat service: several conversations at once over one chain, as micro-batched streams.
+
+A ``ChatService`` owns a chain (in-process ``LocalChain`` or the distributed ``RemoteChain``), the
+coordinator's tokenizer and optionally one drafter per stream.  ``submit`` queues a conversation
+and returns a ``Handle`` at once; a single scheduler thread admits queued requests onto free stream
+ids (each stream has its own KV state on every stage and is reset before use), and advances every
+active ``Decoding`` one round at a time, so that one stream's round is in flight while another is
+collected and resubmitted, exactly as ``generate_streams`` interleaves them.  New requests join
+between rounds; a cancelled one stops at its next round.
+
+Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated (incrementally decoded,
+multi-byte characters held back until complete) and the finished reply through ``on_done(Reply)``;
+both are called on the scheduler thread.  The engine knows nothing of any UI: an app wraps these
+callbacks in its own cross-thread signals.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import FleetError
+from engine.runtime.generate import Decoding
+from engine.runtime.speculative import KVSequence
+from engine.runtime.tokenizer import ChatTokenizer, TextStream
+
+log = logging.getLogger(__name__)
+
+OnText = Callable[[str, int], None]
+
+
+@dataclasses.dataclass
+class Reply:
+    """One finished reply and how it went."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stopped_by: str  # "eos" | "max_tokens" | "cancelled" | "error"
+    ttft_ms: float = 0.0  # prefill submitted -> first new token
+    decode_tok_s: float = 0.0  # tokens after the first over the time they took
+    drafted: int = 0
+    accepted: int = 0
+    error: str | None = None
+    stream: int | None = None
+    dropped: int = 0  # oldest messages left out so the conversation fits the context
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted per drafted token; None when nothing was drafted (no speculation)."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    def to_json(self) -> dict:
+        doc = {"new_tokens": len(self.tokens), "prompt_tokens": self.prompt_tokens, "stopped_by": self.stopped_by,
+               "ttft_ms": round(self.ttft_ms, 1), "decode_tok_s": round(self.decode_tok_s, 2)}
+        if self.drafted:
+            doc["acceptance"] = round(self.acceptance, 3)
+        if self.error:
+            doc["error"] = self.error
+        if self.dropped:
+            doc["dropped_messages"] = self.dropped
+        return doc
+
+
+class Handle:
+    """A submitted request: cancel it, or wait for its reply."""
+
+    def __init__(self, service: "ChatService", request_id: int):
+        self._service = service
+        self.id = request_id
+        self.stream: int | None = None  # the stream id once admitted
+        self.reply: Reply | None = None
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+
+    def cancel(self) -> None:
+        """Stops the reply at its next round (a queued request never starts)."""
+        self._cancel.set()
+        self._service._poke()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Reply | None:
+        self._done.wait(timeout)
+        return self.reply
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    handle: Handle
+    messages: list[dict]
+    max_new_tokens: int
+    on_text: OnText | None
+    on_done: Callable[[Reply], None] | None
+    chat: bool
+    ignore_eos: bool
+    k: int | str | None
+    decoding: Decoding | None = None
+    text: TextStream | None = None
+    dropped: int = 0
+    pieces: list[str] = dataclasses.field(default_factory=list)
+
+
+class ChatService:
+    def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
+                 drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
+                 max_length: int | None = None, eos_ids=None, owned=()):
+        """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
+        ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
+        ``owned`` are further objects to ``close()`` with the service (a local fleet)."""
+        if streams < 1:
+            raise FleetError("the chat service needs at least one stream")
+        self.chain = chain
+        self.tokenizer = tokenizer or ChatTokenizer(chain.first_folder)
+        self.streams = streams
+        self.k = k
+        self.rewind = rewind
+        self.max_length = max_length or chain.spec.max_position
+        manifest = getattr(chain, "manifest", None)
+        self.eos = frozenset(int(i) for i in (eos_ids if eos_ids is not None else manifest.eos_token_ids))
+        self.drafters = drafters(streams) if drafters else None
+        m = manifest
+        self.description = f"{m.model_name}, {m.stage_count} stage{'s' if m.stage_count > 1 else ''}" if m else ""
+        self._owned = list(owned)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._free = list(range(streams))
+        self._active: list[_Request] = []
+        self._sequences: dict[int, KVSequence] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="chat-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side -------------------------------------------------------------------------
+
+    def submit(self, messages: list[dict], max_new_tokens: int = 128, on_text: OnText | None = None,
+               on_done: Callable[[Reply], None] | None = None, *, chat: bool = True, ignore_eos: bool = False,
+               k: int | str | None = None) -> Handle:
+        """Queues a reply to ``messages`` (``{"role", "content"}`` dicts, the last one the user's)."""
+        if not messages:
+            raise FleetError("nothing to reply to: the conversation is empty")
+        handle = Handle(self, next(self._ids))
+        request = _Request(handle, [dict(m) for m in messages], max_new_tokens, on_text, on_done, chat,
+                           ignore_eos, k)
+        with self._lock:
+            if self._closed:
+                raise FleetError("the chat service is closed")
+            self._queue.append(request)
+            self._wake.notify()
+        return handle
+
+    @property
+    def busy(self) -> int:
+        """Requests queued or generating."""
+        with self._lock:
+            return len(self._queue) + len(self._active)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancels everything, stops the scheduler and closes the chain (and whatever it owns)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for request in [*self._queue, *self._active]:
+                request.handle._cancel.set()
+            self._wake.notify()
+        self._thread.join(timeout)
+        for thing in [self.chain, *self._owned]:
+            try:
+                thing.close()
+            except Exception:  # closing is best effort: a dead worker must not stop the rest
+                log.exception("closing %r failed", thing)
+
+    def _poke(self) -> None:
+        with self._lock:
+            self._wake.notify()
+
+    # --- the scheduler thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._closed or self._queue or self._active):
+                    self._wake.wait()
+                if self._closed and not self._active and not self._queue:
+                    return
+                admitted, dropped = [], []
+                while self._queue and (self._free or self._queue[0].handle.cancelled):
+                    request = self._queue.popleft()
+                    if request.handle.cancelled:
+                        dropped.append(request)
+                        continue
+                    request.handle.stream = self._free.pop(0)
+                    admitted.append(request)
+                if self._closed:
+                    dropped += admitted
+                    admitted = []
+            for request in dropped:
+                self._finish(request, stopped_by="cancelled")
+            for request in admitted:
+                self._start(request)
+            for request in list(self._active):
+                if request in self._active:  # a chain failure may have ended it meanwhile
+                    self._advance(request)
+
+    def _start(self, request: _Request) -> None:
+        stream = request.handle.stream
+        try:
+            ids = self._fit(request)
+            k = self.k if request.k is None else request.k
+            drafter = self.drafters[stream] if self.drafters and k != 0 else None
+            seq = self._sequences.get(stream)
+            if seq is None:
+                seq = self._sequences[stream] = KVSequence(self.chain, self.max_length, stream, self.rewind)
+            seq.compactions, seq.trim_ms = 0, 0.0
+            request.text = TextStream(self.tokenizer)
+            request.decoding = Decoding(seq, ids.reshape(-1).tolist(), request.max_new_tokens,
+                                        frozenset() if request.ignore_eos else self.eos, drafter=drafter,
+                                        k=k if drafter else 0, on_token=lambda t: self._token(request, t),
+                                        cancel=request.handle._cancel)
+        except ValueError as exc:  # the conversation does not fit the context
+            self._finish(request, error=str(exc))
+            return
+        except Exception as exc:
+            self._finish(request, error=_describe(exc))
+            return
+        self._active.append(request)
+        try:
+            request.decoding.start()  # resets the stream on every stage, then submits the prefill
+        except Exception as exc:
+            self._chain_failed(exc)
+
+    def _fit(self, request: _Request):
+        """The conversation's token ids, leaving out its oldest messages (the system prompt and the
+        last message stay) while it would leave less than a reply's room in the context."""
+        messages = request.messages
+        room = min(request.max_new_tokens, max(self.max_length // 4, 1))
+        while True:
+            ids = self.tokenizer.chat_ids(messages, request.chat)
+            droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+            if ids.size + room <= self.max_length or not droppable:
+                return ids
+            messages = messages[: droppable[0]] + messages[droppable[0] + 1 :]
+            request.dropped += 1
+
+    def _advance(self, request: _Request) -> None:
+        try:
+            more = request.decoding.advance()
+        except Exception as exc:
+            self._chain_failed(exc)
+            return
+        if not more:
+            self._active.remove(request)
+            self._finish(request)
+
+    def _chain_failed(self, exc: Exception) -> None:
+        """A forward failed: the chain's state is unknown (a remote chain has dropped its link), so
+        every stream in flight ends with the error; the next request resets (and reconnects)."""
+        message = _describe(exc)
+        if not isinstance(exc, FleetError):
+            log.error("chain failure", exc_info=exc)
+        failed, self._active = self._active, []
+        for request in failed:
+            self._finish(request, error=message)
+
+    def _token(self, request: _Request, token: int) -> None:
+        piece = request.text.push(token)
+        if piece:
+            request.pieces.append(piece)
+            if request.on_text:
+                _call(request.on_text, piece, len(request.decoding.result.tokens))
+
+    def _finish(self, request: _Request, stopped_by: str | None = None, error: str | None = None) -> None:
+        handle = request.handle
+        result = request.decoding.result if request.decoding else None
+        if request.text is not None:
+            tail = request.text.flush()
+            if tail:
+                request.pieces.append(tail)
+                if request.on_text:
+                    _call(request.on_text, tail, len(result.tokens) if result else 0)
+        if result is not None:
+            reply = Reply("".join(request.pieces), list(result.tokens), result.prompt_tokens,
+                          "error" if error else stopped_by or result.stopped_by, result.ttft_s * 1e3,
+                          result.decode_tok_s, result.drafted, result.accepted, error, handle.stream,
+                          request.dropped)
+        else:
+            reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream)
+        if handle.stream is not None:
+            with self._lock:
+                self._free.append(handle.stream)
+                self._free.sort()
+        handle.reply = reply
+        handle._done.set()
+        if request.on_done:
+            _call(request.on_done, reply)
+
+
+def _call(callback, *args) -> None:
+    """A caller's callback failing must not take the scheduler (and every other stream) down."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("chat service callback failed")
+
+
+def _describe(exc: BaseException) -> str:
+    """A message for a person: engine errors say what happened already; anything else is named."""
+    if isinstance(exc, FleetError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def open_service(shards: list[Path | str], *, local_workers: bool = True, device: str = "CPU", mode: str = "fast",
+                 key_file: str | Path | None = None, tls: bool = False, deadline_s: float = 2.0,
+                 streams: int = 2, k: int | str = 4, draft: str = "none", draft_shards=None,
+                 delay_ms: float = 0.0, connect_timeout_s: float = 60.0) -> ChatService:
+    """A chat service over an exported model: in process, or (``local_workers``, 2+ stages) stage 0
+    here and the later stages as worker processes on this machine, the local fleet.  ``draft`` is
+    ``none``, ``lookup``, ``model`` or ``hybrid`` (the last two over ``draft_shards``, a 1-stage
+    export sharing the target's tokenizer)."""
+    from engine.fleetkey import key_file as fleet_key_file, load_key, load_tls
+    from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
+    from engine.runtime.stage import REWIND, compile_config
+    from engine.runtime.speculative import stream_drafters
+
+    folders = expand_shard_dirs(shards)
+    devices = parse_devices(device, len(folders))
+    rewind = REWIND[mode]
+    fleet = None
+    if local_workers and len(folders) > 1:
+        from engine.runtime.localfleet import LocalFleet
+        from engine.runtime.remote import RemoteChain
+
+        path = fleet_key_file(key_file)
+        key = load_key(key_file, create=not key_file)
+        fleet = LocalFleet(folders[1:], path, devices=devices[1:], mode=mode, delay_ms=delay_ms, tls=tls,
+                           deadline_s=deadline_s).start()
+        try:
+            chain = RemoteChain(folders[0], fleet.addresses, key=key, device=devices[0], mode=mode,
+                                tls=load_tls(tls, key_file), deadline_s=deadline_s,
+                                connect_timeout_s=connect_timeout_s)
+        except BaseException:
+            fleet.close()
+            raise
+    else:
+        chain = LocalChain(folders, device=",".join(devices), config=compile_config(mode))
+    try:
+        make_drafters = None
+        if draft in ("model", "hybrid"):
+            draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=devices[0], config=compile_config(mode))
+            make_drafters = lambda n: stream_drafters(draft, n, chain.manifest, draft_chain, rewind)  # noqa: E731
+        elif draft == "lookup":
+            make_drafters = lambda n: stream_drafters("lookup", n)  # noqa: E731
+        elif draft != "none":
+            raise FleetError(f"draft must be none, lookup, model or hybrid, not {draft!r}")
+        service = ChatService(chain, streams=streams, drafters=make_drafters, k=k, rewind=rewind,
+                              owned=[fleet] if fleet else [])
+        service.description += ", local fleet" if fleet else ", in process"
+        return service
+    except BaseException:
+        chain.close()
+        if fleet is not None:
+            fleet.close()
+        raise

@@ -1,0 +1,348 @@
+"""The Benchmarks view: one click runs a ``fleet bench`` benchmark on the current shard set, with
+progress, Cancel, live tok/s per stream, a results plot that grows as rows are measured (for the WAN
+sweep: throughput against injected hop latency), and the results saved as PNG, CSV or JSON."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pyqtgraph as pg
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
+                               QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
+
+from engine.errors import FleetError
+from fleetgui.backend import BENCHMARKS
+from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, style_plot
+from fleetgui.theme import SERIES
+from fleetgui.widgets import Banner
+from fleetgui.workers import TaskRunner
+
+# How each benchmark's rows are drawn: a sweep (x column, y columns, the column naming a series)
+# or bars (label column, value column).
+PLOTS = {
+    "wan": ("sweep", "delay_ms", ("naive_tok_s", "full_tok_s"), None, "hop delay (ms, one way)"),
+    "ksweep": ("sweep", "delay_ms", ("tok_s",), "k", "hop delay (ms, one way)"),
+    "microbatch": ("sweep", "delay_ms", ("tok_s",), "streams", "hop delay (ms, one way)"),
+    "progression": ("bars", "config", "tok_s"),
+    "pipeline": ("bars", "config", "tok_s"),
+    "parity": ("bars", "config", "tok_s"),
+    "spec": ("bars", "prompt", "target_tok_s"),
+}
+DESCRIPTIONS = {
+    "wan": "naive decode against micro-batching + speculation as the hop delay grows",
+    "ksweep": "which draft length K wins at which hop delay",
+    "microbatch": "aggregate throughput of 1, 2 and 3 concurrent streams",
+    "progression": "monolithic → pipeline → + micro-batching → + speculation",
+    "pipeline": "what the TCP relay costs against in-process stages",
+    "parity": "our stage chains against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
+    "spec": "speculative decoding against the target alone (needs a draft model)",
+}
+
+
+def parse_delays(text: str) -> tuple[float, ...]:
+    try:
+        delays = tuple(float(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise FleetError(f"delays are comma-separated milliseconds, like 0,10,50, not {text!r}") from None
+    if not delays or any(d < 0 for d in delays):
+        raise FleetError("give at least one hop delay of 0 ms or more")
+    return delays
+
+
+class _Rows(QObject):
+    row = Signal(object)  # a result row (dict), emitted on the benchmark's thread, delivered on the GUI thread
+
+
+class BenchPanel(QWidget):
+    finished = Signal(object)  # the report, or None when the run failed or was cancelled
+
+    def __init__(self, backend, tasks: TaskRunner, settings, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.backend = backend
+        self.tasks = tasks
+        self.settings = settings
+        self.task = None
+        self.report: dict | None = None
+        self.rows: list[dict] = []
+        self.bench_name = ""
+        self.meter = RateMeter()
+        self._rows = _Rows()
+        self._rows.row.connect(self._add_row)
+        self.banner = Banner()
+
+        self.name = QComboBox()
+        self.name.addItems(BENCHMARKS)
+        self.name.currentTextChanged.connect(lambda n: self.description.setText(DESCRIPTIONS.get(n, "")))
+        self.description = QLabel(DESCRIPTIONS[BENCHMARKS[0]])
+        self.description.setObjectName("hint")
+        self.description.setWordWrap(True)
+        self.tokens = QSpinBox()
+        self.tokens.setRange(1, 4096)
+        self.tokens.setValue(32)
+        self.runs = QSpinBox()
+        self.runs.setRange(1, 20)
+        self.runs.setValue(1)
+        self.delays = QLineEdit("0,10,50")
+        self.draft_kind = QComboBox()
+        self.draft_kind.addItems(["lookup", "model", "hybrid"])
+        self.target = QLabel()
+        self.target.setObjectName("hint")
+        self.target.setWordWrap(True)
+        form = QFormLayout()
+        form.addRow("Benchmark", self.name)
+        form.addRow("", self.description)
+        form.addRow("Tokens per stream", self.tokens)
+        form.addRow("Runs", self.runs)
+        form.addRow("Hop delays (ms)", self.delays)
+        form.addRow("Drafts", self.draft_kind)
+        form.addRow("Runs on", self.target)
+
+        self.run_button = QPushButton("Run benchmark")
+        self.run_button.setObjectName("primary")
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.run_button.clicked.connect(self.run)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 100)
+        self.status = QLabel("Idle")
+        self.status.setObjectName("hint")
+        self.log = QPlainTextEdit()
+        self.log.setReadOnly(True)
+        self.log.setMaximumBlockCount(500)
+        self.png_button, self.csv_button, self.json_button = (QPushButton(f"Save {k}…") for k in ("PNG", "CSV", "JSON"))
+        self.png_button.clicked.connect(lambda: self._save("PNG image (*.png)", ".png", self.save_png))
+        self.csv_button.clicked.connect(lambda: self._save("CSV (*.csv)", ".csv", self.save_csv))
+        self.json_button.clicked.connect(lambda: self._save("JSON (*.json)", ".json", self.save_json))
+        run_row = QHBoxLayout()
+        run_row.addWidget(self.run_button)
+        run_row.addWidget(self.cancel_button)
+        save_row = QHBoxLayout()
+        for b in (self.png_button, self.csv_button, self.json_button):
+            save_row.addWidget(b)
+        controls = QWidget()
+        left = QVBoxLayout(controls)
+        left.addLayout(form)
+        left.addLayout(run_row)
+        left.addWidget(self.progress)
+        left.addWidget(self.status)
+        left.addWidget(self.log, 1)
+        left.addLayout(save_row)
+
+        self.plot = make_plot("Results", "hop delay (ms, one way)", "tok/s", settings.theme)
+        self.live = LiveRatePlot(self.meter, "Live tokens per second per stream", settings.theme)
+        self.table = QTableWidget(0, 0)
+        self.table.verticalHeader().hide()
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        plots = QSplitter(Qt.Orientation.Vertical)
+        plots.addWidget(self.plot)
+        plots.addWidget(self.live)
+        plots.addWidget(self.table)
+        plots.setStretchFactor(0, 3)
+        plots.setStretchFactor(1, 2)
+        plots.setStretchFactor(2, 2)
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(controls)
+        split.addWidget(plots)
+        split.setStretchFactor(0, 1)
+        split.setStretchFactor(1, 3)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.banner)
+        layout.addWidget(split, 1)
+        self.apply_settings(settings)
+        self._update_buttons()
+
+    # --- running -------------------------------------------------------------------------------------
+
+    def options(self) -> dict:
+        return {"tokens": self.tokens.value(), "runs": self.runs.value(), "delays": parse_delays(self.delays.text()),
+                "draft_kind": self.draft_kind.currentText()}
+
+    def run(self) -> None:
+        if self.task is not None:
+            return
+        self.banner.hide()
+        try:
+            options = self.options()
+        except FleetError as exc:
+            self.banner.error(str(exc))
+            return
+        from engine.bench.harness import Hooks
+
+        name, settings, backend = self.name.currentText(), self.settings, self.backend
+        self.report, self.rows = None, []
+        self.bench_name = name
+        self._draw()
+        self.live.clear()
+        self.table.setRowCount(0)
+        self.log.clear()
+        self.progress.setValue(0)
+        self.status.setText(f"Starting {name}…")
+        meter, rows = self.meter, self._rows
+
+        def work(report, cancel):
+            hooks = Hooks(progress=lambda fraction, message: report(("progress", fraction, message)),
+                          on_token=lambda stream, _token: meter.add(f"stream {stream}"),
+                          on_row=rows.row.emit, cancel=cancel)
+            return backend.bench(name, settings, options, hooks, log=lambda m: report(("log", m)))
+
+        self.task = self.tasks.start(work, f"bench {name}", progressed=self._progress, succeeded=self._done,
+                                     failed=self._failed, cancelled=lambda: self._failed("cancelled"))
+        self._update_buttons()
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.status.setText("Cancelling at the next decode round…")
+            self.cancel_button.setEnabled(False)
+
+    def _progress(self, payload: tuple) -> None:
+        if payload[0] == "progress":
+            self.progress.setValue(round(payload[1] * 100))
+            self.status.setText(payload[2])
+        else:
+            self.log.appendPlainText(str(payload[1]))
+
+    def _add_row(self, row: dict) -> None:
+        self.rows.append(row)
+        self._fill_table()
+        self._draw()
+
+    def _done(self, report: dict) -> None:
+        self.task = None
+        self.report = report
+        self.rows = list(report.get("rows", []))
+        self.progress.setValue(100)
+        self.status.setText("Done: " + ", ".join(f"{k} {v}" for k, v in list(report.get("ratios", {}).items())[:3]))
+        self._fill_table()
+        self._draw()
+        self._update_buttons()
+        self.finished.emit(report)
+
+    def _failed(self, message: str) -> None:
+        self.task = None
+        self.status.setText("Cancelled." if message == "cancelled" else "Failed.")
+        if message != "cancelled":
+            self.banner.error(f"The benchmark failed: {message}")
+        self._update_buttons()
+        self.finished.emit(None)
+
+    def _update_buttons(self) -> None:
+        running = self.task is not None
+        self.run_button.setEnabled(not running)
+        self.cancel_button.setEnabled(running)
+        for b in (self.png_button, self.csv_button, self.json_button):
+            b.setEnabled(bool(self.rows) and not running)
+
+    # --- results -------------------------------------------------------------------------------------
+
+    def columns(self) -> list[str]:
+        return list(dict.fromkeys(c for row in self.rows for c in row))
+
+    def _fill_table(self) -> None:
+        columns = self.columns()
+        self.table.setColumnCount(len(columns))
+        self.table.setHorizontalHeaderLabels(columns)
+        self.table.setRowCount(len(self.rows))
+        for r, row in enumerate(self.rows):
+            for c, column in enumerate(columns):
+                value = row.get(column, "")
+                self.table.setItem(r, c, QTableWidgetItem("" if value is None else str(value)))
+
+    def plotted_points(self) -> int:
+        """How many data points the results plot shows (bars count one each)."""
+        total = 0
+        for item in self.plot.getPlotItem().listDataItems():
+            xs, _ = item.getData()
+            total += 0 if xs is None else len(xs)
+        for item in self.plot.getPlotItem().items:
+            if isinstance(item, pg.BarGraphItem):
+                total += len(item.opts.get("height", []))
+        return total
+
+    def _draw(self) -> None:
+        item = self.plot.getPlotItem()
+        item.clear()
+        if item.legend is not None:
+            item.legend.clear()
+        spec = PLOTS.get(self.bench_name)
+        bottom = item.getAxis("bottom")
+        if spec is None or not self.rows:
+            bottom.setTicks(None)
+            return
+        if spec[0] == "sweep":
+            _, x, ys, series, x_label = spec
+            item.setLabel("bottom", x_label)
+            item.setLabel("left", "tok/s")
+            bottom.setTicks(None)
+            lines: dict[str, tuple[list, list]] = {}
+            for row in self.rows:
+                if x not in row or row.get("isolation"):
+                    continue
+                for y in ys:
+                    if row.get(y) is None:
+                        continue
+                    name = y if series is None else f"{series} {row.get(series)}"
+                    if series is not None and "stages" in row and self.bench_name == "microbatch":
+                        name = f"{row['stages']} stages, {row['streams']} streams"
+                    xs_, ys_ = lines.setdefault(name, ([], []))
+                    xs_.append(float(row[x]))
+                    ys_.append(float(row[y]))
+            for i, (name, (xs_, ys_)) in enumerate(lines.items()):
+                colour = SERIES[i % len(SERIES)]
+                item.plot(xs_, ys_, name=name, pen=pg.mkPen(colour, width=2), symbol="o", symbolBrush=colour,
+                          symbolPen=colour)
+        else:
+            _, label, value = spec
+            item.setLabel("bottom", "")
+            item.setLabel("left", value.replace("_", " "))
+            rows = [r for r in self.rows if r.get(value) is not None]
+            heights = [float(r[value]) for r in rows]
+            item.addItem(pg.BarGraphItem(x=list(range(len(rows))), height=heights, width=0.6, brush=SERIES[0]))
+            bottom.setTicks([[(i, str(r.get(label, i))) for i, r in enumerate(rows)]])
+
+    def save_png(self, path: str | Path) -> Path:
+        """The results plot as an image (the plot widget grabbed at its on-screen size)."""
+        path = Path(path)
+        if not self.plot.grab().save(str(path)):
+            raise FleetError(f"could not write {path}")
+        return path
+
+    def save_csv(self, path: str | Path) -> Path:
+        path = Path(path)
+        columns = self.columns()
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            for row in self.rows:
+                writer.writerow({c: row.get(c, "") for c in columns})
+        return path
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        report = self.report or {"bench": self.bench_name, "rows": self.rows}
+        path.write_text(json.dumps(report, indent=2))
+        return path
+
+    def _save(self, kind: str, suffix: str, save) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save results", f"{self.bench_name or 'bench'}{suffix}", kind)
+        if not path:
+            return
+        try:
+            save(path)
+        except (OSError, FleetError) as exc:
+            self.banner.error(f"Could not save: {exc}")
+        else:
+            self.banner.info(f"Saved {path}")
+
+    def apply_settings(self, settings) -> None:
+        self.settings = settings
+        self.target.setText(f"{settings.default_model}"
+                            + ("" if Path(settings.default_model).expanduser().is_dir()
+                               else f", {settings.stages} stages, {settings.weights}"))
+        style_plot(self.plot, settings.theme)
+        self.live.set_theme(settings.theme)

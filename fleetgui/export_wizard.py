@@ -1,0 +1,342 @@
+"""The Export view: a three-step wizard from a model source to verified shard folders.
+
+1. Model: a catalog model, a Hugging Face folder or a GGUF file.
+2. Split and format: weight format, a stage count or explicit layer boundaries, the output folder.
+3. Export: the catalog pull's progress (when the model is not cached yet), a progress bar per stage,
+   a Cancel that ends the running stage's process, and at the end the shard folders with their
+   sizes and each stage's peak memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, QFormLayout, QGridLayout,
+                               QGroupBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton,
+                               QRadioButton, QSpinBox, QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QWidget)
+
+from engine.errors import FleetError
+from fleetgui.settings import WEIGHTS
+from fleetgui.widgets import Banner
+from fleetgui.workers import TaskRunner
+
+RESULT_COLUMNS = ("stage", "layers", "peak MB", "size MB", "seconds", "folder")
+
+
+def parse_split(text: str) -> list[int]:
+    try:
+        split = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise FleetError(f"the split takes layer boundaries like 10,20, not {text!r}") from None
+    if not split:
+        raise FleetError("give at least one layer boundary, like 10 for two stages")
+    return split
+
+
+class ExportWizard(QWidget):
+    exported = Signal(object)  # ExportResult
+    use_as_default = Signal(str)  # an export folder the user wants to chat with
+
+    def __init__(self, backend, tasks: TaskRunner, settings, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.backend = backend
+        self.tasks = tasks
+        self.settings = settings
+        self.task = None
+        self.result = None
+        self.banner = Banner()
+        self.pages = QStackedWidget()
+        self.pages.addWidget(self._source_page())
+        self.pages.addWidget(self._split_page())
+        self.pages.addWidget(self._run_page())
+        self.back_button = QPushButton("Back")
+        self.next_button = QPushButton("Next")
+        self.next_button.setObjectName("primary")
+        self.cancel_button = QPushButton("Cancel")
+        self.again_button = QPushButton("New export")
+        self.default_button = QPushButton("Chat with this export")
+        self.back_button.clicked.connect(self.back)
+        self.next_button.clicked.connect(self.next)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.again_button.clicked.connect(self.restart)
+        self.default_button.clicked.connect(lambda: self.result and self.use_as_default.emit(str(self.result.out)))
+        self.step = QLabel()
+        self.step.setObjectName("hint")
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.step, 1)
+        for b in (self.default_button, self.again_button, self.back_button, self.cancel_button, self.next_button):
+            buttons.addWidget(b)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.banner)
+        layout.addWidget(self.pages, 1)
+        layout.addLayout(buttons)
+        self._show_page(0)
+
+    # --- pages ---------------------------------------------------------------------------------------
+
+    def _source_page(self) -> QWidget:
+        from engine.models.catalog import list_models
+
+        page = QGroupBox("1. Model")
+        self.kind = QButtonGroup(page)
+        self.catalog_radio = QRadioButton("Catalog model")
+        self.hf_radio = QRadioButton("Hugging Face folder (safetensors)")
+        self.gguf_radio = QRadioButton("GGUF file")
+        for i, r in enumerate((self.catalog_radio, self.hf_radio, self.gguf_radio)):
+            self.kind.addButton(r, i)
+        self.catalog_radio.setChecked(True)
+        self.catalog = QComboBox()
+        for row in list_models():
+            self.catalog.addItem(f"{row.name} — {row.size / 2**20:.0f} MB{' (cached)' if row.cached else ''}",
+                                 row.name)
+        self.catalog_hint = QLabel()
+        self.catalog_hint.setObjectName("hint")
+        self.catalog_hint.setWordWrap(True)
+        self.catalog.currentIndexChanged.connect(self._describe_catalog)
+        self._describe_catalog()
+        self.hf_path = QLineEdit()
+        self.hf_path.setPlaceholderText("a folder holding config.json, *.safetensors and the tokenizer")
+        self.gguf_path = QLineEdit()
+        self.gguf_path.setPlaceholderText("a .gguf file")
+        hf_browse, gguf_browse = QPushButton("Browse…"), QPushButton("Browse…")
+        hf_browse.clicked.connect(self._browse_hf)
+        gguf_browse.clicked.connect(self._browse_gguf)
+        self.hf_path.textEdited.connect(lambda: self.hf_radio.setChecked(True))
+        self.gguf_path.textEdited.connect(lambda: self.gguf_radio.setChecked(True))
+        grid = QGridLayout(page)
+        grid.addWidget(self.catalog_radio, 0, 0)
+        grid.addWidget(self.catalog, 0, 1, 1, 2)
+        grid.addWidget(self.catalog_hint, 1, 1, 1, 2)
+        grid.addWidget(self.hf_radio, 2, 0)
+        grid.addWidget(self.hf_path, 2, 1)
+        grid.addWidget(hf_browse, 2, 2)
+        grid.addWidget(self.gguf_radio, 3, 0)
+        grid.addWidget(self.gguf_path, 3, 1)
+        grid.addWidget(gguf_browse, 3, 2)
+        grid.setColumnStretch(1, 1)
+        grid.setRowStretch(4, 1)
+        return page
+
+    def _split_page(self) -> QWidget:
+        page = QGroupBox("2. Split and weight format")
+        self.weights = QComboBox()
+        self.weights.addItems(WEIGHTS)
+        self.weights.setCurrentText(self.settings.weights)
+        self.by_count = QRadioButton("Number of stages (layers split evenly)")
+        self.by_split = QRadioButton("Explicit layer boundaries")
+        self.by_count.setChecked(True)
+        self.stages = QSpinBox()
+        self.stages.setRange(1, 64)
+        self.stages.setValue(self.settings.stages)
+        self.split = QLineEdit()
+        self.split.setPlaceholderText("e.g. 10,20 for three stages")
+        self.split.textEdited.connect(lambda: self.by_split.setChecked(True))
+        self.stages.valueChanged.connect(lambda: self.by_count.setChecked(True))
+        self.out = QLineEdit()
+        self.out.setPlaceholderText("default: the shard cache")
+        out_browse = QPushButton("Browse…")
+        out_browse.clicked.connect(self._browse_out)
+        out_row = QHBoxLayout()
+        out_row.addWidget(self.out, 1)
+        out_row.addWidget(out_browse)
+        self.force = QCheckBox("export again even if this export is cached")
+        form = QFormLayout(page)
+        form.addRow("Weights", self.weights)
+        form.addRow(self.by_count, self.stages)
+        form.addRow(self.by_split, self.split)
+        form.addRow("Output folder", out_row)
+        form.addRow("", self.force)
+        return page
+
+    def _run_page(self) -> QWidget:
+        page = QGroupBox("3. Export")
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        self.pull_label = QLabel("Pulling the model")
+        self.pull_bar = QProgressBar()
+        self.stage_box = QWidget()
+        self.stage_grid = QGridLayout(self.stage_box)
+        self.stage_grid.setContentsMargins(0, 0, 0, 0)
+        self.stage_bars: list[QProgressBar] = []
+        self.stage_labels: list[QLabel] = []
+        self.table = QTableWidget(0, len(RESULT_COLUMNS))
+        self.table.setHorizontalHeaderLabels(RESULT_COLUMNS)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.verticalHeader().hide()
+        self.total = QLabel()
+        layout = QVBoxLayout(page)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.pull_label)
+        layout.addWidget(self.pull_bar)
+        layout.addWidget(self.stage_box)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(self.total)
+        return page
+
+    def _describe_catalog(self) -> None:
+        from engine.models.catalog import CATALOG
+
+        entry = CATALOG.get(self.catalog.currentData())
+        self.catalog_hint.setText(entry.description if entry else "")
+
+    def _browse_hf(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Hugging Face model folder", self.hf_path.text())
+        if path:
+            self.hf_path.setText(path)
+            self.hf_radio.setChecked(True)
+
+    def _browse_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "GGUF file", self.gguf_path.text(), "GGUF (*.gguf)")
+        if path:
+            self.gguf_path.setText(path)
+            self.gguf_radio.setChecked(True)
+
+    def _browse_out(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Output folder", self.out.text())
+        if path:
+            self.out.setText(path)
+
+    # --- navigation ----------------------------------------------------------------------------------
+
+    def source(self) -> str:
+        if self.hf_radio.isChecked():
+            return self.hf_path.text().strip()
+        if self.gguf_radio.isChecked():
+            return self.gguf_path.text().strip()
+        return self.catalog.currentData()
+
+    def _show_page(self, index: int) -> None:
+        self.pages.setCurrentIndex(index)
+        running = self.task is not None
+        done = index == 2 and not running
+        self.step.setText(f"Step {index + 1} of 3")
+        self.back_button.setVisible(index > 0 and not running)
+        self.back_button.setEnabled(index > 0 and not running)
+        self.next_button.setVisible(index < 2)
+        self.next_button.setText("Export" if index == 1 else "Next")
+        self.cancel_button.setVisible(running)
+        self.again_button.setVisible(done)
+        self.default_button.setVisible(done and self.result is not None)
+
+    def back(self) -> None:
+        if self.task is None and self.pages.currentIndex() > 0:
+            self._show_page(self.pages.currentIndex() - 1)
+
+    def next(self) -> None:
+        self.banner.hide()
+        index = self.pages.currentIndex()
+        if index == 0:
+            if not self.source():
+                self.banner.error("Choose a model: a catalog entry, a Hugging Face folder or a GGUF file.")
+                return
+            self._show_page(1)
+        elif index == 1:
+            self.start()
+
+    def restart(self) -> None:
+        self.result = None
+        self._show_page(0)
+
+    # --- the export ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.task is not None:
+            return
+        source = self.source()
+        try:
+            split = parse_split(self.split.text()) if self.by_split.isChecked() else None
+        except FleetError as exc:
+            self.banner.error(str(exc))
+            return
+        stages = None if split else self.stages.value()
+        count = len(split) + 1 if split else stages
+        weights = self.weights.currentText()
+        out = Path(self.out.text().strip()).expanduser() if self.out.text().strip() else None
+        force = self.force.isChecked()
+        self.result = None
+        self._prepare(count, source)
+        self.summary.setText(f"Exporting <b>{source}</b> as {count} stage{'s' if count > 1 else ''} "
+                             f"({weights}){' into ' + str(out) if out else ''}.")
+        backend = self.backend
+        self.task = self.tasks.start(
+            lambda report, cancel: backend.export(source, stages=stages, split=split, weights=weights, out=out,
+                                                  force=force, progress=report, cancel=cancel),
+            "export", progressed=self._progress, succeeded=self._done, failed=self._failed,
+            cancelled=lambda: self._failed("export cancelled"))
+        self._show_page(2)
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.cancel_button.setEnabled(False)
+            self.total.setText("Cancelling…")
+
+    def _prepare(self, count: int, source: str) -> None:
+        from engine.models.catalog import CATALOG
+
+        for w in self.stage_bars + self.stage_labels:
+            self.stage_grid.removeWidget(w)
+            w.deleteLater()
+        self.stage_bars, self.stage_labels = [], []
+        for i in range(count):
+            label, bar = QLabel(f"stage {i}: waiting"), QProgressBar()
+            bar.setRange(0, 100)
+            self.stage_grid.addWidget(label, i, 0)
+            self.stage_grid.addWidget(bar, i, 1)
+            self.stage_labels.append(label)
+            self.stage_bars.append(bar)
+        self.stage_grid.setColumnStretch(1, 1)
+        pulling = source in CATALOG
+        self.pull_label.setVisible(pulling)
+        self.pull_bar.setVisible(pulling)
+        self.pull_bar.setRange(0, 100)
+        self.pull_bar.setValue(0)
+        self.table.setRowCount(0)
+        self.total.setText("")
+        self.cancel_button.setEnabled(True)
+
+    def _progress(self, payload: tuple) -> None:
+        if payload[0] == "pull":
+            _, step, fraction = payload
+            self.pull_label.setText(f"Pulling the model: {step}")
+            self.pull_bar.setValue(round(fraction * 100))
+        elif payload[0] == "stage":
+            _, index, step, fraction = payload
+            if 0 <= index < len(self.stage_bars):
+                self.stage_bars[index].setValue(round(fraction * 100))
+                self.stage_labels[index].setText(f"stage {index}: {step}")
+
+    def _finish(self) -> None:
+        self.task = None
+        self._show_page(2)
+
+    def _done(self, result) -> None:
+        self.result = result
+        self._finish()
+        for report in result.stages:
+            if report.index < len(self.stage_bars):
+                self.stage_bars[report.index].setValue(100)
+                self.stage_labels[report.index].setText(f"stage {report.index}: done, peak {report.peak_rss_mb:.0f} MB")
+        self.table.setRowCount(len(result.stages))
+        for row, s in enumerate(result.stages):
+            cells = (str(s.index), f"{s.layers[0]}–{s.layers[1]}", f"{s.peak_rss_mb:.0f}", f"{s.size_mb:.2f}",
+                     f"{s.seconds:.1f}", str(s.folder))
+            for col, text in enumerate(cells):
+                self.table.setItem(row, col, QTableWidgetItem(text))
+        size = sum(s.size_mb for s in result.stages)
+        self.total.setText(f"{len(result.stages)} shard folder{'s' if len(result.stages) > 1 else ''}, "
+                           f"{size:.2f} MB in all, in {result.out}"
+                           + (" (already exported: reused the cached shards)" if result.cached else ""))
+        self.exported.emit(result)
+
+    def _failed(self, message: str) -> None:
+        self._finish()
+        self.total.setText("Export cancelled." if message == "export cancelled" else "Export failed.")
+        if message != "export cancelled":
+            self.banner.error(f"The export failed: {message}")
+
+    def apply_settings(self, settings) -> None:
+        self.settings = settings

@@ -1,0 +1,114 @@
+"""Chat history: conversations and their messages in SQLite, in the user data folder.
+
+Used from the GUI thread only; every write is a small transaction, so nothing is lost if the app
+ends abruptly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+from engine.config import paths
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    title TEXT NOT NULL,
+    system TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    stats TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation, id);
+"""
+
+
+@dataclasses.dataclass
+class Message:
+    role: str  # "user" | "assistant"
+    content: str
+    stats: dict = dataclasses.field(default_factory=dict)  # the reply's report (assistant messages)
+    id: int | None = None
+
+
+@dataclasses.dataclass
+class Conversation:
+    id: int | None
+    title: str
+    system: str = ""
+    messages: list[Message] = dataclasses.field(default_factory=list)
+    updated: float = 0.0
+
+    def prompt(self) -> list[dict]:
+        """The messages as the chat template takes them, system prompt first."""
+        head = [{"role": "system", "content": self.system}] if self.system.strip() else []
+        return head + [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+def default_path() -> Path:
+    return paths().data / "history.sqlite"
+
+
+class HistoryStore:
+    def __init__(self, path: Path | None = None):
+        self.path = Path(path) if path else default_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path)
+        self._db.execute("PRAGMA foreign_keys = ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def conversations(self) -> list[Conversation]:
+        """Every conversation, most recently updated first (without messages)."""
+        rows = self._db.execute("SELECT id, title, system, updated FROM conversations ORDER BY updated DESC, id DESC")
+        return [Conversation(i, title, system, [], updated) for i, title, system, updated in rows]
+
+    def load(self, conversation_id: int) -> Conversation | None:
+        row = self._db.execute("SELECT title, system, updated FROM conversations WHERE id = ?",
+                               (conversation_id,)).fetchone()
+        if row is None:
+            return None
+        messages = [Message(role, content, json.loads(stats or "{}"), mid) for mid, role, content, stats in
+                    self._db.execute("SELECT id, role, content, stats FROM messages WHERE conversation = ? "
+                                     "ORDER BY id", (conversation_id,))]
+        return Conversation(conversation_id, row[0], row[1], messages, row[2])
+
+    def create(self, title: str, system: str = "") -> int:
+        now = time.time()
+        with self._db:
+            cur = self._db.execute("INSERT INTO conversations (title, system, created, updated) VALUES (?, ?, ?, ?)",
+                                   (title, system, now, now))
+        return cur.lastrowid
+
+    def update(self, conversation: Conversation) -> None:
+        with self._db:
+            self._db.execute("UPDATE conversations SET title = ?, system = ?, updated = ? WHERE id = ?",
+                             (conversation.title, conversation.system, time.time(), conversation.id))
+
+    def append(self, conversation_id: int, message: Message) -> int:
+        with self._db:
+            cur = self._db.execute("INSERT INTO messages (conversation, role, content, stats) VALUES (?, ?, ?, ?)",
+                                   (conversation_id, message.role, message.content, json.dumps(message.stats)))
+            self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), conversation_id))
+        message.id = cur.lastrowid
+        return message.id
+
+    def remove_message(self, message_id: int) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    def delete(self, conversation_id: int) -> None:
+        with self._db:
+            self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))

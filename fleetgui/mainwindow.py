@@ -1,0 +1,175 @@
+"""The main window: a sidebar of views (Fleet, Placement, Chat, Export, Benchmarks), a status bar,
+the Settings dialog and the theme.  Fleet and Placement are placeholders until fleet operations
+arrive; ``set_view`` swaps a real view in."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSettings, QSize
+from PySide6.QtGui import QAction, QActionGroup
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QMainWindow, QStackedWidget, QWidget
+
+from fleetgui import theme
+from fleetgui.bench_panel import BenchPanel
+from fleetgui.chat import ChatController, ChatView
+from fleetgui.export_wizard import ExportWizard
+from fleetgui.history import HistoryStore
+from fleetgui.settings import GuiSettings, SettingsDialog
+from fleetgui.widgets import PlaceholderView
+from fleetgui.workers import TaskRunner
+
+VIEWS = ("Fleet", "Placement", "Chat", "Export", "Benchmarks")
+DEFAULT_SIZE = QSize(1280, 800)
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: GuiSettings, store: QSettings, backend, history: HistoryStore):
+        super().__init__()
+        self.setWindowTitle("fleetshard")
+        self.setWindowIcon(theme.icon())
+        self.settings = settings
+        self.store = store
+        self.backend = backend
+        self.history = history
+        self.tasks = TaskRunner(self)
+        self._shut = False
+
+        self.sidebar = QListWidget()
+        self.sidebar.setObjectName("sidebar")
+        self.stack = QStackedWidget()
+        self.views: dict[str, QWidget] = {}
+        self.chat_controller = ChatController(backend, settings, self.tasks, self)
+        self.chat = ChatView(self.chat_controller, history, settings, settings.theme)
+        self.export = ExportWizard(backend, self.tasks, settings)
+        self.bench = BenchPanel(backend, self.tasks, settings)
+        built = {
+            "Fleet": PlaceholderView("Fleet", "The fleet's machines, their devices and their shards arrive with "
+                                     "fleet operations."),
+            "Placement": PlaceholderView("Placement", "Choosing which machine runs which layers arrives with fleet "
+                                         "operations."),
+            "Chat": self.chat,
+            "Export": self.export,
+            "Benchmarks": self.bench,
+        }
+        for name in VIEWS:
+            self.sidebar.addItem(name)
+            self.stack.addWidget(built[name])
+            self.views[name] = built[name]
+        self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
+        width = max(self.sidebar.sizeHintForColumn(0), self.fontMetrics().horizontalAdvance("Benchmarks")) + \
+            self.fontMetrics().averageCharWidth() * 6
+        self.sidebar.setFixedWidth(width)  # from the font's metrics: it grows with the system font
+        central = QWidget()
+        row = QHBoxLayout(central)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.setSpacing(0)
+        row.addWidget(self.sidebar)
+        row.addWidget(self.stack, 1)
+        self.setCentralWidget(central)
+
+        self.service_label = QLabel("Chat: not connected")
+        self.statusBar().addPermanentWidget(self.service_label)
+        self.chat_controller.status.connect(self.service_label.setText)
+        self.export.exported.connect(lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}",
+                                                                            10000))
+        self.export.use_as_default.connect(self.use_model)
+        self.bench.finished.connect(lambda r: self.statusBar().showMessage(
+            f"Benchmark {r['bench']} finished" if r else "Benchmark ended without a result", 10000))
+        self._menus()
+        self.show_view("Chat")
+        geometry = store.value("window/geometry")
+        if geometry is None or not self.restoreGeometry(geometry):
+            self.resize(DEFAULT_SIZE)
+
+    def _menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        settings = QAction("&Settings…", self)
+        settings.setShortcut("Ctrl+,")
+        settings.triggered.connect(self.open_settings)
+        file_menu.addAction(settings)
+        file_menu.addSeparator()
+        quit_action = QAction("&Quit", self)
+        quit_action.setShortcut("Ctrl+Q")
+        quit_action.triggered.connect(self.close)
+        file_menu.addAction(quit_action)
+        view_menu = self.menuBar().addMenu("&View")
+        for i, name in enumerate(VIEWS):
+            action = QAction(name, self)
+            action.setShortcut(f"Ctrl+{i + 1}")
+            action.triggered.connect(lambda _=False, n=name: self.show_view(n))
+            view_menu.addAction(action)
+        view_menu.addSeparator()
+        group = QActionGroup(self)
+        self.theme_actions = {}
+        for name in theme.THEMES:
+            action = QAction(f"{name.title()} theme", self, checkable=True)
+            action.setChecked(name == self.settings.theme)
+            action.triggered.connect(lambda _=False, n=name: self.set_theme(n))
+            group.addAction(action)
+            view_menu.addAction(action)
+            self.theme_actions[name] = action
+
+    # --- views ---------------------------------------------------------------------------------------
+
+    def show_view(self, name: str) -> QWidget:
+        self.sidebar.setCurrentRow(VIEWS.index(name))
+        return self.views[name]
+
+    def current_view(self) -> str:
+        return VIEWS[self.stack.currentIndex()]
+
+    def set_view(self, name: str, widget: QWidget) -> None:
+        """Puts a real view where a placeholder was (the Fleet and Placement views plug in here)."""
+        index = VIEWS.index(name)
+        old = self.stack.widget(index)
+        self.stack.insertWidget(index, widget)
+        self.stack.removeWidget(old)
+        old.deleteLater()
+        self.views[name] = widget
+        self.stack.setCurrentIndex(self.sidebar.currentRow())
+
+    # --- settings ------------------------------------------------------------------------------------
+
+    def open_settings(self) -> SettingsDialog:
+        dialog = SettingsDialog(self.settings, self)
+        dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        return dialog
+
+    def apply_settings(self, settings: GuiSettings) -> None:
+        settings.save(self.store)
+        self.settings = settings
+        theme.apply(settings.theme)
+        self.theme_actions[settings.theme if settings.theme in theme.THEMES else "light"].setChecked(True)
+        for view in (self.chat, self.export, self.bench):
+            view.apply_settings(settings)
+        self.statusBar().showMessage("Settings saved", 5000)
+
+    def set_theme(self, name: str) -> None:
+        import dataclasses
+
+        self.apply_settings(dataclasses.replace(self.settings, theme=name))
+
+    def use_model(self, folder: str) -> None:
+        import dataclasses
+
+        self.apply_settings(dataclasses.replace(self.settings, default_model=folder))
+        self.show_view("Chat")
+        self.statusBar().showMessage(f"Chat now uses {folder}", 10000)
+
+    # --- shutdown ------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Cancels running work, closes the chat service (and its local workers) and the history."""
+        if self._shut:
+            return
+        self._shut = True
+        self.store.setValue("window/geometry", self.saveGeometry())
+        self.store.sync()
+        self.chat.shutdown()
+        self.tasks.shutdown()
+        self.history.close()
+
+    def closeEvent(self, event) -> None:
+        self.shutdown()
+        super().closeEvent(event)

@@ -1,0 +1,59 @@
+"""What the GUI tests share: an isolated home and settings file, a window builder, screenshots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+SIZE = (1280, 800)
+
+
+@pytest.fixture
+def gui_home(tmp_path, monkeypatch) -> Path:
+    """FLEETSHARD_HOME below the test's tmp folder: history, keys and caches stay in it."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("FLEETSHARD_HOME", str(home))
+    return home
+
+
+def settings_store(path: Path):
+    from PySide6.QtCore import QSettings
+
+    return QSettings(str(path), QSettings.Format.IniFormat)
+
+
+def tiny_settings(shards, **changes):
+    """Settings that chat with a tiny export in process, greedy, no speculation."""
+    from fleetgui.settings import GuiSettings
+
+    values = dict(default_model=str(shards), local_workers=False, draft="none", k="0", streams=2,
+                  max_new_tokens=64, weights="f32", stages=2)
+    values.update(changes)
+    return GuiSettings(**values)
+
+
+def open_window(qtbot, settings, store, **kw):
+    from fleetgui.app import build_window
+
+    window = build_window(settings, store=store, **kw)
+    qtbot.addWidget(window)
+    window.resize(*SIZE)
+    window.show()
+    qtbot.waitExposed(window)
+    return window
+
+
+def screenshot(window, name: str) -> Path:
+    """Saves the window at 1280x800 into docs/screenshots/NAME.png."""
+    from PySide6.QtWidgets import QApplication
+
+    window.resize(*SIZE)
+    QApplication.processEvents()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    image = window.grab()
+    assert (image.width(), image.height()) == SIZE
+    assert image.save(str(path))
+    return path

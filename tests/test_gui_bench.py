@@ -1,0 +1,86 @@
+"""The benchmark panel: the WAN sweep on the tiny export (loopback workers, tiny token counts)
+plots throughput against hop delay, live tok/s per stream, and saves PNG, CSV and JSON; Cancel
+stops a run; and the bench functions' hooks leave their results unchanged."""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+
+import pytest
+from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_exports):
+    return tiny_exports["llama", "2"].out
+
+
+def test_wan_sweep_plots_and_saves(qtbot, gui_home, tmp_path, shards):
+    window = open_window(qtbot, tiny_settings(shards), settings_store(tmp_path / "s.ini"))
+    panel = window.show_view("Benchmarks")
+    panel.name.setCurrentText("wan")
+    panel.tokens.setValue(6)
+    panel.runs.setValue(1)
+    panel.delays.setText("0,20")
+    panel.draft_kind.setCurrentText("lookup")
+    rows_seen = []
+    panel._rows.row.connect(rows_seen.append)
+    with qtbot.waitSignal(panel.finished, timeout=180000) as blocker:
+        panel.run_button.click()
+        assert not panel.run_button.isEnabled() and panel.cancel_button.isEnabled()
+    report = blocker.args[0]
+
+    assert report["bench"] == "wan" and [r["delay_ms"] for r in report["rows"]] == [0.0, 20.0]
+    assert rows_seen == report["rows"]  # rows arrived one by one while it ran
+    assert panel.progress.value() == 100
+    assert panel.plotted_points() == 4  # naive and full stack at two delays
+    assert report["rows"][1]["naive_tok_s"] < report["rows"][0]["naive_tok_s"]  # 20 ms per hop costs
+    qtbot.waitUntil(lambda: any(panel.live.points(s) for s in panel.meter.snapshot()), timeout=5000)
+    assert set(panel.meter.snapshot()) >= {"stream 0", "stream 1"}
+    assert panel.table.rowCount() == 2
+
+    png, csv_path, json_path = tmp_path / "wan.png", tmp_path / "wan.csv", tmp_path / "wan.json"
+    panel.save_png(png)
+    panel.save_csv(csv_path)
+    panel.save_json(json_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["delay_ms"]) for r in rows] == [0.0, 20.0] and float(rows[0]["full_tok_s"]) > 0
+    assert json.loads(json_path.read_text())["rows"] == report["rows"]
+    screenshot(window, "benchmarks")
+
+
+def test_cancel_stops_a_benchmark(qtbot, gui_home, tmp_path, shards):
+    window = open_window(qtbot, tiny_settings(shards), settings_store(tmp_path / "s.ini"))
+    panel = window.show_view("Benchmarks")
+    panel.name.setCurrentText("wan")
+    panel.tokens.setValue(400)
+    panel.delays.setText("50,100")
+    with qtbot.waitSignal(panel.finished, timeout=120000) as blocker:
+        panel.run_button.click()
+        qtbot.waitUntil(lambda: bool(panel.meter.snapshot()), timeout=60000)  # decoding has begun
+        panel.cancel_button.click()
+    assert blocker.args[0] is None
+    assert panel.status.text() == "Cancelled." and not panel.banner.message
+    assert panel.run_button.isEnabled() and panel.report is None
+
+
+def test_bench_hooks_report_progress_and_cancel_without_changing_results(shards):
+    from engine.bench.harness import BenchCancelled, Hooks
+    from engine.bench.wan import run_wan
+
+    progress, tokens = [], []
+    report = run_wan("tiny", "none", shards=shards, delays=(0.0,), tokens=4, draft_kind="lookup", log=lambda m: None,
+                     hooks=Hooks(progress=lambda f, m: progress.append(f), on_token=lambda s, t: tokens.append(s)))
+    assert progress[0] == 0.0 and progress[-1] == 1.0 and progress == sorted(progress)
+    assert set(tokens) == {0, 1} and report["settings"]["stages"] == 2
+    quiet = run_wan("tiny", "none", shards=shards, delays=(0.0,), tokens=4, draft_kind="lookup", log=lambda m: None)
+    assert quiet["rows"][0].keys() == report["rows"][0].keys()
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(BenchCancelled):
+        run_wan("tiny", "none", shards=shards, delays=(0.0,), tokens=4, draft_kind="lookup", log=lambda m: None,
+                hooks=Hooks(cancel=cancel))

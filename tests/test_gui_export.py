@@ -1,0 +1,103 @@
+"""The export wizard: the tiny Llama as a Hugging Face source, exported in two stages with every
+stage's progress reaching 100% and the shard sizes shown; Cancel ends the export with nothing left."""
+
+from __future__ import annotations
+
+from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+
+from engine.manifest import load_manifest
+
+
+def _to_export_page(wizard, source, out, stages=2):
+    wizard.hf_radio.setChecked(True)
+    wizard.hf_path.setText(str(source))
+    wizard.next_button.click()
+    assert wizard.pages.currentIndex() == 1
+    wizard.weights.setCurrentText("f32")
+    wizard.stages.setValue(stages)
+    wizard.by_count.setChecked(True)
+    wizard.out.setText(str(out))
+
+
+def test_export_wizard_exports_the_tiny_model(qtbot, gui_home, tmp_path, tiny_models):
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    wizard = window.show_view("Export")
+    wizard.hf_radio.setChecked(True)
+    wizard.next_button.click()  # no folder given yet: refused with a message, stays on page 1
+    assert wizard.pages.currentIndex() == 0 and "Choose a model" in wizard.banner.message
+    out = tmp_path / "export"
+    _to_export_page(wizard, tiny_models["llama"], out)
+    seen: dict[int, list[int]] = {}
+    with qtbot.waitSignal(wizard.exported, timeout=180000) as blocker:
+        wizard.next_button.click()  # "Export"
+        assert wizard.pages.currentIndex() == 2 and wizard.cancel_button.isVisible()
+        assert len(wizard.stage_bars) == 2 and not wizard.pull_bar.isVisible()  # an HF folder needs no pull
+        for i, bar in enumerate(wizard.stage_bars):
+            bar.valueChanged.connect(lambda v, i=i: seen.setdefault(i, []).append(v))
+    result = blocker.args[0]
+
+    assert [s.index for s in result.stages] == [0, 1] and not result.cached
+    for i, bar in enumerate(wizard.stage_bars):
+        assert bar.value() == 100
+        assert len(seen[i]) > 2 and seen[i] == sorted(seen[i]) and seen[i][-1] == 100  # progress, step by step
+    for s in result.stages:
+        assert load_manifest(s.folder).layers == tuple(s.layers)
+        assert wizard.table.item(s.index, 3).text() == f"{s.size_mb:.2f}"
+        assert wizard.table.item(s.index, 5).text() == str(s.folder)
+        assert int(wizard.table.item(s.index, 2).text()) > 0  # peak memory of the stage's process
+    assert wizard.table.rowCount() == 2
+    assert f"{sum(s.size_mb for s in result.stages):.2f} MB" in wizard.total.text()
+    assert not wizard.cancel_button.isVisible() and wizard.again_button.isVisible()
+    screenshot(window, "export")
+
+    # the export can become the chat's model in one click
+    wizard.default_button.click()
+    assert window.settings.default_model == str(out) and window.current_view() == "Chat"
+
+
+def test_cancel_really_cancels_the_export(qtbot, gui_home, tmp_path, tiny_models):
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    wizard = window.show_view("Export")
+    out = tmp_path / "cancelled"
+    _to_export_page(wizard, tiny_models["llama"], out)
+    wizard.force.setChecked(True)
+    wizard.next_button.click()
+    qtbot.waitUntil(lambda: wizard.stage_bars[0].value() > 0, timeout=120000)
+    wizard.cancel_button.click()
+    qtbot.waitUntil(lambda: wizard.task is None, timeout=60000)
+    assert wizard.total.text() == "Export cancelled."
+    assert wizard.result is None and not wizard.banner.message
+    assert not any(p.is_dir() and p.name.startswith("stage") for p in out.iterdir())
+    assert wizard.back_button.isVisible()  # and the user can change the plan and go again
+
+
+def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
+    """A catalog model that is not cached yet is pulled first: the wizard shows that progress too
+    (a stub backend reports what EngineBackend.export reports while pulling)."""
+    from engine.export.exporter import ExportResult, StageReport
+    from fleetgui.backend import EngineBackend
+
+    class Pulling(EngineBackend):
+        def export(self, source, *, progress, cancel=None, **kw):
+            assert source == "smollm2-135m" and kw["stages"] == 1 and kw["weights"] == "int8"
+            for fraction in (0.0, 0.4, 1.0):
+                progress(("pull", "assemble", fraction))
+            progress(("stage", 0, "load", 0.0))
+            progress(("stage", 0, "done", 1.0))
+            return ExportResult(tmp_path, [StageReport(0, (0, 30), tmp_path / "stage0", 812.0, 3.5, 97.25)], False)
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"),
+                         backend=Pulling())
+    wizard = window.show_view("Export")
+    wizard.catalog.setCurrentIndex(wizard.catalog.findData("smollm2-135m"))
+    wizard.next_button.click()
+    wizard.weights.setCurrentText("int8")
+    wizard.stages.setValue(1)
+    values = []
+    wizard.pull_bar.valueChanged.connect(values.append)
+    with qtbot.waitSignal(wizard.exported, timeout=10000):
+        wizard.next_button.click()
+    assert wizard.pull_bar.isVisible() and values[-1] == 100 and 40 in values
+    assert "assemble" in wizard.pull_label.text()
+    assert wizard.stage_labels[0].text() == "stage 0: done, peak 812 MB"
+    assert [wizard.table.item(0, c).text() for c in (1, 2, 3)] == ["0–30", "812", "97.25"]
