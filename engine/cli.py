@@ -324,7 +324,8 @@ def cmd_bench(args) -> int:
     common = {"weights": args.weights, "out": Path(args.json) if args.json else None,
               "log": lambda m: print(m, file=sys.stderr, flush=True)}
     # the speculation and fleet benchmarks run the 1.5B target that has a 0.5B draft
-    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline") else "qwen2.5-coder-1.5b")
+    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline", "placement")
+                           else "qwen2.5-coder-1.5b")
     fleet = {"cpu_sets": args.cpus or ""}
     # each benchmark has its own default length, repetitions and stage count
     sizes = {k: v for k, v in (("tokens", args.tokens), ("stages", args.stages)) if v}
@@ -340,6 +341,7 @@ def cmd_bench(args) -> int:
         "microbatch": lambda f: f(model, tokens=args.tokens or 64, **runs, **delays, **fleet, **common),
         "wan": lambda f: f(model, draft, **sizes, **runs, **kind, **delays, **fleet, **common),
         "progression": lambda f: f(model, draft, delay_ms=args.delay_ms, **sizes, **runs, **kind, **fleet, **common),
+        "placement": lambda f: f(model, tokens=args.tokens or 64, **runs, **common),
     }
     module = importlib.import_module(f"engine.bench.{args.name}")
     report = calls[args.name](getattr(module, f"run_{args.name}"))
@@ -439,7 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     key.set_defaults(func=cmd_key)
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
-    bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression"])
+    bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
+                                               "placement"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan and progression)")
     bench.add_argument("--tokens", type=int, help="new tokens per prompt and stream (each benchmark has a default)")

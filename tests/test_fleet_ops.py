@@ -5,16 +5,13 @@ agents are discovered over real mDNS and noticed leaving, and the survey feeds t
 
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fleet_support import agent_process
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
@@ -23,7 +20,6 @@ from engine.fleet.shardstore import content_hash
 from engine.fleetkey import create_key, fleet_id, load_key
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
-from engine.runtime.localfleet import await_ready
 
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 
@@ -31,27 +27,6 @@ IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 @pytest.fixture(scope="module")
 def key_file(tmp_path_factory):
     return create_key(tmp_path_factory.mktemp("keys") / "fleet.key")
-
-
-@contextlib.contextmanager
-def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node"):
-    """A ``fleet agent`` process with its own home (its own node id and shard store)."""
-    home.mkdir(parents=True, exist_ok=True)
-    log = home / "agent.log"
-    cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", "127.0.0.1:0", "--lifeline",
-           "--fleet-key-file", str(key_file), "--name", name] + ([] if mdns else ["--no-mdns"])
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "FLEETSHARD_HOME": str(home)})
-    try:
-        address = await_ready(proc, log, 60)
-        yield proc, address
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=15)
-        proc.stdin.close()
-        proc.stdout.close()
 
 
 @pytest.fixture
@@ -201,35 +176,33 @@ def test_agents_are_discovered_over_mdns_and_seen_leaving(key_file, tmp_path):
 
 
 def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, monkeypatch):
-    from engine.fleet.placement import solve
-    from engine.fleet.survey import survey
+    import json
+
+    from engine.fleet.commands import placement_stages
+    from engine.fleet.placement import Pin, solve
+    from engine.fleet.survey import load_survey, survey
 
     monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
     source = str(tiny_models["llama"])
     doc = survey(source, [a, b], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
-    names = {info["name"] for info in doc["nodes"].values()}
-    assert names == {"this machine", "alpha", "beta"}
+    names = {n: info["name"] for n, info in doc["nodes"].items()}
+    assert set(names.values()) == {"this machine", "alpha", "beta"}
     devices = doc["fleet"]["devices"]
-    assert len(devices) == 3 and all(d["layer_ms"] > 0 and d["supported"] for d in devices)
+    assert len(devices) == 3 and all(d["layer_ms"] > 0 and d["head_ms"] >= 0 and d["supported"] for d in devices)
     assert len(doc["fleet"]["rtt"]) == 3  # coordinator-alpha, coordinator-beta, alpha-beta
-    from engine.fleet.survey import load_survey
-    import json
-
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(doc))
     shape, nodes, fleet = load_survey(path)
-    plan = solve(shape, fleet, objective="throughput", users=2)
-    assert plan.stages[0].node == "coordinator"
-    from engine.fleet.commands import placement_stages
-
-    stages = placement_stages({"plan": plan.to_json(), "nodes": nodes})
-    if len(stages) > 1:
-        deployment, chain = deploy(source, stages, key=key, weights="f32")
-        try:
-            got = _greedy(chain)
-        finally:
-            chain.close()
-            deployment.stop(key)
-        assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+    beta = next(n for n, name in names.items() if name == "beta")
+    plan = solve(shape, fleet, objective="throughput", users=2, pins=[Pin(beta, 3, 4)])
+    assert plan.stages[0].node == "coordinator" and (plan.stages[-1].node, plan.stages[-1].start) == (beta, 3)
+    deployment, chain = deploy(source, placement_stages({"plan": plan.to_json(), "nodes": nodes}), key=key,
+                               weights="f32")
+    try:
+        got = _greedy(chain)
+    finally:
+        chain.close()
+        deployment.stop(key)
+    assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))

@@ -30,8 +30,10 @@ STAGE_OVERHEAD_BYTES = 300 << 20  # OpenVINO runtime, Python and compiled-model 
 
 
 def profile_splits(num_layers: int) -> list[tuple[list[int], int]]:
-    """(split, stage index) of each profiling shard: the first k, the first 2k, the last k layers."""
-    k = max(1, min(2, num_layers // 4))
+    """(split, stage index) of each profiling shard: the first k, the first 2k, the last k layers.
+    k is a quarter of the model: shards of a few layers run from cache and underestimate a real
+    stage's per-layer and head cost (measured here: 0.19 vs 0.25 ms per layer, 0.7 vs 2 ms head)."""
+    k = max(1, num_layers // 4)
     return [([k], 0), ([2 * k], 0), ([num_layers - k], 1)]
 
 

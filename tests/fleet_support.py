@@ -1,0 +1,33 @@
+"""What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.runtime.localfleet import await_ready
+
+
+@contextlib.contextmanager
+def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node"):
+    """A ``fleet agent`` process with its own home (its own node id and shard store); yields
+    (process, HOST:PORT of its control API)."""
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "agent.log"
+    cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", "127.0.0.1:0", "--lifeline",
+           "--fleet-key-file", str(key_file), "--name", name] + ([] if mdns else ["--no-mdns"])
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "FLEETSHARD_HOME": str(home)})
+    try:
+        address = await_ready(proc, log, 60)
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=15)
+        proc.stdin.close()
+        proc.stdout.close()
