@@ -96,3 +96,43 @@ def test_export_reports_stage_memory(smol_exports):
     stages = smol_exports[2].stages
     assert [s.layers for s in stages] == [(0, 15), (15, 30)]
     assert all(s.peak_rss_mb > 100 for s in stages)
+
+
+def test_fleet_up_then_generate_on_the_deployment(smol_exports, tmp_path):
+    """The README's newcomer path without the GUI: `fleet up` brings up the 2-stage local fleet (a
+    real agent process receiving the shard over its control API), `fleet generate --deployment`
+    answers through it exactly as the in-process 2-stage chain does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from engine.runtime.localfleet import await_ready
+
+    from engine.config import paths
+
+    key = create_key(tmp_path / "fleet.key")
+    home = tmp_path / "home"  # its own data and settings, the suite's cache (pulled model, exports)
+    home.mkdir()
+    os.symlink(paths().cache, home / "cache")
+    env = {**os.environ, "FLEETSHARD_HOME": str(home)}
+    log = tmp_path / "up.log"
+    with open(log, "w") as err:
+        up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--local", "--no-chat", "--lifeline",
+                               "--fleet-key-file", str(key)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=err, text=True, env=env)
+    try:
+        record = await_ready(up, log, 300)
+        out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--deployment", record,
+                              "--fleet-key-file", str(key), "--prompt", QUESTION, "--max-new-tokens", "24",
+                              "--json", str(tmp_path / "gen.json")], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr
+    finally:
+        up.terminate()
+        up.wait(timeout=30)
+        up.stdin.close()
+        up.stdout.close()
+    got = json.loads((tmp_path / "gen.json").read_text())[0]
+    _, want = _generate(smol_exports[2].folders, QUESTION, 24, ignore_eos=False)
+    assert got["text"] == want and "Paris" in want
