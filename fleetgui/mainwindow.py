@@ -1,6 +1,6 @@
 """The main window: a sidebar of views (Fleet, Placement, Chat, Export, Benchmarks), a status bar,
-the Settings dialog and the theme.  Fleet and Placement are placeholders until fleet operations
-arrive; ``set_view`` swaps a real view in."""
+the Settings dialog and the theme.  ``set_view`` swaps another widget in for a view.  A plan the
+Placement view deploys becomes the chain the chat runs on."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from fleetgui import theme
 from fleetgui.bench_panel import BenchPanel
 from fleetgui.chat import ChatController, ChatView
 from fleetgui.export_wizard import ExportWizard
+from fleetgui.fleet_view import FleetView
 from fleetgui.history import HistoryStore
+from fleetgui.placement_view import PlacementView
 from fleetgui.settings import GuiSettings, SettingsDialog
-from fleetgui.widgets import PlaceholderView
 from fleetgui.workers import TaskRunner
 
 VIEWS = ("Fleet", "Placement", "Chat", "Export", "Benchmarks")
@@ -41,11 +42,11 @@ class MainWindow(QMainWindow):
         self.chat = ChatView(self.chat_controller, history, settings, settings.theme)
         self.export = ExportWizard(backend, self.tasks, settings)
         self.bench = BenchPanel(backend, self.tasks, settings)
+        self.fleet = FleetView(settings, backend, self.tasks)
+        self.placement = PlacementView(settings, backend, self.tasks, agents=self.fleet.agent_addresses)
         built = {
-            "Fleet": PlaceholderView("Fleet", "The fleet's machines, their devices and their shards arrive with "
-                                     "fleet operations."),
-            "Placement": PlaceholderView("Placement", "Choosing which machine runs which layers arrives with fleet "
-                                         "operations."),
+            "Fleet": self.fleet,
+            "Placement": self.placement,
             "Chat": self.chat,
             "Export": self.export,
             "Benchmarks": self.bench,
@@ -72,6 +73,8 @@ class MainWindow(QMainWindow):
         self.export.exported.connect(lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}",
                                                                             10000))
         self.export.use_as_default.connect(self.use_model)
+        self.fleet.key_changed.connect(self.use_key)
+        self.placement.deployed.connect(self.use_deployment)
         self.bench.finished.connect(lambda r: self.statusBar().showMessage(
             f"Benchmark {r['bench']} finished" if r else "Benchmark ended without a result", 10000))
         self._menus()
@@ -118,7 +121,7 @@ class MainWindow(QMainWindow):
         return VIEWS[self.stack.currentIndex()]
 
     def set_view(self, name: str, widget: QWidget) -> None:
-        """Puts a real view where a placeholder was (the Fleet and Placement views plug in here)."""
+        """Puts another widget in place of a view."""
         index = VIEWS.index(name)
         old = self.stack.widget(index)
         self.stack.insertWidget(index, widget)
@@ -141,7 +144,7 @@ class MainWindow(QMainWindow):
         self.settings = settings
         theme.apply(settings.theme)
         self.theme_actions[settings.theme if settings.theme in theme.THEMES else "light"].setChecked(True)
-        for view in (self.chat, self.export, self.bench):
+        for view in (self.chat, self.export, self.bench, self.fleet, self.placement):
             view.apply_settings(settings)
         self.statusBar().showMessage("Settings saved", 5000)
 
@@ -157,17 +160,35 @@ class MainWindow(QMainWindow):
         self.show_view("Chat")
         self.statusBar().showMessage(f"Chat now uses {folder}", 10000)
 
+    def use_key(self, path: str) -> None:
+        import dataclasses
+
+        self.apply_settings(dataclasses.replace(self.settings, fleet_key_file=path))
+        self.statusBar().showMessage(f"Fleet key: {path}", 10000)
+
+    def use_deployment(self, deployment) -> None:
+        """The chat runs on a deployed chain from now on (None: back to the settings' model)."""
+        self.chat_controller.use_deployment(deployment)
+        if deployment is not None:
+            self.statusBar().showMessage(f"Chat now runs on the deployed {deployment.model}", 10000)
+
     # --- shutdown ------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Cancels running work, closes the chat service (and its local workers) and the history."""
+        """Cancels running work, closes the chat service (and its local fleet), stops the deployment
+        made in this session, and closes discovery and the history."""
         if self._shut:
             return
         self._shut = True
         self.store.setValue("window/geometry", self.saveGeometry())
         self.store.sync()
+        self.fleet.shutdown()
         self.chat.shutdown()
         self.tasks.shutdown()
+        self.placement.shutdown()  # after the chat and the tasks: stops the workers this session deployed
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
         self.history.close()
 
     def closeEvent(self, event) -> None:

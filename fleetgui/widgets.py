@@ -1,9 +1,9 @@
-"""Small widgets the views share: the inline message banner and the placeholder view."""
+"""Small widgets the views share: the inline message banner."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QWidget
 
 
 class Banner(QFrame):
@@ -40,24 +40,3 @@ class Banner(QFrame):
     @property
     def message(self) -> str:
         return "" if self.isHidden() else self.text.text()
-
-
-class PlaceholderView(QWidget):
-    """A view that arrives later: its name and one line saying when."""
-
-    def __init__(self, title: str, line: str, parent: QWidget | None = None):
-        super().__init__(parent)
-        heading = QLabel(title)
-        font = heading.font()
-        font.setBold(True)
-        font.setPointSizeF(font.pointSizeF() * 1.4)
-        heading.setFont(font)
-        self.line = QLabel(line)
-        self.line.setObjectName("placeholder")
-        self.line.setWordWrap(True)
-        layout = QVBoxLayout(self)
-        layout.addStretch(1)
-        for label in (heading, self.line):
-            label.setAlignment(Qt.AlignmentFlag.AlignCenter)
-            layout.addWidget(label)
-        layout.addStretch(2)

@@ -94,3 +94,17 @@ class TaskRunner(QObject):
             task.cancel()
         for task in list(self._tasks):
             task.wait(timeout_ms)
+
+
+def on_signals(app, action: Callable[[], None], interval_ms: int = 300) -> None:
+    """Runs ``action`` on the GUI thread at SIGINT or SIGTERM (Ctrl+C, ``kill``), so the app can end
+    cleanly.  Python runs signal handlers only between bytecodes: a timer lets it in now and then."""
+    import signal
+
+    from PySide6.QtCore import QTimer
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: action())
+    wake = QTimer(app)
+    wake.timeout.connect(lambda: None)
+    wake.start(interval_ms)

@@ -118,6 +118,8 @@ class Agent:
             return
         with self._lock:
             self._advertiser = advertiser
+        if advertiser.info.status != self.state():  # it changed while the name was being registered
+            self._changed()
 
     def serve_forever(self) -> None:
         self.start()
@@ -137,6 +139,10 @@ class Agent:
             advertiser, self._advertiser = self._advertiser, None
         if advertiser is not None:
             advertiser.close()
+        try:  # shutdown first: a close alone does not wake a thread blocked in accept (the agent may run in-process)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._listener.close()
         except OSError:
@@ -145,9 +151,11 @@ class Agent:
             link.close()
 
     def set_paused(self, paused: bool) -> None:
+        """A paused node stops its workers and takes no new ones; browsers see it as paused."""
         self.paused = paused
         if paused:
             self.stop_workers()
+        self._changed()
 
     def _changed(self) -> None:
         if self._advertiser is not None:
@@ -327,7 +335,6 @@ class Agent:
 
     def op_pause(self, doc, data) -> dict:
         self.set_paused(bool(doc.get("paused", True)))
-        self._changed()
         return {"paused": self.paused}
 
     def op_profile(self, doc, data) -> dict:

@@ -1,0 +1,673 @@
+"""The Fleet view: the fleet's machines, live.
+
+Nodes arrive two ways: over mDNS (a ``Browser`` of this fleet, its events relayed from zeroconf's
+thread to the GUI thread by a queued signal) and by address (kept in the engine settings'
+``nodes``, the list ``fleet nodes add`` writes, so the app and the command line share it).  Every
+few seconds each node's agent is asked for its status off the GUI thread: devices, memory, what it
+does (idle, serving stage k, receiving, profiling, paused, or unreachable) and the shards it holds.
+"Measure round trips" times this machine to each agent and each agent to the others.  The fleet key
+is set here too (``fleetgui.keystore``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton, QSplitter, QTableView,
+                               QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from engine.errors import FleetError
+from fleetgui import keystore
+from fleetgui.widgets import Banner
+from fleetgui.workers import TaskRunner
+
+COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
+POLL_MS = 3000
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
+STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449"}
+
+
+# --- nodes added by address: the engine settings' list ----------------------------------------------
+
+def added_nodes() -> list[str]:
+    from engine.config import Settings
+
+    try:
+        return list(Settings.load().nodes)
+    except (OSError, ValueError, TypeError):
+        return []
+
+
+def save_added_nodes(nodes: list[str]) -> None:
+    from engine.config import Settings
+
+    settings = Settings.load()
+    settings.nodes = list(dict.fromkeys(nodes))
+    settings.save()
+
+
+def address_problem(text: str, known: list[str] = ()) -> str | None:
+    """What is wrong with a node address typed by hand, in words; None when it is a HOST:PORT."""
+    text = text.strip()
+    host, sep, port = text.rpartition(":")
+    if not text:
+        return "type the node agent's address, like 192.168.1.20:7390"
+    if not sep or not host:
+        return "give HOST:PORT, like 192.168.1.20:7390 (the agent listens on port 7390 by default)"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"the port must be a number from 1 to 65535, not {port!r}"
+    if not _HOST.fullmatch(host):
+        return f"{host!r} is not a host name or IP address"
+    if text in known:
+        return f"{text} is already in the list"
+    return None
+
+
+# --- the table of nodes -------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class NodeRow:
+    key: str  # the node id once known, else "address:HOST:PORT"
+    address: str = ""  # HOST:PORT of its agent's control API
+    name: str = ""
+    node_id: str = ""
+    os: str = ""
+    cpu: str = ""
+    devices: list[str] = dataclasses.field(default_factory=list)
+    memory_mb: int = 0
+    available_mb: int = 0
+    state: str = "waiting for status"
+    workers: list[dict] = dataclasses.field(default_factory=list)
+    shards: list[dict] = dataclasses.field(default_factory=list)
+    mdns: bool = False
+    added: bool = False
+    error: str = ""  # why the last status request failed
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return "unreachable"
+        serving = [w for w in self.workers if str(w.get("state", "running")) == "running"]
+        if self.state.startswith("serving") and serving:
+            return "serving " + ", ".join(f"stage {w.get('stage')} (layers {w['layers'][0]}-{w['layers'][1]})"
+                                          if w.get("layers") else f"stage {w.get('stage')}" for w in serving)
+        return self.state
+
+    @property
+    def found_by(self) -> str:
+        return " + ".join(n for n, on in (("mDNS", self.mdns), ("address", self.added)) if on)
+
+    def shards_text(self) -> str:
+        if not self.shards:
+            return "none"
+        return ", ".join(f"{s.get('model', '?')} {s['layers'][0]}-{s['layers'][1]}" for s in self.shards)
+
+    def memory_text(self) -> str:
+        if not self.memory_mb:
+            return ""
+        return f"{self.available_mb / 1024:.1f} of {self.memory_mb / 1024:.1f} GB free"
+
+    def take_node(self, node: dict) -> None:
+        """Facts from a status reply's or an mDNS record's node fields."""
+        self.name = str(node.get("name") or self.name)
+        self.node_id = str(node.get("node_id") or self.node_id)
+        self.os = str(node.get("os") or self.os)
+        self.cpu = str(node.get("cpu") or self.cpu)
+        devices = [d.get("name") for d in node.get("devices") or [] if isinstance(d, dict) and d.get("name")]
+        self.devices = devices or self.devices
+        self.memory_mb = int(node.get("memory_mb") or self.memory_mb)
+        self.available_mb = int(node.get("available_mb") or self.available_mb)
+
+
+class NodesModel(QAbstractTableModel):
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.rows: list[NodeRow] = []
+
+    # --- Qt's side -----------------------------------------------------------------------------------
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(COLUMNS)
+
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if role == Qt.ItemDataRole.DisplayRole and orientation == Qt.Orientation.Horizontal:
+            return COLUMNS[section]
+        return None
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        if not index.isValid():
+            return None
+        row = self.rows[index.row()]
+        column = COLUMNS[index.column()]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return {"Name": row.name or "(asking…)", "Address": row.address, "OS": row.os,
+                    "Devices": ", ".join(row.devices), "Memory": row.memory_text(), "Status": row.status,
+                    "Shards": row.shards_text() if not row.error else "", "Found by": row.found_by}[column]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            if column == "Status" and row.error:
+                return row.error
+            if column == "Shards" and row.shards:
+                return "\n".join(f"{s.get('model')} stage {s.get('stage')} of {s.get('count')}, layers "
+                                 f"{s['layers'][0]}-{s['layers'][1]}, {s.get('weights')}, "
+                                 f"{s.get('bytes', 0) / 2**20:.1f} MB" for s in row.shards)
+            if column in ("Name", "Devices"):
+                return f"{row.cpu}\nnode id {row.node_id}" if row.node_id else None
+        if role == Qt.ItemDataRole.ForegroundRole and column == "Status":
+            word = row.status.split(" ", 1)[0]
+            return QColor(STATUS_COLOURS[word]) if word in STATUS_COLOURS else None
+        if role == Qt.ItemDataRole.UserRole:
+            return row
+        return None
+
+    # --- updates -------------------------------------------------------------------------------------
+
+    def row(self, name: str) -> NodeRow | None:
+        return next((r for r in self.rows if r.name == name), None)
+
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.rows if r.address]
+
+    def reachable(self) -> list[NodeRow]:
+        return [r for r in self.rows if r.address and not r.error and r.node_id]
+
+    def _changed(self, row: NodeRow) -> None:
+        i = self.rows.index(row)
+        self.dataChanged.emit(self.index(i, 0), self.index(i, len(COLUMNS) - 1))
+
+    def _append(self, row: NodeRow) -> None:
+        self.beginInsertRows(QModelIndex(), len(self.rows), len(self.rows))
+        self.rows.append(row)
+        self.endInsertRows()
+
+    def _drop(self, row: NodeRow) -> None:
+        i = self.rows.index(row)
+        self.beginRemoveRows(QModelIndex(), i, i)
+        del self.rows[i]
+        self.endRemoveRows()
+
+    def discovered(self, kind: str, info) -> None:
+        """An mDNS event (``engine.fleet.discovery.Browser``)."""
+        addresses = [f"{a}:{info.port}" for a in info.addresses]
+        row = next((r for r in self.rows if r.node_id == info.node_id), None) or \
+            next((r for r in self.rows if r.address in addresses and r.address), None)
+        if kind == "removed":
+            if row is None:
+                return
+            row.mdns = False
+            if row.added:
+                self._changed(row)
+            else:
+                self._drop(row)
+            return
+        if row is None:
+            row = NodeRow(key=info.node_id)
+            self._append(row)
+        row.mdns = True
+        row.take_node(dataclasses.asdict(info))
+        if not row.added and addresses:
+            row.address = addresses[0]
+        if not row.error:
+            row.state = info.status
+        self._changed(row)
+
+    def add_address(self, address: str) -> None:
+        row = next((r for r in self.rows if r.address == address), None)
+        if row is None:
+            self._append(NodeRow(key=f"address:{address}", address=address, added=True))
+        else:
+            row.added = True
+            self._changed(row)
+
+    def remove_address(self, address: str) -> None:
+        for row in [r for r in self.rows if r.address == address and r.added]:
+            row.added = False
+            if row.mdns:
+                self._changed(row)
+            else:
+                self._drop(row)
+
+    def statuses(self, results: dict[str, dict]) -> None:
+        """Replies of ``EngineBackend.node_status``: address -> status, or {"error": reason}."""
+        for address, status in results.items():
+            for row in [r for r in self.rows if r.address == address]:
+                if "error" in status:
+                    row.error = status["error"]
+                    self._changed(row)
+                    continue
+                node = status.get("node", {})
+                twin = next((r for r in self.rows if r is not row and node.get("node_id")
+                             and r.node_id == node.get("node_id")), None)
+                if twin is not None and row.added and not row.mdns:  # the same node, found both ways
+                    twin.added = True
+                    self._drop(row)
+                    row = twin
+                row.error = ""
+                row.take_node(node)
+                row.state = str(status.get("state", ""))
+                row.workers = list(status.get("workers", []))
+                row.shards = list(status.get("shards", []))
+                self._changed(row)
+
+
+# --- dialogs and the round-trip matrix ------------------------------------------------------------------
+
+class AddNodeDialog(QDialog):
+    """Asks for a node agent's HOST:PORT; OK stays disabled until the text is one."""
+
+    def __init__(self, known: list[str], parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Add a node by address")
+        self.known = list(known)
+        self.address = QLineEdit()
+        self.address.setPlaceholderText("HOST:PORT, like 192.168.1.20:7390")
+        self.hint = QLabel()
+        self.hint.setObjectName("hint")
+        self.hint.setWordWrap(True)
+        explain = QLabel("Add nodes whose agents mDNS cannot find (another subnet, or a network that drops "
+                         "multicast). Run `fleet agent` there; it listens on port 7390 by default.")
+        explain.setWordWrap(True)
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        self.buttons.accepted.connect(self.accept)
+        self.buttons.rejected.connect(self.reject)
+        form = QFormLayout()
+        form.addRow("Address", self.address)
+        layout = QVBoxLayout(self)
+        layout.addWidget(explain)
+        layout.addLayout(form)
+        layout.addWidget(self.hint)
+        layout.addWidget(self.buttons)
+        self.address.textChanged.connect(self._check)
+        self._check()
+
+    def problem(self) -> str | None:
+        return address_problem(self.address.text(), self.known)
+
+    def _check(self) -> None:
+        problem = self.problem()
+        self.hint.setText(problem or "")
+        self.buttons.button(QDialogButtonBox.StandardButton.Ok).setEnabled(problem is None)
+
+    def accept(self) -> None:
+        if self.problem() is None:
+            super().accept()
+
+    def result_address(self) -> str:
+        return self.address.text().strip()
+
+
+class RoundTripTable(QTableWidget):
+    """Measured round trips in ms, from the row's machine to the column's."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(0, 0, parent)
+        self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+
+    def show_matrix(self, labels: dict[str, str], measured: dict[tuple[str, str], float | None]) -> None:
+        keys = list(labels)
+        self.setRowCount(len(keys))
+        self.setColumnCount(len(keys))
+        names = [labels[k] for k in keys]
+        self.setHorizontalHeaderLabels(names)
+        self.setVerticalHeaderLabels(names)
+        for i, a in enumerate(keys):
+            for j, b in enumerate(keys):
+                if a == b:
+                    text = "—"
+                elif (a, b) in measured or (b, a) in measured:
+                    value = measured.get((a, b), measured.get((b, a)))
+                    text = "unreachable" if value is None else f"{value:.2f}"
+                else:
+                    text = ""
+                item = QTableWidgetItem(text)
+                item.setTextAlignment(Qt.AlignmentFlag.AlignCenter)
+                self.setItem(i, j, item)
+
+    def value(self, row_label: str, column_label: str) -> str:
+        labels = [self.verticalHeaderItem(i).text() for i in range(self.rowCount())]
+        return self.item(labels.index(row_label), labels.index(column_label)).text()
+
+
+class _Discovery(QObject):
+    """A fleet's mDNS browser whose events reach the GUI thread (queued signal)."""
+
+    event = Signal(str, object)  # kind, NodeInfo
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.browser = None
+
+    def start(self, fleet_id: str) -> None:
+        from engine.fleet.discovery import Browser
+
+        self.stop()
+        self.browser = Browser(fleet_id, on_event=self.event.emit).start()
+
+    def stop(self) -> None:
+        browser, self.browser = self.browser, None
+        if browser is not None:
+            browser.close()
+
+
+# --- the view ---------------------------------------------------------------------------------------------
+
+class FleetView(QWidget):
+    key_changed = Signal(str)  # the fleet key file the app now uses
+
+    def __init__(self, settings, backend, tasks: TaskRunner, *, poll_ms: int = POLL_MS, discover: bool = True,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.settings = settings
+        self.backend = backend
+        self.tasks = tasks
+        self.discover = discover
+        self.key: keystore.KeyState | None = None
+        self._poll = None
+        self._rtt = None
+        self.banner = Banner()
+        self.model = NodesModel(self)
+        self.discovery = _Discovery(self)
+        self.discovery.event.connect(self.model.discovered)
+
+        self.key_label = QLabel()
+        self.key_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.key_label.setWordWrap(True)
+        self.key_note = QLabel()
+        self.key_note.setObjectName("hint")
+        self.key_note.setWordWrap(True)
+        create = QPushButton("New key…")
+        create.setToolTip("make a new fleet key; copy the file to every machine of the fleet")
+        create.clicked.connect(self._ask_create_key)
+        choose = QPushButton("Choose key file…")
+        choose.clicked.connect(self._ask_choose_key)
+        key_box = QGroupBox("Fleet key")
+        key_row = QHBoxLayout(key_box)
+        key_text = QVBoxLayout()
+        key_text.addWidget(self.key_label)
+        key_text.addWidget(self.key_note)
+        key_row.addLayout(key_text, 1)
+        key_row.addWidget(create)
+        key_row.addWidget(choose)
+
+        self.table = QTableView()
+        self.table.setModel(self.model)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.verticalHeader().hide()
+        self.table.setWordWrap(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        header.setStretchLastSection(False)
+        for i, name in enumerate(COLUMNS):
+            if name in ("Status", "Shards"):
+                header.setSectionResizeMode(i, QHeaderView.ResizeMode.Stretch)
+            else:
+                header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        self.add_button = QPushButton("Add node…")
+        self.add_button.clicked.connect(self._ask_add_node)
+        self.remove_button = QPushButton("Remove node")
+        self.remove_button.setToolTip("forget a node added by address")
+        self.remove_button.clicked.connect(self.remove_selected)
+        self.refresh_button = QPushButton("Refresh")
+        self.refresh_button.clicked.connect(self.refresh)
+        self.rtt_button = QPushButton("Measure round trips")
+        self.rtt_button.setObjectName("primary")
+        self.rtt_button.clicked.connect(self.measure_round_trips)
+        self.summary = QLabel()
+        self.summary.setObjectName("hint")
+        tools = QHBoxLayout()
+        tools.addWidget(self.summary, 1)
+        for b in (self.add_button, self.remove_button, self.refresh_button, self.rtt_button):
+            tools.addWidget(b)
+
+        self.rtt_table = RoundTripTable()
+        self.rtt_note = QLabel("Round trips between the nodes' control ports, in ms (median of 5). "
+                               "Click Measure round trips.")
+        self.rtt_note.setObjectName("hint")
+        self.rtt_note.setWordWrap(True)
+        rtt_box = QGroupBox("Round trips")
+        rtt_layout = QVBoxLayout(rtt_box)
+        rtt_layout.addWidget(self.rtt_note)
+        rtt_layout.addWidget(self.rtt_table, 1)
+
+        split = QSplitter(Qt.Orientation.Vertical)
+        nodes = QWidget()
+        nodes_layout = QVBoxLayout(nodes)
+        nodes_layout.setContentsMargins(0, 0, 0, 0)
+        nodes_layout.addLayout(tools)
+        nodes_layout.addWidget(self.table, 1)
+        split.addWidget(nodes)
+        split.addWidget(rtt_box)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 1)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.banner)
+        layout.addWidget(key_box)
+        layout.addWidget(split, 1)
+
+        for address in added_nodes():
+            self.model.add_address(address)
+        self.model.rowsInserted.connect(self._summarise)
+        self.model.rowsRemoved.connect(self._summarise)
+        self.model.dataChanged.connect(self._summarise)
+        self.timer = QTimer(self)
+        self.timer.setInterval(poll_ms)
+        self.timer.timeout.connect(self.refresh)
+        self.reload_key()
+        self.timer.start()
+        self.refresh()
+
+    # --- the key -------------------------------------------------------------------------------------
+
+    def reload_key(self) -> None:
+        """Reads the key in force and (re)starts discovery for its fleet."""
+        before = self.key.fleet_id if self.key else None
+        self.key = keystore.state(self.settings)
+        if self.key.usable:
+            self.key_label.setText(f"{self.key.path}  ·  fleet {self.key.fleet_id}")
+            self.key_note.setText(_sentence(self.key.storage()) + ". Copy the file to every machine of the fleet.")
+        else:
+            missing = not self.key.path.exists()
+            self.key_label.setText(f"No fleet key yet at {self.key.path}" if missing else
+                                   f"The fleet key at {self.key.path} cannot be used")
+            self.key_note.setText(("" if missing else _sentence(self.key.problem) + ". ") +
+                                  "Make a new key on one machine and copy the file to the others, or choose the "
+                                  "file another machine of the fleet uses.")
+        if self.key.fleet_id != before or (self.discover and self.discovery.browser is None and self.key.usable):
+            self._start_discovery()
+        self._summarise()
+
+    def _start_discovery(self) -> None:
+        for row in [r for r in self.model.rows if r.mdns]:  # another fleet: its nodes go
+            self.model.discovered("removed", _Gone(row.node_id))
+        self.discovery.stop()
+        if not (self.discover and self.key and self.key.usable):
+            return
+        try:
+            self.discovery.start(self.key.fleet_id)
+        except FleetError as exc:
+            self.banner.info(f"Nodes cannot be discovered on this network ({exc}). Add them by address.")
+
+    def create_key(self, path) -> None:
+        from pathlib import Path
+
+        try:
+            keystore.create(Path(path))
+        except (FleetError, OSError) as exc:
+            self.banner.error(f"Could not create the fleet key: {exc}")
+            return
+        self._use_key(str(path))
+        self.banner.info(f"New fleet key in {path}. Copy this file to every machine of the fleet.")
+
+    def choose_key(self, path) -> None:
+        from pathlib import Path
+
+        try:
+            _, notice = keystore.adopt(Path(path))
+        except (FleetError, OSError) as exc:
+            self.banner.error(f"That key file cannot be used: {exc}")
+            return
+        self._use_key(str(path))
+        if notice:
+            self.banner.info(notice)
+
+    def _use_key(self, path: str) -> None:
+        self.settings = dataclasses.replace(self.settings, fleet_key_file=path)
+        self.key_changed.emit(path)
+        self.reload_key()
+        self.refresh()
+
+    def _ask_create_key(self) -> None:
+        path = keystore.key_path(self.settings)
+        if path.exists():
+            chosen, _ = QFileDialog.getSaveFileName(self, "New fleet key", str(path.with_name("fleet-new.key")))
+            if not chosen:
+                return
+            path = chosen
+        self.create_key(path)
+
+    def _ask_choose_key(self) -> None:
+        chosen, _ = QFileDialog.getOpenFileName(self, "Fleet key file", str(keystore.key_path(self.settings)))
+        if chosen:
+            self.choose_key(chosen)
+
+    # --- nodes ---------------------------------------------------------------------------------------
+
+    def add_node(self, address: str) -> str | None:
+        """Adds a node by address (kept in the engine settings); returns the problem, if any."""
+        address = address.strip()
+        problem = address_problem(address, added_nodes())
+        if problem:
+            self.banner.error(problem)
+            return problem
+        save_added_nodes(added_nodes() + [address])
+        self.model.add_address(address)
+        self.refresh()
+        return None
+
+    def remove_node(self, address: str) -> None:
+        save_added_nodes([a for a in added_nodes() if a != address])
+        self.model.remove_address(address)
+
+    def remove_selected(self) -> None:
+        rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []
+        if not rows:
+            return
+        row = self.model.rows[rows[0].row()]
+        if not row.added:
+            self.banner.info(f"{row.name} was found over mDNS; it leaves the list when its agent stops.")
+            return
+        self.remove_node(row.address)
+
+    def _ask_add_node(self) -> AddNodeDialog:
+        dialog = AddNodeDialog(added_nodes(), self)
+        dialog.accepted.connect(lambda: self.add_node(dialog.result_address()))
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        return dialog
+
+    def agent_addresses(self) -> list[str]:
+        """The agents that answered their last status request (what a survey can profile)."""
+        return [r.address for r in self.model.reachable()]
+
+    def node_names(self) -> dict[str, str]:
+        return {r.address: r.name or r.address for r in self.model.rows if r.address}
+
+    # --- polling and round trips ---------------------------------------------------------------------
+
+    @property
+    def polling(self) -> bool:
+        return self._poll is not None
+
+    def refresh(self) -> None:
+        """Asks every node's agent for its status, off the GUI thread (one request round at a time)."""
+        addresses = self.model.addresses()
+        if self._poll is not None or not addresses or not (self.key and self.key.usable):
+            return
+        settings, backend = self.settings, self.backend
+        self._poll = self.tasks.start(lambda report, cancel: backend.node_status(addresses, settings),
+                                      "node status", succeeded=self._polled, failed=self._poll_failed)
+
+    def _polled(self, results: dict) -> None:
+        self._poll = None
+        self.model.statuses(results)
+
+    def _poll_failed(self, message: str) -> None:
+        self._poll = None
+        self.banner.error(f"Asking the nodes for their status failed: {message}")
+
+    def measure_round_trips(self) -> None:
+        addresses = self.agent_addresses()
+        if self._rtt is not None:
+            return
+        if not addresses:
+            self.rtt_note.setText("No node answers yet: round trips need at least one reachable agent.")
+            return
+        settings, backend = self.settings, self.backend
+        labels = {"local": "this machine", **{a: self.node_names().get(a, a) for a in addresses}}
+        self.rtt_button.setEnabled(False)
+        self.rtt_note.setText(f"Measuring round trips between {len(addresses) + 1} machines…")
+        self._rtt = self.tasks.start(lambda report, cancel: backend.round_trips(addresses, settings), "round trips",
+                                     succeeded=lambda m: self._measured(labels, m), failed=self._rtt_failed)
+
+    def _measured(self, labels: dict, measured: dict) -> None:
+        self._rtt = None
+        self.rtt_button.setEnabled(True)
+        self.rtt_table.show_matrix(labels, measured)
+        self.rtt_note.setText("Round trips between the nodes' control ports, in ms (median of 5): from the row's "
+                              "machine to the column's.")
+
+    def _rtt_failed(self, message: str) -> None:
+        self._rtt = None
+        self.rtt_button.setEnabled(True)
+        self.rtt_note.setText("Round trips could not be measured.")
+        self.banner.error(f"Measuring round trips failed: {message}")
+
+    def _summarise(self, *_) -> None:
+        rows = self.model.rows
+        if not (self.key and self.key.usable):
+            text = "Set the fleet key to find this fleet's nodes."
+        elif not rows:
+            text = ("Looking for nodes over mDNS… Start `fleet agent` (or `fleetgui --worker`) on the other PCs, "
+                    "or add them by address.")
+        else:
+            up = sum(1 for r in rows if not r.error and r.node_id)
+            text = f"{len(rows)} node{'s' if len(rows) != 1 else ''}, {up} answering"
+        self.summary.setText(text)
+
+    # --- settings and shutdown -----------------------------------------------------------------------
+
+    def apply_settings(self, settings) -> None:
+        changed = settings.fleet_key_file != self.settings.fleet_key_file
+        self.settings = settings
+        if changed:
+            self.reload_key()
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        if self.key is not None and not self.key.usable:  # the chat may have made the default key meanwhile
+            self.reload_key()
+
+    def shutdown(self) -> None:
+        self.timer.stop()
+        self.discovery.stop()
+
+
+@dataclasses.dataclass
+class _Gone:
+    """Enough of a NodeInfo to drop a discovered node."""
+
+    node_id: str
+    port: int = 0
+    addresses: list = dataclasses.field(default_factory=list)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]

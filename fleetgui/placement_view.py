@@ -1,0 +1,1032 @@
+"""The Placement view: which machine runs which layers, drawn and priced live.
+
+A fleet profile (``engine.fleet.survey``: run here with "Profile fleet", or the last
+``fleet-profile.json`` of the data folder) gives the model's layers and one lane per node and
+device.  The plan is a chain of layer ranges, each on a lane:
+
+- ``PlanModel`` (a ``QAbstractItemModel``: lanes at the top level, the ranges each lane runs as
+  their children) holds it.  A range travels as MIME data (``mimeData``) and ``dropMimeData`` onto
+  a lane moves those layers there; ranges are checkable, checked meaning pinned.  Every change is
+  priced with ``engine.fleet.placement.evaluate`` at once (cheap), so the predicted tok/s and the
+  memory bars follow a drag.
+- ``PlanCanvas`` draws it: the layer bar with the range boundaries as handles, the lanes with their
+  ranges and memory fill.  Dragging a range to another lane (press, move, release) goes through the
+  model's ``mimeData``/``dropMimeData``, inside the widget (no ``QDrag``); dragging a boundary
+  moves it; right click pins, unpins or splits a range.  The tree beside it shows the same model
+  (checkboxes pin; its drag and drop is Qt's own).
+
+"Optimise" runs ``solve`` with the pinned ranges off the GUI thread; a plan that cannot work shows
+why (``evaluate``'s problems, or ``Infeasible``'s reason).  "Deploy" ships and starts the plan with
+a progress bar per stage and Cancel, then hands the deployment to the chat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import QAbstractItemModel, QMimeData, QModelIndex, QPoint, QRectF, QSize, Qt, Signal
+from PySide6.QtGui import QAction, QColor, QPainter, QPen
+from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
+                               QHeaderView, QLabel, QLineEdit, QMenu, QProgressBar, QPushButton, QScrollArea,
+                               QSizePolicy, QSpinBox, QSplitter, QTreeView, QVBoxLayout, QWidget)
+
+from engine.errors import FleetError
+from fleetgui.theme import SERIES
+from fleetgui.widgets import Banner
+from fleetgui.workers import TaskRunner
+
+MIME = "application/x-fleetshard-layers"
+GB = 2**30
+PROFILE_NAME = "fleet-profile.json"
+# share of a stage's progress bar each deployment phase fills (stage 0 only exports and connects)
+PHASES = {"export": (0.0, 0.3), "send": (0.3, 0.8), "start": (0.8, 1.0)}
+STAGE0_PHASES = {"export": (0.0, 0.6), "connect": (0.6, 1.0)}
+
+
+def default_profile() -> Path:
+    from engine.config import paths
+
+    return paths().data / PROFILE_NAME
+
+
+def parse_profile(doc: dict):
+    """(ModelShape, nodes, Fleet) of a survey document."""
+    from engine.fleet.placement import Fleet, ModelShape
+
+    try:
+        return ModelShape.from_json(doc["model"]), doc["nodes"], Fleet.from_json(doc["fleet"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FleetError(f"not a fleet profile written by `fleet profile` or the app ({exc})") from None
+
+
+@dataclasses.dataclass
+class Lane:
+    node: str
+    device: str
+    name: str  # the node's display name
+    address: str  # its agent's HOST:PORT, or LOCAL for this machine
+    memory_bytes: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} · {self.device}"
+
+
+@dataclasses.dataclass
+class StageRange:
+    lane: int
+    start: int
+    end: int
+    pinned: bool = False
+
+
+class PlanModel(QAbstractItemModel):
+    """Lanes (node, device) at the top level; each lane's layer ranges (stages) as its children."""
+
+    planChanged = Signal()  # stages or their evaluation changed
+    COLUMNS = ("Lane / layers", "Stage")
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.shape = None
+        self.nodes: dict = {}
+        self.fleet = None
+        self.lanes: list[Lane] = []
+        self.stages: list[StageRange] = []  # chain order (by first layer)
+        self.users = 1
+        self.evaluation = None
+        self.problems: list[str] = []
+
+    # --- loading -------------------------------------------------------------------------------------
+
+    def load(self, doc: dict) -> None:
+        from engine.fleet.deploy import LOCAL
+
+        shape, nodes, fleet = parse_profile(doc)
+        order = {n: i for i, n in enumerate(nodes)}
+        devices = sorted(fleet.devices, key=lambda d: (d.node != fleet.coordinator, order.get(d.node, len(order))))
+        self.beginResetModel()
+        self.shape, self.nodes, self.fleet = shape, nodes, fleet
+        self.lanes = [Lane(d.node, d.device, str(nodes.get(d.node, {}).get("name", d.node)),
+                           str(nodes.get(d.node, {}).get("address", LOCAL)), int(d.memory_bytes)) for d in devices]
+        self.stages = self._even_split()
+        self.endResetModel()
+        self.evaluate()
+
+    def _even_split(self) -> list[StageRange]:
+        """A starting plan: the layers split evenly over the nodes (each node's first supported device)."""
+        first: dict[str, int] = {}
+        for i, lane in enumerate(self.lanes):
+            profile = self.fleet.device(lane.node, lane.device)
+            if lane.node not in first and (profile is None or profile.supported):
+                first[lane.node] = i
+        lanes = list(first.values())[:self.shape.num_layers] or [0]
+        n, total = len(lanes), self.shape.num_layers
+        bounds = [round(total * k / n) for k in range(n + 1)]
+        return [StageRange(lane, a, b) for lane, a, b in zip(lanes, bounds, bounds[1:]) if b > a]
+
+    @property
+    def loaded(self) -> bool:
+        return self.shape is not None
+
+    def lane_of(self, node: str, device: str) -> int | None:
+        return next((i for i, lane in enumerate(self.lanes) if (lane.node, lane.device) == (node, device)), None)
+
+    def lane_named(self, label: str) -> int | None:
+        return next((i for i, lane in enumerate(self.lanes) if lane.label == label or lane.name == label), None)
+
+    # --- editing -------------------------------------------------------------------------------------
+
+    def set_stages(self, stages: list[StageRange]) -> None:
+        self.beginResetModel()
+        self.stages = sorted(stages, key=lambda s: s.start)
+        self.endResetModel()
+        self.evaluate()
+
+    def set_plan(self, plan, pins=()) -> None:
+        """The stages of a solver ``Plan``; ranges equal to a pin stay pinned."""
+        pinned = {(p.node, p.start, p.end) for p in pins}
+        stages = []
+        for s in plan.stages:
+            lane = self.lane_of(s.node, s.device)
+            if lane is None:
+                raise FleetError(f"the plan uses {s.device} of node {s.node}, which is not in the profile")
+            stages.append(StageRange(lane, s.start, s.end, (s.node, s.start, s.end) in pinned))
+        self.set_stages(stages)
+
+    def move_range(self, start: int, end: int, lane: int) -> bool:
+        """Moves layers ``start``-``end`` onto ``lane``: they leave the stages that held them, and a
+        neighbouring range already on that lane joins them.  A whole range keeps its pin."""
+        if not self.loaded or not (0 <= start < end <= self.shape.num_layers) or not 0 <= lane < len(self.lanes):
+            return False
+        whole = next((s for s in self.stages if (s.start, s.end) == (start, end)), None)
+        if whole is not None and whole.lane == lane:
+            return False
+        pieces = []
+        for s in self.stages:
+            if s.end <= start or s.start >= end:
+                pieces.append(s)
+                continue
+            if s.start < start:
+                pieces.append(StageRange(s.lane, s.start, start))
+            if s.end > end:
+                pieces.append(StageRange(s.lane, end, s.end))
+        moved = StageRange(lane, start, end, whole.pinned if whole else False)
+        pieces.append(moved)
+        pieces.sort(key=lambda s: s.start)
+        merged: list[StageRange] = []
+        for s in pieces:
+            prev = merged[-1] if merged else None
+            if prev is not None and prev.lane == s.lane and prev.end == s.start and moved in (prev, s):
+                merged[-1] = StageRange(s.lane, prev.start, s.end)
+            else:
+                merged.append(s)
+        self.set_stages(merged)
+        return True
+
+    def move_boundary(self, index: int, layer: int) -> bool:
+        """Moves the boundary after stage ``index`` to ``layer`` (each side keeps at least one layer)."""
+        if not 0 <= index < len(self.stages) - 1:
+            return False
+        left, right = self.stages[index], self.stages[index + 1]
+        layer = max(left.start + 1, min(right.end - 1, int(layer)))
+        if layer == left.end:
+            return False
+        left.end = right.start = layer
+        first, last = self.range_index(index), self.range_index(index + 1)
+        self.dataChanged.emit(first, first.siblingAtColumn(1))
+        self.dataChanged.emit(last, last.siblingAtColumn(1))
+        self.evaluate()
+        return True
+
+    def split(self, index: int) -> bool:
+        """Splits a range of 2+ layers in two halves on the same lane."""
+        s = self.stages[index]
+        if s.end - s.start < 2:
+            return False
+        mid = (s.start + s.end) // 2
+        rest = [x for i, x in enumerate(self.stages) if i != index]
+        self.set_stages(rest + [StageRange(s.lane, s.start, mid), StageRange(s.lane, mid, s.end)])
+        return True
+
+    def set_pinned(self, index: int, pinned: bool) -> None:
+        self.stages[index].pinned = pinned
+        at = self.range_index(index)
+        self.dataChanged.emit(at, at.siblingAtColumn(1), [Qt.ItemDataRole.CheckStateRole])
+        self.planChanged.emit()
+
+    def set_users(self, users: int) -> None:
+        self.users = max(1, int(users))
+        self.evaluate()
+
+    def pins(self) -> list:
+        from engine.fleet.placement import Pin
+
+        return [Pin(node=self.lanes[s.lane].node, start=s.start, end=s.end, device=self.lanes[s.lane].device)
+                for s in self.stages if s.pinned]
+
+    def chain(self) -> list[tuple[str, str, int, int]]:
+        return [(self.lanes[s.lane].node, self.lanes[s.lane].device, s.start, s.end) for s in self.stages]
+
+    # --- pricing -------------------------------------------------------------------------------------
+
+    def evaluate(self) -> None:
+        from engine.fleet.deploy import LOCAL
+        from engine.fleet.placement import evaluate
+
+        if not self.loaded:
+            return
+        self.evaluation = evaluate(self.shape, self.fleet, self.chain(), users=self.users)
+        problems = list(self.evaluation.problems)
+        for i, s in enumerate(self.stages[1:], start=1):  # what deploy() needs besides what evaluate checks
+            if self.lanes[s.lane].address == LOCAL:
+                problems.append(f"stage {i} (layers {s.start}-{s.end}) is on this machine, which runs stage 0 "
+                                "only: give those layers to a node agent")
+        if len(self.stages) < 2:
+            problems.append("a deployment needs at least one stage on another node")
+        self.problems = [self.readable(p) for p in problems]
+        if self.stages:
+            self.dataChanged.emit(self.index(0, 0), self.index(len(self.lanes) - 1, 1))
+        self.planChanged.emit()
+
+    def readable(self, text: str) -> str:
+        """The engine names nodes by id; a person knows them by name."""
+        for node, info in self.nodes.items():
+            text = text.replace(node, str(info.get("name", node)))
+        return text
+
+    def stage_ms(self, index: int) -> float:
+        return self.evaluation.plan.stages[index].ms if self.evaluation else 0.0
+
+    def lane_memory(self, lane: int) -> int:
+        if not self.evaluation:
+            return 0
+        return sum(p.memory_bytes for s, p in zip(self.stages, self.evaluation.plan.stages) if s.lane == lane)
+
+    # --- Qt's model -----------------------------------------------------------------------------------
+
+    def _children(self, lane: int) -> list[int]:
+        return [i for i, s in enumerate(self.stages) if s.lane == lane]
+
+    def lane_index(self, lane: int, column: int = 0) -> QModelIndex:
+        return self.createIndex(lane, column, 0)
+
+    def range_index(self, stage: int, column: int = 0) -> QModelIndex:
+        lane = self.stages[stage].lane
+        return self.createIndex(self._children(lane).index(stage), column, lane + 1)
+
+    def stage_of(self, index: QModelIndex) -> int | None:
+        if not index.isValid() or index.internalId() == 0:
+            return None
+        children = self._children(index.internalId() - 1)
+        return children[index.row()] if index.row() < len(children) else None
+
+    def index(self, row: int, column: int, parent=QModelIndex()) -> QModelIndex:
+        if column < 0 or column >= len(self.COLUMNS) or row < 0:
+            return QModelIndex()
+        if not parent.isValid():
+            return self.createIndex(row, column, 0) if row < len(self.lanes) else QModelIndex()
+        if parent.internalId() != 0:
+            return QModelIndex()
+        return self.createIndex(row, column, parent.row() + 1) if row < len(self._children(parent.row())) \
+            else QModelIndex()
+
+    def parent(self, index=QModelIndex()) -> QModelIndex:
+        if not index.isValid() or index.internalId() == 0:
+            return QModelIndex()
+        return self.createIndex(index.internalId() - 1, 0, 0)
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        if not parent.isValid():
+            return len(self.lanes)
+        if parent.internalId() == 0 and parent.column() == 0:
+            return len(self._children(parent.row()))
+        return 0
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return len(self.COLUMNS)
+
+    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
+        if role == Qt.ItemDataRole.DisplayRole and orientation == Qt.Orientation.Horizontal:
+            return self.COLUMNS[section]
+        return None
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        if not index.isValid():
+            return None
+        stage = self.stage_of(index)
+        if stage is None:
+            lane = self.lanes[index.row()]
+            if role == Qt.ItemDataRole.DisplayRole:
+                return lane.label if index.column() == 0 else \
+                    f"{self.lane_memory(index.row()) / GB:.2f} of {lane.memory_bytes / GB:.1f} GB"
+            if role == Qt.ItemDataRole.ToolTipRole:
+                return f"{lane.name} ({lane.address}), {lane.device}: drop layer ranges here"
+            return None
+        s = self.stages[stage]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return f"layers {s.start}-{s.end}" if index.column() == 0 else \
+                f"stage {stage}, {self.stage_ms(stage):.2f} ms"
+        if role == Qt.ItemDataRole.CheckStateRole and index.column() == 0:
+            return Qt.CheckState.Checked if s.pinned else Qt.CheckState.Unchecked
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return "checked: pinned (Optimise keeps this range on this device)"
+        return None
+
+    def setData(self, index, value, role=Qt.ItemDataRole.EditRole) -> bool:
+        stage = self.stage_of(index)
+        if stage is None or role != Qt.ItemDataRole.CheckStateRole:
+            return False
+        checked = Qt.CheckState.Checked
+        self.set_pinned(stage, value in (checked, checked.value))
+        return True
+
+    def flags(self, index):
+        base = Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable
+        if not index.isValid():
+            return Qt.ItemFlag.NoItemFlags
+        if self.stage_of(index) is None:
+            return base | Qt.ItemFlag.ItemIsDropEnabled
+        return base | Qt.ItemFlag.ItemIsDragEnabled | Qt.ItemFlag.ItemIsUserCheckable | Qt.ItemFlag.ItemIsDropEnabled
+
+    def supportedDropActions(self):
+        return Qt.DropAction.MoveAction
+
+    def supportedDragActions(self):
+        return Qt.DropAction.MoveAction
+
+    def mimeTypes(self) -> list[str]:
+        return [MIME]
+
+    def mimeData(self, indexes) -> QMimeData:
+        """The first layer range among ``indexes``, as ``{"start", "end"}``."""
+        mime = QMimeData()
+        for index in indexes:
+            stage = self.stage_of(index)
+            if stage is not None:
+                s = self.stages[stage]
+                mime.setData(MIME, json.dumps({"start": s.start, "end": s.end}).encode())
+                break
+        return mime
+
+    def canDropMimeData(self, data, action, row, column, parent) -> bool:
+        return data.hasFormat(MIME) and parent.isValid()
+
+    def dropMimeData(self, data, action, row, column, parent) -> bool:
+        """Moves the layer range in ``data`` onto the lane ``parent`` is (or holds it)."""
+        if not data.hasFormat(MIME) or not parent.isValid() or action == Qt.DropAction.IgnoreAction:
+            return False
+        lane = parent.row() if parent.internalId() == 0 else parent.internalId() - 1
+        try:
+            doc = json.loads(bytes(data.data(MIME)).decode())
+            start, end = int(doc["start"]), int(doc["end"])
+        except (ValueError, KeyError, TypeError):
+            return False
+        return self.move_range(start, end, lane)
+
+
+class PlanCanvas(QWidget):
+    """The layer bar and the lanes, drawn; ranges and boundaries dragged with the mouse."""
+
+    def __init__(self, model: PlanModel, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.model = model
+        self.setMouseTracking(True)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self._drag = None  # ("boundary", stage index) or ("range", stage index, QPoint)
+        self._hover_lane = None
+        self.model.planChanged.connect(self.update)
+        self.model.modelReset.connect(self.updateGeometry)
+
+    # --- geometry (from the font: it scales with the system font) -----------------------------------
+
+    @property
+    def line(self) -> int:
+        return self.fontMetrics().height()
+
+    def _label_width(self) -> int:
+        fm = self.fontMetrics()
+        widest = max((fm.horizontalAdvance(lane.label) for lane in self.model.lanes), default=0)
+        return min(widest + self.line, max(self.width() // 3, self.line * 6))
+
+    def _memory_width(self) -> int:
+        return self.fontMetrics().horizontalAdvance("00.00 / 00.0 GB") + self.line
+
+    def track(self) -> tuple[int, int]:
+        """(x, width) of the layer axis."""
+        x = self.line // 2 + self._label_width()
+        return x, max(self.line * 4, self.width() - x - self._memory_width() - self.line)
+
+    def ruler_rect(self) -> QRectF:
+        x, w = self.track()
+        return QRectF(x, self.line * 1.6, w, self.line * 1.6)
+
+    def lane_rect(self, lane: int) -> QRectF:
+        x, w = self.track()
+        top = self.ruler_rect().bottom() + self.line * 1.0 + lane * self.line * 2.4
+        return QRectF(x, top, w, self.line * 1.9)
+
+    def layer_x(self, layer: float) -> float:
+        x, w = self.track()
+        return x + w * layer / max(1, self.model.shape.num_layers)
+
+    def boundary_point(self, index: int) -> QPoint:
+        """Where the handle of the boundary after stage ``index`` is."""
+        r = self.ruler_rect()
+        return QPoint(round(self.layer_x(self.model.stages[index].end)), round(r.center().y()))
+
+    def block_rect(self, stage: int) -> QRectF:
+        s = self.model.stages[stage]
+        lane = self.lane_rect(s.lane)
+        return QRectF(self.layer_x(s.start), lane.top(), self.layer_x(s.end) - self.layer_x(s.start), lane.height())
+
+    def block_point(self, stage: int) -> QPoint:
+        return self.block_rect(stage).center().toPoint()
+
+    def lane_point(self, lane: int, layer: float | None = None) -> QPoint:
+        r = self.lane_rect(lane)
+        x = r.center().x() if layer is None else self.layer_x(layer)
+        return QPoint(round(x), round(r.center().y()))
+
+    def lane_at(self, y: float) -> int | None:
+        for i in range(len(self.model.lanes)):
+            r = self.lane_rect(i)
+            if r.top() - self.line * 0.25 <= y <= r.bottom() + self.line * 0.25:
+                return i
+        return None
+
+    def stage_at(self, pos) -> int | None:
+        for i in range(len(self.model.stages)):
+            r = self.block_rect(i)
+            if r.contains(pos.x(), pos.y()):
+                return i
+        # the layer bar shows every range too
+        if self.model.loaded and self.ruler_rect().contains(pos.x(), pos.y()):
+            for i, s in enumerate(self.model.stages):
+                if self.layer_x(s.start) <= pos.x() < self.layer_x(s.end):
+                    return i
+        return None
+
+    def boundary_at(self, pos) -> int | None:
+        if not self.model.loaded:
+            return None
+        r = self.ruler_rect()
+        bottom = self.lane_rect(len(self.model.lanes) - 1).bottom() if self.model.lanes else r.bottom()
+        if not r.top() - self.line * 0.3 <= pos.y() <= bottom:
+            return None
+        grab = max(4.0, self.line * 0.4)
+        best = None
+        for i, s in enumerate(self.model.stages[:-1]):
+            gap = abs(self.layer_x(s.end) - pos.x())
+            if gap <= grab and (best is None or gap < best[0]):
+                best = (gap, i)
+        return None if best is None else best[1]
+
+    def sizeHint(self) -> QSize:
+        lanes = max(1, len(self.model.lanes))
+        height = self.lane_rect(lanes - 1).bottom() + self.line if self.model.loaded else self.line * 10
+        return QSize(self.line * 40, int(height))
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(self.line * 20, self.line * 8)
+
+    # --- painting ------------------------------------------------------------------------------------
+
+    def paintEvent(self, event) -> None:
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        pal = self.palette()
+        text = pal.windowText().color()
+        if not self.model.loaded:
+            p.setPen(text)
+            p.drawText(self.rect().adjusted(self.line, self.line, -self.line, -self.line),
+                       Qt.AlignmentFlag.AlignCenter | Qt.TextFlag.TextWordWrap,
+                       "No fleet profile yet. Click Profile fleet to measure this machine and the nodes the Fleet "
+                       "view lists, or open a profile written by `fleet profile`.")
+            return
+        m, line = self.model, self.line
+        x0, w = self.track()
+        ruler = self.ruler_rect()
+        p.setPen(text)
+        p.drawText(QRectF(line / 2, ruler.top(), x0 - line, ruler.height()), Qt.AlignmentFlag.AlignVCenter,
+                   f"{m.shape.name}: {m.shape.num_layers} layers")
+        p.drawText(QRectF(x0, line * 0.2, w, line * 1.3), Qt.AlignmentFlag.AlignVCenter, "layers")
+        for i, s in enumerate(m.stages):  # the layer bar: each range in its lane's colour
+            colour = QColor(SERIES[s.lane % len(SERIES)])
+            seg = QRectF(self.layer_x(s.start), ruler.top(), self.layer_x(s.end) - self.layer_x(s.start),
+                         ruler.height())
+            p.fillRect(seg, colour)
+            p.setPen(QColor("#ffffff"))
+            p.drawText(seg, Qt.AlignmentFlag.AlignCenter, f"{s.start}–{s.end}")
+        p.setPen(QPen(text, 1))
+        p.drawRect(ruler)
+        step = max(1, m.shape.num_layers // 16)
+        for layer in range(0, m.shape.num_layers + 1, step):  # ticks
+            x = self.layer_x(layer)
+            p.drawLine(int(x), int(ruler.bottom()), int(x), int(ruler.bottom() + line * 0.3))
+        for i, lane in enumerate(m.lanes):
+            r = self.lane_rect(i)
+            colour = QColor(SERIES[i % len(SERIES)])
+            p.setPen(text)
+            p.drawText(QRectF(line / 2, r.top(), x0 - line, r.height()),
+                       Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft, lane.label)
+            back = QColor(pal.base().color())
+            if self._hover_lane == i and self._drag and self._drag[0] == "range":
+                back = QColor(colour.lighter(180))
+            p.fillRect(r, back)
+            p.setPen(QPen(pal.mid().color(), 1))
+            p.drawRect(r)
+            self._paint_memory(p, i, r)
+        for i, s in enumerate(m.stages):
+            self._paint_block(p, i, s)
+        p.setPen(QPen(text, 2))
+        bottom = self.lane_rect(len(m.lanes) - 1).bottom()
+        for s in m.stages[:-1]:  # boundary handles across the layer bar and lanes
+            x = self.layer_x(s.end)
+            p.drawLine(int(x), int(ruler.top() - line * 0.2), int(x), int(bottom))
+            p.fillRect(QRectF(x - line * 0.2, ruler.center().y() - line * 0.45, line * 0.4, line * 0.9), text)
+        if self._drag and self._drag[0] == "range" and self._drag[2] is not None:
+            block = self.block_rect(self._drag[1])
+            ghost = QRectF(block)
+            ghost.moveCenter(self._drag[2].toPointF())
+            ghost.moveLeft(block.left())
+            p.setPen(QPen(text, 1, Qt.PenStyle.DashLine))
+            p.drawRect(ghost)
+
+    def _paint_block(self, p: QPainter, i: int, s: StageRange) -> None:
+        r = self.block_rect(i).adjusted(1, 3, -1, -3)
+        colour = QColor(SERIES[s.lane % len(SERIES)])
+        p.fillRect(r, colour)
+        if s.pinned:
+            p.setPen(QPen(QColor("#1d2733"), 3))
+            p.drawRect(r)
+        p.setPen(QColor("#ffffff"))
+        pinned = " · pinned" if s.pinned else ""
+        label = f"stage {i}: {s.start}–{s.end} · {self.model.stage_ms(i):.2f} ms{pinned}"
+        if self.fontMetrics().horizontalAdvance(label) > r.width() - 4:
+            label = f"{s.start}–{s.end}" + (" ⚑" if s.pinned else "")
+        p.drawText(r, Qt.AlignmentFlag.AlignCenter, label)
+
+    def _paint_memory(self, p: QPainter, lane: int, r: QRectF) -> None:
+        used, limit = self.model.lane_memory(lane), self.model.lanes[lane].memory_bytes
+        share = used / limit if limit else 0.0
+        bar = QRectF(r.right() + self.line * 0.5, r.top() + r.height() * 0.15, self._memory_width() - self.line * 0.5,
+                     r.height() * 0.7)
+        p.setPen(QPen(self.palette().mid().color(), 1))
+        p.drawRect(bar)
+        fill = QRectF(bar)
+        fill.setWidth(bar.width() * min(1.0, share))
+        p.fillRect(fill, QColor("#c0392b" if share > 1 else "#d4ac0d" if share > 0.85 else "#27ae60"))
+        p.setPen(self.palette().windowText().color())
+        p.drawText(bar, Qt.AlignmentFlag.AlignCenter, f"{used / GB:.2f} / {limit / GB:.1f} GB")
+
+    # --- the mouse -----------------------------------------------------------------------------------
+
+    def mousePressEvent(self, event) -> None:
+        pos = event.position()
+        if event.button() == Qt.MouseButton.RightButton:
+            stage = self.stage_at(pos)
+            if stage is not None:
+                self.context_menu(stage).popup(event.globalPosition().toPoint())
+            return
+        if event.button() != Qt.MouseButton.LeftButton:
+            return
+        boundary = self.boundary_at(pos)
+        if boundary is not None:
+            self._drag = ("boundary", boundary)
+            return
+        stage = self.stage_at(pos)
+        if stage is not None:
+            self._drag = ("range", stage, None)
+
+    def mouseMoveEvent(self, event) -> None:
+        pos = event.position()
+        if self._drag is None:
+            hover = self.boundary_at(pos) is not None
+            on_range = self.stage_at(pos) is not None
+            self.setCursor(Qt.CursorShape.SplitHCursor if hover else
+                           Qt.CursorShape.OpenHandCursor if on_range else Qt.CursorShape.ArrowCursor)
+            return
+        if self._drag[0] == "boundary":
+            x, w = self.track()
+            layer = round((pos.x() - x) / w * self.model.shape.num_layers)
+            self.model.move_boundary(self._drag[1], layer)
+        else:
+            self._drag = ("range", self._drag[1], pos.toPoint())
+            self._hover_lane = self.lane_at(pos.y())
+            self.update()
+
+    def mouseReleaseEvent(self, event) -> None:
+        drag, self._drag, self._hover_lane = self._drag, None, None
+        if drag is not None and drag[0] == "range":
+            lane = self.lane_at(event.position().y())
+            if lane is not None and lane != self.model.stages[drag[1]].lane:
+                self.drop_range(drag[1], lane)
+        self.update()
+
+    def drop_range(self, stage: int, lane: int) -> bool:
+        """What releasing a dragged range over a lane does: the model's own drag and drop."""
+        data = self.model.mimeData([self.model.range_index(stage)])
+        return self.model.dropMimeData(data, Qt.DropAction.MoveAction, -1, 0, self.model.lane_index(lane))
+
+    def context_menu(self, stage: int) -> QMenu:
+        s = self.model.stages[stage]
+        menu = QMenu(self)
+        pin = QAction("Unpin this range" if s.pinned else "Pin this range", menu)
+        pin.triggered.connect(lambda: self.model.set_pinned(stage, not s.pinned))
+        split = QAction("Split in two", menu)
+        split.setEnabled(s.end - s.start > 1)
+        split.triggered.connect(lambda: self.model.split(stage))
+        menu.addAction(pin)
+        menu.addAction(split)
+        menu.aboutToHide.connect(menu.deleteLater)
+        return menu
+
+
+class PlacementView(QWidget):
+    deployed = Signal(object)  # engine.fleet.deploy.Deployment, running and saved
+
+    def __init__(self, settings, backend, tasks: TaskRunner, agents: Callable[[], list[str]] = lambda: [],
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.settings = settings
+        self.backend = backend
+        self.tasks = tasks
+        self.agents = agents
+        self.doc: dict | None = None
+        self.deployment = None
+        self.task = None  # the running survey, solve or deployment
+        self.model = PlanModel(self)
+        self.banner = Banner()
+
+        self.source = QLineEdit(settings.default_model)
+        self.source.setToolTip("the model to place: a catalog name, a GGUF file or a Hugging Face folder")
+        self.profile_button = QPushButton("Profile fleet")
+        self.profile_button.setToolTip("measure this machine and every node the Fleet view reaches for this model")
+        self.profile_button.clicked.connect(self.profile_fleet)
+        self.open_button = QPushButton("Open profile…")
+        self.open_button.clicked.connect(self._ask_open_profile)
+        self.objective = QComboBox()
+        self.objective.addItems(["latency", "throughput"])
+        self.users = QSpinBox()
+        self.users.setRange(1, 64)
+        self.users.setToolTip("concurrent users (micro-batched streams) the prediction and the throughput objective "
+                              "assume")
+        self.users.valueChanged.connect(self.model.set_users)
+        self.optimise_button = QPushButton("Optimise")
+        self.optimise_button.setToolTip("let the solver choose the ranges; pinned ranges stay where they are")
+        self.optimise_button.clicked.connect(self.optimise)
+        self.deploy_button = QPushButton("Deploy")
+        self.deploy_button.setObjectName("primary")
+        self.deploy_button.clicked.connect(self.deploy)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.stop_button = QPushButton("Stop deployment")
+        self.stop_button.clicked.connect(self.stop_deployment)
+
+        top = QHBoxLayout()
+        top.addWidget(QLabel("Model"))
+        top.addWidget(self.source, 1)
+        top.addWidget(self.profile_button)
+        top.addWidget(self.open_button)
+        plan_row = QHBoxLayout()
+        plan_row.addWidget(QLabel("Objective"))
+        plan_row.addWidget(self.objective)
+        plan_row.addWidget(QLabel("Users"))
+        plan_row.addWidget(self.users)
+        plan_row.addWidget(self.optimise_button)
+        plan_row.addStretch(1)
+        for b in (self.cancel_button, self.stop_button, self.deploy_button):
+            plan_row.addWidget(b)
+
+        self.activity = QLabel()
+        self.activity.setObjectName("hint")
+        self.activity.setWordWrap(True)
+        self.busy = QProgressBar()
+        self.busy.setRange(0, 0)
+        self.busy.setMaximumWidth(self.fontMetrics().averageCharWidth() * 24)
+        busy_row = QHBoxLayout()
+        busy_row.addWidget(self.activity, 1)
+        busy_row.addWidget(self.busy)
+        self.prediction = QLabel()
+        self.prediction.setObjectName("prediction")
+        font = self.prediction.font()
+        font.setBold(True)
+        self.prediction.setFont(font)
+        self.prediction.setWordWrap(True)
+        self.problems = QLabel()
+        self.problems.setObjectName("problems")
+        self.problems.setWordWrap(True)
+        self.problems.setStyleSheet("color: #c0392b;")
+        self.problems.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        self.canvas = PlanCanvas(self.model)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(self.canvas)
+        self.tree = QTreeView()
+        self.tree.setModel(self.model)
+        self.tree.setDragDropMode(QAbstractItemView.DragDropMode.DragDrop)
+        self.tree.setDefaultDropAction(Qt.DropAction.MoveAction)
+        self.tree.setDragEnabled(True)
+        self.tree.setAcceptDrops(True)
+        self.tree.setDropIndicatorShown(True)
+        self.tree.setUniformRowHeights(True)
+        self.tree.header().setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
+        self.model.modelReset.connect(self.tree.expandAll)
+        split = QSplitter(Qt.Orientation.Horizontal)
+        split.addWidget(scroll)
+        split.addWidget(self.tree)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 1)
+        chars = self.fontMetrics().averageCharWidth()
+        split.setSizes([chars * 110, chars * 36])
+
+        self.deploy_box = QGroupBox("Deployment")
+        self.deploy_grid = QGridLayout(self.deploy_box)
+        self.deploy_bars: list[tuple[QLabel, QProgressBar]] = []
+        self.deploy_box.hide()
+
+        hint = QLabel("Drag a range onto another lane to move those layers there; drag the handles between ranges "
+                      "to move a boundary; right click a range (or tick it in the list) to pin it.")
+        hint.setObjectName("hint")
+        hint.setWordWrap(True)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.banner)
+        layout.addLayout(top)
+        layout.addLayout(plan_row)
+        layout.addLayout(busy_row)
+        layout.addWidget(self.prediction)
+        layout.addWidget(self.problems)
+        layout.addWidget(split, 1)
+        layout.addWidget(hint)
+        layout.addWidget(self.deploy_box)
+        self.model.planChanged.connect(self._show_evaluation)
+        self._set_busy(None)
+        self._show_evaluation()
+        path = default_profile()
+        if path.exists():
+            try:
+                self.load_profile(json.loads(path.read_text()))
+                self.activity.setText(f"Last fleet profile: {path}")
+            except (OSError, ValueError, FleetError) as exc:
+                self.banner.error(f"The last fleet profile ({path}) cannot be read: {exc}")
+
+    # --- the profile ---------------------------------------------------------------------------------
+
+    def load_profile(self, doc: dict) -> None:
+        self.model.load(doc)
+        self.doc = doc
+        if doc.get("source"):
+            self.source.setText(str(doc["source"]))
+        self._set_busy(None if self.task is None else self.activity.text())
+
+    def _ask_open_profile(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Fleet profile", str(default_profile()), "JSON (*.json)")
+        if path:
+            self.open_profile(Path(path))
+
+    def open_profile(self, path: Path) -> None:
+        try:
+            self.load_profile(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as exc:
+            self.banner.error(f"Cannot read {path}: {exc}")
+        except FleetError as exc:
+            self.banner.error(f"{path}: {exc}")
+
+    def profile_fleet(self) -> None:
+        """Surveys this machine and the reachable nodes off the GUI thread, then shows the result."""
+        if self.task is not None:
+            return
+        model, agents, settings, backend = self.source.text().strip(), self.agents(), self.settings, self.backend
+        if not model:
+            self.banner.error("Name the model to place first.")
+            return
+
+        def run(report, cancel):
+            doc = backend.survey(model, agents, settings, report, cancel)
+            path = default_profile()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=2))
+            return doc
+
+        where = f"this machine and {len(agents)} node{'s' if len(agents) != 1 else ''}" if agents else \
+            "this machine only (no node answers in the Fleet view)"
+        self._set_busy(f"Profiling {model} on {where}…")
+        self.task = self.tasks.start(run, "survey", progressed=self._progress, succeeded=self._profiled,
+                                     failed=lambda m: self._failed("Profiling the fleet failed", m),
+                                     cancelled=self._task_cancelled)
+
+    def _profiled(self, doc: dict) -> None:
+        self.task = None
+        self._set_busy(None)
+        try:
+            self.load_profile(doc)
+        except FleetError as exc:
+            self.banner.error(str(exc))
+            return
+        self.activity.setText(f"Fleet profiled: {len(self.model.lanes)} devices on {len(doc['nodes'])} machines; "
+                              f"saved to {default_profile()}")
+
+    # --- optimise ------------------------------------------------------------------------------------
+
+    def optimise(self) -> None:
+        from engine.fleet.placement import Infeasible, solve
+
+        if self.task is not None or not self.model.loaded:
+            return
+        shape, fleet, pins = self.model.shape, self.model.fleet, self.model.pins()
+        objective, users = self.objective.currentText(), self.users.value()
+
+        def run(report, cancel):
+            try:
+                return solve(shape, fleet, objective=objective, users=users, pins=pins), pins
+            except Infeasible as exc:
+                return None, str(exc)
+
+        self._set_busy(f"Optimising for {objective}" + (f" with {len(pins)} pinned range(s)…" if pins else "…"))
+        self.task = self.tasks.start(run, "solve", succeeded=self._optimised,
+                                     failed=lambda m: self._failed("Optimising failed", m),
+                                     cancelled=self._task_cancelled)
+
+    def _optimised(self, result) -> None:
+        self.task = None
+        self._set_busy(None)
+        plan, pins = result
+        if plan is None:
+            self.infeasible = self.model.readable(pins)
+            self.problems.setText(f"Infeasible: {self.infeasible}")
+            self.activity.setText("The solver found no placement; the plan shown is unchanged.")
+            return
+        self.infeasible = None
+        self.model.set_plan(plan, pins)
+        self.activity.setText(f"Optimised in {plan.solve_ms:.0f} ms.")
+
+    # --- deploy --------------------------------------------------------------------------------------
+
+    def placement(self) -> list:
+        from engine.fleet.deploy import LOCAL, StagePlacement
+
+        out = []
+        for i, s in enumerate(self.model.stages):
+            lane = self.model.lanes[s.lane]
+            out.append(StagePlacement(LOCAL if i == 0 else lane.address, lane.device, s.start, s.end))
+        return out
+
+    def deploy(self) -> None:
+        if self.task is not None or not self.model.loaded:
+            return
+        if self.model.problems:
+            self.banner.error("This plan cannot be deployed: " + "; ".join(self.model.problems))
+            return
+        model = str((self.doc or {}).get("source") or self.source.text().strip())
+        weights = str((self.doc or {}).get("weights") or self.settings.weights)
+        settings = dataclasses.replace(self.settings, weights=weights)
+        stages, previous, backend = self.placement(), self.deployment, self.backend
+
+        def run(report, cancel):
+            if previous is not None:  # one deployment at a time: the old chain's workers go first
+                report(("status", "stopping the previous deployment"))
+                backend.stop_deployment(previous, settings)
+            return backend.deploy(model, stages, settings, report, cancel)
+
+        self.deployment = None
+        self._reset_bars(stages)
+        self._set_busy(f"Deploying {model} ({weights}) on {len(stages)} stages…")
+        self.task = self.tasks.start(run, "deploy", progressed=self._progress, succeeded=self._deployed,
+                                     failed=lambda m: self._failed("Deployment failed", m),
+                                     cancelled=self._task_cancelled)
+
+    def _reset_bars(self, stages) -> None:
+        while self.deploy_grid.count():
+            item = self.deploy_grid.takeAt(0)
+            if item.widget():
+                item.widget().deleteLater()
+        self.deploy_bars = []
+        for i, s in enumerate(stages):
+            lane = self.model.lanes[self.model.stages[i].lane]
+            name = QLabel(f"stage {i}: {lane.label}, layers {s.start}-{s.end}")
+            phase = QLabel("waiting")
+            phase.setObjectName("hint")
+            bar = QProgressBar()
+            bar.setRange(0, 1000)
+            bar.setValue(0)
+            self.deploy_grid.addWidget(name, i, 0)
+            self.deploy_grid.addWidget(bar, i, 1)
+            self.deploy_grid.addWidget(phase, i, 2)
+            self.deploy_bars.append((phase, bar))
+        self.deploy_grid.setColumnStretch(1, 1)
+        self.deploy_box.show()
+
+    def _progress(self, payload: tuple) -> None:
+        kind = payload[0]
+        if kind == "status":
+            self.activity.setText(str(payload[1]))
+        elif kind == "pull":
+            self.activity.setText(f"Pulling the model ({payload[1]}, {payload[2] * 100:.0f}%)…")
+        elif kind == "deploy":
+            _, stage, phase, fraction = payload
+            if 0 <= stage < len(self.deploy_bars):
+                label, bar = self.deploy_bars[stage]
+                lo, hi = (STAGE0_PHASES if stage == 0 else PHASES).get(phase, (0.0, 1.0))
+                bar.setValue(int(1000 * (lo + (hi - lo) * fraction)))
+                label.setText(f"{phase} {fraction * 100:.0f}%")
+
+    def _deployed(self, deployment) -> None:
+        self.task = None
+        self._set_busy(None)
+        self.deployment = deployment
+        for label, bar in self.deploy_bars:
+            bar.setValue(1000)
+            label.setText("running")
+        self.activity.setText(f"Deployed {deployment.model}: stage 0 in this app, stages 1.. at "
+                              f"{', '.join(deployment.remotes)}. The chat now uses this chain.")
+        self._set_busy(None)
+        self.deployed.emit(deployment)
+
+    def stop_deployment(self) -> None:
+        deployment, settings, backend = self.deployment, self.settings, self.backend
+        if deployment is None or self.task is not None:
+            return
+        self.deployment = None
+        self.deployed.emit(None)
+        self._set_busy("Stopping the deployment's workers…")
+        self.task = self.tasks.start(lambda report, cancel: backend.stop_deployment(deployment, settings),
+                                     "stop deployment", succeeded=self._stopped,
+                                     failed=lambda m: self._failed("Stopping the deployment failed", m))
+
+    def _stopped(self, problems: list[str]) -> None:
+        self.task = None
+        self._set_busy(None)
+        self.deploy_box.hide()
+        if problems:
+            self.banner.error("Some workers could not be stopped: " + "; ".join(problems))
+        else:
+            self.activity.setText("Deployment stopped.")
+
+    # --- shared --------------------------------------------------------------------------------------
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.activity.setText("Cancelling…")
+
+    def _failed(self, what: str, message: str) -> None:
+        self.task = None
+        self._set_busy(None)
+        self.banner.error(f"{what}: {message}")
+        for label, bar in self.deploy_bars:
+            if bar.value() < 1000:
+                label.setText("stopped")
+
+    def _task_cancelled(self) -> None:
+        self.task = None
+        self._set_busy(None)
+        self.activity.setText("Cancelled.")
+
+    def _set_busy(self, text: str | None) -> None:
+        running = text is not None
+        if running:
+            self.activity.setText(text)
+        self.busy.setVisible(running)
+        self.cancel_button.setEnabled(running)
+        for b in (self.profile_button, self.open_button, self.optimise_button, self.deploy_button):
+            b.setEnabled(not running)
+        self.stop_button.setEnabled(not running and self.deployment is not None)
+        self.optimise_button.setEnabled(not running and self.model.loaded)
+        self.deploy_button.setEnabled(not running and self.model.loaded)
+
+    def _show_evaluation(self) -> None:
+        m = self.model
+        self.infeasible = None
+        if not m.loaded or m.evaluation is None:
+            self.prediction.setText("No plan yet.")
+            self.problems.setText("")
+            return
+        plan = m.evaluation.plan
+        self.prediction.setText(
+            f"Predicted {plan.tok_s:.1f} tok/s for one user · {plan.aggregate_tok_s:.1f} tok/s aggregate for "
+            f"{m.users} user{'s' if m.users != 1 else ''} · {plan.token_ms:.2f} ms per token "
+            f"({plan.network_ms:.2f} ms network, {len(m.stages)} stage{'s' if len(m.stages) != 1 else ''})")
+        self.problems.setText("Not deployable: " + "; ".join(m.problems) if m.problems else "")
+
+    @property
+    def tok_s(self) -> float:
+        return self.model.evaluation.plan.tok_s if self.model.evaluation else 0.0
+
+    def apply_settings(self, settings) -> None:
+        if settings.default_model != self.settings.default_model and not self.doc:
+            self.source.setText(settings.default_model)
+        self.settings = settings
+
+    def shutdown(self) -> None:
+        """At exit: the workers this session deployed are stopped (stage 0 lives in this app)."""
+        deployment, self.deployment = self.deployment, None
+        if deployment is not None:
+            try:
+                self.backend.stop_deployment(deployment, self.settings)
+            except FleetError:
+                pass

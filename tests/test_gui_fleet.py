@@ -1,0 +1,120 @@
+"""The Fleet view over real agent processes on loopback: an agent advertised over real mDNS is
+listed, one added by address (through the validating dialog) shows its status, pausing and losing a
+node show as such, round trips are measured into the matrix, a node that leaves drops out, and the
+fleet key can be made and chosen (private to its owner)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from fleet_support import agent_process
+from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+
+from engine.runtime.stage import core
+
+core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
+
+
+@pytest.fixture
+def key_file(gui_home):
+    from engine.fleetkey import create_key
+
+    return create_key(gui_home / "keys" / "fleet.key")
+
+
+def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home, key_file, tmp_path):
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    from engine.fleet.control import ControlClient
+    from engine.fleetkey import load_key
+    from fleetgui.fleet_view import added_nodes
+
+    key = load_key(key_file)
+    with agent_process(key_file, tmp_path / "m", mdns=True, name="mdns-node") as (mdns_proc, mdns_address), \
+            agent_process(key_file, tmp_path / "s", name="static-node") as (static_proc, static_address):
+        window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),
+                             settings_store(tmp_path / "s.ini"))
+        view = window.show_view("Fleet")
+        view.timer.setInterval(500)
+        assert view.key.fleet_id and str(key_file) in view.key_label.text()
+
+        qtbot.waitUntil(lambda: view.model.row("mdns-node") is not None, timeout=30000)
+        found = view.model.row("mdns-node")
+        assert found.mdns and not found.added and found.address == mdns_address
+        assert view.model.row("static-node") is None  # not advertised, not added yet
+
+        dialog = view._ask_add_node()
+        ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
+        for bad, why in (("static-node", "HOST:PORT"), ("127.0.0.1:99999", "port"), ("bad host!:7390", "host")):
+            dialog.address.setText(bad)
+            assert not ok.isEnabled() and why in dialog.hint.text(), bad
+        dialog.address.setText(static_address)
+        assert ok.isEnabled()
+        ok.click()
+        assert added_nodes() == [static_address]  # the engine settings' list, shared with `fleet nodes add`
+
+        def status(name):
+            row = view.model.row(name)
+            return row.status if row else None
+
+        qtbot.waitUntil(lambda: status("static-node") == "idle" and status("mdns-node") == "idle", timeout=20000)
+        static = view.model.row("static-node")
+        assert static.added and not static.mdns and static.os and "CPU" in static.devices and static.memory_mb > 0
+        index = view.model.index(view.model.rows.index(static), 5)
+        assert view.model.data(index) == "idle"
+        assert view.agent_addresses() == [mdns_address, static_address]
+
+        view.measure_round_trips()
+        qtbot.waitUntil(lambda: view.rtt_table.rowCount() == 3, timeout=60000)
+        for a, b in (("this machine", "mdns-node"), ("this machine", "static-node"), ("mdns-node", "static-node"),
+                     ("static-node", "mdns-node")):
+            assert 0 < float(view.rtt_table.value(a, b)) < 1000, (a, b)
+
+        with ControlClient(static_address, key) as agent:
+            agent.call("pause", paused=True)
+        qtbot.waitUntil(lambda: status("static-node") == "paused", timeout=10000)
+
+        static_proc.terminate()
+        static_proc.wait(timeout=15)
+        qtbot.waitUntil(lambda: status("static-node") == "unreachable", timeout=10000)
+        row = view.model.rows.index(view.model.row("static-node"))
+        assert "not reachable" in view.model.data(view.model.index(row, 5), 3)  # the tooltip says why
+
+        mdns_proc.terminate()  # a clean stop says goodbye over mDNS: the node leaves the list
+        mdns_proc.wait(timeout=15)
+        qtbot.waitUntil(lambda: view.model.row("mdns-node") is None, timeout=20000)
+
+        view.remove_node(static_address)
+        assert added_nodes() == [] and view.model.rows == []
+
+
+def test_fleet_key_is_made_and_chosen_private(qtbot, gui_home, tmp_path):
+    from fleetgui.settings import GuiSettings
+
+    path = tmp_path / "s.ini"
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(path))
+    view = window.show_view("Fleet")
+    assert not view.key.usable and "No fleet key yet" in view.key_label.text()
+    assert view.discovery.browser is None  # no key, no fleet to look for
+
+    made = gui_home / "config" / "fleet.key"
+    view.create_key(made)
+    assert view.key.usable and stat.S_IMODE(made.stat().st_mode) == 0o600
+    assert "readable only by you" in view.key_note.text()
+    assert view.discovery.browser is not None and view.discovery.browser.fleet_id == view.key.fleet_id
+    assert GuiSettings.load(settings_store(path)).fleet_key_file == str(made)  # the app keeps using it
+
+    shared = tmp_path / "from-the-admin.key"
+    shared.write_text("ab" * 32 + "\n")
+    os.chmod(shared, 0o644)
+    before = view.key.fleet_id
+    view.choose_key(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o600 and "now readable only by you" in view.banner.message
+    assert view.key.fleet_id != before and window.settings.fleet_key_file == str(shared)
+
+    bad = tmp_path / "bad.key"
+    bad.write_text("not hex")
+    view.choose_key(bad)
+    assert "does not hold hex digits" in view.banner.message and window.settings.fleet_key_file == str(shared)

@@ -1,0 +1,294 @@
+"""The Placement view on a real fleet: two agent processes on loopback (alpha advertised over mDNS,
+beta added by address) and this process as the coordinator, with the tiny Qwen2 model in f32.
+
+"Profile fleet" runs a real survey and shows a lane per device; dragging a boundary and a range
+with the mouse (and a range through the model's own drop API) re-prices the plan live; a pinned
+range survives Optimise; a device too small for its layers, and a pin no solver can honour, show
+the reason; Deploy starts the chain on the two agents and a chat reply streams through it, token for
+token what the model decodes alone.  The embedded default (``fleetgui`` with no arguments) chats on
+its local fleet, and closing the window stops its agent."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from fleet_support import agent_process
+from gui_support import open_window, screenshot, settings_store, tiny_settings
+
+from engine.runtime.stage import core
+
+core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_models):
+    """The app's home and two agents; every test of the module shares them (and the shard cache)."""
+    from engine.fleetkey import create_key
+
+    root = tmp_path_factory.mktemp("placement")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("FLEETSHARD_HOME", str(root / "home"))
+    key_file = create_key(root / "keys" / "fleet.key")
+    try:
+        with agent_process(key_file, root / "alpha", mdns=True, name="alpha") as (_, alpha), \
+                agent_process(key_file, root / "beta", name="beta") as (_, beta):
+            yield types.SimpleNamespace(root=root, key_file=key_file, alpha=alpha, beta=beta,
+                                        model=str(tiny_models["qwen2"]))
+    finally:
+        patch.undo()
+
+
+def settings(fleet, **changes):
+    values = dict(fleet_key_file=str(fleet.key_file), weights="f32")
+    values.update(changes)
+    return tiny_settings(fleet.model, **values)
+
+
+def open_app(qtbot, fleet, **changes):
+    window = open_window(qtbot, settings(fleet, **changes), settings_store(fleet.root / "settings.ini"))
+    return window, window.views["Fleet"], window.views["Placement"]
+
+
+def wait_for_agents(qtbot, fleet_view, fleet):
+    if fleet.beta not in [r.address for r in fleet_view.model.rows if r.added]:
+        fleet_view.add_node(fleet.beta)
+    fleet_view.timer.setInterval(500)
+    qtbot.waitUntil(lambda: sorted(fleet_view.agent_addresses()) == sorted([fleet.alpha, fleet.beta]), timeout=30000)
+
+
+def surveyed(qtbot, fleet):
+    """The fleet profile: the one the first test made with Profile fleet, or a survey made now."""
+    from fleetgui.backend import EngineBackend
+    from fleetgui.placement_view import default_profile
+
+    path = default_profile()
+    if not path.exists():
+        doc = EngineBackend().survey(fleet.model, [fleet.alpha, fleet.beta], settings(fleet))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc))
+    return json.loads(path.read_text())
+
+
+def names(model):
+    return [(model.lanes[s.lane].name, s.start, s.end) for s in model.stages]
+
+
+def even_split(model):
+    from fleetgui.placement_view import StageRange
+
+    lane = {model.lanes[i].name: i for i in range(len(model.lanes))}
+    model.set_stages([StageRange(lane["this machine"], 0, 1), StageRange(lane["alpha"], 1, 3),
+                      StageRange(lane["beta"], 3, 4)])
+    return lane
+
+
+def drag(canvas, start, end, steps=3):
+    """Press, move in steps and release the left button on the canvas (synthetic mouse events)."""
+    from PySide6.QtCore import QPoint, Qt
+    from PySide6.QtTest import QTest
+
+    left, none = Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
+    QTest.mousePress(canvas, left, none, start)
+    for k in range(1, steps + 1):
+        QTest.mouseMove(canvas, QPoint(start.x() + (end.x() - start.x()) * k // steps,
+                                       start.y() + (end.y() - start.y()) * k // steps))
+    QTest.mouseRelease(canvas, left, none, end)
+
+
+def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
+    from fleetgui.placement_view import default_profile
+
+    window, fleet_view, view = open_app(qtbot, fleet)
+    wait_for_agents(qtbot, fleet_view, fleet)
+    window.show_view("Placement")
+    assert not view.model.loaded and "No plan yet" in view.prediction.text()
+    seen = []
+    view.profile_button.click()
+    assert not view.profile_button.isEnabled() and view.cancel_button.isEnabled() and view.busy.isVisible()
+    view.task.progressed.connect(seen.append)
+    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
+    assert view.model.loaded, view.banner.message
+    assert sorted(lane.label for lane in view.model.lanes) == ["alpha · CPU", "beta · CPU", "this machine · CPU"]
+    assert view.model.lanes[0].name == "this machine"  # the coordinator's lane comes first
+    assert any("profiling" in str(p[-1]) for p in seen)
+    doc = json.loads(default_profile().read_text())
+    assert doc["source"] == fleet.model and doc["weights"] == "f32" and len(doc["fleet"]["devices"]) == 3
+    assert view.model.rowCount() == 3 and view.tree.model() is view.model
+    assert "Predicted" in view.prediction.text() and "tok/s" in view.prediction.text()
+    assert view.optimise_button.isEnabled() and view.deploy_button.isEnabled()
+    # a new window opens on the last profile of the data folder
+    _, _, again = open_app(qtbot, fleet)
+    assert again.model.loaded and [a.label for a in again.model.lanes] == [b.label for b in view.model.lanes]
+
+
+def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
+    from PySide6.QtCore import QMimeData, QPoint, Qt
+
+    from engine.fleet.placement import evaluate
+    from fleetgui.placement_view import MIME
+
+    surveyed(qtbot, fleet)
+    window, _, view = open_app(qtbot, fleet)
+    window.show_view("Placement")
+    model, canvas = view.model, view.canvas
+    lane = even_split(model)
+
+    def priced():  # the label shows what evaluate() says of the chain on screen
+        plan = evaluate(model.shape, model.fleet, model.chain(), users=model.users).plan
+        return f"Predicted {plan.tok_s:.1f} tok/s for one user" in view.prediction.text()
+
+    assert priced() and view.problems.text() == ""
+    before, alpha_memory = view.prediction.text(), model.lane_memory(lane["alpha"])
+
+    # the boundary between alpha (1-3) and beta (3-4), dragged with the mouse to layer 2
+    handle = canvas.boundary_point(1)
+    assert canvas.boundary_at(handle) == 1
+    drag(canvas, handle, QPoint(round(canvas.layer_x(2)), handle.y()))
+    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 2), ("beta", 2, 4)]
+    assert view.prediction.text() != before and priced()
+    assert model.lane_memory(lane["alpha"]) < alpha_memory  # the memory bar follows
+
+    # beta's range dragged onto alpha's lane: alpha now runs layers 1-4, two stages remain
+    drag(canvas, canvas.block_point(2), canvas.lane_point(lane["alpha"]))
+    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 4)]
+    assert "2 stages" in view.prediction.text() and priced()
+
+    # the same drop through the model's own API (what a QTreeView drop calls): layers 3-4 onto beta
+    data = QMimeData()
+    data.setData(MIME, json.dumps({"start": 3, "end": 4}).encode())
+    assert model.canDropMimeData(data, Qt.DropAction.MoveAction, -1, 0, model.lane_index(lane["beta"]))
+    assert model.dropMimeData(data, Qt.DropAction.MoveAction, -1, 0, model.lane_index(lane["beta"]))
+    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)] and priced()
+    dragged = model.mimeData([model.range_index(1)])
+    assert json.loads(bytes(dragged.data(MIME)).decode()) == {"start": 1, "end": 3}
+
+    # a later range on this machine cannot be deployed (it runs stage 0 only): said, not hidden
+    drag(canvas, canvas.block_point(2), canvas.lane_point(lane["this machine"]))
+    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("this machine", 3, 4)]
+    assert "stage 2 (layers 3-4) is on this machine" in view.problems.text()
+
+
+def test_a_pinned_range_survives_optimise(qtbot, fleet):
+    from PySide6.QtCore import Qt
+
+    from engine.fleet.placement import solve
+
+    surveyed(qtbot, fleet)
+    window, _, view = open_app(qtbot, fleet)
+    window.show_view("Placement")
+    model = view.model
+    lane = even_split(model)
+    free = solve(model.shape, model.fleet, objective="latency")
+    beta = model.lanes[lane["beta"]].node
+    assert (beta, 3, 4) not in [(s.node, s.start, s.end) for s in free.stages]  # so the pin has work to do
+
+    assert model.setData(model.range_index(2), Qt.CheckState.Checked, Qt.ItemDataRole.CheckStateRole)  # the tree
+    assert model.data(model.range_index(2), Qt.ItemDataRole.CheckStateRole) == Qt.CheckState.Checked
+    view.optimise_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert view.banner.message == "" and "Optimised" in view.activity.text()
+    assert ("beta", 3, 4) in names(model) and model.stages[-1].pinned
+    assert [(s.node, s.start, s.end) for s in solve(model.shape, model.fleet, pins=model.pins()).stages] == \
+        [(model.lanes[s.lane].node, s.start, s.end) for s in model.stages]
+    assert view.problems.text() == ""
+
+
+def test_infeasible_plans_say_why(qtbot, fleet):
+    from PySide6.QtCore import Qt
+
+    doc = surveyed(qtbot, fleet)
+    beta = next(n for n, info in doc["nodes"].items() if info["name"] == "beta")
+    for device in doc["fleet"]["devices"]:
+        if device["node"] == beta:
+            device["memory_bytes"] = 1 << 20  # beta now has 1 MB for shards
+    window, _, view = open_app(qtbot, fleet)
+    window.show_view("Placement")
+    view.load_profile(doc)
+    even_split(view.model)
+    assert "stage 2 on beta CPU needs" in view.problems.text() and "has 0.0 GB" in view.problems.text()
+    view.deploy_button.click()
+    assert "cannot be deployed" in view.banner.message and view.task is None
+
+    view.model.set_pinned(2, True)  # beta must keep layers 3-4: no solver can make that fit
+    view.optimise_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert view.problems.text().startswith("Infeasible: pin of layers 3-4 on node beta needs")
+    assert names(view.model) == [("this machine", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)]  # left as drawn
+    view.model.setData(view.model.range_index(2), Qt.CheckState.Unchecked, Qt.ItemDataRole.CheckStateRole)
+    view.optimise_button.click()  # without the pin the solver routes around beta
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert "beta" not in [n for n, _, _ in names(view.model)] and "beta" not in view.problems.text()
+
+
+def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
+    from pathlib import Path
+
+    from engine.fleet.control import ControlClient
+    from engine.fleetkey import load_key
+    from engine.runtime.chain import LocalChain
+    from engine.runtime.generate import Generator
+    from engine.runtime.tokenizer import ChatTokenizer
+
+    surveyed(qtbot, fleet)
+    key = load_key(fleet.key_file)
+    window, fleet_view, view = open_app(qtbot, fleet, max_new_tokens=24)
+    wait_for_agents(qtbot, fleet_view, fleet)
+    window.show_view("Placement")
+    even_split(view.model)
+    deployed = []
+    view.deployed.connect(deployed.append)
+    view.deploy_button.click()
+    assert view.deploy_box.isVisible() and len(view.deploy_bars) == 3
+    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
+    assert deployed and deployed[0] is not None, view.banner.message
+    deployment = deployed[0]
+    assert [bar.value() for _, bar in view.deploy_bars] == [1000] * 3
+    for address, stage, layers in ((fleet.alpha, 1, [1, 3]), (fleet.beta, 2, [3, 4])):
+        with ControlClient(address, key) as agent:
+            workers = agent.status()["workers"]
+        assert [(w["stage"], w["layers"]) for w in workers] == [(stage, layers)]
+
+    tab = window.chat.all_tabs()[0]
+    messages = [{"role": "user", "content": "Paris is the capital of"}]
+    tab.input.setPlainText(messages[0]["content"])
+    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
+        tab.send()
+    reply = blocker.args[0]
+    assert reply.stopped_by in ("eos", "max_tokens") and reply.tokens and reply.text, reply.error
+    assert window.service_label.text() == "Chat: qwen2, 3 stages, deployed on the fleet"
+    chain = LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]")))
+    want = Generator(chain, chain.spec.max_position, chain.manifest.eos_token_ids).generate(
+        ChatTokenizer(chain.first_folder).chat_ids(messages), 24).tokens
+    assert reply.tokens == want  # the deployed pipeline decodes exactly what the model does alone
+
+    screenshot(window, "placement")
+    window.show_view("Fleet")
+    fleet_view.measure_round_trips()
+    qtbot.waitUntil(lambda: all(r.status.startswith("serving stage") and r.shards for r in fleet_view.model.rows)
+                    and fleet_view.rtt_table.rowCount() == 3, timeout=60000)
+    screenshot(window, "fleet")
+
+    window.close()  # the workers this session deployed are stopped
+    for address in (fleet.alpha, fleet.beta):
+        with ControlClient(address, key) as agent:
+            assert agent.status()["workers"] == []
+
+
+def test_embedded_default_chats_on_a_local_fleet_and_stops_with_the_window(qtbot, fleet):
+    window, _, _ = open_app(qtbot, fleet, local_workers=True, stages=2, fleet_key_file="")
+    controller = window.chat_controller
+    with qtbot.waitSignal(controller.ready, timeout=600000):
+        controller.open()
+    service = controller.service
+    assert service.description.endswith("2 stages, local fleet")
+    agent = service._owned[0].proc
+    assert agent.poll() is None
+    tab = window.chat.all_tabs()[0]
+    tab.input.setPlainText("hello")
+    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
+        tab.send()
+    assert blocker.args[0].stopped_by in ("eos", "max_tokens") and blocker.args[0].tokens
+    window.close()
+    assert agent.wait(timeout=15) is not None

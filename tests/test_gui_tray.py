@@ -1,0 +1,112 @@
+"""Worker mode (``fleetgui --worker``) in its window fallback (offscreen has no system tray): the
+in-process agent is found over real mDNS, Pause shows as paused in the agent's own status and in its
+advertisement, "Start with the session" writes and removes the autostart entry, and Quit makes the
+browser report the node removed (a clean departure: goodbye sent, control port closed)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from gui_support import gui_home, screenshot  # noqa: F401
+
+from engine.runtime.stage import core
+
+core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
+
+
+@pytest.fixture
+def key_file(gui_home):
+    from engine.fleetkey import create_key
+
+    return create_key(gui_home / "keys" / "fleet.key")
+
+
+def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_file, tmp_path, monkeypatch):
+    from PySide6.QtWidgets import QSystemTrayIcon
+
+    from engine.fleet.control import AgentError, ControlClient
+    from engine.fleet.discovery import Browser
+    from engine.fleetkey import fleet_id, load_key
+    from fleetgui import autostart, theme
+    from fleetgui.tray import WorkerWindow, build_worker
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    key = load_key(key_file)
+    assert not QSystemTrayIcon.isSystemTrayAvailable()  # offscreen: the window stands in for the tray
+    events, lock = [], threading.Lock()
+
+    def seen(kind, info):
+        with lock:
+            events.append((kind, info.name, info.status))
+
+    def kinds():
+        with lock:
+            return [(k, s) for k, n, s in events if n == "tray-node"]
+
+    with Browser(fleet_id(key), on_event=seen):
+        controller, window = build_worker(key_file, listen="127.0.0.1:0", name="tray-node",
+                                          store=gui_home / "store", poll_ms=200)
+        qtbot.addWidget(window)
+        assert isinstance(window, WorkerWindow) and window.isVisible()
+        assert controller.running, window.banner.message
+        address = controller.agent.address
+        qtbot.waitUntil(lambda: ("added", "idle") in kinds(), timeout=30000)
+        assert window.status.text().startswith("idle") and "tray-node" in window.identity.text()
+
+        window.pause_button.click()
+        qtbot.waitUntil(lambda: window.pause_button.text() == "Resume serving", timeout=10000)
+        with ControlClient(address, key) as agent:
+            status = agent.status()
+        assert status["paused"] is True and status["state"] == "paused"
+        assert window.status.text().startswith("paused") and "paused" in window.activity.toPlainText()
+        qtbot.waitUntil(lambda: ("updated", "paused") in kinds(), timeout=15000)  # the advertisement follows
+        with ControlClient(address, key) as agent, pytest.raises(AgentError, match="paused"):
+            agent.start_worker("0" * 64)
+        theme.apply("light")
+        screenshot(window, "tray")
+
+        entry = autostart.desktop_entry_path()
+        assert entry == tmp_path / "xdg" / "autostart" / "fleetshard-worker.desktop" and not entry.exists()
+        window.autostart.setChecked(True)
+        text = entry.read_text()
+        assert "[Desktop Entry]" in text and "--worker" in text.split("Exec=", 1)[1].splitlines()[0]
+        window.autostart.setChecked(False)
+        assert not entry.exists()
+
+        window.pause_button.click()  # resume
+        qtbot.waitUntil(lambda: window.pause_button.text() == "Pause serving", timeout=10000)
+        with ControlClient(address, key) as agent:
+            assert agent.status()["paused"] is False
+
+        with qtbot.waitSignal(controller.stopped, timeout=30000):
+            window.quit_button.click()
+        qtbot.waitUntil(lambda: kinds() and kinds()[-1][0] == "removed", timeout=15000)
+        assert not window.isVisible()
+        with pytest.raises(AgentError, match="not reachable"):
+            ControlClient(address, key, timeout_s=2)
+
+
+def test_worker_without_a_key_says_so_and_starts_once_given_one(qtbot, gui_home, key_file):
+    from fleetgui.tray import build_worker
+
+    controller, window = build_worker(gui_home / "missing.key", listen="127.0.0.1:0", name="keyless",
+                                      advertise=False)
+    qtbot.addWidget(window)
+    assert controller.agent is None
+    assert "no fleet key" in window.banner.message and "missing.key" in window.banner.message
+    assert window.key_button.isVisible() and not window.pause_button.isEnabled()
+    window.choose_key(key_file)
+    assert controller.running and "idle" in window.status.text()
+    with qtbot.waitSignal(controller.stopped, timeout=30000):
+        window.close()  # closing the window quits cleanly too
+    assert controller.agent is None
+
+
+def test_desktop_entry_quotes_its_command():
+    from fleetgui.autostart import desktop_entry, desktop_exec
+
+    assert desktop_exec(["/usr/bin/fleetgui", "--worker"]) == "/usr/bin/fleetgui --worker"
+    assert desktop_exec(["/home/a b/py", "-m", "fleetgui.app"]) == '"/home/a b/py" -m fleetgui.app'
+    assert desktop_exec(['/x/$"q"', "50%"]) == r'"/x/\\$\\"q\\"" 50%%'
+    assert "Exec=/opt/fleetgui --worker" in desktop_entry(["/opt/fleetgui", "--worker"])
