@@ -5,6 +5,7 @@ agents are discovered over real mDNS and noticed leaving, and the survey feeds t
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -206,3 +207,32 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
         chain.close()
         deployment.stop(key)
     assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+
+
+def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
+    """`fleet nodes --json`: an agent heard over mDNS, one added by address (its agent does not
+    advertise), and an added address nobody answers on, reported unreachable."""
+    import json
+    import os
+    import subprocess
+
+    home = tmp_path / "cli"
+    env = {**os.environ, "FLEETSHARD_HOME": str(home)}
+
+    def fleet(*args):
+        out = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    with agent_process(key_file, tmp_path / "heard", mdns=True, name="heard") as (_, heard), \
+            agent_process(key_file, tmp_path / "added", name="added") as (_, added):
+        fleet("nodes", "add", added)
+        fleet("nodes", "add", "127.0.0.1:9")
+        nodes = json.loads(fleet("nodes", "--json", "--seconds", "4", "--fleet-key-file", str(key_file)))
+    by_name = {n.get("name", n.get("address")): n for n in nodes}
+    assert by_name["heard"]["source"] == "mdns" and by_name["heard"]["port"] == int(heard.rpartition(":")[2])
+    assert by_name["added"]["source"] == "address" and by_name["added"]["status"] == "idle"
+    assert by_name["127.0.0.1:9"]["status"] == "unreachable" and "not reachable" in by_name["127.0.0.1:9"]["error"]
+    fleet("nodes", "remove", "127.0.0.1:9")
+    assert json.loads((home / "config" / "settings.json").read_text())["nodes"] == [added]
