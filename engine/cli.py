@@ -57,19 +57,20 @@ def _parse_split(text: str | None) -> list[int] | None:
         raise FleetError(f"--split takes layer boundaries like 10,20, not {text!r}") from None
 
 
-def _export(model: str, stages: int | None, split: str | None, weights: str, out: str | None, force: bool = False):
+def _export(model: str, stages: int | None, split: str | None, weights: str, out: str | None, force: bool = False,
+            head: str = "int8"):
     from engine.export.exporter import export_model
 
     bar = _Bar()
     result = export_model(
         model, stages=stages, split=_parse_split(split), weights=weights, out=Path(out) if out else None,
-        progress=lambda i, step, frac: bar.show(f"stage {i}: {step}", frac), force=force,
+        progress=lambda i, step, frac: bar.show(f"stage {i}: {step}", frac), force=force, head=head,
     )
     return result
 
 
 def cmd_export(args) -> int:
-    result = _export(args.model, args.stages, args.split, args.weights, args.out, args.force)
+    result = _export(args.model, args.stages, args.split, args.weights, args.out, args.force, args.head)
     print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:
         print(f"{s.index:<7}{f'{s.layers[0]}-{s.layers[1]}':<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")
@@ -154,7 +155,10 @@ def open_drafter(args, settings: Settings, chain, streams: int):
     if Path(source).exists():
         folders = expand_shard_dirs([source])
     else:
-        folders = _export(source, 1, None, settings.weights, None).folders
+        from engine.runtime.speculative import DRAFT_HEAD
+
+        folders = _export(source, 1, None, settings.weights, None,
+                          head=DRAFT_HEAD if settings.weights == "int4" else "int8").folders
     draft_chain = LocalChain(folders, device=(args.device or settings.device).split(",")[0],
                              config=compile_config(args.mode or settings.mode, args.precision))
     return stream_drafters("hybrid" if hybrid else "model", streams, chain.manifest, draft_chain, args.rewind)
@@ -374,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--stages", type=int, help="number of stages (layers split evenly)")
     how.add_argument("--split", help="layer boundaries, e.g. 10,20 for three stages")
     export.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    export.add_argument("--head", default="int8", choices=["int8", "int4"],
+                        help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
     export.add_argument("--out", help="output folder (default: the shard cache)")
     export.add_argument("--force", action="store_true", help="export again even if cached")
     export.set_defaults(func=cmd_export)

@@ -211,3 +211,26 @@ def test_cancelled_export_leaves_nothing_half_done(tiny_models, tmp_path):
                      progress=progress, cancel=cancel)
     assert ("0", "convert") in [(str(s), n) for s, n in steps]
     assert not any(p.name.startswith("stage") and p.is_dir() for p in (tmp_path / "c").iterdir())
+
+
+def test_int4_head_for_draft_models(tiny_models, tmp_path):
+    """``head="int4"``: the last stage's vocabulary-sized matrix is INT4, a separate cache folder,
+    and the shard still runs; it is refused with any other weight format."""
+    from engine.errors import ExportError
+    from engine.export.exporter import export_model
+
+    plain = export_model(str(tiny_models["qwen2"]), stages=1, weights="int4", out=tmp_path / "int8head")
+    small = export_model(str(tiny_models["qwen2"]), stages=1, weights="int4", head="int4", out=tmp_path / "int4head")
+
+    def vocab_types(folder):
+        model = core().read_model(str(folder / MODEL_XML))
+        return {c.get_element_type() for c in model.get_ops() if c.get_type_name() == "Constant"
+                and int(np.prod(c.get_output_shape(0))) == 384 * 64}  # vocab x hidden
+
+    assert vocab_types(plain.folders[0]) == {ov.Type.u8}  # INT8 embedding and head
+    assert vocab_types(small.folders[0]) == {ov.Type.u8, ov.Type.i4}  # INT8 embedding, INT4 head
+    assert load_manifest(small.folders[0]).export["head"] == "int4"
+    tokens = Generator(LocalChain(small.folders), max_length=64).generate(IDS, 8, ignore_eos=True).tokens
+    assert len(tokens) == 8
+    with pytest.raises(ExportError, match="INT4 head goes with --weights int4"):
+        export_model(str(tiny_models["qwen2"]), stages=1, weights="int8", head="int4", out=tmp_path / "x")

@@ -79,6 +79,32 @@ def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
     return ops.convert(ops.multiply(centered, ops.constant(scale)), ov.Type.f32).output(0)
 
 
+HEAD_FORMATS = ("int8", "int4")
+HEAD_GROUP = 128
+
+
+def head_table_int4(table: np.ndarray, group: int = HEAD_GROUP) -> ov.Output:
+    """The LM head as symmetric INT4 with an f16 scale per group of ``group`` columns (Constant i4
+    [vocab, groups, group] -> Convert -> Multiply(scale) -> Reshape), the pattern the CPU plugin
+    runs as a compressed MatMul.  For a draft model: its head is a large share of a step (measured on
+    Qwen2.5-Coder-0.5B: 27 -> 21 ms per step), and verification corrects what a coarser head changes."""
+    rows_total, hidden = table.shape
+    group = next((g for g in (group, 64, 32) if hidden % g == 0), 0)  # as NNCF's group-size fallback
+    if not group:
+        raise ExportError(f"an INT4 head needs a hidden size divisible by 32, not {hidden}")
+    groups = hidden // group
+    q = np.empty((rows_total, groups, group), dtype=np.int8)
+    scale = np.empty((rows_total, groups, 1), dtype=np.float16)
+    for start in range(0, rows_total, _ROW_BLOCK):
+        rows = table[start:start + _ROW_BLOCK].astype(np.float32).reshape(-1, groups, group)
+        s = np.maximum(np.abs(rows).max(axis=2, keepdims=True), 1e-8) / 7.0
+        q[start:start + _ROW_BLOCK] = np.clip(np.rint(rows / s), -8, 7).astype(np.int8)
+        scale[start:start + _ROW_BLOCK] = s
+    weights = ops.multiply(ops.convert(ops.constant(q, dtype=ov.Type.i4), ov.Type.f16), ops.constant(scale))
+    flat = ops.reshape(weights, ops.constant(np.array([rows_total, hidden], dtype=np.int64)), False)
+    return ops.convert(flat, ov.Type.f32).output(0)
+
+
 def staging_dtype(weights: str):
     """The dtype matrices are held in before compression: f32 only for the f32 reference format."""
     return np.float32 if weights == "f32" else np.float16

@@ -18,7 +18,7 @@ from typing import Callable
 
 from engine.config import paths
 from engine.errors import ExportError, FleetError, ShardError
-from engine.export.compress import WEIGHT_FORMATS
+from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 from engine.manifest import check_chain, load_manifest
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
@@ -69,9 +69,11 @@ class ExportResult:
         return [s.folder for s in self.stages]
 
 
-def default_out(name: str, fingerprint: str, weights: str, ranges: list[tuple[int, int]], beam_idx: bool = True) -> Path:
+def default_out(name: str, fingerprint: str, weights: str, ranges: list[tuple[int, int]], beam_idx: bool = True,
+                head: str = "int8") -> Path:
     cuts = "-".join(str(end) for _, end in ranges)
-    return paths().shards / f"{name}-{weights}-{cuts}{'' if beam_idx else '-nobeam'}-{fingerprint[:10]}"
+    tags = ("" if beam_idx else "-nobeam") + ("" if head == "int8" else f"-head{head}")
+    return paths().shards / f"{name}-{weights}-{cuts}{tags}-{fingerprint[:10]}"
 
 
 def stage_folder(out: Path, index: int) -> Path:
@@ -90,18 +92,24 @@ def export_model(
     force: bool = False,
     beam_idx: bool = True,
     only: list[int] | None = None,
+    head: str = "int8",
 ) -> ExportResult:
     """Exports ``source`` (catalog name, GGUF path or HF folder) into one shard folder per stage.
 
     ``cancel`` is anything with ``is_set()``; when it becomes set the running stage is ended and the
     partial output removed.  An existing complete export at ``out`` is reused unless ``force``.
     ``only`` exports just those stage indices of the split (a profile needs the first and last few
-    layers, not the whole model).
+    layers, not the whole model).  ``head="int4"`` stores the LM head (of an int4 export) in INT4
+    too, for draft models.
     """
     from engine.models.architectures import architecture
     from engine.models.catalog import CATALOG, resolve_source
     from engine.models.checkpoint import open_checkpoint
 
+    if head not in HEAD_FORMATS:
+        raise ExportError(f"unknown head format {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
+    if head == "int4" and weights != "int4":
+        raise ExportError("an INT4 head goes with --weights int4")
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if source in CATALOG:
@@ -110,12 +118,12 @@ def export_model(
     spec = open_checkpoint(resolved.kind, resolved.path).spec
     ranges = plan_split(spec.num_layers, stages, split)
     name = resolved.entry.name if resolved.entry else resolved.path.stem
-    out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx)
+    out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx, head)
 
     indices = sorted(set(only)) if only else list(range(len(ranges)))
     if indices[0] < 0 or indices[-1] >= len(ranges):
         raise ExportError(f"stage indices {only} do not exist in a {len(ranges)}-stage split")
-    cached = None if force else _reuse(out, resolved.fingerprint, weights, ranges, beam_idx, indices)
+    cached = None if force else _reuse(out, resolved.fingerprint, weights, ranges, beam_idx, indices, head)
     if cached is not None:
         return ExportResult(out, cached, cached=True)
 
@@ -126,14 +134,14 @@ def export_model(
         job = dict(
             kind=resolved.kind, path=str(resolved.path), name=name, fingerprint=resolved.fingerprint,
             start=start, end=end, index=index, count=len(ranges), weights=weights,
-            folder=str(stage_folder(out, index)), beam_idx=beam_idx,
+            folder=str(stage_folder(out, index)), beam_idx=beam_idx, head=head,
         )
         reports.append(_run_stage(job, progress, cancel))
     return ExportResult(out, reports, cached=False)
 
 
 def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool,
-           indices: list[int]) -> list[StageReport] | None:
+           indices: list[int], head: str = "int8") -> list[StageReport] | None:
     try:
         manifests = [load_manifest(stage_folder(out, i)) for i in indices]
         if len(indices) == len(ranges):
@@ -142,6 +150,7 @@ def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool,
         return None
     if any(m.fingerprint != fingerprint or m.weights != weights or tuple(m.layers) != ranges[i]
            or m.stage_index != i or m.export.get("beam_idx", True) != beam_idx
+           or m.export.get("head", "int8") != head
            or m.export.get("exporter") != EXPORTER_VERSION
            for m, i in zip(manifests, indices)):
         return None
@@ -216,14 +225,19 @@ def _describe(ports) -> list[dict]:
 def _vocabulary(ckpt, job: dict):
     """The embedding table (first stage) and head (last stage) as graph outputs, built one at a
     time from the checkpoint; a tied single-stage model shares one table."""
-    from engine.export.compress import staging_dtype, vocab_table
+    from engine.export.compress import head_table_int4, staging_dtype, vocab_table
 
     first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
     dtype = staging_dtype(job["weights"])
     embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"]) if first else None
     head = None
     if last:
-        head = embed if (first and ckpt.spec.tie_embeddings) else vocab_table(ckpt.read_head(dtype=dtype), job["weights"])
+        if job.get("head") == "int4":
+            head = head_table_int4(ckpt.read_head(dtype=dtype))
+        elif first and ckpt.spec.tie_embeddings:
+            head = embed
+        else:
+            head = vocab_table(ckpt.read_head(dtype=dtype), job["weights"])
     return embed, head
 
 
@@ -318,7 +332,8 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
         weights=job["weights"], inputs=inputs, outputs=outputs,
         states=[p for p, _ in pairs], eos_token_ids=eos,
         export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
-                "beam_idx": job.get("beam_idx", True), "exporter": EXPORTER_VERSION,
+                "beam_idx": job.get("beam_idx", True), "head": job.get("head", "int8"),
+                "exporter": EXPORTER_VERSION,
                 "openvino": ov.get_version()},
     )
     manifest.write(partial)

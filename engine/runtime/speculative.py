@@ -24,6 +24,10 @@ from engine.wire import Flag
 
 TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
 
+# A draft model's LM head in INT4 (``export_model(head="int4")``): its head is a large share of a draft
+# step, and verification corrects what the coarser head changes.
+DRAFT_HEAD = "int4"
+
 
 def smooth(average: float, sample: float) -> float:
     """A running cost estimate: the first sample, then an exponential average."""
