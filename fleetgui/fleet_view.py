@@ -84,8 +84,12 @@ class NodeRow:
     workers: list[dict] = dataclasses.field(default_factory=list)
     shards: list[dict] = dataclasses.field(default_factory=list)
     mdns: bool = False
-    added: bool = False
+    added_as: str = ""  # the address it was added by (it may differ from the mDNS one it is polled at)
     error: str = ""  # why the last status request failed
+
+    @property
+    def added(self) -> bool:
+        return bool(self.added_as)
 
     @property
     def status(self) -> str:
@@ -220,14 +224,14 @@ class NodesModel(QAbstractTableModel):
     def add_address(self, address: str) -> None:
         row = next((r for r in self.rows if r.address == address), None)
         if row is None:
-            self._append(NodeRow(key=f"address:{address}", address=address, added=True))
+            self._append(NodeRow(key=f"address:{address}", address=address, added_as=address))
         else:
-            row.added = True
+            row.added_as = address
             self._changed(row)
 
     def remove_address(self, address: str) -> None:
-        for row in [r for r in self.rows if r.address == address and r.added]:
-            row.added = False
+        for row in [r for r in self.rows if r.added_as == address]:
+            row.added_as = ""
             if row.mdns:
                 self._changed(row)
             else:
@@ -245,7 +249,7 @@ class NodesModel(QAbstractTableModel):
                 twin = next((r for r in self.rows if r is not row and node.get("node_id")
                              and r.node_id == node.get("node_id")), None)
                 if twin is not None and row.added and not row.mdns:  # the same node, found both ways
-                    twin.added = True
+                    twin.added_as = row.added_as
                     self._drop(row)
                     row = twin
                 row.error = ""
@@ -359,7 +363,7 @@ class _Discovery(QObject):
 # --- the view ---------------------------------------------------------------------------------------------
 
 class FleetView(QWidget):
-    key_changed = Signal(str)  # the fleet key file the app now uses
+    key_changed = Signal(str)  # the fleet key file the app now uses ("": the default one)
 
     def __init__(self, settings, backend, tasks: TaskRunner, *, poll_ms: int = POLL_MS, discover: bool = True,
                  parent: QWidget | None = None):
@@ -519,6 +523,10 @@ class FleetView(QWidget):
             self.banner.info(notice)
 
     def _use_key(self, path: str) -> None:
+        from pathlib import Path
+
+        default = keystore.key_path(dataclasses.replace(self.settings, fleet_key_file=""))
+        path = "" if Path(path).expanduser() == default else path  # the default stays "the default"
         self.settings = dataclasses.replace(self.settings, fleet_key_file=path)
         self.key_changed.emit(path)
         self.reload_key()
@@ -564,7 +572,7 @@ class FleetView(QWidget):
         if not row.added:
             self.banner.info(f"{row.name} was found over mDNS; it leaves the list when its agent stops.")
             return
-        self.remove_node(row.address)
+        self.remove_node(row.added_as)
 
     def _ask_add_node(self) -> AddNodeDialog:
         dialog = AddNodeDialog(added_nodes(), self)

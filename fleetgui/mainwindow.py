@@ -164,7 +164,7 @@ class MainWindow(QMainWindow):
         import dataclasses
 
         self.apply_settings(dataclasses.replace(self.settings, fleet_key_file=path))
-        self.statusBar().showMessage(f"Fleet key: {path}", 10000)
+        self.statusBar().showMessage(f"Fleet key: {path or 'the default key file'}", 10000)
 
     def use_deployment(self, deployment) -> None:
         """The chat runs on a deployed chain from now on (None: back to the settings' model)."""

@@ -44,6 +44,10 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         found = view.model.row("mdns-node")
         assert found.mdns and not found.added and found.address == mdns_address
         assert view.model.row("static-node") is None  # not advertised, not added yet
+        view.add_node(mdns_address)  # found both ways: one row
+        assert len(view.model.rows) == 1 and view.model.row("mdns-node").found_by == "mDNS + address"
+        view.remove_node(mdns_address)
+        assert len(view.model.rows) == 1 and view.model.row("mdns-node").found_by == "mDNS"
 
         dialog = view._ask_add_node()
         ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
@@ -91,6 +95,7 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
 
 
 def test_fleet_key_is_made_and_chosen_private(qtbot, gui_home, tmp_path):
+    from fleetgui import keystore
     from fleetgui.settings import GuiSettings
 
     path = tmp_path / "s.ini"
@@ -104,7 +109,7 @@ def test_fleet_key_is_made_and_chosen_private(qtbot, gui_home, tmp_path):
     assert view.key.usable and stat.S_IMODE(made.stat().st_mode) == 0o600
     assert "readable only by you" in view.key_note.text()
     assert view.discovery.browser is not None and view.discovery.browser.fleet_id == view.key.fleet_id
-    assert GuiSettings.load(settings_store(path)).fleet_key_file == str(made)  # the app keeps using it
+    assert keystore.key_path(GuiSettings.load(settings_store(path))) == made  # the app keeps using it
 
     shared = tmp_path / "from-the-admin.key"
     shared.write_text("ab" * 32 + "\n")
@@ -118,3 +123,35 @@ def test_fleet_key_is_made_and_chosen_private(qtbot, gui_home, tmp_path):
     bad.write_text("not hex")
     view.choose_key(bad)
     assert "does not hold hex digits" in view.banner.message and window.settings.fleet_key_file == str(shared)
+
+
+def test_with_an_os_keyring_the_key_is_kept_there_and_written_back(qtbot, gui_home, tmp_path, monkeypatch):
+    """The keyring package is optional (not installed here): a stand-in module with its API."""
+    import sys
+    import types
+
+    stored = {}
+    fail = types.ModuleType("keyring.backends.fail")
+    fail.Keyring = type("Keyring", (), {})
+    backend = type("SecretService", (), {"priority": 5})()
+    keyring = types.ModuleType("keyring")
+    keyring.get_keyring = lambda: backend
+    keyring.set_password = lambda service, user, secret: stored.__setitem__((service, user), secret)
+    keyring.get_password = lambda service, user: stored.get((service, user))
+    backends = types.ModuleType("keyring.backends")
+    backends.fail = fail
+    for name, module in (("keyring", keyring), ("keyring.backends", backends), ("keyring.backends.fail", fail)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view = window.show_view("Fleet")
+    default = gui_home / "config" / "fleet.key"
+    view.create_key(default)
+    assert stored[("fleetshard", "fleet-key")] == default.read_text().strip()
+    assert "Kept in the OS keyring (SecretService)" in view.key_note.text()
+    assert window.settings.fleet_key_file == ""  # the default key file stays the default
+
+    fleet = view.key.fleet_id
+    default.unlink()  # the file is only the engine's working copy: the keyring gives it back
+    view.reload_key()
+    assert view.key.fleet_id == fleet and stat.S_IMODE(default.stat().st_mode) == 0o600

@@ -5,8 +5,9 @@ beta added by address) and this process as the coordinator, with the tiny Qwen2 
 with the mouse (and a range through the model's own drop API) re-prices the plan live; a pinned
 range survives Optimise; a device too small for its layers, and a pin no solver can honour, show
 the reason; Deploy starts the chain on the two agents and a chat reply streams through it, token for
-token what the model decodes alone.  The embedded default (``fleetgui`` with no arguments) chats on
-its local fleet, and closing the window stops its agent."""
+token what the model decodes alone, and another app instance chats on the recorded deployment.  The
+embedded default (``fleetgui`` with no arguments) chats on its local fleet, and closing the window
+stops its agent."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def wait_for_agents(qtbot, fleet_view, fleet):
 def surveyed(qtbot, fleet):
     """The fleet profile: the one the first test made with Profile fleet, or a survey made now."""
     from fleetgui.backend import EngineBackend
-    from fleetgui.placement_view import default_profile
+    from fleetgui.placement_model import default_profile
 
     path = default_profile()
     if not path.exists():
@@ -76,7 +77,7 @@ def names(model):
 
 
 def even_split(model):
-    from fleetgui.placement_view import StageRange
+    from fleetgui.placement_model import StageRange
 
     lane = {model.lanes[i].name: i for i in range(len(model.lanes))}
     model.set_stages([StageRange(lane["this machine"], 0, 1), StageRange(lane["alpha"], 1, 3),
@@ -98,7 +99,7 @@ def drag(canvas, start, end, steps=3):
 
 
 def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
-    from fleetgui.placement_view import default_profile
+    from fleetgui.placement_model import default_profile
 
     window, fleet_view, view = open_app(qtbot, fleet)
     wait_for_agents(qtbot, fleet_view, fleet)
@@ -127,7 +128,7 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
     from PySide6.QtCore import QMimeData, QPoint, Qt
 
     from engine.fleet.placement import evaluate
-    from fleetgui.placement_view import MIME
+    from fleetgui.placement_model import MIME
 
     surveyed(qtbot, fleet)
     window, _, view = open_app(qtbot, fleet)
@@ -270,10 +271,23 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
                     and fleet_view.rtt_table.rowCount() == 3, timeout=60000)
     screenshot(window, "fleet")
 
-    window.close()  # the workers this session deployed are stopped
-    for address in (fleet.alpha, fleet.beta):
+    # another app instance chats on the recorded deployment (Deployment.load().chain(key)) and leaves it running
+    other, _, other_view = open_app(qtbot, fleet, max_new_tokens=24)
+    assert other_view.use_recorded()
+    tab = other.chat.new_chat()  # (the first tab reopened the saved conversation, with its history)
+    tab.input.setPlainText(messages[0]["content"])
+    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
+        tab.send()
+    assert blocker.args[0].tokens == want and "deployed on the fleet" in other.service_label.text()
+    other.close()
+
+    def workers(address):
         with ControlClient(address, key) as agent:
-            assert agent.status()["workers"] == []
+            return agent.status()["workers"]
+
+    assert [len(workers(a)) for a in (fleet.alpha, fleet.beta)] == [1, 1]
+    window.close()  # the workers this session deployed are stopped
+    assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
 
 
 def test_embedded_default_chats_on_a_local_fleet_and_stops_with_the_window(qtbot, fleet):
