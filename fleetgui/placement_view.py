@@ -549,7 +549,11 @@ class PlacementView(QWidget):
             if previous is not None and owned:  # one deployment at a time: the old chain's workers go first
                 report(("status", "stopping the previous deployment"))
                 backend.stop_deployment(previous, settings)
-            return backend.deploy(model, stages, settings, report, cancel)
+            deployment = backend.deploy(model, stages, settings, report, cancel)
+            if cancel.is_set():  # cancelled after the last point deploy() looks: undo it
+                backend.stop_deployment(deployment, settings)
+                return None
+            return deployment
 
         self.deployment = None
         self._reset_bars(stages)

@@ -290,6 +290,27 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
 
 
+def test_a_cancelled_deployment_leaves_no_workers(qtbot, fleet):
+    from engine.fleet.control import ControlClient
+    from engine.fleetkey import load_key
+
+    surveyed(qtbot, fleet)
+    window, _, view = open_app(qtbot, fleet)
+    window.show_view("Placement")
+    even_split(view.model)
+    deployed = []
+    view.deployed.connect(deployed.append)
+    view.deploy_button.click()
+    assert view.cancel_button.isEnabled()
+    view.cancel_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=120000)
+    assert deployed == [] and view.activity.text() == "Cancelled." and view.deployment is None
+    for address in (fleet.alpha, fleet.beta):
+        with ControlClient(address, load_key(fleet.key_file)) as agent:
+            assert agent.status()["workers"] == []
+    assert view.deploy_button.isEnabled() and not view.cancel_button.isEnabled()
+
+
 def test_embedded_default_chats_on_a_local_fleet_and_stops_with_the_window(qtbot, fleet):
     window, _, _ = open_app(qtbot, fleet, local_workers=True, stages=2, fleet_key_file="")
     controller = window.chat_controller
