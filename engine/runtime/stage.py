@@ -53,10 +53,14 @@ def compile_config(mode: str = "fast", precision: str | None = None) -> dict:
 
 
 def core() -> ov.Core:
-    """The process-wide OpenVINO core (creating one per stage would reload the plugins)."""
+    """The process-wide OpenVINO core with its plugins loaded (one per stage would reload them)."""
     global _core
     if _core is None:
         _core = ov.Core()
+        # Loading the device plugins forks a short-lived child process; a fork while other threads
+        # hold locks can leave that child hung forever.  Load them now, which callers do before
+        # they start threads (agent, worker, app), instead of at the first compile on some thread.
+        _core.available_devices
     return _core
 
 
