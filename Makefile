@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 
-.PHONY: run test clean
+.PHONY: run chat test clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/fleet generate --model $(MODEL) --stages 2 --local-workers
+	$(BIN)/fleetgui
+
+chat: $(STAMP)
+	$(BIN)/fleet up --model $(MODEL) --local
 
 test: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests
