@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -28,8 +27,8 @@ from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
 from engine.fleet.shardstore import ShardStore, check_hash
 from engine.fleetkey import fleet_id, load_key
-from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, parse_address, tune
-from engine.runtime.localfleet import await_ready
+from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, parse_address, tune
+from engine.runtime.localfleet import await_ready, end_processes
 from engine.wire import AuthError, Frame, Msg, ProtocolError
 
 MAX_WORKERS = 8
@@ -167,16 +166,7 @@ class Agent:
     # --- connections ---------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                if self._stop.is_set():
-                    return
-                time.sleep(0.05)
-                continue
-            threading.Thread(target=self._session, args=(conn, "%s:%d" % addr[:2]), daemon=True,
-                             name=f"control {addr}").start()
+        accept_loop(self._listener, self._stop, self._session, "control")
 
     def _session(self, conn: socket.socket, peer: str) -> None:
         try:
@@ -315,20 +305,7 @@ class Agent:
                 raise FleetError(f"no worker {wid} on node {self.name}")
             for w in chosen:
                 del self.workers[w.id]
-        for w in chosen:
-            if w.proc.poll() is None:
-                w.proc.terminate()
-        for w in chosen:
-            try:
-                w.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                w.proc.kill()
-                w.proc.wait()
-            for stream in (w.proc.stdin, w.proc.stdout):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+        end_processes([w.proc for w in chosen])
         if chosen:
             self._changed()
         return [w.id for w in chosen]

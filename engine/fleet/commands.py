@@ -269,18 +269,9 @@ def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subproce
 
 
 def stop_local_agent(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            stream.close()
-        except OSError:
-            pass
+    from engine.runtime.localfleet import end_processes
+
+    end_processes([proc], timeout_s=10)
 
 
 def local_up(model: str, stages: int, key_file: Path, *, weights: str = "int4", mode: str = "fast",

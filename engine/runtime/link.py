@@ -37,6 +37,21 @@ def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]
     return host.strip("[]") or default_host, number
 
 
+def accept_loop(listener: socket.socket, stop: threading.Event, session, label: str) -> None:
+    """Accepts connections until ``stop`` is set, each served by ``session(conn, "host:port")`` on
+    its own thread."""
+    while not stop.is_set():
+        try:
+            conn, addr = listener.accept()
+        except OSError:
+            if stop.is_set():
+                return
+            time.sleep(0.05)
+            continue
+        peer = "%s:%d" % addr[:2]
+        threading.Thread(target=session, args=(conn, peer), daemon=True, name=f"{label} {peer}").start()
+
+
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # per-token frames are small: no Nagle
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

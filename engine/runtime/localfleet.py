@@ -62,6 +62,26 @@ def await_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
     raise FleetError(reason + ":\n  " + "\n  ".join(tail))
 
 
+def end_processes(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """Terminates child processes (all at once, then waits; kills what does not exit in time) and
+    closes our ends of their pipes."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
 class LocalFleet:
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
@@ -130,20 +150,7 @@ class LocalFleet:
             raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from None
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            for stream in (proc.stdin, proc.stdout):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
+        end_processes(self.procs)
         self.procs = []
 
     def __enter__(self) -> "LocalFleet":

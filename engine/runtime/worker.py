@@ -25,7 +25,7 @@ import numpy as np
 
 from engine import wire
 from engine.errors import FleetError
-from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, connect_successor, parse_address, tune
+from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, connect_successor, parse_address, tune
 from engine.runtime.stage import StageRunner, compile_config, select
 from engine.wire import AuthError, Frame, Msg, ProtocolError
 
@@ -136,16 +136,7 @@ class Worker:
     # --- upstream: accept, authenticate, serve -----------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, addr = self._listener.accept()
-            except OSError:
-                if self._stop.is_set():
-                    return
-                time.sleep(0.05)
-                continue
-            threading.Thread(target=self._session, args=(conn, "%s:%d" % addr[:2]), daemon=True,
-                             name=f"upstream {addr}").start()
+        accept_loop(self._listener, self._stop, self._session, "upstream")
 
     def _session(self, conn: socket.socket, peer: str) -> None:
         try:
