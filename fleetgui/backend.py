@@ -294,7 +294,7 @@ class EngineBackend:
         devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
         doc = survey(model, agents, key=key, tls=keystore.tls(settings) if agents else None, local_node=node_id(),
                      local_devices=list(dict.fromkeys(devices)) or ["CPU"], weights=settings.weights,
-                     log=lambda line: progress(("status", line)))
+                     log=lambda line: progress(("status", line)), cancel=cancel)
         doc["source"], doc["weights"] = model, settings.weights
         return doc
 

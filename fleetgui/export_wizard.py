@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 from PySide6.QtCore import Signal
@@ -134,6 +136,12 @@ class ExportWizard(QWidget):
         self.split.setPlaceholderText("e.g. 10,20 for three stages")
         self.split.textEdited.connect(lambda: self.by_split.setChecked(True))
         self.stages.valueChanged.connect(lambda: self.by_count.setChecked(True))
+        plan_button = QPushButton("From a placement plan…")
+        plan_button.setToolTip("take the boundaries of a plan written by `fleet place` or the Placement view")
+        plan_button.clicked.connect(self._browse_plan)
+        split_row = QHBoxLayout()
+        split_row.addWidget(self.split, 1)
+        split_row.addWidget(plan_button)
         self.out = QLineEdit()
         self.out.setPlaceholderText("default: the shard cache")
         out_browse = QPushButton("Browse…")
@@ -145,7 +153,7 @@ class ExportWizard(QWidget):
         form = QFormLayout(page)
         form.addRow("Weights", self.weights)
         form.addRow(self.by_count, self.stages)
-        form.addRow(self.by_split, self.split)
+        form.addRow(self.by_split, split_row)
         form.addRow("Output folder", out_row)
         form.addRow("", self.force)
         return page
@@ -193,6 +201,28 @@ class ExportWizard(QWidget):
         if path:
             self.gguf_path.setText(path)
             self.gguf_radio.setChecked(True)
+
+    def _browse_plan(self) -> None:
+        from engine.config import paths
+
+        path, _ = QFileDialog.getOpenFileName(self, "Placement plan", str(paths().data), "Plans (*.json)")
+        if path:
+            self.use_plan(Path(path))
+
+    def use_plan(self, path: Path) -> None:
+        """Fills the split with a plan's stage boundaries (``fleet place`` output or a bare Plan)."""
+        try:
+            doc = json.loads(Path(path).read_text())
+            stages = (doc.get("plan") or doc)["stages"]
+            self.split.setText(",".join(str(s["end"]) for s in stages[:-1]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.banner.error(f"{path} is not a placement plan ({exc})")
+            return
+        if len(stages) > 1:
+            self.by_split.setChecked(True)
+        else:
+            self.by_count.setChecked(True)
+            self.stages.setValue(1)
 
     def _browse_out(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Output folder", self.out.text())

@@ -101,3 +101,20 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     assert "assemble" in wizard.pull_label.text()
     assert wizard.stage_labels[0].text() == "stage 0: done, peak 812 MB"
     assert [wizard.table.item(0, c).text() for c in (1, 2, 3)] == ["0–30", "812", "97.25"]
+
+
+def test_export_wizard_takes_the_split_of_a_placement_plan(qtbot, gui_home, tmp_path, tiny_models):
+    import json
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    wizard = window.show_view("Export")
+    _to_export_page(wizard, tiny_models["llama"], tmp_path / "export")
+    plan = {"plan": {"stages": [{"node": "a", "device": "CPU", "start": 0, "end": 1},
+                                {"node": "b", "device": "CPU", "start": 1, "end": 3},
+                                {"node": "c", "device": "CPU", "start": 3, "end": 4}]}, "nodes": {}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    wizard.use_plan(tmp_path / "plan.json")
+    assert wizard.by_split.isChecked() and wizard.split.text() == "1,3"
+    (tmp_path / "bad.json").write_text("{}")
+    wizard.use_plan(tmp_path / "bad.json")
+    assert "not a placement plan" in wizard.banner.message and wizard.split.text() == "1,3"

@@ -35,18 +35,26 @@ def node_devices(status: dict) -> list[str]:
 
 
 def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: str, local_devices=("CPU",),
-           weights: str = "int4", context: int = 4096, streams: int = 1, log: Log = print) -> dict:
-    """Profiles this machine and the agents at ``agents`` (HOST:PORT each) for ``model``."""
-    folders = export_profile_shards(model, weights)
+           weights: str = "int4", context: int = 4096, streams: int = 1, log: Log = print, cancel=None) -> dict:
+    """Profiles this machine and the agents at ``agents`` (HOST:PORT each) for ``model``.
+    ``cancel.is_set()`` stops it between steps (and shard chunks) with a FleetError."""
+
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise FleetError("fleet profile cancelled")
+
+    folders = export_profile_shards(model, weights, cancel=cancel)
     shape = ModelShape(**model_shape(load_manifest(folders[0]), context, streams))
     devices: list[DeviceProfile] = []
     for device in local_devices:
+        check()
         log(f"profiling this machine's {device}")
         devices.append(device_profile(local_node, profile_shards(folders, device)))
     nodes = {local_node: {"name": "this machine", "address": LOCAL}}
     rtt: dict[tuple[str, str], float] = {}
     ids: dict[str, str] = {}
     for address in agents:
+        check()
         try:
             with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
                 status = agent.status()
@@ -57,8 +65,9 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
                 digests = []
                 for i, folder in enumerate(folders):
                     log(f"sending profiling shard {i + 1}/{len(folders)} to {nodes[node]['name']}")
-                    digests.append(agent.send_shard(folder)[0])
+                    digests.append(agent.send_shard(folder, cancel=cancel)[0])
                 for device in node_devices(status):
+                    check()
                     log(f"profiling {nodes[node]['name']}'s {device}")
                     measured = agent.call("profile", timeout_s=600, hashes=digests, device=device)
                     devices.append(device_profile(node, measured))
