@@ -119,7 +119,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it)."""
     from engine.export.exporter import export_model
 
-    if stages[0].agent != LOCAL:
+    if not stages or stages[0].agent != LOCAL:
         raise FleetError("stage 0 runs in the coordinator: the placement's first stage must be on this machine")
     if len(stages) < 2:
         raise FleetError("a deployment needs at least one stage on a node agent")
