@@ -11,14 +11,14 @@ from pathlib import Path
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
-                               QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QSplitter, QTableWidget,
+                               QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
 from fleetgui.backend import BENCHMARKS
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, style_plot
 from fleetgui.theme import SERIES
-from fleetgui.widgets import Banner
+from fleetgui.widgets import Banner, splitter
 from fleetgui.workers import TaskRunner
 
 # How each benchmark's rows are drawn: a sweep (x column, y columns, the column naming a series)
@@ -138,18 +138,8 @@ class BenchPanel(QWidget):
         self.table = QTableWidget(0, 0)
         self.table.verticalHeader().hide()
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        plots = QSplitter(Qt.Orientation.Vertical)
-        plots.addWidget(self.plot)
-        plots.addWidget(self.live)
-        plots.addWidget(self.table)
-        plots.setStretchFactor(0, 3)
-        plots.setStretchFactor(1, 2)
-        plots.setStretchFactor(2, 2)
-        split = QSplitter(Qt.Orientation.Horizontal)
-        split.addWidget(controls)
-        split.addWidget(plots)
-        split.setStretchFactor(0, 1)
-        split.setStretchFactor(1, 3)
+        plots = splitter(Qt.Orientation.Vertical, (self.plot, 3), (self.live, 2), (self.table, 2))
+        split = splitter(Qt.Orientation.Horizontal, (controls, 1), (plots, 3))
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
         layout.addWidget(split, 1)

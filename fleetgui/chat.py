@@ -15,14 +15,14 @@ import itertools
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
-                               QPlainTextEdit, QPushButton, QSplitter, QTabWidget, QTextBrowser, QVBoxLayout,
+                               QPlainTextEdit, QPushButton, QTabWidget, QTextBrowser, QVBoxLayout,
                                QWidget)
 
 from engine.errors import FleetError
 from engine.runtime.service import Reply
 from fleetgui.history import Conversation, HistoryStore, Message
 from fleetgui.plots import LiveRatePlot, RateMeter
-from fleetgui.widgets import Banner
+from fleetgui.widgets import Banner, splitter
 from fleetgui.workers import TaskRunner
 
 # settings whose change needs a new service (the rest apply per request)
@@ -452,16 +452,8 @@ class ChatView(QWidget):
         self.tabs.setCornerWidget(plus, Qt.Corner.TopRightCorner)
         self.live = LiveRatePlot(self.meter, "Live tokens per second per chat", theme)
 
-        right = QSplitter(Qt.Orientation.Vertical)
-        right.addWidget(self.tabs)
-        right.addWidget(self.live)
-        right.setStretchFactor(0, 4)
-        right.setStretchFactor(1, 1)
-        split = QSplitter(Qt.Orientation.Horizontal)
-        split.addWidget(left)
-        split.addWidget(right)
-        split.setStretchFactor(0, 1)
-        split.setStretchFactor(1, 4)
+        right = splitter(Qt.Orientation.Vertical, (self.tabs, 4), (self.live, 1))
+        split = splitter(Qt.Orientation.Horizontal, (left, 1), (right, 4))
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
         layout.addWidget(split, 1)

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
 
 from engine.errors import FleetError
 from fleetgui.settings import WEIGHTS
-from fleetgui.widgets import Banner
+from fleetgui.widgets import Banner, field_row
 from fleetgui.workers import TaskRunner
 
 RESULT_COLUMNS = ("stage", "layers", "peak MB", "size MB", "seconds", "folder")
@@ -139,22 +139,16 @@ class ExportWizard(QWidget):
         plan_button = QPushButton("From a placement plan…")
         plan_button.setToolTip("take the boundaries of a plan written by `fleet place` or the Placement view")
         plan_button.clicked.connect(self._browse_plan)
-        split_row = QHBoxLayout()
-        split_row.addWidget(self.split, 1)
-        split_row.addWidget(plan_button)
         self.out = QLineEdit()
         self.out.setPlaceholderText("default: the shard cache")
         out_browse = QPushButton("Browse…")
         out_browse.clicked.connect(self._browse_out)
-        out_row = QHBoxLayout()
-        out_row.addWidget(self.out, 1)
-        out_row.addWidget(out_browse)
         self.force = QCheckBox("export again even if this export is cached")
         form = QFormLayout(page)
         form.addRow("Weights", self.weights)
         form.addRow(self.by_count, self.stages)
-        form.addRow(self.by_split, split_row)
-        form.addRow("Output folder", out_row)
+        form.addRow(self.by_split, field_row(self.split, plan_button))
+        form.addRow("Output folder", field_row(self.out, out_browse))
         form.addRow("", self.force)
         return page
 

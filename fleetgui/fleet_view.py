@@ -17,12 +17,12 @@ import re
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
-                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton, QSplitter, QTableView,
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton, QTableView,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
 from fleetgui import keystore
-from fleetgui.widgets import Banner
+from fleetgui.widgets import Banner, splitter
 from fleetgui.workers import TaskRunner
 
 COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
@@ -441,16 +441,12 @@ class FleetView(QWidget):
         rtt_layout.addWidget(self.rtt_note)
         rtt_layout.addWidget(self.rtt_table, 1)
 
-        split = QSplitter(Qt.Orientation.Vertical)
         nodes = QWidget()
         nodes_layout = QVBoxLayout(nodes)
         nodes_layout.setContentsMargins(0, 0, 0, 0)
         nodes_layout.addLayout(tools)
         nodes_layout.addWidget(self.table, 1)
-        split.addWidget(nodes)
-        split.addWidget(rtt_box)
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 1)
+        split = splitter(Qt.Orientation.Vertical, (nodes, 3), (rtt_box, 1))
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
         layout.addWidget(key_box)

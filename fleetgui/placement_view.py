@@ -28,12 +28,12 @@ from PySide6.QtCore import QPoint, QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QColor, QPainter, QPen
 from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
                                QHeaderView, QLabel, QLineEdit, QMenu, QProgressBar, QPushButton, QScrollArea,
-                               QSizePolicy, QSpinBox, QSplitter, QTreeView, QVBoxLayout, QWidget)
+                               QSizePolicy, QSpinBox, QTreeView, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
-from fleetgui.widgets import Banner
+from fleetgui.widgets import Banner, splitter
 from fleetgui.workers import TaskRunner
 
 # share of a stage's progress bar each deployment phase fills (stage 0 only exports and connects)
@@ -395,11 +395,7 @@ class PlacementView(QWidget):
         self.tree.setUniformRowHeights(True)
         self.tree.header().setSectionResizeMode(0, QHeaderView.ResizeMode.ResizeToContents)
         self.model.modelReset.connect(self.tree.expandAll)
-        split = QSplitter(Qt.Orientation.Horizontal)
-        split.addWidget(scroll)
-        split.addWidget(self.tree)
-        split.setStretchFactor(0, 3)
-        split.setStretchFactor(1, 1)
+        split = splitter(Qt.Orientation.Horizontal, (scroll, 3), (self.tree, 1))
         chars = self.fontMetrics().averageCharWidth()
         split.setSizes([chars * 110, chars * 36])
 

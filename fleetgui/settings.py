@@ -11,10 +11,11 @@ import dataclasses
 
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
-                               QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+                               QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from engine.config import Settings
 from fleetgui.theme import THEMES
+from fleetgui.widgets import field_row
 
 WEIGHTS = ("int4", "int8", "fp16", "f32")
 DRAFTS = ("none", "lookup", "model", "hybrid")
@@ -114,10 +115,7 @@ class SettingsDialog(QDialog):
         self.key_file.setPlaceholderText("default: fleet.key in the config folder")
         browse = QPushButton("Browse…")
         browse.clicked.connect(self._browse_key)
-        row = QHBoxLayout()
-        row.addWidget(self.key_file, 1)
-        row.addWidget(browse)
-        form.addRow("Fleet key file", row)
+        form.addRow("Fleet key file", field_row(self.key_file, browse))
 
         from engine.models.catalog import CATALOG
 

@@ -1,9 +1,10 @@
-"""Small widgets the views share: the inline message banner."""
+"""Small widgets the views share: the inline message banner, and the splitter and field-with-button
+rows several views lay out."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QWidget
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QSplitter, QWidget
 
 
 class Banner(QFrame):
@@ -40,3 +41,21 @@ class Banner(QFrame):
     @property
     def message(self) -> str:
         return "" if self.isHidden() else self.text.text()
+
+
+def splitter(orientation: Qt.Orientation, *parts: tuple[QWidget, int]) -> QSplitter:
+    """A splitter of (widget, stretch factor) parts."""
+    split = QSplitter(orientation)
+    for i, (widget, stretch) in enumerate(parts):
+        split.addWidget(widget)
+        split.setStretchFactor(i, stretch)
+    return split
+
+
+def field_row(field: QWidget, *buttons: QWidget) -> QHBoxLayout:
+    """A field that takes the width, with its buttons beside it."""
+    row = QHBoxLayout()
+    row.addWidget(field, 1)
+    for button in buttons:
+        row.addWidget(button)
+    return row

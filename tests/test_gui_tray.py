@@ -107,6 +107,6 @@ def test_desktop_entry_quotes_its_command():
     from fleetgui.autostart import desktop_entry, desktop_exec
 
     assert desktop_exec(["/usr/bin/fleetgui", "--worker"]) == "/usr/bin/fleetgui --worker"
-    assert desktop_exec(["/home/a b/py", "-m", "fleetgui.app"]) == '"/home/a b/py" -m fleetgui.app'
+    assert desktop_exec(["my env/py", "-m", "fleetgui.app"]) == '"my env/py" -m fleetgui.app'
     assert desktop_exec(['/x/$"q"', "50%"]) == r'"/x/\\$\\"q\\"" 50%%'
     assert "Exec=/opt/fleetgui --worker" in desktop_entry(["/opt/fleetgui", "--worker"])

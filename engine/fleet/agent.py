@@ -120,14 +120,6 @@ class Agent:
         if advertiser.info.status != self.state():  # it changed while the name was being registered
             self._changed()
 
-    def serve_forever(self) -> None:
-        self.start()
-        try:
-            while not self._stop.wait(0.5):
-                pass
-        finally:
-            self.stop()
-
     def stop(self) -> None:
         """Stops workers, says goodbye over mDNS and closes every control connection."""
         self._stop.set()
