@@ -27,7 +27,7 @@ from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
 from engine.fleet.shardstore import ShardStore, check_hash
 from engine.fleetkey import fleet_id, load_key
-from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, parse_address, tune
+from engine.runtime.link import Link, accept_loop, authenticate_peer, parse_address
 from engine.runtime.localfleet import await_ready, end_processes
 from engine.wire import AuthError, Frame, Msg, ProtocolError
 
@@ -162,11 +162,7 @@ class Agent:
 
     def _session(self, conn: socket.socket, peer: str) -> None:
         try:
-            tune(conn)
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            if self.tls is not None:
-                conn = self.tls.server.wrap_socket(conn, server_side=True)
-            wire.server_handshake(conn, self.key, {**ROLE, "node": {"name": self.name, "fleet": self.fleet_id}})
+            conn = authenticate_peer(conn, self.key, {**ROLE, "node": {"name": self.name, "fleet": self.fleet_id}}, self.tls)
         except (ProtocolError, AuthError, OSError, ValueError) as exc:
             self.log(f"refused control connection from {peer}: {exc}")
             conn.close()

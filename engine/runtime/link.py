@@ -52,6 +52,17 @@ def accept_loop(listener: socket.socket, stop: threading.Event, session, label: 
         threading.Thread(target=session, args=(conn, peer), daemon=True, name=f"{label} {peer}").start()
 
 
+def authenticate_peer(conn: socket.socket, key: bytes, identity: dict, tls=None) -> socket.socket:
+    """The listening side of a new connection: TLS when the fleet uses it, then the fleet-key
+    handshake; returns the socket to serve (raises ProtocolError, AuthError, OSError)."""
+    tune(conn)
+    conn.settimeout(HANDSHAKE_TIMEOUT_S)
+    if tls is not None:
+        conn = tls.server.wrap_socket(conn, server_side=True)
+    wire.server_handshake(conn, key, identity)
+    return conn
+
+
 def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # per-token frames are small: no Nagle
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

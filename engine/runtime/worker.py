@@ -25,7 +25,7 @@ import numpy as np
 
 from engine import wire
 from engine.errors import FleetError
-from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, connect_successor, parse_address, tune
+from engine.runtime.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
 from engine.runtime.stage import StageRunner, compile_config, select
 from engine.wire import AuthError, Frame, Msg, ProtocolError
 
@@ -140,11 +140,7 @@ class Worker:
 
     def _session(self, conn: socket.socket, peer: str) -> None:
         try:
-            tune(conn)
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            if self.tls is not None:
-                conn = self.tls.server.wrap_socket(conn, server_side=True)
-            wire.server_handshake(conn, self.key, self.identity)
+            conn = authenticate_peer(conn, self.key, self.identity, self.tls)
         except (ProtocolError, AuthError, OSError, ValueError) as exc:
             self.log(f"refused connection from {peer}: {exc}")
             conn.close()
