@@ -50,6 +50,14 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
             f"lookup K={k}": (one("lookup"), k),
             "hybrid K=auto": (one("hybrid"), "auto"),
         }
+        # a fresh compiled model's first inferences are slow: none of them may land in a measurement
+        warm = next(iter(prompts.values()))
+        gen.generate(warm, 8, ignore_eos=True)
+        for drafter, kk in configs.values():
+            gen.generate(warm, 8, ignore_eos=True, drafter=drafter, k=kk)
+        if genai and mode == modes[0]:
+            genai_alone(warm)
+            genai_spec(warm)
         for name, ids in prompts.items():
             hooks.step(done, total, f"{mode}: {name}")
             done += 1

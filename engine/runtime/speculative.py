@@ -267,6 +267,7 @@ class AutoK:
         self.failures = 1.0
         # verify round time = fixed + per_position * (K + 1); least squares over recent rounds
         self._rounds: list[tuple[int, float]] = []
+        self._seen = 0  # rounds so far (the cost fit keeps only the recent ones)
         self.draft_ms = 0.0
 
     @property
@@ -280,6 +281,7 @@ class AutoK:
         self.draft_ms = draft_ms_per_token
         self._rounds.append((k + 1, verify_ms))
         del self._rounds[:-64]
+        self._seen += 1
         self.k = self.choose()
         return self.k
 
@@ -303,6 +305,6 @@ class AutoK:
             if expected / cost > best_rate:
                 best_k, best_rate = k, expected / cost
         # keep the cost model honest: now and then try a neighbour
-        if len(self._rounds) % 8 == 7:
-            best_k = max(1, min(self.k_max, best_k + (1 if len(self._rounds) % 16 == 7 else -1)))
+        if self._seen % 8 == 7:
+            best_k = max(1, min(self.k_max, best_k + (1 if self._seen % 16 == 7 else -1)))
         return best_k
