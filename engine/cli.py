@@ -155,10 +155,9 @@ def open_drafter(args, settings: Settings, chain, streams: int):
     if Path(source).exists():
         folders = expand_shard_dirs([source])
     else:
-        from engine.runtime.speculative import DRAFT_HEAD
+        from engine.runtime.speculative import draft_head
 
-        folders = _export(source, 1, None, settings.weights, None,
-                          head=DRAFT_HEAD if settings.weights == "int4" else "int8").folders
+        folders = _export(source, 1, None, settings.weights, None, head=draft_head(settings.weights)).folders
     draft_chain = LocalChain(folders, device=(args.device or settings.device).split(",")[0],
                              config=compile_config(args.mode or settings.mode, args.precision))
     return stream_drafters("hybrid" if hybrid else "model", streams, chain.manifest, draft_chain, args.rewind)

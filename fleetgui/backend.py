@@ -175,24 +175,12 @@ class EngineBackend:
 
     def chat_service(self, chain, settings, draft_shards=None, owned=()):
         """A chat service over an open chain, with the settings' streams, K and drafts."""
-        from engine.runtime.chain import LocalChain, expand_shard_dirs
-        from engine.runtime.service import ChatService
-        from engine.runtime.speculative import stream_drafters
-        from engine.runtime.stage import REWIND, compile_config
+        from engine.runtime.service import ChatService, drafter_factory
+        from engine.runtime.stage import REWIND
 
-        rewind = REWIND[settings.mode]
-        make_drafters = None
-        if settings.draft in ("model", "hybrid"):
-            draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=settings.devices.split(",")[0],
-                                     config=compile_config(settings.mode))
-            make_drafters = lambda n: stream_drafters(settings.draft, n, chain.manifest, draft_chain,  # noqa: E731
-                                                      rewind)
-        elif settings.draft == "lookup":
-            make_drafters = lambda n: stream_drafters("lookup", n)  # noqa: E731
-        elif settings.draft != "none":
-            raise FleetError(f"draft must be none, lookup, model or hybrid, not {settings.draft!r}")
-        return ChatService(chain, streams=settings.streams, drafters=make_drafters, k=settings.k_value,
-                           rewind=rewind, owned=list(owned))
+        drafters = drafter_factory(settings.draft, chain, draft_shards, settings.devices.split(",")[0], settings.mode)
+        return ChatService(chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
+                           rewind=REWIND[settings.mode], owned=list(owned))
 
     @staticmethod
     def _deadline() -> float:

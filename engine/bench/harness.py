@@ -28,7 +28,7 @@ from engine.runtime.chain import LocalChain, expand_shard_dirs
 from engine.runtime.generate import Generation, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import DRAFT_HEAD, stream_drafters
+from engine.runtime.speculative import draft_head, stream_drafters
 from engine.runtime.stage import compile_config
 from engine.runtime.tokenizer import ChatTokenizer
 
@@ -98,7 +98,7 @@ def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
     """The draft model's 1-stage shard when ``kind`` needs a model."""
     if kind not in ("model", "hybrid"):
         return None
-    return export_model(draft, stages=1, weights=weights, head=DRAFT_HEAD if weights == "int4" else "int8").folders
+    return export_model(draft, stages=1, weights=weights, head=draft_head(weights)).folders
 
 
 @contextlib.contextmanager

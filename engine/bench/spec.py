@@ -17,7 +17,7 @@ from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
-from engine.runtime.speculative import DRAFT_HEAD, stream_drafters
+from engine.runtime.speculative import draft_head, stream_drafters
 from engine.runtime.stage import REWIND, compile_config, device_config
 
 
@@ -26,7 +26,7 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
              hooks: Hooks = NO_HOOKS) -> dict:
     target_folders = export_model(model, stages=1, weights=weights, cancel=hooks.cancel).folders
     draft_folders = export_model(draft, stages=1, weights=weights, cancel=hooks.cancel,
-                                 head=DRAFT_HEAD if weights == "int4" else "int8").folders
+                                 head=draft_head(weights)).folders
     on_token = (lambda t: hooks.on_token(0, t)) if hooks.on_token else None
     total, done = len(modes) * len(PROMPTS), 0
     prompts = dict(zip(PROMPTS, prompt_ids(target_folders[0], PROMPTS)))
@@ -99,5 +99,5 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
             ratios["genai spec vs genai target"] = round(
                 mean(r["genai_spec_tok_s"] / r["genai_target_tok_s"] for r in mine), 3)
     meta = {"model": model, "draft": draft, "tokens": tokens, "k": k, "weights": weights,
-            "draft_head": DRAFT_HEAD if weights == "int4" else "int8"}
+            "draft_head": draft_head(weights)}
     return write_report("spec", rows, ratios, out, settings=meta)

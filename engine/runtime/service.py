@@ -324,6 +324,22 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def drafter_factory(kind: str, chain, draft_shards=None, device: str = "CPU", mode: str = "fast"):
+    """What ``ChatService(drafters=...)`` takes for a draft kind (``speculative.DRAFT_KINDS``): a
+    function giving one drafter per stream, over one draft chain compiled here for ``model`` and
+    ``hybrid`` (``draft_shards``, a 1-stage export sharing the target's tokenizer); None for ``none``."""
+    from engine.runtime.chain import LocalChain, expand_shard_dirs
+    from engine.runtime.speculative import stream_drafters
+    from engine.runtime.stage import REWIND, compile_config
+
+    if kind == "none":
+        return None
+    draft_chain = None
+    if kind in ("model", "hybrid"):
+        draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=device, config=compile_config(mode))
+    return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain, REWIND[mode])
+
+
 def open_service(shards: list[Path | str], *, local_workers: bool = True, device: str = "CPU", mode: str = "fast",
                  key_file: str | Path | None = None, tls: bool = False, deadline_s: float = 2.0,
                  streams: int = 2, k: int | str = 4, draft: str = "none", draft_shards=None,
@@ -335,7 +351,6 @@ def open_service(shards: list[Path | str], *, local_workers: bool = True, device
     from engine.fleetkey import key_file as fleet_key_file, load_key, load_tls
     from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
     from engine.runtime.stage import REWIND, compile_config
-    from engine.runtime.speculative import stream_drafters
 
     folders = expand_shard_dirs(shards)
     devices = parse_devices(device, len(folders))
@@ -359,16 +374,8 @@ def open_service(shards: list[Path | str], *, local_workers: bool = True, device
     else:
         chain = LocalChain(folders, device=",".join(devices), config=compile_config(mode))
     try:
-        make_drafters = None
-        if draft in ("model", "hybrid"):
-            draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=devices[0], config=compile_config(mode))
-            make_drafters = lambda n: stream_drafters(draft, n, chain.manifest, draft_chain, rewind)  # noqa: E731
-        elif draft == "lookup":
-            make_drafters = lambda n: stream_drafters("lookup", n)  # noqa: E731
-        elif draft != "none":
-            raise FleetError(f"draft must be none, lookup, model or hybrid, not {draft!r}")
-        service = ChatService(chain, streams=streams, drafters=make_drafters, k=k, rewind=rewind,
-                              owned=[fleet] if fleet else [])
+        service = ChatService(chain, streams=streams, drafters=drafter_factory(draft, chain, draft_shards, devices[0], mode),
+                              k=k, rewind=rewind, owned=[fleet] if fleet else [])
         service.description += ", local fleet" if fleet else ", in process"
         return service
     except BaseException:

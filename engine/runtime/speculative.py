@@ -18,15 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import ShardError
+from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
 from engine.wire import Flag
 
 TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
 
-# A draft model's LM head in INT4 (``export_model(head="int4")``): its head is a large share of a draft
-# step, and verification corrects what the coarser head changes.
-DRAFT_HEAD = "int4"
+DRAFT_KINDS = ("none", "lookup", "model", "hybrid")
+
+
+def draft_head(weights: str) -> str:
+    """The LM head a draft model is exported with (``export_model(head=...)``): INT4 beside INT4
+    weights, since the head is a large share of a draft step and verification corrects what the
+    coarser head changes; INT8 otherwise."""
+    return "int4" if weights == "int4" else "int8"
 
 
 def smooth(average: float, sample: float) -> float:
@@ -238,6 +243,8 @@ def stream_drafters(kind: str, streams: int, target: Manifest | None = None, dra
                     rewind: str = "mask") -> list | None:
     """One drafter per stream of a kind: ``none``, ``lookup``, or ``model``/``hybrid`` over
     ``draft_chain`` (one draft KV stream each), which must share the target's tokenizer."""
+    if kind not in DRAFT_KINDS:
+        raise FleetError(f"draft must be {', '.join(DRAFT_KINDS[:-1])} or {DRAFT_KINDS[-1]}, not {kind!r}")
     if kind == "none":
         return None
     if kind == "lookup":
