@@ -84,13 +84,13 @@ class EngineBackend:
 
     def export(self, source: str, *, stages: int | None = None, split: list[int] | None = None,
                weights: str = "int4", out: Path | None = None, force: bool = False, progress: Report = _quiet,
-               cancel=None):
+               cancel=None, head: str = "int8"):
         """Pulls a catalog model when needed (reporting its progress), then exports it."""
         from engine.export.exporter import export_model
 
         self.pull(source, progress, cancel)
         return export_model(source, stages=stages, split=split, weights=weights, out=out, force=force, cancel=cancel,
-                            progress=lambda i, step, frac: progress(("stage", i, step, frac)))
+                            head=head, progress=lambda i, step, frac: progress(("stage", i, step, frac)))
 
     def resolve_shards(self, settings, progress: Report = _quiet, cancel=None) -> list[Path]:
         """The shard set the settings name: an exported folder as it is, or the default model
@@ -108,9 +108,11 @@ class EngineBackend:
             return None
         if is_shard_set(settings.draft_model):
             return [Path(settings.draft_model).expanduser()]
+        from engine.runtime.speculative import draft_head
+
         progress(("status", f"preparing the draft model {settings.draft_model}"))
         return self.export(settings.draft_model, stages=1, weights=settings.weights, progress=progress,
-                           cancel=cancel).folders
+                           cancel=cancel, head=draft_head(settings.weights)).folders
 
     def open_chat(self, settings, progress: Report = _quiet, cancel=None):
         """A chat service over the configured model: the embedded local fleet (``embedded_default``),
