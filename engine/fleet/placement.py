@@ -35,12 +35,23 @@ class Infeasible(PlacementError):
     """No placement satisfies the fleet's memory, the pins and the coordinator; says why."""
 
 
+class Record:
+    """A dataclass that travels as the JSON object of its fields."""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict):
+        return cls(**d)
+
+
 def gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelShape:
+class ModelShape(Record):
     name: str
     num_layers: int
     layer_bytes: int  # weights of one decoder layer
@@ -49,16 +60,9 @@ class ModelShape:
     kv_bytes_per_layer: int  # KV cache of one layer at the planned context and streams
     overhead_bytes: int = 0  # fixed runtime cost of each stage process
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> ModelShape:
-        return cls(**d)
-
 
 @dataclasses.dataclass(frozen=True)
-class DeviceProfile:
+class DeviceProfile(Record):
     node: str
     device: str  # "CPU", "GPU.0", "NPU", ...
     memory_bytes: int  # memory available for shards
@@ -69,27 +73,13 @@ class DeviceProfile:
     supported: bool = True
     call_ms: float = 0.0  # fixed cost of running one stage for a token, whatever its layers
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> DeviceProfile:
-        return cls(**d)
-
 
 @dataclasses.dataclass(frozen=True)
-class Pin:
+class Pin(Record):
     node: str
     start: int
     end: int
     device: str | None = None
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> Pin:
-        return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +120,7 @@ class Fleet:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannedStage:
+class PlannedStage(Record):
     node: str
     device: str
     start: int
@@ -139,16 +129,9 @@ class PlannedStage:
     memory_bytes: int
     memory_limit_bytes: int  # the device's memory_bytes
 
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> PlannedStage:
-        return cls(**d)
-
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(Record):
     """Stages in chain order with their predictions; objective is "manual" for a plan from evaluate."""
 
     model: str
@@ -171,11 +154,6 @@ class Plan:
         lines.append(f"  predicted: {self.token_ms:.2f} ms per token, {self.tok_s:.1f} tok/s for one user, "
                      f"{self.aggregate_tok_s:.1f} tok/s aggregate for {self.users} user(s)")
         return "\n".join(lines)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["stages"] = [s.to_json() for s in self.stages]
-        return d
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:
