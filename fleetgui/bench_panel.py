@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
-                               QPlainTextEdit, QProgressBar, QPushButton, QSpinBox, QTableWidget,
+from PySide6.QtWidgets import (QFileDialog, QFormLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
+                               QPlainTextEdit, QProgressBar, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
 from fleetgui.backend import BENCHMARKS
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, style_plot
 from fleetgui.theme import SERIES
-from fleetgui.widgets import Banner, splitter
+from fleetgui.widgets import Banner, combo_box, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 # How each benchmark's rows are drawn: a sweep (x column, y columns, the column naming a series)
@@ -74,21 +74,15 @@ class BenchPanel(QWidget):
         self._rows.row.connect(self._add_row)
         self.banner = Banner()
 
-        self.name = QComboBox()
-        self.name.addItems(BENCHMARKS)
+        self.name = combo_box(BENCHMARKS)
         self.name.currentTextChanged.connect(lambda n: self.description.setText(DESCRIPTIONS.get(n, "")))
         self.description = QLabel(DESCRIPTIONS[BENCHMARKS[0]])
         self.description.setObjectName("hint")
         self.description.setWordWrap(True)
-        self.tokens = QSpinBox()
-        self.tokens.setRange(1, 4096)
-        self.tokens.setValue(32)
-        self.runs = QSpinBox()
-        self.runs.setRange(1, 20)
-        self.runs.setValue(1)
+        self.tokens = spin_box(1, 4096, 32)
+        self.runs = spin_box(1, 20, 1)
         self.delays = QLineEdit("0,10,50")
-        self.draft_kind = QComboBox()
-        self.draft_kind.addItems(["lookup", "model", "hybrid"])
+        self.draft_kind = combo_box(["lookup", "model", "hybrid"])
         self.target = QLabel()
         self.target.setObjectName("hint")
         self.target.setWordWrap(True)

@@ -16,12 +16,12 @@ from pathlib import Path
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, QFormLayout, QGridLayout,
                                QGroupBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton,
-                               QRadioButton, QSpinBox, QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QRadioButton, QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout,
                                QWidget)
 
 from engine.errors import FleetError
 from fleetgui.settings import WEIGHTS
-from fleetgui.widgets import Banner, field_row
+from fleetgui.widgets import Banner, combo_box, field_row, spin_box
 from fleetgui.workers import TaskRunner
 
 RESULT_COLUMNS = ("stage", "layers", "peak MB", "size MB", "seconds", "folder")
@@ -123,15 +123,11 @@ class ExportWizard(QWidget):
 
     def _split_page(self) -> QWidget:
         page = QGroupBox("2. Split and weight format")
-        self.weights = QComboBox()
-        self.weights.addItems(WEIGHTS)
-        self.weights.setCurrentText(self.settings.weights)
+        self.weights = combo_box(WEIGHTS, self.settings.weights)
         self.by_count = QRadioButton("Number of stages (layers split evenly)")
         self.by_split = QRadioButton("Explicit layer boundaries")
         self.by_count.setChecked(True)
-        self.stages = QSpinBox()
-        self.stages.setRange(1, 64)
-        self.stages.setValue(self.settings.stages)
+        self.stages = spin_box(1, 64, self.settings.stages)
         self.split = QLineEdit()
         self.split.setPlaceholderText("e.g. 10,20 for three stages")
         self.split.textEdited.connect(lambda: self.by_split.setChecked(True))

@@ -26,14 +26,14 @@ from typing import Callable
 
 from PySide6.QtCore import QPoint, QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QColor, QPainter, QPen
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
+from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
                                QHeaderView, QLabel, QLineEdit, QMenu, QProgressBar, QPushButton, QScrollArea,
-                               QSizePolicy, QSpinBox, QTreeView, QVBoxLayout, QWidget)
+                               QSizePolicy, QTreeView, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
-from fleetgui.widgets import Banner, splitter
+from fleetgui.widgets import Banner, combo_box, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 # share of a stage's progress bar each deployment phase fills (stage 0 only exports and connects)
@@ -323,10 +323,8 @@ class PlacementView(QWidget):
         self.profile_button.clicked.connect(self.profile_fleet)
         self.open_button = QPushButton("Open profile…")
         self.open_button.clicked.connect(self._ask_open_profile)
-        self.objective = QComboBox()
-        self.objective.addItems(["latency", "throughput"])
-        self.users = QSpinBox()
-        self.users.setRange(1, 64)
+        self.objective = combo_box(["latency", "throughput"])
+        self.users = spin_box(1, 64, 1)
         self.users.setToolTip("concurrent users (micro-batched streams) the prediction and the throughput objective "
                               "assume")
         self.users.valueChanged.connect(self.model.set_users)

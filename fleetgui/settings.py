@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from PySide6.QtCore import QSettings
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
-                               QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
+                               QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget)
 
 from engine.config import Settings
 from fleetgui.theme import THEMES
-from fleetgui.widgets import field_row
+from fleetgui.widgets import combo_box, field_row, spin_box
 
 WEIGHTS = ("int4", "int8", "fp16", "f32")
 DRAFTS = ("none", "lookup", "model", "hybrid")
@@ -119,55 +119,35 @@ class SettingsDialog(QDialog):
 
         from engine.models.catalog import CATALOG
 
-        self.model = QComboBox()
-        self.model.setEditable(True)
-        self.model.addItems(list(CATALOG))
-        self.model.setCurrentText(settings.default_model)
+        self.model = combo_box(CATALOG, settings.default_model, editable=True)
         self.model.setToolTip("a catalog name, a GGUF file, a Hugging Face folder or an exported shard set")
         form.addRow("Default model", self.model)
 
-        self.stages = QSpinBox()
-        self.stages.setRange(1, 64)
-        self.stages.setValue(settings.stages)
+        self.stages = spin_box(1, 64, settings.stages)
         form.addRow("Stages", self.stages)
-        self.weights = QComboBox()
-        self.weights.addItems(WEIGHTS)
-        self.weights.setCurrentText(settings.weights)
+        self.weights = combo_box(WEIGHTS, settings.weights)
         form.addRow("Weights", self.weights)
         self.devices = QLineEdit(settings.devices)
         self.devices.setToolTip("one OpenVINO device for every stage (CPU, GPU, NPU) or one per stage: CPU,GPU.1")
         form.addRow("Devices", self.devices)
-        self.mode = QComboBox()
-        self.mode.addItems(["fast", "exact"])
-        self.mode.setCurrentText(settings.mode)
+        self.mode = combo_box(["fast", "exact"], settings.mode)
         form.addRow("Mode", self.mode)
         self.local_workers = QCheckBox("run stages 1.. as worker processes on this machine")
         self.local_workers.setChecked(settings.local_workers)
         form.addRow("Local fleet", self.local_workers)
-        self.streams = QSpinBox()
-        self.streams.setRange(1, 16)
-        self.streams.setValue(settings.streams)
+        self.streams = spin_box(1, 16, settings.streams)
         form.addRow("Streams", self.streams)
-        self.k = QComboBox()
-        self.k.setEditable(True)
-        self.k.addItems(["auto", *map(str, range(0, 11))])
-        self.k.setCurrentText(settings.k)
+        self.k = combo_box(["auto", *map(str, range(0, 11))], settings.k, editable=True)
         self.k.setToolTip("draft tokens per speculative round; 0 turns speculation off")
         form.addRow("K", self.k)
-        self.draft = QComboBox()
-        self.draft.addItems(DRAFTS)
-        self.draft.setCurrentText(settings.draft)
+        self.draft = combo_box(DRAFTS, settings.draft)
         form.addRow("Draft", self.draft)
         self.draft_model = QLineEdit(settings.draft_model)
         self.draft_model.setPlaceholderText("for model and hybrid drafts, e.g. qwen2.5-coder-0.5b")
         form.addRow("Draft model", self.draft_model)
-        self.max_new_tokens = QSpinBox()
-        self.max_new_tokens.setRange(1, 32768)
-        self.max_new_tokens.setValue(settings.max_new_tokens)
+        self.max_new_tokens = spin_box(1, 32768, settings.max_new_tokens)
         form.addRow("Max new tokens", self.max_new_tokens)
-        self.theme = QComboBox()
-        self.theme.addItems(THEMES)
-        self.theme.setCurrentText(settings.theme)
+        self.theme = combo_box(THEMES, settings.theme)
         form.addRow("Theme", self.theme)
 
         self.error = QLabel()

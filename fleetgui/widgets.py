@@ -1,10 +1,10 @@
-"""Small widgets the views share: the inline message banner, and the splitter and field-with-button
-rows several views lay out."""
+"""Small widgets the views share: the inline message banner, the splitter and field-with-button
+rows several views lay out, and ready-filled spin and combo boxes for their forms."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QPushButton, QSplitter, QWidget
+from PySide6.QtWidgets import QComboBox, QFrame, QHBoxLayout, QLabel, QPushButton, QSpinBox, QSplitter, QWidget
 
 
 class Banner(QFrame):
@@ -59,3 +59,19 @@ def field_row(field: QWidget, *buttons: QWidget) -> QHBoxLayout:
     for button in buttons:
         row.addWidget(button)
     return row
+
+
+def spin_box(low: int, high: int, value: int) -> QSpinBox:
+    box = QSpinBox()
+    box.setRange(low, high)
+    box.setValue(value)
+    return box
+
+
+def combo_box(items, current: str | None = None, *, editable: bool = False) -> QComboBox:
+    box = QComboBox()
+    box.setEditable(editable)
+    box.addItems(list(items))
+    if current is not None:
+        box.setCurrentText(current)
+    return box
