@@ -85,6 +85,7 @@ def open_chain(args, settings: Settings):
     from engine.fleetkey import key_file, load_key, load_tls
     from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
     from engine.runtime.stage import compile_config
+    from engine.runtime.turns import compute_turns
 
     if sum(map(bool, (args.remote, args.local_workers, args.deployment))) > 1:
         raise FleetError("--remote, --local-workers and --deployment exclude each other")
@@ -132,7 +133,7 @@ def open_chain(args, settings: Settings):
         chain = RemoteChain(shard_dirs[0], remotes, key=key, device=devices[0], mode=mode,
                             precision=args.precision, tls=tls,
                             deadline_s=deadline, connect_timeout_s=args.connect_timeout,
-                            isolate=args.isolate_streams)
+                            isolate=args.isolate_streams, turns=compute_turns(fleet.turns if fleet else None))
     except BaseException:
         if fleet is not None:
             fleet.close()
@@ -271,6 +272,7 @@ def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream, prompts, d
 def cmd_worker(args) -> int:
     from engine.fleetkey import load_key, load_tls
     from engine.runtime.affinity import pin
+    from engine.runtime.turns import compute_turns
     from engine.runtime.worker import Worker
 
     pin(args.cpus)
@@ -279,7 +281,8 @@ def cmd_worker(args) -> int:
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
     worker = Worker(args.shard, args.listen, args.next, key=key, device=args.device or settings.device,
                     mode=args.mode or settings.mode, precision=args.precision, delay_ms=args.delay_ms,
-                    deadline_s=args.deadline or settings.deadline_s, tls=tls, isolate=args.isolate_streams)
+                    deadline_s=args.deadline or settings.deadline_s, tls=tls, isolate=args.isolate_streams,
+                    turns=compute_turns(args.compute_turns))
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         from engine.runtime.localfleet import lifeline
 
@@ -431,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--isolate-streams", action="store_true",
                         help="compile the shard once per stream instead of sharing one compiled model")
     worker.add_argument("--cpus", help="pin this worker to these CPUs (Linux; like taskset: 0-3,6)")
+    worker.add_argument("--compute-turns", metavar="FILE",
+                        help="compute one at a time with the other stages on this computer that name the same file")
     worker.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
     _connection_args(worker)
     worker.set_defaults(func=cmd_worker)

@@ -265,7 +265,7 @@ class BenchPanel(QWidget):
             bottom.setTicks(None)
             lines: dict[str, tuple[list, list]] = {}
             for row in self.rows:
-                if x not in row or row.get("isolation"):
+                if x not in row or row.get("isolation") or row.get("turns"):
                     continue
                 for y in ys:
                     if row.get(y) is None:

@@ -18,6 +18,7 @@ from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
 from engine.runtime.speculative import DraftModel, Hybrid, KVSequence, PromptLookup, check_draft_tokenizer
 from engine.runtime.stage import MODES
+from engine.runtime.turns import compute_turns
 from engine.wire import Flag
 
 EXACT = MODES["exact"]
@@ -124,7 +125,9 @@ def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports,
     folders = tiny_exports["qwen2", "3"].folders
     key = create_key(tmp_path / "fleet.key")
     with LocalFleet(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
-        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact", isolate=isolate)
+        assert fleet.turns is not None  # the stages and the coordinator take compute turns
+        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact", isolate=isolate,
+                            turns=compute_turns(fleet.turns))
         try:
             _isolation(chain)
             # speculation with physical trim over the wire (KEEP frames) is still exact

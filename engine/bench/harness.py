@@ -30,6 +30,7 @@ from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
 from engine.runtime.speculative import draft_head, stream_drafters
 from engine.runtime.stage import compile_config
+from engine.runtime.turns import compute_turns
 from engine.runtime.tokenizer import ChatTokenizer
 
 # The single-stream benchmarks' prompt (parity, pipeline).
@@ -103,15 +104,16 @@ def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
 
 @contextlib.contextmanager
 def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", isolate: bool = False,
-             cpu_sets: str = ""):
+             cpu_sets: str = "", turns: bool = True):
     """Yields (RemoteChain, LocalFleet): worker processes serve ``folders[1:]``, stage 0 runs here."""
     sets = parse_cpu_sets(cpu_sets, len(folders))
     pin(sets[0])
     with tempfile.TemporaryDirectory() as tmp:
         key_path = create_key(Path(tmp) / "bench.key")
         with LocalFleet(folders[1:], key_path, delay_ms=delay_ms, mode=mode, isolate=isolate,
-                        cpu_sets=sets[1:], log_dir=Path(tmp)) as fleet:
-            chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key_path), mode=mode, isolate=isolate)
+                        cpu_sets=sets[1:], log_dir=Path(tmp), take_turns=turns) as fleet:
+            chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key_path), mode=mode, isolate=isolate,
+                                turns=compute_turns(fleet.turns))
             try:
                 yield chain, fleet
             finally:
@@ -120,7 +122,7 @@ def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", 
 
 def drafters(kind: str, target, draft_folders: list[Path] | None, streams: int, mode: str = "fast"):
     """``streams`` drafters of one kind: ``none``, ``lookup``, ``model`` or ``hybrid``."""
-    draft_chain = LocalChain(draft_folders, config=compile_config(mode)) if draft_folders else None
+    draft_chain = LocalChain(draft_folders, config=compile_config(mode), turns=target.turns) if draft_folders else None
     return stream_drafters(kind, streams, target.manifest, draft_chain)
 
 

@@ -8,7 +8,9 @@ single-stream breakdown (compute = every stage plus the coordinator's own work p
 the rest).  Stream counts are interleaved, ``runs`` times each; the median counts.
 
 ``isolation``: at one point (first stage count, 10 ms, 2 and 3 streams) shared compiled models
-against one compiled model per stream, with the workers' resident memory.
+against one compiled model per stream, with the workers' resident memory.  ``turns``: at the same
+point, stages taking compute turns (``engine.runtime.turns``, the default) against all computing at
+once.
 
 ``shards`` runs an existing split (an export folder or its stage folders) instead of exporting
 ``model`` once per stage count.
@@ -21,6 +23,13 @@ from statistics import median
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, loopback, prompt_ids, run_batch, split_export, warm_up
 from engine.bench.report import write_report
+
+
+# Each side-by-side comparison's two sides, (label, loopback options); its ratio is the second over the first.
+COMPARISONS = {
+    "isolation": (("shared compiled", {"isolate": False}), ("per-stream compiled", {"isolate": True})),
+    "turns": (("all at once", {"turns": False}), ("compute turns", {"turns": True})),
+}
 
 
 def rss_mb(pid: int) -> float:
@@ -41,7 +50,7 @@ def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks = NO_HOO
 
 
 def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0), counts=(1, 2, 3),
-                   tokens: int = 64, runs: int = 2, isolation: bool = True, weights: str = "int4",
+                   tokens: int = 64, runs: int = 2, isolation: bool = True, turns: bool = True, weights: str = "int4",
                    cpu_sets: str = "", out: Path | None = None, log=print, shards=None,
                    hooks: Hooks = NO_HOOKS) -> dict:
     names = list(PROMPTS)[: max(counts)]
@@ -51,7 +60,7 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
         given = split_export(model, 0, weights, shards)
         splits = {len(given): given}
         stage_counts = (len(given),)
-    points = len(stage_counts) * len(delays) + (2 if isolation else 0)
+    points = len(stage_counts) * len(delays) + 2 * (isolation + turns)
     total, done = points * runs * len(counts), 0
 
     def tick(message: str):
@@ -89,25 +98,25 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
                 hooks.row(rows[-1])
             log(f"{stages} stages, {delay:g} ms: " + ", ".join(f"{r['streams']}x {r['tok_s']}"
                                                               for r in rows[-len(counts):]))
-    if isolation:
+    comparisons = [c for c, on in (("isolation", isolation), ("turns", turns)) if on]
+    for what in comparisons:
         stages = stage_counts[0]
         folders = splits[stages]
         prompts = prompt_ids(folders[0], names)
+        (base_label, base_opts), (alt_label, alt_opts) = COMPARISONS[what]
         speeds = {}
-        for isolate in (False, True):
-            label = "per-stream compiled" if isolate else "shared compiled"
-            with loopback(folders, delay_ms=10.0, isolate=isolate) as (chain, fleet):
-                samples = _sweep(chain, prompts, counts, tokens, runs, hooks, tick(f"isolation: {label}"))
+        for label, opts in ((base_label, base_opts), (alt_label, alt_opts)):
+            with loopback(folders, delay_ms=10.0, **opts) as (chain, fleet):
+                samples = _sweep(chain, prompts, counts, tokens, runs, hooks, tick(f"{what}: {label}"))
                 memory = sum(rss_mb(p.pid) for p in fleet.procs)
             for n in counts:
                 speeds[label, n] = median(b.tok_s for b in samples[n])
                 rows.append({"stages": stages, "delay_ms": 10.0, "streams": n, "tok_s": round(speeds[label, n], 2),
-                             "per_stream": round(speeds[label, n] / n, 2), "isolation": label,
+                             "per_stream": round(speeds[label, n] / n, 2), what: label,
                              "workers_rss_mb": round(memory, 1)})
                 hooks.row(rows[-1])
         for n in counts[1:]:
-            ratios[f"isolated vs shared {n} streams"] = round(
-                speeds["per-stream compiled", n] / speeds["shared compiled", n], 3)
+            ratios[f"{alt_label} vs {base_label} {n} streams"] = round(speeds[alt_label, n] / speeds[base_label, n], 3)
     hooks.step(total, total, "done")
     meta = {"model": model, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets,
             "ideal": "min(N, token_ms / compute_ms) from the single-stream breakdown of the same point"}

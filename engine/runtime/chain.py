@@ -10,6 +10,7 @@ import numpy as np
 from engine.errors import ShardError
 from engine.manifest import MANIFEST, check_chain, load_manifest
 from engine.runtime.stage import Output, StageRunner, select
+from engine.runtime.turns import NoTurns
 from engine.wire import Flag
 
 
@@ -43,14 +44,16 @@ class LocalChain:
     """All stages in one process; ``forward`` maps token ids to the last stage's top-1 tokens."""
 
     def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None,
-                 isolate: bool = False):
+                 isolate: bool = False, turns=None):
         """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``;
-        ``isolate`` compiles each stage once per stream instead of sharing one compiled model."""
+        ``isolate`` compiles each stage once per stream instead of sharing one compiled model;
+        ``turns``: the compute turns this computer's stages share (``engine.runtime.turns``)."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
         devices = parse_devices(device, len(folders))
-        self.stages = [StageRunner(f, dev, config, m, isolate) for f, dev, m in zip(folders, devices, manifests)]
+        self.turns = turns or NoTurns()
+        self.stages = [StageRunner(f, dev, config, m, isolate, self.turns) for f, dev, m in zip(folders, devices, manifests)]
         self.manifest = manifests[0]
         self.spec = self.manifest.spec
 

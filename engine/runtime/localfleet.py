@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engine.config import paths
 from engine.errors import FleetError
+from engine.runtime.turns import machine_turns_file
 
 READY = "ready"
 
@@ -86,10 +87,12 @@ class LocalFleet:
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
                  deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True,
-                 isolate: bool = False, cpu_sets: list[str | None] | None = None):
+                 isolate: bool = False, cpu_sets: list[str | None] | None = None, take_turns: bool = True):
         """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
         route tells them.  ``isolate``: one compiled model per stream; ``cpu_sets``: a CPU list per
-        worker to pin it to (``engine.runtime.affinity``)."""
+        worker to pin it to (``engine.runtime.affinity``).  ``take_turns``: unless the workers are
+        pinned, they compute one at a time (``engine.runtime.turns``); the coordinator joins them
+        through ``turns``."""
         self.shard_dirs = [Path(d) for d in shard_dirs]
         self.devices = devices or ["CPU"] * len(self.shard_dirs)
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in self.shard_dirs]
@@ -102,6 +105,7 @@ class LocalFleet:
         self.mode, self.precision, self.delay_ms, self.tls, self.deadline_s = mode, precision, delay_ms, tls, deadline_s
         self.isolate = isolate
         self.cpu_sets = cpu_sets or [None] * len(self.shard_dirs)
+        self.turns = machine_turns_file() if take_turns and not any(self.cpu_sets) else None
 
     def command(self, i: int) -> list[str]:
         cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(self.shard_dirs[i]),
@@ -120,6 +124,8 @@ class LocalFleet:
             cmd += ["--isolate-streams"]
         if self.cpu_sets[i]:
             cmd += ["--cpus", self.cpu_sets[i]]
+        if self.turns:
+            cmd += ["--compute-turns", str(self.turns)]
         return cmd
 
     def start_worker(self, i: int) -> subprocess.Popen:

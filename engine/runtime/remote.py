@@ -26,12 +26,13 @@ from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 class RemoteChain:
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
-                 connect_timeout_s: float = 60.0, isolate: bool = False):
+                 connect_timeout_s: float = 60.0, isolate: bool = False, turns=None):
         """``mode``: the correctness mode (``engine.runtime.stage.MODES``); every stage must run the same."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
-        self.local = StageRunner(Path(stage0), device, compile_config(mode, precision), isolate=isolate)
+        self.local = StageRunner(Path(stage0), device, compile_config(mode, precision), isolate=isolate, turns=turns)
+        self.turns = self.local.turns
         self.manifest = self.local.manifest
         if not self.manifest.first:
             raise ShardError(f"{stage0} is stage {self.manifest.stage_index}; the coordinator runs stage 0")

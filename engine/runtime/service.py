@@ -336,7 +336,8 @@ def drafter_factory(kind: str, chain, draft_shards=None, device: str = "CPU", mo
         return None
     draft_chain = None
     if kind in ("model", "hybrid"):
-        draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=device, config=compile_config(mode))
+        draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=device, config=compile_config(mode),
+                                 turns=chain.turns)
     return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain, REWIND[mode])
 
 
@@ -351,6 +352,7 @@ def open_service(shards: list[Path | str], *, local_workers: bool = True, device
     from engine.fleetkey import key_file as fleet_key_file, load_key, load_tls
     from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
     from engine.runtime.stage import REWIND, compile_config
+    from engine.runtime.turns import compute_turns
 
     folders = expand_shard_dirs(shards)
     devices = parse_devices(device, len(folders))
@@ -367,7 +369,7 @@ def open_service(shards: list[Path | str], *, local_workers: bool = True, device
         try:
             chain = RemoteChain(folders[0], fleet.addresses, key=key, device=devices[0], mode=mode,
                                 tls=load_tls(tls, key_file), deadline_s=deadline_s,
-                                connect_timeout_s=connect_timeout_s)
+                                connect_timeout_s=connect_timeout_s, turns=compute_turns(fleet.turns))
         except BaseException:
             fleet.close()
             raise

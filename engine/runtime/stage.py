@@ -14,6 +14,7 @@ import openvino as ov
 
 from engine.errors import ShardError
 from engine.manifest import BEAM_IDX, MODEL_XML, Manifest, load_manifest
+from engine.runtime.turns import NoTurns
 from engine.wire import Flag
 
 _core: ov.Core | None = None
@@ -95,11 +96,13 @@ class StageRunner:
     isolation choice), which costs a compile and the compiled model's working memory per stream."""
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
-                 manifest: Manifest | None = None, isolate: bool = False):
+                 manifest: Manifest | None = None, isolate: bool = False, turns=None):
+        """``turns``: a ``engine.runtime.turns`` lock every inference waits for (stages sharing cores)."""
         self.folder = Path(folder)
         self.manifest = manifest or load_manifest(self.folder)
         self.device = device
         self.isolate = isolate
+        self.turns = turns or NoTurns()
         self._config = device_config(device, config)
         self.compiles = 0
         self.compiled = self._compile()
@@ -160,5 +163,6 @@ class StageRunner:
         inputs[self._input] = x
         inputs["attention_mask"] = attention_mask
         inputs["position_ids"] = position_ids
-        request.infer(inputs, share_inputs=True, share_outputs=True)
+        with self.turns:
+            request.infer(inputs, share_inputs=True, share_outputs=True)
         return request.get_tensor(self._output).data

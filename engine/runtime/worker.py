@@ -63,8 +63,8 @@ class Worker:
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
-                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False):
-        self.runner = StageRunner(Path(shard), device, compile_config(mode, precision), isolate=isolate)
+                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None):
+        self.runner = StageRunner(Path(shard), device, compile_config(mode, precision), isolate=isolate, turns=turns)
         m = self.manifest = self.runner.manifest
         self.key = key
         self.tls = tls

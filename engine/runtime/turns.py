@@ -1,0 +1,91 @@
+"""Compute turns: stages that share one computer's cores run their inferences one at a time.
+
+A local fleet puts every stage on this computer.  With several streams in flight, two stages would
+otherwise compute at once, each with a full set of OpenVINO threads on the same cores; on a machine
+whose decode is bound by memory bandwidth that gets no more done than one stage at a time, and the
+oversubscribed threads lose another 10-20% to each other.  Taking turns keeps what overlapping is
+for (one stream computes while the others wait on the network) without that loss.
+
+The turn is an exclusive lock on a file every stage process opens (``flock``; ``msvcrt.locking`` on
+Windows), plus a thread lock for the threads of one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+from engine.config import paths
+
+if sys.platform == "win32":
+    import msvcrt
+
+    def _lock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
+
+    def _unlock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+else:
+    import fcntl
+
+    def _lock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+    def _unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+class ComputeTurns:
+    """``with turns:`` around an inference waits for this computer's compute turn."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._thread = threading.Lock()
+
+    def __enter__(self) -> "ComputeTurns":
+        self._thread.acquire()
+        try:
+            _lock(self._fd)
+        except BaseException:
+            self._thread.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            _unlock(self._fd)
+        finally:
+            self._thread.release()
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class NoTurns:
+    """Stages with cores of their own: every inference runs at once."""
+
+    def __enter__(self) -> "NoTurns":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def compute_turns(path: Path | str | None):
+    """The turns shared through ``path``, or none."""
+    return ComputeTurns(path) if path else NoTurns()
+
+
+def machine_turns_file() -> Path:
+    """The turns file of this computer's local-fleet stages."""
+    folder = paths().data
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "compute.turns"
