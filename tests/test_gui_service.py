@@ -112,6 +112,9 @@ class Breaking:
     def collect(self, ticket):
         return self.chain.collect(ticket)
 
+    def first_ready(self, tickets):
+        return self.chain.first_ready(tickets)
+
     def close(self):
         pass
 

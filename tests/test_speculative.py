@@ -72,6 +72,31 @@ class WrongGuesses:
         return [(history[-1] + 1 + i) % 384 for i in range(k)]
 
 
+class CostlyModel(WrongGuesses):
+    """A draft model's shape as the hybrid sees it: proposals that cost 20 ms a token."""
+
+    name = "model"
+    ms_per_token = 20.0
+
+
+def test_the_hybrid_judges_lookup_matches_by_their_length():
+    # one-token matches keep failing while the model is right 80% of the time: after that, a
+    # one-token match goes to the model, but a three-token match (no record yet) is still tried
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    one_gram = [1, 2, 3, 9, 4, 5, 6, 9]  # ends with 9: seen once before, followed by 4
+    three_gram = [1, 2, 3, 4, 5, 1, 2, 3]  # ends with 1 2 3: seen before, followed by 4 5
+    for _ in range(30):
+        hybrid._lookup_skipped = 0  # no exploration rounds in this test
+        drafts = hybrid.propose(one_gram, 3)
+        hybrid.feedback(len(drafts), 0 if hybrid.last.startswith("lookup") else 2, verify_ms=60.0)
+        hybrid.last = "model"
+        hybrid.feedback(3, 3, verify_ms=60.0)
+    hybrid.propose(one_gram, 3)
+    assert hybrid.last == "model"
+    hybrid.propose(three_gram, 3)
+    assert hybrid.last == "lookup3"
+
+
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
     target = LocalChain(tiny_exports["llama", "2"].folders, config=EXACT)
     want = Generator(target, 72).generate(PROMPT, 60, ignore_eos=True).tokens

@@ -36,6 +36,8 @@ class Chain(Protocol):
 
     def collect(self, ticket) -> Output: ...
 
+    def first_ready(self, tickets: list) -> int: ...
+
 
 class Breakdown:
     """Where decode time goes, summed over rounds: compute per stage, the network (waiting beyond
@@ -143,7 +145,7 @@ class Decoding:
         self.result = Generation(len(prompt), [], 0.0, 0.0, "max_tokens")
         self.history = list(prompt)
         self.active = True
-        self._ticket = None
+        self.ticket = None
         self._drafts: list[int] = []
         self._draft_ms = 0.0
         self._times: dict[str, float] = {}
@@ -153,7 +155,7 @@ class Decoding:
         if self.drafter is not None:
             self.drafter.reset()
         self._times["start"] = self._times["round"] = time.perf_counter()
-        self._ticket = self.seq.submit(self.prompt)
+        self.ticket = self.seq.submit(self.prompt)
 
     def _submit_round(self) -> None:
         room = self.max_new_tokens - len(self.result.tokens)
@@ -164,11 +166,11 @@ class Decoding:
             self._draft_ms = (time.perf_counter() - t) * 1e3
         self._times["verify"] = time.perf_counter()
         flags = Flag.ALL_POSITIONS if self._drafts else Flag.NONE
-        self._ticket = self.seq.submit([self.result.tokens[-1], *self._drafts], flags)
+        self.ticket = self.seq.submit([self.result.tokens[-1], *self._drafts], flags)
 
     def advance(self) -> bool:
         """Collects the round in flight and submits the next; False once the stream has finished."""
-        out = self.seq.chain.collect(self._ticket)
+        out = self.seq.chain.collect(self.ticket)
         now = time.perf_counter()
         result, drafts = self.result, self._drafts
         targets = out.tokens[-(len(drafts) + 1):].tolist()
@@ -246,7 +248,8 @@ def generate_streams(chain: Chain, prompts: list[np.ndarray], max_new_tokens: in
                      cancels=None) -> tuple[list[Generation], float]:
     """Micro-batching: one stream per prompt (stream ids 0..N-1, each with its own KV state on every
     stage), interleaved so that one stream's round is in flight while another is collected and
-    resubmitted.  Returns the generations and the wall time of the whole batch."""
+    resubmitted: whichever stream's result comes back first is served first.  Returns the
+    generations and the wall time of the whole batch."""
     eos = frozenset() if ignore_eos else frozenset(int(i) for i in eos_ids)
     decodings = []
     for i, ids in enumerate(prompts):
@@ -258,7 +261,9 @@ def generate_streams(chain: Chain, prompts: list[np.ndarray], max_new_tokens: in
     start = time.perf_counter()
     for d in decodings:
         d.start()
-    active = list(decodings)
+    active = list(decodings)  # in the order their rounds were submitted
     while active:
-        active = [d for d in active if d.advance()]
+        d = active.pop(chain.first_ready([d.ticket for d in active]))
+        if d.advance():
+            active.append(d)
     return [d.result for d in decodings], time.perf_counter() - start

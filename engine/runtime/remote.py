@@ -176,6 +176,18 @@ class RemoteChain:
             out.logits = tensors[-2]
         return out
 
+    def first_ready(self, tickets: list[tuple]) -> int:
+        """Waits until one of these rounds' results is here; returns its index (the earliest
+        submitted when several are)."""
+        keys = [(frame.stream, frame.seq) for frame, _ in tickets]
+        while True:
+            for i, key in enumerate(keys):
+                if key in self._early:
+                    return i
+            reply = self._receive()
+            if reply is not None and (reply.stream, reply.seq) in self._in_flight:
+                self._early[reply.stream, reply.seq] = reply
+
     def _send(self, frame: Frame) -> None:
         if self._link is None:
             raise self._fail("not connected (call reset() to reconnect)")

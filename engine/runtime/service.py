@@ -3,9 +3,9 @@
 A ``ChatService`` owns a chain (in-process ``LocalChain`` or the distributed ``RemoteChain``), the
 coordinator's tokenizer and optionally one drafter per stream.  ``submit`` queues a conversation
 and returns a ``Handle`` at once; a single scheduler thread admits queued requests onto free stream
-ids (each stream has its own KV state on every stage and is reset before use), and advances every
-active ``Decoding`` one round at a time, so that one stream's round is in flight while another is
-collected and resubmitted, exactly as ``generate_streams`` interleaves them.  New requests join
+ids (each stream has its own KV state on every stage and is reset before use), and advances the
+active ``Decoding`` whose round came back first, so that one stream's round is in flight while another
+is collected and resubmitted, exactly as ``generate_streams`` interleaves them.  New requests join
 between rounds; a cancelled one stops at its next round.
 
 Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated (incrementally decoded,
@@ -212,9 +212,8 @@ class ChatService:
                 self._finish(request, stopped_by="cancelled")
             for request in admitted:
                 self._start(request)
-            for request in list(self._active):
-                if request in self._active:  # a chain failure may have ended it meanwhile
-                    self._advance(request)
+            if self._active:
+                self._advance_first()
 
     def _start(self, request: _Request) -> None:
         stream = request.handle.stream
@@ -256,14 +255,18 @@ class ChatService:
             messages = messages[: droppable[0]] + messages[droppable[0] + 1 :]
             request.dropped += 1
 
-    def _advance(self, request: _Request) -> None:
+    def _advance_first(self) -> None:
+        """Advances the stream whose round came back first (``_active`` is in submission order)."""
         try:
+            request = self._active[self.chain.first_ready([r.decoding.ticket for r in self._active])]
             more = request.decoding.advance()
         except Exception as exc:
             self._chain_failed(exc)
             return
-        if not more:
-            self._active.remove(request)
+        self._active.remove(request)
+        if more:
+            self._active.append(request)
+        else:
             self._finish(request)
 
     def _chain_failed(self, exc: Exception) -> None:

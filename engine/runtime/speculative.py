@@ -47,11 +47,13 @@ class PromptLookup:
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.matched = 0  # the length of the n-gram the last proposal continued (0: none)
 
     def reset(self) -> None:
-        pass
+        self.matched = 0
 
     def propose(self, history: list[int], k: int) -> list[int]:
+        self.matched = 0
         n_hist = len(history)
         arr = None
         for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
@@ -64,6 +66,7 @@ class PromptLookup:
                 if np.array_equal(arr[s : s + n], tail):
                     follow = arr[s + n : s + n + k]
                     if len(follow):
+                        self.matched = n
                         return follow.tolist()
         return []
 
@@ -190,8 +193,10 @@ class Hybrid:
 
     A lookup proposal costs nothing to make but is often wrong; the model's is right more often but
     costs ``k`` draft steps.  Each source's acceptance (accepted per proposed, decayed) and the verify
-    cost come from the rounds' outcomes; the lookup, being free, is still tried now and then when it
-    is losing, so its estimate keeps up with the text."""
+    cost come from the rounds' outcomes.  The lookup's acceptance is kept per matched n-gram length:
+    in code a one-token match is common and usually wrong, a three-token match usually right.  The
+    lookup, being free, is still tried now and then when it is losing, so its estimates keep up with
+    the text."""
 
     name = "hybrid"
     DECAY = 0.9
@@ -211,8 +216,9 @@ class Hybrid:
         self._forget()
 
     def _forget(self) -> None:
-        # decayed [accepted, proposed] per source: a prior of one half
-        self.stats = {"lookup": [1.0, 2.0], "model": [1.0, 2.0]}
+        # decayed [accepted, proposed] per source ("lookup<n>": an n-gram match): a prior of one half
+        self.stats = {"model": [1.0, 2.0]}
+        self.stats.update({f"lookup{n}": [1.0, 2.0] for n in range(1, self.lookup.max_ngram + 1)})
         self.verify_ms = 0.0
         self.last = None
         self._lookup_skipped = 0
@@ -224,9 +230,10 @@ class Hybrid:
     def propose(self, history: list[int], k: int) -> list[int]:
         drafts = self.lookup.propose(history, k)
         if drafts:
-            lookup_wins = self._rate("lookup", len(drafts), 0.0) >= self._rate("model", k, k * self.model.ms_per_token)
+            source = f"lookup{self.lookup.matched}"
+            lookup_wins = self._rate(source, len(drafts), 0.0) >= self._rate("model", k, k * self.model.ms_per_token)
             if lookup_wins or self._lookup_skipped >= 8:
-                self.last, self._lookup_skipped = "lookup", 0
+                self.last, self._lookup_skipped = source, 0
                 return drafts
             self._lookup_skipped += 1
         self.last = "model"
