@@ -86,7 +86,7 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
     one_gram = [1, 2, 3, 9, 4, 5, 6, 9]  # ends with 9: seen once before, followed by 4
     three_gram = [1, 2, 3, 4, 5, 1, 2, 3]  # ends with 1 2 3: seen before, followed by 4 5
     for _ in range(30):
-        hybrid._lookup_skipped = 0  # no exploration rounds in this test
+        hybrid._skipped["lookup"] = 0  # no exploration rounds in this test
         drafts = hybrid.propose(one_gram, 3)
         hybrid.feedback(len(drafts), 0 if hybrid.last.startswith("lookup") else 2, verify_ms=60.0)
         hybrid.last = "model"
@@ -95,6 +95,20 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
     assert hybrid.last == "model"
     hybrid.propose(three_gram, 3)
     assert hybrid.last == "lookup3"
+
+
+def test_the_hybrid_takes_plain_steps_when_the_model_does_not_pay():
+    # the model is always wrong and there is nothing to look up: plain steps, with the model
+    # tried again every ninth round in case the text changed
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    history = [1, 2, 3, 4, 5, 6, 7, 8]
+    chosen = []
+    for _ in range(27):
+        drafts = hybrid.propose(history, 3)
+        chosen.append(hybrid.last)
+        if drafts:
+            hybrid.feedback(len(drafts), 0, verify_ms=60.0)
+    assert chosen.count("model") == 3 and chosen.count(None) == 24
 
 
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):

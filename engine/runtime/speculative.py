@@ -189,14 +189,15 @@ class DraftModel:
 
 
 class Hybrid:
-    """Prompt lookup or the draft model, whichever is expected to give more tokens per millisecond.
+    """Prompt lookup, the draft model or no draft at all, whichever is expected to give more tokens
+    per millisecond.
 
     A lookup proposal costs nothing to make but is often wrong; the model's is right more often but
     costs ``k`` draft steps.  Each source's acceptance (accepted per proposed, decayed) and the verify
     cost come from the rounds' outcomes.  The lookup's acceptance is kept per matched n-gram length:
-    in code a one-token match is common and usually wrong, a three-token match usually right.  The
-    lookup, being free, is still tried now and then when it is losing, so its estimates keep up with
-    the text."""
+    in code a one-token match is common and usually wrong, a three-token match usually right.  When
+    the model's drafts cost more than they save (free-form text it predicts badly), a plain step is
+    better.  A losing source is still tried now and then, so its estimate keeps up with the text."""
 
     name = "hybrid"
     DECAY = 0.9
@@ -221,23 +222,34 @@ class Hybrid:
         self.stats.update({f"lookup{n}": [1.0, 2.0] for n in range(1, self.lookup.max_ngram + 1)})
         self.verify_ms = 0.0
         self.last = None
-        self._lookup_skipped = 0
+        self._skipped = {"lookup": 0, "model": 0}
 
     def _rate(self, source: str, proposed: int, draft_ms: float) -> float:
         accepted, seen = self.stats[source]
         return (1 + proposed * accepted / seen) / (self.verify_ms + draft_ms + 1e-3)
 
+    def _choose(self, source: str, wins: bool) -> bool:
+        """Whether to use ``source`` this round: when it wins, or to explore after 8 rounds without."""
+        kind = "lookup" if source.startswith("lookup") else source
+        if wins or self._skipped[kind] >= 8:
+            self._skipped[kind] = 0
+            self.last = source
+            return True
+        self._skipped[kind] += 1
+        return False
+
     def propose(self, history: list[int], k: int) -> list[int]:
+        model_rate = self._rate("model", k, k * self.model.ms_per_token)
         drafts = self.lookup.propose(history, k)
         if drafts:
             source = f"lookup{self.lookup.matched}"
-            lookup_wins = self._rate(source, len(drafts), 0.0) >= self._rate("model", k, k * self.model.ms_per_token)
-            if lookup_wins or self._lookup_skipped >= 8:
-                self.last, self._lookup_skipped = source, 0
+            if self._choose(source, self._rate(source, len(drafts), 0.0) >= model_rate):
                 return drafts
-            self._lookup_skipped += 1
-        self.last = "model"
-        return self.model.propose(history, k)
+        plain_rate = 1 / self.verify_ms if self.verify_ms else 0.0  # a verify costs about a plain step
+        if self._choose("model", model_rate > plain_rate):
+            return self.model.propose(history, k)
+        self.last = None
+        return []  # a plain step
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float) -> None:
         stats = self.stats[self.last]
