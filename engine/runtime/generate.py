@@ -138,8 +138,11 @@ class Decoding:
         self.max_new_tokens = min(max_new_tokens, room)
         self.eos = eos
         self.drafter = drafter
-        self.auto = AutoK() if k == "auto" else None
-        self.k = self.auto.k if self.auto else int(k)
+        picks_k = hasattr(drafter, "pick_k")  # a drafter that keeps its own K per source (the hybrid)
+        if picks_k:
+            drafter.pick_k = k == "auto"
+        self.auto = AutoK() if k == "auto" and not picks_k else None
+        self.k = AutoK.K_MAX if k == "auto" and picks_k else self.auto.k if self.auto else int(k)
         self.on_token = on_token
         self.cancel = cancel
         self.result = Generation(len(prompt), [], 0.0, 0.0, "max_tokens")

@@ -157,6 +157,15 @@ class DraftModel:
         self.seq.reset()
         self.fed = []
 
+    def warm(self, tokens: int = 256) -> None:
+        """One forward of ``tokens`` positions, then a reset.  The first forward longer than any
+        before grows the request's buffers (measured on the 0.5B draft: +100-200 ms, and 1.4 s for a
+        fresh compiled model's first); after this one a catch-up of up to ``tokens`` costs only its
+        compute."""
+        self.seq.reset()
+        self.seq.forward(np.zeros(min(tokens, self.seq.max_length), np.int64))
+        self.reset()
+
     def _catch_up(self, history: list[int]) -> int:
         common = 0
         limit = min(len(self.fed), len(history))
@@ -197,7 +206,10 @@ class Hybrid:
     cost come from the rounds' outcomes.  The lookup's acceptance is kept per matched n-gram length:
     in code a one-token match is common and usually wrong, a three-token match usually right.  When
     the model's drafts cost more than they save (free-form text it predicts badly), a plain step is
-    better.  A losing source is still tried now and then, so its estimate keeps up with the text."""
+    better.  A losing source is still tried now and then, so its estimate keeps up with the text.
+
+    With ``pick_k`` (K auto; ``Decoding`` sets it) each source has its own ``AutoK``: a lookup draft
+    costs only verify positions, a model draft a draft step per token, so their best K differ."""
 
     name = "hybrid"
     DECAY = 0.9
@@ -205,11 +217,8 @@ class Hybrid:
     def __init__(self, lookup: PromptLookup, model: DraftModel):
         self.lookup = lookup
         self.model = model
+        self.pick_k = False
         self._forget()
-
-    @property
-    def ms_per_token(self) -> float:
-        return self.model.ms_per_token if self.last == "model" else 0.0
 
     def reset(self) -> None:
         self.lookup.reset()
@@ -223,39 +232,45 @@ class Hybrid:
         self.verify_ms = 0.0
         self.last = None
         self._skipped = {"lookup": 0, "model": 0}
+        self.auto = {"lookup": AutoK(k_start=3), "model": AutoK(k_start=3)}
 
     def _rate(self, source: str, proposed: int, draft_ms: float) -> float:
         accepted, seen = self.stats[source]
         return (1 + proposed * accepted / seen) / (self.verify_ms + draft_ms + 1e-3)
 
-    def _choose(self, source: str, wins: bool) -> bool:
-        """Whether to use ``source`` this round: when it wins, or to explore after 8 rounds without."""
-        kind = "lookup" if source.startswith("lookup") else source
-        if wins or self._skipped[kind] >= 8:
-            self._skipped[kind] = 0
-            self.last = source
-            return True
-        self._skipped[kind] += 1
-        return False
-
     def propose(self, history: list[int], k: int) -> list[int]:
-        model_rate = self._rate("model", k, k * self.model.ms_per_token)
-        drafts = self.lookup.propose(history, k)
-        if drafts:
-            source = f"lookup{self.lookup.matched}"
-            if self._choose(source, self._rate(source, len(drafts), 0.0) >= model_rate):
-                return drafts
-        plain_rate = 1 / self.verify_ms if self.verify_ms else 0.0  # a verify costs about a plain step
-        if self._choose("model", model_rate > plain_rate):
-            return self.model.propose(history, k)
-        self.last = None
-        return []  # a plain step
+        """Up to ``k`` drafts (fewer when ``pick_k`` and the source's own K is lower)."""
+        k_lookup, k_model = (min(k, self.auto[s].k) for s in ("lookup", "model")) if self.pick_k else (k, k)
+        drafts = self.lookup.propose(history, k_lookup)
+        lookup = f"lookup{self.lookup.matched}" if drafts else None
+        rates = {None: 1 / self.verify_ms if self.verify_ms else 0.0}  # a plain step costs about a verify
+        if lookup:
+            rates[lookup] = self._rate(lookup, len(drafts), 0.0)
+        rates["model"] = self._rate("model", k_model, k_model * self.model.ms_per_token)
+        choice = max(rates, key=rates.get)
+        # a draft source passed over 8 times is tried once, so its estimate keeps up with the text
+        # (the model only instead of a plain step: in place of a lookup it would cost a catch-up)
+        if choice is None and self._skipped["model"] >= 8:
+            choice = "model"
+        elif lookup and choice != lookup and self._skipped["lookup"] >= 8:
+            choice = lookup
+        self._skipped["model"] = 0 if choice == "model" else self._skipped["model"] + 1
+        if lookup:
+            self._skipped["lookup"] = 0 if choice == lookup else self._skipped["lookup"] + 1
+        self.last = choice
+        if choice == "model":
+            return self.model.propose(history, k_model)
+        return drafts if choice else []
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float) -> None:
         stats = self.stats[self.last]
         stats[0] = stats[0] * self.DECAY + accepted
         stats[1] = stats[1] * self.DECAY + proposed
         self.verify_ms = smooth(self.verify_ms, verify_ms)
+        if self.pick_k:
+            model = self.last == "model"
+            self.auto["model" if model else "lookup"].update(proposed, accepted, verify_ms,
+                                                             self.model.ms_per_token if model else 0.0)
 
 
 def stream_drafters(kind: str, streams: int, target: Manifest | None = None, draft_chain=None,
@@ -270,6 +285,8 @@ def stream_drafters(kind: str, streams: int, target: Manifest | None = None, dra
         return [PromptLookup() for _ in range(streams)]
     check_draft_tokenizer(target, draft_chain.manifest, draft_chain.first_folder)
     models = [DraftModel(draft_chain, rewind, stream=i) for i in range(streams)]
+    for model in models:
+        model.warm()
     return [Hybrid(PromptLookup(), m) for m in models] if kind == "hybrid" else models
 
 
@@ -286,7 +303,9 @@ def check_draft_tokenizer(target: Manifest, draft: Manifest, draft_folder: Path)
 class AutoK:
     """Chooses K online from the measured acceptance rate and round costs."""
 
-    def __init__(self, k_max: int = 12, k_start: int = 4):
+    K_MAX = 12
+
+    def __init__(self, k_max: int = K_MAX, k_start: int = 4):
         self.k_max = k_max
         self.k = k_start
         self.successes = 1.0  # a weak prior: acceptance 0.5

@@ -97,12 +97,13 @@ class StageRunner:
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None, isolate: bool = False, turns=None):
-        """``turns``: a ``engine.runtime.turns`` lock every inference waits for (stages sharing cores)."""
+        """``turns``: the ``engine.runtime.turns`` lock a CPU stage's inferences wait for (stages
+        sharing this computer's cores); a GPU or NPU stage does not take turns."""
         self.folder = Path(folder)
         self.manifest = manifest or load_manifest(self.folder)
         self.device = device
         self.isolate = isolate
-        self.turns = turns or NoTurns()
+        self.turns = turns if turns is not None and device.upper().startswith("CPU") else NoTurns()
         self._config = device_config(device, config)
         self.compiles = 0
         self.compiled = self._compile()
