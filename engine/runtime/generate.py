@@ -142,7 +142,10 @@ class Decoding:
         if picks_k:
             drafter.pick_k = k == "auto"
         self.auto = AutoK() if k == "auto" and not picks_k else None
-        self.k = AutoK.K_MAX if k == "auto" and picks_k else self.auto.k if self.auto else int(k)
+        if k == "auto":
+            self.k = AutoK.K_MAX if picks_k else self.auto.k  # a drafter picking K gets up to K_MAX
+        else:
+            self.k = int(k)
         self.on_token = on_token
         self.cancel = cancel
         self.result = Generation(len(prompt), [], 0.0, 0.0, "max_tokens")

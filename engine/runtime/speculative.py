@@ -4,7 +4,7 @@ A drafter proposes up to K next tokens from the sequence so far; the target pipe
 all in one traversal.  Three sources: prompt lookup (the longest recent n-gram match in the
 sequence: free, no model), a small draft model with the target's tokenizer (run in this process,
 with its own KV cache rewound the same way as the target's), and the hybrid of the two (each round,
-whichever is expected to give more tokens per millisecond).
+lookup, the model or a plain step, whichever is expected to give more tokens per millisecond).
 
 ``AutoK`` picks K while generating: it keeps a running estimate of the per-token acceptance rate
 and of what a verify round costs (fixed cost per traversal, cost per verified position, cost per
