@@ -259,13 +259,15 @@ class BenchPanel(QWidget):
             bottom.setTicks(None)
             return
         if spec[0] == "sweep":
+            from engine.bench.microbatch import COMPARISONS
+
             _, x, ys, series, x_label = spec
             item.setLabel("bottom", x_label)
             item.setLabel("left", "tok/s")
             bottom.setTicks(None)
             lines: dict[str, tuple[list, list]] = {}
             for row in self.rows:
-                if x not in row or row.get("isolation") or row.get("turns"):
+                if x not in row or any(row.get(c) for c in COMPARISONS):  # side-by-side rows
                     continue
                 for y in ys:
                     if row.get(y) is None:

@@ -24,14 +24,14 @@ from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
 from engine.runtime.affinity import parse_cpu_sets, pin
-from engine.runtime.chain import LocalChain, expand_shard_dirs
+from engine.runtime.chain import expand_shard_dirs
 from engine.runtime.generate import Generation, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import draft_head, stream_drafters
-from engine.runtime.stage import compile_config
-from engine.runtime.turns import compute_turns
+from engine.runtime.service import drafter_factory
+from engine.runtime.speculative import draft_head
 from engine.runtime.tokenizer import ChatTokenizer
+from engine.runtime.turns import compute_turns
 
 # The single-stream benchmarks' prompt (parity, pipeline).
 STORY_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -120,10 +120,10 @@ def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", 
                 chain.close()
 
 
-def drafters(kind: str, target, draft_folders: list[Path] | None, streams: int, mode: str = "fast"):
-    """``streams`` drafters of one kind: ``none``, ``lookup``, ``model`` or ``hybrid``."""
-    draft_chain = LocalChain(draft_folders, config=compile_config(mode), turns=target.turns) if draft_folders else None
-    return stream_drafters(kind, streams, target.manifest, draft_chain)
+def drafters(kind: str, target, draft_folders: list[Path] | None, streams: int):
+    """``streams`` drafters of one kind (``none``, ``lookup``, ``model`` or ``hybrid``), fast mode."""
+    factory = drafter_factory(kind, target, draft_folders)
+    return factory(streams) if factory else None
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 from engine.errors import ShardError
 from engine.manifest import MANIFEST, check_chain, load_manifest
 from engine.runtime.stage import Output, StageRunner, select
-from engine.runtime.turns import NoTurns
+from engine.runtime.turns import NO_TURNS
 from engine.wire import Flag
 
 
@@ -52,7 +52,7 @@ class LocalChain:
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
         devices = parse_devices(device, len(folders))
-        self.turns = turns or NoTurns()
+        self.turns = turns or NO_TURNS
         self.stages = [StageRunner(f, dev, config, m, isolate, self.turns) for f, dev, m in zip(folders, devices, manifests)]
         self.manifest = manifests[0]
         self.spec = self.manifest.spec

@@ -184,9 +184,13 @@ class RemoteChain:
             for i, key in enumerate(keys):
                 if key in self._early:
                     return i
-            reply = self._receive()
-            if reply is not None and (reply.stream, reply.seq) in self._in_flight:
-                self._early[reply.stream, reply.seq] = reply
+            self._stash(self._receive())
+
+    def _stash(self, reply: Frame | None) -> None:
+        """Keeps a reply for its request's ``collect``; drops a heartbeat (None) or a late reply to a
+        request we already gave up on."""
+        if reply is not None and (reply.stream, reply.seq) in self._in_flight:
+            self._early[reply.stream, reply.seq] = reply
 
     def _send(self, frame: Frame) -> None:
         if self._link is None:
@@ -206,26 +210,19 @@ class RemoteChain:
         """Waits for the reply to ``frame``; replies to other requests in flight are kept for their
         own ``collect``.  Heartbeats keep the deadline from expiring."""
         key = (frame.stream, frame.seq)
+        while key not in self._early:
+            self._stash(self._receive())
+        reply = self._early.pop(key)
+        self._in_flight.discard(key)
+        if reply.type == Msg.ERROR:
+            doc = reply.json()
+            self._ready = False  # re-check the whole chain before the next request
+            raise StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
+                             str(doc.get("reason", "failed")), bool(doc.get("transient")))
         expected = Msg.PONG if frame.type == Msg.PING else Msg.RESULT
-        while True:
-            reply = self._early.pop(key, None)
-            if reply is None:
-                reply = self._receive()
-                if reply is None:
-                    continue
-                if (reply.stream, reply.seq) != key:
-                    if (reply.stream, reply.seq) in self._in_flight:
-                        self._early[reply.stream, reply.seq] = reply
-                    continue  # otherwise a late reply to a request we already gave up on
-            self._in_flight.discard(key)
-            if reply.type == Msg.ERROR:
-                doc = reply.json()
-                self._ready = False  # re-check the whole chain before the next request
-                raise StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
-                                 str(doc.get("reason", "failed")), bool(doc.get("transient")))
-            if reply.type != expected:
-                raise self._fail(f"answered {frame.type.name} with {reply.type.name}")
-            return reply
+        if reply.type != expected:
+            raise self._fail(f"answered {frame.type.name} with {reply.type.name}")
+        return reply
 
     def _receive(self) -> Frame | None:
         """The next reply from stage 1 (None for a heartbeat); raises StageError on silence or loss."""

@@ -14,7 +14,7 @@ import openvino as ov
 
 from engine.errors import ShardError
 from engine.manifest import BEAM_IDX, MODEL_XML, Manifest, load_manifest
-from engine.runtime.turns import NoTurns
+from engine.runtime.turns import NO_TURNS
 from engine.wire import Flag
 
 _core: ov.Core | None = None
@@ -103,7 +103,7 @@ class StageRunner:
         self.manifest = manifest or load_manifest(self.folder)
         self.device = device
         self.isolate = isolate
-        self.turns = turns if turns is not None and device.upper().startswith("CPU") else NoTurns()
+        self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
         self._config = device_config(device, config)
         self.compiles = 0
         self.compiled = self._compile()

@@ -12,6 +12,8 @@ Windows), plus a thread lock for the threads of one process.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 import threading
@@ -44,7 +46,7 @@ class ComputeTurns:
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # held for the process's life
         self._thread = threading.Lock()
 
     def __enter__(self) -> "ComputeTurns":
@@ -62,26 +64,15 @@ class ComputeTurns:
         finally:
             self._thread.release()
 
-    def close(self) -> None:
-        os.close(self._fd)
+
+# Stages with cores of their own: every inference runs at once.
+NO_TURNS = contextlib.nullcontext()
 
 
-class NoTurns:
-    """Stages with cores of their own: every inference runs at once."""
-
-    def __enter__(self) -> "NoTurns":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
+@functools.cache
 def compute_turns(path: Path | str | None):
-    """The turns shared through ``path``, or none."""
-    return ComputeTurns(path) if path else NoTurns()
+    """The turns shared through ``path`` (one lock per file in this process), or none."""
+    return ComputeTurns(path) if path else NO_TURNS
 
 
 def machine_turns_file() -> Path:
