@@ -13,10 +13,10 @@ from engine.errors import ShardError
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator, generate_streams
+from engine.runtime.generate import Decoding, Generator, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import DraftModel, Hybrid, KVSequence, PromptLookup, check_draft_tokenizer
+from engine.runtime.speculative import AutoK, DraftModel, Hybrid, KVSequence, PromptLookup, check_draft_tokenizer
 from engine.runtime.stage import MODES
 from engine.runtime.turns import compute_turns
 from engine.wire import Flag
@@ -62,6 +62,27 @@ def test_exact_speculation_equals_greedy_on_tiny(k, rewind, tiny_exports):
             assert gen.bloat == 1.0
 
 
+def test_the_draft_model_takes_in_the_prompt_with_the_prefill(tiny_exports):
+    # the draft's prefill is prompt processing: it happens at start, not in the first decode round
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    draft = DraftModel(LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT))
+    decoding = Decoding(KVSequence(target, 128), PROMPT, 8, frozenset(), drafter=draft, k=3)
+    decoding.start()
+    assert draft.fed == PROMPT and draft.seq.logical == len(PROMPT)
+
+
+def test_auto_k_charges_a_catch_up_once_per_round():
+    # A draft model whose catch-up costs 30 ms on top of 19 ms per draft step, a verify of 52 ms plus
+    # 4 per position: the round cost is fitted as fixed + per draft * K (not as a cost per drafted
+    # token, which would price K=1 at 49 ms a draft), and with every draft accepted K grows.
+    auto = AutoK(k_start=1)
+    for k in (1, 2, 1, 2):
+        auto.update(k, k, verify_ms=52 + 4 * (k + 1), draft_ms=30 + 19 * k)
+    fixed, per_draft = auto._cost_model()
+    assert fixed == pytest.approx(52 + 4 + 30, abs=0.5) and per_draft == pytest.approx(19 + 4, abs=0.5)
+    assert auto.k > 2
+
+
 class WrongGuesses:
     name = "wrong"
 
@@ -73,10 +94,9 @@ class WrongGuesses:
 
 
 class CostlyModel(WrongGuesses):
-    """A draft model's shape as the hybrid sees it: proposals that cost 20 ms a token."""
+    """A draft model's shape as the hybrid sees it (its cost comes with each round's feedback)."""
 
     name = "model"
-    ms_per_token = 20.0
 
 
 def test_the_hybrid_judges_lookup_matches_by_their_length():
@@ -88,9 +108,10 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
     for _ in range(30):
         hybrid._skipped["lookup"] = 0  # no exploration rounds in this test
         drafts = hybrid.propose(one_gram, 3)
-        hybrid.feedback(len(drafts), 0 if hybrid.last.startswith("lookup") else 2, verify_ms=60.0)
+        model = hybrid.last == "model"
+        hybrid.feedback(len(drafts), 2 if model else 0, verify_ms=60.0, draft_ms=60.0 if model else 0.1)
         hybrid.last = "model"
-        hybrid.feedback(3, 3, verify_ms=60.0)
+        hybrid.feedback(3, 3, verify_ms=60.0, draft_ms=60.0)
     hybrid.propose(one_gram, 3)
     assert hybrid.last == "model"
     hybrid.propose(three_gram, 3)
@@ -98,17 +119,18 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
 
 
 def test_the_hybrid_takes_plain_steps_when_the_model_does_not_pay():
-    # the model is always wrong and there is nothing to look up: plain steps, with the model
-    # tried again every ninth round in case the text changed
+    # the model is always wrong and there is nothing to look up: plain steps, with the model tried
+    # again in case the text changed, after 8, then 16, then 32 plain steps
     hybrid = Hybrid(PromptLookup(), CostlyModel())
     history = [1, 2, 3, 4, 5, 6, 7, 8]
     chosen = []
-    for _ in range(27):
+    for _ in range(60):
         drafts = hybrid.propose(history, 3)
         chosen.append(hybrid.last)
         if drafts:
-            hybrid.feedback(len(drafts), 0, verify_ms=60.0)
-    assert chosen.count("model") == 3 and chosen.count(None) == 24
+            hybrid.feedback(len(drafts), 0, verify_ms=60.0, draft_ms=60.0)
+    assert [i for i, c in enumerate(chosen) if c == "model"] == [0, 9, 26, 59]
+    assert chosen.count(None) == 56
 
 
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):

@@ -151,10 +151,12 @@ class BatchRun:
         return sum(ks) / len(ks) if ks else 0.0
 
     def breakdown(self) -> dict:
-        """Per-token wall and compute (all stages plus the coordinator's own work), stream 0."""
-        bd = self.results[0].breakdown.to_json()
-        compute = sum(bd["stage_compute_ms"]) + bd["host_ms"] + bd["draft_ms"]
-        return {"token_ms": bd["token_ms"], "compute_ms": compute}
+        """Stream 0's whole run, prefill included as in ``tok_s``: wall time and compute (all stages
+        plus the coordinator's own work: everything but waiting on the wire), ms per token."""
+        result = self.results[0]
+        n = max(len(result.tokens), 1)
+        compute = result.prefill_compute_ms + result.breakdown.total_ms - result.breakdown.network_ms
+        return {"token_ms": self.wall_s * 1e3 / n, "compute_ms": compute / n}
 
 
 def run_batch(chain, prompts, tokens: int, *, drafters_=None, k="auto", hooks: Hooks = NO_HOOKS) -> BatchRun:

@@ -4,8 +4,8 @@
 All stages share this machine's cores, so N streams can gain at most
 ``min(N, (compute + waiting) / compute)``: whatever the single stream spends waiting on the wire can
 be filled with another stream's compute, nothing more.  The ideal comes from the same run's
-single-stream breakdown (compute = every stage plus the coordinator's own work per token; waiting =
-the rest).  Stream counts are interleaved, ``runs`` times each; the median counts.
+single-stream breakdown over its whole run, prefill included as in the measured throughput (compute =
+every stage plus the coordinator's own work; waiting = the rest).  Stream counts are interleaved, ``runs`` times each; the median counts.
 
 ``isolation``: at one point (first stage count, 10 ms, 2 and 3 streams) shared compiled models
 against one compiled model per stream, with the workers' resident memory.  ``turns``: at the same
@@ -119,5 +119,5 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
             ratios[f"{alt_label} vs {base_label} {n} streams"] = round(speeds[alt_label, n] / speeds[base_label, n], 3)
     hooks.step(total, total, "done")
     meta = {"model": model, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets,
-            "ideal": "min(N, token_ms / compute_ms) from the single-stream breakdown of the same point"}
+            "ideal": "min(N, token_ms / compute_ms) from the single-stream run (prefill included) of the same point"}
     return write_report("microbatch", rows, ratios, out, settings=meta)

@@ -90,6 +90,7 @@ class Generation:
     bloat: float = 1.0  # physical KV slots per logical token at the end
     compactions: int = 0
     trim_ms: float = 0.0
+    prefill_compute_ms: float = 0.0  # the prefill's compute, all stages
 
     @property
     def decode_tok_s(self) -> float:
@@ -162,6 +163,8 @@ class Decoding:
             self.drafter.reset()
         self._times["start"] = self._times["round"] = time.perf_counter()
         self.ticket = self.seq.submit(self.prompt)
+        if hasattr(self.drafter, "prime"):  # a draft model takes in the prompt while the prefill is in flight
+            self.drafter.prime(self.prompt)
 
     def _submit_round(self) -> None:
         room = self.max_new_tokens - len(self.result.tokens)
@@ -192,9 +195,9 @@ class Decoding:
             result.k_history.append(len(drafts))
             verify_ms = (now - self._times["verify"]) * 1e3
             if hasattr(self.drafter, "feedback"):
-                self.drafter.feedback(len(drafts), accepted, verify_ms)
+                self.drafter.feedback(len(drafts), accepted, verify_ms, self._draft_ms)
             if self.auto:
-                self.k = self.auto.update(len(drafts), accepted, verify_ms, getattr(self.drafter, "ms_per_token", 0.0))
+                self.k = self.auto.update(len(drafts), accepted, verify_ms, self._draft_ms)
         for token in emitted:
             result.tokens.append(token)
             self.history.append(token)
@@ -207,6 +210,7 @@ class Decoding:
                 break
         if first:
             result.ttft_s = now - self._times["start"]
+            result.prefill_compute_ms = sum(out.stage_ms)
             self._times["first"] = now
         else:
             result.breakdown.add((now - self._times["round"]) * 1e3, out, len(emitted), self._draft_ms)

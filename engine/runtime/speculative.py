@@ -7,8 +7,9 @@ with its own KV cache rewound the same way as the target's), and the hybrid of t
 lookup, the model or a plain step, whichever is expected to give more tokens per millisecond).
 
 ``AutoK`` picks K while generating: it keeps a running estimate of the per-token acceptance rate
-and of what a verify round costs (fixed cost per traversal, cost per verified position, cost per
-drafted token) and takes the K that maximises expected tokens per second.
+and a fit of what a round costs (drafting plus verify: a fixed part, which holds the traversal and
+a draft model's catch-up, and a part per drafted token) and takes the K that maximises expected
+tokens per second.
 """
 
 from __future__ import annotations
@@ -151,7 +152,6 @@ class DraftModel:
         self.chain = chain
         self.seq = KVSequence(chain, chain.spec.max_position, stream, rewind)
         self.fed: list[int] = []  # the tokens whose KV the draft cache holds (logically)
-        self.ms_per_token = 0.0
 
     def reset(self) -> None:
         self.seq.reset()
@@ -165,6 +165,10 @@ class DraftModel:
         self.seq.reset()
         self.seq.forward(np.zeros(min(tokens, self.seq.max_length), np.int64))
         self.reset()
+
+    def prime(self, prompt: list[int]) -> None:
+        """Feeds the prompt while the target's prefill runs (its time is prompt processing, not decoding)."""
+        self._catch_up(prompt)
 
     def _catch_up(self, history: list[int]) -> int:
         common = 0
@@ -183,7 +187,6 @@ class DraftModel:
     def propose(self, history: list[int], k: int) -> list[int]:
         if k <= 0 or not history:
             return []
-        start = time.perf_counter()
         token = self._catch_up(history)
         drafts = [token]
         while len(drafts) < k:
@@ -191,9 +194,6 @@ class DraftModel:
             self.fed.append(token)
             token = int(out.tokens[-1])
             drafts.append(token)
-        elapsed = (time.perf_counter() - start) * 1e3
-        per = elapsed / k
-        self.ms_per_token = smooth(self.ms_per_token, per)
         return drafts  # the next propose() rewinds whatever the target did not keep
 
 
@@ -208,11 +208,13 @@ class Hybrid:
     the model's drafts cost more than they save (free-form text it predicts badly), a plain step is
     better.  A losing source is still tried now and then, so its estimate keeps up with the text.
 
-    With ``pick_k`` (K auto; ``Decoding`` sets it) each source has its own ``AutoK``: a lookup draft
-    costs only verify positions, a model draft a draft step per token, so their best K differ."""
+    Each source has its own ``AutoK`` (its round-cost fit; with ``pick_k``, K auto, which ``Decoding``
+    sets, also its K): a lookup draft costs only verify positions, a model draft a catch-up plus a
+    draft step per token, so their costs and best K differ."""
 
     name = "hybrid"
     DECAY = 0.9
+    MIN_WAIT, MAX_WAIT = 8, 64  # rounds a passed-over source waits before it is tried again
 
     def __init__(self, lookup: PromptLookup, model: DraftModel):
         self.lookup = lookup
@@ -232,11 +234,18 @@ class Hybrid:
         self.verify_ms = 0.0
         self.last = None
         self._skipped = {"lookup": 0, "model": 0}
+        self._wait = {"lookup": self.MIN_WAIT, "model": self.MIN_WAIT}
         self.auto = {"lookup": AutoK(k_start=3), "model": AutoK(k_start=3)}
 
-    def _rate(self, source: str, proposed: int, draft_ms: float) -> float:
+    def prime(self, prompt: list[int]) -> None:
+        self.model.prime(prompt)
+
+    def _rate(self, source: str, proposed: int) -> float:
+        """Expected tokens per ms of a round: the source's acceptance, its own round-cost fit (the
+        model's includes its draft steps), the mean verify until that fit has data."""
         accepted, seen = self.stats[source]
-        return (1 + proposed * accepted / seen) / (self.verify_ms + draft_ms + 1e-3)
+        cost = self.auto["model" if source == "model" else "lookup"].cost(proposed) or self.verify_ms
+        return (1 + proposed * accepted / seen) / (cost + 1e-3)
 
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` drafts (fewer when ``pick_k`` and the source's own K is lower)."""
@@ -245,32 +254,38 @@ class Hybrid:
         lookup = f"lookup{self.lookup.matched}" if drafts else None
         rates = {None: 1 / self.verify_ms if self.verify_ms else 0.0}  # a plain step costs about a verify
         if lookup:
-            rates[lookup] = self._rate(lookup, len(drafts), 0.0)
-        rates["model"] = self._rate("model", k_model, k_model * self.model.ms_per_token)
+            rates[lookup] = self._rate(lookup, len(drafts))
+        rates["model"] = self._rate("model", k_model)
         choice = max(rates, key=rates.get)
-        # a draft source passed over 8 times is tried once, so its estimate keeps up with the text
-        # (the model only instead of a plain step: in place of a lookup it would cost a catch-up)
-        if choice is None and self._skipped["model"] >= 8:
-            choice = "model"
-        elif lookup and choice != lookup and self._skipped["lookup"] >= 8:
-            choice = lookup
-        self._skipped["model"] = 0 if choice == "model" else self._skipped["model"] + 1
-        if lookup:
-            self._skipped["lookup"] = 0 if choice == lookup else self._skipped["lookup"] + 1
+        # A draft source passed over for a while is tried once, so its estimate keeps up with the
+        # text; each try that does not win it back doubles the wait (8, 16, 32, 64 rounds).  The
+        # model is only tried instead of a plain step: in place of a lookup it would cost a catch-up.
+        forced = None
+        if choice is None and self._skipped["model"] >= self._wait["model"]:
+            choice = forced = "model"
+        elif lookup and choice != lookup and self._skipped["lookup"] >= self._wait["lookup"]:
+            choice, forced = lookup, "lookup"
+        won = {"model": choice == "model", "lookup": lookup is not None and choice == lookup}
+        for source in ("model", "lookup"):
+            if source == forced:
+                self._wait[source] = min(2 * self._wait[source], self.MAX_WAIT)
+            elif won[source]:
+                self._wait[source] = self.MIN_WAIT
+            if won[source]:
+                self._skipped[source] = 0
+            elif source == "model" or lookup:  # without a match the lookup was not passed over
+                self._skipped[source] += 1
         self.last = choice
         if choice == "model":
             return self.model.propose(history, k_model)
         return drafts if choice else []
 
-    def feedback(self, proposed: int, accepted: int, verify_ms: float) -> None:
+    def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
         stats = self.stats[self.last]
         stats[0] = stats[0] * self.DECAY + accepted
         stats[1] = stats[1] * self.DECAY + proposed
         self.verify_ms = smooth(self.verify_ms, verify_ms)
-        if self.pick_k:
-            model = self.last == "model"
-            self.auto["model" if model else "lookup"].update(proposed, accepted, verify_ms,
-                                                             self.model.ms_per_token if model else 0.0)
+        self.auto["model" if self.last == "model" else "lookup"].update(proposed, accepted, verify_ms, draft_ms)
 
 
 def stream_drafters(kind: str, streams: int, target: Manifest | None = None, draft_chain=None,
@@ -310,45 +325,60 @@ class AutoK:
         self.k = k_start
         self.successes = 1.0  # a weak prior: acceptance 0.5
         self.failures = 1.0
-        # verify round time = fixed + per_position * (K + 1); least squares over recent rounds
-        self._rounds: list[tuple[int, float]] = []
+        # round time (drafting + verify) = fixed + per_draft * K; least squares over recent rounds
+        self._rounds: list[tuple[int, float, float]] = []
         self._seen = 0  # rounds so far (the cost fit keeps only the recent ones)
-        self.draft_ms = 0.0
+        self._fit: tuple[float, float] | None = None
 
     @property
     def acceptance(self) -> float:
         return self.successes / (self.successes + self.failures)
 
-    def update(self, k: int, accepted: int, verify_ms: float, draft_ms_per_token: float) -> int:
+    def update(self, k: int, accepted: int, verify_ms: float, draft_ms: float) -> int:
+        """One round's outcome: ``k`` drafts, ``accepted`` of them, the verify's and the drafting's
+        time (the whole round's drafting: a draft model's catch-up is a fixed cost per round, so the
+        time per drafted token is not a constant)."""
         decay = 0.95
         self.successes = self.successes * decay + accepted
         self.failures = self.failures * decay + (1 if accepted < k else 0)
-        self.draft_ms = draft_ms_per_token
-        self._rounds.append((k + 1, verify_ms))
+        self._rounds.append((k, verify_ms, draft_ms))
         del self._rounds[:-64]
         self._seen += 1
+        self._fit = None
         self.k = self.choose()
         return self.k
 
     def _cost_model(self) -> tuple[float, float]:
-        xs = np.array([r[0] for r in self._rounds], np.float64)
-        ys = np.array([r[1] for r in self._rounds], np.float64)
-        if len(set(xs.tolist())) < 2:
-            base = float(np.median(ys)) if len(ys) else 1.0
-            return base, base * 0.03  # until two K values were seen: a verify position costs ~3% of a round
-        slope, intercept = np.polyfit(xs, ys, 1)
-        slope = max(float(slope), 0.0)
-        return max(float(intercept), 1e-3), slope
+        if self._fit is None:
+            ks = np.array([r[0] for r in self._rounds], np.float64)
+            verify = np.array([r[1] for r in self._rounds], np.float64)
+            draft = np.array([r[2] for r in self._rounds], np.float64)
+            if len(set(ks.tolist())) < 2:
+                # until two K values were seen: a verify position costs ~3% of a verify, and the
+                # drafting is taken as proportional to K
+                k = float(np.median(ks))
+                per_draft = 0.03 * float(np.median(verify)) + float(np.median(draft)) / k
+                self._fit = float(np.median(verify + draft)) - per_draft * k, per_draft
+            else:
+                slope, intercept = np.polyfit(ks, verify + draft, 1)
+                self._fit = float(intercept), max(float(slope), 0.0)
+        fixed, per_draft = self._fit
+        return max(fixed, 1e-3), per_draft
+
+    def cost(self, k: int) -> float:
+        """The expected time of a round with ``k`` drafts, in ms; 0.0 before any round was seen."""
+        if not self._rounds:
+            return 0.0
+        fixed, per_draft = self._cost_model()
+        return fixed + per_draft * k
 
     def choose(self) -> int:
         a = min(self.acceptance, 0.995)
-        fixed, per_position = self._cost_model()
         best_k, best_rate = 1, 0.0
         for k in range(1, self.k_max + 1):
             expected = (1 - a ** (k + 1)) / (1 - a)
-            cost = fixed + per_position * (k + 1) + self.draft_ms * k
-            if expected / cost > best_rate:
-                best_k, best_rate = k, expected / cost
+            if expected / self.cost(k) > best_rate:
+                best_k, best_rate = k, expected / self.cost(k)
         # keep the cost model honest: now and then try a neighbour
         if self._seen % 8 == 7:
             best_k = max(1, min(self.k_max, best_k + (1 if self._seen % 16 == 7 else -1)))
