@@ -83,6 +83,16 @@ def test_auto_k_charges_a_catch_up_once_per_round():
     assert auto.k > 2
 
 
+def test_auto_k_keeps_its_k_against_a_marginal_gain():
+    # acceptance 0.8 and rounds costing 100 + 16 ms per draft: K=4 is the best, 2.8% ahead of K=3
+    # and 11% ahead of K=2; a change of K costs a re-preparation of the verify, so only K=2 moves
+    for current, chosen in ((3, 3), (2, 4)):
+        auto = AutoK(k_start=current)
+        auto.successes, auto.failures = 4.0, 1.0
+        auto.cost = lambda k: 100.0 + 16.0 * k
+        assert auto.choose() == chosen
+
+
 class WrongGuesses:
     name = "wrong"
 
