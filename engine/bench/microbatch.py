@@ -4,8 +4,9 @@
 All stages share this machine's cores, so N streams can gain at most
 ``min(N, (compute + waiting) / compute)``: whatever the single stream spends waiting on the wire can
 be filled with another stream's compute, nothing more.  The ideal comes from the same run's
-single-stream breakdown over its whole run, prefill included as in the measured throughput (compute =
-every stage plus the coordinator's own work; waiting = the rest).  Stream counts are interleaved, ``runs`` times each; the median counts.
+single stream over its whole run, prefill included as in the measured throughput (compute = every
+stage plus the coordinator's own work; waiting = the rest).  Stream counts are interleaved, ``runs``
+times each; the median counts.
 
 ``isolation``: at one point (first stage count, 10 ms, 2 and 3 streams) shared compiled models
 against one compiled model per stream, with the workers' resident memory.  ``turns``: at the same

@@ -319,7 +319,7 @@ class AutoK:
     """Chooses K online from the measured acceptance rate and round costs."""
 
     K_MAX = 12
-    KEEP_MARGIN = 0.03
+    KEEP_MARGIN = 0.01
 
     def __init__(self, k_max: int = K_MAX, k_start: int = 4):
         self.k_max = k_max
@@ -329,6 +329,7 @@ class AutoK:
         # round time (drafting + verify) = fixed + per_draft * K; least squares over recent rounds
         self._rounds: list[tuple[int, float, float]] = []
         self._seen = 0  # rounds so far (the cost fit keeps only the recent ones)
+        self._last_k = 0
         self._fit: tuple[float, float] | None = None
 
     @property
@@ -342,8 +343,10 @@ class AutoK:
         decay = 0.95
         self.successes = self.successes * decay + accepted
         self.failures = self.failures * decay + (1 if accepted < k else 0)
-        self._rounds.append((k, verify_ms, draft_ms))
-        del self._rounds[:-64]
+        if k == self._last_k:  # a round after a change of K pays the re-preparation, not K's own cost
+            self._rounds.append((k, verify_ms, draft_ms))
+            del self._rounds[:-64]
+        self._last_k = k
         self._seen += 1
         self._fit = None
         self.k = self.choose()
@@ -374,6 +377,8 @@ class AutoK:
         return fixed + per_draft * k
 
     def choose(self) -> int:
+        if not self.cost(1):  # no round measured yet
+            return self.k
         a = min(self.acceptance, 0.995)
         rates = {k: (1 - a ** (k + 1)) / (1 - a) / self.cost(k) for k in range(1, self.k_max + 1)}
         best_k = max(rates, key=rates.get)
@@ -382,7 +387,8 @@ class AutoK:
         # draft's): keep the current K unless another is clearly better.
         if self.k in rates and rates[best_k] < rates[self.k] * (1 + self.KEEP_MARGIN):
             best_k = self.k
-        # keep the cost model honest: now and then try a neighbour
-        if self._seen % 8 == 7:
-            best_k = max(1, min(self.k_max, best_k + (1 if self._seen % 16 == 7 else -1)))
+        # keep the cost model honest: now and then try a neighbour, for two rounds (the second is
+        # the one the fit counts)
+        if self._seen % 8 in (6, 7):
+            best_k = max(1, min(self.k_max, best_k + (1 if self._seen % 16 in (6, 7) else -1)))
         return best_k
