@@ -139,14 +139,13 @@ class Decoding:
         self.max_new_tokens = min(max_new_tokens, room)
         self.eos = eos
         self.drafter = drafter
-        picks_k = hasattr(drafter, "pick_k")  # a drafter that keeps its own K per source (the hybrid)
-        if picks_k:
-            drafter.pick_k = k == "auto"
-        self.auto = AutoK() if k == "auto" and not picks_k else None
-        if k == "auto":
-            self.k = AutoK.K_MAX if picks_k else self.auto.k  # a drafter picking K gets up to K_MAX
+        auto = k == "auto"
+        if hasattr(drafter, "pick_k"):  # a drafter that keeps its own K per source (the hybrid): up to K_MAX
+            drafter.pick_k = auto
+            self.auto, self.k = None, AutoK.K_MAX if auto else int(k)
         else:
-            self.k = int(k)
+            self.auto = AutoK() if auto else None
+            self.k = self.auto.k if auto else int(k)
         self.on_token = on_token
         self.cancel = cancel
         self.result = Generation(len(prompt), [], 0.0, 0.0, "max_tokens")

@@ -244,8 +244,12 @@ class Hybrid:
         """Expected tokens per ms of a round: the source's acceptance, its own round-cost fit (the
         model's includes its draft steps), the mean verify until that fit has data."""
         accepted, seen = self.stats[source]
-        cost = self.auto["model" if source == "model" else "lookup"].cost(proposed) or self.verify_ms
+        cost = self._auto(source).cost(proposed) or self.verify_ms
         return (1 + proposed * accepted / seen) / (cost + 1e-3)
+
+    def _auto(self, source: str) -> AutoK:
+        """The ``AutoK`` of a source: ``"model"``, or any lookup (``"lookup<n>"``)."""
+        return self.auto["model" if source == "model" else "lookup"]
 
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` drafts (fewer when ``pick_k`` and the source's own K is lower)."""
@@ -285,7 +289,7 @@ class Hybrid:
         stats[0] = stats[0] * self.DECAY + accepted
         stats[1] = stats[1] * self.DECAY + proposed
         self.verify_ms = smooth(self.verify_ms, verify_ms)
-        self.auto["model" if self.last == "model" else "lookup"].update(proposed, accepted, verify_ms, draft_ms)
+        self._auto(self.last).update(proposed, accepted, verify_ms, draft_ms)
 
 
 def stream_drafters(kind: str, streams: int, target: Manifest | None = None, draft_chain=None,
@@ -346,9 +350,9 @@ class AutoK:
         if k == self._last_k:  # a round after a change of K pays the re-preparation, not K's own cost
             self._rounds.append((k, verify_ms, draft_ms))
             del self._rounds[:-64]
+            self._fit = None
         self._last_k = k
         self._seen += 1
-        self._fit = None
         self.k = self.choose()
         return self.k
 
