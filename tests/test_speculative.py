@@ -16,8 +16,9 @@ from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Decoding, Generator, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import AutoK, DraftModel, Hybrid, KVSequence, PromptLookup, check_draft_tokenizer
-from engine.runtime.stage import MODES
+from engine.runtime.speculative import (AutoK, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
+                                       check_draft_tokenizer)
+from engine.runtime.stage import MODES, Output
 from engine.runtime.turns import compute_turns
 from engine.wire import Flag
 
@@ -83,7 +84,7 @@ def test_auto_k_charges_a_catch_up_once_per_round():
         switch = 15 if k != last else 0
         auto.update(k, k, verify_ms=52 + 4 * (k + 1) + switch, draft_ms=30 + 19 * k)
         last = k
-    fixed, per_draft = auto._cost_model()
+    fixed, per_draft = auto.costs.fit()
     assert fixed == pytest.approx(52 + 4 + 30, abs=0.5) and per_draft == pytest.approx(19 + 4, abs=0.5)
     assert auto.k > 2
 
@@ -113,6 +114,48 @@ class CostlyModel(WrongGuesses):
 
     name = "model"
 
+    def __init__(self):
+        self.pick_k = False
+        self.costs = RoundCost()
+
+    def feedback(self, proposed, accepted, verify_ms, draft_ms):
+        self.costs.add(proposed, verify_ms, draft_ms)
+
+
+class Scripted:
+    """A draft chain whose every forward says token 7 with probability ``prob``."""
+
+    def __init__(self, prob: float):
+        self.prob = prob
+        self.spec = type("Spec", (), {"max_position": 256})
+
+    def reset(self, stream=0):
+        pass
+
+    def keep(self, stream, slots):
+        pass
+
+    def submit(self, ids, attention_mask, position_ids, flags=Flag.NONE, stream=0):
+        return Output(np.array([7]), np.array([self.prob], np.float32) if flags & Flag.PROBS else None)
+
+    def collect(self, ticket):
+        return ticket
+
+
+@pytest.mark.parametrize("prob, fixed_ms, drafts", [(0.99, 80, 12), (0.5, 80, 1), (0.5, 300, 3)])
+def test_the_draft_model_drafts_as_far_as_its_confidence_pays(prob, fixed_ms, drafts):
+    # rounds cost fixed + 22 ms per draft: a sure draft goes up to K; an unsure one stops after one
+    # token when the round is cheap, but drafts more when the round's fixed part (a slow hop) is large
+    model = DraftModel(Scripted(prob))
+    model.pick_k = True
+    model.costs.add(1, fixed_ms - 20, 42)
+    model.costs.add(3, fixed_ms - 20, 86)
+    for _ in range(40):  # the draft's mean confidence settles
+        got = model.propose([1, 2, 3], AutoK.K_MAX)
+    assert len(got) == drafts
+    model.pick_k = False
+    assert len(model.propose([1, 2, 3], 4)) == 4  # a fixed K drafts K
+
 
 def test_the_hybrid_judges_lookup_matches_by_their_length():
     # one-token matches keep failing while the model is right 80% of the time: after that, a
@@ -135,17 +178,16 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
 
 def test_the_hybrid_takes_plain_steps_when_the_model_does_not_pay():
     # the model is always wrong and there is nothing to look up: plain steps, with the model tried
-    # again in case the text changed, after 8, then 16, then 32 plain steps (its first round paid
-    # for a new shape, so its cost is known only after the second)
+    # again in case the text changed, after 8, then 16, then 32 plain steps
     hybrid = Hybrid(PromptLookup(), CostlyModel())
     history = [1, 2, 3, 4, 5, 6, 7, 8]
     chosen = []
-    for _ in range(61):
+    for _ in range(60):
         drafts = hybrid.propose(history, 3)
         chosen.append(hybrid.last)
         if drafts:
             hybrid.feedback(len(drafts), 0, verify_ms=60.0, draft_ms=60.0)
-    assert [i for i, c in enumerate(chosen) if c == "model"] == [0, 1, 10, 27, 60]
+    assert [i for i, c in enumerate(chosen) if c == "model"] == [0, 9, 26, 59]
     assert chosen.count(None) == 56
 
 

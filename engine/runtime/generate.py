@@ -140,7 +140,7 @@ class Decoding:
         self.eos = eos
         self.drafter = drafter
         auto = k == "auto"
-        if hasattr(drafter, "pick_k"):  # a drafter that keeps its own K per source (the hybrid): up to K_MAX
+        if hasattr(drafter, "pick_k"):  # a drafter that picks its own number of drafts (a model, the hybrid): up to K_MAX
             drafter.pick_k = auto
             self.auto, self.k = None, AutoK.K_MAX if auto else int(k)
         else:

@@ -6,10 +6,11 @@ sequence: free, no model), a small draft model with the target's tokenizer (run 
 with its own KV cache rewound the same way as the target's), and the hybrid of the two (each round,
 lookup, the model or a plain step, whichever is expected to give more tokens per millisecond).
 
-``AutoK`` picks K while generating: it keeps a running estimate of the per-token acceptance rate
-and a fit of what a round costs (drafting plus verify: a fixed part, which holds the traversal and
-a draft model's catch-up, and a part per drafted token) and takes the K that maximises expected
-tokens per second.
+K auto: every source fits what a round costs (``RoundCost``: drafting plus verify, a fixed part
+holding the traversal and a draft model's catch-up, and a part per drafted token).  ``AutoK`` takes
+the K that maximises expected tokens per second from that fit and the running acceptance rate (prompt
+lookup).  A draft model sees how sure it is of each token it drafts, so it decides round by round:
+it drafts one more token while that token's chance of being accepted is worth another draft step.
 """
 
 from __future__ import annotations
@@ -144,18 +145,36 @@ class KVSequence:
 
 
 class DraftModel:
-    """A small model with the target's tokenizer, proposing greedily from its own KV cache."""
+    """A small model with the target's tokenizer, proposing greedily from its own KV cache.
+
+    With ``pick_k`` (K auto) it drafts up to K tokens but stops where another draft step no longer
+    pays: the next token would be accepted only if every draft before it is, and that chance (the
+    product of the draft's top-1 probabilities, scaled by how often its confidence has held in
+    verification) must be worth a draft step at the measured round cost.  Measured on Qwen2.5-Coder
+    1.5B with the 0.5B draft, eight prompts in process: 1.25x the target alone against 1.13-1.20x
+    for the best single K."""
 
     name = "model"
+    DECAY = 0.95
 
     def __init__(self, chain, rewind: str = "mask", stream: int = 0):
         self.chain = chain
         self.seq = KVSequence(chain, chain.spec.max_position, stream, rewind)
         self.fed: list[int] = []  # the tokens whose KV the draft cache holds (logically)
+        self.pick_k = False
+        self.costs = RoundCost()
+        self._forget()
+
+    def _forget(self) -> None:
+        # decayed sums: accepted drafts and the confidence they were drafted with, top-1 probabilities
+        self._accepted, self._predicted, self._prob = 1.0, 1.0, [0.8, 1.0]
+        self._chance = 0.0  # the round in flight's drafts, by the draft's confidence
 
     def reset(self) -> None:
         self.seq.reset()
         self.fed = []
+        self.costs = RoundCost()
+        self._forget()
 
     def warm(self, tokens: int = 256) -> None:
         """One forward of ``tokens`` positions, then a reset.  The first forward longer than any
@@ -170,7 +189,7 @@ class DraftModel:
         """Feeds the prompt while the target's prefill runs (its time is prompt processing, not decoding)."""
         self._catch_up(prompt)
 
-    def _catch_up(self, history: list[int]) -> int:
+    def _catch_up(self, history: list[int]):
         common = 0
         limit = min(len(self.fed), len(history))
         while common < limit and self.fed[common] == history[common]:
@@ -180,21 +199,48 @@ class DraftModel:
             self.seq.reject(len(self.fed) - common)
             del self.fed[common:]
         new = history[common:]
-        out = self.seq.forward(new)
+        out = self._step(new)
         self.fed.extend(new)
-        return int(out.tokens[-1])
+        return out
+
+    def _step(self, ids: list[int]) -> tuple[int, float]:
+        """The draft's next token after ``ids`` and its probability (1.0 unless ``pick_k``)."""
+        out = self.seq.forward(ids, Flag.PROBS if self.pick_k else Flag.NONE)
+        if not self.pick_k:
+            return int(out.tokens[-1]), 1.0
+        prob = float(out.probs[-1])
+        self._prob = [self._prob[0] * self.DECAY + prob, self._prob[1] * self.DECAY + 1]
+        return int(out.tokens[-1]), prob
 
     def propose(self, history: list[int], k: int) -> list[int]:
         if k <= 0 or not history:
             return []
-        token = self._catch_up(history)
+        token, prob = self._catch_up(history)
         drafts = [token]
+        trust = min(1.0, self._accepted / self._predicted)  # accepted per unit of the draft's confidence
+        chance = prob  # the draft's confidence that every draft so far is right
+        expected = 1 + trust * chance  # tokens the round gives (the verify adds one)
+        self._chance = chance
+        fixed, per_draft = self.costs.fit() if self.costs else (3.0, 1.0)  # before any round: a guess
         while len(drafts) < k:
-            out = self.seq.forward([token])
+            if self.pick_k:
+                # one more step adds a token accepted with trust * chance * (its probability, taken
+                # as the mean so far), for per_draft ms: worth it while it raises tokens per ms
+                gain = trust * chance * self._prob[0] / self._prob[1]
+                if gain * (fixed + per_draft * len(drafts)) < expected * per_draft:
+                    break
             self.fed.append(token)
-            token = int(out.tokens[-1])
+            token, prob = self._step([token])
             drafts.append(token)
+            chance *= prob
+            expected += trust * chance
+            self._chance += chance
         return drafts  # the next propose() rewinds whatever the target did not keep
+
+    def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
+        self.costs.add(proposed, verify_ms, draft_ms)
+        self._accepted = self._accepted * self.DECAY + accepted
+        self._predicted = self._predicted * self.DECAY + self._chance
 
 
 class Hybrid:
@@ -202,15 +248,14 @@ class Hybrid:
     per millisecond.
 
     A lookup proposal costs nothing to make but is often wrong; the model's is right more often but
-    costs ``k`` draft steps.  Each source's acceptance (accepted per proposed, decayed) and the verify
-    cost come from the rounds' outcomes.  The lookup's acceptance is kept per matched n-gram length:
-    in code a one-token match is common and usually wrong, a three-token match usually right.  When
-    the model's drafts cost more than they save (free-form text it predicts badly), a plain step is
-    better.  A losing source is still tried now and then, so its estimate keeps up with the text.
+    costs its draft steps.  Each source's acceptance (decayed) and round cost come from the rounds'
+    outcomes.  The lookup's acceptance is kept per matched n-gram length: in code a one-token match
+    is common and usually wrong, a three-token match usually right.  When the model's drafts cost
+    more than they save (free-form text it predicts badly), a plain step is better.  A losing source
+    is still tried now and then, so its estimate keeps up with the text.
 
-    Each source has its own ``AutoK`` (its round-cost fit; with ``pick_k``, K auto, which ``Decoding``
-    sets, also its K): a lookup draft costs only verify positions, a model draft a catch-up plus a
-    draft step per token, so their costs and best K differ."""
+    The lookup has its own ``AutoK`` (with ``pick_k``, K auto, which ``Decoding`` sets, also its
+    K); the model fits its own round cost and, with ``pick_k``, drafts as far as its confidence pays."""
 
     name = "hybrid"
     DECAY = 0.9
@@ -219,8 +264,15 @@ class Hybrid:
     def __init__(self, lookup: PromptLookup, model: DraftModel):
         self.lookup = lookup
         self.model = model
-        self.pick_k = False
         self._forget()
+
+    @property
+    def pick_k(self) -> bool:
+        return self.model.pick_k
+
+    @pick_k.setter
+    def pick_k(self, on: bool) -> None:
+        self.model.pick_k = on
 
     def reset(self) -> None:
         self.lookup.reset()
@@ -228,38 +280,38 @@ class Hybrid:
         self._forget()
 
     def _forget(self) -> None:
-        # decayed [accepted, proposed] per source ("lookup<n>": an n-gram match): a prior of one half
-        self.stats = {"model": [1.0, 2.0]}
-        self.stats.update({f"lookup{n}": [1.0, 2.0] for n in range(1, self.lookup.max_ngram + 1)})
+        # decayed [accepted, proposed, rounds] per source ("lookup<n>": an n-gram match): a prior
+        # of two drafts a round, one of them accepted
+        self.stats = {"model": [1.0, 2.0, 1.0]}
+        self.stats.update({f"lookup{n}": [1.0, 2.0, 1.0] for n in range(1, self.lookup.max_ngram + 1)})
         self.verify_ms = 0.0
         self.last = None
         self._skipped = {"lookup": 0, "model": 0}
         self._wait = {"lookup": self.MIN_WAIT, "model": self.MIN_WAIT}
-        self.auto = {"lookup": AutoK(k_start=3), "model": AutoK(k_start=3)}
+        self.auto = AutoK(k_start=3)  # the lookup's
 
     def prime(self, prompt: list[int]) -> None:
         self.model.prime(prompt)
 
     def _rate(self, source: str, proposed: int) -> float:
-        """Expected tokens per ms of a round: the source's acceptance, its own round-cost fit (the
-        model's includes its draft steps), the mean verify until that fit has data."""
-        accepted, seen = self.stats[source]
-        cost = self._auto(source).cost(proposed) or self.verify_ms
-        return (1 + proposed * accepted / seen) / (cost + 1e-3)
-
-    def _auto(self, source: str) -> AutoK:
-        """The ``AutoK`` of a source: ``"model"``, or any lookup (``"lookup<n>"``)."""
-        return self.auto["model" if source == "model" else "lookup"]
+        """Expected tokens per ms of a round: the source's acceptance and round-cost fit (the mean
+        verify until that fit has data).  A lookup round proposes ``proposed`` drafts, a model round
+        as many as the model's rounds have lately."""
+        accepted, drafted, rounds = self.stats[source]
+        if source == "model":
+            tokens, cost = 1 + accepted / rounds, self.model.costs.cost(drafted / rounds)
+        else:
+            tokens, cost = 1 + proposed * accepted / drafted, self.auto.cost(proposed)
+        return tokens / ((cost or self.verify_ms) + 1e-3)
 
     def propose(self, history: list[int], k: int) -> list[int]:
-        """Up to ``k`` drafts (fewer when ``pick_k`` and the source's own K is lower)."""
-        k_lookup, k_model = (min(k, self.auto[s].k) for s in ("lookup", "model")) if self.pick_k else (k, k)
-        drafts = self.lookup.propose(history, k_lookup)
+        """Up to ``k`` drafts (fewer when ``pick_k`` and the lookup's K or the model's confidence is lower)."""
+        drafts = self.lookup.propose(history, min(k, self.auto.k) if self.pick_k else k)
         lookup = f"lookup{self.lookup.matched}" if drafts else None
         rates = {None: 1 / self.verify_ms if self.verify_ms else 0.0}  # a plain step costs about a verify
         if lookup:
             rates[lookup] = self._rate(lookup, len(drafts))
-        rates["model"] = self._rate("model", k_model)
+        rates["model"] = self._rate("model", k)
         choice = max(rates, key=rates.get)
         # A draft source passed over for a while is tried once, so its estimate keeps up with the
         # text; each try that does not win it back doubles the wait (8, 16, 32, 64 rounds).  The
@@ -281,15 +333,18 @@ class Hybrid:
                 self._skipped[source] += 1
         self.last = choice
         if choice == "model":
-            return self.model.propose(history, k_model)
+            return self.model.propose(history, k)
         return drafts if choice else []
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
         stats = self.stats[self.last]
-        stats[0] = stats[0] * self.DECAY + accepted
-        stats[1] = stats[1] * self.DECAY + proposed
+        for i, value in enumerate((accepted, proposed, 1)):
+            stats[i] = stats[i] * self.DECAY + value
         self.verify_ms = smooth(self.verify_ms, verify_ms)
-        self._auto(self.last).update(proposed, accepted, verify_ms, draft_ms)
+        if self.last == "model":
+            self.model.feedback(proposed, accepted, verify_ms, draft_ms)
+        else:
+            self.auto.update(proposed, accepted, verify_ms, draft_ms)
 
 
 def stream_drafters(kind: str, streams: int, target: Manifest | None = None, draft_chain=None,
@@ -319,48 +374,30 @@ def check_draft_tokenizer(target: Manifest, draft: Manifest, draft_folder: Path)
                              "other text")
 
 
-class AutoK:
-    """Chooses K online from the measured acceptance rate and round costs."""
+class RoundCost:
+    """What a speculative round costs, fitted online: round time (drafting + verify) = fixed +
+    per_draft * K, by least squares over the recent rounds."""
 
-    K_MAX = 12
-    KEEP_MARGIN = 0.01
+    WINDOW = 64
 
-    def __init__(self, k_max: int = K_MAX, k_start: int = 4):
-        self.k_max = k_max
-        self.k = k_start
-        self.successes = 1.0  # a weak prior: acceptance 0.5
-        self.failures = 1.0
-        # round time (drafting + verify) = fixed + per_draft * K; least squares over recent rounds
+    def __init__(self):
         self._rounds: list[tuple[int, float, float]] = []
-        self._seen = 0  # rounds so far (the cost fit keeps only the recent ones)
-        self._last_k = 0
         self._fit: tuple[float, float] | None = None
 
-    @property
-    def acceptance(self) -> float:
-        return self.successes / (self.successes + self.failures)
+    def __bool__(self) -> bool:
+        return bool(self._rounds)
 
-    def update(self, k: int, accepted: int, verify_ms: float, draft_ms: float) -> int:
-        """One round's outcome: ``k`` drafts, ``accepted`` of them, the verify's and the drafting's
-        time (the whole round's drafting: a draft model's catch-up is a fixed cost per round, so the
-        time per drafted token is not a constant)."""
-        decay = 0.95
-        self.successes = self.successes * decay + accepted
-        self.failures = self.failures * decay + (1 if accepted < k else 0)
-        if k == self._last_k:  # a round after a change of K pays the re-preparation, not K's own cost
-            self._rounds.append((k, verify_ms, draft_ms))
-            del self._rounds[:-64]
-            self._fit = None
-        self._last_k = k
-        self._seen += 1
-        self.k = self.choose()
-        return self.k
+    def add(self, k: int, verify_ms: float, draft_ms: float) -> None:
+        """One round: ``k`` drafts, the verify's and the whole drafting's time (a draft model's
+        catch-up is a fixed cost per round, so the time per drafted token is not a constant)."""
+        self._rounds.append((k, verify_ms, draft_ms))
+        del self._rounds[:-self.WINDOW]
+        self._fit = None
 
-    def _cost_model(self) -> tuple[float, float]:
+    def fit(self) -> tuple[float, float]:
+        """``(fixed, per_draft)`` in ms; call only once a round was added."""
         if self._fit is None:
-            ks = np.array([r[0] for r in self._rounds], np.float64)
-            verify = np.array([r[1] for r in self._rounds], np.float64)
-            draft = np.array([r[2] for r in self._rounds], np.float64)
+            ks, verify, draft = np.array(self._rounds, np.float64).T
             if len(set(ks.tolist())) < 2:
                 # until two K values were seen: a verify position costs ~3% of a verify, and the
                 # drafting is taken as proportional to K
@@ -373,12 +410,47 @@ class AutoK:
         fixed, per_draft = self._fit
         return max(fixed, 1e-3), per_draft
 
-    def cost(self, k: int) -> float:
+    def cost(self, k: float) -> float:
         """The expected time of a round with ``k`` drafts, in ms; 0.0 before any round was seen."""
         if not self._rounds:
             return 0.0
-        fixed, per_draft = self._cost_model()
+        fixed, per_draft = self.fit()
         return fixed + per_draft * k
+
+
+class AutoK:
+    """Chooses K online from the measured acceptance rate and round costs."""
+
+    K_MAX = 12
+    KEEP_MARGIN = 0.01
+
+    def __init__(self, k_max: int = K_MAX, k_start: int = 4):
+        self.k_max = k_max
+        self.k = k_start
+        self.successes = 1.0  # a weak prior: acceptance 0.5
+        self.failures = 1.0
+        self.costs = RoundCost()
+        self._seen = 0  # rounds so far
+        self._last_k = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def update(self, k: int, accepted: int, verify_ms: float, draft_ms: float) -> int:
+        """One round's outcome (see ``RoundCost.add``); returns the K for the next round."""
+        decay = 0.95
+        self.successes = self.successes * decay + accepted
+        self.failures = self.failures * decay + (1 if accepted < k else 0)
+        if k == self._last_k:  # a round after a change of K pays the re-preparation, not K's own cost
+            self.costs.add(k, verify_ms, draft_ms)
+        self._last_k = k
+        self._seen += 1
+        self.k = self.choose()
+        return self.k
+
+    def cost(self, k: int) -> float:
+        return self.costs.cost(k)
 
     def choose(self) -> int:
         if not self.cost(1):  # no round measured yet
