@@ -191,6 +191,20 @@ def test_the_hybrid_takes_plain_steps_when_the_model_does_not_pay():
     assert chosen.count(None) == 56
 
 
+def test_the_hybrid_prices_a_plain_step_by_what_it_costs():
+    # one-token lookup matches that are always wrong, verified in 70 ms, and plain steps of 50 ms:
+    # the hybrid settles on plain steps (a wrong lookup costs more than a step, not the same)
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    one_gram = [1, 2, 3, 9, 4, 5, 6, 9]
+    chosen = []
+    for _ in range(40):
+        drafts = hybrid.propose(one_gram, 3)
+        chosen.append(hybrid.last)
+        hybrid.feedback(len(drafts), 0, verify_ms=70.0 if drafts else 50.0,
+                        draft_ms=60.0 if hybrid.last == "model" else 0.0)
+    assert chosen[-16:].count(None) >= 14
+
+
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
     target = LocalChain(tiny_exports["llama", "2"].folders, config=EXACT)
     want = Generator(target, 72).generate(PROMPT, 60, ignore_eos=True).tokens

@@ -154,6 +154,7 @@ class Decoding:
         self.ticket = None
         self._drafts: list[int] = []
         self._draft_ms = 0.0
+        self._consulted = False  # whether the drafter was asked for the round in flight
         self._times: dict[str, float] = {}
 
     def start(self) -> None:
@@ -168,7 +169,8 @@ class Decoding:
     def _submit_round(self) -> None:
         room = self.max_new_tokens - len(self.result.tokens)
         self._drafts, self._draft_ms = [], 0.0
-        if self.drafter is not None and self.k > 0 and room > 1:
+        self._consulted = self.drafter is not None and self.k > 0 and room > 1
+        if self._consulted:
             t = time.perf_counter()
             self._drafts = self.drafter.propose(self.history, min(self.k, room - 1))
             self._draft_ms = (time.perf_counter() - t) * 1e3
@@ -197,6 +199,8 @@ class Decoding:
                 self.drafter.feedback(len(drafts), accepted, verify_ms, self._draft_ms)
             if self.auto:
                 self.k = self.auto.update(len(drafts), accepted, verify_ms, self._draft_ms)
+        elif self._consulted and hasattr(self.drafter, "feedback"):  # it chose a plain step: what that cost
+            self.drafter.feedback(0, 0, (now - self._times["verify"]) * 1e3, self._draft_ms)
         for token in emitted:
             result.tokens.append(token)
             self.history.append(token)

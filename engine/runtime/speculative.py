@@ -284,7 +284,9 @@ class Hybrid:
         # of two drafts a round, one of them accepted
         self.stats = {"model": [1.0, 2.0, 1.0]}
         self.stats.update({f"lookup{n}": [1.0, 2.0, 1.0] for n in range(1, self.lookup.max_ngram + 1)})
-        self.verify_ms = 0.0
+        self.verify_ms = 0.0  # a drafted round's verify (smoothed): the cost of a source without data yet
+        self.plain_ms = 0.0  # a plain step's (smoothed)
+        self.lookup_costs = RoundCost()  # every lookup round's, shape changes included
         self.last = None
         self._skipped = {"lookup": 0, "model": 0}
         self._wait = {"lookup": self.MIN_WAIT, "model": self.MIN_WAIT}
@@ -301,14 +303,15 @@ class Hybrid:
         if source == "model":
             tokens, cost = 1 + accepted / rounds, self.model.costs.cost(drafted / rounds)
         else:
-            tokens, cost = 1 + proposed * accepted / drafted, self.auto.cost(proposed)
+            tokens, cost = 1 + proposed * accepted / drafted, self.lookup_costs.cost(proposed)
         return tokens / ((cost or self.verify_ms) + 1e-3)
 
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` drafts (fewer when ``pick_k`` and the lookup's K or the model's confidence is lower)."""
         drafts = self.lookup.propose(history, min(k, self.auto.k) if self.pick_k else k)
         lookup = f"lookup{self.lookup.matched}" if drafts else None
-        rates = {None: 1 / self.verify_ms if self.verify_ms else 0.0}  # a plain step costs about a verify
+        plain_ms = self.plain_ms or self.lookup_costs.cost(0) or self.verify_ms  # measured, or a lookup's fixed part
+        rates = {None: 1 / plain_ms if plain_ms else 0.0}
         if lookup:
             rates[lookup] = self._rate(lookup, len(drafts))
         rates["model"] = self._rate("model", k)
@@ -337,6 +340,9 @@ class Hybrid:
         return drafts if choice else []
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
+        if self.last is None:  # a plain step
+            self.plain_ms = smooth(self.plain_ms, verify_ms)
+            return
         stats = self.stats[self.last]
         for i, value in enumerate((accepted, proposed, 1)):
             stats[i] = stats[i] * self.DECAY + value
@@ -344,6 +350,7 @@ class Hybrid:
         if self.last == "model":
             self.model.feedback(proposed, accepted, verify_ms, draft_ms)
         else:
+            self.lookup_costs.add(proposed, verify_ms, draft_ms)
             self.auto.update(proposed, accepted, verify_ms, draft_ms)
 
 
