@@ -344,7 +344,8 @@ def cmd_bench(args) -> int:
         "pipeline": lambda f: f(model, warmup=args.warmup, delay_ms=args.delay_ms, **sizes, **runs, **common),
         "spec": lambda f: f(model, draft, k=args.spec_k, tokens=args.tokens or 128, **common),
         "ksweep": lambda f: f(model, draft, **sizes, **kind, **delays, **fleet, **common),
-        "microbatch": lambda f: f(model, tokens=args.tokens or 64, **runs, **delays, **fleet, **common),
+        "microbatch": lambda f: f(model, tokens=args.tokens or 64, **runs, **delays, **fleet, **common,
+                                  **({"stage_counts": (args.stages,)} if args.stages else {})),
         "wan": lambda f: f(model, draft, **sizes, **runs, **kind, **delays, **fleet, **common),
         "progression": lambda f: f(model, draft, delay_ms=args.delay_ms, **sizes, **runs, **kind, **fleet, **common),
         "placement": lambda f: f(model, tokens=args.tokens or 64, **runs, **common),
@@ -460,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, help="interleaved repetitions (each benchmark has a default)")
     bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     bench.add_argument("--device", default="CPU")
-    bench.add_argument("--stages", type=int, help="number of pipeline stages (ksweep: 3, others: 2)")
+    bench.add_argument("--stages", type=int, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, others: 2)")
     bench.add_argument("--draft", help="the draft model (default qwen2.5-coder-0.5b)")
     bench.add_argument("--draft-kind", default="model", choices=["model", "lookup", "hybrid"],
                        help="ksweep, wan, progression: what drafts")
