@@ -176,17 +176,21 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
     assert hybrid.last == "lookup3"
 
 
+def hybrid_choices(history: list[int], rounds: int, verify_ms) -> list:
+    """A hybrid's choice each round when every draft is rejected; ``verify_ms(drafts)``: the round's time."""
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    chosen = []
+    for _ in range(rounds):
+        drafts = hybrid.propose(history, 3)
+        chosen.append(hybrid.last)
+        hybrid.feedback(len(drafts), 0, verify_ms(drafts), draft_ms=60.0 if hybrid.last == "model" else 0.0)
+    return chosen
+
+
 def test_the_hybrid_takes_plain_steps_when_the_model_does_not_pay():
     # the model is always wrong and there is nothing to look up: plain steps, with the model tried
     # again in case the text changed, after 8, then 16, then 32 plain steps
-    hybrid = Hybrid(PromptLookup(), CostlyModel())
-    history = [1, 2, 3, 4, 5, 6, 7, 8]
-    chosen = []
-    for _ in range(60):
-        drafts = hybrid.propose(history, 3)
-        chosen.append(hybrid.last)
-        if drafts:
-            hybrid.feedback(len(drafts), 0, verify_ms=60.0, draft_ms=60.0)
+    chosen = hybrid_choices([1, 2, 3, 4, 5, 6, 7, 8], 60, lambda drafts: 60.0)
     assert [i for i, c in enumerate(chosen) if c == "model"] == [0, 9, 26, 59]
     assert chosen.count(None) == 56
 
@@ -194,14 +198,7 @@ def test_the_hybrid_takes_plain_steps_when_the_model_does_not_pay():
 def test_the_hybrid_prices_a_plain_step_by_what_it_costs():
     # one-token lookup matches that are always wrong, verified in 70 ms, and plain steps of 50 ms:
     # the hybrid settles on plain steps (a wrong lookup costs more than a step, not the same)
-    hybrid = Hybrid(PromptLookup(), CostlyModel())
-    one_gram = [1, 2, 3, 9, 4, 5, 6, 9]
-    chosen = []
-    for _ in range(40):
-        drafts = hybrid.propose(one_gram, 3)
-        chosen.append(hybrid.last)
-        hybrid.feedback(len(drafts), 0, verify_ms=70.0 if drafts else 50.0,
-                        draft_ms=60.0 if hybrid.last == "model" else 0.0)
+    chosen = hybrid_choices([1, 2, 3, 9, 4, 5, 6, 9], 40, lambda drafts: 70.0 if drafts else 50.0)
     assert chosen[-16:].count(None) >= 14
 
 
