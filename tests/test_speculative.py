@@ -202,6 +202,24 @@ def test_the_hybrid_prices_a_plain_step_by_what_it_costs():
     assert chosen[-16:].count(None) >= 14
 
 
+def test_the_hybrid_charges_leaving_the_model_for_its_return():
+    # the model's rounds cost 100 ms after its own and 160 ms after a lookup round (a longer
+    # catch-up); a lookup that beats a model round on its own is not worth the dearer return
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    for previous, ms in (("model", 100.0), (None, 160.0)) * 2:
+        hybrid._previous, hybrid.last = previous, "model"
+        hybrid.feedback(3, 2, verify_ms=ms - 60.0, draft_ms=60.0)
+    for accepted in (1, 2, 1, 2):
+        hybrid.last = "lookup1"
+        hybrid.feedback(3, accepted, verify_ms=70.0, draft_ms=0.0)
+    one_gram = [1, 2, 3, 9, 4, 5, 6, 9]
+    for current, choice in (("model", "model"), (None, "lookup1")):
+        hybrid.last = current
+        hybrid._skipped = {"lookup": 0, "model": 0}  # no exploration rounds
+        hybrid.propose(one_gram, 3)
+        assert hybrid.last == choice
+
+
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
     target = LocalChain(tiny_exports["llama", "2"].folders, config=EXACT)
     want = Generator(target, 72).generate(PROMPT, 60, ignore_eos=True).tokens
