@@ -194,13 +194,12 @@ class Decoding:
             result.drafted += len(drafts)
             result.accepted += accepted
             result.k_history.append(len(drafts))
+        if self._consulted:
             verify_ms = (now - self._times["verify"]) * 1e3
-            if hasattr(self.drafter, "feedback"):
+            if hasattr(self.drafter, "feedback"):  # a plain step's cost too, if it chose one
                 self.drafter.feedback(len(drafts), accepted, verify_ms, self._draft_ms)
-            if self.auto:
+            if drafts and self.auto:
                 self.k = self.auto.update(len(drafts), accepted, verify_ms, self._draft_ms)
-        elif self._consulted and hasattr(self.drafter, "feedback"):  # it chose a plain step: what that cost
-            self.drafter.feedback(0, 0, (now - self._times["verify"]) * 1e3, self._draft_ms)
         for token in emitted:
             result.tokens.append(token)
             self.history.append(token)
