@@ -162,18 +162,18 @@ class DraftModel:
         self.seq = KVSequence(chain, chain.spec.max_position, stream, rewind)
         self.fed: list[int] = []  # the tokens whose KV the draft cache holds (logically)
         self.pick_k = False
-        self.costs = RoundCost()
         self._forget()
 
     def _forget(self) -> None:
-        # decayed sums: accepted drafts and the confidence they were drafted with, top-1 probabilities
-        self._accepted, self._predicted, self._prob = 1.0, 1.0, [0.8, 1.0]
+        self.costs = RoundCost()
+        # decayed sums: accepted drafts and the confidence they were drafted with; top-1 probabilities
+        self._accepted, self._predicted = 1.0, 1.0
+        self._prob_sum, self._prob_weight = 0.8, 1.0
         self._chance = 0.0  # the round in flight's drafts, by the draft's confidence
 
     def reset(self) -> None:
         self.seq.reset()
         self.fed = []
-        self.costs = RoundCost()
         self._forget()
 
     def warm(self, tokens: int = 256) -> None:
@@ -199,9 +199,9 @@ class DraftModel:
             self.seq.reject(len(self.fed) - common)
             del self.fed[common:]
         new = history[common:]
-        out = self._step(new)
+        step = self._step(new)
         self.fed.extend(new)
-        return out
+        return step
 
     def _step(self, ids: list[int]) -> tuple[int, float]:
         """The draft's next token after ``ids`` and its probability (1.0 unless ``pick_k``)."""
@@ -209,7 +209,8 @@ class DraftModel:
         if not self.pick_k:
             return int(out.tokens[-1]), 1.0
         prob = float(out.probs[-1])
-        self._prob = [self._prob[0] * self.DECAY + prob, self._prob[1] * self.DECAY + 1]
+        self._prob_sum = self._prob_sum * self.DECAY + prob
+        self._prob_weight = self._prob_weight * self.DECAY + 1
         return int(out.tokens[-1]), prob
 
     def propose(self, history: list[int], k: int) -> list[int]:
@@ -226,7 +227,7 @@ class DraftModel:
             if self.pick_k:
                 # one more step adds a token accepted with trust * chance * (its probability, taken
                 # as the mean so far), for per_draft ms: worth it while it raises tokens per ms
-                gain = trust * chance * self._prob[0] / self._prob[1]
+                gain = trust * chance * self._prob_sum / self._prob_weight
                 if gain * (fixed + per_draft * len(drafts)) < expected * per_draft:
                     break
             self.fed.append(token)
@@ -303,19 +304,17 @@ class Hybrid:
     def prime(self, prompt: list[int]) -> None:
         self.model.prime(prompt)
 
-    def _rate(self, source: str, proposed: int) -> float:
+    def _rate(self, source: str, proposed: int, leave_ms: float) -> float:
         """Expected tokens per ms of a round: the source's acceptance and round-cost fit (the mean
-        verify until that fit has data).  A lookup round proposes ``proposed`` drafts, a model round
-        as many as the model's rounds have lately."""
+        verify until that fit has data), plus ``leave_ms`` it costs later (``_leave_ms``).  A lookup
+        round proposes ``proposed`` drafts, a model round as many as the model's rounds have lately."""
         accepted, drafted, rounds = self.stats[source]
         if source == "model":
             after = self.model_after["model" if self.last == "model" else "other"]
             tokens, cost = 1 + accepted / rounds, after.cost(drafted / rounds) or self.model.costs.cost(drafted / rounds)
-            leave = 0.0
         else:
             tokens, cost = 1 + proposed * accepted / drafted, self.lookup_costs.cost(proposed)
-            leave = self._leave_ms()
-        return tokens / ((cost or self.verify_ms) + leave + 1e-3)
+        return tokens / ((cost or self.verify_ms) + leave_ms + 1e-3)
 
     def _leave_ms(self) -> float:
         """What a lookup or plain round costs later when the model drafted the last round: its next
@@ -332,11 +331,12 @@ class Hybrid:
         """Up to ``k`` drafts (fewer when ``pick_k`` and the lookup's K or the model's confidence is lower)."""
         drafts = self.lookup.propose(history, min(k, self.lookup_auto.k) if self.pick_k else k)
         lookup = f"lookup{self.lookup.matched}" if drafts else None
+        leave_ms = self._leave_ms()
         plain_ms = self.plain_ms or self.lookup_costs.cost(0) or self.verify_ms  # measured, or a lookup's fixed part
-        rates = {None: 1 / (plain_ms + self._leave_ms()) if plain_ms else 0.0}
+        rates = {None: 1 / (plain_ms + leave_ms) if plain_ms else 0.0}
         if lookup:
-            rates[lookup] = self._rate(lookup, len(drafts))
-        rates["model"] = self._rate("model", k)
+            rates[lookup] = self._rate(lookup, len(drafts), leave_ms)
+        rates["model"] = self._rate("model", k, 0.0)
         choice = max(rates, key=rates.get)
         # A draft source passed over for a while is tried once, so its estimate keeps up with the
         # text; each try that does not win it back doubles the wait (8, 16, 32, 64 rounds).  The
