@@ -220,6 +220,29 @@ def test_the_hybrid_charges_leaving_the_model_for_its_return():
         assert hybrid.last == choice
 
 
+def test_the_hybrid_scores_the_lookup_while_the_model_drafts():
+    # three-token lookups failed, so the model drafts; then the text repeats itself and what the
+    # lookup would have proposed is what the model's rounds give: the hybrid goes back to the
+    # lookup on that record alone (no exploration round)
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    for source, accepted, draft_ms in (("lookup3", 0, 0.0), ("model", 2, 60.0)) * 4:
+        hybrid.last = source
+        hybrid.feedback(3, accepted, verify_ms=70.0, draft_ms=draft_ms)
+    period = [1, 2, 3, 4, 5, 6, 7, 8]
+    history = period * 2
+    chosen = []
+    for _ in range(6):
+        hybrid._skipped = {"lookup": 0, "model": 0}
+        drafts = hybrid.propose(history, 3)
+        chosen.append(hybrid.last)
+        if hybrid.last == "model":
+            hybrid.feedback(len(drafts), 2, verify_ms=70.0, draft_ms=60.0)
+        n = len(history)
+        history = history + [period[(n + i) % 8] for i in range(3)]  # the round's accepted drafts + 1
+    assert chosen[0] == "model"
+    assert "lookup3" in chosen
+
+
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
     target = LocalChain(tiny_exports["llama", "2"].folders, config=EXACT)
     want = Generator(target, 72).generate(PROMPT, 60, ignore_eos=True).tokens

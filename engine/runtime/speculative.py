@@ -251,7 +251,9 @@ class Hybrid:
     A lookup proposal costs nothing to make but is often wrong; the model's is right more often but
     costs its draft steps.  Each source's acceptance (decayed) and round cost come from the rounds'
     outcomes.  The lookup's acceptance is kept per matched n-gram length: in code a one-token match
-    is common and usually wrong, a three-token match usually right.  When the model's drafts cost
+    is common and usually wrong, a three-token match usually right.  A lookup proposal the hybrid
+    does not take is scored against the tokens the round gives instead, so a lookup that failed
+    early is not judged by that alone while the model or plain steps run.  When the model's drafts cost
     more than they save (free-form text it predicts badly), a plain step is better.  A losing source
     is still tried now and then, so its estimate keeps up with the text.
 
@@ -267,6 +269,9 @@ class Hybrid:
     name = "hybrid"
     DECAY = 0.9
     MIN_WAIT, MAX_WAIT = 8, 64  # rounds a passed-over source waits before it is tried again
+    # A lookup proposal not taken is scored against the tokens its round gave instead (nearly every
+    # round): its acceptance decays per scored round more slowly than per round drafted.
+    UNUSED_DECAY = 0.97
 
     def __init__(self, lookup: PromptLookup, model: DraftModel):
         self.lookup = lookup
@@ -300,6 +305,7 @@ class Hybrid:
         self._skipped = {"lookup": 0, "model": 0}
         self._wait = {"lookup": self.MIN_WAIT, "model": self.MIN_WAIT}
         self.lookup_auto = AutoK(k_start=3)  # the lookup's K (its fit counts steady rounds only)
+        self._unused = None  # (history length, source, drafts) of a lookup proposal not taken
 
     def prime(self, prompt: list[int]) -> None:
         self.model.prime(prompt)
@@ -329,6 +335,7 @@ class Hybrid:
 
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` drafts (fewer when ``pick_k`` and the lookup's K or the model's confidence is lower)."""
+        self._score_unused(history)
         drafts = self.lookup.propose(history, min(k, self.lookup_auto.k) if self.pick_k else k)
         lookup = f"lookup{self.lookup.matched}" if drafts else None
         leave_ms = self._leave_ms()
@@ -357,9 +364,30 @@ class Hybrid:
             elif source == "model" or lookup:  # without a match the lookup was not passed over
                 self._skipped[source] += 1
         self._previous, self.last = self.last, choice
+        if lookup and choice != lookup:
+            self._unused = (len(history), lookup, drafts)
         if choice == "model":
             return self.model.propose(history, k)
         return drafts if choice else []
+
+    def _score_unused(self, history: list[int]) -> None:
+        """Scores the lookup proposal the last round did not take against the tokens that round
+        gave: the lookup's acceptance keeps up with the text while other sources draft.  Where the
+        proposal outruns those tokens, only the positions they cover count."""
+        if self._unused is None:
+            return
+        start, source, drafts = self._unused
+        self._unused = None
+        given = history[start:]
+        if not given:
+            return
+        matched = 0
+        while matched < min(len(drafts), len(given)) and drafts[matched] == given[matched]:
+            matched += 1
+        proposed = len(drafts) if matched < len(given) else matched
+        stats = self.stats[source]
+        for i, value in enumerate((matched, proposed, 1)):
+            stats[i] = stats[i] * self.UNUSED_DECAY + value
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
         if self.last is None:  # a plain step
