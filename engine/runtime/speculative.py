@@ -384,18 +384,18 @@ class Hybrid:
         matched = 0
         while matched < min(len(drafts), len(given)) and drafts[matched] == given[matched]:
             matched += 1
-        proposed = len(drafts) if matched < len(given) else matched
+        self._record(source, matched, len(drafts) if matched < len(given) else matched, self.UNUSED_DECAY)
+
+    def _record(self, source: str, accepted: int, proposed: int, decay: float) -> None:
         stats = self.stats[source]
-        for i, value in enumerate((matched, proposed, 1)):
-            stats[i] = stats[i] * self.UNUSED_DECAY + value
+        for i, value in enumerate((accepted, proposed, 1)):
+            stats[i] = stats[i] * decay + value
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
         if self.last is None:  # a plain step
             self.plain_ms = smooth(self.plain_ms, verify_ms)
             return
-        stats = self.stats[self.last]
-        for i, value in enumerate((accepted, proposed, 1)):
-            stats[i] = stats[i] * self.DECAY + value
+        self._record(self.last, accepted, proposed, self.DECAY)
         self.verify_ms = smooth(self.verify_ms, verify_ms)
         if self.last == "model":
             self.model_after["model" if self._previous == "model" else "other"].add(proposed, verify_ms, draft_ms)
