@@ -316,8 +316,8 @@ class Hybrid:
         round proposes ``proposed`` drafts, a model round as many as the model's rounds have lately."""
         accepted, drafted, rounds = self.stats[source]
         if source == "model":
-            after = self.model_after["model" if self.last == "model" else "other"]
-            tokens, cost = 1 + accepted / rounds, after.cost(drafted / rounds) or self.model.costs.cost(drafted / rounds)
+            after, k = self.model_after["model" if self.last == "model" else "other"], self._model_k()
+            tokens, cost = 1 + accepted / rounds, after.cost(k) or self.model.costs.cost(k)
         else:
             tokens, cost = 1 + proposed * accepted / drafted, self.lookup_costs.cost(proposed)
         return tokens / ((cost or self.verify_ms) + leave_ms + 1e-3)
@@ -330,8 +330,12 @@ class Hybrid:
         back, stay = self.model_after["other"], self.model_after["model"]
         if not (back and stay):
             return 0.0
+        return max(0.0, back.cost(self._model_k()) - stay.cost(self._model_k()))
+
+    def _model_k(self) -> float:
+        """How many tokens the model's rounds have drafted lately."""
         _, drafted, rounds = self.stats["model"]
-        return max(0.0, back.cost(drafted / rounds) - stay.cost(drafted / rounds))
+        return drafted / rounds
 
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` drafts (fewer when ``pick_k`` and the lookup's K or the model's confidence is lower)."""
