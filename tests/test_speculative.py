@@ -123,10 +123,13 @@ class CostlyModel(WrongGuesses):
 
 
 class Scripted:
-    """A draft chain whose every forward says token 7 with probability ``prob``."""
+    """A draft chain that says, after each position, the token after it (``+1``) or always token 7
+    (``same``), with probability ``prob``; it counts its forwards."""
 
-    def __init__(self, prob: float):
+    def __init__(self, prob: float, next_token: str = "+1"):
         self.prob = prob
+        self.next_token = next_token
+        self.forwards = 0
         self.spec = type("Spec", (), {"max_position": 256})
 
     def reset(self, stream=0):
@@ -136,7 +139,11 @@ class Scripted:
         pass
 
     def submit(self, ids, attention_mask, position_ids, flags=Flag.NONE, stream=0):
-        return Output(np.array([7]), np.array([self.prob], np.float32) if flags & Flag.PROBS else None)
+        self.forwards += 1
+        tokens = ids[0] + 1 if self.next_token == "+1" else np.full(ids.shape[1], 7)
+        if not flags & Flag.ALL_POSITIONS:
+            tokens = tokens[-1:]
+        return Output(tokens, np.full(len(tokens), self.prob, np.float32) if flags & Flag.PROBS else None)
 
     def collect(self, ticket):
         return ticket
@@ -155,6 +162,21 @@ def test_the_draft_model_drafts_as_far_as_its_confidence_pays(prob, fixed_ms, dr
     assert len(got) == drafts
     model.pick_k = False
     assert len(model.propose([1, 2, 3], 4)) == 4  # a fixed K drafts K
+
+
+def test_a_right_guess_beside_a_draft_step_gives_the_next_draft_free():
+    # each single-token step goes in beside a guess (prompt lookup's, else the token again); a draft
+    # that always says 7 confirms a guess of 7, and that forward's second position is the next draft
+    chain = Scripted(0.9, next_token="same")
+    model = DraftModel(chain)
+    assert model.propose([1, 2, 3], 4) == [7, 7, 7, 7]
+    assert chain.forwards == 3  # the catch-up, then two steps of two positions for three drafts
+    # the cache holds the prompt and the drafts fed (the last draft's right guess was masked out)
+    assert model.fed == [1, 2, 3, 7, 7, 7] and model.seq.logical == 6 and model.seq.physical == 7
+    chain = Scripted(0.9)  # a wrong guess is masked out and costs nothing more
+    model = DraftModel(chain)
+    assert model.propose([1, 2, 3], 4) == [4, 5, 6, 7] and chain.forwards == 4
+    assert model.seq.logical == 6 and model.seq.physical == 9
 
 
 def test_the_hybrid_judges_lookup_matches_by_their_length():
