@@ -205,13 +205,12 @@ class DraftModel:
             self.seq.reject(len(self.fed) - common)
             del self.fed[common:]
         new = history[common:]
-        step = self._step(new, history[:common])
         self.fed.extend(new)
-        return step
+        return self._step(new)
 
-    def _step(self, ids: list[int], before: list[int]) -> tuple[int, float]:
-        """The draft's next token after ``ids`` (which follow ``before``) and its probability (1.0
-        unless ``pick_k``).
+    def _step(self, ids: list[int]) -> tuple[int, float]:
+        """Feeds ``ids`` (already the end of ``fed``): the draft's next token and its probability
+        (1.0 unless ``pick_k``).
 
         With the mask rewind a single token goes in beside a guess at the draft's next token (prompt
         lookup's, else the token again).  Measured on the 0.5B draft: a second position costs a step
@@ -222,7 +221,7 @@ class DraftModel:
         flags = Flag.PROBS if self.pick_k else Flag.NONE
         row = -1
         if len(ids) == 1 and self.seq.rewind == "mask":
-            guess = (self._guesser.propose(before + ids, 1) or ids)[0]
+            guess = (self._guesser.propose(self.fed, 1) or ids)[0]
             out = self.seq.forward([ids[0], guess], flags | Flag.ALL_POSITIONS)
             row = 0
             if int(out.tokens[0]) == guess:
@@ -249,14 +248,13 @@ class DraftModel:
         self._chance = chance
         fixed, per_draft = self.costs.fit() if self.costs else (3.0, 1.0)  # before any round: a guess
         while len(drafts) < k:
-            bonus, self._bonus = self._bonus, None
-            if bonus is not None:  # the last step's guess was right: the token after it is free
+            if self._bonus is not None:  # the last step's guess was right: the token after it is free
                 # it costs a verify position: worth it while its chance raises tokens per ms
-                if self.pick_k and trust * chance * bonus[1] < self.POSITION_SHARE * expected:
-                    self.seq.reject(1)
+                if self.pick_k and trust * chance * self._bonus[1] < self.POSITION_SHARE * expected:
                     break
                 self.fed.append(token)
-                token, prob = bonus
+                token, prob = self._bonus
+                self._bonus = None
             else:
                 if self.pick_k:
                     # one more step adds a token accepted with trust * chance * (its probability,
@@ -265,7 +263,7 @@ class DraftModel:
                     if gain * (fixed + per_draft * len(drafts)) < expected * per_draft:
                         break
                 self.fed.append(token)
-                token, prob = self._step([token], history + drafts[:-1])
+                token, prob = self._step([token])
             drafts.append(token)
             chance *= prob
             expected += trust * chance
