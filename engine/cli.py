@@ -342,7 +342,7 @@ def cmd_bench(args) -> int:
         "parity": lambda f: f(model, warmup=args.warmup, device=args.device, tokens=args.tokens or 128, **runs,
                               **common),
         "pipeline": lambda f: f(model, warmup=args.warmup, delay_ms=args.delay_ms, **sizes, **runs, **common),
-        "spec": lambda f: f(model, draft, k=args.spec_k, tokens=args.tokens or 128, **common),
+        "spec": lambda f: f(model, draft, k=args.spec_k, tokens=args.tokens or 128, **runs, **common),
         "ksweep": lambda f: f(model, draft, **sizes, **kind, **delays, **fleet, **common),
         "microbatch": lambda f: f(model, tokens=args.tokens or 64, **runs, **delays, **fleet, **common,
                                   **({"stage_counts": (args.stages,)} if args.stages else {})),

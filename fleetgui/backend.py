@@ -330,7 +330,7 @@ class EngineBackend:
                                        shards=shards, **common),
             "pipeline": lambda f: f(model, tokens=tokens, runs=runs, delay_ms=delays[0], shards=shards, **common),
             "parity": lambda f: f(model, tokens=tokens, runs=runs, device=settings.devices.split(",")[0], **common),
-            "spec": lambda f: f(model, draft, tokens=tokens, **common),
+            "spec": lambda f: f(model, draft, tokens=tokens, runs=runs, **common),
         }
         module = importlib.import_module(f"engine.bench.{name}")
         return calls[name](getattr(module, f"run_{name}"))

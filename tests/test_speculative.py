@@ -330,3 +330,23 @@ def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports,
             assert gen.tokens == want and gen.drafted > 0
         finally:
             chain.close()
+
+
+def test_spec_bench_repeats_each_prompt_and_averages_the_paired_ratios(tiny_models, tmp_path):
+    import json
+
+    from engine.bench.spec import run_spec
+
+    folder = str(tiny_models["qwen2"])  # its own draft: same tokenizer
+    report = run_spec(folder, folder, tokens=6, runs=2, weights="f32", out=tmp_path / "spec.json",
+                      log=lambda m: None)
+    assert json.loads((tmp_path / "spec.json").read_text()) == report
+    assert report["settings"]["runs"] == 2 and len(report["rows"]) == 16  # two modes, eight prompts
+    for row in report["rows"]:
+        for label in ("model K=3", "model K=auto", "lookup K=3", "hybrid K=auto"):
+            runs = row[f"{label} runs"]
+            assert len(runs) == 2 and row[f"{label} x"] == pytest.approx(sum(runs) / 2, abs=1e-3)
+            if row["mode"] == "exact":
+                assert row[f"{label} same"], (row["prompt"], label)
+        assert row["genai_spec_tok_s"] > 0 if row["mode"] == "fast" else "genai_spec_tok_s" not in row
+    assert report["ratios"]["exact model K=auto identical"] == "8/8"

@@ -4,7 +4,10 @@ own speculative decoding with the same draft.
 Eight prompt categories, chat template applied the same way everywhere, greedy, EOS ignored.  Per
 mode (``fast``: device defaults; ``exact``: the compile settings under which verify equals single
 steps) and per K (fixed and ``auto``): tok/s, acceptance, and whether the output equals the target's
-own greedy output in that mode.  Configurations run interleaved per prompt.
+own greedy output in that mode.  Configurations run interleaved per prompt; with ``runs`` > 1 each
+prompt repeats, the order of the configurations reversed every other time, and a speedup is the mean
+of each run's ratio to the target alone measured beside it (per prompt the ratio varies by about
+±15% between runs on this machine).
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from engine.runtime.speculative import draft_head, stream_drafters
 from engine.runtime.stage import REWIND, compile_config, device_config
 
 
-def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("fast", "exact"),
+def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("fast", "exact"), runs: int = 1,
              weights: str = "int4", genai: bool = True, out: Path | None = None, log=print,
              hooks: Hooks = NO_HOOKS) -> dict:
     target_folders = export_model(model, stages=1, weights=weights, cancel=hooks.cancel).folders
     draft_folders = export_model(draft, stages=1, weights=weights, cancel=hooks.cancel,
                                  head=draft_head(weights)).folders
     on_token = (lambda t: hooks.on_token(0, t)) if hooks.on_token else None
-    total, done = len(modes) * len(PROMPTS), 0
+    total, done = len(modes) * len(PROMPTS) * runs, 0
     prompts = dict(zip(PROMPTS, prompt_ids(target_folders[0], PROMPTS)))
     rows = []
     if genai:  # the same compile settings as our fast mode
@@ -58,30 +61,45 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
         if genai and mode == modes[0]:
             genai_alone(warm)
             genai_spec(warm)
+        labels = list(configs)
         for name, ids in prompts.items():
-            hooks.step(done, total, f"{mode}: {name}")
-            done += 1
-            base = gen.generate(ids, tokens, ignore_eos=True, on_token=on_token, cancel=hooks.cancel)
-            row = {"mode": mode, "prompt": name, "target_tok_s": round(base.decode_tok_s, 2)}
-            for label, (drafter, kk) in configs.items():
-                g = gen.generate(ids, tokens, ignore_eos=True, drafter=drafter, k=kk, on_token=on_token,
-                                 cancel=hooks.cancel)
-                hooks.check()
-                row[f"{label} x"] = round(g.decode_tok_s / base.decode_tok_s, 3)
-                row[f"{label} acc"] = round(g.acceptance, 2)
-                row[f"{label} same"] = g.tokens == base.tokens
-                if g.tokens != base.tokens:  # where fast mode's output first leaves plain greedy
+            samples = {label: [] for label in labels}  # one per run
+            alone, spec = [], []
+            for run in range(runs):
+                hooks.step(done, total, f"{mode}: {name}" + (f" ({run + 1}/{runs})" if runs > 1 else ""))
+                done += 1
+                base = gen.generate(ids, tokens, ignore_eos=True, on_token=on_token, cancel=hooks.cancel)
+                for label in labels if run % 2 == 0 else labels[::-1]:
+                    drafter, kk = configs[label]
+                    g = gen.generate(ids, tokens, ignore_eos=True, drafter=drafter, k=kk, on_token=on_token,
+                                     cancel=hooks.cancel)
+                    hooks.check()
                     pairs = enumerate(zip(g.tokens, base.tokens))
-                    row[f"{label} diverges at"] = next((i for i, (a, b) in pairs if a != b), len(base.tokens))
+                    diverges = next((i for i, (a, b) in pairs if a != b), len(base.tokens))
+                    samples[label].append({"x": g.decode_tok_s / base.decode_tok_s, "acc": g.acceptance,
+                                           "same": g.tokens == base.tokens, "diverges": diverges,
+                                           "base": base.decode_tok_s})
+                if genai and mode == "fast":
+                    alone.append(genai_alone(ids)[0])
+                    spec.append(genai_spec(ids)[0])
+            row = {"mode": mode, "prompt": name,
+                   "target_tok_s": round(mean(s["base"] for s in samples[labels[0]]), 2)}
+            for label in labels:
+                runs_of = samples[label]
+                row[f"{label} x"] = round(mean(s["x"] for s in runs_of), 3)
+                row[f"{label} acc"] = round(mean(s["acc"] for s in runs_of), 2)
+                row[f"{label} same"] = all(s["same"] for s in runs_of)
+                if not row[f"{label} same"]:  # where fast mode's output first leaves plain greedy
+                    row[f"{label} diverges at"] = min(s["diverges"] for s in runs_of)
+                if runs > 1:
+                    row[f"{label} runs"] = [round(s["x"], 3) for s in runs_of]
             best_single = max(row["model K=auto x"], row[f"lookup K={k} x"])
             row["hybrid vs better of two"] = round(row["hybrid K=auto x"] / best_single, 3)
             if genai and mode == "fast":
-                alone, _, _ = genai_alone(ids)
-                tps, _, _ = genai_spec(ids)
-                row["genai_target_tok_s"] = round(alone, 2)
-                row["genai_spec_tok_s"] = round(tps, 2)
+                row["genai_target_tok_s"] = round(mean(alone), 2)
+                row["genai_spec_tok_s"] = round(mean(spec), 2)
                 for label in (f"model K={k}", "model K=auto", "hybrid K=auto"):
-                    row[f"{label} vs genai"] = round(row[f"{label} x"] * base.decode_tok_s / tps, 3)
+                    row[f"{label} vs genai"] = round(mean(s["x"] * s["base"] / t for s, t in zip(samples[label], spec)), 3)
             rows.append(row)
             hooks.row(row)
             log(f"{mode} {name}: " + ", ".join(f"{c}={row[f'{c} x']}" for c in configs))
@@ -98,6 +116,6 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
                 ratios[f"fast {label} vs genai spec"] = round(mean(r[f"{label} vs genai"] for r in mine), 3)
             ratios["genai spec vs genai target"] = round(
                 mean(r["genai_spec_tok_s"] / r["genai_target_tok_s"] for r in mine), 3)
-    meta = {"model": model, "draft": draft, "tokens": tokens, "k": k, "weights": weights,
+    meta = {"model": model, "draft": draft, "tokens": tokens, "k": k, "runs": runs, "weights": weights,
             "draft_head": draft_head(weights)}
     return write_report("spec", rows, ratios, out, settings=meta)
