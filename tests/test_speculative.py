@@ -16,8 +16,8 @@ from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Decoding, Generator, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import (AutoK, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
-                                       check_draft_tokenizer)
+from engine.runtime.speculative import (SKIPPED, AutoK, DraftModel, Hybrid, KVSequence, PromptLookup,
+                                       RoundCost, check_draft_tokenizer)
 from engine.runtime.stage import MODES, Output
 from engine.runtime.turns import compute_turns
 from engine.wire import Flag
@@ -130,6 +130,7 @@ class Scripted:
         self.prob = prob
         self.next_token = next_token
         self.forwards = 0
+        self.fed, self.positions = [], []  # each forward's ids and position ids
         self.spec = type("Spec", (), {"max_position": 256})
 
     def reset(self, stream=0):
@@ -140,6 +141,8 @@ class Scripted:
 
     def submit(self, ids, attention_mask, position_ids, flags=Flag.NONE, stream=0):
         self.forwards += 1
+        self.fed.append(ids[0].tolist())
+        self.positions.append(position_ids[0].tolist())
         tokens = ids[0] + 1 if self.next_token == "+1" else np.full(ids.shape[1], 7)
         if not flags & Flag.ALL_POSITIONS:
             tokens = tokens[-1:]
@@ -177,6 +180,26 @@ def test_a_right_guess_beside_a_draft_step_gives_the_next_draft_free():
     model = DraftModel(chain)
     assert model.propose([1, 2, 3], 4) == [4, 5, 6, 7] and chain.forwards == 4
     assert model.seq.logical == 6 and model.seq.physical == 9
+
+
+def test_a_long_catch_up_feeds_only_the_recent_tokens():
+    # after many rounds without the model (the hybrid's lookup or plain steps) its catch-up feeds
+    # the last MAX_CATCH_UP tokens; positions still follow the whole sequence, and the next
+    # catch-up sees the left-out tokens as already there
+    chain = Scripted(0.9)
+    model = DraftModel(chain)
+    prompt = list(range(10, 30))
+    model.prime(prompt)
+    history = prompt + list(range(100, 140))  # 40 new tokens
+    chain.fed, chain.positions = [], []
+    model.propose(history, 1)
+    assert chain.fed[0] == history[-DraftModel.MAX_CATCH_UP:]  # one forward of the last 16
+    assert chain.positions[0][0] == len(history) - DraftModel.MAX_CATCH_UP
+    assert model.seq.logical == len(history) and model.seq.physical == len(prompt) + DraftModel.MAX_CATCH_UP
+    chain.fed, chain.positions = [], []
+    model.propose(history + [7, 8], 1)
+    assert chain.fed[0][:2] == [7, 8]  # only what is new since
+    assert model.fed[: len(prompt)] == prompt and model.fed.count(SKIPPED) == 40 - DraftModel.MAX_CATCH_UP
 
 
 def test_the_hybrid_judges_lookup_matches_by_their_length():
@@ -218,10 +241,24 @@ def test_the_hybrid_takes_plain_steps_when_the_model_does_not_pay():
 
 
 def test_the_hybrid_prices_a_plain_step_by_what_it_costs():
-    # one-token lookup matches that are always wrong, verified in 70 ms, and plain steps of 50 ms:
-    # the hybrid settles on plain steps (a wrong lookup costs more than a step, not the same)
-    chosen = hybrid_choices([1, 2, 3, 9, 4, 5, 6, 9], 40, lambda drafts: 70.0 if drafts else 50.0)
-    assert chosen[-16:].count(None) >= 14
+    # a model that is always wrong, rounds of 60 ms plus 60 ms of drafting, and plain steps of 50 ms
+    # or 150 ms: plain steps when they are cheaper, the model's (one token a round) when not
+    for plain_ms, settled in ((50.0, None), (150.0, "model")):
+        chosen = hybrid_choices([1, 2, 3, 4, 5, 6, 7, 8], 40, lambda drafts: 60.0 if drafts else plain_ms)
+        assert chosen[-16:].count(settled) >= 14, (plain_ms, chosen)
+
+
+def test_where_the_lookup_matches_the_hybrid_takes_the_lookup_or_the_model():
+    # one-token matches that are always wrong and plain steps of half their time: still no plain
+    # step (one among lookup rounds changes the verify's width twice); the lookup proposes K=3
+    chosen = hybrid_choices([1, 2, 3, 9, 4, 5, 6, 9], 40, lambda drafts: 70.0 if drafts else 35.0)
+    assert None not in chosen and chosen[-16:].count("lookup1") >= 14
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    hybrid.pick_k = True
+    hybrid._skipped["model"] = -100  # not the model's turn
+    hybrid.last = "lookup1"
+    hybrid.feedback(3, 3, verify_ms=60.0, draft_ms=0.0)
+    assert hybrid.propose([1, 2, 3, 4, 5, 6, 1, 2], AutoK.K_MAX) == [3, 4, 5]
 
 
 def test_the_hybrid_charges_leaving_the_model_for_its_return():
