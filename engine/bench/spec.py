@@ -98,8 +98,9 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
             if genai and mode == "fast":
                 row["genai_target_tok_s"] = round(mean(alone), 2)
                 row["genai_spec_tok_s"] = round(mean(spec), 2)
-                for label in (f"model K={k}", "model K=auto", "hybrid K=auto"):
-                    row[f"{label} vs genai"] = round(mean(s["x"] * s["base"] / t for s, t in zip(samples[label], spec)), 3)
+                for label in (f"model K={k}", "model K=auto", "hybrid K=auto"):  # each run against its own
+                    pairs = zip(samples[label], spec)
+                    row[f"{label} vs genai"] = round(mean(s["x"] * s["base"] / t for s, t in pairs), 3)
             rows.append(row)
             hooks.row(row)
             log(f"{mode} {name}: " + ", ".join(f"{c}={row[f'{c} x']}" for c in configs))

@@ -208,9 +208,9 @@ class DraftModel:
         them are left out of the cache (``SKIPPED``) and later positions follow as if they were
         there.  The hybrid leaves the model idle for dozens of rounds where lookup or plain steps pay
         better, and a try of the model after that caught up on every token it missed (measured: 302
-        ms of drafting after 64 rounds away, against 25 ms for a draft step), so each try cost as
-        much per round away as the rounds gained; a draft that lacks part of its own answer's
-        middle still drafts from the prompt and the recent text."""
+        ms of drafting after 64 rounds away, against 25 ms for a draft step): a try's cost grew
+        with the time away, so trying less often saved nothing.  A draft that lacks part of its
+        own answer's middle still drafts from the prompt and the recent text."""
         common = 0
         known = min(len(self.fed), len(history))
         while common < known and self.fed[common] in (history[common], SKIPPED):
@@ -314,7 +314,7 @@ class Hybrid:
     early is not judged by that alone while the model or plain steps run.  Where nothing matches and
     the model's drafts cost more than they save (free-form text it predicts badly), a plain step is
     better.  Where the lookup matches, the choice is the lookup or the model, never a plain step: a
-    plain step among lookup rounds changes the verify's width twice (+8-10 ms each on the 1.5B
+    plain step among lookup rounds changes the verify's width twice (+8-13 ms each on the 1.5B
     target), which the measured costs of either kind of round do not show apart.  A losing source is
     still tried now and then, so its estimate keeps up with the text; the model's catch-up for such a
     try is capped (``DraftModel.MAX_CATCH_UP``).
