@@ -395,7 +395,8 @@ class Hybrid:
         back, stay = self.model_after["other"], self.model_after["model"]
         if not (back and stay):
             return 0.0
-        return max(0.0, back.cost(self._model_k()) - stay.cost(self._model_k()))
+        k = self._model_k()
+        return max(0.0, back.cost(k) - stay.cost(k))
 
     def _model_k(self) -> float:
         """How many tokens the model's rounds have drafted lately."""
