@@ -16,8 +16,8 @@ from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Decoding, Generator, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import (SKIPPED, AutoK, DraftModel, Hybrid, KVSequence, PromptLookup,
-                                       RoundCost, check_draft_tokenizer)
+from engine.runtime.speculative import (AutoK, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
+                                       check_draft_tokenizer)
 from engine.runtime.stage import MODES, Output
 from engine.runtime.turns import compute_turns
 from engine.wire import Flag
@@ -199,7 +199,7 @@ def test_a_long_catch_up_feeds_only_the_recent_tokens():
     chain.fed, chain.positions = [], []
     model.propose(history + [7, 8], 1)
     assert chain.fed[0][:2] == [7, 8]  # only what is new since
-    assert model.fed[: len(prompt)] == prompt and model.fed.count(SKIPPED) == 40 - DraftModel.MAX_CATCH_UP
+    assert model.fed == history + [7, 8] and model.seq.physical == len(prompt) + DraftModel.MAX_CATCH_UP + 2
 
 
 def test_the_hybrid_judges_lookup_matches_by_their_length():
@@ -255,7 +255,6 @@ def test_where_the_lookup_matches_the_hybrid_takes_the_lookup_or_the_model():
     assert None not in chosen and chosen[-16:].count("lookup1") >= 14
     hybrid = Hybrid(PromptLookup(), CostlyModel())
     hybrid.pick_k = True
-    hybrid._skipped["model"] = -100  # not the model's turn
     hybrid.last = "lookup1"
     hybrid.feedback(3, 3, verify_ms=60.0, draft_ms=0.0)
     assert hybrid.propose([1, 2, 3, 4, 5, 6, 1, 2], AutoK.K_MAX) == [3, 4, 5]

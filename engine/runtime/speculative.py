@@ -27,7 +27,6 @@ from engine.wire import Flag
 TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
 
 DRAFT_KINDS = ("none", "lookup", "model", "hybrid")
-SKIPPED = -1  # a token the draft model's cache leaves out (see ``DraftModel._catch_up``)
 
 
 def draft_head(weights: str) -> str:
@@ -168,7 +167,7 @@ class DraftModel:
     def __init__(self, chain, rewind: str = "mask", stream: int = 0):
         self.chain = chain
         self.seq = KVSequence(chain, chain.spec.max_position, stream, rewind)
-        self.fed: list[int] = []  # the tokens whose KV the draft cache holds (logically)
+        self.fed: list[int] = []  # the tokens taken in (a long catch-up leaves some out of the cache)
         self.pick_k = False
         self._guesser = PromptLookup()
         self._bonus: tuple[int, float] | None = None  # the token after a right guess, and its probability
@@ -205,26 +204,26 @@ class DraftModel:
         """Brings the draft cache up to ``history``: the draft's next token and its probability.
 
         With ``limit``, a catch-up feeds only the last ``limit`` tokens it lacks; the tokens before
-        them are left out of the cache (``SKIPPED``) and later positions follow as if they were
-        there.  The hybrid leaves the model idle for dozens of rounds where lookup or plain steps pay
-        better, and a try of the model after that caught up on every token it missed (measured: 302
-        ms of drafting after 64 rounds away, against 25 ms for a draft step): a try's cost grew
-        with the time away, so trying less often saved nothing.  A draft that lacks part of its
-        own answer's middle still drafts from the prompt and the recent text."""
+        them are counted in ``fed`` but left out of the cache, and later positions follow as if
+        they were there (only drafts are ever rewound, so no rewind reaches them).  The hybrid
+        leaves the model idle for dozens of rounds where lookup or plain steps pay better, and a
+        try of the model after that caught up on every token it missed (measured: 302 ms of
+        drafting after 64 rounds away, against 25 ms for a draft step): a try's cost grew with the
+        time away, so trying less often saved nothing.  A draft that lacks part of its own
+        answer's middle still drafts from the prompt and the recent text."""
         common = 0
         known = min(len(self.fed), len(history))
-        while common < known and self.fed[common] in (history[common], SKIPPED):
+        while common < known and self.fed[common] == history[common]:
             common += 1
         common = min(common, len(history) - 1)  # re-feed at least one token: its logits give the next
         if common < len(self.fed):  # the draft cache holds tokens the sequence no longer has
             self.seq.reject(len(self.fed) - common)
             del self.fed[common:]
         new = history[common:]
+        self.fed.extend(new)
         if limit and len(new) > limit:
             self.seq.skip(len(new) - limit)
-            self.fed.extend([SKIPPED] * (len(new) - limit))
             new = new[-limit:]
-        self.fed.extend(new)
         return self._step(new)
 
     def _step(self, ids: list[int]) -> tuple[int, float]:
@@ -409,10 +408,12 @@ class Hybrid:
         drafts = self.lookup.propose(history, min(k, self.LOOKUP_K) if self.pick_k else k)
         lookup = f"lookup{self.lookup.matched}" if drafts else None
         leave_ms = self._leave_ms()
-        plain_ms = self.plain_ms or self.lookup_costs.cost(0) or self.verify_ms  # measured, or a lookup's fixed part
-        rates = {None: 1 / (plain_ms + leave_ms) if plain_ms and not drafts else 0.0}
-        if lookup:
-            rates[lookup] = self._rate(lookup, len(drafts), leave_ms)
+        if lookup:  # the lookup or the model: a plain step here would change the verify's width twice
+            rates = {lookup: self._rate(lookup, len(drafts), leave_ms)}
+        else:
+            # measured, or a lookup's fixed part
+            plain_ms = self.plain_ms or self.lookup_costs.cost(0) or self.verify_ms
+            rates = {None: 1 / (plain_ms + leave_ms) if plain_ms else 0.0}
         rates["model"] = self._rate("model", k, 0.0)
         choice = max(rates, key=rates.get)
         # A draft source passed over for a while is tried once, so its estimate keeps up with the
