@@ -302,37 +302,35 @@ class DraftModel:
 
 
 class Hybrid:
-    """Prompt lookup, the draft model or no draft at all, whichever is expected to give more tokens
-    per millisecond.
+    """Prompt lookup where it matches and is expected to give more tokens per millisecond, the draft
+    model otherwise.
 
     A lookup proposal costs nothing to make but is often wrong; the model's is right more often but
     costs its draft steps.  Each source's acceptance (decayed) and round cost come from the rounds'
     outcomes.  The lookup's acceptance is kept per matched n-gram length: in code a one-token match
     is common and usually wrong, a three-token match usually right.  A lookup proposal the hybrid
     does not take is scored against the tokens the round gives instead, so a lookup that failed
-    early is not judged by that alone while the model or plain steps run.  Where nothing matches and
-    the model's drafts cost more than they save (free-form text it predicts badly), a plain step is
-    better.  Where the lookup matches, the choice is the lookup or the model, never a plain step: a
-    plain step among lookup rounds changes the verify's width twice (+8-13 ms each on the 1.5B
-    target), which the measured costs of either kind of round do not show apart.  A losing source is
-    still tried now and then, so its estimate keeps up with the text; the model's catch-up for such a
-    try is capped (``DraftModel.MAX_CATCH_UP``).
+    early is not judged by that alone while the model drafts; a lookup passed over for a while is
+    still tried now and then.  No round is a plain step: under K auto the model drafts as far as its
+    confidence pays, and a plain step between drafted rounds changes the verify's width twice
+    (+8-13 ms each on the 1.5B target).  Side by side on eight prompts, two runs each: 1.306x the
+    target alone against 1.293x with plain steps where nothing matches and the model was priced
+    low (chat and reasoning then ran plain steps where the model alone gives 1.1-1.25x).
 
-    A switch has a cost of its own: after lookup or plain rounds the model's next round pays a longer
-    catch-up and new shapes (measured in creative text: 45 against 29 ms of drafting for one token).
-    So the model's rounds are fitted apart by what came before them, and a lookup or plain round
-    chosen right after a model round is charged the difference (side by side on eight prompts:
-    1.31x the target alone against 1.26x without the charge).
+    A switch has a cost: after lookup rounds the model's next round pays a longer catch-up (capped,
+    ``DraftModel.MAX_CATCH_UP``) and new shapes (measured in creative text: 45 against 29 ms of
+    drafting for one token).  So the model's rounds are fitted apart by what came before them, and a
+    lookup round chosen right after a model round is charged the difference, once: the model itself
+    is priced at its steady cost (side by side, eight prompts, two runs each: 1.349x against 1.327x
+    when its return was charged as well).
 
     With ``pick_k`` (K auto, which ``Decoding`` sets) the lookup proposes ``LOOKUP_K`` tokens: a
     steady verify width, where a K of its own chosen online changed it; the model fits its own round
-    cost and drafts as far as its confidence pays.  Side by side on six prompts, two runs each: the
-    fixed lookup K with no plain step where the lookup matches gave 1.300x the target alone against
-    1.254x before; then the capped catch-up 1.325x against 1.273x without it."""
+    cost and drafts as far as its confidence pays."""
 
     name = "hybrid"
     DECAY = 0.9
-    MIN_WAIT, MAX_WAIT = 8, 64  # rounds a passed-over source waits before it is tried again
+    MIN_WAIT, MAX_WAIT = 8, 64  # rounds a passed-over lookup waits before it is tried again
     # A lookup proposal not taken is scored against the tokens its round gave instead (nearly every
     # round): its acceptance decays per scored round more slowly than per round drafted.
     UNUSED_DECAY = 0.97
@@ -361,37 +359,36 @@ class Hybrid:
         # of two drafts a round, one of them accepted
         self.stats = {"model": [1.0, 2.0, 1.0]}
         self.stats.update({f"lookup{n}": [1.0, 2.0, 1.0] for n in range(1, self.lookup.max_ngram + 1)})
-        self.verify_ms = 0.0  # a drafted round's verify (smoothed): the cost of a source without data yet
-        self.plain_ms = 0.0  # a plain step's (smoothed)
+        self.verify_ms = 0.0  # a round's verify (smoothed): the cost of a source without data yet
         self.lookup_costs = RoundCost()  # every lookup round's, shape changes included
-        # the model's rounds right after a model round, and after a lookup or plain one
-        self.model_after = {"model": RoundCost(), "other": RoundCost()}
+        # the model's rounds right after a model round, and after a lookup round
+        self.model_after = {"model": RoundCost(), "lookup": RoundCost()}
         self.last = self._previous = None
-        self._skipped = {"lookup": 0, "model": 0}
-        self._wait = {"lookup": self.MIN_WAIT, "model": self.MIN_WAIT}
+        self._skipped, self._wait = 0, self.MIN_WAIT  # the lookup's rounds passed over, and its wait
         self._unused = None  # (history length, source, drafts) of a lookup proposal not taken
 
     def prime(self, prompt: list[int]) -> None:
         self.model.prime(prompt)
 
-    def _rate(self, source: str, proposed: int, leave_ms: float) -> float:
+    def _rate(self, source: str, proposed: int = 0) -> float:
         """Expected tokens per ms of a round: the source's acceptance and round-cost fit (the mean
-        verify until that fit has data), plus ``leave_ms`` it costs later (``_leave_ms``).  A lookup
-        round proposes ``proposed`` drafts, a model round as many as the model's rounds have lately."""
+        verify until that fit has data).  A lookup round proposes ``proposed`` drafts and pays
+        ``_leave_ms``; a model round drafts as many as the model's rounds have lately, at their
+        steady cost."""
         accepted, drafted, rounds = self.stats[source]
         if source == "model":
-            after, k = self.model_after["model" if self.last == "model" else "other"], self._model_k()
-            tokens, cost = 1 + accepted / rounds, after.cost(k) or self.model.costs.cost(k)
-        else:
-            tokens, cost = 1 + proposed * accepted / drafted, self.lookup_costs.cost(proposed)
-        return tokens / ((cost or self.verify_ms) + leave_ms + 1e-3)
+            k = self._model_k()
+            tokens, cost = 1 + accepted / rounds, self.model_after["model"].cost(k) or self.model.costs.cost(k)
+            return tokens / ((cost or self.verify_ms) + 1e-3)
+        tokens, cost = 1 + proposed * accepted / drafted, self.lookup_costs.cost(proposed)
+        return tokens / ((cost or self.verify_ms) + self._leave_ms() + 1e-3)
 
     def _leave_ms(self) -> float:
-        """What a lookup or plain round costs later when the model drafted the last round: its next
+        """What a lookup round costs later when the model drafted the last round: the model's next
         round pays a longer catch-up and new shapes."""
         if self.last != "model":
             return 0.0
-        back, stay = self.model_after["other"], self.model_after["model"]
+        back, stay = self.model_after["lookup"], self.model_after["model"]
         if not (back and stay):
             return 0.0
         k = self._model_k()
@@ -406,40 +403,22 @@ class Hybrid:
         """Up to ``k`` drafts (fewer when ``pick_k`` and the lookup's K or the model's confidence is lower)."""
         self._score_unused(history)
         drafts = self.lookup.propose(history, min(k, self.LOOKUP_K) if self.pick_k else k)
-        lookup = f"lookup{self.lookup.matched}" if drafts else None
-        leave_ms = self._leave_ms()
-        if lookup:  # the lookup or the model: a plain step here would change the verify's width twice
-            rates = {lookup: self._rate(lookup, len(drafts), leave_ms)}
-        else:
-            # measured, or a lookup's fixed part
-            plain_ms = self.plain_ms or self.lookup_costs.cost(0) or self.verify_ms
-            rates = {None: 1 / (plain_ms + leave_ms) if plain_ms else 0.0}
-        rates["model"] = self._rate("model", k, 0.0)
-        choice = max(rates, key=rates.get)
-        # A draft source passed over for a while is tried once, so its estimate keeps up with the
-        # text; each try that does not win it back doubles the wait (8, 16, 32, 64 rounds).  The
-        # model is only tried instead of a plain step: in place of a lookup it would cost a catch-up.
-        forced = None
-        if choice is None and self._skipped["model"] >= self._wait["model"]:
-            choice = forced = "model"
-        elif lookup and choice != lookup and self._skipped["lookup"] >= self._wait["lookup"]:
-            choice, forced = lookup, "lookup"
-        won = {"model": choice == "model", "lookup": lookup is not None and choice == lookup}
-        for source in ("model", "lookup"):
-            if source == forced:
-                self._wait[source] = min(2 * self._wait[source], self.MAX_WAIT)
-            elif won[source]:
-                self._wait[source] = self.MIN_WAIT
-            if won[source]:
-                self._skipped[source] = 0
-            elif source == "model" or lookup:  # without a match the lookup was not passed over
-                self._skipped[source] += 1
+        choice = "model"
+        if drafts:
+            lookup = f"lookup{self.lookup.matched}"
+            # a lookup passed over for a while is tried once, so its estimate keeps up with the
+            # text; each try that does not win it back doubles the wait (8, 16, 32, 64 rounds)
+            if self._rate(lookup, len(drafts)) >= self._rate("model"):
+                choice, self._skipped, self._wait = lookup, 0, self.MIN_WAIT
+            elif self._skipped >= self._wait:
+                choice, self._skipped, self._wait = lookup, 0, min(2 * self._wait, self.MAX_WAIT)
+            else:
+                self._skipped += 1
+                self._unused = (len(history), lookup, drafts)
         self._previous, self.last = self.last, choice
-        if lookup and choice != lookup:
-            self._unused = (len(history), lookup, drafts)
         if choice == "model":
             return self.model.propose(history, k)
-        return drafts if choice else []
+        return drafts
 
     def _score_unused(self, history: list[int]) -> None:
         """Scores the lookup proposal the last round did not take against the tokens that round
@@ -463,13 +442,10 @@ class Hybrid:
             stats[i] = stats[i] * decay + value
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
-        if self.last is None:  # a plain step
-            self.plain_ms = smooth(self.plain_ms, verify_ms)
-            return
         self._record(self.last, accepted, proposed, self.DECAY)
         self.verify_ms = smooth(self.verify_ms, verify_ms)
         if self.last == "model":
-            self.model_after["model" if self._previous == "model" else "other"].add(proposed, verify_ms, draft_ms)
+            self.model_after["model" if self._previous == "model" else "lookup"].add(proposed, verify_ms, draft_ms)
             self.model.feedback(proposed, accepted, verify_ms, draft_ms)
         else:
             self.lookup_costs.add(proposed, verify_ms, draft_ms)
