@@ -247,7 +247,7 @@ def test_where_the_lookup_matches_the_hybrid_takes_the_lookup_or_the_model():
     assert None not in chosen and chosen[-16:].count("lookup1") >= 14
     hybrid = Hybrid(PromptLookup(), CostlyModel())
     hybrid.pick_k = True
-    hybrid.last = "lookup1"
+    hybrid.last = "lookup2"
     hybrid.feedback(3, 3, verify_ms=60.0, draft_ms=0.0)
     assert hybrid.propose([1, 2, 3, 4, 5, 6, 1, 2], AutoK.K_MAX) == [3, 4, 5]
 
@@ -291,6 +291,26 @@ def test_the_hybrid_scores_the_lookup_while_the_model_drafts():
         history = history + [period[(n + i) % 8] for i in range(3)]  # the round's accepted drafts + 1
     assert chosen[0] == "model"
     assert "lookup3" in chosen
+
+
+def test_the_hybrid_scores_a_passed_over_lookup_only_where_the_text_reached():
+    # lookup rounds: the first draft right, the second wrong; between them model rounds of one
+    # token each, which the lookup's first draft would have matched.  Those rounds say nothing of
+    # the second and third drafts: the lookup is still worth two tokens a round (60 ms), below
+    # the model's four (100 ms), however often its first draft is confirmed
+    hybrid = Hybrid(PromptLookup(), CostlyModel())
+    history = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # ends with 1 2 3: seen before, followed by 4 5 6
+    for _ in range(10):
+        hybrid.last = "lookup3"
+        hybrid.feedback(3, 1, verify_ms=60.0, draft_ms=0.0)
+        for _ in range(3):
+            hybrid._previous = hybrid.last = "model"
+            hybrid.feedback(3, 3, verify_ms=60.0, draft_ms=40.0)
+            hybrid._unused = (len(history), "lookup3", [4, 5, 6])
+            hybrid._score_unused(history + [4])
+    hybrid._skipped = 0
+    hybrid.propose(history, 3)
+    assert hybrid.last == "model"
 
 
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
