@@ -16,7 +16,7 @@ from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Decoding, Generator, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
-from engine.runtime.speculative import (AutoK, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
+from engine.runtime.speculative import (AutoK, Drafter, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
                                        check_draft_tokenizer)
 from engine.runtime.stage import MODES, Output
 from engine.runtime.turns import compute_turns
@@ -99,11 +99,8 @@ def test_auto_k_keeps_its_k_against_a_marginal_gain():
         assert auto.choose() == chosen
 
 
-class WrongGuesses:
+class WrongGuesses(Drafter):
     name = "wrong"
-
-    def reset(self):
-        pass
 
     def propose(self, history, k):
         return [(history[-1] + 1 + i) % 384 for i in range(k)]

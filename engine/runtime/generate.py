@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from engine.runtime.speculative import AutoK, KVSequence
+from engine.runtime.speculative import AutoK, Drafter, KVSequence
 from engine.runtime.stage import Output
 from engine.wire import Flag
 
@@ -130,7 +130,8 @@ class Decoding:
     ``generate_streams`` interleaves several through the same chain (micro-batching)."""
 
     def __init__(self, seq: KVSequence, prompt: list[int], max_new_tokens: int, eos: frozenset, *,
-                 drafter=None, k: int | str = 4, on_token: Callable[[int], None] | None = None, cancel=None):
+                 drafter: Drafter | None = None, k: int | str = 4,
+                 on_token: Callable[[int], None] | None = None, cancel=None):
         self.seq = seq
         self.prompt = prompt
         room = seq.max_length - len(prompt)
@@ -140,7 +141,7 @@ class Decoding:
         self.eos = eos
         self.drafter = drafter
         auto = k == "auto"
-        if hasattr(drafter, "pick_k"):  # a drafter that picks its own number of drafts (a model, the hybrid): up to K_MAX
+        if drafter is not None and drafter.fits_k:  # it picks its own number of drafts, up to K_MAX
             drafter.pick_k = auto
             self.auto, self.k = None, AutoK.K_MAX if auto else int(k)
         else:
@@ -163,7 +164,7 @@ class Decoding:
             self.drafter.reset()
         self._times["start"] = self._times["round"] = time.perf_counter()
         self.ticket = self.seq.submit(self.prompt)
-        if hasattr(self.drafter, "prime"):  # a draft model takes in the prompt while the prefill is in flight
+        if self.drafter is not None:  # a draft model takes in the prompt while the prefill is in flight
             self.drafter.prime(self.prompt)
 
     def _submit_round(self) -> None:
@@ -196,8 +197,7 @@ class Decoding:
             result.k_history.append(len(drafts))
         if self._consulted:
             verify_ms = (now - self._times["verify"]) * 1e3
-            if hasattr(self.drafter, "feedback"):  # a plain step's cost too, if it chose one
-                self.drafter.feedback(len(drafts), accepted, verify_ms, self._draft_ms)
+            self.drafter.feedback(len(drafts), accepted, verify_ms, self._draft_ms)
             if drafts and self.auto:
                 self.k = self.auto.update(len(drafts), accepted, verify_ms, self._draft_ms)
         for token in emitted:
@@ -243,7 +243,7 @@ class Generator:
         self.seq = KVSequence(chain, max_length, stream, rewind)
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int, *, ignore_eos: bool = False,
-                 on_token: Callable[[int], None] | None = None, cancel=None, drafter=None,
+                 on_token: Callable[[int], None] | None = None, cancel=None, drafter: Drafter | None = None,
                  k: int | str = 4) -> Generation:
         prompt = [int(t) for t in np.asarray(input_ids).reshape(-1)]
         decoding = Decoding(self.seq, prompt, max_new_tokens, frozenset() if ignore_eos else self.eos_ids,

@@ -4,7 +4,7 @@ A drafter proposes up to K next tokens from the sequence so far; the target pipe
 all in one traversal.  Three sources: prompt lookup (the longest recent n-gram match in the
 sequence: free, no model), a small draft model with the target's tokenizer (run in this process,
 with its own KV cache rewound the same way as the target's), and the hybrid of the two (each round,
-lookup, the model or a plain step, whichever is expected to give more tokens per millisecond).
+the lookup where it matches and is expected to give more tokens per millisecond, the model otherwise).
 
 K auto: every source fits what a round costs (``RoundCost``: drafting plus verify, a fixed part
 holding the traversal and a draft model's catch-up, and a part per drafted token).  ``AutoK`` takes
@@ -41,7 +41,29 @@ def smooth(average: float, sample: float) -> float:
     return sample if not average else 0.8 * average + 0.2 * sample
 
 
-class PromptLookup:
+class Drafter:
+    """What ``Decoding`` asks of a draft source: ``propose`` up to K tokens each round, and hear how
+    the round went.  A source with ``fits_k`` chooses how many tokens to draft itself under K auto
+    (``Decoding`` sets its ``pick_k``) instead of following ``AutoK``."""
+
+    name = "drafter"
+    fits_k = False
+    pick_k = False
+
+    def reset(self) -> None:
+        """Forgets the sequence (a new generation starts)."""
+
+    def prime(self, prompt: list[int]) -> None:
+        """Takes in the prompt while the target's prefill is in flight."""
+
+    def propose(self, history: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
+        """The outcome of the round this source drafted: drafts accepted, and what it cost."""
+
+
+class PromptLookup(Drafter):
     """Proposes the continuation of the most recent earlier occurrence of the sequence's last n-gram."""
 
     name = "lookup"
@@ -148,7 +170,7 @@ class KVSequence:
         return self.physical / self.logical if self.logical else 1.0
 
 
-class DraftModel:
+class DraftModel(Drafter):
     """A small model with the target's tokenizer, proposing greedily from its own KV cache.
 
     With ``pick_k`` (K auto) it drafts up to K tokens but stops where another draft step no longer
@@ -160,6 +182,7 @@ class DraftModel:
     the acceptance rate."""
 
     name = "model"
+    fits_k = True
     DECAY = 0.95
     POSITION_SHARE = 0.04  # what one more verify position adds to a round (measured: ~4 of ~100 ms)
     MAX_CATCH_UP = 16  # tokens a catch-up feeds at most (see ``_catch_up``)
@@ -301,19 +324,19 @@ class DraftModel:
         self._predicted = self._predicted * self.DECAY + self._chance
 
 
-class Hybrid:
+class Hybrid(Drafter):
     """Prompt lookup where it matches and is expected to give more tokens per millisecond, the draft
     model otherwise.
 
     A lookup proposal costs nothing to make but is often wrong; the model's is right more often but
     costs its draft steps.  Each source's acceptance (decayed) and round cost come from the rounds'
     outcomes.  The lookup's acceptance is kept per matched n-gram length (in code a one-token match
-    is common and usually wrong, a three-token match usually right) and per draft position.  A lookup proposal the hybrid
-    does not take is scored against the tokens the round gives instead, so a lookup that failed
-    early is not judged by that alone while the model drafts; a lookup passed over for a while is
-    still tried now and then.  No round is a plain step: under K auto the model drafts as far as its
-    confidence pays, and a plain step between drafted rounds changes the verify's width twice
-    (+8-13 ms each on the 1.5B target).  Side by side on eight prompts, two runs each: 1.306x the
+    is common and usually wrong, a three-token match usually right) and per draft position.  A
+    lookup proposal the hybrid does not take is scored against the tokens the round gives instead,
+    so a lookup that failed early is not judged by that alone while the model drafts; a lookup
+    passed over for a while is still tried now and then.  No round is a plain step: under K auto
+    the model drafts as far as its confidence pays, and a plain step between drafted rounds changes
+    the verify's width twice (+8-13 ms each on the 1.5B target).  Side by side on eight prompts, two runs each: 1.306x the
     target alone against 1.293x with plain steps where nothing matches and the model was priced
     low (chat and reasoning then ran plain steps where the model alone gives 1.1-1.25x).
 
@@ -329,6 +352,7 @@ class Hybrid:
     cost and drafts as far as its confidence pays."""
 
     name = "hybrid"
+    fits_k = True
     DECAY = 0.9
     MIN_WAIT, MAX_WAIT = 8, 64  # rounds a passed-over lookup waits before it is tried again
     # A lookup proposal not taken is scored against the tokens its round gave instead (nearly every
