@@ -118,6 +118,9 @@ class CostlyModel(WrongGuesses):
     def feedback(self, proposed, accepted, verify_ms, draft_ms):
         self.costs.add(proposed, verify_ms, draft_ms)
 
+    def learn(self, accepted):
+        pass
+
 
 class Scripted:
     """A draft chain that says, after each position, the token after it (``+1``) or always token 7
@@ -256,6 +259,9 @@ def test_the_hybrid_charges_leaving_the_model_for_its_return():
     for previous, ms in (("model", 100.0), (None, 160.0)) * 2:
         hybrid._previous, hybrid.last = previous, "model"
         hybrid.feedback(3, 2, verify_ms=ms - 60.0, draft_ms=60.0)
+    # the model's own fit, which sets how far it drafts, holds only its steady rounds
+    assert hybrid.model.costs.cost(3) == pytest.approx(100.0)
+    assert hybrid.return_costs.cost(3) == pytest.approx(160.0)
     for accepted in (1, 2, 1, 2):
         hybrid.last = "lookup1"
         hybrid.feedback(3, accepted, verify_ms=70.0, draft_ms=0.0)
