@@ -341,9 +341,10 @@ class Hybrid(Drafter):
     so a lookup that failed early is not judged by that alone while the model drafts; a lookup
     passed over for a while is still tried now and then.  No round is a plain step: under K auto
     the model drafts as far as its confidence pays, and a plain step between drafted rounds changes
-    the verify's width twice (+8-13 ms each on the 1.5B target).  Side by side on eight prompts, two runs each: 1.306x the
-    target alone against 1.293x with plain steps where nothing matches and the model was priced
-    low (chat and reasoning then ran plain steps where the model alone gives 1.1-1.25x).
+    the verify's width twice (+8-13 ms each on the 1.5B target).  Side by side on eight prompts,
+    two runs each: 1.306x the target alone against 1.293x with plain steps where nothing matches
+    and the model was priced low (chat and reasoning then ran plain steps where the model alone
+    gives 1.1-1.25x).
 
     A switch has a cost: after lookup rounds the model's next round pays a longer catch-up (capped,
     ``DraftModel.MAX_CATCH_UP``) and new shapes (measured in creative text: 45 against 29 ms of
