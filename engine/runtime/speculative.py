@@ -16,6 +16,7 @@ it drafts one more token while that token's chance of being accepted is worth an
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ def smooth(average: float, sample: float) -> float:
     return sample if not average else 0.8 * average + 0.2 * sample
 
 
-class Drafter:
+class Drafter(ABC):
     """What ``Decoding`` asks of a draft source: ``propose`` up to K tokens each round, and hear how
     the round went.  A source with ``fits_k`` chooses how many tokens to draft itself under K auto
     (``Decoding`` sets its ``pick_k``) instead of following ``AutoK``."""
@@ -56,8 +57,9 @@ class Drafter:
     def prime(self, prompt: list[int]) -> None:
         """Takes in the prompt while the target's prefill is in flight."""
 
+    @abstractmethod
     def propose(self, history: list[int], k: int) -> list[int]:
-        raise NotImplementedError
+        """Up to ``k`` next tokens after ``history`` (none: a plain step)."""
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
         """The outcome of the round this source drafted: drafts accepted, and what it cost."""
@@ -430,9 +432,7 @@ class Hybrid(Drafter):
     def _leave_ms(self) -> float:
         """What a lookup round costs later when the model drafted the last round: the model's next
         round pays a longer catch-up and new shapes."""
-        if self.last != "model":
-            return 0.0
-        if not (self.return_costs and self.model.costs):
+        if self.last != "model" or not (self.return_costs and self.model.costs):
             return 0.0
         k = self._model_k()
         return max(0.0, self.return_costs.cost(k) - self.model.costs.cost(k))
