@@ -180,7 +180,7 @@ class EngineBackend:
         from engine.runtime.service import ChatService, drafter_factory
         from engine.runtime.stage import REWIND
 
-        drafters = drafter_factory(settings.draft, chain, draft_shards, settings.devices.split(",")[0], settings.mode)
+        drafters = drafter_factory(settings.draft, chain, draft_shards, settings.devices.split(",")[0])
         return ChatService(chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
                            rewind=REWIND[settings.mode], owned=list(owned))
 

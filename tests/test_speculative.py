@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import openvino as ov
 import pytest
 
 from engine.errors import ShardError
@@ -16,6 +17,7 @@ from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Decoding, Generator, generate_streams
 from engine.runtime.localfleet import LocalFleet
 from engine.runtime.remote import RemoteChain
+from engine.runtime.service import open_service
 from engine.runtime.speculative import (AutoK, Drafter, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
                                        check_draft_tokenizer)
 from engine.runtime.stage import MODES, Output
@@ -61,6 +63,24 @@ def test_exact_speculation_equals_greedy_on_tiny(k, rewind, tiny_exports):
             assert gen.acceptance > 0.9
         if rewind == "trim":
             assert gen.bloat == 1.0
+
+
+def test_exact_mode_keeps_its_settings_to_the_target(tiny_exports):
+    # Only the target's verify decides tokens: in exact mode the draft still compiles with the fast
+    # settings (a u8 KV cache here, not exact's f32) and masks its own rejected guesses.
+    service = open_service(tiny_exports["qwen2", "3"].folders, local_workers=False, mode="exact", streams=1,
+                           draft="hybrid", draft_shards=tiny_exports["qwen2", "1"].folders)
+    try:
+        target, (hybrid,) = service.chain, service.drafters
+        assert target.stages[0].compiled.get_property("KV_CACHE_PRECISION") == ov.Type.f32
+        assert hybrid.model.chain.stages[0].compiled.get_property("KV_CACHE_PRECISION") == ov.Type.u8
+        want = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+        gen = Generator(target, 128, rewind=service.rewind).generate(PROMPT, 40, ignore_eos=True, drafter=hybrid,
+                                                                     k="auto")
+    finally:
+        service.close()
+    assert gen.tokens == want
+    assert gen.bloat == 1.0 and hybrid.model.seq.rewind == "mask" and hybrid.model.seq.bloat > 1.0
 
 
 def test_the_draft_model_takes_in_the_prompt_with_the_prefill(tiny_exports):

@@ -20,7 +20,7 @@ from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
-from engine.runtime.speculative import draft_head, stream_drafters
+from engine.runtime.speculative import draft_head, open_draft_chain, stream_drafters
 from engine.runtime.stage import REWIND, compile_config, device_config
 
 
@@ -38,13 +38,12 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
         props = device_config("CPU")
         genai_spec = genai_runner(target_folders[0], tokens, props=props, draft=draft_folders[0], k=k)
         genai_alone = genai_runner(target_folders[0], tokens, props=props)
+    draft_chain = open_draft_chain(draft_folders)  # the same in both modes: only the target's settings matter
     for mode in modes:
-        config = compile_config(mode)
-        target = LocalChain(target_folders, config=config)
-        draft_chain = LocalChain(draft_folders, config=config)
+        target = LocalChain(target_folders, config=compile_config(mode))
 
         def one(kind: str):
-            return stream_drafters(kind, 1, target.manifest, draft_chain, REWIND[mode])[0]
+            return stream_drafters(kind, 1, target.manifest, draft_chain)[0]
 
         gen = Generator(target, 2048, rewind=REWIND[mode])
         configs = {

@@ -327,21 +327,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def drafter_factory(kind: str, chain, draft_shards=None, device: str = "CPU", mode: str = "fast"):
+def drafter_factory(kind: str, chain, draft_shards=None, device: str = "CPU"):
     """What ``ChatService(drafters=...)`` takes for a draft kind (``speculative.DRAFT_KINDS``): a
     function giving one drafter per stream, over one draft chain compiled here for ``model`` and
     ``hybrid`` (``draft_shards``, a 1-stage export sharing the target's tokenizer); None for ``none``."""
-    from engine.runtime.chain import LocalChain, expand_shard_dirs
-    from engine.runtime.speculative import stream_drafters
-    from engine.runtime.stage import REWIND, compile_config
+    from engine.runtime.chain import expand_shard_dirs
+    from engine.runtime.speculative import open_draft_chain, stream_drafters
 
     if kind == "none":
         return None
     draft_chain = None
     if kind in ("model", "hybrid"):
-        draft_chain = LocalChain(expand_shard_dirs(draft_shards), device=device, config=compile_config(mode),
-                                 turns=chain.turns)
-    return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain, REWIND[mode])
+        draft_chain = open_draft_chain(expand_shard_dirs(draft_shards), device, turns=chain.turns)
+    return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain)
 
 
 def open_service(shards: list[Path | str], *, local_workers: bool = True, device: str = "CPU", mode: str = "fast",
@@ -379,7 +377,7 @@ def open_service(shards: list[Path | str], *, local_workers: bool = True, device
     else:
         chain = LocalChain(folders, device=",".join(devices), config=compile_config(mode))
     try:
-        service = ChatService(chain, streams=streams, drafters=drafter_factory(draft, chain, draft_shards, devices[0], mode),
+        service = ChatService(chain, streams=streams, drafters=drafter_factory(draft, chain, draft_shards, devices[0]),
                               k=k, rewind=rewind, owned=[fleet] if fleet else [])
         service.description += ", local fleet" if fleet else ", in process"
         return service

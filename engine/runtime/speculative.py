@@ -504,10 +504,23 @@ class Hybrid(Drafter):
             self.lookup_costs.add(proposed, verify_ms, draft_ms)
 
 
-def stream_drafters(kind: str, streams: int, target: Manifest | None = None, draft_chain=None,
-                    rewind: str = "mask") -> list | None:
+def open_draft_chain(folders: list[Path], device: str = "CPU", precision: str | None = None, turns=None):
+    """A draft model's chain, in either mode compiled with the device's ``fast`` settings (its cache
+    rewinds by mask: ``stream_drafters``).  A draft's numbers never reach the output, the target's
+    verify decides every token, so ``exact`` mode needs its settings only on the target.  Measured in
+    ``exact`` mode (Qwen 1.5B target, 0.5B draft, five prompts, side by side, identical output
+    throughout): the model draft 1.050x the target alone against 0.942x with the draft compiled and
+    trimmed like the target, the hybrid 1.081x against 0.967x."""
+    from engine.runtime.chain import LocalChain
+    from engine.runtime.stage import compile_config
+
+    return LocalChain(folders, device=device, config=compile_config("fast", precision), turns=turns)
+
+
+def stream_drafters(kind: str, streams: int, target: Manifest | None = None, draft_chain=None) -> list | None:
     """One drafter per stream of a kind: ``none``, ``lookup``, or ``model``/``hybrid`` over
-    ``draft_chain`` (one draft KV stream each), which must share the target's tokenizer."""
+    ``draft_chain`` (``open_draft_chain``; one draft KV stream each, rewound by mask whatever the
+    target's rewind), which must share the target's tokenizer."""
     if kind not in DRAFT_KINDS:
         raise FleetError(f"draft must be {', '.join(DRAFT_KINDS[:-1])} or {DRAFT_KINDS[-1]}, not {kind!r}")
     if kind == "none":
@@ -515,7 +528,7 @@ def stream_drafters(kind: str, streams: int, target: Manifest | None = None, dra
     if kind == "lookup":
         return [PromptLookup() for _ in range(streams)]
     check_draft_tokenizer(target, draft_chain.manifest, draft_chain.first_folder)
-    models = [DraftModel(draft_chain, rewind, stream=i) for i in range(streams)]
+    models = [DraftModel(draft_chain, stream=i) for i in range(streams)]
     for model in models:
         model.warm()
     return [Hybrid(PromptLookup(), m) for m in models] if kind == "hybrid" else models
