@@ -2,9 +2,10 @@
 
 A drafter proposes up to K next tokens from the sequence so far; the target pipeline verifies them
 all in one traversal.  Three sources: prompt lookup (the longest recent n-gram match in the
-sequence: free, no model), a small draft model with the target's tokenizer (run in this process,
-with its own KV cache rewound the same way as the target's), and the hybrid of the two (each round,
-the lookup where it matches and is expected to give more tokens per millisecond, the model otherwise).
+sequence: free, no model), a small draft model with the target's tokenizer (run in this process on
+the fast settings, its own KV cache rewound by mask in either mode), and the hybrid of the two (each
+round, the lookup where it matches and is expected to give more tokens per millisecond, the model
+otherwise).
 
 K auto: every source fits what a round costs (``RoundCost``: drafting plus verify, a fixed part
 holding the traversal and a draft model's catch-up, and a part per drafted token).  ``AutoK`` takes
