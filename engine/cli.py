@@ -145,7 +145,7 @@ def open_drafter(args, settings: Settings, chain, streams: int):
     """One drafter per stream, or None: ``lookup``, a draft model (shard folder or model source), or
     ``hybrid:MODEL`` (lookup or the model, per round)."""
     from engine.runtime.chain import expand_shard_dirs
-    from engine.runtime.speculative import open_draft_chain, stream_drafters
+    from engine.runtime.speculative import draft_head, open_draft_chain, stream_drafters
 
     spec = args.draft
     if not spec or spec == "lookup":
@@ -155,8 +155,6 @@ def open_drafter(args, settings: Settings, chain, streams: int):
     if Path(source).exists():
         folders = expand_shard_dirs([source])
     else:
-        from engine.runtime.speculative import draft_head
-
         folders = _export(source, 1, None, settings.weights, None, head=draft_head(settings.weights)).folders
     draft_chain = open_draft_chain(folders, (args.device or settings.device).split(",")[0], args.precision)
     return stream_drafters("hybrid" if hybrid else "model", streams, chain.manifest, draft_chain)

@@ -24,6 +24,8 @@ import numpy as np
 
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
+from engine.runtime.chain import LocalChain
+from engine.runtime.stage import compile_config
 from engine.wire import Flag
 
 TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
@@ -512,9 +514,6 @@ def open_draft_chain(folders: list[Path], device: str = "CPU", precision: str | 
     ``exact`` mode (Qwen 1.5B target, 0.5B draft, five prompts, side by side, identical output
     throughout): the model draft 1.050x the target alone against 0.942x with the draft compiled and
     trimmed like the target, the hybrid 1.081x against 0.967x."""
-    from engine.runtime.chain import LocalChain
-    from engine.runtime.stage import compile_config
-
     return LocalChain(folders, device=device, config=compile_config("fast", precision), turns=turns)
 
 
