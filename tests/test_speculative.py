@@ -341,10 +341,13 @@ def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
     want = Generator(target, 72).generate(PROMPT, 60, ignore_eos=True).tokens
     # Drafts that are (almost) always wrong: the masked holes push the physical length past 72 long
     # before the logical one gets there.
-    gen = Generator(target, 72, rewind="mask").generate(PROMPT, 60, ignore_eos=True, drafter=WrongGuesses(), k=6)
+    generator = Generator(target, 72, rewind="mask")
+    gen = generator.generate(PROMPT, 60, ignore_eos=True, drafter=WrongGuesses(), k=6)
     assert gen.tokens == want
     assert gen.compactions >= 1
     assert gen.to_json()["speculative"]["kv_bloat"] >= 1.0
+    again = generator.generate(PROMPT, 60, ignore_eos=True, drafter=WrongGuesses(), k=6)
+    assert again.compactions == gen.compactions  # each generation reports its own, not a running total
 
 
 def test_draft_with_another_tokenizer_is_refused(tiny_exports):
@@ -419,5 +422,7 @@ def test_spec_bench_repeats_each_prompt_and_averages_the_paired_ratios(tiny_mode
             assert len(runs) == 2 and row[f"{label} x"] == pytest.approx(sum(runs) / 2, abs=1e-3)
             if row["mode"] == "exact":
                 assert row[f"{label} same"], (row["prompt"], label)
+        paired = row["hybrid vs model K=auto"], row["hybrid vs lookup K=3"]
+        assert min(paired) > 0 and row["hybrid vs better of two"] == min(paired)
         assert row["genai_spec_tok_s"] > 0 if row["mode"] == "fast" else "genai_spec_tok_s" not in row
     assert report["ratios"]["exact model K=auto identical"] == "8/8"

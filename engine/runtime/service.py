@@ -224,7 +224,6 @@ class ChatService:
             seq = self._sequences.get(stream)
             if seq is None:
                 seq = self._sequences[stream] = KVSequence(self.chain, self.max_length, stream, self.rewind)
-            seq.compactions, seq.trim_ms = 0, 0.0
             request.text = TextStream(self.tokenizer)
             request.decoding = Decoding(seq, ids.reshape(-1).tolist(), request.max_new_tokens,
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,

@@ -120,8 +120,11 @@ class KVSequence:
         self.compactions = 0
 
     def reset(self) -> None:
+        """Empties the stream's cache; the trim time and compactions count from here."""
         self.chain.reset(self.stream)
         self.physical = self.logical = 0
+        self.trim_ms = 0.0
+        self.compactions = 0
 
     def forward(self, ids: list[int] | np.ndarray, flags: Flag = Flag.NONE):
         return self.chain.collect(self.submit(ids, flags))
