@@ -224,7 +224,8 @@ def test_a_long_catch_up_feeds_only_the_recent_tokens():
 
 def test_the_hybrid_judges_lookup_matches_by_their_length():
     # one-token matches keep failing while the model is right 80% of the time: after that, a
-    # one-token match goes to the model, but a three-token match (no record yet) is still tried
+    # one-token match goes to the model, but a three-token match is still tried once a round has
+    # scored it (never on its prior alone)
     hybrid = Hybrid(PromptLookup(), CostlyModel())
     one_gram = [1, 2, 3, 9, 4, 5, 6, 9]  # ends with 9: seen once before, followed by 4
     three_gram = [1, 2, 3, 4, 5, 1, 2, 3]  # ends with 1 2 3: seen before, followed by 4 5
@@ -238,6 +239,9 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
     hybrid.propose(one_gram, 3)
     assert hybrid.last == "model"
     hybrid.propose(three_gram, 3)
+    assert hybrid.last == "model"  # no outcome yet: its proposal is scored against the model's round
+    hybrid.feedback(3, 0, verify_ms=60.0, draft_ms=60.0)
+    hybrid.propose(three_gram + [4], 3)  # its first draft was right; ends with 2 3 4, followed by 5
     assert hybrid.last == "lookup3"
 
 
@@ -249,6 +253,7 @@ def hybrid_choices(history: list[int], rounds: int, verify_ms) -> list:
         drafts = hybrid.propose(history, 3)
         chosen.append(hybrid.last)
         hybrid.feedback(len(drafts), 0, verify_ms(drafts), draft_ms=60.0 if hybrid.last == "model" else 0.0)
+        hybrid._score_unused(history + [-1])  # a lookup proposal the round passed over was wrong too
     return chosen
 
 

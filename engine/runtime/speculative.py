@@ -347,12 +347,16 @@ class Hybrid(Drafter):
     is common and usually wrong, a three-token match usually right) and per draft position.  A
     lookup proposal the hybrid does not take is scored against the tokens the round gives instead,
     so a lookup that failed early is not judged by that alone while the model drafts; a lookup
-    passed over for a while is still tried now and then.  No round is a plain step: under K auto
-    the model drafts as far as its confidence pays, and a plain step between drafted rounds changes
-    the verify's width twice (+8-13 ms each on the 1.5B target).  Side by side on eight prompts,
-    two runs each: 1.306x the target alone against 1.293x with plain steps where nothing matches
-    and the model was priced low (chat and reasoning then ran plain steps where the model alone
-    gives 1.1-1.25x).
+    passed over for a while is still tried now and then.  A matched length no round has scored yet
+    is not tried on its prior alone: its first proposal is scored against the model's round (in
+    `exact` a failed 3-token lookup round costs a 4-position verify, ~90 ms, for one token).  Side
+    by side, eight prompts, three runs each: `exact` 1.026x and `fast` 1.020x the hybrid that tried
+    on the prior (the model draft, the same code on both sides: 0.982 and 0.988).  No round is a
+    plain step: under K auto the model drafts as far as its confidence pays, and a plain step
+    between drafted rounds changes the verify's width twice (+8-13 ms each on the 1.5B target).
+    Side by side on eight prompts, two runs each: 1.306x the target alone against 1.293x with plain
+    steps where nothing matches and the model was priced low (chat and reasoning then ran plain
+    steps where the model alone gives 1.1-1.25x).
 
     A switch has a cost: after lookup rounds the model's next round pays a longer catch-up (capped,
     ``DraftModel.MAX_CATCH_UP``) and new shapes (measured in creative text: 45 against 29 ms of
@@ -409,6 +413,7 @@ class Hybrid(Drafter):
         self.last = self._previous = None
         self._skipped, self._wait = 0, self.MIN_WAIT  # the lookup's rounds passed over, and its wait
         self._unused = None  # (history length, source, drafts) of a lookup proposal not taken
+        self._scored: set[str] = set()
 
     def prime(self, prompt: list[int]) -> None:
         self.model.prime(prompt)
@@ -457,7 +462,9 @@ class Hybrid(Drafter):
             lookup = f"lookup{self.lookup.matched}"
             # a lookup passed over for a while is tried once, so its estimate keeps up with the
             # text; each try that does not win it back doubles the wait (8, 16, 32, 64 rounds)
-            if self._rate(lookup, len(drafts)) >= self._rate("model"):
+            if lookup not in self._scored:  # no round has scored it yet: the model's round will
+                self._unused = (len(history), lookup, drafts)
+            elif self._rate(lookup, len(drafts)) >= self._rate("model"):
                 choice, self._skipped, self._wait = lookup, 0, self.MIN_WAIT
             elif self._skipped >= self._wait:
                 choice, self._skipped, self._wait = lookup, 0, min(2 * self._wait, self.MAX_WAIT)
@@ -492,6 +499,8 @@ class Hybrid(Drafter):
         third (40-50 tokens/s expected, 29-35 given; its drafts there were right 0.48, 0.35 and
         0.19 of the time by position).  Side by side, eight prompts, two runs each: 1.305x the
         target alone against 1.264x for the pool."""
+        if covered:
+            self._scored.add(source)
         for i, row in enumerate(self._positions(source, min(matched + 1, covered))):
             row[0] = row[0] * decay + (i < matched)
             row[1] = row[1] * decay + 1
