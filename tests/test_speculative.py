@@ -202,6 +202,18 @@ def test_a_right_guess_beside_a_draft_step_gives_the_next_draft_free():
     assert model.seq.logical == 6 and model.seq.physical == 9
 
 
+def test_rejected_drafts_are_masked_between_the_masked_guesses():
+    # every draft step leaves a masked wrong guess behind its token, so a round's rejected drafts
+    # are not the cache's last slots: the next catch-up masks exactly their slots
+    model = DraftModel(Scripted(0.9))
+    assert model.propose([1, 2, 3], 4) == [4, 5, 6, 7]
+    # slots: 1 2 3 | 4 guess | 5 guess | 6 guess (each guess masked)
+    assert model.seq.mask[0, :9].tolist() == [1, 1, 1, 1, 0, 1, 0, 1, 0]
+    model.propose([1, 2, 3, 4, 99], 1)  # the target kept the first draft only: 5 and 6 go
+    assert model.seq.mask[0, :11].tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0]
+    assert model.seq.mask.sum() == len(model.fed) == 5
+
+
 def test_a_long_catch_up_feeds_only_the_recent_tokens():
     # after many rounds without the model (the hybrid's lookup rounds) its catch-up feeds
     # the last MAX_CATCH_UP tokens; positions still follow the whole sequence, and the next

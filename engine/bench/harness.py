@@ -169,12 +169,15 @@ def run_batch(chain, prompts, tokens: int, *, drafters_=None, k="auto", hooks: H
     return BatchRun(results, wall)
 
 
-def warm_up(chain, prompts, drafters_=None, hooks: Hooks = NO_HOOKS) -> None:
-    """First inferences (and, with per-stream compiled models, first compiles) are slow: run every
-    stream a few tokens, with and without drafting, before anything is measured."""
-    run_batch(chain, prompts, 4, hooks=hooks)
+def warm_up(chain, prompts, tokens: int, drafters_=None, k="auto", hooks: Hooks = NO_HOOKS) -> None:
+    """First inferences (and, with per-stream compiled models, first compiles) are slow, and so is a
+    request's first forward past the longest cache or the widest verify it has seen: every stream
+    runs one whole generation of ``tokens``, without and then with drafting (at ``k``: the widest
+    verify the benchmark runs), before anything is measured.  Warmed with 4-8 tokens, the spec
+    bench's first configuration ran up to a third slower on its first prompt."""
+    run_batch(chain, prompts, tokens, hooks=hooks)
     if drafters_:
-        run_batch(chain, prompts, 4, drafters_=drafters_[: len(prompts)], k=3, hooks=hooks)
+        run_batch(chain, prompts, tokens, drafters_=drafters_[: len(prompts)], k=k, hooks=hooks)
 
 
 def genai_runner(folder: Path, tokens: int, *, device: str = "CPU", props: dict | None = None,

@@ -25,6 +25,7 @@ def run_ksweep(model: str, draft: str, *, stages: int = 3, delays=(0.0, 50.0, 10
     draft_folders = draft_export(draft, draft_kind, weights)
     prompts = prompt_ids(folders[0], SWEEP_PROMPTS)
     configs = ["none", *ks]
+    widest = max((k for k in ks if k != "auto"), default="auto")  # the warm-up's K
     rows, ratios = [], {}
     total, done = len(delays) * (1 + len(prompts) * len(configs)), 0
     for delay in delays:
@@ -32,7 +33,7 @@ def run_ksweep(model: str, draft: str, *, stages: int = 3, delays=(0.0, 50.0, 10
         hooks.step(done, total, f"{delay:g} ms: starting the pipeline")
         with loopback(folders, delay_ms=delay, cpu_sets=cpu_sets) as (chain, _):
             (drafter,) = drafters(draft_kind, chain, draft_folders, 1)
-            warm_up(chain, prompts[:1], [drafter], hooks)
+            warm_up(chain, prompts[:1], tokens, [drafter], widest, hooks)
             done += 1
             for i, ids in enumerate(prompts):
                 order = configs if i % 2 == 0 else configs[::-1]

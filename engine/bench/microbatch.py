@@ -41,7 +41,7 @@ def rss_mb(pid: int) -> float:
 
 
 def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks = NO_HOOKS, tick=lambda: None) -> dict[int, list]:
-    warm_up(chain, prompts[: max(counts)], hooks=hooks)
+    warm_up(chain, prompts[: max(counts)], tokens, hooks=hooks)
     samples: dict[int, list] = {n: [] for n in counts}
     for r in range(runs):
         for n in (counts if r % 2 == 0 else counts[::-1]):

@@ -37,8 +37,8 @@ def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96
     hooks.step(done, total, "starting the pipeline")
     with loopback(split, delay_ms=delay_ms, cpu_sets=cpu_sets) as (chain, _):
         spec = drafters(draft_kind, chain, draft_folders, len(prompts))
-        warm_up(mono, prompts[:1], hooks=hooks)
-        warm_up(chain, prompts, spec, hooks)
+        warm_up(mono, prompts[:1], tokens, hooks=hooks)
+        warm_up(chain, prompts, tokens, spec, hooks=hooks)
         done += 1
         steps = {
             names[0]: lambda: [run_batch(mono, [p], tokens, hooks=hooks) for p in prompts],

@@ -33,7 +33,7 @@ def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0,
         hooks.step(done, total, f"{delay:g} ms: starting the pipeline")
         with loopback(folders, delay_ms=delay, cpu_sets=cpu_sets) as (chain, _):
             spec = drafters(draft_kind, chain, draft_folders, len(prompts))
-            warm_up(chain, prompts, spec, hooks)
+            warm_up(chain, prompts, tokens, spec, k, hooks)
             done += 1
             for r in range(runs):
                 for ids in prompts:  # naive: one stream at a time

@@ -149,7 +149,11 @@ class KVSequence:
         self.logical += count
 
     def reject(self, count: int) -> None:
-        """The last ``count`` positions fed were wrong guesses: drop them from the sequence."""
+        """The last ``count`` tokens fed were wrong guesses: drop them from the sequence.
+
+        With the mask rewind those tokens' slots need not be the last ``count``: a draft model's
+        steps leave a masked guess behind each token it drafts (``DraftModel._step``), and a round's
+        rejected drafts are spread between them."""
         if count <= 0:
             return
         self.logical -= count
@@ -159,7 +163,8 @@ class KVSequence:
             self.trim_ms += (time.perf_counter() - start) * 1e3
             self.physical -= count
         else:
-            self.mask[0, self.physical - count : self.physical] = 0
+            live = np.flatnonzero(self.mask[0, : self.physical])
+            self.mask[0, live[-count:]] = 0
 
     def compact(self) -> None:
         """Squeezes the masked holes out of every stage's cache."""
