@@ -1,5 +1,7 @@
 """Compute turns: a stage holding the turn keeps every other process and thread of this computer
-waiting until it lets go, and a process that dies holding it frees it."""
+waiting until it lets go, and a process that dies holding it frees it.  The microbatch benchmark's
+schedule bound for stages taking turns reaches min(N, (compute + waiting) / compute) where the cores
+can stay busy and falls short of it near the knee."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
+from engine.bench.microbatch import schedule_bound
 from engine.runtime.turns import ComputeTurns
 
 HOLDER = """
@@ -63,3 +68,15 @@ def test_threads_of_one_process_take_turns_too(tmp_path):
         got = _acquired_in_background(turns)
         assert not got.wait(0.3), "a second thread took the turn (flock alone does not exclude threads)"
     assert got.wait(10)
+
+
+def test_schedule_bound_meets_the_ideal_only_where_the_cores_can_stay_busy():
+    assert schedule_bound([16.0, 22.0], 10.0, 1) == pytest.approx(1.0)
+    # two streams' computes (76 ms) outlast a token's cycle (58 ms): the cores never idle
+    assert schedule_bound([16.0, 22.0], 10.0, 2) == pytest.approx(58 / 38, rel=0.01)
+    assert schedule_bound([20.0, 20.0], 50.0, 3) == pytest.approx(3.0, rel=0.01)
+    # the knee: 88 ms of compute against an 86 ms cycle, but the 22 ms way back outlasts any one
+    # compute of the other stream, so the cores idle while both travel
+    knee = schedule_bound([12.0, 12.0, 20.0], 10.5, 2)
+    assert 1.6 < knee < 0.95 * min(2, (44 + 42) / 44)
+    assert schedule_bound([12.0, 12.0, 20.0], 10.5, 3) == pytest.approx(86 / 44, rel=0.01)
