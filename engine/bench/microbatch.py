@@ -80,9 +80,9 @@ def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks = NO_HOO
 def _stage_shares(result, compute_ms: float) -> list[float]:
     """``compute_ms`` split between the stages as their decode compute was, the coordinator's own
     work counted with stage 0 (it runs there)."""
-    bd = result.breakdown
-    stage = list(bd.stage_ms)
-    stage[0] += max(bd.total_ms - sum(stage) - bd.network_ms - bd.draft_ms, 0.0)
+    decode = result.breakdown.to_json()
+    stage = decode["stage_compute_ms"]
+    stage[0] += decode["host_ms"]
     return [compute_ms * s / sum(stage) for s in stage]
 
 
@@ -120,8 +120,9 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
             single = sorted(samples[1], key=lambda b: b.tok_s)[len(samples[1]) // 2]
             bd = single.breakdown()
             bound = bd["token_ms"] / bd["compute_ms"]
+            waiting = bd["token_ms"] - bd["compute_ms"]
             stage_ms = _stage_shares(single.results[0], bd["compute_ms"])
-            hop_ms = (bd["token_ms"] - bd["compute_ms"]) / (2 * (stages - 1))
+            hop_ms = waiting / (2 * (stages - 1))
             base = median(b.tok_s for b in samples[1])
             for n in counts:
                 tok_s = median(b.tok_s for b in samples[n])
@@ -132,7 +133,7 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
                              "per_stream": round(tok_s / n, 2), "gain": round(gain, 3), "ideal": round(ideal, 3),
                              "of_ideal": round(gain / ideal, 3), "schedule": round(schedule, 3),
                              "of_schedule": round(gain / schedule, 3), "compute_ms": round(bd["compute_ms"], 2),
-                             "waiting_ms": round(bd["token_ms"] - bd["compute_ms"], 2)})
+                             "waiting_ms": round(waiting, 2)})
                 if n > 1:
                     ratios[f"{stages}st {delay:g}ms {n} streams gain"] = round(gain, 3)
                     ratios[f"{stages}st {delay:g}ms {n} streams of ideal"] = round(gain / ideal, 3)
