@@ -187,6 +187,22 @@ def test_the_draft_model_drafts_as_far_as_its_confidence_pays(prob, fixed_ms, dr
     assert len(model.propose([1, 2, 3], 4)) == 4  # a fixed K drafts K
 
 
+def test_an_under_confident_draft_drafts_further_once_verification_shows_it():
+    # top-1 probability 0.55, rounds at 80 ms + 22 ms per draft: taken at its word the second draft
+    # does not pay; once every draft it makes is accepted, its confidence is scaled up and it does
+    model = DraftModel(Scripted(0.55))
+    model.pick_k = True
+    model.costs.add(1, 60, 42)
+    model.costs.add(3, 60, 86)
+    for _ in range(40):  # the draft's mean confidence settles; no verify outcome yet
+        got = model.propose([1, 2, 3], AutoK.K_MAX)
+    assert len(got) == 1
+    for _ in range(40):
+        got = model.propose([1, 2, 3], AutoK.K_MAX)
+        model.learn(len(got))
+    assert len(got) == 2
+
+
 def test_a_right_guess_beside_a_draft_step_gives_the_next_draft_free():
     # each single-token step goes in beside a guess (prompt lookup's, else the token again); a draft
     # that always says 7 confirms a guess of 7, and that forward's second position is the next draft
