@@ -305,6 +305,10 @@ class DraftModel(Drafter):
         drafts = [token]
         # accepted per unit of the draft's confidence: above 1 where the draft is under-confident
         trust = min(self.MAX_TRUST, self._accepted / self._predicted)
+
+        def accepted(confidence: float) -> float:  # the chance a draft drafted with it is accepted
+            return min(1.0, trust * confidence)
+
         chance = prob  # the draft's confidence that every draft so far is right
         expected = 1 + trust * chance  # tokens the round gives (the verify adds one)
         self._chance = chance
@@ -312,7 +316,7 @@ class DraftModel(Drafter):
         while len(drafts) < k:
             if self._bonus is not None:  # the last step's guess was right: the token after it is free
                 # it costs a verify position: worth it while its chance raises tokens per ms
-                if self.pick_k and min(1.0, trust * chance * self._bonus[1]) < self.POSITION_SHARE * expected:
+                if self.pick_k and accepted(chance * self._bonus[1]) < self.POSITION_SHARE * expected:
                     break
                 self.fed.append(token)
                 token, prob = self._bonus
@@ -321,14 +325,14 @@ class DraftModel(Drafter):
                 if self.pick_k:
                     # one more step adds a token accepted with trust * chance * (its probability,
                     # taken as the mean so far), for per_draft ms: worth it while it raises tokens per ms
-                    gain = min(1.0, trust * chance * self._prob_sum / self._prob_weight)
+                    gain = accepted(chance * self._prob_sum / self._prob_weight)
                     if gain * (fixed + per_draft * len(drafts)) < expected * per_draft:
                         break
                 self.fed.append(token)
                 token, prob = self._step([token])
             drafts.append(token)
             chance *= prob
-            expected += min(1.0, trust * chance)
+            expected += accepted(chance)
             self._chance += chance
         self._drop_bonus()
         return drafts  # the next propose() rewinds whatever the target did not keep
