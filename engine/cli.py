@@ -156,7 +156,7 @@ def open_drafter(args, settings: Settings, chain, streams: int):
         folders = expand_shard_dirs([source])
     else:
         folders = _export(source, 1, None, settings.weights, None, head=draft_head(settings.weights)).folders
-    draft_chain = open_draft_chain(folders, (args.device or settings.device).split(",")[0], args.precision)
+    draft_chain = open_draft_chain(folders, (args.device or settings.device).split(",")[0])
     return stream_drafters("hybrid" if hybrid else "model", streams, chain.manifest, draft_chain)
 
 
@@ -406,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...), "
                      "or one per stage separated by commas (CPU,GPU.1)")
-    gen.add_argument("--precision", help="inference precision hint (f32, bf16, f16)")
+    gen.add_argument("--precision", help="the target's inference precision hint (f32, bf16, f16); "
+                     "a draft keeps its device's default")
     gen.add_argument("--json", help="write the generations with timings to this file")
     gen.add_argument("--remote", help="run stage 0 here and the rest on workers: HOST:PORT of stage 1 "
                      "(and optionally of the later stages, comma-separated)")

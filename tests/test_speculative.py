@@ -20,7 +20,7 @@ from engine.runtime.remote import RemoteChain
 from engine.runtime.service import open_service
 from engine.runtime.speculative import (AutoK, Drafter, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
                                        check_draft_tokenizer)
-from engine.runtime.stage import MODES, Output
+from engine.runtime.stage import MODES, Output, compile_config
 from engine.runtime.turns import compute_turns
 from engine.wire import Flag
 
@@ -391,6 +391,22 @@ def test_draft_with_another_tokenizer_is_refused(tiny_exports):
     check_draft_tokenizer(load_manifest(qwen), load_manifest(tiny_exports["qwen2", "2"].folders[0]), qwen)
 
 
+def test_a_precision_hint_from_the_command_line_is_the_targets_alone(tiny_exports):
+    from argparse import Namespace
+
+    from engine.cli import open_drafter
+    from engine.config import Settings
+
+    folder = tiny_exports["qwen2", "1"].folders[0]
+    target = LocalChain([folder], config=compile_config("fast", "bf16"))
+    args = Namespace(draft=f"hybrid:{folder}", device=None, precision="bf16")
+    [hybrid] = open_drafter(args, Settings(), target, 1)
+    hint = "INFERENCE_PRECISION_HINT"
+    assert target.stages[0].compiled.get_property(hint) == ov.Type.bf16
+    # the draft keeps the device's default (the f32 hint on CPU: its fastest drafting)
+    assert hybrid.model.chain.stages[0].compiled.get_property(hint) == ov.Type.f32
+
+
 def _streams(chain, prompts, tokens=24, **kw):
     results, _ = generate_streams(chain, prompts, tokens, max_length=128, ignore_eos=True, **kw)
     return [r.tokens for r in results]
@@ -450,12 +466,16 @@ def test_spec_bench_repeats_each_prompt_and_averages_the_paired_ratios(tiny_mode
     assert json.loads((tmp_path / "spec.json").read_text()) == report
     assert report["settings"]["runs"] == 2 and len(report["rows"]) == 16  # two modes, eight prompts
     for row in report["rows"]:
-        for label in ("model K=3", "model K=auto", "lookup K=3", "hybrid K=auto"):
+        for label in ("model K=3", "model K=auto", "lookup K=3", "hybrid K=auto", "model K=auto, again"):
             runs = row[f"{label} runs"]
             assert len(runs) == 2 and row[f"{label} x"] == pytest.approx(sum(runs) / 2, abs=1e-3)
             if row["mode"] == "exact":
                 assert row[f"{label} same"], (row["prompt"], label)
         paired = row["hybrid vs model K=auto"], row["hybrid vs lookup K=3"]
         assert min(paired) > 0 and row["hybrid vs better of two"] == min(paired)
+        assert row["A/A"] > 0
         assert row["genai_spec_tok_s"] > 0 if row["mode"] == "fast" else "genai_spec_tok_s" not in row
     assert report["ratios"]["exact model K=auto identical"] == "8/8"
+    aa = [row["A/A"] for row in report["rows"] if row["mode"] == "fast"]
+    assert (report["ratios"]["fast A/A: model K=auto vs itself (min)"],
+            report["ratios"]["fast A/A: model K=auto vs itself (max)"]) == (min(aa), max(aa))

@@ -10,7 +10,9 @@ of each run's ratio to the target alone measured beside it (per prompt the ratio
 ±15% between runs on this machine).  The hybrid runs between the lookup and the model draft (K auto)
 in either order, and "hybrid vs better of two" compares it with each of them in the same run: the
 geometric mean over runs of its tok/s over theirs, the lower of the two (the target alone, measured
-before all four, moved by up to a third between consecutive runs on a busy machine).
+before the drafters, moved by up to a third between consecutive runs on a busy machine).  The model draft
+(K auto) runs twice, side by side: "A/A" is the same comparison between two identical
+configurations, the noise floor under which "hybrid vs better of two" says nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
 from engine.runtime.speculative import draft_head, open_draft_chain, stream_drafters
 from engine.runtime.stage import REWIND, compile_config, device_config
+
+
+AGAIN = "model K=auto, again"  # the A/A control
+
+
+def _versus(samples: list[dict], others: list[dict]) -> float:
+    """The geometric mean over runs of one configuration's tok/s over another's measured beside it."""
+    return round(geometric_mean([s["tok_s"] / o["tok_s"] for s, o in zip(samples, others)]), 3)
 
 
 def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("fast", "exact"), runs: int = 1,
@@ -55,6 +65,7 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
             f"lookup K={k}": (one("lookup"), k),
             "hybrid K=auto": (one("hybrid"), "auto"),
             "model K=auto": (one("model"), "auto"),
+            AGAIN: (one("model"), "auto"),
         }
         # A fresh compiled model's first inferences are slow, and so is each request's first forward
         # past the longest cache or widest verify it has seen: every configuration runs one whole
@@ -102,9 +113,9 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
                 if runs > 1:
                     row[f"{label} runs"] = [round(x, 3) for x in speedups]
             for label in sources:
-                pairs = zip(samples["hybrid K=auto"], samples[label])
-                row[f"hybrid vs {label}"] = round(geometric_mean([h["tok_s"] / o["tok_s"] for h, o in pairs]), 3)
+                row[f"hybrid vs {label}"] = _versus(samples["hybrid K=auto"], samples[label])
             row["hybrid vs better of two"] = min(row[f"hybrid vs {label}"] for label in sources)
+            row["A/A"] = _versus(samples[AGAIN], samples["model K=auto"])
             if genai and mode == "fast":
                 row["genai_target_tok_s"] = round(mean(alone), 2)
                 row["genai_spec_tok_s"] = round(mean(spec), 2)
@@ -124,6 +135,8 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
         for label in sources:
             ratios[f"{mode} hybrid vs {label} (geomean)"] = round(geometric_mean(r[f"hybrid vs {label}"] for r in mine), 3)
         ratios[f"{mode} hybrid vs better of two (min)"] = min(r["hybrid vs better of two"] for r in mine)
+        ratios[f"{mode} A/A: model K=auto vs itself (min)"] = min(r["A/A"] for r in mine)
+        ratios[f"{mode} A/A: model K=auto vs itself (max)"] = max(r["A/A"] for r in mine)
         if genai and mode == "fast":
             for label in (f"model K={k}", "model K=auto", "hybrid K=auto"):
                 ratios[f"fast {label} vs genai spec"] = round(mean(r[f"{label} vs genai"] for r in mine), 3)
