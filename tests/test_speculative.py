@@ -458,7 +458,7 @@ def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports,
 def test_spec_bench_repeats_each_prompt_and_averages_the_paired_ratios(tiny_models, tmp_path):
     import json
 
-    from engine.bench.spec import run_spec
+    from engine.bench.spec import AGAIN, run_spec
 
     folder = str(tiny_models["qwen2"])  # its own draft: same tokenizer
     report = run_spec(folder, folder, tokens=6, runs=2, weights="f32", out=tmp_path / "spec.json",
@@ -466,7 +466,7 @@ def test_spec_bench_repeats_each_prompt_and_averages_the_paired_ratios(tiny_mode
     assert json.loads((tmp_path / "spec.json").read_text()) == report
     assert report["settings"]["runs"] == 2 and len(report["rows"]) == 16  # two modes, eight prompts
     for row in report["rows"]:
-        for label in ("model K=3", "model K=auto", "lookup K=3", "hybrid K=auto", "model K=auto, again"):
+        for label in ("model K=3", "model K=auto", "lookup K=3", "hybrid K=auto", AGAIN):
             runs = row[f"{label} runs"]
             assert len(runs) == 2 and row[f"{label} x"] == pytest.approx(sum(runs) / 2, abs=1e-3)
             if row["mode"] == "exact":

@@ -135,8 +135,9 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
         for label in sources:
             ratios[f"{mode} hybrid vs {label} (geomean)"] = round(geometric_mean(r[f"hybrid vs {label}"] for r in mine), 3)
         ratios[f"{mode} hybrid vs better of two (min)"] = min(r["hybrid vs better of two"] for r in mine)
-        ratios[f"{mode} A/A: model K=auto vs itself (min)"] = min(r["A/A"] for r in mine)
-        ratios[f"{mode} A/A: model K=auto vs itself (max)"] = max(r["A/A"] for r in mine)
+        floor = [r["A/A"] for r in mine]
+        ratios[f"{mode} A/A: model K=auto vs itself (min)"] = min(floor)
+        ratios[f"{mode} A/A: model K=auto vs itself (max)"] = max(floor)
         if genai and mode == "fast":
             for label in (f"model K={k}", "model K=auto", "hybrid K=auto"):
                 ratios[f"fast {label} vs genai spec"] = round(mean(r[f"{label} vs genai"] for r in mine), 3)
