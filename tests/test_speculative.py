@@ -273,6 +273,28 @@ def test_the_hybrid_judges_lookup_matches_by_their_length():
     assert hybrid.last == "lookup3"
 
 
+def test_a_brief_hard_patch_for_the_model_does_not_hand_its_rounds_to_the_lookup():
+    # the model gives 3 tokens per 100 ms round while a one-token lookup, scored against its rounds,
+    # has its first draft right every other time; then the model's drafts fail for a few rounds.
+    # The lookup fails on that text too, so three bad rounds leave the model drafting; twenty
+    # hand the rounds to the lookup
+    def last_choice(hard_rounds: int) -> str:
+        hybrid = Hybrid(PromptLookup(), CostlyModel())
+        one_gram = [1, 2, 3, 9, 4, 5, 6, 9]  # ends with 9: seen once before, followed by 4 5 6
+        for i in range(40 + hard_rounds):
+            hard = i >= 40
+            hybrid._previous = hybrid.last = "model"
+            hybrid.feedback(3, 0 if hard else 2, verify_ms=60.0, draft_ms=40.0)
+            hybrid._unused = (len(one_gram), "lookup1", [4, 5, 6])
+            hybrid._score_unused(one_gram + ([4, 0, 0] if i % 2 == 0 and not hard else [0, 0, 0]))
+        hybrid._skipped = 0  # no exploration round
+        hybrid.propose(one_gram, 3)
+        return hybrid.last
+
+    assert last_choice(3) == "model"
+    assert last_choice(20) == "lookup1"
+
+
 def hybrid_choices(history: list[int], rounds: int, verify_ms) -> list:
     """A hybrid's choice each round when every draft is rejected; ``verify_ms(drafts)``: the round's time."""
     hybrid = Hybrid(PromptLookup(), CostlyModel())
