@@ -534,7 +534,8 @@ class Hybrid(Drafter):
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
         self.verify_ms = smooth(self.verify_ms, verify_ms)
         if self.last == "model":
-            self.model_stats = [v * self.MODEL_DECAY + new for v, new in zip(self.model_stats, (accepted, proposed, 1))]
+            outcome = (accepted, proposed, 1)
+            self.model_stats = [v * self.MODEL_DECAY + new for v, new in zip(self.model_stats, outcome)]
             if self._previous == "model" or not self.model.costs:
                 self.model.feedback(proposed, accepted, verify_ms, draft_ms)
             else:  # its own fit keeps its steady cost: fed a return's, it drafted shorter rounds
