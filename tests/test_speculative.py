@@ -250,6 +250,16 @@ def test_a_long_catch_up_feeds_only_the_recent_tokens():
     assert model.fed == history + [7, 8] and model.seq.physical == len(prompt) + DraftModel.MAX_CATCH_UP + 2
 
 
+def model_round_passing_over(hybrid: Hybrid, accepted: int, draft_ms: float, history: list[int], source: str,
+                             drafts: list[int], given: list[int]) -> None:
+    """A steady model round of 3 drafts (60 ms verify) that passed over the lookup's ``drafts`` for
+    ``history``; the round gave ``given``, which scores them."""
+    hybrid._previous = hybrid.last = "model"
+    hybrid.feedback(3, accepted, verify_ms=60.0, draft_ms=draft_ms)
+    hybrid._unused = (len(history), source, drafts)
+    hybrid._score_unused(history + given)
+
+
 def test_the_hybrid_judges_lookup_matches_by_their_length():
     # one-token matches keep failing while the model is right 80% of the time: after that, a
     # one-token match goes to the model, but a three-token match is still tried once a round has
@@ -283,10 +293,8 @@ def test_a_brief_hard_patch_for_the_model_does_not_hand_its_rounds_to_the_lookup
         one_gram = [1, 2, 3, 9, 4, 5, 6, 9]  # ends with 9: seen once before, followed by 4 5 6
         for i in range(40 + hard_rounds):
             hard = i >= 40
-            hybrid._previous = hybrid.last = "model"
-            hybrid.feedback(3, 0 if hard else 2, verify_ms=60.0, draft_ms=40.0)
-            hybrid._unused = (len(one_gram), "lookup1", [4, 5, 6])
-            hybrid._score_unused(one_gram + ([4, 0, 0] if i % 2 == 0 and not hard else [0, 0, 0]))
+            given = [4, 0, 0] if i % 2 == 0 and not hard else [0, 0, 0]
+            model_round_passing_over(hybrid, 0 if hard else 2, 40.0, one_gram, "lookup1", [4, 5, 6], given)
         hybrid._skipped = 0  # no exploration round
         hybrid.propose(one_gram, 3)
         return hybrid.last
@@ -382,10 +390,7 @@ def test_the_hybrid_scores_a_passed_over_lookup_only_where_the_text_reached():
         hybrid.last = "lookup3"
         hybrid.feedback(3, 1, verify_ms=60.0, draft_ms=0.0)
         for _ in range(3):
-            hybrid._previous = hybrid.last = "model"
-            hybrid.feedback(3, 3, verify_ms=60.0, draft_ms=40.0)
-            hybrid._unused = (len(history), "lookup3", [4, 5, 6])
-            hybrid._score_unused(history + [4])
+            model_round_passing_over(hybrid, 3, 40.0, history, "lookup3", [4, 5, 6], [4])
     hybrid._skipped = 0
     hybrid.propose(history, 3)
     assert hybrid.last == "model"

@@ -10,8 +10,8 @@ of each run's ratio to the target alone measured beside it (per prompt the ratio
 ±15% between runs on this machine).  The hybrid runs between the lookup and the model draft (K auto)
 in either order, and "hybrid vs better of two" compares it with each of them in the same run: the
 geometric mean over runs of its tok/s over theirs, the lower of the two (the target alone, measured
-before the drafters, moved by up to a third between consecutive runs on a busy machine).  The model draft
-(K auto) runs twice, side by side: "A/A" is the same comparison between two identical
+before the drafters, moved by up to a third between consecutive runs on a busy machine).  The model
+draft (K auto) runs twice, side by side: "A/A" is the same comparison between two identical
 configurations, the noise floor under which "hybrid vs better of two" says nothing.
 """
 

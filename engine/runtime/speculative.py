@@ -553,7 +553,8 @@ def open_draft_chain(folders: list[Path], device: str = "CPU", turns=None):
     (on CPU the device's default, the f32 hint, drafts a token in 26 ms against 35 at bf16: "CPU
     precision" in the README).  Measured in ``exact`` mode (Qwen 1.5B target, 0.5B draft, five
     prompts, side by side, identical output throughout): the model draft 1.050x the target alone
-    against 0.942x with the draft compiled and trimmed like the target, the hybrid 1.081x against 0.967x."""
+    against 0.942x with the draft compiled and trimmed like the target, the hybrid 1.081x against
+    0.967x."""
     return LocalChain(folders, device=device, config=compile_config("fast"), turns=turns)
 
 
