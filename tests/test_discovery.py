@@ -60,6 +60,21 @@ except FleetError as exc:
     print(json.dumps({"error": str(exc)}), flush=True)
 """
 
+# Browses with the default addresses (following the interfaces) and prints "browsing ADDRESSES",
+# then a line per event ("added NODE_ID ADDRESSES", "removed NODE_ID"), until SIGTERM.
+WATCH = r"""
+import signal, threading
+from engine.fleet.discovery import Browser
+
+stop = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: stop.set())
+show = lambda kind, info: print(kind, info.node_id, ",".join(info.addresses), flush=True)
+with Browser(on_event=show) as browser:
+    print("browsing", ",".join(browser.addresses), flush=True)
+    while not stop.wait(0.1):
+        pass
+"""
+
 
 @pytest.fixture(autouse=True)
 def home(tmp_path, monkeypatch):
@@ -315,6 +330,56 @@ def test_discovery_between_network_namespaces(namespaces):
         assert node["addresses"] == ["10.77.0.1", "127.0.0.1"] and node["port"] == info.port
         assert node["name"] == "carol-pc" and node["memory_mb"] == info.memory_mb
     finally:
+        code, output = stop(advertiser)
+    assert code == 0 and "closed" in output, output
+
+
+def veth(ns: str) -> str:
+    """The ``namespaces`` fixture's veth end inside ``ns`` (fs-TAG-a holds fsvTAGa)."""
+    _, tag, side = ns.split("-")
+    return f"fsv{tag}{side}"
+
+
+def link(ns: str, state: str) -> None:
+    ip("-n", ns, "link", "set", veth(ns), state)
+    if state == "up":  # a link going down takes its routes along
+        ip("-n", ns, "route", "replace", "224.0.0.0/4", "dev", veth(ns))
+
+
+def expect(proc: subprocess.Popen, start: str, seconds: float = 30) -> str:
+    """The child's next line that starts with ``start`` (lines before it are passed over)."""
+    deadline, seen = time.monotonic() + seconds, []
+    while (left := deadline - time.monotonic()) > 0 and select.select([proc.stdout], [], [], left)[0]:
+        line = proc.stdout.readline().strip()
+        if line.startswith(start):
+            return line
+        seen.append(line)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    pytest.fail(f"no {start!r} line within {seconds} s; got {seen} {proc.stderr.read()}")
+
+
+def test_discovery_follows_interfaces_that_come_and_go(namespaces):
+    # Two laptops whose agent and fleet view start before their network is up, then join it; later
+    # the browsing one leaves without a goodbye reaching it.
+    a, b = namespaces
+    for ns in namespaces:
+        link(ns, "down")
+    info = sample(fleet_id(secrets.token_bytes(32)), name="dave-pc")
+    watcher = spawn(WATCH, netns=b)
+    advertiser = spawn(ADVERTISE, info.to_json(), netns=a)
+    try:
+        assert expect(watcher, "browsing") == "browsing 127.0.0.1"
+        ready(advertiser)
+        for ns in namespaces:
+            link(ns, "up")
+        added = expect(watcher, f"added {info.node_id}")
+        assert added.split()[2] == "10.77.0.1,127.0.0.1", added
+        link(b, "down")
+        expect(watcher, f"removed {info.node_id}", discovery.WATCH_S + discovery.RECONFIRM_S + 10)
+    finally:
+        stop(watcher)
         code, output = stop(advertiser)
     assert code == 0 and "closed" in output, output
 

@@ -3,6 +3,8 @@
 
 Only public facts travel: the record names the fleet by its id (a keyed hash), never by the key.
 Both sides run zeroconf on its own thread, so they work the same from plain threads or asyncio code.
+Given no addresses, both follow this machine's interfaces as they come and go (a laptop whose agent
+starts before its Wi-Fi connects, or that moves to another network).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ SERVICE = "_fleetshard._tcp.local."
 TTL = 120
 RESOLVE_MS = 3000
 MAX_REJECTED = 64  # reasons kept for inspection; a flood of bad records must not grow memory
+WATCH_S = 3.0  # how often the interfaces are checked for changes
+RECONFIRM_S = 10.0  # after a change, a node not heard again within this is dropped
 
 
 def local_addresses() -> list[str]:
@@ -69,12 +73,42 @@ def _instance(info: NodeInfo) -> str:
     return f"{label} ({info.node_id[:6]}).{SERVICE}"
 
 
-class Advertiser:
-    """Announces one node on the given addresses (default: every local IPv4 address, see
-    ``local_addresses``) until closed."""
+class _Follower:
+    """Given no addresses, every local IPv4 address (``local_addresses``), and a watch that calls
+    ``_move(addresses)`` whenever they change, from ``_follow()`` until ``_halt()``."""
+
+    def __init__(self, addresses: list[str] | None):
+        self.following = not addresses
+        self.addresses = list(addresses) if addresses else local_addresses()
+        self._halted = threading.Event()
+
+    def _follow(self, name: str) -> None:
+        if self.following:
+            threading.Thread(target=self._watch, daemon=True, name=name).start()
+
+    def _halt(self) -> None:
+        self._halted.set()
+
+    def _watch(self) -> None:
+        while not self._halted.wait(WATCH_S):
+            now = local_addresses()
+            if now != self.addresses:
+                log.info("interfaces changed: mDNS moves from %s to %s", self.addresses, now)
+                try:
+                    self._move(now)
+                except Exception:  # tried again at the next check: self.addresses is unchanged
+                    log.exception("mDNS could not move to %s", now)
+
+    def _move(self, addresses: list[str]) -> None:
+        raise NotImplementedError
+
+
+class Advertiser(_Follower):
+    """Announces one node until closed, on the given addresses or else on every local IPv4 address
+    (``local_addresses``), moving as interfaces come and go."""
 
     def __init__(self, info: NodeInfo, addresses: list[str] | None = None):
-        self.addresses = list(addresses) if addresses else local_addresses()
+        super().__init__(addresses)
         self.info = info
         self._zc: Zeroconf | None = None
         self._service: ServiceInfo | None = None
@@ -89,17 +123,38 @@ class Advertiser:
         with self._lock:
             if self._zc is not None:
                 return self
-            zc = _open(self.addresses)
-            service = self._service_info(self.info, _instance(self.info))
-            try:
-                # Probes first; another node holding the name (a clone of this one's node.id) gets
-                # " (2)" appended rather than a conflict.
-                zc.register_service(service, allow_name_change=True)
-            except Exception as exc:
-                zc.close()
-                raise FleetError(f"cannot advertise {service.name!r} over mDNS: {exc}") from None
-            self._zc, self._service = zc, service
+            self._zc, self._service = self._register(self.addresses)
+        self._follow("mdns advertiser watch")
         return self
+
+    def _register(self, addresses: list[str]) -> tuple[Zeroconf, ServiceInfo]:
+        zc = _open(addresses)
+        self.addresses = addresses
+        service = self._service_info(self.info, _instance(self.info))
+        try:
+            # Probes first; another node holding the name (a clone of this one's node.id) gets
+            # " (2)" appended rather than a conflict.
+            zc.register_service(service, allow_name_change=True)
+        except Exception as exc:
+            zc.close()
+            raise FleetError(f"cannot advertise {service.name!r} over mDNS: {exc}") from None
+        return zc, service
+
+    def _move(self, addresses: list[str]) -> None:
+        """Says goodbye where the node was announced, then announces it on ``addresses`` (browsers
+        see it leave and come back with its new addresses)."""
+        with self._lock:
+            if self._halted.is_set():
+                return
+            old = self.addresses
+            if self._zc is not None:
+                _goodbye(self._zc, self._service)
+                self._zc = self._service = None
+            try:
+                self._zc, self._service = self._register(addresses)
+            except FleetError:
+                self.addresses = old  # so the next check tries again
+                raise
 
     @property
     def service_name(self) -> str | None:
@@ -117,17 +172,11 @@ class Advertiser:
 
     def close(self) -> None:
         """Sends goodbyes, so browsers drop the node at once, and stops zeroconf."""
+        self._halt()
         with self._lock:
             zc, service, self._zc, self._service = self._zc, self._service, None, None
-        if zc is None:
-            return
-        try:
-            if service is not None:
-                zc.unregister_service(service)
-        except Exception as exc:  # the network went away first: browsers drop us after TTL instead
-            log.warning("mDNS goodbye for %s failed: %s", service.name if service else "?", exc)
-        finally:
-            zc.close()
+        if zc is not None:
+            _goodbye(zc, service)
 
     def __enter__(self) -> "Advertiser":
         return self.start()
@@ -136,32 +185,73 @@ class Advertiser:
         self.close()
 
 
-class Browser:
+def _goodbye(zc: Zeroconf, service: ServiceInfo | None) -> None:
+    try:
+        if service is not None:
+            zc.unregister_service(service)
+    except Exception as exc:  # the network went away first: browsers drop us after TTL instead
+        log.warning("mDNS goodbye for %s failed: %s", service.name if service else "?", exc)
+    finally:
+        zc.close()
+
+
+class Browser(_Follower):
     """Keeps the nodes currently advertised, optionally of one fleet only.
 
     ``on_event(kind, info)`` runs on zeroconf's browser thread with kind "added", "updated" or
     "removed"; it must not call ``close()``.  A record that cannot be decoded is skipped, and its reason
-    kept in ``rejected()``.
+    kept in ``rejected()``.  Given no addresses it listens on every local IPv4 address and moves as
+    interfaces come and go; after a move, the nodes not heard again within ``RECONFIRM_S`` are removed.
     """
 
     def __init__(self, fleet_id: str | None = None, on_event: Callable[[str, NodeInfo], None] | None = None,
                  addresses: list[str] | None = None):
+        super().__init__(addresses)
         self.fleet_id = fleet_id
-        self.addresses = list(addresses) if addresses else local_addresses()
         self._on_event = on_event
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeInfo] = {}
         self._names: dict[str, str] = {}  # service name -> node id
         self._rejected: dict[str, str] = {}  # service name -> reason
+        self._unconfirmed: set[str] = set()  # service names known from before the last move
+        self._moves = 0
         self._zc: Zeroconf | None = None
         self._browser: ServiceBrowser | None = None
 
     def start(self) -> "Browser":
         with self._lock:
-            if self._zc is None:
-                self._zc = _open(self.addresses)
-                self._browser = ServiceBrowser(self._zc, SERVICE, handlers=[self._on_change])
+            if self._zc is not None:
+                return self
+            self._zc = _open(self.addresses)
+            self._browser = ServiceBrowser(self._zc, SERVICE, handlers=[self._on_change])
+        self._follow("mdns browser watch")
         return self
+
+    def _move(self, addresses: list[str]) -> None:
+        with self._lock:
+            if self._zc is None:
+                return
+            zc = _open(addresses)
+            old = self._zc, self._browser
+            self.addresses, self._zc = addresses, zc
+            self._browser = ServiceBrowser(zc, SERVICE, handlers=[self._on_change])
+            self._unconfirmed = set(self._names)
+            self._moves += 1
+            move = self._moves
+        # outside the lock: cancel() waits for the old browser's thread, whose handler may need it
+        old[1].cancel()
+        old[0].close()
+        timer = threading.Timer(RECONFIRM_S, self._drop_unconfirmed, [move])
+        timer.daemon = True
+        timer.start()
+
+    def _drop_unconfirmed(self, move: int) -> None:
+        with self._lock:
+            if move != self._moves or self._zc is None:  # moved again since, or closed
+                return
+            events = [e for name in self._unconfirmed for e in self._unlink(name)]
+            self._unconfirmed = set()
+        self._emit(events)
 
     def nodes(self) -> dict[str, NodeInfo]:
         with self._lock:
@@ -172,6 +262,7 @@ class Browser:
             return dict(self._rejected)
 
     def close(self) -> None:
+        self._halt()
         with self._lock:
             zc, browser, self._zc, self._browser = self._zc, self._browser, None, None
         if browser is not None:
@@ -207,6 +298,7 @@ class Browser:
         events = []
         with self._lock:
             self._rejected.pop(name, None)
+            self._unconfirmed.discard(name)
             before = self._names.get(name)
             if before is not None and before != info.node_id:
                 events += self._unlink(name)
