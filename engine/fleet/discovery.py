@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from abc import ABC, abstractmethod
 import re
 import socket
 import threading
@@ -73,7 +74,7 @@ def _instance(info: NodeInfo) -> str:
     return f"{label} ({info.node_id[:6]}).{SERVICE}"
 
 
-class _Follower:
+class _Follower(ABC):
     """Given no addresses, every local IPv4 address (``local_addresses``), and a watch that calls
     ``_move(addresses)`` whenever they change, from ``_follow()`` until ``_halt()``."""
 
@@ -96,11 +97,12 @@ class _Follower:
                 log.info("interfaces changed: mDNS moves from %s to %s", self.addresses, now)
                 try:
                     self._move(now)
-                except Exception:  # tried again at the next check: self.addresses is unchanged
+                except Exception:  # tried again at the next check
                     log.exception("mDNS could not move to %s", now)
 
+    @abstractmethod
     def _move(self, addresses: list[str]) -> None:
-        raise NotImplementedError
+        """Runs mDNS on ``addresses`` from now on (``self.addresses`` stays as it was if it fails)."""
 
 
 class Advertiser(_Follower):
@@ -114,9 +116,9 @@ class Advertiser(_Follower):
         self._service: ServiceInfo | None = None
         self._lock = threading.Lock()
 
-    def _service_info(self, info: NodeInfo, name: str) -> ServiceInfo:
+    def _service_info(self, info: NodeInfo, name: str, addresses: list[str] | None = None) -> ServiceInfo:
         return ServiceInfo(SERVICE, name, port=info.port, properties=info.to_txt(),
-                           server=f"fleetshard-{info.node_id}.local.", parsed_addresses=self.addresses,
+                           server=f"fleetshard-{info.node_id}.local.", parsed_addresses=addresses or self.addresses,
                            host_ttl=TTL, other_ttl=TTL)
 
     def start(self) -> "Advertiser":
@@ -129,8 +131,7 @@ class Advertiser(_Follower):
 
     def _register(self, addresses: list[str]) -> tuple[Zeroconf, ServiceInfo]:
         zc = _open(addresses)
-        self.addresses = addresses
-        service = self._service_info(self.info, _instance(self.info))
+        service = self._service_info(self.info, _instance(self.info), addresses)
         try:
             # Probes first; another node holding the name (a clone of this one's node.id) gets
             # " (2)" appended rather than a conflict.
@@ -138,6 +139,7 @@ class Advertiser(_Follower):
         except Exception as exc:
             zc.close()
             raise FleetError(f"cannot advertise {service.name!r} over mDNS: {exc}") from None
+        self.addresses = addresses
         return zc, service
 
     def _move(self, addresses: list[str]) -> None:
@@ -146,15 +148,10 @@ class Advertiser(_Follower):
         with self._lock:
             if self._halted.is_set():
                 return
-            old = self.addresses
             if self._zc is not None:
                 _goodbye(self._zc, self._service)
                 self._zc = self._service = None
-            try:
-                self._zc, self._service = self._register(addresses)
-            except FleetError:
-                self.addresses = old  # so the next check tries again
-                raise
+            self._zc, self._service = self._register(addresses)
 
     @property
     def service_name(self) -> str | None:
