@@ -1,4 +1,5 @@
-"""What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home."""
+"""What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home,
+and another process holding a computer's compute turn."""
 
 from __future__ import annotations
 
@@ -31,3 +32,29 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
             proc.wait(timeout=15)
         proc.stdin.close()
         proc.stdout.close()
+
+
+HOLDER = """
+import sys
+from engine.runtime.turns import ComputeTurns
+turns = ComputeTurns(sys.argv[1])
+with turns:
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+@contextlib.contextmanager
+def turn_held(path: Path):
+    """Another process holding the compute turn of ``path`` until the test closes its stdin (or
+    the block ends); yields that process."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdin.close()
+        holder.stdout.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fleet_support import agent_process
+from fleet_support import agent_process, turn_held
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
@@ -137,6 +137,40 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     again.stop(key)
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []
+
+
+def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, key_file, tiny_models, tmp_path,
+                                                                   monkeypatch):
+    """A worker a node agent starts, and the coordinator's stage 0, wait for their own computer's
+    compute turn (the file in its data folder: each test agent's home is its computer)."""
+    from engine.runtime.turns import machine_turns_file
+
+    (_, a), _ = two_agents
+    key = load_key(key_file)
+    stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(a, "CPU", 2, 4)]
+    deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, weights="f32")
+    chain.close()
+
+    def blocked_until_released(chain, turns_file) -> None:
+        done = threading.Event()
+        with turn_held(turns_file) as holder:
+            threading.Thread(target=lambda: (_greedy(chain, 2), done.set()), daemon=True).start()
+            assert not done.wait(1.0), f"a forward finished while {turns_file} was held elsewhere"
+            holder.stdin.close()
+            assert done.wait(30), "the forward did not finish once the turn was let go"
+
+    try:
+        worker_only = deployment.chain(key, turns=None)  # only alpha's worker may wait
+        _greedy(worker_only, 2)  # compiled and warm
+        blocked_until_released(worker_only, tmp_path / "a" / "data" / "compute.turns")
+        worker_only.close()
+        monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
+        coordinator = deployment.chain(key)
+        _greedy(coordinator, 2)
+        blocked_until_released(coordinator, machine_turns_file())
+        coordinator.close()
+    finally:
+        deployment.stop(key)
 
 
 def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_models):

@@ -5,23 +5,13 @@ can stay busy and falls short of it near the knee."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
+from fleet_support import turn_held
 
 from engine.bench.microbatch import schedule_bound
 from engine.runtime.turns import ComputeTurns
-
-HOLDER = """
-import sys
-from engine.runtime.turns import ComputeTurns
-turns = ComputeTurns(sys.argv[1])
-with turns:
-    print("held", flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-"""
 
 
 def _acquired_in_background(turns: ComputeTurns) -> threading.Event:
@@ -37,29 +27,21 @@ def _acquired_in_background(turns: ComputeTurns) -> threading.Event:
 
 def test_a_turn_held_by_another_process_blocks_until_released(tmp_path):
     path = tmp_path / "compute.turns"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with turn_held(path) as holder:
         got = _acquired_in_background(ComputeTurns(path))
         assert not got.wait(0.5), "took the turn while another process held it"
         holder.stdin.close()
         assert got.wait(10), "the turn was not handed over"
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_process_that_dies_holding_the_turn_frees_it(tmp_path):
     path = tmp_path / "compute.turns"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    got = _acquired_in_background(ComputeTurns(path))
-    assert not got.wait(0.3)
-    holder.kill()
-    holder.wait()
-    assert got.wait(10)
+    with turn_held(path) as holder:
+        got = _acquired_in_background(ComputeTurns(path))
+        assert not got.wait(0.3)
+        holder.kill()
+        holder.wait()
+        assert got.wait(10)
 
 
 def test_threads_of_one_process_take_turns_too(tmp_path):

@@ -29,6 +29,7 @@ from engine.fleet.shardstore import ShardStore, check_hash
 from engine.fleetkey import fleet_id, load_key
 from engine.runtime.link import Link, accept_loop, authenticate_peer, parse_address
 from engine.runtime.localfleet import await_ready, end_processes
+from engine.runtime.turns import machine_turns_file
 from engine.wire import AuthError, Frame, Msg, ProtocolError
 
 MAX_WORKERS = 8
@@ -263,6 +264,8 @@ class Agent:
             cmd += ["--delay-ms", str(float(doc["delay_ms"]))]
         if self.tls is not None:
             cmd += ["--tls"]
+        # workers of this computer's cores take turns with each other and with a coordinator here
+        cmd += ["--compute-turns", str(machine_turns_file())]
         wid = uuid.uuid4().hex[:8]
         log = paths().data / "logs" / f"agent-worker-{wid}.log"
         log.parent.mkdir(parents=True, exist_ok=True)

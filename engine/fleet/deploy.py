@@ -68,8 +68,12 @@ class Deployment:
             raise FleetError(f"{path} is not a deployment record ({exc})") from None
 
     def chain(self, key: bytes, *, tls=None, deadline_s: float = 2.0, connect_timeout_s: float = 30.0, **kw):
+        """The coordinator's chain; its stage 0 (and a draft model beside it) takes this computer's
+        compute turns, with any stage worker a node agent runs here (``engine.runtime.turns``)."""
         from engine.runtime.remote import RemoteChain
+        from engine.runtime.turns import compute_turns, machine_turns_file
 
+        kw.setdefault("turns", compute_turns(machine_turns_file()))
         return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
                            deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, **kw)
 

@@ -1,6 +1,7 @@
 """Compute turns: stages that share one computer's cores run their inferences one at a time.
 
-A local fleet puts every stage on this computer.  With several streams in flight, two stages would
+A local fleet puts every stage on this computer; a node agent's workers may share a computer with
+each other or with the coordinator.  With several streams in flight, two stages would
 otherwise compute at once, each with a full set of OpenVINO threads on the same cores; on a machine
 whose decode is bound by memory bandwidth that gets no more done than one stage at a time, and the
 oversubscribed threads lose another 10-20% to each other.  Taking turns keeps what overlapping is
@@ -76,7 +77,7 @@ def compute_turns(path: Path | str | None):
 
 
 def machine_turns_file() -> Path:
-    """The turns file of this computer's local-fleet stages."""
+    """The turns file of this computer's stages: a local fleet's, a node agent's workers and the coordinator's."""
     folder = paths().data
     folder.mkdir(parents=True, exist_ok=True)
     return folder / "compute.turns"
