@@ -1,7 +1,8 @@
 """Fleet operations with real agent processes on loopback: the control API refuses strangers,
 shards arrive verified (resuming, refusing corruption, skipped when present), deployment to two
 agents gives the in-process chain's tokens, a node lost mid-deployment leaves nothing running,
-agents are discovered over real mDNS and noticed leaving, and the survey feeds the solver."""
+stages take their own computer's compute turns, agents are discovered over real mDNS and noticed
+leaving, the survey feeds the solver, and `fleet up --nodes` does all of it in one command."""
 
 from __future__ import annotations
 
@@ -221,7 +222,8 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
     source = str(tiny_models["llama"])
-    doc = survey(source, [a, b], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
+    # a node under two addresses is profiled once
+    doc = survey(source, [a, b, a], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
     names = {n: info["name"] for n, info in doc["nodes"].items()}
     assert set(names.values()) == {"this machine", "alpha", "beta"}
     devices = doc["fleet"]["devices"]
@@ -243,6 +245,61 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
         chain.close()
         deployment.stop(key)
     assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+
+
+def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_file, tiny_models, tmp_path):
+    """`fleet up --nodes`: the survey, the solver (here with a pin) and the deployment in one command;
+    the chain it leaves up gives the in-process chain's tokens, and ending `fleet up` stops the
+    workers.  A plan that keeps every layer on this machine deploys nothing and says why."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from engine.fleet.deploy import Deployment
+
+    (_, a), _ = two_agents
+    key = load_key(key_file)
+    home = tmp_path / "coordinator"
+    (home / "config").mkdir(parents=True)
+    (home / "config" / "settings.json").write_text(json.dumps({"weights": "f32"}))
+    env = {**os.environ, "FLEETSHARD_HOME": str(home)}
+    up_cmd = [sys.executable, "-m", "engine.cli", "up", "--model", str(tiny_models["llama"]), "--nodes", a,
+              "--fleet-key-file", str(key_file), "--no-chat"]
+    log = tmp_path / "up.log"
+    with open(log, "w") as err:
+        up = subprocess.Popen([*up_cmd, "--pin", "alpha:3-4"], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("ready ")):
+            line = up.stdout.readline()
+            assert line, f"fleet up ended early: {log.read_text()[-2000:]}"
+            lines.append(line)
+        assert any("layers 3-4" in line for line in lines), lines  # the plan, explained
+        deployment = Deployment.load(Path(lines[-1].split(" ", 1)[1].strip()))
+        assert [w["agent"] for w in deployment.workers] == [a]
+        chain = deployment.chain(key)
+        try:
+            got = _greedy(chain)
+        finally:
+            chain.close()
+        assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+        with ControlClient(a, key) as agent:
+            assert [w["stage"] for w in agent.status()["workers"]] == [1]
+        up.terminate()
+        assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+        up.stdout.close()
+    with ControlClient(a, key) as agent:
+        assert agent.status()["workers"] == []
+    local = subprocess.run([*up_cmd, "--pin", "this machine:0-4"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert local.returncode == 0, local.stderr
+    assert "1 stage(s)" in local.stdout and "keeps every layer" in local.stderr
+    with ControlClient(a, key) as agent:
+        assert agent.status()["workers"] == []
 
 
 def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):

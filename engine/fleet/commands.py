@@ -137,26 +137,38 @@ def _agent_addresses(args, key: bytes) -> list[str]:
     return list(dict.fromkeys(found + Settings.load().nodes))
 
 
-def cmd_profile(args) -> int:
+PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
+
+
+def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, weights: str, context: int,
+            streams: int, out: str | None = None) -> Path:
+    """Profiles this machine and ``agents`` (``engine.fleet.survey``) and writes the profile."""
     from engine.fleet.node import node_id
     from engine.fleet.survey import survey
+
+    doc = survey(model, agents, key=key, tls=tls, local_node=node_id(),
+                 local_devices=[d.strip() for d in devices.split(",")], weights=weights, context=context,
+                 streams=streams, log=_say)
+    path = Path(out) if out else paths().data / "fleet-profile.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    for d in doc["fleet"]["devices"]:
+        print(f"{doc['nodes'][d['node']]['name']:<20} {d['device']:<8} layer {d['layer_ms']:.3f} ms  "
+              f"head {d['head_ms']:.3f} ms  call {d.get('call_ms', 0):.3f} ms  "
+              f"memory {d['memory_bytes'] / 2**30:.1f} GB  {'supported' if d['supported'] else 'UNSUPPORTED'}")
+    _say(f"fleet profile written to {path}")
+    return path
+
+
+def cmd_profile(args) -> int:
     from engine.fleetkey import load_key, load_tls
 
     settings = Settings.load()
     key = load_key(args.fleet_key_file, create=not args.nodes)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
-    agents = _agent_addresses(args, key) if args.nodes else []
-    doc = survey(args.model or settings.default_model, agents, key=key, tls=tls, local_node=node_id(),
-                 local_devices=[d.strip() for d in (args.device or settings.device).split(",")],
-                 weights=args.weights, context=args.context, streams=args.streams, log=_say)
-    out = Path(args.out) if args.out else paths().data / "fleet-profile.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
-    for d in doc["fleet"]["devices"]:
-        print(f"{doc['nodes'][d['node']]['name']:<20} {d['device']:<8} layer {d['layer_ms']:.3f} ms  "
-              f"head {d['head_ms']:.3f} ms  call {d.get('call_ms', 0):.3f} ms  "
-              f"memory {d['memory_bytes'] / 2**30:.1f} GB  {'supported' if d['supported'] else 'UNSUPPORTED'}")
-    _say(f"fleet profile written to {out}")
+    _survey(args.model or settings.default_model, _agent_addresses(args, key) if args.nodes else [], key=key,
+            tls=tls, devices=args.device or settings.device, weights=args.weights, context=args.context,
+            streams=args.streams, out=args.out)
     return 0
 
 
@@ -171,19 +183,26 @@ def _pin(text: str):
     return Pin(node=node, start=start, end=end, device=device[0] if device else None)
 
 
-def cmd_place(args) -> int:
+def _place(profile: Path, *, objective: str, users: int, pins, out: str | None = None) -> tuple[dict, Path]:
+    """Solves the placement for a profile, prints why, and writes the plan document."""
     from engine.fleet.placement import solve
     from engine.fleet.survey import load_survey
 
-    source = Path(args.profile) if args.profile else paths().data / "fleet-profile.json"
-    shape, nodes, fleet = load_survey(source)
+    shape, nodes, fleet = load_survey(profile)
     names = {n: info.get("name", n) for n, info in nodes.items()}
-    pins = [p if p.node in nodes else _resolve_pin(p, names) for p in args.pin or []]
-    plan = solve(shape, fleet, objective=args.objective, users=args.users, pins=pins)
+    pins = [p if p.node in nodes else _resolve_pin(p, names) for p in pins]
+    plan = solve(shape, fleet, objective=objective, users=users, pins=pins)
     print(plan.explain())
-    out = Path(args.out) if args.out else paths().data / "plan.json"
-    out.write_text(json.dumps({"plan": plan.to_json(), "nodes": nodes}, indent=2))
-    _say(f"plan written to {out}; deploy it with `fleet deploy --model {shape.name} --plan {out}`")
+    doc = {"plan": plan.to_json(), "nodes": nodes}
+    path = Path(out) if out else paths().data / "plan.json"
+    path.write_text(json.dumps(doc, indent=2))
+    return doc, path
+
+
+def cmd_place(args) -> int:
+    doc, path = _place(Path(args.profile) if args.profile else paths().data / "fleet-profile.json",
+                       objective=args.objective, users=args.users, pins=args.pin or [], out=args.out)
+    _say(f"plan written to {path}; deploy it with `fleet deploy --model {doc['plan']['model']} --plan {path}`")
     return 0
 
 
@@ -244,7 +263,7 @@ def cmd_deploy(args) -> int:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
     deployment, chain = deploy(args.model, placement_stages(plan_doc), key=key, tls=tls, weights=args.weights,
                                mode=args.mode or settings.mode, progress=_progress_printer(),
-                               deadline_s=settings.deadline_s)
+                               deadline_s=args.deadline or settings.deadline_s)
     chain.close()
     path = deployment.save(Path(args.record) if args.record else None)
     print(f"deployed {args.model}: stage 0 here, workers at {', '.join(deployment.remotes)}")
@@ -305,35 +324,84 @@ def cmd_up(args) -> int:
     settings = Settings.load()
     path = key_file(args.fleet_key_file)
     key = load_key(args.fleet_key_file, create=True)
+    model = args.model or settings.default_model
+    if args.nodes:
+        return _fleet_up(args, settings, key, model)
     peers = [] if args.local else browse(args.seconds, fleet_id(key))
     if peers:
         _say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
-             "the local default; to use them run `fleet profile --nodes all`, `fleet place` and `fleet deploy`")
-    model = args.model or settings.default_model
+             "the local default; `fleet up --nodes all` places the model on them")
     deployment, chain, proc = local_up(model, args.stages or settings.stages, path, weights=settings.weights,
                                        mode=settings.mode, device=settings.device, progress=_progress_printer(),
-                                       deadline_s=settings.deadline_s)
+                                       deadline_s=args.deadline or settings.deadline_s)
     chain.close()
-    record = deployment.save()
     _say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
     try:
-        if args.no_chat:
-            print(f"ready {record}", flush=True)
-            if args.lifeline:
-                from engine.runtime.localfleet import lifeline
-
-                lifeline()
-            while True:
-                time.sleep(1)
-        from engine.cli import build_parser, cmd_generate
-
-        gen_args = build_parser().parse_args(["generate", "--deployment", str(record), *(
-            ["--fleet-key-file", args.fleet_key_file] if args.fleet_key_file else [])])
-        return cmd_generate(gen_args)
-    except KeyboardInterrupt:
-        return 0
+        return _serve(args, deployment.save())
     finally:
         stop_local_agent(proc)
+
+
+def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
+    """``fleet up --nodes``: profile this machine and the nodes, solve the placement, deploy it and
+    chat; the workers are stopped again when ``fleet up`` ends."""
+    from engine.fleet.deploy import deploy
+    from engine.fleetkey import load_tls
+
+    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    agents = _agent_addresses(args, key)
+    if not agents:
+        raise FleetError("no node of this fleet was found: start `fleet agent` (or the tray worker) on the other "
+                         "PCs, or name them with --nodes HOST:PORT,...")
+    profile = _survey(model, agents, key=key, tls=tls, devices=settings.device, weights=settings.weights,
+                      context=PLAN_CONTEXT, streams=args.users)
+    doc, _ = _place(profile, objective=args.objective, users=args.users, pins=args.pin or [])
+    stages = placement_stages(doc)
+    if len(stages) == 1:
+        why = ("the nodes would not make it faster (--objective throughput --users N weighs several users; "
+               "--pin NODE:A-B places layers by hand)" if len(doc["nodes"]) > 1 else
+               "the only node agent found runs on this machine")
+        _say(f"the plan keeps every layer of {model} on this machine: {why}")
+        return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1")
+    deployment, chain = deploy(model, stages, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
+                               progress=_progress_printer(), deadline_s=args.deadline or settings.deadline_s)
+    chain.close()
+    _say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
+    try:
+        return _serve(args, deployment.save())
+    finally:
+        for problem in deployment.stop(key, tls):
+            _say(f"warning: {problem}")
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(args, record: Path) -> int:
+    """Chats through the deployment at ``record`` (or, with --no-chat, keeps it up) until the user
+    ends it, with Ctrl-C or SIGTERM: either way the caller's cleanup stops the workers."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if not args.no_chat:
+            return _chat(args, "--deployment", str(record))
+        print(f"ready {record}", flush=True)
+        if args.lifeline:
+            from engine.runtime.localfleet import lifeline
+
+            lifeline()
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _chat(args, *source: str) -> int:
+    from engine.cli import build_parser, cmd_generate
+
+    connection = (["--fleet-key-file", args.fleet_key_file] if args.fleet_key_file else []) + (
+        ["--tls"] if args.tls else []) + (["--deadline", str(args.deadline)] if args.deadline else [])
+    return cmd_generate(build_parser().parse_args(["generate", *source, *connection]))
 
 
 def add_commands(sub, connection_args) -> None:
@@ -362,7 +430,7 @@ def add_commands(sub, connection_args) -> None:
     profile.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents")
     profile.add_argument("--device", help="this machine's devices to profile, comma-separated (default: settings)")
     profile.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
-    profile.add_argument("--context", type=int, default=4096, help="context length the KV cache is planned for")
+    profile.add_argument("--context", type=int, default=PLAN_CONTEXT, help="context length the KV cache is planned for")
     profile.add_argument("--streams", type=int, default=1, help="concurrent streams the KV cache is planned for")
     profile.add_argument("--seconds", type=float, default=3.0, help="with --nodes all: how long to listen")
     profile.add_argument("--out", help="where to write the profile (default: the data folder)")
@@ -387,10 +455,16 @@ def add_commands(sub, connection_args) -> None:
     connection_args(dep)
     dep.set_defaults(func=cmd_deploy)
 
-    up = sub.add_parser("up", help="bring up the default model on a local 2-stage fleet and chat")
+    up = sub.add_parser("up", help="bring up the default model on a local 2-stage fleet (or, with --nodes, "
+                                   "on the fleet's nodes) and chat")
     up.add_argument("--model")
-    up.add_argument("--stages", type=int)
+    up.add_argument("--stages", type=int, help="stages of the local fleet (default: settings)")
     up.add_argument("--local", action="store_true", help="do not look for peers")
+    up.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents: profile them, "
+                                    "place the model with the solver, deploy and chat")
+    up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
+    up.add_argument("--users", type=int, default=1, help="with --nodes: concurrent users planned for")
+    up.add_argument("--pin", action="append", type=_pin, help="with --nodes: NODE:START-END[:DEVICE], fixed by hand")
     up.add_argument("--seconds", type=float, default=2.0, help="how long to look for peers")
     up.add_argument("--no-chat", action="store_true", help="keep the fleet up without chatting (prints ready)")
     up.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)

@@ -59,6 +59,9 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
             with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
                 status = agent.status()
                 node = status["node"]["node_id"]
+                if node in nodes:  # this machine's own agent (a tray worker), or a node under two addresses
+                    log(f"the node agent at {address} is {nodes[node]['name']}, already profiled: skipped")
+                    continue
                 ids[address] = node
                 nodes[node] = {"name": status["node"].get("name", address), "address": address}
                 rtt[(local_node, node)] = agent.round_trip_ms()
