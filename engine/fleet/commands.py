@@ -19,6 +19,8 @@ from pathlib import Path
 from engine.config import Settings, paths
 from engine.errors import FleetError
 
+PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
+
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -135,9 +137,6 @@ def _agent_addresses(args, key: bytes) -> list[str]:
         return [a.strip() for a in args.nodes.split(",") if a.strip()]
     found = [f"{n.addresses[0]}:{n.port}" for n in browse(args.seconds, fleet_id(key)) if n.addresses]
     return list(dict.fromkeys(found + Settings.load().nodes))
-
-
-PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
 
 
 def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, weights: str, context: int,
@@ -335,9 +334,8 @@ def cmd_up(args) -> int:
                                        mode=settings.mode, device=settings.device, progress=_progress_printer(),
                                        deadline_s=args.deadline or settings.deadline_s)
     chain.close()
-    _say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
     try:
-        return _serve(args, deployment.save())
+        return _serve(args, model, deployment)
     finally:
         stop_local_agent(proc)
 
@@ -366,9 +364,8 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
     deployment, chain = deploy(model, stages, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
                                progress=_progress_printer(), deadline_s=args.deadline or settings.deadline_s)
     chain.close()
-    _say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
     try:
-        return _serve(args, deployment.save())
+        return _serve(args, model, deployment)
     finally:
         for problem in deployment.stop(key, tls):
             _say(f"warning: {problem}")
@@ -378,9 +375,11 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def _serve(args, record: Path) -> int:
-    """Chats through the deployment at ``record`` (or, with --no-chat, keeps it up) until the user
+def _serve(args, model: str, deployment) -> int:
+    """Records ``deployment`` and chats through it (or, with --no-chat, keeps it up) until the user
     ends it, with Ctrl-C or SIGTERM: either way the caller's cleanup stops the workers."""
+    _say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
+    record = deployment.save()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if not args.no_chat:

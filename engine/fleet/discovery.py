@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from abc import ABC, abstractmethod
 import re
 import socket
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Callable
 
 import psutil
@@ -228,16 +228,16 @@ class Browser(_Follower):
         with self._lock:
             if self._zc is None:
                 return
-            zc = _open(addresses)
-            old = self._zc, self._browser
-            self.addresses, self._zc = addresses, zc
-            self._browser = ServiceBrowser(zc, SERVICE, handlers=[self._on_change])
+            old_zc, old_browser = self._zc, self._browser
+            self._zc = _open(addresses)
+            self.addresses = addresses
+            self._browser = ServiceBrowser(self._zc, SERVICE, handlers=[self._on_change])
             self._unconfirmed = set(self._names)
             self._moves += 1
             move = self._moves
         # outside the lock: cancel() waits for the old browser's thread, whose handler may need it
-        old[1].cancel()
-        old[0].close()
+        old_browser.cancel()
+        old_zc.close()
         timer = threading.Timer(RECONFIRM_S, self._drop_unconfirmed, [move])
         timer.daemon = True
         timer.start()
