@@ -250,13 +250,11 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
 def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_file, tiny_models, tmp_path):
     """`fleet up --nodes`: the survey, the solver (here with a pin) and the deployment in one command;
     the chain it leaves up gives the in-process chain's tokens, and ending `fleet up` stops the
-    workers.  A plan that keeps every layer on this machine deploys nothing and says why."""
+    workers, whether it is ended by a signal or by its parent closing its stdin (--lifeline).  A plan
+    that keeps every layer on this machine deploys nothing and says why."""
     import json
     import os
-    import signal
     import subprocess
-
-    from engine.fleet.deploy import Deployment
 
     (_, a), _ = two_agents
     key = load_key(key_file)
@@ -267,8 +265,22 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
     up_cmd = [sys.executable, "-m", "engine.cli", "up", "--model", str(tiny_models["llama"]), "--nodes", a,
               "--fleet-key-file", str(key_file), "--no-chat"]
     log = tmp_path / "up.log"
-    with open(log, "w") as err:
-        up = subprocess.Popen([*up_cmd, "--pin", "alpha:3-4"], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    for ending in ("SIGTERM", "stdin closed"):  # the user's Ctrl-C or a service stop; the app going away
+        with open(log, "w") as err:
+            up = subprocess.Popen([*up_cmd, "--pin", "alpha:3-4", "--lifeline"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        _up_serves_then_stops(up, ending, log, a, key)
+    local = subprocess.run([*up_cmd, "--pin", "this machine:0-4"], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert local.returncode == 0, local.stderr
+    assert "1 stage(s)" in local.stdout and "keeps every layer" in local.stderr
+    with ControlClient(a, key) as agent:
+        assert agent.status()["workers"] == []
+
+
+def _up_serves_then_stops(up, ending: str, log: Path, a: str, key: bytes) -> None:
+    from engine.fleet.deploy import Deployment
+
     try:
         lines = []
         while not (lines and lines[-1].startswith("ready ")):
@@ -286,20 +298,17 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
         assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
         with ControlClient(a, key) as agent:
             assert [w["stage"] for w in agent.status()["workers"]] == [1]
-        up.terminate()
+        if ending == "SIGTERM":
+            up.terminate()
+        else:
+            up.stdin.close()
         assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
     finally:
         if up.poll() is None:
             up.kill()
         up.stdout.close()
     with ControlClient(a, key) as agent:
-        assert agent.status()["workers"] == []
-    local = subprocess.run([*up_cmd, "--pin", "this machine:0-4"], capture_output=True, text=True, env=env,
-                           timeout=300)
-    assert local.returncode == 0, local.stderr
-    assert "1 stage(s)" in local.stdout and "keeps every layer" in local.stderr
-    with ControlClient(a, key) as agent:
-        assert agent.status()["workers"] == []
+        assert agent.status()["workers"] == [], ending
 
 
 def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):

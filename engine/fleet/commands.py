@@ -6,6 +6,7 @@ modules of this package, which the app drives the same way.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import os
@@ -385,10 +386,10 @@ def _serve(args, model: str, deployment) -> int:
         if not args.no_chat:
             return _chat(args, "--deployment", str(record))
         print(f"ready {record}", flush=True)
-        if args.lifeline:
+        if args.lifeline:  # the parent going away ends us like Ctrl-C: the workers are stopped
             from engine.runtime.localfleet import lifeline
 
-            lifeline()
+            lifeline(on_close=_thread.interrupt_main)
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
