@@ -274,7 +274,7 @@ class EngineBackend:
 
     def survey(self, model: str, agents: list[str], settings, progress: Report = _quiet, cancel=None) -> dict:
         """Profiles this machine and ``agents`` for ``model`` (``engine.fleet.survey``); the document
-        also records the model source and weights, so a plan made from it can be deployed."""
+        records the model source and weights, so a plan made from it can be deployed."""
         from engine.fleet.node import node_id
         from engine.fleet.survey import survey
         from fleetgui import keystore
@@ -282,11 +282,9 @@ class EngineBackend:
         self.pull(model, progress, cancel)
         key = keystore.load(settings) if agents else b""  # no agents: no connection needs the key
         devices = [d.strip() for d in settings.devices.split(",") if d.strip()]
-        doc = survey(model, agents, key=key, tls=keystore.tls(settings) if agents else None, local_node=node_id(),
-                     local_devices=list(dict.fromkeys(devices)) or ["CPU"], weights=settings.weights,
-                     log=lambda line: progress(("status", line)), cancel=cancel)
-        doc["source"], doc["weights"] = model, settings.weights
-        return doc
+        return survey(model, agents, key=key, tls=keystore.tls(settings) if agents else None, local_node=node_id(),
+                      local_devices=list(dict.fromkeys(devices)) or ["CPU"], weights=settings.weights,
+                      log=lambda line: progress(("status", line)), cancel=cancel)
 
     def deploy(self, model: str, stages: list, settings, progress: Report = _quiet, cancel=None):
         """Ships and starts a placement (``engine.fleet.deploy``); returns the saved ``Deployment``

@@ -216,7 +216,7 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
 
     from engine.fleet.commands import placement_stages
     from engine.fleet.placement import Pin, solve
-    from engine.fleet.survey import load_survey, survey
+    from engine.fleet.survey import load_survey, recent_survey, survey
 
     monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
     (_, a), (_, b) = two_agents
@@ -233,6 +233,15 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     assert len(doc["fleet"]["rtt"]) == 3  # coordinator-alpha, coordinator-beta, alpha-beta
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(doc))
+    asked = dict(key=key, local_node="coordinator", weights="f32")
+    assert recent_survey(path, source, [b, a], **asked)["nodes"] == doc["nodes"]  # what `fleet up` reuses
+    assert recent_survey(path, source, [a], **asked) is None  # other agents
+    assert recent_survey(path, source, [a, b], **asked, streams=2) is None  # planned for other users
+    assert recent_survey(path, source, [a, b], **asked, max_age_s=0) is None  # too old
+    assert recent_survey(path, source, [a, b], local_node="another", key=key, weights="f32") is None
+    swapped = {a: doc["taken"]["agents"][b], b: doc["taken"]["agents"][a]}  # the addresses changed hands
+    path.write_text(json.dumps({**doc, "taken": {**doc["taken"], "agents": swapped}}))
+    assert recent_survey(path, source, [a, b], **asked) is None
     shape, nodes, fleet = load_survey(path)
     beta = next(n for n, name in names.items() if name == "beta")
     plan = solve(shape, fleet, objective="throughput", users=2, pins=[Pin(beta, 3, 4)])
@@ -250,8 +259,9 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
 def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_file, tiny_models, tmp_path):
     """`fleet up --nodes`: the survey, the solver (here with a pin) and the deployment in one command;
     the chain it leaves up gives the in-process chain's tokens, and ending `fleet up` stops the
-    workers, whether it is ended by a signal or by its parent closing its stdin (--lifeline).  A plan
-    that keeps every layer on this machine deploys nothing and says why."""
+    workers, whether it is ended by a signal or by its parent closing its stdin (--lifeline).  A second
+    `fleet up` of the same fleet reuses the profile.  A plan that keeps every layer on this machine
+    deploys nothing and says why."""
     import json
     import os
     import subprocess
@@ -270,10 +280,13 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
             up = subprocess.Popen([*up_cmd, "--pin", "alpha:3-4", "--lifeline"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         _up_serves_then_stops(up, ending, log, a, key)
+        # the first run profiles the fleet, the next ones reuse its profile
+        assert ("using the fleet profile" in log.read_text()) == (ending != "SIGTERM"), log.read_text()
     local = subprocess.run([*up_cmd, "--pin", "this machine:0-4"], capture_output=True, text=True, env=env,
                            timeout=300)
     assert local.returncode == 0, local.stderr
     assert "1 stage(s)" in local.stdout and "keeps every layer" in local.stderr
+    assert "using the fleet profile" in local.stderr
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []
 

@@ -141,15 +141,22 @@ def _agent_addresses(args, key: bytes) -> list[str]:
 
 
 def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, weights: str, context: int,
-            streams: int, out: str | None = None) -> Path:
-    """Profiles this machine and ``agents`` (``engine.fleet.survey``) and writes the profile."""
+            streams: int, out: str | None = None, reuse: bool = False) -> Path:
+    """Profiles this machine and ``agents`` (``engine.fleet.survey``) and writes the profile; with
+    ``reuse``, a recent profile of the same fleet at the same path stands instead."""
     from engine.fleet.node import node_id
-    from engine.fleet.survey import survey
+    from engine.fleet.survey import recent_survey, survey
 
-    doc = survey(model, agents, key=key, tls=tls, local_node=node_id(),
+    asked = dict(model=model, agents=agents, key=key, tls=tls, local_node=node_id(),
                  local_devices=[d.strip() for d in devices.split(",")], weights=weights, context=context,
-                 streams=streams, log=_say)
+                 streams=streams)
     path = Path(out) if out else paths().data / "fleet-profile.json"
+    doc = recent_survey(path, **asked) if reuse else None
+    if doc:
+        minutes = (time.time() - doc["taken"]["at"]) / 60
+        _say(f"using the fleet profile of {minutes:.0f} min ago in {path} (--resurvey profiles the fleet afresh)")
+        return path
+    doc = survey(**asked, log=_say)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2))
     for d in doc["fleet"]["devices"]:
@@ -353,7 +360,7 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
         raise FleetError("no node of this fleet was found: start `fleet agent` (or the tray worker) on the other "
                          "PCs, or name them with --nodes HOST:PORT,...")
     profile = _survey(model, agents, key=key, tls=tls, devices=settings.device, weights=settings.weights,
-                      context=PLAN_CONTEXT, streams=args.users)
+                      context=PLAN_CONTEXT, streams=args.users, reuse=not args.resurvey)
     doc, _ = _place(profile, objective=args.objective, users=args.users, pins=args.pin or [])
     stages = placement_stages(doc)
     if len(stages) == 1:
@@ -465,6 +472,8 @@ def add_commands(sub, connection_args) -> None:
     up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
     up.add_argument("--users", type=int, default=1, help="with --nodes: concurrent users planned for")
     up.add_argument("--pin", action="append", type=_pin, help="with --nodes: NODE:START-END[:DEVICE], fixed by hand")
+    up.add_argument("--resurvey", action="store_true", help="with --nodes: profile the fleet even if it was "
+                                                            "profiled in the last day")
     up.add_argument("--seconds", type=float, default=2.0, help="how long to look for peers")
     up.add_argument("--no-chat", action="store_true", help="keep the fleet up without chatting (prints ready)")
     up.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)

@@ -3,12 +3,15 @@
 ``survey`` profiles this machine (the coordinator) directly and each node through its agent: it
 ships the model's profiling shards (``engine.fleet.profile``), has the node run them on each of its
 devices, and asks every node for its round trip to the others.  The result is one JSON document,
-``{"model": ModelShape, "nodes": {id: {"name", "address"}}, "fleet": Fleet}``, that ``fleet place``
-and the app's placement view hand to ``engine.fleet.placement``.
+``{"model": ModelShape, "nodes": {id: {"name", "address"}}, "fleet": Fleet, "source", "weights",
+"taken"}``, that ``fleet place`` and the app's placement view hand to ``engine.fleet.placement``;
+``"taken"`` records what was asked and when, so ``recent_survey`` can reuse the document.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +23,7 @@ from engine.fleet.profile import export_profile_shards, model_shape, profile_sha
 from engine.manifest import load_manifest
 
 Log = Callable[[str], None]
+FRESH_S = 24 * 3600  # how long `fleet up --nodes` reuses a survey of the same fleet
 
 
 def device_profile(node: str, measured: dict) -> DeviceProfile:
@@ -52,13 +56,14 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
         devices.append(device_profile(local_node, profile_shards(folders, device)))
     nodes = {local_node: {"name": "this machine", "address": LOCAL}}
     rtt: dict[tuple[str, str], float] = {}
-    ids: dict[str, str] = {}
+    ids: dict[str, str] = {}  # the agents profiled, by address
+    answered: dict[str, str] = {}  # every agent's node, by address
     for address in agents:
         check()
         try:
             with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
                 status = agent.status()
-                node = status["node"]["node_id"]
+                node = answered[address] = status["node"]["node_id"]
                 if node in nodes:  # this machine's own agent (a tray worker), or a node under two addresses
                     log(f"the node agent at {address} is {nodes[node]['name']}, already profiled: skipped")
                     continue
@@ -88,7 +93,33 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
             pair = tuple(sorted((node, ids[peer])))
             rtt[pair] = max(rtt.get(pair, 0.0), float(ms))  # each direction measured: keep the slower
     fleet = Fleet(devices=devices, rtt_ms=rtt, coordinator=local_node)
-    return {"model": shape.to_json(), "nodes": nodes, "fleet": fleet.to_json()}
+    taken = {"devices": list(local_devices), "context": context, "streams": streams, "agents": answered,
+             "at": time.time()}
+    return {"model": shape.to_json(), "nodes": nodes, "fleet": fleet.to_json(), "source": model,
+            "weights": weights, "taken": taken}
+
+
+def recent_survey(path: Path, model: str, agents: list[str], *, key: bytes, tls=None, local_node: str,
+                  local_devices=("CPU",), weights: str = "int4", context: int = 4096, streams: int = 1,
+                  max_age_s: float = FRESH_S) -> dict | None:
+    """The survey document at ``path`` if ``survey`` would take the same one now: the same model,
+    weights, context, streams and devices of this machine, less than ``max_age_s`` old, and the same
+    agents, each still answering as the node it was.  Otherwise None."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        taken = doc["taken"]
+        same = (doc["source"], doc["weights"], taken["devices"], taken["context"], taken["streams"],
+                sorted(taken["agents"]), doc["fleet"]["coordinator"]) == \
+               (model, weights, list(local_devices), context, streams, sorted(set(agents)), local_node)
+        if not same or not 0 <= time.time() - float(taken["at"]) < max_age_s:
+            return None
+        for address, node in taken["agents"].items():
+            with ControlClient(address, key, tls=tls, timeout_s=10) as agent:
+                if agent.status()["node"]["node_id"] != node:
+                    return None
+    except (OSError, ValueError, KeyError, TypeError, AgentError):
+        return None
+    return doc
 
 
 def load_survey(path: Path) -> tuple[ModelShape, dict, Fleet]:
