@@ -360,9 +360,21 @@ def expect(proc: subprocess.Popen, start: str, seconds: float = 30) -> str:
     pytest.fail(f"no {start!r} line within {seconds} s; got {seen} {proc.stderr.read()}")
 
 
+def events(proc: subprocess.Popen, seconds: float) -> list[str]:
+    """The child's lines over the next ``seconds``."""
+    deadline, seen = time.monotonic() + seconds, []
+    while (left := deadline - time.monotonic()) > 0 and select.select([proc.stdout], [], [], left)[0]:
+        line = proc.stdout.readline().strip()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+    return seen
+
+
 def test_discovery_follows_interfaces_that_come_and_go(namespaces):
-    # Two laptops whose agent and fleet view start before their network is up, then join it; later
-    # the browsing one leaves without a goodbye reaching it.
+    # Two laptops whose agent and fleet view start before their network is up, then join it; the
+    # advertising one joins a second network that flaps, which browsers must not see; later the
+    # browsing one leaves without a goodbye reaching it.
     a, b = namespaces
     for ns in namespaces:
         link(ns, "down")
@@ -376,8 +388,25 @@ def test_discovery_follows_interfaces_that_come_and_go(namespaces):
             link(ns, "up")
         added = expect(watcher, f"added {info.node_id}")
         assert added.split()[2] == "10.77.0.1,127.0.0.1", added
+        # The advertising laptop joins a second network, whose link then flaps: down for most of
+        # each cycle but never for SETTLE_S.  Some interface check sees it down, and without the
+        # settling the advertiser would say goodbye on the first network and announce again.
+        second = f"{veth(a)}d"
+        ip("-n", a, "link", "add", second, "type", "veth", "peer", "name", f"{veth(a)}e")
+        ip("-n", a, "addr", "add", "10.78.0.1/24", "dev", second)
+        ip("-n", a, "link", "set", f"{veth(a)}e", "up")
+        ip("-n", a, "link", "set", second, "up")
+        moved = expect(watcher, f"added {info.node_id}", discovery.WATCH_S + discovery.SETTLE_S + 10)
+        assert moved.split()[2] == "10.77.0.1,10.78.0.1,127.0.0.1", moved
+        for _ in range(5):
+            ip("-n", a, "link", "set", second, "down")
+            time.sleep(discovery.SETTLE_S * 2 / 3)
+            ip("-n", a, "link", "set", second, "up")
+            time.sleep(discovery.SETTLE_S / 6)
+        flapped = events(watcher, discovery.WATCH_S + discovery.SETTLE_S + 3)
+        assert not [e for e in flapped if info.node_id in e], flapped
         link(b, "down")
-        expect(watcher, f"removed {info.node_id}", discovery.WATCH_S + discovery.RECONFIRM_S + 10)
+        expect(watcher, f"removed {info.node_id}", discovery.WATCH_S + discovery.SETTLE_S + discovery.RECONFIRM_S + 10)
     finally:
         stop(watcher)
         code, output = stop(advertiser)

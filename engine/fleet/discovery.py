@@ -33,6 +33,7 @@ TTL = 120
 RESOLVE_MS = 3000
 MAX_REJECTED = 64  # reasons kept for inspection; a flood of bad records must not grow memory
 WATCH_S = 3.0  # how often the interfaces are checked for changes
+SETTLE_S = 3.0  # a change must hold this long before mDNS moves: a flapping link does not re-announce
 RECONFIRM_S = 10.0  # after a change, a node not heard again within this is dropped
 
 
@@ -76,7 +77,7 @@ def _instance(info: NodeInfo) -> str:
 
 class _Follower(ABC):
     """Given no addresses, every local IPv4 address (``local_addresses``), and a watch that calls
-    ``_move(addresses)`` whenever they change, from ``_follow()`` until ``_halt()``."""
+    ``_move(addresses)`` whenever they change and the change holds, from ``_follow()`` until ``_halt()``."""
 
     def __init__(self, addresses: list[str] | None):
         self.following = not addresses
@@ -93,12 +94,19 @@ class _Follower(ABC):
     def _watch(self) -> None:
         while not self._halted.wait(WATCH_S):
             now = local_addresses()
-            if now != self.addresses:
+            if now != self.addresses and self._settled(now):
                 log.info("interfaces changed: mDNS moves from %s to %s", self.addresses, now)
                 try:
                     self._move(now)
                 except Exception:  # tried again at the next check
                     log.exception("mDNS could not move to %s", now)
+
+    def _settled(self, addresses: list[str]) -> bool:
+        """Whether this machine's addresses stay ``addresses`` for SETTLE_S (sampled six times)."""
+        for _ in range(6):
+            if self._halted.wait(SETTLE_S / 6) or local_addresses() != addresses:
+                return False
+        return True
 
     @abstractmethod
     def _move(self, addresses: list[str]) -> None:
