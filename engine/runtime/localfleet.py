@@ -28,14 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lifeline(on_close=None) -> None:
-    """The child's side: exit as soon as the parent that holds our stdin goes away (or, given
-    ``on_close``, call it instead, to end with a cleanup).  Call it once OpenVINO is up: a thread
-    running while a Core starts can hang the child process the Core forks."""
+def lifeline(on_close=lambda: os._exit(0)) -> None:
+    """The child's side: exit as soon as the parent that holds our stdin goes away (or call
+    ``on_close`` instead, to end with a cleanup).  Call it once OpenVINO is up: a thread running
+    while a Core starts can hang the child process the Core forks."""
     def watch():
         while sys.stdin.read(4096):
             pass
-        on_close() if on_close else os._exit(0)
+        on_close()
 
     threading.Thread(target=watch, daemon=True, name="lifeline").start()
 
