@@ -5,6 +5,8 @@ thread to the GUI thread by a queued signal) and by address (kept in the engine 
 ``nodes``, the list ``fleet nodes add`` writes, so the app and the command line share it).  Every
 few seconds each node's agent is asked for its status off the GUI thread: devices, memory, what it
 does (idle, serving stage k, receiving, profiling, paused, or unreachable) and the shards it holds.
+While this app's placement view deploys, a node whose stage is still being exported here shows
+"exporting stage k" (a node does no exporting of its own: the coordinator exports, then ships).
 "Measure round trips" times this machine to each agent and each agent to the others.  The fleet key
 is set here too (``fleetgui.keystore``).
 """
@@ -28,7 +30,7 @@ from fleetgui.workers import TaskRunner
 COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
 POLL_MS = 3000
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
-STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449"}
+STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "exporting": "#1f618d"}
 
 
 # --- nodes added by address: the engine settings' list ----------------------------------------------
@@ -86,6 +88,7 @@ class NodeRow:
     mdns: bool = False
     added_as: str = ""  # the address it was added by (it may differ from the mDNS one it is polled at)
     error: str = ""  # why the last status request failed
+    preparing: str = ""  # what this app is doing for the node ("exporting stage 2 (40%)")
 
     @property
     def added(self) -> bool:
@@ -95,6 +98,8 @@ class NodeRow:
     def status(self) -> str:
         if self.error:
             return "unreachable"
+        if self.preparing:
+            return self.preparing
         serving = [w for w in self.workers if str(w.get("state", "running")) == "running"]
         if self.state.startswith("serving") and serving:
             return "serving " + ", ".join(f"stage {w.get('stage')} (layers {w['layers'][0]}-{w['layers'][1]})"
@@ -236,6 +241,12 @@ class NodesModel(QAbstractTableModel):
                 self._changed(row)
             else:
                 self._drop(row)
+
+    def prepare(self, address: str, text: str) -> None:
+        """What this app is doing for the node at ``address`` ("" when it is done)."""
+        for row in [r for r in self.rows if r.address == address and r.preparing != text]:
+            row.preparing = text
+            self._changed(row)
 
     def statuses(self, results: dict[str, dict]) -> None:
         """Replies of ``EngineBackend.node_status``: address -> status, or {"error": reason}."""

@@ -75,6 +75,7 @@ class MainWindow(QMainWindow):
         self.export.use_as_default.connect(self.use_model)
         self.fleet.key_changed.connect(self.use_key)
         self.placement.deployed.connect(self.use_deployment)
+        self.placement.preparing.connect(self.fleet.model.prepare)
         self.bench.finished.connect(lambda r: self.statusBar().showMessage(
             f"Benchmark {r['bench']} finished" if r else "Benchmark ended without a result", 10000))
         self._menus()

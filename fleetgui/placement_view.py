@@ -14,7 +14,8 @@ device; ``fleetgui.placement_model.PlanModel`` holds the plan over it and prices
 
 "Optimise" runs ``solve`` with the pinned ranges off the GUI thread; a plan that cannot work shows
 why (``evaluate``'s problems, or ``Infeasible``'s reason).  "Deploy" ships and starts the plan with
-a progress bar per stage and Cancel, then hands the deployment to the chat.
+a progress bar per stage and Cancel, then hands the deployment to the chat; ``preparing`` tells the
+fleet view which node's stage is being exported here.
 """
 
 from __future__ import annotations
@@ -301,6 +302,7 @@ class PlanCanvas(QWidget):
 
 class PlacementView(QWidget):
     deployed = Signal(object)  # engine.fleet.deploy.Deployment, running and saved
+    preparing = Signal(str, str)  # an agent's address, and what this view is doing for it ("" when done)
 
     def __init__(self, settings, backend, tasks: TaskRunner, agents: Callable[[], list[str]] = lambda: [],
                  parent: QWidget | None = None):
@@ -313,6 +315,7 @@ class PlacementView(QWidget):
         self.deployment = None
         self.owns_deployment = False  # deployed by this session (stopped at exit), or adopted from a record
         self.task = None  # the running survey, solve or deployment
+        self.deploying: list[str] = []  # the running deployment's agents, by stage
         self.model = PlanModel(self)
         self.banner = Banner()
 
@@ -550,6 +553,7 @@ class PlacementView(QWidget):
             return deployment
 
         self.deployment = None
+        self.deploying = [s.agent for s in stages]
         self._reset_bars(stages)
         self._set_busy(f"Deploying {model} ({weights}) on {len(stages)} stages…")
         self.task = self.tasks.start(run, "deploy", progressed=self._progress, succeeded=self._deployed,
@@ -590,6 +594,9 @@ class PlacementView(QWidget):
                 lo, hi = (STAGE0_PHASES if stage == 0 else PHASES).get(phase, (0.0, 1.0))
                 bar.setValue(int(1000 * (lo + (hi - lo) * fraction)))
                 label.setText(f"{phase} {fraction * 100:.0f}%")
+            if 0 < stage < len(self.deploying):
+                self.preparing.emit(self.deploying[stage],
+                                    f"exporting stage {stage} ({fraction * 100:.0f}%)" if phase == "export" else "")
 
     def use_recorded(self, path: Path | None = None) -> bool:
         """Chats on a deployment recorded by the command line (it keeps running when the app exits)."""
@@ -610,13 +617,13 @@ class PlacementView(QWidget):
     def _deployed(self, deployment) -> None:
         self.task = None
         self._set_busy(None)
+        self._prepared()
         self.deployment, self.owns_deployment = deployment, True
         for label, bar in self.deploy_bars:
             bar.setValue(1000)
             label.setText("running")
         self.activity.setText(f"Deployed {deployment.model}: stage 0 in this app, stages 1.. at "
                               f"{', '.join(deployment.remotes)}. The chat now uses this chain.")
-        self._set_busy(None)
         self.deployed.emit(deployment)
 
     def stop_deployment(self) -> None:
@@ -649,6 +656,7 @@ class PlacementView(QWidget):
     def _failed(self, what: str, message: str) -> None:
         self.task = None
         self._set_busy(None)
+        self._prepared()
         self.banner.error(f"{what}: {message}")
         for label, bar in self.deploy_bars:
             if bar.value() < 1000:
@@ -657,7 +665,14 @@ class PlacementView(QWidget):
     def _task_cancelled(self) -> None:
         self.task = None
         self._set_busy(None)
+        self._prepared()
         self.activity.setText("Cancelled.")
+
+    def _prepared(self) -> None:
+        """The deployment ended, one way or another: no node is being prepared any more."""
+        for agent in self.deploying[1:]:
+            self.preparing.emit(agent, "")
+        self.deploying = []
 
     def _set_busy(self, text: str | None) -> None:
         running = text is not None

@@ -4,10 +4,10 @@ beta added by address) and this process as the coordinator, with the tiny Qwen2 
 "Profile fleet" runs a real survey and shows a lane per device; dragging a boundary and a range
 with the mouse (and a range through the model's own drop API) re-prices the plan live; a pinned
 range survives Optimise; a device too small for its layers, and a pin no solver can honour, show
-the reason; Deploy starts the chain on the two agents and a chat reply streams through it, token for
-token what the model decodes alone, and another app instance chats on the recorded deployment.  The
-embedded default (``fleetgui`` with no arguments) chats on its local fleet, and closing the window
-stops its agent."""
+the reason; Deploy starts the chain on the two agents (the Fleet view shows each node's stage being
+exported) and a chat reply streams through it, token for token what the model decodes alone, and
+another app instance chats on the recorded deployment.  The embedded default (``fleetgui`` with no
+arguments) chats on its local fleet, and closing the window stops its agent."""
 
 from __future__ import annotations
 
@@ -238,13 +238,18 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     wait_for_agents(qtbot, fleet_view, fleet)
     window.show_view("Placement")
     even_split(view.model)
-    deployed = []
+    deployed, seen = [], set()
     view.deployed.connect(deployed.append)
+    fleet_view.model.dataChanged.connect(lambda *_: seen.update((r.address, r.status) for r in fleet_view.model.rows))
     view.deploy_button.click()
     assert view.deploy_box.isVisible() and len(view.deploy_bars) == 3
     qtbot.waitUntil(lambda: view.task is None, timeout=600000)
     assert deployed and deployed[0] is not None, view.banner.message
     deployment = deployed[0]
+    # the fleet view showed each node's stage being exported here, and shows it no more
+    exporting = {(address, status.split(" (")[0]) for address, status in seen if status.startswith("exporting")}
+    assert exporting == {(fleet.alpha, "exporting stage 1"), (fleet.beta, "exporting stage 2")}, seen
+    assert not any(r.preparing for r in fleet_view.model.rows)
     assert [bar.value() for _, bar in view.deploy_bars] == [1000] * 3
     for address, stage, layers in ((fleet.alpha, 1, [1, 3]), (fleet.beta, 2, [3, 4])):
         with ControlClient(address, key) as agent:
