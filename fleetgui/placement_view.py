@@ -617,7 +617,6 @@ class PlacementView(QWidget):
     def _deployed(self, deployment) -> None:
         self.task = None
         self._set_busy(None)
-        self._prepared()
         self.deployment, self.owns_deployment = deployment, True
         for label, bar in self.deploy_bars:
             bar.setValue(1000)
@@ -656,7 +655,6 @@ class PlacementView(QWidget):
     def _failed(self, what: str, message: str) -> None:
         self.task = None
         self._set_busy(None)
-        self._prepared()
         self.banner.error(f"{what}: {message}")
         for label, bar in self.deploy_bars:
             if bar.value() < 1000:
@@ -665,19 +663,16 @@ class PlacementView(QWidget):
     def _task_cancelled(self) -> None:
         self.task = None
         self._set_busy(None)
-        self._prepared()
         self.activity.setText("Cancelled.")
-
-    def _prepared(self) -> None:
-        """The deployment ended, one way or another: no node is being prepared any more."""
-        for agent in self.deploying[1:]:
-            self.preparing.emit(agent, "")
-        self.deploying = []
 
     def _set_busy(self, text: str | None) -> None:
         running = text is not None
         if running:
             self.activity.setText(text)
+        else:  # a deployment ended, one way or another: no node is being prepared any more
+            for agent in self.deploying[1:]:
+                self.preparing.emit(agent, "")
+            self.deploying = []
         self.busy.setVisible(running)
         self.cancel_button.setEnabled(running)
         for b in (self.profile_button, self.open_button, self.optimise_button, self.deploy_button,
