@@ -346,29 +346,25 @@ def link(ns: str, state: str) -> None:
         ip("-n", ns, "route", "replace", "224.0.0.0/4", "dev", veth(ns))
 
 
+def lines(proc: subprocess.Popen, seconds: float):
+    """The child's lines as they come, for ``seconds`` or until its output ends."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and select.select([proc.stdout], [], [], left)[0]:
+        line = proc.stdout.readline()
+        if not line:
+            return
+        yield line.strip()
+
+
 def expect(proc: subprocess.Popen, start: str, seconds: float = 30) -> str:
     """The child's next line that starts with ``start`` (lines before it are passed over)."""
-    deadline, seen = time.monotonic() + seconds, []
-    while (left := deadline - time.monotonic()) > 0 and select.select([proc.stdout], [], [], left)[0]:
-        line = proc.stdout.readline().strip()
+    seen = []
+    for line in lines(proc, seconds):
         if line.startswith(start):
             return line
         seen.append(line)
-        if not line and proc.poll() is not None:
-            break
     proc.kill()
     pytest.fail(f"no {start!r} line within {seconds} s; got {seen} {proc.stderr.read()}")
-
-
-def events(proc: subprocess.Popen, seconds: float) -> list[str]:
-    """The child's lines over the next ``seconds``."""
-    deadline, seen = time.monotonic() + seconds, []
-    while (left := deadline - time.monotonic()) > 0 and select.select([proc.stdout], [], [], left)[0]:
-        line = proc.stdout.readline().strip()
-        if not line and proc.poll() is not None:
-            break
-        seen.append(line)
-    return seen
 
 
 def test_discovery_follows_interfaces_that_come_and_go(namespaces):
@@ -403,7 +399,7 @@ def test_discovery_follows_interfaces_that_come_and_go(namespaces):
             time.sleep(discovery.SETTLE_S * 2 / 3)
             ip("-n", a, "link", "set", second, "up")
             time.sleep(discovery.SETTLE_S / 6)
-        flapped = events(watcher, discovery.WATCH_S + discovery.SETTLE_S + 3)
+        flapped = list(lines(watcher, discovery.WATCH_S + discovery.SETTLE_S + 3))
         assert not [e for e in flapped if info.node_id in e], flapped
         link(b, "down")
         expect(watcher, f"removed {info.node_id}", discovery.WATCH_S + discovery.SETTLE_S + discovery.RECONFIRM_S + 10)

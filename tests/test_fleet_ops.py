@@ -42,6 +42,11 @@ def _greedy(chain, tokens=12):
     return Generator(chain, max_length=128).generate(IDS, tokens, ignore_eos=True).tokens
 
 
+def _greedy_in_process(deployment):
+    """What the deployment's exported stages give in one process."""
+    return _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+
+
 def test_agent_refuses_without_the_fleet_key(two_agents, key_file, tmp_path):
     (_, address), _ = two_agents
     stranger = create_key(tmp_path / "other.key")
@@ -253,7 +258,7 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     finally:
         chain.close()
         deployment.stop(key)
-    assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+    assert got == _greedy_in_process(deployment)
 
 
 def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_file, tiny_models, tmp_path):
@@ -308,7 +313,7 @@ def _up_serves_then_stops(up, ending: str, log: Path, a: str, key: bytes) -> Non
             got = _greedy(chain)
         finally:
             chain.close()
-        assert got == _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+        assert got == _greedy_in_process(deployment)
         with ControlClient(a, key) as agent:
             assert [w["stage"] for w in agent.status()["workers"]] == [1]
         if ending == "SIGTERM":
