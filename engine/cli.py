@@ -70,10 +70,12 @@ def _export(model: str, stages: int | None, split: str | None, weights: str, out
 
 
 def cmd_export(args) -> int:
+    from engine.manifest import layer_numbers
+
     result = _export(args.model, args.stages, args.split, args.weights, args.out, args.force, args.head)
     print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:
-        print(f"{s.index:<7}{f'{s.layers[0]}-{s.layers[1]}':<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")
+        print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")
     if result.cached:
         print("(already exported: reused the cached shards; --force exports again)")
     return 0
@@ -283,8 +285,10 @@ def cmd_worker(args) -> int:
         from engine.runtime.localfleet import lifeline
 
         lifeline()
+    from engine.manifest import layer_span
+
     m = worker.manifest
-    print(f"stage {m.stage_index} of {m.stage_count} (layers {m.layers[0]}-{m.layers[1]}) on "
+    print(f"stage {m.stage_index} of {m.stage_count} ({layer_span(*m.layers)}) on "
           f"{worker.runner.device}, listening on {worker.address}"
           + (f", next stage {args.next}" if args.next else ""), file=sys.stderr, flush=True)
     print(f"ready {worker.address}", flush=True)
@@ -375,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face folder")
     how = export.add_mutually_exclusive_group()
     how.add_argument("--stages", type=int, help="number of stages (layers split evenly)")
-    how.add_argument("--split", help="layer boundaries, e.g. 10,20 for three stages")
+    how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
     export.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     export.add_argument("--head", default="int8", choices=["int8", "int4"],
                         help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")

@@ -32,6 +32,16 @@ def role_of(start: int, end: int, num_layers: int) -> str:
     return "last" if end == num_layers else "middle"
 
 
+def layer_numbers(start: int, end: int) -> str:
+    """The layer range ``[start, end)`` as people read it, inclusive: "0-14", or "3" for one layer."""
+    return str(start) if end - start == 1 else f"{start}-{end - 1}"
+
+
+def layer_span(start: int, end: int) -> str:
+    """"layers 0-14" or "layer 3": every range shown to a user (``--pin NODE:A-B`` reads the same way)."""
+    return f"layer{'s' if end - start != 1 else ''} {layer_numbers(start, end)}"
+
+
 @dataclasses.dataclass
 class Manifest:
     model_name: str
@@ -157,7 +167,8 @@ def check_chain(manifests: list[Manifest]) -> None:
     expected = 0
     for m in manifests:
         if m.layers[0] != expected:
-            raise ShardError(f"shards are not contiguous: expected a stage starting at layer {expected}, got {m.layers}")
+            raise ShardError(f"shards are not contiguous: expected a stage starting at layer {expected}, "
+                             f"got stage {m.stage_index} of {layer_span(*m.layers)}")
         expected = m.layers[1]
     if expected != head.spec.num_layers:
-        raise ShardError(f"shards end at layer {expected}, the model has {head.spec.num_layers} layers")
+        raise ShardError(f"the shards hold {layer_span(0, expected)}, the model has {head.spec.num_layers} layers")

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
                                QWidget)
 
 from engine.errors import FleetError
+from engine.manifest import layer_numbers
 from fleetgui.settings import WEIGHTS
 from fleetgui.widgets import Banner, combo_box, field_row, spin_box
 from fleetgui.workers import TaskRunner
@@ -129,7 +130,7 @@ class ExportWizard(QWidget):
         self.by_count.setChecked(True)
         self.stages = spin_box(1, 64, self.settings.stages)
         self.split = QLineEdit()
-        self.split.setPlaceholderText("e.g. 10,20 for three stages")
+        self.split.setPlaceholderText("first layer of each later stage: 10,20 gives layers 0-9, 10-19, 20-…")
         self.split.textEdited.connect(lambda: self.by_split.setChecked(True))
         self.stages.valueChanged.connect(lambda: self.by_count.setChecked(True))
         plan_button = QPushButton("From a placement plan…")
@@ -342,7 +343,7 @@ class ExportWizard(QWidget):
                 self.stage_labels[report.index].setText(f"stage {report.index}: done, peak {report.peak_rss_mb:.0f} MB")
         self.table.setRowCount(len(result.stages))
         for row, s in enumerate(result.stages):
-            cells = (str(s.index), f"{s.layers[0]}–{s.layers[1]}", f"{s.peak_rss_mb:.0f}", f"{s.size_mb:.2f}",
+            cells = (str(s.index), layer_numbers(*s.layers), f"{s.peak_rss_mb:.0f}", f"{s.size_mb:.2f}",
                      f"{s.seconds:.1f}", str(s.folder))
             for col, text in enumerate(cells):
                 self.table.setItem(row, col, QTableWidgetItem(text))

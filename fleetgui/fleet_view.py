@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFi
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
+from engine.manifest import layer_numbers, layer_span
 from fleetgui import keystore
 from fleetgui.widgets import Banner, splitter
 from fleetgui.workers import TaskRunner
@@ -102,7 +103,7 @@ class NodeRow:
             return self.preparing
         serving = [w for w in self.workers if str(w.get("state", "running")) == "running"]
         if self.state.startswith("serving") and serving:
-            return "serving " + ", ".join(f"stage {w.get('stage')} (layers {w['layers'][0]}-{w['layers'][1]})"
+            return "serving " + ", ".join(f"stage {w.get('stage')} ({layer_span(*w['layers'])})"
                                           if w.get("layers") else f"stage {w.get('stage')}" for w in serving)
         return self.state
 
@@ -113,7 +114,7 @@ class NodeRow:
     def shards_text(self) -> str:
         if not self.shards:
             return "none"
-        return ", ".join(f"{s.get('model', '?')} {s['layers'][0]}-{s['layers'][1]}" for s in self.shards)
+        return ", ".join(f"{s.get('model', '?')} {layer_numbers(*s['layers'])}" for s in self.shards)
 
     def memory_text(self) -> str:
         if not self.memory_mb:
@@ -163,8 +164,8 @@ class NodesModel(QAbstractTableModel):
             if column == "Status" and row.error:
                 return row.error
             if column == "Shards" and row.shards:
-                return "\n".join(f"{s.get('model')} stage {s.get('stage')} of {s.get('count')}, layers "
-                                 f"{s['layers'][0]}-{s['layers'][1]}, {s.get('weights')}, "
+                return "\n".join(f"{s.get('model')} stage {s.get('stage')} of {s.get('count')}, "
+                                 f"{layer_span(*s['layers'])}, {s.get('weights')}, "
                                  f"{s.get('bytes', 0) / 2**20:.1f} MB" for s in row.shards)
             if column in ("Name", "Devices"):
                 return f"{row.cpu}\nnode id {row.node_id}" if row.node_id else None

@@ -19,6 +19,7 @@ from pathlib import Path
 from PySide6.QtCore import QAbstractItemModel, QMimeData, QModelIndex, Qt, Signal
 
 from engine.errors import FleetError
+from engine.manifest import layer_span
 
 MIME = "application/x-fleetshard-layers"
 GB = 2**30
@@ -219,7 +220,7 @@ class PlanModel(QAbstractItemModel):
         problems = list(self.evaluation.problems)
         for i, s in enumerate(self.stages[1:], start=1):  # what deploy() needs besides what evaluate checks
             if self.lanes[s.lane].address == LOCAL:
-                problems.append(f"stage {i} (layers {s.start}-{s.end}) is on this machine, which runs stage 0 "
+                problems.append(f"stage {i} ({layer_span(s.start, s.end)}) is on this machine, which runs stage 0 "
                                 "only: give those layers to a node agent")
         if len(self.stages) < 2:
             problems.append("a deployment needs at least one stage on another node")
@@ -304,7 +305,7 @@ class PlanModel(QAbstractItemModel):
             return None
         s = self.stages[stage]
         if role == Qt.ItemDataRole.DisplayRole:
-            return f"layers {s.start}-{s.end}" if index.column() == 0 else \
+            return layer_span(s.start, s.end) if index.column() == 0 else \
                 f"stage {stage}, {self.stage_ms(stage):.2f} ms"
         if role == Qt.ItemDataRole.CheckStateRole and index.column() == 0:
             return Qt.CheckState.Checked if s.pinned else Qt.CheckState.Unchecked

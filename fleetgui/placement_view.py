@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGro
                                QSizePolicy, QTreeView, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
+from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
 from fleetgui.widgets import Banner, combo_box, spin_box, splitter
@@ -174,7 +175,7 @@ class PlanCanvas(QWidget):
                          ruler.height())
             p.fillRect(seg, colour)
             p.setPen(QColor("#ffffff"))
-            p.drawText(seg, Qt.AlignmentFlag.AlignCenter, f"{s.start}–{s.end}")
+            p.drawText(seg, Qt.AlignmentFlag.AlignCenter, layer_numbers(s.start, s.end))
         p.setPen(QPen(text, 1))
         p.drawRect(ruler)
         step = max(1, m.shape.num_layers // 16)
@@ -219,9 +220,9 @@ class PlanCanvas(QWidget):
             p.drawRect(r)
         p.setPen(QColor("#ffffff"))
         pinned = " · pinned" if s.pinned else ""
-        label = f"stage {i}: {s.start}–{s.end} · {self.model.stage_ms(i):.2f} ms{pinned}"
+        label = f"stage {i}: {layer_numbers(s.start, s.end)} · {self.model.stage_ms(i):.2f} ms{pinned}"
         if self.fontMetrics().horizontalAdvance(label) > r.width() - 4:
-            label = f"{s.start}–{s.end}" + (" ⚑" if s.pinned else "")
+            label = layer_numbers(s.start, s.end) + (" ⚑" if s.pinned else "")
         p.drawText(r, Qt.AlignmentFlag.AlignCenter, label)
 
     def _paint_memory(self, p: QPainter, lane: int, r: QRectF) -> None:
@@ -568,7 +569,7 @@ class PlacementView(QWidget):
         self.deploy_bars = []
         for i, s in enumerate(stages):
             lane = self.model.lanes[self.model.stages[i].lane]
-            name = QLabel(f"stage {i}: {lane.label}, layers {s.start}-{s.end}")
+            name = QLabel(f"stage {i}: {lane.label}, {layer_span(s.start, s.end)}")
             phase = QLabel("waiting")
             phase.setObjectName("hint")
             bar = QProgressBar()

@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QFileDialog, QFormLayout
                                QMenu, QPlainTextEdit, QPushButton, QSystemTrayIcon, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
+from engine.manifest import layer_span
 from fleetgui import autostart, theme
 from fleetgui.widgets import Banner
 from fleetgui.workers import TaskRunner, on_signals
@@ -40,8 +41,8 @@ def describe_state(agent) -> tuple[str, str]:
     else:
         status = {"idle": "idle: waiting for work", "receiving": "receiving a shard",
                   "profiling": "profiling its devices"}.get(agent.activity, agent.activity)
-    stages = "; ".join(f"stage {w.info.get('stage')} of {w.info.get('model')}, layers "
-                       f"{w.info['layers'][0]}-{w.info['layers'][1]} on {w.info.get('device')}" for w in serving)
+    stages = "; ".join(f"stage {w.info.get('stage')} of {w.info.get('model')}, {layer_span(*w.info['layers'])} "
+                       f"on {w.info.get('device')}" for w in serving)
     return status, stages or "no stage"
 
 
@@ -252,8 +253,8 @@ class WorkerWindow(QWidget):
         self.status.setText(status)
         self.stage.setText(stage or "—")
         shards = c.shards()
-        self.shards.setText("; ".join(f"{s.get('model')} stage {s.get('stage')} of {s.get('count')}, layers "
-                                      f"{s['layers'][0]}-{s['layers'][1]} ({s.get('bytes', 0) / 2**20:.1f} MB)"
+        self.shards.setText("; ".join(f"{s.get('model')} stage {s.get('stage')} of {s.get('count')}, "
+                                      f"{layer_span(*s['layers'])} ({s.get('bytes', 0) / 2**20:.1f} MB)"
                                       for s in shards) or "none")
         self.pause_button.setText("Resume serving" if c.paused else "Pause serving")
         self.pause_button.setEnabled(c.running)

@@ -136,7 +136,7 @@ def test_chain_of_two_models_or_with_gaps_is_refused(tiny_exports):
         LocalChain([llama[0], qwen[1]])
     with pytest.raises(ShardError, match="not contiguous"):
         LocalChain([tiny_exports["llama", "3"].folders[0], llama[1]])
-    with pytest.raises(ShardError, match="layer 2"):
+    with pytest.raises(ShardError, match="hold layers 0-1, the model has 4 layers"):
         LocalChain([llama[0]])
     with pytest.raises(ShardError, match="does not exist"):
         LocalChain(["/nonexistent/shard"])

@@ -143,7 +143,7 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
     assert priced() and view.problems.text() == ""
     before, alpha_memory = view.prediction.text(), model.lane_memory(lane["alpha"])
 
-    # the boundary between alpha (1-3) and beta (3-4), dragged with the mouse to layer 2
+    # the boundary between alpha (layers 1-2) and beta (layer 3), dragged with the mouse to layer 2's start
     handle = canvas.boundary_point(1)
     assert canvas.boundary_at(handle) == 1
     drag(canvas, handle, QPoint(round(canvas.layer_x(2)), handle.y()))
@@ -151,24 +151,25 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
     assert view.prediction.text() != before and priced()
     assert model.lane_memory(lane["alpha"]) < alpha_memory  # the memory bar follows
 
-    # beta's range dragged onto alpha's lane: alpha now runs layers 1-4, two stages remain
+    # beta's range dragged onto alpha's lane: alpha now runs layers 1-3, two stages remain
     drag(canvas, canvas.block_point(2), canvas.lane_point(lane["alpha"]))
     assert names(model) == [("this machine", 0, 1), ("alpha", 1, 4)]
     assert "2 stages" in view.prediction.text() and priced()
 
-    # the same drop through the model's own API (what a QTreeView drop calls): layers 3-4 onto beta
+    # the same drop through the model's own API (what a QTreeView drop calls): layer 3 onto beta
     data = QMimeData()
     data.setData(MIME, json.dumps({"start": 3, "end": 4}).encode())
     assert model.canDropMimeData(data, Qt.DropAction.MoveAction, -1, 0, model.lane_index(lane["beta"]))
     assert model.dropMimeData(data, Qt.DropAction.MoveAction, -1, 0, model.lane_index(lane["beta"]))
     assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)] and priced()
+    assert [model.data(model.range_index(i)) for i in range(3)] == ["layer 0", "layers 1-2", "layer 3"]
     dragged = model.mimeData([model.range_index(1)])
     assert json.loads(bytes(dragged.data(MIME)).decode()) == {"start": 1, "end": 3}
 
     # a later range on this machine cannot be deployed (it runs stage 0 only): said, not hidden
     drag(canvas, canvas.block_point(2), canvas.lane_point(lane["this machine"]))
     assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("this machine", 3, 4)]
-    assert "stage 2 (layers 3-4) is on this machine" in view.problems.text()
+    assert "stage 2 (layer 3) is on this machine" in view.problems.text()
 
 
 def test_a_pinned_range_survives_optimise(qtbot, fleet):
@@ -212,10 +213,10 @@ def test_infeasible_plans_say_why(qtbot, fleet):
     view.deploy_button.click()
     assert "cannot be deployed" in view.banner.message and view.task is None
 
-    view.model.set_pinned(2, True)  # beta must keep layers 3-4: no solver can make that fit
+    view.model.set_pinned(2, True)  # beta must keep layer 3: no solver can make that fit
     view.optimise_button.click()
     qtbot.waitUntil(lambda: view.task is None, timeout=60000)
-    assert view.problems.text().startswith("Infeasible: pin of layers 3-4 on node beta needs")
+    assert view.problems.text().startswith("Infeasible: pin of layer 3 on node beta needs")
     assert names(view.model) == [("this machine", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)]  # left as drawn
     view.model.setData(view.model.range_index(2), Qt.CheckState.Unchecked, Qt.ItemDataRole.CheckStateRole)
     view.optimise_button.click()  # without the pin the solver routes around beta
@@ -274,6 +275,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     fleet_view.measure_round_trips()
     qtbot.waitUntil(lambda: all(r.status.startswith("serving stage") and r.shards for r in fleet_view.model.rows)
                     and fleet_view.rtt_table.rowCount() == 3, timeout=60000)
+    assert {"serving stage 1 (layers 1-2)", "serving stage 2 (layer 3)"} <= {r.status for r in fleet_view.model.rows}
     screenshot(window, "fleet")
 
     # another app instance chats on the recorded deployment (Deployment.load().chain(key)) and leaves it running

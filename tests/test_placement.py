@@ -53,24 +53,36 @@ def test_total_memory_counts_one_device_per_node_and_kv():
 
 def test_pin_too_big_for_its_device():
     f = fleet(dev("a", mem_gb=4), dev("b", mem_gb=64))
-    with pytest.raises(Infeasible, match=r"^pin of layers 0-6 on node a needs 6\.0 GB, its CPU has 4\.0 GB$"):
+    with pytest.raises(Infeasible, match=r"^pin of layers 0-5 on node a needs 6\.0 GB, its CPU has 4\.0 GB$"):
         solve(model(8), f, pins=[Pin("a", 0, 6)])
 
 
 def test_overlapping_pins():
     f = fleet(dev("a"), dev("b"), dev("c"))
-    with pytest.raises(Infeasible, match=r"^pins overlap: layers 0-4 on a and 3-6 on b$"):
+    with pytest.raises(Infeasible, match=r"^pins overlap: layers 0-3 on a and layers 3-5 on b$"):
         solve(model(8), f, pins=[Pin("b", 3, 6), Pin("a", 0, 4)])
 
 
+def test_pin_argument_names_layers_inclusively():
+    import argparse
+
+    from engine.fleet.commands import _pin
+
+    assert _pin("alpha:0-14") == Pin("alpha", 0, 15)
+    assert _pin("this machine:3:GPU.1") == Pin("this machine", 3, 4, "GPU.1")
+    for bad in ("alpha:5-3", "alpha", "alpha:x-3", "alpha:1-2:GPU:NPU"):
+        with pytest.raises(argparse.ArgumentTypeError, match="both included"):
+            _pin(bad)
+
+
 @pytest.mark.parametrize("pins, reason", [
-    ([Pin("a", 4, 9)], "pin of layers 4-9 on node a lies outside the model's layers 0-8"),
-    ([Pin("a", 5, 5)], "pin of layers 5-5 on node a is empty"),
-    ([Pin("zz", 0, 4)], "pin of layers 0-4 on node zz: unknown node"),
-    ([Pin("a", 0, 4, "NPU")], "pin of layers 0-4 on node a: the node has no device NPU"),
-    ([Pin("c", 0, 4, "GPU.0")], "pin of layers 0-4 on node c: its GPU.0 cannot run a stage"),
+    ([Pin("a", 4, 9)], "pin of layers 4-8 on node a lies outside the model's layers 0-7"),
+    ([Pin("a", 5, 5)], "a pin on node a holds no layers"),
+    ([Pin("zz", 0, 4)], "pin of layers 0-3 on node zz: unknown node"),
+    ([Pin("a", 0, 4, "NPU")], "pin of layers 0-3 on node a: the node has no device NPU"),
+    ([Pin("c", 0, 4, "GPU.0")], "pin of layers 0-3 on node c: its GPU.0 cannot run a stage"),
     ([Pin("a", 0, 2), Pin("a", 4, 6)], "node a is pinned twice"),
-    ([Pin("a", 1, 2), Pin("b", 3, 4)], r"the pins leave 3 unpinned range\(s\) \(0-1, 2-3, 4-8\) but only 1 other"),
+    ([Pin("a", 1, 2), Pin("b", 3, 4)], r"the pins leave 3 unpinned range\(s\) \(layer 0; layer 2; layers 4-7\) but only 1 other"),
 ])
 def test_bad_pins_are_refused_before_solving(pins, reason):
     f = fleet(dev("a"), dev("b"), dev("c"), dev("c", "GPU.0", supported=False))
@@ -291,15 +303,15 @@ def test_evaluate_reports_memory_gaps_overlaps_and_unknowns():
     f = fleet(dev("a", mem_gb=4), dev("b", mem_gb=4))
     problems = evaluate(model(10), f, [("a", "CPU", 0, 3), ("b", "CPU", 3, 8)]).problems
     assert problems == ["stage 1 on b CPU needs 5.0 GB but has 4.0 GB: 1.0 GB over",
-                        "gap: layers 8-10 are in no stage"]
+                        "gap: layers 8-9 in no stage"]
     problems = evaluate(model(10), f, [("a", "CPU", 0, 3), ("b", "CPU", 4, 8), ("a", "CPU", 7, 10)]).problems
-    assert problems == ["gap: layers 3-4 are in no stage",
-                        "overlap: layers 7-8 of stage 2 are already in an earlier stage"]
+    assert problems == ["gap: layer 3 in no stage",
+                        "overlap: layer 7 of stage 2 already in an earlier stage"]
     problems = evaluate(model(10), f, [("zz", "CPU", 0, 5), ("a", "NPU", 5, 10)]).problems
     assert "stage 0: unknown node zz" in problems and "stage 1: node a has no device NPU" in problems
     assert evaluate(model(10), f, []).problems == ["the plan has no stages"]
     problems = evaluate(model(8), f, [("a", "CPU", 1, 4), ("b", "CPU", 4, 8)]).problems
-    assert problems == ["gap: layers 0-1 are in no stage"]
+    assert problems == ["gap: layer 0 in no stage"]
 
 
 def test_evaluate_allows_one_node_in_several_stages():

@@ -22,7 +22,7 @@ from engine.export.exporter import export_model
 from engine.fleet.placement import Fleet, ModelShape, evaluate, simulated_fleet, solve
 from engine.fleet.profile import export_profile_shards, model_shape, profile_shards
 from engine.fleet.survey import device_profile
-from engine.manifest import load_manifest
+from engine.manifest import layer_numbers, load_manifest
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
 from engine.runtime.tokenizer import ChatTokenizer
@@ -72,7 +72,7 @@ def run_placement(model: str, *, tokens: int = 64, warmup: int = 1, runs: int = 
         stages = [(NODE, "CPU", *load_manifest(f).layers) for f in folders]
         predicted = evaluate(shape, fleet, stages).plan.tok_s
         got = 1e3 / median(samples[name])
-        rows.append({"split": name, "layers": "/".join(f"{a}-{b}" for _, _, a, b in stages),
+        rows.append({"split": name, "layers": "/".join(layer_numbers(a, b) for _, _, a, b in stages),
                      "predicted_tok_s": round(predicted, 2), "measured_tok_s": round(got, 2),
                      "error_pct": round((predicted / got - 1) * 100, 1)})
         hooks.row(rows[-1])

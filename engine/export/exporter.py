@@ -19,7 +19,7 @@ from typing import Callable
 from engine.config import paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
-from engine.manifest import check_chain, load_manifest
+from engine.manifest import check_chain, layer_span, load_manifest
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
 EXPORTER_VERSION = 5
@@ -194,7 +194,7 @@ def _run_stage(job: dict, progress: Progress | None, cancel) -> StageReport:
             if kind == "progress" and progress:
                 progress(job["index"], payload[0], payload[1])
             elif kind == "error":
-                raise ExportError(f"stage {job['index']} (layers {job['start']}-{job['end']}): {payload}")
+                raise ExportError(f"stage {job['index']} ({layer_span(job['start'], job['end'])}): {payload}")
             elif kind == "done":
                 result = payload
     finally:

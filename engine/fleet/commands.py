@@ -155,15 +155,15 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
     if doc:
         minutes = (time.time() - doc["taken"]["at"]) / 60
         _say(f"using the fleet profile of {minutes:.0f} min ago in {path} (--resurvey profiles the fleet afresh)")
-        return path
-    doc = survey(**asked, log=_say)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2))
+    else:
+        doc = survey(**asked, log=_say)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2))
+        _say(f"fleet profile written to {path}")
     for d in doc["fleet"]["devices"]:
         print(f"{doc['nodes'][d['node']]['name']:<20} {d['device']:<8} layer {d['layer_ms']:.3f} ms  "
               f"head {d['head_ms']:.3f} ms  call {d.get('call_ms', 0):.3f} ms  "
               f"memory {d['memory_bytes'] / 2**30:.1f} GB  {'supported' if d['supported'] else 'UNSUPPORTED'}")
-    _say(f"fleet profile written to {path}")
     return path
 
 
@@ -180,14 +180,18 @@ def cmd_profile(args) -> int:
 
 
 def _pin(text: str):
+    """``NODE:A-B[:DEVICE]``: layers A to B, both included (as every range is shown), or ``NODE:A``."""
     from engine.fleet.placement import Pin
 
     try:
         node, rng, *device = text.split(":")
-        start, end = (int(x) for x in rng.split("-"))
+        first, last = (int(x) for x in rng.split("-")) if "-" in rng else (int(rng),) * 2
+        if len(device) > 1 or first > last:
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--pin takes NODE:START-END[:DEVICE], not {text!r}") from None
-    return Pin(node=node, start=start, end=end, device=device[0] if device else None)
+        raise argparse.ArgumentTypeError(f"--pin takes NODE:FIRST-LAST[:DEVICE] (layers FIRST to LAST, "
+                                         f"both included), not {text!r}") from None
+    return Pin(node=node, start=first, end=last + 1, device=device[0] if device else None)
 
 
 def _place(profile: Path, *, objective: str, users: int, pins, out: str | None = None) -> tuple[dict, Path]:
@@ -365,7 +369,7 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
     stages = placement_stages(doc)
     if len(stages) == 1:
         why = ("the nodes would not make it faster (--objective throughput --users N weighs several users; "
-               "--pin NODE:A-B places layers by hand)" if len(doc["nodes"]) > 1 else
+               "--pin NODE:FIRST-LAST places layers by hand)" if len(doc["nodes"]) > 1 else
                "the only node agent found runs on this machine")
         _say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1")
@@ -448,7 +452,7 @@ def add_commands(sub, connection_args) -> None:
     place.add_argument("--profile", help="a `fleet profile` document (default: the last one)")
     place.add_argument("--objective", default="latency", choices=["latency", "throughput"])
     place.add_argument("--users", type=int, default=1, help="concurrent users (throughput objective)")
-    place.add_argument("--pin", action="append", type=_pin, help="NODE:START-END[:DEVICE], fixed by hand")
+    place.add_argument("--pin", action="append", type=_pin, help="NODE:FIRST-LAST[:DEVICE]: these layers (both included) on this node, fixed by hand")
     place.add_argument("--out", help="where to write the plan (default: the data folder)")
     place.set_defaults(func=cmd_place)
 
@@ -471,7 +475,7 @@ def add_commands(sub, connection_args) -> None:
                                     "place the model with the solver, deploy and chat")
     up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
     up.add_argument("--users", type=int, default=1, help="with --nodes: concurrent users planned for")
-    up.add_argument("--pin", action="append", type=_pin, help="with --nodes: NODE:START-END[:DEVICE], fixed by hand")
+    up.add_argument("--pin", action="append", type=_pin, help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--resurvey", action="store_true", help="with --nodes: profile the fleet even if it was "
                                                             "profiled in the last day")
     up.add_argument("--seconds", type=float, default=2.0, help="how long to look for peers")

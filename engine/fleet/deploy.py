@@ -18,6 +18,7 @@ from typing import Callable
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
+from engine.manifest import layer_span
 from engine.runtime.link import parse_address
 
 LOCAL = "local"  # the coordinator's own stage in a placement's address list
@@ -102,17 +103,19 @@ def _stop_workers(workers: list[dict], key: bytes, tls) -> list[str]:
     return problems
 
 
-def split_of(stages: list[StagePlacement], num_layers: int | None = None) -> list[int]:
+def split_of(stages: list[StagePlacement]) -> list[int]:
     """Stage boundaries of a placement, after checking it covers the layers once, in order."""
     if not stages:
         raise FleetError("a placement needs at least one stage")
     if stages[0].start != 0:
         raise FleetError(f"the first stage starts at layer {stages[0].start}, not 0")
+    for s in stages:
+        if s.end <= s.start:
+            raise FleetError(f"the stage from layer {s.start} holds no layers")
     for a, b in zip(stages, stages[1:]):
-        if b.start != a.end or a.end <= a.start:
-            raise FleetError(f"stages {a.start}-{a.end} and {b.start}-{b.end} are not contiguous")
-    if num_layers is not None and stages[-1].end != num_layers:
-        raise FleetError(f"the placement ends at layer {stages[-1].end}, the model has {num_layers}")
+        if b.start != a.end:
+            raise FleetError(f"the stages of {layer_span(a.start, a.end)} and {layer_span(b.start, b.end)} "
+                             f"are not contiguous")
     return [s.end for s in stages[:-1]]
 
 
@@ -138,8 +141,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     export = export_model(model, split=split, weights=weights, cancel=cancel,
                           progress=lambda i, step, frac: report(i, "export", frac))
     if stages[-1].end != export.stages[-1].layers[1]:
-        raise FleetError(f"the placement ends at layer {stages[-1].end}, the model has "
-                         f"{export.stages[-1].layers[1]}")
+        raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
+                         f"{export.stages[-1].layers[1]} layers")
     digests = {}
     for i, (stage, folder) in enumerate(zip(stages, export.folders)):
         if i == 0:

@@ -21,6 +21,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array, vstack
 
 from engine.errors import FleetError
+from engine.manifest import layer_span
 
 OBJECTIVES = ("latency", "throughput")
 GB = 2**30
@@ -148,7 +149,7 @@ class Plan(Record):
         lines = [f"{self.model}: {len(self.stages)} stage(s), objective {self.objective}"]
         for i, s in enumerate(self.stages):
             share = f"{100 * s.memory_bytes / s.memory_limit_bytes:.0f}%" if s.memory_limit_bytes else "no limit known"
-            lines.append(f"  stage {i}: {s.node} {s.device}, layers {s.start}-{s.end}, {s.ms:.2f} ms, "
+            lines.append(f"  stage {i}: {s.node} {s.device}, {layer_span(s.start, s.end)}, {s.ms:.2f} ms, "
                          f"{gb(s.memory_bytes)} of {gb(s.memory_limit_bytes)} ({share})")
         lines.append(f"  network: {self.network_ms:.2f} ms per token over {max(len(self.stages) - 1, 0)} hop(s)")
         lines.append(f"  predicted: {self.token_ms:.2f} ms per token, {self.tok_s:.1f} tok/s for one user, "
@@ -258,17 +259,17 @@ def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, i
             problems.append(f"stage {i} on {node} {device} needs {gb(planned.memory_bytes)} but has "
                             f"{gb(dev.memory_bytes)}: {gb(planned.memory_bytes - dev.memory_bytes)} over")
         if end <= start:
-            problems.append(f"stage {i} has no layers ({start}-{end})")
+            problems.append(f"stage {i} has no layers")
         if start > expected:
-            problems.append(f"gap: layers {expected}-{start} are in no stage")
+            problems.append(f"gap: {layer_span(expected, start)} in no stage")
         elif start < expected:
-            problems.append(f"overlap: layers {start}-{min(expected, end)} of stage {i} are already in an "
+            problems.append(f"overlap: {layer_span(start, min(expected, end))} of stage {i} already in an "
                             f"earlier stage")
         expected = max(expected, end)
     if stages and expected < model.num_layers:
-        problems.append(f"gap: layers {expected}-{model.num_layers} are in no stage")
+        problems.append(f"gap: {layer_span(expected, model.num_layers)} in no stage")
     elif expected > model.num_layers:
-        problems.append(f"layers {model.num_layers}-{expected} lie past the model's {model.num_layers} layers")
+        problems.append(f"{layer_span(model.num_layers, expected)} past the model's {model.num_layers} layers")
     if stages and fleet.coordinator is not None and stages[0][0] != fleet.coordinator:
         problems.append(f"stage 0 must run on the coordinator {fleet.coordinator}, not {stages[0][0]}")
     return Evaluation(plan=plan, problems=problems)
@@ -345,11 +346,11 @@ def _check_pins(model: ModelShape, fleet: Fleet, units: list[DeviceProfile], pin
                 max_stages: int | None) -> list[Pin]:
     L, c = model.num_layers, fleet.coordinator
     for p in pins:
-        where = f"pin of layers {p.start}-{p.end} on node {p.node}"
         if p.end <= p.start:
-            raise Infeasible(f"{where} is empty")
+            raise Infeasible(f"a pin on node {p.node} holds no layers")
+        where = f"pin of {layer_span(p.start, p.end)} on node {p.node}"
         if p.start < 0 or p.end > L:
-            raise Infeasible(f"{where} lies outside the model's layers 0-{L}")
+            raise Infeasible(f"{where} lies outside the model's {layer_span(0, L)}")
         if p.node not in fleet.nodes:
             raise Infeasible(f"{where}: unknown node")
         if p.device is not None:
@@ -375,7 +376,8 @@ def _check_pins(model: ModelShape, fleet: Fleet, units: list[DeviceProfile], pin
     pins = sorted(pins, key=lambda p: p.start)
     for a, b in zip(pins, pins[1:]):
         if b.start < a.end:
-            raise Infeasible(f"pins overlap: layers {a.start}-{a.end} on {a.node} and {b.start}-{b.end} on {b.node}")
+            raise Infeasible(f"pins overlap: {layer_span(a.start, a.end)} on {a.node} and "
+                             f"{layer_span(b.start, b.end)} on {b.node}")
     for a, b in itertools.combinations(pins, 2):
         if a.node == b.node:
             raise Infeasible(f"node {a.node} is pinned twice; each node runs at most one stage")
@@ -383,7 +385,7 @@ def _check_pins(model: ModelShape, fleet: Fleet, units: list[DeviceProfile], pin
     gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if a < b]
     free = {u.node for u in units} - {p.node for p in pins}
     if len(gaps) > len(free):
-        shown = ", ".join(f"{a}-{b}" for a, b in gaps)
+        shown = "; ".join(layer_span(a, b) for a, b in gaps)
         raise Infeasible(f"the pins leave {len(gaps)} unpinned range(s) ({shown}) but only {len(free)} other "
                          f"node(s) can take a stage")
     if max_stages is not None and len(pins) + len(gaps) > max_stages:

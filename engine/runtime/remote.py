@@ -18,6 +18,7 @@ import numpy as np
 
 from engine import wire
 from engine.errors import FleetError, ShardError, StageError
+from engine.manifest import layer_span
 from engine.runtime.link import Link, connect_successor
 from engine.runtime.stage import Output, StageRunner, compile_config
 from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
@@ -121,7 +122,8 @@ class RemoteChain:
             layers = info.get("layers", [None, None])
             if info.get("stage") != expected or layers[0] != end:
                 raise self._fail(f"the chain is not contiguous: stage {info.get('stage')} at "
-                                 f"{info.get('address')} holds layers {layers}, expected stage {expected} from {end}")
+                                 f"{info.get('address')} holds {'no layers' if None in layers else layer_span(*layers)}, "
+                                 f"expected stage {expected} from layer {end}")
             end = layers[1]
         if end != self.spec.num_layers:
             raise self._fail(f"the chain ends at layer {end} of {self.spec.num_layers}: give the rest of the route")
