@@ -13,6 +13,7 @@ is set here too (``fleetgui.keystore``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -23,7 +24,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFi
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
-from engine.manifest import layer_numbers, layer_span
+from engine.manifest import layer_span
 from fleetgui import keystore
 from fleetgui.widgets import Banner, splitter
 from fleetgui.workers import TaskRunner
@@ -112,9 +113,15 @@ class NodeRow:
         return " + ".join(n for n, on in (("mDNS", self.mdns), ("address", self.added)) if on)
 
     def shards_text(self) -> str:
+        """The node's shards by model: "qwen2: layers 0-1, layer 3 ×2" (the tooltip has each one)."""
         if not self.shards:
             return "none"
-        return ", ".join(f"{s.get('model', '?')} {layer_numbers(*s['layers'])}" for s in self.shards)
+        by_model: dict[str, collections.Counter] = {}
+        for s in self.shards:
+            by_model.setdefault(s.get("model", "?"), collections.Counter())[tuple(s["layers"])] += 1
+        return "; ".join(f"{model}: " + ", ".join(layer_span(*layers) + (f" ×{n}" if n > 1 else "")
+                                                  for layers, n in sorted(spans.items()))
+                         for model, spans in by_model.items())
 
     def memory_text(self) -> str:
         if not self.memory_mb:

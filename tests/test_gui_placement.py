@@ -276,6 +276,8 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     qtbot.waitUntil(lambda: all(r.status.startswith("serving stage") and r.shards for r in fleet_view.model.rows)
                     and fleet_view.rtt_table.rowCount() == 3, timeout=60000)
     assert {"serving stage 1 (layers 1-2)", "serving stage 2 (layer 3)"} <= {r.status for r in fleet_view.model.rows}
+    shards = {r.address: r.shards_text() for r in fleet_view.model.rows}[fleet.alpha]
+    assert shards.startswith("qwen2: ") and "layers 1-2" in shards, shards  # by model, profiling shards too
     screenshot(window, "fleet")
 
     # another app instance chats on the recorded deployment (Deployment.load().chain(key)) and leaves it running
