@@ -228,6 +228,11 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
     source = str(tiny_models["llama"])
+    # an agent that does not answer fails the survey before anything is exported or profiled
+    said = []
+    with pytest.raises(FleetError, match="survey of the node at 127.0.0.1:9 failed: .*not reachable"):
+        survey(source, [a, "127.0.0.1:9"], key=key, local_node="coordinator", weights="f32", log=said.append)
+    assert said == []
     # a node under two addresses is profiled once
     doc = survey(source, [a, b, a], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
     names = {n: info["name"] for n, info in doc["nodes"].items()}
@@ -249,6 +254,8 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     path.write_text(json.dumps({**doc, "taken": {**doc["taken"], "agents": swapped}}))
     assert recent_survey(path, source, [a, b], **asked) is None
     shape, nodes, fleet = load_survey(path)
+    with pytest.raises(FleetError, match="^no fleet profile at .*: make one with `fleet profile"):
+        load_survey(tmp_path / "none.json")
     beta = next(n for n, name in names.items() if name == "beta")
     plan = solve(shape, fleet, objective="throughput", users=2, pins=[Pin(beta, 3, 4)])
     assert plan.stages[0].node == "coordinator" and (plan.stages[-1].node, plan.stages[-1].start) == (beta, 3)

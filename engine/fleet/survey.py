@@ -47,6 +47,14 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
         if cancel is not None and cancel.is_set():
             raise FleetError("fleet profile cancelled")
 
+    statuses = {}  # every agent asked first: one that does not answer fails the survey before any work
+    for address in agents:
+        check()
+        try:
+            with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
+                statuses[address] = agent.status()
+        except AgentError as exc:
+            raise FleetError(f"survey of the node at {address} failed: {exc}") from None
     folders = export_profile_shards(model, weights, cancel=cancel)
     shape = ModelShape(**model_shape(load_manifest(folders[0]), context, streams))
     devices: list[DeviceProfile] = []
@@ -58,17 +66,16 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
     rtt: dict[tuple[str, str], float] = {}
     ids: dict[str, str] = {}  # the agents profiled, by address
     answered: dict[str, str] = {}  # every agent's node, by address
-    for address in agents:
+    for address, status in statuses.items():
+        node = answered[address] = status["node"]["node_id"]
+        if node in nodes:  # this machine's own agent (a tray worker), or a node under two addresses
+            log(f"the node agent at {address} is {nodes[node]['name']}, already profiled: skipped")
+            continue
+        ids[address] = node
+        nodes[node] = {"name": status["node"].get("name", address), "address": address}
         check()
         try:
             with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
-                status = agent.status()
-                node = answered[address] = status["node"]["node_id"]
-                if node in nodes:  # this machine's own agent (a tray worker), or a node under two addresses
-                    log(f"the node agent at {address} is {nodes[node]['name']}, already profiled: skipped")
-                    continue
-                ids[address] = node
-                nodes[node] = {"name": status["node"].get("name", address), "address": address}
                 rtt[(local_node, node)] = agent.round_trip_ms()
                 digests = []
                 for i, folder in enumerate(folders):
@@ -128,5 +135,8 @@ def load_survey(path: Path) -> tuple[ModelShape, dict, Fleet]:
     try:
         raw = json.loads(Path(path).read_text())
         return ModelShape.from_json(raw["model"]), raw["nodes"], Fleet.from_json(raw["fleet"])
+    except FileNotFoundError:
+        raise FleetError(f"no fleet profile at {path}: make one with `fleet profile --nodes all` "
+                         f"(or HOST:PORT,...)") from None
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise FleetError(f"{path} is not a fleet profile written by `fleet profile` ({exc})") from None
