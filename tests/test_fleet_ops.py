@@ -194,6 +194,11 @@ def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_
         deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=lose_b)
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []  # stage 1's worker was stopped again
+    # a node already gone is found before anything is exported
+    phases = []
+    with pytest.raises(FleetError, match=r"^deployment not started: node agent at .* not reachable"):
+        deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=lambda *p: phases.append(p))
+    assert phases == []
 
 
 def test_agents_are_discovered_over_mdns_and_seen_leaving(key_file, tmp_path):

@@ -133,6 +133,12 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     if any(s.agent == LOCAL for s in stages[1:]):
         raise FleetError("only stage 0 runs in the coordinator; later stages need a node agent's address")
     split = split_of(stages)
+    for address in dict.fromkeys(s.agent for s in stages[1:]):  # all there before minutes of export
+        try:
+            with ControlClient(address, key, tls=tls) as agent:
+                agent.status()
+        except AgentError as exc:
+            raise FleetError(f"deployment not started: {exc}") from None
 
     def report(stage: int, phase: str, fraction: float) -> None:
         if progress:
