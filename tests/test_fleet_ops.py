@@ -345,7 +345,7 @@ def _up_serves_then_stops(up, ending: str, log: Path, a: str, key: bytes) -> Non
 
 def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
     """`fleet nodes --json`: an agent heard over mDNS, one added by address (its agent does not
-    advertise), and an added address nobody answers on, reported unreachable."""
+    advertise), and an added address nobody answers on, reported unreachable; `fleet nodes`, a table."""
     import json
     import os
     import subprocess
@@ -364,6 +364,9 @@ def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
         fleet("nodes", "add", added)
         fleet("nodes", "add", "127.0.0.1:9")
         nodes = json.loads(fleet("nodes", "--json", "--seconds", "4", "--fleet-key-file", str(key_file)))
+        table = fleet("nodes", "--seconds", "1", "--fleet-key-file", str(key_file)).splitlines()
+    assert table[0].split() == ["name", "agent", "status", "OS", "devices", "memory"], table
+    assert any(line.split()[:3] == ["added", added, "idle"] for line in table[1:]), table
     by_name = {n.get("name", n.get("address")): n for n in nodes}
     assert by_name["heard"]["source"] == "mdns" and by_name["heard"]["port"] == int(heard.rpartition(":")[2])
     assert by_name["added"]["source"] == "address" and by_name["added"]["status"] == "idle"

@@ -76,6 +76,9 @@ def _row(node: dict) -> str:
             f"{devices:<14} {node.get('memory_mb', 0) / 1024:.1f} GB  {node.get('error', '')}")
 
 
+NODES_HEADER = f"{'name':<20} {'agent':<22} {'status':<16} {'OS':<14} {'devices':<14} memory"
+
+
 def cmd_nodes(args) -> int:
     import dataclasses
 
@@ -107,6 +110,8 @@ def cmd_nodes(args) -> int:
     with Browser(fleet_id(key), on_event=show if args.watch else None) as browser:
         found = [_static_status(a, key, tls) for a in settings.nodes]
         if args.watch:
+            if not args.json:
+                print(f"{'event':<8} {NODES_HEADER}", flush=True)
             for node in found:
                 print(json.dumps({"event": "added", **node}) if args.json else f"added    {_row(node)}", flush=True)
             try:
@@ -124,6 +129,7 @@ def cmd_nodes(args) -> int:
         _say("no nodes found (start `fleet agent` on the other PCs; where multicast does not pass, "
              "add them with `fleet nodes add HOST:PORT`)")
     else:
+        print(NODES_HEADER)
         for node in nodes:
             print(_row(node))
     return 0
