@@ -274,6 +274,25 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     assert got == _greedy_in_process(deployment)
 
 
+def test_all_nodes_leaves_out_added_nodes_that_do_not_answer(two_agents, key_file, tmp_path, monkeypatch, capsys):
+    """`--nodes all` (fleet profile, fleet up): a node added by address that is switched off is left
+    out, and said so, instead of failing the survey."""
+    import argparse
+    import json
+
+    from engine.fleet.commands import _agent_addresses
+
+    (_, a), _ = two_agents
+    home = tmp_path / "coordinator"
+    (home / "config").mkdir(parents=True)
+    (home / "config" / "settings.json").write_text(json.dumps({"nodes": [a, "127.0.0.1:9"]}))
+    monkeypatch.setenv("FLEETSHARD_HOME", str(home))
+    agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=0.5), load_key(key_file), None)
+    assert a in agents and "127.0.0.1:9" not in agents
+    assert "left out 127.0.0.1:9 (added by address): node agent at 127.0.0.1:9 is not reachable" in \
+        capsys.readouterr().err
+
+
 def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_file, tiny_models, tmp_path):
     """`fleet up --nodes`: the survey, the solver (here with a pin) and the deployment in one command;
     the chain it leaves up gives the in-process chain's tokens, and ending `fleet up` stops the

@@ -135,15 +135,22 @@ def cmd_nodes(args) -> int:
     return 0
 
 
-def _agent_addresses(args, key: bytes) -> list[str]:
-    """--nodes: 'all' (mDNS plus nodes added by address) or a comma-separated HOST:PORT list."""
+def _agent_addresses(args, key: bytes, tls) -> list[str]:
+    """--nodes: 'all' (mDNS plus the nodes added by address that answer: a PC switched off is left
+    out, said) or a comma-separated HOST:PORT list (each must answer)."""
     from engine.fleet.discovery import browse
     from engine.fleetkey import fleet_id
 
     if args.nodes and args.nodes != "all":
         return [a.strip() for a in args.nodes.split(",") if a.strip()]
     found = [f"{n.addresses[0]}:{n.port}" for n in browse(args.seconds, fleet_id(key)) if n.addresses]
-    return list(dict.fromkeys(found + Settings.load().nodes))
+    for address in [a for a in Settings.load().nodes if a not in found]:
+        status = _static_status(address, key, tls)
+        if "error" in status:
+            _say(f"left out {address} (added by address): {status['error']}")
+        else:
+            found.append(address)
+    return found
 
 
 def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, weights: str, context: int,
@@ -179,7 +186,7 @@ def cmd_profile(args) -> int:
     settings = Settings.load()
     key = load_key(args.fleet_key_file, create=not args.nodes)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
-    _survey(args.model or settings.default_model, _agent_addresses(args, key) if args.nodes else [], key=key,
+    _survey(args.model or settings.default_model, _agent_addresses(args, key, tls) if args.nodes else [], key=key,
             tls=tls, devices=args.device or settings.device, weights=args.weights, context=args.context,
             streams=args.streams, out=args.out)
     return 0
@@ -365,7 +372,7 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
     from engine.fleetkey import load_tls
 
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
-    agents = _agent_addresses(args, key)
+    agents = _agent_addresses(args, key, tls)
     if not agents:
         raise FleetError("no node of this fleet was found: start `fleet agent` (or the tray worker) on the other "
                          "PCs, or name them with --nodes HOST:PORT,...")
