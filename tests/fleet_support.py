@@ -13,16 +13,16 @@ from engine.runtime.localfleet import await_ready
 
 
 @contextlib.contextmanager
-def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node"):
-    """A ``fleet agent`` process with its own home (its own node id and shard store); yields
-    (process, HOST:PORT of its control API)."""
+def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node", env: dict | None = None):
+    """A ``fleet agent`` process with its own home (its own node id and shard store) and ``env`` on
+    top of this one's; yields (process, HOST:PORT of its control API)."""
     home.mkdir(parents=True, exist_ok=True)
     log = home / "agent.log"
     cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", "127.0.0.1:0", "--lifeline",
            "--fleet-key-file", str(key_file), "--name", name] + ([] if mdns else ["--no-mdns"])
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "FLEETSHARD_HOME": str(home)})
+                                env={**os.environ, **(env or {}), "FLEETSHARD_HOME": str(home)})
     try:
         address = await_ready(proc, log, 60)
         yield proc, address

@@ -180,6 +180,49 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
         deployment.stop(key)
 
 
+# What a worker laptop does not install: refused at import in every process started with it.
+REFUSE_IMPORTS = """
+import sys
+
+class _NotOnAWorkerLaptop:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"torch", "transformers", "nncf", "gguf", "PySide6"}:
+            raise ImportError(f"{name} is not installed on a worker laptop")
+
+sys.meta_path.insert(0, _NotOnAWorkerLaptop())
+"""
+
+
+def test_a_worker_laptop_serves_with_openvino_numpy_and_the_tokenizer_only(key_file, tiny_models, tmp_path):
+    """An agent (and the stage workers it starts) with torch, transformers, nncf, gguf and PySide6
+    refused at import is profiled, takes a shard and serves its stage."""
+    import os
+    import subprocess
+
+    from engine.fleet.survey import survey
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(REFUSE_IMPORTS)
+    env = {"PYTHONPATH": str(site)}
+    refused = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True,
+                             env={**os.environ, **env})
+    assert "torch is not installed on a worker laptop" in refused.stderr  # the refusal works
+    key = load_key(key_file)
+    source = str(tiny_models["llama"])
+    with agent_process(key_file, tmp_path / "laptop", name="laptop", env=env) as (_, laptop):
+        doc = survey(source, [laptop], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
+        assert {d["node"] for d in doc["fleet"]["devices"]} == {"coordinator", *doc["taken"]["agents"].values()}
+        deployment, chain = deploy(source, [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(laptop, "CPU", 2, 4)],
+                                   key=key, weights="f32")
+        try:
+            got = _greedy(chain)
+        finally:
+            chain.close()
+            deployment.stop(key)
+    assert got == _greedy_in_process(deployment)
+
+
 def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_models):
     (_, a), (proc_b, b) = two_agents
     key = load_key(key_file)
