@@ -71,7 +71,7 @@ def test_agent_answers_bad_requests_with_errors(two_agents, key_file):
         assert agent.call("ping") == {}
 
 
-def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tiny_exports):
+def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tiny_exports, tmp_path):
     (_, address), _ = two_agents
     folder = tiny_exports["llama", "2"].folders[1]
     digest = content_hash(folder)
@@ -114,6 +114,19 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
             agent.call("put_chunk", b"x", hash=cdigest, file="../escape", offset=0)
         with pytest.raises(AgentError, match="does not match the announced content hash"):
             agent.call("put_begin", b"{}", hash=cdigest, sizes={})
+        # a shard larger than the node's free disk is refused before a byte is sent
+        manifest = (corrupt / "manifest.json").read_bytes()
+        with pytest.raises(AgentError, match=r"^node alpha: not enough disk space for the shard: it needs 2147483648 MB more, .* has \d+ MB free$"):
+            agent.call("put_begin", manifest, hash=cdigest, sizes={n: 1 << 50 for n in names})
+        # a disk that fills up during the transfer: the error reaches the sender, the connection stays
+        agent.call("put_begin", manifest, hash=cdigest, sizes=sizes)
+        part = next((tmp_path / "a").rglob("incoming")) / cdigest / "openvino_model.bin"
+        part.unlink(missing_ok=True)
+        part.symlink_to("/dev/full")
+        with pytest.raises(AgentError, match="^node alpha: No space left on device$"):
+            agent.call("put_chunk", b"x", hash=cdigest, file="openvino_model.bin", offset=0)
+        part.unlink()
+        assert agent.call("has_shard", hash=cdigest)["present"] is False
 
 
 def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny_models):

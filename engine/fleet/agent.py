@@ -201,6 +201,8 @@ class Agent:
             return wire.control(Msg.ERROR, {"reason": str(exc)}, frame.stream, frame.seq)
         except (KeyError, TypeError, ValueError) as exc:
             return wire.control(Msg.ERROR, {"reason": f"malformed request ({exc!r})"}, frame.stream, frame.seq)
+        except OSError as exc:  # a full disk, say: the caller hears why, and the connection stays
+            return wire.control(Msg.ERROR, {"reason": exc.strerror or str(exc)}, frame.stream, frame.seq)
 
     # --- operations ----------------------------------------------------------------------------------
 

@@ -93,9 +93,6 @@ class ShardStore:
         if not all(isinstance(n, int) and n >= 0 for n in sizes.values()):
             raise ShardError("malformed file sizes")
         folder = self.incoming / digest
-        folder.mkdir(exist_ok=True)
-        (folder / MANIFEST).write_bytes(manifest_bytes)
-        (folder / "sizes.json").write_text(json.dumps(sizes))
         have = {}
         for name, size in sizes.items():
             part = folder / name
@@ -103,6 +100,13 @@ class ShardStore:
             if have[name] > size:  # longer than announced: start that file over
                 part.unlink()
                 have[name] = 0
+        need, free = sum(sizes.values()) - sum(have.values()), shutil.disk_usage(self.incoming).free
+        if need > free:
+            raise ShardError(f"not enough disk space for the shard: it needs {need / 2**20:.0f} MB more, "
+                             f"{self.root} has {free / 2**20:.0f} MB free")
+        folder.mkdir(exist_ok=True)
+        (folder / MANIFEST).write_bytes(manifest_bytes)
+        (folder / "sizes.json").write_text(json.dumps(sizes))
         return have
 
     def write(self, digest: str, name: str, offset: int, data: bytes) -> int:
