@@ -230,10 +230,9 @@ class PlanModel(QAbstractItemModel):
         self.planChanged.emit()
 
     def readable(self, text: str) -> str:
-        """The engine names nodes by id; a person knows them by name."""
-        for node, info in self.nodes.items():
-            text = text.replace(node, str(info.get("name", node)))
-        return text
+        from engine.fleet.survey import readable
+
+        return readable(text, self.nodes)
 
     def stage_ms(self, index: int) -> float:
         return self.evaluation.plan.stages[index].ms if self.evaluation else 0.0

@@ -394,7 +394,7 @@ def _up_serves_then_stops(up, ending: str, log: Path, a: str, key: bytes) -> Non
             line = up.stdout.readline()
             assert line, f"fleet up ended early: {log.read_text()[-2000:]}"
             lines.append(line)
-        assert any("layer 3," in line for line in lines), lines  # the plan, explained
+        assert any(": alpha CPU, layer 3," in line for line in lines), lines  # the plan, explained, by node name
         deployment = Deployment.load(Path(lines[-1].split(" ", 1)[1].strip()))
         assert [w["agent"] for w in deployment.workers] == [a]
         chain = deployment.chain(key)

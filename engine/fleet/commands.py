@@ -209,14 +209,17 @@ def _pin(text: str):
 
 def _place(profile: Path, *, objective: str, users: int, pins, out: str | None = None) -> tuple[dict, Path]:
     """Solves the placement for a profile, prints why, and writes the plan document."""
-    from engine.fleet.placement import solve
-    from engine.fleet.survey import load_survey
+    from engine.fleet.placement import PlacementError, solve
+    from engine.fleet.survey import load_survey, readable
 
     shape, nodes, fleet = load_survey(profile)
     names = {n: info.get("name", n) for n, info in nodes.items()}
     pins = [p if p.node in nodes else _resolve_pin(p, names) for p in pins]
-    plan = solve(shape, fleet, objective=objective, users=users, pins=pins)
-    print(plan.explain())
+    try:
+        plan = solve(shape, fleet, objective=objective, users=users, pins=pins)
+    except PlacementError as exc:
+        raise FleetError(readable(str(exc), nodes)) from None
+    print(readable(plan.explain(), nodes))
     doc = {"plan": plan.to_json(), "nodes": nodes}
     path = Path(out) if out else paths().data / "plan.json"
     path.write_text(json.dumps(doc, indent=2))

@@ -129,6 +129,14 @@ def recent_survey(path: Path, model: str, agents: list[str], *, key: bytes, tls=
     return doc
 
 
+def readable(text: str, nodes: dict) -> str:
+    """``text`` with the profile's node ids replaced by the nodes' names: the engine names nodes by
+    id, a person knows them by name."""
+    for node, info in nodes.items():
+        text = text.replace(node, str(info.get("name", node)))
+    return text
+
+
 def load_survey(path: Path) -> tuple[ModelShape, dict, Fleet]:
     import json
 
