@@ -162,6 +162,17 @@ def open_drafter(args, settings: Settings, chain, streams: int):
     return stream_drafters("hybrid" if hybrid else "model", streams, chain.manifest, draft_chain)
 
 
+def count(text: str) -> int:
+    """An argparse type for stages, streams, tokens, runs, users...: a whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, not {text!r}")
+    return value
+
+
 def _k(text: str):
     if text == "auto":
         return "auto"
@@ -378,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="export a model into per-stage OpenVINO shards")
     export.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face folder")
     how = export.add_mutually_exclusive_group()
-    how.add_argument("--stages", type=int, help="number of stages (layers split evenly)")
+    how.add_argument("--stages", type=count, help="number of stages (layers split evenly)")
     how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
     export.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     export.add_argument("--head", default="int8", choices=["int8", "int4"],
@@ -390,10 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text through a chain of shards")
     gen.add_argument("--shards", nargs="+", help="shard folders in stage order (or one export folder)")
     gen.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
-    gen.add_argument("--stages", type=int, help="with --model: number of stages")
+    gen.add_argument("--stages", type=count, help="with --model: number of stages")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); none: read from stdin")
     gen.add_argument("--prompts", help="a file with one prompt per line")
-    gen.add_argument("--streams", type=int, help="generate this many prompts concurrently (micro-batching)")
+    gen.add_argument("--streams", type=count, help="generate this many prompts concurrently (micro-batching)")
     gen.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
                      "model (shard folder or model source with the target's tokenizer), or hybrid:MODEL")
     gen.add_argument("--isolate-streams", action="store_true",
@@ -406,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
     gen.add_argument("--system", help="system prompt")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--max-new-tokens", type=count)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...), "
                      "or one per stage separated by commas (CPU,GPU.1)")
@@ -457,16 +468,16 @@ def build_parser() -> argparse.ArgumentParser:
                                                "placement"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan and progression)")
-    bench.add_argument("--tokens", type=int, help="new tokens per prompt and stream (each benchmark has a default)")
+    bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
     bench.add_argument("--warmup", type=int, default=2)
-    bench.add_argument("--runs", type=int, help="interleaved repetitions (each benchmark has a default)")
+    bench.add_argument("--runs", type=count, help="interleaved repetitions (each benchmark has a default)")
     bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     bench.add_argument("--device", default="CPU")
-    bench.add_argument("--stages", type=int, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, others: 2)")
+    bench.add_argument("--stages", type=count, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, others: 2)")
     bench.add_argument("--draft", help="the draft model (default qwen2.5-coder-0.5b)")
     bench.add_argument("--draft-kind", default="model", choices=["model", "lookup", "hybrid"],
                        help="ksweep, wan, progression: what drafts")
-    bench.add_argument("--spec-k", type=int, default=3, help="spec: the fixed K to compare with auto")
+    bench.add_argument("--spec-k", type=count, default=3, help="spec: the fixed K to compare with auto")
     bench.add_argument("--delay-ms", type=float, default=0.0, help="pipeline, progression: one-way delay per hop")
     bench.add_argument("--delays", type=_delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")

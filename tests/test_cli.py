@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def fleet(*args):
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=600)
@@ -75,6 +77,14 @@ def test_runtime_path_needs_no_torch_transformers_or_nncf(tiny_exports):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("args", [("generate", "--max-new-tokens", "-3"), ("generate", "--streams", "0"),
+                                  ("up", "--stages", "zero"), ("place", "--users", "0")])
+def test_counts_must_be_whole_numbers_of_at_least_one(args):
+    proc = fleet(*args)
+    assert proc.returncode == 2 and f"argument {args[1]}: takes a whole number of at least 1, not '{args[2]}'" \
+        in proc.stderr, proc.stderr
 
 
 def test_device_list_must_match_the_stages(tiny_exports):

@@ -432,6 +432,8 @@ def _chat(args, *source: str) -> int:
 
 
 def add_commands(sub, connection_args) -> None:
+    from engine.cli import count
+
     agent = sub.add_parser("agent", help="run this PC's node agent (advertised over mDNS, controlled by the fleet)")
     agent.add_argument("--listen", default="0.0.0.0:7390", help="HOST:PORT of the control API (default 0.0.0.0:7390)")
     agent.add_argument("--name", help="display name (default: the host name)")
@@ -457,8 +459,8 @@ def add_commands(sub, connection_args) -> None:
     profile.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents")
     profile.add_argument("--device", help="this machine's devices to profile, comma-separated (default: settings)")
     profile.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
-    profile.add_argument("--context", type=int, default=PLAN_CONTEXT, help="context length the KV cache is planned for")
-    profile.add_argument("--streams", type=int, default=1, help="concurrent streams the KV cache is planned for")
+    profile.add_argument("--context", type=count, default=PLAN_CONTEXT, help="context length the KV cache is planned for")
+    profile.add_argument("--streams", type=count, default=1, help="concurrent streams the KV cache is planned for")
     profile.add_argument("--seconds", type=float, default=3.0, help="with --nodes all: how long to listen")
     profile.add_argument("--out", help="where to write the profile (default: the data folder)")
     connection_args(profile)
@@ -467,7 +469,7 @@ def add_commands(sub, connection_args) -> None:
     place = sub.add_parser("place", help="choose stages for the fleet with the placement solver")
     place.add_argument("--profile", help="a `fleet profile` document (default: the last one)")
     place.add_argument("--objective", default="latency", choices=["latency", "throughput"])
-    place.add_argument("--users", type=int, default=1, help="concurrent users (throughput objective)")
+    place.add_argument("--users", type=count, default=1, help="concurrent users (throughput objective)")
     place.add_argument("--pin", action="append", type=_pin, help="NODE:FIRST-LAST[:DEVICE]: these layers (both included) on this node, fixed by hand")
     place.add_argument("--out", help="where to write the plan (default: the data folder)")
     place.set_defaults(func=cmd_place)
@@ -485,12 +487,12 @@ def add_commands(sub, connection_args) -> None:
     up = sub.add_parser("up", help="bring up the default model on a local 2-stage fleet (or, with --nodes, "
                                    "on the fleet's nodes) and chat")
     up.add_argument("--model")
-    up.add_argument("--stages", type=int, help="stages of the local fleet (default: settings)")
+    up.add_argument("--stages", type=count, help="stages of the local fleet (default: settings)")
     up.add_argument("--local", action="store_true", help="do not look for peers")
     up.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents: profile them, "
                                     "place the model with the solver, deploy and chat")
     up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
-    up.add_argument("--users", type=int, default=1, help="with --nodes: concurrent users planned for")
+    up.add_argument("--users", type=count, default=1, help="with --nodes: concurrent users planned for")
     up.add_argument("--pin", action="append", type=_pin, help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--resurvey", action="store_true", help="with --nodes: profile the fleet even if it was "
                                                             "profiled in the last day")
