@@ -17,6 +17,10 @@ class ExportError(FleetError):
     """An export could not be carried out (bad split, conversion failure)."""
 
 
+class ContextError(FleetError):
+    """A prompt or conversation does not fit the model's context."""
+
+
 class StageError(FleetError):
     """A pipeline stage failed, died or went silent: names which stage and where it runs."""
 

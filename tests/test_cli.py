@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -85,6 +86,12 @@ def test_counts_must_be_whole_numbers_of_at_least_one(args):
     proc = fleet(*args)
     assert proc.returncode == 2 and f"argument {args[1]}: takes a whole number of at least 1, not '{args[2]}'" \
         in proc.stderr, proc.stderr
+
+
+def test_a_prompt_longer_than_the_context_is_refused_plainly(tiny_exports):
+    proc = fleet("generate", "--shards", str(tiny_exports["llama", "2"].out), "--no-chat", "--prompt", "Paris " * 600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(r"^error: the prompt \(\d+ tokens\) leaves no room in the context of 512$", proc.stderr, re.M)
 
 
 def test_device_list_must_match_the_stages(tiny_exports):

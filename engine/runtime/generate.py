@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from engine.errors import ContextError
 from engine.runtime.speculative import AutoK, Drafter, KVSequence
 from engine.runtime.stage import Output
 from engine.wire import Flag
@@ -135,8 +136,10 @@ class Decoding:
         self.seq = seq
         self.prompt = prompt
         room = seq.max_length - len(prompt)
-        if room <= 0 or max_new_tokens <= 0:
-            raise ValueError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {seq.max_length}")
+        if room <= 0:
+            raise ContextError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {seq.max_length}")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
         self.max_new_tokens = min(max_new_tokens, room)
         self.eos = eos
         self.drafter = drafter

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine.errors import FleetError
+from engine.errors import ContextError, FleetError
 from engine.runtime.generate import Decoding
 from engine.runtime.speculative import KVSequence
 from engine.runtime.tokenizer import ChatTokenizer, TextStream
@@ -229,7 +229,7 @@ class ChatService:
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
                                         cancel=request.handle._cancel)
-        except ValueError as exc:  # the conversation does not fit the context
+        except ContextError as exc:
             self._finish(request, error=str(exc))
             return
         except Exception as exc:
