@@ -94,10 +94,14 @@ def test_a_prompt_longer_than_the_context_is_refused_plainly(tiny_exports):
     assert re.search(r"^error: the prompt \(\d+ tokens\) leaves no room in the context of 512$", proc.stderr, re.M)
 
 
-def test_device_list_must_match_the_stages(tiny_exports):
+def test_device_list_must_match_the_stages_and_this_machine(tiny_exports):
     proc = fleet("generate", "--shards", str(tiny_exports["llama", "2"].out), "--prompt", "hi",
                  "--device", "CPU,CPU,CPU")
     assert proc.returncode == 2 and "'CPU,CPU,CPU' names 3 devices for 2 stages" in proc.stderr
+    proc = fleet("generate", "--shards", str(tiny_exports["llama", "2"].out), "--prompt", "hi", "--no-chat",
+                 "--device", "CPU,XPU")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(r"^error: this machine has no OpenVINO device XPU: it has .*CPU", proc.stderr, re.M), proc.stderr
 
 
 def test_local_workers_generate_the_in_process_tokens(tiny_exports, tmp_path):

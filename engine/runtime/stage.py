@@ -65,6 +65,17 @@ def core() -> ov.Core:
     return _core
 
 
+def missing_device(device: str) -> str | None:
+    """Why ``device`` is not one of this machine's OpenVINO devices, or None if it is listed ("GPU"
+    stands for GPU.0, GPU.1...; AUTO, HETERO:... and MULTI:... choose among them)."""
+    available = core().available_devices
+    name = device.upper()
+    if ":" in name or name == "AUTO" or name in available or name in {a.split(".")[0] for a in available} \
+            or (name.endswith(".0") and name[:-2] in available):
+        return None
+    return f"this machine has no OpenVINO device {device}: it has {', '.join(available) or 'none'}"
+
+
 @dataclasses.dataclass
 class Output:
     """What a chain returns for one forward: the top-1 token per returned position, optionally
@@ -120,7 +131,8 @@ class StageRunner:
         try:
             return core().compile_model(str(self.folder / MODEL_XML), self.device, self._config)
         except RuntimeError as exc:
-            raise ShardError(f"cannot compile shard {self.folder} on {self.device}: {exc}") from exc
+            missing = missing_device(self.device)
+            raise ShardError(missing or f"cannot compile shard {self.folder} on {self.device}: {exc}") from exc
 
     def request(self, stream: int) -> tuple[ov.InferRequest, dict]:
         entry = self._requests.get(stream)
