@@ -249,6 +249,14 @@ class EngineBackend:
         for _, client in clients:
             client.close()
 
+    def prune(self, address: str, settings) -> dict:
+        """Removes the shards the node's workers do not serve (its agent's "prune")."""
+        from engine.fleet.control import ControlClient
+        from fleetgui import keystore
+
+        with ControlClient(address, keystore.load(settings), tls=keystore.tls(settings)) as agent:
+            return agent.call("prune")
+
     def round_trips(self, addresses: list[str], settings) -> dict[tuple[str, str], float | None]:
         """Measured round trips in ms: this machine (``"local"``) to each agent, and each agent to the
         others (its "rtt" operation); None where a pair could not reach each other."""

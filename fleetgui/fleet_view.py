@@ -20,7 +20,7 @@ import re
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
-                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QPushButton, QTableView,
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QTableView,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
@@ -111,6 +111,11 @@ class NodeRow:
     @property
     def found_by(self) -> str:
         return " + ".join(n for n, on in (("mDNS", self.mdns), ("address", self.added)) if on)
+
+    def unused_shards(self) -> list[dict]:
+        """The shards no running worker of the node serves."""
+        served = {w.get("hash") for w in self.workers if str(w.get("state", "running")) == "running"}
+        return [s for s in self.shards if s.get("hash") not in served]
 
     def shards_text(self) -> str:
         """The node's shards by model: "qwen2: layers 0-1, layer 3 ×2" (the tooltip has each one)."""
@@ -438,6 +443,10 @@ class FleetView(QWidget):
         self.remove_button = QPushButton("Remove node")
         self.remove_button.setToolTip("forget a node added by address")
         self.remove_button.clicked.connect(self.remove_selected)
+        self.prune_button = QPushButton("Remove unused shards…")
+        self.prune_button.setToolTip("give the selected node its disk space back: remove the shards its workers "
+                                     "do not serve")
+        self.prune_button.clicked.connect(self._ask_prune)
         self.refresh_button = QPushButton("Refresh")
         self.refresh_button.clicked.connect(self.refresh)
         self.rtt_button = QPushButton("Measure round trips")
@@ -447,7 +456,7 @@ class FleetView(QWidget):
         self.summary.setObjectName("hint")
         tools = QHBoxLayout()
         tools.addWidget(self.summary, 1)
-        for b in (self.add_button, self.remove_button, self.refresh_button, self.rtt_button):
+        for b in (self.add_button, self.remove_button, self.prune_button, self.refresh_button, self.rtt_button):
             tools.addWidget(b)
 
         self.rtt_table = RoundTripTable()
@@ -580,14 +589,59 @@ class FleetView(QWidget):
         self.model.remove_address(address)
 
     def remove_selected(self) -> None:
-        rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []
-        if not rows:
+        row = self._selected()
+        if row is None:
             return
-        row = self.model.rows[rows[0].row()]
         if not row.added:
             self.banner.info(f"{row.name} was found over mDNS; it leaves the list when its agent stops.")
             return
         self.remove_node(row.added_as)
+
+    def _selected(self) -> NodeRow | None:
+        rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []
+        return self.model.rows[rows[0].row()] if rows else None
+
+    def _ask_prune(self) -> QMessageBox | None:
+        """Asks before removing the selected node's unused shards; returns the open question."""
+        row = self._selected()
+        if row is None:
+            self.banner.info("Select a node first.")
+            return None
+        name, unused = row.name or row.address, row.unused_shards()
+        if row.error or not row.node_id:
+            self.banner.info(f"{name} does not answer; its shards can be removed once it does.")
+            return None
+        if not unused:
+            self.banner.info(f"{name} holds no shards that its workers do not serve.")
+            return None
+        size = sum(s.get("bytes", 0) for s in unused) / 2**20
+        box = QMessageBox(QMessageBox.Icon.Question, "Remove unused shards",
+                          f"Remove {len(unused)} shard(s), {size:.1f} MB, from {name}? The shards its workers serve "
+                          "are kept; a later deployment sends what it needs again.",
+                          QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, self)
+        box.button(QMessageBox.StandardButton.Ok).setText("Remove")
+        box.accepted.connect(lambda: self.prune(row.address, name))
+        box.finished.connect(box.deleteLater)
+        box.open()
+        return box
+
+    def prune(self, address: str, name: str) -> None:
+        """Removes the node's unused shards, off the GUI thread, then says what it freed."""
+        settings, backend = self.settings, self.backend
+        self.prune_button.setEnabled(False)
+
+        def done(result: dict) -> None:
+            self.prune_button.setEnabled(True)
+            self.banner.info(f"Removed {len(result['dropped'])} shard(s), {result['bytes'] / 2**20:.1f} MB, "
+                             f"from {name}.")
+            self.refresh()
+
+        def failed(message: str) -> None:
+            self.prune_button.setEnabled(True)
+            self.banner.error(f"Removing the shards of {name} failed: {message}")
+
+        self.tasks.start(lambda report, cancel: backend.prune(address, settings), "remove unused shards",
+                         succeeded=done, failed=failed)
 
     def _ask_add_node(self) -> AddNodeDialog:
         dialog = AddNodeDialog(added_nodes(), self)

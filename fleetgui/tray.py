@@ -143,6 +143,20 @@ class WorkerController(QObject):
     def toggle_pause(self) -> None:
         self.set_paused(not self.paused)
 
+    def prune(self) -> None:
+        """Removes the shards no running worker serves, off the GUI thread (the agent logs what)."""
+        agent = self.agent
+        if agent is None or self.stopping:
+            return
+
+        def done(result: dict) -> None:
+            if not result["dropped"]:
+                self._log("no unused shards to remove")
+            self.changed.emit()
+
+        self.tasks.start(lambda report, cancel: agent.prune(), "remove unused shards", succeeded=done,
+                         failed=lambda m: self.failed.emit(m))
+
     def autostart_enabled(self) -> bool:
         return autostart.supported() is None and autostart.is_enabled()
 
@@ -217,6 +231,9 @@ class WorkerWindow(QWidget):
         QVBoxLayout(activity_box).addWidget(self.activity)
         self.pause_button = QPushButton("Pause serving")
         self.pause_button.clicked.connect(controller.toggle_pause)
+        self.prune_button = QPushButton("Remove unused shards")
+        self.prune_button.setToolTip("take back this PC's disk space: remove the shards it does not serve now")
+        self.prune_button.clicked.connect(controller.prune)
         self.key_button = QPushButton("Choose key file…")
         self.key_button.clicked.connect(self._ask_key)
         self.autostart = QCheckBox("Start with the session")
@@ -231,6 +248,7 @@ class WorkerWindow(QWidget):
         buttons = QHBoxLayout()
         buttons.addWidget(self.autostart, 1)
         buttons.addWidget(self.key_button)
+        buttons.addWidget(self.prune_button)
         buttons.addWidget(self.pause_button)
         buttons.addWidget(self.quit_button)
         layout = QVBoxLayout(self)
@@ -258,6 +276,7 @@ class WorkerWindow(QWidget):
                                       for s in shards) or "none")
         self.pause_button.setText("Resume serving" if c.paused else "Pause serving")
         self.pause_button.setEnabled(c.running)
+        self.prune_button.setEnabled(c.running and bool(shards))
         self.key_button.setVisible(c.agent is None and not c.stopping)
         self.quit_button.setEnabled(not c.stopping)
         self.autostart.blockSignals(True)
@@ -306,6 +325,8 @@ class WorkerTray(QObject):
         self.stage_action.setEnabled(False)
         self.pause_action = QAction("Pause serving", self.menu)
         self.pause_action.triggered.connect(controller.toggle_pause)
+        self.prune_action = QAction("Remove unused shards", self.menu)
+        self.prune_action.triggered.connect(controller.prune)
         self.autostart_action = QAction("Start with the session", self.menu, checkable=True)
         self.autostart_action.setEnabled(autostart.supported() is None)
         self.autostart_action.toggled.connect(controller.set_autostart)
@@ -314,7 +335,7 @@ class WorkerTray(QObject):
         for action in (self.status_action, self.stage_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
-        for action in (self.pause_action, self.autostart_action):
+        for action in (self.pause_action, self.prune_action, self.autostart_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
         self.menu.addAction(self.quit_action)
@@ -334,6 +355,7 @@ class WorkerTray(QObject):
         self.stage_action.setVisible(bool(stage))
         self.pause_action.setText("Resume serving" if c.paused else "Pause serving")
         self.pause_action.setEnabled(c.running)
+        self.prune_action.setEnabled(c.running)
         self.quit_action.setEnabled(not c.stopping)
         self.autostart_action.blockSignals(True)
         self.autostart_action.setChecked(c.autostart_enabled())

@@ -7,6 +7,7 @@ leaving, the survey feeds the solver, and `fleet up --nodes` does all of it in o
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -154,9 +155,20 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     again, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
                           progress=lambda i, phase, f: phases.append((i, phase, f)))
     chain.close()
+    # `fleet nodes prune`: alpha keeps the shard its worker serves and gives up another
+    with ControlClient(a, key) as agent:
+        agent.send_shard(folders[2])
+        served = [s["hash"] for s in agent.status()["shards"] if s["stage"] == 1]
+    prune = [sys.executable, "-m", "engine.cli", "nodes", "prune", a, "--fleet-key-file", str(key_file)]
+    out = subprocess.run(prune, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and re.search(rf"^removed 1 shard\(s\), [0-9.]+ MB, from {a}; 1 served shard\(s\) "
+                                             r"kept$", out.stderr, re.M), out.stderr
+    with ControlClient(a, key) as agent:
+        assert [s["hash"] for s in agent.status()["shards"]] == served
     again.stop(key)
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []
+        assert len(agent.call("prune")["dropped"]) == 1 and agent.status()["shards"] == []
 
 
 def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, key_file, tiny_models, tmp_path,

@@ -280,6 +280,17 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert shards.startswith("qwen2: ") and "layers 1-2" in shards, shards  # by model, profiling shards too
     screenshot(window, "fleet")
 
+    # Remove unused shards: alpha keeps the shard it serves, its profiling shards go
+    alpha_row = next(i for i, r in enumerate(fleet_view.model.rows) if r.address == fleet.alpha)
+    fleet_view.table.selectRow(alpha_row)
+    unused = fleet_view.model.rows[alpha_row].unused_shards()
+    assert unused and len(unused) < len(fleet_view.model.rows[alpha_row].shards)
+    box = fleet_view._ask_prune()
+    assert box.text().startswith(f"Remove {len(unused)} shard(s), ") and "from alpha?" in box.text()
+    box.accept()
+    qtbot.waitUntil(lambda: fleet_view.banner.message.startswith(f"Removed {len(unused)} shard(s)"), timeout=30000)
+    qtbot.waitUntil(lambda: fleet_view.model.rows[alpha_row].shards_text() == "qwen2: layers 1-2", timeout=30000)
+
     # another app instance chats on the recorded deployment (Deployment.load().chain(key)) and leaves it running
     other, _, other_view = open_app(qtbot, fleet, max_new_tokens=24)
     assert other_view.use_recorded()

@@ -1,6 +1,6 @@
 """Worker mode (``fleetgui --worker``) in its window fallback (offscreen has no system tray): the
 in-process agent is found over real mDNS, Pause shows as paused in the agent's own status and in its
-advertisement, "Start with the session" writes and removes the autostart entry, and Quit makes the
+advertisement, Remove unused shards frees the store, "Start with the session" writes and removes the autostart entry, and Quit makes the
 browser report the node removed (a clean departure: goodbye sent, control port closed)."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def key_file(gui_home):
     return create_key(gui_home / "keys" / "fleet.key")
 
 
-def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_file, tmp_path, monkeypatch):
+def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_file, tmp_path, monkeypatch,
+                                                         tiny_exports):
     from PySide6.QtWidgets import QSystemTrayIcon
 
     from engine.fleet.control import AgentError, ControlClient
@@ -78,6 +79,18 @@ def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_fil
         qtbot.waitUntil(lambda: window.pause_button.text() == "Pause serving", timeout=10000)
         with ControlClient(address, key) as agent:
             assert agent.status()["paused"] is False
+
+        # Remove unused shards: a shard sent but not served goes, and the window says so
+        assert not window.prune_button.isEnabled()  # nothing to remove
+        with ControlClient(address, key) as agent:
+            agent.send_shard(tiny_exports["llama", "2"].folders[1])
+        qtbot.waitUntil(lambda: window.prune_button.isEnabled() and "layers 2-3" in window.shards.text(),
+                        timeout=10000)
+        window.prune_button.click()
+        qtbot.waitUntil(lambda: window.shards.text() == "none", timeout=10000)
+        assert "removed 1 unused shard(s)" in window.activity.toPlainText()
+        with ControlClient(address, key) as agent:
+            assert agent.status()["shards"] == []
 
         with qtbot.waitSignal(controller.stopped, timeout=30000):
             window.quit_button.click()

@@ -235,12 +235,31 @@ class Agent:
         self.log(f"received shard {doc['hash'][:12]} into {path}")
         return {"ok": True}
 
+    def _served(self) -> set[str]:
+        with self._lock:
+            return {w.hash for w in self.workers.values() if w.proc.poll() is None}
+
     def op_drop_shard(self, doc, data) -> dict:
         digest = check_hash(doc["hash"])
-        if any(w.hash == digest and w.proc.poll() is None for w in self.workers.values()):
+        if digest in self._served():
             raise FleetError(f"shard {digest[:12]} is being served; stop its worker first")
         self.store.drop(digest)
         return {"ok": True}
+
+    def op_prune(self, doc, data) -> dict:
+        return self.prune()
+
+    def prune(self) -> dict:
+        """Drops every shard no running worker serves (profiling shards, earlier deployments): the
+        disk space a laptop gets back."""
+        served = self._served()
+        unused = [s for s in self.store.listing() if s["hash"] not in served]
+        for shard in unused:
+            self.store.drop(shard["hash"])
+        if unused:
+            self.log(f"removed {len(unused)} unused shard(s), {sum(s['bytes'] for s in unused) / 2**20:.1f} MB")
+        return {"dropped": [s["hash"] for s in unused], "bytes": sum(s["bytes"] for s in unused),
+                "kept": len(self.store.listing())}
 
     def op_start_worker(self, doc, data) -> dict:
         from engine.manifest import read_manifest

@@ -100,6 +100,14 @@ def cmd_nodes(args) -> int:
         return 0
     key = load_key(args.fleet_key_file)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    if args.nodes_cmd == "prune":
+        from engine.fleet.control import ControlClient
+
+        with ControlClient(args.address, key, tls=tls) as agent:
+            done = agent.call("prune")
+        _say(f"removed {len(done['dropped'])} shard(s), {done['bytes'] / 2**20:.1f} MB, from {args.address}; "
+             f"{done['kept']} served shard(s) kept")
+        return 0
 
     def show(kind: str, info) -> None:
         if args.json:
@@ -451,6 +459,11 @@ def add_commands(sub, connection_args) -> None:
     for verb in ("add", "remove"):
         p = nsub.add_parser(verb, help=f"{verb} a node by address (networks where multicast does not pass)")
         p.add_argument("address", help="HOST:PORT of its agent")
+    # (options left out here keep the values given before "prune")
+    prune = nsub.add_parser("prune", help="remove the shards a node's workers do not serve, for its disk space",
+                            argument_default=argparse.SUPPRESS)
+    prune.add_argument("address", help="HOST:PORT of its agent")
+    connection_args(prune)
     connection_args(nodes)
     nodes.set_defaults(func=cmd_nodes)
 
