@@ -424,6 +424,8 @@ class ChatView(QWidget):
         controller.failed.connect(lambda m: self.banner.error(f"The model could not be started: {m}"))
 
         self.saved = QListWidget()
+        self.saved.setTextElideMode(Qt.TextElideMode.ElideRight)  # long titles end in "…" (the tooltip has it all)
+        self.saved.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.saved.itemActivated.connect(lambda item: self.open_conversation(item.data(Qt.ItemDataRole.UserRole)))
         new_button = QPushButton("New chat")
         new_button.clicked.connect(lambda: self.new_chat())

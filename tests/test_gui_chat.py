@@ -1,7 +1,10 @@
 """The Chat view over real chains of the tiny export: streaming through loopback workers and Stop,
-history across a rebuilt window, two tabs at once equal to each alone, Regenerate and Copy."""
+history across a rebuilt window, two tabs at once equal to each alone, Regenerate and Copy; and
+the real SmolLM2 as `make run` opens it."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
@@ -72,7 +75,6 @@ def test_reply_streams_over_loopback_workers_and_stop_stops_it(qtbot, gui_home, 
     stored = window.history.load(tab.conversation.id)
     assert [m.role for m in stored.messages] == ["user", "assistant"]
     assert stored.messages[1].stats["stopped_by"] == "cancelled"
-    screenshot(window, "chat")
 
 
 def test_history_survives_rebuilding_the_window(qtbot, gui_home, tmp_path, shards):
@@ -142,3 +144,31 @@ def test_regenerate_copy_and_new_chat(qtbot, gui_home, tmp_path, shards):
     assert window.chat.tabs.count() == count + 1 and fresh.conversation.messages == []
     window.chat.close_tab(window.chat.tabs.indexOf(fresh))
     assert window.chat.tabs.count() == count
+
+
+@pytest.fixture(scope="module")
+def smollm2_two_stages():
+    from engine.export.exporter import export_model
+
+    # module scope: made before a test's own home is set, so it lands in (and reuses) the user's cache
+    return export_model("smollm2-135m", stages=2, weights="int4").out
+
+
+@pytest.mark.real_model
+def test_the_default_model_answers_on_a_local_fleet(qtbot, gui_home, tmp_path, smollm2_two_stages):
+    """What `make run` opens: SmolLM2-135M, stage 1 in a worker process, prompt lookup with K auto
+    (the README's chat screenshot)."""
+    from fleetgui.settings import GuiSettings
+
+    settings = GuiSettings(default_model=str(smollm2_two_stages), max_new_tokens=160)
+    assert (settings.local_workers, settings.draft, settings.k, settings.stages) == (True, "lookup", "auto", 2)
+    window = open_window(qtbot, settings, settings_store(tmp_path / "s.ini"))
+    tab = window.chat.all_tabs()[0]
+    reply = send(qtbot, tab, "What is the capital of France?", timeout=300000)
+    assert reply.stopped_by in ("eos", "max_tokens") and "Paris" in reply.text, (reply.error, reply.text)
+    assert window.service_label.text().startswith("Chat: smollm2-135m, 2 stages, local fleet")
+    assert re.search(r" · acceptance [0-9.]+ · ", tab.stats.text()), tab.stats.text()
+    longer = send(qtbot, tab, "Tell me three facts about Paris.", timeout=300000)
+    assert longer.stopped_by in ("eos", "max_tokens") and len(longer.tokens) > 32, (longer.error, longer.text)
+    qtbot.waitUntil(lambda: window.chat.live.points("chat 1") >= 3, timeout=10000)  # the live plot sampled it
+    screenshot(window, "chat")
