@@ -32,6 +32,10 @@ PLOTS = {
     "parity": ("bars", "config", "tok_s"),
     "spec": ("bars", "prompt", "target_tok_s"),
 }
+LABELS = {  # report keys as the plots name them
+    "naive_tok_s": "naive: 1 stream", "full_tok_s": "full stack: 2 streams + speculation",
+    "tok_s": "tok/s", "target_tok_s": "target alone, tok/s",
+}
 DESCRIPTIONS = {
     "wan": "naive decode against micro-batching + speculation as the hop delay grows",
     "ksweep": "which draft length K wins at which hop delay",
@@ -105,6 +109,7 @@ class BenchPanel(QWidget):
         self.progress.setRange(0, 100)
         self.status = QLabel("Idle")
         self.status.setObjectName("hint")
+        self.status.setWordWrap(True)
         self.log = QPlainTextEdit()
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(500)
@@ -272,7 +277,9 @@ class BenchPanel(QWidget):
                 for y in ys:
                     if row.get(y) is None:
                         continue
-                    name = y if series is None else f"{series} {row.get(series)}"
+                    name = LABELS.get(y, y) if series is None else f"{series} {row.get(series)}"
+                    if series == "k":
+                        name = f"K={row.get('k')}"
                     if series is not None and "stages" in row and self.bench_name == "microbatch":
                         name = f"{row['stages']} stages, {row['streams']} streams"
                     xs_, ys_ = lines.setdefault(name, ([], []))
@@ -285,7 +292,7 @@ class BenchPanel(QWidget):
         else:
             _, label, value = spec
             item.setLabel("bottom", "")
-            item.setLabel("left", value.replace("_", " "))
+            item.setLabel("left", LABELS.get(value, value))
             rows = [r for r in self.rows if r.get(value) is not None]
             heights = [float(r[value]) for r in rows]
             item.addItem(pg.BarGraphItem(x=list(range(len(rows))), height=heights, width=0.6, brush=SERIES[0]))

@@ -36,6 +36,8 @@ def test_wan_sweep_plots_and_saves(qtbot, gui_home, tmp_path, shards):
     assert rows_seen == report["rows"]  # rows arrived one by one while it ran
     assert panel.progress.value() == 100
     assert panel.plotted_points() == 4  # naive and full stack at two delays
+    legend = panel.plot.getPlotItem().legend
+    assert [label.text for _, label in legend.items] == ["naive: 1 stream", "full stack: 2 streams + speculation"]
     assert report["rows"][1]["naive_tok_s"] < report["rows"][0]["naive_tok_s"]  # 20 ms per hop costs
     qtbot.waitUntil(lambda: any(panel.live.points(s) for s in panel.meter.snapshot()), timeout=5000)
     assert set(panel.meter.snapshot()) >= {"stream 0", "stream 1"}
