@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from engine.fleet.commands import add_commands
 
-    add_commands(sub, _connection_args)
+    add_commands(sub, _connection_args, count)
     return parser
 
 

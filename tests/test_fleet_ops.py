@@ -49,6 +49,18 @@ def _greedy_in_process(deployment):
     return _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
 
 
+def _deployed_equals_in_process(source: str, stages, key: bytes) -> None:
+    """Deploys ``stages`` (f32), decodes through the chain, stops it, and compares with the same
+    exported stages in one process."""
+    deployment, chain = deploy(source, stages, key=key, weights="f32")
+    try:
+        got = _greedy(chain)
+    finally:
+        chain.close()
+        deployment.stop(key)
+    assert got == _greedy_in_process(deployment)
+
+
 def test_agent_refuses_without_the_fleet_key(two_agents, key_file, tmp_path):
     (_, address), _ = two_agents
     stranger = create_key(tmp_path / "other.key")
@@ -238,14 +250,8 @@ def test_a_worker_laptop_serves_with_openvino_numpy_and_the_tokenizer_only(key_f
     with agent_process(key_file, tmp_path / "laptop", name="laptop", env=env) as (_, laptop):
         doc = survey(source, [laptop], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
         assert {d["node"] for d in doc["fleet"]["devices"]} == {"coordinator", *doc["taken"]["agents"].values()}
-        deployment, chain = deploy(source, [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(laptop, "CPU", 2, 4)],
-                                   key=key, weights="f32")
-        try:
-            got = _greedy(chain)
-        finally:
-            chain.close()
-            deployment.stop(key)
-    assert got == _greedy_in_process(deployment)
+        _deployed_equals_in_process(source, [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(laptop, "CPU", 2, 4)],
+                                    key)
 
 
 def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_models):
@@ -332,14 +338,7 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     beta = next(n for n, name in names.items() if name == "beta")
     plan = solve(shape, fleet, objective="throughput", users=2, pins=[Pin(beta, 3, 4)])
     assert plan.stages[0].node == "coordinator" and (plan.stages[-1].node, plan.stages[-1].start) == (beta, 3)
-    deployment, chain = deploy(source, placement_stages({"plan": plan.to_json(), "nodes": nodes}), key=key,
-                               weights="f32")
-    try:
-        got = _greedy(chain)
-    finally:
-        chain.close()
-        deployment.stop(key)
-    assert got == _greedy_in_process(deployment)
+    _deployed_equals_in_process(source, placement_stages({"plan": plan.to_json(), "nodes": nodes}), key)
 
 
 def test_all_nodes_leaves_out_added_nodes_that_do_not_answer(two_agents, key_file, tmp_path, monkeypatch, capsys):

@@ -123,7 +123,7 @@ def test_foreign_shards_are_refused(tiny_exports, key_file, tmp_path):
     try:
         with pytest.raises(StageError, match="fingerprint mismatch"):
             RemoteChain(llama[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=10)
-        # Same model, but the worker serves layers 1-3 of the 3-stage split, not 2-4.
+        # Same model, but the worker's stage of the 3-stage split starts at layer 1, not at layer 2.
         three = tiny_exports["llama", "3"].folders
         fleet2 = LocalFleet(three[1:2], key_file, log_dir=tmp_path).start()
         try:

@@ -256,10 +256,10 @@ class Agent:
         unused = [s for s in self.store.listing() if s["hash"] not in served]
         for shard in unused:
             self.store.drop(shard["hash"])
+        freed = sum(s["bytes"] for s in unused)
         if unused:
-            self.log(f"removed {len(unused)} unused shard(s), {sum(s['bytes'] for s in unused) / 2**20:.1f} MB")
-        return {"dropped": [s["hash"] for s in unused], "bytes": sum(s["bytes"] for s in unused),
-                "kept": len(self.store.listing())}
+            self.log(f"removed {len(unused)} unused shard(s), {freed / 2**20:.1f} MB")
+        return {"dropped": [s["hash"] for s in unused], "bytes": freed, "kept": len(self.store.listing())}
 
     def op_start_worker(self, doc, data) -> dict:
         from engine.manifest import read_manifest

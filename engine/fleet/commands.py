@@ -439,9 +439,9 @@ def _chat(args, *source: str) -> int:
     return cmd_generate(build_parser().parse_args(["generate", *source, *connection]))
 
 
-def add_commands(sub, connection_args) -> None:
-    from engine.cli import count
-
+def add_commands(sub, connection_args, count) -> None:
+    """The fleet's subcommands; ``connection_args`` adds the key and TLS options to a parser, and
+    ``count`` is the argparse type of a whole number of at least 1."""
     agent = sub.add_parser("agent", help="run this PC's node agent (advertised over mDNS, controlled by the fleet)")
     agent.add_argument("--listen", default="0.0.0.0:7390", help="HOST:PORT of the control API (default 0.0.0.0:7390)")
     agent.add_argument("--name", help="display name (default: the host name)")
@@ -483,7 +483,8 @@ def add_commands(sub, connection_args) -> None:
     place.add_argument("--profile", help="a `fleet profile` document (default: the last one)")
     place.add_argument("--objective", default="latency", choices=["latency", "throughput"])
     place.add_argument("--users", type=count, default=1, help="concurrent users (throughput objective)")
-    place.add_argument("--pin", action="append", type=_pin, help="NODE:FIRST-LAST[:DEVICE]: these layers (both included) on this node, fixed by hand")
+    place.add_argument("--pin", action="append", type=_pin,
+                       help="NODE:FIRST-LAST[:DEVICE]: these layers (both included) on this node, fixed by hand")
     place.add_argument("--out", help="where to write the plan (default: the data folder)")
     place.set_defaults(func=cmd_place)
 
@@ -506,7 +507,8 @@ def add_commands(sub, connection_args) -> None:
                                     "place the model with the solver, deploy and chat")
     up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
     up.add_argument("--users", type=count, default=1, help="with --nodes: concurrent users planned for")
-    up.add_argument("--pin", action="append", type=_pin, help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
+    up.add_argument("--pin", action="append", type=_pin,
+                    help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--resurvey", action="store_true", help="with --nodes: profile the fleet even if it was "
                                                             "profiled in the last day")
     up.add_argument("--seconds", type=float, default=2.0, help="how long to look for peers")

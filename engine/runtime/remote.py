@@ -121,12 +121,13 @@ class RemoteChain:
         for expected, info in enumerate(self.stages, start=self.manifest.stage_index + 1):
             layers = info.get("layers", [None, None])
             if info.get("stage") != expected or layers[0] != end:
-                raise self._fail(f"the chain is not contiguous: stage {info.get('stage')} at "
-                                 f"{info.get('address')} holds {'no layers' if None in layers else layer_span(*layers)}, "
-                                 f"expected stage {expected} from layer {end}")
+                held = "no layers" if None in layers else layer_span(*layers)
+                raise self._fail(f"the chain is not contiguous: stage {info.get('stage')} at {info.get('address')} "
+                                 f"holds {held}, expected stage {expected} from layer {end}")
             end = layers[1]
         if end != self.spec.num_layers:
-            raise self._fail(f"the chain ends at layer {end} of {self.spec.num_layers}: give the rest of the route")
+            raise self._fail(f"the chain holds {layer_span(0, end)} of the model's {self.spec.num_layers}: give the "
+                             f"rest of the route")
 
     # --- the chain interface -------------------------------------------------------------------------
 
