@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from engine.cliargs import count, duration
 from engine.config import Settings
 from engine.errors import FleetError
 
@@ -160,17 +161,6 @@ def open_drafter(args, settings: Settings, chain, streams: int):
         folders = _export(source, 1, None, settings.weights, None, head=draft_head(settings.weights)).folders
     draft_chain = open_draft_chain(folders, (args.device or settings.device).split(",")[0])
     return stream_drafters("hybrid" if hybrid else "model", streams, chain.manifest, draft_chain)
-
-
-def count(text: str) -> int:
-    """An argparse type for stages, streams, tokens, runs, users...: a whole number, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, not {text!r}")
-    return value
 
 
 def _k(text: str):
@@ -372,7 +362,7 @@ def cmd_bench(args) -> int:
 def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet-key-file", help="the shared fleet key (default: from the settings)")
     parser.add_argument("--tls", action="store_true", help="TLS with the fleet certificate beside the key")
-    parser.add_argument("--deadline", type=float, help="seconds of silence before a stage counts as dead")
+    parser.add_argument("--deadline", type=duration, help="seconds of silence before a stage counts as dead")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -430,9 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run stages 1.. as worker processes on this machine (the local fleet)")
     gen.add_argument("--deployment", nargs="?", const="last",
                      help="use the chain `fleet deploy`/`fleet up` started (default: the last one recorded)")
-    gen.add_argument("--delay-ms", type=float, help="with --local-workers: one-way delay per hop (WAN simulation)")
+    gen.add_argument("--delay-ms", type=duration, help="with --local-workers: one-way delay per hop (WAN simulation)")
     _connection_args(gen)
-    gen.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the chain to come up")
+    gen.add_argument("--connect-timeout", type=duration, default=60.0, help="seconds to wait for the chain to come up")
     gen.set_defaults(func=cmd_generate)
 
     worker = sub.add_parser("worker", help="serve one shard as a stage of the pipeline")
@@ -442,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--device", help="OpenVINO device (CPU, GPU, NPU, GPU.1...)")
     worker.add_argument("--precision", help="inference precision hint (f32, bf16, f16)")
     worker.add_argument("--mode", choices=["fast", "exact"], help="correctness mode (every stage must agree)")
-    worker.add_argument("--delay-ms", type=float, default=0.0,
+    worker.add_argument("--delay-ms", type=duration, default=0.0,
                         help="add this one-way delay to every frame received and sent upstream")
     worker.add_argument("--isolate-streams", action="store_true",
                         help="compile the shard once per stream instead of sharing one compiled model")
@@ -478,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--draft-kind", default="model", choices=["model", "lookup", "hybrid"],
                        help="ksweep, wan, progression: what drafts")
     bench.add_argument("--spec-k", type=count, default=3, help="spec: the fixed K to compare with auto")
-    bench.add_argument("--delay-ms", type=float, default=0.0, help="pipeline, progression: one-way delay per hop")
+    bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
     bench.add_argument("--delays", type=_delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
     bench.add_argument("--json", help="write the report here")
@@ -486,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from engine.fleet.commands import add_commands
 
-    add_commands(sub, _connection_args, count)
+    add_commands(sub, _connection_args)
     return parser
 
 

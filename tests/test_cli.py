@@ -80,12 +80,17 @@ def test_runtime_path_needs_no_torch_transformers_or_nncf(tiny_exports):
     assert proc.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("args", [("generate", "--max-new-tokens", "-3"), ("generate", "--streams", "0"),
-                                  ("up", "--stages", "zero"), ("place", "--users", "0")])
-def test_counts_must_be_whole_numbers_of_at_least_one(args):
+@pytest.mark.parametrize("args, wanted", [
+    (("generate", "--max-new-tokens", "-3"), "a whole number of at least 1"),
+    (("generate", "--streams", "0"), "a whole number of at least 1"),
+    (("up", "--stages", "zero"), "a whole number of at least 1"),
+    (("place", "--users", "0"), "a whole number of at least 1"),
+    (("nodes", "--seconds", "-1"), "a number of 0 or more"),
+    (("generate", "--delay-ms", "nan"), "a number of 0 or more"),
+])
+def test_counts_and_durations_are_checked_before_any_work(args, wanted):
     proc = fleet(*args)
-    assert proc.returncode == 2 and f"argument {args[1]}: takes a whole number of at least 1, not '{args[2]}'" \
-        in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"argument {args[1]}: takes {wanted}, not '{args[2]}'" in proc.stderr, proc.stderr
 
 
 def test_a_prompt_longer_than_the_context_is_refused_plainly(tiny_exports):

@@ -439,9 +439,10 @@ def _chat(args, *source: str) -> int:
     return cmd_generate(build_parser().parse_args(["generate", *source, *connection]))
 
 
-def add_commands(sub, connection_args, count) -> None:
-    """The fleet's subcommands; ``connection_args`` adds the key and TLS options to a parser, and
-    ``count`` is the argparse type of a whole number of at least 1."""
+def add_commands(sub, connection_args) -> None:
+    """The fleet's subcommands; ``connection_args`` adds the key and TLS options to a parser."""
+    from engine.cliargs import count, duration
+
     agent = sub.add_parser("agent", help="run this PC's node agent (advertised over mDNS, controlled by the fleet)")
     agent.add_argument("--listen", default="0.0.0.0:7390", help="HOST:PORT of the control API (default 0.0.0.0:7390)")
     agent.add_argument("--name", help="display name (default: the host name)")
@@ -454,7 +455,7 @@ def add_commands(sub, connection_args, count) -> None:
     nodes = sub.add_parser("nodes", help="list the fleet's nodes (mDNS, plus nodes added by address)")
     nodes.add_argument("--json", action="store_true")
     nodes.add_argument("--watch", action="store_true", help="keep listing nodes as they appear and leave")
-    nodes.add_argument("--seconds", type=float, default=3.0, help="how long to listen (default 3)")
+    nodes.add_argument("--seconds", type=duration, default=3.0, help="how long to listen (default 3)")
     nsub = nodes.add_subparsers(dest="nodes_cmd")
     for verb in ("add", "remove"):
         p = nsub.add_parser(verb, help=f"{verb} a node by address (networks where multicast does not pass)")
@@ -474,7 +475,7 @@ def add_commands(sub, connection_args, count) -> None:
     profile.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     profile.add_argument("--context", type=count, default=PLAN_CONTEXT, help="context length the KV cache is planned for")
     profile.add_argument("--streams", type=count, default=1, help="concurrent streams the KV cache is planned for")
-    profile.add_argument("--seconds", type=float, default=3.0, help="with --nodes all: how long to listen")
+    profile.add_argument("--seconds", type=duration, default=3.0, help="with --nodes all: how long to listen")
     profile.add_argument("--out", help="where to write the profile (default: the data folder)")
     connection_args(profile)
     profile.set_defaults(func=cmd_profile)
@@ -511,7 +512,7 @@ def add_commands(sub, connection_args, count) -> None:
                     help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--resurvey", action="store_true", help="with --nodes: profile the fleet even if it was "
                                                             "profiled in the last day")
-    up.add_argument("--seconds", type=float, default=2.0, help="how long to look for peers")
+    up.add_argument("--seconds", type=duration, default=2.0, help="how long to look for peers")
     up.add_argument("--no-chat", action="store_true", help="keep the fleet up without chatting (prints ready)")
     up.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
     connection_args(up)
