@@ -617,7 +617,8 @@ class FleetView(QWidget):
         size = sum(s.get("bytes", 0) for s in unused) / 2**20
         box = QMessageBox(QMessageBox.Icon.Question, "Remove unused shards",
                           f"Remove {len(unused)} shard(s), {size:.1f} MB, from {name}? The shards its workers serve "
-                          "are kept; a later deployment sends what it needs again.",
+                          "are kept; a later deployment sends what it needs again. Transfers left unfinished for "
+                          "10 minutes go too.",
                           QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, self)
         box.button(QMessageBox.StandardButton.Ok).setText("Remove")
         box.accepted.connect(lambda: self.prune(row.address, name))
@@ -631,9 +632,11 @@ class FleetView(QWidget):
         self.prune_button.setEnabled(False)
 
         def done(result: dict) -> None:
+            from engine.fleet.shardstore import pruned_text
+
             self.prune_button.setEnabled(True)
-            self.banner.info(f"Removed {len(result['dropped'])} shard(s), {result['bytes'] / 2**20:.1f} MB, "
-                             f"from {name}.")
+            self.banner.info(f"Removed {pruned_text(len(result['dropped']), result['unfinished'])}, "
+                             f"{result['bytes'] / 2**20:.1f} MB, from {name}.")
             self.refresh()
 
         def failed(message: str) -> None:

@@ -150,7 +150,7 @@ class WorkerController(QObject):
             return
 
         def done(result: dict) -> None:
-            if not result["dropped"]:
+            if not (result["dropped"] or result["unfinished"]):
                 self._log("no unused shards to remove")
             self.changed.emit()
 

@@ -6,6 +6,7 @@ leaving, the survey feeds the solver, and `fleet up --nodes` does all of it in o
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -142,7 +143,7 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
         assert agent.call("has_shard", hash=cdigest)["present"] is False
 
 
-def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny_models):
+def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny_models, tmp_path):
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
     stages = [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(a, "CPU", 1, 3), StagePlacement(b, "CPU", 3, 4)]
@@ -167,14 +168,22 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     again, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
                           progress=lambda i, phase, f: phases.append((i, phase, f)))
     chain.close()
-    # `fleet nodes prune`: alpha keeps the shard its worker serves and gives up another
+    # `fleet nodes prune`: alpha keeps the shard its worker serves and gives up another, and a
+    # transfer left unfinished (one too recent to count as left stays)
     with ControlClient(a, key) as agent:
         agent.send_shard(folders[2])
         served = [s["hash"] for s in agent.status()["shards"] if s["stage"] == 1]
+        for folder in folders[:2]:  # two transfers begun: stage 0's is left for an hour below
+            agent.call("put_begin", (folder / "manifest.json").read_bytes(), hash=content_hash(folder),
+                       sizes={p.name: p.stat().st_size for p in folder.iterdir() if p.name != "manifest.json"})
+    left, busy = (next((tmp_path / "a").rglob("incoming")) / content_hash(f) for f in (folders[0], folders[1]))
+    for part in left.iterdir():
+        os.utime(part, (time.time() - 3600,) * 2)
     prune = [sys.executable, "-m", "engine.cli", "nodes", "prune", a, "--fleet-key-file", str(key_file)]
     out = subprocess.run(prune, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and re.search(rf"^removed 1 shard\(s\), [0-9.]+ MB, from {a}; 1 served shard\(s\) "
-                                             r"kept$", out.stderr, re.M), out.stderr
+    assert out.returncode == 0 and re.search(rf"^removed 1 shard\(s\) and 1 unfinished transfer\(s\), [0-9.]+ MB, "
+                                             rf"from {a}; 1 served shard\(s\) kept$", out.stderr, re.M), out.stderr
+    assert not left.exists() and busy.exists()
     with ControlClient(a, key) as agent:
         assert [s["hash"] for s in agent.status()["shards"]] == served
     again.stop(key)
@@ -233,9 +242,6 @@ sys.meta_path.insert(0, _NotOnAWorkerLaptop())
 def test_a_worker_laptop_serves_with_openvino_numpy_and_the_tokenizer_only(key_file, tiny_models, tmp_path):
     """An agent (and the stage workers it starts) with torch, transformers, nncf, gguf and PySide6
     refused at import is profiled, takes a shard and serves its stage."""
-    import os
-    import subprocess
-
     from engine.fleet.survey import survey
 
     site = tmp_path / "site"
@@ -367,8 +373,6 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
     `fleet up` of the same fleet reuses the profile.  A plan that keeps every layer on this machine
     deploys nothing and says why."""
     import json
-    import os
-    import subprocess
 
     (_, a), _ = two_agents
     key = load_key(key_file)
@@ -433,8 +437,6 @@ def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
     """`fleet nodes --json`: an agent heard over mDNS, one added by address (its agent does not
     advertise), and an added address nobody answers on, reported unreachable; `fleet nodes`, a table."""
     import json
-    import os
-    import subprocess
 
     home = tmp_path / "cli"
     env = {**os.environ, "FLEETSHARD_HOME": str(home)}

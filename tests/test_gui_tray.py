@@ -88,7 +88,7 @@ def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_fil
                         timeout=10000)
         window.prune_button.click()
         qtbot.waitUntil(lambda: window.shards.text() == "none", timeout=10000)
-        assert "removed 1 unused shard(s)" in window.activity.toPlainText()
+        assert "removed 1 shard(s) not in use" in window.activity.toPlainText()
         with ControlClient(address, key) as agent:
             assert agent.status()["shards"] == []
 

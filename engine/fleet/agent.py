@@ -25,7 +25,7 @@ from engine import wire
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
-from engine.fleet.shardstore import ShardStore, check_hash
+from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
 from engine.runtime.link import Link, accept_loop, authenticate_peer, parse_address
 from engine.runtime.localfleet import await_ready, end_processes
@@ -33,6 +33,7 @@ from engine.runtime.turns import machine_turns_file
 from engine.wire import AuthError, Frame, Msg, ProtocolError
 
 MAX_WORKERS = 8
+UNFINISHED_S = 600.0  # a transfer no chunk reached for this long is dropped by a prune
 
 
 class _Worker:
@@ -250,16 +251,18 @@ class Agent:
         return self.prune()
 
     def prune(self) -> dict:
-        """Drops every shard no running worker serves (profiling shards, earlier deployments): the
-        disk space a laptop gets back."""
+        """Drops every shard no running worker serves (profiling shards, earlier deployments) and the
+        transfers left unfinished for ``UNFINISHED_S``: the disk space a laptop gets back."""
         served = self._served()
         unused = [s for s in self.store.listing() if s["hash"] not in served]
         for shard in unused:
             self.store.drop(shard["hash"])
-        freed = sum(s["bytes"] for s in unused)
-        if unused:
-            self.log(f"removed {len(unused)} unused shard(s), {freed / 2**20:.1f} MB")
-        return {"dropped": [s["hash"] for s in unused], "bytes": freed, "kept": len(self.store.listing())}
+        unfinished, partial_bytes = self.store.drop_unfinished(UNFINISHED_S)
+        freed = sum(s["bytes"] for s in unused) + partial_bytes
+        if unused or unfinished:
+            self.log(f"removed {pruned_text(len(unused), unfinished)} not in use, {freed / 2**20:.1f} MB")
+        return {"dropped": [s["hash"] for s in unused], "unfinished": unfinished, "bytes": freed,
+                "kept": len(self.store.listing())}
 
     def op_start_worker(self, doc, data) -> dict:
         from engine.manifest import read_manifest

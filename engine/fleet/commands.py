@@ -102,11 +102,12 @@ def cmd_nodes(args) -> int:
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
     if args.nodes_cmd == "prune":
         from engine.fleet.control import ControlClient
+        from engine.fleet.shardstore import pruned_text
 
         with ControlClient(args.address, key, tls=tls) as agent:
             done = agent.call("prune")
-        _say(f"removed {len(done['dropped'])} shard(s), {done['bytes'] / 2**20:.1f} MB, from {args.address}; "
-             f"{done['kept']} served shard(s) kept")
+        _say(f"removed {pruned_text(len(done['dropped']), done['unfinished'])}, {done['bytes'] / 2**20:.1f} MB, "
+             f"from {args.address}; {done['kept']} served shard(s) kept")
         return 0
 
     def show(kind: str, info) -> None:

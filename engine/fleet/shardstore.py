@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 from engine.errors import ShardError
@@ -22,6 +23,11 @@ from engine.manifest import MANIFEST, Manifest, load_manifest, read_manifest
 
 MAX_MANIFEST_BYTES = 1 << 20
 _HEX = frozenset("0123456789abcdef")
+
+
+def pruned_text(shards: int, unfinished: int) -> str:
+    """What a prune removed: "2 shard(s)", or "2 shard(s) and 1 unfinished transfer(s)"."""
+    return f"{shards} shard(s)" + (f" and {unfinished} unfinished transfer(s)" if unfinished else "")
 
 
 def content_hash(folder: Path) -> str:
@@ -154,3 +160,15 @@ class ShardStore:
         for folder in (self.done / check_hash(digest), self.incoming / digest):
             if folder.exists():
                 shutil.rmtree(folder)
+
+    def drop_unfinished(self, idle_s: float) -> tuple[int, int]:
+        """Drops the transfers no chunk has reached for ``idle_s`` (a cancelled send is kept to resume
+        until then); returns how many and their bytes."""
+        dropped = freed = 0
+        for folder in list(self.incoming.iterdir()):
+            files = [p.stat() for p in folder.iterdir()] if folder.is_dir() else []
+            if time.time() - max((f.st_mtime for f in files), default=0.0) < idle_s:
+                continue
+            dropped, freed = dropped + 1, freed + sum(f.st_size for f in files)
+            shutil.rmtree(folder, ignore_errors=True)
+        return dropped, freed
