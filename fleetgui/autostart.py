@@ -22,7 +22,10 @@ _RESERVED = set(" \t\n\"'\\><~|&;$*?#()`")
 
 
 def worker_command() -> list[str]:
-    """The command that starts the worker: the installed ``fleetgui`` script, else this Python."""
+    """The command that starts the worker: a bundled app's own executable, the installed
+    ``fleetgui`` script, else this Python."""
+    if getattr(sys, "frozen", False):  # a PyInstaller bundle: its executable is the app
+        return [sys.executable, "--worker"]
     windows = sys.platform == "win32"
     here = Path(sys.executable).parent
     script = here / ("fleetgui.exe" if windows else "fleetgui")

@@ -123,3 +123,17 @@ def test_desktop_entry_quotes_its_command():
     assert desktop_exec(["my env/py", "-m", "fleetgui.app"]) == '"my env/py" -m fleetgui.app'
     assert desktop_exec(['/x/$"q"', "50%"]) == r'"/x/\\$\\"q\\"" 50%%'
     assert "Exec=/opt/fleetgui --worker" in desktop_entry(["/opt/fleetgui", "--worker"])
+
+
+def test_autostart_starts_the_worker_of_this_installation(monkeypatch, tmp_path):
+    """The installed `fleetgui` script beside this Python, or a bundled app's own executable."""
+    import sys
+
+    from fleetgui import autostart
+
+    command = autostart.worker_command()
+    assert command[-1] == "--worker"
+    assert "fleetgui" in command[0] or command[1:] == ["-m", "fleetgui.app", "--worker"], command
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "fleetshard"))
+    assert autostart.worker_command() == [str(tmp_path / "fleetshard"), "--worker"]
