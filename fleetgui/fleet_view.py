@@ -102,7 +102,7 @@ class NodeRow:
             return "unreachable"
         if self.preparing:
             return self.preparing
-        serving = [w for w in self.workers if str(w.get("state", "running")) == "running"]
+        serving = self.running_workers()
         if self.state.startswith("serving") and serving:
             return "serving " + ", ".join(f"stage {w.get('stage')} ({layer_span(*w['layers'])})"
                                           if w.get("layers") else f"stage {w.get('stage')}" for w in serving)
@@ -112,9 +112,12 @@ class NodeRow:
     def found_by(self) -> str:
         return " + ".join(n for n, on in (("mDNS", self.mdns), ("address", self.added)) if on)
 
+    def running_workers(self) -> list[dict]:
+        return [w for w in self.workers if str(w.get("state", "running")) == "running"]
+
     def unused_shards(self) -> list[dict]:
         """The shards no running worker of the node serves."""
-        served = {w.get("hash") for w in self.workers if str(w.get("state", "running")) == "running"}
+        served = {w.get("hash") for w in self.running_workers()}
         return [s for s in self.shards if s.get("hash") not in served]
 
     def shards_text(self) -> str:

@@ -253,8 +253,8 @@ class Agent:
     def prune(self) -> dict:
         """Drops every shard no running worker serves (profiling shards, earlier deployments) and the
         transfers left unfinished for ``UNFINISHED_S``: the disk space a laptop gets back."""
-        served = self._served()
-        unused = [s for s in self.store.listing() if s["hash"] not in served]
+        served, shards = self._served(), self.store.listing()
+        unused = [s for s in shards if s["hash"] not in served]
         for shard in unused:
             self.store.drop(shard["hash"])
         unfinished, partial_bytes = self.store.drop_unfinished(UNFINISHED_S)
@@ -262,7 +262,7 @@ class Agent:
         if unused or unfinished:
             self.log(f"removed {pruned_text(len(unused), unfinished)} not in use, {freed / 2**20:.1f} MB")
         return {"dropped": [s["hash"] for s in unused], "unfinished": unfinished, "bytes": freed,
-                "kept": len(self.store.listing())}
+                "kept": len(shards) - len(unused)}
 
     def op_start_worker(self, doc, data) -> dict:
         from engine.manifest import read_manifest

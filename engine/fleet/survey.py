@@ -65,9 +65,9 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
     nodes = {local_node: {"name": "this machine", "address": LOCAL}}
     rtt: dict[tuple[str, str], float] = {}
     ids: dict[str, str] = {}  # the agents profiled, by address
-    answered: dict[str, str] = {}  # every agent's node, by address
+    answered = {address: status["node"]["node_id"] for address, status in statuses.items()}
     for address, status in statuses.items():
-        node = answered[address] = status["node"]["node_id"]
+        node = answered[address]
         if node in nodes:  # this machine's own agent (a tray worker), or a node under two addresses
             log(f"the node agent at {address} is {nodes[node]['name']}, already profiled: skipped")
             continue
