@@ -6,13 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 
-.PHONY: run chat test clean
+.PHONY: run chat test installer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[export,gui,test]"
+	$(BIN)/python -m pip install -q -e ".[export,gui,test,installer]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -24,5 +24,8 @@ chat: $(STAMP)
 test: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+installer: $(STAMP)
+	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller installer/fleetshard.spec
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) dist build

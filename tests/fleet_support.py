@@ -1,5 +1,6 @@
 """What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home,
-and another process holding a computer's compute turn."""
+another process holding a computer's compute turn, and greedy decoding through a deployment
+compared with its stages in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from engine.fleet.deploy import deploy
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
 from engine.runtime.localfleet import await_ready
+
+IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 
 
 @contextlib.contextmanager
@@ -58,3 +66,24 @@ def turn_held(path: Path):
         holder.wait()
         holder.stdin.close()
         holder.stdout.close()
+
+
+def greedy(chain, tokens=12):
+    return Generator(chain, max_length=128).generate(IDS, tokens, ignore_eos=True).tokens
+
+
+def greedy_in_process(deployment):
+    """What the deployment's exported stages give in one process."""
+    return greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
+
+
+def deployed_equals_in_process(source: str, stages, key: bytes) -> None:
+    """Deploys ``stages`` (f32), decodes through the chain, stops it, and compares with the same
+    exported stages in one process."""
+    deployment, chain = deploy(source, stages, key=key, weights="f32")
+    try:
+        got = greedy(chain)
+    finally:
+        chain.close()
+        deployment.stop(key)
+    assert got == greedy_in_process(deployment)

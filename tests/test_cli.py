@@ -156,4 +156,4 @@ def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == f"[{cpu}]", probe.stderr
     local = LocalFleet(tiny_exports["llama", "2"].folders[1:], tmp_path / "k", log_dir=tmp_path, cpu_sets=["0-1"])
-    assert local.command(0)[-2:] == ["--cpus", "0-1"]
+    assert local.arguments(0)[-2:] == ["--cpus", "0-1"]

@@ -14,9 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from fleet_support import agent_process, turn_held
+from fleet_support import agent_process, deployed_equals_in_process, greedy, greedy_in_process, turn_held
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
@@ -24,10 +23,6 @@ from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.shardstore import content_hash
 from engine.fleetkey import create_key, fleet_id, load_key
 from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-
-IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
-
 
 @pytest.fixture(scope="module")
 def key_file(tmp_path_factory):
@@ -39,27 +34,6 @@ def two_agents(key_file, tmp_path):
     with agent_process(key_file, tmp_path / "a", name="alpha") as a, \
             agent_process(key_file, tmp_path / "b", name="beta") as b:
         yield a, b
-
-
-def _greedy(chain, tokens=12):
-    return Generator(chain, max_length=128).generate(IDS, tokens, ignore_eos=True).tokens
-
-
-def _greedy_in_process(deployment):
-    """What the deployment's exported stages give in one process."""
-    return _greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
-
-
-def _deployed_equals_in_process(source: str, stages, key: bytes) -> None:
-    """Deploys ``stages`` (f32), decodes through the chain, stops it, and compares with the same
-    exported stages in one process."""
-    deployment, chain = deploy(source, stages, key=key, weights="f32")
-    try:
-        got = _greedy(chain)
-    finally:
-        chain.close()
-        deployment.stop(key)
-    assert got == _greedy_in_process(deployment)
 
 
 def test_agent_refuses_without_the_fleet_key(two_agents, key_file, tmp_path):
@@ -151,12 +125,12 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
                                progress=lambda i, phase, f: phases.append((i, phase)))
     try:
-        got = _greedy(chain)
+        got = greedy(chain)
         assert [s["stage"] for s in chain.stages] == [1, 2]
     finally:
         chain.close()
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-    assert _greedy(LocalChain(folders)) == got
+    assert greedy(LocalChain(folders)) == got
     assert {(1, "send"), (2, "send"), (1, "start"), (2, "start"), (0, "connect")} <= set(phases)
     for address, stage in ((a, 1), (b, 2)):
         with ControlClient(address, key) as agent:
@@ -207,19 +181,19 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
     def blocked_until_released(chain, turns_file) -> None:
         done = threading.Event()
         with turn_held(turns_file) as holder:
-            threading.Thread(target=lambda: (_greedy(chain, 2), done.set()), daemon=True).start()
+            threading.Thread(target=lambda: (greedy(chain, 2), done.set()), daemon=True).start()
             assert not done.wait(1.0), f"a forward finished while {turns_file} was held elsewhere"
             holder.stdin.close()
             assert done.wait(30), "the forward did not finish once the turn was let go"
 
     try:
         worker_only = deployment.chain(key, turns=None)  # only alpha's worker may wait
-        _greedy(worker_only, 2)  # compiled and warm
+        greedy(worker_only, 2)  # compiled and warm
         blocked_until_released(worker_only, tmp_path / "a" / "data" / "compute.turns")
         worker_only.close()
         monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
         coordinator = deployment.chain(key)
-        _greedy(coordinator, 2)
+        greedy(coordinator, 2)
         blocked_until_released(coordinator, machine_turns_file())
         coordinator.close()
     finally:
@@ -256,7 +230,7 @@ def test_a_worker_laptop_serves_with_openvino_numpy_and_the_tokenizer_only(key_f
     with agent_process(key_file, tmp_path / "laptop", name="laptop", env=env) as (_, laptop):
         doc = survey(source, [laptop], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
         assert {d["node"] for d in doc["fleet"]["devices"]} == {"coordinator", *doc["taken"]["agents"].values()}
-        _deployed_equals_in_process(source, [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(laptop, "CPU", 2, 4)],
+        deployed_equals_in_process(source, [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(laptop, "CPU", 2, 4)],
                                     key)
 
 
@@ -344,7 +318,7 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     beta = next(n for n, name in names.items() if name == "beta")
     plan = solve(shape, fleet, objective="throughput", users=2, pins=[Pin(beta, 3, 4)])
     assert plan.stages[0].node == "coordinator" and (plan.stages[-1].node, plan.stages[-1].start) == (beta, 3)
-    _deployed_equals_in_process(source, placement_stages({"plan": plan.to_json(), "nodes": nodes}), key)
+    deployed_equals_in_process(source, placement_stages({"plan": plan.to_json(), "nodes": nodes}), key)
 
 
 def test_all_nodes_leaves_out_added_nodes_that_do_not_answer(two_agents, key_file, tmp_path, monkeypatch, capsys):
@@ -414,10 +388,10 @@ def _up_serves_then_stops(up, ending: str, log: Path, a: str, key: bytes) -> Non
         assert [w["agent"] for w in deployment.workers] == [a]
         chain = deployment.chain(key)
         try:
-            got = _greedy(chain)
+            got = greedy(chain)
         finally:
             chain.close()
-        assert got == _greedy_in_process(deployment)
+        assert got == greedy_in_process(deployment)
         with ControlClient(a, key) as agent:
             assert [w["stage"] for w in agent.status()["workers"]] == [1]
         if ending == "SIGTERM":

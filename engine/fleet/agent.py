@@ -27,6 +27,7 @@ from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
 from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
+from engine.launch import start_fleet
 from engine.runtime.link import Link, accept_loop, authenticate_peer, parse_address
 from engine.runtime.localfleet import await_ready, end_processes
 from engine.runtime.turns import machine_turns_file
@@ -279,7 +280,7 @@ class Agent:
         folder = self.store.path(digest)
         manifest = read_manifest(folder)
         host = self.host if self.host not in ("::",) else "0.0.0.0"
-        cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(folder), "--listen", f"{host}:0",
+        cmd = ["worker", "--shard", str(folder), "--listen", f"{host}:0",
                "--device", str(doc.get("device") or "CPU"), "--mode", str(doc.get("mode") or "fast"),
                "--fleet-key-file", str(self.key_file), "--lifeline"]
         if doc.get("precision"):
@@ -292,9 +293,7 @@ class Agent:
         cmd += ["--compute-turns", str(machine_turns_file())]
         wid = uuid.uuid4().hex[:8]
         log = paths().data / "logs" / f"agent-worker-{wid}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as err:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = start_fleet(cmd, log)
         try:
             printed = await_ready(proc, log, float(doc.get("wait_s") or 180))
         except FleetError as exc:

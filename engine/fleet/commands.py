@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine.config import Settings, paths
 from engine.errors import FleetError
+from engine.launch import start_fleet
 
 PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
 
@@ -312,11 +313,8 @@ def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subproce
     from engine.runtime.localfleet import await_ready
 
     log = paths().data / "logs" / "local-agent.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "agent", "--listen", "127.0.0.1:0",
-                                 "--no-mdns", "--lifeline", "--fleet-key-file", str(key_file), "--name", "local"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--no-mdns", "--lifeline", "--fleet-key-file", str(key_file),
+                        "--name", "local"], log)
     try:
         return proc, await_ready(proc, log, timeout_s)
     except FleetError as exc:

