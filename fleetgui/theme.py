@@ -5,12 +5,22 @@ Stylesheets set colours only; every size follows the system font, so the app sca
 
 from __future__ import annotations
 
+import sysconfig
 from pathlib import Path
 
 from PySide6.QtGui import QColor, QIcon, QPalette
 from PySide6.QtWidgets import QApplication
 
-RESOURCES = Path(__file__).resolve().parent.parent / "resources"
+
+def resources_folder(beside: Path, data_paths: list[Path]) -> Path:
+    """``resources/`` beside the packages (a checkout, the bundle), else where a wheel installed it
+    as data files (``share/fleetshard`` under a data path)."""
+    installed = [Path(p) / "share" / "fleetshard" for p in data_paths]
+    return next((p for p in (beside, *installed) if p.is_dir()), beside)
+
+
+RESOURCES = resources_folder(Path(__file__).resolve().parent.parent / "resources",
+                             [sysconfig.get_path("data"), sysconfig.get_path("data", sysconfig.get_preferred_scheme("user"))])
 THEMES = ("light", "dark")
 
 # (window, base, text, button, highlight, disabled text) per theme

@@ -3,7 +3,10 @@ theme switches, engine errors read as messages, and the PySide6 emit workaround 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
@@ -99,6 +102,34 @@ def test_theme_switches_and_is_kept(qtbot, gui_home, tmp_path):
     screenshot(window, "chat-dark")
     window.set_theme("light")
     assert "#eef2f7" in app.styleSheet()
+
+
+def test_a_wheel_install_carries_the_icon_and_styles(tmp_path):
+    """A wheel (a pip install that is not this checkout) holds resources/ as data files, and the
+    theme finds them where pip puts them."""
+    import zipfile
+
+    from fleetgui.theme import resources_folder
+
+    root = Path(__file__).resolve().parent.parent
+    source = tmp_path / "source"  # pip builds in the tree it is given: a copy, not this checkout
+    shutil.copytree(root, source, ignore=shutil.ignore_patterns(".*", "__pycache__", "*.egg-info", "build", "dist",
+                                                                "tests", "docs", "bench-results"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("fleetshard-*.whl")
+    prefix = tmp_path / "prefix"
+    with zipfile.ZipFile(wheel) as z:  # what pip installs under the environment's data path
+        for name in z.namelist():
+            _, _, rest = name.partition(".data/data/")
+            if rest:
+                (prefix / rest).parent.mkdir(parents=True, exist_ok=True)
+                (prefix / rest).write_bytes(z.read(name))
+    found = resources_folder(tmp_path / "no-checkout", [tmp_path / "elsewhere", prefix])
+    assert found == prefix / "share" / "fleetshard"
+    assert sorted(p.relative_to(found).as_posix() for p in found.rglob("*.*")) == sorted(
+        p.relative_to(root / "resources").as_posix() for p in (root / "resources").rglob("*.*"))
 
 
 class FailingBackend(EngineBackend):
