@@ -20,7 +20,8 @@ def resources_folder(beside: Path, data_paths: list[Path]) -> Path:
 
 
 RESOURCES = resources_folder(Path(__file__).resolve().parent.parent / "resources",
-                             [sysconfig.get_path("data"), sysconfig.get_path("data", sysconfig.get_preferred_scheme("user"))])
+                             [sysconfig.get_path("data", scheme)
+                              for scheme in (sysconfig.get_default_scheme(), sysconfig.get_preferred_scheme("user"))])
 THEMES = ("light", "dark")
 
 # (window, base, text, button, highlight, disabled text) per theme

@@ -313,8 +313,8 @@ def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subproce
     from engine.runtime.localfleet import await_ready
 
     log = paths().data / "logs" / "local-agent.log"
-    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--no-mdns", "--lifeline", "--fleet-key-file", str(key_file),
-                        "--name", "local"], log)
+    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--no-mdns", "--lifeline",
+                        "--fleet-key-file", str(key_file), "--name", "local"], log)
     try:
         return proc, await_ready(proc, log, timeout_s)
     except FleetError as exc:
