@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFi
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
+from engine.fleet.shardstore import pruned_text, shard_text
 from engine.manifest import layer_span
 from fleetgui import keystore
 from fleetgui.widgets import Banner, splitter
@@ -179,9 +180,7 @@ class NodesModel(QAbstractTableModel):
             if column == "Status" and row.error:
                 return row.error
             if column == "Shards" and row.shards:
-                return "\n".join(f"{s.get('model')} stage {s.get('stage')} of {s.get('count')}, "
-                                 f"{layer_span(*s['layers'])}, {s.get('weights')}, "
-                                 f"{s.get('bytes', 0) / 2**20:.1f} MB" for s in row.shards)
+                return "\n".join(shard_text(s) for s in row.shards)
             if column in ("Name", "Devices"):
                 return f"{row.cpu}\nnode id {row.node_id}" if row.node_id else None
         if role == Qt.ItemDataRole.ForegroundRole and column == "Status":
@@ -635,8 +634,6 @@ class FleetView(QWidget):
         self.prune_button.setEnabled(False)
 
         def done(result: dict) -> None:
-            from engine.fleet.shardstore import pruned_text
-
             self.prune_button.setEnabled(True)
             self.banner.info(f"Removed {pruned_text(len(result['dropped']), result['unfinished'])}, "
                              f"{result['bytes'] / 2**20:.1f} MB, from {name}.")

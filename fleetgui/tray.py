@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QApplication, QCheckBox, QFileDialog, QFormLayout
                                QMenu, QPlainTextEdit, QPushButton, QSystemTrayIcon, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
+from engine.fleet.shardstore import shard_text
 from engine.manifest import layer_span
 from fleetgui import autostart, theme
 from fleetgui.widgets import Banner
@@ -271,9 +272,7 @@ class WorkerWindow(QWidget):
         self.status.setText(status)
         self.stage.setText(stage or "—")
         shards = c.shards()
-        self.shards.setText("; ".join(f"{s.get('model')} stage {s.get('stage')} of {s.get('count')}, "
-                                      f"{layer_span(*s['layers'])} ({s.get('bytes', 0) / 2**20:.1f} MB)"
-                                      for s in shards) or "none")
+        self.shards.setText("; ".join(shard_text(s) for s in shards) or "none")
         self.pause_button.setText("Resume serving" if c.paused else "Pause serving")
         self.pause_button.setEnabled(c.running)
         self.prune_button.setEnabled(c.running and bool(shards))

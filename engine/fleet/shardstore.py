@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.errors import ShardError
 from engine.hashing import sha256_file
-from engine.manifest import MANIFEST, Manifest, load_manifest, read_manifest
+from engine.manifest import MANIFEST, Manifest, layer_span, load_manifest, read_manifest
 
 MAX_MANIFEST_BYTES = 1 << 20
 _HEX = frozenset("0123456789abcdef")
@@ -28,6 +28,12 @@ _HEX = frozenset("0123456789abcdef")
 def pruned_text(shards: int, unfinished: int) -> str:
     """What a prune removed: "2 shard(s)", or "2 shard(s) and 1 unfinished transfer(s)"."""
     return f"{shards} shard(s)" + (f" and {unfinished} unfinished transfer(s)" if unfinished else "")
+
+
+def shard_text(entry: dict) -> str:
+    """One entry of ``ShardStore.listing`` for people: "qwen2 stage 1 of 2, layers 2-3, f32, 1.2 MB"."""
+    return (f"{entry.get('model')} stage {entry.get('stage')} of {entry.get('count')}, {layer_span(*entry['layers'])}, "
+            f"{entry.get('weights')}, {entry.get('bytes', 0) / 2**20:.1f} MB")
 
 
 def content_hash(folder: Path) -> str:
