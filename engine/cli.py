@@ -300,6 +300,13 @@ def cmd_worker(args) -> int:
 def cmd_key(args) -> int:
     from engine.fleetkey import create_certificate, create_key, key_file, tls_file
 
+    if args.key_cmd == "api":
+        from engine.fleetkey import api_key_file, load_api_key
+
+        key = load_api_key(create=True, force=args.new)
+        print(key)
+        print(f"(kept in {api_key_file()}; HTTP clients send it as `Authorization: Bearer <key>`)", file=sys.stderr)
+        return 0
     path = key_file(args.fleet_key_file)
     if args.key_cmd == "init":
         create_key(path, force=args.force)
@@ -365,6 +372,35 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=duration, help="seconds of silence before a stage counts as dead")
 
 
+def _chain_args(parser: argparse.ArgumentParser) -> None:
+    """Where the model runs and how it decodes: what `generate` and `serve` open with ``open_chain``."""
+    parser.add_argument("--shards", nargs="+", help="shard folders in stage order (or one export folder)")
+    parser.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
+    parser.add_argument("--stages", type=count, help="with --model: number of stages")
+    parser.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
+                        "model (shard folder or model source with the target's tokenizer), or hybrid:MODEL")
+    parser.add_argument("--isolate-streams", action="store_true",
+                        help="compile each stage once per stream instead of sharing one compiled model")
+    parser.add_argument("--k", type=_k, default=4, help="draft tokens per round, or 'auto' (default 4)")
+    parser.add_argument("--mode", choices=["fast", "exact"],
+                        help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
+    parser.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...), "
+                        "or one per stage separated by commas (CPU,GPU.1)")
+    parser.add_argument("--precision", help="the target's inference precision hint (f32, bf16, f16); "
+                        "a draft keeps its device's default")
+    parser.add_argument("--remote", help="run stage 0 here and the rest on workers: HOST:PORT of stage 1 "
+                        "(and optionally of the later stages, comma-separated)")
+    parser.add_argument("--local-workers", action="store_true",
+                        help="run stages 1.. as worker processes on this machine (the local fleet)")
+    parser.add_argument("--deployment", nargs="?", const="last",
+                        help="use the chain `fleet deploy`/`fleet up` started (default: the last one recorded)")
+    parser.add_argument("--delay-ms", type=duration,
+                        help="with --local-workers: one-way delay per hop (WAN simulation)")
+    _connection_args(parser)
+    parser.add_argument("--connect-timeout", type=duration, default=60.0,
+                        help="seconds to wait for the chain to come up")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fleet", description="fleetshard: one LLM across a fleet of PCs")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -389,41 +425,23 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=cmd_export)
 
     gen = sub.add_parser("generate", help="generate text through a chain of shards")
-    gen.add_argument("--shards", nargs="+", help="shard folders in stage order (or one export folder)")
-    gen.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
-    gen.add_argument("--stages", type=count, help="with --model: number of stages")
+    _chain_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); none: read from stdin")
     gen.add_argument("--prompts", help="a file with one prompt per line")
     gen.add_argument("--streams", type=count, help="generate this many prompts concurrently (micro-batching)")
-    gen.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
-                     "model (shard folder or model source with the target's tokenizer), or hybrid:MODEL")
-    gen.add_argument("--isolate-streams", action="store_true",
-                     help="compile each stage once per stream instead of sharing one compiled model")
-    gen.add_argument("--k", type=_k, default=4, help="draft tokens per round, or 'auto' (default 4)")
     gen.add_argument("--rewind", choices=["mask", "trim"],
                      help="drop rejected drafts by masking them (fast mode's default) or trimming the KV "
                      "cache (exact mode's default)")
-    gen.add_argument("--mode", choices=["fast", "exact"],
-                     help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
     gen.add_argument("--system", help="system prompt")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-new-tokens", type=count)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...), "
-                     "or one per stage separated by commas (CPU,GPU.1)")
-    gen.add_argument("--precision", help="the target's inference precision hint (f32, bf16, f16); "
-                     "a draft keeps its device's default")
     gen.add_argument("--json", help="write the generations with timings to this file")
-    gen.add_argument("--remote", help="run stage 0 here and the rest on workers: HOST:PORT of stage 1 "
-                     "(and optionally of the later stages, comma-separated)")
-    gen.add_argument("--local-workers", action="store_true",
-                     help="run stages 1.. as worker processes on this machine (the local fleet)")
-    gen.add_argument("--deployment", nargs="?", const="last",
-                     help="use the chain `fleet deploy`/`fleet up` started (default: the last one recorded)")
-    gen.add_argument("--delay-ms", type=duration, help="with --local-workers: one-way delay per hop (WAN simulation)")
-    _connection_args(gen)
-    gen.add_argument("--connect-timeout", type=duration, default=60.0, help="seconds to wait for the chain to come up")
     gen.set_defaults(func=cmd_generate)
+
+    from engine.serve.command import add_serve_command
+
+    add_serve_command(sub, _chain_args)
 
     worker = sub.add_parser("worker", help="serve one shard as a stage of the pipeline")
     worker.add_argument("--shard", required=True, help="the shard folder this worker serves")
@@ -451,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     kinit.add_argument("--fleet-key-file", help="where to write the key (default: the config folder)")
     kshow = ksub.add_parser("path", help="print where the fleet key is")
     kshow.add_argument("--fleet-key-file")
+    kapi = ksub.add_parser("api", help="print the API key HTTP clients of `fleet serve` need off loopback "
+                                       "(created if there is none)")
+    kapi.add_argument("--new", action="store_true", help="replace it with a new key (clients need the new one)")
     key.set_defaults(func=cmd_key)
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")

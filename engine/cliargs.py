@@ -26,3 +26,14 @@ def duration(text: str) -> float:
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"takes a number of 0 or more, not {text!r}")
     return value
+
+
+def port(text: str) -> int:
+    """A TCP port to listen on: 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"takes a port number from 0 to 65535, not {text!r}")
+    return value

@@ -69,6 +69,10 @@ class Settings:
     mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
     deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
     nodes: list[str] = dataclasses.field(default_factory=list)  # agents added by address (no multicast there)
+    api_enabled: bool = False  # the app serves the OpenAI-compatible API while its chat is up
+    api_host: str = "127.0.0.1"  # any other address needs the API key (``fleet key api``)
+    api_port: int = 8000
+    api_streams: int = 4  # concurrent replies `fleet serve` makes (more requests queue)
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Settings":

@@ -38,11 +38,16 @@ def create_key(path: Path, force: bool = False) -> Path:
     if path.exists() and not force:
         raise FleetError(f"a fleet key already exists at {path} (pass --force to replace it; every "
                          "machine of the fleet then needs the new key)")
+    return _write_secret(path, secrets.token_hex(KEY_BYTES))
+
+
+def _write_secret(path: Path, text: str) -> Path:
+    """Writes ``text`` to a file only its owner can read, replacing it whole (never half written)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(KEY_BYTES) + "\n")
+        f.write(text + "\n")
     os.replace(tmp, path)
     return path
 
@@ -63,6 +68,24 @@ def load_key(override: str | Path | None = None, create: bool = False) -> bytes:
         raise FleetError(f"fleet key file {path} does not hold hex digits") from None
     if len(key) < 16:
         raise FleetError(f"fleet key in {path} is too short ({len(key)} bytes; at least 16)")
+    return key
+
+
+def api_key_file() -> Path:
+    """The API server's key: the bearer token HTTP clients send (``fleet serve`` off loopback)."""
+    return paths().config / "api.key"
+
+
+def load_api_key(create: bool = False, force: bool = False) -> str:
+    """Reads the API key; with ``create`` a missing one is made, with ``force`` a new one replaces it."""
+    path = api_key_file()
+    if force or (create and not path.exists()):
+        _write_secret(path, "fs-" + secrets.token_urlsafe(KEY_BYTES))
+    if not path.exists():
+        raise FleetError(f"no API key at {path}: run `fleet key api` to create one")
+    key = path.read_text().strip()
+    if len(key) < 16:
+        raise FleetError(f"the API key in {path} is too short ({len(key)} characters; at least 16)")
     return key
 
 

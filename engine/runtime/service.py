@@ -9,7 +9,8 @@ is collected and resubmitted, exactly as ``generate_streams`` interleaves them. 
 between rounds; a cancelled one stops at its next round.
 
 Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated (incrementally decoded,
-multi-byte characters held back until complete) and the finished reply through ``on_done(Reply)``;
+multi-byte characters held back until complete, and text that may begin a stop string held back
+until it is known not to) and the finished reply through ``on_done(Reply)``;
 both are called on the scheduler thread.  The engine knows nothing of any UI: an app wraps these
 callbacks in its own cross-thread signals.
 """
@@ -26,7 +27,9 @@ from typing import Callable
 
 from engine.errors import ContextError, FleetError
 from engine.runtime.generate import Decoding
+from engine.runtime.sampling import GREEDY, SamplingParams
 from engine.runtime.speculative import KVSequence
+from engine.runtime.stops import StopText
 from engine.runtime.tokenizer import ChatTokenizer, TextStream
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ class Reply:
     text: str
     tokens: list[int]
     prompt_tokens: int
-    stopped_by: str  # "eos" | "max_tokens" | "cancelled" | "error"
+    stopped_by: str  # "eos" | "stop" (a stop string) | "max_tokens" | "cancelled" | "error"
     ttft_ms: float = 0.0  # prefill submitted -> first new token
     decode_tok_s: float = 0.0  # tokens after the first over the time they took
     drafted: int = 0
@@ -49,6 +52,12 @@ class Reply:
     error: str | None = None
     stream: int | None = None
     dropped: int = 0  # oldest messages left out so the conversation fits the context
+    context_error: bool = False  # the error is the conversation not fitting the context
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's name for why the reply ended: ``stop`` (end of text or a stop string), ``length``."""
+        return {"eos": "stop", "stop": "stop", "max_tokens": "length"}.get(self.stopped_by, self.stopped_by)
 
     @property
     def acceptance(self) -> float | None:
@@ -106,6 +115,8 @@ class _Request:
     chat: bool
     ignore_eos: bool
     k: int | str | None
+    sampling: SamplingParams = GREEDY
+    stop: StopText = dataclasses.field(default_factory=StopText)
     decoding: Decoding | None = None
     text: TextStream | None = None
     dropped: int = 0
@@ -148,13 +159,15 @@ class ChatService:
 
     def submit(self, messages: list[dict], max_new_tokens: int = 128, on_text: OnText | None = None,
                on_done: Callable[[Reply], None] | None = None, *, chat: bool = True, ignore_eos: bool = False,
-               k: int | str | None = None) -> Handle:
-        """Queues a reply to ``messages`` (``{"role", "content"}`` dicts, the last one the user's)."""
+               k: int | str | None = None, sampling: SamplingParams | None = None,
+               stop: list[str] | tuple[str, ...] = ()) -> Handle:
+        """Queues a reply to ``messages`` (``{"role", "content"}`` dicts, the last one the user's).
+        ``sampling`` None is greedy; the reply ends before the first of the ``stop`` strings."""
         if not messages:
             raise FleetError("nothing to reply to: the conversation is empty")
         handle = Handle(self, next(self._ids))
         request = _Request(handle, [dict(m) for m in messages], max_new_tokens, on_text, on_done, chat,
-                           ignore_eos, k)
+                           ignore_eos, k, sampling or GREEDY, StopText(stop))
         with self._lock:
             if self._closed:
                 raise FleetError("the chat service is closed")
@@ -230,7 +243,7 @@ class ChatService:
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
                                         cancel=request.handle._cancel)
         except ContextError as exc:
-            self._finish(request, error=str(exc))
+            self._finish(request, error=str(exc), context=True)
             return
         except Exception as exc:
             self._finish(request, error=_describe(exc))
@@ -279,28 +292,36 @@ class ChatService:
             self._finish(request, error=message)
 
     def _token(self, request: _Request, token: int) -> None:
-        piece = request.text.push(token)
+        if request.stop.hit is not None:  # the rest of a round after a stop string
+            return
+        piece = request.stop.push(request.text.push(token))
+        if request.stop.hit is not None:
+            request.handle._cancel.set()  # no further rounds: the decoding ends at this one
         if piece:
             request.pieces.append(piece)
             if request.on_text:
                 _call(request.on_text, piece, len(request.decoding.result.tokens))
 
-    def _finish(self, request: _Request, stopped_by: str | None = None, error: str | None = None) -> None:
+    def _finish(self, request: _Request, stopped_by: str | None = None, error: str | None = None,
+                context: bool = False) -> None:
         handle = request.handle
         result = request.decoding.result if request.decoding else None
         if request.text is not None:
-            tail = request.text.flush()
+            tail = request.stop.push(request.text.flush()) + request.stop.flush()
             if tail:
                 request.pieces.append(tail)
                 if request.on_text:
                     _call(request.on_text, tail, len(result.tokens) if result else 0)
+        if request.stop.hit is not None and not error:
+            stopped_by = "stop"
         if result is not None:
             reply = Reply("".join(request.pieces), list(result.tokens), result.prompt_tokens,
                           "error" if error else stopped_by or result.stopped_by, result.ttft_s * 1e3,
                           result.decode_tok_s, result.drafted, result.accepted, error, handle.stream,
                           request.dropped)
         else:
-            reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream)
+            reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
+                          context_error=context)
         if handle.stream is not None:
             with self._lock:
                 self._free.append(handle.stream)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API in front of the chat service (``fleet serve``, the app's API switch)."""

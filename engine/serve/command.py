@@ -1,0 +1,62 @@
+"""``fleet serve``: the OpenAI-compatible API over a chain opened like ``fleet generate``'s."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from engine.config import Settings
+
+
+def cmd_serve(args) -> int:
+    from engine.cli import open_chain, open_drafter
+    from engine.fleetkey import api_key_file, load_api_key
+    from engine.runtime.service import ChatService
+    from engine.runtime.stage import REWIND
+    from engine.serve.server import ApiServer, is_loopback
+
+    settings = Settings.load()
+    host = args.host or settings.api_host
+    port = settings.api_port if args.port is None else args.port
+    streams = args.streams or settings.api_streams
+    api_key = None
+    if args.require_key or not is_loopback(host):
+        api_key = load_api_key(create=True)
+        print(f"clients need the API key in {api_key_file()} (`fleet key api` prints it)", file=sys.stderr)
+    chain, fleet = open_chain(args, settings)
+    try:
+        drafters = open_drafter(args, settings, chain, streams)
+        service = ChatService(chain, streams=streams, drafters=(lambda n: drafters) if drafters else None, k=args.k,
+                              rewind=REWIND[args.mode or settings.mode], owned=[fleet] if fleet else [])
+    except BaseException:
+        chain.close()
+        if fleet is not None:
+            fleet.close()
+        raise
+    try:
+        model_id = args.model_id or (args.model if args.model and not args.shards else None)
+        server = ApiServer(service, host, port, api_key, model_id=model_id)
+        print(f"serving {server.model_id} ({service.description}) at {server.url}", file=sys.stderr)
+        print(f"ready {server.url}", flush=True)
+        # uvicorn shuts down gracefully on SIGTERM, then raises it again: let that end us cleanly
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        server.serve_forever()  # until Ctrl-C or SIGTERM
+    finally:
+        service.close()
+    return 0
+
+
+def add_serve_command(sub, chain_args) -> None:
+    """``chain_args`` adds the options that say where the model runs (``fleet generate``'s)."""
+    from engine.cliargs import count, port
+
+    serve = sub.add_parser("serve", help="serve the model as an OpenAI-compatible HTTP API (/v1/chat/completions)")
+    chain_args(serve)
+    serve.add_argument("--host", help="address to listen on (default: the settings', 127.0.0.1); any other than "
+                                      "loopback needs the API key")
+    serve.add_argument("--port", type=port, help="port to listen on (default: the settings', 8000; 0: any free port)")
+    serve.add_argument("--streams", type=count, help="replies made concurrently (default: the settings', 4); "
+                                                      "more requests wait their turn")
+    serve.add_argument("--model-id", help="the model name clients ask for (default: --model, else the shards' model)")
+    serve.add_argument("--require-key", action="store_true", help="ask clients for the API key on loopback too")
+    serve.set_defaults(func=cmd_serve)
