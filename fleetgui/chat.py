@@ -43,6 +43,7 @@ class ChatController(QObject):
     status = Signal(str)  # a line for the status bar
     failed = Signal(str)  # the service could not be opened
     ready = Signal()
+    service_changed = Signal(object)  # the service now open, or None before it closes
 
     def __init__(self, backend, settings, tasks: TaskRunner, parent: QObject | None = None):
         super().__init__(parent)
@@ -156,6 +157,7 @@ class ChatController(QObject):
             return
         self.service = service
         self.status.emit(f"Chat: {service.description}")
+        self.service_changed.emit(service)
         pending, self._pending = self._pending, []
         for key, messages, max_new_tokens in pending:
             self._send(key, messages, max_new_tokens)
@@ -191,6 +193,7 @@ class ChatController(QObject):
             self._loader = None
         service, self.service = self.service, None
         if service is not None:
+            self.service_changed.emit(None)
             self.tasks.start(lambda report, cancel: service.close(), "close chat service")
             self.status.emit("Chat: not connected")
 
@@ -201,6 +204,7 @@ class ChatController(QObject):
         if self._loader is not None:
             self._loader.cancel()
         if self.service is not None:
+            self.service_changed.emit(None)
             self.service.close()
             self.service = None
 

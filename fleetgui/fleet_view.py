@@ -477,8 +477,14 @@ class FleetView(QWidget):
         nodes_layout.addLayout(tools)
         nodes_layout.addWidget(self.table, 1)
         split = splitter(Qt.Orientation.Vertical, (nodes, 3), (rtt_box, 1))
+        # the OpenAI-compatible API's status line (``fleetgui.api``): where tools reach the fleet's model
+        self.api_label = QLabel("API: off")
+        self.api_label.setObjectName("hint")
+        self.api_label.setWordWrap(True)
+        self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
+        layout.addWidget(self.api_label)
         layout.addWidget(key_box)
         layout.addWidget(split, 1)
 

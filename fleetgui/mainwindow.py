@@ -9,6 +9,7 @@ from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QMainWindow, QStackedWidget, QWidget
 
 from fleetgui import theme
+from fleetgui.api import ApiController
 from fleetgui.bench_panel import BenchPanel
 from fleetgui.chat import ChatController, ChatView
 from fleetgui.export_wizard import ExportWizard
@@ -67,6 +68,9 @@ class MainWindow(QMainWindow):
         row.addWidget(self.stack, 1)
         self.setCentralWidget(central)
 
+        self.api = ApiController(self.chat_controller, settings, self)
+        self.api.status.connect(self.fleet.api_label.setText)
+        self.api.start()
         self.service_label = QLabel("Chat: not connected")
         self.statusBar().addPermanentWidget(self.service_label)
         self.chat_controller.status.connect(self.service_label.setText)
@@ -147,6 +151,7 @@ class MainWindow(QMainWindow):
         self.theme_actions[settings.theme if settings.theme in theme.THEMES else "light"].setChecked(True)
         for view in (self.chat, self.export, self.bench, self.fleet, self.placement):
             view.apply_settings(settings)
+        self.api.apply_settings(settings)
         self.statusBar().showMessage("Settings saved", 5000)
 
     def set_theme(self, name: str) -> None:
@@ -184,6 +189,7 @@ class MainWindow(QMainWindow):
         self.store.setValue("window/geometry", self.saveGeometry())
         self.store.sync()
         self.fleet.shutdown()
+        self.api.stop()
         self.chat.shutdown()
         self.tasks.shutdown()
         self.placement.shutdown()  # after the chat and the tasks: stops the workers this session deployed

@@ -36,6 +36,9 @@ class GuiSettings:
     draft_model: str = ""  # the draft model source for "model" and "hybrid"
     max_new_tokens: int = 256
     theme: str = "light"
+    api_enabled: bool = False  # serve the chat's model as the OpenAI-compatible API too
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
 
     @classmethod
     def defaults(cls) -> "GuiSettings":
@@ -44,7 +47,8 @@ class GuiSettings:
         except (OSError, ValueError, TypeError):  # an unreadable settings.json: the app still starts
             engine = Settings()
         return cls(fleet_key_file=engine.fleet_key_file or "", default_model=engine.default_model,
-                   stages=engine.stages, weights=engine.weights, devices=engine.device, mode=engine.mode)
+                   stages=engine.stages, weights=engine.weights, devices=engine.device, mode=engine.mode,
+                   api_enabled=engine.api_enabled, api_host=engine.api_host, api_port=engine.api_port)
 
     @classmethod
     def load(cls, store: QSettings) -> "GuiSettings":
@@ -95,6 +99,10 @@ class GuiSettings:
             parse_devices(self.devices, self.stages)
         except FleetError as exc:
             return str(exc)
+        if not self.api_host.strip():
+            return "the API needs an address to listen on (127.0.0.1: this PC only)"
+        if not 0 <= self.api_port <= 65535:
+            return f"the API port must be between 0 and 65535, not {self.api_port}"
         return None
 
 
@@ -149,6 +157,14 @@ class SettingsDialog(QDialog):
         form.addRow("Max new tokens", self.max_new_tokens)
         self.theme = combo_box(THEMES, settings.theme)
         form.addRow("Theme", self.theme)
+        self.api_enabled = QCheckBox("serve the chat's model as an OpenAI-compatible API")
+        self.api_enabled.setChecked(settings.api_enabled)
+        form.addRow("API", self.api_enabled)
+        self.api_host = QLineEdit(settings.api_host)
+        self.api_host.setToolTip("127.0.0.1: this PC only; another address (0.0.0.0: every network) "
+                                 "needs the API key, which the app creates")
+        self.api_port = spin_box(0, 65535, settings.api_port)
+        form.addRow("API address", field_row(self.api_host, self.api_port))
 
         self.error = QLabel()
         self.error.setObjectName("hint")
@@ -174,7 +190,8 @@ class SettingsDialog(QDialog):
             mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(), streams=self.streams.value(),
             k=self.k.currentText().strip() or "auto", draft=self.draft.currentText(),
             draft_model=self.draft_model.text().strip(), max_new_tokens=self.max_new_tokens.value(),
-            theme=self.theme.currentText())
+            theme=self.theme.currentText(), api_enabled=self.api_enabled.isChecked(),
+            api_host=self.api_host.text().strip(), api_port=self.api_port.value())
 
     def accept(self) -> None:
         problem = self.result_settings().validate()
