@@ -321,6 +321,10 @@ def cmd_key(args) -> int:
     return 0
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(count(part) for part in text.split(","))
+
+
 def _delays(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(d) for d in text.split(","))
@@ -357,6 +361,9 @@ def cmd_bench(args) -> int:
         "wan": lambda f: f(model, draft, **sizes, **runs, **kind, **delays, **fleet, **common),
         "progression": lambda f: f(model, draft, delay_ms=args.delay_ms, **sizes, **runs, **kind, **fleet, **common),
         "placement": lambda f: f(model, tokens=args.tokens or 64, **runs, **common),
+        "serve": lambda f: f(model, tokens=args.tokens or 64, device=args.device, **runs, **common,
+                             **({"stages": args.stages} if args.stages else {}),
+                             **({"users": args.users} if args.users else {})),
     }
     module = importlib.import_module(f"engine.bench.{args.name}")
     report = calls[args.name](getattr(module, f"run_{args.name}"))
@@ -476,9 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement"])
+                                               "placement", "serve"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
-                       "spec, ksweep, microbatch, wan and progression)")
+                       "spec, ksweep, microbatch, wan, progression and serve)")
     bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--runs", type=count, help="interleaved repetitions (each benchmark has a default)")
@@ -492,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
     bench.add_argument("--delays", type=_delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
+    bench.add_argument("--users", type=_counts, help="serve: the concurrent users of each wave (default 1,2,4,8)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)
 

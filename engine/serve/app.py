@@ -108,7 +108,7 @@ async def _complete(service: ChatService, call: Call, request: Request, model_id
     max_tokens = call.max_tokens or max(service.max_length // 4, 1)
     try:
         handle = service.submit(call.messages, max_tokens, pipe.text if call.stream else None, pipe.done,
-                                chat=call.chat, sampling=call.sampling, stop=call.stop)
+                                chat=call.chat, sampling=call.sampling, stop=call.stop, ignore_eos=call.ignore_eos)
     except FleetError as exc:
         raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

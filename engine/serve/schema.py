@@ -62,6 +62,7 @@ class _Common(_Strict):
     top_p: float | None = None
     top_k: int | None = None  # extension
     repetition_penalty: float | None = None  # extension
+    ignore_eos: bool = False  # extension (as vLLM's): generate max_tokens whatever the model says
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -99,6 +100,7 @@ class Call:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 _DEFAULT_ONLY = {"n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
@@ -139,7 +141,7 @@ def to_call(request: ChatRequest | CompletionRequest) -> Call:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
-    return Call(messages, chat, max_tokens, stop, sampling, request.stream, include_usage)
+    return Call(messages, chat, max_tokens, stop, sampling, request.stream, include_usage, request.ignore_eos)
 
 
 def validation_error(errors: list[dict]) -> ApiError:

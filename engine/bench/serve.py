@@ -1,0 +1,274 @@
+"""``fleet bench serve``: users chatting through the official ``openai`` client against ``fleet serve``
+on a pipeline of worker processes, side by side with openvino_genai.LLMPipeline behind the very same
+API and harness (one request at a time, as a user of LLMPipeline would serve it).
+
+Each wave sends one streamed request per user at once (a different prompt each, ``ignore_eos`` so
+every reply has the same length) and measures at the client: aggregate tok/s (every reply's tokens
+over the wave's wall time), time to first token and the gaps between streamed chunks, p50 and p95.
+Waves alternate between the two servers, users 1, 2, 4, 8, ``runs`` times over.
+
+Two more parts measure what a server's users feel most: the prefix cache (the second turn of a
+long conversation, warm against cold, alternating) and prompt speed (time to first token of our
+1-, 2- and 3-stage chains against LLMPipeline's on the same export and settings, at a short and a
+long prompt).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, loopback
+from engine.bench.report import median, write_report
+from engine.export.exporter import export_model
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
+from engine.runtime.service import ChatService, Handle, Reply
+from engine.runtime.stage import device_config
+from engine.runtime.tokenizer import ChatTokenizer
+from engine.serve.server import ApiServer
+
+USERS = (1, 2, 4, 8)
+PROMPT_LENGTHS = (46, 1000)  # the parity run's prompt, and a long paste
+
+
+class GenaiService:
+    """LLMPipeline behind the part of ``ChatService`` the API uses: requests queue and are served
+    one at a time by one thread, streamed through LLMPipeline's streamer."""
+
+    streams = 1
+
+    def __init__(self, folder: Path, device: str = "CPU", props: dict | None = None):
+        import openvino_genai
+
+        self.pipe = openvino_genai.LLMPipeline(str(folder), device, **(props or {}))
+        self.tokenizer = ChatTokenizer(folder)
+        self.max_length = 4096
+        self._ids = itertools.count(1)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="llmpipeline", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, messages, max_new_tokens, on_text=None, on_done=None, *, chat=True, ignore_eos=False, **_):
+        handle = Handle(self, next(self._ids))
+        self._queue.put((handle, messages, max_new_tokens, on_text, on_done, chat, ignore_eos))
+        return handle
+
+    def _poke(self) -> None:  # a cancel is seen by the streamer at its next token
+        pass
+
+    def _run(self) -> None:
+        import openvino as ov
+        import openvino_genai
+
+        while (item := self._queue.get()) is not None:
+            handle, messages, max_new_tokens, on_text, on_done, chat, ignore_eos = item
+            ids = self.tokenizer.chat_ids(messages, chat).reshape(1, -1)
+            config = self.pipe.get_generation_config()
+            config.max_new_tokens = max_new_tokens
+            config.min_new_tokens = max_new_tokens if ignore_eos else 0
+            config.ignore_eos = ignore_eos
+            config.do_sample = False
+            config.apply_chat_template = False
+            pieces: list[str] = []
+
+            def streamer(piece: str):
+                pieces.append(piece)
+                if on_text:
+                    on_text(piece, len(pieces))
+                return openvino_genai.StreamingStatus.CANCEL if handle.cancelled else \
+                    openvino_genai.StreamingStatus.RUNNING
+
+            inputs = openvino_genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
+            result = self.pipe.generate(inputs, config, streamer)
+            tokens = list(result.tokens[0])
+            stopped = "cancelled" if handle.cancelled else "max_tokens" if len(tokens) >= max_new_tokens else "eos"
+            handle.reply = Reply("".join(pieces), tokens, int(ids.shape[1]), stopped)
+            handle._done.set()
+            if on_done:
+                on_done(handle.reply)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(30)
+
+
+def user_wave(url: str, model: str, prompts: list[str], tokens: int) -> tuple[list[dict], float]:
+    """One streamed chat request per prompt, all at once; per request: TTFT, chunk gaps, tokens."""
+    import openai
+
+    results: list[dict] = [{} for _ in prompts]
+    start = threading.Barrier(len(prompts) + 1)
+
+    def user(i: int) -> None:
+        client = openai.OpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+        start.wait()
+        sent = time.perf_counter()
+        times, usage = [], None
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompts[i]}], max_tokens=tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.perf_counter())
+            if chunk.usage:
+                usage = chunk.usage
+        results[i] = {"ttft_ms": (times[0] - sent) * 1e3 if times else None,
+                      "gaps_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])],
+                      "tokens": usage.completion_tokens if usage else 0}
+
+    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - began
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def _wave_row(server: str, users: int, waves: list[tuple[list[dict], float]]) -> dict:
+    requests = [r for wave, _ in waves for r in wave]
+    ttfts = [r["ttft_ms"] for r in requests if r["ttft_ms"] is not None]
+    gaps = [g for r in requests for g in r["gaps_ms"]]
+    rates = [sum(r["tokens"] for r in wave) / wall for wave, wall in waves]
+    return {"part": "users", "server": server, "users": users, "tok_s": round(median(rates), 2),
+            "ttft_p50_ms": round(_percentile(ttfts, 50), 1), "ttft_p95_ms": round(_percentile(ttfts, 95), 1),
+            "itl_p50_ms": round(_percentile(gaps, 50), 1), "itl_p95_ms": round(_percentile(gaps, 95), 1),
+            "requests": len(requests)}
+
+
+def _users_part(folders, one, model, users, tokens, runs, device, hooks, log) -> tuple[list[dict], dict]:
+    prompts = list(PROMPTS.values())
+    rows, ratios = [], {}
+    with loopback(folders) as (chain, _fleet):
+        ours = ChatService(chain, streams=max(users))
+        theirs = GenaiService(one, device, device_config(device))
+        servers = {"fleet serve": ApiServer(ours, port=0, model_id=model).start(),
+                   "LLMPipeline": ApiServer(theirs, port=0, model_id=model).start()}
+        try:
+            for server in servers.values():  # warm-up: first inferences and the widest wave
+                user_wave(server.url, model, prompts[:1], tokens)
+                user_wave(server.url, model, [prompts[i % len(prompts)] for i in range(max(users))], tokens)
+            waves: dict[tuple[str, int], list] = {}
+            steps = runs * len(users) * len(servers)
+            for step, (run, n, name) in enumerate(itertools.product(range(runs), users, servers)):
+                hooks.step(step, steps, f"run {run + 1}/{runs}: {n} user(s) on {name}")
+                wave = user_wave(servers[name].url, model, [prompts[i % len(prompts)] for i in range(n)], tokens)
+                waves.setdefault((name, n), []).append(wave)
+                log(f"run {run + 1}: {n} user(s) on {name}: {sum(r['tokens'] for r in wave[0]) / wave[1]:.1f} tok/s")
+        finally:
+            for server in servers.values():
+                server.stop()
+            ours.close()
+            theirs.close()
+    for n in users:
+        pair = [_wave_row(name, n, waves[name, n]) for name in servers]
+        rows += pair
+        ratios[f"tok/s, fleet serve / LLMPipeline, {n} user(s)"] = round(pair[0]["tok_s"] / pair[1]["tok_s"], 3)
+        for row in pair:
+            hooks.row(row)
+    return rows, ratios
+
+
+def _long_text(tokenizer: ChatTokenizer, tokens: int) -> str:
+    """A user message of about ``tokens`` tokens (the prompt set, repeated)."""
+    text, block = "", " ".join(PROMPTS.values())
+    while tokenizer.chat_ids([{"role": "user", "content": text}]).size < tokens:
+        text += block + "\n"
+    return text
+
+
+def _prefix_part(folders, model, runs, hooks, log) -> tuple[list[dict], dict]:
+    """The second turn of a ~1,000-token conversation: warm (the stream kept the first turn's KV)
+    against cold (a service with the prefix cache off, on its own fleet), alternating."""
+    rows, ratios = [], {}
+    with loopback(folders) as (cold_chain, _), loopback(folders) as (warm_chain, _):
+        services = {"cold": ChatService(cold_chain, streams=1, prefix_cache=False),
+                    "warm": ChatService(warm_chain, streams=1, prefix_cache=True)}
+        try:
+            tokenizer = ChatTokenizer(cold_chain.first_folder)
+            samples: dict[str, list[float]] = {label: [] for label in services}
+            for run in range(runs + 1):  # the first round warms up
+                # each run's conversation is new: a first turn, then the second whose TTFT counts
+                first = [{"role": "user", "content": f"Run {run}.\n" + _long_text(tokenizer, 1000)}]
+                for label, service in services.items():
+                    hooks.step(run * 2 + (label == "warm"), (runs + 1) * 2, f"prefix cache, {label}, run {run}")
+                    reply = service.submit(first, 16, ignore_eos=True).wait()
+                    second = first + [{"role": "assistant", "content": reply.text},
+                                      {"role": "user", "content": "Summarise that in one sentence."}]
+                    turn = service.submit(second, 4, ignore_eos=True).wait()
+                    if run:
+                        samples[label].append(turn.ttft_ms)
+                    log(f"prefix cache {label}: second turn TTFT {turn.ttft_ms:.0f} ms "
+                        f"({turn.cached_tokens} of {turn.prompt_tokens} prompt tokens cached)")
+        finally:
+            for service in services.values():
+                service.close()
+    for label, values in samples.items():
+        rows.append({"part": "prefix cache", "server": label, "prompt_tokens": turn.prompt_tokens,
+                     "ttft_p50_ms": round(median(values), 1)})
+        hooks.row(rows[-1])
+    ratios["second-turn TTFT, cold / warm (1,000-token conversation)"] = round(
+        median(samples["cold"]) / median(samples["warm"]), 2)
+    return rows, ratios
+
+
+def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> tuple[list[dict], dict]:
+    """TTFT of our in-process chains against LLMPipeline's, same export and compile settings."""
+    tokenizer = ChatTokenizer(one)
+    long_ids = tokenizer.chat_ids([{"role": "user", "content": _long_text(tokenizer, max(PROMPT_LENGTHS))}])
+    genai = genai_runner(one, 2, device=device, props=device_config(device))
+    ours = {n: Generator(LocalChain(folders, device=device), max_length=max(PROMPT_LENGTHS) + 8)
+            for n, folders in exports.items()}
+    rows, ratios = [], {}
+    for length in PROMPT_LENGTHS:
+        ids = long_ids.reshape(-1)[-length:].reshape(1, -1)  # the last tokens: the template's ending included
+        samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{f"ours {n}-stage": [] for n in ours}}
+        for run in range(runs + 1):  # the first round warms up
+            hooks.step(run, runs + 1, f"TTFT at {length} prompt tokens, run {run}")
+            samples_now = {"LLMPipeline 1-stage": genai(ids)[1]}
+            for n, gen in ours.items():
+                samples_now[f"ours {n}-stage"] = gen.generate(ids, 2, ignore_eos=True).ttft_s * 1e3
+            if run:
+                for name, value in samples_now.items():
+                    samples[name].append(value)
+        base = median(samples["LLMPipeline 1-stage"])
+        for name, values in samples.items():
+            rows.append({"part": "ttft", "server": name, "prompt_tokens": length,
+                         "ttft_p50_ms": round(median(values), 1), "vs_llmpipeline": round(median(values) / base, 3)})
+            hooks.row(rows[-1])
+            if name != "LLMPipeline 1-stage":
+                ratios[f"TTFT {name} / LLMPipeline, {length} tokens"] = rows[-1]["vs_llmpipeline"]
+        log(f"TTFT at {length} tokens: " + ", ".join(f"{r['server']} {r['ttft_p50_ms']} ms" for r in rows[-len(samples):]))
+    return rows, ratios
+
+
+def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, tokens: int = 64, runs: int = 2,
+              weights: str = "int4", device: str = "CPU", out: Path | None = None, log=print,
+              hooks: Hooks = NO_HOOKS) -> dict:
+    exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel).folders for n in (1, 2, 3)}
+    one = exports[1][0]
+    rows, ratios = [], {}
+    for part in (lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, hooks, log),
+                 lambda: _prefix_part(exports[stages], model, runs, hooks, log),
+                 lambda: _ttft_part(exports, one, device, runs, hooks, log)):
+        more_rows, more_ratios = part()
+        rows += more_rows
+        ratios.update(more_ratios)
+    meta = {"model": model, "stages": stages, "weights": weights, "device": device, "users": list(users),
+            "new_tokens": tokens, "runs": runs}
+    return write_report("serve", rows, ratios, out, settings=meta)
