@@ -342,7 +342,7 @@ def cmd_bench(args) -> int:
     common = {"weights": args.weights, "out": Path(args.json) if args.json else None,
               "log": lambda m: print(m, file=sys.stderr, flush=True)}
     # the speculation and fleet benchmarks run the 1.5B target that has a 0.5B draft
-    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline", "placement")
+    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline", "placement", "fuzz")
                            else "qwen2.5-coder-1.5b")
     fleet = {"cpu_sets": args.cpus or ""}
     # each benchmark has its own default length, repetitions and stage count
@@ -364,6 +364,7 @@ def cmd_bench(args) -> int:
         "serve": lambda f: f(model, tokens=args.tokens or 64, device=args.device, **runs, **common,
                              **({"stages": args.stages} if args.stages else {}),
                              **({"users": args.users} if args.users else {})),
+        "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
     }
     module = importlib.import_module(f"engine.bench.{args.name}")
     report = calls[args.name](getattr(module, f"run_{args.name}"))
@@ -483,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement", "serve"])
+                                               "placement", "serve", "fuzz"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan, progression and serve)")
     bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
@@ -500,6 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--delays", type=_delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
     bench.add_argument("--users", type=_counts, help="serve: the concurrent users of each wave (default 1,2,4,8)")
+    bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)
 

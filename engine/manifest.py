@@ -98,8 +98,11 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: dict) -> "Manifest":
+        if not isinstance(raw, dict):
+            raise ShardError("the manifest is not a JSON object")
         if raw.get("format") != FORMAT_VERSION:
             raise ShardError(f"manifest format {raw.get('format')!r} is not supported (expected {FORMAT_VERSION})")
+        _check_shape(raw)
         return cls(
             model_name=raw["model"]["name"],
             fingerprint=raw["model"]["fingerprint"],
@@ -122,6 +125,37 @@ class Manifest:
             p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST
         }
         (folder / MANIFEST).write_text(json.dumps(self.to_json(), indent=2))
+
+
+# what each part of a manifest must be: a peer's or a disk's damage ends in a ShardError naming the part
+_SHAPE = {("model", "name"): str, ("model", "fingerprint"): str, ("model", "spec"): dict, ("stage", "index"): int,
+          ("stage", "count"): int, ("stage", "layers"): list, ("weights",): str, ("inputs",): list,
+          ("outputs",): list, ("kv", "states"): list, ("files",): dict}
+_SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str}
+
+
+def _check_shape(raw: dict) -> None:
+    for path, kind in _SHAPE.items():
+        value = raw
+        for step in path:
+            value = value.get(step) if isinstance(value, dict) else None
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ShardError(f"the manifest's {'.'.join(path)} is not a {kind.__name__}")
+    layers = raw["stage"]["layers"]
+    if len(layers) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers):
+        raise ShardError(f"the manifest's stage.layers is not a layer range: {layers!r}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in raw["files"].items()):
+        raise ShardError("the manifest's files do not map names to hashes")
+    if not all(isinstance(s, str) for s in raw["kv"]["states"]):
+        raise ShardError("the manifest's kv.states are not names")
+    if not all(isinstance(i, int) for i in raw.get("eos_token_ids", [])) or not isinstance(raw.get("export", {}), dict):
+        raise ShardError("the manifest's eos_token_ids or export are damaged")
+    spec = raw["model"]["spec"]
+    for field in dataclasses.fields(ModelSpec):
+        kind = _SCALARS.get(str(field.type))
+        if field.name in spec and kind and (not isinstance(spec[field.name], kind)
+                                            or (kind is not bool and isinstance(spec[field.name], bool))):
+            raise ShardError(f"the manifest's model.spec.{field.name} is not a {str(field.type)}")
 
 
 def read_manifest(folder: Path) -> Manifest:

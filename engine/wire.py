@@ -22,6 +22,7 @@ import enum
 import hashlib
 import hmac
 import json
+import math
 import os
 import socket
 import struct
@@ -163,7 +164,7 @@ def parse_payload(count: int, payload: bytes | memoryview) -> list[np.ndarray]:
         if ndim > MAX_DIMS or reserved or any(dims[ndim:]):
             raise ProtocolError(f"malformed tensor header (ndim {ndim}, dims {dims})")
         shape = tuple(dims[:ndim])
-        nbytes = int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize if ndim else dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # exact: a fixed-width product can wrap around to 0
         if nbytes > len(view) - pos:
             raise ProtocolError(f"tensor of shape {shape} {dtype} needs {nbytes} bytes, frame has {len(view) - pos}")
         tensors.append(np.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=pos).reshape(shape))

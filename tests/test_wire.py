@@ -113,3 +113,12 @@ def test_wrong_key_is_refused_on_both_sides():
 def test_other_model_is_refused_on_both_sides():
     r = _pair(b"k", b"k", {"fingerprint": "abc", "stage": 1}, {"fingerprint": "xyz", "stage": 1})
     assert "fingerprint mismatch" in r["client_error"] and "fingerprint mismatch" in r["server_error"]
+
+
+def test_a_tensor_whose_size_wraps_a_64_bit_count_is_refused():
+    """2**16 four times is 2**64 elements: a fixed-width product wraps to 0 and once let such a frame
+    through to a reshape (found by the fuzzer, ``engine.bench.fuzz``)."""
+    body = wire.TENSOR_HEADER.pack(1, 4, 0, 2**16, 2**16, 2**16, 2**16)
+    data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(wire.Msg.FORWARD), 0, 0, 1, 0, len(body)) + body
+    with pytest.raises(wire.ProtocolError, match="needs"):
+        wire.decode(data)

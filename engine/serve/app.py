@@ -17,6 +17,7 @@ import uuid
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import FleetError
 from engine.runtime.service import ChatService, Reply
@@ -34,6 +35,12 @@ def create_app(service: ChatService, model_id: str, api_key: str | None = None) 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = ApiError(exc.status_code, str(exc.detail), kind=kind)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request, exc: RequestValidationError):
