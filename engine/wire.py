@@ -167,6 +167,8 @@ def parse_payload(count: int, payload: bytes | memoryview) -> list[np.ndarray]:
         nbytes = math.prod(shape) * dtype.itemsize  # exact: a fixed-width product can wrap around to 0
         if nbytes > len(view) - pos:
             raise ProtocolError(f"tensor of shape {shape} {dtype} needs {nbytes} bytes, frame has {len(view) - pos}")
+        if math.prod(d for d in shape if d) * dtype.itemsize >= 1 << 62:  # empty, yet no array can be that shape
+            raise ProtocolError(f"tensor of shape {shape} {dtype} is impossibly large")
         tensors.append(np.frombuffer(view, dtype=dtype, count=nbytes // dtype.itemsize, offset=pos).reshape(shape))
         pos += nbytes
     if pos != len(view):

@@ -122,3 +122,13 @@ def test_a_tensor_whose_size_wraps_a_64_bit_count_is_refused():
     data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(wire.Msg.FORWARD), 0, 0, 1, 0, len(body)) + body
     with pytest.raises(wire.ProtocolError, match="needs"):
         wire.decode(data)
+
+
+def test_an_empty_tensor_of_impossible_shape_is_refused():
+    """[0, 2**32-1, 2**32-1, 2**32-1] holds no bytes, yet no array can have that shape (found by the fuzzer)."""
+    body = wire.TENSOR_HEADER.pack(1, 4, 0, 0, 2**32 - 1, 2**32 - 1, 2**32 - 1)
+    data = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(wire.Msg.FORWARD), 0, 0, 1, 0, len(body)) + body
+    with pytest.raises(wire.ProtocolError, match="impossibly large"):
+        wire.decode(data)
+    empty = wire.decode(wire.encode(wire.Frame(wire.Msg.KEEP, tensors=[np.zeros((1, 0, 576), np.float32)])))
+    assert empty.tensors[0].shape == (1, 0, 576)
