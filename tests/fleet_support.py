@@ -21,12 +21,13 @@ IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 
 
 @contextlib.contextmanager
-def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node", env: dict | None = None):
+def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node", env: dict | None = None,
+                  listen: str = "127.0.0.1:0"):
     """A ``fleet agent`` process with its own home (its own node id and shard store) and ``env`` on
     top of this one's; yields (process, HOST:PORT of its control API)."""
     home.mkdir(parents=True, exist_ok=True)
     log = home / "agent.log"
-    cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", "127.0.0.1:0", "--lifeline",
+    cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", listen, "--lifeline",
            "--fleet-key-file", str(key_file), "--name", name] + ([] if mdns else ["--no-mdns"])
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,

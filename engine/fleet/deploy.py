@@ -44,13 +44,22 @@ class Deployment:
     remotes: list[str]  # worker addresses of stages 1..
     workers: list[dict]  # {"agent": HOST:PORT, "worker": id, "stage": k}
     mode: str = "fast"
+    weights: str = "int4"
+    placement: list[dict] = dataclasses.field(default_factory=list)  # every stage's StagePlacement, stage 0 too
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, raw: dict) -> "Deployment":
-        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls)})
+        fields = dataclasses.fields(cls)
+        required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        return cls(**{name: raw[name] for name in required}, **{f.name: raw[f.name] for f in fields
+                                                                 if f.name in raw and f.name not in required})
+
+    @property
+    def stages(self) -> list[StagePlacement]:
+        return [StagePlacement(**s) for s in self.placement]
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path or default_record())
@@ -174,7 +183,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             remotes.append(worker_address(stage.agent, info["port"]))
             report(i, "start", 1.0)
         deployment = Deployment(model=model, stage0=str(export.folders[0]), device=stages[0].device,
-                                remotes=remotes, workers=started, mode=mode)
+                                remotes=remotes, workers=started, mode=mode, weights=weights,
+                                placement=[dataclasses.asdict(s) for s in stages])
         report(0, "connect", 0.0)
         chain = deployment.chain(key, tls=tls, deadline_s=deadline_s)  # the whole route answers, stage by stage
         report(0, "connect", 1.0)

@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine.errors import ContextError, FleetError
+from engine.errors import ContextError, FleetError, StageError
 from engine.runtime.generate import Decoding
 from engine.runtime.sampling import GREEDY, SamplingParams
 from engine.runtime.speculative import KVSequence
@@ -53,6 +53,7 @@ class Reply:
     stream: int | None = None
     dropped: int = 0  # oldest messages left out so the conversation fits the context
     context_error: bool = False  # the error is the conversation not fitting the context
+    rerouted: int = 0  # times the chain broke under this reply and it carried on over a new one
 
     @property
     def finish_reason(self) -> str:
@@ -121,15 +122,20 @@ class _Request:
     text: TextStream | None = None
     dropped: int = 0
     pieces: list[str] = dataclasses.field(default_factory=list)
+    earlier: list[int] = dataclasses.field(default_factory=list)  # tokens emitted before the chain was replaced
+    first: object = None  # the first decoding's result (its TTFT), once the chain was replaced
+    rerouted: int = 0
 
 
 class ChatService:
     def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
                  drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
-                 max_length: int | None = None, eos_ids=None, owned=()):
+                 max_length: int | None = None, eos_ids=None, owned=(), recover=None):
         """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
         ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
-        ``owned`` are further objects to ``close()`` with the service (a local fleet)."""
+        ``owned`` are further objects to ``close()`` with the service (a local fleet);
+        ``recover(StageError)`` gives a new chain when a stage fails (``engine.fleet.failover``),
+        on which the replies in flight carry on; without it they end with the error."""
         if streams < 1:
             raise FleetError("the chat service needs at least one stream")
         self.chain = chain
@@ -141,6 +147,8 @@ class ChatService:
         manifest = getattr(chain, "manifest", None)
         self.eos = frozenset(int(i) for i in (eos_ids if eos_ids is not None else manifest.eos_token_ids))
         self.drafters = drafters(streams) if drafters else None
+        self.recover = recover
+        self._recovering = False
         m = manifest
         self.description = f"{m.model_name}, {m.stage_count} stage{'s' if m.stage_count > 1 else ''}" if m else ""
         self._owned = list(owned)
@@ -228,17 +236,20 @@ class ChatService:
             if self._active:
                 self._advance_first()
 
-    def _start(self, request: _Request) -> None:
+    def _start(self, request: _Request, prompt: list[int] | None = None) -> None:
+        """Starts a request's decoding; ``prompt``: carry on a reply whose chain was replaced (its
+        conversation and the tokens it emitted before)."""
         stream = request.handle.stream
         try:
-            ids = self._fit(request)
+            ids = self._fit(request).reshape(-1).tolist() if prompt is None else prompt
             k = self.k if request.k is None else request.k
             drafter = self.drafters[stream] if self.drafters and k != 0 else None
             seq = self._sequences.get(stream)
             if seq is None:
                 seq = self._sequences[stream] = KVSequence(self.chain, self.max_length, stream, self.rewind)
-            request.text = TextStream(self.tokenizer)
-            request.decoding = Decoding(seq, ids.reshape(-1).tolist(), request.max_new_tokens,
+            if prompt is None:
+                request.text = TextStream(self.tokenizer)
+            request.decoding = Decoding(seq, ids, request.max_new_tokens - len(request.earlier),
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
                                         cancel=request.handle._cancel)
@@ -282,14 +293,43 @@ class ChatService:
             self._finish(request)
 
     def _chain_failed(self, exc: Exception) -> None:
-        """A forward failed: the chain's state is unknown (a remote chain has dropped its link), so
-        every stream in flight ends with the error; the next request resets (and reconnects)."""
+        """A forward failed: the chain's state is unknown (a remote chain has dropped its link).  With
+        ``recover`` the replies in flight carry on over the chain it gives; otherwise (or if it cannot)
+        every stream in flight ends with the error, and the next request resets (and reconnects)."""
+        if self.recover is not None and isinstance(exc, StageError) and self._active and not self._recovering:
+            self._recovering = True  # a new chain that fails at once ends the replies instead of looping
+            try:
+                chain = self.recover(exc)
+            except Exception as failed:
+                exc = failed
+            else:
+                self._replace_chain(chain)
+                return
+            finally:
+                self._recovering = False
         message = _describe(exc)
         if not isinstance(exc, FleetError):
             log.error("chain failure", exc_info=exc)
         failed, self._active = self._active, []
         for request in failed:
             self._finish(request, error=message)
+
+    def _replace_chain(self, chain) -> None:
+        """Carries every reply in flight on over ``chain``: each one's prompt and the tokens it has
+        emitted are prefilled there, and it continues from the next token."""
+        old, self.chain = self.chain, chain
+        try:
+            old.close()
+        except Exception:
+            log.exception("closing the broken chain failed")
+        self._sequences.clear()
+        resumed, self._active = self._active, []
+        for request in resumed:
+            done = request.decoding.result
+            request.first = request.first or done
+            request.earlier += done.tokens
+            request.rerouted += 1
+            self._start(request, prompt=request.decoding.prompt + done.tokens)
 
     def _token(self, request: _Request, token: int) -> None:
         if request.stop.hit is not None:  # the rest of a round after a stop string
@@ -300,7 +340,7 @@ class ChatService:
         if piece:
             request.pieces.append(piece)
             if request.on_text:
-                _call(request.on_text, piece, len(request.decoding.result.tokens))
+                _call(request.on_text, piece, len(request.earlier) + len(request.decoding.result.tokens))
 
     def _finish(self, request: _Request, stopped_by: str | None = None, error: str | None = None,
                 context: bool = False) -> None:
@@ -315,10 +355,11 @@ class ChatService:
         if request.stop.hit is not None and not error:
             stopped_by = "stop"
         if result is not None:
-            reply = Reply("".join(request.pieces), list(result.tokens), result.prompt_tokens,
-                          "error" if error else stopped_by or result.stopped_by, result.ttft_s * 1e3,
+            first = request.first or result
+            reply = Reply("".join(request.pieces), request.earlier + list(result.tokens), first.prompt_tokens,
+                          "error" if error else stopped_by or result.stopped_by, first.ttft_s * 1e3,
                           result.decode_tok_s, result.drafted, result.accepted, error, handle.stream,
-                          request.dropped)
+                          request.dropped, rerouted=request.rerouted)
         else:
             reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
                           context_error=context)

@@ -1,0 +1,116 @@
+"""Surviving a lost laptop: when a stage of a deployment stops answering, find out whether its node
+is gone or only its worker, move the work, and hand the chat service a new chain to carry on with.
+
+- Every node agent of the deployment still answers (a worker died or hung): the same placement is
+  deployed again; the shards are on the nodes already, so only the workers start anew.
+- A node's agent does not answer: the node is marked lost, and the placement solver places its
+  layers on the surviving nodes, with every surviving stage pinned where it runs (their shards are
+  reused; the moved layers are exported if need be and sent).  Where the survivors cannot take
+  them, a ``FleetError`` says why (memory, no node left) and what would help.
+- A lost node that answers again is reported by ``returned`` and offered to the next placement; it
+  is never pulled into a running conversation.
+
+``recover`` is what ``ChatService(recover=...)`` calls with the ``StageError`` that broke the chain;
+the service then prefills every reply in flight again on the new chain (prompt plus the tokens
+already emitted) and continues it.  What happens is told to ``on_event`` as it happens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.errors import FleetError, StageError
+from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy
+from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
+from engine.fleet.survey import readable
+from engine.manifest import layer_span
+
+PROBE_TIMEOUT_S = 3.0  # a node agent silent this long counts as gone
+
+
+class Failover:
+    def __init__(self, deployment: Deployment, profile: dict, *, key: bytes, tls=None, objective: str = "latency",
+                 users: int = 1, deadline_s: float = 2.0, on_event: Callable[[str], None] | None = None):
+        """``profile``: the ``fleet profile`` document the deployment was planned from (its nodes, their
+        measured devices and round trips)."""
+        if not deployment.placement:
+            raise FleetError("this deployment record predates failover (it lacks its placement): deploy it again")
+        self.deployment = deployment
+        self.shape = ModelShape.from_json(profile["model"])
+        self.nodes: dict = profile["nodes"]
+        self.fleet = Fleet.from_json(profile["fleet"])
+        self.key, self.tls = key, tls
+        self.objective, self.users, self.deadline_s = objective, users, deadline_s
+        self.on_event = on_event or (lambda text: None)
+        self.lost: dict[str, str] = {}  # node id -> the address its agent had
+        self.recoveries = 0
+
+    def name(self, agent: str) -> str:
+        return self.nodes.get(self.node_of(agent), {}).get("name", agent)
+
+    def node_of(self, agent: str) -> str:
+        return next((node for node, info in self.nodes.items() if info.get("address") == agent), agent)
+
+    def _answers(self, agent: str) -> bool:
+        try:
+            with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+                client.status()
+            return True
+        except AgentError:
+            return False
+
+    def recover(self, error: StageError):
+        """A new chain for the deployment after ``error`` broke it; raises FleetError when the fleet
+        cannot carry on."""
+        placement = self.deployment.stages
+        gone = [s for s in placement[1:] if not self._answers(s.agent)]
+        if gone:
+            for stage in gone:
+                self.lost[self.node_of(stage.agent)] = stage.agent
+                self.on_event(f"node {self.name(stage.agent)} lost ({error.reason})")
+            placement = self._replan(placement, gone)
+        else:
+            self.on_event(f"stage {error.stage} stopped answering ({error.reason}); starting its worker again")
+        for problem in self.deployment.stop(self.key, self.tls):  # a hung worker too; the lost node's fail
+            if not gone:
+                self.on_event(f"warning: {problem}")
+        deployment, chain = deploy(self.deployment.model, placement, key=self.key, tls=self.tls,
+                                   weights=self.deployment.weights, mode=self.deployment.mode,
+                                   deadline_s=self.deadline_s)
+        self.deployment = deployment
+        self.recoveries += 1
+        self.on_event("placed: " + "; ".join(f"stage {i} on {self.name(s.agent) if s.agent != LOCAL else 'this machine'}"
+                                             f" ({layer_span(s.start, s.end)})" for i, s in enumerate(placement)))
+        return chain
+
+    def _replan(self, placement: list[StagePlacement], gone: list[StagePlacement]) -> list[StagePlacement]:
+        lost = set(self.lost)
+        fleet = Fleet(devices=[d for d in self.fleet.devices if d.node not in lost],
+                      rtt_ms={k: v for k, v in self.fleet.rtt_ms.items() if not lost & set(k)},
+                      coordinator=self.fleet.coordinator)
+        keep = [s for s in placement if s not in gone]
+        pins = [Pin(self.fleet.coordinator if s.agent == LOCAL else self.node_of(s.agent), s.start, s.end, s.device)
+                for s in keep]
+        moving = ", ".join(layer_span(s.start, s.end) for s in gone)
+        try:
+            plan = solve(self.shape, fleet, objective=self.objective, users=self.users, pins=pins)
+        except PlacementError as exc:
+            names = ", ".join(self.name(s.agent) for s in gone)
+            raise FleetError(f"node {names} lost, and the surviving nodes cannot take its {moving}: "
+                             f"{readable(str(exc), self.nodes)}. Start a node agent (the tray worker) on another "
+                             "PC, or free memory on the others, and bring the fleet up again") from None
+        stages = [StagePlacement(self.nodes[s.node]["address"], s.device, s.start, s.end) for s in plan.stages]
+        for s in stages:
+            if s.agent != LOCAL and all(s.agent != k.agent for k in keep):
+                self.on_event(f"moving {layer_span(s.start, s.end)} to node {self.name(s.agent)}…")
+        return stages
+
+    def returned(self) -> list[str]:
+        """The lost nodes that answer again (they are no longer counted lost): offered to the next
+        placement, never pulled into a running conversation."""
+        back = [node for node, agent in self.lost.items() if self._answers(agent)]
+        for node in back:
+            agent = self.lost.pop(node)
+            self.on_event(f"node {self.name(agent)} is back: the next placement (bring the fleet up again) can use it")
+        return [self.nodes.get(node, {}).get("name", node) for node in back]

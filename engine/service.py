@@ -1,0 +1,449 @@
+"""The chat service: several conversations at once over one chain, as micro-batched streams.
+
+A ``ChatService`` owns a chain (in-process ``LocalChain`` or the distributed ``RemoteChain``), the
+coordinator's tokenizer and optionally one drafter per stream.  ``submit`` queues a conversation
+and returns a ``Handle`` at once; a single scheduler thread admits queued requests onto free stream
+ids (each stream has its own KV state on every stage and is reset before use), and advances the
+active ``Decoding`` whose round came back first, so that one stream's round is in flight while another
+is collected and resubmitted, exactly as ``generate_streams`` interleaves them.  New requests join
+between rounds; a cancelled one stops at its next round.
+
+Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated (incrementally decoded,
+multi-byte characters held back until complete, and text that may begin a stop string held back
+until it is known not to) and the finished reply through ``on_done(Reply)``;
+both are called on the scheduler thread.  The engine knows nothing of any UI: an app wraps these
+callbacks in its own cross-thread signals.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import ContextError, FleetError, StageError
+from engine.runtime.generate import Decoding
+from engine.runtime.sampling import GREEDY, SamplingParams
+from engine.runtime.speculative import KVSequence
+from engine.runtime.stops import StopText
+from engine.runtime.tokenizer import ChatTokenizer, TextStream
+
+log = logging.getLogger(__name__)
+
+OnText = Callable[[str, int], None]
+
+
+@dataclasses.dataclass
+class Reply:
+    """One finished reply and how it went."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    stopped_by: str  # "eos" | "stop" (a stop string) | "max_tokens" | "cancelled" | "error"
+    ttft_ms: float = 0.0  # prefill submitted -> first new token
+    decode_tok_s: float = 0.0  # tokens after the first over the time they took
+    drafted: int = 0
+    accepted: int = 0
+    error: str | None = None
+    stream: int | None = None
+    dropped: int = 0  # oldest messages left out so the conversation fits the context
+    context_error: bool = False  # the error is the conversation not fitting the context
+    rerouted: int = 0  # times the chain broke under this reply and it carried on over a new one
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's name for why the reply ended: ``stop`` (end of text or a stop string), ``length``."""
+        return {"eos": "stop", "stop": "stop", "max_tokens": "length"}.get(self.stopped_by, self.stopped_by)
+
+    @property
+    def acceptance(self) -> float | None:
+        """Accepted per drafted token; None when nothing was drafted (no speculation)."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    def to_json(self) -> dict:
+        doc = {"new_tokens": len(self.tokens), "prompt_tokens": self.prompt_tokens, "stopped_by": self.stopped_by,
+               "ttft_ms": round(self.ttft_ms, 1), "decode_tok_s": round(self.decode_tok_s, 2)}
+        if self.drafted:
+            doc["acceptance"] = round(self.acceptance, 3)
+        if self.error:
+            doc["error"] = self.error
+        if self.dropped:
+            doc["dropped_messages"] = self.dropped
+        return doc
+
+
+class Handle:
+    """A submitted request: cancel it, or wait for its reply."""
+
+    def __init__(self, service: "ChatService", request_id: int):
+        self._service = service
+        self.id = request_id
+        self.stream: int | None = None  # the stream id once admitted
+        self.reply: Reply | None = None
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+
+    def cancel(self) -> None:
+        """Stops the reply at its next round (a queued request never starts)."""
+        self._cancel.set()
+        self._service._poke()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Reply | None:
+        self._done.wait(timeout)
+        return self.reply
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    handle: Handle
+    messages: list[dict]
+    max_new_tokens: int
+    on_text: OnText | None
+    on_done: Callable[[Reply], None] | None
+    chat: bool
+    ignore_eos: bool
+    k: int | str | None
+    sampling: SamplingParams = GREEDY
+    stop: StopText = dataclasses.field(default_factory=StopText)
+    decoding: Decoding | None = None
+    text: TextStream | None = None
+    dropped: int = 0
+    pieces: list[str] = dataclasses.field(default_factory=list)
+    earlier: list[int] = dataclasses.field(default_factory=list)  # tokens emitted before the chain was replaced
+    first: object = None  # the first decoding's result (its TTFT), once the chain was replaced
+    rerouted: int = 0
+
+
+class ChatService:
+    def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
+                 drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
+                 max_length: int | None = None, eos_ids=None, owned=(), recover=None):
+        """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
+        ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
+        ``owned`` are further objects to ``close()`` with the service (a local fleet);
+        ``recover(StageError)`` gives a new chain when a stage fails (``engine.fleet.failover``),
+        on which the replies in flight carry on; without it they end with the error."""
+        if streams < 1:
+            raise FleetError("the chat service needs at least one stream")
+        self.chain = chain
+        self.tokenizer = tokenizer or ChatTokenizer(chain.first_folder)
+        self.streams = streams
+        self.k = k
+        self.rewind = rewind
+        self.max_length = max_length or chain.spec.max_position
+        manifest = getattr(chain, "manifest", None)
+        self.eos = frozenset(int(i) for i in (eos_ids if eos_ids is not None else manifest.eos_token_ids))
+        self.drafters = drafters(streams) if drafters else None
+        self.recover = recover
+        self._recovering = False
+        m = manifest
+        self.description = f"{m.model_name}, {m.stage_count} stage{'s' if m.stage_count > 1 else ''}" if m else ""
+        self._owned = list(owned)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._free = list(range(streams))
+        self._active: list[_Request] = []
+        self._sequences: dict[int, KVSequence] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="chat-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side -------------------------------------------------------------------------
+
+    def submit(self, messages: list[dict], max_new_tokens: int = 128, on_text: OnText | None = None,
+               on_done: Callable[[Reply], None] | None = None, *, chat: bool = True, ignore_eos: bool = False,
+               k: int | str | None = None, sampling: SamplingParams | None = None,
+               stop: list[str] | tuple[str, ...] = ()) -> Handle:
+        """Queues a reply to ``messages`` (``{"role", "content"}`` dicts, the last one the user's).
+        ``sampling`` None is greedy; the reply ends before the first of the ``stop`` strings."""
+        if not messages:
+            raise FleetError("nothing to reply to: the conversation is empty")
+        handle = Handle(self, next(self._ids))
+        request = _Request(handle, [dict(m) for m in messages], max_new_tokens, on_text, on_done, chat,
+                           ignore_eos, k, sampling or GREEDY, StopText(stop))
+        with self._lock:
+            if self._closed:
+                raise FleetError("the chat service is closed")
+            self._queue.append(request)
+            self._wake.notify()
+        return handle
+
+    @property
+    def busy(self) -> int:
+        """Requests queued or generating."""
+        with self._lock:
+            return len(self._queue) + len(self._active)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancels everything, stops the scheduler and closes the chain (and whatever it owns)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for request in [*self._queue, *self._active]:
+                request.handle._cancel.set()
+            self._wake.notify()
+        self._thread.join(timeout)
+        for thing in [self.chain, *self._owned]:
+            try:
+                thing.close()
+            except Exception:  # closing is best effort: a dead worker must not stop the rest
+                log.exception("closing %r failed", thing)
+
+    def _poke(self) -> None:
+        with self._lock:
+            self._wake.notify()
+
+    # --- the scheduler thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._closed or self._queue or self._active):
+                    self._wake.wait()
+                if self._closed and not self._active and not self._queue:
+                    return
+                admitted, dropped = [], []
+                while self._queue and (self._free or self._queue[0].handle.cancelled):
+                    request = self._queue.popleft()
+                    if request.handle.cancelled:
+                        dropped.append(request)
+                        continue
+                    request.handle.stream = self._free.pop(0)
+                    admitted.append(request)
+                if self._closed:
+                    dropped += admitted
+                    admitted = []
+            for request in dropped:
+                self._finish(request, stopped_by="cancelled")
+            for request in admitted:
+                self._start(request)
+            if self._active:
+                self._advance_first()
+
+    def _start(self, request: _Request, prompt: list[int] | None = None) -> None:
+        """Starts a request's decoding; ``prompt``: carry on a reply whose chain was replaced (its
+        conversation and the tokens it emitted before)."""
+        stream = request.handle.stream
+        try:
+            ids = self._fit(request).reshape(-1).tolist() if prompt is None else prompt
+            k = self.k if request.k is None else request.k
+            drafter = self.drafters[stream] if self.drafters and k != 0 else None
+            seq = self._sequences.get(stream)
+            if seq is None:
+                seq = self._sequences[stream] = KVSequence(self.chain, self.max_length, stream, self.rewind)
+            if prompt is None:
+                request.text = TextStream(self.tokenizer)
+            request.decoding = Decoding(seq, ids, request.max_new_tokens - len(request.earlier),
+                                        frozenset() if request.ignore_eos else self.eos, drafter=drafter,
+                                        k=k if drafter else 0, on_token=lambda t: self._token(request, t),
+                                        cancel=request.handle._cancel)
+        except ContextError as exc:
+            self._finish(request, error=str(exc), context=True)
+            return
+        except Exception as exc:
+            self._finish(request, error=_describe(exc))
+            return
+        self._active.append(request)
+        try:
+            request.decoding.start()  # resets the stream on every stage, then submits the prefill
+        except Exception as exc:
+            self._chain_failed(exc)
+
+    def _fit(self, request: _Request):
+        """The conversation's token ids, leaving out its oldest messages (the system prompt and the
+        last message stay) while it would leave less than a reply's room in the context."""
+        messages = request.messages
+        room = min(request.max_new_tokens, max(self.max_length // 4, 1))
+        while True:
+            ids = self.tokenizer.chat_ids(messages, request.chat)
+            droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+            if ids.size + room <= self.max_length or not droppable:
+                return ids
+            messages = messages[: droppable[0]] + messages[droppable[0] + 1 :]
+            request.dropped += 1
+
+    def _advance_first(self) -> None:
+        """Advances the stream whose round came back first (``_active`` is in submission order)."""
+        try:
+            request = self._active[self.chain.first_ready([r.decoding.ticket for r in self._active])]
+            more = request.decoding.advance()
+        except Exception as exc:
+            self._chain_failed(exc)
+            return
+        self._active.remove(request)
+        if more:
+            self._active.append(request)
+        else:
+            self._finish(request)
+
+    def _chain_failed(self, exc: Exception) -> None:
+        """A forward failed: the chain's state is unknown (a remote chain has dropped its link).  With
+        ``recover`` the replies in flight carry on over the chain it gives; otherwise (or if it cannot)
+        every stream in flight ends with the error, and the next request resets (and reconnects)."""
+        if self.recover is not None and isinstance(exc, StageError) and self._active and not self._recovering:
+            self._recovering = True  # a new chain that fails at once ends the replies instead of looping
+            try:
+                chain = self.recover(exc)
+            except Exception as failed:
+                exc = failed
+            else:
+                self._replace_chain(chain)
+                return
+            finally:
+                self._recovering = False
+        message = _describe(exc)
+        if not isinstance(exc, FleetError):
+            log.error("chain failure", exc_info=exc)
+        failed, self._active = self._active, []
+        for request in failed:
+            self._finish(request, error=message)
+
+    def _replace_chain(self, chain) -> None:
+        """Carries every reply in flight on over ``chain``: each one's prompt and the tokens it has
+        emitted are prefilled there, and it continues from the next token."""
+        old, self.chain = self.chain, chain
+        try:
+            old.close()
+        except Exception:
+            log.exception("closing the broken chain failed")
+        self._sequences.clear()
+        resumed, self._active = self._active, []
+        for request in resumed:
+            done = request.decoding.result
+            request.first = request.first or done
+            request.earlier += done.tokens
+            request.rerouted += 1
+            self._start(request, prompt=request.decoding.prompt + done.tokens)
+
+    def _token(self, request: _Request, token: int) -> None:
+        if request.stop.hit is not None:  # the rest of a round after a stop string
+            return
+        piece = request.stop.push(request.text.push(token))
+        if request.stop.hit is not None:
+            request.handle._cancel.set()  # no further rounds: the decoding ends at this one
+        if piece:
+            request.pieces.append(piece)
+            if request.on_text:
+                _call(request.on_text, piece, len(request.earlier) + len(request.decoding.result.tokens))
+
+    def _finish(self, request: _Request, stopped_by: str | None = None, error: str | None = None,
+                context: bool = False) -> None:
+        handle = request.handle
+        result = request.decoding.result if request.decoding else None
+        if request.text is not None:
+            tail = request.stop.push(request.text.flush()) + request.stop.flush()
+            if tail:
+                request.pieces.append(tail)
+                if request.on_text:
+                    _call(request.on_text, tail, len(result.tokens) if result else 0)
+        if request.stop.hit is not None and not error:
+            stopped_by = "stop"
+        if result is not None:
+            first = request.first or result
+            reply = Reply("".join(request.pieces), request.earlier + list(result.tokens), first.prompt_tokens,
+                          "error" if error else stopped_by or result.stopped_by, first.ttft_s * 1e3,
+                          result.decode_tok_s, result.drafted, result.accepted, error, handle.stream,
+                          request.dropped, rerouted=request.rerouted)
+        else:
+            reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
+                          context_error=context)
+        if handle.stream is not None:
+            with self._lock:
+                self._free.append(handle.stream)
+                self._free.sort()
+        handle.reply = reply
+        handle._done.set()
+        if request.on_done:
+            _call(request.on_done, reply)
+
+
+def _call(callback, *args) -> None:
+    """A caller's callback failing must not take the scheduler (and every other stream) down."""
+    try:
+        callback(*args)
+    except Exception:
+        log.exception("chat service callback failed")
+
+
+def _describe(exc: BaseException) -> str:
+    """A message for a person: engine errors say what happened already; anything else is named."""
+    if isinstance(exc, FleetError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def drafter_factory(kind: str, chain, draft_shards=None, device: str = "CPU"):
+    """What ``ChatService(drafters=...)`` takes for a draft kind (``speculative.DRAFT_KINDS``): a
+    function giving one drafter per stream, over one draft chain compiled here for ``model`` and
+    ``hybrid`` (``draft_shards``, a 1-stage export sharing the target's tokenizer); None for ``none``."""
+    from engine.runtime.chain import expand_shard_dirs
+    from engine.runtime.speculative import open_draft_chain, stream_drafters
+
+    if kind == "none":
+        return None
+    draft_chain = None
+    if kind in ("model", "hybrid"):
+        draft_chain = open_draft_chain(expand_shard_dirs(draft_shards), device, turns=chain.turns)
+    return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain)
+
+
+def open_service(shards: list[Path | str], *, local_workers: bool = True, device: str = "CPU", mode: str = "fast",
+                 key_file: str | Path | None = None, tls: bool = False, deadline_s: float = 2.0,
+                 streams: int = 2, k: int | str = 4, draft: str = "none", draft_shards=None,
+                 delay_ms: float = 0.0, connect_timeout_s: float = 60.0) -> ChatService:
+    """A chat service over an exported model: in process, or (``local_workers``, 2+ stages) stage 0
+    here and the later stages as worker processes on this machine, the local fleet.  ``draft`` is
+    ``none``, ``lookup``, ``model`` or ``hybrid`` (the last two over ``draft_shards``, a 1-stage
+    export sharing the target's tokenizer)."""
+    from engine.fleetkey import key_file as fleet_key_file, load_key, load_tls
+    from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
+    from engine.runtime.stage import REWIND, compile_config
+    from engine.runtime.turns import compute_turns
+
+    folders = expand_shard_dirs(shards)
+    devices = parse_devices(device, len(folders))
+    rewind = REWIND[mode]
+    fleet = None
+    if local_workers and len(folders) > 1:
+        from engine.runtime.localfleet import LocalFleet
+        from engine.runtime.remote import RemoteChain
+
+        path = fleet_key_file(key_file)
+        key = load_key(key_file, create=not key_file)
+        fleet = LocalFleet(folders[1:], path, devices=devices[1:], mode=mode, delay_ms=delay_ms, tls=tls,
+                           deadline_s=deadline_s).start()
+        try:
+            chain = RemoteChain(folders[0], fleet.addresses, key=key, device=devices[0], mode=mode,
+                                tls=load_tls(tls, key_file), deadline_s=deadline_s,
+                                connect_timeout_s=connect_timeout_s, turns=compute_turns(fleet.turns))
+        except BaseException:
+            fleet.close()
+            raise
+    else:
+        chain = LocalChain(folders, device=",".join(devices), config=compile_config(mode))
+    try:
+        service = ChatService(chain, streams=streams, drafters=drafter_factory(draft, chain, draft_shards, devices[0]),
+                              k=k, rewind=rewind, owned=[fleet] if fleet else [])
+        service.description += ", local fleet" if fleet else ", in process"
+        return service
+    except BaseException:
+        chain.close()
+        if fleet is not None:
+            fleet.close()
+        raise
