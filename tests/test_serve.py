@@ -190,8 +190,11 @@ def test_bad_requests_through_the_client_and_malformed_bodies(served):
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):
         code, doc = _raw(server, "POST", "/v1/chat/completions", raw)
         assert code == 400 and doc["error"]["type"] == "invalid_request_error", (raw, doc)
-    code, doc = _raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]})
-    assert code == 400 and doc["error"]["param"] == "prompt"
+    for prompt in (["a", "b"], ""):
+        code, doc = _raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": prompt})
+        assert code == 400 and doc["error"]["param"] == "prompt"
+    reply = service.submit([{"role": "user", "content": ""}], 4, chat=False).wait(10)
+    assert reply.stopped_by == "error" and "the prompt is empty" in reply.error  # the engine says so itself
 
 
 def _recording(service):

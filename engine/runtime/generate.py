@@ -135,6 +135,8 @@ class Decoding:
                  on_token: Callable[[int], None] | None = None, cancel=None):
         self.seq = seq
         self.prompt = prompt
+        if not prompt:
+            raise ContextError("the prompt is empty: there is nothing to continue")
         room = seq.max_length - len(prompt)
         if room <= 0:
             raise ContextError(f"the prompt ({len(prompt)} tokens) leaves no room in the context of {seq.max_length}")

@@ -125,6 +125,8 @@ def to_call(request: ChatRequest | CompletionRequest) -> Call:
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if len(prompts) != 1:
             raise ApiError(400, "prompt: exactly one prompt per request is supported", "prompt")
+        if not prompts[0]:
+            raise ApiError(400, "prompt: must not be empty (there is nothing to continue)", "prompt")
         messages, chat = [{"role": "user", "content": prompts[0]}], False
         max_tokens, limit_field = request.max_tokens, "max_tokens"
     if max_tokens is not None and max_tokens < 1:
