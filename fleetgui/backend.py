@@ -60,6 +60,7 @@ def embedded_default(settings) -> bool:
 
 class EngineBackend:
     def __init__(self):
+        self.on_fleet_event: Callable[[str], None] = _quiet  # a chat's fleet lost a node, moved layers...
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[bytes, object]] = {}  # agent address -> (key, open ControlClient)
 
@@ -148,7 +149,8 @@ class EngineBackend:
             mode=settings.mode, device=settings.devices, deadline_s=self._deadline(),
             progress=lambda stage, phase, fraction: progress(deploy_payload(stage, phase, fraction)))
         try:
-            service = self.chat_service(chain, settings, draft_shards, owned=[LocalAgent(proc)])
+            recover = self._failover(deployment, settings)
+            service = self.chat_service(chain, settings, draft_shards, owned=[LocalAgent(proc)], recover=recover)
         except BaseException:
             chain.close()
             LocalAgent(proc).close()
@@ -168,21 +170,30 @@ class EngineBackend:
         progress(("status", f"connecting to the deployed {deployment.model}"))
         chain = deployment.chain(keystore.load(settings), tls=keystore.tls(settings), deadline_s=self._deadline())
         try:
-            service = self.chat_service(chain, settings, draft_shards)
+            service = self.chat_service(chain, settings, draft_shards, recover=self._failover(deployment, settings))
         except BaseException:
             chain.close()
             raise
         service.description += ", deployed on the fleet"
         return service
 
-    def chat_service(self, chain, settings, draft_shards=None, owned=()):
+    def chat_service(self, chain, settings, draft_shards=None, owned=(), recover=None):
         """A chat service over an open chain, with the settings' streams, K and drafts."""
         from engine.runtime.service import ChatService, drafter_factory
         from engine.runtime.stage import REWIND
 
         drafters = drafter_factory(settings.draft, chain, draft_shards, settings.devices.split(",")[0])
         return ChatService(chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
-                           rewind=REWIND[settings.mode], owned=list(owned))
+                           rewind=REWIND[settings.mode], owned=list(owned), recover=recover)
+
+    def _failover(self, deployment, settings):
+        """A deployment's recovery: a stopped worker starts again, a lost node's layers move
+        (``engine.fleet.failover``); what happens goes to ``on_fleet_event``."""
+        from engine.fleet.failover import Failover
+        from fleetgui import keystore
+
+        return Failover.of(deployment, key=keystore.load(settings), tls=keystore.tls(settings),
+                           deadline_s=self._deadline(), on_event=lambda text: self.on_fleet_event(text)).recover
 
     @staticmethod
     def _deadline() -> float:
@@ -294,15 +305,16 @@ class EngineBackend:
                       local_devices=list(dict.fromkeys(devices)) or ["CPU"], weights=settings.weights,
                       log=lambda line: progress(("status", line)), cancel=cancel)
 
-    def deploy(self, model: str, stages: list, settings, progress: Report = _quiet, cancel=None):
+    def deploy(self, model: str, stages: list, settings, progress: Report = _quiet, cancel=None,
+               planned: dict | None = None):
         """Ships and starts a placement (``engine.fleet.deploy``); returns the saved ``Deployment``
-        (its chain closed: the chat opens its own)."""
+        (its chain closed: the chat opens its own).  ``planned``: its profile, objective and users."""
         from engine.fleet.deploy import deploy
         from fleetgui import keystore
 
         deployment, chain = deploy(model, stages, key=keystore.load(settings), tls=keystore.tls(settings),
                                    weights=settings.weights, mode=settings.mode, cancel=cancel,
-                                   deadline_s=self._deadline(),
+                                   deadline_s=self._deadline(), planned=planned,
                                    progress=lambda stage, phase, fraction: progress(
                                        deploy_payload(stage, phase, fraction)))
         chain.close()

@@ -37,6 +37,7 @@ class _Bridge(QObject):
 
     text = Signal(int, str, int)  # request key, text piece, tokens so far
     done = Signal(int, object)  # request key, Reply
+    fleet = Signal(str)  # the chat's fleet lost a node, moved layers, started a worker again
 
 
 class ChatController(QObject):
@@ -44,6 +45,7 @@ class ChatController(QObject):
     failed = Signal(str)  # the service could not be opened
     ready = Signal()
     service_changed = Signal(object)  # the service now open, or None before it closes
+    fleet_event = Signal(str)  # what the chat's fleet does to recover, as it happens
 
     def __init__(self, backend, settings, tasks: TaskRunner, parent: QObject | None = None):
         super().__init__(parent)
@@ -61,6 +63,8 @@ class ChatController(QObject):
         self._bridge = _Bridge()
         self._bridge.text.connect(self._on_text)
         self._bridge.done.connect(self._on_done)
+        self._bridge.fleet.connect(self.fleet_event)
+        backend.on_fleet_event = self._bridge.fleet.emit  # called on the service's scheduler thread
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -426,6 +430,7 @@ class ChatView(QWidget):
         self._labels = itertools.count(1)
         self.banner = Banner()
         controller.failed.connect(lambda m: self.banner.error(f"The model could not be started: {m}"))
+        controller.fleet_event.connect(lambda text: self.banner.info(f"Fleet: {text}"))
 
         self.saved = QListWidget()
         self.saved.setTextElideMode(Qt.TextElideMode.ElideRight)  # long titles end in "…" (the tooltip has it all)

@@ -542,12 +542,17 @@ class PlacementView(QWidget):
         weights = str((self.doc or {}).get("weights") or self.settings.weights)
         settings = dataclasses.replace(self.settings, weights=weights)
         stages, previous, owned, backend = self.placement(), self.deployment, self.owns_deployment, self.backend
+        planned = None
+        if self.doc:  # the profile the plan came from: the chat's failover re-plans with it if a node is lost
+            profile = default_profile().with_name("deployed-profile.json")
+            profile.write_text(json.dumps(self.doc))
+            planned = {"profile": str(profile), "objective": self.objective.currentText(), "users": self.users.value()}
 
         def run(report, cancel):
             if previous is not None and owned:  # one deployment at a time: the old chain's workers go first
                 report(("status", "stopping the previous deployment"))
                 backend.stop_deployment(previous, settings)
-            deployment = backend.deploy(model, stages, settings, report, cancel)
+            deployment = backend.deploy(model, stages, settings, report, cancel, planned)
             if cancel.is_set():  # cancelled after the last point deploy() looks: undo it
                 backend.stop_deployment(deployment, settings)
                 return None

@@ -230,7 +230,7 @@ def _place(profile: Path, *, objective: str, users: int, pins, out: str | None =
     except PlacementError as exc:
         raise FleetError(readable(str(exc), nodes)) from None
     print(readable(plan.explain(), nodes))
-    doc = {"plan": plan.to_json(), "nodes": nodes}
+    doc = {"plan": plan.to_json(), "nodes": nodes, "profile": str(Path(profile).resolve())}
     path = Path(out) if out else paths().data / "plan.json"
     path.write_text(json.dumps(doc, indent=2))
     return doc, path
@@ -264,6 +264,16 @@ def placement_stages(plan_doc: dict):
                 for s in plan_doc["plan"]["stages"]]
     except (KeyError, TypeError) as exc:
         raise FleetError(f"not a plan written by `fleet place` (missing {exc})") from None
+
+
+def planned_by(plan_doc: dict) -> dict:
+    """What a deployment record keeps of its plan for failover: the profile, objective and users."""
+    from engine.fleet.placement import OBJECTIVES
+
+    plan = plan_doc.get("plan", {})
+    objective = plan.get("objective")  # a plan drawn by hand says "manual": failover then plans for latency
+    return {"profile": plan_doc.get("profile"), "objective": objective if objective in OBJECTIVES else "latency",
+            "users": plan.get("users", 1)}
 
 
 def _progress_printer():
@@ -300,7 +310,7 @@ def cmd_deploy(args) -> int:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
     deployment, chain = deploy(args.model, placement_stages(plan_doc), key=key, tls=tls, weights=args.weights,
                                mode=args.mode or settings.mode, progress=_progress_printer(),
-                               deadline_s=args.deadline or settings.deadline_s)
+                               deadline_s=args.deadline or settings.deadline_s, planned=planned_by(plan_doc))
     chain.close()
     path = deployment.save(Path(args.record) if args.record else None)
     print(f"deployed {args.model}: stage 0 here, workers at {', '.join(deployment.remotes)}")
@@ -397,7 +407,8 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
         _say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1")
     deployment, chain = deploy(model, stages, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
-                               progress=_progress_printer(), deadline_s=args.deadline or settings.deadline_s)
+                               progress=_progress_printer(), deadline_s=args.deadline or settings.deadline_s,
+                               planned=planned_by(doc))
     chain.close()
     try:
         return _serve(args, model, deployment)

@@ -46,6 +46,9 @@ class Deployment:
     mode: str = "fast"
     weights: str = "int4"
     placement: list[dict] = dataclasses.field(default_factory=list)  # every stage's StagePlacement, stage 0 too
+    profile: str | None = None  # the fleet profile it was planned from: failover re-plans with it
+    objective: str = "latency"
+    users: int = 1
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -131,8 +134,10 @@ def split_of(stages: list[StagePlacement]) -> list[int]:
 def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, weights: str = "int4",
            mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
            progress: DeployProgress | None = None, cancel=None, worker_timeout_s: float = 180.0,
-           deadline_s: float = 2.0):
-    """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it)."""
+           deadline_s: float = 2.0, planned: dict | None = None):
+    """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it).
+    ``planned``: how the placement was chosen (``profile`` path, ``objective``, ``users``), kept in
+    the record for failover."""
     from engine.export.exporter import export_model
 
     if not stages or stages[0].agent != LOCAL:
@@ -184,7 +189,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             report(i, "start", 1.0)
         deployment = Deployment(model=model, stage0=str(export.folders[0]), device=stages[0].device,
                                 remotes=remotes, workers=started, mode=mode, weights=weights,
-                                placement=[dataclasses.asdict(s) for s in stages])
+                                placement=[dataclasses.asdict(s) for s in stages], **(planned or {}))
         report(0, "connect", 0.0)
         chain = deployment.chain(key, tls=tls, deadline_s=deadline_s)  # the whole route answers, stage by stage
         report(0, "connect", 1.0)

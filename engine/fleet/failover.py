@@ -30,16 +30,17 @@ PROBE_TIMEOUT_S = 3.0  # a node agent silent this long counts as gone
 
 
 class Failover:
-    def __init__(self, deployment: Deployment, profile: dict, *, key: bytes, tls=None, objective: str = "latency",
-                 users: int = 1, deadline_s: float = 2.0, on_event: Callable[[str], None] | None = None):
+    def __init__(self, deployment: Deployment, profile: dict | None = None, *, key: bytes, tls=None,
+                 objective: str = "latency", users: int = 1, deadline_s: float = 2.0,
+                 on_event: Callable[[str], None] | None = None):
         """``profile``: the ``fleet profile`` document the deployment was planned from (its nodes, their
-        measured devices and round trips)."""
+        measured devices and round trips); without one a stopped worker is still started again, but
+        a lost node's layers cannot be moved."""
         if not deployment.placement:
             raise FleetError("this deployment record predates failover (it lacks its placement): deploy it again")
         self.deployment = deployment
-        self.shape = ModelShape.from_json(profile["model"])
-        self.nodes: dict = profile["nodes"]
-        self.fleet = Fleet.from_json(profile["fleet"])
+        self.profile = profile
+        self.nodes: dict = profile["nodes"] if profile else {}
         self.key, self.tls = key, tls
         self.objective, self.users, self.deadline_s = objective, users, deadline_s
         self.on_event = on_event or (lambda text: None)
@@ -75,9 +76,10 @@ class Failover:
         for problem in self.deployment.stop(self.key, self.tls):  # a hung worker too; the lost node's fail
             if not gone:
                 self.on_event(f"warning: {problem}")
-        deployment, chain = deploy(self.deployment.model, placement, key=self.key, tls=self.tls,
-                                   weights=self.deployment.weights, mode=self.deployment.mode,
-                                   deadline_s=self.deadline_s)
+        old = self.deployment
+        deployment, chain = deploy(old.model, placement, key=self.key, tls=self.tls, weights=old.weights,
+                                   mode=old.mode, deadline_s=self.deadline_s,
+                                   planned={"profile": old.profile, "objective": old.objective, "users": old.users})
         self.deployment = deployment
         self.recoveries += 1
         self.on_event("placed: " + "; ".join(f"stage {i} on {self.name(s.agent) if s.agent != LOCAL else 'this machine'}"
@@ -85,18 +87,21 @@ class Failover:
         return chain
 
     def _replan(self, placement: list[StagePlacement], gone: list[StagePlacement]) -> list[StagePlacement]:
-        lost = set(self.lost)
-        fleet = Fleet(devices=[d for d in self.fleet.devices if d.node not in lost],
-                      rtt_ms={k: v for k, v in self.fleet.rtt_ms.items() if not lost & set(k)},
-                      coordinator=self.fleet.coordinator)
-        keep = [s for s in placement if s not in gone]
-        pins = [Pin(self.fleet.coordinator if s.agent == LOCAL else self.node_of(s.agent), s.start, s.end, s.device)
-                for s in keep]
+        names = ", ".join(self.name(s.agent) for s in gone)
         moving = ", ".join(layer_span(s.start, s.end) for s in gone)
+        if self.profile is None:
+            raise FleetError(f"node {names} lost, and its {moving} cannot be moved: this deployment was not "
+                             "planned from a fleet profile. Bring the fleet up again (`fleet up --nodes all`)")
+        shape, full = ModelShape.from_json(self.profile["model"]), Fleet.from_json(self.profile["fleet"])
+        lost = set(self.lost)
+        fleet = Fleet(devices=[d for d in full.devices if d.node not in lost],
+                      rtt_ms={k: v for k, v in full.rtt_ms.items() if not lost & set(k)}, coordinator=full.coordinator)
+        keep = [s for s in placement if s not in gone]
+        pins = [Pin(full.coordinator if s.agent == LOCAL else self.node_of(s.agent), s.start, s.end, s.device)
+                for s in keep]
         try:
-            plan = solve(self.shape, fleet, objective=self.objective, users=self.users, pins=pins)
+            plan = solve(shape, fleet, objective=self.objective, users=self.users, pins=pins)
         except PlacementError as exc:
-            names = ", ".join(self.name(s.agent) for s in gone)
             raise FleetError(f"node {names} lost, and the surviving nodes cannot take its {moving}: "
                              f"{readable(str(exc), self.nodes)}. Start a node agent (the tray worker) on another "
                              "PC, or free memory on the others, and bring the fleet up again") from None
@@ -105,6 +110,21 @@ class Failover:
             if s.agent != LOCAL and all(s.agent != k.agent for k in keep):
                 self.on_event(f"moving {layer_span(s.start, s.end)} to node {self.name(s.agent)}…")
         return stages
+
+    @classmethod
+    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None) -> "Failover":
+        """The failover of a deployment record, re-planning from the profile it was planned from (if any)."""
+        import json
+        from pathlib import Path
+
+        profile = None
+        if deployment.profile:
+            try:
+                profile = json.loads(Path(deployment.profile).read_text())
+            except (OSError, ValueError):
+                profile = None  # moved or damaged: stopped workers still start again
+        return cls(deployment, profile, key=key, tls=tls, objective=deployment.objective, users=deployment.users,
+                   deadline_s=deadline_s, on_event=on_event)
 
     def returned(self) -> list[str]:
         """The lost nodes that answer again (they are no longer counted lost): offered to the next

@@ -27,7 +27,8 @@ def cmd_serve(args) -> int:
     try:
         drafters = open_drafter(args, settings, chain, streams)
         service = ChatService(chain, streams=streams, drafters=(lambda n: drafters) if drafters else None, k=args.k,
-                              rewind=REWIND[args.mode or settings.mode], owned=[fleet] if fleet else [])
+                              rewind=REWIND[args.mode or settings.mode], owned=[fleet] if fleet else [],
+                              recover=_failover(args, settings))
     except BaseException:
         chain.close()
         if fleet is not None:
@@ -44,6 +45,25 @@ def cmd_serve(args) -> int:
     finally:
         service.close()
     return 0
+
+
+def _failover(args, settings: Settings):
+    """A deployed fleet's recovery (``engine.fleet.failover``): replies in flight survive a lost node."""
+    if not args.deployment:
+        return None
+    from pathlib import Path
+
+    from engine.fleet.deploy import Deployment
+    from engine.fleet.failover import Failover
+    from engine.fleetkey import load_key, load_tls
+
+    record = Deployment.load(None if args.deployment == "last" else Path(args.deployment))
+    if not record.placement:
+        return None
+    failover = Failover.of(record, key=load_key(args.fleet_key_file), deadline_s=args.deadline or settings.deadline_s,
+                           tls=load_tls(args.tls or settings.tls, args.fleet_key_file),
+                           on_event=lambda text: print(f"fleet: {text}", file=sys.stderr, flush=True))
+    return failover.recover
 
 
 def add_serve_command(sub, chain_args) -> None:
