@@ -146,6 +146,9 @@ def _check_shape(raw: dict) -> None:
         raise ShardError(f"the manifest's stage.layers is not a layer range: {layers!r}")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in raw["files"].items()):
         raise ShardError("the manifest's files do not map names to hashes")
+    for name in raw["files"]:  # a file of the shard folder itself: nothing above it, nothing below
+        if name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise ShardError(f"the manifest lists {name!r}, which is not a plain file name")
     if not all(isinstance(s, str) for s in raw["kv"]["states"]):
         raise ShardError("the manifest's kv.states are not names")
     if not all(isinstance(i, int) for i in raw.get("eos_token_ids", [])) or not isinstance(raw.get("export", {}), dict):

@@ -51,3 +51,16 @@ def test_http_api(tally, tiny_exports):
         service.close()
     counts = tally.counts["http"]
     assert tally.cases("http") == CASES // 2 and counts["400"] and counts["401"]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../manifest.json", "sub/file", "/etc/passwd", "a\\b"])
+def test_a_manifest_may_list_only_plain_file_names(name, tiny_exports, tmp_path):
+    """Found by the fuzzer: "" named the shard folder itself, and "../x" would be hashed outside it."""
+    from engine.errors import ShardError
+    from engine.manifest import load_manifest
+
+    doc = json.loads((tiny_exports["llama", "1"].folders[0] / MANIFEST).read_text())
+    doc["files"][name] = "0" * 64
+    (tmp_path / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(ShardError, match="not a plain file name"):
+        load_manifest(tmp_path)
