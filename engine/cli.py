@@ -342,7 +342,7 @@ def cmd_bench(args) -> int:
     common = {"weights": args.weights, "out": Path(args.json) if args.json else None,
               "log": lambda m: print(m, file=sys.stderr, flush=True)}
     # the speculation and fleet benchmarks run the 1.5B target that has a 0.5B draft
-    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline", "placement", "fuzz")
+    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline", "placement", "fuzz", "soak")
                            else "qwen2.5-coder-1.5b")
     fleet = {"cpu_sets": args.cpus or ""}
     # each benchmark has its own default length, repetitions and stage count
@@ -365,6 +365,8 @@ def cmd_bench(args) -> int:
                              **({"stages": args.stages} if args.stages else {}),
                              **({"users": args.users} if args.users else {})),
         "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
+        "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
+                            tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
     }
     module = importlib.import_module(f"engine.bench.{args.name}")
     report = calls[args.name](getattr(module, f"run_{args.name}"))
@@ -484,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement", "serve", "fuzz"])
+                                               "placement", "serve", "fuzz", "soak"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan, progression and serve)")
     bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
@@ -500,8 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
     bench.add_argument("--delays", type=_delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
-    bench.add_argument("--users", type=_counts, help="serve: the concurrent users of each wave (default 1,2,4,8)")
+    bench.add_argument("--users", type=_counts, help="serve: the concurrent users of each wave (default 1,2,4,8); "
+                       "soak: the users (default 8)")
     bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")
+    bench.add_argument("--minutes", type=duration, default=60.0, help="soak: how long the users chat (default 60)")
+    bench.add_argument("--kill-every", type=duration, default=300.0,
+                       help="soak: seconds between kills of the worker (default 300)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)
 
