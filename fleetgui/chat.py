@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import itertools
+import time
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
@@ -25,6 +26,7 @@ from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.widgets import Banner, splitter
 from fleetgui.workers import TaskRunner
 
+SAVE_EVERY_S = 1.0  # how often a reply in progress is written to the history (write-ahead)
 # settings whose change needs a new service (the rest apply per request)
 SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "devices", "mode", "local_workers",
                 "streams", "k", "draft", "draft_model")
@@ -216,6 +218,8 @@ class ChatController(QObject):
 def format_stats(stats: dict) -> str:
     if not stats:
         return ""
+    if stats.get("unfinished"):
+        return "interrupted: the app closed before this reply ended"
     parts = [f"{stats.get('decode_tok_s', 0):.1f} tok/s", f"first token {stats.get('ttft_ms', 0):.0f} ms",
              f"{stats.get('new_tokens', 0)} tokens"]
     if "acceptance" in stats:
@@ -242,6 +246,7 @@ class ChatTab(QWidget):
         self.reply: Message | None = None
         self.last_reply: Reply | None = None
         self._tokens = 0
+        self._saved = 0.0  # when the reply in progress was last written to the history
 
         self.system = QLineEdit(conversation.system)
         self.system.setPlaceholderText("System prompt (optional): how the assistant should behave")
@@ -346,6 +351,7 @@ class ChatTab(QWidget):
         self.reply = Message("assistant", "")
         conv.messages.append(self.reply)
         self._tokens = 0
+        self._saved = 0.0
         self.stats.setText("waiting for the model…" if self.view.controller.service is None else "generating…")
         self.render()
         self.key = self.view.controller.submit(prompt, self.view.settings.max_new_tokens, self._on_text,
@@ -358,6 +364,10 @@ class ChatTab(QWidget):
         if not self.reply.content:
             self.stats.setText("generating…")
         self.reply.content += piece
+        if time.monotonic() - self._saved >= SAVE_EVERY_S:  # write-ahead: a killed app keeps the reply so far
+            self._saved = time.monotonic()
+            self.reply.stats = {"unfinished": True}
+            self.view.history.save(self.conversation.id, self.reply)
         self.view.meter.add(self.label, tokens - self._tokens)
         self._tokens = tokens
         cursor = self.transcript.textCursor()
@@ -374,9 +384,11 @@ class ChatTab(QWidget):
             message.content = reply.text
             message.stats = reply.to_json()
             if reply.text:
-                self.view.history.append(conv.id, message)
+                self.view.history.save(conv.id, message)
             else:
                 conv.messages.remove(message)
+                if message.id is not None:
+                    self.view.history.remove_message(message.id)
         if reply.tokens and len(reply.tokens) > self._tokens:
             self.view.meter.add(self.label, len(reply.tokens) - self._tokens)
         if reply.error:

@@ -1,7 +1,8 @@
 """Chat history: conversations and their messages in SQLite, in the user data folder.
 
-Used from the GUI thread only; every write is a small transaction, so nothing is lost if the app
-ends abruptly.
+Used from the GUI thread only.  Every write is a small transaction on a write-ahead log, so the file
+is whole whatever moment the app is killed at; a reply in progress is written as it grows (marked
+``unfinished`` until it ends), so a killed app loses at most its last second.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class HistoryStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path)
         self._db.execute("PRAGMA foreign_keys = ON")
+        self._db.execute("PRAGMA journal_mode = WAL")
         self._db.executescript(SCHEMA)
 
     def close(self) -> None:
@@ -103,6 +105,15 @@ class HistoryStore:
                                    (conversation_id, message.role, message.content, json.dumps(message.stats)))
             self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), conversation_id))
         message.id = cur.lastrowid
+        return message.id
+
+    def save(self, conversation_id: int, message: Message) -> int:
+        """Writes ``message`` (again): appended the first time, its content and stats replaced after."""
+        if message.id is None:
+            return self.append(conversation_id, message)
+        with self._db:
+            self._db.execute("UPDATE messages SET content = ?, stats = ? WHERE id = ?",
+                             (message.content, json.dumps(message.stats), message.id))
         return message.id
 
     def remove_message(self, message_id: int) -> None:
