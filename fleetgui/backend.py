@@ -39,18 +39,6 @@ def is_shard_set(source: str) -> bool:
     return path.is_dir() and ((path / MANIFEST).exists() or any(path.glob(f"stage*/{MANIFEST}")))
 
 
-class LocalAgent:
-    """The embedded default's node agent process, closed with the chat service that owns it."""
-
-    def __init__(self, proc):
-        self.proc = proc
-
-    def close(self) -> None:
-        from engine.fleet.commands import stop_local_agent
-
-        stop_local_agent(self.proc)
-
-
 def embedded_default(settings) -> bool:
     """Whether the chat runs on the embedded local fleet: a model source (not an exported shard set),
     2+ stages as local workers, one device for every stage."""
@@ -137,7 +125,7 @@ class EngineBackend:
         return service
 
     def _open_embedded(self, settings, progress: Report, cancel):
-        from engine.fleet.commands import local_up
+        from engine.fleet.commands import LocalAgent, local_up
 
         self.pull(settings.default_model, progress, cancel)
         draft_shards = self._draft_shards(settings, progress, cancel)

@@ -316,15 +316,27 @@ def test_fleet_serve_over_a_local_worker_process(tiny_exports, tmp_path):
 
 
 @pytest.mark.real_model
-def test_fleet_serve_answers_with_the_real_smollm2():
-    """`fleet serve` on the default model as `make run` sets it up: 2 stages, a local worker."""
-    proc, url = _serve_process("--model", "smollm2-135m", "--stages", "2", "--local-workers", "--draft", "lookup")
+def test_fleet_serve_answers_with_the_real_smollm2_and_survives_its_worker():
+    """`fleet serve` with no chain named runs what `fleet up` and the app run: the default model on a
+    local 2-stage fleet whose worker a local agent keeps; a killed worker is started again."""
+    import os
+    import signal
+
+    import psutil
+
+    proc, url = _serve_process("--model", "smollm2-135m", "--draft", "lookup")
     try:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=64,
-                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in reply.choices[0].message.content
+        ask = [{"role": "user", "content": "What is the capital of France?"}]
+        first = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=64, messages=ask)
+        assert "Paris" in first.choices[0].message.content
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "worker" in p.cmdline()]
+        assert len(workers) == 1
+        os.kill(workers[0].pid, signal.SIGKILL)
+        again = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=64, messages=ask)
+        assert again.choices[0].message.content == first.choices[0].message.content
         _ends_cleanly(proc)
+        assert "starting its worker again" in proc.stderr.read()
     finally:
         proc.kill()
 

@@ -337,6 +337,16 @@ def stop_local_agent(proc: subprocess.Popen) -> None:
     end_processes([proc], timeout_s=10)
 
 
+class LocalAgent:
+    """A local node agent process (``start_local_agent``), closed with the chat service that owns it."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def close(self) -> None:
+        stop_local_agent(self.proc)
+
+
 def local_up(model: str, stages: int, key_file: Path, *, weights: str = "int4", mode: str = "fast",
              device: str = "CPU", progress=None, deadline_s: float = 2.0):
     """The embedded default: ``model`` as a local fleet, stage 0 in this process and the rest in a

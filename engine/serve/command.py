@@ -23,12 +23,16 @@ def cmd_serve(args) -> int:
     if args.require_key or not is_loopback(host):
         api_key = load_api_key(create=True)
         print(f"clients need the API key in {api_key_file()} (`fleet key api` prints it)", file=sys.stderr)
-    chain, fleet = open_chain(args, settings)
+    if _embedded(args, settings):
+        chain, fleet, recover = _local_fleet(args, settings)
+    else:
+        chain, fleet = open_chain(args, settings)
+        recover = _failover(args, settings)
     try:
         drafters = open_drafter(args, settings, chain, streams)
         service = ChatService(chain, streams=streams, drafters=(lambda n: drafters) if drafters else None, k=args.k,
                               rewind=REWIND[args.mode or settings.mode], owned=[fleet] if fleet else [],
-                              recover=_failover(args, settings))
+                              recover=recover)
     except BaseException:
         chain.close()
         if fleet is not None:
@@ -45,6 +49,30 @@ def cmd_serve(args) -> int:
     finally:
         service.close()
     return 0
+
+
+def _embedded(args, settings: Settings) -> bool:
+    """No chain named (shards, remote workers, a deployment): the default is what `fleet up` and the
+    app run, the model on a local fleet of 2 or more stages whose workers a local agent keeps."""
+    stages = args.stages or settings.stages
+    return not (args.shards or args.remote or args.deployment or args.local_workers) and stages > 1
+
+
+def _local_fleet(args, settings: Settings):
+    """(chain, what to close with the service, recover): the local fleet, with failover."""
+    from engine.fleet.commands import LocalAgent, local_up
+    from engine.fleet.failover import Failover
+    from engine.fleetkey import key_file, load_key
+
+    path = key_file(args.fleet_key_file)
+    load_key(args.fleet_key_file, create=not args.fleet_key_file)
+    deployment, chain, proc = local_up(args.model or settings.default_model, args.stages or settings.stages, path,
+                                       weights=settings.weights, mode=args.mode or settings.mode,
+                                       device=args.device or settings.device,
+                                       deadline_s=args.deadline or settings.deadline_s)
+    failover = Failover(deployment, key=load_key(path), deadline_s=args.deadline or settings.deadline_s,
+                        on_event=lambda text: print(f"fleet: {text}", file=sys.stderr, flush=True))
+    return chain, LocalAgent(proc), failover.recover
 
 
 def _failover(args, settings: Settings):
