@@ -191,6 +191,9 @@ def cmd_generate(args) -> int:
     args.rewind = args.rewind or REWIND[args.mode or settings.mode]
     if streams > 1 and not prompts:
         raise FleetError("--streams needs prompts (--prompt repeated or --prompts FILE)")
+    from engine.runtime.sampling import SamplingParams
+
+    args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.repetition_penalty, args.seed)
     chain, fleet = open_chain(args, settings)
     try:
         tokenizer = ChatTokenizer(chain.first_folder)
@@ -222,7 +225,8 @@ def _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters) 
         gens, wall = generate_streams(chain, ids, args.max_new_tokens or settings.max_new_tokens,
                                       max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids,
                                       ignore_eos=args.ignore_eos, rewind=args.rewind,
-                                      drafters=drafters[: len(batch)] if drafters else None, k=args.k)
+                                      drafters=drafters[: len(batch)] if drafters else None, k=args.k,
+                                      sampling=args.sampling)
         total = sum(len(g.tokens) for g in gens)
         for i, (prompt, g) in enumerate(zip(batch, gens)):
             text = tokenizer.decode(g.tokens)
@@ -256,6 +260,7 @@ def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream, prompts, d
         result = gen.generate(
             ids, args.max_new_tokens or settings.max_new_tokens, ignore_eos=args.ignore_eos,
             on_token=lambda t: print(stream.push(t), end="", flush=True), drafter=drafter, k=args.k,
+            sampling=args.sampling,
         )
         print()
         spec = f", acceptance {result.acceptance:.2f}" if result.drafted else ""
@@ -447,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=count)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", help="write the generations with timings to this file")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (default 0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample from the likeliest tokens holding this much "
+                     "probability")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from this many likeliest tokens (0: no limit)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1: tokens already in the text "
+                     "are less likely")
+    gen.add_argument("--seed", type=int, help="the same seed, prompt and settings give the same sampled text")
     gen.set_defaults(func=cmd_generate)
 
     from engine.serve.command import add_serve_command

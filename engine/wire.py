@@ -55,7 +55,8 @@ class Msg(enum.IntEnum):
     """Message types.  FORWARD carries ``[x, attention_mask (u8), position_ids, stage_ms (f32)]``:
     token ids (stage 0) or hidden states, the mask over every KV slot, the positions of the new
     tokens, and the compute time of each stage so far.  RESULT carries ``[token_ids (i64),
-    stage_ms]``, plus probabilities (``Flag.PROBS``) or full logits (``Flag.LOGITS``) before stage_ms."""
+    stage_ms]``, plus probabilities (``Flag.PROBS``), full logits (``Flag.LOGITS``) and the sampling
+    candidates' ids (i64) and logits (f32) (``Flag.CANDIDATES``), in that order, before stage_ms."""
 
     HELLO = 1
     CHALLENGE = 2
@@ -82,9 +83,10 @@ class Flag(enum.IntFlag):
     ALL_POSITIONS = 1  # a result for every new position (speculative verify), not just the last
     PROBS = 2  # the probability of each top-1 token
     LOGITS = 4  # full logits (only where a feature needs them: they are vocabulary-sized)
+    CANDIDATES = 8  # the top candidates' ids and logits per position, for sampling (``engine.runtime.sampling``)
 
 
-_ALL_FLAGS = int(Flag.ALL_POSITIONS | Flag.PROBS | Flag.LOGITS)
+_ALL_FLAGS = int(Flag.ALL_POSITIONS | Flag.PROBS | Flag.LOGITS | Flag.CANDIDATES)
 
 
 DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: np.dtype("<i8"), 4: np.dtype("<i4"), 5: np.dtype("u1"),

@@ -116,6 +116,23 @@ def test_text_completion_streamed_and_not(served):
     assert "".join(c.choices[0].text for c in streamed) == want.text
 
 
+def test_sampling_through_the_api(served):
+    service, server, client = served
+    messages = [{"role": "user", "content": "A fleet of laptops"}]
+
+    def ask(extra=None, **kw):
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, **kw,
+                                              extra_body={"ignore_eos": True, **(extra or {})}
+                                              ).choices[0].message.content
+
+    seeded = [ask(temperature=1.2, seed=11), ask(temperature=1.2, seed=11), ask(temperature=1.2, seed=12)]
+    assert seeded[0] == seeded[1] != seeded[2]
+    greedy = ask(temperature=0)
+    assert greedy == _alone(service, messages, 24).text != seeded[0]
+    # the top_k extension reaches the sampler: the one likeliest token is greedy at any temperature
+    assert ask(temperature=1.5, seed=3, extra={"top_k": 1}) == greedy
+
+
 def test_stop_strings_and_length(served):
     service, server, client = served
     messages = [{"role": "user", "content": "A fleet of laptops"}]

@@ -1,11 +1,14 @@
-"""The generation loop: prefill, then greedy decode through a stage chain, optionally speculative.
+"""The generation loop: prefill, then decode through a stage chain (greedy, or sampled by a request's
+``SamplingParams``), optionally speculative.
 
 The loop needs a ``Chain``: ``reset``, ``submit``/``collect`` (a forward in two halves, so several
 streams can be in flight) returning an ``Output`` (top-1 tokens), and ``keep`` for the trim rewind;
 the in-process chain and the distributed pipeline both have them.
 
 Speculative rounds feed the pending token plus K drafted ones and verify all K+1 positions in one
-traversal; the accepted prefix plus the target's own next token are emitted.  Rejected positions
+traversal; the accepted prefix plus the target's own next token are emitted (sampled: drafts are
+accepted by rejection sampling, ``engine.runtime.sampling``, so the text is distributed as the
+target's own samples).  Rejected positions
 are masked out (``rewind="mask"``, the paper's mask-based rewind: nothing is copied, position ids
 follow the logical length) or cut from every stage's cache (``"trim"``).
 """
@@ -19,6 +22,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from engine.errors import ContextError
+from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.speculative import AutoK, Drafter, KVSequence
 from engine.runtime.stage import Output
 from engine.wire import Flag
@@ -132,8 +136,10 @@ class Decoding:
 
     def __init__(self, seq: KVSequence, prompt: list[int], max_new_tokens: int, eos: frozenset, *,
                  drafter: Drafter | None = None, k: int | str = 4,
-                 on_token: Callable[[int], None] | None = None, cancel=None):
+                 on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None):
         self.seq = seq
+        self.sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
+        self._flags = Flag.CANDIDATES if self.sampler else Flag.NONE  # greedy takes the top-1 path, as ever
         self.prompt = prompt
         if not prompt:
             raise ContextError("the prompt is empty: there is nothing to continue")
@@ -168,7 +174,7 @@ class Decoding:
         if self.drafter is not None:
             self.drafter.reset()
         self._times["start"] = self._times["round"] = time.perf_counter()
-        self.ticket = self.seq.submit(self.prompt)
+        self.ticket = self.seq.submit(self.prompt, self._flags)
         if self.drafter is not None:  # a draft model takes in the prompt while the prefill is in flight
             self.drafter.prime(self.prompt)
 
@@ -181,7 +187,7 @@ class Decoding:
             self._drafts = self.drafter.propose(self.history, min(self.k, room - 1))
             self._draft_ms = (time.perf_counter() - t) * 1e3
         self._times["verify"] = time.perf_counter()
-        flags = Flag.ALL_POSITIONS if self._drafts else Flag.NONE
+        flags = (Flag.ALL_POSITIONS if self._drafts else Flag.NONE) | self._flags
         self.ticket = self.seq.submit([self.result.tokens[-1], *self._drafts], flags)
 
     def advance(self) -> bool:
@@ -189,12 +195,15 @@ class Decoding:
         out = self.seq.chain.collect(self.ticket)
         now = time.perf_counter()
         result, drafts = self.result, self._drafts
-        targets = out.tokens[-(len(drafts) + 1):].tolist()
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-            accepted += 1
+        if self.sampler is not None:
+            emitted, accepted = self.sampler.choose(*out.candidates, self.history, drafts)
+        else:
+            targets = out.tokens[-(len(drafts) + 1):].tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                accepted += 1
+            emitted = targets[: accepted + 1]  # the accepted drafts equal the targets before them
         self.seq.reject(len(drafts) - accepted)
-        emitted = targets[: accepted + 1]  # the accepted drafts equal the targets before them
         first = not result.tokens
         if drafts:
             result.drafted += len(drafts)
@@ -249,10 +258,10 @@ class Generator:
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int, *, ignore_eos: bool = False,
                  on_token: Callable[[int], None] | None = None, cancel=None, drafter: Drafter | None = None,
-                 k: int | str = 4) -> Generation:
+                 k: int | str = 4, sampling: SamplingParams | None = None) -> Generation:
         prompt = [int(t) for t in np.asarray(input_ids).reshape(-1)]
         decoding = Decoding(self.seq, prompt, max_new_tokens, frozenset() if ignore_eos else self.eos_ids,
-                            drafter=drafter, k=k, on_token=on_token, cancel=cancel)
+                            drafter=drafter, k=k, on_token=on_token, cancel=cancel, sampling=sampling)
         decoding.start()
         while decoding.advance():
             pass
@@ -262,7 +271,7 @@ class Generator:
 def generate_streams(chain: Chain, prompts: list[np.ndarray], max_new_tokens: int, *, max_length: int,
                      eos_ids=(), ignore_eos: bool = False, rewind: str = "mask", drafters=None,
                      k: int | str = 4, on_token: Callable[[int, int], None] | None = None,
-                     cancels=None) -> tuple[list[Generation], float]:
+                     cancels=None, sampling: SamplingParams | None = None) -> tuple[list[Generation], float]:
     """Micro-batching: one stream per prompt (stream ids 0..N-1, each with its own KV state on every
     stage), interleaved so that one stream's round is in flight while another is collected and
     resubmitted: whichever stream's result comes back first is served first.  Returns the
@@ -274,7 +283,7 @@ def generate_streams(chain: Chain, prompts: list[np.ndarray], max_new_tokens: in
         decodings.append(Decoding(KVSequence(chain, max_length, i, rewind),
                                   [int(t) for t in np.asarray(ids).reshape(-1)], max_new_tokens, eos,
                                   drafter=drafters[i] if drafters else None, k=k, on_token=callback,
-                                  cancel=cancels[i] if cancels else None))
+                                  cancel=cancels[i] if cancels else None, sampling=sampling))
     start = time.perf_counter()
     for d in decodings:
         d.start()

@@ -168,15 +168,18 @@ class RemoteChain:
         wait_ms = (time.perf_counter() - sent) * 1e3
         flags = frame.flags
         tensors = reply.tensors
-        want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS)
+        want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS) + 2 * bool(flags & Flag.CANDIDATES)
         if reply.flags != flags or len(tensors) != want or tensors[0].dtype != np.int64:
             raise self._fail(f"sent a RESULT that does not answer the request ({len(tensors)} tensors)")
         stage_ms = tensors[-1].tolist()
         out = Output(tokens=tensors[0], stage_ms=stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
+        rest = iter(tensors[1:-1])
         if flags & Flag.PROBS:
-            out.probs = tensors[1]
+            out.probs = next(rest)
         if flags & Flag.LOGITS:
-            out.logits = tensors[-2]
+            out.logits = next(rest)
+        if flags & Flag.CANDIDATES:
+            out.candidates = (next(rest), next(rest))
         return out
 
     def first_ready(self, tickets: list[tuple]) -> int:

@@ -2,13 +2,18 @@
 penalty and a seed.
 
 ``SamplingParams`` is what a request carries (the API server, the chat service and the CLI share
-it); ``temperature == 0`` is greedy decoding, token-identical to the top-1 path.
+it); ``temperature == 0`` is greedy decoding, token-identical to the top-1 path.  A sampled request
+has the last stage return its top ``CANDIDATES`` token ids and logits per position (``Flag.CANDIDATES``,
+a few KB instead of the vocabulary), and the coordinator's ``Sampler`` draws from them, verifying
+speculative drafts by rejection sampling.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 from engine.errors import FleetError
 
@@ -53,3 +58,74 @@ def _check(field: str, value, low: float, high: float, low_open: bool = False) -
 
 
 GREEDY = SamplingParams()
+
+
+# The last stage returns this many candidates (ids and logits) per position when a request samples,
+# instead of vocabulary-sized logits: sampling draws from the CANDIDATES most likely tokens.
+CANDIDATES = 256
+
+
+def top_candidates(rows: np.ndarray, n: int = CANDIDATES) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` largest logits of each row of ``rows`` [positions, vocab], most likely first."""
+    n = min(n, rows.shape[-1])
+    part = np.argpartition(rows, -n, axis=-1)[:, -n:]
+    values = np.take_along_axis(rows, part, axis=-1)
+    order = np.argsort(-values, axis=-1, kind="stable")
+    return np.take_along_axis(part, order, -1).astype(np.int64), np.take_along_axis(values, order, -1).astype(np.float32)
+
+
+class Sampler:
+    """Chooses tokens from the candidates a forward returned, by one request's ``SamplingParams``.
+
+    ``choose`` also verifies speculative drafts by rejection sampling: our drafters propose tokens
+    deterministically (q puts all its mass on the draft x), so x is accepted with probability
+    min(1, p(x)/q(x)) = p(x), and a rejection draws from the residual max(0, p - q) renormalised, which
+    is p without x.  The tokens emitted are then distributed exactly as the target's own samples."""
+
+    def __init__(self, params: SamplingParams):
+        if params.greedy:
+            raise ValueError("greedy decoding takes the top-1 path, not a sampler")
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def distribution(self, ids: np.ndarray, logits: np.ndarray, seen) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and their probabilities after the penalty, temperature, top-k and top-p."""
+        p = self.params
+        logits = logits.astype(np.float64)
+        if p.repetition_penalty != 1.0 and len(seen):
+            hit = np.isin(ids, np.fromiter(seen, np.int64, len(seen)) if not isinstance(seen, np.ndarray) else seen)
+            logits[hit] = np.where(logits[hit] > 0, logits[hit] / p.repetition_penalty,
+                                   logits[hit] * p.repetition_penalty)
+        order = np.argsort(-logits, kind="stable")
+        ids, logits = ids[order], logits[order] / p.temperature
+        if p.top_k:
+            ids, logits = ids[: p.top_k], logits[: p.top_k]
+        probs = np.exp(logits - logits[0])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p) + 1)
+            ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
+        return ids, probs
+
+    def draw(self, ids: np.ndarray, probs: np.ndarray) -> int:
+        return int(ids[min(np.searchsorted(np.cumsum(probs), self.rng.random() * probs.sum(), side="right"),
+                           len(ids) - 1)])
+
+    def choose(self, cand_ids: np.ndarray, cand_logits: np.ndarray, history: list[int],
+               drafts: list[int]) -> tuple[list[int], int]:
+        """The tokens to emit after ``history`` given the candidates of each verified position (the
+        last ``len(drafts) + 1`` rows), and how many drafts were accepted."""
+        rows = len(drafts) + 1
+        cand_ids, cand_logits = cand_ids[-rows:], cand_logits[-rows:]
+        seen = set(history) if self.params.repetition_penalty != 1.0 else ()
+        for i, draft in enumerate(drafts):
+            ids, probs = self.distribution(cand_ids[i], cand_logits[i], seen)
+            p_draft = float(probs[ids == draft].sum())
+            if self.rng.random() < p_draft:  # accepted with probability min(1, p/q), q(draft) = 1
+                if seen != ():
+                    seen.add(draft)
+                continue
+            residual = np.where(ids == draft, 0.0, probs)  # max(0, p - q): p without the draft
+            return [*drafts[:i], self.draw(ids, residual)], i
+        ids, probs = self.distribution(cand_ids[rows - 1], cand_logits[rows - 1], seen)
+        return [*drafts, self.draw(ids, probs)], len(drafts)

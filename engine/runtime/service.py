@@ -252,7 +252,7 @@ class ChatService:
             request.decoding = Decoding(seq, ids, request.max_new_tokens - len(request.earlier),
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
-                                        cancel=request.handle._cancel)
+                                        cancel=request.handle._cancel, sampling=request.sampling)
         except ContextError as exc:
             self._finish(request, error=str(exc), context=True)
             return

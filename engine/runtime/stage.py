@@ -84,6 +84,7 @@ class Output:
     tokens: np.ndarray  # int64 [positions]
     probs: np.ndarray | None = None  # float32 [positions]
     logits: np.ndarray | None = None  # float32 [1, positions, vocab]
+    candidates: tuple[np.ndarray, np.ndarray] | None = None  # ids int64, logits float32 [positions, CANDIDATES]
     stage_ms: list[float] = dataclasses.field(default_factory=list)  # compute per stage
     network_ms: float = 0.0  # waiting on the wire and relaying, beyond the remote stages' compute
 
@@ -97,6 +98,10 @@ def select(logits: np.ndarray, flags: Flag) -> Output:
         out.probs = (1.0 / np.exp(rows - top).sum(-1)).astype(np.float32)
     if flags & Flag.LOGITS:
         out.logits = np.array(rows[None], dtype=np.float32)
+    if flags & Flag.CANDIDATES:
+        from engine.runtime.sampling import top_candidates
+
+        out.candidates = top_candidates(rows)
     return out
 
 

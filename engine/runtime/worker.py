@@ -55,6 +55,8 @@ def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Fram
         tensors.append(out.probs)
     if out.logits is not None:
         tensors.append(out.logits)
+    if out.candidates is not None:
+        tensors += list(out.candidates)
     tensors.append(stage_ms)
     return Frame(Msg.RESULT, frame.stream, frame.seq, tensors, frame.flags)
 
