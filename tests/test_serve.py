@@ -17,6 +17,7 @@ from engine.errors import FleetError
 from engine.runtime.chain import LocalChain
 from engine.runtime.service import ChatService
 from engine.runtime.speculative import stream_drafters
+from engine.runtime.stage import compile_config
 from engine.serve.server import ApiServer
 
 MODEL = "tiny"
@@ -39,12 +40,13 @@ class SlowChain:
 
 @pytest.fixture(scope="module")
 def chain(tiny_exports):
-    return LocalChain(tiny_exports["qwen2", "2"].folders)
+    # exact mode: replies that reuse a stream's cached prefix are the very tokens of cold ones
+    return LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact"))
 
 
 @pytest.fixture(scope="module")
 def served(chain):
-    service = ChatService(chain, streams=4, drafters=lambda n: stream_drafters("lookup", n), k=3)
+    service = ChatService(chain, streams=4, drafters=lambda n: stream_drafters("lookup", n), k=3, rewind="trim")
     server = ApiServer(service, port=0, model_id=MODEL).start()
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     yield service, server, client

@@ -136,8 +136,12 @@ class Decoding:
 
     def __init__(self, seq: KVSequence, prompt: list[int], max_new_tokens: int, eos: frozenset, *,
                  drafter: Drafter | None = None, k: int | str = 4,
-                 on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None):
+                 on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None,
+                 cached: int = 0):
+        """``cached``: the stream's cache already holds the prompt's first ``cached`` tokens (the
+        prefix cache): only the rest is prefilled."""
         self.seq = seq
+        self.cached = cached
         self.sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
         self._flags = Flag.CANDIDATES if self.sampler else Flag.NONE  # greedy takes the top-1 path, as ever
         self.prompt = prompt
@@ -170,11 +174,14 @@ class Decoding:
         self._times: dict[str, float] = {}
 
     def start(self) -> None:
-        self.seq.reset()
+        if self.cached:
+            self.seq.truncate(self.cached)
+        else:
+            self.seq.reset()
         if self.drafter is not None:
             self.drafter.reset()
         self._times["start"] = self._times["round"] = time.perf_counter()
-        self.ticket = self.seq.submit(self.prompt, self._flags)
+        self.ticket = self.seq.submit(self.prompt[self.cached:], self._flags)
         if self.drafter is not None:  # a draft model takes in the prompt while the prefill is in flight
             self.drafter.prime(self.prompt)
 

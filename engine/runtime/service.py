@@ -8,6 +8,10 @@ active ``Decoding`` whose round came back first, so that one stream's round is i
 is collected and resubmitted, exactly as ``generate_streams`` interleaves them.  New requests join
 between rounds; a cancelled one stops at its next round.
 
+Prefix cache: after a reply a stream keeps its KV on every stage, and the service remembers the
+tokens it holds.  A request goes to the free stream whose cache serves it best (``_pick``), whose
+cache is rewound to the prefix they share; only the rest is prefilled.
+
 Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated (incrementally decoded,
 multi-byte characters held back until complete, and text that may begin a stop string held back
 until it is known not to) and the finished reply through ``on_done(Reply)``;
@@ -24,6 +28,8 @@ import logging
 import threading
 from pathlib import Path
 from typing import Callable
+
+import numpy as np
 
 from engine.errors import ContextError, FleetError, StageError
 from engine.runtime.generate import Decoding
@@ -54,6 +60,7 @@ class Reply:
     dropped: int = 0  # oldest messages left out so the conversation fits the context
     context_error: bool = False  # the error is the conversation not fitting the context
     rerouted: int = 0  # times the chain broke under this reply and it carried on over a new one
+    cached_tokens: int = 0  # prompt tokens the stream's cache already held (the prefix cache)
 
     @property
     def finish_reason(self) -> str:
@@ -70,6 +77,8 @@ class Reply:
                "ttft_ms": round(self.ttft_ms, 1), "decode_tok_s": round(self.decode_tok_s, 2)}
         if self.drafted:
             doc["acceptance"] = round(self.acceptance, 3)
+        if self.cached_tokens:
+            doc["cached_tokens"] = self.cached_tokens
         if self.error:
             doc["error"] = self.error
         if self.dropped:
@@ -125,17 +134,19 @@ class _Request:
     earlier: list[int] = dataclasses.field(default_factory=list)  # tokens emitted before the chain was replaced
     first: object = None  # the first decoding's result (its TTFT), once the chain was replaced
     rerouted: int = 0
+    ids: list[int] | None = None  # the conversation's token ids, once admitted
 
 
 class ChatService:
     def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
                  drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
-                 max_length: int | None = None, eos_ids=None, owned=(), recover=None):
+                 max_length: int | None = None, eos_ids=None, owned=(), recover=None, prefix_cache: bool = True):
         """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
         ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
         ``owned`` are further objects to ``close()`` with the service (a local fleet);
         ``recover(StageError)`` gives a new chain when a stage fails (``engine.fleet.failover``),
-        on which the replies in flight carry on; without it they end with the error."""
+        on which the replies in flight carry on; without it they end with the error;
+        ``prefix_cache=False`` prefills every conversation whole (a benchmark's cold side)."""
         if streams < 1:
             raise FleetError("the chat service needs at least one stream")
         self.chain = chain
@@ -149,6 +160,10 @@ class ChatService:
         self.drafters = drafters(streams) if drafters else None
         self.recover = recover
         self._recovering = False
+        self.prefix_cache = prefix_cache
+        self._held: dict[int, list[int]] = {}  # stream -> the token ids its cache holds, in order
+        self._last_used: dict[int, int] = {}
+        self._uses = itertools.count()
         m = manifest
         self.description = f"{m.model_name}, {m.stage_count} stage{'s' if m.stage_count > 1 else ''}" if m else ""
         self._owned = list(owned)
@@ -224,7 +239,8 @@ class ChatService:
                     if request.handle.cancelled:
                         dropped.append(request)
                         continue
-                    request.handle.stream = self._free.pop(0)
+                    request.handle.stream = self._pick(request)
+                    self._free.remove(request.handle.stream)
                     admitted.append(request)
                 if self._closed:
                     dropped += admitted
@@ -236,12 +252,32 @@ class ChatService:
             if self._active:
                 self._advance_first()
 
+    def _pick(self, request: _Request) -> int:
+        """The free stream worth most to the request: the tokens of it the stream's cache holds,
+        less half of what the request would evict there (another conversation's turns, which it
+        may still want), so that a shared chat-template prefix does not evict a whole conversation
+        while a stream stands empty; among equals, the least recently used."""
+        try:
+            request.ids = self._fit(request).reshape(-1).tolist()
+        except Exception:  # _start meets it again and says so
+            request.ids = None
+
+        def score(stream: int):
+            held = self._held.get(stream, []) if self.prefix_cache and request.ids else []
+            reused = _common_prefix(held, request.ids or [])
+            return reused - (len(held) - reused) / 2, -self._last_used.get(stream, -1)
+
+        return max(self._free, key=score)
+
     def _start(self, request: _Request, prompt: list[int] | None = None) -> None:
         """Starts a request's decoding; ``prompt``: carry on a reply whose chain was replaced (its
         conversation and the tokens it emitted before)."""
         stream = request.handle.stream
         try:
-            ids = self._fit(request).reshape(-1).tolist() if prompt is None else prompt
+            ids = prompt if prompt is not None else request.ids or self._fit(request).reshape(-1).tolist()
+            cached = 0
+            if prompt is None and self.prefix_cache:  # at least one token is prefilled: its logits are the reply's first
+                cached = min(_common_prefix(self._held.get(stream, []), ids), len(ids) - 1)
             k = self.k if request.k is None else request.k
             drafter = self.drafters[stream] if self.drafters and k != 0 else None
             seq = self._sequences.get(stream)
@@ -252,7 +288,8 @@ class ChatService:
             request.decoding = Decoding(seq, ids, request.max_new_tokens - len(request.earlier),
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
-                                        cancel=request.handle._cancel, sampling=request.sampling)
+                                        cancel=request.handle._cancel, sampling=request.sampling,
+                                        cached=max(cached, 0))
         except ContextError as exc:
             self._finish(request, error=str(exc), context=True)
             return
@@ -307,6 +344,7 @@ class ChatService:
                 return
             finally:
                 self._recovering = False
+        self._held.clear()
         message = _describe(exc)
         if not isinstance(exc, FleetError):
             log.error("chain failure", exc_info=exc)
@@ -323,6 +361,7 @@ class ChatService:
         except Exception:
             log.exception("closing the broken chain failed")
         self._sequences.clear()
+        self._held.clear()
         resumed, self._active = self._active, []
         for request in resumed:
             done = request.decoding.result
@@ -359,11 +398,13 @@ class ChatService:
             reply = Reply("".join(request.pieces), request.earlier + list(result.tokens), first.prompt_tokens,
                           "error" if error else stopped_by or result.stopped_by, first.ttft_s * 1e3,
                           result.decode_tok_s, result.drafted, result.accepted, error, handle.stream,
-                          request.dropped, rerouted=request.rerouted)
+                          request.dropped, rerouted=request.rerouted,
+                          cached_tokens=request.decoding.cached if not request.rerouted else 0)
         else:
             reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
                           context_error=context)
         if handle.stream is not None:
+            self._remember(handle.stream, request.decoding, error)
             with self._lock:
                 self._free.append(handle.stream)
                 self._free.sort()
@@ -371,6 +412,24 @@ class ChatService:
         handle._done.set()
         if request.on_done:
             _call(request.on_done, reply)
+
+
+    def _remember(self, stream: int, decoding: Decoding | None, error: str | None) -> None:
+        """What a finished stream's cache holds: its prompt and every token it emitted but the last
+        (which was never fed); after an error, or before a first token, nothing known."""
+        self._last_used[stream] = next(self._uses)
+        if decoding is None or error or not decoding.result.tokens:
+            self._held.pop(stream, None)
+        else:
+            self._held[stream] = decoding.prompt + decoding.result.tokens[:-1]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    same = np.asarray(a[:n]) == np.asarray(b[:n])
+    return n if same.all() else int(np.argmin(same))
 
 
 def _call(callback, *args) -> None:

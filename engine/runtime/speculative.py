@@ -166,6 +166,24 @@ class KVSequence:
             live = np.flatnonzero(self.mask[0, : self.physical])
             self.mask[0, live[-count:]] = 0
 
+    def truncate(self, length: int) -> None:
+        """Keeps the sequence's first ``length`` tokens (a cached prefix) and drops the rest, as a
+        rejected draft is dropped: masked out, or cut from every stage's cache with ``trim``."""
+        live = np.flatnonzero(self.mask[0, : self.physical])
+        self.trim_ms, self.compactions = 0.0, 0
+        if length >= len(live):
+            return
+        if self.rewind == "trim":
+            start = time.perf_counter()
+            self.chain.keep(self.stream, live[:length].astype(np.int32))
+            self.trim_ms += (time.perf_counter() - start) * 1e3
+            self.physical = length
+            self.mask[0, :length] = 1
+            self.mask[0, length:] = 0
+        else:
+            self.mask[0, live[length:]] = 0
+        self.logical = length
+
     def compact(self) -> None:
         """Squeezes the masked holes out of every stage's cache."""
         keep = np.flatnonzero(self.mask[0, : self.physical]).astype(np.int32)
