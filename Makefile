@@ -1,4 +1,4 @@
-# Two entry points: `make run` (the app on the default model) and `make test` (the suite).
+# Two entry points: `make run` (the app on the default model) and `make test` (the suite); `make docs` builds the site.
 # Both create .venv, install torch 2.13.0 first (a looser pin would pull CUDA wheels), then the project.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -6,13 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 
-.PHONY: run chat test installer clean
+.PHONY: run chat test docs installer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[export,gui,test,installer]"
+	$(BIN)/python -m pip install -q -e ".[export,gui,test,docs,installer]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -24,8 +24,11 @@ chat: $(STAMP)
 test: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet
+
 installer: $(STAMP)
 	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller installer/fleetshard.spec
 
 clean:
-	rm -rf $(VENV) dist build
+	rm -rf $(VENV) dist build site

@@ -417,7 +417,14 @@ def _chain_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("fleetshard")
+    except PackageNotFoundError:  # a checkout that was never installed
+        release = "unknown"
     parser = argparse.ArgumentParser(prog="fleet", description="fleetshard: one LLM across a fleet of PCs")
+    parser.add_argument("--version", action="version", version=f"fleet (fleetshard) {release}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     models = sub.add_parser("models", help="the model catalog")
@@ -526,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.fleet.commands import add_commands
 
     add_commands(sub, _connection_args)
+    from engine.clidoc import add_examples
+
+    add_examples(parser)
     return parser
 
 

@@ -10,7 +10,8 @@ Waves alternate between the two servers, users 1, 2, 4, 8, ``runs`` times over.
 Two more parts measure what a server's users feel most: the prefix cache (the second turn of a
 long conversation, warm against cold, alternating) and prompt speed (time to first token of our
 1-, 2- and 3-stage chains against LLMPipeline's on the same export and settings, at a short and a
-long prompt).
+long prompt).  Every prompt is new to both sides: LLMPipeline reuses the KV cache of an identical
+previous prompt, so a repeated prompt would time its cache, not its prefill.
 """
 
 from __future__ import annotations
@@ -167,7 +168,9 @@ def _users_part(folders, one, model, users, tokens, runs, device, hooks, log) ->
             steps = runs * len(users) * len(servers)
             for step, (run, n, name) in enumerate(itertools.product(range(runs), users, servers)):
                 hooks.step(step, steps, f"run {run + 1}/{runs}: {n} user(s) on {name}")
-                wave = user_wave(servers[name].url, model, [prompts[i % len(prompts)] for i in range(n)], tokens)
+                # every request new (neither server's cache may serve it), the same ones on both servers
+                asked = [f"(request {run}.{i}) {prompts[i % len(prompts)]}" for i in range(n)]
+                wave = user_wave(servers[name].url, model, asked, tokens)
                 waves.setdefault((name, n), []).append(wave)
                 log(f"run {run + 1}: {n} user(s) on {name}: {sum(r['tokens'] for r in wave[0]) / wave[1]:.1f} tok/s")
         finally:
@@ -236,10 +239,14 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
             for n, folders in exports.items()}
     rows, ratios = [], {}
     for length in PROMPT_LENGTHS:
-        ids = long_ids.reshape(-1)[-length:].reshape(1, -1)  # the last tokens: the template's ending included
+        base_ids = long_ids.reshape(-1)[-length:]  # the last tokens: the template's ending included
         samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{f"ours {n}-stage": [] for n in ours}}
         for run in range(runs + 1):  # the first round warms up
             hooks.step(run, runs + 1, f"TTFT at {length} prompt tokens, run {run}")
+            # a new prompt every run: LLMPipeline reuses the KV of an identical previous prompt
+            ids = base_ids.copy()
+            ids[:2] = (100 + run, 200 + run)
+            ids = ids.reshape(1, -1)
             samples_now = {"LLMPipeline 1-stage": genai(ids)[1]}
             for n, gen in ours.items():
                 samples_now[f"ours {n}-stage"] = gen.generate(ids, 2, ignore_eos=True).ttft_s * 1e3
