@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-
 from engine.cli import build_parser
 from engine.clidoc import EXAMPLES, commands, reference
 
