@@ -260,7 +260,8 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
             hooks.row(rows[-1])
             if name != "LLMPipeline 1-stage":
                 ratios[f"TTFT {name} / LLMPipeline, {length} tokens"] = rows[-1]["vs_llmpipeline"]
-        log(f"TTFT at {length} tokens: " + ", ".join(f"{r['server']} {r['ttft_p50_ms']} ms" for r in rows[-len(samples):]))
+        measured = rows[-len(samples):]
+        log(f"TTFT at {length} tokens: " + ", ".join(f"{r['server']} {r['ttft_p50_ms']} ms" for r in measured))
     return rows, ratios
 
 

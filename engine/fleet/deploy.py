@@ -56,7 +56,8 @@ class Deployment:
     @classmethod
     def from_json(cls, raw: dict) -> "Deployment":
         fields = dataclasses.fields(cls)
-        required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [f.name for f in fields
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         return cls(**{name: raw[name] for name in required}, **{f.name: raw[f.name] for f in fields
                                                                  if f.name in raw and f.name not in required})
 

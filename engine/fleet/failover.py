@@ -82,8 +82,9 @@ class Failover:
                                    planned={"profile": old.profile, "objective": old.objective, "users": old.users})
         self.deployment = deployment
         self.recoveries += 1
-        self.on_event("placed: " + "; ".join(f"stage {i} on {self.name(s.agent) if s.agent != LOCAL else 'this machine'}"
-                                             f" ({layer_span(s.start, s.end)})" for i, s in enumerate(placement)))
+        where = [self.name(s.agent) if s.agent != LOCAL else "this machine" for s in placement]
+        self.on_event("placed: " + "; ".join(f"stage {i} on {node} ({layer_span(s.start, s.end)})"
+                                             for i, (node, s) in enumerate(zip(where, placement))))
         return chain
 
     def _replan(self, placement: list[StagePlacement], gone: list[StagePlacement]) -> list[StagePlacement]:

@@ -276,7 +276,7 @@ class ChatService:
         try:
             ids = prompt if prompt is not None else request.ids or self._fit(request).reshape(-1).tolist()
             cached = 0
-            if prompt is None and self.prefix_cache:  # at least one token is prefilled: its logits are the reply's first
+            if prompt is None and self.prefix_cache:  # one token at least is prefilled: its logits give the reply
                 cached = min(_common_prefix(self._held.get(stream, []), ids), len(ids) - 1)
             k = self.k if request.k is None else request.k
             drafter = self.drafters[stream] if self.drafters and k != 0 else None
