@@ -1,6 +1,7 @@
-"""The prefix cache: a conversation's next turn reuses the KV its stream kept and prefills only the
+"""The prefix cache and chunked prefill: a conversation's next turn reuses the KV its stream kept and prefills only the
 new suffix, token-identical to a cold start in exact mode (in process and over a worker process,
-with and without speculation); requests go to the stream holding their longest prefix."""
+with and without speculation); requests go to the stream holding their longest prefix; a long prompt
+is prefilled in chunks with the other streams' rounds between them, to the same reply."""
 
 from __future__ import annotations
 
@@ -89,3 +90,44 @@ def test_requests_go_to_the_stream_holding_their_prefix(tiny_exports):
                 first.text = reply.text
     finally:
         service.close()
+
+
+class Recording:
+    """A chain that notes every forward's stream and length (a proxy, so the scheduler sees the real one)."""
+
+    def __init__(self, chain):
+        self._chain, self.calls = chain, []
+
+    def __getattr__(self, name):
+        return getattr(self._chain, name)
+
+    def submit(self, input_ids, *args, **kwargs):
+        self.calls.append((kwargs.get("stream", args[3] if len(args) > 3 else 0), input_ids.shape[1]))
+        return self._chain.submit(input_ids, *args, **kwargs)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_other_streams_rounds(tiny_exports):
+    chain = Recording(LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact")))
+    long_paste = [{"role": "user", "content": " ".join(TURNS * 6)}]
+    short = [{"role": "user", "content": TURNS[1]}]
+    whole = ChatService(chain, streams=1, rewind="trim", prefix_cache=False, prefill_chunk=4096)
+    want = whole.submit(long_paste, 8, ignore_eos=True).wait(60)
+    whole.chain = _Kept()
+    whole.close()
+    assert want.prompt_tokens > 200
+    chain.calls.clear()
+    service = ChatService(chain, streams=2, rewind="trim", prefix_cache=False, prefill_chunk=48)
+    try:
+        chatting = service.submit(short, 60, ignore_eos=True)  # decoding when the paste arrives
+        got = service.submit(long_paste, 8, ignore_eos=True).wait(60)
+        chatting.wait(60)
+    finally:
+        service.chain = _Kept()
+        service.close()
+    assert got.tokens == want.tokens  # chunked, the same reply (exact mode)
+    paste = [i for i, (stream, q) in enumerate(chain.calls) if stream == got.stream]
+    chunks = [chain.calls[i][1] for i in paste[: -len(got.tokens) + 1]]
+    assert sum(chunks) == want.prompt_tokens and max(chunks) == 48 and len(chunks) >= 5
+    # between two chunks of the paste the other stream ran its round (it waited one chunk at most)
+    firsts = paste[: len(chunks)]
+    assert all(any(chain.calls[j][0] != got.stream for j in range(a + 1, b)) for a, b in zip(firsts, firsts[1:]))

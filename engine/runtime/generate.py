@@ -27,6 +27,10 @@ from engine.runtime.speculative import AutoK, Drafter, KVSequence
 from engine.runtime.stage import Output
 from engine.wire import Flag
 
+# A prompt is prefilled this many tokens a forward: between two chunks of one user's long paste, the
+# other streams' rounds run (the chat service advances whichever stream's forward is back first).
+PREFILL_CHUNK = 512
+
 
 class Chain(Protocol):
     def reset(self, stream: int = 0) -> None: ...
@@ -137,11 +141,14 @@ class Decoding:
     def __init__(self, seq: KVSequence, prompt: list[int], max_new_tokens: int, eos: frozenset, *,
                  drafter: Drafter | None = None, k: int | str = 4,
                  on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None,
-                 cached: int = 0):
+                 cached: int = 0, prefill_chunk: int = PREFILL_CHUNK):
         """``cached``: the stream's cache already holds the prompt's first ``cached`` tokens (the
-        prefix cache): only the rest is prefilled."""
+        prefix cache): only the rest is prefilled, ``prefill_chunk`` tokens a forward."""
         self.seq = seq
         self.cached = cached
+        self.prefill_chunk = prefill_chunk
+        self._unfed: list[int] = []  # the prompt's tokens still to prefill after the chunk in flight
+        self._prefill_ms = 0.0
         self.sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
         self._flags = Flag.CANDIDATES if self.sampler else Flag.NONE  # greedy takes the top-1 path, as ever
         self.prompt = prompt
@@ -181,9 +188,14 @@ class Decoding:
         if self.drafter is not None:
             self.drafter.reset()
         self._times["start"] = self._times["round"] = time.perf_counter()
-        self.ticket = self.seq.submit(self.prompt[self.cached:], self._flags)
+        self._unfed = self.prompt[self.cached:]
+        self._prefill_next()
         if self.drafter is not None:  # a draft model takes in the prompt while the prefill is in flight
             self.drafter.prime(self.prompt)
+
+    def _prefill_next(self) -> None:
+        chunk, self._unfed = self._unfed[: self.prefill_chunk], self._unfed[self.prefill_chunk:]
+        self.ticket = self.seq.submit(chunk, Flag.NONE if self._unfed else self._flags)  # the last chunk's logits count
 
     def _submit_round(self) -> None:
         room = self.max_new_tokens - len(self.result.tokens)
@@ -200,6 +212,10 @@ class Decoding:
     def advance(self) -> bool:
         """Collects the round in flight and submits the next; False once the stream has finished."""
         out = self.seq.chain.collect(self.ticket)
+        if self._unfed:  # a prompt chunk: no token yet, the next chunk goes
+            self._prefill_ms += sum(out.stage_ms)
+            self._prefill_next()
+            return True
         now = time.perf_counter()
         result, drafts = self.result, self._drafts
         if self.sampler is not None:
@@ -233,7 +249,7 @@ class Decoding:
                 break
         if first:
             result.ttft_s = now - self._times["start"]
-            result.prefill_compute_ms = sum(out.stage_ms)
+            result.prefill_compute_ms = self._prefill_ms + sum(out.stage_ms)
             self._times["first"] = now
         else:
             result.breakdown.add((now - self._times["round"]) * 1e3, out, len(emitted), self._draft_ms)

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import ContextError, FleetError, StageError
-from engine.runtime.generate import Decoding
+from engine.runtime.generate import PREFILL_CHUNK, Decoding
 from engine.runtime.sampling import GREEDY, SamplingParams
 from engine.runtime.speculative import KVSequence
 from engine.runtime.stops import StopText
@@ -140,13 +140,15 @@ class _Request:
 class ChatService:
     def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
                  drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
-                 max_length: int | None = None, eos_ids=None, owned=(), recover=None, prefix_cache: bool = True):
+                 max_length: int | None = None, eos_ids=None, owned=(), recover=None, prefix_cache: bool = True,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
         ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
         ``owned`` are further objects to ``close()`` with the service (a local fleet);
         ``recover(StageError)`` gives a new chain when a stage fails (``engine.fleet.failover``),
         on which the replies in flight carry on; without it they end with the error;
-        ``prefix_cache=False`` prefills every conversation whole (a benchmark's cold side)."""
+        ``prefix_cache=False`` prefills every conversation whole (a benchmark's cold side);
+        ``prefill_chunk``: prompt tokens a forward (other streams' rounds run between chunks)."""
         if streams < 1:
             raise FleetError("the chat service needs at least one stream")
         self.chain = chain
@@ -161,6 +163,7 @@ class ChatService:
         self.recover = recover
         self._recovering = False
         self.prefix_cache = prefix_cache
+        self.prefill_chunk = prefill_chunk
         self._held: dict[int, list[int]] = {}  # stream -> the token ids its cache holds, in order
         self._last_used: dict[int, int] = {}
         self._uses = itertools.count()
@@ -289,7 +292,7 @@ class ChatService:
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
                                         cancel=request.handle._cancel, sampling=request.sampling,
-                                        cached=max(cached, 0))
+                                        cached=max(cached, 0), prefill_chunk=self.prefill_chunk)
         except ContextError as exc:
             self._finish(request, error=str(exc), context=True)
             return
