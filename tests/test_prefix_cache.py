@@ -1,5 +1,5 @@
-"""The prefix cache and chunked prefill: a conversation's next turn reuses the KV its stream kept and prefills only the
-new suffix, token-identical to a cold start in exact mode (in process and over a worker process,
+"""The prefix cache and chunked prefill: a conversation's next turn reuses the KV its stream kept and
+prefills only the new suffix, token-identical to a cold start in exact mode (in process and over a worker process,
 with and without speculation); requests go to the stream holding their longest prefix; a long prompt
 is prefilled in chunks with the other streams' rounds between them, to the same reply."""
 
