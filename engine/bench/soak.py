@@ -120,7 +120,8 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
             while time.monotonic() - began < minutes * 60:
                 time.sleep(min(1.0, max(0.0, next_kill - time.monotonic())))
                 if time.monotonic() >= next_kill:
-                    pid = _worker_pid(agent.pid)
+                    # none in the last half interval: users must still be asking for failover to act
+                    pid = _worker_pid(agent.pid) if next_kill - began <= minutes * 60 - kill_every_s / 2 else None
                     if pid:
                         os.kill(pid, signal.SIGKILL)
                         kills += 1
