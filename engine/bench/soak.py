@@ -7,8 +7,8 @@ again.  ``users`` threads send chat requests (the official client, one at a time
 prompt each time) until the time is up; every ``kill_every_s`` the worker is killed (kill -9).
 
 Reported: requests completed; requests that ended in an error (each is retried once, and the retry
-must succeed); hung requests (no answer within ``hang_s``: must be none); replies that carried on over
-a restarted worker; latency p50/p95; the RSS of the coordinator, the agent and the worker, after the
+must succeed); hung requests (no answer within ``HANG_S``: must be none); kills and the recoveries
+failover made; latency p50/p95; the RSS of the coordinator, the agent and the worker, after the
 warm-up and at the end.
 """
 
@@ -65,7 +65,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
                                                                                        log(f"fleet: {text}")))
         service = ChatService(chain, streams=users, recover=failover.recover)
         server = ApiServer(service, port=0, model_id=model).start()
-        stats = {"completed": 0, "errors": 0, "retried_ok": 0, "retry_failed": 0, "hung": 0, "rerouted": 0}
+        stats = {"completed": 0, "errors": 0, "retried_ok": 0, "retry_failed": 0, "hung": 0}
         latencies: list[float] = []
         lock = threading.Lock()
         stop = threading.Event()
@@ -132,7 +132,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
                 t.join(HANG_S + 10)
             end = {"coordinator": _rss_mb(os.getpid()), "agent": _rss_mb(agent.pid),
                    "worker": _rss_mb(_worker_pid(agent.pid) or 0)}
-            rerouted = failover.recoveries
+            recoveries = failover.recoveries
         finally:
             stop.set()
             server.stop()
@@ -140,7 +140,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
             failover.deployment.stop(load_key(key_file))
             stop_local_agent(agent)
     seconds = np.array(latencies or [0.0])
-    summary = {**stats, "kills": kills, "recoveries": rerouted, "minutes": minutes, "users": users,
+    summary = {**stats, "kills": kills, "recoveries": recoveries, "minutes": minutes, "users": users,
                "latency_p50_s": round(float(np.percentile(seconds, 50)), 3),
                "latency_p95_s": round(float(np.percentile(seconds, 95)), 3)}
     rows = [{"part": "requests", **summary}]
