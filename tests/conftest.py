@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random-weight Llama and Qwen2 checkpoints (with a real byte-level BPE
+"""Shared fixtures: tiny random-weight Llama, Qwen2 and Gemma 3 checkpoints (with a real byte-level BPE
 tokenizer) built in the test run, and session-cached exports of them."""
 
 from __future__ import annotations
@@ -39,16 +39,24 @@ def _tokenizer(folder: Path):
 
 def build_tiny(arch: str, folder: Path) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
-    torch.manual_seed(0 if arch == "llama" else 1)
+    torch.manual_seed({"llama": 0, "qwen2": 1, "gemma3": 2}[arch])
     common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=TINY_LAYERS,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True))
-    else:
+    elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False))
+    else:
+        # A 4-token window, so prompts and replies in the tests slide past it; head_dim and the
+        # attention scale differ from hidden/heads, as in the real model's config they may.
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            **common, head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            pad_token_id=1))
     # Random init leaves biases and norms at 0/1; perturb them so the test sees them.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -62,7 +70,7 @@ def build_tiny(arch: str, folder: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny(arch, root / arch) for arch in ("llama", "qwen2")}
+    return {arch: build_tiny(arch, root / arch) for arch in ("llama", "qwen2", "gemma3")}
 
 
 @pytest.fixture(scope="session")

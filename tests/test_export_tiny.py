@@ -1,4 +1,4 @@
-"""Export of tiny random Llama and Qwen2 models: per-stage numerics against Hugging Face, greedy
+"""Export of tiny random Llama, Qwen2 and Gemma 3 models: per-stage numerics against Hugging Face, greedy
 equality across 1/2/3-stage chains, the beam_idx pattern, and refusal of damaged shards."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # Stage outputs against the Hugging Face forward of the same layers, all in f32: the graphs differ
 # only in op order and fusions, so anything above this is a real mismatch.
 TOLERANCE = 1e-4
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "gemma3")
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 
 
@@ -60,6 +60,17 @@ def test_cached_decode_step_matches_hf_full_forward(arch, tiny_models, tiny_expo
     with torch.no_grad():
         want = model(torch.from_numpy(np.concatenate([IDS, [[11]]], axis=1))).logits[:, -1:].numpy()
     assert np.abs(step - want).max() < TOLERANCE
+
+
+def test_a_prefill_projects_only_its_last_position_onto_the_vocabulary(tiny_exports):
+    last = StageRunner(tiny_exports["qwen2", "1"].folders[0], config=F32)
+    n = IDS.shape[1]
+    mask, pos = np.ones((1, n), np.int64), np.arange(n)[None]
+    every = last.forward(IDS, mask, pos).copy()
+    last.reset()
+    final = last.forward(IDS, mask, pos, last_only=True)
+    assert every.shape[1] == n and final.shape[1] == 1
+    assert np.abs(final[0, -1] - every[0, -1]).max() < TOLERANCE
 
 
 def _hf_greedy(model, ids, steps):
@@ -170,7 +181,7 @@ def test_unsupported_architecture_is_named(tiny_models, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["model_type"] = "gpt2"
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SourceError, match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2"):
+    with pytest.raises(SourceError, match="unsupported architecture 'gpt2'; supported: gemma3, llama, mistral, qwen2"):
         HFCheckpoint(folder)
 
 

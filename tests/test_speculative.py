@@ -28,10 +28,12 @@ EXACT = MODES["exact"]
 PROMPT = [5, 17, 42, 101, 7, 250, 33, 64, 9, 17, 42, 101]
 
 
-def test_masked_rewind_equals_physical_trim_exactly(tiny_exports):
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_masked_rewind_equals_physical_trim_exactly(arch, tiny_exports):
     # Bit-equal in bf16 compute with a bf16 cache.  In f32 compute the two differ by one ulp: the
     # attention sums over a different number of (masked) slots, so its reduction is blocked differently.
-    chain = LocalChain(tiny_exports["qwen2", "2"].folders,
+    # Gemma's sliding window (4 tokens) must count the masked slots out, as trimming does.
+    chain = LocalChain(tiny_exports[arch, "2"].folders,
                        config={"INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16"})
     logits = {}
     for rewind in ("mask", "trim"):
@@ -42,8 +44,9 @@ def test_masked_rewind_equals_physical_trim_exactly(tiny_exports):
         seq.reject(2)  # two wrong guesses
         seq.forward([8, 9, 10])
         seq.reject(1)
+        seq.forward([12, 13, 14, 15])  # the tokens after the holes reach a window's length
         logits[rewind] = seq.forward([11], Flag.LOGITS).logits
-        assert seq.logical == len(PROMPT) + 1 + 2 + 1
+        assert seq.logical == len(PROMPT) + 1 + 2 + 4 + 1
         assert seq.physical == (seq.logical + 3 if rewind == "mask" else seq.logical)
     assert np.array_equal(logits["mask"], logits["trim"])
 

@@ -8,7 +8,8 @@ serves prefill and decode alike.
 The attention mask covers the physical KV slots (past plus current).  The graph derives the causal
 part from the physical cache length and ANDs it with ``attention_mask``, so a later forward can
 hide rejected draft slots by zeroing their mask entries while ``position_ids`` follow the logical
-sequence.
+sequence.  Sliding-window layers (Gemma 3) also hide every slot whose logical position (the count
+of visible slots before it) lies a window or more behind the query's position id.
 """
 
 from __future__ import annotations
@@ -49,14 +50,25 @@ def _rotate_half(x):
 
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _identity(x):
+    return x
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], dtype=np.float32):
+    def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], dtype=np.float32,
+                 activation: str = "silu", sliding: bool = False):
         super().__init__()
         self.spec = spec
+        self.sliding = sliding
+        self.act = ACTIVATIONS[activation]
         self.input_norm = RMSNorm(weights["input_norm"], spec.rms_eps)
         self.post_norm = RMSNorm(weights["post_norm"], spec.rms_eps)
+        # Optional norms (Gemma 3); absent ones are the identity.
+        for name in ("q_norm", "k_norm", "attn_out_norm", "ffn_out_norm"):
+            setattr(self, name, RMSNorm(weights[name], spec.rms_eps) if name in weights else _identity)
         for name in MATRICES:
             setattr(self, name, _param(weights[name], dtype))
         for name in ("q_bias", "k_bias", "v_bias"):
@@ -70,8 +82,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, past_k, past_v):
         spec = self.spec
         h = self.input_norm(x)
-        q = self._project(h, spec.num_heads, self.q, self.q_bias)
-        k = self._project(h, spec.num_kv_heads, self.k, self.k_bias)
+        q = self.q_norm(self._project(h, spec.num_heads, self.q, self.q_bias))
+        k = self.k_norm(self._project(h, spec.num_kv_heads, self.k, self.k_bias))
         v = self._project(h, spec.num_kv_heads, self.v, self.v_bias)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -83,11 +95,11 @@ class DecoderLayer(nn.Module):
             b, kvh, s, d = k.shape
             k_all = k[:, :, None, :, :].expand(b, kvh, groups, s, d).reshape(b, kvh * groups, s, d)
             v_all = v[:, :, None, :, :].expand(b, kvh, groups, s, d).reshape(b, kvh * groups, s, d)
-        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=spec.head_dim ** -0.5)
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=spec.attention_scale)
         b, _, t, _ = attn.shape
-        x = x + F.linear(attn.transpose(1, 2).reshape(b, t, spec.num_heads * spec.head_dim), _w(self.o))
+        x = x + self.attn_out_norm(F.linear(attn.transpose(1, 2).reshape(b, t, spec.num_heads * spec.head_dim), _w(self.o)))
         h = self.post_norm(x)
-        x = x + F.linear(F.silu(F.linear(h, _w(self.gate))) * F.linear(h, _w(self.up)), _w(self.down))
+        x = x + self.ffn_out_norm(F.linear(self.act(F.linear(h, _w(self.gate))) * F.linear(h, _w(self.up)), _w(self.down)))
         return x, k, v
 
 
@@ -115,33 +127,56 @@ class DecoderStage(nn.Module):
                 spec,
                 {p: ckpt.read(p, i, dtype=weight_dtype if p in MATRICES else np.float32) for p in parts if ckpt.has(p, i)},
                 weight_dtype,
+                ckpt.arch.activation,
+                sliding=i in spec.sliding_layers,
             )
             for i in range(start, end)
         )
         self.final_norm = RMSNorm(ckpt.read("final_norm"), spec.rms_eps) if self.last else None
-        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.int64).float() / spec.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(spec.rope_theta), persistent=False)
+        self.register_buffer("sliding_inv_freq", self._inv_freq(spec.sliding_rope_theta or spec.rope_theta),
+                             persistent=False)
+
+    def _inv_freq(self, theta: float) -> torch.Tensor:
+        d = self.spec.head_dim
+        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+    @staticmethod
+    def _rotary(position_ids, inv_freq):
+        freqs = position_ids[:, :, None].float() * inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None], emb.sin()[:, None]
 
     def forward(self, x, attention_mask, position_ids, *past):
-        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None], emb.sin()[:, None]
-        mask = self._mask(attention_mask, x.shape[1], past[0].shape[2])
+        past_len = past[0].shape[2]
+        kinds = {layer.sliding for layer in self.layers}
+        rotary = {False: self._rotary(position_ids, self.inv_freq)} if False in kinds else {}
+        masks = {False: self._mask(attention_mask, position_ids, x.shape[1], past_len)} if False in kinds else {}
+        if True in kinds:
+            rotary[True] = self._rotary(position_ids, self.sliding_inv_freq)
+            masks[True] = self._mask(attention_mask, position_ids, x.shape[1], past_len, self.spec.sliding_window)
         present = []
         for n, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, mask, past[2 * n], past[2 * n + 1])
+            cos, sin = rotary[layer.sliding]
+            x, k, v = layer(x, cos, sin, masks[layer.sliding], past[2 * n], past[2 * n + 1])
             present += [k, v]
         if self.last:
             x = self.final_norm(x)
         return (x, *present)
 
     @staticmethod
-    def _mask(attention_mask, query_len, past_len):
-        """Additive [batch, 1, query, kv] mask: causal over physical slots AND the given slot mask."""
+    def _mask(attention_mask, position_ids, query_len, past_len, window: int = 0):
+        """Additive [batch, 1, query, kv] mask: causal over physical slots AND the given slot mask
+        (AND, with a window, within ``window`` logical positions of the query)."""
         kv_len = past_len + query_len
         kv_pos = torch.arange(kv_len)
         q_pos = torch.arange(query_len) + past_len
         causal = kv_pos[None, :] <= q_pos[:, None]
-        allowed = causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)
+        visible = attention_mask > 0
+        allowed = causal[None, None, :, :] & visible[:, None, None, :]
+        if window:
+            logical = torch.cumsum(visible.to(torch.int64), dim=-1) - 1  # [batch, kv]
+            near = logical[:, None, :] > position_ids[:, :, None] - window  # [batch, query, kv]
+            allowed = allowed & near[:, None, :, :]
         zero = torch.zeros((), dtype=torch.float32)
         return torch.where(allowed, zero, torch.tensor(torch.finfo(torch.float32).min))

@@ -305,7 +305,8 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     step()
     model = convert_stage(stage)
     del stage
-    model = attach_vocabulary(model, *vocabulary)
+    scale = ckpt.spec.hidden_size ** 0.5 if ckpt.arch.scaled_embeddings else None
+    model = attach_vocabulary(model, *vocabulary, embed_scale=scale)
     del vocabulary
     step()
     model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))

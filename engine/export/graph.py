@@ -66,12 +66,14 @@ def convert_stage(stage: DecoderStage) -> ov.Model:
     return model
 
 
-def attach_vocabulary(model: ov.Model, embed: ov.Output | None, head: ov.Output | None) -> ov.Model:
+def attach_vocabulary(model: ov.Model, embed: ov.Output | None, head: ov.Output | None,
+                      embed_scale: float | None = None) -> ov.Model:
     """Gives a first stage ``input_ids -> Gather(embed)`` in place of its hidden-state input, and a
     last stage ``MatMul(hidden, head^T) -> logits`` in place of its hidden-state output.
 
     ``embed`` and ``head`` are f32 outputs of the vocabulary tables (``compress.vocab_table``); a
-    tied single-stage model passes the same table twice.
+    tied single-stage model passes the same table twice.  ``embed_scale`` multiplies the looked-up
+    embeddings (Gemma scales them by sqrt(hidden_size)).
     """
     params = list(model.get_parameters())
     if embed is not None:
@@ -79,6 +81,8 @@ def attach_vocabulary(model: ov.Model, embed: ov.Output | None, head: ov.Output 
         ids = ops.parameter(ov.PartialShape([-1, -1]), ov.Type.i64, name="input_ids")
         ids.get_output_tensor(0).set_names({"input_ids"})
         gathered = ops.gather(embed, ids, ops.constant(0))
+        if embed_scale is not None:
+            gathered = ops.multiply(gathered, ops.constant(np.float32(embed_scale)))
         for target in list(hidden.output(0).get_target_inputs()):
             target.replace_source_output(gathered.output(0))
         params[0] = ids

@@ -51,9 +51,9 @@ def write_tokenizer(tokenizer, folder: Path) -> None:
 def write_hf_configs(tokenizer, spec, folder: Path, eos_ids: list[int]) -> None:
     """config.json and generation_config.json, as openvino_genai.LLMPipeline expects beside the IR."""
     config = {
-        "model_type": spec.arch,
+        "model_type": {"gemma3": "gemma3_text"}.get(spec.arch, spec.arch),
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "mistral": "MistralForCausalLM"}.get(spec.arch, "CausalLM")],
+                           "mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}.get(spec.arch, "CausalLM")],
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_hidden_layers": spec.num_layers,
@@ -65,6 +65,9 @@ def write_hf_configs(tokenizer, spec, folder: Path, eos_ids: list[int]) -> None:
         "rope_theta": spec.rope_theta,
         "max_position_embeddings": spec.max_position,
         "tie_word_embeddings": spec.tie_embeddings,
+        **({"sliding_window": spec.sliding_window,
+            "layer_types": ["sliding_attention" if i in spec.sliding_layers else "full_attention"
+                            for i in range(spec.num_layers)]} if spec.sliding_window else {}),
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
     }

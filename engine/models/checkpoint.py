@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.errors import SourceError
 from engine.models.architectures import (
+    NORM_PARTS,
     Architecture,
     ModelSpec,
     architecture,
@@ -49,7 +50,7 @@ class Checkpoint(abc.ABC):
 
     @abc.abstractmethod
     def read(self, part: str, layer: int | None = None, dtype=np.float32) -> np.ndarray:
-        """The part in Hugging Face layout, as ``dtype``."""
+        """The part in Hugging Face layout, as ``dtype``; a norm weight as the factor it multiplies by."""
 
     def read_head(self, dtype=np.float32) -> np.ndarray:
         """The output projection; the embedding matrix when the model ties them."""
@@ -146,16 +147,21 @@ class HFCheckpoint(Checkpoint):
         self.config = json.loads(config_path.read_text())
         model_type = self.config.get("model_type", "unknown")
         self.arch = architecture(model_type)
-        # transformers 5 keeps theta and scaling in "rope_parameters"; older configs use top-level keys.
+        # transformers 5 keeps theta and scaling in "rope_parameters" (one dict per layer type for
+        # Gemma 3); older configs use top-level keys.
         rope = self.config.get("rope_parameters") or self.config.get("rope_scaling") or {}
-        kind = rope.get("rope_type", rope.get("type"))
-        if kind not in (None, "default"):
-            raise SourceError(f"rope scaling {kind!r} is not supported yet")
-        if self.config.get("use_sliding_window"):
-            raise SourceError("sliding-window attention is not supported yet")
+        for params in [v for v in rope.values() if isinstance(v, dict)] or [rope]:
+            kind = params.get("rope_type", params.get("type"))
+            if kind not in (None, "default"):
+                raise SourceError(f"rope scaling {kind!r} is not supported yet")
+        if self.config.get("use_sliding_window") and not self.arch.sliding_pattern:
+            raise SourceError("sliding-window attention is not supported for this architecture yet")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if self.config.get(key):
+                raise SourceError(f"{key} is not supported yet")
         values = hf_config_values(self.config)
-        if "rope_theta" not in values and "rope_theta" in rope:
-            values["rope_theta"] = rope["rope_theta"]
+        if self.config.get("use_sliding_window") is False:
+            values.pop("sliding_window", None)
         self.spec = spec_from_values(self.arch, values)
         self._files = self._index(folder)
 
@@ -191,7 +197,10 @@ class HFCheckpoint(Checkpoint):
         if name not in self._files:
             raise SourceError(f"{self.folder} has no tensor {name}")
         with safe_open(str(self._files[name]), framework="pt") as handle:
-            return handle.get_tensor(name).to(torch.float16 if dtype == np.float16 else torch.float32).numpy()
+            tensor = handle.get_tensor(name)
+        if part in NORM_PARTS and self.arch.hf_norm_offset:
+            tensor = tensor.float() + self.arch.hf_norm_offset
+        return tensor.to(torch.float16 if dtype == np.float16 else torch.float32).numpy()
 
 
 def open_checkpoint(kind: str, path: Path) -> Checkpoint:

@@ -74,7 +74,7 @@ class LocalChain:
         x, stage_ms = input_ids, []
         for stage in self.stages:
             t = time.perf_counter()
-            x = stage.forward(x, attention_mask, position_ids, stream)
+            x = stage.forward(x, attention_mask, position_ids, stream, last_only=not flags & Flag.ALL_POSITIONS)
             stage_ms.append((time.perf_counter() - t) * 1e3)
         out = select(x, flags)
         out.stage_ms = stage_ms

@@ -14,6 +14,7 @@ import openvino as ov
 
 from engine.errors import ShardError
 from engine.manifest import BEAM_IDX, MODEL_XML, Manifest, load_manifest
+from engine.runtime.rewrite import LOGITS_TO_KEEP, keep_last_logits
 from engine.runtime.turns import NO_TURNS
 from engine.wire import Flag
 
@@ -128,13 +129,17 @@ class StageRunner:
         self._input = "input_ids" if self.first else "hidden_states"
         self._output = self.compiled.output(0)
         self._beam = any(BEAM_IDX in port.get_names() for port in self.compiled.inputs)
+        self._keep = any(LOGITS_TO_KEEP in port.get_names() for port in self.compiled.inputs)
         self._requests: dict[int, tuple[ov.InferRequest, dict]] = {}
         self.request(0)
 
     def _compile(self) -> ov.CompiledModel:
         self.compiles += 1
         try:
-            return core().compile_model(str(self.folder / MODEL_XML), self.device, self._config)
+            model = core().read_model(str(self.folder / MODEL_XML))
+            if self.manifest.last:
+                keep_last_logits(model)
+            return core().compile_model(model, self.device, self._config)
         except RuntimeError as exc:
             missing = missing_device(self.device)
             raise ShardError(missing or f"cannot compile shard {self.folder} on {self.device}: {exc}") from exc
@@ -175,12 +180,15 @@ class StageRunner:
             state.state = ov.Tensor(np.ascontiguousarray(kept))
 
     def forward(self, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                stream: int = 0) -> np.ndarray:
-        """Runs one step. The result is a view of the request's output buffer, valid until its next call."""
+                stream: int = 0, last_only: bool = False) -> np.ndarray:
+        """Runs one step. The result is a view of the request's output buffer, valid until its next call.
+        ``last_only``: a last stage computes the logits of the final position alone."""
         request, inputs = self.request(stream)
         inputs[self._input] = x
         inputs["attention_mask"] = attention_mask
         inputs["position_ids"] = position_ids
+        if self._keep:
+            inputs[LOGITS_TO_KEEP] = np.array([1 if last_only else x.shape[1]], dtype=np.int64)
         with self.turns:
             request.infer(inputs, share_inputs=True, share_outputs=True)
         return request.get_tensor(self._output).data

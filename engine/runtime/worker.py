@@ -27,7 +27,7 @@ from engine import wire
 from engine.errors import FleetError
 from engine.runtime.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
 from engine.runtime.stage import StageRunner, compile_config, select
-from engine.wire import AuthError, Frame, Msg, ProtocolError
+from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 MAX_STREAMS = 64
 
@@ -263,7 +263,7 @@ class Worker:
         if not self.runner.last and not self._down_ready.is_set():
             raise self._down_missing()
         start = time.perf_counter()
-        y = self.runner.forward(x, buf[:, :length], pos, stream)
+        y = self.runner.forward(x, buf[:, :length], pos, stream, last_only=not frame.flags & Flag.ALL_POSITIONS)
         self._kv_length[stream] = length
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
         if self.runner.last:
