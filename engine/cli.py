@@ -368,7 +368,11 @@ def cmd_bench(args) -> int:
         "placement": lambda f: f(model, tokens=args.tokens or 64, **runs, **common),
         "serve": lambda f: f(model, tokens=args.tokens or 64, device=args.device, **runs, **common,
                              **({"stages": args.stages} if args.stages else {}),
-                             **({"users": args.users} if args.users else {})),
+                             **({"users": args.users} if args.users else {}),
+                             **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
+        "batch": lambda f: f(model, tokens=args.tokens or 32, device=args.device, **runs, **common,
+                             **({"stage_counts": (args.stages,)} if args.stages else {}),
+                             **({"streams": args.users} if args.users else {})),
         "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
@@ -452,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", help="a file with one prompt per line")
     gen.add_argument("--streams", type=count, help="generate this many prompts concurrently (micro-batching)")
     gen.add_argument("--rewind", choices=["mask", "trim"],
-                     help="drop rejected drafts by masking them (fast mode's default) or trimming the KV "
-                     "cache (exact mode's default)")
+                     help="stateful stages: drop rejected drafts by masking them (fast mode's default) or "
+                     "trimming the KV cache (exact mode's default); paged stages always trim, at no cost")
     gen.add_argument("--system", help="system prompt")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     gen.add_argument("--max-new-tokens", type=count)
@@ -505,15 +509,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement", "serve", "fuzz", "soak"])
+                                               "placement", "serve", "fuzz", "soak", "batch"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
-                       "spec, ksweep, microbatch, wan, progression and serve)")
+                       "spec, ksweep, microbatch, wan, progression, serve and batch)")
     bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--runs", type=count, help="interleaved repetitions (each benchmark has a default)")
     bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
     bench.add_argument("--device", default="CPU")
-    bench.add_argument("--stages", type=count, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, others: 2)")
+    bench.add_argument("--stages", type=count, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, batch: 1 and 2, others: 2)")
     bench.add_argument("--draft", help="the draft model (default qwen2.5-coder-0.5b)")
     bench.add_argument("--draft-kind", default="model", choices=["model", "lookup", "hybrid"],
                        help="ksweep, wan, progression: what drafts")
@@ -521,8 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
     bench.add_argument("--delays", type=_delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
-    bench.add_argument("--users", type=_counts, help="serve: the concurrent users of each wave (default 1,2,4,8); "
+    bench.add_argument("--users", type=_counts, help="serve: the concurrent users of each wave (default 1,2,4,8); batch: the stream counts (same default); "
                        "soak: the users (default 8)")
+    bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft)")
     bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")
     bench.add_argument("--minutes", type=duration, default=60.0, help="soak: how long the users chat (default 60)")
     bench.add_argument("--kill-every", type=duration, default=300.0,

@@ -59,7 +59,9 @@ def test_loopback_workers_equal_in_process_chain(stages, smol_exports, tmp_path)
         finally:
             chain.close()
     assert got.tokens == want.tokens
-    assert "Paris" in text
+    # a sanity check only: at the fast settings "The" (capital... Paris) leads "Le" by 0.17 logits, within
+    # what dynamic activation quantization moves, so the first word may flip with the split
+    assert "France" in text
     assert len(got.breakdown.to_json()["stage_compute_ms"]) == stages
 
 

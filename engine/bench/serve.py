@@ -26,6 +26,7 @@ import numpy as np
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, loopback
 from engine.bench.report import median, write_report
+from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
@@ -35,6 +36,7 @@ from engine.runtime.tokenizer import ChatTokenizer
 from engine.serve.server import ApiServer
 
 USERS = (1, 2, 4, 8)
+PARTS = ("users", "prefix", "ttft")
 PROMPT_LENGTHS = (46, 1000)  # the parity run's prompt, and a long paste
 
 
@@ -235,12 +237,15 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
     tokenizer = ChatTokenizer(one)
     long_ids = tokenizer.chat_ids([{"role": "user", "content": _long_text(tokenizer, max(PROMPT_LENGTHS))}])
     genai = genai_runner(one, 2, device=device, props=device_config(device))
-    ours = {n: Generator(LocalChain(folders, device=device), max_length=max(PROMPT_LENGTHS) + 8)
+    ours = {f"ours {n}-stage": Generator(LocalChain(folders, device=device), max_length=max(PROMPT_LENGTHS) + 8)
             for n, folders in exports.items()}
+    # the stateful stages every stage ran before paged attention, side by side
+    ours["ours 1-stage, stateful"] = Generator(LocalChain(exports[1], device=device, paged=False),
+                                               max_length=max(PROMPT_LENGTHS) + 8)
     rows, ratios = [], {}
     for length in PROMPT_LENGTHS:
         base_ids = long_ids.reshape(-1)[-length:]  # the last tokens: the template's ending included
-        samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{f"ours {n}-stage": [] for n in ours}}
+        samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{name: [] for name in ours}}
         for run in range(runs + 1):  # the first round warms up
             hooks.step(run, runs + 1, f"TTFT at {length} prompt tokens, run {run}")
             # a new prompt every run: LLMPipeline reuses the KV of an identical previous prompt
@@ -248,8 +253,8 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
             ids[:2] = (100 + run, 200 + run)
             ids = ids.reshape(1, -1)
             samples_now = {"LLMPipeline 1-stage": genai(ids)[1]}
-            for n, gen in ours.items():
-                samples_now[f"ours {n}-stage"] = gen.generate(ids, 2, ignore_eos=True).ttft_s * 1e3
+            for name, gen in ours.items():
+                samples_now[name] = gen.generate(ids, 2, ignore_eos=True).ttft_s * 1e3
             if run:
                 for name, value in samples_now.items():
                     samples[name].append(value)
@@ -266,17 +271,22 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
 
 
 def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, tokens: int = 64, runs: int = 2,
-              weights: str = "int4", device: str = "CPU", out: Path | None = None, log=print,
-              hooks: Hooks = NO_HOOKS) -> dict:
+              weights: str = "int4", device: str = "CPU", parts: tuple[str, ...] = PARTS, out: Path | None = None,
+              log=print, hooks: Hooks = NO_HOOKS) -> dict:
+    """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure."""
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise FleetError(f"unknown parts {', '.join(sorted(unknown))}: the parts are {', '.join(PARTS)}")
     exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel).folders for n in (1, 2, 3)}
     one = exports[1][0]
     rows, ratios = [], {}
-    for part in (lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, hooks, log),
-                 lambda: _prefix_part(exports[stages], model, runs, hooks, log),
-                 lambda: _ttft_part(exports, one, device, runs, hooks, log)):
-        more_rows, more_ratios = part()
+    measure = {"users": lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, hooks, log),
+               "prefix": lambda: _prefix_part(exports[stages], model, runs, hooks, log),
+               "ttft": lambda: _ttft_part(exports, one, device, runs, hooks, log)}
+    for name in parts:
+        more_rows, more_ratios = measure[name]()
         rows += more_rows
         ratios.update(more_ratios)
     meta = {"model": model, "stages": stages, "weights": weights, "device": device, "users": list(users),
-            "new_tokens": tokens, "runs": runs}
+            "new_tokens": tokens, "runs": runs, "parts": list(parts)}
     return write_report("serve", rows, ratios, out, settings=meta)

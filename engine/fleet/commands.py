@@ -6,7 +6,6 @@ modules of this package, which the app drives the same way.
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import json
 import os
@@ -441,12 +440,16 @@ def _serve(args, model: str, deployment) -> int:
         if not args.no_chat:
             return _chat(args, "--deployment", str(record))
         print(f"ready {record}", flush=True)
+        ended = threading.Event()
         if args.lifeline:  # the parent going away ends us like Ctrl-C: the workers are stopped
             from engine.runtime.localfleet import lifeline
 
-            lifeline(on_close=_thread.interrupt_main)
-        while True:
-            time.sleep(1)
+            # an event, not interrupt_main: a parent that started us in the background leaves SIGINT
+            # ignored, and then interrupt_main does nothing
+            lifeline(on_close=ended.set)
+        while not ended.wait(1.0):
+            pass
+        return 0
     except KeyboardInterrupt:
         return 0
 

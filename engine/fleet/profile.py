@@ -67,12 +67,13 @@ def _run_once(runner, x: np.ndarray, tokens: int, prompt: int) -> tuple[float, l
 def time_shards(folders: list[Path], device: str, tokens: int, prompt: int, runs: int = 5) -> list[dict]:
     """Median step and best prefill time of each shard, the shards' runs interleaved so that a burst
     of load on a shared machine does not fall on one shard only."""
-    from engine.runtime.stage import StageRunner, core
+    from engine.runtime.paged import open_stage
+    from engine.runtime.stage import core
 
     rng = np.random.default_rng(0)
     runners, inputs = [], []
     for folder in folders:
-        runner = StageRunner(Path(folder), device)
+        runner = open_stage(Path(folder), device)
         spec = runner.manifest.spec
         runners.append(runner)
         inputs.append(rng.integers(0, spec.vocab_size, (1, prompt + tokens), dtype=np.int64) if runner.first

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import numpy as np
 
 from engine.errors import ShardError
 from engine.manifest import MANIFEST, check_chain, load_manifest
-from engine.runtime.stage import Output, StageRunner, select
+from engine.runtime.paged import PagedStage, Part, open_stage
+from engine.runtime.stage import Output, select
 from engine.runtime.turns import NO_TURNS
 from engine.wire import Flag
 
@@ -40,20 +42,41 @@ def parse_devices(device: str, count: int) -> list[str]:
     return devices
 
 
+@dataclasses.dataclass
+class _Ticket:
+    """A round submitted to a packing chain: run with every other round submitted before its collect."""
+
+    part: Part
+    flags: Flag
+    output: Output | None = None
+    error: BaseException | None = None
+
+
 class LocalChain:
-    """All stages in one process; ``forward`` maps token ids to the last stage's top-1 tokens."""
+    """All stages in one process; ``forward`` maps token ids to the last stage's top-1 tokens.
+
+    When every stage is paged the chain packs: a submitted round waits until some round is
+    collected, and then every waiting round (one per stream: decode steps, verify blocks, prefill
+    chunks alike) goes through each stage in one forward."""
 
     def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None,
-                 isolate: bool = False, turns=None):
+                 isolate: bool = False, turns=None, paged: bool | None = None):
         """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``;
         ``isolate`` compiles each stage once per stream instead of sharing one compiled model;
-        ``turns``: the compute turns this computer's stages share (``engine.runtime.turns``)."""
+        ``turns``: the compute turns this computer's stages share (``engine.runtime.turns``);
+        ``paged``: paged-attention stages (``engine.runtime.paged``) instead of one stateful request
+        per stream; None: wherever they are supported."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
         devices = parse_devices(device, len(folders))
         self.turns = turns or NO_TURNS
-        self.stages = [StageRunner(f, dev, config, m, isolate, self.turns) for f, dev, m in zip(folders, devices, manifests)]
+        self.stages = [open_stage(f, dev, config, m, paged=paged, isolate=isolate, turns=self.turns)
+                       for f, dev, m in zip(folders, devices, manifests)]
+        # one paged stage is enough for the whole chain to rewind by trimming: it has no holes to mask
+        self.paged = any(isinstance(stage, PagedStage) for stage in self.stages)
+        self.packs = all(isinstance(stage, PagedStage) for stage in self.stages)
+        self._pending: list[_Ticket] = []
         self.manifest = manifests[0]
         self.spec = self.manifest.spec
 
@@ -62,15 +85,19 @@ class LocalChain:
         return self.stages[0].folder
 
     def reset(self, stream: int = 0) -> None:
+        self._run_pending()
         for stage in self.stages:
             stage.reset(stream)
 
     def keep(self, stream: int, slots: np.ndarray) -> None:
+        self._run_pending()
         for stage in self.stages:
             stage.keep(stream, slots)
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output:
+        if self.packs:
+            return self.collect(self.submit(input_ids, attention_mask, position_ids, flags, stream))
         x, stage_ms = input_ids, []
         for stage in self.stages:
             t = time.perf_counter()
@@ -80,12 +107,50 @@ class LocalChain:
         out.stage_ms = stage_ms
         return out
 
-    def submit(self, input_ids, attention_mask, position_ids, flags: Flag = Flag.NONE, stream: int = 0) -> Output:
-        """In process there is nothing to overlap: the work is done now, ``collect`` hands it over."""
-        return self.forward(input_ids, attention_mask, position_ids, flags, stream)
-
-    def collect(self, ticket: Output) -> Output:
+    def submit(self, input_ids, attention_mask, position_ids, flags: Flag = Flag.NONE, stream: int = 0):
+        """Stateful stages: the work is done now, ``collect`` hands it over.  Paged: it waits to be
+        packed with the other streams' rounds."""
+        if not self.packs:
+            return self.forward(input_ids, attention_mask, position_ids, flags, stream)
+        if any(t.part.stream == stream for t in self._pending):
+            self._run_pending()
+        q = input_ids.shape[1]
+        start = attention_mask.shape[1] - q
+        if start != self.stages[0].length(stream) or not attention_mask.all():
+            raise ShardError(f"stream {stream}: a paged chain needs a mask over exactly its "
+                             f"{self.stages[0].length(stream)} cached positions plus the new ones, without holes")
+        keep = q if flags & Flag.ALL_POSITIONS else 1
+        ticket = _Ticket(Part(stream, input_ids[0].copy(), start, keep, position_ids.reshape(-1).copy()), flags)
+        self._pending.append(ticket)
         return ticket
+
+    def collect(self, ticket) -> Output:
+        if isinstance(ticket, Output):
+            return ticket
+        if ticket.output is None and ticket.error is None:
+            self._run_pending()
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.output
+
+    def _run_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        parts, stage_ms = [t.part for t in pending], []
+        try:
+            for stage in self.stages:
+                began = time.perf_counter()
+                outs = stage.forward_parts(parts)
+                stage_ms.append((time.perf_counter() - began) * 1e3)
+                parts = [dataclasses.replace(p, x=out) for p, out in zip(parts, outs)]
+        except BaseException as exc:
+            for t in pending:
+                t.error = exc
+            raise
+        for t, logits in zip(pending, outs):
+            t.output = select(logits[None], t.flags)
+            t.output.stage_ms = list(stage_ms)
 
     def first_ready(self, tickets: list[Output]) -> int:
         return 0

@@ -20,7 +20,8 @@ from engine import wire
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span
 from engine.runtime.link import Link, connect_successor
-from engine.runtime.stage import Output, StageRunner, compile_config
+from engine.runtime.paged import PagedStage, open_stage
+from engine.runtime.stage import Output, compile_config
 from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 
@@ -32,7 +33,7 @@ class RemoteChain:
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
-        self.local = StageRunner(Path(stage0), device, compile_config(mode, precision), isolate=isolate, turns=turns)
+        self.local = open_stage(Path(stage0), device, compile_config(mode, precision), isolate=isolate, turns=turns)
         self.turns = self.local.turns
         self.manifest = self.local.manifest
         if not self.manifest.first:
@@ -57,6 +58,11 @@ class RemoteChain:
     @property
     def first_folder(self) -> Path:
         return self.local.folder
+
+    @property
+    def paged(self) -> bool:
+        """Whether any stage runs paged attention: then the whole chain rewinds by trimming."""
+        return isinstance(self.local, PagedStage) or any(stage.get("paged") for stage in self.stages)
 
     @property
     def first_address(self) -> str:

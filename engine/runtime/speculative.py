@@ -110,7 +110,8 @@ class KVSequence:
             raise ValueError(f"rewind must be 'mask' or 'trim', not {rewind!r}")
         self.chain = chain
         self.stream = stream
-        self.rewind = rewind
+        # a paged chain's cache holds no holes and cutting it costs nothing
+        self.rewind = "trim" if getattr(chain, "paged", False) else rewind
         self.max_length = max_length
         self.mask = np.zeros((1, max_length), np.int64)
         self.positions = np.arange(max_length, dtype=np.int64)[None, :]

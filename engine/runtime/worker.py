@@ -24,9 +24,10 @@ from typing import Callable
 import numpy as np
 
 from engine import wire
-from engine.errors import FleetError
+from engine.errors import FleetError, ShardError
 from engine.runtime.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
-from engine.runtime.stage import StageRunner, compile_config, select
+from engine.runtime.paged import PagedStage, open_stage
+from engine.runtime.stage import compile_config, select
 from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 MAX_STREAMS = 64
@@ -66,7 +67,7 @@ class Worker:
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
                  max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None):
-        self.runner = StageRunner(Path(shard), device, compile_config(mode, precision), isolate=isolate, turns=turns)
+        self.runner = open_stage(Path(shard), device, compile_config(mode, precision), isolate=isolate, turns=turns)
         m = self.manifest = self.runner.manifest
         self.key = key
         self.tls = tls
@@ -109,7 +110,8 @@ class Worker:
     def describe(self) -> dict:
         m = self.manifest
         return {"stage": m.stage_index, "layers": list(m.layers), "address": self.address,
-                "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname()}
+                "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname(),
+                "paged": isinstance(self.runner, PagedStage)}
 
     def start(self) -> "Worker":
         for target, name in ((self._accept_loop, "accept"), (self._heartbeat_loop, "heartbeat"),
@@ -209,6 +211,8 @@ class Worker:
             self._error(link, frame, str(exc))
         except RuntimeError as exc:  # OpenVINO refused the request
             self._error(link, frame, f"inference failed: {exc}")
+        except ShardError as exc:  # what this stage's runner cannot do (a paged stage given a mask with holes)
+            self._error(link, frame, str(exc))
 
     def _reset(self, stream: int) -> None:
         if stream in self._kv_length:

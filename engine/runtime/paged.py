@@ -1,0 +1,284 @@
+"""A shard compiled with OpenVINO's paged attention: the new tokens of many streams in one forward.
+
+The shard on disk is the usual stateful export.  At compile time ``paged_attention_transformation``
+(the rewrite OpenVINO's own continuous batching applies) replaces every layer's stateful attention
+with a PagedAttention op whose keys and values live in a pool of fixed-size blocks that this module
+owns.  One forward then carries any number of streams, each a run of new tokens after its own
+cached positions, packed along one token axis; each stream attends to its own blocks alone.  A
+stream's cache is its list of blocks and a length, so a rewind is setting a shorter length: the
+mask/trim choice of the stateful path does not arise.
+
+Measured on this CPU with the ``exact`` settings: a stream's greedy tokens are the same decoded
+alone, packed with others, or on the stateful path (``tests/test_paged.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from engine.errors import ShardError
+from engine.manifest import MODEL_XML, Manifest, load_manifest
+from engine.runtime.stage import core, device_config, missing_device
+from engine.runtime.turns import NO_TURNS
+
+# On CPU at the f32 hint the paged cache defaults to u8 with keys quantized per channel, which
+# changes SmolLM2-135M's first answer token (LLMPipeline's too, on the same export: "Le Grand-Est"
+# for "Paris"); f16 keeps its answers and costs nothing measurable here (Qwen 1.5B: 1,000-token
+# prefill 4.70 s against 4.74 s, decode 20.3 against 19.5 tok/s).
+CPU_F32_CACHE = {"KV_CACHE_PRECISION": "f16"}
+CACHE_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION")
+
+HIDDEN_IN = "inputs_embeds"  # the name the transformation expects for a stage's non-token input
+LOGITS_ROWS = "logits_rows"
+
+
+@dataclasses.dataclass
+class Part:
+    """One stream's share of a packed forward: ``x`` (token ids ``[q]`` on a first stage, hidden
+    states ``[q, hidden]`` after it) follows the first ``start`` cached positions, and whatever the
+    stream held beyond ``start`` is dropped.  A last stage returns the logits of the final ``keep``
+    positions; other stages return every position's hidden state."""
+
+    stream: int
+    x: np.ndarray
+    start: int
+    keep: int = 1
+    positions: np.ndarray | None = None  # the rotary positions, when not start, start + 1, ...
+
+
+def _rename_hidden_input(model: ov.Model) -> None:
+    for port in model.inputs:
+        if "hidden_states" in port.get_names():
+            port.get_tensor().set_names({HIDDEN_IN})
+            port.get_node().set_friendly_name(HIDDEN_IN)
+
+
+def _gather_logits_rows(model: ov.Model) -> None:
+    """The head projects only the rows named by a ``logits_rows`` input (one row per token after
+    the transformation), so a 1,000-token prefill computes one row of logits, not a thousand."""
+    head = model.outputs[0].get_node().input_value(0).get_node()
+    if head.get_type_name() != "MatMul":
+        raise ShardError("the last stage's logits do not come from a MatMul: not a shard fleetshard exported")
+    rows = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name=LOGITS_ROWS)
+    rows.get_output_tensor(0).set_names({LOGITS_ROWS})
+    picked = ops.gather(head.input_value(0), rows, ops.constant(np.array(0, dtype=np.int64)))
+    head.input(0).replace_source_output(picked.output(0))
+    model.add_parameters([rows])
+    model.validate_nodes_and_infer_types()
+
+
+class BlockPool:
+    """Which cache blocks each stream holds; freed blocks are reused at once."""
+
+    def __init__(self, blocks: int, block_size: int):
+        self.block_size = block_size
+        self.capacity = blocks
+        self._free = list(range(blocks - 1, -1, -1))
+        self.held: dict[int, list[int]] = {}
+        self.length: dict[int, int] = {}
+
+    def extra_blocks(self, stream: int, length: int) -> int:
+        """How many more blocks ``stream`` needs to hold ``length`` positions (negative: it frees)."""
+        return -(-length // self.block_size) - len(self.held.get(stream, ()))
+
+    def grow(self, blocks: int) -> None:
+        self._free[:0] = range(blocks - 1, self.capacity - 1, -1)
+        self.capacity = blocks
+
+    def resize(self, stream: int, length: int) -> list[int]:
+        """Makes ``stream`` hold exactly the blocks ``length`` positions need; returns its blocks."""
+        if self.extra_blocks(stream, length) > len(self._free):
+            raise ShardError(f"the KV pool is full: {len(self.held)} streams hold "
+                             f"{sum(self.length.values())} of {self.capacity * self.block_size} positions")
+        held = self.held.setdefault(stream, [])
+        self.length[stream] = length
+        need = -(-length // self.block_size)
+        while len(held) < need:
+            held.append(self._free.pop())
+        while len(held) > need:
+            self._free.append(held.pop())
+        return held
+
+    def release(self, stream: int) -> None:
+        self._free.extend(reversed(self.held.pop(stream, [])))
+        self.length.pop(stream, None)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+
+def paged_config(device: str, config: dict | None = None) -> dict:
+    """The compile settings of a paged stage: the device's, and an f16 cache on CPU at the f32 hint
+    unless a cache precision is given."""
+    config = device_config(device, config)
+    if (device.upper().startswith("CPU") and config.get("INFERENCE_PRECISION_HINT") == "f32"
+            and not any(key in config for key in CACHE_KEYS)):
+        config.update(CPU_F32_CACHE)
+    return config
+
+
+def paged_supported(manifest: Manifest, device: str) -> bool:
+    """Whether a stage runs paged by default: not on an NPU (whose compiler wants static shapes) and
+    not for sliding-window layers (the transformation does not see our mask's window)."""
+    return not manifest.spec.sliding_layers and not device.upper().startswith("NPU")
+
+
+def open_stage(folder: Path, device: str = "CPU", config: dict | None = None, manifest: Manifest | None = None,
+               *, paged: bool | None = None, isolate: bool = False, turns=None):
+    """The stage runner for a shard: paged attention where it is supported (``paged=None``) or asked
+    for, else the stateful runner (also when ``isolate`` asks for one compiled model per stream)."""
+    from engine.runtime.stage import StageRunner
+
+    manifest = manifest or load_manifest(Path(folder))
+    if paged is None:
+        paged = paged_supported(manifest, device) and not isolate
+    if paged:
+        return PagedStage(folder, device, config, manifest, turns=turns)
+    return StageRunner(folder, device, config, manifest, isolate, turns)
+
+
+class PagedStage:
+    """A verified shard compiled with paged attention for ``device``.  Its KV pool starts with room
+    for ``kv_positions`` cached positions over all streams and doubles when a forward needs more,
+    up to ``max_kv_positions`` (None: as far as memory goes)."""
+
+    def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
+                 manifest: Manifest | None = None, kv_positions: int = 4096, turns=None,
+                 max_kv_positions: int | None = None):
+        from openvino._offline_transformations import paged_attention_transformation
+
+        self.folder = Path(folder)
+        self.manifest = manifest or load_manifest(self.folder)
+        if self.manifest.spec.sliding_layers:
+            raise ShardError("paged attention does not handle sliding-window layers yet "
+                             f"({self.manifest.spec.arch}): use the stateful stage")
+        self.device = device
+        self.first, self.last = self.manifest.first, self.manifest.last
+        self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
+        try:
+            model = core().read_model(str(self.folder / MODEL_XML))
+            _rename_hidden_input(model)
+            paged_attention_transformation(model, False, False)
+            if self.last:
+                _gather_logits_rows(model)
+            self.compiled = core().compile_model(model, device, paged_config(device, config))
+        except RuntimeError as exc:
+            raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with paged "
+                             f"attention on {device}: {exc}") from exc
+        self.compiles = 1  # one compiled model serves every stream
+        self._request = self.compiled.create_infer_request()
+        self._lock = threading.Lock()  # one request and one pool for all streams
+        caches = [port for port in self.compiled.inputs if "_cache." in port.get_any_name()]
+        # the value cache's third axis is the block size (a u8 key cache adds rows for its scales)
+        value = next(port for port in caches if port.get_any_name().startswith("value_cache."))
+        block_size = value.get_partial_shape()[2].get_length()
+        self.pool = BlockPool(-(-kv_positions // block_size), block_size)
+        self.max_blocks = -(-max_kv_positions // block_size) if max_kv_positions else None
+        self._caches: dict[str, ov.Tensor] = {}
+        for port in caches:
+            shape = [self.pool.capacity] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
+            self._caches[port.get_any_name()] = ov.Tensor(port.get_element_type(), shape)
+        for name, tensor in self._caches.items():
+            self._request.set_tensor(name, tensor)
+        self._input = "input_ids" if self.first else HIDDEN_IN
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(tensor.byte_size for tensor in self._caches.values())
+
+    def _grow(self, blocks: int) -> None:
+        """Moves every cache into tensors of ``blocks`` blocks (the held blocks keep their ids)."""
+        old = self.pool.capacity
+        for name, tensor in self._caches.items():
+            bigger = ov.Tensor(tensor.get_element_type(), [blocks, *list(tensor.shape)[1:]])
+            bigger.data[:old] = tensor.data
+            self._caches[name] = bigger
+            self._request.set_tensor(name, bigger)
+        self.pool.grow(blocks)
+
+    @property
+    def streams(self) -> list[int]:
+        return list(self.pool.held)
+
+    def length(self, stream: int) -> int:
+        return self.pool.length.get(stream, 0)
+
+    def reset(self, stream: int = 0) -> None:
+        """Forgets a stream: its blocks go back to the pool."""
+        self.pool.release(stream)
+
+    def keep(self, stream: int, slots: np.ndarray) -> None:
+        """The stateful stage's rewind, for a paged one: only a prefix can be kept, and keeping it
+        is just a shorter length."""
+        if len(slots) and not (slots[0] == 0 and slots[-1] == len(slots) - 1 and len(slots) <= self.length(stream)):
+            raise ShardError("a paged stage keeps a prefix of a stream's positions only (rewind by trimming)")
+        self.pool.resize(stream, len(slots))
+
+    def forward(self, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                stream: int = 0, last_only: bool = False) -> np.ndarray:
+        """The stateful stage's one-stream step, for a paged one: ``x`` ``[1, q(, hidden)]`` follows
+        the stream's cached positions, which the mask (``[1, cached + q]``) must cover without holes.
+        Returns logits ``[1, kept, vocab]`` or hidden states ``[1, q, hidden]``."""
+        q = x.shape[1]
+        start = attention_mask.shape[1] - q
+        if start != self.length(stream) or not attention_mask.all():
+            raise ShardError(f"stream {stream}: a paged stage needs a mask over exactly its "
+                             f"{self.length(stream)} cached positions plus the new ones, without holes")
+        part = Part(stream, x[0], start, 1 if last_only else q, position_ids.reshape(-1))
+        return self.forward_parts([part])[0][None]
+
+    def forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
+        """One forward over every part; per part, its logits ``[keep, vocab]`` (last stage) or its
+        hidden states ``[q, hidden]``.  The results are copies."""
+        with self._lock:
+            return self._forward_parts(parts)
+
+    def _forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
+        if len({p.stream for p in parts}) != len(parts):
+            raise ShardError("a packed forward carries each stream at most once")
+        for p in parts:
+            if not 0 <= p.start <= self.length(p.stream):
+                raise ShardError(f"stream {p.stream} holds {self.length(p.stream)} positions, "
+                                 f"it cannot continue from {p.start}")
+            if len(p.x) == 0 or not 1 <= p.keep <= len(p.x):
+                raise ShardError(f"stream {p.stream}: a part needs at least one position and keeps 1 to all of them")
+        # checked before any stream changes, so a refused forward leaves every stream as it was
+        short = sum(max(0, self.pool.extra_blocks(p.stream, p.start + len(p.x))) for p in parts) - self.pool.free_blocks
+        if short > 0:
+            blocks = max(2 * self.pool.capacity, self.pool.capacity + short)
+            if self.max_blocks is not None:
+                blocks = min(blocks, self.max_blocks)
+            if blocks < self.pool.capacity + short:
+                raise ShardError(f"the KV pool is full: this forward needs {short * self.pool.block_size} "
+                                 f"positions more than the {self.max_blocks * self.pool.block_size} it may hold")
+            self._grow(blocks)
+        sizes = [len(p.x) for p in parts]
+        blocks = [list(self.pool.resize(p.stream, p.start + len(p.x))) for p in parts]
+        begins = np.cumsum([0] + sizes).astype(np.int32)
+        inputs = {
+            self._input: np.concatenate([p.x.reshape(len(p.x), -1) if not self.first else p.x.reshape(-1)
+                                         for p in parts]),
+            "position_ids": np.concatenate([np.arange(p.start, p.start + len(p.x)) if p.positions is None
+                                            else p.positions for p in parts]).astype(np.int64),
+            "past_lens": np.array([p.start for p in parts], dtype=np.int32),
+            "subsequence_begins": begins,
+            "block_indices": np.array([b for held in blocks for b in held], dtype=np.int32),
+            "block_indices_begins": np.cumsum([0] + [len(held) for held in blocks]).astype(np.int32),
+            "max_context_len": np.array(max(p.start + len(p.x) for p in parts), dtype=np.int32),
+        }
+        if self.last:
+            inputs[LOGITS_ROWS] = np.concatenate([np.arange(end - p.keep, end) for p, end in zip(parts, begins[1:])])
+        with self.turns:
+            self._request.infer(inputs, share_inputs=True)
+        out = self._request.get_output_tensor(0).data.copy()
+        if self.last:
+            splits = np.cumsum([p.keep for p in parts])[:-1]
+            return [rows[:, 0] for rows in np.split(out, splits)]
+        return [rows[:, 0] for rows in np.split(out, begins[1:-1])]

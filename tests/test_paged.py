@@ -1,0 +1,173 @@
+"""Paged-attention stages: many streams' tokens in one forward, each stream's output the same as
+decoded alone on the stateful path (``exact`` settings), streams joining, leaving and rewinding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.errors import ShardError
+from engine.export.exporter import export_model
+from engine.runtime.chain import LocalChain
+from engine.runtime.generate import Generator
+from engine.runtime.paged import PagedStage, Part
+from engine.runtime.stage import MODES
+from engine.runtime.tokenizer import ChatTokenizer
+
+EXACT = MODES["exact"]
+
+
+def _chain_forward(stages: list[PagedStage], parts: list[Part]) -> list[np.ndarray]:
+    for stage in stages:
+        outs = stage.forward_parts(parts)
+        parts = [Part(p.stream, out, p.start, p.keep) for p, out in zip(parts, outs)]
+    return outs
+
+
+def _staggered_greedy(stages: list[PagedStage], prompts: list[np.ndarray], new_tokens: int) -> list[list[int]]:
+    """Greedy decoding of every prompt, packed: stream k joins at round 2k and leaves (its blocks
+    freed) as soon as it has its tokens, so the batch grows and shrinks mid-flight."""
+    got: dict[int, list[int]] = {k: [] for k in range(len(prompts))}
+    pending: dict[int, np.ndarray] = {}
+    held: dict[int, int] = {}
+    for rnd in range(2 * len(prompts) + new_tokens + 1):
+        for k, ids in enumerate(prompts):
+            if rnd == 2 * k:
+                pending[k], held[k] = ids, 0
+        parts = [Part(k, pending[k], held[k]) for k in pending if len(got[k]) < new_tokens]
+        if not parts:
+            break
+        for part, logits in zip(parts, _chain_forward(stages, parts)):
+            token = int(logits[-1].argmax())
+            got[part.stream].append(token)
+            held[part.stream] += len(part.x)
+            pending[part.stream] = np.array([token])
+            if len(got[part.stream]) == new_tokens:
+                for stage in stages:
+                    stage.reset(part.stream)
+    return [got[k] for k in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("split", ["1", "2", "3"])
+def test_packed_streams_decode_what_each_decodes_alone(tiny_exports, arch, split):
+    folders = tiny_exports[arch, split].folders
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 200, size=n) for n in (5, 37, 1, 70, 12)]
+    alone = Generator(LocalChain(folders, config=EXACT, paged=False), 256)
+    want = [alone.generate(ids.reshape(1, -1), 10, ignore_eos=True).tokens for ids in prompts]
+    # the pools start at one block, so they grow (cached blocks copied over) several times mid-flight
+    stages = [PagedStage(f, config=EXACT, kv_positions=1) for f in folders]
+    assert _staggered_greedy(stages, prompts, 10) == want
+    assert all(stage.pool.capacity >= 8 for stage in stages)
+    assert all(stage.pool.free_blocks == stage.pool.capacity for stage in stages), "every block came back"
+
+
+def test_a_rewind_is_a_shorter_start(tiny_exports):
+    """Continuing from an earlier position drops what followed: the same logits as a stream that
+    never saw the dropped tokens."""
+    stages = [PagedStage(f, config=EXACT, kv_positions=256) for f in tiny_exports["qwen2", "2"].folders]
+    rng = np.random.default_rng(3)
+    prompt, junk, suffix = (rng.integers(3, 200, size=n) for n in (40, 9, 6))
+    _chain_forward(stages, [Part(1, prompt, 0)])
+    _chain_forward(stages, [Part(1, junk, len(prompt), keep=len(junk))])
+    rewound = _chain_forward(stages, [Part(1, suffix, len(prompt), keep=len(suffix))])[0]
+    cold = _chain_forward(stages, [Part(2, np.concatenate([prompt, suffix]), 0, keep=len(suffix))])[0]
+    assert rewound.shape == (len(suffix), cold.shape[1])
+    np.testing.assert_array_equal(rewound.argmax(-1), cold.argmax(-1))
+    np.testing.assert_allclose(rewound, cold, rtol=0, atol=1e-4)
+    assert stages[0].length(1) == len(prompt) + len(suffix)
+
+
+def test_bad_parts_and_a_full_pool_are_refused_and_change_nothing(tiny_exports):
+    stage = PagedStage(tiny_exports["llama", "1"].folders[0], config=EXACT, kv_positions=64, max_kv_positions=64)
+    size = stage.pool.block_size
+    ids = np.arange(3, 3 + size, dtype=np.int64)
+    stage.forward_parts([Part(1, ids, 0)])
+    with pytest.raises(ShardError, match="holds 32 positions, it cannot continue from 40"):
+        stage.forward_parts([Part(1, ids, 40)])
+    with pytest.raises(ShardError, match="the KV pool is full"):
+        stage.forward_parts([Part(2, ids, 0), Part(3, ids, 0)])
+    with pytest.raises(ShardError, match="at most once"):
+        stage.forward_parts([Part(1, ids[:1], size), Part(1, ids[:1], size)])
+    assert stage.streams == [1] and stage.length(1) == size
+    stage.forward_parts([Part(2, ids, 0)])  # the refused forwards took no blocks
+    assert stage.pool.free_blocks == stage.pool.capacity - 2
+
+
+def test_sliding_window_shards_are_refused_by_name(tiny_exports):
+    with pytest.raises(ShardError, match="sliding-window layers"):
+        PagedStage(tiny_exports["gemma3", "1"].folders[0])
+
+
+def test_smollm2_packed_chat_streams_match_the_stateful_path():
+    """The real model, 2 stages: four chat prompts of different lengths joining one after another."""
+    folders = export_model("smollm2-135m", stages=2, weights="int4").folders
+    tokenizer = ChatTokenizer(folders[0])
+    prompts = [tokenizer.prompt_ids(p).reshape(-1) for p in (
+        "What is the capital of France?", "Write a haiku about rust.",
+        "Explain TCP in one sentence, with an example.", "Count to ten.")]
+    alone = Generator(LocalChain(folders, config=EXACT, paged=False), 512)
+    want = [alone.generate(ids.reshape(1, -1), 16, ignore_eos=True).tokens for ids in prompts]
+    stages = [PagedStage(f, config=EXACT, kv_positions=1024) for f in folders]
+    assert _staggered_greedy(stages, prompts, 16) == want
+
+
+@pytest.mark.parametrize("split", ["1", "2"])
+def test_the_generation_loop_runs_on_paged_stages_with_speculation_and_a_cached_prefix(tiny_exports, split):
+    """A paged chain behind the usual loop: plain greedy, prompt-lookup speculation (rejected drafts
+    cut by a shorter length) and a second turn that keeps the first one's prefix give the stateful
+    chain's tokens."""
+    from engine.runtime.speculative import PromptLookup
+
+    class LastDraftWrong(PromptLookup):
+        """The lookup's drafts with the last one spoiled: every round rewinds."""
+
+        def propose(self, history, k):
+            drafts = super().propose(history, k)
+            return drafts[:-1] + [drafts[-1] + 1] if drafts else drafts
+
+    folders = tiny_exports["qwen2", split].folders
+    rng = np.random.default_rng(11)
+    motif = rng.integers(3, 200, size=6)
+    prompt = np.concatenate([rng.integers(3, 200, size=20), motif, rng.integers(3, 200, size=5), motif])
+    stateful = Generator(LocalChain(folders, config=EXACT, paged=False), 256, rewind="trim")
+    paged = Generator(LocalChain(folders, config=EXACT, paged=True), 256)
+    assert paged.seq.rewind == "trim"
+    for drafter in (None, LastDraftWrong()):
+        want = stateful.generate(prompt, 24, ignore_eos=True, drafter=drafter, k=3)
+        got = paged.generate(prompt, 24, ignore_eos=True, drafter=drafter and LastDraftWrong(), k=3)
+        assert got.tokens == want.tokens
+    if drafter:
+        assert got.drafted > got.accepted > 0, "some drafts were rejected and rewound"
+    # the next turn keeps the conversation so far (all but the last token, never fed) and prefills the rest
+    from engine.runtime.generate import Decoding
+
+    turn = [int(t) for t in np.concatenate([prompt, got.tokens, rng.integers(3, 200, size=7)])]
+    cached = len(prompt) + len(got.tokens) - 1
+    assert paged.chain.stages[-1].length(0) == cached
+    results = []
+    for gen in (stateful, paged):
+        decoding = Decoding(gen.seq, turn, 8, frozenset(), cached=cached)
+        decoding.start()
+        while decoding.advance():
+            pass
+        results.append(decoding.result.tokens)
+    assert results[0] == results[1]
+    assert paged.chain.stages[0].length(0) == len(turn) + 7
+
+
+def test_the_batch_benchmark_reports_every_way(tiny_models, tmp_path):
+    """`fleet bench batch` in miniature: every way and stream count measured, its ratios and KV rows."""
+    import json
+
+    from engine.bench.batch import run_batch
+
+    report = run_batch(str(tiny_models["llama"]), stage_counts=(1, 2), streams=(1, 2), tokens=4, runs=1,
+                       weights="f32", out=tmp_path / "batch.json", log=lambda _: None)
+    assert json.loads((tmp_path / "batch.json").read_text())["bench"] == "batch"
+    speeds = {(r["way"], r["streams"]): r["tok_s"] for r in report["rows"] if "tok_s" in r}
+    assert len(speeds) == 5 * 2 and all(v > 0 for v in speeds.values())
+    assert {"packed 1-stage / ContinuousBatchingPipeline, 2 streams", "packed / per-stream, 2-stage, 2 streams"} \
+        <= set(report["ratios"])
+    assert all(r["paged_mb"] > 0 and r["stateful_mb"] > 0 for r in report["rows"] if r["way"].startswith("KV"))
