@@ -72,6 +72,7 @@ class Msg(enum.IntEnum):
     BYE = 16
     ALIVE = 17  # heartbeat upstream while a request is outstanding (deadlines, not keep-alive)
     KEEP = 18  # keep only these physical KV slots of a stream ([slots i32]): rewind and compaction
+    PACKED = 19  # FORWARD for many streams in one frame, between paged stages (``pack_forward``)
     CALL = 20  # a node agent's control API: [JSON {"op": ..., ...}] plus an optional raw uint8 payload
     REPLY = 21  # the agent's answer to a CALL: [JSON] plus an optional raw uint8 payload
 
@@ -87,6 +88,51 @@ class Flag(enum.IntFlag):
 
 
 _ALL_FLAGS = int(Flag.ALL_POSITIONS | Flag.PROBS | Flag.LOGITS | Flag.CANDIDATES)
+MAX_PARTS = 64  # streams in one PACKED frame
+
+
+@dataclasses.dataclass(frozen=True)
+class PartHeader:
+    """One stream's rows in a PACKED frame: ``q`` new positions after its first ``start`` cached
+    ones, the sequence number its RESULT answers to, and the flags that RESULT answers."""
+
+    stream: int
+    seq: int
+    start: int
+    q: int
+    flags: Flag
+
+
+def pack_forward(x: np.ndarray, parts: list[PartHeader], positions: np.ndarray, stage_ms: np.ndarray) -> Frame:
+    """A PACKED frame: ``[x, parts (i64 [n, 5]: stream, seq, start, q, flags), position_ids (i64
+    [rows]), stage_ms (f32)]``, with ``x`` every part's rows one after another (token ids ``[rows]``
+    or hidden states ``[rows, hidden]``).  The last stage answers each part with its own RESULT."""
+    table = np.array([[p.stream, p.seq, p.start, p.q, int(p.flags)] for p in parts], np.int64).reshape(-1, 5)
+    return Frame(Msg.PACKED, parts[0].stream, parts[0].seq, [x, table, positions, stage_ms])
+
+
+def unpack_forward(frame: Frame) -> tuple[np.ndarray, list[PartHeader], np.ndarray, np.ndarray]:
+    """A PACKED frame's contents, its table checked for consistency with the rows it describes."""
+    if len(frame.tensors) != 4:
+        raise ProtocolError(f"PACKED carries {len(frame.tensors)} tensors, expected 4")
+    x, table, positions, stage_ms = frame.tensors
+    if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != 5 or not 1 <= table.shape[0] <= MAX_PARTS:
+        raise ProtocolError(f"PACKED parts table of shape {table.shape} {table.dtype}: expected [1..{MAX_PARTS}, 5] int64")
+    stream, seq, start, q, flags = table.T
+    if (stream.min() < 0 or stream.max() > 0xFFFFFFFF or seq.min() < 0 or seq.max() > 0xFFFFFFFF
+            or start.min() < 0 or q.min() < 1 or np.any(flags & ~_ALL_FLAGS) or flags.min() < 0):
+        raise ProtocolError("PACKED parts table holds out-of-range values")
+    if len(set(stream.tolist())) != len(stream):
+        raise ProtocolError("PACKED frame carries a stream more than once")
+    if x.ndim not in (1, 2) or q.max() > x.shape[0]:
+        raise ProtocolError(f"PACKED rows {x.shape} cannot hold parts of up to {q.max()} positions")
+    rows = int(q.sum())  # at most MAX_PARTS times the rows: no overflow
+    if x.shape[0] != rows or positions.dtype != np.int64 or positions.shape != (rows,):
+        raise ProtocolError(f"PACKED rows {x.shape} and positions {positions.shape} do not match the table's {rows}")
+    if stage_ms.dtype != np.float32 or stage_ms.ndim != 1 or stage_ms.shape[0] > 64:
+        raise ProtocolError("PACKED frame carries malformed stage timings")
+    parts = [PartHeader(int(a), int(b), int(c), int(d), Flag(int(e))) for a, b, c, d, e in table.tolist()]
+    return x, parts, positions, stage_ms
 
 
 DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: np.dtype("<i8"), 4: np.dtype("<i4"), 5: np.dtype("u1"),

@@ -23,7 +23,9 @@ def tally():
 
 def test_frames(tally):
     fuzz.fuzz_wire(2000, tally)  # cheap cases, and the hostile tensor sizes need many of them
-    assert tally.cases("wire") == 2000 and tally.counts["wire"]["ProtocolError"] > 1000
+    counts = tally.counts["wire"]
+    assert tally.cases("wire") == 2000 + 2000 // 4 and counts["ProtocolError"] > 1000  # and a quarter PACKED
+    assert counts["packed: accepted"] > 50 and counts["packed: ProtocolError"] > 50
 
 
 def test_handshakes_refuse_every_hostile_or_keyless_peer(tally):

@@ -1,5 +1,6 @@
-"""Paged-attention stages: many streams' tokens in one forward, each stream's output the same as
-decoded alone on the stateful path (``exact`` settings), streams joining, leaving and rewinding."""
+"""Paged-attention and static-shape stages: many streams' tokens in one forward, each stream's output
+the same as decoded alone on the stateful path (``exact`` settings), streams joining, leaving and
+rewinding; the static stage's ring with attention sinks beyond its window."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import pytest
 
 from engine.errors import ShardError
 from engine.export.exporter import export_model
+from engine.manifest import load_manifest
 from engine.runtime.chain import LocalChain
 from engine.runtime.generate import Generator
-from engine.runtime.paged import PagedStage, Part
+from engine.runtime.paged import PagedStage, Part, stage_kind
 from engine.runtime.stage import MODES
+from engine.runtime.static import StaticStage
+from engine.wire import Flag
 from engine.runtime.tokenizer import ChatTokenizer
 
 EXACT = MODES["exact"]
@@ -100,6 +104,60 @@ def test_sliding_window_shards_are_refused_by_name(tiny_exports):
         PagedStage(tiny_exports["gemma3", "1"].folders[0])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("split", ["1", "3"])
+def test_static_stages_decode_what_each_stream_decodes_alone(tiny_exports, arch, split):
+    """Fixed shapes (8 rows a forward, so the long prompts go in several), five streams joining and
+    leaving: within its window every stream gives the stateful path's tokens."""
+    folders = tiny_exports[arch, split].folders
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 200, size=n) for n in (5, 37, 1, 70, 12)]
+    alone = Generator(LocalChain(folders, config=EXACT, paged=False), 256)
+    want = [alone.generate(ids.reshape(1, -1), 10, ignore_eos=True).tokens for ids in prompts]
+    stages = [StaticStage(f, "CPU", EXACT, rows=8, slots=5, window=96) for f in folders]
+    assert all(not port.get_partial_shape().is_dynamic for stage in stages for port in stage.compiled.inputs)
+    assert _staggered_greedy(stages, prompts, 10) == want
+    assert all(stage.streams == [] for stage in stages), "every window came back"
+
+
+def test_beyond_its_window_a_static_stream_keeps_its_sinks_and_the_latest_tokens(tiny_exports):
+    """A 3-position window of sinks plus the 9 latest: the logits of every step equal the stateful
+    path's when its mask shows exactly those positions, one token a forward."""
+    folders = tiny_exports["qwen2", "2"].folders
+    sinks, window = 3, 12
+    stateful = LocalChain(folders, config=EXACT, paged=False)
+    stages = [StaticStage(f, "CPU", EXACT, rows=4, slots=2, window=window, sinks=sinks) for f in folders]
+    ids = np.random.default_rng(9).integers(3, 200, size=30)
+    stateful.reset(0)
+    for p, token in enumerate(ids):
+        visible = [o < sinks or p - o < window - sinks for o in range(p + 1)]
+        want = stateful.forward(np.array([[token]]), np.array([visible], np.int64), np.array([[p]]), Flag.LOGITS).logits
+        got = _chain_forward(stages, [Part(0, np.array([token]), p)])[0]
+        np.testing.assert_allclose(got, want[0, -1:], rtol=0, atol=1e-4, err_msg=f"position {p}")
+    held = sorted(stages[0]._held[0].tolist())
+    assert held == [0, 1, 2] + list(range(30 - (window - sinks), 30)) and stages[0].length(0) == 30
+
+
+def test_the_static_stage_refuses_what_does_not_fit_and_npus_pick_it(tiny_exports):
+    folder = tiny_exports["llama", "1"].folders[0]
+    stage = StaticStage(folder, "CPU", EXACT, rows=4, slots=2, window=32)
+    ids = np.arange(3, 13, dtype=np.int64)
+    stage.forward_parts([Part(1, ids, 0)])
+    with pytest.raises(ShardError, match="holds 10 positions, it cannot continue from 12"):
+        stage.forward_parts([Part(1, ids, 12)])
+    with pytest.raises(ShardError, match="2 streams join and 1 of 2 stream slots are free"):
+        stage.forward_parts([Part(2, ids, 0), Part(3, ids, 0)])
+    assert stage.streams == [1] and stage.length(1) == 10
+    with pytest.raises(ShardError, match="sliding-window layers"):
+        StaticStage(tiny_exports["gemma3", "1"].folders[0], "CPU")
+    manifest = stage.manifest
+    assert stage_kind(manifest, "NPU") == "static" and stage_kind(manifest, "npu.0") == "static"
+    assert stage_kind(manifest, "CPU") == stage_kind(manifest, "GPU.1") == "paged"
+    assert stage_kind(manifest, "NPU", static=False) == "stateful" and stage_kind(manifest, "CPU", static=True) == "static"
+    assert stage_kind(manifest, "CPU", isolate=True) == "stateful"
+    assert stage_kind(load_manifest(tiny_exports["gemma3", "1"].folders[0]), "NPU") == "stateful"
+
+
 def test_smollm2_packed_chat_streams_match_the_stateful_path():
     """The real model, 2 stages: four chat prompts of different lengths joining one after another."""
     folders = export_model("smollm2-135m", stages=2, weights="int4").folders
@@ -113,8 +171,9 @@ def test_smollm2_packed_chat_streams_match_the_stateful_path():
     assert _staggered_greedy(stages, prompts, 16) == want
 
 
+@pytest.mark.parametrize("kind", ["paged", "static"])
 @pytest.mark.parametrize("split", ["1", "2"])
-def test_the_generation_loop_runs_on_paged_stages_with_speculation_and_a_cached_prefix(tiny_exports, split):
+def test_the_generation_loop_runs_on_paged_stages_with_speculation_and_a_cached_prefix(tiny_exports, split, kind):
     """A paged chain behind the usual loop: plain greedy, prompt-lookup speculation (rejected drafts
     cut by a shorter length) and a second turn that keeps the first one's prefix give the stateful
     chain's tokens."""
@@ -132,7 +191,8 @@ def test_the_generation_loop_runs_on_paged_stages_with_speculation_and_a_cached_
     motif = rng.integers(3, 200, size=6)
     prompt = np.concatenate([rng.integers(3, 200, size=20), motif, rng.integers(3, 200, size=5), motif])
     stateful = Generator(LocalChain(folders, config=EXACT, paged=False), 256, rewind="trim")
-    paged = Generator(LocalChain(folders, config=EXACT, paged=True), 256)
+    paged = Generator(LocalChain(folders, config=EXACT, paged=True, static=kind == "static"), 256)
+    assert paged.chain.packs
     assert paged.seq.rewind == "trim"
     for drafter in (None, LastDraftWrong()):
         want = stateful.generate(prompt, 24, ignore_eos=True, drafter=drafter, k=3)
@@ -163,11 +223,11 @@ def test_the_batch_benchmark_reports_every_way(tiny_models, tmp_path):
 
     from engine.bench.batch import run_batch
 
-    report = run_batch(str(tiny_models["llama"]), stage_counts=(1, 2), streams=(1, 2), tokens=4, runs=1,
+    report = run_batch(str(tiny_models["llama"]), stage_counts=(1, 2), streams=(1, 2), tokens=16, runs=1,
                        weights="f32", out=tmp_path / "batch.json", log=lambda _: None)
     assert json.loads((tmp_path / "batch.json").read_text())["bench"] == "batch"
     speeds = {(r["way"], r["streams"]): r["tok_s"] for r in report["rows"] if "tok_s" in r}
-    assert len(speeds) == 5 * 2 and all(v > 0 for v in speeds.values())
-    assert {"packed 1-stage / ContinuousBatchingPipeline, 2 streams", "packed / per-stream, 2-stage, 2 streams"} \
-        <= set(report["ratios"])
+    assert len(speeds) == 6 * 2 and all(v > 0 for v in speeds.values()), speeds
+    assert {"packed 1-stage / ContinuousBatchingPipeline, 2 streams", "packed / per-stream, 2-stage, 2 streams",
+            "packed 2-stage over the relay / in process, 2 streams"} <= set(report["ratios"])
     assert all(r["paged_mb"] > 0 and r["stateful_mb"] > 0 for r in report["rows"] if r["way"].startswith("KV"))

@@ -42,7 +42,8 @@ def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, **fleet_args)
     chain = None
     try:
         chain = RemoteChain(folders[0], fleet.addresses, key=coordinator_key or load_key(key_file),
-                            connect_timeout_s=30, tls=fleet_args.get("tls") and _tls(key_file))
+                            connect_timeout_s=30, tls=fleet_args.get("tls") and _tls(key_file),
+                            mode=fleet_args.get("mode", "fast"))
         yield fleet, chain
     finally:
         if chain is not None:
@@ -84,6 +85,56 @@ def test_loopback_pipeline_equals_in_process_chain(arch, label, tiny_exports, ke
         top1 = chain.forward(IDS, mask, pos)  # the default: top-1 of the last position only
         assert top1.logits is None and top1.probs is None and top1.tokens.tolist() == [want_out.tokens[-1]]
         assert len(top1.stage_ms) == len(folders) and top1.network_ms >= 0
+
+
+def test_streams_travel_packed_one_frame_per_round(tiny_exports, key_file, tmp_path):
+    """Every stage paged: a round of every active stream is one PACKED frame down the chain, and
+    each stream decodes (exact settings) what it decodes alone, while streams join and leave and
+    spoiled drafts are cut back inside the packs."""
+    from engine.runtime.generate import Decoding
+    from engine.runtime.speculative import KVSequence, PromptLookup
+    from engine.runtime.stage import MODES
+
+    class WrongDrafts(PromptLookup):
+        def propose(self, history, k):
+            return [int(history[-1]) % 200 + 3] * k  # (almost) never right: every round rewinds
+
+    folders = tiny_exports["qwen2", "3"].folders
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 37, 1, 70)]
+    lengths = [4, 10, 7, 10]  # stream 0 leaves early, stream 3 joins late
+    alone = Generator(LocalChain(folders, config=MODES["exact"], paged=False), 256)
+    want = [alone.generate(np.array([p]), n, ignore_eos=True).tokens for p, n in zip(prompts, lengths)]
+    with pipeline(folders, key_file, tmp_path, mode="exact") as (fleet, chain):
+        assert chain.packs and all(stage["packs"] for stage in chain.stages)
+        sent, send = [], chain._send
+        chain._send = lambda frame, keys=None: (sent.append(frame), send(frame, keys))[1]
+        for drafter in (None, WrongDrafts):
+            sent.clear()
+            decodings = [Decoding(KVSequence(chain, 256, i), p, n, frozenset(), drafter=drafter and drafter(),
+                                  k=2 if drafter else 0) for i, (p, n) in enumerate(zip(prompts, lengths))]
+            active = decodings[:3]
+            for d in active:
+                d.start()
+            rounds = 0
+            while active:
+                d = active.pop(chain.first_ready([d.ticket for d in active]))
+                if d.advance():
+                    active.append(d)
+                rounds += 1
+                if rounds == 6:
+                    decodings[3].start()
+                    active.append(decodings[3])
+            assert [d.result.tokens for d in decodings] == want
+            assert not [f for f in sent if f.type == Msg.FORWARD], "every round went packed"
+            packs = [len(wire.unpack_forward(f)[1]) for f in sent if f.type == Msg.PACKED]
+            # the prompt's forward and every round's: each stream's share of some frame
+            assert sum(packs) == sum(d.result.breakdown.rounds + 1 for d in decodings)
+            assert max(packs) == 4, "stream 3 joined the others in flight"
+            if drafter is None:  # one frame per round of the streams in flight: fewer than one per stream
+                assert len(packs) <= max(lengths) + 3
+            else:
+                assert sum(d.result.drafted for d in decodings) > sum(d.result.accepted for d in decodings)
 
 
 def test_breakdown_and_injected_delay(tiny_exports, key_file, tmp_path):
@@ -165,7 +216,26 @@ def _bad_forwards(rng, hidden: int):
         [good[0], good[1], good[2], np.zeros((2, 2), f32)],
         [np.zeros((1, 0, hidden), f32), np.ones((1, 0), np.uint8), np.zeros((1, 0), np.int64), good[3]],
     ]
-    return [Frame(Msg.FORWARD, int(rng.integers(4)), i, variants[i % len(variants)]) for i in range(300)]
+    frames = [Frame(Msg.FORWARD, int(rng.integers(4)), i, variants[i % len(variants)]) for i in range(300)]
+    # PACKED frames: consistent tables this stage still cannot serve, and tables that contradict their rows
+    rows = [rng.standard_normal((3, hidden)).astype(f32), np.arange(3), np.zeros(1, f32)]
+
+    def packed(i, x=rows[0], table=((0, 3),), positions=rows[1], timings=rows[2], start=0):
+        heads = np.array([[stream, i, start, q, 0] for stream, q in table], np.int64)
+        return Frame(Msg.PACKED, int(heads[0, 0]) if len(heads) else 0, i, [x, heads.reshape(-1, 5), positions, timings])
+
+    packed_variants = [
+        lambda i: packed(i, x=rows[0].astype(np.float16)),
+        lambda i: packed(i, x=rows[0][:, :-1]),
+        lambda i: packed(i, x=np.arange(3)),  # token ids to a stage that takes hidden states
+        lambda i: packed(i, positions=np.array([0, 1, 99999])),
+        lambda i: packed(i, start=5),  # a stream continuing from positions it never held
+        lambda i: packed(i, table=((0, 2),)),  # the table and the rows disagree
+        lambda i: packed(i, table=((0, 1), (0, 2))),  # one stream twice
+        lambda i: packed(i, table=()),
+        lambda i: packed(i, timings=np.zeros((2, 2), f32)),
+    ]
+    return frames + [packed_variants[i % len(packed_variants)](300 + i) for i in range(90)]
 
 
 def test_fuzzed_worker_keeps_serving(tiny_exports, key_file, tmp_path):

@@ -2,7 +2,8 @@
 (a) as today, one forward per stream on stateful stages (``generate_streams``), (b) packed, every
 stream's new tokens in one paged-attention forward per stage (``engine.runtime.paged``), and
 (c) ``openvino_genai.ContinuousBatchingPipeline`` on the 1-stage export, OpenVINO's own multi-user
-path.  Same prompts (the chat prompts, N of them), same compile settings, EOS ignored.  Aggregate
+path; with 2+ stages also (d) packed over the relay: stage 0 here, the rest as worker processes on
+loopback, one PACKED frame per round through the chain loop (``RemoteChain``).  Same prompts (the chat prompts, N of them), same compile settings, EOS ignored.  Aggregate
 decode tok/s: every batch runs twice, for ``SHORT`` and for ``SHORT + tokens`` new tokens, and the
 extra tokens of all streams are divided by the extra time, so the prefill (and any start-up) cancels
 out the same way for all three.  Stream counts and the three ways are interleaved, ``runs`` times;
@@ -12,6 +13,8 @@ memory each stream holds at the end: the stateful states' bytes against the page
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -103,18 +106,13 @@ def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tu
             chain, ps, t, max_length=kv_positions, ignore_eos=True)[1]
         ways[f"packed {n}-stage"] = lambda ps, t, paged=paged: _timed(lambda: packed_greedy(paged, ps, t))
     ways["ContinuousBatchingPipeline 1-stage"] = _cb_runner(one, device, props)
-    samples = {(way, s): [] for way in ways for s in streams}
-    total = (runs + 1) * len(streams) * len(ways)
-    done = 0
-    for run in range(runs + 1):  # the first round warms up
-        for s in streams:
-            for way, fn in ways.items():
-                hooks.step(done, total, f"run {run}: {way}, {s} streams")
-                extra = fn(prompts[:s], SHORT + tokens) - fn(prompts[:s], SHORT)
-                done += 1
-                if run:
-                    samples[way, s].append(s * tokens / extra)
-        log(f"round {run + 1}/{runs + 1} done")
+    with contextlib.ExitStack() as closing:
+        for n, folders in exports.items():
+            if n > 1:
+                relay = closing.enter_context(_relay_chain(folders, device))
+                ways[f"packed {n}-stage, relay"] = lambda ps, t, relay=relay: generate_streams(
+                    relay, ps, t, max_length=kv_positions, ignore_eos=True)[1]
+        samples = _measure(ways, prompts, streams, tokens, runs, hooks, log)
     rows, ratios = [], {}
     for s in streams:
         for way in ways:
@@ -136,6 +134,10 @@ def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tu
                 tok[f"packed {n}-stage", s] / tok[f"per-stream {n}-stage", s], 2)
         if 4 in streams:
             ratios[f"packed {n}-stage: 4 streams / 1 stream"] = round(tok[f"packed {n}-stage", 4] / tok[f"packed {n}-stage", 1], 2)
+        if n > 1:
+            for s in streams:
+                ratios[f"packed {n}-stage over the relay / in process, {s} streams"] = round(
+                    tok[f"packed {n}-stage, relay", s] / tok[f"packed {n}-stage", s], 2)
     if 1 in exports:
         for s in streams:
             ratios[f"packed 1-stage / ContinuousBatchingPipeline, {s} streams"] = round(
@@ -143,6 +145,40 @@ def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tu
     settings = {"model": model, "weights": weights, "device": device, "tokens": tokens, "runs": runs,
                 "prompt_tokens": [len(p) for p in prompts]}
     return write_report("batch", rows, ratios, out, settings=settings)
+
+
+def _measure(ways: dict, prompts, streams, tokens: int, runs: int, hooks, log) -> dict:
+    """Aggregate decode tok/s samples per (way, streams), the ways and stream counts interleaved."""
+    samples = {(way, s): [] for way in ways for s in streams}
+    total = (runs + 1) * len(streams) * len(ways)
+    done = 0
+    for run in range(runs + 1):  # the first round warms up
+        for s in streams:
+            for way, fn in ways.items():
+                hooks.step(done, total, f"run {run}: {way}, {s} streams")
+                extra = fn(prompts[:s], SHORT + tokens) - fn(prompts[:s], SHORT)
+                done += 1
+                if run:
+                    samples[way, s].append(s * tokens / extra)
+        log(f"round {run + 1}/{runs + 1} done")
+    return samples
+
+
+@contextlib.contextmanager
+def _relay_chain(folders: list[Path], device: str):
+    """Stage 0 here, the later stages as worker processes on loopback, under a throwaway fleet key."""
+    from engine.fleetkey import create_key, load_key
+    from engine.runtime.localfleet import LocalFleet
+    from engine.runtime.remote import RemoteChain
+
+    with tempfile.TemporaryDirectory() as tmp:
+        key = create_key(Path(tmp) / "fleet.key")
+        with LocalFleet(folders[1:], key, devices=[device] * (len(folders) - 1), log_dir=Path(tmp)) as fleet:
+            chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), device=device)
+            try:
+                yield chain
+            finally:
+                chain.close()
 
 
 def _timed(fn) -> float:

@@ -117,7 +117,43 @@ def fuzz_wire(cases: int, tally: Tally) -> None:
         assert wire.decode(wire.encode(frame), max_frame=1 << 20).tensors.__len__() == len(frame.tensors)
         tally.add("wire", "accepted")
 
+    # PACKED frames' parts tables: hostile values and row counts, mostly consistent so that cases
+    # reach every check
+    hostile = st.one_of(st.integers(-2**63, 2**63 - 1), st.sampled_from([-1, 0, 2**32, 2**63 - 1]))
+
+    @st.composite
+    def packed_frames(draw):
+        spoiled = draw(st.booleans())  # else a consistent frame, which must be accepted
+
+        def pick(good, bad):
+            return draw(either(good, bad)) if spoiled else good
+
+        table = [(pick(i, hostile), draw(st.integers(0, 2**32 - 1)), pick(draw(st.integers(0, 6)), hostile),
+                  pick(draw(st.integers(1, 6)), hostile), pick(draw(st.sampled_from(list(wire.Flag))), hostile))
+                 for i in range(draw(st.integers(0 if spoiled else 1, 5)))]
+        rows = pick(sum(max(row[3], 0) for row in table) % 64, st.integers(0, 12))
+        positions = pick(rows, st.integers(0, 12))
+        shape = pick((rows, 4), st.sampled_from([(rows,), (rows, 2, 2), (0, 4)]))
+        dtype = pick("i8", st.sampled_from(["i4", "f4"]))
+        return wire.Frame(wire.Msg.PACKED, tensors=[np.zeros(shape, np.float32),
+                                                    np.array(table, np.int64).reshape(-1, 5).astype(dtype),
+                                                    np.arange(positions, dtype=np.int64), np.zeros(1, np.float32)]), spoiled
+
+    @_settings(cases // 4)
+    @_hypothesis()[0].given(packed_frames())
+    def unpack_packed(case) -> None:
+        frame, spoiled = case
+        try:
+            x, parts, positions, _ = wire.unpack_forward(wire.decode(wire.encode(frame)))
+        except wire.ProtocolError as exc:
+            assert spoiled, f"a consistent PACKED frame was refused: {exc}"
+            tally.add("wire", f"packed: {type(exc).__name__}")
+            return
+        assert sum(p.q for p in parts) == len(x) == len(positions) and len({p.stream for p in parts}) == len(parts)
+        tally.add("wire", "packed: accepted")
+
     decode_any()
+    unpack_packed()
 
 
 # --- handshake ------------------------------------------------------------------------------------

@@ -252,9 +252,11 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
             ids = base_ids.copy()
             ids[:2] = (100 + run, 200 + run)
             ids = ids.reshape(1, -1)
-            samples_now = {"LLMPipeline 1-stage": genai(ids)[1]}
-            for name, gen in ours.items():
-                samples_now[name] = gen.generate(ids, 2, ignore_eos=True).ttft_s * 1e3
+            samples_now = {}
+            # every other run in the reverse order, so no side always goes first
+            for name in list(samples)[:: -1 if run % 2 else 1]:
+                samples_now[name] = (genai(ids)[1] if name == "LLMPipeline 1-stage"
+                                     else ours[name].generate(ids, 2, ignore_eos=True).ttft_s * 1e3)
             if run:
                 for name, value in samples_now.items():
                     samples[name].append(value)

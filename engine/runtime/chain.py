@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.errors import ShardError
 from engine.manifest import MANIFEST, check_chain, load_manifest
-from engine.runtime.paged import PagedStage, Part, open_stage
+from engine.runtime.paged import Part, as_part, open_stage
 from engine.runtime.stage import Output, select
 from engine.runtime.turns import NO_TURNS
 from engine.wire import Flag
@@ -60,22 +60,24 @@ class LocalChain:
     chunks alike) goes through each stage in one forward."""
 
     def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None,
-                 isolate: bool = False, turns=None, paged: bool | None = None):
+                 isolate: bool = False, turns=None, paged: bool | None = None, static: bool | None = None):
         """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``;
         ``isolate`` compiles each stage once per stream instead of sharing one compiled model;
         ``turns``: the compute turns this computer's stages share (``engine.runtime.turns``);
         ``paged``: paged-attention stages (``engine.runtime.paged``) instead of one stateful request
-        per stream; None: wherever they are supported."""
+        per stream; None: wherever they are supported; ``static``: static-shape stages
+        (``engine.runtime.static``; None: on an NPU)."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
         devices = parse_devices(device, len(folders))
         self.turns = turns or NO_TURNS
-        self.stages = [open_stage(f, dev, config, m, paged=paged, isolate=isolate, turns=self.turns)
+        self.stages = [open_stage(f, dev, config, m, paged=paged, static=static, isolate=isolate, turns=self.turns)
                        for f, dev, m in zip(folders, devices, manifests)]
-        # one paged stage is enough for the whole chain to rewind by trimming: it has no holes to mask
-        self.paged = any(isinstance(stage, PagedStage) for stage in self.stages)
-        self.packs = all(isinstance(stage, PagedStage) for stage in self.stages)
+        # one paged (or static) stage is enough for the whole chain to rewind by trimming: it has no
+        # holes to mask
+        self.paged = any(stage.packs for stage in self.stages)
+        self.packs = all(stage.packs for stage in self.stages)
         self._pending: list[_Ticket] = []
         self.manifest = manifests[0]
         self.spec = self.manifest.spec
@@ -85,12 +87,12 @@ class LocalChain:
         return self.stages[0].folder
 
     def reset(self, stream: int = 0) -> None:
-        self._run_pending()
+        self._run_pending(stream)
         for stage in self.stages:
             stage.reset(stream)
 
     def keep(self, stream: int, slots: np.ndarray) -> None:
-        self._run_pending()
+        self._run_pending(stream)
         for stage in self.stages:
             stage.keep(stream, slots)
 
@@ -112,15 +114,10 @@ class LocalChain:
         packed with the other streams' rounds."""
         if not self.packs:
             return self.forward(input_ids, attention_mask, position_ids, flags, stream)
-        if any(t.part.stream == stream for t in self._pending):
-            self._run_pending()
-        q = input_ids.shape[1]
-        start = attention_mask.shape[1] - q
-        if start != self.stages[0].length(stream) or not attention_mask.all():
-            raise ShardError(f"stream {stream}: a paged chain needs a mask over exactly its "
-                             f"{self.stages[0].length(stream)} cached positions plus the new ones, without holes")
-        keep = q if flags & Flag.ALL_POSITIONS else 1
-        ticket = _Ticket(Part(stream, input_ids[0].copy(), start, keep, position_ids.reshape(-1).copy()), flags)
+        self._run_pending(stream)
+        part = as_part(input_ids, attention_mask, position_ids, stream, self.stages[0].length(stream),
+                       bool(flags & Flag.ALL_POSITIONS))
+        ticket = _Ticket(part, flags)
         self._pending.append(ticket)
         return ticket
 
@@ -133,7 +130,11 @@ class LocalChain:
             raise ticket.error
         return ticket.output
 
-    def _run_pending(self) -> None:
+    def _run_pending(self, stream: int | None = None) -> None:
+        """Runs every waiting round (``stream``: only if one of them is that stream's, whose next
+        step must come after it)."""
+        if stream is not None and all(t.part.stream != stream for t in self._pending):
+            return
         pending, self._pending = self._pending, []
         if not pending:
             return

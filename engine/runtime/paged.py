@@ -52,6 +52,18 @@ class Part:
     positions: np.ndarray | None = None  # the rotary positions, when not start, start + 1, ...
 
 
+def as_part(x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, stream: int, cached: int,
+            all_positions: bool) -> Part:
+    """A stateful-style step of one stream as a Part: ``x`` ``[1, q(, hidden)]`` after a mask
+    (``[1, cached + q]``) that must cover the stream's ``cached`` positions and the new ones without holes."""
+    q = x.shape[1]
+    start = attention_mask.shape[1] - q
+    if start != cached or not attention_mask.all():
+        raise ShardError(f"stream {stream}: a paged stage needs a mask over exactly its {cached} cached "
+                         f"positions plus the new ones, without holes")
+    return Part(stream, x[0].copy(), start, q if all_positions else 1, position_ids.reshape(-1).copy())
+
+
 def _rename_hidden_input(model: ov.Model) -> None:
     for port in model.inputs:
         if "hidden_states" in port.get_names():
@@ -124,22 +136,32 @@ def paged_config(device: str, config: dict | None = None) -> dict:
     return config
 
 
-def paged_supported(manifest: Manifest, device: str) -> bool:
-    """Whether a stage runs paged by default: not on an NPU (whose compiler wants static shapes) and
-    not for sliding-window layers (the transformation does not see our mask's window)."""
-    return not manifest.spec.sliding_layers and not device.upper().startswith("NPU")
+def stage_kind(manifest: Manifest, device: str, *, paged: bool | None = None, static: bool | None = None,
+               isolate: bool = False) -> str:
+    """Which runner serves a stage: ``static`` shapes on an NPU (whose compiler wants them) or when
+    asked for; else ``paged`` attention where it is supported or asked for; else ``stateful`` (also
+    when ``isolate`` asks for one compiled model per stream).  Sliding-window layers stay stateful
+    unless asked otherwise: neither the transformation nor the static mask sees their window."""
+    sliding = bool(manifest.spec.sliding_layers)
+    npu = device.upper().startswith("NPU")
+    if static or (static is None and npu and not sliding and not isolate):
+        return "static"
+    if paged or (paged is None and not npu and not sliding and not isolate):
+        return "paged"
+    return "stateful"
 
 
 def open_stage(folder: Path, device: str = "CPU", config: dict | None = None, manifest: Manifest | None = None,
-               *, paged: bool | None = None, isolate: bool = False, turns=None):
-    """The stage runner for a shard: paged attention where it is supported (``paged=None``) or asked
-    for, else the stateful runner (also when ``isolate`` asks for one compiled model per stream)."""
+               *, paged: bool | None = None, static: bool | None = None, isolate: bool = False, turns=None):
+    """The stage runner ``stage_kind`` picks for a shard on ``device``."""
     from engine.runtime.stage import StageRunner
+    from engine.runtime.static import StaticStage
 
     manifest = manifest or load_manifest(Path(folder))
-    if paged is None:
-        paged = paged_supported(manifest, device) and not isolate
-    if paged:
+    kind = stage_kind(manifest, device, paged=paged, static=static, isolate=isolate)
+    if kind == "static":
+        return StaticStage(folder, device, config, manifest, turns=turns)
+    if kind == "paged":
         return PagedStage(folder, device, config, manifest, turns=turns)
     return StageRunner(folder, device, config, manifest, isolate, turns)
 
@@ -148,6 +170,8 @@ class PagedStage:
     """A verified shard compiled with paged attention for ``device``.  Its KV pool starts with room
     for ``kv_positions`` cached positions over all streams and doubles when a forward needs more,
     up to ``max_kv_positions`` (None: as far as memory goes)."""
+
+    packs = True  # takes many streams' rows in one forward, rewinds by a shorter length
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None, kv_positions: int = 4096, turns=None,
@@ -226,12 +250,7 @@ class PagedStage:
         """The stateful stage's one-stream step, for a paged one: ``x`` ``[1, q(, hidden)]`` follows
         the stream's cached positions, which the mask (``[1, cached + q]``) must cover without holes.
         Returns logits ``[1, kept, vocab]`` or hidden states ``[1, q, hidden]``."""
-        q = x.shape[1]
-        start = attention_mask.shape[1] - q
-        if start != self.length(stream) or not attention_mask.all():
-            raise ShardError(f"stream {stream}: a paged stage needs a mask over exactly its "
-                             f"{self.length(stream)} cached positions plus the new ones, without holes")
-        part = Part(stream, x[0], start, 1 if last_only else q, position_ids.reshape(-1))
+        part = as_part(x, attention_mask, position_ids, stream, self.length(stream), not last_only)
         return self.forward_parts([part])[0][None]
 
     def forward_parts(self, parts: list[Part]) -> list[np.ndarray]:

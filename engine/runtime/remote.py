@@ -6,10 +6,15 @@ the fleet key, and pings the chain until every stage answers; the ping carries t
 workers started without ``--next`` learn their successor from the coordinator.  Each forward runs
 stage 0 locally, sends the activations on and waits for the RESULT under a deadline refreshed by
 the workers' heartbeats: a dead or silent stage becomes a ``StageError`` naming it.
+
+When every stage is paged the chain packs, as the in-process chain does: submitted rounds wait
+until one is collected, then stage 0 runs them all in one forward and one PACKED frame carries
+every stream's rows down the chain, so a hop costs one trip for all users.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -20,9 +25,25 @@ from engine import wire
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span
 from engine.runtime.link import Link, connect_successor
-from engine.runtime.paged import PagedStage, open_stage
+from engine.runtime.paged import Part, as_part, open_stage
 from engine.runtime.stage import Output, compile_config
-from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
+from engine.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
+
+
+@dataclasses.dataclass
+class _Round:
+    """A submitted round: ``part`` while it waits to be packed, ``seq`` once it is on its way."""
+
+    stream: int
+    flags: Flag
+    part: Part | None = None
+    seq: int | None = None
+    sent: float = 0.0
+    error: BaseException | None = None
+
+    @property
+    def key(self) -> tuple[int, int | None]:
+        return self.stream, self.seq
 
 
 class RemoteChain:
@@ -52,6 +73,7 @@ class RemoteChain:
         self._ready = False
         self._in_flight: set[tuple[int, int]] = set()
         self._early: dict[tuple[int, int], Frame] = {}
+        self._pending: list[_Round] = []
         self._seq = random.getrandbits(31)  # a fresh range, so a previous session's late replies never match
         self.connect()
 
@@ -61,8 +83,13 @@ class RemoteChain:
 
     @property
     def paged(self) -> bool:
-        """Whether any stage runs paged attention: then the whole chain rewinds by trimming."""
-        return isinstance(self.local, PagedStage) or any(stage.get("paged") for stage in self.stages)
+        """Whether any stage is paged (or static): then the whole chain rewinds by trimming."""
+        return self.local.packs or any(stage.get("packs") for stage in self.stages)
+
+    @property
+    def packs(self) -> bool:
+        """Whether every stage is paged (or static): then rounds of several streams travel in one frame."""
+        return self.local.packs and bool(self.stages) and all(s.get("packs") for s in self.stages)
 
     @property
     def first_address(self) -> str:
@@ -75,7 +102,11 @@ class RemoteChain:
         self._ready = False
         self._in_flight.clear()
         self._early.clear()
-        return StageError(self.manifest.stage_index + 1, self.first_address, reason)
+        error = StageError(self.manifest.stage_index + 1, self.first_address, reason)
+        for round_ in self._pending:
+            round_.error = error
+        self._pending = []
+        return error
 
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -104,7 +135,9 @@ class RemoteChain:
 
     def ping(self) -> list[dict]:
         """One trip down the chain and back; returns what every remote stage reports of itself."""
-        reply = self._call(wire.control(Msg.PING, {"route": self.remotes[1:]}, 0, self._next_seq()))
+        frame = wire.control(Msg.PING, {"route": self.remotes[1:]}, 0, self._next_seq())
+        self._send(frame)
+        reply = self._await((frame.stream, frame.seq), Msg.PONG)
         stages = reply.json().get("stages", [])
         if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
             raise self._fail("sent a malformed description of the chain")
@@ -143,11 +176,13 @@ class RemoteChain:
             self.connect()
         elif not self._ready:
             self._wait_ready(time.monotonic() + self.connect_timeout_s)
+        self._flush_stream(stream)
         self.local.reset(stream)
         self._send(Frame(Msg.RESET, stream))
 
     def keep(self, stream: int, slots: np.ndarray) -> None:
         """Every stage keeps only these KV slots; ordered before the next FORWARD, so no reply."""
+        self._flush_stream(stream)
         self.local.keep(stream, slots)
         self._send(Frame(Msg.KEEP, stream, 0, [np.asarray(slots, np.int32)]))
 
@@ -156,23 +191,61 @@ class RemoteChain:
         return self.collect(self.submit(input_ids, attention_mask, position_ids, flags, stream))
 
     def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-               flags: Flag = Flag.NONE, stream: int = 0) -> tuple:
-        """Runs stage 0 and sends the activations on; ``collect`` waits for the result.  Several
-        streams may be in flight at once (micro-batching): one computes here while others travel."""
+               flags: Flag = Flag.NONE, stream: int = 0) -> _Round:
+        """Runs stage 0 and sends the activations on (packing: queues the round to go with the
+        others); ``collect`` waits for the result.  Several streams may be in flight at once
+        (micro-batching): one computes here while others travel."""
+        if self.packs:
+            self._flush_stream(stream)
+            part = as_part(input_ids, attention_mask, position_ids, stream, self.local.length(stream),
+                           bool(flags & Flag.ALL_POSITIONS))
+            self._pending.append(_Round(stream, flags, part))
+            return self._pending[-1]
         start = time.perf_counter()
         hidden = self.local.forward(input_ids, attention_mask, position_ids, stream)
         local_ms = (time.perf_counter() - start) * 1e3
-        frame = Frame(Msg.FORWARD, stream, self._next_seq(),
-                      [hidden, attention_mask.astype(np.uint8), position_ids, np.array([local_ms], np.float32)],
-                      flags)
-        self._send(frame)
-        return frame, time.perf_counter()
+        round_ = _Round(stream, flags, seq=self._next_seq())
+        self._send(Frame(Msg.FORWARD, stream, round_.seq, [hidden, attention_mask.astype(np.uint8), position_ids,
+                                                            np.array([local_ms], np.float32)], flags))
+        round_.sent = time.perf_counter()
+        return round_
 
-    def collect(self, ticket: tuple) -> Output:
-        frame, sent = ticket
-        reply = self._await(frame)
-        wait_ms = (time.perf_counter() - sent) * 1e3
-        flags = frame.flags
+    def _flush_stream(self, stream: int) -> None:
+        """Sends what waits if a round of ``stream`` does: its next step must come after it."""
+        if any(r.stream == stream for r in self._pending):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Stage 0 runs every waiting round in one forward; one PACKED frame takes them on."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        start = time.perf_counter()
+        try:
+            hidden = self.local.forward_parts([r.part for r in pending])
+        except BaseException as exc:
+            for r in pending:
+                r.error = exc
+            raise
+        local_ms = (time.perf_counter() - start) * 1e3
+        heads = []
+        for r in pending:
+            r.seq = self._next_seq()
+            heads.append(PartHeader(r.stream, r.seq, r.part.start, len(r.part.x), r.flags))
+        frame = wire.pack_forward(np.concatenate(hidden), heads, np.concatenate([r.part.positions for r in pending]),
+                                  np.array([local_ms], np.float32))
+        self._send(frame, [r.key for r in pending])
+        for r in pending:
+            r.sent, r.part = time.perf_counter(), None
+
+    def collect(self, round_: _Round) -> Output:
+        if round_.seq is None and round_.error is None:
+            self._flush()
+        if round_.error is not None:
+            raise round_.error
+        reply = self._await(round_.key, Msg.RESULT)
+        wait_ms = (time.perf_counter() - round_.sent) * 1e3
+        flags = round_.flags
         tensors = reply.tensors
         want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS) + 2 * bool(flags & Flag.CANDIDATES)
         if reply.flags != flags or len(tensors) != want or tensors[0].dtype != np.int64:
@@ -188,14 +261,18 @@ class RemoteChain:
             out.candidates = (next(rest), next(rest))
         return out
 
-    def first_ready(self, tickets: list[tuple]) -> int:
+    def first_ready(self, rounds: list[_Round]) -> int:
         """Waits until one of these rounds' results is here; returns its index (the earliest
-        submitted when several are)."""
-        keys = [(frame.stream, frame.seq) for frame, _ in tickets]
+        submitted when several are).  Rounds waiting to be packed go when none of these travels."""
         while True:
-            for i, key in enumerate(keys):
-                if key in self._early:
+            for i, r in enumerate(rounds):
+                if r.error is not None or (r.seq is not None and r.key in self._early):
                     return i
+            if not any(r.seq is not None and r.key in self._in_flight for r in rounds):
+                if not self._pending:
+                    raise FleetError("none of these rounds was submitted to this chain")
+                self._flush()
+                continue
             self._stash(self._receive())
 
     def _stash(self, reply: Frame | None) -> None:
@@ -204,24 +281,20 @@ class RemoteChain:
         if reply is not None and (reply.stream, reply.seq) in self._in_flight:
             self._early[reply.stream, reply.seq] = reply
 
-    def _send(self, frame: Frame) -> None:
+    def _send(self, frame: Frame, keys: list[tuple[int, int]] | None = None) -> None:
+        """``keys``: the replies the frame asks for, when not the one its header names."""
         if self._link is None:
             raise self._fail("not connected (call reset() to reconnect)")
-        if frame.type in (Msg.FORWARD, Msg.PING):
-            self._in_flight.add((frame.stream, frame.seq))
+        if frame.type in (Msg.FORWARD, Msg.PACKED, Msg.PING):
+            self._in_flight.update(keys or [(frame.stream, frame.seq)])
         try:
             self._link.send(frame)
         except OSError as exc:
             raise self._fail(f"connection lost ({exc})") from None
 
-    def _call(self, frame: Frame) -> Frame:
-        self._send(frame)
-        return self._await(frame)
-
-    def _await(self, frame: Frame) -> Frame:
-        """Waits for the reply to ``frame``; replies to other requests in flight are kept for their
-        own ``collect``.  Heartbeats keep the deadline from expiring."""
-        key = (frame.stream, frame.seq)
+    def _await(self, key: tuple[int, int], expected: Msg) -> Frame:
+        """Waits for the reply to the request ``key`` names; replies to other requests in flight are
+        kept for their own ``collect``.  Heartbeats keep the deadline from expiring."""
         while key not in self._early:
             self._stash(self._receive())
         reply = self._early.pop(key)
@@ -231,9 +304,8 @@ class RemoteChain:
             self._ready = False  # re-check the whole chain before the next request
             raise StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
                              str(doc.get("reason", "failed")), bool(doc.get("transient")))
-        expected = Msg.PONG if frame.type == Msg.PING else Msg.RESULT
         if reply.type != expected:
-            raise self._fail(f"answered {frame.type.name} with {reply.type.name}")
+            raise self._fail(f"answered with {reply.type.name}, expected {expected.name}")
         return reply
 
     def _receive(self) -> Frame | None:

@@ -112,6 +112,8 @@ class StageRunner:
     By default the streams share one compiled model; ``isolate`` compiles one per stream (the paper's
     isolation choice), which costs a compile and the compiled model's working memory per stream."""
 
+    packs = False  # one stream a forward; a rewind may mask slots out
+
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None, isolate: bool = False, turns=None):
         """``turns``: the ``engine.runtime.turns`` lock a CPU stage's inferences wait for (stages

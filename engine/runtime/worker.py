@@ -26,7 +26,7 @@ import numpy as np
 from engine import wire
 from engine.errors import FleetError, ShardError
 from engine.runtime.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
-from engine.runtime.paged import PagedStage, open_stage
+from engine.runtime.paged import Part, open_stage
 from engine.runtime.stage import compile_config, select
 from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
@@ -111,7 +111,7 @@ class Worker:
         m = self.manifest
         return {"stage": m.stage_index, "layers": list(m.layers), "address": self.address,
                 "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname(),
-                "paged": isinstance(self.runner, PagedStage)}
+                "packs": self.runner.packs}
 
     def start(self) -> "Worker":
         for target, name in ((self._accept_loop, "accept"), (self._heartbeat_loop, "heartbeat"),
@@ -191,12 +191,22 @@ class Worker:
         self._reply(link, wire.control(Msg.ERROR, doc, frame.stream, frame.seq))
 
     def _dispatch(self, link: Link, frame: Frame) -> None:
-        if frame.type in (Msg.FORWARD, Msg.PING):
+        keys = [(frame.stream, frame.seq)]
+        if frame.type == Msg.PACKED:
+            try:
+                packed = wire.unpack_forward(frame)
+            except ProtocolError as exc:
+                self._error(link, frame, str(exc))
+                return
+            keys = [(p.stream, p.seq) for p in packed[1]]
+        if frame.type in (Msg.FORWARD, Msg.PACKED, Msg.PING):
             with self._lock:
-                self._owed.add((frame.stream, frame.seq))
+                self._owed.update(keys)
         try:
             if frame.type == Msg.FORWARD:
                 self._forward(link, frame)
+            elif frame.type == Msg.PACKED:
+                self._forward_packed(link, *packed)
             elif frame.type == Msg.RESET:
                 self._reset(frame.stream)
             elif frame.type == Msg.KEEP:
@@ -206,13 +216,16 @@ class Worker:
             else:
                 raise RequestError(f"unexpected {frame.type.name} frame")
         except RequestError as exc:
-            self._error(link, frame, str(exc), exc.stage, exc.address, exc.transient)
-        except ProtocolError as exc:
-            self._error(link, frame, str(exc))
+            failure = exc
+        except (ProtocolError, ShardError) as exc:  # ShardError: a paged stage given a mask with holes...
+            failure = RequestError(str(exc))
         except RuntimeError as exc:  # OpenVINO refused the request
-            self._error(link, frame, f"inference failed: {exc}")
-        except ShardError as exc:  # what this stage's runner cannot do (a paged stage given a mask with holes)
-            self._error(link, frame, str(exc))
+            failure = RequestError(f"inference failed: {exc}")
+        else:
+            return
+        for stream, seq in keys:
+            self._error(link, Frame(frame.type, stream, seq), str(failure), failure.stage, failure.address,
+                        failure.transient)
 
     def _reset(self, stream: int) -> None:
         if stream in self._kv_length:
@@ -252,9 +265,12 @@ class Worker:
             raise RequestError(f"positions beyond the context of {self.max_length}")
         if stage_ms.dtype != np.float32 or stage_ms.ndim != 1 or stage_ms.shape[0] > 64:
             raise RequestError("malformed stage timings")
-        if frame.stream not in self._masks and len(self._masks) >= MAX_STREAMS:
-            raise RequestError(f"more than {MAX_STREAMS} streams")
+        self._check_streams([frame.stream])
         return x, mask, pos, stage_ms
+
+    def _check_streams(self, streams: list[int]) -> None:
+        if len(set(self._kv_length) | set(streams)) > MAX_STREAMS:
+            raise RequestError(f"more than {MAX_STREAMS} streams")
 
     def _forward(self, link: Link, frame: Frame) -> None:
         x, mask, pos, stage_ms = self._check_forward(frame)
@@ -274,6 +290,40 @@ class Worker:
             self._reply(link, result_frame(y, frame, timings))
         elif not self._send_down(Frame(Msg.FORWARD, stream, frame.seq, [y, mask, pos, timings], frame.flags)):
             self._error(link, frame, "connection lost", self.manifest.stage_index + 1, self._next, True)
+
+    def _forward_packed(self, link: Link, x: np.ndarray, heads: list[wire.PartHeader], pos: np.ndarray,
+                        stage_ms: np.ndarray) -> None:
+        """Every stream's rows in one forward of a paged stage; one PACKED frame on, or one RESULT
+        per stream back."""
+        if not self.runner.packs:
+            raise RequestError(f"stage {self.manifest.stage_index} is stateful: it takes one stream per FORWARD")
+        if self.runner.first:
+            ok = x.dtype == np.int64 and x.ndim == 1
+        else:
+            ok = x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == self.hidden
+        if not ok:
+            raise RequestError(f"packed rows of shape {x.shape} {x.dtype} do not fit stage "
+                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
+        if pos.min() < 0 or pos.max() >= self.max_length or any(h.start + h.q > self.max_length for h in heads):
+            raise RequestError(f"positions beyond the context of {self.max_length}")
+        self._check_streams([h.stream for h in heads])
+        if not self.runner.last and not self._down_ready.is_set():
+            raise self._down_missing()
+        begins = np.cumsum([0] + [h.q for h in heads])
+        parts = [Part(h.stream, x[a:b], h.start, h.q if h.flags & Flag.ALL_POSITIONS else 1, pos[a:b])
+                 for h, a, b in zip(heads, begins, begins[1:])]
+        start = time.perf_counter()
+        outs = self.runner.forward_parts(parts)
+        for h in heads:
+            self._kv_length[h.stream] = h.start + h.q
+        timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
+        if self.runner.last:
+            for h, logits in zip(heads, outs):
+                self._reply(link, result_frame(logits[None], Frame(Msg.RESULT, h.stream, h.seq, flags=h.flags), timings))
+            return
+        frame = wire.pack_forward(np.concatenate(outs), heads, pos, timings)
+        if not self._send_down(frame, keys=[(h.stream, h.seq) for h in heads]):
+            raise RequestError("connection lost", self.manifest.stage_index + 1, self._next, True)
 
     def _ping(self, link: Link, frame: Frame) -> None:
         """Readiness check from the coordinator; its ``route`` names the stages after this one."""
@@ -307,7 +357,8 @@ class Worker:
 
     # --- downstream: dial, relay results, watch the deadline ---------------------------------------
 
-    def _send_down(self, frame: Frame, track: bool = True) -> bool:
+    def _send_down(self, frame: Frame, track: bool = True, keys: list[tuple[int, int]] | None = None) -> bool:
+        """``keys``: the replies the frame asks for, when not the one its header names."""
         link = self._downstream
         if link is None or not self._down_ready.is_set():
             return False
@@ -315,7 +366,7 @@ class Worker:
             if track:
                 if not self._outstanding:
                     self._down_last_rx = time.monotonic()  # the silence clock starts now
-                self._outstanding.add((frame.stream, frame.seq))
+                self._outstanding.update(keys or [(frame.stream, frame.seq)])
         try:
             link.send(frame)
         except OSError:

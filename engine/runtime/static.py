@@ -1,0 +1,236 @@
+"""A shard compiled with static shapes, for devices whose compiler wants them (the NPU).
+
+The shard on disk is the usual stateful export.  At compile time the KV variables become inputs
+and outputs again (``stateful_to_stateless_transformation``), every present output is cut to the
+new rows only, and the attention mask the graph derives from ``attention_mask`` is replaced by an
+additive ``attention_bias`` input ``[1, 1, rows, capacity + rows]`` that this module builds.  Then
+every shape is fixed: ``rows`` new tokens a forward, a cache of ``slots`` streams of ``window``
+positions each.
+
+One forward carries the new tokens of several streams along the token axis (the paper's packed
+multi-slot mode): each row sees its own stream's cache positions and the earlier rows of its own
+stream, nothing else; unused rows are padding that sees itself.  A stream's window is a ring whose
+first ``sinks`` positions stay pinned (attention sinks): once a stream holds more than ``window``
+positions the oldest others are overwritten, so a long conversation keeps going with the sinks and
+the most recent tokens.  Within its window a stream's output is the dynamic path's (``exact``
+settings, ``tests/test_static.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from engine.errors import ShardError
+from engine.manifest import MODEL_XML, Manifest, load_manifest
+from engine.runtime.paged import Part, as_part
+from engine.runtime.stage import core, device_config, missing_device
+from engine.runtime.turns import NO_TURNS
+
+BIAS = "attention_bias"
+MASKED = np.float32(np.finfo(np.float32).min)
+
+
+def static_model(model: ov.Model, rows: int, capacity: int) -> tuple[ov.Model, list[tuple[str, str]]]:
+    """The stateless, fixed-shape form of a stage's graph; returns it and its (past input, new
+    rows output) name pairs."""
+    from openvino._offline_transformations import stateful_to_stateless_transformation
+
+    stateful_to_stateless_transformation(model)
+    attentions = [n for n in model.get_ops() if n.get_type_name() == "ScaledDotProductAttention"]
+    if not attentions:
+        raise ShardError("the shard has no attention ops to give a static mask: not a shard fleetshard exported")
+    bias = ops.parameter(ov.PartialShape([1, 1, rows, capacity + rows]), ov.Type.f32, name=BIAS)
+    bias.get_output_tensor(0).set_names({BIAS})
+    for node in attentions:
+        node.input(3).replace_source_output(bias.output(0))
+    pairs = []
+    params = {p.get_any_name(): p for p in model.inputs}
+    for result in model.get_results():
+        name = result.output(0).get_any_name()
+        concat = result.input_value(0).get_node()
+        if not name.startswith("output_restored.") or concat.get_type_name() != "Concat":
+            continue
+        new_rows = concat.input_value(1)
+        concat.output(0).get_tensor().set_names(set())
+        new_rows.get_tensor().set_names({name})
+        result.input(0).replace_source_output(new_rows)  # the new rows only
+        past = "input_restored." + name[len("output_restored."):]
+        if past not in params:
+            raise ShardError(f"the shard's cache output {name} has no matching input")
+        pairs.append((past, name))
+    kept = [p for p in model.get_parameters() if p.get_output_tensor(0).get_any_name() != "attention_mask"]
+    model = ov.Model(model.get_results(), kept + [bias], model.get_friendly_name())
+    shapes = {}
+    for port in model.inputs:
+        name, shape = port.get_any_name(), port.get_partial_shape()
+        if name == BIAS:
+            continue
+        if name.startswith("input_restored."):
+            shapes[name] = [1, shape[1].get_length(), capacity, shape[3].get_length()]
+        elif shape.rank.get_length() == 3:  # hidden states
+            shapes[name] = [1, rows, shape[2].get_length()]
+        else:
+            shapes[name] = [1, rows]
+    model.reshape(shapes)
+    if any(port.get_partial_shape().is_dynamic for port in model.inputs + model.outputs):
+        raise ShardError("the shard does not become fully static: not a shard fleetshard exported")
+    return model, pairs
+
+
+class StaticStage:
+    """A verified shard compiled with static shapes for ``device``: ``rows`` new tokens a forward,
+    ``slots`` streams of ``window`` cached positions, the first ``sinks`` of each pinned."""
+
+    packs = True  # takes many streams' rows in one forward, rewinds by a shorter length
+
+    def __init__(self, folder: Path, device: str = "NPU", config: dict | None = None,
+                 manifest: Manifest | None = None, *, rows: int = 16, slots: int = 4, window: int = 1024,
+                 sinks: int = 4, turns=None):
+        self.folder = Path(folder)
+        self.manifest = manifest or load_manifest(self.folder)
+        if self.manifest.spec.sliding_layers:
+            raise ShardError("the static stage does not handle sliding-window layers yet "
+                             f"({self.manifest.spec.arch}): use the stateful stage")
+        if not 0 <= sinks < window or rows < 1 or slots < 1:
+            raise ShardError(f"a static stage needs rows ≥ 1, slots ≥ 1 and sinks below the window "
+                             f"(rows {rows}, slots {slots}, window {window}, sinks {sinks})")
+        self.device = device
+        self.first, self.last = self.manifest.first, self.manifest.last
+        self.rows, self.slots, self.window, self.sinks = rows, slots, window, sinks
+        self.capacity = slots * window
+        self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
+        try:
+            model, self._pairs = static_model(core().read_model(str(self.folder / MODEL_XML)), rows, self.capacity)
+            self.compiled = core().compile_model(model, device, device_config(device, config))
+        except RuntimeError as exc:
+            raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with static shapes "
+                             f"on {device}: {exc}") from exc
+        self.compiles = 1
+        self._request = self.compiled.create_infer_request()
+        self._lock = threading.Lock()
+        self._cache = {past: np.zeros(list(self.compiled.input(past).get_shape()), np.float32)
+                       for past, _ in self._pairs}
+        self._input = self.compiled.inputs[0].get_any_name()
+        self._free = list(range(slots - 1, -1, -1))
+        self._slot: dict[int, int] = {}  # stream -> its window of the cache
+        self._held: dict[int, np.ndarray] = {}  # stream -> the logical position each ring entry holds (-1: none)
+        self._length: dict[int, int] = {}
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(a.nbytes for a in self._cache.values())
+
+    @property
+    def streams(self) -> list[int]:
+        return list(self._slot)
+
+    def length(self, stream: int) -> int:
+        return self._length.get(stream, 0)
+
+    def reset(self, stream: int = 0) -> None:
+        """Forgets a stream: its window goes back to the free ones."""
+        if stream in self._slot:
+            self._free.append(self._slot.pop(stream))
+            del self._held[stream], self._length[stream]
+
+    def keep(self, stream: int, slots: np.ndarray) -> None:
+        """Rewind: only a prefix of a stream's positions can be kept."""
+        if len(slots) and not (slots[0] == 0 and slots[-1] == len(slots) - 1 and len(slots) <= self.length(stream)):
+            raise ShardError("a static stage keeps a prefix of a stream's positions only (rewind by trimming)")
+        self._truncate(stream, len(slots))
+
+    def _truncate(self, stream: int, length: int) -> None:
+        if stream in self._held:
+            self._held[stream][self._held[stream] >= length] = -1
+            self._length[stream] = length
+
+    def _ring(self, p: int) -> int:
+        """Where in its window a stream keeps its logical position ``p``."""
+        return p if p < self.sinks else self.sinks + (p - self.sinks) % (self.window - self.sinks)
+
+    def forward(self, x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                stream: int = 0, last_only: bool = False) -> np.ndarray:
+        """The stateful stage's one-stream step (see ``PagedStage.forward``)."""
+        part = as_part(x, attention_mask, position_ids, stream, self.length(stream), not last_only)
+        return self.forward_parts([part])[0][None]
+
+    def forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
+        """The parts' rows in forwards of ``rows`` rows each; per part its logits ``[keep, vocab]``
+        (last stage) or hidden states ``[q, hidden]``."""
+        with self._lock:
+            return self._forward_parts(parts)
+
+    def _forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
+        if len({p.stream for p in parts}) != len(parts):
+            raise ShardError("a packed forward carries each stream at most once")
+        joining = [p.stream for p in parts if p.stream not in self._slot]
+        if len(joining) > len(self._free):
+            raise ShardError(f"the static cache is full: {len(joining)} streams join and {len(self._free)} of "
+                             f"{self.slots} stream slots are free")
+        for p in parts:
+            if not 0 <= p.start <= self.length(p.stream):
+                raise ShardError(f"stream {p.stream} holds {self.length(p.stream)} positions, "
+                                 f"it cannot continue from {p.start}")
+            if len(p.x) == 0 or not 1 <= p.keep <= len(p.x):
+                raise ShardError(f"stream {p.stream}: a part needs at least one position and keeps 1 to all of them")
+        for stream in joining:
+            self._slot[stream] = self._free.pop()
+            self._held[stream] = np.full(self.window, -1, np.int64)
+            self._length[stream] = 0
+        for p in parts:
+            self._truncate(p.stream, p.start)
+        # every row: (part index, logical position, rotary position)
+        todo = [(i, p.start + j, int(p.start + j if p.positions is None else p.positions[j]))
+                for i, p in enumerate(parts) for j in range(len(p.x))]
+        outs: list[list[np.ndarray]] = [[] for _ in parts]
+        for begin in range(0, len(todo), self.rows):
+            chunk = todo[begin:begin + self.rows]
+            for (i, _, _), row in zip(chunk, self._run(parts, chunk)):
+                outs[i].append(row)
+        results = [np.stack(rows) for rows in outs]
+        return [r[-p.keep:] for r, p in zip(results, parts)] if self.last else results
+
+    def _run(self, parts: list[Part], chunk: list[tuple[int, int, int]]) -> np.ndarray:
+        """One static forward over ``chunk``'s rows (padded); writes their keys and values into the
+        rows' windows and returns one output row per chunk row."""
+        n, cap = len(chunk), self.capacity
+        x = np.zeros((1, self.rows) + parts[0].x.shape[1:], parts[0].x.dtype)
+        positions = np.zeros((1, self.rows), np.int64)
+        bias = np.full((1, 1, self.rows, cap + self.rows), MASKED, np.float32)
+        first_in_chunk: dict[int, int] = {}
+        for r, (i, p, rotary) in enumerate(chunk):
+            part = parts[i]
+            x[0, r] = part.x[p - part.start]
+            positions[0, r] = rotary
+            stream = part.stream
+            held = self._held[stream]
+            first_in_chunk.setdefault(stream, p)
+            # the stream's cached positions before this chunk, within the ring's reach of p
+            seen = (held >= 0) & (held < first_in_chunk[stream]) & ((held < self.sinks)
+                                                                   | (held > p - (self.window - self.sinks)))
+            base = self._slot[stream] * self.window
+            bias[0, 0, r, base:base + self.window][seen] = 0.0
+            # its own rows in this chunk, up to this one
+            for r2, (i2, p2, _) in enumerate(chunk[: r + 1]):
+                if parts[i2].stream == stream:
+                    bias[0, 0, r, cap + r2] = 0.0
+        for r in range(n, self.rows):  # padding rows see only themselves
+            bias[0, 0, r, cap + r] = 0.0
+        inputs = {self._input: x, "position_ids": positions, BIAS: bias, **self._cache}
+        with self.turns:
+            self._request.infer(inputs, share_inputs=True)
+        for past, present in self._pairs:
+            new = self._request.get_tensor(present).data  # [1, kv_heads, rows, head_dim]
+            for r, (i, p, _) in enumerate(chunk):
+                stream = parts[i].stream
+                self._cache[past][0, :, self._slot[stream] * self.window + self._ring(p)] = new[0, :, r]
+        for i, p, _ in chunk:
+            stream = parts[i].stream
+            self._held[stream][self._ring(p)] = p
+            self._length[stream] = max(self._length[stream], p + 1)
+        return self._request.get_output_tensor(0).data[0, :n].copy()
