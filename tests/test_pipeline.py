@@ -137,6 +137,34 @@ def test_streams_travel_packed_one_frame_per_round(tiny_exports, key_file, tmp_p
                 assert sum(d.result.drafted for d in decodings) > sum(d.result.accepted for d in decodings)
 
 
+def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, key_file, tmp_path):
+    """What the app and `fleet serve` run: the chat service over a worker process.  Four users at once
+    travel in shared PACKED frames, and each gets the reply it gets alone (exact settings)."""
+    from engine.runtime.service import ChatService
+    from engine.runtime.stage import MODES
+
+    folders = tiny_exports["llama", "2"].folders
+    asks = [[{"role": "user", "content": text}] for text in ("The quick brown fox", "Hello there",
+                                                            "Count to ten, slowly please", "Why?")]
+    alone = ChatService(LocalChain(folders, config=MODES["exact"], paged=False), streams=1)
+    try:
+        want = [alone.submit(ask, 12, ignore_eos=True).wait(60).text for ask in asks]
+    finally:
+        alone.close()
+    with pipeline(folders, key_file, tmp_path, mode="exact") as (fleet, chain):
+        sent, send = [], chain._send
+        chain._send = lambda frame, keys=None: (sent.append(frame), send(frame, keys))[1]
+        service = ChatService(chain, streams=4)
+        try:
+            handles = [service.submit(ask, 12, ignore_eos=True) for ask in asks]
+            got = [h.wait(60).text for h in handles]
+        finally:
+            service.close()
+    assert got == want
+    packs = [len(wire.unpack_forward(f)[1]) for f in sent if f.type == Msg.PACKED]
+    assert not [f for f in sent if f.type == Msg.FORWARD] and max(packs) >= 3, packs
+
+
 def test_breakdown_and_injected_delay(tiny_exports, key_file, tmp_path):
     folders = tiny_exports["llama", "2"].folders
     want = _greedy(LocalChain(folders), 6)
