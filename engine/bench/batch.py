@@ -127,6 +127,7 @@ def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tu
                      "stateful_mb": round(_stateful_kv_bytes(chain, max(streams)) / 2**20, 2),
                      "paged_mb": round(per_position * -(-length // paged[0].pool.block_size)
                                        * paged[0].pool.block_size / 2**20, 2)})
+        rows.append({"way": f"KV pool, {n}-stage", **_pool_costs(paged)})
     tok = {(r["way"], r["streams"]): r["tok_s"] for r in rows if "tok_s" in r}
     for n in exports:
         for s in streams:
@@ -179,6 +180,28 @@ def _relay_chain(folders: list[Path], device: str):
                 yield chain
             finally:
                 chain.close()
+
+
+def _pool_costs(stages: list[PagedStage]) -> dict:
+    """What the paged stages' KV reuse costs: half the pool's blocks back to it and taken again (a
+    stream leaving and another joining), and doubling the pool (every block copied)."""
+    pool = stages[0].pool
+    positions = pool.capacity * pool.block_size
+    length = positions // 2
+    began = time.perf_counter()
+    for _ in range(100):
+        for stage in stages:
+            stage.reset(-1)
+            stage.pool.resize(-1, length)
+    reuse_us = (time.perf_counter() - began) / 100 * 1e6
+    for stage in stages:
+        stage.reset(-1)
+    began = time.perf_counter()
+    for stage in stages:
+        stage._grow(2 * stage.pool.capacity)
+    grow_ms = (time.perf_counter() - began) * 1e3
+    return {"reuse_positions": length, "reuse_us": round(reuse_us, 1), "grow_from_positions": positions,
+            "grow_ms": round(grow_ms, 1), "grow_mb": round(sum(s.kv_bytes for s in stages) / 2 / 2**20, 1)}
 
 
 def _timed(fn) -> float:
