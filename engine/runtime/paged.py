@@ -64,6 +64,18 @@ def as_part(x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
     return Part(stream, x[0].copy(), start, q if all_positions else 1, position_ids.reshape(-1).copy())
 
 
+def check_parts(parts: list[Part], length) -> None:
+    """Refuses a packed forward a stage cannot run: a stream twice, a part that does not follow what
+    its stream holds (``length(stream)``), or one with no positions or keeping none of them."""
+    if len({p.stream for p in parts}) != len(parts):
+        raise ShardError("a packed forward carries each stream at most once")
+    for p in parts:
+        if not 0 <= p.start <= length(p.stream):
+            raise ShardError(f"stream {p.stream} holds {length(p.stream)} positions, it cannot continue from {p.start}")
+        if len(p.x) == 0 or not 1 <= p.keep <= len(p.x):
+            raise ShardError(f"stream {p.stream}: a part needs at least one position and keeps 1 to all of them")
+
+
 def _rename_hidden_input(model: ov.Model) -> None:
     for port in model.inputs:
         if "hidden_states" in port.get_names():
@@ -260,14 +272,7 @@ class PagedStage:
             return self._forward_parts(parts)
 
     def _forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
-        if len({p.stream for p in parts}) != len(parts):
-            raise ShardError("a packed forward carries each stream at most once")
-        for p in parts:
-            if not 0 <= p.start <= self.length(p.stream):
-                raise ShardError(f"stream {p.stream} holds {self.length(p.stream)} positions, "
-                                 f"it cannot continue from {p.start}")
-            if len(p.x) == 0 or not 1 <= p.keep <= len(p.x):
-                raise ShardError(f"stream {p.stream}: a part needs at least one position and keeps 1 to all of them")
+        check_parts(parts, self.length)
         # checked before any stream changes, so a refused forward leaves every stream as it was
         short = sum(max(0, self.pool.extra_blocks(p.stream, p.start + len(p.x))) for p in parts) - self.pool.free_blocks
         if short > 0:

@@ -27,7 +27,7 @@ import openvino.opset13 as ops
 
 from engine.errors import ShardError
 from engine.manifest import MODEL_XML, Manifest, load_manifest
-from engine.runtime.paged import Part, as_part
+from engine.runtime.paged import Part, as_part, check_parts
 from engine.runtime.stage import core, device_config, missing_device
 from engine.runtime.turns import NO_TURNS
 
@@ -166,18 +166,11 @@ class StaticStage:
             return self._forward_parts(parts)
 
     def _forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
-        if len({p.stream for p in parts}) != len(parts):
-            raise ShardError("a packed forward carries each stream at most once")
+        check_parts(parts, self.length)
         joining = [p.stream for p in parts if p.stream not in self._slot]
         if len(joining) > len(self._free):
             raise ShardError(f"the static cache is full: {len(joining)} streams join and {len(self._free)} of "
                              f"{self.slots} stream slots are free")
-        for p in parts:
-            if not 0 <= p.start <= self.length(p.stream):
-                raise ShardError(f"stream {p.stream} holds {self.length(p.stream)} positions, "
-                                 f"it cannot continue from {p.start}")
-            if len(p.x) == 0 or not 1 <= p.keep <= len(p.x):
-                raise ShardError(f"stream {p.stream}: a part needs at least one position and keeps 1 to all of them")
         for stream in joining:
             self._slot[stream] = self._free.pop()
             self._held[stream] = np.full(self.window, -1, np.int64)
