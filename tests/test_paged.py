@@ -57,12 +57,13 @@ def _staggered_greedy(stages: list[PagedStage], prompts: list[np.ndarray], new_t
 def test_packed_streams_decode_what_each_decodes_alone(tiny_exports, arch, split):
     folders = tiny_exports[arch, split].folders
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(3, 200, size=n) for n in (5, 37, 1, 70, 12)]
+    prompts = [rng.integers(3, 200, size=n) for n in (5, 37, 1, 70, 12, 3, 50, 20)]
     alone = Generator(LocalChain(folders, config=EXACT, paged=False), 256)
-    want = [alone.generate(ids.reshape(1, -1), 10, ignore_eos=True).tokens for ids in prompts]
-    # the pools start at one block, so they grow (cached blocks copied over) several times mid-flight
+    want = [alone.generate(ids.reshape(1, -1), 16, ignore_eos=True).tokens for ids in prompts]
+    # the pools start at one block, so they grow (cached blocks copied over) several times mid-flight;
+    # 16 tokens each, so all eight streams are in flight together before the first leaves
     stages = [PagedStage(f, config=EXACT, kv_positions=1) for f in folders]
-    assert _staggered_greedy(stages, prompts, 10) == want
+    assert _staggered_greedy(stages, prompts, 16) == want
     assert all(stage.pool.capacity >= 8 for stage in stages)
     assert all(stage.pool.free_blocks == stage.pool.capacity for stage in stages), "every block came back"
 
@@ -97,6 +98,29 @@ def test_bad_parts_and_a_full_pool_are_refused_and_change_nothing(tiny_exports):
     assert stage.streams == [1] and stage.length(1) == size
     stage.forward_parts([Part(2, ids, 0)])  # the refused forwards took no blocks
     assert stage.pool.free_blocks == stage.pool.capacity - 2
+
+
+def test_a_chain_packs_at_most_pack_rows_a_forward(tiny_exports):
+    """Rounds queued together (a failover's re-prefills) go in forwards of at most PACK_ROWS rows, a
+    longer one alone, in submission order; each stream's logits are what it gets alone."""
+    from engine.runtime.paged import PACK_ROWS
+
+    folders = tiny_exports["llama", "2"].folders
+    rng = np.random.default_rng(4)
+    sizes = [PACK_ROWS // 2, PACK_ROWS // 2 + 1, 3, PACK_ROWS + 40, 5]
+    prompts = [rng.integers(3, 200, size=n) for n in sizes]
+    alone = LocalChain(folders, config=EXACT, paged=True)
+    want = [alone.forward(ids[None], np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None], Flag.LOGITS,
+                          stream=i).logits for i, ids in enumerate(prompts)]
+    chain = LocalChain(folders, config=EXACT, paged=True)
+    forwards, run = [], chain.stages[0].forward_parts
+    chain.stages[0].forward_parts = lambda parts: (forwards.append([len(p.x) for p in parts]), run(parts))[1]
+    tickets = [chain.submit(ids[None], np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None], Flag.LOGITS, i)
+               for i, ids in enumerate(prompts)]
+    got = [chain.collect(t).logits for t in tickets]
+    assert forwards == [[sizes[0]], [sizes[1], 3], [sizes[3]], [5]]
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_sliding_window_shards_are_refused_by_name(tiny_exports):

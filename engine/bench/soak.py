@@ -61,8 +61,8 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
         key_file = create_key(Path(tmp) / "fleet.key")
         events: list[str] = []
         deployment, chain, agent = local_up(model, stages, key_file, weights=weights)
-        failover = Failover(deployment, key=load_key(key_file), on_event=lambda text: (events.append(text),
-                                                                                       log(f"fleet: {text}")))
+        failover = Failover(deployment, key=load_key(key_file), chain=chain,
+                            on_event=lambda text: (events.append(text), log(f"fleet: {text}")))
         service = ChatService(chain, streams=users, recover=failover.recover)
         server = ApiServer(service, port=0, model_id=model).start()
         stats = {"completed": 0, "errors": 0, "retried_ok": 0, "retry_failed": 0, "hung": 0}

@@ -135,10 +135,10 @@ def split_of(stages: list[StagePlacement]) -> list[int]:
 def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, weights: str = "int4",
            mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
            progress: DeployProgress | None = None, cancel=None, worker_timeout_s: float = 180.0,
-           deadline_s: float = 2.0, planned: dict | None = None):
+           deadline_s: float = 2.0, planned: dict | None = None, local=None):
     """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it).
     ``planned``: how the placement was chosen (``profile`` path, ``objective``, ``users``), kept in
-    the record for failover."""
+    the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's."""
     from engine.export.exporter import export_model
 
     if not stages or stages[0].agent != LOCAL:
@@ -192,7 +192,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
                                 remotes=remotes, workers=started, mode=mode, weights=weights,
                                 placement=[dataclasses.asdict(s) for s in stages], **(planned or {}))
         report(0, "connect", 0.0)
-        chain = deployment.chain(key, tls=tls, deadline_s=deadline_s)  # the whole route answers, stage by stage
+        chain = deployment.chain(key, tls=tls, deadline_s=deadline_s, local=local)  # the whole route answers
         report(0, "connect", 1.0)
         return deployment, chain
     except BaseException:

@@ -32,10 +32,11 @@ PROBE_TIMEOUT_S = 3.0  # a node agent silent this long counts as gone
 class Failover:
     def __init__(self, deployment: Deployment, profile: dict | None = None, *, key: bytes, tls=None,
                  objective: str = "latency", users: int = 1, deadline_s: float = 2.0,
-                 on_event: Callable[[str], None] | None = None):
+                 on_event: Callable[[str], None] | None = None, chain=None):
         """``profile``: the ``fleet profile`` document the deployment was planned from (its nodes, their
         measured devices and round trips); without one a stopped worker is still started again, but
-        a lost node's layers cannot be moved."""
+        a lost node's layers cannot be moved.  ``chain``: the deployment's running chain, whose
+        compiled stage 0 each recovery carries over (compiling it anew costs 10-25 MB of RSS a time)."""
         if not deployment.placement:
             raise FleetError("this deployment record predates failover (it lacks its placement): deploy it again")
         self.deployment = deployment
@@ -46,6 +47,7 @@ class Failover:
         self.on_event = on_event or (lambda text: None)
         self.lost: dict[str, str] = {}  # node id -> the address its agent had
         self.recoveries = 0
+        self.chain = chain
 
     def name(self, agent: str) -> str:
         return self.nodes.get(self.node_of(agent), {}).get("name", agent)
@@ -79,8 +81,9 @@ class Failover:
         old = self.deployment
         deployment, chain = deploy(old.model, placement, key=self.key, tls=self.tls, weights=old.weights,
                                    mode=old.mode, deadline_s=self.deadline_s,
-                                   planned={"profile": old.profile, "objective": old.objective, "users": old.users})
-        self.deployment = deployment
+                                   planned={"profile": old.profile, "objective": old.objective, "users": old.users},
+                                   local=getattr(self.chain, "local", None))
+        self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         where = [self.name(s.agent) if s.agent != LOCAL else "this machine" for s in placement]
         self.on_event("placed: " + "; ".join(f"stage {i} on {node} ({layer_span(s.start, s.end)})"
@@ -113,7 +116,8 @@ class Failover:
         return stages
 
     @classmethod
-    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None) -> "Failover":
+    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None,
+           chain=None) -> "Failover":
         """The failover of a deployment record, re-planning from the profile it was planned from (if any)."""
         import json
         from pathlib import Path
@@ -125,7 +129,7 @@ class Failover:
             except (OSError, ValueError):
                 profile = None  # moved or damaged: stopped workers still start again
         return cls(deployment, profile, key=key, tls=tls, objective=deployment.objective, users=deployment.users,
-                   deadline_s=deadline_s, on_event=on_event)
+                   deadline_s=deadline_s, on_event=on_event, chain=chain)
 
     def returned(self) -> list[str]:
         """The lost nodes that answer again (they are no longer counted lost): offered to the next

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.errors import ShardError
 from engine.manifest import MANIFEST, check_chain, load_manifest
-from engine.runtime.paged import Part, as_part, open_stage
+from engine.runtime.paged import Part, as_part, open_stage, packs_of
 from engine.runtime.stage import Output, select
 from engine.runtime.turns import NO_TURNS
 from engine.wire import Flag
@@ -131,27 +131,27 @@ class LocalChain:
         return ticket.output
 
     def _run_pending(self, stream: int | None = None) -> None:
-        """Runs every waiting round (``stream``: only if one of them is that stream's, whose next
-        step must come after it)."""
+        """Runs every waiting round, at most ``PACK_ROWS`` rows a forward (``stream``: only if one of
+        them is that stream's, whose next step must come after it)."""
         if stream is not None and all(t.part.stream != stream for t in self._pending):
             return
         pending, self._pending = self._pending, []
-        if not pending:
-            return
-        parts, stage_ms = [t.part for t in pending], []
-        try:
-            for stage in self.stages:
-                began = time.perf_counter()
-                outs = stage.forward_parts(parts)
-                stage_ms.append((time.perf_counter() - began) * 1e3)
-                parts = [dataclasses.replace(p, x=out) for p, out in zip(parts, outs)]
-        except BaseException as exc:
-            for t in pending:
-                t.error = exc
-            raise
-        for t, logits in zip(pending, outs):
-            t.output = select(logits[None], t.flags)
-            t.output.stage_ms = list(stage_ms)
+        groups = packs_of(pending, lambda t: len(t.part.x))
+        for i, group in enumerate(groups):
+            parts, stage_ms = [t.part for t in group], []
+            try:
+                for stage in self.stages:
+                    began = time.perf_counter()
+                    outs = stage.forward_parts(parts)
+                    stage_ms.append((time.perf_counter() - began) * 1e3)
+                    parts = [dataclasses.replace(p, x=out) for p, out in zip(parts, outs)]
+            except BaseException as exc:
+                for t in (t for later in groups[i:] for t in later):
+                    t.error = exc
+                raise
+            for t, logits in zip(group, outs):
+                t.output = select(logits[None], t.flags)
+                t.output.stage_ms = list(stage_ms)
 
     def first_ready(self, tickets: list[Output]) -> int:
         return 0

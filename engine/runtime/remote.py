@@ -25,7 +25,7 @@ from engine import wire
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span
 from engine.runtime.link import Link, connect_successor
-from engine.runtime.paged import Part, as_part, open_stage
+from engine.runtime.paged import Part, as_part, open_stage, packs_of
 from engine.runtime.stage import Output, compile_config
 from engine.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
 
@@ -49,12 +49,20 @@ class _Round:
 class RemoteChain:
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
-                 connect_timeout_s: float = 60.0, isolate: bool = False, turns=None):
-        """``mode``: the correctness mode (``engine.runtime.stage.MODES``); every stage must run the same."""
+                 connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None):
+        """``mode``: the correctness mode (``engine.runtime.stage.MODES``); every stage must run the same.
+        ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
+        stream it holds is forgotten, and it is not compiled again."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
-        self.local = open_stage(Path(stage0), device, compile_config(mode, precision), isolate=isolate, turns=turns)
+        if local is not None and Path(local.folder) == Path(stage0) and local.device == device:
+            for stream in list(local.streams) if local.packs else range(local.streams):
+                local.reset(stream)
+            self.local = local
+        else:
+            self.local = open_stage(Path(stage0), device, compile_config(mode, precision), isolate=isolate,
+                                    turns=turns)
         self.turns = self.local.turns
         self.manifest = self.local.manifest
         if not self.manifest.first:
@@ -216,10 +224,20 @@ class RemoteChain:
             self._flush()
 
     def _flush(self) -> None:
-        """Stage 0 runs every waiting round in one forward; one PACKED frame takes them on."""
+        """Stage 0 runs the waiting rounds in forwards of at most ``PACK_ROWS`` rows (``packs_of``);
+        one PACKED frame a forward takes them on."""
         pending, self._pending = self._pending, []
-        if not pending:
-            return
+        groups = packs_of(pending, lambda r: len(r.part.x))
+        for i, group in enumerate(groups):
+            try:
+                self._flush_group(group)
+            except BaseException as exc:
+                for later in groups[i + 1:]:
+                    for r in later:
+                        r.error = exc
+                raise
+
+    def _flush_group(self, pending: list[_Round]) -> None:
         start = time.perf_counter()
         try:
             hidden = self.local.forward_parts([r.part for r in pending])

@@ -70,7 +70,7 @@ def _local_fleet(args, settings: Settings):
                                        weights=settings.weights, mode=args.mode or settings.mode,
                                        device=args.device or settings.device,
                                        deadline_s=args.deadline or settings.deadline_s)
-    failover = Failover(deployment, key=load_key(path), deadline_s=args.deadline or settings.deadline_s,
+    failover = Failover(deployment, key=load_key(path), deadline_s=args.deadline or settings.deadline_s, chain=chain,
                         on_event=lambda text: print(f"fleet: {text}", file=sys.stderr, flush=True))
     return chain, LocalAgent(proc), failover.recover
 
