@@ -117,7 +117,7 @@ def test_a_node_killed_mid_reply_and_a_hung_worker(fleet):
     deployment, chain = _deployed(fleet)
     want = _reference(deployment)
     assert len(set(want[8:])) > 5  # a reply that varies: carrying on and starting over would differ
-    failover = Failover(deployment, fleet["profile"], key=fleet["key"], on_event=events.append)
+    failover = Failover(deployment, fleet["profile"], key=fleet["key"], on_event=events.append, chain=chain)
     service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
     try:
         alpha_proc, _ = fleet["agents"]["alpha"]
@@ -135,6 +135,7 @@ def test_a_node_killed_mid_reply_and_a_hung_worker(fleet):
         assert moved and moved[0].split()[-1].rstrip("…") in ("beta", "gamma"), events
         survivor = moved[0].split()[-1].rstrip("…")
         assert failover.deployment.stages[1].agent == fleet["agents"][survivor][1]
+        assert failover.chain is not chain and failover.chain.local is chain.local  # stage 0 not compiled again
 
         # a worker that hangs rather than dies: its node still answers, so the stage starts again there
         events.clear()

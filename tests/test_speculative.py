@@ -465,7 +465,7 @@ def _isolation(chain):
 def test_micro_batched_streams_are_isolated_in_process(isolate, tiny_exports):
     chain = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT, isolate=isolate)
     _isolation(chain)
-    assert all(stage.compiles == (stage.streams if isolate else 1) for stage in chain.stages)
+    assert all(stage.compiles == (len(stage.streams) if isolate else 1) for stage in chain.stages)
 
 
 @pytest.mark.parametrize("isolate", [False, True], ids=["shared", "per-stream-compiled"])

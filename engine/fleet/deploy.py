@@ -135,10 +135,12 @@ def split_of(stages: list[StagePlacement]) -> list[int]:
 def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, weights: str = "int4",
            mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
            progress: DeployProgress | None = None, cancel=None, worker_timeout_s: float = 180.0,
-           deadline_s: float = 2.0, planned: dict | None = None, local=None):
+           deadline_s: float = 2.0, planned: dict | None = None, local=None, folders: list[Path] | None = None):
     """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it).
     ``planned``: how the placement was chosen (``profile`` path, ``objective``, ``users``), kept in
-    the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's."""
+    the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's;
+    ``folders``: this split's exported stages, already at hand (failover redeploying a placement),
+    so the model is not opened again to find them."""
     from engine.export.exporter import export_model
 
     if not stages or stages[0].agent != LOCAL:
@@ -159,13 +161,15 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
         if progress:
             progress(stage, phase, fraction)
 
-    export = export_model(model, split=split, weights=weights, cancel=cancel,
-                          progress=lambda i, step, frac: report(i, "export", frac))
-    if stages[-1].end != export.stages[-1].layers[1]:
-        raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
-                         f"{export.stages[-1].layers[1]} layers")
+    if folders is None:
+        export = export_model(model, split=split, weights=weights, cancel=cancel,
+                              progress=lambda i, step, frac: report(i, "export", frac))
+        if stages[-1].end != export.stages[-1].layers[1]:
+            raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
+                             f"{export.stages[-1].layers[1]} layers")
+        folders = export.folders
     digests = {}
-    for i, (stage, folder) in enumerate(zip(stages, export.folders)):
+    for i, (stage, folder) in enumerate(zip(stages, folders)):
         if i == 0:
             continue
         try:
@@ -188,7 +192,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             started.append({"agent": stage.agent, "worker": info["id"], "stage": i})
             remotes.append(worker_address(stage.agent, info["port"]))
             report(i, "start", 1.0)
-        deployment = Deployment(model=model, stage0=str(export.folders[0]), device=stages[0].device,
+        deployment = Deployment(model=model, stage0=str(folders[0]), device=stages[0].device,
                                 remotes=remotes, workers=started, mode=mode, weights=weights,
                                 placement=[dataclasses.asdict(s) for s in stages], **(planned or {}))
         report(0, "connect", 0.0)

@@ -17,9 +17,11 @@ already emitted) and continues it.  What happens is told to ``on_event`` as it h
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from engine.errors import FleetError, StageError
+from engine.export.exporter import stage_folder
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy
 from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
@@ -79,10 +81,12 @@ class Failover:
             if not gone:
                 self.on_event(f"warning: {problem}")
         old = self.deployment
+        # the same placement runs the shards the deployment already has: the model is not opened again
+        held = None if gone else [stage_folder(Path(old.stage0).parent, i) for i in range(len(placement))]
         deployment, chain = deploy(old.model, placement, key=self.key, tls=self.tls, weights=old.weights,
                                    mode=old.mode, deadline_s=self.deadline_s,
                                    planned={"profile": old.profile, "objective": old.objective, "users": old.users},
-                                   local=getattr(self.chain, "local", None))
+                                   local=getattr(self.chain, "local", None), folders=held)
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         where = [self.name(s.agent) if s.agent != LOCAL else "this machine" for s in placement]
@@ -120,7 +124,6 @@ class Failover:
            chain=None) -> "Failover":
         """The failover of a deployment record, re-planning from the profile it was planned from (if any)."""
         import json
-        from pathlib import Path
 
         profile = None
         if deployment.profile:

@@ -57,7 +57,7 @@ class RemoteChain:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
         if local is not None and Path(local.folder) == Path(stage0) and local.device == device:
-            for stream in list(local.streams) if local.packs else range(local.streams):
+            for stream in local.streams:
                 local.reset(stream)
             self.local = local
         else:

@@ -168,8 +168,8 @@ class StageRunner:
         return entry
 
     @property
-    def streams(self) -> int:
-        return len(self._requests)
+    def streams(self) -> list[int]:
+        return list(self._requests)
 
     def reset(self, stream: int = 0) -> None:
         """Drops the stream's KV cache: its next forward starts a new sequence."""
