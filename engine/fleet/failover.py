@@ -120,8 +120,7 @@ class Failover:
         return stages
 
     @classmethod
-    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None,
-           chain=None) -> "Failover":
+    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None) -> "Failover":
         """The failover of a deployment record, re-planning from the profile it was planned from (if any)."""
         import json
 
@@ -132,7 +131,7 @@ class Failover:
             except (OSError, ValueError):
                 profile = None  # moved or damaged: stopped workers still start again
         return cls(deployment, profile, key=key, tls=tls, objective=deployment.objective, users=deployment.users,
-                   deadline_s=deadline_s, on_event=on_event, chain=chain)
+                   deadline_s=deadline_s, on_event=on_event)
 
     def returned(self) -> list[str]:
         """The lost nodes that answer again (they are no longer counted lost): offered to the next
