@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m
 
-.PHONY: run chat test docs installer clean
+.PHONY: run chat test screenshots docs installer clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ chat: $(STAMP)
 
 test: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+screenshots: $(STAMP)
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gui_*.py --screenshots docs/screenshots
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --quiet

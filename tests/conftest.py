@@ -23,6 +23,18 @@ CORPUS = [
 ] * 20
 
 
+def pytest_addoption(parser):
+    parser.addoption("--screenshots", metavar="DIR", default=None,
+                     help="save the GUI tests' 1280x800 screenshots into DIR (`make screenshots`: docs/screenshots)")
+
+
+def pytest_configure(config):
+    import gui_support
+
+    folder = config.getoption("screenshots")
+    gui_support.SCREENSHOTS = Path(folder).resolve() if folder else None
+
+
 def _tokenizer(folder: Path):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast

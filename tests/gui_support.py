@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+SCREENSHOTS: Path | None = None  # set from pytest's --screenshots; None encodes them in memory only
 SIZE = (1280, 800)
 
 
@@ -45,15 +45,20 @@ def open_window(qtbot, settings, store, **kw):
     return window
 
 
-def screenshot(window, name: str) -> Path:
-    """Saves the window at 1280x800 into docs/screenshots/NAME.png."""
+def screenshot(window, name: str) -> None:
+    """Grabs the window at 1280x800 and encodes it as PNG: into SCREENSHOTS/NAME.png with
+    `--screenshots DIR`, otherwise in memory, so a test run leaves docs/screenshots alone."""
+    from PySide6.QtCore import QBuffer, QIODevice
     from PySide6.QtWidgets import QApplication
 
     window.resize(*SIZE)
     QApplication.processEvents()
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    path = SCREENSHOTS / f"{name}.png"
     image = window.grab()
     assert (image.width(), image.height()) == SIZE
-    assert image.save(str(path))
-    return path
+    if SCREENSHOTS is None:
+        buffer = QBuffer()
+        buffer.open(QIODevice.OpenModeFlag.WriteOnly)
+        assert image.save(buffer, "PNG") and buffer.size() > 0
+        return
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    assert image.save(str(SCREENSHOTS / f"{name}.png"))
