@@ -132,15 +132,17 @@ def test_sliding_window_shards_are_refused_by_name(tiny_exports):
 @pytest.mark.parametrize("split", ["1", "3"])
 def test_static_stages_decode_what_each_stream_decodes_alone(tiny_exports, arch, split):
     """Fixed shapes (8 rows a forward, so the long prompts go in several), five streams joining and
-    leaving: within its window every stream gives the stateful path's tokens."""
+    leaving with two slots to start with (they double twice): within its window every stream gives
+    the stateful path's tokens."""
     folders = tiny_exports[arch, split].folders
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 200, size=n) for n in (5, 37, 1, 70, 12)]
     alone = Generator(LocalChain(folders, config=EXACT, paged=False), 256)
     want = [alone.generate(ids.reshape(1, -1), 10, ignore_eos=True).tokens for ids in prompts]
-    stages = [StaticStage(f, "CPU", EXACT, rows=8, slots=5, window=96) for f in folders]
-    assert all(not port.get_partial_shape().is_dynamic for stage in stages for port in stage.compiled.inputs)
+    stages = [StaticStage(f, "CPU", EXACT, rows=8, slots=2, window=96) for f in folders]
     assert _staggered_greedy(stages, prompts, 10) == want
+    assert all(not port.get_partial_shape().is_dynamic for stage in stages for port in stage.compiled.inputs)
+    assert [(stage.slots, stage.compiles) for stage in stages] == [(8, 3)] * len(stages)
     assert all(stage.streams == [] for stage in stages), "every window came back"
 
 
@@ -164,14 +166,16 @@ def test_beyond_its_window_a_static_stream_keeps_its_sinks_and_the_latest_tokens
 
 def test_the_static_stage_refuses_what_does_not_fit_and_npus_pick_it(tiny_exports):
     folder = tiny_exports["llama", "1"].folders[0]
-    stage = StaticStage(folder, "CPU", EXACT, rows=4, slots=2, window=32)
+    stage = StaticStage(folder, "CPU", EXACT, rows=4, slots=1, window=32, max_slots=2)
     ids = np.arange(3, 13, dtype=np.int64)
     stage.forward_parts([Part(1, ids, 0)])
     with pytest.raises(ShardError, match="holds 10 positions, it cannot continue from 12"):
         stage.forward_parts([Part(1, ids, 12)])
-    with pytest.raises(ShardError, match="2 streams join and 1 of 2 stream slots are free"):
+    with pytest.raises(ShardError, match="2 streams join 1 and a static stage holds at most 2"):
         stage.forward_parts([Part(2, ids, 0), Part(3, ids, 0)])
-    assert stage.streams == [1] and stage.length(1) == 10
+    assert stage.streams == [1] and stage.length(1) == 10 and stage.compiles == 1
+    with pytest.raises(ShardError, match="1 ≤ slots ≤ max_slots"):
+        StaticStage(folder, "CPU", slots=3, max_slots=2)
     with pytest.raises(ShardError, match="sliding-window layers"):
         StaticStage(tiny_exports["gemma3", "1"].folders[0], "CPU")
     manifest = stage.manifest

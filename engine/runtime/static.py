@@ -84,42 +84,52 @@ def static_model(model: ov.Model, rows: int, capacity: int) -> tuple[ov.Model, l
 
 class StaticStage:
     """A verified shard compiled with static shapes for ``device``: ``rows`` new tokens a forward,
-    ``slots`` streams of ``window`` cached positions, the first ``sinks`` of each pinned."""
+    ``slots`` streams of ``window`` cached positions, the first ``sinks`` of each pinned.  When more
+    streams join than it has slots it compiles again with twice as many, up to ``max_slots``."""
 
     packs = True  # takes many streams' rows in one forward, rewinds by a shorter length
 
     def __init__(self, folder: Path, device: str = "NPU", config: dict | None = None,
                  manifest: Manifest | None = None, *, rows: int = 16, slots: int = 4, window: int = 1024,
-                 sinks: int = 4, turns=None):
+                 sinks: int = 4, max_slots: int = 64, turns=None):
         self.folder = Path(folder)
         self.manifest = manifest or load_manifest(self.folder)
         if self.manifest.spec.sliding_layers:
             raise ShardError("the static stage does not handle sliding-window layers yet "
                              f"({self.manifest.spec.arch}): use the stateful stage")
-        if not 0 <= sinks < window or rows < 1 or slots < 1:
-            raise ShardError(f"a static stage needs rows ≥ 1, slots ≥ 1 and sinks below the window "
-                             f"(rows {rows}, slots {slots}, window {window}, sinks {sinks})")
-        self.device = device
+        if not 0 <= sinks < window or rows < 1 or not 1 <= slots <= max_slots:
+            raise ShardError(f"a static stage needs rows ≥ 1, 1 ≤ slots ≤ max_slots and sinks below the window "
+                             f"(rows {rows}, slots {slots} of {max_slots}, window {window}, sinks {sinks})")
+        self.device, self.config = device, config
         self.first, self.last = self.manifest.first, self.manifest.last
-        self.rows, self.slots, self.window, self.sinks = rows, slots, window, sinks
-        self.capacity = slots * window
+        self.rows, self.window, self.sinks, self.max_slots = rows, window, sinks, max_slots
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
-        try:
-            model, self._pairs = static_model(core().read_model(str(self.folder / MODEL_XML)), rows, self.capacity)
-            self.compiled = core().compile_model(model, device, device_config(device, config))
-        except RuntimeError as exc:
-            raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with static shapes "
-                             f"on {device}: {exc}") from exc
-        self.compiles = 1
-        self._request = self.compiled.create_infer_request()
+        self.slots, self.compiles, self._cache = 0, 0, {}
+        self._free: list[int] = []
+        self._compile(slots)
         self._lock = threading.Lock()
-        self._cache = {past: np.zeros(list(self.compiled.input(past).get_shape()), np.float32)
-                       for past, _ in self._pairs}
-        self._input = self.compiled.inputs[0].get_any_name()
-        self._free = list(range(slots - 1, -1, -1))
         self._slot: dict[int, int] = {}  # stream -> its window of the cache
         self._held: dict[int, np.ndarray] = {}  # stream -> the logical position each ring entry holds (-1: none)
         self._length: dict[int, int] = {}
+
+    def _compile(self, slots: int) -> None:
+        """(Re)compiles for ``slots`` stream windows; the cached windows so far keep their place."""
+        capacity = slots * self.window
+        try:
+            model, self._pairs = static_model(core().read_model(str(self.folder / MODEL_XML)), self.rows, capacity)
+            self.compiled = core().compile_model(model, self.device, device_config(self.device, self.config))
+        except RuntimeError as exc:
+            raise ShardError(missing_device(self.device) or f"cannot compile shard {self.folder} with static "
+                             f"shapes on {self.device}: {exc}") from exc
+        self.compiles += 1
+        self._request = self.compiled.create_infer_request()
+        self._input = self.compiled.inputs[0].get_any_name()
+        cache = {past: np.zeros(list(self.compiled.input(past).get_shape()), np.float32) for past, _ in self._pairs}
+        for past, old in self._cache.items():
+            cache[past][:, :, : old.shape[2]] = old
+        self._cache = cache
+        self._free = list(range(slots - 1, self.slots - 1, -1)) + self._free
+        self.slots, self.capacity = slots, capacity
 
     @property
     def kv_bytes(self) -> int:
@@ -169,8 +179,12 @@ class StaticStage:
         check_parts(parts, self.length)
         joining = [p.stream for p in parts if p.stream not in self._slot]
         if len(joining) > len(self._free):
-            raise ShardError(f"the static cache is full: {len(joining)} streams join and {len(self._free)} of "
-                             f"{self.slots} stream slots are free")
+            # a recompile stalls every stream once, so the slots double rather than grow by one
+            wanted = len(self._slot) + len(joining)
+            if wanted > self.max_slots:
+                raise ShardError(f"the static cache is full: {len(joining)} streams join {len(self._slot)} "
+                                 f"and a static stage holds at most {self.max_slots}")
+            self._compile(min(self.max_slots, max(wanted, 2 * self.slots)))
         for stream in joining:
             self._slot[stream] = self._free.pop()
             self._held[stream] = np.full(self.window, -1, np.int64)
