@@ -137,7 +137,7 @@ class EngineBackend:
             mode=settings.mode, device=settings.devices, deadline_s=self._deadline(),
             progress=lambda stage, phase, fraction: progress(deploy_payload(stage, phase, fraction)))
         try:
-            recover = self._failover(deployment, settings)
+            recover = self._failover(deployment, settings, chain)
             service = self.chat_service(chain, settings, draft_shards, owned=[LocalAgent(proc)], recover=recover)
         except BaseException:
             chain.close()
@@ -158,7 +158,7 @@ class EngineBackend:
         progress(("status", f"connecting to the deployed {deployment.model}"))
         chain = deployment.chain(keystore.load(settings), tls=keystore.tls(settings), deadline_s=self._deadline())
         try:
-            service = self.chat_service(chain, settings, draft_shards, recover=self._failover(deployment, settings))
+            service = self.chat_service(chain, settings, draft_shards, recover=self._failover(deployment, settings, chain))
         except BaseException:
             chain.close()
             raise
@@ -174,14 +174,15 @@ class EngineBackend:
         return ChatService(chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
                            rewind=REWIND[settings.mode], owned=list(owned), recover=recover)
 
-    def _failover(self, deployment, settings):
+    def _failover(self, deployment, settings, chain):
         """A deployment's recovery: a stopped worker starts again, a lost node's layers move
         (``engine.fleet.failover``); what happens goes to ``on_fleet_event``."""
         from engine.fleet.failover import Failover
         from fleetgui import keystore
 
         return Failover.of(deployment, key=keystore.load(settings), tls=keystore.tls(settings),
-                           deadline_s=self._deadline(), on_event=lambda text: self.on_fleet_event(text)).recover
+                           deadline_s=self._deadline(), on_event=lambda text: self.on_fleet_event(text),
+                           chain=chain).recover
 
     @staticmethod
     def _deadline() -> float:

@@ -120,8 +120,10 @@ class Failover:
         return stages
 
     @classmethod
-    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None) -> "Failover":
-        """The failover of a deployment record, re-planning from the profile it was planned from (if any)."""
+    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None,
+           chain=None) -> "Failover":
+        """The failover of a deployment record, re-planning from the profile it was planned from (if any);
+        ``chain`` as in the constructor."""
         import json
 
         profile = None
@@ -131,7 +133,7 @@ class Failover:
             except (OSError, ValueError):
                 profile = None  # moved or damaged: stopped workers still start again
         return cls(deployment, profile, key=key, tls=tls, objective=deployment.objective, users=deployment.users,
-                   deadline_s=deadline_s, on_event=on_event)
+                   deadline_s=deadline_s, on_event=on_event, chain=chain)
 
     def returned(self) -> list[str]:
         """The lost nodes that answer again (they are no longer counted lost): offered to the next

@@ -27,7 +27,7 @@ def cmd_serve(args) -> int:
         chain, fleet, recover = _local_fleet(args, settings)
     else:
         chain, fleet = open_chain(args, settings)
-        recover = _failover(args, settings)
+        recover = _failover(args, settings, chain)
     try:
         drafters = open_drafter(args, settings, chain, streams)
         service = ChatService(chain, streams=streams, drafters=(lambda n: drafters) if drafters else None, k=args.k,
@@ -75,7 +75,7 @@ def _local_fleet(args, settings: Settings):
     return chain, LocalAgent(proc), failover.recover
 
 
-def _failover(args, settings: Settings):
+def _failover(args, settings: Settings, chain):
     """A deployed fleet's recovery (``engine.fleet.failover``): replies in flight survive a lost node."""
     if not args.deployment:
         return None
@@ -90,7 +90,7 @@ def _failover(args, settings: Settings):
         return None
     failover = Failover.of(record, key=load_key(args.fleet_key_file), deadline_s=args.deadline or settings.deadline_s,
                            tls=load_tls(args.tls or settings.tls, args.fleet_key_file),
-                           on_event=lambda text: print(f"fleet: {text}", file=sys.stderr, flush=True))
+                           on_event=lambda text: print(f"fleet: {text}", file=sys.stderr, flush=True), chain=chain)
     return failover.recover
 
 
