@@ -279,7 +279,8 @@ def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, to
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise FleetError(f"unknown parts {', '.join(sorted(unknown))}: the parts are {', '.join(PARTS)}")
-    exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel).folders for n in (1, 2, 3)}
+    splits = {1, stages} | ({2, 3} if "ttft" in parts else set())  # TTFT compares 1, 2 and 3 stages
+    exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel).folders for n in sorted(splits)}
     one = exports[1][0]
     rows, ratios = [], {}
     measure = {"users": lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, hooks, log),
