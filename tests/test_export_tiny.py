@@ -86,9 +86,10 @@ def _hf_greedy(model, ids, steps):
 def test_one_two_three_stage_chains_give_hf_greedy_tokens(arch, tiny_models, tiny_exports):
     want = _hf_greedy(_hf(tiny_models[arch]), IDS, 24)
     for label in ("1", "2", "3"):
-        chain = LocalChain(tiny_exports[arch, label].folders, config=F32)
-        got = Generator(chain, max_length=128).generate(IDS, 24, ignore_eos=True).tokens
-        assert got == want, f"{arch} {label}-stage chain"
+        for paged in (False, True):
+            chain = LocalChain(tiny_exports[arch, label].folders, config=F32, paged=paged)
+            got = Generator(chain, max_length=128).generate(IDS, 24, ignore_eos=True).tokens
+            assert got == want, f"{arch} {label}-stage {'paged' if paged else 'stateful'} chain"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,6 +1,7 @@
 """The second architecture end to end: the real Gemma 3 270M (sliding-window layers, q/k norms,
 head_dim 256, scaled embeddings) exported as 1, 2 and 3 stages greedily decodes the very tokens of
-transformers' own model of the same GGUF, on eight prompts, one of them longer than the window."""
+transformers' own model of the same GGUF, on eight prompts, one of them longer than the window, on
+stateful and on paged stages."""
 
 from __future__ import annotations
 
@@ -53,10 +54,11 @@ def test_the_manifest_carries_the_sliding_layers(gemma_exports):
     assert spec.tie_embeddings
 
 
-def test_one_two_three_stages_decode_transformers_greedy_tokens(gemma_exports, transformers_gemma):
+def test_one_two_three_stateful_or_paged_stages_decode_transformers_greedy_tokens(gemma_exports, transformers_gemma):
     model, hf_tok = transformers_gemma
     tok = ChatTokenizer(gemma_exports[1].folders[0])
-    chains = {n: LocalChain(gemma_exports[n].folders, config=F32) for n in (1, 2, 3)}
+    chains = {(n, kind): LocalChain(gemma_exports[n].folders, config=F32, paged=kind == "paged")
+              for n in (1, 2, 3) for kind in ("stateful", "paged")}
     long_prompt_seen = False
     for prompt in PROMPTS:
         ids = tok.prompt_ids(prompt, chat=False)
@@ -66,7 +68,7 @@ def test_one_two_three_stages_decode_transformers_greedy_tokens(gemma_exports, t
             out = model.generate(torch.from_numpy(ids.reshape(1, -1)), max_new_tokens=NEW_TOKENS,
                                  min_new_tokens=NEW_TOKENS, do_sample=False)
         want = out[0, ids.size:].tolist()
-        for n, chain in chains.items():
+        for (n, kind), chain in chains.items():
             got = Generator(chain, max_length=2048).generate(ids.reshape(-1), NEW_TOKENS, ignore_eos=True).tokens
-            assert got == want, f"{n}-stage chain on {prompt[:30]!r}"
+            assert got == want, f"{n}-stage {kind} chain on {prompt[:30]!r}"
     assert long_prompt_seen

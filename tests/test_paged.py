@@ -52,9 +52,11 @@ def _staggered_greedy(stages: list[PagedStage], prompts: list[np.ndarray], new_t
     return [got[k] for k in range(len(prompts))]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("split", ["1", "2", "3"])
 def test_packed_streams_decode_what_each_decodes_alone(tiny_exports, arch, split):
+    """Gemma 3's tiny model has a 4-token window on three of its four layers: the paged stages give
+    those layers' attention ops the window, or these prompts would decode other tokens."""
     folders = tiny_exports[arch, split].folders
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, 200, size=n) for n in (5, 37, 1, 70, 12, 3, 50, 20)]
@@ -123,11 +125,6 @@ def test_a_chain_packs_at_most_pack_rows_a_forward(tiny_exports):
         np.testing.assert_array_equal(g, w)
 
 
-def test_sliding_window_shards_are_refused_by_name(tiny_exports):
-    with pytest.raises(ShardError, match="sliding-window layers"):
-        PagedStage(tiny_exports["gemma3", "1"].folders[0])
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("split", ["1", "3"])
 def test_static_stages_decode_what_each_stream_decodes_alone(tiny_exports, arch, split):
@@ -183,7 +180,8 @@ def test_the_static_stage_refuses_what_does_not_fit_and_npus_pick_it(tiny_export
     assert stage_kind(manifest, "CPU") == stage_kind(manifest, "GPU.1") == "paged"
     assert stage_kind(manifest, "NPU", static=False) == "stateful" and stage_kind(manifest, "CPU", static=True) == "static"
     assert stage_kind(manifest, "CPU", isolate=True) == "stateful"
-    assert stage_kind(load_manifest(tiny_exports["gemma3", "1"].folders[0]), "NPU") == "stateful"
+    gemma = load_manifest(tiny_exports["gemma3", "1"].folders[0])
+    assert stage_kind(gemma, "NPU") == "stateful" and stage_kind(gemma, "CPU") == "paged"
 
 
 def test_smollm2_packed_chat_streams_match_the_stateful_path():

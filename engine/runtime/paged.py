@@ -103,6 +103,27 @@ def _rename_hidden_input(model: ov.Model) -> None:
             port.get_node().set_friendly_name(HIDDEN_IN)
 
 
+def _slide_windows(model: ov.Model, manifest: Manifest) -> None:
+    """Gives the PagedAttention op of each sliding-window layer its window: the transformation
+    leaves 0 (attend to everything), as it does not see the window in the graph's own mask.  The
+    op's window counts the token itself, as ours does (one more or one less changes the tokens)."""
+    sliding = set(manifest.spec.sliding_layers)
+    if not sliding:
+        return
+    for node in model.get_ops():
+        if node.get_type_name() != "PagedAttentionExtension":
+            continue
+        cache = node.input_value(3).get_node().get_friendly_name()  # key_cache.N: this stage's Nth layer
+        old = node.input_value(10).get_node()  # the op's sliding_window input
+        if not cache.startswith("key_cache.") or old.get_type_name() != "Constant" or old.get_output_size() != 1:
+            raise ShardError("this OpenVINO's PagedAttention op has no sliding-window input where fleetshard "
+                             "expects it: serve this model on stateful stages (paged=False)")
+        if manifest.layers[0] + int(cache[len("key_cache."):]) in sliding:
+            window = ops.constant(np.array(manifest.spec.sliding_window, np.int32))
+            node.input(10).replace_source_output(window.output(0))
+    model.validate_nodes_and_infer_types()
+
+
 def _gather_logits_rows(model: ov.Model) -> None:
     """The head projects only the rows named by a ``logits_rows`` input (one row per token after
     the transformation), so a 1,000-token prefill computes one row of logits, not a thousand."""
@@ -172,13 +193,13 @@ def stage_kind(manifest: Manifest, device: str, *, paged: bool | None = None, st
                isolate: bool = False) -> str:
     """Which runner serves a stage: ``static`` shapes on an NPU (whose compiler wants them) or when
     asked for; else ``paged`` attention where it is supported or asked for; else ``stateful`` (also
-    when ``isolate`` asks for one compiled model per stream).  Sliding-window layers stay stateful
-    unless asked otherwise: neither the transformation nor the static mask sees their window."""
+    when ``isolate`` asks for one compiled model per stream).  Sliding-window layers are not static
+    on an NPU (the static mask does not see their window)."""
     sliding = bool(manifest.spec.sliding_layers)
     npu = device.upper().startswith("NPU")
     if static or (static is None and npu and not sliding and not isolate):
         return "static"
-    if paged or (paged is None and not npu and not sliding and not isolate):
+    if paged or (paged is None and not npu and not isolate):
         return "paged"
     return "stateful"
 
@@ -212,9 +233,6 @@ class PagedStage:
 
         self.folder = Path(folder)
         self.manifest = manifest or load_manifest(self.folder)
-        if self.manifest.spec.sliding_layers:
-            raise ShardError("paged attention does not handle sliding-window layers yet "
-                             f"({self.manifest.spec.arch}): use the stateful stage")
         self.device = device
         self.first, self.last = self.manifest.first, self.manifest.last
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
@@ -222,6 +240,7 @@ class PagedStage:
             model = core().read_model(str(self.folder / MODEL_XML))
             _rename_hidden_input(model)
             paged_attention_transformation(model, False, False)
+            _slide_windows(model, self.manifest)
             if self.last:
                 _gather_logits_rows(model)
             self.compiled = core().compile_model(model, device, paged_config(device, config))
