@@ -115,7 +115,8 @@ def _slide_windows(model: ov.Model, manifest: Manifest) -> None:
             continue
         cache = node.input_value(3).get_node().get_friendly_name()  # key_cache.N: this stage's Nth layer
         old = node.input_value(10).get_node()  # the op's sliding_window input
-        if not cache.startswith("key_cache.") or old.get_type_name() != "Constant" or old.get_output_size() != 1:
+        if (not cache.startswith("key_cache.") or old.get_type_name() != "Constant"
+                or old.get_output_element_type(0) != ov.Type.i32 or len(old.get_output_shape(0)) != 0):
             raise ShardError("this OpenVINO's PagedAttention op has no sliding-window input where fleetshard "
                              "expects it: serve this model on stateful stages (paged=False)")
         if manifest.layers[0] + int(cache[len("key_cache."):]) in sliding:
