@@ -125,7 +125,7 @@ def test_a_chain_packs_at_most_pack_rows_a_forward(tiny_exports):
         np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("split", ["1", "3"])
 def test_static_stages_decode_what_each_stream_decodes_alone(tiny_exports, arch, split):
     """Fixed shapes (8 rows a forward, so the long prompts go in several), five streams joining and
@@ -173,15 +173,15 @@ def test_the_static_stage_refuses_what_does_not_fit_and_npus_pick_it(tiny_export
     assert stage.streams == [1] and stage.length(1) == 10 and stage.compiles == 1
     with pytest.raises(ShardError, match="1 ≤ slots ≤ max_slots"):
         StaticStage(folder, "CPU", slots=3, max_slots=2)
-    with pytest.raises(ShardError, match="sliding-window layers"):
-        StaticStage(tiny_exports["gemma3", "1"].folders[0], "CPU")
+    with pytest.raises(ShardError, match="must hold the model's 4-token sliding window"):
+        StaticStage(tiny_exports["gemma3", "1"].folders[0], "CPU", window=6, sinks=3)
     manifest = stage.manifest
     assert stage_kind(manifest, "NPU") == "static" and stage_kind(manifest, "npu.0") == "static"
     assert stage_kind(manifest, "CPU") == stage_kind(manifest, "GPU.1") == "paged"
     assert stage_kind(manifest, "NPU", static=False) == "stateful" and stage_kind(manifest, "CPU", static=True) == "static"
     assert stage_kind(manifest, "CPU", isolate=True) == "stateful"
     gemma = load_manifest(tiny_exports["gemma3", "1"].folders[0])
-    assert stage_kind(gemma, "NPU") == "stateful" and stage_kind(gemma, "CPU") == "paged"
+    assert stage_kind(gemma, "NPU") == "static" and stage_kind(gemma, "CPU") == "paged"
 
 
 def test_smollm2_packed_chat_streams_match_the_stateful_path():

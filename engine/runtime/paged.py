@@ -194,11 +194,9 @@ def stage_kind(manifest: Manifest, device: str, *, paged: bool | None = None, st
                isolate: bool = False) -> str:
     """Which runner serves a stage: ``static`` shapes on an NPU (whose compiler wants them) or when
     asked for; else ``paged`` attention where it is supported or asked for; else ``stateful`` (also
-    when ``isolate`` asks for one compiled model per stream).  Sliding-window layers are not static
-    on an NPU (the static mask does not see their window)."""
-    sliding = bool(manifest.spec.sliding_layers)
+    when ``isolate`` asks for one compiled model per stream)."""
     npu = device.upper().startswith("NPU")
-    if static or (static is None and npu and not sliding and not isolate):
+    if static or (static is None and npu and not isolate):
         return "static"
     if paged or (paged is None and not npu and not isolate):
         return "paged"

@@ -13,7 +13,8 @@ stream, nothing else; unused rows are padding that sees itself.  A stream's wind
 first ``sinks`` positions stay pinned (attention sinks): once a stream holds more than ``window``
 positions the oldest others are overwritten, so a long conversation keeps going with the sinks and
 the most recent tokens.  Within its window a stream's output is the dynamic path's (``exact``
-settings, ``tests/test_static.py``).
+settings, ``tests/test_paged.py``).  Sliding-window layers take their own bias, which also hides
+what lies a model's window or more behind each row.
 """
 
 from __future__ import annotations
@@ -32,22 +33,28 @@ from engine.runtime.stage import core, device_config, missing_device
 from engine.runtime.turns import NO_TURNS
 
 BIAS = "attention_bias"
+SLIDING_BIAS = "attention_bias_sliding"
 MASKED = np.float32(np.finfo(np.float32).min)
 
 
-def static_model(model: ov.Model, rows: int, capacity: int) -> tuple[ov.Model, list[tuple[str, str]]]:
+def static_model(model: ov.Model, rows: int, capacity: int,
+                 sliding: frozenset[int] = frozenset()) -> tuple[ov.Model, list[tuple[str, str]]]:
     """The stateless, fixed-shape form of a stage's graph; returns it and its (past input, new
-    rows output) name pairs."""
+    rows output) name pairs.  The layers counted in ``sliding`` (this stage's own indices) take
+    their mask from a second input, ``attention_bias_sliding``."""
     from openvino._offline_transformations import stateful_to_stateless_transformation
 
     stateful_to_stateless_transformation(model)
-    attentions = [n for n in model.get_ops() if n.get_type_name() == "ScaledDotProductAttention"]
-    if not attentions:
-        raise ShardError("the shard has no attention ops to give a static mask: not a shard fleetshard exported")
-    bias = ops.parameter(ov.PartialShape([1, 1, rows, capacity + rows]), ov.Type.f32, name=BIAS)
-    bias.get_output_tensor(0).set_names({BIAS})
-    for node in attentions:
-        node.input(3).replace_source_output(bias.output(0))
+    # in graph order, which is layer order: each layer's attention needs the previous layer's output
+    attentions = [n for n in model.get_ordered_ops() if n.get_type_name() == "ScaledDotProductAttention"]
+    if not attentions or (sliding and max(sliding) >= len(attentions)):
+        raise ShardError("the shard lacks the attention ops to give a static mask: not a shard fleetshard exported")
+    biases = {}
+    for name in (BIAS, SLIDING_BIAS) if sliding else (BIAS,):
+        biases[name] = ops.parameter(ov.PartialShape([1, 1, rows, capacity + rows]), ov.Type.f32, name=name)
+        biases[name].get_output_tensor(0).set_names({name})
+    for layer, node in enumerate(attentions):
+        node.input(3).replace_source_output(biases[SLIDING_BIAS if layer in sliding else BIAS].output(0))
     pairs = []
     params = {p.get_any_name(): p for p in model.inputs}
     for result in model.get_results():
@@ -64,11 +71,11 @@ def static_model(model: ov.Model, rows: int, capacity: int) -> tuple[ov.Model, l
             raise ShardError(f"the shard's cache output {name} has no matching input")
         pairs.append((past, name))
     kept = [p for p in model.get_parameters() if p.get_output_tensor(0).get_any_name() != "attention_mask"]
-    model = ov.Model(model.get_results(), kept + [bias], model.get_friendly_name())
+    model = ov.Model(model.get_results(), kept + list(biases.values()), model.get_friendly_name())
     shapes = {}
     for port in model.inputs:
         name, shape = port.get_any_name(), port.get_partial_shape()
-        if name == BIAS:
+        if name in biases:
             continue
         if name.startswith("input_restored."):
             shapes[name] = [1, shape[1].get_length(), capacity, shape[3].get_length()]
@@ -94,12 +101,16 @@ class StaticStage:
                  sinks: int = 4, max_slots: int = 64, turns=None):
         self.folder = Path(folder)
         self.manifest = manifest or load_manifest(self.folder)
-        if self.manifest.spec.sliding_layers:
-            raise ShardError("the static stage does not handle sliding-window layers yet "
-                             f"({self.manifest.spec.arch}): use the stateful stage")
         if not 0 <= sinks < window or rows < 1 or not 1 <= slots <= max_slots:
             raise ShardError(f"a static stage needs rows ≥ 1, 1 ≤ slots ≤ max_slots and sinks below the window "
                              f"(rows {rows}, slots {slots} of {max_slots}, window {window}, sinks {sinks})")
+        spec = self.manifest.spec
+        self.sliding = frozenset(i - self.manifest.layers[0] for i in spec.sliding_layers
+                                 if self.manifest.layers[0] <= i < self.manifest.layers[1])
+        self.slide = spec.sliding_window if self.sliding else 0
+        if self.slide > window - sinks:
+            raise ShardError(f"a static stage's ring ({window} positions, {sinks} sinks) must hold the model's "
+                             f"{self.slide}-token sliding window")
         self.device, self.config = device, config
         self.first, self.last = self.manifest.first, self.manifest.last
         self.rows, self.window, self.sinks, self.max_slots = rows, window, sinks, max_slots
@@ -116,7 +127,8 @@ class StaticStage:
         """(Re)compiles for ``slots`` stream windows; the cached windows so far keep their place."""
         capacity = slots * self.window
         try:
-            model, self._pairs = static_model(core().read_model(str(self.folder / MODEL_XML)), self.rows, capacity)
+            model, self._pairs = static_model(core().read_model(str(self.folder / MODEL_XML)), self.rows, capacity,
+                                              self.sliding)
             self.compiled = core().compile_model(model, self.device, device_config(self.device, self.config))
         except RuntimeError as exc:
             raise ShardError(missing_device(self.device) or f"cannot compile shard {self.folder} with static "
@@ -209,6 +221,7 @@ class StaticStage:
         x = np.zeros((1, self.rows) + parts[0].x.shape[1:], parts[0].x.dtype)
         positions = np.zeros((1, self.rows), np.int64)
         bias = np.full((1, 1, self.rows, cap + self.rows), MASKED, np.float32)
+        sliding = bias.copy() if self.slide else None  # sliding-window layers: also near the query
         first_in_chunk: dict[int, int] = {}
         for r, (i, p, rotary) in enumerate(chunk):
             part = parts[i]
@@ -222,13 +235,21 @@ class StaticStage:
                                                                    | (held > p - (self.window - self.sinks)))
             base = self._slot[stream] * self.window
             bias[0, 0, r, base:base + self.window][seen] = 0.0
+            if sliding is not None:
+                sliding[0, 0, r, base:base + self.window][seen & (held > rotary - self.slide)] = 0.0
             # its own rows in this chunk, up to this one
             for r2, (i2, p2, _) in enumerate(chunk[: r + 1]):
                 if parts[i2].stream == stream:
                     bias[0, 0, r, cap + r2] = 0.0
+                    if sliding is not None and p2 > rotary - self.slide:
+                        sliding[0, 0, r, cap + r2] = 0.0
         for r in range(n, self.rows):  # padding rows see only themselves
             bias[0, 0, r, cap + r] = 0.0
+            if sliding is not None:
+                sliding[0, 0, r, cap + r] = 0.0
         inputs = {self._input: x, "position_ids": positions, BIAS: bias, **self._cache}
+        if sliding is not None:
+            inputs[SLIDING_BIAS] = sliding
         with self.turns:
             self._request.infer(inputs, share_inputs=True)
         for past, present in self._pairs:
