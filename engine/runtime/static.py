@@ -214,6 +214,19 @@ class StaticStage:
         results = [np.stack(rows) for rows in outs]
         return [r[-p.keep:] for r, p in zip(results, parts)] if self.last else results
 
+    def _sliding_bias(self, bias: np.ndarray, parts: list[Part], chunk: list[tuple[int, int, int]],
+                      positions: np.ndarray) -> np.ndarray:
+        """``bias`` less every column whose logical position lies a window or more behind the row's
+        position (what the decoder's sliding mask hides).  Padding rows (position 0) keep themselves."""
+        cap = self.capacity
+        logical = np.zeros(cap + self.rows, np.int64)  # of each column; masked columns do not matter
+        for stream in {parts[i].stream for i, _, _ in chunk}:
+            base = self._slot[stream] * self.window
+            logical[base:base + self.window] = self._held[stream]
+        logical[cap:cap + len(chunk)] = [p for _, p, _ in chunk]
+        near = logical[None, :] > positions[:, None] - self.slide
+        return np.where(near, bias[0, 0], MASKED)[None, None]
+
     def _run(self, parts: list[Part], chunk: list[tuple[int, int, int]]) -> np.ndarray:
         """One static forward over ``chunk``'s rows (padded); writes their keys and values into the
         rows' windows and returns one output row per chunk row."""
@@ -221,7 +234,6 @@ class StaticStage:
         x = np.zeros((1, self.rows) + parts[0].x.shape[1:], parts[0].x.dtype)
         positions = np.zeros((1, self.rows), np.int64)
         bias = np.full((1, 1, self.rows, cap + self.rows), MASKED, np.float32)
-        sliding = bias.copy() if self.slide else None  # sliding-window layers: also near the query
         first_in_chunk: dict[int, int] = {}
         for r, (i, p, rotary) in enumerate(chunk):
             part = parts[i]
@@ -235,21 +247,15 @@ class StaticStage:
                                                                    | (held > p - (self.window - self.sinks)))
             base = self._slot[stream] * self.window
             bias[0, 0, r, base:base + self.window][seen] = 0.0
-            if sliding is not None:
-                sliding[0, 0, r, base:base + self.window][seen & (held > rotary - self.slide)] = 0.0
             # its own rows in this chunk, up to this one
-            for r2, (i2, p2, _) in enumerate(chunk[: r + 1]):
+            for r2, (i2, _, _) in enumerate(chunk[: r + 1]):
                 if parts[i2].stream == stream:
                     bias[0, 0, r, cap + r2] = 0.0
-                    if sliding is not None and p2 > rotary - self.slide:
-                        sliding[0, 0, r, cap + r2] = 0.0
         for r in range(n, self.rows):  # padding rows see only themselves
             bias[0, 0, r, cap + r] = 0.0
-            if sliding is not None:
-                sliding[0, 0, r, cap + r] = 0.0
         inputs = {self._input: x, "position_ids": positions, BIAS: bias, **self._cache}
-        if sliding is not None:
-            inputs[SLIDING_BIAS] = sliding
+        if self.slide:
+            inputs[SLIDING_BIAS] = self._sliding_bias(bias, parts, chunk, positions[0])
         with self.turns:
             self._request.infer(inputs, share_inputs=True)
         for past, present in self._pairs:
