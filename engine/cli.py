@@ -86,9 +86,9 @@ def open_chain(args, settings: Settings):
     """The chain ``fleet generate`` asked for: in-process, stage 0 here and the rest remote, or a
     local fleet of worker processes.  Returns (chain, local fleet or None)."""
     from engine.fleetkey import key_file, load_key, load_tls
-    from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
-    from engine.runtime.stage import compile_config
-    from engine.runtime.turns import compute_turns
+    from engine.runtime.stages.chain import LocalChain, expand_shard_dirs, parse_devices
+    from engine.runtime.stages.stage import compile_config
+    from engine.runtime.stages.turns import compute_turns
 
     if sum(map(bool, (args.remote, args.local_workers, args.deployment))) > 1:
         raise FleetError("--remote, --local-workers and --deployment exclude each other")
@@ -110,7 +110,7 @@ def open_chain(args, settings: Settings):
         return LocalChain(shard_dirs, device=device, config=compile_config(mode, args.precision),
                           isolate=args.isolate_streams), None
 
-    from engine.runtime.remote import RemoteChain
+    from engine.runtime.relay.remote import RemoteChain
 
     tls_on = args.tls or settings.tls
     key = load_key(args.fleet_key_file, create=args.local_workers)
@@ -123,7 +123,7 @@ def open_chain(args, settings: Settings):
         remotes = [a.strip() for a in args.remote.split(",") if a.strip()]
         devices = [device]
     else:
-        from engine.runtime.localfleet import LocalFleet
+        from engine.runtime.relay.localfleet import LocalFleet
 
         if len(shard_dirs) < 2:
             raise FleetError("--local-workers needs a model split into at least 2 stages")
@@ -147,8 +147,8 @@ def open_chain(args, settings: Settings):
 def open_drafter(args, settings: Settings, chain, streams: int):
     """One drafter per stream, or None: ``lookup``, a draft model (shard folder or model source), or
     ``hybrid:MODEL`` (lookup or the model, per round)."""
-    from engine.runtime.chain import expand_shard_dirs
-    from engine.runtime.speculative import draft_head, open_draft_chain, stream_drafters
+    from engine.runtime.stages.chain import expand_shard_dirs
+    from engine.runtime.decode.speculative import draft_head, open_draft_chain, stream_drafters
 
     spec = args.draft
     if not spec or spec == "lookup":
@@ -176,9 +176,9 @@ def _k(text: str):
 
 
 def cmd_generate(args) -> int:
-    from engine.runtime.generate import Generator
-    from engine.runtime.stage import REWIND
-    from engine.runtime.tokenizer import ChatTokenizer, TextStream
+    from engine.runtime.decode.generate import Generator
+    from engine.runtime.stages.stage import REWIND
+    from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
 
     settings = Settings.load()
     prompts = list(args.prompt or [])
@@ -191,7 +191,7 @@ def cmd_generate(args) -> int:
     args.rewind = args.rewind or REWIND[args.mode or settings.mode]
     if streams > 1 and not prompts:
         raise FleetError("--streams needs prompts (--prompt repeated or --prompts FILE)")
-    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.decode.sampling import SamplingParams
 
     args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.repetition_penalty, args.seed)
     chain, fleet = open_chain(args, settings)
@@ -216,7 +216,7 @@ def cmd_generate(args) -> int:
 
 def _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters) -> list[dict]:
     """Micro-batching: prompts in rounds of ``streams`` concurrent streams."""
-    from engine.runtime.generate import generate_streams
+    from engine.runtime.decode.generate import generate_streams
 
     results = []
     for start in range(0, len(prompts), streams):
@@ -275,9 +275,9 @@ def _chat_loop(args, settings: Settings, tokenizer, gen, text_stream, prompts, d
 
 def cmd_worker(args) -> int:
     from engine.fleetkey import load_key, load_tls
-    from engine.runtime.affinity import pin
-    from engine.runtime.turns import compute_turns
-    from engine.runtime.worker import Worker
+    from engine.runtime.relay.affinity import pin
+    from engine.runtime.stages.turns import compute_turns
+    from engine.runtime.relay.worker import Worker
 
     pin(args.cpus)
     settings = Settings.load()
@@ -288,7 +288,7 @@ def cmd_worker(args) -> int:
                     deadline_s=args.deadline or settings.deadline_s, tls=tls, isolate=args.isolate_streams,
                     turns=compute_turns(args.compute_turns))
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
-        from engine.runtime.localfleet import lifeline
+        from engine.launch import lifeline
 
         lifeline()
     from engine.manifest import layer_span

@@ -1,6 +1,6 @@
 """The fleet's shared secret and optional TLS certificate: where they live, creating and loading them.
 
-Every process that listens or dials proves knowledge of the fleet key (see ``engine.wire``); the key
+Every process that listens or dials proves knowledge of the fleet key (see ``engine.transport.wire``); the key
 itself never crosses the wire.  It is a file of 64 hex digits, readable only by its owner, kept in the
 user config folder unless the settings or ``--fleet-key-file`` name another.  An admin copies the
 same file to every machine of the fleet.

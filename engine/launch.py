@@ -1,5 +1,6 @@
-"""Starting this installation's ``fleet`` CLI in a new process: a node agent's stage workers, a
-local fleet's workers, the app's local agent.
+"""Starting this installation's ``fleet`` CLI in a new process (a node agent's stage workers, a
+local fleet's workers, the app's local agent), waiting for its ready line, tying it to its parent
+(``lifeline``) and ending it.
 
 From a Python environment the command is ``python -m engine.cli``; in the bundled app
 (``installer/``, PyInstaller) ``sys.executable`` is the app itself and the ``fleet`` executable sits
@@ -8,9 +9,13 @@ beside it.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+
+from engine.errors import FleetError
 
 CLI_NAME = "fleet.exe" if sys.platform == "win32" else "fleet"
 # a console program started by the windowed app (the tray worker) would open a console window
@@ -25,8 +30,67 @@ def fleet_command(*args: str) -> list[str]:
 
 def start_fleet(args: list[str], log: Path) -> subprocess.Popen:
     """``fleet ARGS`` with its stderr in ``log``, its stdin a pipe (the ``--lifeline`` it watches) and
-    its stdout a pipe (the ready line ``engine.runtime.localfleet.await_ready`` reads)."""
+    its stdout a pipe (the ready line ``engine.launch.await_ready`` reads)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as err:
         return subprocess.Popen(fleet_command(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                 text=True, creationflags=_NO_WINDOW)
+
+
+READY = "ready"
+
+
+def lifeline(on_close=lambda: os._exit(0)) -> None:
+    """The child's side: exit as soon as the parent that holds our stdin goes away (or call
+    ``on_close`` instead, to end with a cleanup).  Call it once OpenVINO is up: a thread running
+    while a Core starts can hang the child process the Core forks."""
+    def watch():
+        while sys.stdin.read(4096):
+            pass
+        on_close()
+
+    threading.Thread(target=watch, daemon=True, name="lifeline").start()
+
+
+def await_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
+    """Waits for a ``fleet worker`` process's ready line and returns the address it printed; a worker
+    that exits or stays silent past ``timeout_s`` is ended and reported with the end of its log."""
+    found: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            if line.startswith(READY):
+                found.append(line.split()[1])
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if found:
+        return found[0]
+    reason = f"it exited with code {proc.poll()}" if proc.poll() is not None else f"no ready line in {timeout_s:.0f} s"
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=5)
+    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
+    raise FleetError(reason + ":\n  " + "\n  ".join(tail))
+
+
+def end_processes(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """Terminates child processes (all at once, then waits; kills what does not exit in time) and
+    closes our ends of their pipes."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass

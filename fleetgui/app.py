@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
-    from engine.runtime.stage import core
+    from engine.runtime.stages.stage import core
     from fleetgui import theme
 
     argv = list(argv if argv is not None else sys.argv)

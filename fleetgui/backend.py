@@ -84,7 +84,7 @@ class EngineBackend:
     def resolve_shards(self, settings, progress: Report = _quiet, cancel=None) -> list[Path]:
         """The shard set the settings name: an exported folder as it is, or the default model
         exported (or found in the cache) with the configured stages and weights."""
-        from engine.runtime.chain import expand_shard_dirs
+        from engine.runtime.stages.chain import expand_shard_dirs
 
         if is_shard_set(settings.default_model):
             return expand_shard_dirs([Path(settings.default_model).expanduser()])
@@ -97,7 +97,7 @@ class EngineBackend:
             return None
         if is_shard_set(settings.draft_model):
             return [Path(settings.draft_model).expanduser()]
-        from engine.runtime.speculative import draft_head
+        from engine.runtime.decode.speculative import draft_head
 
         progress(("status", f"preparing the draft model {settings.draft_model}"))
         return self.export(settings.draft_model, stages=1, weights=settings.weights, progress=progress,
@@ -106,7 +106,7 @@ class EngineBackend:
     def open_chat(self, settings, progress: Report = _quiet, cancel=None):
         """A chat service over the configured model: the embedded local fleet (``embedded_default``),
         a local fleet of worker processes over an exported shard set, or in process."""
-        from engine.runtime.service import open_service
+        from engine.runtime.decode.service import open_service
 
         if embedded_default(settings):
             return self._open_embedded(settings, progress, cancel)
@@ -167,8 +167,8 @@ class EngineBackend:
 
     def chat_service(self, chain, settings, draft_shards=None, owned=(), recover=None):
         """A chat service over an open chain, with the settings' streams, K and drafts."""
-        from engine.runtime.service import ChatService, drafter_factory
-        from engine.runtime.stage import REWIND
+        from engine.runtime.decode.service import ChatService, drafter_factory
+        from engine.runtime.stages.stage import REWIND
 
         drafters = drafter_factory(settings.draft, chain, draft_shards, settings.devices.split(",")[0])
         return ChatService(chain, streams=settings.streams, drafters=drafters, k=settings.k_value,

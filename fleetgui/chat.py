@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLabel, QLineEdit, QLi
                                QWidget)
 
 from engine.errors import FleetError
-from engine.runtime.service import Reply
+from engine.runtime.decode.service import Reply
 from fleetgui.history import Conversation, HistoryStore, Message
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.widgets import Banner, splitter

@@ -83,7 +83,7 @@ class GuiSettings:
     def validate(self) -> str | None:
         """What is wrong with these settings, in words; None when they are usable."""
         from engine.errors import FleetError
-        from engine.runtime.chain import parse_devices
+        from engine.runtime.stages.chain import parse_devices
 
         if self.k != "auto":
             try:

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.fleet.deploy import deploy
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.localfleet import await_ready
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.launch import await_ready
 
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 
@@ -45,7 +45,7 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
 
 HOLDER = """
 import sys
-from engine.runtime.turns import ComputeTurns
+from engine.runtime.stages.turns import ComputeTurns
 turns = ComputeTurns(sys.argv[1])
 with turns:
     print("held", flush=True)

@@ -65,9 +65,9 @@ def test_runtime_path_needs_no_torch_transformers_or_nncf(tiny_exports):
     """A worker laptop serves shards with openvino, numpy and the tokenizer only."""
     code = (
         "import sys, numpy as np\n"
-        "from engine.runtime.chain import LocalChain\n"
-        "from engine.runtime.generate import Generator\n"
-        "from engine.runtime.tokenizer import ChatTokenizer\n"
+        "from engine.runtime.stages.chain import LocalChain\n"
+        "from engine.runtime.decode.generate import Generator\n"
+        "from engine.runtime.decode.tokenizer import ChatTokenizer\n"
         f"chain = LocalChain({[str(f) for f in tiny_exports['qwen2', '2'].folders]!r})\n"
         "ids = ChatTokenizer(chain.first_folder).prompt_ids('hello')\n"
         "Generator(chain, 64).generate(ids, 4, ignore_eos=True)\n"
@@ -146,10 +146,10 @@ def test_worker_errors_are_specific(tiny_exports, tmp_path):
 def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
     """What ``fleet bench --cpus`` does for each stage.  (OpenVINO 2026.4 dies with SIGFPE when pinned
     to a single CPU on this 2-vCPU VM, so the pinned process here does not load OpenVINO.)"""
-    from engine.runtime.localfleet import LocalFleet
+    from engine.runtime.relay.localfleet import LocalFleet
 
     cpu = max(os.sched_getaffinity(0))
-    probe = subprocess.run([sys.executable, "-c", "import os; from engine.runtime.affinity import pin; "
+    probe = subprocess.run([sys.executable, "-c", "import os; from engine.runtime.relay.affinity import pin; "
                             f"pin('{cpu}'); print(sorted(os.sched_getaffinity(0)))"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == f"[{cpu}]", probe.stderr

@@ -13,10 +13,10 @@ import torch
 from engine.errors import ExportError, ShardError, SourceError
 from engine.export.exporter import plan_split
 from engine.manifest import MODEL_XML, check_chain, load_manifest
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.stage import StageRunner, core
-from engine.wire import Flag
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.stages.stage import StageRunner, core
+from engine.transport.wire import Flag
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
 # Stage outputs against the Hugging Face forward of the same layers, all in f32: the graphs differ

@@ -20,9 +20,9 @@ from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.failover import Failover
 from engine.fleet.placement import Fleet
 from engine.fleetkey import create_key, load_key
-from engine.runtime.chain import LocalChain
-from engine.runtime.service import ChatService
-from engine.runtime.stage import compile_config
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.service import ChatService
+from engine.runtime.stages.stage import compile_config
 
 MODEL = "smollm2-135m"
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]

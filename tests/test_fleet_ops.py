@@ -22,7 +22,7 @@ from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.shardstore import content_hash
 from engine.fleetkey import create_key, fleet_id, load_key
-from engine.runtime.chain import LocalChain
+from engine.runtime.stages.chain import LocalChain
 
 @pytest.fixture(scope="module")
 def key_file(tmp_path_factory):
@@ -170,7 +170,7 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
                                                                    monkeypatch):
     """A worker a node agent starts, and the coordinator's stage 0, wait for their own computer's
     compute turn (the file in its data folder: each test agent's home is its computer)."""
-    from engine.runtime.turns import machine_turns_file
+    from engine.runtime.stages.turns import machine_turns_file
 
     (_, a), _ = two_agents
     key = load_key(key_file)

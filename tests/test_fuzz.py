@@ -10,8 +10,8 @@ import pytest
 
 from engine.bench import fuzz
 from engine.manifest import MANIFEST
-from engine.runtime.chain import LocalChain
-from engine.runtime.service import ChatService
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.service import ChatService
 
 CASES = 300
 

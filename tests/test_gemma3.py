@@ -11,9 +11,9 @@ import torch
 from engine.export.exporter import export_model
 from engine.manifest import load_manifest
 from engine.models.catalog import CATALOG, pull
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.real_model
 MODEL = "gemma3-270m"

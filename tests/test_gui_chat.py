@@ -9,10 +9,10 @@ import re
 import pytest
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
 
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.service import open_service
-from engine.runtime.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.service import open_service
+from engine.runtime.decode.tokenizer import ChatTokenizer
 from fleetgui.backend import EngineBackend
 
 

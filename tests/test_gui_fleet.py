@@ -12,7 +12,7 @@ import pytest
 from fleet_support import agent_process
 from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
 
-from engine.runtime.stage import core
+from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
 

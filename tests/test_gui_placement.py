@@ -18,7 +18,7 @@ import pytest
 from fleet_support import agent_process
 from gui_support import open_window, screenshot, settings_store, tiny_settings
 
-from engine.runtime.stage import core
+from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
 
@@ -229,9 +229,9 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
 
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key
-    from engine.runtime.chain import LocalChain
-    from engine.runtime.generate import Generator
-    from engine.runtime.tokenizer import ChatTokenizer
+    from engine.runtime.stages.chain import LocalChain
+    from engine.runtime.decode.generate import Generator
+    from engine.runtime.decode.tokenizer import ChatTokenizer
 
     surveyed(qtbot, fleet)
     key = load_key(fleet.key_file)

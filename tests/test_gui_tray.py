@@ -10,7 +10,7 @@ import threading
 import pytest
 from gui_support import gui_home, screenshot  # noqa: F401
 
-from engine.runtime.stage import core
+from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
 

@@ -10,13 +10,15 @@ import pytest
 from engine.errors import ShardError
 from engine.export.exporter import export_model
 from engine.manifest import load_manifest
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.paged import PagedStage, Part, stage_kind
-from engine.runtime.stage import MODES
-from engine.runtime.static import StaticStage
-from engine.wire import Flag
-from engine.runtime.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.stages.paged import PagedStage
+from engine.runtime.stages.packing import Part
+from engine.runtime.stages.factory import stage_kind
+from engine.runtime.stages.stage import MODES
+from engine.runtime.stages.static import StaticStage
+from engine.transport.wire import Flag
+from engine.runtime.decode.tokenizer import ChatTokenizer
 
 EXACT = MODES["exact"]
 
@@ -105,7 +107,7 @@ def test_bad_parts_and_a_full_pool_are_refused_and_change_nothing(tiny_exports):
 def test_a_chain_packs_at_most_pack_rows_a_forward(tiny_exports):
     """Rounds queued together (a failover's re-prefills) go in forwards of at most PACK_ROWS rows, a
     longer one alone, in submission order; each stream's logits are what it gets alone."""
-    from engine.runtime.paged import PACK_ROWS
+    from engine.runtime.stages.packing import PACK_ROWS
 
     folders = tiny_exports["llama", "2"].folders
     rng = np.random.default_rng(4)
@@ -203,7 +205,7 @@ def test_the_generation_loop_runs_on_paged_stages_with_speculation_and_a_cached_
     """A paged chain behind the usual loop: plain greedy, prompt-lookup speculation (rejected drafts
     cut by a shorter length) and a second turn that keeps the first one's prefix give the stateful
     chain's tokens."""
-    from engine.runtime.speculative import PromptLookup
+    from engine.runtime.decode.speculative import PromptLookup
 
     class LastDraftWrong(PromptLookup):
         """The lookup's drafts with the last one spoiled: every round rewinds."""
@@ -227,7 +229,7 @@ def test_the_generation_loop_runs_on_paged_stages_with_speculation_and_a_cached_
     if drafter:
         assert got.drafted > got.accepted > 0, "some drafts were rejected and rewound"
     # the next turn keeps the conversation so far (all but the last token, never fed) and prefills the rest
-    from engine.runtime.generate import Decoding
+    from engine.runtime.decode.generate import Decoding
 
     turn = [int(t) for t in np.concatenate([prompt, got.tokens, rng.integers(3, 200, size=7)])]
     cached = len(prompt) + len(got.tokens) - 1

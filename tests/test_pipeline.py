@@ -16,15 +16,15 @@ import time
 import numpy as np
 import pytest
 
-from engine import wire
+from engine.transport import wire
 from engine.errors import StageError
 from engine.fleetkey import create_certificate, create_key, load_key, tls_file
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.link import dial
-from engine.runtime.localfleet import LocalFleet
-from engine.runtime.remote import RemoteChain
-from engine.wire import Flag, Frame, Msg
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.transport.link import dial
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
+from engine.transport.wire import Flag, Frame, Msg
 
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 TOKENS = 16
@@ -91,9 +91,10 @@ def test_streams_travel_packed_one_frame_per_round(tiny_exports, key_file, tmp_p
     """Every stage paged: a round of every active stream is one PACKED frame down the chain, and
     each stream decodes (exact settings) what it decodes alone, while streams join and leave and
     spoiled drafts are cut back inside the packs."""
-    from engine.runtime.generate import Decoding
-    from engine.runtime.speculative import KVSequence, PromptLookup
-    from engine.runtime.stage import MODES
+    from engine.runtime.decode.generate import Decoding
+    from engine.runtime.decode.kvsequence import KVSequence
+    from engine.runtime.decode.speculative import PromptLookup
+    from engine.runtime.stages.stage import MODES
 
     class WrongDrafts(PromptLookup):
         def propose(self, history, k):
@@ -140,8 +141,8 @@ def test_streams_travel_packed_one_frame_per_round(tiny_exports, key_file, tmp_p
 def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, key_file, tmp_path):
     """What the app and `fleet serve` run: the chat service over a worker process.  Four users at once
     travel in shared PACKED frames, and each gets the reply it gets alone (exact settings)."""
-    from engine.runtime.service import ChatService
-    from engine.runtime.stage import MODES
+    from engine.runtime.decode.service import ChatService
+    from engine.runtime.stages.stage import MODES
 
     folders = tiny_exports["llama", "2"].folders
     asks = [[{"role": "user", "content": text}] for text in ("The quick brown fox", "Hello there",

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from engine.fleetkey import create_key, load_key
-from engine.runtime.chain import LocalChain
-from engine.runtime.localfleet import LocalFleet
-from engine.runtime.remote import RemoteChain
-from engine.runtime.service import ChatService
-from engine.runtime.speculative import stream_drafters
-from engine.runtime.stage import compile_config
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.decode.service import ChatService
+from engine.runtime.decode.speculative import stream_drafters
+from engine.runtime.stages.stage import compile_config
 
 TURNS = ["The quick brown fox", "Paris is the capital of France.", "def add(a, b):", "A fleet of laptops"]
 

@@ -13,13 +13,15 @@ import pytest
 from scipy.stats import chisquare
 
 from engine.errors import FleetError
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.sampling import Sampler, SamplingError, SamplingParams, top_candidates
-from engine.runtime.service import ChatService
-from engine.runtime.speculative import Drafter, KVSequence
-from engine.runtime.stage import compile_config
-from engine.wire import Flag
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.sampling import Sampler, SamplingError, SamplingParams
+from engine.runtime.stages.output import top_candidates
+from engine.runtime.decode.service import ChatService
+from engine.runtime.decode.speculative import Drafter
+from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.stages.stage import compile_config
+from engine.transport.wire import Flag
 
 PROMPT = np.array([[5, 17, 42, 101, 7, 250, 33]], dtype=np.int64)
 PARAMS = dict(temperature=1.3, top_k=4)

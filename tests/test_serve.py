@@ -14,10 +14,10 @@ import openai
 import pytest
 
 from engine.errors import FleetError
-from engine.runtime.chain import LocalChain
-from engine.runtime.service import ChatService
-from engine.runtime.speculative import stream_drafters
-from engine.runtime.stage import compile_config
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.service import ChatService
+from engine.runtime.decode.speculative import stream_drafters
+from engine.runtime.stages.stage import compile_config
 from engine.serve.server import ApiServer
 
 MODEL = "tiny"
@@ -368,7 +368,7 @@ def test_fleet_serve_answers_with_the_real_smollm2_and_survives_its_worker():
     (["ab", "c"], ["bc", "abcd"], "a", "bc"),  # the first stop found in the text wins
 ])
 def test_stop_text_holds_back_only_what_may_start_a_stop(pieces, stops, text, hit):
-    from engine.runtime.stops import StopText
+    from engine.runtime.decode.stops import StopText
 
     stop = StopText(stops)
     out = "".join(stop.push(p) for p in pieces) + stop.flush()

@@ -9,11 +9,11 @@ import pytest
 
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
-from engine.runtime.localfleet import LocalFleet
-from engine.runtime.remote import RemoteChain
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.tokenizer import ChatTokenizer
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.real_model
 MODEL = "smollm2-135m"
@@ -66,8 +66,8 @@ def test_loopback_workers_equal_in_process_chain(stages, smol_exports, tmp_path)
 
 
 def test_exact_prompt_lookup_speculation_equals_greedy_for_64_tokens(smol_exports):
-    from engine.runtime.speculative import PromptLookup
-    from engine.runtime.stage import MODES
+    from engine.runtime.decode.speculative import PromptLookup
+    from engine.runtime.stages.stage import MODES
 
     chain = LocalChain(smol_exports[2].folders, config=MODES["exact"])
     ids = ChatTokenizer(chain.first_folder).prompt_ids("List the planets of the solar system with one fact each.")
@@ -109,7 +109,7 @@ def test_fleet_up_then_generate_on_the_deployment(smol_exports, tmp_path):
     import subprocess
     import sys
 
-    from engine.runtime.localfleet import await_ready
+    from engine.launch import await_ready
 
     from engine.config import paths
 

@@ -13,16 +13,25 @@ import pytest
 from engine.errors import ShardError
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Decoding, Generator, generate_streams
-from engine.runtime.localfleet import LocalFleet
-from engine.runtime.remote import RemoteChain
-from engine.runtime.service import open_service
-from engine.runtime.speculative import (AutoK, Drafter, DraftModel, Hybrid, KVSequence, PromptLookup, RoundCost,
-                                       check_draft_tokenizer)
-from engine.runtime.stage import MODES, Output, compile_config
-from engine.runtime.turns import compute_turns
-from engine.wire import Flag
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Decoding, Generator, generate_streams
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.decode.service import open_service
+from engine.runtime.decode.speculative import (
+    AutoK,
+    Drafter,
+    DraftModel,
+    Hybrid,
+    PromptLookup,
+    RoundCost,
+    check_draft_tokenizer,
+)
+from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.stages.stage import MODES, compile_config
+from engine.runtime.stages.output import Output
+from engine.runtime.stages.turns import compute_turns
+from engine.transport.wire import Flag
 
 EXACT = MODES["exact"]
 PROMPT = [5, 17, 42, 101, 7, 250, 33, 64, 9, 17, 42, 101]

@@ -11,7 +11,7 @@ import pytest
 from fleet_support import turn_held
 
 from engine.bench.microbatch import schedule_bound
-from engine.runtime.turns import ComputeTurns
+from engine.runtime.stages.turns import ComputeTurns
 
 
 def _acquired_in_background(turns: ComputeTurns) -> threading.Event:

@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from engine import wire
-from engine.wire import AuthError, Frame, Msg, ProtocolError
+from engine.transport import wire
+from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
 
 
 def test_tensors_round_trip_bit_exact():

@@ -1,6 +1,6 @@
 """``fleet bench batch``: many users on one stage at once.  Aggregate tok/s of N streams decoded
 (a) as today, one forward per stream on stateful stages (``generate_streams``), (b) packed, every
-stream's new tokens in one paged-attention forward per stage (``engine.runtime.paged``), and
+stream's new tokens in one paged-attention forward per stage (``engine.runtime.stages.paged``), and
 (c) ``openvino_genai.ContinuousBatchingPipeline`` on the 1-stage export, OpenVINO's own multi-user
 path; with 2+ stages also (d) packed over the relay: stage 0 here, the rest as worker processes on
 loopback, one PACKED frame per round through the chain loop (``RemoteChain``).  Same prompts (the chat prompts, N of them), same compile settings, EOS ignored.  Aggregate
@@ -24,10 +24,11 @@ import numpy as np
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, prompt_ids
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import generate_streams
-from engine.runtime.paged import PagedStage, Part
-from engine.runtime.stage import device_config
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import generate_streams
+from engine.runtime.stages.paged import PagedStage
+from engine.runtime.stages.packing import Part
+from engine.runtime.stages.stage import device_config
 
 STREAMS = (1, 2, 4, 8)
 SHORT = 4  # new tokens of the short run each long run is measured against
@@ -169,8 +170,8 @@ def _measure(ways: dict, prompts, streams, tokens: int, runs: int, hooks, log) -
 def _relay_chain(folders: list[Path], device: str):
     """Stage 0 here, the later stages as worker processes on loopback, under a throwaway fleet key."""
     from engine.fleetkey import create_key, load_key
-    from engine.runtime.localfleet import LocalFleet
-    from engine.runtime.remote import RemoteChain
+    from engine.runtime.relay.localfleet import LocalFleet
+    from engine.runtime.relay.remote import RemoteChain
 
     with tempfile.TemporaryDirectory() as tmp:
         key = create_key(Path(tmp) / "fleet.key")

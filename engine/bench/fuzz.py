@@ -74,7 +74,7 @@ def _json_values(st):
 # --- wire -----------------------------------------------------------------------------------------
 
 def fuzz_wire(cases: int, tally: Tally) -> None:
-    from engine import wire
+    from engine.transport import wire
 
     _, st = _hypothesis()
     # besides small and random sizes: products that wrap a 64-bit count around to 0 (2**16 four times)
@@ -161,7 +161,7 @@ def fuzz_wire(cases: int, tally: Tally) -> None:
 def fuzz_handshake(cases: int, tally: Tally) -> None:
     import os
 
-    from engine import wire
+    from engine.transport import wire
 
     _, st = _hypothesis()
     key = os.urandom(32)
@@ -236,7 +236,7 @@ OPS = ("ping", "status", "has_shard", "put_begin", "put_chunk", "put_end", "drop
 
 
 def fuzz_control(cases: int, tally: Tally) -> None:
-    from engine import wire
+    from engine.transport import wire
     from engine.fleet.agent import Agent
     from engine.fleetkey import create_key
 
@@ -380,8 +380,8 @@ def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS
              out: Path | None = None, log=print) -> dict:
     from engine.export.exporter import export_model
     from engine.manifest import MANIFEST
-    from engine.runtime.chain import LocalChain
-    from engine.runtime.service import ChatService
+    from engine.runtime.stages.chain import LocalChain
+    from engine.runtime.decode.service import ChatService
 
     folders = export_model(model, stages=1, weights=weights).folders
     sample = json.loads((folders[0] / MANIFEST).read_text())

@@ -23,15 +23,15 @@ import numpy as np
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
-from engine.runtime.affinity import parse_cpu_sets, pin
-from engine.runtime.chain import expand_shard_dirs
-from engine.runtime.generate import Generation, generate_streams
-from engine.runtime.localfleet import LocalFleet
-from engine.runtime.remote import RemoteChain
-from engine.runtime.service import drafter_factory
-from engine.runtime.speculative import draft_head
-from engine.runtime.tokenizer import ChatTokenizer
-from engine.runtime.turns import compute_turns
+from engine.runtime.relay.affinity import parse_cpu_sets, pin
+from engine.runtime.stages.chain import expand_shard_dirs
+from engine.runtime.decode.generate import Generation, generate_streams
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.decode.service import drafter_factory
+from engine.runtime.decode.speculative import draft_head
+from engine.runtime.decode.tokenizer import ChatTokenizer
+from engine.runtime.stages.turns import compute_turns
 
 # The single-stream benchmarks' prompt (parity, pipeline).
 STORY_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."

@@ -16,7 +16,7 @@ computes and hops, taking turns first come first served (``schedule_bound``), wi
 
 ``isolation``: at one point (first stage count, 10 ms, 2 and 3 streams) shared compiled models
 against one compiled model per stream, with the workers' resident memory.  ``turns``: at the same
-point, stages taking compute turns (``engine.runtime.turns``, the default) against all computing at
+point, stages taking compute turns (``engine.runtime.stages.turns``, the default) against all computing at
 once.
 
 ``shards`` runs an existing split (an export folder or its stage folders) instead of exporting

@@ -18,10 +18,10 @@ import numpy as np
 from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, genai_runner
 from engine.bench.report import median, write_report
 from engine.export.exporter import export_model
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.stage import device_config
-from engine.runtime.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.stages.stage import device_config
+from engine.runtime.decode.tokenizer import ChatTokenizer
 
 def _genai(folder: Path, ids: np.ndarray, tokens: int, device: str, props: dict) -> Callable[[], tuple[float, float]]:
     run = genai_runner(folder, tokens, device=device, props=props)

@@ -16,7 +16,7 @@ from engine.bench.harness import (NO_HOOKS, Hooks, draft_export, drafters, loopb
                                   split_export, warm_up)
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
-from engine.runtime.chain import LocalChain
+from engine.runtime.stages.chain import LocalChain
 
 STREAM_PROMPTS = ("code", "chat")
 

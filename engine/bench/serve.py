@@ -28,11 +28,11 @@ from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, loopbac
 from engine.bench.report import median, write_report
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.service import ChatService, Handle, Reply
-from engine.runtime.stage import device_config
-from engine.runtime.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.service import ChatService, Handle, Reply
+from engine.runtime.stages.stage import device_config
+from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.serve.server import ApiServer
 
 USERS = (1, 2, 4, 8)

@@ -53,7 +53,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
     from engine.fleet.commands import local_up, stop_local_agent
     from engine.fleet.failover import Failover
     from engine.fleetkey import create_key, load_key
-    from engine.runtime.service import ChatService
+    from engine.runtime.decode.service import ChatService
     from engine.serve.server import ApiServer
 
     prompts = list(PROMPTS.values())

@@ -23,10 +23,10 @@ from statistics import geometric_mean, mean
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, prompt_ids
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
-from engine.runtime.chain import LocalChain
-from engine.runtime.generate import Generator
-from engine.runtime.speculative import draft_head, open_draft_chain, stream_drafters
-from engine.runtime.stage import REWIND, compile_config, device_config
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.speculative import draft_head, open_draft_chain, stream_drafters
+from engine.runtime.stages.stage import REWIND, compile_config, device_config
 
 
 AGAIN = "model K=auto, again"  # the A/A control

@@ -21,17 +21,17 @@ from typing import Callable
 
 import numpy as np
 
-from engine import wire
+from engine.transport import wire
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
 from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
 from engine.launch import start_fleet
-from engine.runtime.link import Link, accept_loop, authenticate_peer, parse_address
-from engine.runtime.localfleet import await_ready, end_processes
-from engine.runtime.turns import machine_turns_file
-from engine.wire import AuthError, Frame, Msg, ProtocolError
+from engine.transport.link import Link, accept_loop, authenticate_peer, parse_address
+from engine.launch import await_ready, end_processes
+from engine.runtime.stages.turns import machine_turns_file
+from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
 
 MAX_WORKERS = 8
 UNFINISHED_S = 600.0  # a transfer no chunk reached for this long is dropped by a prune
@@ -53,7 +53,7 @@ class _Worker:
 class Agent:
     def __init__(self, listen: str = "0.0.0.0:0", *, key_file: Path, name: str | None = None, tls=None,
                  store: Path | None = None, advertise: bool = True, log: Callable[[str], None] | None = None):
-        from engine.runtime.stage import core
+        from engine.runtime.stages.stage import core
 
         core()  # before any thread starts: OpenVINO forks a short-lived child when a Core is created
         self.key_file = Path(key_file)

@@ -30,7 +30,7 @@ def _say(msg: str) -> None:
 def cmd_agent(args) -> int:
     from engine.fleet.agent import Agent
     from engine.fleetkey import key_file, load_tls
-    from engine.runtime.localfleet import lifeline
+    from engine.launch import lifeline
 
     settings = Settings.load()
     agent = Agent(args.listen, key_file=key_file(args.fleet_key_file), name=args.name,
@@ -87,7 +87,7 @@ def cmd_nodes(args) -> int:
 
     settings = Settings.load()
     if args.nodes_cmd in ("add", "remove"):
-        from engine.runtime.link import parse_address
+        from engine.transport.link import parse_address
 
         parse_address(args.address)
         nodes = [n for n in settings.nodes if n != args.address]
@@ -319,7 +319,7 @@ def cmd_deploy(args) -> int:
 
 def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
     """A node agent process on loopback, tied to this process (it exits when we do)."""
-    from engine.runtime.localfleet import await_ready
+    from engine.launch import await_ready
 
     log = paths().data / "logs" / "local-agent.log"
     proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--no-mdns", "--lifeline",
@@ -331,7 +331,7 @@ def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subproce
 
 
 def stop_local_agent(proc: subprocess.Popen) -> None:
-    from engine.runtime.localfleet import end_processes
+    from engine.launch import end_processes
 
     end_processes([proc], timeout_s=10)
 
@@ -442,7 +442,7 @@ def _serve(args, model: str, deployment) -> int:
         print(f"ready {record}", flush=True)
         ended = threading.Event()
         if args.lifeline:  # the parent going away ends us like Ctrl-C: the workers are stopped
-            from engine.runtime.localfleet import lifeline
+            from engine.launch import lifeline
 
             # an event, not interrupt_main: a parent that started us in the background leaves SIGINT
             # ignored, and then interrupt_main does nothing

@@ -2,7 +2,7 @@
 
 Every call is one CALL frame (a JSON document naming the ``op``, plus raw bytes for shard chunks)
 answered by one REPLY or ERROR frame, over a connection authenticated with the fleet key (the same
-handshake as the activation relay, ``engine.wire``).  ``send_shard`` streams a shard folder in
+handshake as the activation relay, ``engine.transport.wire``).  ``send_shard`` streams a shard folder in
 chunks, resumes a transfer the node already holds part of, and skips a shard it already has.
 """
 
@@ -15,12 +15,12 @@ from typing import Callable
 
 import numpy as np
 
-from engine import wire
+from engine.transport import wire
 from engine.errors import FleetError
 from engine.fleet.shardstore import content_hash
 from engine.manifest import MANIFEST, read_manifest
-from engine.runtime.link import HANDSHAKE_TIMEOUT_S, Link, dial
-from engine.wire import AuthError, Frame, Msg, ProtocolError
+from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, dial
+from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
 
 CHUNK_BYTES = 4 << 20
 CONTROL_MAX_FRAME = CHUNK_BYTES + (1 << 20)

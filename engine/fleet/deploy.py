@@ -19,7 +19,7 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.manifest import layer_span
-from engine.runtime.link import parse_address
+from engine.transport.link import parse_address
 
 LOCAL = "local"  # the coordinator's own stage in a placement's address list
 # progress(stage index, phase, fraction of that phase): phases "export", "send", "start", "connect"
@@ -83,9 +83,9 @@ class Deployment:
 
     def chain(self, key: bytes, *, tls=None, deadline_s: float = 2.0, connect_timeout_s: float = 30.0, **kw):
         """The coordinator's chain; its stage 0 (and a draft model beside it) takes this computer's
-        compute turns, with any stage worker a node agent runs here (``engine.runtime.turns``)."""
-        from engine.runtime.remote import RemoteChain
-        from engine.runtime.turns import compute_turns, machine_turns_file
+        compute turns, with any stage worker a node agent runs here (``engine.runtime.stages.turns``)."""
+        from engine.runtime.relay.remote import RemoteChain
+        from engine.runtime.stages.turns import compute_turns, machine_turns_file
 
         kw.setdefault("turns", compute_turns(machine_turns_file()))
         return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,

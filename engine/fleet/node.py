@@ -21,7 +21,7 @@ import psutil
 
 from engine.config import paths
 from engine.errors import FleetError
-from engine.wire import VERSION
+from engine.transport.wire import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def _openvino_devices() -> tuple[str, list[dict]]:
     try:
         import openvino
 
-        from engine.runtime.stage import core as shared_core
+        from engine.runtime.stages.stage import core as shared_core
 
         core = shared_core()  # one Core per process: creating one forks a short-lived child each time
         names = core.available_devices

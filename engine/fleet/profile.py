@@ -67,8 +67,8 @@ def _run_once(runner, x: np.ndarray, tokens: int, prompt: int) -> tuple[float, l
 def time_shards(folders: list[Path], device: str, tokens: int, prompt: int, runs: int = 5) -> list[dict]:
     """Median step and best prefill time of each shard, the shards' runs interleaved so that a burst
     of load on a shared machine does not fall on one shard only."""
-    from engine.runtime.paged import open_stage
-    from engine.runtime.stage import core
+    from engine.runtime.stages.factory import open_stage
+    from engine.runtime.stages.stage import core
 
     rng = np.random.default_rng(0)
     runners, inputs = [], []
@@ -102,7 +102,7 @@ def available_memory(device: str) -> int:
     """Bytes a new stage may use on ``device``: free system memory, or a GPU's own memory."""
     import psutil
 
-    from engine.runtime.stage import core
+    from engine.runtime.stages.stage import core
 
     if device.upper().startswith("GPU"):
         try:

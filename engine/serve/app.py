@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import FleetError
-from engine.runtime.service import ChatService, Reply
+from engine.runtime.decode.service import ChatService, Reply
 from engine.serve.schema import ApiError, Call, ChatRequest, CompletionRequest, to_call, validation_error
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there

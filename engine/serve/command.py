@@ -11,8 +11,8 @@ from engine.config import Settings
 def cmd_serve(args) -> int:
     from engine.cli import open_chain, open_drafter
     from engine.fleetkey import api_key_file, load_api_key
-    from engine.runtime.service import ChatService
-    from engine.runtime.stage import REWIND
+    from engine.runtime.decode.service import ChatService
+    from engine.runtime.stages.stage import REWIND
     from engine.serve.server import ApiServer, is_loopback
 
     settings = Settings.load()

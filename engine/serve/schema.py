@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from engine.runtime.sampling import SamplingError, SamplingParams
+from engine.runtime.decode.sampling import SamplingError, SamplingParams
 
 MAX_STOPS = 4
 

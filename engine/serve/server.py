@@ -16,7 +16,7 @@ import time
 import uvicorn
 
 from engine.errors import FleetError
-from engine.runtime.service import ChatService
+from engine.runtime.decode.service import ChatService
 from engine.serve.app import create_app
 
 DEFAULT_HOST = "127.0.0.1"

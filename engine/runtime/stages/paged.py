@@ -14,7 +14,6 @@ alone, packed with others, or on the stateful path (``tests/test_paged.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from pathlib import Path
 
@@ -24,8 +23,10 @@ import openvino.opset13 as ops
 
 from engine.errors import ShardError
 from engine.manifest import MODEL_XML, Manifest, load_manifest
-from engine.runtime.stage import core, device_config, missing_device
-from engine.runtime.turns import NO_TURNS
+from engine.runtime.interfaces import PackingStage
+from engine.runtime.stages.packing import Part, as_part, check_parts
+from engine.runtime.stages.stage import core, device_config, missing_device
+from engine.runtime.stages.turns import NO_TURNS
 
 # On CPU at the f32 hint the paged cache defaults to u8 with keys quantized per channel, which
 # changes SmolLM2-135M's first answer token (LLMPipeline's too, on the same export: "Le Grand-Est"
@@ -36,64 +37,6 @@ CACHE_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISIO
 
 HIDDEN_IN = "inputs_embeds"  # the name the transformation expects for a stage's non-token input
 LOGITS_ROWS = "logits_rows"
-
-
-@dataclasses.dataclass
-class Part:
-    """One stream's share of a packed forward: ``x`` (token ids ``[q]`` on a first stage, hidden
-    states ``[q, hidden]`` after it) follows the first ``start`` cached positions, and whatever the
-    stream held beyond ``start`` is dropped.  A last stage returns the logits of the final ``keep``
-    positions; other stages return every position's hidden state."""
-
-    stream: int
-    x: np.ndarray
-    start: int
-    keep: int = 1
-    positions: np.ndarray | None = None  # the rotary positions, when not start, start + 1, ...
-
-
-def as_part(x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, stream: int, cached: int,
-            all_positions: bool) -> Part:
-    """A stateful-style step of one stream as a Part: ``x`` ``[1, q(, hidden)]`` after a mask
-    (``[1, cached + q]``) that must cover the stream's ``cached`` positions and the new ones without holes."""
-    q = x.shape[1]
-    start = attention_mask.shape[1] - q
-    if start != cached or not attention_mask.all():
-        raise ShardError(f"stream {stream}: a paged stage needs a mask over exactly its {cached} cached "
-                         f"positions plus the new ones, without holes")
-    return Part(stream, x[0].copy(), start, q if all_positions else 1, position_ids.reshape(-1).copy())
-
-
-# Rows (tokens) a packed forward carries at most.  A compiled model keeps the working memory of the
-# largest forward it has run: after a failover every reply in flight is prefilled again at once
-# (8 users: 800-1,000 rows), which cost stage 0 35-45 MB that it never gave back.
-PACK_ROWS = 256
-
-
-def packs_of(rounds: list, rows) -> list[list]:
-    """``rounds`` in submission order, grouped into forwards of at most ``PACK_ROWS`` rows
-    (``rows(round)``); a round longer than that goes alone."""
-    groups: list[list] = []
-    total = 0
-    for r in rounds:
-        if not groups or total + rows(r) > PACK_ROWS:
-            groups.append([])
-            total = 0
-        groups[-1].append(r)
-        total += rows(r)
-    return groups
-
-
-def check_parts(parts: list[Part], length) -> None:
-    """Refuses a packed forward a stage cannot run: a stream twice, a part that does not follow what
-    its stream holds (``length(stream)``), or one with no positions or keeping none of them."""
-    if len({p.stream for p in parts}) != len(parts):
-        raise ShardError("a packed forward carries each stream at most once")
-    for p in parts:
-        if not 0 <= p.start <= length(p.stream):
-            raise ShardError(f"stream {p.stream} holds {length(p.stream)} positions, it cannot continue from {p.start}")
-        if len(p.x) == 0 or not 1 <= p.keep <= len(p.x):
-            raise ShardError(f"stream {p.stream}: a part needs at least one position and keeps 1 to all of them")
 
 
 def _rename_hidden_input(model: ov.Model) -> None:
@@ -190,35 +133,7 @@ def paged_config(device: str, config: dict | None = None) -> dict:
     return config
 
 
-def stage_kind(manifest: Manifest, device: str, *, paged: bool | None = None, static: bool | None = None,
-               isolate: bool = False) -> str:
-    """Which runner serves a stage: ``static`` shapes on an NPU (whose compiler wants them) or when
-    asked for; else ``paged`` attention where it is supported or asked for; else ``stateful`` (also
-    when ``isolate`` asks for one compiled model per stream)."""
-    npu = device.upper().startswith("NPU")
-    if static or (static is None and npu and not isolate):
-        return "static"
-    if paged or (paged is None and not npu and not isolate):
-        return "paged"
-    return "stateful"
-
-
-def open_stage(folder: Path, device: str = "CPU", config: dict | None = None, manifest: Manifest | None = None,
-               *, paged: bool | None = None, static: bool | None = None, isolate: bool = False, turns=None):
-    """The stage runner ``stage_kind`` picks for a shard on ``device``."""
-    from engine.runtime.stage import StageRunner
-    from engine.runtime.static import StaticStage
-
-    manifest = manifest or load_manifest(Path(folder))
-    kind = stage_kind(manifest, device, paged=paged, static=static, isolate=isolate)
-    if kind == "static":
-        return StaticStage(folder, device, config, manifest, turns=turns)
-    if kind == "paged":
-        return PagedStage(folder, device, config, manifest, turns=turns)
-    return StageRunner(folder, device, config, manifest, isolate, turns)
-
-
-class PagedStage:
+class PagedStage(PackingStage):
     """A verified shard compiled with paged attention for ``device``.  Its KV pool starts with room
     for ``kv_positions`` cached positions over all streams and doubles when a forward needs more,
     up to ``max_kv_positions`` (None: as far as memory goes)."""

@@ -15,10 +15,10 @@ import ssl
 import threading
 import time
 
-from engine import wire
+from engine.transport import wire
 from engine.errors import FleetError
 from engine.manifest import Manifest
-from engine.wire import Frame, PeerClosed, ProtocolError
+from engine.transport.wire import Frame, PeerClosed, ProtocolError
 
 FRAME_STALL_S = 10.0  # once a frame has started arriving, the rest must follow within this
 HANDSHAKE_TIMEOUT_S = 5.0

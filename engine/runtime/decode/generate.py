@@ -1,13 +1,13 @@
 """The generation loop: prefill, then decode through a stage chain (greedy, or sampled by a request's
 ``SamplingParams``), optionally speculative.
 
-The loop needs a ``Chain``: ``reset``, ``submit``/``collect`` (a forward in two halves, so several
+The loop needs a ``Chain`` (``engine.runtime.interfaces``): ``reset``, ``submit``/``collect`` (a forward in two halves, so several
 streams can be in flight) returning an ``Output`` (top-1 tokens), and ``keep`` for the trim rewind;
 the in-process chain and the distributed pipeline both have them.
 
 Speculative rounds feed the pending token plus K drafted ones and verify all K+1 positions in one
 traversal; the accepted prefix plus the target's own next token are emitted (sampled: drafts are
-accepted by rejection sampling, ``engine.runtime.sampling``, so the text is distributed as the
+accepted by rejection sampling, ``engine.runtime.decode.sampling``, so the text is distributed as the
 target's own samples).  Rejected positions
 are masked out (``rewind="mask"``, the paper's mask-based rewind: nothing is copied, position ids
 follow the logical length) or cut from every stage's cache (``"trim"``).
@@ -17,35 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
 from engine.errors import ContextError
-from engine.runtime.sampling import Sampler, SamplingParams
-from engine.runtime.speculative import AutoK, Drafter, KVSequence
-from engine.runtime.stage import Output
-from engine.wire import Flag
+from engine.runtime.decode.sampling import Sampler, SamplingParams
+from engine.runtime.decode.speculative import AutoK, Drafter
+from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.interfaces import Chain
+from engine.runtime.stages.output import Output
+from engine.transport.wire import Flag
 
 # A prompt is prefilled this many tokens a forward: between two chunks of one user's long paste, the
 # other streams' rounds run (the chat service advances whichever stream's forward is back first).
 PREFILL_CHUNK = 512
-
-
-class Chain(Protocol):
-    def reset(self, stream: int = 0) -> None: ...
-
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                flags: Flag = Flag.NONE, stream: int = 0) -> Output: ...
-
-    def keep(self, stream: int, slots: np.ndarray) -> None: ...
-
-    def submit(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-               flags: Flag = Flag.NONE, stream: int = 0): ...
-
-    def collect(self, ticket) -> Output: ...
-
-    def first_ready(self, tickets: list) -> int: ...
 
 
 class Breakdown:

@@ -28,9 +28,10 @@ import openvino.opset13 as ops
 
 from engine.errors import ShardError
 from engine.manifest import MODEL_XML, Manifest, load_manifest
-from engine.runtime.paged import Part, as_part, check_parts
-from engine.runtime.stage import core, device_config, missing_device
-from engine.runtime.turns import NO_TURNS
+from engine.runtime.interfaces import PackingStage
+from engine.runtime.stages.packing import Part, as_part, check_parts
+from engine.runtime.stages.stage import core, device_config, missing_device
+from engine.runtime.stages.turns import NO_TURNS
 
 BIAS = "attention_bias"
 SLIDING_BIAS = "attention_bias_sliding"
@@ -89,7 +90,7 @@ def static_model(model: ov.Model, rows: int, capacity: int,
     return model, pairs
 
 
-class StaticStage:
+class StaticStage(PackingStage):
     """A verified shard compiled with static shapes for ``device``: ``rows`` new tokens a forward,
     ``slots`` streams of ``window`` cached positions, the first ``sinks`` of each pinned.  When more
     streams join than it has slots it compiles again with twice as many, up to ``max_slots``."""

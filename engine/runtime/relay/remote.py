@@ -21,13 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import wire
+from engine.runtime.interfaces import Chain
+from engine.transport import wire
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span
-from engine.runtime.link import Link, connect_successor
-from engine.runtime.paged import Part, as_part, open_stage, packs_of
-from engine.runtime.stage import Output, compile_config
-from engine.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
+from engine.transport.link import Link, connect_successor
+from engine.runtime.stages.packing import Part, as_part, packs_of
+from engine.runtime.stages.factory import open_stage
+from engine.runtime.stages.output import Output
+from engine.runtime.stages.stage import compile_config
+from engine.transport.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
 
 
 @dataclasses.dataclass
@@ -46,11 +49,11 @@ class _Round:
         return self.stream, self.seq
 
 
-class RemoteChain:
+class RemoteChain(Chain):
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
                  connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None):
-        """``mode``: the correctness mode (``engine.runtime.stage.MODES``); every stage must run the same.
+        """``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
         stream it holds is forgotten, and it is not compiled again."""
         if not remotes:

@@ -84,7 +84,7 @@ class Flag(enum.IntFlag):
     ALL_POSITIONS = 1  # a result for every new position (speculative verify), not just the last
     PROBS = 2  # the probability of each top-1 token
     LOGITS = 4  # full logits (only where a feature needs them: they are vocabulary-sized)
-    CANDIDATES = 8  # the top candidates' ids and logits per position, for sampling (``engine.runtime.sampling``)
+    CANDIDATES = 8  # the top candidates' ids and logits per position, for sampling (``engine.runtime.decode.sampling``)
 
 
 _ALL_FLAGS = int(Flag.ALL_POSITIONS | Flag.PROBS | Flag.LOGITS | Flag.CANDIDATES)

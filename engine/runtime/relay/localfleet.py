@@ -8,81 +8,20 @@ their parent: each watches its stdin, which only the parent holds open.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
-import threading
 from pathlib import Path
 
 from engine.config import paths
 from engine.errors import FleetError
-from engine.launch import start_fleet
-from engine.runtime.turns import machine_turns_file
-
-READY = "ready"
+from engine.launch import await_ready, end_processes, start_fleet
+from engine.runtime.stages.turns import machine_turns_file
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def lifeline(on_close=lambda: os._exit(0)) -> None:
-    """The child's side: exit as soon as the parent that holds our stdin goes away (or call
-    ``on_close`` instead, to end with a cleanup).  Call it once OpenVINO is up: a thread running
-    while a Core starts can hang the child process the Core forks."""
-    def watch():
-        while sys.stdin.read(4096):
-            pass
-        on_close()
-
-    threading.Thread(target=watch, daemon=True, name="lifeline").start()
-
-
-def await_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
-    """Waits for a ``fleet worker`` process's ready line and returns the address it printed; a worker
-    that exits or stays silent past ``timeout_s`` is ended and reported with the end of its log."""
-    found: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            if line.startswith(READY):
-                found.append(line.split()[1])
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if found:
-        return found[0]
-    reason = f"it exited with code {proc.poll()}" if proc.poll() is not None else f"no ready line in {timeout_s:.0f} s"
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=5)
-    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
-    raise FleetError(reason + ":\n  " + "\n  ".join(tail))
-
-
-def end_processes(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
-    """Terminates child processes (all at once, then waits; kills what does not exit in time) and
-    closes our ends of their pipes."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                try:
-                    stream.close()
-                except OSError:
-                    pass
 
 
 class LocalFleet:
@@ -92,8 +31,8 @@ class LocalFleet:
                  isolate: bool = False, cpu_sets: list[str | None] | None = None, take_turns: bool = True):
         """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
         route tells them.  ``isolate``: one compiled model per stream; ``cpu_sets``: a CPU list per
-        worker to pin it to (``engine.runtime.affinity``).  ``take_turns``: unless the workers are
-        pinned, they compute one at a time (``engine.runtime.turns``); the coordinator joins them
+        worker to pin it to (``engine.runtime.relay.affinity``).  ``take_turns``: unless the workers are
+        pinned, they compute one at a time (``engine.runtime.stages.turns``); the coordinator joins them
         through ``turns``."""
         self.shard_dirs = [Path(d) for d in shard_dirs]
         self.devices = devices or ["CPU"] * len(self.shard_dirs)

@@ -48,7 +48,6 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-
 def _check(field: str, value, low: float, high: float, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise SamplingError(field, f"must be a number, not {value!r}")
@@ -58,20 +57,6 @@ def _check(field: str, value, low: float, high: float, low_open: bool = False) -
 
 
 GREEDY = SamplingParams()
-
-
-# The last stage returns this many candidates (ids and logits) per position when a request samples,
-# instead of vocabulary-sized logits: sampling draws from the CANDIDATES most likely tokens.
-CANDIDATES = 256
-
-
-def top_candidates(rows: np.ndarray, n: int = CANDIDATES) -> tuple[np.ndarray, np.ndarray]:
-    """The ``n`` largest logits of each row of ``rows`` [positions, vocab], most likely first."""
-    n = min(n, rows.shape[-1])
-    part = np.argpartition(rows, -n, axis=-1)[:, -n:]
-    values = np.take_along_axis(rows, part, axis=-1)
-    order = np.argsort(-values, axis=-1, kind="stable")
-    return np.take_along_axis(part, order, -1).astype(np.int64), np.take_along_axis(values, order, -1).astype(np.float32)
 
 
 class Sampler:

@@ -32,11 +32,11 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import ContextError, FleetError, StageError
-from engine.runtime.generate import PREFILL_CHUNK, Decoding
-from engine.runtime.sampling import GREEDY, SamplingParams
-from engine.runtime.speculative import KVSequence
-from engine.runtime.stops import StopText
-from engine.runtime.tokenizer import ChatTokenizer, TextStream
+from engine.runtime.decode.generate import PREFILL_CHUNK, Decoding
+from engine.runtime.decode.sampling import GREEDY, SamplingParams
+from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.decode.stops import StopText
+from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
 
 log = logging.getLogger(__name__)
 
@@ -454,8 +454,8 @@ def drafter_factory(kind: str, chain, draft_shards=None, device: str = "CPU"):
     """What ``ChatService(drafters=...)`` takes for a draft kind (``speculative.DRAFT_KINDS``): a
     function giving one drafter per stream, over one draft chain compiled here for ``model`` and
     ``hybrid`` (``draft_shards``, a 1-stage export sharing the target's tokenizer); None for ``none``."""
-    from engine.runtime.chain import expand_shard_dirs
-    from engine.runtime.speculative import open_draft_chain, stream_drafters
+    from engine.runtime.stages.chain import expand_shard_dirs
+    from engine.runtime.decode.speculative import open_draft_chain, stream_drafters
 
     if kind == "none":
         return None
@@ -474,17 +474,17 @@ def open_service(shards: list[Path | str], *, local_workers: bool = True, device
     ``none``, ``lookup``, ``model`` or ``hybrid`` (the last two over ``draft_shards``, a 1-stage
     export sharing the target's tokenizer)."""
     from engine.fleetkey import key_file as fleet_key_file, load_key, load_tls
-    from engine.runtime.chain import LocalChain, expand_shard_dirs, parse_devices
-    from engine.runtime.stage import REWIND, compile_config
-    from engine.runtime.turns import compute_turns
+    from engine.runtime.stages.chain import LocalChain, expand_shard_dirs, parse_devices
+    from engine.runtime.stages.stage import REWIND, compile_config
+    from engine.runtime.stages.turns import compute_turns
 
     folders = expand_shard_dirs(shards)
     devices = parse_devices(device, len(folders))
     rewind = REWIND[mode]
     fleet = None
     if local_workers and len(folders) > 1:
-        from engine.runtime.localfleet import LocalFleet
-        from engine.runtime.remote import RemoteChain
+        from engine.runtime.relay.localfleet import LocalFleet
+        from engine.runtime.relay.remote import RemoteChain
 
         path = fleet_key_file(key_file)
         key = load_key(key_file, create=not key_file)

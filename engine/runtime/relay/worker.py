@@ -23,12 +23,14 @@ from typing import Callable
 
 import numpy as np
 
-from engine import wire
+from engine.transport import wire
 from engine.errors import FleetError, ShardError
-from engine.runtime.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
-from engine.runtime.paged import Part, open_stage
-from engine.runtime.stage import compile_config, select
-from engine.wire import AuthError, Flag, Frame, Msg, ProtocolError
+from engine.transport.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
+from engine.runtime.stages.packing import Part
+from engine.runtime.stages.factory import open_stage
+from engine.runtime.stages.stage import compile_config
+from engine.runtime.stages.output import select
+from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 MAX_STREAMS = 64
 

@@ -10,10 +10,12 @@ import numpy as np
 
 from engine.errors import ShardError
 from engine.manifest import MANIFEST, check_chain, load_manifest
-from engine.runtime.paged import Part, as_part, open_stage, packs_of
-from engine.runtime.stage import Output, select
-from engine.runtime.turns import NO_TURNS
-from engine.wire import Flag
+from engine.runtime.interfaces import Chain
+from engine.runtime.stages.packing import Part, as_part, packs_of
+from engine.runtime.stages.factory import open_stage
+from engine.runtime.stages.output import Output, select
+from engine.runtime.stages.turns import NO_TURNS
+from engine.transport.wire import Flag
 
 
 def expand_shard_dirs(dirs: list[Path | str]) -> list[Path]:
@@ -52,7 +54,7 @@ class _Ticket:
     error: BaseException | None = None
 
 
-class LocalChain:
+class LocalChain(Chain):
     """All stages in one process; ``forward`` maps token ids to the last stage's top-1 tokens.
 
     When every stage is paged the chain packs: a submitted round waits until some round is
@@ -63,10 +65,10 @@ class LocalChain:
                  isolate: bool = False, turns=None, paged: bool | None = None, static: bool | None = None):
         """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``;
         ``isolate`` compiles each stage once per stream instead of sharing one compiled model;
-        ``turns``: the compute turns this computer's stages share (``engine.runtime.turns``);
-        ``paged``: paged-attention stages (``engine.runtime.paged``) instead of one stateful request
+        ``turns``: the compute turns this computer's stages share (``engine.runtime.stages.turns``);
+        ``paged``: paged-attention stages (``engine.runtime.stages.paged``) instead of one stateful request
         per stream; None: wherever they are supported; ``static``: static-shape stages
-        (``engine.runtime.static``; None: on an NPU)."""
+        (``engine.runtime.stages.static``; None: on an NPU)."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)

@@ -6,7 +6,6 @@ openvino and numpy are needed here; a worker laptop serves a shard with nothing 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -15,9 +14,9 @@ import openvino as ov
 
 from engine.errors import ShardError
 from engine.manifest import BEAM_IDX, MODEL_XML, Manifest, load_manifest
-from engine.runtime.rewrite import LOGITS_TO_KEEP, keep_last_logits
-from engine.runtime.turns import NO_TURNS
-from engine.wire import Flag
+from engine.runtime.interfaces import Stage
+from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, keep_last_logits
+from engine.runtime.stages.turns import NO_TURNS
 
 _core: ov.Core | None = None
 
@@ -88,36 +87,7 @@ def missing_device(device: str) -> str | None:
     return f"this machine has no OpenVINO device {device}: it has {', '.join(available) or 'none'}"
 
 
-@dataclasses.dataclass
-class Output:
-    """What a chain returns for one forward: the top-1 token per returned position, optionally
-    their probabilities or the full logits, and where the time went."""
-
-    tokens: np.ndarray  # int64 [positions]
-    probs: np.ndarray | None = None  # float32 [positions]
-    logits: np.ndarray | None = None  # float32 [1, positions, vocab]
-    candidates: tuple[np.ndarray, np.ndarray] | None = None  # ids int64, logits float32 [positions, CANDIDATES]
-    stage_ms: list[float] = dataclasses.field(default_factory=list)  # compute per stage
-    network_ms: float = 0.0  # waiting on the wire and relaying, beyond the remote stages' compute
-
-
-def select(logits: np.ndarray, flags: Flag) -> Output:
-    """Top-1 compression of last-stage logits ``[1, q, vocab]``: what the caller asked for and no more."""
-    rows = logits[0] if flags & Flag.ALL_POSITIONS else logits[0, -1:]
-    out = Output(rows.argmax(-1).astype(np.int64))
-    if flags & Flag.PROBS:
-        top = rows.max(-1, keepdims=True)
-        out.probs = (1.0 / np.exp(rows - top).sum(-1)).astype(np.float32)
-    if flags & Flag.LOGITS:
-        out.logits = np.array(rows[None], dtype=np.float32)
-    if flags & Flag.CANDIDATES:
-        from engine.runtime.sampling import top_candidates
-
-        out.candidates = top_candidates(rows)
-    return out
-
-
-class StageRunner:
+class StageRunner(Stage):
     """A verified shard compiled for ``device``, with one stateful request per stream.
 
     By default the streams share one compiled model; ``isolate`` compiles one per stream (the paper's
@@ -127,7 +97,7 @@ class StageRunner:
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None, isolate: bool = False, turns=None):
-        """``turns``: the ``engine.runtime.turns`` lock a CPU stage's inferences wait for (stages
+        """``turns``: the ``engine.runtime.stages.turns`` lock a CPU stage's inferences wait for (stages
         sharing this computer's cores); a GPU or NPU stage does not take turns."""
         self.folder = Path(folder)
         self.manifest = manifest or load_manifest(self.folder)
