@@ -14,6 +14,8 @@ from pathlib import Path
 
 import platformdirs
 
+from engine.errors import FleetError, ShardError
+
 APP = "fleetshard"
 
 
@@ -55,19 +57,28 @@ def paths() -> Paths:
     )
 
 
+DRAFTS = ("none", "lookup", "model", "hybrid")  # what proposes speculative tokens (``decode.speculative``)
+
+
 @dataclasses.dataclass
 class Settings:
-    """User defaults; every command-line flag of the same name overrides them."""
+    """User defaults, shared by the ``fleet`` command and the app; every command-line flag of the same
+    name overrides them.  The app's own preferences (theme, window) extend them in ``fleetgui.settings``."""
 
-    default_model: str = "smollm2-135m"
-    device: str = "CPU"
+    default_model: str = "smollm2-135m"  # catalog name, GGUF file, HF folder or an exported shard set
+    device: str = "CPU"  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
     weights: str = "int4"
     stages: int = 2
-    max_new_tokens: int = 128
+    max_new_tokens: int = 256
     fleet_key_file: str | None = None  # default: fleet.key in the config folder
     tls: bool = False  # wrap every fleet connection in TLS with the shared fleet certificate
     mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
     deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
+    local_workers: bool = True  # stages 1.. as worker processes on this machine (else all in process)
+    streams: int = 2  # chats that generate at the same time (micro-batched streams)
+    k: str = "auto"  # draft tokens per round: a number or "auto"; 0 turns speculation off
+    draft: str = "lookup"  # one of DRAFTS
+    draft_model: str = ""  # the draft model source for "model" and "hybrid"
     nodes: list[str] = dataclasses.field(default_factory=list)  # agents added by address (no multicast there)
     api_enabled: bool = False  # the app serves the OpenAI-compatible API while its chat is up
     api_host: str = "127.0.0.1"  # any other address needs the API key (``fleet key api``)
@@ -76,14 +87,90 @@ class Settings:
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Settings":
+        """The saved settings, with the defaults where the file or a field is missing (a field of the
+        wrong type counts as missing); a file that is not a JSON object is refused by name."""
         path = path or paths().settings_file
-        if not path.exists():
-            return cls()
-        raw = json.loads(path.read_text())
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        try:
+            raw = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError) as exc:
+            raise FleetError(f"cannot read the settings in {path} ({exc}): fix or delete the file") from None
+        if not isinstance(raw, dict):
+            raise FleetError(f"the settings in {path} are not a JSON object: fix or delete the file")
+        known = {f.name: f for f in dataclasses.fields(Settings)}
+        defaults = Settings()
+        values = {}
+        for name, value in raw.items():
+            if name in known and _same_kind(value, getattr(defaults, name)):
+                values[name] = value
+        return cls(**values)
 
     def save(self, path: Path | None = None) -> None:
+        """Writes the engine's fields (an extension's own fields are its to keep)."""
         path = path or paths().settings_file
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        engine = {f.name: getattr(self, f.name) for f in dataclasses.fields(Settings)}
+        path.write_text(json.dumps(engine, indent=2))
+
+    def engine(self) -> "Settings":
+        """The engine's part alone (an extension's own fields dropped)."""
+        return Settings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Settings)})
+
+    @property
+    def k_value(self) -> int | str:
+        return "auto" if self.k == "auto" else int(self.k)
+
+    def validate(self) -> str | None:
+        """What is wrong with these settings, in words; None when they are usable."""
+        if self.k != "auto":
+            try:
+                if not 0 <= int(self.k) <= 32:
+                    return "K must be between 0 and 32, or auto"
+            except ValueError:
+                return f"K takes a number or 'auto', not {self.k!r}"
+        if not self.default_model.strip():
+            return "choose a default model"
+        if self.draft not in DRAFTS:
+            return f"the draft is one of {', '.join(DRAFTS)}, not {self.draft!r}"
+        if self.draft in ("model", "hybrid") and not self.draft_model.strip():
+            return f"a {self.draft} draft needs a draft model"
+        try:
+            parse_devices(self.device, self.stages)
+        except FleetError as exc:
+            return str(exc)
+        if not self.api_host.strip():
+            return "the API needs an address to listen on (127.0.0.1: this PC only)"
+        if not 0 <= self.api_port <= 65535:
+            return f"the API port must be between 0 and 65535, not {self.api_port}"
+        return None
+
+
+def _same_kind(value, default) -> bool:
+    """A saved value is taken when it has its field's type (a hand-edited file may say otherwise)."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if default is None:
+        return value is None or isinstance(value, str)
+    return isinstance(value, type(default)) and not (isinstance(value, bool) and not isinstance(default, bool))
+
+
+def parse_devices(device: str, count: int) -> list[str]:
+    """One OpenVINO device for every stage (``"CPU"``) or one per stage (``"CPU,GPU.1"``)."""
+    devices = [d.strip() for d in device.split(",")]
+    if len(devices) == 1:
+        devices *= count
+    if len(devices) != count or not all(devices):
+        raise ShardError(f"{device!r} names {len(devices)} devices for {count} stages")
+    return devices
+
+
+def set_node(address: str, added: bool) -> list[str]:
+    """Adds (or removes) a node agent known by address, in the saved settings; returns the list."""
+    settings = Settings.load()
+    nodes = [n for n in settings.nodes if n != address]
+    if added:
+        nodes.append(address)
+    settings.nodes = nodes
+    settings.save()
+    return nodes

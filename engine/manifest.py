@@ -161,6 +161,15 @@ def _check_shape(raw: dict) -> None:
             raise ShardError(f"the manifest's model.spec.{field.name} is not a {str(field.type)}")
 
 
+def parse_manifest(raw: bytes | str, where: str | None = None) -> Manifest:
+    """A manifest from its JSON text (``where``: the file it came from, for the error)."""
+    try:
+        return Manifest.from_json(json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw))
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        what = f"{where} is damaged or" if where else "this is"
+        raise ShardError(f"{what} not a fleetshard manifest ({exc})") from None
+
+
 def read_manifest(folder: Path) -> Manifest:
     """Reads a shard's manifest without checking its files (cheap, for listings)."""
     folder = Path(folder)
@@ -169,10 +178,29 @@ def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST
     if not path.exists():
         raise ShardError(f"{folder} is not a shard: it has no {MANIFEST}")
-    try:
-        return Manifest.from_json(json.loads(path.read_text()))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ShardError(f"{path} is damaged or not a fleetshard manifest ({exc})") from exc
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def is_shard_set(source: str | Path) -> bool:
+    """True when ``source`` is an exported shard folder or an export holding stage folders."""
+    path = Path(source).expanduser()
+    return path.is_dir() and ((path / MANIFEST).exists() or any(path.glob(f"stage*/{MANIFEST}")))
+
+
+def expand_shard_dirs(dirs: list[Path | str]) -> list[Path]:
+    """Accepts shard folders or export folders holding ``stage0``, ``stage1``, ...; returns shard folders."""
+    folders: list[Path] = []
+    for d in (Path(d).expanduser() for d in dirs):
+        if not d.exists():
+            raise ShardError(f"shard folder {d} does not exist")
+        if (d / MANIFEST).exists():
+            folders.append(d)
+            continue
+        stages = sorted((p for p in d.glob("stage*") if (p / MANIFEST).exists()), key=lambda p: int(p.name[5:] or 0))
+        if not stages:
+            raise ShardError(f"{d} is neither a shard folder nor an export holding stage folders")
+        folders.extend(stages)
+    return folders
 
 
 def load_manifest(folder: Path) -> Manifest:

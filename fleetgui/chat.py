@@ -28,8 +28,8 @@ from fleetgui.workers import TaskRunner
 
 SAVE_EVERY_S = 1.0  # how often a reply in progress is written to the history (write-ahead)
 # settings whose change needs a new service (the rest apply per request)
-SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "devices", "mode", "local_workers",
-                "streams", "k", "draft", "draft_model")
+SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device", "mode", "local_workers",
+                "streams", "k", "draft", "draft_model", "tls", "deadline_s")
 # a deployment's phases (``engine.fleet.deploy``), as the status bar says them
 DEPLOY_PHASES = {"export": "exporting", "send": "sending", "start": "starting", "connect": "connecting"}
 

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFi
                                QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QTableView,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from engine.config import Settings, set_node
 from engine.errors import FleetError
 from engine.fleet.shardstore import pruned_text, shard_text
 from engine.manifest import layer_span
@@ -36,23 +37,12 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-
 STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "exporting": "#1f618d"}
 
 
-# --- nodes added by address: the engine settings' list ----------------------------------------------
-
 def added_nodes() -> list[str]:
-    from engine.config import Settings
-
+    """The nodes added by address: the engine settings' list, shared with ``fleet nodes add``."""
     try:
         return list(Settings.load().nodes)
-    except (OSError, ValueError, TypeError):
+    except FleetError:
         return []
-
-
-def save_added_nodes(nodes: list[str]) -> None:
-    from engine.config import Settings
-
-    settings = Settings.load()
-    settings.nodes = list(dict.fromkeys(nodes))
-    settings.save()
 
 
 def address_problem(text: str, known: list[str] = ()) -> str | None:
@@ -587,13 +577,13 @@ class FleetView(QWidget):
         if problem:
             self.banner.error(problem)
             return problem
-        save_added_nodes(added_nodes() + [address])
+        set_node(address, added=True)
         self.model.add_address(address)
         self.refresh()
         return None
 
     def remove_node(self, address: str) -> None:
-        save_added_nodes([a for a in added_nodes() if a != address])
+        set_node(address, added=False)
         self.model.remove_address(address)
 
     def remove_selected(self) -> None:

@@ -93,11 +93,10 @@ def load(settings) -> bytes:
 
 
 def tls(settings):
-    """The fleet TLS contexts when the engine settings turn TLS on, else None."""
-    from engine.config import Settings
+    """The fleet TLS contexts when the settings turn TLS on, else None."""
     from engine.fleetkey import load_tls
 
-    return load_tls(Settings.load().tls, key_path(settings))
+    return load_tls(settings.tls, key_path(settings))
 
 
 def _in_keyring(key: bytes) -> bool:

@@ -7,7 +7,9 @@ lane runs their children, so any item view can show it.  A range travels as MIME
 (``mimeData``: ``{"start", "end"}``) and ``dropMimeData`` onto a lane, or onto a range of that lane,
 moves those layers there; that is the one path every drag takes.  Ranges are checkable, checked
 meaning pinned.  Every change is priced at once with ``engine.fleet.placement.evaluate`` (cheap),
-and ``problems`` lists what would stop the plan from deploying, in words, nodes named by name.
+and ``problems`` lists what would stop the plan from deploying, in words, nodes named by name:
+``evaluate``'s problems and the rule ``engine.fleet.deploy.check_placement`` enforces.  The starting
+plan is the engine's even split (``engine.export.exporter.plan_split``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from pathlib import Path
 from PySide6.QtCore import QAbstractItemModel, QMimeData, QModelIndex, Qt, Signal
 
 from engine.errors import FleetError
+from engine.export.exporter import plan_split
+from engine.fleet.deploy import LOCAL, StagePlacement, placement_problem
+from engine.fleet.placement import Fleet, ModelShape, Pin, evaluate
 from engine.manifest import layer_span
 
 MIME = "application/x-fleetshard-layers"
@@ -34,8 +39,6 @@ def default_profile() -> Path:
 
 def parse_profile(doc: dict):
     """(ModelShape, nodes, Fleet) of a survey document."""
-    from engine.fleet.placement import Fleet, ModelShape
-
     try:
         return ModelShape.from_json(doc["model"]), doc["nodes"], Fleet.from_json(doc["fleet"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -83,8 +86,6 @@ class PlanModel(QAbstractItemModel):
     # --- loading -------------------------------------------------------------------------------------
 
     def load(self, doc: dict) -> None:
-        from engine.fleet.deploy import LOCAL
-
         shape, nodes, fleet = parse_profile(doc)
         order = {n: i for i, n in enumerate(nodes)}
         devices = sorted(fleet.devices, key=lambda d: (d.node != fleet.coordinator, order.get(d.node, len(order))))
@@ -103,10 +104,11 @@ class PlanModel(QAbstractItemModel):
             profile = self.fleet.device(lane.node, lane.device)
             if lane.node not in first and (profile is None or profile.supported):
                 first[lane.node] = i
-        lanes = list(first.values())[:self.shape.num_layers] or [0]
-        n, total = len(lanes), self.shape.num_layers
-        bounds = [round(total * k / n) for k in range(n + 1)]
-        return [StageRange(lane, a, b) for lane, a, b in zip(lanes, bounds, bounds[1:]) if b > a]
+        total = self.shape.num_layers
+        if total < 1:
+            return []
+        lanes = list(first.values())[:total] or [0]
+        return [StageRange(lane, a, b) for lane, (a, b) in zip(lanes, plan_split(total, len(lanes)))]
 
     @property
     def loaded(self) -> bool:
@@ -200,30 +202,28 @@ class PlanModel(QAbstractItemModel):
         self.evaluate()
 
     def pins(self) -> list:
-        from engine.fleet.placement import Pin
-
         return [Pin(node=self.lanes[s.lane].node, start=s.start, end=s.end, device=self.lanes[s.lane].device)
                 for s in self.stages if s.pinned]
 
     def chain(self) -> list[tuple[str, str, int, int]]:
         return [(self.lanes[s.lane].node, self.lanes[s.lane].device, s.start, s.end) for s in self.stages]
 
+    def placement(self) -> list[StagePlacement]:
+        """The plan as ``deploy`` takes it: stage 0 in this app (the coordinator), the others at their
+        lanes' agents."""
+        return [StagePlacement(LOCAL if i == 0 else self.lanes[s.lane].address, self.lanes[s.lane].device,
+                               s.start, s.end) for i, s in enumerate(self.stages)]
+
     # --- pricing -------------------------------------------------------------------------------------
 
     def evaluate(self) -> None:
-        from engine.fleet.deploy import LOCAL
-        from engine.fleet.placement import evaluate
-
         if not self.loaded:
             return
         self.evaluation = evaluate(self.shape, self.fleet, self.chain(), users=self.users)
         problems = list(self.evaluation.problems)
-        for i, s in enumerate(self.stages[1:], start=1):  # what deploy() needs besides what evaluate checks
-            if self.lanes[s.lane].address == LOCAL:
-                problems.append(f"stage {i} ({layer_span(s.start, s.end)}) is on this machine, which runs stage 0 "
-                                "only: give those layers to a node agent")
-        if len(self.stages) < 2:
-            problems.append("a deployment needs at least one stage on another node")
+        refused = placement_problem(self.placement())  # what deploy() refuses besides what evaluate prices
+        if refused is not None:
+            problems.append(refused)
         self.problems = [self.readable(p) for p in problems]
         if self.stages:
             self.dataChanged.emit(self.index(0, 0), self.index(len(self.lanes) - 1, 1))

@@ -32,6 +32,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGro
                                QSizePolicy, QTreeView, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
+from engine.fleet.deploy import Deployment
+from engine.fleet.placement import Infeasible, solve
 from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
@@ -490,8 +492,6 @@ class PlacementView(QWidget):
     # --- optimise ------------------------------------------------------------------------------------
 
     def optimise(self) -> None:
-        from engine.fleet.placement import Infeasible, solve
-
         if self.task is not None or not self.model.loaded:
             return
         shape, fleet, pins = self.model.shape, self.model.fleet, self.model.pins()
@@ -523,15 +523,6 @@ class PlacementView(QWidget):
 
     # --- deploy --------------------------------------------------------------------------------------
 
-    def placement(self) -> list:
-        from engine.fleet.deploy import LOCAL, StagePlacement
-
-        out = []
-        for i, s in enumerate(self.model.stages):
-            lane = self.model.lanes[s.lane]
-            out.append(StagePlacement(LOCAL if i == 0 else lane.address, lane.device, s.start, s.end))
-        return out
-
     def deploy(self) -> None:
         if self.task is not None or not self.model.loaded:
             return
@@ -541,7 +532,7 @@ class PlacementView(QWidget):
         model = str((self.doc or {}).get("source") or self.source.text().strip())
         weights = str((self.doc or {}).get("weights") or self.settings.weights)
         settings = dataclasses.replace(self.settings, weights=weights)
-        stages, previous, owned, backend = self.placement(), self.deployment, self.owns_deployment, self.backend
+        stages, previous, owned, backend = self.model.placement(), self.deployment, self.owns_deployment, self.backend
         planned = None
         if self.doc:  # the profile the plan came from: the chat's failover re-plans with it if a node is lost
             profile = default_profile().with_name("deployed-profile.json")
@@ -606,8 +597,6 @@ class PlacementView(QWidget):
 
     def use_recorded(self, path: Path | None = None) -> bool:
         """Chats on a deployment recorded by the command line (it keeps running when the app exits)."""
-        from engine.fleet.deploy import Deployment
-
         try:
             deployment = Deployment.load(path)
         except FleetError as exc:

@@ -1,8 +1,8 @@
-"""The app's preferences, kept with QSettings, and the Settings dialog.
+"""The app's preferences and the Settings dialog.
 
-Where the engine has a setting of the same meaning (``engine.config.Settings``: model, stages,
-weights, device, mode, fleet key file), its value is the app's default, so the app and the ``fleet``
-command start out alike; the app's own choices then live in QSettings.
+``GuiSettings`` is the engine's ``Settings`` (model, stages, device, drafts, streams, the API... kept
+in ``settings.json``, shared with the ``fleet`` command) plus what is the app's alone (the theme),
+kept with QSettings.
 """
 
 from __future__ import annotations
@@ -13,97 +13,40 @@ from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
                                QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget)
 
-from engine.config import Settings
+from engine.config import DRAFTS, Settings
+from engine.errors import FleetError
+from engine.models.catalog import CATALOG
 from fleetgui.theme import THEMES
 from fleetgui.widgets import combo_box, field_row, spin_box
 
 WEIGHTS = ("int4", "int8", "fp16", "f32")
-DRAFTS = ("none", "lookup", "model", "hybrid")
 
 
 @dataclasses.dataclass
-class GuiSettings:
-    fleet_key_file: str = ""  # empty: the engine's default (fleet.key in the config folder)
-    default_model: str = "smollm2-135m"  # catalog name, GGUF file, HF folder or an exported shard set
-    stages: int = 2
-    weights: str = "int4"
-    devices: str = "CPU"  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
-    mode: str = "fast"
-    local_workers: bool = True  # stages 1.. as worker processes on this machine (else all in process)
-    streams: int = 2  # chats that generate at the same time (micro-batched streams)
-    k: str = "auto"  # draft tokens per round: a number or "auto"; 0 turns speculation off
-    draft: str = "lookup"  # none | lookup | model | hybrid
-    draft_model: str = ""  # the draft model source for "model" and "hybrid"
-    max_new_tokens: int = 256
+class GuiSettings(Settings):
     theme: str = "light"
-    api_enabled: bool = False  # serve the chat's model as the OpenAI-compatible API too
-    api_host: str = "127.0.0.1"
-    api_port: int = 8000
-
-    @classmethod
-    def defaults(cls) -> "GuiSettings":
-        try:
-            engine = Settings.load()
-        except (OSError, ValueError, TypeError):  # an unreadable settings.json: the app still starts
-            engine = Settings()
-        return cls(fleet_key_file=engine.fleet_key_file or "", default_model=engine.default_model,
-                   stages=engine.stages, weights=engine.weights, devices=engine.device, mode=engine.mode,
-                   api_enabled=engine.api_enabled, api_host=engine.api_host, api_port=engine.api_port)
 
     @classmethod
     def load(cls, store: QSettings) -> "GuiSettings":
-        base = cls.defaults()
-        values = {}
-        for f in dataclasses.fields(cls):
-            raw = store.value(f.name)
-            if raw is None:
-                continue
-            default = getattr(base, f.name)
-            try:
-                if isinstance(default, bool):
-                    values[f.name] = str(raw).lower() in ("1", "true", "yes")
-                elif isinstance(default, int):
-                    values[f.name] = int(raw)
-                else:
-                    values[f.name] = str(raw)
-            except ValueError:  # a hand-edited or damaged value: keep the default
-                continue
-        return dataclasses.replace(base, **values)
+        """The engine's saved settings (the defaults if they cannot be read: the app still starts) and
+        the app's own from ``store``."""
+        try:
+            engine = Settings.load()
+        except FleetError:
+            engine = Settings()
+        theme = store.value("theme")
+        return cls(**dataclasses.asdict(engine), **({"theme": str(theme)} if theme is not None else {}))
 
     def save(self, store: QSettings) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            store.setValue(f.name, ("true" if value else "false") if isinstance(value, bool) else value)
-        store.sync()
-
-    @property
-    def k_value(self) -> int | str:
-        return "auto" if self.k == "auto" else int(self.k)
-
-    def validate(self) -> str | None:
-        """What is wrong with these settings, in words; None when they are usable."""
-        from engine.errors import FleetError
-        from engine.runtime.stages.chain import parse_devices
-
-        if self.k != "auto":
-            try:
-                if not 0 <= int(self.k) <= 32:
-                    return "K must be between 0 and 32, or auto"
-            except ValueError:
-                return f"K takes a number or 'auto', not {self.k!r}"
-        if not self.default_model.strip():
-            return "choose a default model"
-        if self.draft in ("model", "hybrid") and not self.draft_model.strip():
-            return f"a {self.draft} draft needs a draft model"
+        """The engine's part to ``settings.json`` (keeping the node list as saved there: the Fleet view and
+        ``fleet nodes`` edit it), the app's to ``store``."""
         try:
-            parse_devices(self.devices, self.stages)
-        except FleetError as exc:
-            return str(exc)
-        if not self.api_host.strip():
-            return "the API needs an address to listen on (127.0.0.1: this PC only)"
-        if not 0 <= self.api_port <= 65535:
-            return f"the API port must be between 0 and 65535, not {self.api_port}"
-        return None
+            nodes = Settings.load().nodes
+        except FleetError:
+            nodes = self.nodes
+        dataclasses.replace(self.engine(), nodes=nodes).save()
+        store.setValue("theme", self.theme)
+        store.sync()
 
 
 def default_store() -> QSettings:
@@ -119,13 +62,11 @@ class SettingsDialog(QDialog):
         self._settings = settings
         form = QFormLayout()
 
-        self.key_file = QLineEdit(settings.fleet_key_file)
+        self.key_file = QLineEdit(settings.fleet_key_file or "")
         self.key_file.setPlaceholderText("default: fleet.key in the config folder")
         browse = QPushButton("Browse…")
         browse.clicked.connect(self._browse_key)
         form.addRow("Fleet key file", field_row(self.key_file, browse))
-
-        from engine.models.catalog import CATALOG
 
         self.model = combo_box(CATALOG, settings.default_model, editable=True)
         self.model.setToolTip("a catalog name, a GGUF file, a Hugging Face folder or an exported shard set")
@@ -135,7 +76,7 @@ class SettingsDialog(QDialog):
         form.addRow("Stages", self.stages)
         self.weights = combo_box(WEIGHTS, settings.weights)
         form.addRow("Weights", self.weights)
-        self.devices = QLineEdit(settings.devices)
+        self.devices = QLineEdit(settings.device)
         self.devices.setToolTip("one OpenVINO device for every stage (CPU, GPU, NPU) or one per stage: CPU,GPU.1")
         form.addRow("Devices", self.devices)
         self.mode = combo_box(["fast", "exact"], settings.mode)
@@ -185,8 +126,8 @@ class SettingsDialog(QDialog):
 
     def result_settings(self) -> GuiSettings:
         return dataclasses.replace(
-            self._settings, fleet_key_file=self.key_file.text().strip(), default_model=self.model.currentText().strip(),
-            stages=self.stages.value(), weights=self.weights.currentText(), devices=self.devices.text().strip() or "CPU",
+            self._settings, fleet_key_file=self.key_file.text().strip() or None, default_model=self.model.currentText().strip(),
+            stages=self.stages.value(), weights=self.weights.currentText(), device=self.devices.text().strip() or "CPU",
             mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(), streams=self.streams.value(),
             k=self.k.currentText().strip() or "auto", draft=self.draft.currentText(),
             draft_model=self.draft_model.text().strip(), max_new_tokens=self.max_new_tokens.value(),

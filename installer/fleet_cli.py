@@ -4,7 +4,7 @@ and its stage workers."""
 import multiprocessing
 import sys
 
-from engine.cli import main
+from engine.cli.main import main
 
 if __name__ == "__main__":
     multiprocessing.freeze_support()

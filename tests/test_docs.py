@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.cli import build_parser
-from engine.clidoc import EXAMPLES, commands, reference
+from engine.cli.main import build_parser
+from engine.cli.docs import EXAMPLES, commands, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ def test_every_command_has_a_summary_and_an_example_that_parses():
     assert {"serve", "nodes prune", "key api", "bench"} <= {path for path, _, _ in found}
     for path, sub, summary in found:
         assert summary and len(summary.splitlines()) == 1, f"`fleet {path}` has no one-line summary"
-        assert path in EXAMPLES, f"`fleet {path}` has no example in engine/clidoc.py EXAMPLES"
+        assert path in EXAMPLES, f"`fleet {path}` has no example in engine/cli/docs.py EXAMPLES"
         words = shlex.split(EXAMPLES[path])
         assert words[: 1 + len(path.split())] == ["fleet", *path.split()], (path, EXAMPLES[path])
         build_parser().parse_args(words[1:])  # the example is a valid command line

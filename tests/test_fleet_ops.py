@@ -279,7 +279,7 @@ def test_agents_are_discovered_over_mdns_and_seen_leaving(key_file, tmp_path):
 def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, monkeypatch):
     import json
 
-    from engine.fleet.commands import placement_stages
+    from engine.fleet.plans import placement_stages
     from engine.fleet.placement import Pin, solve
     from engine.fleet.survey import load_survey, recent_survey, survey
 
@@ -327,7 +327,7 @@ def test_all_nodes_leaves_out_added_nodes_that_do_not_answer(two_agents, key_fil
     import argparse
     import json
 
-    from engine.fleet.commands import _agent_addresses
+    from engine.cli.fleet import _agent_addresses
 
     (_, a), _ = two_agents
     home = tmp_path / "coordinator"

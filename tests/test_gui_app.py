@@ -80,7 +80,7 @@ def test_settings_persist_across_a_new_qsettings(qtbot, gui_home, tmp_path):
     loaded = GuiSettings.load(settings_store(path))  # a new QSettings on the same file
     assert loaded.fleet_key_file == str(tmp_path / "office.key")
     assert loaded.default_model == "qwen2.5-coder-1.5b"
-    assert (loaded.k, loaded.streams, loaded.stages, loaded.devices, loaded.theme) == ("5", 3, 3, "CPU,CPU,GPU.1",
+    assert (loaded.k, loaded.streams, loaded.stages, loaded.device, loaded.theme) == ("5", 3, 3, "CPU,CPU,GPU.1",
                                                                                        "dark")
     assert loaded == window.settings
     assert loaded.local_workers is False and loaded.max_new_tokens == 64

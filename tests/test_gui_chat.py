@@ -11,7 +11,8 @@ from gui_support import gui_home, open_window, screenshot, settings_store, tiny_
 
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
-from engine.runtime.decode.service import open_service
+from engine.config import Settings
+from engine.session import Launch, open_service
 from engine.runtime.decode.tokenizer import ChatTokenizer
 from fleetgui.backend import EngineBackend
 
@@ -36,7 +37,8 @@ class LoopbackBackend(EngineBackend):
     long enough to be stopped half-way."""
 
     def open_chat(self, settings, progress=None, cancel=None):
-        return open_service(self.resolve_shards(settings), local_workers=True, delay_ms=3.0, streams=2, k=0)
+        return open_service(Settings(streams=2, k="0", draft="none"),
+                            Launch(shards=self.resolve_shards(settings), workers="processes", delay_ms=3.0))
 
 
 def send(qtbot, tab, text, timeout=60000):

@@ -99,6 +99,8 @@ def drag(canvas, start, end, steps=3):
 
 
 def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
+    from engine.export.exporter import plan_split
+    from engine.fleet.deploy import LOCAL
     from fleetgui.placement_model import default_profile
 
     window, fleet_view, view = open_app(qtbot, fleet)
@@ -113,6 +115,10 @@ def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     assert view.model.loaded, view.banner.message
     assert sorted(lane.label for lane in view.model.lanes) == ["alpha · CPU", "beta · CPU", "this machine · CPU"]
     assert view.model.lanes[0].name == "this machine"  # the coordinator's lane comes first
+    # the starting plan is the engine's even split, one stage per machine, stage 0 on this one
+    layers = view.model.shape.num_layers
+    assert [(s.start, s.end) for s in view.model.stages] == plan_split(layers, 3)
+    assert view.model.placement()[0].agent == LOCAL and view.model.stages[0].lane == 0
     assert any("profiling" in str(p[-1]) for p in seen)
     doc = json.loads(default_profile().read_text())
     assert doc["source"] == fleet.model and doc["weights"] == "f32" and len(doc["fleet"]["devices"]) == 3

@@ -66,7 +66,7 @@ def test_overlapping_pins():
 def test_pin_argument_names_layers_inclusively():
     import argparse
 
-    from engine.fleet.commands import _pin
+    from engine.cli.fleet import _pin
 
     assert _pin("alpha:0-14") == Pin("alpha", 0, 15)
     assert _pin("this machine:3:GPU.1") == Pin("this machine", 3, 4, "GPU.1")
@@ -373,3 +373,36 @@ def test_sixteen_nodes_on_an_80_layer_model():
         print(f"16 nodes, 80 layers, {objective} ({users} users): {len(plan.stages)} stages in "
               f"{time.perf_counter() - began:.2f} s")
         assert evaluate(m, f, chain(plan), users=users).problems == []
+
+
+# ---- the deployment's rules (engine.fleet.deploy.check_placement), which the app's plan asks too ----
+
+def test_check_placement_refuses_what_deploy_cannot_run():
+    from engine.fleet.deploy import LOCAL, StagePlacement, check_placement, placement_problem
+
+    def stages(*spec):
+        return [StagePlacement(agent, "CPU", start, end) for agent, start, end in spec]
+
+    a, b = "10.0.0.2:7411", "10.0.0.3:7411"
+    good = stages((LOCAL, 0, 1), (a, 1, 3), (b, 3, 4))
+    check_placement(good)
+    assert placement_problem(good) is None
+    for bad, message in [
+        ([], "a placement needs at least one stage"),
+        (stages((a, 0, 2), (b, 2, 4)), "stage 0 runs in the coordinator: the placement's first stage must be on "
+                                        "this machine"),
+        (stages((LOCAL, 0, 4)), "a deployment needs at least one stage on a node agent"),
+        (stages((LOCAL, 0, 1), (a, 1, 3), (LOCAL, 3, 4)),
+         "stage 2 (layer 3) is on this machine: only stage 0 runs in the coordinator, later stages need a node "
+         "agent's address"),
+        (stages((LOCAL, 0, 1), (LOCAL, 1, 3), (LOCAL, 3, 4)), "stage 1 (layers 1-2), stage 2 (layer 3) are on this "
+                                                               "machine"),
+        (stages((LOCAL, 1, 2), (a, 2, 4)), "the first stage starts at layer 1, not 0"),
+        (stages((LOCAL, 0, 2), (a, 2, 2), (b, 2, 4)), "the stage from layer 2 holds no layers"),
+        (stages((LOCAL, 0, 2), (a, 3, 4)), "the stages of layers 0-1 and layer 3 are not contiguous"),
+        (stages((LOCAL, 0, 3), (a, 2, 4)), "the stages of layers 0-2 and layers 2-3 are not contiguous"),
+    ]:
+        with pytest.raises(FleetError) as raised:
+            check_placement(bad)
+        assert str(raised.value).startswith(message), bad
+        assert placement_problem(bad) == str(raised.value)

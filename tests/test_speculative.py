@@ -17,7 +17,8 @@ from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Decoding, Generator, generate_streams
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
-from engine.runtime.decode.service import open_service
+from engine.config import Settings
+from engine.session import Launch, open_service
 from engine.runtime.decode.speculative import (
     AutoK,
     Drafter,
@@ -82,8 +83,8 @@ def test_exact_speculation_equals_greedy_on_tiny(k, rewind, tiny_exports):
 def test_exact_mode_keeps_its_settings_to_the_target(tiny_exports):
     # Only the target's verify decides tokens: in exact mode the draft still compiles with the fast
     # settings (a 16-bit KV cache here, not exact's f32).
-    service = open_service(tiny_exports["qwen2", "3"].folders, local_workers=False, mode="exact", streams=1,
-                           draft="hybrid", draft_shards=tiny_exports["qwen2", "1"].folders)
+    settings = Settings(mode="exact", streams=1, draft="hybrid", draft_model=str(tiny_exports["qwen2", "1"].folders[0]))
+    service = open_service(settings, Launch(shards=tiny_exports["qwen2", "3"].folders, workers="none"))
     try:
         target, (hybrid,) = service.chain, service.drafters
         assert target.stages[0].compiled.get_property("KV_CACHE_PRECISION") == ov.Type.f32
@@ -435,13 +436,13 @@ def test_draft_with_another_tokenizer_is_refused(tiny_exports):
 def test_a_precision_hint_from_the_command_line_is_the_targets_alone(tiny_exports):
     from argparse import Namespace
 
-    from engine.cli import open_drafter
-    from engine.config import Settings
+    from engine.cli.args import settings_of
+    from engine.session import draft_shards, drafter_factory
 
     folder = tiny_exports["qwen2", "1"].folders[0]
     target = LocalChain([folder], config=compile_config("fast", "bf16"))
-    args = Namespace(draft=f"hybrid:{folder}", device=None, precision="bf16")
-    [hybrid] = open_drafter(args, Settings(), target, 1)
+    settings = settings_of(Namespace(draft=f"hybrid:{folder}", device=None, precision="bf16"), Settings())
+    [hybrid] = drafter_factory(settings.draft, target, draft_shards(settings), settings.device)(1)
     hint = "INFERENCE_PRECISION_HINT"
     assert target.stages[0].compiled.get_property(hint) == ov.Type.bf16
     # the draft keeps the device's default (the f32 hint on CPU: its fastest drafting)

@@ -20,10 +20,15 @@ from pathlib import Path
 from statistics import median
 
 import numpy as np
+import openvino as ov
+import openvino_genai
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, prompt_ids
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
+from engine.fleetkey import create_key, load_key
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import generate_streams
 from engine.runtime.stages.paged import PagedStage
@@ -68,9 +73,6 @@ def _stateful_kv_bytes(chain: LocalChain, streams: int) -> float:
 
 
 def _cb_runner(folder: Path, device: str, props: dict):
-    import openvino as ov
-    import openvino_genai
-
     scheduler = openvino_genai.SchedulerConfig()
     scheduler.cache_size = 1  # GB
     scheduler.max_num_seqs = max(STREAMS)
@@ -169,10 +171,6 @@ def _measure(ways: dict, prompts, streams, tokens: int, runs: int, hooks, log) -
 @contextlib.contextmanager
 def _relay_chain(folders: list[Path], device: str):
     """Stage 0 here, the later stages as worker processes on loopback, under a throwaway fleet key."""
-    from engine.fleetkey import create_key, load_key
-    from engine.runtime.relay.localfleet import LocalFleet
-    from engine.runtime.relay.remote import RemoteChain
-
     with tempfile.TemporaryDirectory() as tmp:
         key = create_key(Path(tmp) / "fleet.key")
         with LocalFleet(folders[1:], key, devices=[device] * (len(folders) - 1), log_dir=Path(tmp)) as fleet:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import http.client
 import json
+import os
 import socket
 import tempfile
 import threading
@@ -31,14 +32,22 @@ from pathlib import Path
 import numpy as np
 
 from engine.bench.report import write_report
-from engine.errors import FleetError
+from engine.errors import FleetError, ShardError
+from engine.export.exporter import export_model
+from engine.fleet.agent import Agent
+from engine.fleetkey import create_key
+from engine.manifest import MANIFEST, load_manifest
+from engine.runtime.decode.service import ChatService
+from engine.runtime.stages.chain import LocalChain
+from engine.serve.server import ApiServer
+from engine.transport import wire
 
 TARGETS = ("wire", "handshake", "control", "manifest", "http")
 API_KEY = "fs-fuzz-key-0123456789abcdef"
 
 
 def _hypothesis():
-    try:
+    try:  # hypothesis is a test extra: only fuzzing needs it, and without it this says how to get it
         import hypothesis
         from hypothesis import strategies
     except ImportError:
@@ -74,8 +83,6 @@ def _json_values(st):
 # --- wire -----------------------------------------------------------------------------------------
 
 def fuzz_wire(cases: int, tally: Tally) -> None:
-    from engine.transport import wire
-
     _, st = _hypothesis()
     # besides small and random sizes: products that wrap a 64-bit count around to 0 (2**16 four times)
     dims = st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1), st.sampled_from([2**16, 2**31, 2**32 - 1]))
@@ -159,10 +166,6 @@ def fuzz_wire(cases: int, tally: Tally) -> None:
 # --- handshake ------------------------------------------------------------------------------------
 
 def fuzz_handshake(cases: int, tally: Tally) -> None:
-    import os
-
-    from engine.transport import wire
-
     _, st = _hypothesis()
     key = os.urandom(32)
     identity = {"role": "stage", "fingerprint": "f" * 16, "stage": 1}
@@ -236,10 +239,6 @@ OPS = ("ping", "status", "has_shard", "put_begin", "put_chunk", "put_end", "drop
 
 
 def fuzz_control(cases: int, tally: Tally) -> None:
-    from engine.transport import wire
-    from engine.fleet.agent import Agent
-    from engine.fleetkey import create_key
-
     _, st = _hypothesis()
     with tempfile.TemporaryDirectory() as tmp:
         agent = Agent("127.0.0.1:0", key_file=create_key(Path(tmp) / "fleet.key"), store=Path(tmp) / "store",
@@ -277,9 +276,6 @@ def fuzz_control(cases: int, tally: Tally) -> None:
 
 def fuzz_manifest(cases: int, tally: Tally, sample: dict) -> None:
     """``sample``: a real manifest's JSON, which most cases damage in one place."""
-    from engine.errors import ShardError
-    from engine.manifest import MANIFEST, load_manifest
-
     _, st = _hypothesis()
 
     def paths(doc, prefix=()):
@@ -330,8 +326,6 @@ def fuzz_manifest(cases: int, tally: Tally, sample: dict) -> None:
 # --- http -----------------------------------------------------------------------------------------
 
 def fuzz_http(cases: int, tally: Tally, service, model_id: str) -> None:
-    from engine.serve.server import ApiServer
-
     _, st = _hypothesis()
     server = ApiServer(service, port=0, api_key=API_KEY, model_id=model_id).start()
     fields = st.sampled_from(["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "stop",
@@ -378,11 +372,6 @@ def fuzz_http(cases: int, tally: Tally, service, model_id: str) -> None:
 
 def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS, weights: str = "int4",
              out: Path | None = None, log=print) -> dict:
-    from engine.export.exporter import export_model
-    from engine.manifest import MANIFEST
-    from engine.runtime.stages.chain import LocalChain
-    from engine.runtime.decode.service import ChatService
-
     folders = export_model(model, stages=1, weights=weights).folders
     sample = json.loads((folders[0] / MANIFEST).read_text())
     tally = Tally()

@@ -24,11 +24,11 @@ from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
 from engine.runtime.relay.affinity import parse_cpu_sets, pin
-from engine.runtime.stages.chain import expand_shard_dirs
+from engine.manifest import expand_shard_dirs
 from engine.runtime.decode.generate import Generation, generate_streams
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
-from engine.runtime.decode.service import drafter_factory
+from engine.session import drafter_factory
 from engine.runtime.decode.speculative import draft_head
 from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.stages.turns import compute_turns

@@ -50,7 +50,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
              log=print) -> dict:
     import openai
 
-    from engine.fleet.commands import local_up, stop_local_agent
+    from engine.fleet.local import local_up, stop_local_agent
     from engine.fleet.failover import Failover
     from engine.fleetkey import create_key, load_key
     from engine.runtime.decode.service import ChatService

@@ -116,10 +116,20 @@ def _stop_workers(workers: list[dict], key: bytes, tls) -> list[str]:
     return problems
 
 
-def split_of(stages: list[StagePlacement]) -> list[int]:
-    """Stage boundaries of a placement, after checking it covers the layers once, in order."""
+def check_placement(stages: list[StagePlacement]) -> None:
+    """Raises FleetError, saying why, unless ``deploy`` can run this placement: stage 0 on this machine
+    (the coordinator), every later stage on a node agent, at least one of them, and the stages
+    covering the layers from 0 once, in order (the model's layer count is checked at export)."""
     if not stages:
         raise FleetError("a placement needs at least one stage")
+    if stages[0].agent != LOCAL:
+        raise FleetError("stage 0 runs in the coordinator: the placement's first stage must be on this machine")
+    if len(stages) < 2:
+        raise FleetError("a deployment needs at least one stage on a node agent")
+    here = [f"stage {i} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1) if s.agent == LOCAL]
+    if here:
+        raise FleetError(f"{', '.join(here)} {'is' if len(here) == 1 else 'are'} on this machine: only stage 0 runs "
+                         f"in the coordinator, later stages need a node agent's address")
     if stages[0].start != 0:
         raise FleetError(f"the first stage starts at layer {stages[0].start}, not 0")
     for s in stages:
@@ -129,7 +139,15 @@ def split_of(stages: list[StagePlacement]) -> list[int]:
         if b.start != a.end:
             raise FleetError(f"the stages of {layer_span(a.start, a.end)} and {layer_span(b.start, b.end)} "
                              f"are not contiguous")
-    return [s.end for s in stages[:-1]]
+
+
+def placement_problem(stages: list[StagePlacement]) -> str | None:
+    """What stops ``deploy`` from running this placement, in words, or None: ``check_placement``'s reason."""
+    try:
+        check_placement(stages)
+    except FleetError as exc:
+        return str(exc)
+    return None
 
 
 def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, weights: str = "int4",
@@ -143,13 +161,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     so the model is not opened again to find them."""
     from engine.export.exporter import export_model
 
-    if not stages or stages[0].agent != LOCAL:
-        raise FleetError("stage 0 runs in the coordinator: the placement's first stage must be on this machine")
-    if len(stages) < 2:
-        raise FleetError("a deployment needs at least one stage on a node agent")
-    if any(s.agent == LOCAL for s in stages[1:]):
-        raise FleetError("only stage 0 runs in the coordinator; later stages need a node agent's address")
-    split = split_of(stages)
+    check_placement(stages)
+    split = [s.end for s in stages[:-1]]
     for address in dict.fromkeys(s.agent for s in stages[1:]):  # all there before minutes of export
         try:
             with ControlClient(address, key, tls=tls) as agent:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine.errors import ShardError
 from engine.hashing import sha256_file
-from engine.manifest import MANIFEST, Manifest, layer_span, load_manifest, read_manifest
+from engine.manifest import MANIFEST, Manifest, layer_span, load_manifest, parse_manifest, read_manifest
 
 MAX_MANIFEST_BYTES = 1 << 20
 _HEX = frozenset("0123456789abcdef")
@@ -52,13 +52,11 @@ def _check_name(name: str) -> str:
     return name
 
 
-def parse_manifest(raw: bytes) -> Manifest:
+def received_manifest(raw: bytes) -> Manifest:
+    """A manifest a peer sent: bounded in size, and naming only files inside the shard folder."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ShardError(f"manifest of {len(raw)} bytes is larger than any shard's")
-    try:
-        manifest = Manifest.from_json(json.loads(raw.decode("utf-8")))
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
-        raise ShardError(f"not a fleetshard manifest ({exc})") from None
+    manifest = parse_manifest(raw)
     for name in manifest.files:
         _check_name(name)
     return manifest
@@ -99,7 +97,7 @@ class ShardStore:
         check_hash(digest)
         if hashlib.sha256(manifest_bytes).hexdigest() != digest:
             raise ShardError("the manifest does not match the announced content hash")
-        manifest = parse_manifest(manifest_bytes)
+        manifest = received_manifest(manifest_bytes)
         if set(sizes) != set(manifest.files):
             raise ShardError("the announced files differ from the manifest's")
         if not all(isinstance(n, int) and n >= 0 for n in sizes.values()):
@@ -144,7 +142,7 @@ class ShardStore:
         folder = self.incoming / check_hash(digest)
         if not (folder / MANIFEST).exists():
             raise ShardError(f"no transfer of shard {digest[:12]} in progress")
-        manifest = parse_manifest((folder / MANIFEST).read_bytes())
+        manifest = received_manifest((folder / MANIFEST).read_bytes())
         for name, expected in manifest.files.items():
             part = folder / name
             if not part.exists() or sha256_file(part) != expected:

@@ -26,7 +26,6 @@ import dataclasses
 import itertools
 import logging
 import threading
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -448,64 +447,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, FleetError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
-
-
-def drafter_factory(kind: str, chain, draft_shards=None, device: str = "CPU"):
-    """What ``ChatService(drafters=...)`` takes for a draft kind (``speculative.DRAFT_KINDS``): a
-    function giving one drafter per stream, over one draft chain compiled here for ``model`` and
-    ``hybrid`` (``draft_shards``, a 1-stage export sharing the target's tokenizer); None for ``none``."""
-    from engine.runtime.stages.chain import expand_shard_dirs
-    from engine.runtime.decode.speculative import open_draft_chain, stream_drafters
-
-    if kind == "none":
-        return None
-    draft_chain = None
-    if kind in ("model", "hybrid"):
-        draft_chain = open_draft_chain(expand_shard_dirs(draft_shards), device, turns=chain.turns)
-    return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain)
-
-
-def open_service(shards: list[Path | str], *, local_workers: bool = True, device: str = "CPU", mode: str = "fast",
-                 key_file: str | Path | None = None, tls: bool = False, deadline_s: float = 2.0,
-                 streams: int = 2, k: int | str = 4, draft: str = "none", draft_shards=None,
-                 delay_ms: float = 0.0, connect_timeout_s: float = 60.0) -> ChatService:
-    """A chat service over an exported model: in process, or (``local_workers``, 2+ stages) stage 0
-    here and the later stages as worker processes on this machine, the local fleet.  ``draft`` is
-    ``none``, ``lookup``, ``model`` or ``hybrid`` (the last two over ``draft_shards``, a 1-stage
-    export sharing the target's tokenizer)."""
-    from engine.fleetkey import key_file as fleet_key_file, load_key, load_tls
-    from engine.runtime.stages.chain import LocalChain, expand_shard_dirs, parse_devices
-    from engine.runtime.stages.stage import REWIND, compile_config
-    from engine.runtime.stages.turns import compute_turns
-
-    folders = expand_shard_dirs(shards)
-    devices = parse_devices(device, len(folders))
-    rewind = REWIND[mode]
-    fleet = None
-    if local_workers and len(folders) > 1:
-        from engine.runtime.relay.localfleet import LocalFleet
-        from engine.runtime.relay.remote import RemoteChain
-
-        path = fleet_key_file(key_file)
-        key = load_key(key_file, create=not key_file)
-        fleet = LocalFleet(folders[1:], path, devices=devices[1:], mode=mode, delay_ms=delay_ms, tls=tls,
-                           deadline_s=deadline_s).start()
-        try:
-            chain = RemoteChain(folders[0], fleet.addresses, key=key, device=devices[0], mode=mode,
-                                tls=load_tls(tls, key_file), deadline_s=deadline_s,
-                                connect_timeout_s=connect_timeout_s, turns=compute_turns(fleet.turns))
-        except BaseException:
-            fleet.close()
-            raise
-    else:
-        chain = LocalChain(folders, device=",".join(devices), config=compile_config(mode))
-    try:
-        service = ChatService(chain, streams=streams, drafters=drafter_factory(draft, chain, draft_shards, devices[0]),
-                              k=k, rewind=rewind, owned=[fleet] if fleet else [])
-        service.description += ", local fleet" if fleet else ", in process"
-        return service
-    except BaseException:
-        chain.close()
-        if fleet is not None:
-            fleet.close()
-        raise

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.config import DRAFTS
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
 from engine.runtime.decode.kvsequence import KVSequence
@@ -30,7 +31,6 @@ from engine.transport.wire import Flag
 
 TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
 
-DRAFT_KINDS = ("none", "lookup", "model", "hybrid")
 
 
 def draft_head(weights: str) -> str:
@@ -482,8 +482,8 @@ def stream_drafters(kind: str, streams: int, target: Manifest | None = None, dra
     """One drafter per stream of a kind: ``none``, ``lookup``, or ``model``/``hybrid`` over
     ``draft_chain`` (``open_draft_chain``; one draft KV stream each, rewound by mask whatever the
     target's rewind), which must share the target's tokenizer."""
-    if kind not in DRAFT_KINDS:
-        raise FleetError(f"draft must be {', '.join(DRAFT_KINDS[:-1])} or {DRAFT_KINDS[-1]}, not {kind!r}")
+    if kind not in DRAFTS:
+        raise FleetError(f"draft must be {', '.join(DRAFTS[:-1])} or {DRAFTS[-1]}, not {kind!r}")
     if kind == "none":
         return None
     if kind == "lookup":

@@ -8,40 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import ShardError
-from engine.manifest import MANIFEST, check_chain, load_manifest
+from engine.config import parse_devices
+from engine.manifest import check_chain, expand_shard_dirs, load_manifest
 from engine.runtime.interfaces import Chain
 from engine.runtime.stages.packing import Part, as_part, packs_of
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output, select
 from engine.runtime.stages.turns import NO_TURNS
 from engine.transport.wire import Flag
-
-
-def expand_shard_dirs(dirs: list[Path | str]) -> list[Path]:
-    """Accepts shard folders or export folders holding ``stage0``, ``stage1``, ...; returns shard folders."""
-    folders: list[Path] = []
-    for d in map(Path, dirs):
-        if not d.exists():
-            raise ShardError(f"shard folder {d} does not exist")
-        if (d / MANIFEST).exists():
-            folders.append(d)
-            continue
-        stages = sorted((p for p in d.glob("stage*") if (p / MANIFEST).exists()), key=lambda p: int(p.name[5:] or 0))
-        if not stages:
-            raise ShardError(f"{d} is neither a shard folder nor an export holding stage folders")
-        folders.extend(stages)
-    return folders
-
-
-def parse_devices(device: str, count: int) -> list[str]:
-    """One OpenVINO device for every stage (``"CPU"``) or one per stage (``"CPU,GPU.1"``)."""
-    devices = [d.strip() for d in device.split(",")]
-    if len(devices) == 1:
-        devices *= count
-    if len(devices) != count or not all(devices):
-        raise ShardError(f"{device!r} names {len(devices)} devices for {count} stages")
-    return devices
 
 
 @dataclasses.dataclass

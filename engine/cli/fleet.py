@@ -1,48 +1,53 @@
-"""The fleet-operations commands of ``fleet``: agent, nodes, profile, place, deploy and up.
+"""``fleet agent``, ``nodes``, ``profile``, ``place``, ``deploy`` and ``up``: the fleet's operations.
 
-``engine.cli`` registers them with ``add_commands``; each ``cmd_*`` is a thin layer over the engine
-modules of this package, which the app drives the same way.
+Each ``cmd_*`` is a thin layer over ``engine.fleet``, which the app drives the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from engine.config import Settings, paths
+from engine.cli.args import connection_args, count, deploy_printer, duration, say
+from engine.cli.generate import chat
+from engine.config import Settings, paths, set_node
 from engine.errors import FleetError
-from engine.launch import start_fleet
+from engine.fleet.agent import Agent
+from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.deploy import Deployment, deploy
+from engine.fleet.discovery import Browser, browse
+from engine.fleet.local import local_up, stop_local_agent
+from engine.fleet.node import node_id
+from engine.fleet.placement import Pin, PlacementError, solve
+from engine.fleet.plans import placement_stages, planned_by
+from engine.fleet.shardstore import pruned_text
+from engine.fleet.survey import load_survey, readable, recent_survey, survey
+from engine.fleetkey import fleet_id, key_file, load_key, load_tls
+from engine.launch import lifeline
+from engine.transport.link import parse_address
 
 PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def cmd_agent(args) -> int:
-    from engine.fleet.agent import Agent
-    from engine.fleetkey import key_file, load_tls
-    from engine.launch import lifeline
-
     settings = Settings.load()
     agent = Agent(args.listen, key_file=key_file(args.fleet_key_file), name=args.name,
                   tls=load_tls(args.tls or settings.tls, args.fleet_key_file),
-                  store=Path(args.store) if args.store else None, advertise=not args.no_mdns, log=_say)
+                  store=Path(args.store) if args.store else None, advertise=not args.no_mdns, log=say)
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         lifeline()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     agent.start()
-    _say(f"node agent {agent.name} of fleet {agent.fleet_id} listening on {agent.host}:{agent.port}"
+    say(f"node agent {agent.name} of fleet {agent.fleet_id} listening on {agent.host}:{agent.port}"
          + ("" if args.no_mdns else ", advertised over mDNS"))
     print(f"ready {agent.address}", flush=True)
     try:
@@ -58,8 +63,6 @@ def cmd_agent(args) -> int:
 
 
 def _static_status(address: str, key: bytes, tls) -> dict:
-    from engine.fleet.control import AgentError, ControlClient
-
     try:
         with ControlClient(address, key, tls=tls, timeout_s=5) as agent:
             status = agent.status()
@@ -80,34 +83,20 @@ NODES_HEADER = f"{'name':<20} {'agent':<22} {'status':<16} {'OS':<14} {'devices'
 
 
 def cmd_nodes(args) -> int:
-    import dataclasses
-
-    from engine.fleet.discovery import Browser
-    from engine.fleetkey import fleet_id, load_key, load_tls
-
     settings = Settings.load()
     if args.nodes_cmd in ("add", "remove"):
-        from engine.transport.link import parse_address
-
         parse_address(args.address)
-        nodes = [n for n in settings.nodes if n != args.address]
-        if args.nodes_cmd == "add":
-            nodes.append(args.address)
-        settings.nodes = nodes
-        settings.save()
-        _say(f"{'added' if args.nodes_cmd == 'add' else 'removed'} {args.address}; nodes by address: "
-             f"{', '.join(nodes) or 'none'}")
+        nodes = set_node(args.address, added=args.nodes_cmd == "add")
+        say(f"{'added' if args.nodes_cmd == 'add' else 'removed'} {args.address}; nodes by address: "
+            f"{', '.join(nodes) or 'none'}")
         return 0
     key = load_key(args.fleet_key_file)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
     if args.nodes_cmd == "prune":
-        from engine.fleet.control import ControlClient
-        from engine.fleet.shardstore import pruned_text
-
         with ControlClient(args.address, key, tls=tls) as agent:
             done = agent.call("prune")
-        _say(f"removed {pruned_text(len(done['dropped']), done['unfinished'])}, {done['bytes'] / 2**20:.1f} MB, "
-             f"from {args.address}; {done['kept']} served shard(s) kept")
+        say(f"removed {pruned_text(len(done['dropped']), done['unfinished'])}, {done['bytes'] / 2**20:.1f} MB, "
+            f"from {args.address}; {done['kept']} served shard(s) kept")
         return 0
 
     def show(kind: str, info) -> None:
@@ -135,7 +124,7 @@ def cmd_nodes(args) -> int:
     if args.json:
         print(json.dumps(nodes, indent=2))
     elif not nodes:
-        _say("no nodes found (start `fleet agent` on the other PCs; where multicast does not pass, "
+        say("no nodes found (start `fleet agent` on the other PCs; where multicast does not pass, "
              "add them with `fleet nodes add HOST:PORT`)")
     else:
         print(NODES_HEADER)
@@ -147,16 +136,13 @@ def cmd_nodes(args) -> int:
 def _agent_addresses(args, key: bytes, tls) -> list[str]:
     """--nodes: 'all' (mDNS plus the nodes added by address that answer: a PC switched off is left
     out, said) or a comma-separated HOST:PORT list (each must answer)."""
-    from engine.fleet.discovery import browse
-    from engine.fleetkey import fleet_id
-
     if args.nodes and args.nodes != "all":
         return [a.strip() for a in args.nodes.split(",") if a.strip()]
     found = [f"{n.addresses[0]}:{n.port}" for n in browse(args.seconds, fleet_id(key)) if n.addresses]
     for address in [a for a in Settings.load().nodes if a not in found]:
         status = _static_status(address, key, tls)
         if "error" in status:
-            _say(f"left out {address} (added by address): {status['error']}")
+            say(f"left out {address} (added by address): {status['error']}")
         else:
             found.append(address)
     return found
@@ -166,9 +152,6 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
             streams: int, out: str | None = None, reuse: bool = False) -> Path:
     """Profiles this machine and ``agents`` (``engine.fleet.survey``) and writes the profile; with
     ``reuse``, a recent profile of the same fleet at the same path stands instead."""
-    from engine.fleet.node import node_id
-    from engine.fleet.survey import recent_survey, survey
-
     asked = dict(model=model, agents=agents, key=key, tls=tls, local_node=node_id(),
                  local_devices=[d.strip() for d in devices.split(",")], weights=weights, context=context,
                  streams=streams)
@@ -176,12 +159,12 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
     doc = recent_survey(path, **asked) if reuse else None
     if doc:
         minutes = (time.time() - doc["taken"]["at"]) / 60
-        _say(f"using the fleet profile of {minutes:.0f} min ago in {path} (--resurvey profiles the fleet afresh)")
+        say(f"using the fleet profile of {minutes:.0f} min ago in {path} (--resurvey profiles the fleet afresh)")
     else:
-        doc = survey(**asked, log=_say)
+        doc = survey(**asked, log=say)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=2))
-        _say(f"fleet profile written to {path}")
+        say(f"fleet profile written to {path}")
     for d in doc["fleet"]["devices"]:
         print(f"{doc['nodes'][d['node']]['name']:<20} {d['device']:<8} layer {d['layer_ms']:.3f} ms  "
               f"head {d['head_ms']:.3f} ms  call {d.get('call_ms', 0):.3f} ms  "
@@ -190,8 +173,6 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
 
 
 def cmd_profile(args) -> int:
-    from engine.fleetkey import load_key, load_tls
-
     settings = Settings.load()
     key = load_key(args.fleet_key_file, create=not args.nodes)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
@@ -203,8 +184,6 @@ def cmd_profile(args) -> int:
 
 def _pin(text: str):
     """``NODE:A-B[:DEVICE]``: layers A to B, both included (as every range is shown), or ``NODE:A``."""
-    from engine.fleet.placement import Pin
-
     try:
         node, rng, *device = text.split(":")
         first, last = (int(x) for x in rng.split("-")) if "-" in rng else (int(rng),) * 2
@@ -218,9 +197,6 @@ def _pin(text: str):
 
 def _place(profile: Path, *, objective: str, users: int, pins, out: str | None = None) -> tuple[dict, Path]:
     """Solves the placement for a profile, prints why, and writes the plan document."""
-    from engine.fleet.placement import PlacementError, solve
-    from engine.fleet.survey import load_survey, readable
-
     shape, nodes, fleet = load_survey(profile)
     names = {n: info.get("name", n) for n, info in nodes.items()}
     pins = [p if p.node in nodes else _resolve_pin(p, names) for p in pins]
@@ -238,14 +214,12 @@ def _place(profile: Path, *, objective: str, users: int, pins, out: str | None =
 def cmd_place(args) -> int:
     doc, path = _place(Path(args.profile) if args.profile else paths().data / "fleet-profile.json",
                        objective=args.objective, users=args.users, pins=args.pin or [], out=args.out)
-    _say(f"plan written to {path}; deploy it with `fleet deploy --model {doc['plan']['model']} --plan {path}`")
+    say(f"plan written to {path}; deploy it with `fleet deploy --model {doc['plan']['model']} --plan {path}`")
     return 0
 
 
 def _resolve_pin(pin, names: dict):
     """A pin may name a node by its display name."""
-    import dataclasses
-
     matches = [n for n, name in names.items() if name == pin.node]
     if len(matches) != 1:
         raise FleetError(f"--pin names {pin.node!r}, which is not one node of the profile "
@@ -253,44 +227,7 @@ def _resolve_pin(pin, names: dict):
     return dataclasses.replace(pin, node=matches[0])
 
 
-def placement_stages(plan_doc: dict):
-    """The deployable stages of a ``fleet place`` plan document."""
-    from engine.fleet.deploy import StagePlacement
-
-    try:
-        nodes = plan_doc["nodes"]
-        return [StagePlacement(agent=nodes[s["node"]]["address"], device=s["device"], start=s["start"], end=s["end"])
-                for s in plan_doc["plan"]["stages"]]
-    except (KeyError, TypeError) as exc:
-        raise FleetError(f"not a plan written by `fleet place` (missing {exc})") from None
-
-
-def planned_by(plan_doc: dict) -> dict:
-    """What a deployment record keeps of its plan for failover: the profile, objective and users."""
-    from engine.fleet.placement import OBJECTIVES
-
-    plan = plan_doc.get("plan", {})
-    objective = plan.get("objective")  # a plan drawn by hand says "manual": failover then plans for latency
-    return {"profile": plan_doc.get("profile"), "objective": objective if objective in OBJECTIVES else "latency",
-            "users": plan.get("users", 1)}
-
-
-def _progress_printer():
-    last = {}
-
-    def progress(stage: int, phase: str, fraction: float) -> None:
-        step = int(fraction * 10)
-        if last.get((stage, phase)) != step:
-            last[(stage, phase)] = step
-            _say(f"stage {stage}: {phase} {fraction * 100:.0f}%")
-
-    return progress
-
-
 def cmd_deploy(args) -> int:
-    from engine.fleet.deploy import Deployment, deploy
-    from engine.fleetkey import load_key, load_tls
-
     settings = Settings.load()
     key = load_key(args.fleet_key_file)
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
@@ -298,8 +235,8 @@ def cmd_deploy(args) -> int:
         record = Deployment.load(Path(args.record) if args.record else None)
         problems = record.stop(key, tls)
         for p in problems:
-            _say(f"warning: {p}")
-        _say(f"stopped {len(record.workers) - len(problems)} of {len(record.workers)} workers")
+            say(f"warning: {p}")
+        say(f"stopped {len(record.workers) - len(problems)} of {len(record.workers)} workers")
         return 0
     if not (args.model and args.plan):
         raise FleetError("fleet deploy needs --model and --plan (or --stop)")
@@ -308,72 +245,16 @@ def cmd_deploy(args) -> int:
     except (OSError, ValueError) as exc:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
     deployment, chain = deploy(args.model, placement_stages(plan_doc), key=key, tls=tls, weights=args.weights,
-                               mode=args.mode or settings.mode, progress=_progress_printer(),
+                               mode=args.mode or settings.mode, progress=deploy_printer(),
                                deadline_s=args.deadline or settings.deadline_s, planned=planned_by(plan_doc))
     chain.close()
     path = deployment.save(Path(args.record) if args.record else None)
     print(f"deployed {args.model}: stage 0 here, workers at {', '.join(deployment.remotes)}")
-    _say(f"deployment recorded in {path}; chat with `fleet generate --deployment`; stop with `fleet deploy --stop`")
+    say(f"deployment recorded in {path}; chat with `fleet generate --deployment`; stop with `fleet deploy --stop`")
     return 0
 
 
-def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """A node agent process on loopback, tied to this process (it exits when we do)."""
-    from engine.launch import await_ready
-
-    log = paths().data / "logs" / "local-agent.log"
-    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--no-mdns", "--lifeline",
-                        "--fleet-key-file", str(key_file), "--name", "local"], log)
-    try:
-        return proc, await_ready(proc, log, timeout_s)
-    except FleetError as exc:
-        raise FleetError(f"the local node agent did not start ({exc})") from None
-
-
-def stop_local_agent(proc: subprocess.Popen) -> None:
-    from engine.launch import end_processes
-
-    end_processes([proc], timeout_s=10)
-
-
-class LocalAgent:
-    """A local node agent process (``start_local_agent``), closed with the chat service that owns it."""
-
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
-
-    def close(self) -> None:
-        stop_local_agent(self.proc)
-
-
-def local_up(model: str, stages: int, key_file: Path, *, weights: str = "int4", mode: str = "fast",
-             device: str = "CPU", progress=None, deadline_s: float = 2.0):
-    """The embedded default: ``model`` as a local fleet, stage 0 in this process and the rest in a
-    local node agent's workers.  Returns (deployment, chain, agent process)."""
-    from engine.export.exporter import plan_split
-    from engine.fleet.deploy import LOCAL, StagePlacement, deploy
-    from engine.fleetkey import load_key
-    from engine.models.catalog import resolve_source
-    from engine.models.checkpoint import open_checkpoint
-
-    key = load_key(key_file, create=True)
-    resolved = resolve_source(model)
-    ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
-    proc, address = start_local_agent(key_file)
-    try:
-        placement = [StagePlacement(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
-        deployment, chain = deploy(model, placement, key=key, weights=weights, mode=mode, progress=progress,
-                                   deadline_s=deadline_s)
-    except BaseException:
-        stop_local_agent(proc)
-        raise
-    return deployment, chain, proc
-
-
 def cmd_up(args) -> int:
-    from engine.fleet.discovery import browse
-    from engine.fleetkey import fleet_id, key_file, load_key
-
     settings = Settings.load()
     path = key_file(args.fleet_key_file)
     key = load_key(args.fleet_key_file, create=True)
@@ -382,10 +263,10 @@ def cmd_up(args) -> int:
         return _fleet_up(args, settings, key, model)
     peers = [] if args.local else browse(args.seconds, fleet_id(key))
     if peers:
-        _say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
+        say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
              "the local default; `fleet up --nodes all` places the model on them")
     deployment, chain, proc = local_up(model, args.stages or settings.stages, path, weights=settings.weights,
-                                       mode=settings.mode, device=settings.device, progress=_progress_printer(),
+                                       mode=settings.mode, device=settings.device, progress=deploy_printer(),
                                        deadline_s=args.deadline or settings.deadline_s)
     chain.close()
     try:
@@ -397,9 +278,6 @@ def cmd_up(args) -> int:
 def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
     """``fleet up --nodes``: profile this machine and the nodes, solve the placement, deploy it and
     chat; the workers are stopped again when ``fleet up`` ends."""
-    from engine.fleet.deploy import deploy
-    from engine.fleetkey import load_tls
-
     tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
     agents = _agent_addresses(args, key, tls)
     if not agents:
@@ -413,17 +291,17 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
         why = ("the nodes would not make it faster (--objective throughput --users N weighs several users; "
                "--pin NODE:FIRST-LAST places layers by hand)" if len(doc["nodes"]) > 1 else
                "the only node agent found runs on this machine")
-        _say(f"the plan keeps every layer of {model} on this machine: {why}")
+        say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1")
     deployment, chain = deploy(model, stages, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
-                               progress=_progress_printer(), deadline_s=args.deadline or settings.deadline_s,
+                               progress=deploy_printer(), deadline_s=args.deadline or settings.deadline_s,
                                planned=planned_by(doc))
     chain.close()
     try:
         return _serve(args, model, deployment)
     finally:
         for problem in deployment.stop(key, tls):
-            _say(f"warning: {problem}")
+            say(f"warning: {problem}")
 
 
 def _interrupt(*_) -> None:
@@ -433,7 +311,7 @@ def _interrupt(*_) -> None:
 def _serve(args, model: str, deployment) -> int:
     """Records ``deployment`` and chats through it (or, with --no-chat, keeps it up) until the user
     ends it, with Ctrl-C or SIGTERM: either way the caller's cleanup stops the workers."""
-    _say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
+    say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
     record = deployment.save()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -455,17 +333,12 @@ def _serve(args, model: str, deployment) -> int:
 
 
 def _chat(args, *source: str) -> int:
-    from engine.cli import build_parser, cmd_generate
-
     connection = (["--fleet-key-file", args.fleet_key_file] if args.fleet_key_file else []) + (
         ["--tls"] if args.tls else []) + (["--deadline", str(args.deadline)] if args.deadline else [])
-    return cmd_generate(build_parser().parse_args(["generate", *source, *connection]))
+    return chat(*source, *connection)
 
 
-def add_commands(sub, connection_args) -> None:
-    """The fleet's subcommands; ``connection_args`` adds the key and TLS options to a parser."""
-    from engine.cliargs import count, duration
-
+def add_commands(sub) -> None:
     agent = sub.add_parser("agent", help="run this PC's node agent (advertised over mDNS, controlled by the fleet)")
     agent.add_argument("--listen", default="0.0.0.0:7390", help="HOST:PORT of the control API (default 0.0.0.0:7390)")
     agent.add_argument("--name", help="display name (default: the host name)")

@@ -3,7 +3,8 @@
 definitions themselves so that it cannot drift from them.
 
 Every subcommand, at any depth, needs a one-line summary (its ``help=``) and an entry in
-``EXAMPLES``; ``tests/test_docs.py`` fails when one lacks either.
+``EXAMPLES``; ``tests/test_docs.py`` fails when one lacks either.  ``docs/hooks/cli_reference.py`` writes the
+reference into the site at every build.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def add_examples(parser: argparse.ArgumentParser) -> None:
 def reference(parser: argparse.ArgumentParser) -> str:
     """The CLI reference in Markdown: every subcommand's summary, usage, options and example."""
     lines = ["# CLI reference", "", "Generated from the `fleet` command's own definitions "
-             "(`engine/clidoc.py`); `fleet COMMAND --help` says the same.", ""]
+             "(`engine/cli/docs.py`); `fleet COMMAND --help` says the same.", ""]
     for path, sub, summary in commands(parser):
         lines += [f"## fleet {path}", "", summary[:1].upper() + summary[1:] + ".", "", "```",
                   sub.format_usage().strip(), "```", ""]
@@ -76,13 +77,3 @@ def reference(parser: argparse.ArgumentParser) -> str:
         if path in EXAMPLES:
             lines += ["Example:", "", "```", EXAMPLES[path], "```", ""]
     return "\n".join(lines)
-
-
-def main() -> None:
-    from engine.cli import build_parser
-
-    print(reference(build_parser()))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,193 @@
+"""The options every ``fleet`` subcommand shares, and how they become the engine's settings.
+
+argparse types refuse a bad value with the option's name before any work starts.  ``settings_of``
+lays the command line over the saved ``Settings``; ``launch_of`` says where the chain runs
+(``engine.session.Launch``); ``progress_printer`` shows the session's progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from engine.config import Settings
+from engine.errors import FleetError
+from engine.fleet.deploy import Deployment
+from engine.session import Launch
+
+
+def count(text: str) -> int:
+    """Stages, streams, tokens, runs, users...: a whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, not {text!r}")
+    return value
+
+
+def duration(text: str) -> float:
+    """Seconds or milliseconds: a number, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"takes a number of 0 or more, not {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port to listen on: 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"takes a port number from 0 to 65535, not {text!r}")
+    return value
+
+
+def draft_tokens(text: str):
+    """``--k``: draft tokens per round, 0 to 32, or ``auto``."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes a number or 'auto', not {text!r}") from None
+    if not 0 <= value <= 32:
+        raise argparse.ArgumentTypeError("--k must be between 0 and 32")
+    return value
+
+
+def connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fleet-key-file", help="the shared fleet key (default: from the settings)")
+    parser.add_argument("--tls", action="store_true", help="TLS with the fleet certificate beside the key")
+    parser.add_argument("--deadline", type=duration, help="seconds of silence before a stage counts as dead")
+
+
+def chain_args(parser: argparse.ArgumentParser) -> None:
+    """Where the model runs and how it decodes: what `generate` and `serve` open (``engine.session``)."""
+    parser.add_argument("--shards", nargs="+", help="shard folders in stage order (or one export folder)")
+    parser.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
+    parser.add_argument("--stages", type=count, help="with --model: number of stages")
+    parser.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
+                        "model (shard folder or model source with the target's tokenizer), or hybrid:MODEL")
+    parser.add_argument("--isolate-streams", action="store_true",
+                        help="compile each stage once per stream instead of sharing one compiled model")
+    parser.add_argument("--k", type=draft_tokens, default=4, help="draft tokens per round, or 'auto' (default 4)")
+    parser.add_argument("--mode", choices=["fast", "exact"],
+                        help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
+    parser.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...), "
+                        "or one per stage separated by commas (CPU,GPU.1)")
+    parser.add_argument("--precision", help="the target's inference precision hint (f32, bf16, f16); "
+                        "a draft keeps its device's default")
+    parser.add_argument("--remote", help="run stage 0 here and the rest on workers: HOST:PORT of stage 1 "
+                        "(and optionally of the later stages, comma-separated)")
+    parser.add_argument("--local-workers", action="store_true",
+                        help="run stages 1.. as worker processes on this machine (the local fleet)")
+    parser.add_argument("--deployment", nargs="?", const="last",
+                        help="use the chain `fleet deploy`/`fleet up` started (default: the last one recorded)")
+    parser.add_argument("--delay-ms", type=duration,
+                        help="with --local-workers: one-way delay per hop (WAN simulation)")
+    connection_args(parser)
+    parser.add_argument("--connect-timeout", type=duration, default=60.0,
+                        help="seconds to wait for the chain to come up")
+
+
+# command-line option -> the settings field it overrides
+OVERRIDES = {"model": "default_model", "stages": "stages", "device": "device", "mode": "mode",
+             "fleet_key_file": "fleet_key_file", "deadline": "deadline_s", "max_new_tokens": "max_new_tokens"}
+
+
+def settings_of(args: argparse.Namespace, settings: Settings | None = None) -> Settings:
+    """The saved settings with what the command line says instead (options it has and was given)."""
+    settings = settings or Settings.load()
+    changes = {field: getattr(args, option) for option, field in OVERRIDES.items() if getattr(args, option, None)}
+    if getattr(args, "tls", False):
+        changes["tls"] = True
+    if hasattr(args, "draft"):
+        changes.update(_draft(args.draft))
+    if getattr(args, "k", None) is not None:
+        changes["k"] = str(args.k)
+    return dataclasses.replace(settings, **changes)
+
+
+def _draft(spec: str | None) -> dict:
+    """``--draft``: ``lookup``, a draft model (shard folder or model source) or ``hybrid:MODEL``."""
+    if not spec or spec == "lookup":
+        return {"draft": "lookup" if spec else "none", "draft_model": ""}
+    if spec.startswith("hybrid:"):
+        return {"draft": "hybrid", "draft_model": spec.split(":", 1)[1]}
+    return {"draft": "model", "draft_model": spec}
+
+
+def launch_of(args: argparse.Namespace, *, in_process: bool) -> Launch:
+    """Where the chain runs: ``--shards``, ``--remote``, ``--local-workers`` or ``--deployment``; with
+    none of them, in this process (``in_process``) or as the settings say (the local fleet)."""
+    if sum(map(bool, (args.remote, args.local_workers, args.deployment))) > 1:
+        raise FleetError("--remote, --local-workers and --deployment exclude each other")
+    if args.remote and not args.shards:
+        raise FleetError("with --remote, give the stage-0 shard folder in --shards")
+    deployment = None
+    if args.deployment:
+        deployment = Deployment.load(None if args.deployment == "last" else Path(args.deployment))
+    workers = "processes" if args.local_workers else ("none" if in_process or args.shards else None)
+    return Launch(shards=args.shards, remote=[a.strip() for a in (args.remote or "").split(",") if a.strip()],
+                  deployment=deployment, workers=workers, precision=args.precision, isolate=args.isolate_streams,
+                  delay_ms=args.delay_ms or 0.0, connect_timeout_s=args.connect_timeout)
+
+
+class Bar:
+    """A one-line progress display on stderr (redrawn in place on a terminal)."""
+
+    def __init__(self):
+        self._tty = sys.stderr.isatty()
+        self._last = None
+
+    def show(self, label: str, fraction: float) -> None:
+        fraction = max(0.0, min(1.0, fraction))
+        filled = int(fraction * 30)
+        line = f"{label:<28} [{'#' * filled}{'.' * (30 - filled)}] {fraction * 100:5.1f}%"
+        if self._tty:
+            sys.stderr.write("\r" + line + ("\n" if fraction >= 1.0 else ""))
+            sys.stderr.flush()
+        elif (label, int(fraction * 10)) != self._last:
+            self._last = (label, int(fraction * 10))
+            print(line, file=sys.stderr, flush=True)
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def progress_printer():
+    """Shows ``engine.session`` progress payloads: a bar for pulls and exports, a line each tenth of
+    a deployment's phase, status lines as they are."""
+    bar, last = Bar(), {}
+
+    def progress(payload: tuple) -> None:
+        kind, *rest = payload
+        if kind == "pull":
+            bar.show(rest[0], rest[1])
+        elif kind == "stage":
+            bar.show(f"stage {rest[0]}: {rest[1]}", rest[2])
+        elif kind == "deploy":
+            stage, phase, fraction = rest
+            if last.get((stage, phase)) != int(fraction * 10):
+                last[(stage, phase)] = int(fraction * 10)
+                say(f"stage {stage}: {phase} {fraction * 100:.0f}%")
+        else:
+            say(rest[0])
+
+    return progress
+
+
+def deploy_printer():
+    """``engine.fleet.deploy`` progress (stage, phase, fraction) shown like ``progress_printer``'s."""
+    show = progress_printer()
+    return lambda stage, phase, fraction: show(("deploy", stage, phase, fraction))

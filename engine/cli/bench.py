@@ -1,0 +1,96 @@
+"""``fleet bench``: run a benchmark and write its report (``engine.bench.report``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from engine.bench.report import format_table
+from engine.cli.args import count, duration
+
+
+def counts(text: str) -> tuple[int, ...]:
+    return tuple(count(part) for part in text.split(","))
+
+
+def delays(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"delays are comma-separated milliseconds, not {text!r}") from None
+
+
+def cmd_bench(args) -> int:
+    """Every benchmark writes the same report (``engine.bench.report``) and prints its table."""
+    draft = args.draft or "qwen2.5-coder-0.5b"
+    common = {"weights": args.weights, "out": Path(args.json) if args.json else None,
+              "log": lambda m: print(m, file=sys.stderr, flush=True)}
+    # the speculation and fleet benchmarks run the 1.5B target that has a 0.5B draft
+    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline", "placement", "fuzz", "soak")
+                           else "qwen2.5-coder-1.5b")
+    fleet = {"cpu_sets": args.cpus or ""}
+    # each benchmark has its own default length, repetitions and stage count
+    sizes = {k: v for k, v in (("tokens", args.tokens), ("stages", args.stages)) if v}
+    runs = {"runs": args.runs} if args.runs else {}
+    delays = {"delays": args.delays} if args.delays else {}
+    kind = {"draft_kind": args.draft_kind}
+    calls = {
+        "parity": lambda f: f(model, warmup=args.warmup, device=args.device, tokens=args.tokens or 128, **runs,
+                              **common),
+        "pipeline": lambda f: f(model, warmup=args.warmup, delay_ms=args.delay_ms, **sizes, **runs, **common),
+        "spec": lambda f: f(model, draft, k=args.spec_k, tokens=args.tokens or 128, **runs, **common),
+        "ksweep": lambda f: f(model, draft, **sizes, **kind, **delays, **fleet, **common),
+        "microbatch": lambda f: f(model, tokens=args.tokens or 64, **runs, **delays, **fleet, **common,
+                                  **({"stage_counts": (args.stages,)} if args.stages else {})),
+        "wan": lambda f: f(model, draft, **sizes, **runs, **kind, **delays, **fleet, **common),
+        "progression": lambda f: f(model, draft, delay_ms=args.delay_ms, **sizes, **runs, **kind, **fleet, **common),
+        "placement": lambda f: f(model, tokens=args.tokens or 64, **runs, **common),
+        "serve": lambda f: f(model, tokens=args.tokens or 64, device=args.device, **runs, **common,
+                             **({"stages": args.stages} if args.stages else {}),
+                             **({"users": args.users} if args.users else {}),
+                             **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
+        "batch": lambda f: f(model, tokens=args.tokens or 32, device=args.device, **runs, **common,
+                             **({"stage_counts": (args.stages,)} if args.stages else {}),
+                             **({"streams": args.users} if args.users else {})),
+        "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
+        "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
+                            tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
+    }
+    module = importlib.import_module(f"engine.bench.{args.name}")
+    report = calls[args.name](getattr(module, f"run_{args.name}"))
+    columns = list(dict.fromkeys(c for row in report["rows"] for c in row))
+    print(format_table(report["rows"], columns))
+    print("\n".join(f"{k}: {v}" for k, v in report["ratios"].items()))
+    return 0
+
+
+def add_commands(sub) -> None:
+    bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
+    bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
+                                               "placement", "serve", "fuzz", "soak", "batch"])
+    bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
+                       "spec, ksweep, microbatch, wan, progression, serve and batch)")
+    bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
+    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--runs", type=count, help="interleaved repetitions (each benchmark has a default)")
+    bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    bench.add_argument("--device", default="CPU")
+    bench.add_argument("--stages", type=count, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, batch: 1 and 2, others: 2)")
+    bench.add_argument("--draft", help="the draft model (default qwen2.5-coder-0.5b)")
+    bench.add_argument("--draft-kind", default="model", choices=["model", "lookup", "hybrid"],
+                       help="ksweep, wan, progression: what drafts")
+    bench.add_argument("--spec-k", type=count, default=3, help="spec: the fixed K to compare with auto")
+    bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
+    bench.add_argument("--delays", type=delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
+    bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
+    bench.add_argument("--users", type=counts, help="serve: the concurrent users of each wave (default 1,2,4,8); batch: the stream counts (same default); "
+                       "soak: the users (default 8)")
+    bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft)")
+    bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")
+    bench.add_argument("--minutes", type=duration, default=60.0, help="soak: how long the users chat (default 60)")
+    bench.add_argument("--kill-every", type=duration, default=300.0,
+                       help="soak: seconds between kills of the worker (default 300)")
+    bench.add_argument("--json", help="write the report here")
+    bench.set_defaults(func=cmd_bench)

@@ -1,0 +1,67 @@
+"""``fleet models`` (the catalog) and ``fleet export`` (a model into per-stage shards)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.cli.args import Bar, count
+from engine.errors import FleetError
+from engine.export.exporter import export_model
+from engine.manifest import layer_numbers
+from engine.models import catalog
+
+
+def cmd_models(args) -> int:
+    if args.models_cmd == "pull":
+        bar = Bar()
+        path = catalog.pull(args.name, progress=lambda stage, done, total: bar.show(stage, done / total if total else 1.0))
+        print(path)
+        return 0
+    rows = catalog.list_models()
+    print(f"{'name':<22}{'arch':<8}{'size':>10}  {'cached':<7}description")
+    for r in rows:
+        print(f"{r.name:<22}{r.architecture:<8}{r.size / 2**20:>8.0f}MB  {'yes' if r.cached else 'no':<7}{r.description}")
+    return 0
+
+
+def parse_split(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise FleetError(f"--split takes layer boundaries like 10,20, not {text!r}") from None
+
+
+def cmd_export(args) -> int:
+    bar = Bar()
+    result = export_model(args.model, stages=args.stages, split=parse_split(args.split), weights=args.weights,
+                          out=Path(args.out) if args.out else None, force=args.force, head=args.head,
+                          progress=lambda i, step, frac: bar.show(f"stage {i}: {step}", frac))
+    print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
+    for s in result.stages:
+        print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")
+    if result.cached:
+        print("(already exported: reused the cached shards; --force exports again)")
+    return 0
+
+
+def add_commands(sub) -> None:
+    models = sub.add_parser("models", help="the model catalog")
+    msub = models.add_subparsers(dest="models_cmd", required=True)
+    msub.add_parser("list", help="list catalog models and whether they are cached")
+    pull = msub.add_parser("pull", help="download, assemble and verify a catalog model")
+    pull.add_argument("name")
+    models.set_defaults(func=cmd_models)
+
+    export = sub.add_parser("export", help="export a model into per-stage OpenVINO shards")
+    export.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face folder")
+    how = export.add_mutually_exclusive_group()
+    how.add_argument("--stages", type=count, help="number of stages (layers split evenly)")
+    how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
+    export.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    export.add_argument("--head", default="int8", choices=["int8", "int4"],
+                        help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
+    export.add_argument("--out", help="output folder (default: the shard cache)")
+    export.add_argument("--force", action="store_true", help="export again even if cached")
+    export.set_defaults(func=cmd_export)

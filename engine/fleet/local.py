@@ -1,0 +1,63 @@
+"""This PC's own fleet: a node agent process on loopback, and a model deployed over it.
+
+``local_up`` is the embedded default that ``fleet up``, ``fleet serve`` and the app run: stage 0 in
+this process, the later stages in the local agent's workers, so failover and deployment work the
+same as across PCs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from engine.config import paths
+from engine.errors import FleetError
+from engine.export.exporter import plan_split
+from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleetkey import load_key
+from engine.launch import await_ready, end_processes, start_fleet
+from engine.models.catalog import resolve_source
+from engine.models.checkpoint import open_checkpoint
+
+
+def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """A node agent process on loopback, tied to this process (it exits when we do)."""
+    log = paths().data / "logs" / "local-agent.log"
+    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--no-mdns", "--lifeline",
+                        "--fleet-key-file", str(key_file), "--name", "local"], log)
+    try:
+        return proc, await_ready(proc, log, timeout_s)
+    except FleetError as exc:
+        raise FleetError(f"the local node agent did not start ({exc})") from None
+
+
+def stop_local_agent(proc: subprocess.Popen) -> None:
+    end_processes([proc], timeout_s=10)
+
+
+class LocalAgent:
+    """A local node agent process (``start_local_agent``), closed with the chat service that owns it."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def close(self) -> None:
+        stop_local_agent(self.proc)
+
+
+def local_up(model: str, stages: int, key_file: Path, *, weights: str = "int4", mode: str = "fast",
+             device: str = "CPU", progress=None, deadline_s: float = 2.0, cancel=None):
+    """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
+    workers.  Returns (deployment, chain, agent process)."""
+    key = load_key(key_file, create=True)
+    resolved = resolve_source(model)
+    ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
+    proc, address = start_local_agent(key_file)
+    try:
+        placement = [StagePlacement(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
+        deployment, chain = deploy(model, placement, key=key, weights=weights, mode=mode, progress=progress,
+                                   deadline_s=deadline_s, cancel=cancel)
+    except BaseException:
+        stop_local_agent(proc)
+        raise
+    return deployment, chain, proc

