@@ -101,11 +101,13 @@ def tls_file(key_path: Path) -> Path:
 
 def create_certificate(path: Path, force: bool = False) -> Path:
     """A self-signed fleet certificate and its private key in one PEM file."""
+    # Deferred: only creating a certificate needs cryptography (~70 ms to import), not every process
+    # that reads the fleet key; a missing package is refused below.
     try:
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
+        from cryptography import x509  # deferred, see above
+        from cryptography.hazmat.primitives import hashes, serialization  # deferred, see above
+        from cryptography.hazmat.primitives.asymmetric import ec  # deferred, see above
+        from cryptography.x509.oid import NameOID  # deferred, see above
     except ImportError:
         raise FleetError("creating a TLS certificate needs the 'cryptography' package") from None
     if path.exists() and not force:

@@ -151,6 +151,7 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         if _cancelled(cancel):
             return None
         progress(("status", "starting the local fleet"))
+        load_key(settings.fleet_key_file, create=not settings.fleet_key_file)  # a local fleet needs no setup
         path = key_file(settings.fleet_key_file)
         deployment, chain, proc = local_up(
             settings.default_model, settings.stages, path, weights=settings.weights, mode=settings.mode,
@@ -224,14 +225,14 @@ DESCRIPTIONS = {"local-fleet": "local fleet", "workers": "local fleet", "deploym
                 "in-process": "in process", "remote": "remote workers"}
 
 
-def failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None):
-    """The recovery of a deployed chain (``engine.fleet.failover``): a stopped worker starts again, a
-    lost node's layers move; None for a chain that is not a deployment."""
+def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None):
+    """The ``Failover`` of a deployed chain (``engine.fleet.failover``): a stopped worker starts again,
+    a lost node's layers move; None for a chain that is not a deployment."""
     if opened.deployment is None or not opened.deployment.placement:
         return None
     return Failover.of(opened.deployment, key=load_key(settings.fleet_key_file),
                        tls=load_tls(settings.tls, settings.fleet_key_file), deadline_s=settings.deadline_s,
-                       on_event=on_event, chain=opened.chain).recover
+                       on_event=on_event, chain=opened.chain)
 
 
 def open_service(settings: Settings, launch: Launch | None = None, progress: Progress = quiet, cancel=None,
@@ -243,10 +244,11 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
     if opened is None:
         return None
     try:
+        failover = open_failover(opened, settings, on_event)
         drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device.split(",")[0].strip())
         service = ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
                               rewind=REWIND[settings.mode], owned=opened.owned,
-                              recover=failover(opened, settings, on_event))
+                              recover=failover.recover if failover else None)
     except BaseException:
         opened.close()
         raise

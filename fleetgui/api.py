@@ -11,6 +11,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, Signal
 
 from engine.errors import FleetError
+from engine.fleetkey import api_key_file, load_api_key
 
 API_KEYS = ("api_enabled", "api_host", "api_port")
 
@@ -57,7 +58,7 @@ class ApiController(QObject):
             self._say("API: waiting for the chat's model to start…")
 
     def _serve(self, service) -> None:
-        from engine.fleetkey import api_key_file, load_api_key
+        # deferred: the API server (FastAPI, uvicorn) loads only once the API switch is on, not at app start
         from engine.serve.server import ApiServer, is_loopback
 
         host, port = self.settings.api_host, self.settings.api_port

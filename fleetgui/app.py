@@ -14,16 +14,23 @@ import argparse
 import logging
 import sys
 
+from PySide6.QtWidgets import QApplication
+
+from engine.runtime.stages.stage import core
+from fleetgui import theme
+from fleetgui.history import HistoryStore
+from fleetgui.settings import GuiSettings, default_store
+from fleetgui.tray import DEFAULT_LISTEN, run_worker
+from fleetgui.workers import on_signals
+
 
 def build_window(settings=None, *, store=None, backend=None, history=None):
     """The main window.  ``store``: a QSettings (default: the user's); ``settings``: GuiSettings
     (default: loaded from the store); ``backend``: the engine calls (default ``EngineBackend``);
     ``history``: the chat history store (default: SQLite in the user data folder)."""
-    from fleetgui import theme
+    # deferred: the window's modules load the whole engine; the tray worker (``--worker``) imports this module too
     from fleetgui.backend import EngineBackend
-    from fleetgui.history import HistoryStore
-    from fleetgui.mainwindow import MainWindow
-    from fleetgui.settings import GuiSettings, default_store
+    from fleetgui.mainwindow import MainWindow  # deferred, see above
 
     store = store if store is not None else default_store()
     settings = settings or GuiSettings.load(store)
@@ -33,8 +40,6 @@ def build_window(settings=None, *, store=None, backend=None, history=None):
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our options; whatever else is on the command line is Qt's (``-platform``, ``-style``...)."""
-    from fleetgui.tray import DEFAULT_LISTEN
-
     parser = argparse.ArgumentParser(prog="fleetgui", description="fleetshard desktop app")
     parser.add_argument("--worker", action="store_true",
                         help="serve this PC to the fleet from the system tray (the node agent, in this process)")
@@ -48,11 +53,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from PySide6.QtWidgets import QApplication
-
-    from engine.runtime.stages.stage import core
-    from fleetgui import theme
-
     argv = list(argv if argv is not None else sys.argv)
     args, qt_args = parse_args(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -62,11 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationName("fleetgui")
     app.setWindowIcon(theme.icon())
     if args.worker:
-        from fleetgui.tray import run_worker
-
         return run_worker(args)
-    from fleetgui.workers import on_signals
-
     window = build_window()
     window.show()
     on_signals(app, window.close)  # Ctrl+C and `kill` close the window: the local fleet stops with it

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import FleetError
+from fleetgui.theme import RESOURCES
 
 APP_ID = "fleetshard-worker"
 RUN_KEY = r"Software\Microsoft\Windows\CurrentVersion\Run"
@@ -64,8 +65,6 @@ def desktop_exec(command: list[str]) -> str:
 
 
 def desktop_entry(command: list[str]) -> str:
-    from fleetgui.theme import RESOURCES
-
     icon = RESOURCES / "icons" / "fleetshard.svg"
     return "\n".join([
         "[Desktop Entry]",
@@ -93,7 +92,7 @@ def enable(command: list[str] | None = None) -> str:
         raise FleetError(problem)
     command = command or worker_command()
     if sys.platform == "win32":
-        import winreg
+        import winreg  # Windows only: the module does not exist elsewhere
 
         with winreg.CreateKey(winreg.HKEY_CURRENT_USER, RUN_KEY) as key:
             winreg.SetValueEx(key, APP_ID, 0, winreg.REG_SZ, subprocess.list2cmdline(command))
@@ -111,7 +110,7 @@ def enable(command: list[str] | None = None) -> str:
 
 def disable() -> None:
     if sys.platform == "win32":
-        import winreg
+        import winreg  # Windows only: the module does not exist elsewhere
 
         try:
             with winreg.OpenKey(winreg.HKEY_CURRENT_USER, RUN_KEY, 0, winreg.KEY_SET_VALUE) as key:
@@ -128,7 +127,7 @@ def disable() -> None:
 
 
 def _registry_value() -> str | None:
-    import winreg
+    import winreg  # Windows only: the module does not exist elsewhere
 
     try:
         with winreg.OpenKey(winreg.HKEY_CURRENT_USER, RUN_KEY) as key:

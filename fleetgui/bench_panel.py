@@ -14,6 +14,8 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QHBoxLayout, QHeaderVie
                                QPlainTextEdit, QProgressBar, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
+from engine.bench.harness import Hooks
+from engine.bench.microbatch import COMPARISONS
 from engine.errors import FleetError
 from fleetgui.backend import BENCHMARKS
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, style_plot
@@ -160,8 +162,6 @@ class BenchPanel(QWidget):
         except FleetError as exc:
             self.banner.error(str(exc))
             return
-        from engine.bench.harness import Hooks
-
         name, settings, backend = self.name.currentText(), self.settings, self.backend
         self.report, self.rows = None, []
         self.bench_name = name
@@ -264,8 +264,6 @@ class BenchPanel(QWidget):
             bottom.setTicks(None)
             return
         if spec[0] == "sweep":
-            from engine.bench.microbatch import COMPARISONS
-
             _, x, ys, series, x_label = spec
             item.setLabel("bottom", x_label)
             item.setLabel("left", "tok/s")

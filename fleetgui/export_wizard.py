@@ -10,18 +10,18 @@
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, QFormLayout, QGridLayout,
-                               QGroupBox, QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton,
-                               QRadioButton, QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, QFormLayout, QGridLayout, QGroupBox,
+                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton,
+                               QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from engine.config import paths
 from engine.errors import FleetError
+from engine.export.compress import WEIGHT_FORMATS
 from engine.manifest import layer_numbers
-from fleetgui.settings import WEIGHTS
+from engine.models.catalog import CATALOG, list_models
 from fleetgui.widgets import Banner, combo_box, field_row, spin_box
 from fleetgui.workers import TaskRunner
 
@@ -80,8 +80,6 @@ class ExportWizard(QWidget):
     # --- pages ---------------------------------------------------------------------------------------
 
     def _source_page(self) -> QWidget:
-        from engine.models.catalog import list_models
-
         page = QGroupBox("1. Model")
         self.kind = QButtonGroup(page)
         self.catalog_radio = QRadioButton("Catalog model")
@@ -124,7 +122,7 @@ class ExportWizard(QWidget):
 
     def _split_page(self) -> QWidget:
         page = QGroupBox("2. Split and weight format")
-        self.weights = combo_box(WEIGHTS, self.settings.weights)
+        self.weights = combo_box(WEIGHT_FORMATS, self.settings.weights)
         self.by_count = QRadioButton("Number of stages (layers split evenly)")
         self.by_split = QRadioButton("Explicit layer boundaries")
         self.by_count.setChecked(True)
@@ -176,8 +174,6 @@ class ExportWizard(QWidget):
         return page
 
     def _describe_catalog(self) -> None:
-        from engine.models.catalog import CATALOG
-
         entry = CATALOG.get(self.catalog.currentData())
         self.catalog_hint.setText(entry.description if entry else "")
 
@@ -194,8 +190,6 @@ class ExportWizard(QWidget):
             self.gguf_radio.setChecked(True)
 
     def _browse_plan(self) -> None:
-        from engine.config import paths
-
         path, _ = QFileDialog.getOpenFileName(self, "Placement plan", str(paths().data), "Plans (*.json)")
         if path:
             self.use_plan(Path(path))
@@ -296,8 +290,6 @@ class ExportWizard(QWidget):
             self.total.setText("Cancelling…")
 
     def _prepare(self, count: int, source: str) -> None:
-        from engine.models.catalog import CATALOG
-
         for w in self.stage_bars + self.stage_labels:
             self.stage_grid.removeWidget(w)
             w.deleteLater()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+from pathlib import Path
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
@@ -25,6 +26,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFi
 
 from engine.config import Settings, set_node
 from engine.errors import FleetError
+from engine.fleet.discovery import Browser
 from engine.fleet.shardstore import pruned_text, shard_text
 from engine.manifest import layer_span
 from fleetgui import keystore
@@ -365,8 +367,6 @@ class _Discovery(QObject):
         self.browser = None
 
     def start(self, fleet_id: str) -> None:
-        from engine.fleet.discovery import Browser
-
         self.stop()
         self.browser = Browser(fleet_id, on_event=self.event.emit).start()
 
@@ -522,8 +522,6 @@ class FleetView(QWidget):
             self.banner.info(f"Nodes cannot be discovered on this network ({exc}). Add them by address.")
 
     def create_key(self, path) -> None:
-        from pathlib import Path
-
         try:
             keystore.create(Path(path))
         except (FleetError, OSError) as exc:
@@ -533,8 +531,6 @@ class FleetView(QWidget):
         self.banner.info(f"New fleet key in {path}. Copy this file to every machine of the fleet.")
 
     def choose_key(self, path) -> None:
-        from pathlib import Path
-
         try:
             _, notice = keystore.adopt(Path(path))
         except (FleetError, OSError) as exc:
@@ -545,8 +541,6 @@ class FleetView(QWidget):
             self.banner.info(notice)
 
     def _use_key(self, path: str) -> None:
-        from pathlib import Path
-
         default = keystore.key_path(dataclasses.replace(self.settings, fleet_key_file=""))
         path = "" if Path(path).expanduser() == default else path  # the default stays "the default"
         self.settings = dataclasses.replace(self.settings, fleet_key_file=path)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import FleetError
+from engine.fleetkey import create_key, fleet_id, key_file, load_key, load_tls
 
 KEYRING_SERVICE = "fleetshard"
 KEYRING_ENTRY = "fleet-key"
@@ -23,16 +24,15 @@ KEYRING_ENTRY = "fleet-key"
 
 def key_path(settings) -> Path:
     """The key file in force for these GUI settings (their path, else the engine's default)."""
-    from engine.fleetkey import key_file
-
     return key_file(settings.fleet_key_file or None)
 
 
 def _keyring():
     """The keyring module when it is installed and has a usable backend, else None."""
     try:
+        # deferred into the try: keyring is an optional package, and without it the file alone holds the key
         import keyring
-        from keyring.backends import fail
+        from keyring.backends import fail  # (optional too, see above)
     except ImportError:
         return None
     try:
@@ -72,8 +72,6 @@ class KeyState:
 
 
 def state(settings) -> KeyState:
-    from engine.fleetkey import fleet_id, load_key
-
     path = key_path(settings)
     materialise(path, default=not settings.fleet_key_file)
     try:
@@ -85,8 +83,6 @@ def state(settings) -> KeyState:
 
 def load(settings) -> bytes:
     """The fleet key, or FleetError saying why there is none."""
-    from engine.fleetkey import load_key
-
     path = key_path(settings)
     materialise(path, default=not settings.fleet_key_file)
     return load_key(path)
@@ -94,8 +90,6 @@ def load(settings) -> bytes:
 
 def tls(settings):
     """The fleet TLS contexts when the settings turn TLS on, else None."""
-    from engine.fleetkey import load_tls
-
     return load_tls(settings.tls, key_path(settings))
 
 
@@ -149,8 +143,6 @@ def _write_private(path: Path, text: str) -> None:
 
 def create(path: Path) -> bytes:
     """A new fleet key at ``path`` (0600), also stored in the keyring when there is one."""
-    from engine.fleetkey import create_key, load_key
-
     create_key(path)
     key = load_key(path)
     remember(key)
@@ -160,8 +152,6 @@ def create(path: Path) -> bytes:
 def adopt(path: Path) -> tuple[bytes, str | None]:
     """Checks a chosen key file and makes it private to its owner.  Returns the key and a notice
     when its permissions were tightened."""
-    from engine.fleetkey import load_key
-
     key = load_key(path)
     notice = None
     if sys.platform != "win32":

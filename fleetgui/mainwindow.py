@@ -4,6 +4,8 @@ Placement view deploys becomes the chain the chat runs on."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from PySide6.QtCore import QSettings, QSize
 from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QMainWindow, QStackedWidget, QWidget
@@ -156,20 +158,14 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage("Settings saved", 5000)
 
     def set_theme(self, name: str) -> None:
-        import dataclasses
-
         self.apply_settings(dataclasses.replace(self.settings, theme=name))
 
     def use_model(self, folder: str) -> None:
-        import dataclasses
-
         self.apply_settings(dataclasses.replace(self.settings, default_model=folder))
         self.show_view("Chat")
         self.statusBar().showMessage(f"Chat now uses {folder}", 10000)
 
     def use_key(self, path: str) -> None:
-        import dataclasses
-
         self.apply_settings(dataclasses.replace(self.settings, fleet_key_file=path))
         self.statusBar().showMessage(f"Fleet key: {path or 'the default key file'}", 10000)
 

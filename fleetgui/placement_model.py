@@ -20,8 +20,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QAbstractItemModel, QMimeData, QModelIndex, Qt, Signal
 
+from engine.config import paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
+from engine.fleet import survey
 from engine.fleet.deploy import LOCAL, StagePlacement, placement_problem
 from engine.fleet.placement import Fleet, ModelShape, Pin, evaluate
 from engine.manifest import layer_span
@@ -32,8 +34,6 @@ PROFILE_NAME = "fleet-profile.json"
 
 
 def default_profile() -> Path:
-    from engine.config import paths
-
     return paths().data / PROFILE_NAME
 
 
@@ -230,9 +230,7 @@ class PlanModel(QAbstractItemModel):
         self.planChanged.emit()
 
     def readable(self, text: str) -> str:
-        from engine.fleet.survey import readable
-
-        return readable(text, self.nodes)
+        return survey.readable(text, self.nodes)
 
     def stage_ms(self, index: int) -> float:
         return self.evaluation.plan.stages[index].ms if self.evaluation else 0.0

@@ -15,11 +15,10 @@ from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QFileDialog
 
 from engine.config import DRAFTS, Settings
 from engine.errors import FleetError
+from engine.export.compress import WEIGHT_FORMATS
 from engine.models.catalog import CATALOG
 from fleetgui.theme import THEMES
 from fleetgui.widgets import combo_box, field_row, spin_box
-
-WEIGHTS = ("int4", "int8", "fp16", "f32")
 
 
 @dataclasses.dataclass
@@ -74,7 +73,7 @@ class SettingsDialog(QDialog):
 
         self.stages = spin_box(1, 64, settings.stages)
         form.addRow("Stages", self.stages)
-        self.weights = combo_box(WEIGHTS, settings.weights)
+        self.weights = combo_box(WEIGHT_FORMATS, settings.weights)
         form.addRow("Weights", self.weights)
         self.devices = QLineEdit(settings.device)
         self.devices.setToolTip("one OpenVINO device for every stage (CPU, GPU, NPU) or one per stage: CPU,GPU.1")

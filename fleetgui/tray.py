@@ -19,10 +19,14 @@ from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (QApplication, QCheckBox, QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
                                QMenu, QPlainTextEdit, QPushButton, QSystemTrayIcon, QVBoxLayout, QWidget)
 
+from engine.config import Settings
 from engine.errors import FleetError
+from engine.fleet.agent import Agent
 from engine.fleet.shardstore import shard_text
+from engine.fleetkey import TLS, tls_file
 from engine.manifest import layer_span
-from fleetgui import autostart, theme
+from fleetgui import autostart, keystore, theme
+from fleetgui.settings import GuiSettings, default_store
 from fleetgui.widgets import Banner
 from fleetgui.workers import TaskRunner, on_signals
 
@@ -71,8 +75,6 @@ class WorkerController(QObject):
         self.timer.timeout.connect(self._poll)
 
     def start(self) -> bool:
-        from engine.fleet.agent import Agent
-
         if self.agent is not None:
             return True
         try:
@@ -293,8 +295,6 @@ class WorkerWindow(QWidget):
             self.choose_key(Path(path))
 
     def choose_key(self, path: Path) -> None:
-        from fleetgui import keystore
-
         try:
             keystore.adopt(path)
         except (FleetError, OSError) as exc:
@@ -378,9 +378,6 @@ def build_worker(key_file: Path, *, listen: str = DEFAULT_LISTEN, name: str | No
 
 def run_worker(args) -> int:
     """``fleetgui --worker``: the event loop of worker mode (the QApplication exists)."""
-    from fleetgui import keystore
-    from fleetgui.settings import GuiSettings, default_store
-
     app = QApplication.instance()
     settings = GuiSettings.load(default_store())
     theme.apply(settings.theme)
@@ -396,9 +393,6 @@ def run_worker(args) -> int:
 
 
 def _tls(key_file: Path):
-    from engine.config import Settings
-    from engine.fleetkey import TLS, tls_file
-
     try:
         enabled = Settings.load().tls
     except (OSError, ValueError, TypeError):

@@ -9,10 +9,11 @@ GUI thread.  Errors become messages a person can read; tracebacks go to the log 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from typing import Callable
 
-from PySide6.QtCore import QObject, QThread, Signal
+from PySide6.QtCore import QObject, QThread, QTimer, Signal
 
 from engine.errors import FleetError
 
@@ -72,10 +73,10 @@ class TaskRunner(QObject):
     def start(self, fn, name: str = "task", *, progressed=None, succeeded=None, failed=None,
               cancelled=None) -> Task:
         task = Task(fn, name)
-        for signal, slot in ((task.progressed, progressed), (task.succeeded, succeeded), (task.failed, failed),
-                             (task.cancelled, cancelled)):
+        for outcome, slot in ((task.progressed, progressed), (task.succeeded, succeeded), (task.failed, failed),
+                              (task.cancelled, cancelled)):
             if slot is not None:
-                signal.connect(slot)
+                outcome.connect(slot)
         task.finished.connect(lambda: self._forget(task))
         self._tasks.add(task)
         task.start()
@@ -99,10 +100,6 @@ class TaskRunner(QObject):
 def on_signals(app, action: Callable[[], None], interval_ms: int = 300) -> None:
     """Runs ``action`` on the GUI thread at SIGINT or SIGTERM (Ctrl+C, ``kill``), so the app can end
     cleanly.  Python runs signal handlers only between bytecodes: a timer lets it in now and then."""
-    import signal
-
-    from PySide6.QtCore import QTimer
-
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: action())
     wake = QTimer(app)

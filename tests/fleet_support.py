@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.fleet.deploy import deploy
-from engine.runtime.stages.chain import LocalChain
-from engine.runtime.decode.generate import Generator
 from engine.launch import await_ready
+from engine.runtime.decode.generate import Generator
+from engine.runtime.stages.chain import LocalChain
 
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.cli.main import build_parser
 from engine.cli.docs import EXAMPLES, commands, reference
+from engine.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

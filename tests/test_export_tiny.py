@@ -13,8 +13,8 @@ import torch
 from engine.errors import ExportError, ShardError, SourceError
 from engine.export.exporter import plan_split
 from engine.manifest import MODEL_XML, check_chain, load_manifest
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
+from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import StageRunner, core
 from engine.transport.wire import Flag
 

@@ -20,8 +20,8 @@ from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.failover import Failover
 from engine.fleet.placement import Fleet
 from engine.fleetkey import create_key, load_key
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.service import ChatService
+from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
 
 MODEL = "smollm2-135m"

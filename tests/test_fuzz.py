@@ -10,8 +10,8 @@ import pytest
 
 from engine.bench import fuzz
 from engine.manifest import MANIFEST
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.service import ChatService
+from engine.runtime.stages.chain import LocalChain
 
 CASES = 300
 

@@ -9,11 +9,11 @@ import re
 import pytest
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
 
-from engine.runtime.stages.chain import LocalChain
-from engine.runtime.decode.generate import Generator
 from engine.config import Settings
-from engine.session import Launch, open_service
+from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
+from engine.session import Launch, open_service
 from fleetgui.backend import EngineBackend
 
 

@@ -235,9 +235,9 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
 
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key
-    from engine.runtime.stages.chain import LocalChain
     from engine.runtime.decode.generate import Generator
     from engine.runtime.decode.tokenizer import ChatTokenizer
+    from engine.runtime.stages.chain import LocalChain
 
     surveyed(qtbot, fleet)
     key = load_key(fleet.key_file)

@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from engine.errors import StageError
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
-from engine.runtime.stages.stage import compile_config
 from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import compile_config
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ import time
 import numpy as np
 import pytest
 
-from engine.transport import wire
 from engine.errors import StageError
 from engine.fleetkey import create_certificate, create_key, load_key, tls_file
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
-from engine.transport.link import dial
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.chain import LocalChain
+from engine.transport import wire
+from engine.transport.link import dial
 from engine.transport.wire import Flag, Frame, Msg
 
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)

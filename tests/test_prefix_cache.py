@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from engine.fleetkey import create_key, load_key
-from engine.runtime.stages.chain import LocalChain
-from engine.runtime.relay.localfleet import LocalFleet
-from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
 
 TURNS = ["The quick brown fox", "Paris is the capital of France.", "def add(a, b):", "A fleet of laptops"]

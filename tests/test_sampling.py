@@ -13,13 +13,13 @@ import pytest
 from scipy.stats import chisquare
 
 from engine.errors import FleetError
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.sampling import Sampler, SamplingError, SamplingParams
-from engine.runtime.stages.output import top_candidates
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import Drafter
-from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.output import top_candidates
 from engine.runtime.stages.stage import compile_config
 from engine.transport.wire import Flag
 

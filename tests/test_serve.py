@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from engine.errors import FleetError
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
+from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
 from engine.serve.server import ApiServer
 

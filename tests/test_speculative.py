@@ -10,28 +10,21 @@ import numpy as np
 import openvino as ov
 import pytest
 
+from engine.config import Settings
 from engine.errors import ShardError
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Decoding, Generator, generate_streams
+from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.decode.speculative import (AutoK, Drafter, DraftModel, Hybrid, PromptLookup, RoundCost,
+                                               check_draft_tokenizer)
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
-from engine.config import Settings
-from engine.session import Launch, open_service
-from engine.runtime.decode.speculative import (
-    AutoK,
-    Drafter,
-    DraftModel,
-    Hybrid,
-    PromptLookup,
-    RoundCost,
-    check_draft_tokenizer,
-)
-from engine.runtime.decode.kvsequence import KVSequence
-from engine.runtime.stages.stage import MODES, compile_config
+from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.output import Output
+from engine.runtime.stages.stage import MODES, compile_config
 from engine.runtime.stages.turns import compute_turns
+from engine.session import Launch, open_service
 from engine.transport.wire import Flag
 
 EXACT = MODES["exact"]

@@ -12,8 +12,6 @@ import ast
 import tokenize
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "fleetgui")
 
@@ -200,7 +198,6 @@ def comment_lines(path: Path) -> set[int]:
         return {token.start[0] for token in tokenize.tokenize(handle.readline) if token.type == tokenize.COMMENT}
 
 
-@pytest.mark.xfail(reason="imports are being moved to the top of modules", strict=False)
 def test_imports_inside_functions_are_deliberate():
     by_statement: dict[tuple[str, str, int], list[str]] = {}
     for a, b, where, _, line, in_function in IMPORTS:

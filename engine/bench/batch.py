@@ -27,12 +27,12 @@ from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, prompt_ids
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
+from engine.runtime.decode.generate import generate_streams
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
-from engine.runtime.decode.generate import generate_streams
-from engine.runtime.stages.paged import PagedStage
 from engine.runtime.stages.packing import Part
+from engine.runtime.stages.paged import PagedStage
 from engine.runtime.stages.stage import device_config
 
 STREAMS = (1, 2, 4, 8)

@@ -47,8 +47,8 @@ API_KEY = "fs-fuzz-key-0123456789abcdef"
 
 
 def _hypothesis():
-    try:  # hypothesis is a test extra: only fuzzing needs it, and without it this says how to get it
-        import hypothesis
+    try:
+        import hypothesis  # a test extra: only fuzzing imports it (the error below says how to get it)
         from hypothesis import strategies
     except ImportError:
         raise FleetError("fuzzing needs the hypothesis package: pip install 'fleetshard[test]'") from None

@@ -19,19 +19,21 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import openvino as ov
+import openvino_genai
 
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
-from engine.runtime.relay.affinity import parse_cpu_sets, pin
 from engine.manifest import expand_shard_dirs
 from engine.runtime.decode.generate import Generation, generate_streams
-from engine.runtime.relay.localfleet import LocalFleet
-from engine.runtime.relay.remote import RemoteChain
-from engine.session import drafter_factory
 from engine.runtime.decode.speculative import draft_head
 from engine.runtime.decode.tokenizer import ChatTokenizer
+from engine.runtime.relay.affinity import parse_cpu_sets, pin
+from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.turns import compute_turns
+from engine.session import drafter_factory
 
 # The single-stream benchmarks' prompt (parity, pipeline).
 STORY_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -185,9 +187,6 @@ def genai_runner(folder: Path, tokens: int, *, device: str = "CPU", props: dict 
     """OpenVINO GenAI's LLMPipeline on our export, compiled with ``props``, optionally with ``draft``
     as its draft model (``k`` assistant tokens): greedy, ``tokens`` new tokens, EOS ignored, input
     ids as given.  ``run(ids)`` returns (decode tok/s, TTFT ms, tokens)."""
-    import openvino as ov
-    import openvino_genai
-
     props = props or {}
     extra = {"draft_model": openvino_genai.draft_model(str(draft), device, **props)} if draft else {}
     pipe = openvino_genai.LLMPipeline(str(folder), device, **extra, **props)

@@ -23,9 +23,9 @@ from engine.fleet.placement import Fleet, ModelShape, evaluate, simulated_fleet,
 from engine.fleet.profile import export_profile_shards, model_shape, profile_shards
 from engine.fleet.survey import device_profile
 from engine.manifest import layer_numbers, load_manifest
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
 
 NODE = "this machine"
 GB = 2**30

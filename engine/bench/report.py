@@ -12,10 +12,10 @@ import statistics
 import time
 from pathlib import Path
 
+import openvino as ov
+
 
 def machine() -> dict:
-    import openvino as ov
-
     info = {
         "cpu": _cpu_model(),
         "logical_cores": os.cpu_count(),
@@ -24,7 +24,7 @@ def machine() -> dict:
         "openvino": ov.get_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    try:
+    try:  # the report does without the memory size where psutil is missing
         import psutil
 
         info["memory_gb"] = round(psutil.virtual_memory().total / 2**30, 1)

@@ -23,16 +23,18 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openvino as ov
+import openvino_genai
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, loopback
 from engine.bench.report import median, write_report
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.service import ChatService, Handle, Reply
-from engine.runtime.stages.stage import device_config
 from engine.runtime.decode.tokenizer import ChatTokenizer
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import device_config
 from engine.serve.server import ApiServer
 
 USERS = (1, 2, 4, 8)
@@ -47,8 +49,6 @@ class GenaiService:
     streams = 1
 
     def __init__(self, folder: Path, device: str = "CPU", props: dict | None = None):
-        import openvino_genai
-
         self.pipe = openvino_genai.LLMPipeline(str(folder), device, **(props or {}))
         self.tokenizer = ChatTokenizer(folder)
         self.max_length = 4096
@@ -70,9 +70,6 @@ class GenaiService:
         pass
 
     def _run(self) -> None:
-        import openvino as ov
-        import openvino_genai
-
         while (item := self._queue.get()) is not None:
             handle, messages, max_new_tokens, on_text, on_done, chat, ignore_eos = item
             ids = self.tokenizer.chat_ids(messages, chat).reshape(1, -1)
@@ -107,6 +104,7 @@ class GenaiService:
 
 def user_wave(url: str, model: str, prompts: list[str], tokens: int) -> tuple[list[dict], float]:
     """One streamed chat request per prompt, all at once; per request: TTFT, chunk gaps, tokens."""
+    # the OpenAI client is a test extra: only the user waves need it
     import openai
 
     results: list[dict] = [{} for _ in prompts]

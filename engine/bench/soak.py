@@ -22,16 +22,20 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from engine.bench.harness import PROMPTS
 from engine.bench.report import write_report
+from engine.config import Settings
+from engine.fleetkey import create_key, load_key
+from engine.runtime.decode.service import ChatService
+from engine.serve.server import ApiServer
+from engine.session import Launch, open_chain, open_failover
 
 HANG_S = 120.0
 
 
 def _rss_mb(pid: int) -> float:
-    import psutil
-
     try:
         return psutil.Process(pid).memory_info().rss / 2**20
     except psutil.Error:
@@ -39,8 +43,6 @@ def _rss_mb(pid: int) -> float:
 
 
 def _worker_pid(agent_pid: int) -> int | None:
-    import psutil
-
     children = [p for p in psutil.Process(agent_pid).children() if p.is_running()]
     return children[0].pid if children else None
 
@@ -48,22 +50,18 @@ def _worker_pid(agent_pid: int) -> int | None:
 def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60.0, kill_every_s: float = 300.0,
              tokens: int = 32, stages: int = 2, weights: str = "int4", warmup_s: float = 20.0, out: Path | None = None,
              log=print) -> dict:
+    # the OpenAI client is a test extra: only the soak's users need it
     import openai
-
-    from engine.fleet.local import local_up, stop_local_agent
-    from engine.fleet.failover import Failover
-    from engine.fleetkey import create_key, load_key
-    from engine.runtime.decode.service import ChatService
-    from engine.serve.server import ApiServer
 
     prompts = list(PROMPTS.values())
     with tempfile.TemporaryDirectory() as tmp:
         key_file = create_key(Path(tmp) / "fleet.key")
         events: list[str] = []
-        deployment, chain, agent = local_up(model, stages, key_file, weights=weights)
-        failover = Failover(deployment, key=load_key(key_file), chain=chain,
-                            on_event=lambda text: (events.append(text), log(f"fleet: {text}")))
-        service = ChatService(chain, streams=users, recover=failover.recover)
+        settings = Settings(default_model=model, stages=stages, weights=weights, fleet_key_file=str(key_file))
+        opened = open_chain(settings, Launch())  # the local fleet, as `fleet up` and the app run it
+        agent = opened.owned[0].proc
+        failover = open_failover(opened, settings, on_event=lambda text: (events.append(text), log(f"fleet: {text}")))
+        service = ChatService(opened.chain, streams=users, recover=failover.recover)
         server = ApiServer(service, port=0, model_id=model).start()
         stats = {"completed": 0, "errors": 0, "retried_ok": 0, "retry_failed": 0, "hung": 0}
         latencies: list[float] = []
@@ -138,7 +136,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
             server.stop()
             service.close()
             failover.deployment.stop(load_key(key_file))
-            stop_local_agent(agent)
+            opened.owned[0].close()
     seconds = np.array(latencies or [0.0])
     summary = {**stats, "kills": kills, "recoveries": recoveries, "minutes": minutes, "users": users,
                "latency_p50_s": round(float(np.percentile(seconds, 50)), 3),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.bench.report import format_table
 from engine.cli.args import count, duration
+from engine.export.compress import WEIGHT_FORMATS
 
 
 def counts(text: str) -> tuple[int, ...]:
@@ -28,8 +29,8 @@ def cmd_bench(args) -> int:
     common = {"weights": args.weights, "out": Path(args.json) if args.json else None,
               "log": lambda m: print(m, file=sys.stderr, flush=True)}
     # the speculation and fleet benchmarks run the 1.5B target that has a 0.5B draft
-    model = args.model or ("smollm2-135m" if args.name in ("parity", "pipeline", "placement", "fuzz", "soak")
-                           else "qwen2.5-coder-1.5b")
+    small = ("parity", "pipeline", "placement", "fuzz", "soak", "quality")
+    model = args.model or ("smollm2-135m" if args.name in small else "qwen2.5-coder-1.5b")
     fleet = {"cpu_sets": args.cpus or ""}
     # each benchmark has its own default length, repetitions and stage count
     sizes = {k: v for k, v in (("tokens", args.tokens), ("stages", args.stages)) if v}
@@ -54,6 +55,11 @@ def cmd_bench(args) -> int:
         "batch": lambda f: f(model, tokens=args.tokens or 32, device=args.device, **runs, **common,
                              **({"stage_counts": (args.stages,)} if args.stages else {}),
                              **({"streams": args.users} if args.users else {})),
+        "quality": lambda f: f(model, tokens=args.tokens or 2048, device=args.device, out=common["out"],
+                               log=common["log"],
+                               **({"stages": (args.stages,)} if args.stages else {}),
+                               **({"weights": tuple(args.formats.split(","))} if args.formats else {}),
+                               **({"text": Path(args.text)} if args.text else {})),
         "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
@@ -69,13 +75,13 @@ def cmd_bench(args) -> int:
 def add_commands(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement", "serve", "fuzz", "soak", "batch"])
+                                               "placement", "serve", "fuzz", "soak", "batch", "quality"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan, progression, serve and batch)")
     bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--runs", type=count, help="interleaved repetitions (each benchmark has a default)")
-    bench.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    bench.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     bench.add_argument("--device", default="CPU")
     bench.add_argument("--stages", type=count, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, batch: 1 and 2, others: 2)")
     bench.add_argument("--draft", help="the draft model (default qwen2.5-coder-0.5b)")
@@ -92,5 +98,8 @@ def add_commands(sub) -> None:
     bench.add_argument("--minutes", type=duration, default=60.0, help="soak: how long the users chat (default 60)")
     bench.add_argument("--kill-every", type=duration, default=300.0,
                        help="soak: seconds between kills of the worker (default 300)")
+    bench.add_argument("--formats", help="quality: the weight formats to compare, comma-separated "
+                       "(default int4,gguf,int8 for a GGUF source, int4,int8 otherwise)")
+    bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)

@@ -19,6 +19,7 @@ from engine.cli.args import connection_args, count, deploy_printer, duration, sa
 from engine.cli.generate import chat
 from engine.config import Settings, paths, set_node
 from engine.errors import FleetError
+from engine.export.compress import WEIGHT_FORMATS
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import Deployment, deploy
@@ -368,7 +369,7 @@ def add_commands(sub) -> None:
     profile.add_argument("--model", help="the model to profile (default: the settings' model)")
     profile.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents")
     profile.add_argument("--device", help="this machine's devices to profile, comma-separated (default: settings)")
-    profile.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    profile.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     profile.add_argument("--context", type=count, default=PLAN_CONTEXT, help="context length the KV cache is planned for")
     profile.add_argument("--streams", type=count, default=1, help="concurrent streams the KV cache is planned for")
     profile.add_argument("--seconds", type=duration, default=3.0, help="with --nodes all: how long to listen")
@@ -388,7 +389,7 @@ def add_commands(sub) -> None:
     dep = sub.add_parser("deploy", help="ship a plan's shards to its nodes and start the chain")
     dep.add_argument("--model")
     dep.add_argument("--plan", help="a plan written by `fleet place`")
-    dep.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    dep.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     dep.add_argument("--mode", choices=["fast", "exact"])
     dep.add_argument("--record", help="where to record the deployment (default: the data folder)")
     dep.add_argument("--stop", action="store_true", help="stop the recorded deployment's workers")

@@ -6,8 +6,10 @@ from pathlib import Path
 
 from engine.cli.args import Bar, count
 from engine.errors import FleetError
+from engine.export.compress import WEIGHT_FORMATS
 from engine.export.exporter import export_model
-from engine.manifest import layer_numbers
+from engine.export.gguf_weights import carried_text
+from engine.manifest import layer_numbers, load_manifest
 from engine.models import catalog
 
 
@@ -41,6 +43,10 @@ def cmd_export(args) -> int:
     print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:
         print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")
+    for s in result.stages:
+        carried = load_manifest(s.folder).export.get("gguf_weights")
+        if carried:
+            print(f"stage {s.index}: {carried_text(carried)}")
     if result.cached:
         print("(already exported: reused the cached shards; --force exports again)")
     return 0
@@ -59,7 +65,7 @@ def add_commands(sub) -> None:
     how = export.add_mutually_exclusive_group()
     how.add_argument("--stages", type=count, help="number of stages (layers split evenly)")
     how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
-    export.add_argument("--weights", default="int4", choices=["int4", "int8", "fp16", "f32"])
+    export.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     export.add_argument("--head", default="int8", choices=["int8", "int4"],
                         help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
     export.add_argument("--out", help="output folder (default: the shard cache)")

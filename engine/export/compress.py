@@ -1,5 +1,7 @@
 """Weight formats of a shard: INT4 (symmetric, group 128) or INT8 layer weights via NNCF with the
-vocabulary matrices in asymmetric INT8, plain FP16, or uncompressed F32 (the reference the exactness tests use).
+vocabulary matrices in asymmetric INT8, a GGUF's own quantized layer weights carried over as they are
+(``gguf``: ``engine.export.gguf_weights``; vocabulary in asymmetric INT8), plain FP16, or uncompressed
+F32 (the reference the exactness tests use).
 
 The embedding and output head are quantized here (``vocab_table``) rather than by NNCF, a block of rows at a time:
 NNCF materialises several float32 copies of the matrix it works on, which for a 150k-token
@@ -18,7 +20,7 @@ import openvino.opset13 as ops
 
 from engine.errors import ExportError
 
-WEIGHT_FORMATS = ("int4", "int8", "fp16", "f32")
+WEIGHT_FORMATS = ("int4", "int8", "gguf", "fp16", "f32")
 INT4_GROUP = 128
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
@@ -27,10 +29,11 @@ _ROW_BLOCK = 2048
 
 def compress(model: ov.Model, weights: str) -> ov.Model:
     """Compresses the layer weights with NNCF (the vocabulary tables were built in their final
-    format by ``vocab_table``); fp16 storage happens at save time (``save_fp16``)."""
+    format by ``vocab_table``, a GGUF's layers by ``gguf_weights.carry``); fp16 storage happens at save
+    time (``save_fp16``)."""
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    if weights in ("fp16", "f32"):
+    if weights in ("gguf", "fp16", "f32"):
         return model
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
@@ -53,7 +56,7 @@ def compress(model: ov.Model, weights: str) -> ov.Model:
 
 def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
     """A [vocab, hidden] matrix as an f32-valued graph output in the shard's weight format: for
-    int4/int8 asymmetric uint8 rows with a per-row scale and zero point (as NNCF's INT8_ASYM),
+    int4/int8/gguf asymmetric uint8 rows with a per-row scale and zero point (as NNCF's INT8_ASYM),
     quantized a block of rows at a time, in the decompression pattern the plugins fuse
     (Constant u8 -> Convert -> Subtract(zero point) -> Multiply(scale))."""
     if weights == "f32":

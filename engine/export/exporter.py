@@ -7,19 +7,30 @@ parent only plans, reports progress and can cancel by ending the child.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import multiprocessing as mp
+import os
 import queue
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
+import openvino as ov
+
 from engine.config import paths
 from engine.errors import ExportError, FleetError, ShardError
-from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
-from engine.manifest import check_chain, layer_span, load_manifest
+from engine.export import tokenizer as tok
+from engine.export.gguf_weights import carry, fingerprint
+from engine.export.compress import (HEAD_FORMATS, WEIGHT_FORMATS, compress, head_table_int4, save_fp16, staging_dtype,
+                                    vocab_table)
+from engine.manifest import MODEL_XML, Manifest, check_chain, layer_span, load_manifest
+from engine.models.architectures import architecture
+from engine.models.catalog import CATALOG, resolve_source
+from engine.models.checkpoint import open_checkpoint
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
 EXPORTER_VERSION = 5
@@ -102,10 +113,6 @@ def export_model(
     layers, not the whole model).  ``head="int4"`` stores the LM head (of an int4 export) in INT4
     too, for draft models.
     """
-    from engine.models.architectures import architecture
-    from engine.models.catalog import CATALOG, resolve_source
-    from engine.models.checkpoint import open_checkpoint
-
     if head not in HEAD_FORMATS:
         raise ExportError(f"unknown head format {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
     if head == "int4" and weights != "int4":
@@ -115,6 +122,8 @@ def export_model(
     if source in CATALOG:
         architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
     resolved = resolve_source(source)
+    if weights == "gguf" and resolved.kind != "gguf":
+        raise ExportError(f"--weights gguf carries a GGUF file's own quantization; {source} is not a GGUF model")
     spec = open_checkpoint(resolved.kind, resolved.path).spec
     ranges = plan_split(spec.num_layers, stages, split)
     name = resolved.entry.name if resolved.entry else resolved.path.stem
@@ -206,7 +215,7 @@ def _run_stage(job: dict, progress: Progress | None, cancel) -> StageReport:
 
 
 def _peak_rss_mb() -> float:
-    try:
+    try:  # resource is POSIX only: Windows reads the peak from psutil instead
         import resource
 
         scale = 1024 if sys.platform != "darwin" else 1
@@ -222,11 +231,17 @@ def _describe(ports) -> list[dict]:
              "dtype": p.get_element_type().get_type_name()} for p in ports]
 
 
+def _staged_matrices(stage) -> dict[bytes, tuple[str, int]]:
+    """Each layer matrix of a traced stage by its fingerprint: (part, layer), for ``gguf_weights.carry``."""
+    from engine.export.decoder import MATRICES  # torch, as export_stage's imports
+
+    return {fingerprint(getattr(layer, part).detach().numpy()): (part, stage.start + i)
+            for i, layer in enumerate(stage.layers) for part in MATRICES}
+
+
 def _vocabulary(ckpt, job: dict):
     """The embedding table (first stage) and head (last stage) as graph outputs, built one at a
     time from the checkpoint; a tied single-stage model shares one table."""
-    from engine.export.compress import head_table_int4, staging_dtype, vocab_table
-
     first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
     dtype = staging_dtype(job["weights"])
     embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"]) if first else None
@@ -245,8 +260,6 @@ def _release_free_memory() -> None:
     """Hands freed heap back to the OS (glibc keeps it otherwise): dequantizing leaves many
     large temporaries behind, and the stage's measured peak should be its real working set."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
         pass
@@ -258,9 +271,6 @@ def _stage_main(job: dict, events) -> None:
     The converters' own chatter (trace warnings, NNCF progress bars) goes to ``stageN.log`` beside
     the stage folder; progress and errors travel to the parent through ``events``.
     """
-    import os
-    import warnings
-
     log = open(Path(job["folder"]).with_suffix(".log"), "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -274,14 +284,9 @@ def _stage_main(job: dict, events) -> None:
 
 
 def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
-    import openvino as ov
-
-    from engine.export.compress import compress, save_fp16, staging_dtype
+    # torch: only the export's own process loads it (the runtime imports this module, and must not)
     from engine.export.decoder import DecoderStage
-    from engine.export.graph import attach_vocabulary, convert_stage, io_names, make_stateful
-    from engine.export import tokenizer as tok
-    from engine.manifest import MODEL_XML, Manifest
-    from engine.models.checkpoint import open_checkpoint
+    from engine.export.graph import attach_vocabulary, convert_stage, io_names, make_stateful  # torch, as above
 
     t0 = time.perf_counter()
     folder = Path(job["folder"])
@@ -302,6 +307,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     stage = DecoderStage(ckpt, job["start"], job["end"], weight_dtype=staging_dtype(job["weights"]))
     _release_free_memory()
     in_names, _, pairs = io_names(stage)
+    matrices = _staged_matrices(stage) if job["weights"] == "gguf" else None
     step()
     model = convert_stage(stage)
     del stage
@@ -311,6 +317,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     step()
     model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))
     step()
+    carried = carry(model, ckpt, matrices) if matrices is not None else None
     model = compress(model, job["weights"])
     _release_free_memory()
     step()
@@ -334,6 +341,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
         states=[p for p, _ in pairs], eos_token_ids=eos,
         export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
                 "beam_idx": job.get("beam_idx", True), "head": job.get("head", "int8"),
+                **({"gguf_weights": carried} if carried is not None else {}),
                 "exporter": EXPORTER_VERSION,
                 "openvino": ov.get_version()},
     )

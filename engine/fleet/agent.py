@@ -21,16 +21,20 @@ from typing import Callable
 
 import numpy as np
 
-from engine.transport import wire
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
+from engine.fleet.discovery import Advertiser
+from engine.fleet.node import local_node_info
+from engine.fleet.profile import profile_shards
 from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
-from engine.launch import start_fleet
-from engine.transport.link import Link, accept_loop, authenticate_peer, parse_address
-from engine.launch import await_ready, end_processes
+from engine.launch import await_ready, end_processes, start_fleet
+from engine.manifest import read_manifest
+from engine.runtime.stages.stage import core
 from engine.runtime.stages.turns import machine_turns_file
+from engine.transport import wire
+from engine.transport.link import Link, accept_loop, authenticate_peer, parse_address
 from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
 
 MAX_WORKERS = 8
@@ -53,8 +57,6 @@ class _Worker:
 class Agent:
     def __init__(self, listen: str = "0.0.0.0:0", *, key_file: Path, name: str | None = None, tls=None,
                  store: Path | None = None, advertise: bool = True, log: Callable[[str], None] | None = None):
-        from engine.runtime.stages.stage import core
-
         core()  # before any thread starts: OpenVINO forks a short-lived child when a Core is created
         self.key_file = Path(key_file)
         self.key = load_key(self.key_file)
@@ -85,8 +87,6 @@ class Agent:
         return f"{host}:{self.port}"
 
     def info(self):
-        from engine.fleet.node import local_node_info
-
         info = local_node_info(self.port, self.fleet_id, self.name)
         info.status = self.state()
         return info
@@ -109,8 +109,6 @@ class Agent:
         return self
 
     def _advertise(self) -> None:
-        from engine.fleet.discovery import Advertiser
-
         addresses = None if self.host in ("0.0.0.0", "::") else [self.host]
         advertiser = Advertiser(self.info(), addresses)
         try:
@@ -266,8 +264,6 @@ class Agent:
                 "kept": len(shards) - len(unused)}
 
     def op_start_worker(self, doc, data) -> dict:
-        from engine.manifest import read_manifest
-
         if self.paused:
             raise FleetError(f"node {self.name} is paused and does not take work")
         digest = check_hash(doc["hash"])
@@ -329,8 +325,6 @@ class Agent:
         return {"paused": self.paused}
 
     def op_profile(self, doc, data) -> dict:
-        from engine.fleet.profile import profile_shards
-
         digests = [check_hash(d) for d in doc["hashes"]]
         missing = [d[:12] for d in digests if not self.store.has(d)]
         if missing:

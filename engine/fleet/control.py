@@ -15,10 +15,10 @@ from typing import Callable
 
 import numpy as np
 
-from engine.transport import wire
 from engine.errors import FleetError
 from engine.fleet.shardstore import content_hash
 from engine.manifest import MANIFEST, read_manifest
+from engine.transport import wire
 from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, dial
 from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
 

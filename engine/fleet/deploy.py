@@ -19,6 +19,8 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.manifest import layer_span
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.turns import compute_turns, machine_turns_file
 from engine.transport.link import parse_address
 
 LOCAL = "local"  # the coordinator's own stage in a placement's address list
@@ -84,9 +86,6 @@ class Deployment:
     def chain(self, key: bytes, *, tls=None, deadline_s: float = 2.0, connect_timeout_s: float = 30.0, **kw):
         """The coordinator's chain; its stage 0 (and a draft model beside it) takes this computer's
         compute turns, with any stage worker a node agent runs here (``engine.runtime.stages.turns``)."""
-        from engine.runtime.relay.remote import RemoteChain
-        from engine.runtime.stages.turns import compute_turns, machine_turns_file
-
         kw.setdefault("turns", compute_turns(machine_turns_file()))
         return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
                            deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, **kw)
@@ -159,6 +158,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's;
     ``folders``: this split's exported stages, already at hand (failover redeploying a placement),
     so the model is not opened again to find them."""
+    # deferred: only deploying exports; a `fleet worker` process imports this module (engine.cli.args)
     from engine.export.exporter import export_model
 
     check_placement(stages)

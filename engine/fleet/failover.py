@@ -17,6 +17,7 @@ already emitted) and continues it.  What happens is told to ``on_event`` as it h
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -124,8 +125,6 @@ class Failover:
            chain=None) -> "Failover":
         """The failover of a deployment record, re-planning from the profile it was planned from (if any);
         ``chain`` as in the constructor."""
-        import json
-
         profile = None
         if deployment.profile:
             try:

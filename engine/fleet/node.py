@@ -224,8 +224,10 @@ def _cpu_model(devices: list[dict]) -> str:
 
 def _openvino_devices() -> tuple[str, list[dict]]:
     try:
+        # deferred into the try: a missing or broken OpenVINO leaves the node reporting no devices, not failing
         import openvino
 
+        # (the shared Core's module imports OpenVINO too)
         from engine.runtime.stages.stage import core as shared_core
 
         core = shared_core()  # one Core per process: creating one forks a short-lived child each time

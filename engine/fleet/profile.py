@@ -18,9 +18,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from engine.errors import FleetError
 from engine.manifest import MODEL_XML, Manifest, load_manifest
+from engine.models.catalog import resolve_source
+from engine.models.checkpoint import open_checkpoint
+from engine.runtime.stages.factory import open_stage
+from engine.runtime.stages.stage import core
 
 # Bytes per weight of each format, with its quantization scales (INT4: f16 scale per group of 128).
 WEIGHT_BYTES = {"int4": 0.5 + 2 / 128, "int8": 1.0 + 2 / 128, "fp16": 2.0, "f32": 4.0}
@@ -39,9 +44,8 @@ def profile_splits(num_layers: int) -> list[tuple[list[int], int]]:
 
 def export_profile_shards(model: str, weights: str = "int4", progress=None, cancel=None) -> list[Path]:
     """Exports (or reuses) the model's profiling shards."""
+    # deferred: only the coordinator exports; node agents import this module to profile shards they hold
     from engine.export.exporter import export_model
-    from engine.models.catalog import resolve_source
-    from engine.models.checkpoint import open_checkpoint
 
     resolved = resolve_source(model)
     layers = open_checkpoint(resolved.kind, resolved.path).spec.num_layers
@@ -67,9 +71,6 @@ def _run_once(runner, x: np.ndarray, tokens: int, prompt: int) -> tuple[float, l
 def time_shards(folders: list[Path], device: str, tokens: int, prompt: int, runs: int = 5) -> list[dict]:
     """Median step and best prefill time of each shard, the shards' runs interleaved so that a burst
     of load on a shared machine does not fall on one shard only."""
-    from engine.runtime.stages.factory import open_stage
-    from engine.runtime.stages.stage import core
-
     rng = np.random.default_rng(0)
     runners, inputs = [], []
     for folder in folders:
@@ -100,10 +101,6 @@ def time_shards(folders: list[Path], device: str, tokens: int, prompt: int, runs
 
 def available_memory(device: str) -> int:
     """Bytes a new stage may use on ``device``: free system memory, or a GPU's own memory."""
-    import psutil
-
-    from engine.runtime.stages.stage import core
-
     if device.upper().startswith("GPU"):
         try:
             total = int(core().get_property(device, "GPU_DEVICE_TOTAL_MEM_SIZE"))

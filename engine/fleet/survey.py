@@ -138,8 +138,6 @@ def readable(text: str, nodes: dict) -> str:
 
 
 def load_survey(path: Path) -> tuple[ModelShape, dict, Fleet]:
-    import json
-
     try:
         raw = json.loads(Path(path).read_text())
         return ModelShape.from_json(raw["model"]), raw["nodes"], Fleet.from_json(raw["fleet"])

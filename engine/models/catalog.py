@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import mmap
 import os
 import re
 import shutil
@@ -315,8 +316,6 @@ _GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 
 def _gguf_data_end(path: Path) -> int:
     """Where the last tensor's data ends, from the header alone (``gguf.GGUFReader`` needs 10+ s on
     large vocabularies because it materialises every token; this walks the header in well under 1 s)."""
-    import mmap
-
     from gguf import GGML_QUANT_SIZES
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:

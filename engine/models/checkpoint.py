@@ -52,6 +52,11 @@ class Checkpoint(abc.ABC):
     def read(self, part: str, layer: int | None = None, dtype=np.float32) -> np.ndarray:
         """The part in Hugging Face layout, as ``dtype``; a norm weight as the factor it multiplies by."""
 
+    def read_blocks(self, part: str, layer: int | None = None) -> tuple[int, np.ndarray] | None:
+        """A matrix as its quantized blocks, ``(GGML type, uint8 [rows, bytes per row])`` with the rows
+        in the order ``read`` gives them; None where it is stored as floats (``read`` then)."""
+        return None
+
     def read_head(self, dtype=np.float32) -> np.ndarray:
         """The output projection; the embedding matrix when the model ties them."""
         if not self.spec.tie_embeddings and self.has("lm_head"):
@@ -127,6 +132,24 @@ class GGUFCheckpoint(Checkpoint):
             heads = self.spec.num_heads if part == "q" else self.spec.num_kv_heads
             data = _unpermute_rotary(data, heads)
         return data
+
+
+    def read_blocks(self, part, layer=None):
+        name = self._name(part, layer)
+        if name not in self._tensors:
+            raise SourceError(f"{self.path.name} has no tensor {name}")
+        t = self._tensors[name]
+        if int(t.tensor_type) in FLOAT_TYPES or len(t.shape) != 2:
+            return None
+        with open(self.path, "rb") as f:
+            f.seek(t.data_offset)
+            raw = np.frombuffer(f.read(t.n_bytes), dtype=np.uint8).reshape(t.shape[1], -1)
+        if self.arch.gguf_permuted_qk and part in ("q", "k"):
+            raw = _unpermute_rotary(raw, self.spec.num_heads if part == "q" else self.spec.num_kv_heads)
+        return int(t.tensor_type), raw
+
+
+FLOAT_TYPES = (0, 1, 30)  # GGML's F32, F16 and BF16: nothing to carry over
 
 
 def _unpermute_rotary(w: np.ndarray, heads: int) -> np.ndarray:

@@ -15,9 +15,9 @@ import ssl
 import threading
 import time
 
-from engine.transport import wire
 from engine.errors import FleetError
 from engine.manifest import Manifest
+from engine.transport import wire
 from engine.transport.wire import Frame, PeerClosed, ProtocolError
 
 FRAME_STALL_S = 10.0  # once a frame has started arriving, the rest must follow within this

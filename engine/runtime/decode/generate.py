@@ -22,9 +22,9 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import ContextError
+from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.sampling import Sampler, SamplingParams
 from engine.runtime.decode.speculative import AutoK, Drafter
-from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.interfaces import Chain
 from engine.runtime.stages.output import Output
 from engine.transport.wire import Flag

@@ -32,8 +32,8 @@ import numpy as np
 
 from engine.errors import ContextError, FleetError, StageError
 from engine.runtime.decode.generate import PREFILL_CHUNK, Decoding
-from engine.runtime.decode.sampling import GREEDY, SamplingParams
 from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.decode.sampling import GREEDY, SamplingParams
 from engine.runtime.decode.stops import StopText
 from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
 

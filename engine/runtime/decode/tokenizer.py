@@ -13,6 +13,7 @@ REPLACEMENT = "\ufffd"
 
 class ChatTokenizer:
     def __init__(self, folder: Path):
+        # workers import this module too but never tokenize: only the coordinator loads openvino_genai
         import openvino_genai
 
         folder = Path(folder)

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.runtime.interfaces import Chain
-from engine.transport import wire
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span
-from engine.transport.link import Link, connect_successor
-from engine.runtime.stages.packing import Part, as_part, packs_of
+from engine.runtime.interfaces import Chain
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output
+from engine.runtime.stages.packing import Part, as_part, packs_of
 from engine.runtime.stages.stage import compile_config
+from engine.transport import wire
+from engine.transport.link import Link, connect_successor
 from engine.transport.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
 
 

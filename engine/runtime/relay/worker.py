@@ -23,13 +23,13 @@ from typing import Callable
 
 import numpy as np
 
-from engine.transport import wire
 from engine.errors import FleetError, ShardError
-from engine.transport.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
-from engine.runtime.stages.packing import Part
 from engine.runtime.stages.factory import open_stage
-from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.output import select
+from engine.runtime.stages.packing import Part
+from engine.runtime.stages.stage import compile_config
+from engine.transport import wire
+from engine.transport.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 MAX_STREAMS = 64

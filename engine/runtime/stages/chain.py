@@ -11,9 +11,9 @@ import numpy as np
 from engine.config import parse_devices
 from engine.manifest import check_chain, expand_shard_dirs, load_manifest
 from engine.runtime.interfaces import Chain
-from engine.runtime.stages.packing import Part, as_part, packs_of
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output, select
+from engine.runtime.stages.packing import Part, as_part, packs_of
 from engine.runtime.stages.turns import NO_TURNS
 from engine.transport.wire import Flag
 

@@ -8,7 +8,6 @@ import numpy as np
 
 from engine.transport.wire import Flag
 
-
 # The last stage returns this many candidates (ids and logits) per position when a request samples,
 # instead of vocabulary-sized logits: sampling draws from the CANDIDATES most likely tokens.
 CANDIDATES = 256

@@ -1,0 +1,98 @@
+"""The one home of each flow: which chain the settings and a launch open (``engine.session``), how the
+command line becomes settings (``engine.cli.args``), and the one settings file the CLI and app share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine.cli.args import chain_args, launch_of, settings_of
+from engine.cli.main import GROUPS, build_parser
+from engine.config import Settings, set_node
+from engine.errors import FleetError
+from engine.fleet.deploy import Deployment
+from engine.session import Launch, chain_kind, open_chain, open_service
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_chain_kind_follows_the_settings_and_the_launch(tmp_path, tiny_exports):
+    shards = tiny_exports["llama", "2"].out
+    deployment = Deployment(model="m", stage0=str(shards), device="CPU", remotes=["127.0.0.1:1"], workers=[])
+    model = Settings()  # a catalog model, 2 stages, local workers
+    assert chain_kind(model, Launch()) == "local-fleet"
+    assert chain_kind(Settings(stages=1), Launch()) == "in-process"
+    assert chain_kind(Settings(local_workers=False), Launch()) == "in-process"
+    assert chain_kind(Settings(device="CPU,CPU"), Launch()) == "workers"  # a device per stage: worker processes
+    assert chain_kind(Settings(default_model=str(shards)), Launch()) == "workers"  # an exported shard set
+    assert chain_kind(model, Launch(workers="none")) == "in-process"
+    assert chain_kind(model, Launch(workers="processes")) == "workers"
+    assert chain_kind(model, Launch(remote=["127.0.0.1:1"])) == "remote"
+    assert chain_kind(model, Launch(deployment=deployment)) == "deployment"
+    with pytest.raises(FleetError, match="exclude each other"):
+        chain_kind(model, Launch(remote=["127.0.0.1:1"], workers="processes"))
+
+
+def test_an_in_process_service_over_a_shard_set(tiny_exports):
+    settings = Settings(default_model=str(tiny_exports["llama", "2"].out), draft="lookup", k="3", streams=3,
+                        local_workers=False)
+    service = open_service(settings)
+    try:
+        assert service.description.endswith("2 stages, in process")
+        assert service.k == 3 and len(service.drafters) == 3  # one drafter per stream
+    finally:
+        service.close()
+    cancel = argparse.Namespace(is_set=lambda: True)
+    assert open_chain(settings, progress=lambda _: None, cancel=cancel) is None  # cancelled before compiling
+
+
+def test_the_command_line_lays_its_options_over_the_settings():
+    parser = argparse.ArgumentParser()
+    chain_args(parser)
+    saved = Settings(default_model="saved", stages=3, mode="exact", draft="lookup", k="auto")
+    args = parser.parse_args(["--model", "other", "--draft", "hybrid:small", "--k", "5", "--tls"])
+    got = settings_of(args, saved)
+    assert (got.default_model, got.stages, got.mode, got.tls) == ("other", 3, "exact", True)
+    assert (got.draft, got.draft_model, got.k) == ("hybrid", "small", "5")
+    assert settings_of(parser.parse_args([]), saved).draft == "none"  # the CLI drafts only when told
+    assert settings_of(parser.parse_args(["--draft", "lookup"]), saved).draft == "lookup"
+    assert settings_of(parser.parse_args(["--draft", "tiny-draft"]), saved).draft_model == "tiny-draft"
+    assert launch_of(parser.parse_args([]), in_process=True).workers == "none"
+    assert launch_of(parser.parse_args([]), in_process=False).workers is None  # as the settings say
+    assert launch_of(parser.parse_args(["--local-workers"]), in_process=True).workers == "processes"
+    with pytest.raises(FleetError, match="exclude each other"):
+        launch_of(parser.parse_args(["--local-workers", "--remote", "a:1", "--shards", "x"]), in_process=True)
+
+
+def test_one_settings_file_typed_and_refused_by_name_when_damaged(home):
+    Settings(default_model="qwen2.5-coder-1.5b", streams=3).save()
+    path = home / "config" / "settings.json"
+    raw = json.loads(path.read_text())
+    raw.update(stages="three", extra="kept out")  # a hand edit: a wrong type and an unknown field
+    path.write_text(json.dumps(raw))
+    loaded = Settings.load()
+    assert (loaded.default_model, loaded.streams, loaded.stages) == ("qwen2.5-coder-1.5b", 3, Settings().stages)
+    assert set_node("10.0.0.5:7390", added=True) == ["10.0.0.5:7390"]
+    assert Settings.load().nodes == ["10.0.0.5:7390"] and Settings.load().streams == 3
+    assert set_node("10.0.0.5:7390", added=False) == []
+    path.write_text("{not json")
+    with pytest.raises(FleetError, match="settings.json"):
+        Settings.load()
+    assert Settings(k="40").validate() == "K must be between 0 and 32, or auto"
+    assert "2 devices for 3 stages" in Settings(device="CPU,GPU", stages=3).validate()
+
+
+def test_every_command_group_is_registered_and_loads_alone():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {c for commands in GROUPS.values() for c in commands}
+    for commands in GROUPS.values():
+        alone = build_parser(commands[0])
+        (only,) = [a for a in alone._actions if isinstance(a, argparse._SubParsersAction)]
+        assert set(only.choices) == set(commands)
