@@ -10,7 +10,7 @@ import openvino as ov
 import openvino.opset13 as ops
 import pytest
 
-from engine.export.gguf_weights import BLOCKS, EXACT, NAMES, constant, decompose
+from engine.export.gguf_weights import BLOCKS, EXACT, NAMES, carried_values, carry_matmul, decompose
 
 ROWS, COLUMNS = 64, 512
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
@@ -50,25 +50,38 @@ def test_each_block_type_decomposes_to_the_gguf_values(qtype):
         assert np.abs(q.values() - want).max() <= 2 * np.finfo(np.float32).eps * np.abs(q.scale).max() * 64
 
 
+@pytest.mark.parametrize("corrected", [False, True], ids=["float zero point", "rounded and corrected"])
 @pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
-def test_the_shard_constant_decodes_to_the_gguf_values_in_a_compressed_matmul(qtype):
+def test_the_shard_constant_decodes_to_the_gguf_values_in_a_compressed_matmul(qtype, corrected):
     raw = raw_blocks(qtype, np.random.default_rng(100 + qtype))
     want = reference(qtype, raw)
     q = decompose(qtype, raw, ROWS, COLUMNS)
     x = ops.parameter([1, -1, COLUMNS], ov.Type.f32, name="x")
-    model = ov.Model([ops.result(ops.matmul(x, constant(q), False, True))], [x])
+    matmul = ops.matmul(x, ops.constant(np.zeros((ROWS, COLUMNS), np.float32)), False, True)
+    model = ov.Model([ops.result(matmul)], [x])
+    limit = 0 if corrected else 10**9
+    carry_matmul(matmul, q, limit)
     compiled = ov.Core().compile_model(model, "CPU", EXACT_CONFIG)
     got = compiled(np.eye(COLUMNS, dtype=np.float32)[None])[0][0].T  # identity in: the weights out
+    assert np.array_equal(got, carried_values(q, limit))
     if q.exact:
         assert np.array_equal(got, want)
-    else:
-        assert np.array_equal(got, q.values())
+    else:  # the rounded zero point and its correction: the GGUF's values within an ulp or two
+        assert np.abs(got - want).max() <= 4 * np.finfo(np.float32).eps * np.abs(want).max()
     # the decompression runs inside the MatMul: the weights stay as their codes, not a float matrix
-    weights = [op for op in compiled.get_runtime_model().get_ordered_ops()
-               if op.get_rt_info()["layerType"].astype(str) == "FullyConnected"]
-    assert len(weights) == 1
-    source = weights[0].input_value(1).get_node()
-    assert source.get_rt_info()["outputPrecisions"].astype(str) in ("u4", "u8")
+    kinds = []
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        if op.get_rt_info()["layerType"].astype(str) == "FullyConnected":
+            kinds.append(op.input_value(1).get_node().get_rt_info()["outputPrecisions"].astype(str))
+    assert kinds[0] in ("u4", "u8") and len(kinds) == (2 if corrected and not q.exact else 1)  # 2: the correction
+
+
+def test_a_float_source_has_no_gguf_weights_to_carry(tiny_models, tmp_path):
+    from engine.errors import ExportError
+    from engine.export.exporter import export_model
+
+    with pytest.raises(ExportError, match="is not a GGUF model"):
+        export_model(str(tiny_models["llama"]), stages=1, weights="gguf", out=tmp_path / "x")
 
 
 @pytest.mark.real_model

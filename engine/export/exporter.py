@@ -123,7 +123,8 @@ def export_model(
         architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
     resolved = resolve_source(source)
     if weights == "gguf" and resolved.kind != "gguf":
-        raise ExportError(f"--weights gguf carries a GGUF file's own quantization; {source} is not a GGUF model")
+        raise ExportError(f"the gguf weight format carries a GGUF file's own quantization over; "
+                          f"{source} is not a GGUF model")
     spec = open_checkpoint(resolved.kind, resolved.path).spec
     ranges = plan_split(spec.num_layers, stages, split)
     name = resolved.entry.name if resolved.entry else resolved.path.stem
