@@ -116,3 +116,22 @@ def test_smollm2_carried_over_is_as_good_as_its_gguf_and_loads_in_llmpipeline():
     config = pipe.get_generation_config()
     config.max_new_tokens = 16
     assert "Paris" in str(pipe.generate("What is the capital of France?", config))
+
+
+def test_the_quality_bench_ranks_formats_against_the_float_reference(tiny_models, tmp_path, monkeypatch):
+    """`fleet bench quality` on a tiny float model: f32 shards split in 2 agree with the 1-stage
+    reference (KL ~0, every top-1 the same); INT4 does not."""
+    import json
+
+    from engine.bench.quality import run_quality
+
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
+    out = tmp_path / "quality.json"
+    report = run_quality(str(tiny_models["llama"]), weights=("f32", "int4"), stages=(2,), tokens=96, out=out,
+                         log=lambda _: None)
+    assert json.loads(out.read_text())["bench"] == "quality"
+    rows = {(r["weights"], r["precision"]): r for r in report["rows"]}
+    assert rows["f32 (reference)", "f32"]["kl_nats"] == 0.0
+    assert rows["f32", "f32"]["kl_nats"] < 1e-4 and rows["f32", "f32"]["top1_agreement"] == 1.0
+    assert rows["int4", "f32"]["kl_nats"] > 100 * max(rows["f32", "f32"]["kl_nats"], 1e-7)
+    assert len(report["ratios"]) == len(report["rows"]) - 1
