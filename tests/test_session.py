@@ -4,6 +4,7 @@ command line becomes settings (``engine.cli.args``), and the one settings file t
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 
 import pytest
@@ -96,3 +97,21 @@ def test_every_command_group_is_registered_and_loads_alone():
         alone = build_parser(commands[0])
         (only,) = [a for a in alone._actions if isinstance(a, argparse._SubParsersAction)]
         assert set(only.choices) == set(commands)
+
+
+def test_the_stage_runners_and_the_chains_implement_their_declared_interfaces():
+    from engine.runtime.interfaces import Chain, PackingStage, Stage
+    from engine.runtime.relay.remote import RemoteChain
+    from engine.runtime.stages.chain import LocalChain
+    from engine.runtime.stages.paged import PagedStage
+    from engine.runtime.stages.stage import StageRunner
+    from engine.runtime.stages.static import StaticStage
+
+    for cls, interface in ((StageRunner, Stage), (PagedStage, PackingStage), (StaticStage, PackingStage),
+                           (LocalChain, Chain), (RemoteChain, Chain)):
+        assert interface in cls.__mro__  # declared, not just alike
+        declared = {name: member for proto in interface.__mro__ if proto in (Stage, PackingStage, Chain)
+                    for name, member in vars(proto).items() if not name.startswith("_") and callable(member)
+                    or isinstance(member, property)}
+        missing = [name for name, member in declared.items() if inspect.getattr_static(cls, name) is member]
+        assert not missing, f"{cls.__name__} inherits {missing} from {interface.__name__} instead of implementing it"
