@@ -96,20 +96,15 @@ class Settings:
             raise FleetError(f"cannot read the settings in {path} ({exc}): fix or delete the file") from None
         if not isinstance(raw, dict):
             raise FleetError(f"the settings in {path} are not a JSON object: fix or delete the file")
-        known = {f.name: f for f in dataclasses.fields(Settings)}
-        defaults = Settings()
-        values = {}
-        for name, value in raw.items():
-            if name in known and _same_kind(value, getattr(defaults, name)):
-                values[name] = value
-        return cls(**values)
+        defaults = dataclasses.asdict(Settings())
+        return cls(**{name: value for name, value in raw.items()
+                      if name in defaults and _same_kind(value, defaults[name])})
 
     def save(self, path: Path | None = None) -> None:
         """Writes the engine's fields (an extension's own fields are its to keep)."""
         path = path or paths().settings_file
         path.parent.mkdir(parents=True, exist_ok=True)
-        engine = {f.name: getattr(self, f.name) for f in dataclasses.fields(Settings)}
-        path.write_text(json.dumps(engine, indent=2))
+        path.write_text(json.dumps(dataclasses.asdict(self.engine()), indent=2))
 
     def engine(self) -> "Settings":
         """The engine's part alone (an extension's own fields dropped)."""

@@ -41,7 +41,9 @@ from engine.runtime.stages.stage import REWIND, compile_config
 from engine.runtime.stages.turns import compute_turns
 
 Progress = Callable[[tuple], None]
-CHAIN_KINDS = ("local-fleet", "workers", "remote", "deployment", "in-process")
+# each kind of chain, and how a chat service over it describes where it runs
+CHAIN_KINDS = {"local-fleet": "local fleet", "workers": "local fleet", "remote": "remote workers",
+               "deployment": "deployed on the fleet", "in-process": "in process"}
 
 
 def quiet(_payload: tuple) -> None:
@@ -75,6 +77,11 @@ class Opened:
         self.chain.close()
         for thing in self.owned:
             thing.close()
+
+
+def deploy_progress(progress: Progress):
+    """``engine.fleet.deploy``'s progress calls (stage, phase, fraction) as ``progress`` payloads."""
+    return lambda stage, phase, fraction: progress(("deploy", stage, phase, fraction))
 
 
 def chain_kind(settings: Settings, launch: Launch) -> str:
@@ -151,12 +158,10 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         if _cancelled(cancel):
             return None
         progress(("status", "starting the local fleet"))
-        load_key(settings.fleet_key_file, create=not settings.fleet_key_file)  # a local fleet needs no setup
-        path = key_file(settings.fleet_key_file)
         deployment, chain, proc = local_up(
-            settings.default_model, settings.stages, path, weights=settings.weights, mode=settings.mode,
+            settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights, mode=settings.mode,
             device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
-            progress=lambda stage, phase, fraction: progress(("deploy", stage, phase, fraction)))
+            progress=deploy_progress(progress))
         return Opened(chain, kind, [LocalAgent(proc)], deployment)
     if launch.shards is not None:
         folders = expand_shard_dirs(launch.shards)
@@ -202,8 +207,6 @@ def draft_shards(settings: Settings, progress: Progress = quiet, cancel=None) ->
     """The draft model's 1-stage shards for a ``model`` or ``hybrid`` draft, else None."""
     if settings.draft not in ("model", "hybrid"):
         return None
-    if not is_shard_set(settings.draft_model):
-        progress(("status", f"preparing the draft model {settings.draft_model}"))
     return resolve_shards(settings.draft_model, stages=1, weights=settings.weights, head=draft_head(settings.weights),
                           progress=progress, cancel=cancel)
 
@@ -211,18 +214,14 @@ def draft_shards(settings: Settings, progress: Progress = quiet, cancel=None) ->
 def drafter_factory(kind: str, chain, folders: list[Path] | None = None, device: str = "CPU"):
     """What ``ChatService(drafters=...)`` takes for a draft kind (``config.DRAFTS``): a function giving
     one drafter per stream, over one draft chain compiled here for ``model`` and ``hybrid``
-    (``folders``, a 1-stage export sharing the target's tokenizer, from ``draft_shards``); None for
-    ``none``."""
+    (``folders``, a 1-stage export sharing the target's tokenizer, from ``draft_shards``) on stage 0's
+    device (the first of ``device``); None for ``none``."""
     if kind == "none":
         return None
     draft_chain = None
     if kind in ("model", "hybrid"):
-        draft_chain = open_draft_chain(expand_shard_dirs(folders), device, turns=chain.turns)
+        draft_chain = open_draft_chain(expand_shard_dirs(folders), device.split(",")[0].strip(), turns=chain.turns)
     return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain)
-
-
-DESCRIPTIONS = {"local-fleet": "local fleet", "workers": "local fleet", "deployment": "deployed on the fleet",
-                "in-process": "in process", "remote": "remote workers"}
 
 
 def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None):
@@ -245,14 +244,14 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
         return None
     try:
         failover = open_failover(opened, settings, on_event)
-        drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device.split(",")[0].strip())
+        drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device)
         service = ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
                               rewind=REWIND[settings.mode], owned=opened.owned,
                               recover=failover.recover if failover else None)
     except BaseException:
         opened.close()
         raise
-    service.description += f", {DESCRIPTIONS[opened.kind]}"
+    service.description += f", {CHAIN_KINDS[opened.kind]}"
     if _cancelled(cancel):
         service.close()
         return None

@@ -30,10 +30,6 @@ Report = Callable[[tuple], None]
 BENCHMARKS = ("wan", "ksweep", "microbatch", "progression", "pipeline", "parity", "spec")
 
 
-def deploy_payload(stage: int, phase: str, fraction: float) -> tuple:
-    return ("deploy", stage, phase, fraction)
-
-
 class EngineBackend:
     def __init__(self):
         self.on_fleet_event: Callable[[str], None] = quiet  # a chat's fleet lost a node, moved layers...
@@ -56,17 +52,18 @@ class EngineBackend:
 
     def open_chat(self, settings, progress: Report = quiet, cancel=None):
         """A chat service over the configured model (``engine.session.chain_kind``); None when cancelled."""
-        keystore.materialise(keystore.key_path(settings), default=not settings.fleet_key_file)
         if session.chain_kind(settings, Launch()) == "local-fleet":
-            self.key_file(settings, create=True)
-        return session.open_service(settings.engine(), progress=progress, cancel=cancel,
-                                    on_event=lambda text: self.on_fleet_event(text))
+            self.key_file(settings, create=True)  # through the keystore: the OS keyring keeps a copy
+        return self._open(settings, Launch(), progress, cancel)
 
     def open_deployment(self, settings, deployment, progress: Report = quiet, cancel=None):
         """A chat service over a running deployment (``engine.fleet.deploy.Deployment``): stage 0
         here, the later stages on the fleet's workers."""
+        return self._open(settings, Launch(deployment=deployment), progress, cancel)
+
+    def _open(self, settings, launch: Launch, progress: Report, cancel):
         keystore.materialise(keystore.key_path(settings), default=not settings.fleet_key_file)
-        return session.open_service(settings.engine(), Launch(deployment=deployment), progress, cancel,
+        return session.open_service(settings.engine(), launch, progress, cancel,
                                     on_event=lambda text: self.on_fleet_event(text))
 
     # --- the fleet -----------------------------------------------------------------------------------
@@ -159,8 +156,7 @@ class EngineBackend:
         deployment, chain = deploy(model, stages, key=keystore.load(settings), tls=keystore.tls(settings),
                                    weights=settings.weights, mode=settings.mode, cancel=cancel,
                                    deadline_s=settings.deadline_s, planned=planned,
-                                   progress=lambda stage, phase, fraction: progress(
-                                       deploy_payload(stage, phase, fraction)))
+                                   progress=session.deploy_progress(progress))
         chain.close()
         deployment.save()
         return deployment

@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.config import Settings
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment
-from engine.session import Launch
+from engine.session import Launch, deploy_progress
 
 
 def count(text: str) -> int:
@@ -189,5 +189,4 @@ def progress_printer():
 
 def deploy_printer():
     """``engine.fleet.deploy`` progress (stage, phase, fraction) shown like ``progress_printer``'s."""
-    show = progress_printer()
-    return lambda stage, phase, fraction: show(("deploy", stage, phase, fraction))
+    return deploy_progress(progress_printer())

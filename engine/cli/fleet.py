@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.cli.args import connection_args, count, deploy_printer, duration, say
+from engine.cli.args import connection_args, count, deploy_printer, duration, say, settings_of
 from engine.cli.generate import chat
 from engine.config import Settings, paths, set_node
 from engine.errors import FleetError
@@ -38,9 +38,9 @@ PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
 
 
 def cmd_agent(args) -> int:
-    settings = Settings.load()
+    settings = settings_of(args)
     agent = Agent(args.listen, key_file=key_file(args.fleet_key_file), name=args.name,
-                  tls=load_tls(args.tls or settings.tls, args.fleet_key_file),
+                  tls=load_tls(settings.tls, args.fleet_key_file),
                   store=Path(args.store) if args.store else None, advertise=not args.no_mdns, log=say)
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         lifeline()
@@ -49,7 +49,7 @@ def cmd_agent(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     agent.start()
     say(f"node agent {agent.name} of fleet {agent.fleet_id} listening on {agent.host}:{agent.port}"
-         + ("" if args.no_mdns else ", advertised over mDNS"))
+        + ("" if args.no_mdns else ", advertised over mDNS"))
     print(f"ready {agent.address}", flush=True)
     try:
         while not stop.wait(0.5):
@@ -84,7 +84,7 @@ NODES_HEADER = f"{'name':<20} {'agent':<22} {'status':<16} {'OS':<14} {'devices'
 
 
 def cmd_nodes(args) -> int:
-    settings = Settings.load()
+    settings = settings_of(args)
     if args.nodes_cmd in ("add", "remove"):
         parse_address(args.address)
         nodes = set_node(args.address, added=args.nodes_cmd == "add")
@@ -92,7 +92,7 @@ def cmd_nodes(args) -> int:
             f"{', '.join(nodes) or 'none'}")
         return 0
     key = load_key(args.fleet_key_file)
-    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    tls = load_tls(settings.tls, args.fleet_key_file)
     if args.nodes_cmd == "prune":
         with ControlClient(args.address, key, tls=tls) as agent:
             done = agent.call("prune")
@@ -174,11 +174,11 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
 
 
 def cmd_profile(args) -> int:
-    settings = Settings.load()
+    settings = settings_of(args)
     key = load_key(args.fleet_key_file, create=not args.nodes)
-    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
-    _survey(args.model or settings.default_model, _agent_addresses(args, key, tls) if args.nodes else [], key=key,
-            tls=tls, devices=args.device or settings.device, weights=args.weights, context=args.context,
+    tls = load_tls(settings.tls, args.fleet_key_file)
+    _survey(settings.default_model, _agent_addresses(args, key, tls) if args.nodes else [], key=key,
+            tls=tls, devices=settings.device, weights=args.weights, context=args.context,
             streams=args.streams, out=args.out)
     return 0
 
@@ -229,9 +229,9 @@ def _resolve_pin(pin, names: dict):
 
 
 def cmd_deploy(args) -> int:
-    settings = Settings.load()
+    settings = settings_of(args)
     key = load_key(args.fleet_key_file)
-    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    tls = load_tls(settings.tls, args.fleet_key_file)
     if args.stop:
         record = Deployment.load(Path(args.record) if args.record else None)
         problems = record.stop(key, tls)
@@ -246,8 +246,8 @@ def cmd_deploy(args) -> int:
     except (OSError, ValueError) as exc:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
     deployment, chain = deploy(args.model, placement_stages(plan_doc), key=key, tls=tls, weights=args.weights,
-                               mode=args.mode or settings.mode, progress=deploy_printer(),
-                               deadline_s=args.deadline or settings.deadline_s, planned=planned_by(plan_doc))
+                               mode=settings.mode, progress=deploy_printer(), deadline_s=settings.deadline_s,
+                               planned=planned_by(plan_doc))
     chain.close()
     path = deployment.save(Path(args.record) if args.record else None)
     print(f"deployed {args.model}: stage 0 here, workers at {', '.join(deployment.remotes)}")
@@ -256,19 +256,18 @@ def cmd_deploy(args) -> int:
 
 
 def cmd_up(args) -> int:
-    settings = Settings.load()
-    path = key_file(args.fleet_key_file)
+    settings = settings_of(args)
     key = load_key(args.fleet_key_file, create=True)
-    model = args.model or settings.default_model
+    model = settings.default_model
     if args.nodes:
         return _fleet_up(args, settings, key, model)
     peers = [] if args.local else browse(args.seconds, fleet_id(key))
     if peers:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
-             "the local default; `fleet up --nodes all` places the model on them")
-    deployment, chain, proc = local_up(model, args.stages or settings.stages, path, weights=settings.weights,
+            "the local default; `fleet up --nodes all` places the model on them")
+    deployment, chain, proc = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
                                        mode=settings.mode, device=settings.device, progress=deploy_printer(),
-                                       deadline_s=args.deadline or settings.deadline_s)
+                                       deadline_s=settings.deadline_s)
     chain.close()
     try:
         return _serve(args, model, deployment)
@@ -279,7 +278,7 @@ def cmd_up(args) -> int:
 def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
     """``fleet up --nodes``: profile this machine and the nodes, solve the placement, deploy it and
     chat; the workers are stopped again when ``fleet up`` ends."""
-    tls = load_tls(args.tls or settings.tls, args.fleet_key_file)
+    tls = load_tls(settings.tls, args.fleet_key_file)
     agents = _agent_addresses(args, key, tls)
     if not agents:
         raise FleetError("no node of this fleet was found: start `fleet agent` (or the tray worker) on the other "
@@ -295,7 +294,7 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
         say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1")
     deployment, chain = deploy(model, stages, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
-                               progress=deploy_printer(), deadline_s=args.deadline or settings.deadline_s,
+                               progress=deploy_printer(), deadline_s=settings.deadline_s,
                                planned=planned_by(doc))
     chain.close()
     try:

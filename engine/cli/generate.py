@@ -36,7 +36,7 @@ def cmd_generate(args) -> int:
     chain = opened.chain
     try:
         tokenizer = ChatTokenizer(chain.first_folder)
-        factory = drafter_factory(settings.draft, chain, drafts, settings.device.split(",")[0].strip())
+        factory = drafter_factory(settings.draft, chain, drafts, settings.device)
         drafters = factory(streams) if factory else None
         if streams > 1:
             results = _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters)

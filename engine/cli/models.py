@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.cli.args import Bar, count
+from engine.cli.args import Bar, count, progress_printer
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
-from engine.export.exporter import export_model
 from engine.export.gguf_weights import carried_text
 from engine.manifest import layer_numbers, load_manifest
 from engine.models import catalog
+from engine.session import export
 
 
 def cmd_models(args) -> int:
@@ -36,10 +36,9 @@ def parse_split(text: str | None) -> list[int] | None:
 
 
 def cmd_export(args) -> int:
-    bar = Bar()
-    result = export_model(args.model, stages=args.stages, split=parse_split(args.split), weights=args.weights,
-                          out=Path(args.out) if args.out else None, force=args.force, head=args.head,
-                          progress=lambda i, step, frac: bar.show(f"stage {i}: {step}", frac))
+    result = export(args.model, stages=args.stages, split=parse_split(args.split), weights=args.weights,
+                    out=Path(args.out) if args.out else None, force=args.force, head=args.head,
+                    progress=progress_printer())
     print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:
         print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")

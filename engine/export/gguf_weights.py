@@ -213,9 +213,9 @@ def carried_values(q: Quantized, corrected_from: int = CORRECTED_FROM) -> np.nda
     """The float32 matrix ``carry_matmul`` computes with, as a graph with an identity input would
     return it: codes less the zero points, times the scales, plus each group's correction if any."""
     zero_point, moved = _plan(q, corrected_from)
-    values = (q.codes.astype(np.float32) - zero_point.astype(np.float32)) * q.scale
-    if moved is not None:
-        values = values + moved[..., None]
+    if moved is None:  # the zero points as decomposed (an integral one is the same number in uint8)
+        return q.values()
+    values = (q.codes.astype(np.float32) - zero_point) * q.scale + moved[..., None]
     return values.reshape(len(q.codes), -1)
 
 

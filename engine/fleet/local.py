@@ -14,7 +14,7 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
-from engine.fleetkey import load_key
+from engine.fleetkey import key_file, load_key
 from engine.launch import await_ready, end_processes, start_fleet
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
@@ -45,17 +45,18 @@ class LocalAgent:
         stop_local_agent(self.proc)
 
 
-def local_up(model: str, stages: int, key_file: Path, *, weights: str = "int4", mode: str = "fast",
+def local_up(model: str, stages: int, key: str | Path | None = None, *, weights: str = "int4", mode: str = "fast",
              device: str = "CPU", progress=None, deadline_s: float = 2.0, cancel=None):
     """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
-    workers.  Returns (deployment, chain, agent process)."""
-    key = load_key(key_file, create=True)
+    workers; ``key`` is the fleet key file (None: the default one, made if missing: a local fleet
+    needs no setup).  Returns (deployment, chain, agent process)."""
+    secret = load_key(key, create=not key)
     resolved = resolve_source(model)
     ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
-    proc, address = start_local_agent(key_file)
+    proc, address = start_local_agent(key_file(key))
     try:
         placement = [StagePlacement(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
-        deployment, chain = deploy(model, placement, key=key, weights=weights, mode=mode, progress=progress,
+        deployment, chain = deploy(model, placement, key=secret, weights=weights, mode=mode, progress=progress,
                                    deadline_s=deadline_s, cancel=cancel)
     except BaseException:
         stop_local_agent(proc)
