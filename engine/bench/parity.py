@@ -5,23 +5,32 @@ ignored.  Configurations run round-robin (one run of each per round) so that the
 hits them alike; the table reports medians and ratios to LLMPipeline compiled with the same
 settings as our stages (and, for reference, LLMPipeline at OpenVINO's own defaults).  Our chains
 run the stateful stages whose parity the paper claims (the beam_idx Gather is theirs), and one row
-the paged stages that serve by default.
+the paged stages that serve by default.  With ``llamacpp`` (a GGUF source), llama.cpp's
+``llama-server`` decodes the same ids from the very GGUF the shards came from, timed by its own
+``timings`` (``engine.bench.llamacpp``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, genai_runner
+from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
+from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.report import median, write_report
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.stage import device_config
 from engine.runtime.decode.tokenizer import ChatTokenizer
+from engine.models.catalog import resolve_source
+
+LLAMACPP = "llama.cpp 1-stage (same GGUF)"
+
 
 def _genai(folder: Path, ids: np.ndarray, tokens: int, device: str, props: dict) -> Callable[[], tuple[float, float]]:
     run = genai_runner(folder, tokens, device=device, props=props)
@@ -42,8 +51,27 @@ def _chain_runner(folders: list[Path], ids: np.ndarray, tokens: int, device: str
     return run
 
 
+def _llamacpp_runner(server: LlamaServer, ids: np.ndarray, tokens: int) -> Callable[[], tuple[float, float]]:
+    prompt = [int(t) for t in ids.reshape(-1)]
+
+    def run():
+        timings = server.complete(prompt, tokens)
+        return timings["predicted_per_second"], timings["prompt_ms"]
+
+    return run
+
+
+def llamacpp_gguf(model: str) -> Path:
+    """The GGUF llama.cpp runs for ``model``: the source itself (llama.cpp reads no HF folder)."""
+    source = resolve_source(model)
+    if source.kind != "gguf":
+        raise LlamaCppUnavailable(f"llama.cpp runs GGUF files; {model} is a {source.kind} source")
+    return source.path
+
+
 def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5, weights: str = "int4",
-               device: str = "CPU", out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
+               device: str = "CPU", llamacpp: bool = False, out: Path | None = None, log=print,
+               hooks: Hooks = NO_HOOKS) -> dict:
     exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel) for n in (1, 2, 3)}
     nobeam = export_model(model, stages=1, weights=weights, beam_idx=False, cancel=hooks.cancel)
     first = exports[1].folders[0]
@@ -57,15 +85,26 @@ def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5,
         "ours 1-stage, no beam_idx": _chain_runner(nobeam.folders, ids, tokens, device, hooks),
         "ours 1-stage, paged": _chain_runner(exports[1].folders, ids, tokens, device, hooks, paged=True),
     }
+    peers = contextlib.ExitStack()
+    peer_note = "not asked for"
+    if llamacpp:
+        try:
+            server = peers.enter_context(LlamaServer(llamacpp_gguf(model), log=log))
+            configs[LLAMACPP] = _llamacpp_runner(server, ids, tokens)
+            peer_note = f"llama-server {LLAMACPP_VERSION}"
+        except LlamaCppUnavailable as exc:
+            peer_note = f"skipped: {exc}"
+            log(f"llama.cpp column {peer_note}")
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
     total = (warmup + runs) * len(configs)
-    for round_index in range(warmup + runs):
-        for i, (name, run) in enumerate(configs.items()):
-            hooks.step(round_index * len(configs) + i, total, f"round {round_index + 1}/{warmup + runs}: {name}")
-            result = run()
-            if round_index >= warmup:
-                samples[name].append(result)
-        log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
+    with peers:
+        for round_index in range(warmup + runs):
+            for i, (name, run) in enumerate(configs.items()):
+                hooks.step(round_index * len(configs) + i, total, f"round {round_index + 1}/{warmup + runs}: {name}")
+                result = run()
+                if round_index >= warmup:
+                    samples[name].append(result)
+            log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
     base = median([s[0] for s in samples["LLMPipeline 1-stage"]])
     rows = []
     for name, values in samples.items():
@@ -81,6 +120,10 @@ def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5,
         hooks.row(rows[-1])
     hooks.step(total, total, "done")
     ratios = {row["config"]: row["vs_llmpipeline"] for row in rows}
+    if LLAMACPP in samples:
+        peer = median([s[0] for s in samples[LLAMACPP]])
+        for name in ("ours 1-stage", "ours 2-stage", "ours 1-stage, paged"):
+            ratios[f"{name} / llama.cpp"] = round(median([s[0] for s in samples[name]]) / peer, 3)
     meta = {"model": model, "weights": weights, "device": device, "prompt_tokens": int(ids.shape[1]),
-            "new_tokens": tokens, "warmup": warmup, "runs": runs}
+            "new_tokens": tokens, "warmup": warmup, "runs": runs, "llamacpp": peer_note}
     return write_report("parity", rows, ratios, out, settings=meta)

@@ -129,7 +129,8 @@ def run_quality(model: str, *, weights: tuple[str, ...] | None = None, stages: t
                     try:
                         row = {"weights": fmt, "stages": n, "precision": precision,
                                **compare(reference, chain, ids, hooks),
-                               "size_mb": round(sum(s.size_mb for s in export.stages), 1)}
+                               "size_mb": round(sum(s.size_mb for s in export.stages), 1),
+                               "export_s": round(sum(s.seconds for s in export.stages), 1)}
                     finally:
                         chain.close()
                     rows.append(row)

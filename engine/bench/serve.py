@@ -10,12 +10,15 @@ Waves alternate between the two servers, users 1, 2, 4, 8, ``runs`` times over.
 Two more parts measure what a server's users feel most: the prefix cache (the second turn of a
 long conversation, warm against cold, alternating) and prompt speed (time to first token of our
 1-, 2- and 3-stage chains against LLMPipeline's on the same export and settings, at a short and a
-long prompt).  Every prompt is new to both sides: LLMPipeline reuses the KV cache of an identical
+long prompt).  With ``llamacpp`` (a GGUF source), llama.cpp's ``llama-server`` on the very GGUF
+the shards came from joins the user waves (one slot per user) and the prompt-speed part (its
+time to the first token, measured at the client).  Every prompt is new to every side: LLMPipeline reuses the KV cache of an identical
 previous prompt, so a repeated prompt would time its cache, not its prefill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -27,6 +30,9 @@ import openvino as ov
 import openvino_genai
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, loopback
+from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
+from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
+from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import median, write_report
 from engine.errors import FleetError
 from engine.export.exporter import export_model
@@ -152,7 +158,7 @@ def _wave_row(server: str, users: int, waves: list[tuple[list[dict], float]]) ->
             "requests": len(requests)}
 
 
-def _users_part(folders, one, model, users, tokens, runs, device, hooks, log) -> tuple[list[dict], dict]:
+def _users_part(folders, one, model, users, tokens, runs, device, peer, hooks, log) -> tuple[list[dict], dict]:
     prompts = list(PROMPTS.values())
     rows, ratios = [], {}
     with loopback(folders) as (chain, _fleet):
@@ -160,17 +166,20 @@ def _users_part(folders, one, model, users, tokens, runs, device, hooks, log) ->
         theirs = GenaiService(one, device, device_config(device))
         servers = {"fleet serve": ApiServer(ours, port=0, model_id=model).start(),
                    "LLMPipeline": ApiServer(theirs, port=0, model_id=model).start()}
+        urls = {name: server.url for name, server in servers.items()}
+        if peer:
+            urls["llama.cpp"] = peer.url
         try:
-            for server in servers.values():  # warm-up: first inferences and the widest wave
-                user_wave(server.url, model, prompts[:1], tokens)
-                user_wave(server.url, model, [prompts[i % len(prompts)] for i in range(max(users))], tokens)
+            for url in urls.values():  # warm-up: first inferences and the widest wave
+                user_wave(url, model, prompts[:1], tokens)
+                user_wave(url, model, [prompts[i % len(prompts)] for i in range(max(users))], tokens)
             waves: dict[tuple[str, int], list] = {}
-            steps = runs * len(users) * len(servers)
-            for step, (run, n, name) in enumerate(itertools.product(range(runs), users, servers)):
+            steps = runs * len(users) * len(urls)
+            for step, (run, n, name) in enumerate(itertools.product(range(runs), users, urls)):
                 hooks.step(step, steps, f"run {run + 1}/{runs}: {n} user(s) on {name}")
                 # every request new (neither server's cache may serve it), the same ones on both servers
                 asked = [f"(request {run}.{i}) {prompts[i % len(prompts)]}" for i in range(n)]
-                wave = user_wave(servers[name].url, model, asked, tokens)
+                wave = user_wave(urls[name], model, asked, tokens)
                 waves.setdefault((name, n), []).append(wave)
                 log(f"run {run + 1}: {n} user(s) on {name}: {sum(r['tokens'] for r in wave[0]) / wave[1]:.1f} tok/s")
         finally:
@@ -179,10 +188,12 @@ def _users_part(folders, one, model, users, tokens, runs, device, hooks, log) ->
             ours.close()
             theirs.close()
     for n in users:
-        pair = [_wave_row(name, n, waves[name, n]) for name in servers]
-        rows += pair
-        ratios[f"tok/s, fleet serve / LLMPipeline, {n} user(s)"] = round(pair[0]["tok_s"] / pair[1]["tok_s"], 3)
-        for row in pair:
+        wave_rows = {name: _wave_row(name, n, waves[name, n]) for name in urls}
+        rows += wave_rows.values()
+        ours_tok_s = wave_rows["fleet serve"]["tok_s"]
+        for name in list(urls)[1:]:
+            ratios[f"tok/s, fleet serve / {name}, {n} user(s)"] = round(ours_tok_s / wave_rows[name]["tok_s"], 3)
+        for row in wave_rows.values():
             hooks.row(row)
     return rows, ratios
 
@@ -230,7 +241,7 @@ def _prefix_part(folders, model, runs, hooks, log) -> tuple[list[dict], dict]:
     return rows, ratios
 
 
-def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> tuple[list[dict], dict]:
+def _ttft_part(exports: dict, one: Path, device: str, runs: int, peer, hooks, log) -> tuple[list[dict], dict]:
     """TTFT of our in-process chains against LLMPipeline's, same export and compile settings."""
     tokenizer = ChatTokenizer(one)
     long_ids = tokenizer.chat_ids([{"role": "user", "content": _long_text(tokenizer, max(PROMPT_LENGTHS))}])
@@ -244,6 +255,8 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
     for length in PROMPT_LENGTHS:
         base_ids = long_ids.reshape(-1)[-length:]  # the last tokens: the template's ending included
         samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{name: [] for name in ours}}
+        if peer:
+            samples["llama.cpp 1-stage"] = []
         for run in range(runs + 1):  # the first round warms up
             hooks.step(run, runs + 1, f"TTFT at {length} prompt tokens, run {run}")
             # a new prompt every run: LLMPipeline reuses the KV of an identical previous prompt
@@ -253,8 +266,14 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
             samples_now = {}
             # every other run in the reverse order, so no side always goes first
             for name in list(samples)[:: -1 if run % 2 else 1]:
-                samples_now[name] = (genai(ids)[1] if name == "LLMPipeline 1-stage"
-                                     else ours[name].generate(ids, 2, ignore_eos=True).ttft_s * 1e3)
+                if name == "LLMPipeline 1-stage":
+                    samples_now[name] = genai(ids)[1]
+                elif name == "llama.cpp 1-stage":
+                    sent = time.perf_counter()
+                    peer.complete([int(t) for t in ids.reshape(-1)], 1)
+                    samples_now[name] = (time.perf_counter() - sent) * 1e3
+                else:
+                    samples_now[name] = ours[name].generate(ids, 2, ignore_eos=True).ttft_s * 1e3
             if run:
                 for name, value in samples_now.items():
                     samples[name].append(value)
@@ -265,15 +284,18 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, hooks, log) -> 
             hooks.row(rows[-1])
             if name != "LLMPipeline 1-stage":
                 ratios[f"TTFT {name} / LLMPipeline, {length} tokens"] = rows[-1]["vs_llmpipeline"]
+        if peer:
+            ratios[f"TTFT ours 1-stage / llama.cpp, {length} tokens"] = round(
+                median(samples["ours 1-stage"]) / median(samples["llama.cpp 1-stage"]), 3)
         measured = rows[-len(samples):]
         log(f"TTFT at {length} tokens: " + ", ".join(f"{r['server']} {r['ttft_p50_ms']} ms" for r in measured))
     return rows, ratios
 
 
 def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, tokens: int = 64, runs: int = 2,
-              weights: str = "int4", device: str = "CPU", parts: tuple[str, ...] = PARTS, out: Path | None = None,
-              log=print, hooks: Hooks = NO_HOOKS) -> dict:
-    """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure."""
+              weights: str = "int4", device: str = "CPU", parts: tuple[str, ...] = PARTS, llamacpp: bool = False,
+              out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
+    """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure; ``llamacpp``: llama.cpp too."""
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise FleetError(f"unknown parts {', '.join(sorted(unknown))}: the parts are {', '.join(PARTS)}")
@@ -281,13 +303,23 @@ def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, to
     exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel).folders for n in sorted(splits)}
     one = exports[1][0]
     rows, ratios = [], {}
-    measure = {"users": lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, hooks, log),
-               "prefix": lambda: _prefix_part(exports[stages], model, runs, hooks, log),
-               "ttft": lambda: _ttft_part(exports, one, device, runs, hooks, log)}
-    for name in parts:
-        more_rows, more_ratios = measure[name]()
-        rows += more_rows
-        ratios.update(more_ratios)
+    with contextlib.ExitStack() as peers:
+        peer, peer_note = None, "not asked for"
+        if llamacpp:
+            try:
+                peer = peers.enter_context(LlamaServer(llamacpp_gguf(model), slots=max(users), log=log))
+                peer_note = f"llama-server {LLAMACPP_VERSION}"
+            except LlamaCppUnavailable as exc:
+                peer_note = f"skipped: {exc}"
+                log(f"llama.cpp column {peer_note}")
+        measure = {"users": lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, peer,
+                                                hooks, log),
+                   "prefix": lambda: _prefix_part(exports[stages], model, runs, hooks, log),
+                   "ttft": lambda: _ttft_part(exports, one, device, runs, peer, hooks, log)}
+        for name in parts:
+            more_rows, more_ratios = measure[name]()
+            rows += more_rows
+            ratios.update(more_ratios)
     meta = {"model": model, "stages": stages, "weights": weights, "device": device, "users": list(users),
-            "new_tokens": tokens, "runs": runs, "parts": list(parts)}
+            "new_tokens": tokens, "runs": runs, "parts": list(parts), "llamacpp": peer_note}
     return write_report("serve", rows, ratios, out, settings=meta)

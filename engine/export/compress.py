@@ -1,7 +1,9 @@
 """Weight formats of a shard: INT4 (symmetric, group 128) or INT8 layer weights via NNCF with the
-vocabulary matrices in asymmetric INT8, a GGUF's own quantized layer weights carried over as they are
-(``gguf``: ``engine.export.gguf_weights``; vocabulary in asymmetric INT8), plain FP16, or uncompressed
-F32 (the reference the exactness tests use).
+vocabulary matrices in asymmetric INT8, INT4 fitted to the activations of calibration text
+(``CALIBRATED``: NNCF's data-aware algorithms, ``engine.export.calibration``), a GGUF's own
+quantized layer weights carried over as they are (``gguf``: ``engine.export.gguf_weights``;
+vocabulary in asymmetric INT8), plain FP16, or uncompressed F32 (the reference the exactness tests
+use).
 
 The embedding and output head are quantized here (``vocab_table``) rather than by NNCF, a block of rows at a time:
 NNCF materialises several float32 copies of the matrix it works on, which for a 150k-token
@@ -20,27 +22,41 @@ import openvino.opset13 as ops
 
 from engine.errors import ExportError
 
-WEIGHT_FORMATS = ("int4", "int8", "gguf", "fp16", "f32")
+# Data-aware INT4: the same INT4_SYM group-128 codes as ``int4``, with scales (and for AWQ a
+# per-channel smoothing folded into the preceding weights) chosen to fit what calibration text's
+# activations see.  Measured in docs/benchmarks.md ("Data-aware INT4").
+CALIBRATED = {
+    "int4-awq": {"awq": True, "scale_estimation": True},
+    "int4-se": {"scale_estimation": True},
+    "int4-gptq": {"gptq": True, "scale_estimation": True},
+}
+WEIGHT_FORMATS = ("int4", *CALIBRATED, "int8", "gguf", "fp16", "f32")
 INT4_GROUP = 128
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
 _ROW_BLOCK = 2048
 
 
-def compress(model: ov.Model, weights: str) -> ov.Model:
+def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:
     """Compresses the layer weights with NNCF (the vocabulary tables were built in their final
     format by ``vocab_table``, a GGUF's layers by ``gguf_weights.carry``); fp16 storage happens at save
-    time (``save_fp16``)."""
+    time (``save_fp16``).  A ``CALIBRATED`` format needs ``dataset``, an ``nncf.Dataset`` of the
+    stage's inputs (``calibration.dataset``)."""
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if weights in ("gguf", "fp16", "f32"):
         return model
+    if weights in CALIBRATED and dataset is None:
+        raise ExportError(f"the {weights} weight format needs calibration data")
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
 
     logging.getLogger("nncf").setLevel(logging.WARNING)
     if weights == "int8":
         return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)  # per channel, every layer
+    data_aware = {}
+    if weights in CALIBRATED:
+        data_aware = dict(CALIBRATED[weights], dataset=dataset, subset_size=dataset.get_length())
     return nncf.compress_weights(
         model,
         mode=nncf.CompressWeightsMode.INT4_SYM,
@@ -51,6 +67,7 @@ def compress(model: ov.Model, weights: str) -> ov.Model:
             group_size_fallback_mode=GroupSizeFallbackMode.ADJUST,
             min_adjusted_group_size=INT4_MIN_GROUP,
         ),
+        **data_aware,
     )
 
 

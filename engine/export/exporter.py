@@ -25,8 +25,8 @@ from engine.config import paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export import tokenizer as tok
 from engine.export.gguf_weights import carry, fingerprint
-from engine.export.compress import (HEAD_FORMATS, WEIGHT_FORMATS, compress, head_table_int4, save_fp16, staging_dtype,
-                                    vocab_table)
+from engine.export.compress import (CALIBRATED, HEAD_FORMATS, WEIGHT_FORMATS, compress, head_table_int4, save_fp16,
+                                    staging_dtype, vocab_table)
 from engine.manifest import MODEL_XML, Manifest, check_chain, layer_span, load_manifest
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, resolve_source
@@ -34,7 +34,7 @@ from engine.models.checkpoint import open_checkpoint
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
 EXPORTER_VERSION = 5
-STAGE_STEPS = ("load", "convert", "stateful", "compress", "save", "tokenizer", "hash")
+STAGE_STEPS = ("load", "calibrate", "convert", "stateful", "compress", "save", "tokenizer", "hash")
 Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
 
 
@@ -111,12 +111,13 @@ def export_model(
     partial output removed.  An existing complete export at ``out`` is reused unless ``force``.
     ``only`` exports just those stage indices of the split (a profile needs the first and last few
     layers, not the whole model).  ``head="int4"`` stores the LM head (of an int4 export) in INT4
-    too, for draft models.
+    too, for draft models.  A ``compress.CALIBRATED`` format runs the float model over the
+    calibration text first (``engine.export.calibration``), in each stage's own process.
     """
     if head not in HEAD_FORMATS:
         raise ExportError(f"unknown head format {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
-    if head == "int4" and weights != "int4":
-        raise ExportError("an INT4 head goes with --weights int4")
+    if head == "int4" and not weights.startswith("int4"):
+        raise ExportError("an INT4 head goes with --weights int4 (or a calibrated int4-* format)")
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if source in CATALOG:
@@ -302,6 +303,15 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
 
     step()
     ckpt = open_checkpoint(job["kind"], Path(job["path"]))
+    hf_tok = None
+    step()
+    calibration = None
+    if job["weights"] in CALIBRATED:
+        from engine.export import calibration as cal  # torch (earlier layers' hidden states), as above
+
+        hf_tok = tok.load_hf_tokenizer(job["kind"], Path(job["path"]))
+        calibration = cal.stage_inputs(ckpt, job["start"], cal.token_sequences(hf_tok))
+        _release_free_memory()
     # Vocabulary tables first: their float staging is gone before the layers arrive.
     vocabulary = _vocabulary(ckpt, job)
     _release_free_memory()
@@ -319,7 +329,9 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))
     step()
     carried = carry(model, ckpt, matrices) if matrices is not None else None
-    model = compress(model, job["weights"])
+    dataset = cal.dataset(calibration, in_names[0], job.get("beam_idx", True)) if calibration is not None else None
+    model = compress(model, job["weights"], dataset)
+    del dataset
     _release_free_memory()
     step()
     ov.save_model(model, partial / MODEL_XML, compress_to_fp16=save_fp16(job["weights"]))
@@ -328,7 +340,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     step()
     eos = []
     if job["start"] == 0:
-        hf_tok = tok.load_hf_tokenizer(job["kind"], Path(job["path"]))
+        hf_tok = hf_tok or tok.load_hf_tokenizer(job["kind"], Path(job["path"]))
         eos = tok.stop_token_ids(hf_tok)
         tok.write_tokenizer(hf_tok, partial)
         tok.write_hf_configs(hf_tok, ckpt.spec, partial, eos)
@@ -343,6 +355,9 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
         export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
                 "beam_idx": job.get("beam_idx", True), "head": job.get("head", "int8"),
                 **({"gguf_weights": carried} if carried is not None else {}),
+                **({"calibration": {"text": cal.TEXT.name, "sequences": int(calibration.shape[0]),
+                                    "tokens": int(calibration.shape[1]), **CALIBRATED[job["weights"]]}}
+                   if calibration is not None else {}),
                 "exporter": EXPORTER_VERSION,
                 "openvino": ov.get_version()},
     )

@@ -28,10 +28,16 @@ from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.stage import core
 
 # Bytes per weight of each format, with its quantization scales (INT4: f16 scale per group of 128).
-WEIGHT_BYTES = {"int4": 0.5 + 2 / 128, "int8": 1.0 + 2 / 128, "fp16": 2.0, "f32": 4.0}
+# (the data-aware int4-* formats have INT4's layout; gguf carries 4-8 bit codes with a scale per 32)
+WEIGHT_BYTES = {"int4": 0.5 + 2 / 128, "int8": 1.0 + 2 / 128, "gguf": 0.64, "fp16": 2.0, "f32": 4.0}
 VOCAB_BYTES = 1.0 + 4 / 128  # embedding and head rows are INT8 with a scale per block
 KV_BYTES = 2  # the CPU plugin keeps the KV cache in bf16/f16 by default
 STAGE_OVERHEAD_BYTES = 300 << 20  # OpenVINO runtime, Python and compiled-model working memory per stage
+
+
+def weight_bytes(weights: str) -> float:
+    """Bytes per layer weight of a shard in ``weights``."""
+    return WEIGHT_BYTES.get("int4" if weights.startswith("int4-") else weights, 4.0)
 
 
 def profile_splits(num_layers: int) -> list[tuple[list[int], int]]:
@@ -100,7 +106,8 @@ def time_shards(folders: list[Path], device: str, tokens: int, prompt: int, runs
 
 
 def available_memory(device: str) -> int:
-    """Bytes a new stage may use on ``device``: free system memory, or a GPU's own memory."""
+    """Bytes a new stage may use on ``device``: free system memory (within this process's cgroup
+    memory limits), or a GPU's own memory."""
     if device.upper().startswith("GPU"):
         try:
             total = int(core().get_property(device, "GPU_DEVICE_TOTAL_MEM_SIZE"))
@@ -108,7 +115,46 @@ def available_memory(device: str) -> int:
                 return total
         except RuntimeError:
             pass
-    return int(psutil.virtual_memory().available)
+    return min([int(psutil.virtual_memory().available), *cgroup_headroom()])
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_headroom() -> list[int]:
+    """Bytes left under each memory limit of this process's cgroup and its ancestors (Linux cgroups
+    v1 or v2: a container, a service's slice, a simulated PC): the limit less the usage, not counting
+    the page cache no process maps (files read or written earlier: the kernel drops it under the
+    limit).  Empty where no limit applies."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():
+            files = ("memory.max", "memory.current", "file", "file_mapped")
+            folder = CGROUP_ROOT / path.lstrip("/")
+        elif "memory" in controllers.split(","):
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache", "total_mapped_file")
+            folder = CGROUP_ROOT / "memory" / path.lstrip("/")
+        else:
+            continue
+        while folder.is_relative_to(CGROUP_ROOT):
+            try:
+                limit = (folder / files[0]).read_text().strip()
+                usage = int((folder / files[1]).read_text())
+                stat = dict(row.split() for row in (folder / "memory.stat").read_text().splitlines())
+                if limit != "max" and int(limit) < 1 << 60:  # v1 says "no limit" with a huge number
+                    cache = int(stat.get(files[2], 0)) - int(stat.get(files[3], 0))  # unmapped page cache
+                    found.append(max(0, int(limit) - usage + cache))
+            except (OSError, ValueError):
+                pass
+            if folder == CGROUP_ROOT or folder.parent == folder:
+                break
+            folder = folder.parent
+    return found
 
 
 def fit_costs(runs: list[dict], key: str = "decode_ms") -> tuple[float, float, float | None]:
@@ -129,6 +175,7 @@ def profile_shards(folders: list[Path], device: str = "CPU", tokens: int = 16, p
     """Runs each shard briefly on ``device`` and derives the per-call, per-layer and head costs."""
     if not folders:
         raise FleetError("profiling needs at least one shard")
+    memory = available_memory(device)  # before the shards load: what a stage's own process would find
     runs = time_shards(folders, device, tokens, prompt)
     manifest = load_manifest(Path(folders[0]))
     shape = model_shape(manifest)
@@ -143,7 +190,7 @@ def profile_shards(folders: list[Path], device: str = "CPU", tokens: int = 16, p
         head_ms = layer_ms * shape["head_bytes"] / shape["layer_bytes"]
     return {"model": manifest.model_name, "fingerprint": manifest.fingerprint, "weights": manifest.weights,
             "device": device, "call_ms": call_ms, "layer_ms": layer_ms, "head_ms": head_ms, "embed_ms": 0.0,
-            "prefill_layer_ms": prefill_ms / prompt, "memory_bytes": available_memory(device),
+            "prefill_layer_ms": prefill_ms / prompt, "memory_bytes": memory,
             "supported": all(r["op_support"] == 1.0 for r in runs),
             "op_support": min(r["op_support"] for r in runs), "estimated": estimated, "shards": runs}
 
@@ -155,7 +202,7 @@ def model_shape(manifest: Manifest, context: int = 4096, streams: int = 1) -> di
     mlp = 3 * s.hidden_size * s.intermediate_size
     vocab = int(s.vocab_size * s.hidden_size * VOCAB_BYTES)
     return {"name": manifest.model_name, "num_layers": s.num_layers,
-            "layer_bytes": int((attn + mlp) * WEIGHT_BYTES.get(manifest.weights, 4.0)),
+            "layer_bytes": int((attn + mlp) * weight_bytes(manifest.weights)),
             "embed_bytes": vocab, "head_bytes": vocab,
             "kv_bytes_per_layer": 2 * s.num_kv_heads * s.head_dim * min(context, s.max_position) * streams * KV_BYTES,
             "overhead_bytes": STAGE_OVERHEAD_BYTES}

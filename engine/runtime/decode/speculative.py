@@ -37,7 +37,7 @@ def draft_head(weights: str) -> str:
     """The LM head a draft model is exported with (``export_model(head=...)``): INT4 beside INT4
     weights, since the head is a large share of a draft step and verification corrects what the
     coarser head changes; INT8 otherwise."""
-    return "int4" if weights == "int4" else "int8"
+    return "int4" if weights.split("-")[0] == "int4" else "int8"
 
 
 def smooth(average: float, sample: float) -> float:
