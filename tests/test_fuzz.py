@@ -66,3 +66,185 @@ def test_a_manifest_may_list_only_plain_file_names(name, tiny_exports, tmp_path)
     (tmp_path / MANIFEST).write_text(json.dumps(doc))
     with pytest.raises(ShardError, match="not a plain file name"):
         load_manifest(tmp_path)
+
+
+# --- hostile requests to the HTTP API, one by one (issue 48) ---------------------------------------------
+
+class GatedTokenizer:
+    """The service's tokenizer, whose first call waits until ``gate`` is set: a conversation whose
+    tokenizing takes as long as the test wants."""
+
+    def __init__(self, tokenizer, gate):
+        self._tokenizer, self.gate, self.calls = tokenizer, gate, 0
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def chat_ids(self, *args, **kwargs):
+        self.calls += 1
+        self.gate.wait(60)
+        return self._tokenizer.chat_ids(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def api(tiny_exports):
+    import openai
+
+    from engine.serve.server import ApiServer
+
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2)
+    server = ApiServer(service, port=0, model_id="tiny").start()
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    yield service, server, client
+    server.stop()
+    service.close()
+
+
+def _post(server, path, body, timeout=60):
+    import http.client
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def _get(server, path):
+    import http.client
+
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def _many(n):
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": f"hello {i}"} for i in range(n)]
+
+
+def test_ten_thousand_messages_are_refused_while_the_server_keeps_serving(api, monkeypatch):
+    """It froze the whole server: the conversation was fitted on the event loop, one message at a
+    time.  Here its tokenizing is held until /health has answered, which it can only do if the
+    event loop is free meanwhile."""
+    import threading
+
+    service, server, client = api
+    gate = threading.Event()
+    gated = GatedTokenizer(service.tokenizer, gate)
+    monkeypatch.setattr(service, "tokenizer", gated)
+    answer = {}
+    big = threading.Thread(target=lambda: answer.update(
+        zip(("status", "doc"), _post(server, "/v1/chat/completions", {"model": "tiny", "messages": _many(10_000)}))))
+    big.start()
+    try:
+        status, doc = _get(server, "/health")  # while the big one is being tokenized
+        assert status == 200 and doc["status"] == "ok" and not gate.is_set()
+    finally:
+        gate.set()
+    big.join(60)
+    assert answer["status"] == 400, answer
+    error = answer["doc"]["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert f"maximum context length is {service.max_length} tokens" in error["message"]
+    assert gated.calls == 1  # one render of the conversation, not one per message
+
+
+def test_the_app_leaves_out_oldest_messages_in_a_logarithmic_number_of_renders(api, monkeypatch):
+    import threading
+
+    service, _, _ = api
+    gate = threading.Event()
+    gate.set()
+    gated = GatedTokenizer(service.tokenizer, gate)
+    monkeypatch.setattr(service, "tokenizer", gated)
+    messages = [{"role": "system", "content": "Be brief."}, *_many(10_000)]
+    room = 100
+    ids, dropped = service.fit(messages, room=room)
+    assert gated.calls <= 2 + 14  # whole, all dropped, then a binary search over 10,000
+    assert ids.size + room <= service.max_length and dropped > 9_000
+    kept = [messages[0], *messages[1 + dropped:]]
+    assert ids.tolist() == service.tokenizer.chat_ids(kept).tolist()  # the system prompt stays
+    one_more = [messages[0], *messages[dropped:]]
+    assert service.tokenizer.chat_ids(one_more).size + room > service.max_length  # the fewest were dropped
+    reply = service.submit(messages, 8).wait(60)  # the app's default: it drops them and answers
+    assert reply.error is None and reply.dropped == service.fit(messages, room=8)[1] < dropped and reply.tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_conversation_over_the_context_is_a_400_with_the_counts(api, stream):
+    import openai
+
+    service, server, client = api
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 120)
+    with pytest.raises(openai.BadRequestError) as caught:
+        response = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": long}],
+                                                  stream=stream)
+        list(response) if stream else None
+    error = caught.value.body
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    tokens = service.tokenizer.chat_ids([{"role": "user", "content": long}]).size
+    assert f"the conversation alone is {tokens} tokens" in error["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=long)
+    assert caught.value.body["param"] == "prompt"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_beyond_the_context_is_a_400_naming_the_field(api, field):
+    service, server, client = api
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    prompt = service.tokenizer.chat_ids(messages).size
+    for asked in (1_000_000_000, service.max_length - prompt + 1):
+        status, doc = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": messages, field: asked})
+        assert status == 400 and doc["error"]["param"] == field, doc
+        assert doc["error"]["code"] == "context_length_exceeded"
+        assert f"({prompt} in the conversation, {asked} for the reply)" in doc["error"]["message"]
+    # exactly what fits is served (and ends by length or at the end of text)
+    got = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                         **{field: service.max_length - prompt})
+    assert got.usage.prompt_tokens == prompt and got.usage.completion_tokens <= service.max_length - prompt
+
+
+def test_seed_minus_one_means_a_random_seed(api):
+    service, server, client = api
+    messages = [{"role": "user", "content": "A fleet of laptops"}]
+    texts = {client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=1.5,
+                                            seed=-1, extra_body={"ignore_eos": True}).choices[0].message.content
+             for _ in range(3)}
+    assert len(texts) > 1  # random: three 24-token samples at temperature 1.5 all equal would be a fixed seed
+    seeded = {client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=1.5,
+                                             seed=-7, extra_body={"ignore_eos": True}).choices[0].message.content
+              for _ in range(2)}
+    assert len(seeded) == 1  # any other whole number, negative too, is a seed
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": None, "top_p": [1]}, "top_p"),
+    ({"max_tokens": "ten"}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"seed": "x"}, "seed"),
+    ({"seed": 0.5}, "seed"),
+    ({"top_k": -1}, "top_k"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"stop": 5}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stream": [True]}, "stream"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"messages": [{"role": "user"}], "user": 5}, "user"),
+])
+def test_wrong_types_and_values_are_400s_naming_the_field(api, body, param):
+    service, server, client = api
+    status, doc = _post(server, "/v1/chat/completions",
+                        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **body})
+    assert status == 400 and doc["error"]["param"] == param, doc
+    assert doc["error"]["type"] == "invalid_request_error" and doc["error"]["message"]

@@ -52,6 +52,7 @@ class ApiServer:
         except OSError as exc:
             self._sock.close()
             raise FleetError(f"cannot serve the API on {host}:{port}: {exc.strerror}") from None
+        self._sock.listen(2048)  # connections wait in the backlog until uvicorn runs: none is refused
         self.host, self.port = host, self._sock.getsockname()[1]
         config = uvicorn.Config(create_app(service, self.model_id, api_key), log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=2)

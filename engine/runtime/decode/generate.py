@@ -22,11 +22,12 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import ContextError
+from engine.runtime.decode.grammar import Constraint
 from engine.runtime.decode.kvsequence import KVSequence
-from engine.runtime.decode.sampling import Sampler, SamplingParams
+from engine.runtime.decode.sampling import Sampler, SamplingParams, token_logprobs
 from engine.runtime.decode.speculative import AutoK, Drafter
 from engine.runtime.interfaces import Chain
-from engine.runtime.stages.output import Output
+from engine.runtime.stages.output import Output, top_candidates
 from engine.transport.wire import Flag
 
 # A prompt is prefilled this many tokens a forward: between two chunks of one user's long paste, the
@@ -127,9 +128,13 @@ class Decoding:
     def __init__(self, seq: KVSequence, prompt: list[int], max_new_tokens: int, eos: frozenset, *,
                  drafter: Drafter | None = None, k: int | str = 4,
                  on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None,
-                 cached: int = 0, prefill_chunk: int = PREFILL_CHUNK):
+                 cached: int = 0, prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
+                 logprobs: int | None = None, prompt_logprobs: bool = False):
         """``cached``: the stream's cache already holds the prompt's first ``cached`` tokens (the
-        prefix cache): only the rest is prefilled, ``prefill_chunk`` tokens a forward."""
+        prefix cache): only the rest is prefilled, ``prefill_chunk`` tokens a forward.
+        ``constraint``: every token (greedy, sampled or a draft) must be one its grammar allows; the
+        stream asks for full logits (``Flag.LOGITS``), since the top candidates the last stage
+        returns may hold no legal token, and ends once the grammar is complete."""
         self.seq = seq
         self.cached = cached
         self.prefill_chunk = prefill_chunk
@@ -137,6 +142,21 @@ class Decoding:
         self._prefill_ms = 0.0
         self.sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
         self._flags = Flag.CANDIDATES if self.sampler else Flag.NONE  # greedy takes the top-1 path, as ever
+        self.constraint = constraint
+        if constraint is not None:  # only a constrained stream pays for vocabulary-sized rows
+            self._flags = Flag.LOGITS
+        # ``logprobs``: each emitted token's log-probability and its ``logprobs`` likeliest alternatives
+        # (``token_logprobs``), from full logits; a logit_bias needs them too (a biased token may be
+        # outside the top candidates)
+        self.logprobs = logprobs
+        self.token_logprobs: list = []
+        # ``prompt_logprobs``: every prompt token's too (its first has none), from all the prefill's
+        # positions; the prompt must then be prefilled whole (``cached`` 0)
+        self.prompt_entries: list | None = [(int(prompt[0]), None, [])] if prompt_logprobs and prompt else None
+        self._fed = cached  # prompt tokens fed before the chunk in flight
+        self._chunk: list[int] = []
+        if logprobs is not None or (sampling is not None and sampling.logit_bias):
+            self._flags |= Flag.LOGITS
         self.prompt = prompt
         if not prompt:
             raise ContextError("the prompt is empty: there is nothing to continue")
@@ -181,7 +201,13 @@ class Decoding:
 
     def _prefill_next(self) -> None:
         chunk, self._unfed = self._unfed[: self.prefill_chunk], self._unfed[self.prefill_chunk:]
-        self.ticket = self.seq.submit(chunk, Flag.NONE if self._unfed else self._flags)  # the last chunk's logits count
+        flags = Flag.NONE if self._unfed else self._flags  # the last chunk's logits count
+        if self.prompt_entries is not None:
+            flags |= Flag.ALL_POSITIONS | Flag.LOGITS
+        self._chunk = chunk
+        self.ticket = self.seq.submit(chunk, flags)
+        if self.constraint is not None and not self._unfed:
+            self.constraint.allowed()  # computed while the forward runs (over a remote chain)
 
     def _submit_round(self) -> None:
         room = self.max_new_tokens - len(self.result.tokens)
@@ -194,18 +220,27 @@ class Decoding:
         self._times["verify"] = time.perf_counter()
         flags = (Flag.ALL_POSITIONS if self._drafts else Flag.NONE) | self._flags
         self.ticket = self.seq.submit([self.result.tokens[-1], *self._drafts], flags)
+        if self.constraint is not None:
+            self.constraint.allowed()  # computed while the round runs (over a remote chain)
 
     def advance(self) -> bool:
         """Collects the round in flight and submits the next; False once the stream has finished."""
         out = self.seq.chain.collect(self.ticket)
+        if self._chunk:  # a prompt chunk came back
+            start, self._fed, self._chunk = self._fed, self._fed + len(self._chunk), []
+            if self.prompt_entries is not None:
+                follow = self.prompt[start + 1 : self._fed + 1]  # the prompt tokens its positions predict
+                self.prompt_entries += token_logprobs(out.logits[0, : len(follow)], follow, self.logprobs or 0)
         if self._unfed:  # a prompt chunk: no token yet, the next chunk goes
             self._prefill_ms += sum(out.stage_ms)
             self._prefill_next()
             return True
         now = time.perf_counter()
         result, drafts = self.result, self._drafts
-        if self.sampler is not None:
-            emitted, accepted = self.sampler.choose(*out.candidates, self.history, drafts)
+        if self.constraint is not None:
+            emitted, accepted = self._constrained(out, drafts)
+        elif self.sampler is not None:
+            emitted, accepted = self.sampler.choose(*self.sampler.candidates(out), self.history, drafts)
         else:
             targets = out.tokens[-(len(drafts) + 1):].tolist()
             accepted = 0
@@ -223,14 +258,23 @@ class Decoding:
             self.drafter.feedback(len(drafts), accepted, verify_ms, self._draft_ms)
             if drafts and self.auto:
                 self.k = self.auto.update(len(drafts), accepted, verify_ms, self._draft_ms)
-        for token in emitted:
+        entries = (token_logprobs(out.logits[0, -(len(drafts) + 1):], emitted, self.logprobs)
+                   if self.logprobs is not None else None)
+        for j, token in enumerate(emitted):
             result.tokens.append(token)
+            if entries:  # before on_token, which may stream it
+                self.token_logprobs.append(entries[j])
             self.history.append(token)
             if self.on_token:
                 self.on_token(token)
             if token in self.eos:
                 result.stopped_by = "eos"
                 break
+            if self.constraint is not None:
+                self.constraint.accept(token)
+                if self.constraint.finished:  # nothing but an end of text may follow
+                    result.stopped_by = "eos"
+                    break
             if len(result.tokens) >= self.max_new_tokens:
                 break
         if first:
@@ -247,6 +291,22 @@ class Decoding:
             return False
         self._submit_round()
         return True
+
+    def _constrained(self, out: Output, drafts: list[int]) -> tuple[list[int], int]:
+        """The tokens a constrained round emits, and the drafts accepted: each verified position's
+        logits masked by the grammar (after the drafts before it), the drafts up to the first the
+        grammar refuses verified as usual (greedy: the masked argmax; sampled: rejection sampling
+        over the masked row's top candidates)."""
+        rows = out.logits[0, -(len(drafts) + 1):]
+        masked, legal = self.constraint.mask_rows(rows, drafts)
+        if self.sampler is not None:  # the masked rows stand in for the stage's (a logit_bias applies to them)
+            rows = Output(out.tokens, logits=masked[None], candidates=top_candidates(masked))
+            return self.sampler.choose(*self.sampler.candidates(rows), self.history, legal)
+        targets = masked.argmax(-1).tolist()
+        accepted = 0
+        while accepted < len(legal) and legal[accepted] == targets[accepted]:
+            accepted += 1
+        return targets[: accepted + 1], accepted
 
     def _finish(self, now: float) -> None:
         self.active = False

@@ -10,7 +10,15 @@ between rounds; a cancelled one stops at its next round.
 
 Prefix cache: after a reply a stream keeps its KV on every stage, and the service remembers the
 tokens it holds.  A request goes to the free stream whose cache serves it best (``_pick``), whose
-cache is rewound to the prefix they share; only the rest is prefilled.
+cache is rewound to the prefix they share; only the rest is prefilled.  A request submitted
+``after`` another (the API's ``n`` choices of one prompt) waits for it and runs on its stream, so the
+prompt they share is prefilled once (unless another request took that stream in between).
+
+Fitting the context: ``submit`` tokenizes the conversation on the caller's thread (never under the
+scheduler's lock, so a huge conversation stalls neither the scheduler nor whoever asks ``busy``).
+``fit="refuse"`` (the API) raises ``ContextExceeded`` with the counts when the conversation and the
+reply do not fit; ``fit="drop"`` (the app) leaves out the oldest messages, found by a binary search
+over how many to drop (a logarithmic number of renders, not one per message).
 
 Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated (incrementally decoded,
 multi-byte characters held back until complete, and text that may begin a stop string held back
@@ -40,6 +48,24 @@ from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
 log = logging.getLogger(__name__)
 
 OnText = Callable[[str, int], None]
+FITS = ("drop", "refuse")
+
+
+class ContextExceeded(ContextError):
+    """The conversation (``prompt_tokens``) and the reply asked for (``max_new_tokens``) do not fit
+    the context of ``max_length`` tokens; ``prompt_full`` when the conversation alone fills it."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, max_length: int):
+        self.prompt_tokens, self.max_new_tokens, self.max_length = prompt_tokens, max_new_tokens, max_length
+        self.prompt_full = prompt_tokens >= max_length
+        if self.prompt_full:
+            message = (f"this model's maximum context length is {max_length} tokens, and the conversation alone "
+                       f"is {prompt_tokens} tokens: shorten it")
+        else:
+            message = (f"this model's maximum context length is {max_length} tokens; {prompt_tokens + max_new_tokens}"
+                       f" were asked for ({prompt_tokens} in the conversation, {max_new_tokens} for the reply): "
+                       f"at most {max_length - prompt_tokens} fit for the reply")
+        super().__init__(message)
 
 
 @dataclasses.dataclass
@@ -60,6 +86,10 @@ class Reply:
     context_error: bool = False  # the error is the conversation not fitting the context
     rerouted: int = 0  # times the chain broke under this reply and it carried on over a new one
     cached_tokens: int = 0  # prompt tokens the stream's cache already held (the prefix cache)
+    stage_ms: list[float] = dataclasses.field(default_factory=list)  # decode rounds' compute per stage, summed
+    rounds: int = 0  # decode rounds (forwards after the first token)
+    logprobs: list | None = None  # per token: (token, logprob, [(alternative, logprob)...]), when asked for
+    prompt_logprobs: list | None = None  # the same for the prompt's tokens (the first one's logprob None)
 
     @property
     def finish_reason(self) -> str:
@@ -93,6 +123,7 @@ class Handle:
         self.id = request_id
         self.stream: int | None = None  # the stream id once admitted
         self.reply: Reply | None = None
+        self.logprobs: list = []  # (token, logprob, [(alternative, logprob)...]) per token, when asked for
         self._cancel = threading.Event()
         self._done = threading.Event()
 
@@ -133,7 +164,13 @@ class _Request:
     earlier: list[int] = dataclasses.field(default_factory=list)  # tokens emitted before the chain was replaced
     first: object = None  # the first decoding's result (its TTFT), once the chain was replaced
     rerouted: int = 0
+    prompt_entries: list | None = None  # the prompt's log-probabilities, once prefilled
     ids: list[int] | None = None  # the conversation's token ids, once admitted
+    grammar: str | None = None  # llguidance grammar the reply must follow (``engine.runtime.decode.grammar``)
+    constraint: object = None  # its state, made at the start (it carries over a replaced chain)
+    logprobs: int | None = None  # alternatives per token to report (None: no log-probabilities)
+    prompt_logprobs: bool = False  # the prompt's tokens' log-probabilities too
+    after: Handle | None = None  # the request it waits for, to reuse its stream's cache
 
 
 class ChatService:
@@ -161,6 +198,9 @@ class ChatService:
         self.drafters = drafters(streams) if drafters else None
         self.recover = recover
         self._recovering = False
+        self.stage_failures: collections.Counter = collections.Counter()  # stage -> forwards that failed there
+        self.failovers: collections.Counter = collections.Counter()  # "recovered" | "failed" -> times
+        self.stages_up: list[bool] = [True] * (manifest.stage_count if manifest else 1)
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
         self._held: dict[int, list[int]] = {}  # stream -> the token ids its cache holds, in order
@@ -182,23 +222,60 @@ class ChatService:
 
     # --- the caller's side -------------------------------------------------------------------------
 
-    def submit(self, messages: list[dict], max_new_tokens: int = 128, on_text: OnText | None = None,
+    def submit(self, messages: list[dict], max_new_tokens: int | None = 128, on_text: OnText | None = None,
                on_done: Callable[[Reply], None] | None = None, *, chat: bool = True, ignore_eos: bool = False,
                k: int | str | None = None, sampling: SamplingParams | None = None,
-               stop: list[str] | tuple[str, ...] = ()) -> Handle:
+               stop: list[str] | tuple[str, ...] = (), grammar: str | None = None, fit: str = "drop",
+               tools: list[dict] | None = None, logprobs: int | None = None,
+               prompt_logprobs: bool = False, after: Handle | None = None) -> Handle:
         """Queues a reply to ``messages`` (``{"role", "content"}`` dicts, the last one the user's).
-        ``sampling`` None is greedy; the reply ends before the first of the ``stop`` strings."""
+        ``sampling`` None is greedy; the reply ends before the first of the ``stop`` strings;
+        ``grammar`` (``grammar.compile_grammar``) constrains every token of the reply; ``tools`` go to
+        the chat template (``ChatTokenizer.chat_ids``).
+        ``max_new_tokens`` None: what is left of the context, at most a quarter of it.  ``fit``:
+        ``"drop"`` leaves out the oldest messages (but the system prompts and the last message) while
+        the conversation would leave less than a reply's room; ``"refuse"`` raises ``ContextExceeded``
+        when the conversation and ``max_new_tokens`` do not fit.  Tokenizes on the caller's thread
+        (an API server calls this off its event loop).  ``logprobs``: each token's log-probability
+        and that many alternatives' go to ``handle.logprobs`` as they are made, and to the reply;
+        ``prompt_logprobs``: the prompt's tokens' too (``Reply.prompt_logprobs``; the prompt is then
+        prefilled whole, whatever the prefix cache holds).  ``after``: a handle of this service whose
+        request this one waits for, then runs on its stream, reusing the prompt it prefilled."""
         if not messages:
             raise FleetError("nothing to reply to: the conversation is empty")
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {FITS}, not {fit!r}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise FleetError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        messages = [dict(m) for m in messages]
+        quarter = max(self.max_length // 4, 1)
+        room = quarter if max_new_tokens is None else min(max_new_tokens, quarter)
+        try:
+            ids, dropped = self.fit(messages, chat, room if fit == "drop" else None, tools=tools)
+        except Exception as exc:  # the template or tokenizer refusing the messages: the caller's error
+            raise FleetError(f"cannot tokenize the conversation: {_describe(exc)}") from None
+        if fit == "refuse" and (ids.size >= self.max_length or
+                                max_new_tokens is not None and ids.size + max_new_tokens > self.max_length):
+            raise ContextExceeded(int(ids.size), max_new_tokens or 1, self.max_length)
+        if max_new_tokens is None:
+            max_new_tokens = max(min(quarter, self.max_length - int(ids.size)), 1)
         handle = Handle(self, next(self._ids))
-        request = _Request(handle, [dict(m) for m in messages], max_new_tokens, on_text, on_done, chat,
-                           ignore_eos, k, sampling or GREEDY, StopText(stop))
+        request = _Request(handle, messages, max_new_tokens, on_text, on_done, chat, ignore_eos, k,
+                           sampling or GREEDY, StopText(stop), grammar=grammar, dropped=dropped,
+                           ids=ids.reshape(-1).tolist(), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                           after=after)
         with self._lock:
             if self._closed:
                 raise FleetError("the chat service is closed")
             self._queue.append(request)
             self._wake.notify()
         return handle
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a free stream."""
+        with self._lock:
+            return len(self._queue)
 
     @property
     def busy(self) -> int:
@@ -236,14 +313,16 @@ class ChatService:
                 if self._closed and not self._active and not self._queue:
                     return
                 admitted, dropped = [], []
-                while self._queue and (self._free or self._queue[0].handle.cancelled):
-                    request = self._queue.popleft()
+                for request in list(self._queue):  # in order; one waiting for another lets the rest by
                     if request.handle.cancelled:
+                        self._queue.remove(request)
                         dropped.append(request)
-                        continue
-                    request.handle.stream = self._pick(request)
-                    self._free.remove(request.handle.stream)
-                    admitted.append(request)
+                    elif self._free and (request.after is None or request.after.done):
+                        self._queue.remove(request)
+                        after = request.after.stream if request.after is not None else None
+                        request.handle.stream = after if after in self._free else self._pick(request)
+                        self._free.remove(request.handle.stream)
+                        admitted.append(request)
                 if self._closed:
                     dropped += admitted
                     admitted = []
@@ -259,11 +338,6 @@ class ChatService:
         less half of what the request would evict there (another conversation's turns, which it
         may still want), so that a shared chat-template prefix does not evict a whole conversation
         while a stream stands empty; among equals, the least recently used."""
-        try:
-            request.ids = self._fit(request).reshape(-1).tolist()
-        except Exception:  # _start meets it again and says so
-            request.ids = None
-
         def score(stream: int):
             held = self._held.get(stream, []) if self.prefix_cache and request.ids else []
             reused = _common_prefix(held, request.ids or [])
@@ -276,12 +350,15 @@ class ChatService:
         conversation and the tokens it emitted before)."""
         stream = request.handle.stream
         try:
-            ids = prompt if prompt is not None else request.ids or self._fit(request).reshape(-1).tolist()
+            ids = prompt if prompt is not None else request.ids
             cached = 0
-            if prompt is None and self.prefix_cache:  # one token at least is prefilled: its logits give the reply
+            if prompt is None and self.prefix_cache and not request.prompt_logprobs:
+                # one token at least is prefilled: its logits give the reply
                 cached = min(_common_prefix(self._held.get(stream, []), ids), len(ids) - 1)
             k = self.k if request.k is None else request.k
             drafter = self.drafters[stream] if self.drafters and k != 0 else None
+            if request.grammar is not None and request.constraint is None:
+                request.constraint = self.tokenizer.constraint(request.grammar, self.eos)
             seq = self._sequences.get(stream)
             if seq is None:
                 seq = self._sequences[stream] = KVSequence(self.chain, self.max_length, stream, self.rewind)
@@ -291,7 +368,12 @@ class ChatService:
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
                                         cancel=request.handle._cancel, sampling=request.sampling,
-                                        cached=max(cached, 0), prefill_chunk=self.prefill_chunk)
+                                        cached=max(cached, 0), prefill_chunk=self.prefill_chunk,
+                                        constraint=request.constraint, logprobs=request.logprobs,
+                                        prompt_logprobs=request.prompt_logprobs and prompt is None)
+            if request.logprobs is not None:  # filled in as tokens come (after those of a replaced chain)
+                del request.handle.logprobs[len(request.earlier):]
+                request.decoding.token_logprobs = request.handle.logprobs
         except ContextError as exc:
             self._finish(request, error=str(exc), context=True)
             return
@@ -304,18 +386,33 @@ class ChatService:
         except Exception as exc:
             self._chain_failed(exc)
 
-    def _fit(self, request: _Request):
-        """The conversation's token ids, leaving out its oldest messages (the system prompt and the
-        last message stay) while it would leave less than a reply's room in the context."""
-        messages = request.messages
-        room = min(request.max_new_tokens, max(self.max_length // 4, 1))
-        while True:
-            ids = self.tokenizer.chat_ids(messages, request.chat)
-            droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
-            if ids.size + room <= self.max_length or not droppable:
-                return ids
-            messages = messages[: droppable[0]] + messages[droppable[0] + 1 :]
-            request.dropped += 1
+    def fit(self, messages: list[dict], chat: bool = True, room: int | None = None,
+            tools: list[dict] | None = None) -> tuple[np.ndarray, int]:
+        """The conversation's token ids and how many messages were left out: with ``room``, the
+        fewest oldest messages (never a system prompt, nor the last message) whose leaving out
+        leaves ``room`` tokens in the context, found by a binary search; all of them if even that
+        does not fit.  Without ``room`` nothing is left out."""
+        ids = self.tokenizer.chat_ids(messages, chat, tools=tools)
+        if room is None or ids.size + room <= self.max_length:
+            return ids, 0
+        droppable = [i for i, m in enumerate(messages[:-1]) if m.get("role") != "system"]
+
+        def without(n: int) -> np.ndarray:
+            gone = set(droppable[:n])
+            return self.tokenizer.chat_ids([m for i, m in enumerate(messages) if i not in gone], chat, tools=tools)
+
+        low, high = 0, len(droppable)  # leaving out `low` does not fit; `high` fits, or is all there is
+        best = without(high) if high else ids
+        if best.size + room > self.max_length:
+            return best, high
+        while high - low > 1:
+            middle = (low + high) // 2
+            tried = without(middle)
+            if tried.size + room <= self.max_length:
+                high, best = middle, tried
+            else:
+                low = middle
+        return best, high
 
     def _advance_first(self) -> None:
         """Advances the stream whose round came back first (``_active`` is in submission order)."""
@@ -335,13 +432,20 @@ class ChatService:
         """A forward failed: the chain's state is unknown (a remote chain has dropped its link).  With
         ``recover`` the replies in flight carry on over the chain it gives; otherwise (or if it cannot)
         every stream in flight ends with the error, and the next request resets (and reconnects)."""
+        if isinstance(exc, StageError):
+            self.stage_failures[exc.stage] += 1
+            if 0 <= exc.stage < len(self.stages_up):
+                self.stages_up[exc.stage] = False
         if self.recover is not None and isinstance(exc, StageError) and self._active and not self._recovering:
             self._recovering = True  # a new chain that fails at once ends the replies instead of looping
             try:
                 chain = self.recover(exc)
             except Exception as failed:
                 exc = failed
+                self.failovers["failed"] += 1
             else:
+                self.failovers["recovered"] += 1
+                self.stages_up = [True] * len(self.stages_up)
                 self._replace_chain(chain)
                 return
             finally:
@@ -366,6 +470,7 @@ class ChatService:
         self._held.clear()
         resumed, self._active = self._active, []
         for request in resumed:
+            request.prompt_entries = request.prompt_entries or request.decoding.prompt_entries
             done = request.decoding.result
             request.first = request.first or done
             request.earlier += done.tokens
@@ -401,7 +506,10 @@ class ChatService:
                           "error" if error else stopped_by or result.stopped_by, first.ttft_s * 1e3,
                           result.decode_tok_s, result.drafted, result.accepted, error, handle.stream,
                           request.dropped, rerouted=request.rerouted,
-                          cached_tokens=request.decoding.cached if not request.rerouted else 0)
+                          cached_tokens=request.decoding.cached if not request.rerouted else 0,
+                          stage_ms=list(result.breakdown.stage_ms), rounds=result.breakdown.rounds,
+                          logprobs=list(handle.logprobs) if request.logprobs is not None else None,
+                          prompt_logprobs=request.prompt_entries or request.decoding.prompt_entries)
         else:
             reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
                           context_error=context)
@@ -410,6 +518,8 @@ class ChatService:
             with self._lock:
                 self._free.append(handle.stream)
                 self._free.sort()
+        if result is not None and result.tokens and not error and not all(self.stages_up):
+            self.stages_up = [True] * len(self.stages_up)  # a reply went through every stage
         handle.reply = reply
         handle._done.set()
         if request.on_done:

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import ShardError
+from engine.runtime.decode.grammar import Constraint, GrammarTokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -19,27 +20,47 @@ class ChatTokenizer:
         folder = Path(folder)
         if not (folder / "openvino_tokenizer.xml").exists():
             raise ShardError(f"{folder} holds no tokenizer: give the first stage's shard to the coordinator")
+        self.folder = folder
         self._tok = openvino_genai.Tokenizer(str(folder))
         self.has_chat_template = bool(self._tok.chat_template)
+        self._grammar: GrammarTokenizer | None = None
 
     def prompt_ids(self, prompt: str, system: str | None = None, chat: bool = True) -> np.ndarray:
         """Token ids [1, n] of a user prompt, wrapped in the model's chat template when it has one."""
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return self.chat_ids(messages, chat)
 
-    def chat_ids(self, messages: list[dict], chat: bool = True) -> np.ndarray:
-        """Token ids [1, n] of a conversation (``{"role", "content"}`` dicts, oldest first) ready for
-        the assistant's next reply.  Without a chat template (or ``chat=False``) the messages' texts
-        are joined by blank lines and encoded as plain text."""
+    @property
+    def template(self) -> str:
+        """The model's chat template (Jinja), empty if it has none."""
+        return self._tok.chat_template or ""
+
+    def chat_ids(self, messages: list[dict], chat: bool = True, tools: list[dict] | None = None) -> np.ndarray:
+        """Token ids [1, n] of a conversation (``{"role", "content"}`` dicts, oldest first, with an
+        assistant's ``tool_calls`` and a tool's ``tool_call_id`` where the template renders them)
+        ready for the assistant's next reply; ``tools`` (OpenAI's function tools) are given to the
+        template.  Without a chat template (or ``chat=False``) the messages' texts are joined by
+        blank lines and encoded as plain text."""
         if chat and self.has_chat_template:
-            text = self._tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools or None)
             ids = self._tok.encode(text, add_special_tokens=False).input_ids
         else:
-            ids = self._tok.encode("\n\n".join(m["content"] for m in messages)).input_ids
+            ids = self._tok.encode("\n\n".join(m["content"] or "" for m in messages)).input_ids
         return np.array(ids.data, dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+        return [int(i) for i in np.asarray(self._tok.encode(text, add_special_tokens=False).input_ids.data).reshape(-1)]
+
+    def constraint(self, grammar: str, eos) -> Constraint:
+        """A reply's constraint by ``grammar`` (``grammar.compile_grammar``) over this vocabulary;
+        ``eos`` ends a reply once the grammar is complete."""
+        if self._grammar is None:  # indexes the vocabulary once (~0.15 s for 49152 tokens)
+            self._grammar = GrammarTokenizer(self.folder, frozenset(eos), self.encode)
+        return Constraint(grammar, self._grammar)
 
 
 class TextStream:
