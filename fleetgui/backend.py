@@ -11,6 +11,7 @@ session's tuples (``engine.session``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,8 +21,10 @@ from typing import Callable
 from engine import session
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.demo import start_demo_fleet
 from engine.fleet.deploy import LOCAL, deploy
-from engine.fleet.node import node_id
+from engine.fleet.local import own_agents
+from engine.fleet.node import local_node_info, node_id
 from engine.fleet.survey import survey
 from engine.session import Launch, quiet
 from fleetgui import keystore
@@ -114,6 +117,23 @@ class EngineBackend:
             clients, self._clients = list(self._clients.values()), {}
         for _, client in clients:
             client.close()
+
+    @staticmethod
+    def this_machine() -> dict:
+        """This machine's facts (``engine.fleet.node.local_node_info``): the Fleet view's own row."""
+        return dataclasses.asdict(local_node_info(0, "0" * 12))
+
+    @staticmethod
+    def own_agents() -> list:
+        """The node agents this app started that still run (``engine.fleet.local.own_agents``)."""
+        return own_agents()
+
+    def start_demo(self, settings, count: int, progress: Report = quiet):
+        """``count`` demo nodes on this PC (``engine.fleet.demo``) under the fleet key in force (the
+        default one made if missing); returns the ``DemoFleet``."""
+        path = self.key_file(settings, create=True)
+        keystore.materialise(path, default=not settings.fleet_key_file)
+        return start_demo_fleet(path, count, log=lambda line: progress(("status", line)))
 
     def prune(self, address: str, settings) -> dict:
         """Removes the shards the node's workers do not serve (its agent's "prune")."""

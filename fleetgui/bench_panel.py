@@ -18,7 +18,7 @@ from engine.bench.harness import Hooks
 from engine.bench.microbatch import COMPARISONS
 from engine.errors import FleetError
 from fleetgui.backend import BENCHMARKS
-from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, style_plot
+from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import SERIES
 from fleetgui.widgets import Banner, combo_box, spin_box, splitter
 from fleetgui.workers import TaskRunner
@@ -287,6 +287,16 @@ class BenchPanel(QWidget):
                 colour = SERIES[i % len(SERIES)]
                 item.plot(xs_, ys_, name=name, pen=pg.mkPen(colour, width=2), symbol="o", symbolBrush=colour,
                           symbolPen=colour)
+            item.enableAutoRange()
+            for axis, values in (("x", [v for xs_, _ in lines.values() for v in xs_]),
+                                 ("y", [v for _, ys_ in lines.values() for v in ys_])):
+                padded = pad_range(values)  # one point (or one value): a readable range around it
+                if padded is None and axis == "y" and values:
+                    # headroom above the highest point: the legend (top left) sits over empty plot, not a curve
+                    low, high = min(0.0, min(values)), max(values)
+                    padded = (low, high + (high - low) * 0.12 * (len(lines) + 1))
+                if padded is not None:
+                    (item.setXRange if axis == "x" else item.setYRange)(*padded, padding=0)
         else:
             _, label, value = spec
             item.setLabel("bottom", "")

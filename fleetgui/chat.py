@@ -3,35 +3,44 @@
 ``ChatController`` owns the service for the window: it opens it off the GUI thread on first use
 (exporting or pulling the model if needed), queues requests until it is up, and relays the
 service's callbacks (called on its scheduler thread) to the GUI thread through queued signals.
-``ChatTab`` is one conversation: streaming text, Stop, Regenerate, Copy, a system prompt, and each
-reply's speed.  ``ChatView`` holds the tabs, the saved conversations and the live tok/s plot.
+``ChatTab`` is one conversation: streaming text rendered as Markdown once a reply ends, Stop,
+Regenerate (sampled anew), per-message Copy, Edit and Delete, a system prompt, the chat's sampling
+settings, the context it uses and each reply's speed.  ``ChatView`` holds the model picker, the
+tabs, the saved conversations (search, rename, export) and the live tok/s plot.
 """
 
 from __future__ import annotations
 
 import html
 import itertools
+import random
 import time
+from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
-from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
-                               QPlainTextEdit, QPushButton, QTabWidget, QTextBrowser, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QApplication, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QHBoxLayout,
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit,
+                               QProgressBar, QPushButton, QTabWidget, QTextBrowser, QVBoxLayout, QWidget)
 
+from engine.config import paths
 from engine.errors import FleetError
+from engine.models.catalog import CATALOG
+from engine.runtime.decode.sampling import SamplingParams
 from engine.runtime.decode.service import Reply
-from fleetgui.history import Conversation, HistoryStore, Message
+from fleetgui.chat_options import DEFAULT_PRESET, SamplingPanel, preset_options, sampling_params
+from fleetgui.chat_options import describe as describe_options
+from fleetgui.history import Conversation, HistoryStore, Message, to_json, to_markdown
+from fleetgui.markdown import code_blocks, message_html
 from fleetgui.plots import LiveRatePlot, RateMeter
-from fleetgui.widgets import Banner, splitter
+from fleetgui.progress import ProgressPanel, describe_progress
+from fleetgui.widgets import Banner, flow_bar, splitter
 from fleetgui.workers import TaskRunner
 
 SAVE_EVERY_S = 1.0  # how often a reply in progress is written to the history (write-ahead)
 # settings whose change needs a new service (the rest apply per request)
 SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device", "mode", "local_workers",
                 "streams", "k", "draft", "draft_model", "tls", "deadline_s")
-# a deployment's phases (``engine.fleet.deploy``), as the status bar says them
-DEPLOY_PHASES = {"export": "exporting", "send": "sending", "start": "starting", "connect": "connecting"}
 
 
 class _Bridge(QObject):
@@ -47,6 +56,7 @@ class ChatController(QObject):
     failed = Signal(str)  # the service could not be opened
     ready = Signal()
     service_changed = Signal(object)  # the service now open, or None before it closes
+    progress = Signal(str, float)  # opening the service: the step's name and its fraction (-1: unknown)
     fleet_event = Signal(str)  # what the chat's fleet does to recover, as it happens
 
     def __init__(self, backend, settings, tasks: TaskRunner, parent: QObject | None = None):
@@ -70,15 +80,16 @@ class ChatController(QObject):
 
     # --- requests ------------------------------------------------------------------------------------
 
-    def submit(self, messages: list[dict], max_new_tokens: int, on_text, on_done) -> int:
-        """Queues a reply; ``on_text(piece, tokens)`` and ``on_done(Reply)`` run on the GUI thread."""
+    def submit(self, messages: list[dict], max_new_tokens: int, on_text, on_done, sampling=None) -> int:
+        """Queues a reply; ``on_text(piece, tokens)`` and ``on_done(Reply)`` run on the GUI thread.
+        ``sampling``: the engine's ``SamplingParams`` (None: greedy)."""
         key = next(self._keys)
         self._listeners[key] = (on_text, on_done)
         if self.service is None:
-            self._pending.append((key, messages, max_new_tokens))
+            self._pending.append((key, messages, max_new_tokens, sampling))
             self.open()
         else:
-            self._send(key, messages, max_new_tokens)
+            self._send(key, messages, max_new_tokens, sampling)
         return key
 
     def cancel(self, key: int | None, forget: bool = False) -> None:
@@ -87,7 +98,7 @@ class ChatController(QObject):
             return
         if forget:
             self._listeners.pop(key, None)
-        for i, (pending, _, _) in enumerate(self._pending):
+        for i, (pending, *_) in enumerate(self._pending):
             if pending == key:
                 del self._pending[i]
                 self._on_done(key, Reply("", [], 0, "cancelled"))
@@ -96,12 +107,12 @@ class ChatController(QObject):
         if handle is not None:
             handle.cancel()
 
-    def _send(self, key: int, messages: list[dict], max_new_tokens: int) -> None:
+    def _send(self, key: int, messages: list[dict], max_new_tokens: int, sampling=None) -> None:
         bridge = self._bridge
         try:
             self._handles[key] = self.service.submit(
                 messages, max_new_tokens, on_text=lambda piece, n: bridge.text.emit(key, piece, n),
-                on_done=lambda reply: bridge.done.emit(key, reply))
+                on_done=lambda reply: bridge.done.emit(key, reply), sampling=sampling)
         except FleetError as exc:
             self._on_done(key, Reply("", [], 0, "error", error=str(exc)))
 
@@ -146,18 +157,18 @@ class ChatController(QObject):
                                         cancelled=lambda: self._open_failed("cancelled"))
 
     def _loading_progress(self, payload: tuple) -> None:
-        if payload[0] == "status":
-            self.status.emit(f"Chat: {payload[1]}…")
-        elif payload[0] == "pull":
-            self.status.emit(f"Chat: pulling the model ({payload[1]}, {payload[2] * 100:.0f}%)…")
-        elif payload[0] == "stage":
-            self.status.emit(f"Chat: exporting stage {payload[1]} ({payload[2]}, {payload[3] * 100:.0f}%)…")
-        elif payload[0] == "deploy":
-            _, stage, phase, fraction = payload
-            self.status.emit(f"Chat: {DEPLOY_PHASES.get(phase, phase)} stage {stage} ({fraction * 100:.0f}%)…")
+        step, fraction = describe_progress(payload)
+        self.progress.emit(step, -1.0 if fraction is None else fraction)
+        self.status.emit(f"Chat: {step}…")
+
+    def cancel_open(self) -> None:
+        """Stops opening the service (a first-run export or pull); queued replies end as errors."""
+        if self._loader is not None:
+            self._loader.cancel()
 
     def _opened(self, service) -> None:
         self._loader = None
+        self.progress.emit("", 1.0)
         if service is None:
             self._open_failed("cancelled")
             return
@@ -165,15 +176,16 @@ class ChatController(QObject):
         self.status.emit(f"Chat: {service.description}")
         self.service_changed.emit(service)
         pending, self._pending = self._pending, []
-        for key, messages, max_new_tokens in pending:
-            self._send(key, messages, max_new_tokens)
+        for key, messages, max_new_tokens, sampling in pending:
+            self._send(key, messages, max_new_tokens, sampling)
         self.ready.emit()
 
     def _open_failed(self, message: str) -> None:
         self._loader = None
+        self.progress.emit("", 1.0)
         self.status.emit("Chat: not connected")
         pending, self._pending = self._pending, []
-        for key, _, _ in pending:
+        for key, *_ in pending:
             self._on_done(key, Reply("", [], 0, "error", error=f"could not start the model: {message}"))
         if message != "cancelled":
             self.failed.emit(message)
@@ -216,18 +228,33 @@ class ChatController(QObject):
 
 
 def format_stats(stats: dict) -> str:
+    """A reply's figures in plain words (speed, first token, length, why it ended); the
+    speculative-decoding figures are in ``stats_tooltip``."""
     if not stats:
         return ""
     if stats.get("unfinished"):
         return "interrupted: the app closed before this reply ended"
     parts = [f"{stats.get('decode_tok_s', 0):.1f} tok/s", f"first token {stats.get('ttft_ms', 0):.0f} ms",
              f"{stats.get('new_tokens', 0)} tokens"]
-    if "acceptance" in stats:
-        parts.append(f"acceptance {stats['acceptance']:.2f}")
     stopped = stats.get("stopped_by")
-    parts.append({"cancelled": "stopped", "eos": "complete", "max_tokens": "length limit",
+    parts.append({"cancelled": "stopped", "eos": "complete", "stop": "complete", "max_tokens": "length limit",
                   "error": "failed"}.get(stopped, stopped or ""))
     return " · ".join(p for p in parts if p)
+
+
+def stats_tooltip(stats: dict) -> str:
+    """The details behind a reply's stats line: prompt length, sampling seed, and (for speculative
+    decoding) the share of drafted tokens the model accepted."""
+    lines = []
+    if "prompt_tokens" in stats:
+        lines.append(f"Prompt: {stats['prompt_tokens']} tokens" +
+                     (f" ({stats['cached_tokens']} reused from the cache)" if stats.get("cached_tokens") else ""))
+    if stats.get("seed") is not None:
+        lines.append(f"Sampled with seed {stats['seed']}")
+    if "acceptance" in stats:
+        lines.append(f"Speculative decoding: {stats['acceptance'] * 100:.0f}% of the drafted tokens were accepted "
+                     "(higher is faster)")
+    return "\n".join(lines)
 
 
 class ChatTab(QWidget):
@@ -241,18 +268,36 @@ class ChatTab(QWidget):
         super().__init__()
         self.view = view
         self.conversation = conversation
-        self.label = label  # the stream's name in the live plot
+        self.label = label  # the stream's key in the live plot
+        if not conversation.options:
+            conversation.options = preset_options(getattr(view.settings, "chat_preset", DEFAULT_PRESET),
+                                                  view.settings.max_new_tokens)
         self.key: int | None = None
         self.reply: Message | None = None
         self.last_reply: Reply | None = None
         self._tokens = 0
         self._saved = 0.0  # when the reply in progress was last written to the history
+        self._regenerations = 0
 
         self.system = QLineEdit(conversation.system)
         self.system.setPlaceholderText("System prompt (optional): how the assistant should behave")
+        self.sampling_button = QPushButton()
+        self.sampling_button.setToolTip("this chat's sampling: preset, temperature, top-p, top-k, repetition "
+                                        "penalty, max tokens, seed")
+        self.sampling_button.clicked.connect(self.open_sampling)
+        self.context = QProgressBar()
+        self.context.setObjectName("context")
+        self.context.setRange(0, 1)
+        self.context.setValue(0)
+        self.context.setFormat("context: —")
+        self.context.setToolTip("how much of the model's context the conversation uses; when it is full the "
+                                "oldest messages are left out")
+        self.context.setFixedWidth(self.fontMetrics().horizontalAdvance("context: 00000 / 00000 tokens") +
+                                   self.fontMetrics().averageCharWidth() * 4)  # the whole text on one line
         self.transcript = QTextBrowser()
         self.transcript.setObjectName("transcript")
         self.transcript.setOpenLinks(False)
+        self.transcript.anchorClicked.connect(self._link)
         self.stats = QLabel()
         self.stats.setObjectName("stats")
         self.input = QPlainTextEdit()
@@ -262,26 +307,29 @@ class ChatTab(QWidget):
         self.send_button.setObjectName("primary")
         self.stop_button = QPushButton("Stop")
         self.regenerate_button = QPushButton("Regenerate")
-        self.copy_button = QPushButton("Copy")
+        self.regenerate_button.setToolTip("a new reply in place of the last one, sampled anew")
+        self.copy_button = QPushButton("Copy chat")
+        self.copy_button.setToolTip("the whole conversation as Markdown (each message has its own Copy link)")
         self.send_button.clicked.connect(self.send)
         self.stop_button.clicked.connect(self.stop)
         self.regenerate_button.clicked.connect(self.regenerate)
         self.copy_button.clicked.connect(self.copy)
         QShortcut(QKeySequence("Ctrl+Return"), self.input, activated=self.send)
 
-        top = QHBoxLayout()
-        top.addWidget(QLabel("System"))
-        top.addWidget(self.system, 1)
-        buttons = QHBoxLayout()
-        buttons.addStretch(1)
-        for b in (self.copy_button, self.regenerate_button, self.stop_button, self.send_button):
-            buttons.addWidget(b)
         layout = QVBoxLayout(self)
-        layout.addLayout(top)
+        layout.addWidget(self.system)
         layout.addWidget(self.transcript, 1)
         layout.addWidget(self.stats)
         layout.addWidget(self.input)
-        layout.addLayout(buttons)
+        layout.addWidget(flow_bar(self.sampling_button, self.context, self.copy_button, self.regenerate_button,
+                                  self.stop_button, self.send_button, align_right=True)[0])
+        self.stats.setWordWrap(True)
+        self.stats.hide()
+        replies = [m for m in conversation.messages if m.role == "assistant"]
+        if replies:  # an opened chat shows its last reply's figures where a new reply's appear
+            self._set_stats(format_stats(replies[-1].stats))
+            self.stats.setToolTip(stats_tooltip(replies[-1].stats))
+        self._show_options()
         self.render()
         self._update_buttons()
 
@@ -289,9 +337,55 @@ class ChatTab(QWidget):
     def busy(self) -> bool:
         return self.key is not None
 
+    def _set_stats(self, text: str) -> None:
+        self.stats.setText(text)
+        self.stats.setVisible(bool(text))  # no empty line above the input
+
+    @property
+    def options(self) -> dict:
+        return self.conversation.options
+
     def title(self) -> str:
         title = self.conversation.title or "New chat"
         return title if len(title) <= 24 else title[:23] + "…"
+
+    # --- sampling ------------------------------------------------------------------------------------
+
+    def open_sampling(self) -> QDialog:
+        """The chat's sampling settings in a small dialog; edits apply to the next reply."""
+        dialog = QDialog(self)
+        dialog.setWindowTitle(f"Sampling: {self.title()}")
+        panel = SamplingPanel(self.options, dialog)
+        panel.changed.connect(self.set_options)
+        close = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        close.rejected.connect(dialog.reject)
+        layout = QVBoxLayout(dialog)
+        layout.addWidget(panel)
+        layout.addWidget(close)
+        dialog.panel = panel
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        return dialog
+
+    def set_options(self, options: dict) -> None:
+        self.conversation.options = dict(options)
+        if self.conversation.id is not None:
+            self.view.history.update(self.conversation)
+        self._show_options()
+
+    def _show_options(self) -> None:
+        self.sampling_button.setText(describe_options(self.options))
+
+    def _sampling(self, fresh: bool) -> tuple[SamplingParams | None, int | None]:
+        """The engine's sampling for the next reply and its seed; ``fresh`` (Regenerate) draws with
+        a seed of its own, so the new reply differs from the last."""
+        options = self.options
+        if options["temperature"] == 0:
+            return None, None  # greedy: the engine's top-1 path (the same reply every time)
+        seed = options.get("seed")
+        if fresh or seed is None:
+            seed = random.randrange(2**31)
+        return sampling_params(options, seed), seed
 
     # --- actions -------------------------------------------------------------------------------------
 
@@ -304,7 +398,7 @@ class ChatTab(QWidget):
         conv.system = self.system.text().strip()
         if conv.id is None:
             conv.title = " ".join(text.split())[:60]
-            conv.id = history.create(conv.title, conv.system)
+            conv.id = history.create(conv.title, conv.system, conv.options)
             self.title_changed.emit()
         else:
             history.update(conv)
@@ -312,13 +406,13 @@ class ChatTab(QWidget):
         conv.messages.append(message)
         history.append(conv.id, message)
         self.view.conversations_changed()
-        self._start_reply()
+        self._start_reply(fresh=False)
 
     def stop(self) -> None:
         self.view.controller.cancel(self.key)
 
     def regenerate(self) -> None:
-        """Replaces the last reply with a new one to the same conversation."""
+        """Replaces the last reply with a new one to the same conversation, sampled anew."""
         messages = self.conversation.messages
         if self.busy or not messages:
             return
@@ -327,12 +421,57 @@ class ChatTab(QWidget):
             if last.id is not None:
                 self.view.history.remove_message(last.id)
         if messages and messages[-1].role == "user":
-            self._start_reply()
+            self._start_reply(fresh=True)
 
     def copy(self) -> None:
-        text = self.last_text()
-        if text:
-            QApplication.clipboard().setText(text)
+        if self.conversation.messages:
+            QApplication.clipboard().setText(to_markdown(self.conversation))
+
+    def copy_message(self, index: int) -> None:
+        QApplication.clipboard().setText(self.conversation.messages[index].content)
+
+    def edit_message(self, index: int) -> None:
+        """Puts message ``index`` (the user's) back in the input, and drops it and everything after
+        it: Send asks again from there."""
+        if self.busy:
+            return
+        message = self.conversation.messages[index]
+        self._drop_from(index)
+        self.input.setPlainText(message.content)
+        self.input.setFocus()
+
+    def delete_message(self, index: int) -> None:
+        if self.busy:
+            return
+        message = self.conversation.messages.pop(index)
+        if message.id is not None:
+            self.view.history.remove_message(message.id)
+        self.render()
+        self._update_buttons()
+
+    def _drop_from(self, index: int) -> None:
+        messages = self.conversation.messages
+        for message in messages[index:]:
+            if message.id is not None:
+                self.view.history.remove_message(message.id)
+        del messages[index:]
+        self.render()
+        self._update_buttons()
+
+    def _link(self, url) -> None:
+        action, _, where = url.toString().partition(":")
+        parts = [int(p) for p in where.split(":") if p.isdigit()]
+        if action == "copycode" and len(parts) == 2:
+            blocks = code_blocks(self.conversation.messages[parts[0]].content)
+            QApplication.clipboard().setText(blocks[parts[1]][1])
+        elif action == "copy" and parts:
+            self.copy_message(parts[0])
+        elif action == "edit" and parts:
+            self.edit_message(parts[0])
+        elif action == "delete" and parts:
+            self.delete_message(parts[0])
+        elif action == "regenerate":
+            self.regenerate()
 
     def last_text(self) -> str:
         replies = [m for m in self.conversation.messages if m.role == "assistant"]
@@ -344,35 +483,38 @@ class ChatTab(QWidget):
 
     # --- the reply -----------------------------------------------------------------------------------
 
-    def _start_reply(self) -> None:
+    def _start_reply(self, fresh: bool) -> None:
         conv = self.conversation
         conv.system = self.system.text().strip()
         prompt = conv.prompt()
-        self.reply = Message("assistant", "")
+        sampling, seed = self._sampling(fresh)
+        self.reply = Message("assistant", "", {"seed": seed} if seed is not None else {})
         conv.messages.append(self.reply)
         self._tokens = 0
         self._saved = 0.0
-        self.stats.setText("waiting for the model…" if self.view.controller.service is None else "generating…")
+        self._set_stats("waiting for the model…" if self.view.controller.service is None else "generating…")
+        self.stats.setToolTip("")
         self.render()
-        self.key = self.view.controller.submit(prompt, self.view.settings.max_new_tokens, self._on_text,
-                                               self._on_done)
+        self.view.meter.begin(self.label)
+        self.view.live.set_name(self.label, self.title())
+        self.key = self.view.controller.submit(prompt, int(self.options["max_tokens"]), self._on_text, self._on_done,
+                                               sampling=sampling)
         self._update_buttons()
 
     def _on_text(self, piece: str, tokens: int) -> None:
         if self.reply is None:
             return
-        if not self.reply.content:
-            self.stats.setText("generating…")
+        self._set_stats(f"generating… {tokens} tokens")
         self.reply.content += piece
         if time.monotonic() - self._saved >= SAVE_EVERY_S:  # write-ahead: a killed app keeps the reply so far
             self._saved = time.monotonic()
-            self.reply.stats = {"unfinished": True}
+            self.reply.stats = {**self.reply.stats, "unfinished": True}
             self.view.history.save(self.conversation.id, self.reply)
         self.view.meter.add(self.label, tokens - self._tokens)
         self._tokens = tokens
         cursor = self.transcript.textCursor()
         cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertText(piece)
+        cursor.insertText(piece)  # plain while it streams; rendered as Markdown once it ends
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
         self.streamed.emit(piece, tokens)
 
@@ -380,9 +522,12 @@ class ChatTab(QWidget):
         message, self.reply, self.key = self.reply, None, None
         self.last_reply = reply
         conv = self.conversation
+        stats = reply.to_json()
         if message is not None:
             message.content = reply.text
-            message.stats = reply.to_json()
+            seed = message.stats.get("seed")
+            message.stats = {**stats, **({"seed": seed} if seed is not None else {})}
+            stats = message.stats
             if reply.text:
                 self.view.history.save(conv.id, message)
             else:
@@ -393,12 +538,24 @@ class ChatTab(QWidget):
             self.view.meter.add(self.label, len(reply.tokens) - self._tokens)
         if reply.error:
             self.view.banner.error(f"The reply failed: {reply.error}")
-        self.stats.setText(format_stats(reply.to_json()) if reply.tokens else
+        self._set_stats(format_stats(stats) if reply.tokens else
                            ("stopped" if reply.stopped_by == "cancelled" else ""))
+        self.stats.setToolTip(stats_tooltip(stats))
+        self._show_context(reply)
         self.render()
         self._update_buttons()
         self.view.conversations_changed()
         self.finished.emit(reply)
+
+    def _show_context(self, reply: Reply) -> None:
+        service = self.view.controller.service
+        limit = getattr(service, "max_length", None)
+        if not limit or not reply.prompt_tokens:
+            return
+        used = min(limit, reply.prompt_tokens + len(reply.tokens))
+        self.context.setRange(0, limit)
+        self.context.setValue(used)
+        self.context.setFormat(f"context: {used} / {limit} tokens")
 
     def _update_buttons(self) -> None:
         has_reply = any(m.role == "assistant" and m.content for m in self.conversation.messages)
@@ -408,30 +565,55 @@ class ChatTab(QWidget):
         self.copy_button.setEnabled(has_reply and not self.busy)
 
     def render(self) -> None:
-        """The whole conversation; a reply in progress is the last paragraph, so streamed text is
-        appended at the document's end."""
+        """The whole conversation, Markdown rendered, each message with its actions; a reply in
+        progress is the last paragraph, so streamed text is appended at the document's end."""
+        theme = self.view.settings.theme
         parts = []
-        for m in self.conversation.messages:
+        messages = self.conversation.messages
+        last_reply = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        for i, m in enumerate(messages):
             who = "You" if m.role == "user" else "Assistant"
-            parts.append(f"<p style='margin-top:0.8em'><b>{who}</b></p>")
-            stats = format_stats(m.stats) if m.role == "assistant" and m is not self.reply else ""
-            body = html.escape(m.content)
-            parts.append(f"<p style='white-space:pre-wrap'>{body}</p>")
-            if stats:
+            if m is self.reply:
+                parts.append(f"<p style='margin-top:0.8em'><b>{who}</b></p><p style='white-space:pre-wrap'></p>")
+                continue
+            links = [f"<a href='copy:{i}'>Copy</a>"]
+            if m.role == "user":
+                links.append(f"<a href='edit:{i}'>Edit</a>")
+            elif i == last_reply and not self.busy:
+                links.append("<a href='regenerate:'>Regenerate</a>")
+            if not self.busy:
+                links.append(f"<a href='delete:{i}'>Delete</a>")
+            parts.append(f"<p style='margin-top:0.8em'><b>{who}</b>&nbsp;&nbsp;<small>{' · '.join(links)}</small></p>")
+            parts.append(message_html(m.content, i, theme) if m.role == "assistant" else
+                         f"<p style='white-space:pre-wrap'>{html.escape(m.content)}</p>")
+            stats = format_stats(m.stats) if m.role == "assistant" and i != last_reply else ""
+            if stats:  # the last reply's figures are in the line under the transcript
                 parts.append(f"<p><small><i>{html.escape(stats)}</i></small></p>")
         if not parts:
             parts.append("<p><i>Ask something to start. Replies stream from the model as they are "
                          "generated.</i></p>")
         self.transcript.setHtml("".join(parts))
         if self.reply is not None:
-            # the reply paragraph was rendered empty: put its text (if any) at the very end
             cursor = self.transcript.textCursor()
             cursor.movePosition(QTextCursor.MoveOperation.End)
             self.transcript.setTextCursor(cursor)
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 
 
+def model_choices(current: str) -> list[str]:
+    """The models the picker offers: the current one, the exported shard sets in the cache (newest
+    first), then the catalog."""
+    try:
+        exported = sorted((p for p in paths().shards.iterdir() if (p / "stage0").is_dir()),
+                          key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        exported = []
+    return list(dict.fromkeys([current, *map(str, exported), *CATALOG]))
+
+
 class ChatView(QWidget):
+    model_chosen = Signal(str)  # the user picked another model for the chat
+
     def __init__(self, controller: ChatController, history: HistoryStore, settings, theme: str = "light",
                  parent: QWidget | None = None):
         super().__init__(parent)
@@ -443,13 +625,36 @@ class ChatView(QWidget):
         self.banner = Banner()
         controller.failed.connect(lambda m: self.banner.error(f"The model could not be started: {m}"))
         controller.fleet_event.connect(lambda text: self.banner.info(f"Fleet: {text}"))
+        self.progress = ProgressPanel()
+        self.progress.cancel_requested.connect(controller.cancel_open)
+        controller.progress.connect(self._loading)
 
+        self.model = QComboBox()
+        self.model.setEditable(True)
+        self.model.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.model.setMinimumContentsLength(16)
+        self.model.setToolTip("the model this chat runs: an exported shard set, a catalog model, a GGUF file or a "
+                              "Hugging Face folder")
+        self._fill_models()
+        self.model.activated.connect(lambda _: self._model_picked())
+        self.model.lineEdit().returnPressed.connect(self._model_picked)
+
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search chats")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(lambda _: self.conversations_changed())
         self.saved = QListWidget()
         self.saved.setTextElideMode(Qt.TextElideMode.ElideRight)  # long titles end in "…" (the tooltip has it all)
         self.saved.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.saved.itemClicked.connect(lambda item: self.open_conversation(item.data(Qt.ItemDataRole.UserRole)))
         self.saved.itemActivated.connect(lambda item: self.open_conversation(item.data(Qt.ItemDataRole.UserRole)))
         new_button = QPushButton("New chat")
         new_button.clicked.connect(lambda: self.new_chat())
+        rename_button = QPushButton("Rename…")
+        rename_button.clicked.connect(self._ask_rename)
+        export_button = QPushButton("Export…")
+        export_button.setToolTip("save the selected chat as Markdown or JSON")
+        export_button.clicked.connect(self._ask_export)
         delete_button = QPushButton("Delete")
         delete_button.clicked.connect(self.delete_selected)
         left = QWidget()
@@ -458,27 +663,35 @@ class ChatView(QWidget):
         saved_label = QLabel("Saved chats")
         saved_label.setObjectName("hint")
         left_layout.addWidget(saved_label)
+        left_layout.addWidget(self.search)
         left_layout.addWidget(self.saved, 1)
-        row = QHBoxLayout()
-        row.addWidget(new_button)
-        row.addWidget(delete_button)
-        left_layout.addLayout(row)
+        left_layout.addWidget(flow_bar(new_button, rename_button, export_button, delete_button)[0])
 
         self.tabs = QTabWidget()
         self.tabs.setTabsClosable(True)
         self.tabs.setMovable(True)
+        self.tabs.setUsesScrollButtons(True)
+        self.tabs.setElideMode(Qt.TextElideMode.ElideRight)
         self.tabs.tabCloseRequested.connect(self.close_tab)
         plus = QPushButton("+")
         plus.setToolTip("New chat tab")
         plus.setFlat(True)
         plus.clicked.connect(lambda: self.new_chat())
         self.tabs.setCornerWidget(plus, Qt.Corner.TopRightCorner)
-        self.live = LiveRatePlot(self.meter, "Live tokens per second per chat", theme)
+        self.live = LiveRatePlot(self.meter, "Live tokens per second per chat", theme,
+                                 x_label="seconds since the reply started")
 
+        header = QHBoxLayout()
+        header.addWidget(QLabel("Model"))
+        header.addWidget(self.model, 1)
         right = splitter(Qt.Orientation.Vertical, (self.tabs, 4), (self.live, 1))
         split = splitter(Qt.Orientation.Horizontal, (left, 1), (right, 4))
+        chars = self.fontMetrics().averageCharWidth()
+        split.setSizes([chars * 28, chars * 100])
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
+        layout.addWidget(self.progress)
+        layout.addLayout(header)
         layout.addWidget(split, 1)
 
         self.conversations_changed()
@@ -487,6 +700,26 @@ class ChatView(QWidget):
             self.open_conversation(recent[0].id)
         else:
             self.new_chat()
+
+    # --- the model -----------------------------------------------------------------------------------
+
+    def _fill_models(self) -> None:
+        self.model.blockSignals(True)
+        self.model.clear()
+        self.model.addItems(model_choices(self.settings.default_model))
+        self.model.setCurrentText(self.settings.default_model)
+        self.model.blockSignals(False)
+
+    def _model_picked(self) -> None:
+        name = self.model.currentText().strip()
+        if name and name != self.settings.default_model:
+            self.model_chosen.emit(name)
+
+    def _loading(self, step: str, fraction: float) -> None:
+        if not step:
+            self.progress.done()
+        else:
+            self.progress.show_step(step, None if fraction < 0 else fraction)
 
     # --- tabs ----------------------------------------------------------------------------------------
 
@@ -500,6 +733,7 @@ class ChatView(QWidget):
         tab = ChatTab(self, conversation or Conversation(None, ""), f"chat {next(self._labels)}")
         tab.title_changed.connect(lambda: self._retitle(tab))
         index = self.tabs.addTab(tab, tab.title())
+        self.tabs.setTabToolTip(index, tab.conversation.title)
         self.tabs.setCurrentIndex(index)
         tab.input.setFocus()
         return tab
@@ -512,7 +746,35 @@ class ChatView(QWidget):
         conversation = self.history.load(conversation_id)
         if conversation is None:
             return None
+        current = self.tabs.currentWidget()
+        if current is not None and current.conversation.id is None and not current.busy:
+            # an untouched "New chat" gives its place to the chat opened
+            self.tabs.removeTab(self.tabs.indexOf(current))
+            current.deleteLater()
         return self.new_chat(conversation)
+
+    def open_ids(self) -> list[int]:
+        """The saved conversations open in tabs, in tab order (what a restart opens again)."""
+        return [t.conversation.id for t in self.all_tabs() if t.conversation.id is not None]
+
+    def restore_tabs(self, ids: list[int], current: int | None = None) -> None:
+        """Opens ``ids`` in tabs (those still in the history) in place of the start-up tab."""
+        known = {c.id for c in self.history.conversations()}
+        ids = [i for i in ids if i in known]
+        if not ids:
+            return
+        for tab in self.all_tabs():  # the start-up tab goes: the tabs come back in their order
+            if not tab.busy:
+                self.tabs.removeTab(self.tabs.indexOf(tab))
+                tab.deleteLater()
+        for i in ids:
+            self.open_conversation(i)
+        if current in ids:
+            self.open_conversation(current)
+
+    def current_id(self) -> int | None:
+        tab = self.tabs.currentWidget()
+        return None if tab is None else tab.conversation.id
 
     def close_tab(self, index: int) -> None:
         tab = self.tab(index)
@@ -526,16 +788,71 @@ class ChatView(QWidget):
         index = self.tabs.indexOf(tab)
         if index >= 0:
             self.tabs.setTabText(index, tab.title())
+            self.tabs.setTabToolTip(index, tab.conversation.title)
+            self.live.set_name(tab.label, tab.title())
 
     # --- saved conversations -------------------------------------------------------------------------
 
     def conversations_changed(self) -> None:
+        selected = self.selected_id()
         self.saved.clear()
-        for conv in self.history.conversations():
+        for conv in self.history.conversations(self.search.text()):
             item = QListWidgetItem(conv.title or "(untitled)")
             item.setData(Qt.ItemDataRole.UserRole, conv.id)
             item.setToolTip(conv.title)
             self.saved.addItem(item)
+            if conv.id == selected:
+                self.saved.setCurrentItem(item)
+
+    def selected_id(self) -> int | None:
+        item = self.saved.currentItem()
+        if item is not None:
+            return item.data(Qt.ItemDataRole.UserRole)
+        return self.current_id()
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        title = " ".join(title.split())
+        if not title:
+            raise FleetError("a chat's title cannot be empty")
+        self.history.rename(conversation_id, title)
+        for tab in self.all_tabs():
+            if tab.conversation.id == conversation_id:
+                tab.conversation.title = title
+                self._retitle(tab)
+        self.conversations_changed()
+
+    def _ask_rename(self) -> None:
+        conversation_id = self.selected_id()
+        conversation = self.history.load(conversation_id) if conversation_id is not None else None
+        if conversation is None:
+            return
+        title, ok = QInputDialog.getText(self, "Rename chat", "Title", text=conversation.title)
+        if ok:
+            try:
+                self.rename(conversation_id, title)
+            except FleetError as exc:
+                self.banner.error(str(exc))
+
+    def export_conversation(self, conversation_id: int, path: str | Path) -> Path:
+        """Writes the conversation to ``path``: JSON for a .json name, Markdown otherwise."""
+        conversation = self.history.load(conversation_id)
+        if conversation is None:
+            raise FleetError(f"no saved chat {conversation_id}")
+        path = Path(path)
+        path.write_text(to_json(conversation) if path.suffix.lower() == ".json" else to_markdown(conversation),
+                        encoding="utf-8")
+        return path
+
+    def _ask_export(self) -> None:
+        conversation_id = self.selected_id()
+        if conversation_id is None:
+            return
+        path, _ = QFileDialog.getSaveFileName(self, "Export chat", "chat.md", "Markdown (*.md);;JSON (*.json)")
+        if path:
+            try:
+                self.export_conversation(conversation_id, path)
+            except (OSError, FleetError) as exc:
+                self.banner.error(f"The chat could not be exported: {exc}")
 
     def delete_selected(self) -> None:
         item = self.saved.currentItem()
@@ -555,6 +872,10 @@ class ChatView(QWidget):
         self.settings = settings
         self.controller.reconfigure(settings)
         self.live.set_theme(settings.theme)
+        self._fill_models()
+        for tab in self.all_tabs():
+            if not tab.busy:
+                tab.render()
 
     def shutdown(self) -> None:
         for tab in self.all_tabs():

@@ -313,7 +313,7 @@ class ExportWizard(QWidget):
 
     def _progress(self, payload: tuple) -> None:
         if payload[0] == "pull":
-            _, step, fraction = payload
+            step, fraction = payload[1:3]  # then (done, total)
             self.pull_label.setText(f"Pulling the model: {step}")
             self.pull_bar.setValue(round(fraction * 100))
         elif payload[0] == "stage":

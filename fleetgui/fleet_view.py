@@ -9,6 +9,13 @@ While this app's placement view deploys, a node whose stage is still being expor
 "exporting stage k" (a node does no exporting of its own: the coordinator exports, then ships).
 "Measure round trips" times this machine to each agent and each agent to the others.  The fleet key
 is set here too (``fleetgui.keystore``).
+
+This machine (the coordinator: stage 0 of every chain runs in the app) has a row of its own, and so
+has every node agent this app started (``engine.fleet.local.own_agents``): the local fleet's worker
+agent and a demo fleet's nodes.  "Try a demo fleet" starts such demo nodes (``engine.fleet.demo``:
+separate agent processes on this PC, simulated devices, each row marked "demo" and "simulated"), so
+profiling, placing, deploying and losing a node can be tried on one PC; "Remove node" on a demo
+node switches it off.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from pathlib import Path
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
-                               QHBoxLayout, QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QTableView,
+                               QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QTableView,
                                QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.config import Settings, set_node
@@ -30,12 +37,15 @@ from engine.fleet.discovery import Browser
 from engine.fleet.shardstore import pruned_text, shard_text
 from engine.manifest import layer_span
 from fleetgui import keystore
-from fleetgui.widgets import Banner, splitter
+from fleetgui.widgets import Banner, flow_bar, splitter
 from fleetgui.workers import TaskRunner
 
 COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
 POLL_MS = 3000
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
+THIS_MACHINE = "this machine"
+LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local.start_local_agent``)
+DEMO_NODES = 3  # how many "Try a demo fleet" starts
 STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "exporting": "#1f618d"}
 
 
@@ -84,6 +94,8 @@ class NodeRow:
     added_as: str = ""  # the address it was added by (it may differ from the mDNS one it is polled at)
     error: str = ""  # why the last status request failed
     preparing: str = ""  # what this app is doing for the node ("exporting stage 2 (40%)")
+    role: str = ""  # THIS_MACHINE, or an own agent's role ("local fleet", "demo"); "" for the fleet's nodes
+    simulated: bool = False  # a demo node: its devices are simulated
 
     @property
     def added(self) -> bool:
@@ -103,7 +115,13 @@ class NodeRow:
 
     @property
     def found_by(self) -> str:
-        return " + ".join(n for n, on in (("mDNS", self.mdns), ("address", self.added)) if on)
+        return " + ".join(n for n, on in ((self.role, bool(self.role)), ("mDNS", self.mdns), ("address", self.added))
+                          if on)
+
+    @property
+    def label(self) -> str:
+        """The name as shown: a demo node's says it is simulated."""
+        return (self.name or "(asking…)") + (" (simulated)" if self.simulated else "")
 
     def running_workers(self) -> list[dict]:
         return [w for w in self.workers if str(w.get("state", "running")) == "running"]
@@ -139,6 +157,7 @@ class NodeRow:
         self.devices = devices or self.devices
         self.memory_mb = int(node.get("memory_mb") or self.memory_mb)
         self.available_mb = int(node.get("available_mb") or self.available_mb)
+        self.simulated = bool(node.get("simulated", self.simulated))
 
 
 class NodesModel(QAbstractTableModel):
@@ -165,9 +184,10 @@ class NodesModel(QAbstractTableModel):
         row = self.rows[index.row()]
         column = COLUMNS[index.column()]
         if role == Qt.ItemDataRole.DisplayRole:
-            return {"Name": row.name or "(asking…)", "Address": row.address, "OS": row.os,
+            return {"Name": row.label, "Address": row.address, "OS": row.os,
                     "Devices": ", ".join(row.devices), "Memory": row.memory_text(), "Status": row.status,
-                    "Shards": row.shards_text() if not row.error else "", "Found by": row.found_by}[column]
+                    "Shards": row.shards_text() if not row.error and row.role != THIS_MACHINE else "",
+                    "Found by": row.found_by}[column]
         if role == Qt.ItemDataRole.ToolTipRole:
             if column == "Status" and row.error:
                 return row.error
@@ -189,6 +209,38 @@ class NodesModel(QAbstractTableModel):
 
     def addresses(self) -> list[str]:
         return [r.address for r in self.rows if r.address]
+
+    def node_rows(self) -> list[NodeRow]:
+        """Every row but this machine's own."""
+        return [r for r in self.rows if r.role != THIS_MACHINE]
+
+    def this_machine(self, node: dict | None = None) -> NodeRow:
+        """This machine's row (made first, at the top), with ``node``'s facts (``local_node_info``)."""
+        row = next((r for r in self.rows if r.role == THIS_MACHINE), None)
+        if row is None:
+            row = NodeRow(key=THIS_MACHINE, name="this machine", role=THIS_MACHINE,
+                          state="coordinator: runs stage 0 of every chain")
+            self.beginInsertRows(QModelIndex(), 0, 0)
+            self.rows.insert(0, row)
+            self.endInsertRows()
+        if node:
+            row.take_node({**node, "name": f"this machine ({node.get('name')})"})
+            self._changed(row)
+        return row
+
+    def own_agents(self, agents: list) -> None:
+        """The node agents this app runs (``engine.fleet.local.own_agents``): a row each while it runs."""
+        live = {a.address: a for a in agents}
+        for row in [r for r in self.rows if r.role not in ("", THIS_MACHINE) and r.address not in live]:
+            self._drop(row)
+        for agent in agents:
+            row = next((r for r in self.rows if r.address == agent.address), None)
+            if row is None:
+                self._append(NodeRow(key=f"own:{agent.address}", address=agent.address, name=agent.name,
+                                     role=agent.role))
+            elif row.role != agent.role:
+                row.role = agent.role
+                self._changed(row)
 
     def reachable(self) -> list[NodeRow]:
         return [r for r in self.rows if r.address and not r.error and r.node_id]
@@ -217,7 +269,10 @@ class NodesModel(QAbstractTableModel):
             if row is None:
                 return
             row.mdns = False
-            if row.added:
+            if row.role == THIS_MACHINE:  # this machine's own agent stopped: the machine stays
+                row.address = row.added_as
+                self._changed(row)
+            elif row.added or row.role:
                 self._changed(row)
             else:
                 self._drop(row)
@@ -268,6 +323,7 @@ class NodesModel(QAbstractTableModel):
                              and r.node_id == node.get("node_id")), None)
                 if twin is not None and row.added and not row.mdns:  # the same node, found both ways
                     twin.added_as = row.added_as
+                    twin.address = twin.address or row.address  # this machine's row, polled from now on
                     self._drop(row)
                     row = twin
                 row.error = ""
@@ -289,6 +345,9 @@ class AddNodeDialog(QDialog):
         self.known = list(known)
         self.address = QLineEdit()
         self.address.setPlaceholderText("HOST:PORT, like 192.168.1.20:7390")
+        # wide enough for the whole placeholder in the dialog's font
+        self.address.setMinimumWidth(self.address.fontMetrics().horizontalAdvance(self.address.placeholderText()) +
+                                     self.address.fontMetrics().averageCharWidth() * 4)
         self.hint = QLabel()
         self.hint.setObjectName("hint")
         self.hint.setWordWrap(True)
@@ -408,13 +467,10 @@ class FleetView(QWidget):
         choose = QPushButton("Choose key file…")
         choose.clicked.connect(self._ask_choose_key)
         key_box = QGroupBox("Fleet key")
-        key_row = QHBoxLayout(key_box)
-        key_text = QVBoxLayout()
-        key_text.addWidget(self.key_label)
-        key_text.addWidget(self.key_note)
-        key_row.addLayout(key_text, 1)
-        key_row.addWidget(create)
-        key_row.addWidget(choose)
+        key_row = QVBoxLayout(key_box)  # the path above its buttons: a long path wraps, the buttons stay on screen
+        key_row.addWidget(self.key_label)
+        key_row.addWidget(self.key_note)
+        key_row.addWidget(flow_bar(create, choose, align_right=True)[0])
 
         self.table = QTableView()
         self.table.setModel(self.model)
@@ -433,7 +489,7 @@ class FleetView(QWidget):
         self.add_button = QPushButton("Add node…")
         self.add_button.clicked.connect(self._ask_add_node)
         self.remove_button = QPushButton("Remove node")
-        self.remove_button.setToolTip("forget a node added by address")
+        self.remove_button.setToolTip("forget a node added by address, or switch a demo node off")
         self.remove_button.clicked.connect(self.remove_selected)
         self.prune_button = QPushButton("Remove unused shards…")
         self.prune_button.setToolTip("give the selected node its disk space back: remove the shards its workers "
@@ -446,10 +502,22 @@ class FleetView(QWidget):
         self.rtt_button.clicked.connect(self.measure_round_trips)
         self.summary = QLabel()
         self.summary.setObjectName("hint")
-        tools = QHBoxLayout()
-        tools.addWidget(self.summary, 1)
-        for b in (self.add_button, self.remove_button, self.prune_button, self.refresh_button, self.rtt_button):
-            tools.addWidget(b)
+        self.summary.setWordWrap(True)
+        # the buttons wrap onto a second line in a narrow window instead of widening it
+        tools_bar, tools = flow_bar(self.add_button, self.remove_button, self.prune_button, self.refresh_button,
+                                    self.rtt_button)
+        self.demo = None  # the demo fleet this view started (``engine.fleet.demo.DemoFleet``)
+        self._demo_task = None
+        self.demo_button = QPushButton("Try a demo fleet")
+        self.demo_button.setToolTip(f"no second PC at hand? start {DEMO_NODES} demo nodes on this one: separate node "
+                                    "agents with simulated devices, to profile, place layers on, deploy to and chat")
+        self.demo_button.clicked.connect(lambda: self.stop_demo() if self.demo else self.start_demo())
+        tools.addWidget(self.demo_button)
+        self.demo_note = QLabel()
+        self.demo_note.setObjectName("demoNote")
+        self.demo_note.setWordWrap(True)
+        self.demo_note.setStyleSheet("font-weight: bold;")
+        self.demo_note.hide()
 
         self.rtt_table = RoundTripTable()
         self.rtt_note = QLabel("Round trips between the nodes' control ports, in ms (median of 5). "
@@ -464,7 +532,9 @@ class FleetView(QWidget):
         nodes = QWidget()
         nodes_layout = QVBoxLayout(nodes)
         nodes_layout.setContentsMargins(0, 0, 0, 0)
-        nodes_layout.addLayout(tools)
+        nodes_layout.addWidget(tools_bar)
+        nodes_layout.addWidget(self.summary)
+        nodes_layout.addWidget(self.demo_note)
         nodes_layout.addWidget(self.table, 1)
         split = splitter(Qt.Orientation.Vertical, (nodes, 3), (rtt_box, 1))
         # the OpenAI-compatible API's status line (``fleetgui.api``): where tools reach the fleet's model
@@ -478,6 +548,9 @@ class FleetView(QWidget):
         layout.addWidget(key_box)
         layout.addWidget(split, 1)
 
+        self.model.this_machine()
+        self.tasks.start(lambda report, cancel: backend.this_machine(), "this machine",
+                         succeeded=self.model.this_machine)
         for address in added_nodes():
             self.model.add_address(address)
         self.model.rowsInserted.connect(self._summarise)
@@ -584,6 +657,13 @@ class FleetView(QWidget):
         row = self._selected()
         if row is None:
             return
+        if row.role == "demo":
+            self.stop_demo_node(row.name)
+            return
+        if row.role:
+            self.banner.info(f"{row.name} is {'this machine' if row.role == THIS_MACHINE else 'run by this app'}; "
+                             "it is not removed from the list.")
+            return
         if not row.added:
             self.banner.info(f"{row.name} was found over mDNS; it leaves the list when its agent stops.")
             return
@@ -644,8 +724,9 @@ class FleetView(QWidget):
         return dialog
 
     def agent_addresses(self) -> list[str]:
-        """The agents that answered their last status request (what a survey can profile)."""
-        return [r.address for r in self.model.reachable()]
+        """The agents that answered their last status request (what a survey can profile), but the
+        chat's local fleet agent: it ends with that chat, which a deployment replaces."""
+        return [r.address for r in self.model.reachable() if r.role != LOCAL_FLEET]
 
     def node_names(self) -> dict[str, str]:
         return {r.address: r.name or r.address for r in self.model.rows if r.address}
@@ -658,6 +739,7 @@ class FleetView(QWidget):
 
     def refresh(self) -> None:
         """Asks every node's agent for its status, off the GUI thread (one request round at a time)."""
+        self.model.own_agents(self.backend.own_agents())
         addresses = self.model.addresses()
         if self._poll is not None or not addresses or not (self.key and self.key.usable):
             return
@@ -701,12 +783,12 @@ class FleetView(QWidget):
         self.banner.error(f"Measuring round trips failed: {message}")
 
     def _summarise(self, *_) -> None:
-        rows = self.model.rows
+        rows = self.model.node_rows()
         if not (self.key and self.key.usable):
             text = "Set the fleet key to find this fleet's nodes."
         elif not rows:
             text = ("Looking for nodes over mDNS… Start `fleet agent` (or `fleetgui --worker`) on the other PCs, "
-                    "or add them by address.")
+                    "add them by address, or, with no second PC at hand, try a demo fleet.")
         else:
             up = sum(1 for r in rows if not r.error and r.node_id)
             text = f"{len(rows)} node{'s' if len(rows) != 1 else ''}, {up} answering"
@@ -728,6 +810,71 @@ class FleetView(QWidget):
     def shutdown(self) -> None:
         self.timer.stop()
         self.discovery.stop()
+        demo, self.demo = self.demo, None
+        if demo is not None:
+            demo.close()
+
+    # --- the demo fleet ------------------------------------------------------------------------------
+
+    def start_demo(self, count: int = DEMO_NODES) -> None:
+        """Starts ``count`` demo nodes on this PC off the GUI thread (the default fleet key is made if
+        there is none); their rows appear as they answer."""
+        if self.demo is not None or self._demo_task is not None:
+            return
+        settings, backend = self.settings, self.backend
+        self.demo_button.setEnabled(False)
+        self.banner.info(f"Starting a demo fleet of {count} nodes on this PC…")
+
+        def started(fleet) -> None:
+            self._demo_task = None
+            self.demo = fleet
+            self.demo_button.setEnabled(True)
+            self.demo_button.setText("Stop demo fleet")
+            self.reload_key()  # the default key may be new
+            names = ", ".join(f"{n.name} ({n.device.name}, {n.device.memory_mb / 1024:.0f} GB)" for n in fleet.nodes)
+            self.demo_note.setText(f"DEMO FLEET: {len(fleet.nodes)} simulated nodes on this PC: {names}. Their "
+                                   "devices are simulated; their work runs on this PC's CPU.")
+            self.demo_note.show()
+            self.banner.info("Demo fleet up. Next: in Placement, click Profile fleet, drag a layer range onto a demo "
+                             "node's lane and click Deploy; then chat. Select a demo node here and click Remove node "
+                             "to switch it off: the chat's layers move to the others.")
+            self.refresh()
+
+        def failed(message: str) -> None:
+            self._demo_task = None
+            self.demo_button.setEnabled(True)
+            self.banner.error(f"The demo fleet did not start: {message}")
+
+        self._demo_task = self.tasks.start(lambda report, cancel: backend.start_demo(settings, count, report),
+                                           "demo fleet", progressed=lambda p: self.banner.info(f"{p[-1]}…"),
+                                           succeeded=started, failed=failed)
+
+    def stop_demo_node(self, name: str) -> None:
+        """Switches one demo node off (its agent and workers end), off the GUI thread."""
+        if self.demo is None:
+            return
+        demo = self.demo
+        self.banner.info(f"Switching demo node {name} off…")
+        self.tasks.start(lambda report, cancel: demo.stop(name), "stop demo node",
+                         succeeded=lambda node: (self.banner.info(f"Demo node {node.name} is off."), self.refresh()),
+                         failed=lambda message: self.banner.error(f"Stopping {name} failed: {message}"))
+
+    def stop_demo(self) -> None:
+        """Stops every demo node, off the GUI thread."""
+        demo, self.demo = self.demo, None
+        if demo is None:
+            return
+        self.demo_button.setEnabled(False)
+
+        def done(_=None) -> None:
+            self.demo_button.setEnabled(True)
+            self.demo_button.setText("Try a demo fleet")
+            self.demo_note.hide()
+            self.banner.info("Demo fleet stopped.")
+            self.refresh()
+
+        self.tasks.start(lambda report, cancel: demo.close(), "stop demo fleet", succeeded=done,
+                         failed=lambda message: (done(), self.banner.error(f"Stopping the demo fleet: {message}")))
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     title TEXT NOT NULL,
     system TEXT NOT NULL DEFAULT '',
+    options TEXT NOT NULL DEFAULT '{}',
     created REAL NOT NULL,
     updated REAL NOT NULL
 );
@@ -49,6 +50,7 @@ class Conversation:
     system: str = ""
     messages: list[Message] = dataclasses.field(default_factory=list)
     updated: float = 0.0
+    options: dict = dataclasses.field(default_factory=dict)  # the chat's sampling (``fleetgui.chat_options``)
 
     def prompt(self) -> list[dict]:
         """The messages as the chat template takes them, system prompt first."""
@@ -68,36 +70,53 @@ class HistoryStore:
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.execute("PRAGMA journal_mode = WAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(conversations)")}
+        if "options" not in columns:  # a history written before chats had their own sampling
+            with self._db:
+                self._db.execute("ALTER TABLE conversations ADD COLUMN options TEXT NOT NULL DEFAULT '{}'")
 
     def close(self) -> None:
         self._db.close()
 
-    def conversations(self) -> list[Conversation]:
-        """Every conversation, most recently updated first (without messages)."""
-        rows = self._db.execute("SELECT id, title, system, updated FROM conversations ORDER BY updated DESC, id DESC")
+    def conversations(self, search: str = "") -> list[Conversation]:
+        """Every conversation, most recently updated first (without messages); ``search``: only those
+        whose title or a message holds that text (any case)."""
+        where, args = "", ()
+        if search.strip():
+            pattern = "%" + search.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            where = ("WHERE title LIKE ? ESCAPE '\\' OR id IN (SELECT conversation FROM messages "
+                     "WHERE content LIKE ? ESCAPE '\\')")
+            args = (pattern, pattern)
+        rows = self._db.execute(f"SELECT id, title, system, updated FROM conversations {where} "
+                                "ORDER BY updated DESC, id DESC", args)
         return [Conversation(i, title, system, [], updated) for i, title, system, updated in rows]
 
     def load(self, conversation_id: int) -> Conversation | None:
-        row = self._db.execute("SELECT title, system, updated FROM conversations WHERE id = ?",
+        row = self._db.execute("SELECT title, system, updated, options FROM conversations WHERE id = ?",
                                (conversation_id,)).fetchone()
         if row is None:
             return None
         messages = [Message(role, content, json.loads(stats or "{}"), mid) for mid, role, content, stats in
                     self._db.execute("SELECT id, role, content, stats FROM messages WHERE conversation = ? "
                                      "ORDER BY id", (conversation_id,))]
-        return Conversation(conversation_id, row[0], row[1], messages, row[2])
+        return Conversation(conversation_id, row[0], row[1], messages, row[2], json.loads(row[3] or "{}"))
 
-    def create(self, title: str, system: str = "") -> int:
+    def create(self, title: str, system: str = "", options: dict | None = None) -> int:
         now = time.time()
         with self._db:
-            cur = self._db.execute("INSERT INTO conversations (title, system, created, updated) VALUES (?, ?, ?, ?)",
-                                   (title, system, now, now))
+            cur = self._db.execute("INSERT INTO conversations (title, system, options, created, updated) "
+                                   "VALUES (?, ?, ?, ?, ?)", (title, system, json.dumps(options or {}), now, now))
         return cur.lastrowid
 
     def update(self, conversation: Conversation) -> None:
         with self._db:
-            self._db.execute("UPDATE conversations SET title = ?, system = ?, updated = ? WHERE id = ?",
-                             (conversation.title, conversation.system, time.time(), conversation.id))
+            self._db.execute("UPDATE conversations SET title = ?, system = ?, options = ?, updated = ? WHERE id = ?",
+                             (conversation.title, conversation.system, json.dumps(conversation.options), time.time(),
+                              conversation.id))
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        with self._db:
+            self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
 
     def append(self, conversation_id: int, message: Message) -> int:
         with self._db:
@@ -123,3 +142,20 @@ class HistoryStore:
     def delete(self, conversation_id: int) -> None:
         with self._db:
             self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+
+def to_markdown(conversation: Conversation) -> str:
+    """The conversation as a Markdown document: its title, the system prompt, then each message."""
+    parts = [f"# {conversation.title or 'Chat'}"]
+    if conversation.system.strip():
+        parts.append(f"*System:* {conversation.system.strip()}")
+    for m in conversation.messages:
+        parts.append(f"## {'You' if m.role == 'user' else 'Assistant'}\n\n{m.content}")
+    return "\n\n".join(parts) + "\n"
+
+
+def to_json(conversation: Conversation) -> str:
+    """The conversation as JSON: title, system prompt, sampling options and messages (role, content)."""
+    return json.dumps({"title": conversation.title, "system": conversation.system, "options": conversation.options,
+                       "messages": [{"role": m.role, "content": m.content, **({"stats": m.stats} if m.stats else {})}
+                                    for m in conversation.messages]}, indent=2, ensure_ascii=False) + "\n"

@@ -1,5 +1,5 @@
-"""The main window: a sidebar of views (Fleet, Placement, Chat, Export, Benchmarks), a status bar,
-the Settings dialog and the theme.  ``set_view`` swaps another widget in for a view.  A plan the
+"""The main window: a sidebar of views (Fleet, Placement, Chat, Export, Benchmarks, Settings), a
+status bar and the theme.  ``set_view`` swaps another widget in for a view.  A plan the
 Placement view deploys becomes the chain the chat runs on."""
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from fleetgui.export_wizard import ExportWizard
 from fleetgui.fleet_view import FleetView
 from fleetgui.history import HistoryStore
 from fleetgui.placement_view import PlacementView
-from fleetgui.settings import GuiSettings, SettingsDialog
+from fleetgui.settings import GuiSettings, SettingsPage
+from fleetgui.widgets import ViewFrame
 from fleetgui.workers import TaskRunner
 
-VIEWS = ("Fleet", "Placement", "Chat", "Export", "Benchmarks")
+VIEWS = ("Fleet", "Placement", "Chat", "Export", "Benchmarks", "Settings")
 DEFAULT_SIZE = QSize(1280, 800)
 
 
@@ -47,16 +48,19 @@ class MainWindow(QMainWindow):
         self.bench = BenchPanel(backend, self.tasks, settings)
         self.fleet = FleetView(settings, backend, self.tasks)
         self.placement = PlacementView(settings, backend, self.tasks, agents=self.fleet.agent_addresses)
+        self.settings_page = SettingsPage(settings)
+        self.settings_page.saved.connect(self.apply_settings)
         built = {
             "Fleet": self.fleet,
             "Placement": self.placement,
             "Chat": self.chat,
             "Export": self.export,
             "Benchmarks": self.bench,
+            "Settings": self.settings_page,
         }
         for name in VIEWS:
             self.sidebar.addItem(name)
-            self.stack.addWidget(built[name])
+            self.stack.addWidget(ViewFrame(built[name]))  # a view that needs more room scrolls: the window stays
             self.views[name] = built[name]
         self.sidebar.currentRowChanged.connect(self.stack.setCurrentIndex)
         width = max(self.sidebar.sizeHintForColumn(0), self.fontMetrics().horizontalAdvance("Benchmarks")) + \
@@ -80,6 +84,7 @@ class MainWindow(QMainWindow):
         self.export.exported.connect(lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}",
                                                                             10000))
         self.export.use_as_default.connect(self.use_model)
+        self.chat.model_chosen.connect(self.use_model)
         self.fleet.key_changed.connect(self.use_key)
         self.placement.deployed.connect(self.use_deployment)
         self.placement.preparing.connect(self.fleet.model.prepare)
@@ -87,9 +92,14 @@ class MainWindow(QMainWindow):
             f"Benchmark {r['bench']} finished" if r else "Benchmark ended without a result", 10000))
         self._menus()
         self.show_view("Chat")
+        # every chat tab open at the last exit comes back
+        open_tabs = [int(i) for i in str(store.value("chat/open") or "").split(",") if i.strip().isdigit()]
+        current = store.value("chat/current")
+        self.chat.restore_tabs(open_tabs, int(current) if str(current or "").isdigit() else None)
         geometry = store.value("window/geometry")
         if geometry is None or not self.restoreGeometry(geometry):
             self.resize(DEFAULT_SIZE)
+        self.fit_screen()
 
     def _menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
@@ -97,6 +107,10 @@ class MainWindow(QMainWindow):
         settings.setShortcut("Ctrl+,")
         settings.triggered.connect(self.open_settings)
         file_menu.addAction(settings)
+        demo = QAction("Try a &demo fleet", self)
+        demo.setToolTip("start demo nodes on this PC (simulated devices) to try placing a model across PCs")
+        demo.triggered.connect(self.try_demo)
+        file_menu.addAction(demo)
         file_menu.addSeparator()
         quit_action = QAction("&Quit", self)
         quit_action.setShortcut("Ctrl+Q")
@@ -125,6 +139,21 @@ class MainWindow(QMainWindow):
         self.sidebar.setCurrentRow(VIEWS.index(name))
         return self.views[name]
 
+    def fit_screen(self) -> None:
+        """Shrinks the window to the screen's free area when it is larger (a small screen, or a
+        geometry saved on a bigger one); every view lays itself out at that size."""
+        screen = self.screen()
+        if screen is None:
+            return
+        area = screen.availableGeometry()
+        if self.width() > area.width() or self.height() > area.height():
+            self.resize(min(self.width(), area.width()), min(self.height(), area.height()))
+
+    def try_demo(self) -> None:
+        """Shows the Fleet view and starts a demo fleet there (``FleetView.start_demo``)."""
+        self.show_view("Fleet")
+        self.fleet.start_demo()
+
     def current_view(self) -> str:
         return VIEWS[self.stack.currentIndex()]
 
@@ -132,7 +161,7 @@ class MainWindow(QMainWindow):
         """Puts another widget in place of a view."""
         index = VIEWS.index(name)
         old = self.stack.widget(index)
-        self.stack.insertWidget(index, widget)
+        self.stack.insertWidget(index, ViewFrame(widget))
         self.stack.removeWidget(old)
         old.deleteLater()
         self.views[name] = widget
@@ -140,19 +169,18 @@ class MainWindow(QMainWindow):
 
     # --- settings ------------------------------------------------------------------------------------
 
-    def open_settings(self) -> SettingsDialog:
-        dialog = SettingsDialog(self.settings, self)
-        dialog.accepted.connect(lambda: self.apply_settings(dialog.result_settings()))
-        dialog.finished.connect(dialog.deleteLater)
-        dialog.open()
-        return dialog
+    def open_settings(self) -> SettingsPage:
+        """Shows the Settings view with the settings in force."""
+        self.settings_page.load(self.settings)
+        self.show_view("Settings")
+        return self.settings_page
 
     def apply_settings(self, settings: GuiSettings) -> None:
         settings.save(self.store)
         self.settings = settings
         theme.apply(settings.theme)
         self.theme_actions[settings.theme if settings.theme in theme.THEMES else "light"].setChecked(True)
-        for view in (self.chat, self.export, self.bench, self.fleet, self.placement):
+        for view in (self.chat, self.export, self.bench, self.fleet, self.placement, self.settings_page):
             view.apply_settings(settings)
         self.api.apply_settings(settings)
         self.statusBar().showMessage("Settings saved", 5000)
@@ -184,6 +212,8 @@ class MainWindow(QMainWindow):
             return
         self._shut = True
         self.store.setValue("window/geometry", self.saveGeometry())
+        self.store.setValue("chat/open", ",".join(map(str, self.chat.open_ids())))
+        self.store.setValue("chat/current", self.chat.current_id() or "")
         self.store.sync()
         self.fleet.shutdown()
         self.api.stop()

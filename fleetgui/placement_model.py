@@ -52,10 +52,11 @@ class Lane:
     name: str  # the node's display name
     address: str  # its agent's HOST:PORT, or LOCAL for this machine
     memory_bytes: int
+    simulated: bool = False  # a demo node's simulated device (``engine.fleet.demo``)
 
     @property
     def label(self) -> str:
-        return f"{self.name} · {self.device}"
+        return f"{self.name}{' (simulated)' if self.simulated else ''} · {self.device}"
 
 
 @dataclasses.dataclass
@@ -92,7 +93,8 @@ class PlanModel(QAbstractItemModel):
         self.beginResetModel()
         self.shape, self.nodes, self.fleet = shape, nodes, fleet
         self.lanes = [Lane(d.node, d.device, str(nodes.get(d.node, {}).get("name", d.node)),
-                           str(nodes.get(d.node, {}).get("address", LOCAL)), int(d.memory_bytes)) for d in devices]
+                           str(nodes.get(d.node, {}).get("address", LOCAL)), int(d.memory_bytes),
+                           bool(nodes.get(d.node, {}).get("simulated"))) for d in devices]
         self.stages = self._even_split()
         self.endResetModel()
         self.evaluate()

@@ -37,7 +37,8 @@ from engine.fleet.placement import Infeasible, solve
 from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
-from fleetgui.widgets import Banner, combo_box, spin_box, splitter
+from fleetgui.progress import describe_progress
+from fleetgui.widgets import Banner, combo_box, flow_bar, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 # share of a stage's progress bar each deployment phase fills (stage 0 only exports and connects)
@@ -349,20 +350,17 @@ class PlacementView(QWidget):
                                       "(deployment.json in the data folder)")
         self.record_button.clicked.connect(lambda: self.use_recorded())
 
+        # rows that wrap in a narrow window rather than widen it: the model field keeps the line's room
         top = QHBoxLayout()
         top.addWidget(QLabel("Model"))
         top.addWidget(self.source, 1)
-        top.addWidget(self.profile_button)
-        top.addWidget(self.open_button)
+        top.addWidget(flow_bar(self.profile_button, self.open_button, align_right=True)[0])
         plan_row = QHBoxLayout()
-        plan_row.addWidget(QLabel("Objective"))
-        plan_row.addWidget(self.objective)
-        plan_row.addWidget(QLabel("Users"))
-        plan_row.addWidget(self.users)
-        plan_row.addWidget(self.optimise_button)
-        plan_row.addStretch(1)
-        for b in (self.record_button, self.cancel_button, self.stop_button, self.deploy_button):
-            plan_row.addWidget(b)
+        settings_bar = flow_bar(QLabel("Objective"), self.objective, QLabel("Users"), self.users,
+                                self.optimise_button)[0]
+        plan_row.addWidget(settings_bar, 1)
+        plan_row.addWidget(flow_bar(self.record_button, self.cancel_button, self.stop_button, self.deploy_button,
+                                    align_right=True)[0], 1)
 
         self.activity = QLabel()
         self.activity.setObjectName("hint")
@@ -580,10 +578,16 @@ class PlacementView(QWidget):
 
     def _progress(self, payload: tuple) -> None:
         kind = payload[0]
-        if kind == "status":
-            self.activity.setText(str(payload[1]))
-        elif kind == "pull":
-            self.activity.setText(f"Pulling the model ({payload[1]}, {payload[2] * 100:.0f}%)…")
+        if kind in ("status", "pull"):
+            # a download shows its share on the bar; after it (and for every other step) the bar is
+            # busy: never "100%" while the survey goes on
+            step, fraction = describe_progress(payload)
+            self.activity.setText(step if kind == "status" else f"{step}…")
+            if fraction is None:
+                self.busy.setRange(0, 0)
+            else:
+                self.busy.setRange(0, 100)
+                self.busy.setValue(round(fraction * 100))
         elif kind == "deploy":
             _, stage, phase, fraction = payload
             if 0 <= stage < len(self.deploy_bars):
@@ -668,6 +672,7 @@ class PlacementView(QWidget):
             for agent in self.deploying[1:]:
                 self.preparing.emit(agent, "")
             self.deploying = []
+        self.busy.setRange(0, 0)
         self.busy.setVisible(running)
         self.cancel_button.setEnabled(running)
         for b in (self.profile_button, self.open_button, self.optimise_button, self.deploy_button,

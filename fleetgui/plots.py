@@ -2,17 +2,20 @@
 
 ``RateMeter`` is the only piece other threads touch: engine callbacks add token counts under a
 lock, and the plot samples it on a GUI-thread timer, so a fast stream costs no signal per token.
+A stream that ``begin``s (a chat reply) is plotted against the seconds since it began; the live
+plot's key names each stream (a chat tab's title) above the plot, off the data.
 """
 
 from __future__ import annotations
 
 import collections
+import html
 import threading
 import time
 
 import pyqtgraph as pg
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from fleetgui.theme import PLOT_COLOURS, SERIES
 
@@ -23,6 +26,12 @@ class RateMeter:
     def __init__(self):
         self._lock = threading.Lock()
         self._counts: dict[str, int] = collections.defaultdict(int)
+        self.started: dict[str, float] = {}  # stream -> monotonic time its current run began
+
+    def begin(self, stream: str) -> None:
+        """A new run of ``stream`` (a reply) starts now: the plot's time axis restarts at 0 for it."""
+        with self._lock:
+            self.started[stream] = time.monotonic()
 
     def add(self, stream: str, tokens: int = 1) -> None:
         with self._lock:
@@ -35,16 +44,30 @@ class RateMeter:
     def clear(self) -> None:
         with self._lock:
             self._counts.clear()
+            self.started.clear()
 
 
-def make_plot(title: str, x_label: str, y_label: str, theme: str = "light") -> pg.PlotWidget:
+def make_plot(title: str, x_label: str, y_label: str, theme: str = "light", legend: bool = True) -> pg.PlotWidget:
     plot = pg.PlotWidget(title=title)
     plot.setLabel("bottom", x_label)
     plot.setLabel("left", y_label)
     plot.showGrid(x=True, y=True, alpha=0.25)
-    plot.addLegend(offset=(10, 10))
+    for axis in ("left", "bottom"):  # plain numbers: no "(x0.001)" scale beside the label
+        plot.getAxis(axis).enableAutoSIPrefix(False)
+    if legend:
+        plot.addLegend(offset=(10, 10))
     style_plot(plot, theme)
     return plot
+
+
+def pad_range(values: list[float]) -> tuple[float, float] | None:
+    """A range around values that are all equal (one point): pyqtgraph would otherwise spread a
+    zero-width range over a tiny scale ("-400...400 (x0.001)").  None when they differ."""
+    if not values or max(values) != min(values):
+        return None
+    value = values[0]
+    half = max(abs(value) * 0.5, 1.0)
+    return (value - half, value + half)
 
 
 def style_plot(plot: pg.PlotWidget, theme: str) -> None:
@@ -66,14 +89,20 @@ class LiveRatePlot(QWidget):
     HISTORY_S = 60.0
 
     def __init__(self, meter: RateMeter, title: str = "Live tokens per second", theme: str = "light",
-                 parent: QWidget | None = None):
+                 parent: QWidget | None = None, x_label: str = "seconds"):
         super().__init__(parent)
         self.meter = meter
-        self.plot = make_plot(title, "seconds", "tok/s", theme)
-        self.plot.setMinimumHeight(self.fontMetrics().height() * 10)
+        self.names: dict[str, str] = {}  # stream -> the name the key shows (default: the stream)
+        self.plot = make_plot(title, x_label, "tok/s", theme, legend=False)
+        self.plot.setMinimumHeight(self.fontMetrics().height() * 8)
+        self.key = QLabel()  # the streams' colours and names, above the plot rather than over the curves
+        self.key.setObjectName("hint")
+        self.key.setWordWrap(True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addWidget(self.plot)
+        layout.addWidget(self.key)
+        layout.addWidget(self.plot, 1)
+        self._theme = theme
         self._start = time.monotonic()
         self._samples: list[tuple[float, dict[str, int]]] = []
         self.series: dict[str, tuple[list[float], list[float]]] = {}
@@ -85,9 +114,23 @@ class LiveRatePlot(QWidget):
     def set_theme(self, theme: str) -> None:
         style_plot(self.plot, theme)
 
+    def set_name(self, stream: str, name: str) -> None:
+        self.names[stream] = name
+        self._update_key()
+
+    def _update_key(self) -> None:
+        parts = []
+        for stream, curve in self._curves.items():
+            colour = curve.opts["pen"].color().name()
+            parts.append(f"<span style='color:{colour}'>&#9632;</span> {html.escape(self.names.get(stream, stream))}")
+        self.key.setText("&nbsp;&nbsp;&nbsp;".join(parts))
+        self.key.setVisible(bool(parts))
+
     def sample(self) -> None:
-        now = time.monotonic() - self._start
+        clock = time.monotonic()
+        now = clock - self._start
         counts = self.meter.snapshot()
+        started = dict(self.meter.started)
         self._samples.append((now, counts))
         del self._samples[: -(self.WINDOW + 1)]
         if len(self._samples) < 2:
@@ -98,15 +141,21 @@ class LiveRatePlot(QWidget):
             xs, ys = self.series.setdefault(stream, ([], []))
             if rate == 0 and (not ys or ys[-1] == 0):
                 continue  # an idle stream adds no points until it runs again
-            xs.append(now)
+            began = started.get(stream)
+            x = now if began is None else clock - began  # seconds since its reply began
+            if xs and x < xs[-1]:  # a new reply of this stream: its curve starts again at 0
+                xs.clear()
+                ys.clear()
+            xs.append(x)
             ys.append(rate)
-            while xs and xs[0] < now - self.HISTORY_S:
+            while xs and xs[0] < x - self.HISTORY_S:
                 xs.pop(0)
                 ys.pop(0)
             curve = self._curves.get(stream)
             if curve is None:
                 colour = SERIES[len(self._curves) % len(SERIES)]
                 curve = self._curves[stream] = self.plot.plot([], [], name=stream, pen=pg.mkPen(colour, width=2))
+                self._update_key()
             curve.setData(xs, ys)
 
     def points(self, stream: str) -> int:
@@ -119,6 +168,4 @@ class LiveRatePlot(QWidget):
         for curve in self._curves.values():
             self.plot.removeItem(curve)
         self._curves.clear()
-        legend = self.plot.getPlotItem().legend
-        if legend is not None:
-            legend.clear()
+        self._update_key()

@@ -1,4 +1,4 @@
-"""The app's preferences and the Settings dialog.
+"""The app's preferences and the Settings view (a page of the sidebar, each field explained).
 
 ``GuiSettings`` is the engine's ``Settings`` (model, stages, device, drafts, streams, the API... kept
 in ``settings.json``, shared with the ``fleet`` command) plus what is the app's alone (the theme),
@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from PySide6.QtCore import QSettings
-from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
-                               QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget)
+from PySide6.QtCore import QSettings, Signal
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFormLayout, QLabel, QLineEdit, QPushButton, QScrollArea,
+                               QVBoxLayout, QWidget)
 
 from engine.config import DRAFTS, Settings
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.models.catalog import CATALOG
+from fleetgui.chat_options import DEFAULT_PRESET, PRESETS
 from fleetgui.theme import THEMES
-from fleetgui.widgets import combo_box, field_row, spin_box
+from fleetgui.widgets import combo_box, explained, field_row, flow_bar, spin_box
 
 
 @dataclasses.dataclass
 class GuiSettings(Settings):
     theme: str = "light"
+    chat_preset: str = DEFAULT_PRESET  # the sampling a new chat starts with (``fleetgui.chat_options``)
 
     @classmethod
     def load(cls, store: QSettings) -> "GuiSettings":
@@ -33,8 +35,8 @@ class GuiSettings(Settings):
             engine = Settings.load()
         except FleetError:
             engine = Settings()
-        theme = store.value("theme")
-        return cls(**dataclasses.asdict(engine), **({"theme": str(theme)} if theme is not None else {}))
+        own = {key: str(store.value(key)) for key in ("theme", "chat_preset") if store.value(key) is not None}
+        return cls(**dataclasses.asdict(engine), **own)
 
     def save(self, store: QSettings) -> None:
         """The engine's part to ``settings.json`` (keeping the node list as saved there: the Fleet view and
@@ -45,6 +47,7 @@ class GuiSettings(Settings):
             nodes = self.nodes
         dataclasses.replace(self.engine(), nodes=nodes).save()
         store.setValue("theme", self.theme)
+        store.setValue("chat_preset", self.chat_preset)
         store.sync()
 
 
@@ -52,71 +55,126 @@ def default_store() -> QSettings:
     return QSettings("fleetshard", "fleetgui")
 
 
-class SettingsDialog(QDialog):
-    """Edits a copy of the settings; ``result_settings()`` gives them once accepted."""
+HELP = {  # one line under each field, in words a new user understands
+    "key": "The shared secret every machine of your fleet uses; copy this file to each of them.",
+    "model": "What the chat runs: a catalog name, a GGUF file, a Hugging Face folder or an exported shard set.",
+    "stages": "How many pieces the model is split into (one per machine or worker process).",
+    "weights": "How the weights are stored: int4 is smallest and fastest, f16/f32 most exact.",
+    "devices": "Where each stage runs: CPU, GPU or NPU, one for all stages or one per stage (CPU,GPU.1).",
+    "mode": "fast: the quickest exchange between machines; exact: bit-identical to one machine.",
+    "local": "Run the later stages as separate processes on this PC, as a real fleet would.",
+    "streams": "How many chats can generate at the same time.",
+    "k": "Speculative decoding: tokens guessed ahead per step (auto picks; 0 turns guessing off).",
+    "draft": "How the guesses are made: lookup copies from the conversation, a model drafts with a small model.",
+    "draft_model": "The small model for model and hybrid drafts.",
+    "max_new_tokens": "The longest reply a new chat allows, in tokens (each chat can change it).",
+    "chat_preset": "The sampling a new chat starts with (Balanced stops small models repeating themselves).",
+    "theme": "Light or dark colours.",
+    "api": "Let other programs use the chat's model through an OpenAI-compatible address.",
+    "api_address": "127.0.0.1 keeps the API on this PC; another address needs the API key the app creates.",
+}
+
+
+class SettingsPage(QWidget):
+    """The Settings view: edits a copy of the settings, each field with a line saying what it does;
+    Save checks them and emits ``saved`` with the new settings, Revert shows the current ones."""
+
+    saved = Signal(object)  # GuiSettings
 
     def __init__(self, settings: GuiSettings, parent: QWidget | None = None):
         super().__init__(parent)
-        self.setWindowTitle("Settings")
         self._settings = settings
         form = QFormLayout()
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
 
-        self.key_file = QLineEdit(settings.fleet_key_file or "")
+        self.key_file = QLineEdit()
         self.key_file.setPlaceholderText("default: fleet.key in the config folder")
         browse = QPushButton("Browse…")
         browse.clicked.connect(self._browse_key)
-        form.addRow("Fleet key file", field_row(self.key_file, browse))
-
-        self.model = combo_box(CATALOG, settings.default_model, editable=True)
-        self.model.setToolTip("a catalog name, a GGUF file, a Hugging Face folder or an exported shard set")
-        form.addRow("Default model", self.model)
-
-        self.stages = spin_box(1, 64, settings.stages)
-        form.addRow("Stages", self.stages)
-        self.weights = combo_box(WEIGHT_FORMATS, settings.weights)
-        form.addRow("Weights", self.weights)
-        self.devices = QLineEdit(settings.device)
-        self.devices.setToolTip("one OpenVINO device for every stage (CPU, GPU, NPU) or one per stage: CPU,GPU.1")
-        form.addRow("Devices", self.devices)
-        self.mode = combo_box(["fast", "exact"], settings.mode)
-        form.addRow("Mode", self.mode)
+        form.addRow("Fleet key file", explained(field_row(self.key_file, browse), HELP["key"]))
+        self.model = combo_box(CATALOG, editable=True)
+        form.addRow("Default model", explained(self.model, HELP["model"]))
+        self.stages = spin_box(1, 64, 2)
+        form.addRow("Stages", explained(self.stages, HELP["stages"]))
+        self.weights = combo_box(WEIGHT_FORMATS)
+        form.addRow("Weights", explained(self.weights, HELP["weights"]))
+        self.devices = QLineEdit()
+        form.addRow("Devices", explained(self.devices, HELP["devices"]))
+        self.mode = combo_box(["fast", "exact"])
+        form.addRow("Mode", explained(self.mode, HELP["mode"]))
         self.local_workers = QCheckBox("run stages 1.. as worker processes on this machine")
-        self.local_workers.setChecked(settings.local_workers)
-        form.addRow("Local fleet", self.local_workers)
-        self.streams = spin_box(1, 16, settings.streams)
-        form.addRow("Streams", self.streams)
-        self.k = combo_box(["auto", *map(str, range(0, 11))], settings.k, editable=True)
-        self.k.setToolTip("draft tokens per speculative round; 0 turns speculation off")
-        form.addRow("K", self.k)
-        self.draft = combo_box(DRAFTS, settings.draft)
-        form.addRow("Draft", self.draft)
-        self.draft_model = QLineEdit(settings.draft_model)
-        self.draft_model.setPlaceholderText("for model and hybrid drafts, e.g. qwen2.5-coder-0.5b")
-        form.addRow("Draft model", self.draft_model)
-        self.max_new_tokens = spin_box(1, 32768, settings.max_new_tokens)
-        form.addRow("Max new tokens", self.max_new_tokens)
-        self.theme = combo_box(THEMES, settings.theme)
-        form.addRow("Theme", self.theme)
+        form.addRow("Local fleet", explained(self.local_workers, HELP["local"]))
+        self.streams = spin_box(1, 16, 2)
+        form.addRow("Streams", explained(self.streams, HELP["streams"]))
+        self.k = combo_box(["auto", *map(str, range(0, 11))], editable=True)
+        form.addRow("Guess ahead (K)", explained(self.k, HELP["k"]))
+        self.draft = combo_box(DRAFTS)
+        form.addRow("Draft", explained(self.draft, HELP["draft"]))
+        self.draft_model = QLineEdit()
+        self.draft_model.setPlaceholderText("e.g. qwen2.5-coder-0.5b")
+        form.addRow("Draft model", explained(self.draft_model, HELP["draft_model"]))
+        self.max_new_tokens = spin_box(1, 32768, 256)
+        form.addRow("Max new tokens", explained(self.max_new_tokens, HELP["max_new_tokens"]))
+        self.chat_preset = combo_box(PRESETS)
+        form.addRow("Chat sampling", explained(self.chat_preset, HELP["chat_preset"]))
+        self.theme = combo_box(THEMES)
+        form.addRow("Theme", explained(self.theme, HELP["theme"]))
         self.api_enabled = QCheckBox("serve the chat's model as an OpenAI-compatible API")
-        self.api_enabled.setChecked(settings.api_enabled)
-        form.addRow("API", self.api_enabled)
-        self.api_host = QLineEdit(settings.api_host)
-        self.api_host.setToolTip("127.0.0.1: this PC only; another address (0.0.0.0: every network) "
-                                 "needs the API key, which the app creates")
-        self.api_port = spin_box(0, 65535, settings.api_port)
-        form.addRow("API address", field_row(self.api_host, self.api_port))
+        form.addRow("API", explained(self.api_enabled, HELP["api"]))
+        self.api_host = QLineEdit()
+        self.api_port = spin_box(0, 65535, 8000)
+        form.addRow("API address", explained(field_row(self.api_host, self.api_port), HELP["api_address"]))
 
+        inner = QWidget()
+        inner.setLayout(form)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        scroll.setWidget(inner)
         self.error = QLabel()
         self.error.setObjectName("hint")
         self.error.setWordWrap(True)
         self.error.hide()
-        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
+        self.save_button = QPushButton("Save")
+        self.save_button.setObjectName("primary")
+        self.save_button.clicked.connect(self.accept)
+        revert = QPushButton("Revert")
+        revert.setToolTip("show the settings in force again")
+        revert.clicked.connect(lambda: self.load(self._settings))
+        title = QLabel("Settings")
+        title.setObjectName("hint")
         layout = QVBoxLayout(self)
-        layout.addLayout(form)
+        layout.addWidget(title)
+        layout.addWidget(scroll, 1)
         layout.addWidget(self.error)
-        layout.addWidget(buttons)
+        layout.addWidget(flow_bar(revert, self.save_button, align_right=True)[0])
+        self.load(settings)
+
+    def load(self, settings: GuiSettings) -> None:
+        """Shows ``settings`` in the fields."""
+        self._settings = settings
+        self.key_file.setText(settings.fleet_key_file or "")
+        self.model.setCurrentText(settings.default_model)
+        self.stages.setValue(settings.stages)
+        self.weights.setCurrentText(settings.weights)
+        self.devices.setText(settings.device)
+        self.mode.setCurrentText(settings.mode)
+        self.local_workers.setChecked(settings.local_workers)
+        self.streams.setValue(settings.streams)
+        self.k.setCurrentText(settings.k)
+        self.draft.setCurrentText(settings.draft)
+        self.draft_model.setText(settings.draft_model)
+        self.max_new_tokens.setValue(settings.max_new_tokens)
+        self.chat_preset.setCurrentText(settings.chat_preset)
+        self.theme.setCurrentText(settings.theme)
+        self.api_enabled.setChecked(settings.api_enabled)
+        self.api_host.setText(settings.api_host)
+        self.api_port.setValue(settings.api_port)
+        self.error.hide()
+
+    def apply_settings(self, settings: GuiSettings) -> None:
+        self.load(settings)
 
     def _browse_key(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Fleet key file", self.key_file.text())
@@ -130,13 +188,18 @@ class SettingsDialog(QDialog):
             mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(), streams=self.streams.value(),
             k=self.k.currentText().strip() or "auto", draft=self.draft.currentText(),
             draft_model=self.draft_model.text().strip(), max_new_tokens=self.max_new_tokens.value(),
-            theme=self.theme.currentText(), api_enabled=self.api_enabled.isChecked(),
-            api_host=self.api_host.text().strip(), api_port=self.api_port.value())
+            chat_preset=self.chat_preset.currentText(), theme=self.theme.currentText(),
+            api_enabled=self.api_enabled.isChecked(), api_host=self.api_host.text().strip(),
+            api_port=self.api_port.value())
 
-    def accept(self) -> None:
-        problem = self.result_settings().validate()
+    def accept(self) -> bool:
+        """Saves the fields when they are valid (True); otherwise says what is wrong under them."""
+        result = self.result_settings()
+        problem = result.validate()
         if problem:
             self.error.setText(problem)
             self.error.show()
-            return
-        super().accept()
+            return False
+        self.error.hide()
+        self.saved.emit(result)
+        return True

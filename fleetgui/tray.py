@@ -6,11 +6,17 @@ the same controls) shows what the node does and which stage it serves, pauses an
 turns "Start with the session" on and off (``fleetgui.autostart``), and quits: the agent stops its
 workers, says goodbye over mDNS and closes its connections, so the coordinator sees a clean departure.
 Calls that block (pausing stops workers, quitting stops the agent) run off the GUI thread.
+
+Activity is live: the agent's own log (shards received, workers started, refused connections), each
+stage worker's log as it grows (upstream connections, next-stage links, errors), and the stages it
+starts and stops serving; ``WorkerController.counts`` tallies connections, stages served, tokens served (each worker
+logs them every few seconds while it serves, and as its upstream leaves) and errors.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -27,7 +33,7 @@ from engine.fleetkey import TLS, tls_file
 from engine.manifest import layer_span
 from fleetgui import autostart, keystore, theme
 from fleetgui.settings import GuiSettings, default_store
-from fleetgui.widgets import Banner
+from fleetgui.widgets import Banner, flow_bar
 from fleetgui.workers import TaskRunner, on_signals
 
 log = logging.getLogger(__name__)
@@ -70,6 +76,8 @@ class WorkerController(QObject):
         self.stopping = False
         self.tasks = TaskRunner(self)
         self._last = None
+        self._tails: dict[str, tuple[Path, int, str]] = {}  # worker id -> (its log, bytes read, stage label)
+        self.counts = {"connections": 0, "stages": 0, "tokens": 0, "errors": 0}
         self.timer = QTimer(self)
         self.timer.setInterval(poll_ms)
         self.timer.timeout.connect(self._poll)
@@ -93,7 +101,41 @@ class WorkerController(QObject):
 
     def _log(self, line: str) -> None:
         log.info("agent: %s", line)
+        self._count(line)
         self.logged.emit(line)
+
+    def _count(self, line: str) -> None:
+        text = line.lower()
+        if "serving upstream" in text or text.startswith("control connection from"):
+            self.counts["connections"] += 1
+        if "started worker" in text:
+            self.counts["stages"] += 1
+        if any(word in text for word in ("refused", "error", "failed", "gone", "lost", "traceback")):
+            self.counts["errors"] += 1
+        served = re.search(r"served (\d+) tokens", text)  # a worker's count since its last one
+        if served:
+            self.counts["tokens"] += int(served.group(1))
+
+    def _read_worker_logs(self) -> None:
+        """Emits the lines each stage worker wrote to its log since the last poll."""
+        workers = dict(self.agent.workers) if self.agent is not None else {}
+        for wid, worker in workers.items():
+            if wid not in self._tails:
+                self._tails[wid] = (Path(worker.log), 0, f"stage {worker.info.get('stage')}")
+            path, offset, label = self._tails[wid]
+            try:
+                with path.open("rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                continue
+            complete = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+            self._tails[wid] = (path, offset + complete, label)
+            for raw in data[:complete].decode("utf-8", "replace").splitlines():
+                if raw.strip() and not raw.startswith("ready "):
+                    self._log(f"{label}: {raw.strip()}")
+        for wid in set(self._tails) - set(workers):
+            self._log(f"{self._tails.pop(wid)[2]}: worker {wid} stopped")
 
     def shards(self) -> list[dict]:
         """The shards this node holds (its store's listing)."""
@@ -119,13 +161,20 @@ class WorkerController(QObject):
             return ("not running: " + self.error) if self.error else "stopped", ""
         return describe_state(self.agent)
 
+    def tally(self) -> str:
+        n = self.counts
+        return (f"{n['connections']} connection{'s' if n['connections'] != 1 else ''} · {n['stages']} stage"
+                f"{'s' if n['stages'] != 1 else ''} started · {n['tokens']} token{'s' if n['tokens'] != 1 else ''} "
+                f"served · {n['errors']} error{'s' if n['errors'] != 1 else ''}")
+
     def identity(self) -> str:
         if self.agent is None:
             return f"key {self.key_file}"
         return f"{self.agent.name} · {self.agent.host}:{self.agent.port} · fleet {self.agent.fleet_id}"
 
     def _poll(self) -> None:
-        now = (self.state(), self.paused, len(self.shards()))
+        self._read_worker_logs()
+        now = (self.state(), self.paused, len(self.shards()), tuple(self.counts.values()))
         if now != self._last:
             self._last = now
             self.changed.emit()
@@ -220,16 +269,18 @@ class WorkerWindow(QWidget):
         self.status = QLabel()
         self.stage = QLabel()
         self.shards = QLabel()
+        self.tally = QLabel()
         form = QFormLayout()
         for label, widget in (("Node", self.identity), ("Status", self.status), ("Serving", self.stage),
-                              ("Shards held", self.shards)):
+                              ("Shards held", self.shards), ("Activity", self.tally)):
             widget.setWordWrap(True)
             widget.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             form.addRow(label, widget)
         self.activity = QPlainTextEdit()
         self.activity.setReadOnly(True)
         self.activity.setMaximumBlockCount(500)
-        self.activity.setPlaceholderText("What the agent does appears here: shards received, workers started.")
+        self.activity.setPlaceholderText("What the agent does appears here: connections, shards received, stages "
+                                         "started, errors.")
         activity_box = QGroupBox("Activity")
         QVBoxLayout(activity_box).addWidget(self.activity)
         self.pause_button = QPushButton("Pause serving")
@@ -249,11 +300,9 @@ class WorkerWindow(QWidget):
         self.quit_button.setToolTip("stop serving: workers stop, and the fleet sees this PC leave")
         self.quit_button.clicked.connect(controller.quit)
         buttons = QHBoxLayout()
-        buttons.addWidget(self.autostart, 1)
-        buttons.addWidget(self.key_button)
-        buttons.addWidget(self.prune_button)
-        buttons.addWidget(self.pause_button)
-        buttons.addWidget(self.quit_button)
+        buttons.addWidget(self.autostart)
+        buttons.addWidget(flow_bar(self.key_button, self.prune_button, self.pause_button, self.quit_button,
+                                   align_right=True)[0], 1)
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
         layout.addWidget(title)
@@ -275,6 +324,7 @@ class WorkerWindow(QWidget):
         self.stage.setText(stage or "—")
         shards = c.shards()
         self.shards.setText("; ".join(shard_text(s) for s in shards) or "none")
+        self.tally.setText(c.tally())
         self.pause_button.setText("Resume serving" if c.paused else "Pause serving")
         self.pause_button.setEnabled(c.running)
         self.prune_button.setEnabled(c.running and bool(shards))
@@ -322,6 +372,8 @@ class WorkerTray(QObject):
         self.status_action.setEnabled(False)
         self.stage_action = QAction("", self.menu)
         self.stage_action.setEnabled(False)
+        self.tally_action = QAction("", self.menu)
+        self.tally_action.setEnabled(False)
         self.pause_action = QAction("Pause serving", self.menu)
         self.pause_action.triggered.connect(controller.toggle_pause)
         self.prune_action = QAction("Remove unused shards", self.menu)
@@ -331,7 +383,7 @@ class WorkerTray(QObject):
         self.autostart_action.toggled.connect(controller.set_autostart)
         self.quit_action = QAction("Quit", self.menu)
         self.quit_action.triggered.connect(controller.quit)
-        for action in (self.status_action, self.stage_action):
+        for action in (self.status_action, self.stage_action, self.tally_action):
             self.menu.addAction(action)
         self.menu.addSeparator()
         for action in (self.pause_action, self.prune_action, self.autostart_action):
@@ -352,6 +404,7 @@ class WorkerTray(QObject):
         self.status_action.setText(f"Status: {status}")
         self.stage_action.setText(f"Stage: {stage}" if stage else "")
         self.stage_action.setVisible(bool(stage))
+        self.tally_action.setText(f"Activity: {c.tally()}")
         self.pause_action.setText("Resume serving" if c.paused else "Pause serving")
         self.pause_action.setEnabled(c.running)
         self.prune_action.setEnabled(c.running)

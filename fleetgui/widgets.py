@@ -1,10 +1,12 @@
 """Small widgets the views share: the inline message banner, the splitter and field-with-button
-rows several views lay out, and ready-filled spin and combo boxes for their forms."""
+rows several views lay out, a flow layout for rows of buttons that wrap instead of widening the
+window, the scroll frame every view sits in, and ready-filled spin and combo boxes for their forms."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QComboBox, QFrame, QHBoxLayout, QLabel, QPushButton, QSpinBox, QSplitter, QWidget
+from PySide6.QtCore import QPoint, QRect, QSize, Qt
+from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLayout, QPushButton, QScrollArea,
+                               QSizePolicy, QSpinBox, QSplitter, QStyle, QVBoxLayout, QWidget)
 
 
 class Banner(QFrame):
@@ -61,6 +63,23 @@ def field_row(field: QWidget, *buttons: QWidget) -> QHBoxLayout:
     return row
 
 
+def explained(field: QWidget | QHBoxLayout, text: str) -> QWidget:
+    """A field (or a row of them) with a one-line explanation under it."""
+    box = QWidget()
+    layout = QVBoxLayout(box)
+    layout.setContentsMargins(0, 0, 0, 0)
+    layout.setSpacing(1)
+    if isinstance(field, QWidget):
+        layout.addWidget(field)
+    else:
+        layout.addLayout(field)
+    note = QLabel(text)
+    note.setObjectName("hint")
+    note.setWordWrap(True)
+    layout.addWidget(note)
+    return box
+
+
 def spin_box(low: int, high: int, value: int) -> QSpinBox:
     box = QSpinBox()
     box.setRange(low, high)
@@ -75,3 +94,143 @@ def combo_box(items, current: str | None = None, *, editable: bool = False) -> Q
     if current is not None:
         box.setCurrentText(current)
     return box
+
+
+class FlowLayout(QLayout):
+    """Lays its items out left to right and wraps onto a new line where the width ends, so a row of
+    buttons never makes its window wider than the longest button.  ``align_right`` pushes each line
+    to the right edge (a dialog's or a form's action buttons)."""
+
+    def __init__(self, parent: QWidget | None = None, *, align_right: bool = False):
+        super().__init__(parent)
+        self._items = []
+        self.align_right = align_right
+        self.setContentsMargins(0, 0, 0, 0)
+
+    def addItem(self, item) -> None:
+        self._items.append(item)
+
+    def count(self) -> int:
+        return len(self._items)
+
+    def itemAt(self, index: int):
+        return self._items[index] if 0 <= index < len(self._items) else None
+
+    def takeAt(self, index: int):
+        return self._items.pop(index) if 0 <= index < len(self._items) else None
+
+    def expandingDirections(self) -> Qt.Orientation:
+        return Qt.Orientation(0)
+
+    def hasHeightForWidth(self) -> bool:
+        return True
+
+    def heightForWidth(self, width: int) -> int:
+        return self._arrange(QRect(0, 0, width, 0), apply=False)
+
+    def setGeometry(self, rect: QRect) -> None:
+        super().setGeometry(rect)
+        self._arrange(rect, apply=True)
+
+    def sizeHint(self) -> QSize:
+        """One line of every item."""
+        margins = self.contentsMargins()
+        width = sum(i.sizeHint().width() for i in self._visible()) + self._gap() * max(0, len(self._visible()) - 1)
+        height = max((i.sizeHint().height() for i in self._visible()), default=0)
+        return QSize(width + margins.left() + margins.right(), height + margins.top() + margins.bottom())
+
+    def minimumSize(self) -> QSize:
+        """The widest single item: everything else can wrap."""
+        size = QSize()
+        for item in self._visible():
+            size = size.expandedTo(item.minimumSize().expandedTo(item.sizeHint()))
+        margins = self.contentsMargins()
+        return size + QSize(margins.left() + margins.right(), margins.top() + margins.bottom())
+
+    def _visible(self) -> list:
+        return [i for i in self._items if not (i.widget() is not None and i.widget().isHidden())]
+
+    def _gap(self) -> int:
+        spacing = self.spacing()
+        if spacing >= 0:
+            return spacing
+        parent = self.parentWidget()
+        return parent.style().pixelMetric(QStyle.PixelMetric.PM_LayoutHorizontalSpacing) if parent else 6
+
+    def _arrange(self, rect: QRect, apply: bool) -> int:
+        margins = self.contentsMargins()
+        area = rect.adjusted(margins.left(), margins.top(), -margins.right(), -margins.bottom())
+        gap = self._gap()
+        lines: list[list] = [[]]
+        x = 0
+        for item in self._visible():
+            w = item.sizeHint().width()
+            if lines[-1] and x + w > area.width():
+                lines.append([])
+                x = 0
+            lines[-1].append(item)
+            x += w + gap
+        y = area.y()
+        for line in lines:
+            if not line:
+                continue
+            height = max(i.sizeHint().height() for i in line)
+            used = sum(min(i.sizeHint().width(), area.width()) for i in line) + gap * (len(line) - 1)
+            x = area.x() + (max(0, area.width() - used) if self.align_right else 0)
+            for item in line:
+                size = item.sizeHint()
+                width = min(size.width(), area.width())
+                if apply:
+                    item.setGeometry(QRect(QPoint(x, y + (height - size.height()) // 2), QSize(width, size.height())))
+                x += width + gap
+            y += height + gap
+        return y - gap - area.y() + margins.top() + margins.bottom() if y > area.y() else 0
+
+
+def flow_bar(*widgets: QWidget, align_right: bool = False) -> tuple[QWidget, FlowLayout]:
+    """A widget holding ``widgets`` in a ``FlowLayout``; returns it and the layout (more can be added)."""
+    bar = QWidget()
+    layout = FlowLayout(bar, align_right=align_right)
+    for widget in widgets:
+        layout.addWidget(widget)
+    policy = QSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Preferred)
+    policy.setHeightForWidth(True)
+    bar.setSizePolicy(policy)
+    return bar, layout
+
+
+class ViewFrame(QScrollArea):
+    """What holds a view in the main window: the view takes the whole area, and were it ever to need
+    more than the window has (a huge system font), it scrolls instead of pushing the window past the
+    screen's edge."""
+
+    def __init__(self, view: QWidget, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        # sized here, not by widgetResizable: that gives a view with wrapping rows its preferred
+        # height (scrolling whenever the window is shorter), where the view fits down to its minimum
+        self.setWidgetResizable(False)
+        self.setWidget(view)
+        view.installEventFilter(self)
+
+    def view(self) -> QWidget:
+        return self.widget()
+
+    def _fit(self) -> None:
+        view, area = self.widget(), self.viewport().size()
+        minimum = view.minimumSizeHint().expandedTo(view.minimumSize())
+        width = max(area.width(), minimum.width())
+        layout = view.layout()
+        low = layout.totalMinimumHeightForWidth(width) if layout is not None and layout.hasHeightForWidth() \
+            else minimum.height()
+        view.resize(width, max(area.height(), low, minimum.height()))
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._fit()
+
+    def eventFilter(self, watched, event) -> bool:
+        result = super().eventFilter(watched, event)
+        if watched is self.widget() and event.type() == event.Type.LayoutRequest:
+            self._fit()  # the view's minimum changed (a banner shown, a row wrapped)
+        return result

@@ -25,7 +25,7 @@ CORPUS = [
 
 def pytest_addoption(parser):
     parser.addoption("--screenshots", metavar="DIR", default=None,
-                     help="save the GUI tests' 1280x800 screenshots into DIR (`make screenshots`: docs/screenshots)")
+                     help="save the GUI tests' 1366x768 screenshots into DIR (`make screenshots`: docs/screenshots)")
 
 
 def pytest_configure(config):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 SCREENSHOTS: Path | None = None  # set from pytest's --screenshots; None encodes them in memory only
-SIZE = (1280, 800)
+SIZE = (1366, 768)
 
 
 @pytest.fixture
@@ -25,11 +25,12 @@ def settings_store(path: Path):
 
 
 def tiny_settings(shards, **changes):
-    """Settings that chat with a tiny export in process, greedy, no speculation."""
+    """Settings that chat with a tiny export in process, greedy (new chats start on the Greedy
+    preset, so replies can be compared with the chain's own decoding), no speculation."""
     from fleetgui.settings import GuiSettings
 
     values = dict(default_model=str(shards), local_workers=False, draft="none", k="0", streams=2,
-                  max_new_tokens=64, weights="f32", stages=2)
+                  max_new_tokens=64, weights="f32", stages=2, chat_preset="Greedy")
     values.update(changes)
     return GuiSettings(**values)
 
@@ -45,16 +46,17 @@ def open_window(qtbot, settings, store, **kw):
     return window
 
 
-def screenshot(window, name: str) -> None:
-    """Grabs the window at 1280x800 and encodes it as PNG: into SCREENSHOTS/NAME.png with
-    `--screenshots DIR`, otherwise in memory, so a test run leaves docs/screenshots alone."""
+def screenshot(window, name: str, size: tuple[int, int] = SIZE) -> None:
+    """Grabs the window at ``size`` (1366x768, a common laptop screen) and encodes it as PNG: into
+    SCREENSHOTS/NAME.png with `--screenshots DIR`, otherwise in memory, so a test run leaves
+    docs/screenshots alone."""
     from PySide6.QtCore import QBuffer, QIODevice
     from PySide6.QtWidgets import QApplication
 
-    window.resize(*SIZE)
+    window.resize(*size)
     QApplication.processEvents()
     image = window.grab()
-    assert (image.width(), image.height()) == SIZE
+    assert (image.width(), image.height()) == size
     if SCREENSHOTS is None:
         buffer = QBuffer()
         buffer.open(QIODevice.OpenModeFlag.WriteOnly)

@@ -24,7 +24,7 @@ def test_window_builds_and_every_view_shows(qtbot, gui_home, tmp_path):
     for name in VIEWS:
         view = window.show_view(name)
         qtbot.waitUntil(view.isVisible)
-        assert window.current_view() == name and window.stack.currentWidget() is view
+        assert window.current_view() == name and window.stack.currentWidget().view() is view
     from fleetgui.fleet_view import FleetView
     from fleetgui.placement_view import PlacementView
 
@@ -34,7 +34,7 @@ def test_window_builds_and_every_view_shows(qtbot, gui_home, tmp_path):
 
     fleet = QLabel("fleet view")
     window.set_view("Fleet", fleet)
-    assert window.show_view("Fleet") is fleet and window.stack.currentWidget() is fleet
+    assert window.show_view("Fleet") is fleet and window.stack.currentWidget().view() is fleet
 
 
 def test_window_fits_1280x800_and_grows_with_the_font(qtbot, gui_home, tmp_path):
@@ -70,12 +70,11 @@ def test_settings_persist_across_a_new_qsettings(qtbot, gui_home, tmp_path):
     dialog.streams.setValue(3)
     dialog.stages.setValue(3)
     dialog.devices.setText("CPU,GPU.1")  # two devices for three stages: refused with the reason
-    dialog.accept()
-    assert dialog.isVisible() and "3 stages" in dialog.error.text()
+    assert not dialog.accept()
+    assert dialog.isVisible() and "3 stages" in dialog.error.text() and window.settings.stages != 3
     dialog.devices.setText("CPU,CPU,GPU.1")
     dialog.theme.setCurrentText("dark")
-    dialog.accept()
-    assert not dialog.isVisible()
+    assert dialog.accept() and dialog.error.isHidden()
 
     loaded = GuiSettings.load(settings_store(path))  # a new QSettings on the same file
     assert loaded.fleet_key_file == str(tmp_path / "office.key")
@@ -84,6 +83,20 @@ def test_settings_persist_across_a_new_qsettings(qtbot, gui_home, tmp_path):
                                                                                        "dark")
     assert loaded == window.settings
     assert loaded.local_workers is False and loaded.max_new_tokens == 64
+
+
+def test_settings_is_a_view_of_the_sidebar_with_each_field_explained(qtbot, gui_home, tmp_path):
+    from PySide6.QtWidgets import QFormLayout, QLabel
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    assert "Settings" in [window.sidebar.item(i).text() for i in range(window.sidebar.count())]
+    page = window.open_settings()
+    assert window.current_view() == "Settings" and page is window.views["Settings"]
+    form = page.findChild(QFormLayout)
+    for row in range(form.rowCount()):
+        field = form.itemAt(row, QFormLayout.ItemRole.FieldRole).widget()
+        notes = [label.text() for label in field.findChildren(QLabel) if label.objectName() == "hint"]
+        assert notes and len(notes[0]) > 20, form.itemAt(row, QFormLayout.ItemRole.LabelRole).widget().text()
 
 
 def test_theme_switches_and_is_kept(qtbot, gui_home, tmp_path):

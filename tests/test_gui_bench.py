@@ -86,3 +86,32 @@ def test_bench_hooks_report_progress_and_cancel_without_changing_results(shards)
     with pytest.raises(BenchCancelled):
         run_wan("tiny", "none", shards=shards, delays=(0.0,), tokens=4, draft_kind="lookup", log=lambda m: None,
                 hooks=Hooks(cancel=cancel))
+
+
+def test_plots_read_plainly_with_one_point_and_name_chats(qtbot, gui_home, tmp_path):
+    """One measured row: the axes span a readable range around it (not "-400...400 (x0.001)").  The
+    live plot counts seconds from each reply's start and names its streams in a key above the plot."""
+    import time
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    panel = window.show_view("Benchmarks")
+    panel.bench_name, panel.rows = "wan", [{"delay_ms": 0.0, "naive_tok_s": 40.0, "full_tok_s": 40.0}]
+    panel._draw()
+    (x0, x1), (y0, y1) = panel.plot.getPlotItem().viewRange()
+    assert x0 <= -0.5 and x1 >= 0.5 and x1 - x0 <= 4
+    assert y0 <= 30 and y1 >= 50 and y1 - y0 <= 60
+    assert "x0.001" not in panel.plot.getAxis("bottom").labelString()
+
+    chat = window.chat
+    live, meter = chat.live, chat.meter
+    live._start -= 100.0  # the app has been open a while: the axis must not count from its start
+    meter.begin("chat 1")
+    live.set_name("chat 1", "Paris trip")
+    live.sample()
+    meter.add("chat 1", 5)
+    time.sleep(0.05)
+    live.sample()
+    xs, ys = live.series["chat 1"]
+    assert xs and xs[-1] < 5 and ys[-1] > 0
+    assert "Paris trip" in live.key.text() and live.key.isVisible() is chat.isVisible()
+    assert live.plot.getPlotItem().legend is None  # no legend over the curves

@@ -9,6 +9,8 @@ import re
 import pytest
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
 
+from PySide6.QtCore import QUrl
+
 from engine.config import Settings
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.tokenizer import ChatTokenizer
@@ -127,25 +129,75 @@ def test_two_tabs_generate_at_once_like_each_alone(qtbot, gui_home, tmp_path, sh
     assert window.chat.tabs.count() == 2
 
 
-def test_regenerate_copy_and_new_chat(qtbot, gui_home, tmp_path, shards):
+def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot, gui_home, tmp_path, shards):
     from PySide6.QtWidgets import QApplication
+
+    from fleetgui.chat_options import preset_options, sampling_params
 
     window = open_window(qtbot, tiny_settings(shards, max_new_tokens=24), settings_store(tmp_path / "s.ini"))
     tab = window.chat.all_tabs()[0]
+    tab.set_options(preset_options("Balanced", 24))
+    assert tab.sampling_button.text().startswith("Balanced: temperature 0.7")
     first = send(qtbot, tab, "A fleet of laptops")
+    first_seed = tab.conversation.messages[1].stats["seed"]
     with qtbot.waitSignal(tab.finished, timeout=60000) as blocker:
         tab.regenerate_button.click()
     again = blocker.args[0]
-    assert again.tokens == first.tokens  # greedy: the same reply again, in place of the first
+    seed = tab.conversation.messages[1].stats["seed"]
+    assert seed != first_seed and again.tokens != first.tokens  # a new draw, in place of the first
     assert [m.role for m in tab.conversation.messages] == ["user", "assistant"]
     assert [m.role for m in window.history.load(tab.conversation.id).messages] == ["user", "assistant"]
-    tab.copy_button.click()
+    # the recorded seed reproduces the reply
+    options = tab.options
+    replay = window.chat_controller.service.submit(tab.conversation.prompt()[:-1], 24,
+                                                   sampling=sampling_params(options, seed)).wait(60)
+    assert replay.tokens == again.tokens
+    assert "Sampled with seed" in tab.stats.toolTip() and "acceptance" not in tab.stats.text()
+
+    tab.copy_button.click()  # the whole chat, as Markdown
+    assert QApplication.clipboard().text().startswith("# A fleet of laptops") and again.text in \
+        QApplication.clipboard().text()
+    tab._link(QUrl("copy:1"))  # the message's own Copy link
     assert QApplication.clipboard().text() == again.text
+    tab._link(QUrl("edit:0"))  # back into the input; the rest goes
+    assert tab.input.toPlainText() == "A fleet of laptops" and tab.conversation.messages == []
+    assert window.history.load(tab.conversation.id).messages == []
+    second = send(qtbot, tab, "A fleet of laptops, edited")
+    assert [m.content for m in tab.conversation.messages] == ["A fleet of laptops, edited", second.text]
+    tab._link(QUrl("delete:1"))
+    assert [m.role for m in window.history.load(tab.conversation.id).messages] == ["user"]
     count = window.chat.tabs.count()
     fresh = window.chat.new_chat()
     assert window.chat.tabs.count() == count + 1 and fresh.conversation.messages == []
     window.chat.close_tab(window.chat.tabs.indexOf(fresh))
     assert window.chat.tabs.count() == count
+
+
+def test_new_chats_sample_with_defaults_that_stop_loops(qtbot, gui_home, tmp_path, shards):
+    """A new chat starts on the Balanced preset (temperature 0.7, top-p 0.9, repetition penalty 1.1,
+    the settings' max tokens); the sampling dialog edits it, a preset sets every field, and the
+    chat's options are kept with it."""
+    from fleetgui.settings import GuiSettings
+
+    assert GuiSettings().chat_preset == "Balanced"
+    window = open_window(qtbot, tiny_settings(shards, chat_preset="Balanced", max_new_tokens=40),
+                         settings_store(tmp_path / "s.ini"))
+    tab = window.chat.all_tabs()[0]
+    assert tab.options == {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.1,
+                           "max_tokens": 40, "seed": None}
+    dialog = tab.open_sampling()
+    qtbot.addWidget(dialog)
+    panel = dialog.panel
+    panel.temperature.setValue(0.3)
+    assert panel.preset.currentText() == "Custom" and tab.options["temperature"] == 0.3
+    panel.preset.setCurrentText("Creative")
+    assert (tab.options["temperature"], tab.options["top_p"]) == (1.0, 0.95)
+    panel.seed.setValue(7)
+    panel.max_tokens.setValue(12)
+    reply = send(qtbot, tab, "The quick brown fox")
+    assert len(reply.tokens) <= 12 and tab.conversation.messages[1].stats["seed"] == 7
+    assert window.history.load(tab.conversation.id).options["seed"] == 7
+    assert "context:" in tab.context.format() and tab.context.value() == reply.prompt_tokens + len(reply.tokens)
 
 
 @pytest.fixture(scope="module")
@@ -160,17 +212,126 @@ def smollm2_two_stages():
 def test_the_default_model_answers_on_a_local_fleet(qtbot, gui_home, tmp_path, smollm2_two_stages):
     """What `make run` opens: SmolLM2-135M, stage 1 in a worker process, prompt lookup with K auto
     (the README's chat screenshot)."""
+    from fleetgui.chat_options import preset_options
     from fleetgui.settings import GuiSettings
 
     settings = GuiSettings(default_model=str(smollm2_two_stages), max_new_tokens=160)
     assert (settings.local_workers, settings.draft, settings.k, settings.stages) == (True, "lookup", "auto", 2)
     window = open_window(qtbot, settings, settings_store(tmp_path / "s.ini"))
     tab = window.chat.all_tabs()[0]
+    assert tab.options["temperature"] == 0.7 and tab.options["repetition_penalty"] == 1.1  # sampled, as people chat
+    # the factual check runs greedy: a 135M model's sampled answers vary (and see the report on issue 49:
+    # the engine's sampled first token differs from greedy even at temperature 0.01)
+    tab.set_options(preset_options("Greedy", 160))
     reply = send(qtbot, tab, "What is the capital of France?", timeout=300000)
     assert reply.stopped_by in ("eos", "max_tokens") and "Paris" in reply.text, (reply.error, reply.text)
     assert window.service_label.text().startswith("Chat: smollm2-135m, 2 stages, local fleet")
-    assert re.search(r" · acceptance [0-9.]+ · ", tab.stats.text()), tab.stats.text()
+    assert "acceptance" not in tab.stats.text() and re.search(r"Speculative decoding: \d+% of the drafted",
+                                                                tab.stats.toolTip()), tab.stats.toolTip()
     longer = send(qtbot, tab, "Tell me three facts about Paris.", timeout=300000)
     assert longer.stopped_by in ("eos", "max_tokens") and len(longer.tokens) > 32, (longer.error, longer.text)
     qtbot.waitUntil(lambda: window.chat.live.points("chat 1") >= 3, timeout=10000)  # the live plot sampled it
     screenshot(window, "chat")
+
+
+def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home, tmp_path):
+    """The first-run payloads (engine.session) shown in the Chat view's progress panel: a
+    download shows its share, its end reads as the next step with a busy bar, Cancel stops it."""
+    from fleetgui.progress import describe_progress
+
+    assert describe_progress(("pull", "model.safetensors", 0.25)) == ("Downloading the model (model.safetensors)",
+                                                                      0.25)
+    assert describe_progress(("pull", "ready", 1.0))[1] is None
+    assert describe_progress(("pull", "assemble", 0.4, 41_000_000, 102_000_000)) == (
+        "Downloading the model (assemble, 41 of 102 MB)", 0.4)  # the byte count a pull reports
+    assert "100%" not in describe_progress(("pull", "ready", 1.0))[0]
+    assert describe_progress(("stage", 1, "convert", 0.5)) == ("Exporting stage 1 (convert)", 0.5)
+    assert describe_progress(("deploy", 2, "send", 0.1)) == ("Sending stage 2", 0.1)
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    panel, controller = window.chat.progress, window.chat_controller
+    controller._loading_progress(("pull", "weights", 0.4))
+    assert panel.isVisible() and panel.bar.value() == 40 and "Downloading" in panel.text
+    controller._loading_progress(("pull", "ready", 1.0))
+    assert panel.bar.maximum() == 0 and "preparing" in panel.text  # busy, not 100%
+    controller._loading_progress(("stage", 0, "compress", 0.5))
+    assert panel.bar.value() == 50 and panel.text == "Exporting stage 0 (compress)"
+    cancelled = []
+    controller.cancel_open = lambda: cancelled.append(True)
+    window.chat.progress.cancel_requested.disconnect()
+    window.chat.progress.cancel_requested.connect(controller.cancel_open)
+    panel.cancel_button.click()
+    assert cancelled == [True]
+    controller.progress.emit("", 1.0)
+    assert not panel.isVisible()
+
+    # Profile fleet's pull in the Placement view: its share on the bar, then busy, never "ready, 100%"
+    placement = window.show_view("Placement")
+    placement._set_busy("Profiling the fleet…")
+    placement._progress(("pull", "model.gguf", 0.5))
+    assert placement.busy.maximum() == 100 and placement.busy.value() == 50
+    placement._progress(("pull", "ready", 1.0))
+    assert placement.busy.maximum() == 0 and "100%" not in placement.activity.text()
+    assert "ready" not in placement.activity.text()
+    placement._set_busy(None)
+
+
+def test_markdown_code_blocks_saved_chats_and_tabs_come_back(qtbot, gui_home, tmp_path):
+    """A reply renders as Markdown with a highlighted code block and its own Copy link; saved chats
+    open with a single click, are searched, renamed and exported; every open tab is back after a
+    restart."""
+    import json
+
+    from PySide6.QtWidgets import QApplication
+
+    from fleetgui.history import Message
+
+    store = tmp_path / "s.ini"
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(store))
+    history = window.history
+    ids = []
+    for title, reply in (("Python help", "Use **bold** and:\n\n```python\ndef add(a, b):\n    return a + b\n```\n"),
+                         ("Paris", "Paris is the capital of *France*."), ("Berlin", "Berlin.")):
+        ids.append(history.create(title))
+        history.append(ids[-1], Message("user", f"about {title}"))
+        history.append(ids[-1], Message("assistant", reply, {"new_tokens": 9, "decode_tok_s": 12.0,
+                                                              "stopped_by": "eos"}))
+    view = window.chat
+    view.conversations_changed()
+    item = view.saved.item([view.saved.item(i).text() for i in range(view.saved.count())].index("Python help"))
+    view.saved.itemClicked.emit(item)  # one click opens it
+    tab = view.tabs.currentWidget()
+    assert tab.conversation.id == ids[0]
+    rendered = tab.transcript.toHtml()
+    assert "font-weight" in rendered and "def" in tab.transcript.toPlainText() and "Copy code" in rendered
+    assert "**" not in tab.transcript.toPlainText()  # Markdown, not its markup
+    assert rendered.count("color:") > 3  # the code is highlighted
+    tab._link(QUrl("copycode:1:0"))
+    assert QApplication.clipboard().text() == "def add(a, b):\n    return a + b"
+
+    view.search.setText("capital")
+    assert [view.saved.item(i).text() for i in range(view.saved.count())] == ["Paris"]
+    view.search.clear()
+    view.rename(ids[0], "Adding in Python")
+    assert history.load(ids[0]).title == "Adding in Python" and view.tabs.tabText(view.tabs.indexOf(tab)) == \
+        "Adding in Python"
+    md = view.export_conversation(ids[0], tmp_path / "chat.md").read_text()
+    assert md.startswith("# Adding in Python") and "```python" in md and "## Assistant" in md
+    doc = json.loads(view.export_conversation(ids[0], tmp_path / "chat.json").read_text())
+    assert [m["role"] for m in doc["messages"]] == ["user", "assistant"] and doc["title"] == "Adding in Python"
+
+    # the model picker: exported shard sets and the catalog; picking one is the chat's model from now on
+    from engine.models.catalog import CATALOG
+
+    choices = [view.model.itemText(i) for i in range(view.model.count())]
+    assert choices[0] == window.settings.default_model and set(CATALOG) <= set(choices)
+    view.model.setCurrentText("smollm2-135m")
+    view.model.activated.emit(view.model.currentIndex())
+    assert window.settings.default_model == "smollm2-135m" and window.current_view() == "Chat"
+
+    view.open_conversation(ids[2])
+    view.open_conversation(ids[1])
+    assert view.open_ids() == [ids[0], ids[2], ids[1]], ([t.conversation.title for t in view.all_tabs()], ids)
+    window.close()
+    again = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(store))
+    assert again.chat.open_ids() == [ids[0], ids[2], ids[1]]
+    assert again.chat.current_id() == ids[1]

@@ -45,9 +45,9 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         assert found.mdns and not found.added and found.address == mdns_address
         assert view.model.row("static-node") is None  # not advertised, not added yet
         view.add_node(mdns_address)  # found both ways: one row
-        assert len(view.model.rows) == 1 and view.model.row("mdns-node").found_by == "mDNS + address"
+        assert len(view.model.node_rows()) == 1 and view.model.row("mdns-node").found_by == "mDNS + address"
         view.remove_node(mdns_address)
-        assert len(view.model.rows) == 1 and view.model.row("mdns-node").found_by == "mDNS"
+        assert len(view.model.node_rows()) == 1 and view.model.row("mdns-node").found_by == "mDNS"
 
         dialog = view._ask_add_node()
         ok = dialog.buttons.button(QDialogButtonBox.StandardButton.Ok)
@@ -91,7 +91,8 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         qtbot.waitUntil(lambda: view.model.row("mdns-node") is None, timeout=20000)
 
         view.remove_node(static_address)
-        assert added_nodes() == [] and view.model.rows == []
+        assert added_nodes() == [] and view.model.node_rows() == []
+        assert [r.found_by for r in view.model.rows] == ["this machine"]  # always listed
 
 
 def test_fleet_key_is_made_and_chosen_private(qtbot, gui_home, tmp_path):

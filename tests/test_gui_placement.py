@@ -279,7 +279,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     screenshot(window, "placement")
     window.show_view("Fleet")
     fleet_view.measure_round_trips()
-    qtbot.waitUntil(lambda: all(r.status.startswith("serving stage") and r.shards for r in fleet_view.model.rows)
+    qtbot.waitUntil(lambda: all(r.status.startswith("serving stage") and r.shards for r in fleet_view.model.node_rows())
                     and fleet_view.rtt_table.rowCount() == 3, timeout=60000)
     assert {"serving stage 1 (layers 1-2)", "serving stage 2 (layer 3)"} <= {r.status for r in fleet_view.model.rows}
     shards = {r.address: r.shards_text() for r in fleet_view.model.rows}[fleet.alpha]
@@ -346,6 +346,11 @@ def test_embedded_default_chats_on_a_local_fleet_and_stops_with_the_window(qtbot
     assert service.description.endswith("2 stages, local fleet")
     agent = service._owned[0].proc
     assert agent.poll() is None
+    fleet_view = window.show_view("Fleet")  # the local fleet's agent is listed as a node, not offered to placements
+    qtbot.waitUntil(lambda: any(r.found_by == "local fleet" and r.status.startswith("serving stage 1")
+                                for r in fleet_view.model.rows), timeout=30000)
+    local = next(r.address for r in fleet_view.model.rows if r.found_by == "local fleet")
+    assert local not in fleet_view.agent_addresses()
     tab = window.chat.all_tabs()[0]
     tab.input.setPlainText("hello")
     with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:

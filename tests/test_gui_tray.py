@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from gui_support import gui_home, screenshot  # noqa: F401
 
@@ -137,3 +138,54 @@ def test_autostart_starts_the_worker_of_this_installation(monkeypatch, tmp_path)
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     monkeypatch.setattr(sys, "executable", str(tmp_path / "fleetshard"))
     assert autostart.worker_command() == [str(tmp_path / "fleetshard"), "--worker"]
+
+
+def test_tray_menu_and_live_activity(qtbot, gui_home, key_file, tiny_exports):
+    """The tray icon's menu (built and driven for real; offscreen shows no icon) and the window's
+    Activity: control connections, a stage started and its worker's own log lines appear live, with
+    their tally, in both front ends."""
+    from engine.fleet.control import ControlClient
+    from engine.fleetkey import load_key
+    from engine.runtime.relay.remote import RemoteChain
+    from fleetgui.tray import WorkerController, WorkerTray, WorkerWindow
+
+    controller = WorkerController(key_file, listen="127.0.0.1:0", name="tray-menu", advertise=False,
+                                  store=gui_home / "store", poll_ms=200)
+    tray = WorkerTray(controller)
+    window = WorkerWindow(controller)
+    qtbot.addWidget(window)
+    assert controller.start()
+    menu = [a.text() for a in tray.menu.actions() if not a.isSeparator()]
+    assert menu[0].startswith("Status: idle") and "Pause serving" in menu and "Quit" in menu
+    assert tray.tally_action.text() == "Activity: 0 connections · 0 stages started · 0 tokens served · 0 errors"
+
+    key = load_key(key_file)
+    with ControlClient(controller.agent.address, key) as agent:
+        digest, _ = agent.send_shard(tiny_exports["llama", "2"].folders[1])
+        worker = agent.start_worker(digest)
+    qtbot.waitUntil(lambda: "stage 1: stage 1 of 2" in window.activity.toPlainText(), timeout=60000)
+    assert "started worker" in window.activity.toPlainText()
+    qtbot.waitUntil(lambda: "1 stage started" in tray.tally_action.text(), timeout=10000)
+    chain = RemoteChain(tiny_exports["llama", "2"].folders[0], [worker["address"]], key=key)  # a coordinator
+    try:
+        qtbot.waitUntil(lambda: "stage 1: serving upstream" in window.activity.toPlainText(), timeout=30000)
+        chain.forward(np.array([[3, 5, 7, 9, 11]]), np.ones((1, 5), np.int64), np.arange(5)[None])  # a prompt
+        chain.forward(np.array([[13]]), np.ones((1, 6), np.int64), np.array([[5]]))  # and one decode step
+    finally:
+        chain.close()
+    # counted while serving and as the chain leaves: the five prompt positions and the one step forwarded
+    qtbot.waitUntil(lambda: controller.counts["tokens"] == 6, timeout=10000)
+    qtbot.waitUntil(lambda: "6 tokens served" in tray.tally_action.text(), timeout=10000)
+    qtbot.waitUntil(lambda: controller.counts["connections"] >= 1 and "0 connections" not in tray.tally_action.text(),
+                    timeout=10000)
+    assert window.tally.text() == controller.tally()
+    assert tray.stage_action.isVisible() and "stage 1 of" in tray.stage_action.text()
+
+    tray.pause_action.trigger()  # the menu drives the agent
+    qtbot.waitUntil(lambda: tray.pause_action.text() == "Resume serving", timeout=20000)
+    assert tray.status_action.text().startswith("Status: paused")
+    qtbot.waitUntil(lambda: "stage 1: worker" in window.activity.toPlainText() and
+                    "stopped" in window.activity.toPlainText(), timeout=10000)  # pausing stopped its worker
+    with qtbot.waitSignal(controller.stopped, timeout=30000):
+        tray.quit_action.trigger()
+    assert controller.agent is None

@@ -33,6 +33,7 @@ from engine.transport.link import Link, accept_loop, authenticate_peer, connect_
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError
 
 MAX_STREAMS = 64
+TOKEN_COUNT_S = 5.0  # how often a serving worker logs the tokens it served (the tray's live tally)
 
 
 class RequestError(FleetError):
@@ -106,6 +107,8 @@ class Worker:
         self._outstanding: set[tuple[int, int]] = set()  # requests the successor owes us
         self._masks: dict[int, np.ndarray] = {}
         self._kv_length: dict[int, int] = {}
+        self.tokens = 0  # positions (tokens) this stage has run for its upstream
+        self._counted = (0, time.monotonic())  # tokens already logged ("served N tokens"), and when
 
     # --- life cycle --------------------------------------------------------------------------------
 
@@ -177,6 +180,17 @@ class Worker:
             with self._lock:
                 if self._upstream is link:
                     self._upstream = None
+            self.log(f"upstream {peer} left")
+            self._count_tokens(force=True)
+
+    def _count_tokens(self, force: bool = False) -> None:
+        """Logs the tokens served since the last count, at most every ``TOKEN_COUNT_S`` (the tray
+        worker adds these lines up into its live tally)."""
+        counted, when = self._counted
+        now = time.monotonic()
+        if self.tokens > counted and (force or now - when >= TOKEN_COUNT_S):
+            self._counted = (self.tokens, now)
+            self.log(f"served {self.tokens - counted} tokens")
 
     def _reply(self, link: Link, frame: Frame) -> None:
         with self._lock:
@@ -286,6 +300,8 @@ class Worker:
             raise self._down_missing()
         start = time.perf_counter()
         y = self.runner.forward(x, buf[:, :length], pos, stream, last_only=not frame.flags & Flag.ALL_POSITIONS)
+        self.tokens += pos.size
+        self._count_tokens()
         self._kv_length[stream] = length
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
         if self.runner.last:
@@ -316,6 +332,8 @@ class Worker:
                  for h, a, b in zip(heads, begins, begins[1:])]
         start = time.perf_counter()
         outs = self.runner.forward_parts(parts)
+        self.tokens += len(pos)
+        self._count_tokens()
         for h in heads:
             self._kv_length[h.stream] = h.start + h.q
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
