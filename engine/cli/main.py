@@ -18,7 +18,7 @@ GROUPS = {
     "worker": ("worker",),
     "keys": ("key",),
     "bench": ("bench",),
-    "fleet": ("agent", "nodes", "profile", "place", "deploy", "up"),
+    "fleet": ("agent", "nodes", "profile", "place", "deploy", "up", "sim"),
 }
 
 

@@ -6,6 +6,13 @@ API (``engine.fleet.control`` is the client): status, receiving shards into its 
 and measuring round trips to peers.  Workers run as child processes tied to the agent (they exit
 with it), so stopping the agent closes every connection the node holds and the coordinator sees a
 clean departure.
+
+Every agent is its own node (``engine.fleet.node.agent_node_id``), several on one PC too.  An
+agent given a ``SimulatedDevice`` (a demo node, ``engine.fleet.demo``) reports that device, profiles
+it on the device it really runs on with the costs scaled by its speed, and runs its workers there.
+An agent given a link delay (a simulated PC's slow cable, ``engine.fleet.sim``) has every worker it
+starts hold each frame it takes and sends by that much (the relay's own delay, on top of any a
+deployment asks for).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
 from engine.fleet.discovery import Advertiser
-from engine.fleet.node import local_node_info
+from engine.fleet.node import SimulatedDevice, agent_node_id, local_node_info
 from engine.fleet.profile import profile_shards
 from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
@@ -56,7 +63,11 @@ class _Worker:
 
 class Agent:
     def __init__(self, listen: str = "0.0.0.0:0", *, key_file: Path, name: str | None = None, tls=None,
-                 store: Path | None = None, advertise: bool = True, log: Callable[[str], None] | None = None):
+                 store: Path | None = None, advertise: bool = True, log: Callable[[str], None] | None = None,
+                 simulate: SimulatedDevice | None = None, link_delay_ms: float = 0.0):
+        if not 0 <= link_delay_ms < 60_000:
+            raise FleetError(f"a link delay is 0 to 60000 ms, not {link_delay_ms:g}")
+        self.link_delay_ms = float(link_delay_ms)
         core()  # before any thread starts: OpenVINO forks a short-lived child when a Core is created
         self.key_file = Path(key_file)
         self.key = load_key(self.key_file)
@@ -71,6 +82,8 @@ class Agent:
             raise FleetError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
         self.host, self.port = self._listener.getsockname()[:2]
         self.name = name or socket.gethostname()
+        self.node_id = agent_node_id(name)
+        self.simulated = simulate
         self.workers: dict[str, _Worker] = {}
         self.activity = "idle"  # receiving, profiling: what the node does besides serving
         self.paused = False
@@ -87,7 +100,7 @@ class Agent:
         return f"{host}:{self.port}"
 
     def info(self):
-        info = local_node_info(self.port, self.fleet_id, self.name)
+        info = local_node_info(self.port, self.fleet_id, self.name, node=self.node_id, simulated=self.simulated)
         info.status = self.state()
         return info
 
@@ -211,7 +224,8 @@ class Agent:
 
     def op_status(self, doc, data) -> dict:
         return {"node": dataclasses.asdict(self.info()), "state": self.state(), "paused": self.paused,
-                "shards": self.store.listing(), "workers": [w.to_json() for w in self.workers.values()]}
+                "link_delay_ms": self.link_delay_ms, "shards": self.store.listing(),
+                "workers": [w.to_json() for w in self.workers.values()]}
 
     def op_has_shard(self, doc, data) -> dict:
         return {"present": self.store.has(doc["hash"])}
@@ -277,12 +291,13 @@ class Agent:
         manifest = read_manifest(folder)
         host = self.host if self.host not in ("::",) else "0.0.0.0"
         cmd = ["worker", "--shard", str(folder), "--listen", f"{host}:0",
-               "--device", str(doc.get("device") or "CPU"), "--mode", str(doc.get("mode") or "fast"),
+               "--device", self._real_device(str(doc.get("device") or "CPU")), "--mode", str(doc.get("mode") or "fast"),
                "--fleet-key-file", str(self.key_file), "--lifeline"]
         if doc.get("precision"):
             cmd += ["--precision", str(doc["precision"])]
-        if float(doc.get("delay_ms") or 0):
-            cmd += ["--delay-ms", str(float(doc["delay_ms"]))]
+        delay_ms = float(doc.get("delay_ms") or 0) + self.link_delay_ms  # the deployment's, over this PC's link
+        if delay_ms:
+            cmd += ["--delay-ms", str(delay_ms)]
         if self.tls is not None:
             cmd += ["--tls"]
         # workers of this computer's cores take turns with each other and with a coordinator here
@@ -296,7 +311,7 @@ class Agent:
             raise FleetError(f"worker for stage {manifest.stage_index} did not start ({exc})") from None
         port = int(printed.rpartition(":")[2])
         info = {"stage": manifest.stage_index, "layers": list(manifest.layers), "model": manifest.model_name,
-                "device": doc.get("device") or "CPU"}
+                "device": doc.get("device") or "CPU", "delay_ms": delay_ms}
         worker = _Worker(wid, digest, proc, printed, port, info, log)
         with self._lock:
             self.workers[wid] = worker
@@ -329,15 +344,25 @@ class Agent:
         missing = [d[:12] for d in digests if not self.store.has(d)]
         if missing:
             raise FleetError(f"this node does not hold shards {', '.join(missing)}; send them first")
+        device = str(doc.get("device") or "CPU")
         self.activity = "profiling"
         self._changed()
         try:
-            result = profile_shards([self.store.path(d) for d in digests], device=str(doc.get("device") or "CPU"),
+            result = profile_shards([self.store.path(d) for d in digests], device=self._real_device(device),
                                     tokens=int(doc.get("tokens", 16)), prompt=int(doc.get("prompt", 32)))
         finally:
             self.activity = "idle"
             self._changed()
-        return result
+        return result if self.simulated is None else simulated_profile(result, self.simulated)
+
+    def _real_device(self, device: str) -> str:
+        """Where work asked of ``device`` runs: a simulated device's work runs on the device it stands for."""
+        if self.simulated is None:
+            return device
+        if device != self.simulated.name:
+            raise FleetError(f"node {self.name} is a demo node with a simulated {self.simulated.name} only, "
+                             f"not {device}")
+        return self.simulated.runs_on
 
     def op_rtt(self, doc, data) -> dict:
         """Round trip from this node to each peer agent (its control API's median ping)."""
@@ -350,3 +375,12 @@ class Agent:
                 out[address] = None
                 self.log(f"rtt to {address}: {exc}")
         return {"rtt_ms": out}
+
+
+def simulated_profile(measured: dict, device: SimulatedDevice) -> dict:
+    """A profile measured on the device a simulated one runs on, as that device's: its name, its
+    memory, and every cost divided by its speed."""
+    out = dict(measured, device=device.name, memory_bytes=device.memory_mb << 20, simulated=True)
+    for key in ("call_ms", "layer_ms", "head_ms", "embed_ms", "prefill_layer_ms"):
+        out[key] = measured[key] / device.speed
+    return out

@@ -2,12 +2,15 @@
 
 ``local_up`` is the embedded default that ``fleet up``, ``fleet serve`` and the app run: stage 0 in
 this process, the later stages in the local agent's workers, so failover and deployment work the
-same as across PCs.
+same as across PCs.  ``own_agents`` lists the agent processes this process started and that still
+run (the local fleet's, a demo fleet's): the app shows them as nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
+import threading
 from pathlib import Path
 
 from engine.config import paths
@@ -20,15 +23,42 @@ from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
 
 
-def start_local_agent(key_file: Path, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """A node agent process on loopback, tied to this process (it exits when we do)."""
-    log = paths().data / "logs" / "local-agent.log"
-    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--no-mdns", "--lifeline",
-                        "--fleet-key-file", str(key_file), "--name", "local"], log)
+@dataclasses.dataclass(frozen=True)
+class OwnAgent:
+    """A node agent process this process started."""
+
+    name: str
+    address: str  # its control API's HOST:PORT
+    role: str  # what it is for: "local fleet", "demo"
+    proc: subprocess.Popen
+
+
+_own: list[OwnAgent] = []
+_own_lock = threading.Lock()
+
+
+def own_agents() -> list[OwnAgent]:
+    """The node agents this process started (``start_local_agent``) that still run, oldest first."""
+    with _own_lock:
+        _own[:] = [a for a in _own if a.proc.poll() is None]
+        return list(_own)
+
+
+def start_local_agent(key_file: Path, timeout_s: float = 60.0, *, name: str = "local", mdns: bool = False,
+                      options: tuple[str, ...] = (), role: str = "local fleet") -> tuple[subprocess.Popen, str]:
+    """A node agent process on loopback named ``name`` (its own node), tied to this process (it exits
+    when we do); ``options``: more ``fleet agent`` options (a demo node's store and simulated device);
+    ``role``: what ``own_agents`` says it is for."""
+    log = paths().data / "logs" / f"{name}-agent.log"
+    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--lifeline", "--fleet-key-file", str(key_file),
+                        "--name", name, *([] if mdns else ["--no-mdns"]), *options], log)
     try:
-        return proc, await_ready(proc, log, timeout_s)
+        address = await_ready(proc, log, timeout_s)
     except FleetError as exc:
-        raise FleetError(f"the local node agent did not start ({exc})") from None
+        raise FleetError(f"the {name} node agent did not start ({exc})") from None
+    with _own_lock:
+        _own.append(OwnAgent(name, address, role, proc))
+    return proc, address
 
 
 def stop_local_agent(proc: subprocess.Popen) -> None:

@@ -1,6 +1,12 @@
 """What a node is: its stable id, the facts it tells the fleet (OS, CPU, memory, OpenVINO devices),
 and the compact mDNS TXT and JSON forms of those facts.
 
+Each node agent is its own node: the machine's id (``node_id``) for an agent of the default name,
+and for a named one an id derived from the machine's and the name (``agent_node_id``), so several
+agents on one PC (a demo fleet, network namespaces sharing the config folder) are several nodes,
+each under the same id at every start.  A demo node reports a ``SimulatedDevice`` instead of its
+real ones, marked as simulated wherever it is shown.
+
 A TXT record arrives from anyone on the LAN, so decoding is strict and bounded: a record that is
 malformed or too large raises ``BadRecord`` naming the reason, and the browser skips that node.
 """
@@ -8,6 +14,7 @@ malformed or too large raises ``BadRecord`` naming the reason, and the browser s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import json
 import logging
@@ -58,6 +65,57 @@ def node_id() -> str:
     return path.read_text().strip()
 
 
+def agent_node_id(name: str | None) -> str:
+    """The id of a node agent on this machine: the machine's own for the default name (None), else
+    one derived from it and ``name``, stable across restarts and distinct per name."""
+    if name is None:
+        return node_id()
+    return hashlib.sha256(f"{node_id()}/{name}".encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedDevice:
+    """A device a demo node pretends to have: reported as ``name`` (``full_name``) with ``memory_mb``,
+    its measured costs divided by ``speed`` in profiles, while its shards run on ``runs_on`` here."""
+
+    name: str  # an OpenVINO-style device name, "GPU"
+    full_name: str
+    memory_mb: int
+    speed: float = 1.0
+    runs_on: str = "CPU"
+
+    def __post_init__(self):
+        if not _DEVICE.fullmatch(str(self.name)) or not _DEVICE.fullmatch(str(self.runs_on)):
+            raise FleetError(f"simulated device: {self.name!r} / runs_on {self.runs_on!r} is not a device name "
+                             "like GPU or CPU")
+        if not isinstance(self.memory_mb, int) or not 0 < self.memory_mb < 1 << 30:
+            raise FleetError(f"simulated device {self.name}: memory_mb must be a positive whole number of MB, "
+                             f"not {self.memory_mb!r}")
+        if not isinstance(self.speed, (int, float)) or not 0.01 <= self.speed <= 100:
+            raise FleetError(f"simulated device {self.name}: speed must be a number from 0.01 to 100, "
+                             f"not {self.speed!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SimulatedDevice":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise FleetError(f"simulated device: not JSON ({exc})") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or not {"name", "full_name", "memory_mb"} <= set(data) or set(data) - known:
+            raise FleetError(f"simulated device: give a JSON object with name, full_name, memory_mb and "
+                             f"optionally speed, runs_on, not {text[:80]!r}")
+        return cls(**data)
+
+    def device(self) -> dict:
+        """The device entry a node reports for it."""
+        return {"name": self.name, "full_name": _clip(f"simulated {self.full_name}", CLIP["full_name"]),
+                "memory_mb": self.memory_mb}
+
+
 @dataclasses.dataclass
 class NodeInfo:
     node_id: str
@@ -74,6 +132,7 @@ class NodeInfo:
     addresses: list[str] = dataclasses.field(default_factory=list)  # filled by discovery
     version: int = VERSION
     status: str = "ready"  # the agent's current activity, for display (clipped to 31 bytes on the wire)
+    simulated: bool = False  # a demo node: its devices are simulated (``SimulatedDevice``)
 
     def to_txt(self) -> dict[str, str]:
         listed: list[str] = []
@@ -87,6 +146,8 @@ class NodeInfo:
                "cpu": _clip(self.cpu, CLIP["cpu"]), "cores": str(self.cores), "mem": str(self.memory_mb),
                "avail": str(self.available_mb), "ov": _clip(self.openvino, CLIP["ov"]),
                "st": _clip(self.status, CLIP["st"]), "dev": ",".join(listed)}
+        if self.simulated:
+            txt["sim"] = "1"
         for i, d in enumerate(self.devices[:len(listed)]):
             if d.get("full_name"):
                 txt[f"d{i}"] = _clip(d["full_name"], CLIP["full_name"])
@@ -133,7 +194,8 @@ class NodeInfo:
         return cls(node_id=node, name=names["name"] or label, os=names["os"], cpu=names["cpu"],
                    cores=ints["cores"], memory_mb=ints["mem"], available_mb=ints["avail"], openvino=names["ov"],
                    devices=_decode_devices(label, fields), port=port, fleet_id=fleet,
-                   addresses=_valid_addresses(addresses), version=version, status=names["st"])
+                   addresses=_valid_addresses(addresses), version=version, status=names["st"],
+                   simulated=fields.get("sim") == "1")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -142,7 +204,7 @@ class NodeInfo:
     def from_json(cls, text: str) -> "NodeInfo":
         data = json.loads(text)
         kinds = {"cores": int, "memory_mb": int, "available_mb": int, "port": int, "version": int,
-                 "devices": list, "addresses": list}
+                 "devices": list, "addresses": list, "simulated": bool}
         if not isinstance(data, dict):
             raise BadRecord("node JSON is not an object")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -184,14 +246,20 @@ def _valid_addresses(addresses: list[str]) -> list[str]:
     return good
 
 
-def local_node_info(port: int, fleet_id: str, name: str | None = None) -> NodeInfo:
-    """This machine's facts; the display name defaults to the host name."""
+def local_node_info(port: int, fleet_id: str, name: str | None = None, *, node: str | None = None,
+                    simulated: SimulatedDevice | None = None) -> NodeInfo:
+    """This machine's facts; the display name defaults to the host name, the id to the machine's.
+    ``simulated``: a demo node's device, reported instead of the real ones, its memory as the node's."""
     memory = psutil.virtual_memory()
     openvino, devices = _openvino_devices()
-    return NodeInfo(node_id=node_id(), name=name or socket.gethostname().split(".")[0], os=_os_name(),
-                    cpu=_cpu_model(devices), cores=psutil.cpu_count() or os.cpu_count() or 1,
-                    memory_mb=memory.total >> 20, available_mb=memory.available >> 20, openvino=openvino,
-                    devices=devices, port=port, fleet_id=fleet_id)
+    total, available, cpu = memory.total >> 20, memory.available >> 20, _cpu_model(devices)
+    if simulated is not None:
+        total, available = simulated.memory_mb, min(available, simulated.memory_mb)
+        devices, cpu = [simulated.device()], f"simulated on {cpu}"
+    return NodeInfo(node_id=node or node_id(), name=name or socket.gethostname().split(".")[0], os=_os_name(),
+                    cpu=cpu, cores=psutil.cpu_count() or os.cpu_count() or 1, memory_mb=total,
+                    available_mb=available, openvino=openvino, devices=devices, port=port, fleet_id=fleet_id,
+                    simulated=simulated is not None)
 
 
 def _os_name() -> str:

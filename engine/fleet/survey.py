@@ -72,7 +72,8 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
             log(f"the node agent at {address} is {nodes[node]['name']}, already profiled: skipped")
             continue
         ids[address] = node
-        nodes[node] = {"name": status["node"].get("name", address), "address": address}
+        nodes[node] = {"name": status["node"].get("name", address), "address": address,
+                       **({"simulated": True} if status["node"].get("simulated") else {})}
         check()
         try:
             with ControlClient(address, key, tls=tls, timeout_s=30) as agent:

@@ -43,7 +43,15 @@ def pin(text: str | None) -> None:
     cpus = parse_cpus(text)
     if not hasattr(os, "sched_setaffinity"):
         raise FleetError("pinning to CPUs is only supported on Linux")
-    available = os.sched_getaffinity(0)
-    if not cpus <= available:
-        raise FleetError(f"CPUs {sorted(cpus - available)} are not available here (have {sorted(available)})")
-    os.sched_setaffinity(0, cpus)
+    # Not checked against this process's affinity: a worker inherits its parent's (stage 0, pinned
+    # already) and may still take other CPUs.  The kernel keeps what the cpuset allows; compare.
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+        got = os.sched_getaffinity(0)
+    except OSError:  # none of them allowed
+        got = set()
+    if got != cpus:
+        os.sched_setaffinity(0, before)
+        raise FleetError(f"CPUs {sorted(cpus - got)} are not available here (this machine has "
+                         f"{os.cpu_count()} CPUs; a cpuset may allow fewer)")

@@ -1,0 +1,231 @@
+"""``fleet bench sim``: what loopback cannot measure, on a simulated office (``engine.fleet.sim``;
+Linux, root): two PCs of one core each, this machine the coordinator.
+
+For each link speed (default 100 Mbit/s and 1 Gbit/s, tc tbf on every PC's cable): the time to
+deploy a 2-stage split onto a PC that holds nothing yet (the shard's transfer, then the whole
+deployment: transfer, worker start, connection), and the time from a PC's cable being cut mid-reply
+(link down: packets vanish, no reset) to the reply's next token, carried on by the other PC (the
+silence deadline, the probe of the lost node, moving its layers: sending the shard, starting a
+worker, prefilling again; when the node was declared lost and when the new chain was placed are
+in the row too), with whether the reply stayed token-identical (greedy, exact mode).
+
+Then, one core per node (this process pinned to one core, the PC to the other): the model whole in
+this process against the full stack (two stages, this machine and the PC; prompt-lookup speculation,
+K auto; micro-batched streams), for 1 and 2 users; aggregate tokens over wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from engine.bench.harness import NO_HOOKS, Hooks
+from engine.bench.report import write_report
+from engine.errors import FleetError
+from engine.export.exporter import export_model
+from engine.fleet.control import ControlClient
+from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.failover import Failover
+from engine.fleet.netns import require_root
+from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
+from engine.fleet.profile import model_shape
+from engine.fleet.sim import NodeSpec, Office
+from engine.fleetkey import create_key, load_key
+from engine.manifest import load_manifest
+from engine.runtime.decode.service import ChatService
+from engine.runtime.decode.speculative import stream_drafters
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import compile_config
+
+MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+CUT_AFTER = 8  # tokens of the reply before the cable is cut
+
+
+def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
+    """The profile failover re-plans from: the PCs' node ids and addresses, their devices alike (where
+    the layers go is what is measured here, not the solver)."""
+    nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
+    for node in office.nodes.values():
+        with ControlClient(node.agent, key) as client:
+            nodes[client.status()["node"]["node_id"]] = {"name": node.name, "address": node.agent}
+    devices = [DeviceProfile(n, "CPU", 4 << 30, layer_ms=1.0, head_ms=2.0) for n in nodes]
+    rtt = {(a, b): 0.3 for a in nodes for b in nodes if a < b}
+    return {"model": model_doc, "nodes": nodes, "fleet": Fleet(devices=devices, rtt_ms=rtt,
+                                                                 coordinator="coordinator").to_json()}
+
+
+def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 40, users=(1, 2), weights: str = "int4",
+            out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
+    require_root("fleet bench sim")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise FleetError("fleet bench sim needs two CPUs: one for this machine, one for a simulated PC")
+    if tokens <= CUT_AFTER + 4:
+        raise FleetError(f"fleet bench sim needs replies of more than {CUT_AFTER + 4} tokens, not {tokens}")
+    hooks.step(0, len(rates) + 1, "exporting the split")
+    layers = export_model(model, stages=1, weights=weights).stages[0].layers[1]
+    split = export_model(model, split=[layers // 2], weights=weights)
+    shard_bytes = sum(p.stat().st_size for p in split.folders[1].iterdir())
+    alone = ChatService(LocalChain(split.folders, config=compile_config("exact")), streams=1)
+    try:
+        want = alone.submit(MESSAGES, tokens, ignore_eos=True).wait(600).tokens
+    finally:
+        alone.close()
+    shape = ModelShape(**model_shape(load_manifest(split.folders[0])))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-sim-") as tmp:
+        key_file = create_key(Path(tmp) / "fleet.key")
+        key = load_key(key_file)
+        for r, rate in enumerate(rates):
+            hooks.step(r + 1, len(rates) + 1, f"{rate:g} Mbit/s")
+            specs = [NodeSpec(f"pc{i + 1}", cpus=str(cores[i]), rate_mbit=rate) for i in range(2)]
+            with Office(specs, key_file=key_file, root=Path(tmp) / f"office-{r}", log=log) as office:
+                rows += _measure(office, model, split, shard_bytes, rate, want, shape, key, weights, tokens, log)
+            for row in rows[-2:]:
+                hooks.row(row)
+        hooks.step(len(rates), len(rates) + 1, "one core per node: the model whole, then the full stack")
+        with Office([NodeSpec("pc1", cpus=str(cores[1]))], key_file=key_file, root=Path(tmp) / "stack",
+                    log=log) as office:
+            stack = _stack(office, model, split, key, weights, tokens, users, cores[0], log)
+        for row in stack:
+            hooks.row(row)
+    ratios = {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
+    for u in users:
+        whole, full = (next(r["tok_s"] for r in stack if r["users"] == u and r["measure"] == m)
+                       for m in ("monolithic, 1 node", "full stack, 2 nodes"))
+        ratios[f"{u} user(s): full stack vs monolithic"] = round(full / whole, 3)
+    rows += stack
+    settings = {"model": model, "weights": weights, "stages": 2, "split": layers // 2, "tokens": tokens,
+                "cut_after_tokens": CUT_AFTER, "pcs": "2, one core each", "shaping": "tc tbf", "users": list(users),
+                "full stack": "2 stages, prompt-lookup speculation (K auto), micro-batched streams"}
+    return write_report("sim", rows, ratios, out, settings=settings)
+
+
+def _measure(office: Office, model: str, split, shard_bytes: int, rate: float, want: list[int], shape, key: bytes,
+             weights: str, tokens: int, log) -> list[dict]:
+    pc1, pc2 = office.nodes["pc1"], office.nodes["pc2"]
+    half = split.stages[1].layers[0]
+    stages = [StagePlacement(LOCAL, "CPU", 0, half), StagePlacement(pc1.agent, "CPU", half, shape.num_layers)]
+    sent: list[float] = []
+
+    def progress(stage: int, phase: str, fraction: float) -> None:
+        if phase == "send":
+            sent.append(time.perf_counter())
+
+    started = time.perf_counter()
+    deployment, chain = deploy(model, stages, key=key, weights=weights, mode="exact", progress=progress)
+    deploy_s = time.perf_counter() - started
+    send_s = sent[-1] - sent[0] if len(sent) > 1 else 0.0
+    rows = [{"measure": "deploy", "rate_mbit": rate, "shard_mb": round(shard_bytes / 2**20, 1),
+             "send_s": round(send_s, 2), "seconds": round(deploy_s, 2),
+             "send_mbit_s": round(shard_bytes * 8 / 1e6 / send_s, 1) if send_s else None}]
+    log(f"{rate:g} Mbit/s: deployed in {deploy_s:.2f} s (the {shard_bytes / 2**20:.1f} MB shard in {send_s:.2f} s)")
+    events: list[str] = []
+    heard: list[tuple[float, str]] = []  # when each failover event came
+
+    def on_event(text: str) -> None:
+        events.append(text)
+        heard.append((time.perf_counter(), text))
+
+    failover = Failover(deployment, _profile(office, shape.to_json(), key), key=key, on_event=on_event, chain=chain)
+    service = ChatService(chain, streams=1, recover=failover.recover)
+    cut_at: list[float] = []
+    resumed: list[float] = []
+    lock = threading.Lock()
+
+    def on_text(piece, count):
+        with lock:
+            if count >= CUT_AFTER and not cut_at:
+                cut_at.append(time.perf_counter())
+                office.partition("pc1")
+            elif cut_at and not resumed and count > CUT_AFTER:
+                resumed.append(time.perf_counter())
+
+    try:
+        reply = service.submit(MESSAGES, tokens, on_text=on_text, ignore_eos=True).wait(600)
+    finally:
+        office.reconnect("pc1")
+        service.close()
+        failover.deployment.stop(key)
+        deployment.stop(key)
+    if reply.error or not resumed:
+        raise FleetError(f"the reply did not carry on after the cable was cut: {reply.error}; {events}")
+    carry_on = resumed[0] - cut_at[0]
+    moved = failover.deployment.stages[1].agent == pc2.agent
+    log(f"{rate:g} Mbit/s: link lost to the reply carrying on: {carry_on:.2f} s "
+        f"({'identical' if reply.tokens == want else 'DIFFERENT'}; {events[-1] if events else ''})")
+    lost = next((t for t, e in heard if e.startswith("node pc1 lost")), None)
+    placed = next((t for t, e in heard if e.startswith("placed:")), None)
+    rows.append({"measure": "link loss to next token", "rate_mbit": rate, "seconds": round(carry_on, 2),
+                 "lost_after_s": round(lost - cut_at[0], 2) if lost else None,
+                 "placed_after_s": round(placed - cut_at[0], 2) if placed else None,
+                 "rerouted": reply.rerouted, "moved_to_other_pc": moved, "identical": reply.tokens == want})
+    return rows
+
+
+USER_PROMPTS = ["Write a Python function that returns the sum of a list of numbers, with a docstring and "
+                "a test.", "Explain in a few sentences why the sky is blue."]
+
+
+def _pin_process(cpus: set[int]) -> set[int]:
+    """Pins every thread of this process (OpenVINO's, zeroconf's) to ``cpus``; returns the CPUs it had."""
+    before = os.sched_getaffinity(0)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return before
+
+
+def _tok_s(service: ChatService, users: int, tokens: int) -> float:
+    service.submit([{"role": "user", "content": USER_PROMPTS[0]}], 8, ignore_eos=True).wait(600)  # warm
+    started = time.perf_counter()
+    handles = [service.submit([{"role": "user", "content": USER_PROMPTS[u % len(USER_PROMPTS)]}], tokens,
+                              ignore_eos=True) for u in range(users)]
+    replies = [h.wait(1200) for h in handles]
+    wall = time.perf_counter() - started
+    errors = [r.error for r in replies if r.error]
+    if errors:
+        raise FleetError(f"a reply failed: {errors[0]}")
+    return sum(len(r.tokens) for r in replies) / wall
+
+
+def _stack(office: Office, model: str, split, key: bytes, weights: str, tokens: int, users, core: int,
+           log) -> list[dict]:
+    layers = split.stages[-1].layers[1]
+    whole = export_model(model, stages=1, weights=weights).folders
+    rows = []
+    before = _pin_process({core})
+    try:
+        for u in users:
+            service = ChatService(LocalChain(whole), streams=u, drafters=lambda n: stream_drafters("lookup", n),
+                                  k="auto")
+            try:
+                tok_s = _tok_s(service, u, tokens)
+            finally:
+                service.close()
+            rows.append({"measure": "monolithic, 1 node", "users": u, "tok_s": round(tok_s, 2)})
+            log(f"monolithic on one core, {u} user(s): {tok_s:.2f} tok/s")
+        half = split.stages[1].layers[0]
+        stages = [StagePlacement(LOCAL, "CPU", 0, half), StagePlacement(office.nodes["pc1"].agent, "CPU", half, layers)]
+        deployment, chain = deploy(model, stages, key=key, weights=weights)
+        chain.close()
+        try:
+            for u in users:
+                service = ChatService(deployment.chain(key), streams=u,
+                                      drafters=lambda n: stream_drafters("lookup", n), k="auto")
+                try:
+                    tok_s = _tok_s(service, u, tokens)
+                finally:
+                    service.close()
+                rows.append({"measure": "full stack, 2 nodes", "users": u, "tok_s": round(tok_s, 2)})
+                log(f"full stack on two nodes of one core, {u} user(s): {tok_s:.2f} tok/s")
+        finally:
+            deployment.stop(key)
+    finally:
+        _pin_process(before)
+    return rows
