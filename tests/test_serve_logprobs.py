@@ -12,25 +12,17 @@ import pytest
 
 from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.sampling import Sampler, SamplingParams
-from engine.runtime.decode.service import ChatService
-from engine.runtime.stages.chain import LocalChain
-from engine.runtime.stages.stage import compile_config
-from engine.serve.server import ApiServer
 from engine.transport.wire import Flag
 
-MODEL = "tiny"
+from api_support import MODEL, served_tiny
+
 ASK = [{"role": "user", "content": "The quick brown fox"}]
 
 
 @pytest.fixture(scope="module")
 def served(tiny_exports):
-    chain = LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact"))
-    service = ChatService(chain, streams=2)
-    server = ApiServer(service, port=0, model_id=MODEL).start()
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
-    yield service, client
-    server.stop()
-    service.close()
+    with served_tiny(tiny_exports, streams=2) as pair:
+        yield pair
 
 
 def _log_softmax(service, ids: list[int]) -> np.ndarray:

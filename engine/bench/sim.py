@@ -57,6 +57,20 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
                                                                  coordinator="coordinator").to_json()}
 
 
+def _user_rows(measure: str, said: str, open_chain, users, tokens: int, log) -> list[dict]:
+    """Aggregate tok/s of ``users`` users at once over a new chain each, with prompt-lookup drafts."""
+    rows = []
+    for u in users:
+        service = ChatService(open_chain(), streams=u, drafters=lambda n: stream_drafters("lookup", n), k="auto")
+        try:
+            tok_s = _tok_s(service, u, tokens)
+        finally:
+            service.close()
+        rows.append({"measure": measure, "users": u, "tok_s": round(tok_s, 2)})
+        log(f"{said}, {u} user(s): {tok_s:.2f} tok/s")
+    return rows
+
+
 def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 40, users=(1, 2), weights: str = "int4",
             out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
     require_root("fleet bench sim")
@@ -201,29 +215,15 @@ def _stack(office: Office, model: str, split, key: bytes, weights: str, tokens: 
     rows = []
     before = _pin_process({core})
     try:
-        for u in users:
-            service = ChatService(LocalChain(whole), streams=u, drafters=lambda n: stream_drafters("lookup", n),
-                                  k="auto")
-            try:
-                tok_s = _tok_s(service, u, tokens)
-            finally:
-                service.close()
-            rows.append({"measure": "monolithic, 1 node", "users": u, "tok_s": round(tok_s, 2)})
-            log(f"monolithic on one core, {u} user(s): {tok_s:.2f} tok/s")
+        rows += _user_rows("monolithic, 1 node", "monolithic on one core", lambda: LocalChain(whole), users,
+                           tokens, log)
         half = split.stages[1].layers[0]
         stages = [StagePlacement(LOCAL, "CPU", 0, half), StagePlacement(office.nodes["pc1"].agent, "CPU", half, layers)]
         deployment, chain = deploy(model, stages, key=key, weights=weights)
         chain.close()
         try:
-            for u in users:
-                service = ChatService(deployment.chain(key), streams=u,
-                                      drafters=lambda n: stream_drafters("lookup", n), k="auto")
-                try:
-                    tok_s = _tok_s(service, u, tokens)
-                finally:
-                    service.close()
-                rows.append({"measure": "full stack, 2 nodes", "users": u, "tok_s": round(tok_s, 2)})
-                log(f"full stack on two nodes of one core, {u} user(s): {tok_s:.2f} tok/s")
+            rows += _user_rows("full stack, 2 nodes", "full stack on two nodes of one core",
+                               lambda: deployment.chain(key), users, tokens, log)
         finally:
             deployment.stop(key)
     finally:

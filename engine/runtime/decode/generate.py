@@ -120,6 +120,15 @@ class Generation:
         return doc
 
 
+def _verify_greedy(targets: list[int], drafts: list[int]) -> tuple[list[int], int]:
+    """Greedy verification: the drafts that equal the model's top-1 targets before them are accepted,
+    and the target after the last of them is emitted too."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return targets[: accepted + 1], accepted
+
+
 class Decoding:
     """One stream's generation as a state machine: ``start`` submits the prefill, each ``advance``
     collects the round in flight, emits its tokens and submits the next.  ``Generator`` drives one;
@@ -242,11 +251,7 @@ class Decoding:
         elif self.sampler is not None:
             emitted, accepted = self.sampler.choose(*self.sampler.candidates(out), self.history, drafts)
         else:
-            targets = out.tokens[-(len(drafts) + 1):].tolist()
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-                accepted += 1
-            emitted = targets[: accepted + 1]  # the accepted drafts equal the targets before them
+            emitted, accepted = _verify_greedy(out.tokens[-(len(drafts) + 1):].tolist(), drafts)
         self.seq.reject(len(drafts) - accepted)
         first = not result.tokens
         if drafts:
@@ -300,13 +305,10 @@ class Decoding:
         rows = out.logits[0, -(len(drafts) + 1):]
         masked, legal = self.constraint.mask_rows(rows, drafts)
         if self.sampler is not None:  # the masked rows stand in for the stage's (a logit_bias applies to them)
-            rows = Output(out.tokens, logits=masked[None], candidates=top_candidates(masked))
+            bias = self.sampler.params.logit_bias
+            rows = Output(out.tokens, logits=masked[None], candidates=None if bias else top_candidates(masked))
             return self.sampler.choose(*self.sampler.candidates(rows), self.history, legal)
-        targets = masked.argmax(-1).tolist()
-        accepted = 0
-        while accepted < len(legal) and legal[accepted] == targets[accepted]:
-            accepted += 1
-        return targets[: accepted + 1], accepted
+        return _verify_greedy(masked.argmax(-1).tolist(), legal)
 
     def _finish(self, now: float) -> None:
         self.active = False
