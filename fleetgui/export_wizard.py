@@ -19,10 +19,11 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
 
 from engine.config import paths
 from engine.errors import FleetError
-from engine.export.compress import WEIGHT_FORMATS
+from engine.export.compress import WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.manifest import layer_numbers
 from engine.models.catalog import CATALOG, list_models
-from fleetgui.widgets import Banner, combo_box, field_row, spin_box
+from engine.progress import describe_progress
+from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, spin_box
 from fleetgui.workers import TaskRunner
 
 RESULT_COLUMNS = ("stage", "layers", "peak MB", "size MB", "seconds", "folder")
@@ -140,7 +141,7 @@ class ExportWizard(QWidget):
         out_browse.clicked.connect(self._browse_out)
         self.force = QCheckBox("export again even if this export is cached")
         form = QFormLayout(page)
-        form.addRow("Weights", self.weights)
+        form.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
         form.addRow(self.by_count, self.stages)
         form.addRow(self.by_split, field_row(self.split, plan_button))
         form.addRow("Output folder", field_row(self.out, out_browse))
@@ -313,11 +314,11 @@ class ExportWizard(QWidget):
 
     def _progress(self, payload: tuple) -> None:
         if payload[0] == "pull":
-            step, fraction = payload[1:3]  # then (done, total)
-            self.pull_label.setText(f"Pulling the model: {step}")
-            self.pull_bar.setValue(round(fraction * 100))
+            text, fraction = describe_progress(payload)
+            self.pull_label.setText(text)
+            self.pull_bar.setValue(100 if fraction is None else round(fraction * 100))
         elif payload[0] == "stage":
-            _, index, step, fraction = payload
+            _, index, step, fraction = payload[:4]  # then the stage count
             if 0 <= index < len(self.stage_bars):
                 self.stage_bars[index].setValue(round(fraction * 100))
                 self.stage_labels[index].setText(f"stage {index}: {step}")

@@ -37,7 +37,7 @@ from engine.fleet.placement import Infeasible, solve
 from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
-from fleetgui.progress import describe_progress
+from engine.progress import byte_count, describe_progress
 from fleetgui.widgets import Banner, combo_box, flow_bar, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
@@ -589,12 +589,13 @@ class PlacementView(QWidget):
                 self.busy.setRange(0, 100)
                 self.busy.setValue(round(fraction * 100))
         elif kind == "deploy":
-            _, stage, phase, fraction = payload
+            _, stage, phase, fraction = payload[:4]  # then, sending, the bytes
             if 0 <= stage < len(self.deploy_bars):
                 label, bar = self.deploy_bars[stage]
                 lo, hi = (STAGE0_PHASES if stage == 0 else PHASES).get(phase, (0.0, 1.0))
                 bar.setValue(int(1000 * (lo + (hi - lo) * fraction)))
-                label.setText(f"{phase} {fraction * 100:.0f}%")
+                label.setText(f"sending {byte_count(*payload[4:6])}" if len(payload) >= 6 else
+                              f"{phase} {fraction * 100:.0f}%")
             if 0 < stage < len(self.deploying):
                 self.preparing.emit(self.deploying[stage],
                                     f"exporting stage {stage} ({fraction * 100:.0f}%)" if phase == "export" else "")

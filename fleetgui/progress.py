@@ -1,40 +1,12 @@
-"""Progress a person can follow: the engine's progress payloads (``engine.session``) as a step's
-name and fraction, and the panel that shows them (the step, a bar with the count or percentage,
-Cancel).
-
-A finished download ("pull", "ready", 1.0) is followed by more work (the export, loading the
-model), so it reads as that next step with a busy bar, never as "ready, 100%" while work goes on.
-"""
+"""The panel that shows a long step's progress: its name with a count (``engine.progress`` words
+the engine's payloads), a bar with the percentage (busy while the share is unknown), Cancel."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
-# a deployment's phases (``engine.fleet.deploy``), as the panel says them
-DEPLOY_PHASES = {"export": "exporting", "send": "sending", "start": "starting", "connect": "connecting"}
-
-
-def describe_progress(payload: tuple) -> tuple[str, float | None]:
-    """(what is happening, fraction done or None when unknown) for one engine progress payload."""
-    kind = payload[0]
-    if kind == "pull":
-        step, fraction = payload[1:3]
-        if step == "ready" or fraction >= 1.0:
-            return "Model downloaded; preparing it", None
-        if step == "assemble" and len(payload) == 5:  # (done, total) in bytes
-            step = f"assemble, {payload[3] / 1e6:.0f} of {payload[4] / 1e6:.0f} MB"
-        return f"Downloading the model ({step})", fraction
-    if kind == "stage":
-        _, index, step, fraction = payload
-        return f"Exporting stage {index} ({step})", fraction
-    if kind == "deploy":
-        _, stage, phase, fraction = payload
-        return f"{DEPLOY_PHASES.get(phase, phase).capitalize()} stage {stage}", fraction
-    if kind == "status":
-        text = str(payload[1])
-        return text[:1].upper() + text[1:], None
-    return " ".join(map(str, payload)), None
+from engine.progress import describe_progress
 
 
 class ProgressPanel(QWidget):

@@ -15,11 +15,11 @@ from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFormLayout, QLabel, QLin
 
 from engine.config import DRAFTS, Settings
 from engine.errors import FleetError
-from engine.export.compress import WEIGHT_FORMATS
+from engine.export.compress import WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.models.catalog import CATALOG
 from fleetgui.chat_options import DEFAULT_PRESET, PRESETS
 from fleetgui.theme import THEMES
-from fleetgui.widgets import combo_box, explained, field_row, flow_bar, spin_box
+from fleetgui.widgets import combo_box, explained, explained_choice, field_row, flow_bar, spin_box
 
 
 @dataclasses.dataclass
@@ -59,7 +59,6 @@ HELP = {  # one line under each field, in words a new user understands
     "key": "The shared secret every machine of your fleet uses; copy this file to each of them.",
     "model": "What the chat runs: a catalog name, a GGUF file, a Hugging Face folder or an exported shard set.",
     "stages": "How many pieces the model is split into (one per machine or worker process).",
-    "weights": "How the weights are stored: int4 is smallest and fastest, f16/f32 most exact.",
     "devices": "Where each stage runs: CPU, GPU or NPU, one for all stages or one per stage (CPU,GPU.1).",
     "mode": "fast: the quickest exchange between machines; exact: bit-identical to one machine.",
     "local": "Run the later stages as separate processes on this PC, as a real fleet would.",
@@ -98,7 +97,7 @@ class SettingsPage(QWidget):
         self.stages = spin_box(1, 64, 2)
         form.addRow("Stages", explained(self.stages, HELP["stages"]))
         self.weights = combo_box(WEIGHT_FORMATS)
-        form.addRow("Weights", explained(self.weights, HELP["weights"]))
+        form.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
         self.devices = QLineEdit()
         form.addRow("Devices", explained(self.devices, HELP["devices"]))
         self.mode = combo_box(["fast", "exact"])

@@ -38,6 +38,11 @@ from fleetgui.workers import TaskRunner, on_signals
 
 log = logging.getLogger(__name__)
 DEFAULT_LISTEN = "0.0.0.0:7390"
+# what the agent and its workers log when something failed (a refused handshake, a malformed frame, a
+# next stage lost or stalled, a connection that broke) ...
+FAILURE_WORDS = ("refused", "error", "failed", "lost", "stalled", "malformed", "closing upstream", "traceback")
+# ... and when a peer simply left: it closed its connection, or the link was closed or re-routed here
+NORMAL_END_WORDS = ("closed the connection", "is closed", "(re-routed)")
 
 
 def describe_state(agent) -> tuple[str, str]:
@@ -55,6 +60,13 @@ def describe_state(agent) -> tuple[str, str]:
     stages = "; ".join(f"stage {w.info.get('stage')} of {w.info.get('model')}, {layer_span(*w.info['layers'])} "
                        f"on {w.info.get('device')}" for w in serving)
     return status, stages or "no stage"
+
+
+def is_failure(line: str) -> bool:
+    """Whether an agent or worker log line reports a failure; an upstream leaving ("upstream … gone:
+    … closed the connection", "upstream … left") is the normal end of a chat, not an error."""
+    text = line.lower()
+    return any(w in text for w in FAILURE_WORDS) and not any(w in text for w in NORMAL_END_WORDS)
 
 
 class WorkerController(QObject):
@@ -110,7 +122,7 @@ class WorkerController(QObject):
             self.counts["connections"] += 1
         if "started worker" in text:
             self.counts["stages"] += 1
-        if any(word in text for word in ("refused", "error", "failed", "gone", "lost", "traceback")):
+        if is_failure(text):
             self.counts["errors"] += 1
         served = re.search(r"served (\d+) tokens", text)  # a worker's count since its last one
         if served:

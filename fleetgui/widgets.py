@@ -80,6 +80,14 @@ def explained(field: QWidget | QHBoxLayout, text: str) -> QWidget:
     return box
 
 
+def explained_choice(combo: QComboBox, notes: dict[str, str]) -> QWidget:
+    """A choice with the explanation of the chosen item under it, following the selection."""
+    box = explained(combo, notes.get(combo.currentText(), ""))
+    note = box.findChild(QLabel, "hint")
+    combo.currentTextChanged.connect(lambda text: note.setText(notes.get(text, "")))
+    return box
+
+
 def spin_box(low: int, high: int, value: int) -> QSpinBox:
     box = QSpinBox()
     box.setRange(low, high)

@@ -46,6 +46,28 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
 
 
 @contextlib.contextmanager
+def fleet_up(args: list[str], log: Path, env: dict | None = None):
+    """``fleet up ARGS --lifeline`` as a process, its stderr in ``log``; yields (process, the lines it
+    printed up to its "ready DEPLOYMENT" line, that Deployment).  Killed on the way out if still up."""
+    from engine.fleet.deploy import Deployment
+
+    with open(log, "w") as err:
+        up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", *args, "--lifeline"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=err, text=True, env=env or os.environ.copy())
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("ready ")):
+            line = up.stdout.readline()
+            assert line, f"fleet up ended early: {log.read_text()[-3000:]}"
+            lines.append(line)
+        yield up, lines, Deployment.load(Path(lines[-1].split(" ", 1)[1].strip()))
+    finally:
+        if up.poll() is None:
+            up.kill()
+        up.stdout.close()
+
+
+@contextlib.contextmanager
 def simulated_office(specs, key_file: Path, root: Path):
     """An ``engine.fleet.sim.Office`` of ``specs`` whose agents answer inside the block; every namespace,
     link and cgroup it made is gone after it, also after a failure.  Needs root."""

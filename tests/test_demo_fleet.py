@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fleet_support import greedy, greedy_in_process
+from fleet_support import fleet_up, greedy, greedy_in_process
 
 from engine.errors import FleetError
 from engine.fleet.control import ControlClient
@@ -85,7 +85,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
 
     model = str(tiny_models["llama"])
     events: list[str] = []
-    fleet, deployment, chain, doc = demo_up(model, None, 2, weights="f32")  # the default key, made here
+    fleet, deployment, chain, doc = demo_up(model, None, 2, weights="f32", tls=False)  # the default key, made here
     try:
         key = load_key()
         laptop, gpu = fleet.nodes
@@ -134,23 +134,14 @@ def test_fleet_up_demo_brings_up_a_demo_fleet_and_stops_it(home, tiny_models, tm
 
     import psutil
 
-    from engine.fleet.deploy import Deployment
-
     (home / "config").mkdir(parents=True)
     (home / "config" / "settings.json").write_text(json.dumps({"weights": "f32"}))
     log = tmp_path / "up.log"
-    with open(log, "w") as err:
-        up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--model", str(tiny_models["llama"]),
-                               "--demo", "2", "--no-chat", "--lifeline"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=err, text=True, env=os.environ.copy())
-    try:
-        line = up.stdout.readline()
-        assert line.startswith("ready "), log.read_text()[-3000:]
+    with fleet_up(["--model", str(tiny_models["llama"]), "--demo", "2", "--no-chat"], log) as (up, _, deployment):
         text = log.read_text()
         pids = [int(p) for p in re.findall(r"demo node demo-\S+ \(pid (\d+)\)", text)]
         assert len(pids) == 2 and "SIMULATED GPU (integrated GPU, 3 GB" in text, text
         assert re.search(r"stage 0 on this machine CPU \(layers 0-1\); stage 1 on demo-laptop CPU", text), text
-        deployment = Deployment.load(Path(line.split(" ", 1)[1].strip()))
         chain = deployment.chain(load_key())
         try:
             assert greedy(chain) == greedy_in_process(deployment)
@@ -158,9 +149,5 @@ def test_fleet_up_demo_brings_up_a_demo_fleet_and_stops_it(home, tiny_models, tm
             chain.close()
         up.stdin.close()
         assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
-    finally:
-        if up.poll() is None:
-            up.kill()
-        up.stdout.close()
     gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert all(gone(pid) for pid in pids)

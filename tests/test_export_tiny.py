@@ -3,6 +3,7 @@ equality across 1/2/3-stage chains, the beam_idx pattern, and refusal of damaged
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -246,3 +247,57 @@ def test_int4_head_for_draft_models(tiny_models, tmp_path):
     assert len(tokens) == 8
     with pytest.raises(ExportError, match="INT4 head goes with --weights int4"):
         export_model(str(tiny_models["qwen2"]), stages=1, weights="int8", head="int4", out=tmp_path / "x")
+
+
+def test_int4_shards_quantize_activations_in_the_weights_groups(tiny_exports):
+    """An INT4 shard whose matrices all take groups of 128 compiles with activation groups of 128 on
+    CPU; any other shard, another device family or the exact mode keeps its own setting."""
+    from engine.runtime.stages.stage import INT4_GROUP, compile_config, shard_defaults
+
+    folder = tiny_exports["qwen2", "1"].folders[0]
+    tiny = load_manifest(folder)
+    wide = dataclasses.replace(tiny.spec, hidden_size=2 * INT4_GROUP, intermediate_size=6 * INT4_GROUP)
+    heads = tiny.spec.num_heads * tiny.spec.head_dim
+    assert heads % INT4_GROUP, "the tiny model's attention width must not be a multiple of the group"
+    wide = dataclasses.replace(wide, head_dim=2 * INT4_GROUP // tiny.spec.num_heads)
+    int4 = dataclasses.replace(tiny, weights="int4-awq", spec=wide)
+    assert shard_defaults("CPU", int4) == {"DYNAMIC_QUANTIZATION_GROUP_SIZE": str(INT4_GROUP)}
+    assert shard_defaults("GPU.1", int4) == {}
+    assert shard_defaults("CPU", dataclasses.replace(int4, weights="gguf")) == {}
+    assert shard_defaults("CPU", dataclasses.replace(int4, spec=tiny.spec)) == {}  # SmolLM2's 576 columns alike
+    grouped = StageRunner(folder, manifest=int4)
+    assert grouped.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == INT4_GROUP
+    exact = StageRunner(folder, manifest=int4, config=compile_config("exact"))
+    assert exact.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 0
+
+
+def test_int4_matmuls_sharing_an_input_run_as_one_with_the_same_logits(tiny_models, tmp_path):
+    """q, k, v (and gate, up) of an INT4 shard run as one stacked MatMul on CPU; the logits are
+    those of the graph as exported, bit for bit."""
+    from engine.export.exporter import export_model
+    from engine.runtime.stages.rewrite import fuse_sibling_matmuls, keep_last_logits
+    from engine.runtime.stages.stage import compile_config
+
+    folder = export_model(str(tiny_models["qwen2"]), stages=1, weights="int4", out=tmp_path / "int4").folders[0]
+    model = core().read_model(str(folder / MODEL_XML))
+    spec = load_manifest(folder).spec
+    assert fuse_sibling_matmuls(model) == spec.num_layers * 3  # q+k+v -> 1 and gate+up -> 1, each layer
+    assert fuse_sibling_matmuls(model) == 0  # what is fused stays fused
+
+    plain = core().read_model(str(folder / MODEL_XML))
+    keep_last_logits(plain)
+    compiled = core().compile_model(plain, "CPU", compile_config("exact"))
+    exported = compiled.create_infer_request()
+    stage = StageRunner(folder, config=compile_config("exact"))
+
+    def matmuls(model) -> int:
+        return sum(op.get_rt_info()["layerType"].astype(str).startswith("FullyConnected")
+                   for op in model.get_runtime_model().get_ops())
+
+    assert matmuls(stage.compiled) == matmuls(compiled) - spec.num_layers * 3
+    n = IDS.shape[1]
+    mask, positions = np.ones((1, n), np.int64), np.arange(n)[None]
+    want = exported.infer({"input_ids": IDS, "attention_mask": mask, "position_ids": positions,
+                           "beam_idx": np.zeros(1, np.int32), "logits_to_keep": np.array([n])})[0]
+    got = stage.forward(IDS, mask, positions)
+    assert np.array_equal(got, want)

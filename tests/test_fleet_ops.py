@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fleet_support import agent_process, deployed_equals_in_process, greedy, greedy_in_process, turn_held
+from fleet_support import agent_process, deployed_equals_in_process, fleet_up, greedy, greedy_in_process, turn_held
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
@@ -354,17 +354,14 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
     (home / "config").mkdir(parents=True)
     (home / "config" / "settings.json").write_text(json.dumps({"weights": "f32"}))
     env = {**os.environ, "FLEETSHARD_HOME": str(home)}
-    up_cmd = [sys.executable, "-m", "engine.cli", "up", "--model", str(tiny_models["llama"]), "--nodes", a,
-              "--fleet-key-file", str(key_file), "--no-chat"]
+    up_args = ["--model", str(tiny_models["llama"]), "--nodes", a, "--fleet-key-file", str(key_file), "--no-chat"]
     log = tmp_path / "up.log"
     for ending in ("SIGTERM", "stdin closed"):  # the user's Ctrl-C or a service stop; the app going away
-        with open(log, "w") as err:
-            up = subprocess.Popen([*up_cmd, "--pin", "alpha:3", "--lifeline"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        _up_serves_then_stops(up, ending, log, a, key)
+        with fleet_up([*up_args, "--pin", "alpha:3"], log, env) as (up, lines, deployment):
+            _up_serves_then_stops(up, lines, deployment, ending, log, a, key)
         # the first run profiles the fleet, the next ones reuse its profile
         assert ("using the fleet profile" in log.read_text()) == (ending != "SIGTERM"), log.read_text()
-    local = subprocess.run([*up_cmd, "--pin", "this machine:0-3"], capture_output=True, text=True, env=env,
+    local = subprocess.run([sys.executable, "-m", "engine.cli", "up", *up_args, "--pin", "this machine:0-3"], capture_output=True, text=True, env=env,
                            timeout=300)
     assert local.returncode == 0, local.stderr
     assert "1 stage(s)" in local.stdout and "keeps every layer" in local.stderr
@@ -374,35 +371,22 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
         assert agent.status()["workers"] == []
 
 
-def _up_serves_then_stops(up, ending: str, log: Path, a: str, key: bytes) -> None:
-    from engine.fleet.deploy import Deployment
-
+def _up_serves_then_stops(up, lines, deployment, ending: str, log: Path, a: str, key: bytes) -> None:
+    assert any(": alpha CPU, layer 3," in line for line in lines), lines  # the plan, explained, by node name
+    assert [w["agent"] for w in deployment.workers] == [a]
+    chain = deployment.chain(key)
     try:
-        lines = []
-        while not (lines and lines[-1].startswith("ready ")):
-            line = up.stdout.readline()
-            assert line, f"fleet up ended early: {log.read_text()[-2000:]}"
-            lines.append(line)
-        assert any(": alpha CPU, layer 3," in line for line in lines), lines  # the plan, explained, by node name
-        deployment = Deployment.load(Path(lines[-1].split(" ", 1)[1].strip()))
-        assert [w["agent"] for w in deployment.workers] == [a]
-        chain = deployment.chain(key)
-        try:
-            got = greedy(chain)
-        finally:
-            chain.close()
-        assert got == greedy_in_process(deployment)
-        with ControlClient(a, key) as agent:
-            assert [w["stage"] for w in agent.status()["workers"]] == [1]
-        if ending == "SIGTERM":
-            up.terminate()
-        else:
-            up.stdin.close()
-        assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
+        got = greedy(chain)
     finally:
-        if up.poll() is None:
-            up.kill()
-        up.stdout.close()
+        chain.close()
+    assert got == greedy_in_process(deployment)
+    with ControlClient(a, key) as agent:
+        assert [w["stage"] for w in agent.status()["workers"]] == [1]
+    if ending == "SIGTERM":
+        up.terminate()
+    else:
+        up.stdin.close()
+    assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == [], ending
 

@@ -237,24 +237,52 @@ def test_the_default_model_answers_on_a_local_fleet(qtbot, gui_home, tmp_path, s
 def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home, tmp_path):
     """The first-run payloads (engine.session) shown in the Chat view's progress panel: a
     download shows its share, its end reads as the next step with a busy bar, Cancel stops it."""
-    from fleetgui.progress import describe_progress
+    from engine.progress import describe_progress
 
+    # every step with a count a person can follow: bytes, stages, nodes
+    assert describe_progress(("pull", "download 2/4", 0.25, 67_500_000, 270_000_000)) == (
+        "Downloading the model: 68 of 270 MB", 0.25)
+    assert describe_progress(("pull", "assemble", 0.4, 41_000_000, 102_000_000)) == (
+        "Unpacking the model: 41 of 102 MB", 0.4)
+    assert describe_progress(("pull", "verify", 0.0, 0, 270_000_000)) == ("Checking the downloaded model (270 MB)",
+                                                                          None)
+    assert describe_progress(("stage", 1, "compress", 0.5, 3)) == ("Exporting stage 2 of 3 (compressing)", 0.5)
+    assert describe_progress(("deploy", 1, "send", 0.07, 40_000_000, 547_000_000)) == (
+        "Sending stage 1: 40 of 547 MB", 0.07)
+    assert describe_progress(("deploy", 1, "send", 0.5, 3_500_000, 7_000_000))[0] == "Sending stage 1: 3.5 of 7.0 MB"
+    assert describe_progress(("deploy", 2, "start", 0.0)) == ("Starting stage 2", 0.0)
+    # engine.fleet.deploy's send fraction carries its bytes into the payload
+    import pickle
+
+    from engine.fleet.deploy import Sent
+    from engine.session import deploy_progress
+
+    payloads = []
+    deploy_progress(payloads.append)(1, "send", Sent(40_000_000, 547_000_000))
+    deploy_progress(payloads.append)(1, "start", 1.0)
+    assert payloads == [("deploy", 1, "send", 40 / 547, 40_000_000, 547_000_000), ("deploy", 1, "start", 1.0)]
+    assert describe_progress(payloads[0])[0] == "Sending stage 1: 40 of 547 MB"
+    assert pickle.loads(pickle.dumps(Sent(3, 4))).done == 3
+    assert describe_progress(("status", "node 2 of 3: profiling pc1's CPU")) == (
+        "Node 2 of 3: profiling pc1's CPU", None)
+    # the payloads' older shapes (no counts) still read
     assert describe_progress(("pull", "model.safetensors", 0.25)) == ("Downloading the model (model.safetensors)",
                                                                       0.25)
-    assert describe_progress(("pull", "ready", 1.0))[1] is None
-    assert describe_progress(("pull", "assemble", 0.4, 41_000_000, 102_000_000)) == (
-        "Downloading the model (assemble, 41 of 102 MB)", 0.4)  # the byte count a pull reports
-    assert "100%" not in describe_progress(("pull", "ready", 1.0))[0]
-    assert describe_progress(("stage", 1, "convert", 0.5)) == ("Exporting stage 1 (convert)", 0.5)
+    assert describe_progress(("stage", 1, "convert", 0.5)) == ("Exporting stage 1 (converting)", 0.5)
     assert describe_progress(("deploy", 2, "send", 0.1)) == ("Sending stage 2", 0.1)
+    for ready in (("pull", "ready", 1.0), ("pull", "ready", 1.0, 270_000_000, 270_000_000),
+                  ("pull", "download 4/4", 1.0, 270_000_000, 270_000_000)):
+        assert describe_progress(ready)[1] is None and "100%" not in describe_progress(ready)[0]
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     panel, controller = window.chat.progress, window.chat_controller
     controller._loading_progress(("pull", "weights", 0.4))
     assert panel.isVisible() and panel.bar.value() == 40 and "Downloading" in panel.text
     controller._loading_progress(("pull", "ready", 1.0))
     assert panel.bar.maximum() == 0 and "preparing" in panel.text  # busy, not 100%
-    controller._loading_progress(("stage", 0, "compress", 0.5))
-    assert panel.bar.value() == 50 and panel.text == "Exporting stage 0 (compress)"
+    controller._loading_progress(("pull", "assemble", 0.5, 135_000_000, 270_000_000))
+    assert panel.bar.value() == 50 and panel.text == "Unpacking the model: 135 of 270 MB"  # the count shown
+    controller._loading_progress(("stage", 0, "compress", 0.5, 2))
+    assert panel.bar.value() == 50 and panel.text == "Exporting stage 1 of 2 (compressing)"
     cancelled = []
     controller.cancel_open = lambda: cancelled.append(True)
     window.chat.progress.cancel_requested.disconnect()
@@ -272,7 +300,66 @@ def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home,
     placement._progress(("pull", "ready", 1.0))
     assert placement.busy.maximum() == 0 and "100%" not in placement.activity.text()
     assert "ready" not in placement.activity.text()
+    placement._progress(("status", "node 2 of 3: profiling alpha's CPU"))
+    assert placement.activity.text() == "Node 2 of 3: profiling alpha's CPU"
     placement._set_busy(None)
+    # a deployment's stage rows: the bytes sent, then the phases' shares
+    from PySide6.QtWidgets import QLabel, QProgressBar
+
+    placement.deploy_bars = [(QLabel(), QProgressBar()) for _ in range(2)]
+    placement._progress(("deploy", 1, "send", 0.07, 40_000_000, 547_000_000))
+    assert placement.deploy_bars[1][0].text() == "sending 40 of 547 MB"
+    placement._progress(("deploy", 1, "start", 0.0))
+    assert placement.deploy_bars[1][0].text() == "start 0%"
+    placement.deploy_bars = []
+
+
+class ScriptedService:
+    """A chat service whose reply the test writes piece by piece: the pieces go through the
+    controller's callbacks and the tab's rendering as a model's would."""
+
+    description = "scripted"
+    max_length = 4096
+
+    def __init__(self):
+        self.calls = []
+
+    def submit(self, messages, max_new_tokens, on_text=None, on_done=None, sampling=None):
+        self.calls.append((on_text, on_done))
+        return type("Handle", (), {"cancel": lambda self: None})()
+
+    def close(self):
+        pass
+
+
+def test_a_streaming_reply_renders_as_markdown_before_it_ends(qtbot, gui_home, tmp_path, monkeypatch):
+    """Markdown shows while the reply streams (a heading, and an unclosed code fence as a code block
+    so far), rendered once per burst of pieces rather than per piece, and once more when it ends."""
+    import fleetgui.chat
+    from engine.runtime.decode.service import Reply
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    service = ScriptedService()
+    window.chat_controller.service = service
+    tab = window.chat.all_tabs()[0]
+    tab.input.setPlainText("Plan a function")
+    tab.send()
+    renders = []
+    real = fleetgui.chat.message_html
+    monkeypatch.setattr(fleetgui.chat, "message_html", lambda *a: renders.append(a[0]) or real(*a))
+    on_text, on_done = service.calls[0]
+    pieces = ["# Pl", "an\n\nFirst, a ", "*function*:\n\n```py", "thon\ndef add(a, b):\n", "    return a + b\n"]
+    for n, piece in enumerate(pieces, 1):  # a burst: no event loop turn between the pieces
+        on_text(piece, n)
+    qtbot.waitUntil(lambda: "<h1" in tab.transcript.toHtml() and "Copy code" in tab.transcript.toHtml())
+    shown, plain = tab.transcript.toHtml(), tab.transcript.toPlainText()
+    assert tab.busy and renders == ["".join(pieces)]  # one render for the burst
+    assert "return a + b" in plain and "```" not in plain and "*function*" not in plain
+    assert "font-style:italic" in shown and shown.count("color:") > 3  # the open block is highlighted
+    on_text("```\nDone.", len(pieces) + 1)
+    on_done(Reply("".join(pieces) + "```\nDone.", list(range(9)), 4, "eos"))
+    assert not tab.busy and tab.transcript.toPlainText().rstrip().endswith("Done.")
+    assert "<h1" in tab.transcript.toHtml() and "```" not in tab.transcript.toPlainText()
 
 
 def test_markdown_code_blocks_saved_chats_and_tabs_come_back(qtbot, gui_home, tmp_path):

@@ -3,6 +3,8 @@ stage's progress reaching 100% and the shard sizes shown; Cancel ends the export
 
 from __future__ import annotations
 
+from PySide6.QtWidgets import QLabel
+
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
 
 from engine.manifest import load_manifest
@@ -25,6 +27,11 @@ def test_export_wizard_exports_the_tiny_model(qtbot, gui_home, tmp_path, tiny_mo
     wizard.hf_radio.setChecked(True)
     wizard.next_button.click()  # no folder given yet: refused with a message, stays on page 1
     assert wizard.pages.currentIndex() == 0 and "Choose a model" in wizard.banner.message
+    note = wizard.weights.parentWidget().findChild(QLabel, "hint")  # each format says what it is for
+    wizard.weights.setCurrentText("gguf")
+    assert "as accurate as the GGUF" in note.text()
+    wizard.weights.setCurrentText("int4")
+    assert note.text().startswith("INT4: smallest and fastest")
     out = tmp_path / "export"
     _to_export_page(wizard, tiny_models["llama"], out)
     seen: dict[int, list[int]] = {}
@@ -81,7 +88,7 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
         def export(self, source, *, progress, cancel=None, **kw):
             assert source == "smollm2-135m" and kw["stages"] == 1 and kw["weights"] == "int8"
             for fraction in (0.0, 0.4, 1.0):
-                progress(("pull", "assemble", fraction))
+                progress(("pull", "assemble", fraction, round(fraction * 270e6), 270e6))
             progress(("stage", 0, "load", 0.0))
             progress(("stage", 0, "done", 1.0))
             return ExportResult(tmp_path, [StageReport(0, (0, 30), tmp_path / "stage0", 812.0, 3.5, 97.25)], False)
@@ -98,9 +105,49 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     with qtbot.waitSignal(wizard.exported, timeout=10000):
         wizard.next_button.click()
     assert wizard.pull_bar.isVisible() and values[-1] == 100 and 40 in values
-    assert "assemble" in wizard.pull_label.text()
+    assert wizard.pull_label.text() == "Model downloaded; preparing it"  # in the words of the chat's panel
     assert wizard.stage_labels[0].text() == "stage 0: done, peak 812 MB"
     assert [wizard.table.item(0, c).text() for c in (1, 2, 3)] == ["0-29", "812", "97.25"]
+
+
+def test_the_engine_reports_bytes_and_stage_counts_the_wizard_follows(qtbot, gui_home, tmp_path, monkeypatch):
+    """engine.session's payloads carry their counts (the model's bytes while it downloads, the stage
+    count while it exports), and the wizard, which reads their first fields, follows them."""
+    from engine import session
+    from engine.export.exporter import ExportResult, StageReport
+    from engine.models.catalog import CATALOG
+
+    size = CATALOG["smollm2-135m"].size
+
+    def pull(name, progress):  # what engine.models.catalog.pull reports: packages, then bytes
+        for done in range(3):
+            progress(f"download {max(1, done)}/2", done, 2)
+        progress("assemble", size // 4, size)
+        progress("verify", 0, 1)
+
+    def export_model(source, *, progress, stages, split, **kw):
+        for i in range(stages):
+            progress(i, "compress", 0.5)
+        return ExportResult(tmp_path, [StageReport(i, (i, i + 1), tmp_path / f"stage{i}", 1.0, 1.0, 1.0)
+                                       for i in range(stages)], False)
+
+    monkeypatch.setattr(session, "pull", pull)
+    monkeypatch.setattr(session, "export_model", export_model)
+    payloads = []
+    session.export("smollm2-135m", stages=2, progress=payloads.append)
+    assert payloads == [("pull", "download 1/2", 0.0, 0, size), ("pull", "download 1/2", 0.5, round(size / 2), size),
+                        ("pull", "download 2/2", 1.0, size, size), ("pull", "assemble", 0.25, size // 4, size),
+                        ("pull", "verify", 0.0, 0, size), ("pull", "ready", 1.0, size, size),
+                        ("stage", 0, "compress", 0.5, 2), ("stage", 1, "compress", 0.5, 2)]
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    wizard = window.show_view("Export")
+    wizard.catalog.setCurrentIndex(wizard.catalog.findData("smollm2-135m"))
+    wizard.next_button.click()
+    wizard.stages.setValue(2)
+    with qtbot.waitSignal(wizard.exported, timeout=10000):
+        wizard.next_button.click()
+    assert wizard.pull_bar.value() == 100 and wizard.stage_labels[1].text() == "stage 1: done, peak 1 MB"
 
 
 def test_export_wizard_takes_the_split_of_a_placement_plan(qtbot, gui_home, tmp_path, tiny_models):

@@ -179,6 +179,15 @@ def test_tray_menu_and_live_activity(qtbot, gui_home, key_file, tiny_exports):
     qtbot.waitUntil(lambda: controller.counts["connections"] >= 1 and "0 connections" not in tray.tally_action.text(),
                     timeout=10000)
     assert window.tally.text() == controller.tally()
+    assert controller.counts["errors"] == 0  # the coordinator leaving ("upstream … left") is no error
+    # a client that drops its connection without a goodbye has left too; a refused handshake or a
+    # next stage lost is an error
+    controller._log("stage 1: upstream 127.0.0.1:5 gone: 127.0.0.1:5 closed the connection")
+    controller._log("control connection from 127.0.0.1:6 ended: 127.0.0.1:6 closed the connection")
+    assert controller.counts["errors"] == 0
+    controller._log("stage 1: refused connection from 127.0.0.1:7: the peer's proof does not match the fleet key")
+    controller._log("stage 1: next stage 127.0.0.1:8: connection lost")
+    assert controller.counts["errors"] == 2 and "2 errors" in controller.tally()
     assert tray.stage_action.isVisible() and "stage 1 of" in tray.stage_action.text()
 
     tray.pause_action.trigger()  # the menu drives the agent

@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.config import Settings
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment
+from engine.progress import describe_progress
 from engine.session import Launch, deploy_progress
 
 
@@ -66,7 +67,9 @@ def draft_tokens(text: str):
 
 def connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet-key-file", help="the shared fleet key (default: from the settings)")
-    parser.add_argument("--tls", action="store_true", help="TLS with the fleet certificate beside the key")
+    # --no-tls too: a caller's "no TLS" must hold against a saved tls: true (the local fleet's agent)
+    parser.add_argument("--tls", action=argparse.BooleanOptionalAction,
+                        help="TLS with the fleet certificate beside the key (default: from the settings)")
     parser.add_argument("--deadline", type=duration, help="seconds of silence before a stage counts as dead")
 
 
@@ -108,8 +111,8 @@ def settings_of(args: argparse.Namespace, settings: Settings | None = None) -> S
     """The saved settings with what the command line says instead (options it has and was given)."""
     settings = settings or Settings.load()
     changes = {field: getattr(args, option) for option, field in OVERRIDES.items() if getattr(args, option, None)}
-    if getattr(args, "tls", False):
-        changes["tls"] = True
+    if getattr(args, "tls", None) is not None:
+        changes["tls"] = args.tls
     if hasattr(args, "draft"):
         changes.update(_draft(args.draft))
     if getattr(args, "k", None) is not None:
@@ -166,23 +169,21 @@ def say(msg: str) -> None:
 
 
 def progress_printer():
-    """Shows ``engine.session`` progress payloads: a bar for pulls and exports, a line each tenth of
-    a deployment's phase, status lines as they are."""
+    """Shows ``engine.session`` progress payloads in the app's words (``engine.progress``): a bar for
+    pulls and exports, a line each tenth of a deployment's phase, other steps as lines."""
     bar, last = Bar(), {}
 
     def progress(payload: tuple) -> None:
-        kind, *rest = payload
-        if kind == "pull":
-            bar.show(rest[0], rest[1])
-        elif kind == "stage":
-            bar.show(f"stage {rest[0]}: {rest[1]}", rest[2])
-        elif kind == "deploy":
-            stage, phase, fraction = rest
-            if last.get((stage, phase)) != int(fraction * 10):
-                last[(stage, phase)] = int(fraction * 10)
-                say(f"stage {stage}: {phase} {fraction * 100:.0f}%")
+        text, fraction = describe_progress(payload)
+        if payload[0] in ("pull", "stage") and fraction is not None:
+            bar.show(text, fraction)
+        elif payload[0] == "deploy":
+            key = payload[1:3]  # (stage, phase)
+            if last.get(key) != int(fraction * 10):
+                last[key] = int(fraction * 10)
+                say(f"{text} ({fraction * 100:.0f}%)")
         else:
-            say(rest[0])
+            say(text)
 
     return progress
 

@@ -276,10 +276,10 @@ def cmd_up(args) -> int:
             "the local default; `fleet up --nodes all` places the model on them")
     deployment, chain, proc = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
                                        mode=settings.mode, device=settings.device, progress=deploy_printer(),
-                                       deadline_s=settings.deadline_s)
+                                       deadline_s=settings.deadline_s, tls=settings.tls)
     chain.close()
     try:
-        return _serve(args, model, deployment)
+        return _serve(args, model, deployment, settings.tls)
     finally:
         stop_local_agent(proc)
 
@@ -301,13 +301,13 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
                "--pin NODE:FIRST-LAST places layers by hand)" if len(doc["nodes"]) > 1 else
                "the only node agent found runs on this machine")
         say(f"the plan keeps every layer of {model} on this machine: {why}")
-        return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1")
+        return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1", tls=settings.tls)
     deployment, chain = deploy(model, stages, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
                                progress=deploy_printer(), deadline_s=settings.deadline_s,
                                planned=planned_by(doc))
     chain.close()
     try:
-        return _serve(args, model, deployment)
+        return _serve(args, model, deployment, settings.tls)
     finally:
         for problem in deployment.stop(key, tls):
             say(f"warning: {problem}")
@@ -318,7 +318,8 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
     model split over this machine and them, deployed and chatted on; everything stops with ``fleet up``."""
     fleet, deployment, chain, doc = demo_up(model, args.fleet_key_file, args.demo, weights=settings.weights,
                                             mode=settings.mode, device=settings.device.split(",")[0],
-                                            deadline_s=settings.deadline_s, progress=deploy_printer(), log=say)
+                                            deadline_s=settings.deadline_s, progress=deploy_printer(), log=say,
+                                            tls=settings.tls)
     chain.close()
     try:
         for node in fleet.nodes:
@@ -331,9 +332,9 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
             for i, s in enumerate(deployment.stages)) + f". Profile in {demo_profile()}. Chatting through "
             "`fleet serve --deployment` or the app, stop a demo node (kill its pid) to watch its layers move to the "
             "spare one")
-        return _serve(args, model, deployment)
+        return _serve(args, model, deployment, settings.tls)
     finally:
-        for problem in deployment.stop(key):
+        for problem in deployment.stop(key, load_tls(settings.tls, args.fleet_key_file)):
             say(f"warning: {problem}")
         fleet.close()
 
@@ -342,15 +343,16 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
-def _serve(args, model: str, deployment) -> int:
+def _serve(args, model: str, deployment, tls: bool) -> int:
     """Records ``deployment`` and chats through it (or, with --no-chat, keeps it up) until the user
-    ends it, with Ctrl-C or SIGTERM: either way the caller's cleanup stops the workers."""
+    ends it, with Ctrl-C or SIGTERM: either way the caller's cleanup stops the workers.  ``tls``: the
+    settings' TLS, which the deployment was made with."""
     say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
     record = deployment.save()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if not args.no_chat:
-            return _chat(args, "--deployment", str(record))
+            return _chat(args, "--deployment", str(record), tls=tls)
         print(f"ready {record}", flush=True)
         ended = threading.Event()
         if args.lifeline:  # the parent going away ends us like Ctrl-C: the workers are stopped
@@ -366,9 +368,11 @@ def _serve(args, model: str, deployment) -> int:
         return 0
 
 
-def _chat(args, *source: str) -> int:
+def _chat(args, *source: str, tls: bool) -> int:
+    """``generate`` on ``source``, reaching the fleet as this command does: TLS as given (this
+    command's settings), not as the saved settings say."""
     connection = (["--fleet-key-file", args.fleet_key_file] if args.fleet_key_file else []) + (
-        ["--tls"] if args.tls else []) + (["--deadline", str(args.deadline)] if args.deadline else [])
+        ["--tls" if tls else "--no-tls"]) + (["--deadline", str(args.deadline)] if args.deadline else [])
     return chat(*source, *connection)
 
 

@@ -1,19 +1,28 @@
-"""``fleet generate``: text through a chain of shards, a chat on the terminal or prompts in a batch."""
+"""``fleet generate``: text through a chain of shards, a chat on the terminal or prompts in a batch.
+
+A chain that can fail over (a deployment: what ``fleet up`` chats on) runs under the chat service
+the API server and the app use (``engine.session.open_service``), so a worker or node lost
+mid-reply is recovered and the reply carries on; any other chain runs under a ``Generator``, which
+reports the per-stage time breakdown.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from engine.cli.args import chain_args, count, launch_of, progress_printer, settings_of
-from engine.errors import FleetError
+from engine.cli.args import chain_args, count, launch_of, progress_printer, say, settings_of
+from engine.errors import ContextError, FleetError
 from engine.runtime.decode.generate import Generator, generate_streams
 from engine.runtime.decode.sampling import SamplingParams
 from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
 from engine.runtime.stages.stage import REWIND
-from engine.session import draft_shards, drafter_factory, open_chain
+from engine.session import chain_kind, draft_shards, drafter_factory, open_chain, open_service
+
+FAILOVER_KINDS = ("deployment", "local-fleet")  # the chains ``open_service`` gives failover
 
 
 def cmd_generate(args) -> int:
@@ -31,6 +40,15 @@ def cmd_generate(args) -> int:
     args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.repetition_penalty, args.seed)
     progress = progress_printer()
     launch = launch_of(args, in_process=True)
+    through = _through_service if chain_kind(settings, launch) in FAILOVER_KINDS else _through_generator
+    results = through(args, settings, launch, prompts, streams, progress)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _through_generator(args, settings, launch, prompts, streams, progress) -> list[dict]:
+    """The prompts (``streams`` at a time, micro-batched) or the terminal chat on the chain itself."""
     drafts = draft_shards(settings, progress)
     opened = open_chain(settings, launch, progress)
     chain = opened.chain
@@ -39,16 +57,12 @@ def cmd_generate(args) -> int:
         factory = drafter_factory(settings.draft, chain, drafts, settings.device)
         drafters = factory(streams) if factory else None
         if streams > 1:
-            results = _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters)
-        else:
-            gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids,
-                            rewind=args.rewind)
-            results = _chat_loop(args, settings, tokenizer, gen, prompts, drafters[0] if drafters else None)
+            return _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters)
+        gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids,
+                        rewind=args.rewind)
+        return _chat_loop(prompts, _generator_reply(args, settings, tokenizer, gen, drafters[0] if drafters else None))
     finally:
         opened.close()
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    return 0
 
 
 def _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters) -> list[dict]:
@@ -73,7 +87,82 @@ def _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters) 
     return results
 
 
-def _chat_loop(args, settings, tokenizer, gen, prompts, drafter) -> list[dict]:
+def _through_service(args, settings, launch, prompts, streams, progress) -> list[dict]:
+    """The prompts (``streams`` at a time) or the terminal chat under the chat service, with
+    failover; what happens to the fleet is said on stderr."""
+    service = open_service(dataclasses.replace(settings, streams=streams), launch, progress,
+                           on_event=lambda text: say(f"fleet: {text}"))
+    service.rewind = args.rewind  # before any stream starts: each stream's KV is made on its first use
+    try:
+        if streams == 1:
+            def reply(prompt: str) -> dict:
+                done = _submit(args, settings, service, prompt, echo=True).wait()
+                print()
+                return _reported(prompt, done)
+
+            return _chat_loop(prompts, reply)
+        results = []
+        for start in range(0, len(prompts), streams):
+            batch = prompts[start:start + streams]
+            handles = [_submit(args, settings, service, prompt) for prompt in batch]
+            for i, (prompt, handle) in enumerate(zip(batch, handles)):
+                done = handle.wait()
+                print(f"--- stream {i}\n{done.text}")
+                results.append(_reported(prompt, done))
+        return results
+    finally:
+        service.close()
+
+
+def _submit(args, settings, service, prompt: str, echo: bool = False):
+    """Submits ``prompt`` to the chat service (its reply shown as it comes when ``echo``); returns its handle."""
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": prompt}]
+    size = int(service.tokenizer.chat_ids(messages, not args.no_chat).size)
+    if size >= service.max_length:  # in the Generator's words
+        raise ContextError(f"the prompt ({size} tokens) leaves no room in the context of {service.max_length}")
+    return service.submit(messages, min(settings.max_new_tokens, service.max_length - size),
+                          (lambda piece, _tokens: print(piece, end="", flush=True)) if echo else None,
+                          chat=not args.no_chat, ignore_eos=args.ignore_eos, k=args.k, sampling=args.sampling,
+                          fit="refuse")
+
+
+def _reported(prompt: str, reply) -> dict:
+    """A chat service's finished ``reply`` to ``prompt``, its numbers said on stderr; its error raised."""
+    if reply.error:
+        raise FleetError(reply.error)
+    spec = f", acceptance {reply.acceptance:.2f}" if reply.drafted else ""
+    moved = f", carried on over a new chain {reply.rerouted}x" if reply.rerouted else ""
+    print(f"[{len(reply.tokens)} tokens, {reply.decode_tok_s:.1f} tok/s, first token {reply.ttft_ms:.0f} ms{spec}"
+          f"{moved}, stopped by {reply.stopped_by}]", file=sys.stderr)
+    return {"prompt": prompt, "text": reply.text, "tokens": reply.tokens, "rerouted": reply.rerouted,
+            **reply.to_json()}
+
+
+def _generator_reply(args, settings, tokenizer, gen, drafter):
+    """A function of a prompt that generates the reply with ``gen``, shows it as it comes and returns
+    its result."""
+
+    def reply(prompt: str) -> dict:
+        ids = tokenizer.prompt_ids(prompt, system=args.system, chat=not args.no_chat)
+        stream = TextStream(tokenizer)
+        result = gen.generate(
+            ids, settings.max_new_tokens, ignore_eos=args.ignore_eos,
+            on_token=lambda t: print(stream.push(t), end="", flush=True), drafter=drafter, k=args.k,
+            sampling=args.sampling,
+        )
+        print()
+        spec = f", acceptance {result.acceptance:.2f}" if result.drafted else ""
+        print(f"[{len(result.tokens)} tokens, {result.decode_tok_s:.1f} tok/s, "
+              f"first token {result.ttft_s * 1e3:.0f} ms{spec}, stopped by {result.stopped_by}]", file=sys.stderr)
+        return {"prompt": prompt, "text": tokenizer.decode(result.tokens), "tokens": result.tokens,
+                **result.to_json()}
+
+    return reply
+
+
+def _chat_loop(prompts, reply) -> list[dict]:
+    """The given prompts, or a chat on the terminal (one prompt from a pipe), each answered by ``reply``."""
     interactive = not prompts
     results = []
     while True:
@@ -90,19 +179,7 @@ def _chat_loop(args, settings, tokenizer, gen, prompts, drafter) -> list[dict]:
             prompt = prompts.pop(0)
         else:
             break
-        ids = tokenizer.prompt_ids(prompt, system=args.system, chat=not args.no_chat)
-        stream = TextStream(tokenizer)
-        result = gen.generate(
-            ids, settings.max_new_tokens, ignore_eos=args.ignore_eos,
-            on_token=lambda t: print(stream.push(t), end="", flush=True), drafter=drafter, k=args.k,
-            sampling=args.sampling,
-        )
-        print()
-        spec = f", acceptance {result.acceptance:.2f}" if result.drafted else ""
-        print(f"[{len(result.tokens)} tokens, {result.decode_tok_s:.1f} tok/s, "
-              f"first token {result.ttft_s * 1e3:.0f} ms{spec}, stopped by {result.stopped_by}]", file=sys.stderr)
-        results.append({"prompt": prompt, "text": tokenizer.decode(result.tokens), "tokens": result.tokens,
-                        **result.to_json()})
+        results.append(reply(prompt))
         if interactive and not sys.stdin.isatty():
             break
     return results

@@ -21,6 +21,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import ExportError
+from engine.manifest import INT4_GROUP
 
 # Data-aware INT4: the same INT4_SYM group-128 codes as ``int4``, with scales (and for AWQ a
 # per-channel smoothing folded into the preceding weights) chosen to fit what calibration text's
@@ -31,7 +32,22 @@ CALIBRATED = {
     "int4-gptq": {"gptq": True, "scale_estimation": True},
 }
 WEIGHT_FORMATS = ("int4", *CALIBRATED, "int8", "gguf", "fp16", "f32")
-INT4_GROUP = 128
+# What each format is for, in a user's words (figures: docs/benchmarks.md, Qwen2.5-Coder-1.5B)
+WEIGHT_NOTES = {
+    "int4": "INT4: smallest and fastest. From a GGUF it quantizes the GGUF's weights again, so it is a "
+            "little less accurate than the GGUF.",
+    "int4-awq": "INT4 fitted to sample text (AWQ): int4's size and speed, closer to the original; the "
+                "export takes many times longer.",
+    "int4-se": "INT4 fitted to sample text (scale estimation): int4's size and speed, closer to the "
+               "original; the export takes many times longer.",
+    "int4-gptq": "INT4 fitted to sample text (GPTQ): int4's size and speed, the closest INT4; the export "
+                 "takes many times longer.",
+    "int8": "INT8: twice int4's size, close to the original.",
+    "gguf": "A GGUF's own quantized weights, carried over as they are: as accurate as the GGUF; decodes "
+            "slower than int4 (about 0.55x on Qwen 1.5B). GGUF sources only.",
+    "fp16": "16-bit floats: exact to the source's float weights, large and slow.",
+    "f32": "32-bit floats: the reference; the largest and slowest.",
+}
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
 _ROW_BLOCK = 2048

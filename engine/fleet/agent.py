@@ -298,8 +298,7 @@ class Agent:
         delay_ms = float(doc.get("delay_ms") or 0) + self.link_delay_ms  # the deployment's, over this PC's link
         if delay_ms:
             cmd += ["--delay-ms", str(delay_ms)]
-        if self.tls is not None:
-            cmd += ["--tls"]
+        cmd += ["--tls" if self.tls is not None else "--no-tls"]  # as this agent, whatever the saved settings say
         # workers of this computer's cores take turns with each other and with a coordinator here
         cmd += ["--compute-turns", str(machine_turns_file())]
         wid = uuid.uuid4().hex[:8]

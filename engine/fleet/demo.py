@@ -9,7 +9,8 @@ PC's CPU.  Whatever shows a demo node marks it simulated.  ``demo_up`` brings a 
 machine and the demo nodes (``fleet up --demo``): the survey, the layers split evenly over this
 machine and every demo node but the last (the placement a user then redraws), the deployment with
 its profile.  The last node is kept spare: failover keeps every surviving stage where it runs, so a
-stopped demo node's layers move to the spare one.
+stopped demo node's layers move to the spare one.  The demo nodes, their workers and whatever
+reaches them speak TLS as the caller's settings say (``tls``), as the local fleet does.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.local import start_local_agent
 from engine.fleet.node import SimulatedDevice, node_id
 from engine.fleet.survey import survey
-from engine.fleetkey import key_file, load_key
+from engine.fleetkey import key_file, load_key, load_tls
 from engine.launch import end_processes
 
 # (name, device): the first ``count`` of these are started
@@ -85,14 +86,15 @@ class DemoFleet:
         self.close()
 
 
-def start_demo_fleet(key: str | Path | None = None, count: int = 2, *, mdns: bool = False,
+def start_demo_fleet(key: str | Path | None = None, count: int = 2, *, tls: bool, mdns: bool = False,
                      log: Callable[[str], None] = lambda line: None) -> DemoFleet:
     """``count`` demo nodes (2 or 3) on loopback; ``key``: the fleet key file (None: the default one,
-    made if missing, as for the local fleet); ``mdns``: advertise them too (to this machine only: they
-    listen on loopback)."""
+    made if missing, as for the local fleet); ``tls``: the settings' TLS, which they speak; ``mdns``:
+    advertise them too (to this machine only: they listen on loopback)."""
     if not 1 <= count <= MAX_NODES:
         raise FleetError(f"a demo fleet has 1 to {MAX_NODES} nodes, not {count}")
     load_key(key, create=not key)
+    load_tls(tls, key)  # a missing fleet certificate is refused before any node starts
     path = key_file(key)
     nodes: list[DemoNode] = []
     try:
@@ -100,7 +102,7 @@ def start_demo_fleet(key: str | Path | None = None, count: int = 2, *, mdns: boo
             log(f"starting demo node {name} ({i + 1} of {count}): a simulated {device.full_name}, "
                 f"{device.memory_mb / 1024:.0f} GB, running on this PC's CPU")
             store = paths().data / "demo" / name
-            proc, address = start_local_agent(path, name=name, mdns=mdns, role="demo",
+            proc, address = start_local_agent(path, name=name, mdns=mdns, role="demo", tls=tls,
                                               options=("--store", str(store), "--simulate", device.to_json()))
             nodes.append(DemoNode(name, device, address, proc))
     except BaseException:
@@ -125,23 +127,24 @@ def demo_profile() -> Path:
 
 def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, weights: str = "int4",
             mode: str = "fast", device: str = "CPU", deadline_s: float = 2.0, progress=None,
-            log: Callable[[str], None] = lambda line: None, cancel=None):
+            log: Callable[[str], None] = lambda line: None, cancel=None, tls: bool):
     """``model`` over this machine and ``count`` new demo nodes: survey, even split, deployment
-    (planned from the survey, saved in ``demo_profile()``).  Returns (DemoFleet, deployment, chain,
-    survey document); the caller closes the chain and the fleet."""
-    fleet = start_demo_fleet(key, count, log=log)
+    (planned from the survey, saved in ``demo_profile()``); ``tls``: the settings' TLS, for the demo
+    nodes and every connection to them (the caller reaches them with ``load_tls(tls, key)``).
+    Returns (DemoFleet, deployment, chain, survey document); the caller closes the chain and the fleet."""
+    fleet = start_demo_fleet(key, count, tls=tls, log=log)
     try:
-        secret = load_key(key)
+        secret, contexts = load_key(key), load_tls(tls, key)
         log(f"profiling this machine and the demo nodes for {model} (its three profiling shards are exported "
             "first, once)")
-        doc = survey(model, fleet.addresses, key=secret, local_node=node_id(), local_devices=[device],
+        doc = survey(model, fleet.addresses, key=secret, tls=contexts, local_node=node_id(), local_devices=[device],
                      weights=weights, log=log, cancel=cancel)
         path = demo_profile()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=2))
         stages = even_placement(int(doc["model"]["num_layers"]), fleet, device)
-        deployment, chain = deploy(model, stages, key=secret, weights=weights, mode=mode, progress=progress,
-                                   deadline_s=deadline_s, cancel=cancel,
+        deployment, chain = deploy(model, stages, key=secret, tls=contexts, weights=weights, mode=mode,
+                                   progress=progress, deadline_s=deadline_s, cancel=cancel,
                                    planned={"profile": str(path), "objective": "latency", "users": 1})
     except BaseException:
         fleet.close()

@@ -24,8 +24,22 @@ from engine.runtime.stages.turns import compute_turns, machine_turns_file
 from engine.transport.link import parse_address
 
 LOCAL = "local"  # the coordinator's own stage in a placement's address list
-# progress(stage index, phase, fraction of that phase): phases "export", "send", "start", "connect"
+# progress(stage index, phase, fraction of that phase): phases "export", "send", "start", "connect";
+# while sending, the fraction is a ``Sent``
 DeployProgress = Callable[[int, str, float], None]
+
+
+class Sent(float):
+    """The share of a shard sent, a float like any phase's fraction, that also says how many bytes
+    (``done`` of ``total``) for whoever shows them."""
+
+    def __new__(cls, done: int, total: int):
+        sent = super().__new__(cls, done / max(1, total))
+        sent.done, sent.total = done, total
+        return sent
+
+    def __reduce__(self):
+        return Sent, (self.done, self.total)
 
 
 @dataclasses.dataclass
@@ -188,7 +202,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
         try:
             with ControlClient(stage.agent, key, tls=tls) as agent:
                 digests[i], _ = agent.send_shard(folder, progress=lambda done, total, i=i: report(
-                    i, "send", done / max(1, total)), cancel=cancel)
+                    i, "send", Sent(done, total)), cancel=cancel)
         except AgentError as exc:
             raise FleetError(f"deployment stopped while sending stage {i}: {exc}") from None
     started: list[dict] = []

@@ -2,8 +2,10 @@
 
 ``local_up`` is the embedded default that ``fleet up``, ``fleet serve`` and the app run: stage 0 in
 this process, the later stages in the local agent's workers, so failover and deployment work the
-same as across PCs.  ``own_agents`` lists the agent processes this process started and that still
-run (the local fleet's, a demo fleet's): the app shows them as nodes.
+same as across PCs.  Whether they speak TLS is the caller's setting, passed to the agent as ``--tls``
+or ``--no-tls`` (never the saved settings the agent would read): the chat and failover that reach
+them use that same setting.  ``own_agents`` lists the agent processes this process started and
+that still run (the local fleet's, a demo fleet's): the app shows them as nodes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
-from engine.fleetkey import key_file, load_key
+from engine.fleetkey import key_file, load_key, load_tls
 from engine.launch import await_ready, end_processes, start_fleet
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
@@ -45,13 +47,15 @@ def own_agents() -> list[OwnAgent]:
 
 
 def start_local_agent(key_file: Path, timeout_s: float = 60.0, *, name: str = "local", mdns: bool = False,
-                      options: tuple[str, ...] = (), role: str = "local fleet") -> tuple[subprocess.Popen, str]:
+                      options: tuple[str, ...] = (), role: str = "local fleet",
+                      tls: bool = False) -> tuple[subprocess.Popen, str]:
     """A node agent process on loopback named ``name`` (its own node), tied to this process (it exits
     when we do); ``options``: more ``fleet agent`` options (a demo node's store and simulated device);
-    ``role``: what ``own_agents`` says it is for."""
+    ``role``: what ``own_agents`` says it is for; ``tls``: it and its workers speak TLS."""
     log = paths().data / "logs" / f"{name}-agent.log"
     proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--lifeline", "--fleet-key-file", str(key_file),
-                        "--name", name, *([] if mdns else ["--no-mdns"]), *options], log)
+                        "--name", name, "--tls" if tls else "--no-tls", *([] if mdns else ["--no-mdns"]),
+                        *options], log)
     try:
         address = await_ready(proc, log, timeout_s)
     except FleetError as exc:
@@ -76,18 +80,21 @@ class LocalAgent:
 
 
 def local_up(model: str, stages: int, key: str | Path | None = None, *, weights: str = "int4", mode: str = "fast",
-             device: str = "CPU", progress=None, deadline_s: float = 2.0, cancel=None):
+             device: str = "CPU", progress=None, deadline_s: float = 2.0, cancel=None, tls: bool):
     """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
     workers; ``key`` is the fleet key file (None: the default one, made if missing: a local fleet
-    needs no setup).  Returns (deployment, chain, agent process)."""
+    needs no setup); ``tls``: the settings' TLS, for the agent, its workers and the deployment
+    (then the chat and failover open the deployment with ``load_tls(tls, key)``).  Returns
+    (deployment, chain, agent process)."""
     secret = load_key(key, create=not key)
+    contexts = load_tls(tls, key)  # a missing fleet certificate is refused before the agent starts
     resolved = resolve_source(model)
     ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
-    proc, address = start_local_agent(key_file(key))
+    proc, address = start_local_agent(key_file(key), tls=tls)
     try:
         placement = [StagePlacement(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
-        deployment, chain = deploy(model, placement, key=secret, weights=weights, mode=mode, progress=progress,
-                                   deadline_s=deadline_s, cancel=cancel)
+        deployment, chain = deploy(model, placement, key=secret, tls=contexts, weights=weights, mode=mode,
+                                   progress=progress, deadline_s=deadline_s, cancel=cancel)
     except BaseException:
         stop_local_agent(proc)
         raise

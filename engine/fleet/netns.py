@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from engine.errors import FleetError
+from engine.fleet.limits import CGROUP_ROOT
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")  # where the kernel's cgroup filesystems are mounted
 V1_CONTROLLERS = ("memory", "cpuset")
 NETNS_DIR = Path("/run/netns")  # where `ip netns add` keeps its namespaces
 
@@ -202,7 +202,7 @@ def set_memory_cap(folders: list[Path], memory_mb: int) -> None:
 
 def memory_used(folders: list[Path]) -> int:
     """Bytes the cgroup's processes use, not counting the page cache no process maps (as
-    ``engine.fleet.profile.cgroup_headroom`` counts)."""
+    ``engine.fleet.limits.memory_limits`` counts)."""
     usage, cache, mapped = ("memory.current", "file", "file_mapped") if cgroup_v2() else \
         ("memory.usage_in_bytes", "total_cache", "total_mapped_file")
     stat = dict(row.split() for row in (folders[0] / "memory.stat").read_text().splitlines())

@@ -1,5 +1,7 @@
 """What a node is: its stable id, the facts it tells the fleet (OS, CPU, memory, OpenVINO devices),
-and the compact mDNS TXT and JSON forms of those facts.
+and the compact mDNS TXT and JSON forms of those facts.  Its memory and cores are what the agent's
+process may use (``engine.fleet.limits``): a PC simulated by a memory-capped cgroup and a CPU set
+reports the PC, not the host.
 
 Each node agent is its own node: the machine's id (``node_id``) for an agent of the default name,
 and for a named one an id derived from the machine's and the name (``agent_node_id``), so several
@@ -24,10 +26,9 @@ import re
 import secrets
 import socket
 
-import psutil
-
 from engine.config import paths
 from engine.errors import FleetError
+from engine.fleet.limits import process_cores, process_memory
 from engine.transport.wire import VERSION
 
 log = logging.getLogger(__name__)
@@ -250,14 +251,14 @@ def local_node_info(port: int, fleet_id: str, name: str | None = None, *, node: 
                     simulated: SimulatedDevice | None = None) -> NodeInfo:
     """This machine's facts; the display name defaults to the host name, the id to the machine's.
     ``simulated``: a demo node's device, reported instead of the real ones, its memory as the node's."""
-    memory = psutil.virtual_memory()
+    total, available = (size >> 20 for size in process_memory())
     openvino, devices = _openvino_devices()
-    total, available, cpu = memory.total >> 20, memory.available >> 20, _cpu_model(devices)
+    cpu = _cpu_model(devices)
     if simulated is not None:
         total, available = simulated.memory_mb, min(available, simulated.memory_mb)
         devices, cpu = [simulated.device()], f"simulated on {cpu}"
     return NodeInfo(node_id=node or node_id(), name=name or socket.gethostname().split(".")[0], os=_os_name(),
-                    cpu=cpu, cores=psutil.cpu_count() or os.cpu_count() or 1, memory_mb=total,
+                    cpu=cpu, cores=process_cores(), memory_mb=total,
                     available_mb=available, openvino=openvino, devices=devices, port=port, fleet_id=fleet_id,
                     simulated=simulated is not None)
 

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 from engine.errors import FleetError
+from engine.fleet.limits import process_memory
 from engine.manifest import MODEL_XML, Manifest, load_manifest
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
@@ -115,46 +115,7 @@ def available_memory(device: str) -> int:
                 return total
         except RuntimeError:
             pass
-    return min([int(psutil.virtual_memory().available), *cgroup_headroom()])
-
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def cgroup_headroom() -> list[int]:
-    """Bytes left under each memory limit of this process's cgroup and its ancestors (Linux cgroups
-    v1 or v2: a container, a service's slice, a simulated PC): the limit less the usage, not counting
-    the page cache no process maps (files read or written earlier: the kernel drops it under the
-    limit).  Empty where no limit applies."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    found = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "" and (CGROUP_ROOT / "cgroup.controllers").exists():
-            files = ("memory.max", "memory.current", "file", "file_mapped")
-            folder = CGROUP_ROOT / path.lstrip("/")
-        elif "memory" in controllers.split(","):
-            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache", "total_mapped_file")
-            folder = CGROUP_ROOT / "memory" / path.lstrip("/")
-        else:
-            continue
-        while folder.is_relative_to(CGROUP_ROOT):
-            try:
-                limit = (folder / files[0]).read_text().strip()
-                usage = int((folder / files[1]).read_text())
-                stat = dict(row.split() for row in (folder / "memory.stat").read_text().splitlines())
-                if limit != "max" and int(limit) < 1 << 60:  # v1 says "no limit" with a huge number
-                    cache = int(stat.get(files[2], 0)) - int(stat.get(files[3], 0))  # unmapped page cache
-                    found.append(max(0, int(limit) - usage + cache))
-            except (OSError, ValueError):
-                pass
-            if folder == CGROUP_ROOT or folder.parent == folder:
-                break
-            folder = folder.parent
-    return found
+    return process_memory()[1]
 
 
 def fit_costs(runs: list[dict], key: str = "decode_ms") -> tuple[float, float, float | None]:

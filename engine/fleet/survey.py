@@ -58,18 +58,20 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
     folders = export_profile_shards(model, weights, cancel=cancel)
     shape = ModelShape(**model_shape(load_manifest(folders[0]), context, streams))
     devices: list[DeviceProfile] = []
+    of = f"of {1 + len(statuses)}"  # the machines to profile: this one, then each node (in the log lines)
     for device in local_devices:
         check()
-        log(f"profiling this machine's {device}")
+        log(f"node 1 {of}: profiling this machine's {device}")
         devices.append(device_profile(local_node, profile_shards(folders, device)))
     nodes = {local_node: {"name": "this machine", "address": LOCAL}}
     rtt: dict[tuple[str, str], float] = {}
     ids: dict[str, str] = {}  # the agents profiled, by address
     answered = {address: status["node"]["node_id"] for address, status in statuses.items()}
-    for address, status in statuses.items():
+    for number, (address, status) in enumerate(statuses.items(), 2):
         node = answered[address]
         if node in nodes:  # this machine's own agent (a tray worker), or a node under two addresses
-            log(f"the node agent at {address} is {nodes[node]['name']}, already profiled: skipped")
+            log(f"node {number} {of}: the node agent at {address} is {nodes[node]['name']}, already profiled: "
+                "skipped")
             continue
         ids[address] = node
         nodes[node] = {"name": status["node"].get("name", address), "address": address,
@@ -80,11 +82,12 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
                 rtt[(local_node, node)] = agent.round_trip_ms()
                 digests = []
                 for i, folder in enumerate(folders):
-                    log(f"sending profiling shard {i + 1}/{len(folders)} to {nodes[node]['name']}")
+                    log(f"node {number} {of}: sending profiling shard {i + 1}/{len(folders)} to "
+                        f"{nodes[node]['name']}")
                     digests.append(agent.send_shard(folder, cancel=cancel)[0])
                 for device in node_devices(status):
                     check()
-                    log(f"profiling {nodes[node]['name']}'s {device}")
+                    log(f"node {number} {of}: profiling {nodes[node]['name']}'s {device}")
                     measured = agent.call("profile", timeout_s=600, hashes=digests, device=device)
                     devices.append(device_profile(node, measured))
         except AgentError as exc:

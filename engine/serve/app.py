@@ -153,9 +153,10 @@ class _Pipe:
 
 
 async def _complete(service: ChatService, call: Call, request: Request, model_id: str, chat: bool):
-    vocab = service.chain.spec.vocab_size
-    if any(token >= vocab for token, _ in call.sampling.logit_bias):
-        raise ApiError(400, f"logit_bias: token ids go up to {vocab - 1} (this model's vocabulary)", "logit_bias")
+    if call.sampling.logit_bias:
+        vocab = service.chain.spec.vocab_size
+        if any(token >= vocab for token, _ in call.sampling.logit_bias):
+            raise ApiError(400, f"logit_bias: token ids go up to {vocab - 1} (this model's vocabulary)", "logit_bias")
     if call.n > 1 or (call.prompts and len(call.prompts) > 1) or call.echo:
         return await _complete_many(service, call, request, model_id, chat)
     pipe = _Pipe(request.app.state.metrics)

@@ -59,8 +59,7 @@ class LocalFleet:
             cmd += ["--precision", self.precision]
         if self.delay_ms:
             cmd += ["--delay-ms", str(self.delay_ms)]
-        if self.tls:
-            cmd += ["--tls"]
+        cmd += ["--tls" if self.tls else "--no-tls"]  # the caller's setting, never the saved file's
         if self.isolate:
             cmd += ["--isolate-streams"]
         if self.cpu_sets[i]:

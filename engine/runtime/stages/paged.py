@@ -22,10 +22,10 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import ShardError
-from engine.manifest import MODEL_XML, Manifest, load_manifest
+from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import PackingStage
 from engine.runtime.stages.packing import Part, as_part, check_parts
-from engine.runtime.stages.stage import core, device_config, missing_device
+from engine.runtime.stages.stage import core, device_config, missing_device, read_for
 from engine.runtime.stages.turns import NO_TURNS
 
 # On CPU at the f32 hint the paged cache defaults to u8 with keys quantized per channel, which
@@ -123,10 +123,10 @@ class BlockPool:
         return len(self._free)
 
 
-def paged_config(device: str, config: dict | None = None) -> dict:
-    """The compile settings of a paged stage: the device's, and an f16 cache on CPU at the f32 hint
-    unless a cache precision is given."""
-    config = device_config(device, config)
+def paged_config(device: str, config: dict | None = None, manifest: Manifest | None = None) -> dict:
+    """The compile settings of a paged stage: the device's and the shard's, and an f16 cache on CPU at
+    the f32 hint unless a cache precision is given."""
+    config = device_config(device, config, manifest)
     if (device.upper().startswith("CPU") and config.get("INFERENCE_PRECISION_HINT") == "f32"
             and not any(key in config for key in CACHE_KEYS)):
         config.update(CPU_F32_CACHE)
@@ -151,13 +151,13 @@ class PagedStage(PackingStage):
         self.first, self.last = self.manifest.first, self.manifest.last
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
         try:
-            model = core().read_model(str(self.folder / MODEL_XML))
+            model = read_for(self.folder, device)
             _rename_hidden_input(model)
             paged_attention_transformation(model, False, False)
             _slide_windows(model, self.manifest)
             if self.last:
                 _gather_logits_rows(model)
-            self.compiled = core().compile_model(model, device, paged_config(device, config))
+            self.compiled = core().compile_model(model, device, paged_config(device, config, self.manifest))
         except RuntimeError as exc:
             raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with paged "
                              f"attention on {device}: {exc}") from exc

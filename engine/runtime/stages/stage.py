@@ -13,9 +13,9 @@ import numpy as np
 import openvino as ov
 
 from engine.errors import ShardError
-from engine.manifest import BEAM_IDX, MODEL_XML, Manifest, load_manifest
+from engine.manifest import BEAM_IDX, INT4_GROUP, MODEL_XML, Manifest, load_manifest
 from engine.runtime.interfaces import Stage
-from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, keep_last_logits
+from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, fuse_sibling_matmuls, keep_last_logits
 from engine.runtime.stages.turns import NO_TURNS
 
 _core: ov.Core | None = None
@@ -48,9 +48,31 @@ SHAPE_CACHE = 64
 DEVICE_DEFAULTS = {"CPU": {"INFERENCE_PRECISION_HINT": "f32", "CPU_RUNTIME_CACHE_CAPACITY": str(SHAPE_CACHE)}}
 
 
-def device_config(device: str, config: dict | None = None) -> dict:
-    """The device family's defaults under ``config``."""
-    return {**DEVICE_DEFAULTS.get(device.split(".")[0].upper(), {}), **(config or {})}
+def family(device: str) -> str:
+    """The device family: "GPU" for GPU.1, "CPU" for cpu."""
+    return device.split(".")[0].upper()
+
+
+def shard_defaults(device: str, manifest: Manifest | None) -> dict:
+    """What a CPU compile of this shard sets by default.  The f32 hint's int8 path quantizes the
+    activations in groups of DYNAMIC_QUANTIZATION_GROUP_SIZE columns (32 unless set).  Where every
+    matrix is INT4 in groups of 128, activation groups of 128 line up with the weight groups.  Measured here (OpenVINO 2026.4.1, one process,
+    interleaved): Qwen2.5-Coder-1.5B decode 29.7 -> 39.5 tok/s, first token 157 -> 115 ms; where the
+    groups do not line up (SmolLM2's 576 columns take groups of 64; a GGUF's groups of 32) it is slower
+    (SmolLM2 170 -> 164 tok/s, Qwen from its GGUF blocks 21.0 -> 18.6)."""
+    if manifest is None or family(device) != "CPU" or manifest.weights.split("-")[0] != "int4":
+        return {}
+    spec = manifest.spec
+    columns = (spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim)
+    if any(c % INT4_GROUP for c in columns):
+        return {}
+    return {"DYNAMIC_QUANTIZATION_GROUP_SIZE": str(INT4_GROUP)}
+
+
+def device_config(device: str, config: dict | None = None, manifest: Manifest | None = None) -> dict:
+    """The device family's defaults, then the shard's (``shard_defaults``), under ``config``."""
+    return {**DEVICE_DEFAULTS.get(family(device), {}), **shard_defaults(device, manifest),
+            **(config or {})}
 
 
 def compile_config(mode: str = "fast", precision: str | None = None) -> dict:
@@ -74,6 +96,16 @@ def core() -> ov.Core:
         # they start threads (agent, worker, app), instead of at the first compile on some thread.
         _core.available_devices
     return _core
+
+
+def read_for(folder: Path, device: str) -> ov.Model:
+    """A shard's graph as ``device`` runs it best: on CPU with the MatMuls that share an input fused
+    (``fuse_sibling_matmuls``; the same logits bit for bit).  Measured here, decode tok/s, one process,
+    interleaved: Qwen2.5-Coder-1.5B 37.5 -> 40.1, Gemma 3 270M 129.5 -> 137.8, SmolLM2-135M 133 -> 154."""
+    model = core().read_model(str(Path(folder) / MODEL_XML))
+    if family(device) == "CPU":
+        fuse_sibling_matmuls(model)
+    return model
 
 
 def missing_device(device: str) -> str | None:
@@ -104,7 +136,7 @@ class StageRunner(Stage):
         self.device = device
         self.isolate = isolate
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
-        self._config = device_config(device, config)
+        self._config = device_config(device, config, self.manifest)
         self.compiles = 0
         self.compiled = self._compile()
         self.first = self.manifest.first
@@ -119,7 +151,7 @@ class StageRunner(Stage):
     def _compile(self) -> ov.CompiledModel:
         self.compiles += 1
         try:
-            model = core().read_model(str(self.folder / MODEL_XML))
+            model = read_for(self.folder, self.device)
             if self.manifest.last:
                 keep_last_logits(model)
             return core().compile_model(model, self.device, self._config)

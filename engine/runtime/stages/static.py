@@ -27,10 +27,10 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import ShardError
-from engine.manifest import MODEL_XML, Manifest, load_manifest
+from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import PackingStage
 from engine.runtime.stages.packing import Part, as_part, check_parts
-from engine.runtime.stages.stage import core, device_config, missing_device
+from engine.runtime.stages.stage import core, device_config, missing_device, read_for
 from engine.runtime.stages.turns import NO_TURNS
 
 BIAS = "attention_bias"
@@ -128,9 +128,9 @@ class StaticStage(PackingStage):
         """(Re)compiles for ``slots`` stream windows; the cached windows so far keep their place."""
         capacity = slots * self.window
         try:
-            model, self._pairs = static_model(core().read_model(str(self.folder / MODEL_XML)), self.rows, capacity,
+            model, self._pairs = static_model(read_for(self.folder, self.device), self.rows, capacity,
                                               self.sliding)
-            self.compiled = core().compile_model(model, self.device, device_config(self.device, self.config))
+            self.compiled = core().compile_model(model, self.device, device_config(self.device, self.config, self.manifest))
         except RuntimeError as exc:
             raise ShardError(missing_device(self.device) or f"cannot compile shard {self.folder} with static "
                              f"shapes on {self.device}: {exc}") from exc

@@ -1,0 +1,117 @@
+"""The local fleet speaks TLS as the caller's settings say, not as the saved settings file does: with
+``tls=True`` (the file saying nothing of it) its agent and workers speak TLS and the chat and
+failover reach them with it; with ``tls=False`` (the file saying ``tls: true``) everything stays
+plaintext.  Real agent and worker processes, the tiny Llama model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import ssl
+
+import pytest
+from fleet_support import fleet_up, greedy
+
+from engine.config import Settings
+from engine.errors import FleetError
+from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.demo import start_demo_fleet
+from engine.fleetkey import create_certificate, create_key, load_key, load_tls, tls_file
+from engine.runtime.stages.stage import core
+from engine.session import Launch, open_chain
+
+core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
+
+
+@pytest.fixture
+def fleet_home(tmp_path, monkeypatch):
+    """A home with a fleet key and its certificate; returns (home, key file)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("FLEETSHARD_HOME", str(home))
+    key = create_key(home / "config" / "fleet.key")
+    create_certificate(tls_file(key))
+    return home, key
+
+
+def _saved(home, **fields) -> None:
+    (home / "config" / "settings.json").write_text(json.dumps(fields))
+
+
+def _tls_handshake(address: str, key_path) -> bool:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        try:
+            with load_tls(True, key_path).client.wrap_socket(raw, server_hostname=host):
+                return True
+        except (ssl.SSLError, OSError):
+            return False
+
+
+def _agent_answers(address: str, key: bytes, tls) -> bool:
+    try:
+        with ControlClient(address, key, tls=tls, timeout_s=10) as agent:
+            return bool(agent.status()["node"])
+    except AgentError:
+        return False
+
+
+def _local_fleet(settings: Settings):
+    opened = open_chain(settings, Launch())
+    assert opened.kind == "local-fleet" and len(opened.deployment.stages) == 2
+    return opened
+
+
+@pytest.mark.parametrize("tls", [True, False])
+def test_the_local_fleet_speaks_tls_as_the_callers_settings_say(fleet_home, tiny_models, tls):
+    home, key_path = fleet_home
+    _saved(home, tls=not tls)  # the saved file says the opposite; the settings object in hand decides
+    settings = dataclasses.replace(Settings.load(), default_model=str(tiny_models["llama"]), stages=2,
+                                   weights="f32", fleet_key_file=str(key_path), tls=tls)
+    key, contexts = load_key(key_path), load_tls(tls, key_path)
+    opened = _local_fleet(settings)
+    try:
+        tokens = greedy(opened.chain, 4)
+        assert len(tokens) == 4
+        agent = opened.deployment.stages[1].agent
+        assert _tls_handshake(agent, key_path) is tls
+        assert _agent_answers(agent, key, contexts)  # as failover probes it
+        assert not _agent_answers(agent, key, load_tls(not tls, key_path))
+        # the worker too: the chat reopens the deployment with the same setting, and decodes the same
+        again = opened.deployment.chain(key, tls=contexts, connect_timeout_s=30)
+        try:
+            assert greedy(again, 4) == tokens
+        finally:
+            again.close()
+    finally:
+        opened.close()
+
+
+@pytest.mark.parametrize("tls", [True, False])
+def test_demo_nodes_speak_tls_as_the_callers_settings_say(fleet_home, tls):
+    home, key_path = fleet_home
+    _saved(home, tls=not tls)
+    with start_demo_fleet(key_path, 1, tls=tls) as fleet:
+        (address,) = fleet.addresses
+        assert _tls_handshake(address, key_path) is tls
+        assert _agent_answers(address, load_key(key_path), load_tls(tls, key_path))
+
+
+def test_fleet_up_tls_brings_the_local_fleet_up_over_tls(fleet_home, tiny_models, tmp_path):
+    """`fleet up --tls --no-chat` with the saved settings saying no TLS: the deployment it leaves up
+    answers over TLS (as its chat, given --tls, reaches it) and not in plaintext."""
+    home, key_path = fleet_home
+    _saved(home, tls=False, weights="f32")
+    log = tmp_path / "up.log"
+    with fleet_up(["--model", str(tiny_models["llama"]), "--local", "--no-chat", "--tls"], log) as (up, _, deployment):
+        key = load_key(key_path)
+        assert _tls_handshake(deployment.stages[1].agent, key_path)
+        chain = deployment.chain(key, tls=load_tls(True, key_path), connect_timeout_s=30)
+        try:
+            assert len(greedy(chain, 4)) == 4
+        finally:
+            chain.close()
+        with pytest.raises(FleetError):  # nor in plaintext
+            deployment.chain(key, connect_timeout_s=5).close()
+        up.stdin.close()
+        assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
