@@ -373,3 +373,15 @@ def test_stop_text_holds_back_only_what_may_start_a_stop(pieces, stops, text, hi
     stop = StopText(stops)
     out = "".join(stop.push(p) for p in pieces) + stop.flush()
     assert (out, stop.hit) == (text, hit)
+
+
+def test_the_serve_benchmark_measures_both_servers(tiny_models, tmp_path):
+    """`fleet bench serve` in miniature: fleet serve and LLMPipeline behind the same API, one user."""
+    from engine.bench.serve import run_serve
+
+    report = run_serve(str(tiny_models["llama"]), stages=2, users=(1,), tokens=4, runs=1, weights="f32",
+                       parts=("users",), out=tmp_path / "serve.json", log=lambda _: None)
+    rows = {r["server"]: r for r in report["rows"]}
+    assert set(rows) == {"fleet serve", "LLMPipeline"}
+    assert all(r["requests"] == 1 and r["tok_s"] > 0 for r in rows.values()), rows
+    assert "tok/s, fleet serve / LLMPipeline, 1 user(s)" in report["ratios"]
