@@ -26,3 +26,11 @@ def served_tiny(tiny_exports, streams: int):
     finally:
         server.stop()
         service.close()
+
+
+def reply_text(response, stream: bool) -> tuple[str, str]:
+    """(text, finish reason) of an OpenAI client's chat completion, streamed or not."""
+    if stream:
+        chunks = list(response)
+        return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+    return response.choices[0].message.content, response.choices[0].finish_reason

@@ -64,3 +64,16 @@ def screenshot(window, name: str, size: tuple[int, int] = SIZE) -> None:
         return
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     assert image.save(str(SCREENSHOTS / f"{name}.png"))
+
+
+def drag(canvas, start, end, steps=3):
+    """Press, move in steps and release the left button on the canvas (synthetic mouse events)."""
+    from PySide6.QtCore import QPoint, Qt
+    from PySide6.QtTest import QTest
+
+    left, none = Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
+    QTest.mousePress(canvas, left, none, start)
+    for k in range(1, steps + 1):
+        QTest.mouseMove(canvas, QPoint(start.x() + (end.x() - start.x()) * k // steps,
+                                       start.y() + (end.y() - start.y()) * k // steps))
+    QTest.mouseRelease(canvas, left, none, end)

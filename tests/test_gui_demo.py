@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+from gui_support import drag, gui_home, open_window, settings_store, tiny_settings  # noqa: F401
 
 from engine.runtime.stages.stage import core
 
@@ -17,19 +17,6 @@ core()  # before any test starts a thread: creating an OpenVINO Core forks a chi
 
 MESSAGES = [{"role": "user", "content": "Paris is the capital of"}]
 TOKENS = 16
-
-
-def drag(canvas, start, end, steps=3):
-    """Press, move in steps and release the left button on the canvas (synthetic mouse events)."""
-    from PySide6.QtCore import QPoint, Qt
-    from PySide6.QtTest import QTest
-
-    left, none = Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
-    QTest.mousePress(canvas, left, none, start)
-    for k in range(1, steps + 1):
-        QTest.mouseMove(canvas, QPoint(start.x() + (end.x() - start.x()) * k // steps,
-                                       start.y() + (end.y() - start.y()) * k // steps))
-    QTest.mouseRelease(canvas, left, none, end)
 
 
 def chat(qtbot, window):

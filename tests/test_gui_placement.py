@@ -16,7 +16,7 @@ import types
 
 import pytest
 from fleet_support import agent_process
-from gui_support import open_window, screenshot, settings_store, tiny_settings
+from gui_support import drag, open_window, screenshot, settings_store, tiny_settings
 
 from engine.runtime.stages.stage import core
 
@@ -83,19 +83,6 @@ def even_split(model):
     model.set_stages([StageRange(lane["this machine"], 0, 1), StageRange(lane["alpha"], 1, 3),
                       StageRange(lane["beta"], 3, 4)])
     return lane
-
-
-def drag(canvas, start, end, steps=3):
-    """Press, move in steps and release the left button on the canvas (synthetic mouse events)."""
-    from PySide6.QtCore import QPoint, Qt
-    from PySide6.QtTest import QTest
-
-    left, none = Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier
-    QTest.mousePress(canvas, left, none, start)
-    for k in range(1, steps + 1):
-        QTest.mouseMove(canvas, QPoint(start.x() + (end.x() - start.x()) * k // steps,
-                                       start.y() + (end.y() - start.y()) * k // steps))
-    QTest.mouseRelease(canvas, left, none, end)
 
 
 def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):

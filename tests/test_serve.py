@@ -13,6 +13,8 @@ import time
 import openai
 import pytest
 
+from api_support import reply_text
+
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
@@ -146,12 +148,7 @@ def test_stop_strings_and_length(served):
     for stream in (False, True):
         response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
                                                   stop=[stop, "never appears"], stream=stream)
-        if stream:
-            chunks = list(response)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks)
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            text, finish = response.choices[0].message.content, response.choices[0].finish_reason
+        text, finish = reply_text(response, stream)
         assert (text, finish) == (want, "stop")
     short = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3, temperature=0)
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3

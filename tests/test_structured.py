@@ -14,6 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api_support import reply_text
+
 from engine.runtime.decode.generate import Decoding
 from engine.runtime.decode.grammar import GrammarError, compile_grammar
 from engine.runtime.decode.sampling import SamplingParams
@@ -177,12 +179,7 @@ def test_response_format_through_the_api(client):
         response = client.chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=100, temperature=0, stream=stream,
             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
-        if stream:
-            chunks = list(response)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks)
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            text, finish = response.choices[0].message.content, response.choices[0].finish_reason
+        text, finish = reply_text(response, stream)
         jsonschema.validate(json.loads(text), schema)
         assert finish == "stop"
     obj = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=10, temperature=0.8, seed=5,
