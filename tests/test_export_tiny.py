@@ -251,7 +251,8 @@ def test_int4_head_for_draft_models(tiny_models, tmp_path):
 
 def test_int4_shards_quantize_activations_in_the_weights_groups(tiny_exports):
     """An INT4 shard whose matrices all take groups of 128 compiles with activation groups of 128 on
-    CPU; any other shard, another device family or the exact mode keeps its own setting."""
+    CPU; any other shard, another device family or the exact mode keeps its own setting.  The KV
+    cache is f16 on CPU but in the exact mode."""
     from engine.runtime.stages.stage import INT4_GROUP, compile_config, shard_defaults
 
     folder = tiny_exports["qwen2", "1"].folders[0]
@@ -267,8 +268,10 @@ def test_int4_shards_quantize_activations_in_the_weights_groups(tiny_exports):
     assert shard_defaults("CPU", dataclasses.replace(int4, spec=tiny.spec)) == {}  # SmolLM2's 576 columns alike
     grouped = StageRunner(folder, manifest=int4)
     assert grouped.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == INT4_GROUP
+    assert grouped.compiled.get_property("KV_CACHE_PRECISION") == ov.Type.f16  # the CPU's own default: u8
     exact = StageRunner(folder, manifest=int4, config=compile_config("exact"))
     assert exact.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 0
+    assert exact.compiled.get_property("KV_CACHE_PRECISION") == ov.Type.f32
 
 
 def test_int4_matmuls_sharing_an_input_run_as_one_with_the_same_logits(tiny_models, tmp_path):
@@ -294,7 +297,13 @@ def test_int4_matmuls_sharing_an_input_run_as_one_with_the_same_logits(tiny_mode
         return sum(op.get_rt_info()["layerType"].astype(str).startswith("FullyConnected")
                    for op in model.get_runtime_model().get_ops())
 
+    def elementwise(model) -> int:
+        return sum(op.get_rt_info()["layerType"].astype(str) == "Eltwise" for op in model.get_runtime_model().get_ops())
+
     assert matmuls(stage.compiled) == matmuls(compiled) - spec.num_layers * 3
+    # q, k, v biases still folded into the MatMul: the one element-wise op more a layer is the gate's
+    # activation, which a MatMul of gate and up cannot take as its own
+    assert elementwise(stage.compiled) == elementwise(compiled) + spec.num_layers
     n = IDS.shape[1]
     mask, positions = np.ones((1, n), np.int64), np.arange(n)[None]
     want = exported.infer({"input_ids": IDS, "attention_mask": mask, "position_ids": positions,

@@ -28,13 +28,6 @@ from engine.runtime.stages.packing import Part, as_part, check_parts
 from engine.runtime.stages.stage import core, device_config, missing_device, read_for
 from engine.runtime.stages.turns import NO_TURNS
 
-# On CPU at the f32 hint the paged cache defaults to u8 with keys quantized per channel, which
-# changes SmolLM2-135M's first answer token (LLMPipeline's too, on the same export: "Le Grand-Est"
-# for "Paris"); f16 keeps its answers and costs nothing measurable here (Qwen 1.5B: 1,000-token
-# prefill 4.70 s against 4.74 s, decode 20.3 against 19.5 tok/s).
-CPU_F32_CACHE = {"KV_CACHE_PRECISION": "f16"}
-CACHE_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION")
-
 HIDDEN_IN = "inputs_embeds"  # the name the transformation expects for a stage's non-token input
 LOGITS_ROWS = "logits_rows"
 
@@ -123,16 +116,6 @@ class BlockPool:
         return len(self._free)
 
 
-def paged_config(device: str, config: dict | None = None, manifest: Manifest | None = None) -> dict:
-    """The compile settings of a paged stage: the device's and the shard's, and an f16 cache on CPU at
-    the f32 hint unless a cache precision is given."""
-    config = device_config(device, config, manifest)
-    if (device.upper().startswith("CPU") and config.get("INFERENCE_PRECISION_HINT") == "f32"
-            and not any(key in config for key in CACHE_KEYS)):
-        config.update(CPU_F32_CACHE)
-    return config
-
-
 class PagedStage(PackingStage):
     """A verified shard compiled with paged attention for ``device``.  Its KV pool starts with room
     for ``kv_positions`` cached positions over all streams and doubles when a forward needs more,
@@ -157,7 +140,7 @@ class PagedStage(PackingStage):
             _slide_windows(model, self.manifest)
             if self.last:
                 _gather_logits_rows(model)
-            self.compiled = core().compile_model(model, device, paged_config(device, config, self.manifest))
+            self.compiled = core().compile_model(model, device, device_config(device, config, self.manifest))
         except RuntimeError as exc:
             raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with paged "
                              f"attention on {device}: {exc}") from exc

@@ -96,6 +96,22 @@ def _stacked(constants: list) -> ov.Output:
     return ov.op.Constant(tensor).output(0)
 
 
+def _bias(matmul) -> tuple | None:
+    """(the Add, its constant as ``_constant`` gives it) when a MatMul's one consumer adds a
+    constant bias over its last axis ([1, ..., rows]), else None."""
+    consumers = list(matmul.output(0).get_target_inputs())
+    if len(consumers) != 1 or consumers[0].get_node().get_type_name() != "Add":
+        return None
+    add = consumers[0].get_node()
+    found = _constant(add.input_value(1 - consumers[0].get_index()))
+    if found is None or found[0].get_element_type() in PACKED:
+        return None
+    shape = list(found[0].get_output_shape(0))
+    if not shape or shape[-1] != matmul.get_output_partial_shape(0)[-1].get_length() or any(d != 1 for d in shape[:-1]):
+        return None
+    return add, found
+
+
 def fuse_sibling_matmuls(model: ov.Model) -> int:
     """Stacks the compressed weights of MatMuls that share their input and their weights' pattern
     (types, groups) into one MatMul and splits its output back; returns how many MatMuls were fused
@@ -124,9 +140,20 @@ def fuse_sibling_matmuls(model: ov.Model) -> int:
         if matmuls[0].input_value(1).get_node().get_type_name() == "Convert":
             weight = ops.convert(weight, matmuls[0].input_value(1).get_element_type())
         joint = ops.matmul(matmuls[0].input_value(0), weight, False, True)
+        # Biases (Qwen's q, k, v) are added before the split, where the plugin folds them into the MatMul.
+        biases = [_bias(matmul) for matmul in matmuls]
+        outputs = [matmul.output(0) for matmul in matmuls]
+        if all(biases) and len({(b[1][0].get_element_type(), b[1][1], len(b[1][0].get_output_shape(0)))
+                                for b in biases}) == 1:
+            constant, converted = biases[0][1]
+            shape = [*constant.get_output_shape(0)[:-1], sum(rows)]
+            bias = ops.constant(np.concatenate([b[1][0].get_data().reshape(-1) for b in biases]).reshape(shape),
+                                dtype=constant.get_element_type())
+            joint = ops.add(joint, bias if converted is None else ops.convert(bias, converted))
+            outputs = [b[0].output(0) for b in biases]
         parts = ops.variadic_split(joint, ops.constant(np.int64(-1)), ops.constant(np.array(rows, dtype=np.int64)))
-        for i, matmul in enumerate(matmuls):
-            for consumer in list(matmul.output(0).get_target_inputs()):
+        for i, output in enumerate(outputs):
+            for consumer in list(output.get_target_inputs()):
                 consumer.replace_source_output(parts.output(i))
         fused += len(matmuls) - 1
     if fused:

@@ -69,10 +69,22 @@ def shard_defaults(device: str, manifest: Manifest | None) -> dict:
     return {"DYNAMIC_QUANTIZATION_GROUP_SIZE": str(INT4_GROUP)}
 
 
+# At the f32 hint the CPU keeps its KV cache in u8 unless told otherwise.  f16 is faster here (Qwen2.5
+# 1.5B INT4 decode, one process, interleaved: 39.3 -> 40.5 tok/s after a 46-token prompt, 33.7 -> 34.7
+# after 1,500) and keeps answers the u8 cache changes (paged, SmolLM2-135M: "Le Grand-Est" for
+# "Paris", LLMPipeline's too on the same export).
+CPU_F32_CACHE = {"KV_CACHE_PRECISION": "f16"}
+CACHE_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION")
+
+
 def device_config(device: str, config: dict | None = None, manifest: Manifest | None = None) -> dict:
-    """The device family's defaults, then the shard's (``shard_defaults``), under ``config``."""
-    return {**DEVICE_DEFAULTS.get(family(device), {}), **shard_defaults(device, manifest),
-            **(config or {})}
+    """The device family's defaults, then the shard's (``shard_defaults``), under ``config``; on CPU
+    at the f32 hint an f16 KV cache unless a cache precision is given."""
+    merged = {**DEVICE_DEFAULTS.get(family(device), {}), **shard_defaults(device, manifest), **(config or {})}
+    if (family(device) == "CPU" and merged.get("INFERENCE_PRECISION_HINT") == "f32"
+            and not any(key in merged for key in CACHE_KEYS)):
+        merged.update(CPU_F32_CACHE)
+    return merged
 
 
 def compile_config(mode: str = "fast", precision: str | None = None) -> dict:
