@@ -57,6 +57,7 @@ def paths() -> Paths:
     )
 
 
+AUTO_WEIGHTS = "auto"  # the weight format that is the measured best for the source (``compress.best_weights``)
 DRAFTS = ("none", "lookup", "model", "hybrid")  # what proposes speculative tokens (``decode.speculative``)
 
 
@@ -67,7 +68,7 @@ class Settings:
 
     default_model: str = "smollm2-135m"  # catalog name, GGUF file, HF folder or an exported shard set
     device: str = "CPU"  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
-    weights: str = "int4"
+    weights: str = AUTO_WEIGHTS  # a format of engine.export.compress.WEIGHT_FORMATS
     stages: int = 2
     max_new_tokens: int = 256
     fleet_key_file: str | None = None  # default: fleet.key in the config folder

@@ -25,7 +25,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from engine.config import Settings, parse_devices
+from engine.config import AUTO_WEIGHTS, Settings, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
 from engine.fleet.deploy import Deployment, Sent
@@ -131,7 +131,7 @@ def pull_model(source: str, progress: Progress = quiet, cancel=None) -> None:
     progress(("pull", "ready", 1.0, size, size))
 
 
-def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = "int4",
+def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = AUTO_WEIGHTS,
            out: Path | None = None, force: bool = False, head: str = "int8", progress: Progress = quiet, cancel=None):
     """Pulls a catalog model when needed, then exports it (or finds the export in the cache)."""
     pull_model(source, progress, cancel)

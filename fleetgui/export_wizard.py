@@ -17,9 +17,9 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
                                QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton,
                                QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from engine.config import paths
+from engine.config import AUTO_WEIGHTS, paths
 from engine.errors import FleetError
-from engine.export.compress import WEIGHT_FORMATS, WEIGHT_NOTES
+from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.manifest import layer_numbers
 from engine.models.catalog import CATALOG, list_models
 from engine.progress import describe_progress
@@ -121,9 +121,19 @@ class ExportWizard(QWidget):
         grid.setRowStretch(4, 1)
         return page
 
+    def _head_allowed(self, weights: str) -> None:
+        """An INT4 head goes with INT4 layers (``auto`` gives INT4 layers); any other format keeps the INT8 head."""
+        allowed = weights.split("-")[0] in ("int4", AUTO_WEIGHTS)
+        if not allowed:
+            self.head.setCurrentText(HEAD_FORMATS[0])
+        self.head.setEnabled(allowed)
+
     def _split_page(self) -> QWidget:
         page = QGroupBox("2. Split and weight format")
         self.weights = combo_box(WEIGHT_FORMATS, self.settings.weights)
+        self.head = combo_box(HEAD_FORMATS, HEAD_FORMATS[0])
+        self.weights.currentTextChanged.connect(self._head_allowed)
+        self._head_allowed(self.weights.currentText())
         self.by_count = QRadioButton("Number of stages (layers split evenly)")
         self.by_split = QRadioButton("Explicit layer boundaries")
         self.by_count.setChecked(True)
@@ -142,6 +152,7 @@ class ExportWizard(QWidget):
         self.force = QCheckBox("export again even if this export is cached")
         form = QFormLayout(page)
         form.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
+        form.addRow("LM head", explained_choice(self.head, HEAD_NOTES))
         form.addRow(self.by_count, self.stages)
         form.addRow(self.by_split, field_row(self.split, plan_button))
         form.addRow("Output folder", field_row(self.out, out_browse))
@@ -269,17 +280,18 @@ class ExportWizard(QWidget):
             return
         stages = None if split else self.stages.value()
         count = len(split) + 1 if split else stages
-        weights = self.weights.currentText()
+        weights, head = self.weights.currentText(), self.head.currentText()
         out = Path(self.out.text().strip()).expanduser() if self.out.text().strip() else None
         force = self.force.isChecked()
         self.result = None
         self._prepare(count, source)
         self.summary.setText(f"Exporting <b>{source}</b> as {count} stage{'s' if count > 1 else ''} "
-                             f"({weights}){' into ' + str(out) if out else ''}.")
+                             f"({weights}{', INT4 head' if head == 'int4' else ''})"
+                             f"{' into ' + str(out) if out else ''}.")
         backend = self.backend
         self.task = self.tasks.start(
             lambda report, cancel: backend.export(source, stages=stages, split=split, weights=weights, out=out,
-                                                  force=force, progress=report, cancel=cancel),
+                                                  head=head, force=force, progress=report, cancel=cancel),
             "export", progressed=self._progress, succeeded=self._done, failed=self._failed,
             cancelled=lambda: self._failed("export cancelled"))
         self._show_page(2)

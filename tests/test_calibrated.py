@@ -75,3 +75,23 @@ def test_a_calibrated_format_without_calibration_data_is_refused():
     model = ov.Model([ops.matmul(x, ops.constant(np.ones((64, 64), np.float32)), False, True)], [x])
     with pytest.raises(ExportError, match="int4-awq weight format needs calibration data"):
         compress(model, "int4-awq")
+
+
+def test_auto_weights_are_gptq_for_small_float_checkpoints_and_int4_otherwise(tiny_models, tmp_path):
+    """``auto``, the default, exports what measured best for the source: a float checkpoint under 1B
+    parameters as int4-gptq; a GGUF, or Qwen2.5-Coder-1.5B's size, as int4."""
+    import dataclasses
+
+    from engine.config import Settings
+    from engine.export.compress import best_weights, parameters
+    from engine.models.checkpoint import open_checkpoint
+
+    assert Settings().weights == "auto"
+    spec = open_checkpoint("hf", tiny_models["llama"]).spec
+    assert (best_weights("hf", spec), best_weights("gguf", spec)) == ("int4-gptq", "int4")
+    qwen = dataclasses.replace(spec, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                               num_heads=12, num_kv_heads=2, head_dim=128, tie_embeddings=True)
+    assert 1.5e9 < parameters(qwen) < 1.6e9 and best_weights("hf", qwen) == "int4"
+    export = export_model(str(tiny_models["llama"]), stages=1, weights="auto", head="int4", out=tmp_path / "auto")
+    manifest = load_manifest(export.folders[0])
+    assert (manifest.weights, manifest.export["head"]) == ("int4-gptq", "int4")

@@ -241,7 +241,7 @@ def test_int4_head_for_draft_models(tiny_models, tmp_path):
                 and int(np.prod(c.get_output_shape(0))) == 384 * 64}  # vocab x hidden
 
     assert vocab_types(plain.folders[0]) == {ov.Type.u8}  # INT8 embedding and head
-    assert vocab_types(small.folders[0]) == {ov.Type.u8, ov.Type.i4}  # INT8 embedding, INT4 head
+    assert vocab_types(small.folders[0]) == {ov.Type.u8, ov.Type.u4}  # INT8 embedding, INT4 head
     assert load_manifest(small.folders[0]).export["head"] == "int4"
     tokens = Generator(LocalChain(small.folders), max_length=64).generate(IDS, 8, ignore_eos=True).tokens
     assert len(tokens) == 8
@@ -272,6 +272,29 @@ def test_int4_shards_quantize_activations_in_the_weights_groups(tiny_exports):
     exact = StageRunner(folder, manifest=int4, config=compile_config("exact"))
     assert exact.compiled.get_property("DYNAMIC_QUANTIZATION_GROUP_SIZE") == 0
     assert exact.compiled.get_property("KV_CACHE_PRECISION") == ov.Type.f32
+
+
+def test_int4_head_codes_keep_the_table_closer_than_plain_ranges():
+    """The INT4 head's codes decode within their groups' ranges, and the searched ranges leave less
+    error than each group's plain min..max (and than symmetric codes, the layers' kind)."""
+    from engine.export.compress import int4_head_codes
+
+    table = np.random.default_rng(0).standard_t(4, (300, 256)).astype(np.float16)  # heavy tails, as a head's
+    codes, zero, scale = int4_head_codes(table, 128)
+    assert codes.max() <= 15 and zero.max() <= 15 and scale.dtype == np.float16
+    x = table.astype(np.float32).reshape(300, 2, 128)
+    decoded = (codes.astype(np.float32) - zero) * scale.astype(np.float32)
+
+    def error(q):
+        return float(((q - x) ** 2).sum())
+
+    lo, hi = np.minimum(x.min(2, keepdims=True), 0), np.maximum(x.max(2, keepdims=True), 0)
+    s = (hi - lo) / 15
+    z = np.rint(-lo / s)
+    plain = (np.clip(np.rint(x / s) + z, 0, 15) - z) * s
+    s = np.abs(x).max(2, keepdims=True) / 7
+    symmetric = np.clip(np.rint(x / s), -8, 7) * s
+    assert error(decoded) < 0.95 * error(plain) and error(decoded) < error(symmetric)
 
 
 def test_int4_matmuls_sharing_an_input_run_as_one_with_the_same_logits(tiny_models, tmp_path):

@@ -86,7 +86,7 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
 
     class Pulling(EngineBackend):
         def export(self, source, *, progress, cancel=None, **kw):
-            assert source == "smollm2-135m" and kw["stages"] == 1 and kw["weights"] == "int8"
+            assert source == "smollm2-135m" and kw["stages"] == 1 and (kw["weights"], kw["head"]) == ("int8", "int8")
             for fraction in (0.0, 0.4, 1.0):
                 progress(("pull", "assemble", fraction, round(fraction * 270e6), 270e6))
             progress(("stage", 0, "load", 0.0))
@@ -98,7 +98,11 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     wizard = window.show_view("Export")
     wizard.catalog.setCurrentIndex(wizard.catalog.findData("smollm2-135m"))
     wizard.next_button.click()
+    wizard.weights.setCurrentText("int4")
+    wizard.head.setCurrentText("int4")  # an INT4 head, offered with INT4 layers only
+    assert wizard.head.isEnabled() and "perplexity" in wizard.head.parentWidget().findChild(QLabel, "hint").text()
     wizard.weights.setCurrentText("int8")
+    assert not wizard.head.isEnabled() and wizard.head.currentText() == "int8"
     wizard.stages.setValue(1)
     values = []
     wizard.pull_bar.valueChanged.connect(values.append)

@@ -382,3 +382,17 @@ def test_the_serve_benchmark_measures_both_servers(tiny_models, tmp_path):
     assert set(rows) == {"fleet serve", "LLMPipeline"}
     assert all(r["requests"] == 1 and r["tok_s"] > 0 for r in rows.values()), rows
     assert "tok/s, fleet serve / LLMPipeline, 1 user(s)" in report["ratios"]
+
+
+def test_parity_bench_in_miniature(tiny_models, tmp_path):
+    """`fleet bench parity` in miniature, with the INT4-head row: every configuration decodes the
+    same ids, and the report names each one."""
+    from engine.bench.parity import run_parity
+
+    report = run_parity(str(tiny_models["qwen2"]), tokens=4, warmup=0, runs=1, head="int4",
+                        out=tmp_path / "parity.json", log=lambda _: None)
+    rows = {r["config"]: r for r in report["rows"]}
+    assert {"ours 1-stage", "ours 2-stage", "ours 1-stage, paged", "ours 1-stage, INT4 head",
+            "LLMPipeline 1-stage"} <= set(rows)
+    assert all(r["tok_s"] > 0 for r in rows.values()), rows
+    assert report["settings"]["head"] == "int4"

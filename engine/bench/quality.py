@@ -95,7 +95,8 @@ def compare(reference: np.ndarray, chain, ids: np.ndarray, hooks: Hooks = NO_HOO
 def run_quality(model: str, *, weights: tuple[str, ...] | None = None, stages: tuple[int, ...] = (1, 2),
                 text: Path | None = None, tokens: int = 2048, device: str = "CPU", out: Path | None = None,
                 log=print, hooks: Hooks = NO_HOOKS) -> dict:
-    """``weights``: the formats to compare (default int4 and int8, and gguf for a GGUF source)."""
+    """``weights``: the formats to compare (default int4 and int8, and gguf for a GGUF source); an
+    int4 format with an INT4 head is spelled ``int4/head-int4``."""
     reference_export = export_model(model, stages=1, weights="f32", cancel=hooks.cancel)
     if weights is None:
         gguf = resolve_source(model).kind == "gguf"
@@ -123,7 +124,8 @@ def run_quality(model: str, *, weights: tuple[str, ...] | None = None, stages: t
         log(f"reference: {len(ids)} tokens, perplexity {rows[0]['perplexity']}")
         for fmt in weights:
             for n in stages:
-                export = export_model(model, stages=n, weights=fmt, cancel=hooks.cancel)
+                layers, _, head = fmt.partition("/head-")
+                export = export_model(model, stages=n, weights=layers, head=head or "int8", cancel=hooks.cancel)
                 for precision, config in precisions(device).items():
                     chain = LocalChain(export.folders, device=device, config=config)
                     try:

@@ -39,7 +39,7 @@ def cmd_bench(args) -> int:
     kind = {"draft_kind": args.draft_kind}
     calls = {
         "parity": lambda f: f(model, warmup=args.warmup, device=args.device, tokens=args.tokens or 128, **runs,
-                              llamacpp=args.llamacpp, **common),
+                              llamacpp=args.llamacpp, head=args.head, **common),
         "pipeline": lambda f: f(model, warmup=args.warmup, delay_ms=args.delay_ms, **sizes, **runs, **common),
         "spec": lambda f: f(model, draft, k=args.spec_k, tokens=args.tokens or 128, **runs, **common),
         "ksweep": lambda f: f(model, draft, **sizes, **kind, **delays, **fleet, **common),
@@ -101,7 +101,9 @@ def add_commands(sub) -> None:
     bench.add_argument("--kill-every", type=duration, default=300.0,
                        help="soak: seconds between kills of the worker (default 300)")
     bench.add_argument("--formats", help="quality: the weight formats to compare, comma-separated "
-                       "(default int4,gguf,int8 for a GGUF source, int4,int8 otherwise)")
+                       "(default int4,gguf,int8 for a GGUF source, int4,int8 otherwise; int4/head-int4: with an INT4 head)")
+    bench.add_argument("--head", choices=["int8", "int4"], default="int8",
+                       help="parity: int4 adds a row whose LM head is INT4 (fleet models export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
     bench.add_argument("--llamacpp", action="store_true",
                        help="parity, serve: add llama.cpp's llama-server on the same GGUF as a column (built once "

@@ -64,7 +64,8 @@ def add_commands(sub) -> None:
     how = export.add_mutually_exclusive_group()
     how.add_argument("--stages", type=count, help="number of stages (layers split evenly)")
     how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
-    export.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
+    export.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
+                        help="auto (default): int4-gptq for a float checkpoint under 1B parameters, int4 otherwise")
     export.add_argument("--head", default="int8", choices=["int8", "int4"],
                         help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
     export.add_argument("--out", help="output folder (default: the shard cache)")

@@ -20,6 +20,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from engine.config import AUTO_WEIGHTS
 from engine.errors import ExportError
 from engine.manifest import INT4_GROUP
 
@@ -31,9 +32,12 @@ CALIBRATED = {
     "int4-se": {"scale_estimation": True},
     "int4-gptq": {"gptq": True, "scale_estimation": True},
 }
-WEIGHT_FORMATS = ("int4", *CALIBRATED, "int8", "gguf", "fp16", "f32")
+WEIGHT_FORMATS = (AUTO_WEIGHTS, "int4", *CALIBRATED, "int8", "gguf", "fp16", "f32")
 # What each format is for, in a user's words (figures: docs/benchmarks.md, Qwen2.5-Coder-1.5B)
 WEIGHT_NOTES = {
+    AUTO_WEIGHTS: "The measured best for the source: INT4 fitted to sample text (GPTQ) for a float checkpoint "
+          "under 1B parameters, which it brings much closer to the original (the export takes minutes); "
+          "INT4 for GGUF files and larger models.",
     "int4": "INT4: smallest and fastest. From a GGUF it quantizes the GGUF's weights again, so it is a "
             "little less accurate than the GGUF.",
     "int4-awq": "INT4 fitted to sample text (AWQ): int4's size and speed, closer to the original; the "
@@ -51,6 +55,26 @@ WEIGHT_NOTES = {
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
 _ROW_BLOCK = 2048
+
+
+# Float checkpoints below this many parameters export ``auto`` as int4-gptq.  Measured (KL from the
+# float weights, docs/benchmarks.md "Data-aware INT4"): SmolLM2-135M 0.199 against 0.355 for int4,
+# Gemma 3 270M 0.290 against 0.815, for 17-48x the export time (minutes at these sizes); on
+# Qwen2.5-Coder-1.5B GPTQ is worse (0.0864 against 0.0787, 29x the time) and AWQ gains 2% for 11x.
+# A GGUF keeps int4, the fast format (``gguf``, its own codes, is the faithful one).
+CALIBRATE_BELOW = 1_000_000_000
+
+
+def parameters(spec) -> int:
+    """A decoder's weight count from its spec: vocabulary table(s) and each layer's matrices."""
+    attention = spec.hidden_size * spec.head_dim * 2 * (spec.num_heads + spec.num_kv_heads)
+    layer = attention + 3 * spec.hidden_size * spec.intermediate_size
+    return spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2) + spec.num_layers * layer
+
+
+def best_weights(kind: str, spec) -> str:
+    """What ``auto`` exports for a source of ``kind`` ("gguf" or "hf") with this spec."""
+    return "int4-gptq" if kind != "gguf" and parameters(spec) < CALIBRATE_BELOW else "int4"
 
 
 def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:
@@ -117,27 +141,64 @@ def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
 
 HEAD_FORMATS = ("int8", "int4")
 HEAD_GROUP = 128
+# The LM head's formats in a user's words (figures: docs/benchmarks.md, Qwen2.5-Coder-1.5B)
+HEAD_NOTES = {
+    "int8": "INT8 head: the vocabulary as accurate as the layers allow (the default).",
+    "int4": "INT4 head: about a tenth faster decoding on a 1.5B model, somewhat less accurate "
+            "(perplexity +2%); for INT4 layers only.",
+}
+
+
+# Each group's range is shrunk by the ratio, of these, that leaves the least squared error: on
+# Qwen2.5-Coder-1.5B's head (from its Q6_K table) relative error 0.096, against 0.101 for the plain
+# range and 0.118 for symmetric codes (the int4 layers' kind) in groups of 128.
+HEAD_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def int4_head_codes(table: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric INT4 codes of ``table`` [rows, columns] in groups of ``group`` columns: (codes
+    u8 0..15 [rows, groups, group], zero points u8 [rows, groups, 1], f16 scales [rows, groups, 1]),
+    decoding as ``(codes - zero) * scale``."""
+    rows_total, hidden = table.shape
+    groups = hidden // group
+    codes = np.empty((rows_total, groups, group), dtype=np.uint8)
+    zero = np.empty((rows_total, groups, 1), dtype=np.uint8)
+    scale = np.empty((rows_total, groups, 1), dtype=np.float16)
+    for start in range(0, rows_total, _ROW_BLOCK):
+        x = table[start:start + _ROW_BLOCK].astype(np.float32).reshape(-1, groups, group)
+        lo, hi = np.minimum(x.min(axis=2, keepdims=True), 0.0), np.maximum(x.max(axis=2, keepdims=True), 0.0)
+        best = None
+        for shrink in HEAD_SHRINK:
+            s = (np.maximum(hi - lo, 1e-8) * shrink / 15.0).astype(np.float16)
+            s32 = s.astype(np.float32)
+            z = np.clip(np.rint(-lo * shrink / s32), 0, 15)
+            q = np.clip(np.rint(x / s32) + z, 0, 15)
+            err = (((q - z) * s32 - x) ** 2).sum(axis=2, keepdims=True)
+            if best is None:
+                best, bq, bz, bs = err, q, z, s
+            else:
+                better = err < best
+                best = np.where(better, err, best)
+                bq, bz, bs = np.where(better, q, bq), np.where(better, z, bz), np.where(better, s, bs)
+        codes[start:start + _ROW_BLOCK], zero[start:start + _ROW_BLOCK] = bq, bz
+        scale[start:start + _ROW_BLOCK] = bs
+    return codes, zero, scale
 
 
 def head_table_int4(table: np.ndarray, group: int = HEAD_GROUP) -> ov.Output:
-    """The LM head as symmetric INT4 with an f16 scale per group of ``group`` columns (Constant i4
-    [vocab, groups, group] -> Convert -> Multiply(scale) -> Reshape), the pattern the CPU plugin
-    runs as a compressed MatMul.  For a draft model: its head is a large share of a step (measured on
-    Qwen2.5-Coder-0.5B: 27 -> 21 ms per step), and verification corrects what a coarser head changes."""
+    """The LM head as asymmetric INT4 (``int4_head_codes``) in the pattern the CPU plugin runs as a
+    compressed MatMul (Constant u4 [vocab, groups, group] -> Convert -> Subtract(u4 zero point) ->
+    Multiply(f16 scale) -> Reshape).  It halves the head's bytes: a tenth of Qwen2.5-Coder-1.5B's
+    decode step, and a larger share of a draft model's (Qwen2.5-Coder-0.5B: 27 -> 21 ms a step)."""
     rows_total, hidden = table.shape
     group = next((g for g in (group, 64, 32) if hidden % g == 0), 0)  # as NNCF's group-size fallback
     if not group:
         raise ExportError(f"an INT4 head needs a hidden size divisible by 32, not {hidden}")
-    groups = hidden // group
-    q = np.empty((rows_total, groups, group), dtype=np.int8)
-    scale = np.empty((rows_total, groups, 1), dtype=np.float16)
-    for start in range(0, rows_total, _ROW_BLOCK):
-        rows = table[start:start + _ROW_BLOCK].astype(np.float32).reshape(-1, groups, group)
-        s = np.maximum(np.abs(rows).max(axis=2, keepdims=True), 1e-8) / 7.0
-        q[start:start + _ROW_BLOCK] = np.clip(np.rint(rows / s), -8, 7).astype(np.int8)
-        scale[start:start + _ROW_BLOCK] = s
-    weights = ops.multiply(ops.convert(ops.constant(q, dtype=ov.Type.i4), ov.Type.f16), ops.constant(scale))
-    flat = ops.reshape(weights, ops.constant(np.array([rows_total, hidden], dtype=np.int64)), False)
+    codes, zero, scale = int4_head_codes(table, group)
+    centered = ops.subtract(ops.convert(ops.constant(codes, dtype=ov.Type.u4), ov.Type.f16),
+                            ops.convert(ops.constant(zero, dtype=ov.Type.u4), ov.Type.f16))
+    flat = ops.reshape(ops.multiply(centered, ops.constant(scale)),
+                       ops.constant(np.array([rows_total, hidden], dtype=np.int64)), False)
     return ops.convert(flat, ov.Type.f32).output(0)
 
 

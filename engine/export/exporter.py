@@ -21,19 +21,19 @@ from typing import Callable
 
 import openvino as ov
 
-from engine.config import paths
+from engine.config import AUTO_WEIGHTS, paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export import tokenizer as tok
 from engine.export.gguf_weights import carry, fingerprint
-from engine.export.compress import (CALIBRATED, HEAD_FORMATS, WEIGHT_FORMATS, compress, head_table_int4, save_fp16,
-                                    staging_dtype, vocab_table)
+from engine.export.compress import (CALIBRATED, HEAD_FORMATS, WEIGHT_FORMATS, best_weights, compress,
+                                    head_table_int4, save_fp16, staging_dtype, vocab_table)
 from engine.manifest import MODEL_XML, Manifest, check_chain, layer_span, load_manifest
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, resolve_source
 from engine.models.checkpoint import open_checkpoint
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
-EXPORTER_VERSION = 5
+EXPORTER_VERSION = 6
 STAGE_STEPS = ("load", "calibrate", "convert", "stateful", "compress", "save", "tokenizer", "hash")
 Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
 
@@ -116,7 +116,7 @@ def export_model(
     """
     if head not in HEAD_FORMATS:
         raise ExportError(f"unknown head format {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
-    if head == "int4" and not weights.startswith("int4"):
+    if head == "int4" and weights.split("-")[0] not in ("int4", AUTO_WEIGHTS):
         raise ExportError("an INT4 head goes with --weights int4 (or a calibrated int4-* format)")
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -127,6 +127,8 @@ def export_model(
         raise ExportError(f"the gguf weight format carries a GGUF file's own quantization over; "
                           f"{source} is not a GGUF model")
     spec = open_checkpoint(resolved.kind, resolved.path).spec
+    if weights == AUTO_WEIGHTS:
+        weights = best_weights(resolved.kind, spec)
     ranges = plan_split(spec.num_layers, stages, split)
     name = resolved.entry.name if resolved.entry else resolved.path.stem
     out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx, head)

@@ -18,7 +18,7 @@ from typing import Callable
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
-from engine.manifest import layer_span
+from engine.manifest import layer_span, load_manifest
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
 from engine.transport.link import parse_address
@@ -220,7 +220,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             remotes.append(worker_address(stage.agent, info["port"]))
             report(i, "start", 1.0)
         deployment = Deployment(model=model, stage0=str(folders[0]), device=stages[0].device,
-                                remotes=remotes, workers=started, mode=mode, weights=weights,
+                                remotes=remotes, workers=started, mode=mode,
+                                weights=load_manifest(folders[0]).weights,  # "auto" as exported
                                 placement=[dataclasses.asdict(s) for s in stages], **(planned or {}))
         report(0, "connect", 0.0)
         chain = deployment.chain(key, tls=tls, deadline_s=deadline_s, local=local)  # the whole route answers

@@ -8,7 +8,8 @@ verify keeps all of its positions.
 ``fuse_sibling_matmuls`` turns the compressed MatMuls that read the same input (a layer's q, k and
 v; its gate and up) into one MatMul over their weights stacked, split after: one activation
 quantization and one pass over the rows instead of three or two, which matters most for the small
-k and v.
+k and v.  Their biases (Qwen's q, k, v) are stacked too and added before the split, where the
+plugin folds them into the MatMul as it did for each alone.
 
 The shard on disk stays as exported, so LLMPipeline still loads it.
 """
