@@ -77,11 +77,13 @@ def test_a_calibrated_format_without_calibration_data_is_refused():
         compress(model, "int4-awq")
 
 
-def test_auto_weights_are_gptq_for_small_float_checkpoints_and_int4_otherwise(tiny_models, tmp_path):
+def test_auto_weights_are_gptq_for_small_float_checkpoints_and_int4_otherwise(tiny_models, tmp_path, capsys):
     """``auto``, the default, exports what measured best for the source: a float checkpoint under 1B
-    parameters as int4-gptq; a GGUF, or Qwen2.5-Coder-1.5B's size, as int4."""
+    parameters as int4-gptq; a GGUF, or Qwen2.5-Coder-1.5B's size, as int4.  `fleet export` says
+    which it chose."""
     import dataclasses
 
+    from engine.cli.main import main
     from engine.config import Settings
     from engine.export.compress import best_weights, parameters
     from engine.models.checkpoint import open_checkpoint
@@ -92,6 +94,8 @@ def test_auto_weights_are_gptq_for_small_float_checkpoints_and_int4_otherwise(ti
     qwen = dataclasses.replace(spec, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
                                num_heads=12, num_kv_heads=2, head_dim=128, tie_embeddings=True)
     assert 1.5e9 < parameters(qwen) < 1.6e9 and best_weights("hf", qwen) == "int4"
-    export = export_model(str(tiny_models["llama"]), stages=1, weights="auto", head="int4", out=tmp_path / "auto")
-    manifest = load_manifest(export.folders[0])
+    assert main(["export", "--model", str(tiny_models["llama"]), "--stages", "1", "--head", "int4",
+                 "--out", str(tmp_path / "auto")]) == 0
+    assert "weights: int4-gptq" in capsys.readouterr().out
+    manifest = load_manifest(tmp_path / "auto" / "stage0")
     assert (manifest.weights, manifest.export["head"]) == ("int4-gptq", "int4")

@@ -72,7 +72,7 @@ def llamacpp_gguf(model: str) -> Path:
 def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5, weights: str = "int4",
                device: str = "CPU", llamacpp: bool = False, head: str = "int8", out: Path | None = None, log=print,
                hooks: Hooks = NO_HOOKS) -> dict:
-    """``head="int4"`` adds a row with the LM head in INT4 (``fleet models export --head int4``)."""
+    """``head="int4"`` adds a row with the LM head in INT4 (``fleet export --head int4``)."""
     exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel) for n in (1, 2, 3)}
     nobeam = export_model(model, stages=1, weights=weights, beam_idx=False, cancel=hooks.cancel)
     first = exports[1].folders[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.bench.report import format_table
 from engine.cli.args import count, duration
-from engine.export.compress import WEIGHT_FORMATS
+from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 
 
 def counts(text: str) -> tuple[int, ...]:
@@ -102,8 +102,8 @@ def add_commands(sub) -> None:
                        help="soak: seconds between kills of the worker (default 300)")
     bench.add_argument("--formats", help="quality: the weight formats to compare, comma-separated "
                        "(default int4,gguf,int8 for a GGUF source, int4,int8 otherwise; int4/head-int4: with an INT4 head)")
-    bench.add_argument("--head", choices=["int8", "int4"], default="int8",
-                       help="parity: int4 adds a row whose LM head is INT4 (fleet models export --head int4)")
+    bench.add_argument("--head", choices=HEAD_FORMATS, default="int8",
+                       help="parity: int4 adds a row whose LM head is INT4 (fleet export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
     bench.add_argument("--llamacpp", action="store_true",
                        help="parity, serve: add llama.cpp's llama-server on the same GGUF as a column (built once "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from engine.cli.args import Bar, count, progress_printer
 from engine.errors import FleetError
-from engine.export.compress import WEIGHT_FORMATS
+from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 from engine.export.gguf_weights import carried_text
 from engine.manifest import layer_numbers, load_manifest
 from engine.models import catalog
@@ -39,6 +39,8 @@ def cmd_export(args) -> int:
     result = export(args.model, stages=args.stages, split=parse_split(args.split), weights=args.weights,
                     out=Path(args.out) if args.out else None, force=args.force, head=args.head,
                     progress=progress_printer())
+    if result.stages:
+        print(f"weights: {load_manifest(result.stages[0].folder).weights}")  # what "auto" resolved to
     print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:
         print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")
@@ -66,7 +68,7 @@ def add_commands(sub) -> None:
     how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
     export.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                         help="auto (default): int4-gptq for a float checkpoint under 1B parameters, int4 otherwise")
-    export.add_argument("--head", default="int8", choices=["int8", "int4"],
+    export.add_argument("--head", default="int8", choices=HEAD_FORMATS,
                         help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
     export.add_argument("--out", help="output folder (default: the shard cache)")
     export.add_argument("--force", action="store_true", help="export again even if cached")
