@@ -187,7 +187,7 @@ def test_unsupported_architecture_is_named(tiny_models, tmp_path):
         HFCheckpoint(folder)
 
 
-@pytest.mark.parametrize("weights, layer_type", [("int4", ov.Type.u4), ("int8", ov.Type.u8), ("fp16", ov.Type.f16)])
+@pytest.mark.parametrize("weights, layer_type", [("int4", ov.Type.i4), ("int8", ov.Type.u8), ("fp16", ov.Type.f16)])
 def test_compressed_exports_of_a_tiny_model_run(tiny_models, tmp_path, weights, layer_type):
     from engine.export.exporter import export_model
 

@@ -1,4 +1,4 @@
-"""Weight formats of a shard: INT4 (asymmetric, group 128) or INT8 layer weights via NNCF with the
+"""Weight formats of a shard: INT4 (symmetric, group 128) or INT8 layer weights via NNCF with the
 vocabulary matrices in asymmetric INT8, INT4 fitted to the activations of calibration text
 (``CALIBRATED``: NNCF's data-aware algorithms, ``engine.export.calibration``), a GGUF's own
 quantized layer weights carried over as they are (``gguf``: ``engine.export.gguf_weights``;
@@ -24,7 +24,7 @@ from engine.config import AUTO_WEIGHTS
 from engine.errors import ExportError
 from engine.manifest import INT4_GROUP
 
-# Data-aware INT4: symmetric INT4 codes in groups of 128 (as ``int4`` was until 2026-11-26), with
+# Data-aware INT4: the same symmetric INT4 group-128 codes as ``int4``, with
 # scales (and for AWQ a per-channel smoothing folded into the preceding weights) chosen to fit what
 # calibration text's activations see.  Measured in docs/benchmarks.md ("Data-aware INT4").
 CALIBRATED = {
@@ -77,13 +77,6 @@ def best_weights(kind: str, spec) -> str:
     return "int4-gptq" if kind != "gguf" and parameters(spec) < CALIBRATE_BELOW else "int4"
 
 
-# Data-free ``int4`` is asymmetric: a u4 zero point per group beside the f16 scale.  Measured on
-# Qwen2.5-Coder-1.5B from its GGUF (docs/benchmarks.md): KL 0.062 against 0.079 for symmetric codes,
-# perplexity 13.10 against 13.49 (the float weights: 12.39), 5 MB more, and decode no slower
-# (42.9 against 41.9 tok/s, one process, interleaved).
-INT4_MODE = "INT4_ASYM"
-
-
 def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:
     """Compresses the layer weights with NNCF (the vocabulary tables were built in their final
     format by ``vocab_table``, a GGUF's layers by ``gguf_weights.carry``); fp16 storage happens at save
@@ -106,7 +99,7 @@ def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:
         data_aware = dict(CALIBRATED[weights], dataset=dataset, subset_size=dataset.get_length())
     return nncf.compress_weights(
         model,
-        mode=nncf.CompressWeightsMode.INT4_SYM if weights in CALIBRATED else getattr(nncf.CompressWeightsMode, INT4_MODE),
+        mode=nncf.CompressWeightsMode.INT4_SYM,
         group_size=INT4_GROUP,
         ratio=1.0,
         all_layers=True,
