@@ -58,6 +58,12 @@ def paths() -> Paths:
 
 
 AUTO_WEIGHTS = "auto"  # the weight format that is the measured best for the source (``compress.best_weights``)
+
+
+def int4_layers(weights: str) -> bool:
+    """Whether a weight format stores the layers in INT4 (``auto`` always resolves to an INT4 one)."""
+    return weights.split("-")[0] in ("int4", AUTO_WEIGHTS)
+
 DRAFTS = ("none", "lookup", "model", "hybrid")  # what proposes speculative tokens (``decode.speculative``)
 
 

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
                                QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton,
                                QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from engine.config import AUTO_WEIGHTS, paths
+from engine.config import int4_layers, paths
 from engine.errors import FleetError
 from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.manifest import layer_numbers
@@ -123,7 +123,7 @@ class ExportWizard(QWidget):
 
     def _head_allowed(self, weights: str) -> None:
         """An INT4 head goes with INT4 layers (``auto`` gives INT4 layers); any other format keeps the INT8 head."""
-        allowed = weights.split("-")[0] in ("int4", AUTO_WEIGHTS)
+        allowed = int4_layers(weights)
         if not allowed:
             self.head.setCurrentText(HEAD_FORMATS[0])
         self.head.setEnabled(allowed)

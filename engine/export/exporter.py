@@ -21,7 +21,7 @@ from typing import Callable
 
 import openvino as ov
 
-from engine.config import AUTO_WEIGHTS, paths
+from engine.config import AUTO_WEIGHTS, int4_layers, paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export import tokenizer as tok
 from engine.export.gguf_weights import carry, fingerprint
@@ -116,7 +116,7 @@ def export_model(
     """
     if head not in HEAD_FORMATS:
         raise ExportError(f"unknown head format {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
-    if head == "int4" and weights.split("-")[0] not in ("int4", AUTO_WEIGHTS):
+    if head == "int4" and not int4_layers(weights):
         raise ExportError("an INT4 head goes with --weights int4 (or a calibrated int4-* format)")
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")

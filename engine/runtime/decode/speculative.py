@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import AUTO_WEIGHTS, DRAFTS
+from engine.config import DRAFTS, int4_layers
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
 from engine.runtime.decode.kvsequence import KVSequence
@@ -37,7 +37,7 @@ def draft_head(weights: str) -> str:
     """The LM head a draft model is exported with (``export_model(head=...)``): INT4 beside INT4
     weights (``auto`` gives INT4 ones), since the head is a large share of a draft step and
     verification corrects what the coarser head changes; INT8 otherwise."""
-    return "int4" if weights.split("-")[0] in ("int4", AUTO_WEIGHTS) else "int8"
+    return "int4" if int4_layers(weights) else "int8"
 
 
 def smooth(average: float, sample: float) -> float:
