@@ -30,7 +30,7 @@ from engine.session import Launch, quiet
 from fleetgui import keystore
 
 Report = Callable[[tuple], None]
-BENCHMARKS = ("wan", "ksweep", "microbatch", "progression", "pipeline", "parity", "spec")
+BENCHMARKS = ("wan", "ksweep", "microbatch", "progression", "pipeline", "parity", "spec", "sim")
 
 
 class EngineBackend:
@@ -205,6 +205,7 @@ class EngineBackend:
             "pipeline": lambda f: f(model, tokens=tokens, runs=runs, delay_ms=delays[0], shards=shards, **common),
             "parity": lambda f: f(model, tokens=tokens, runs=runs, device=settings.device.split(",")[0], **common),
             "spec": lambda f: f(model, draft, tokens=tokens, runs=runs, **common),
+            "sim": lambda f: f(model, tokens=tokens, runs=runs, parts=("office",), **common),
         }
         module = importlib.import_module(f"engine.bench.{name}")
         return calls[name](getattr(module, f"run_{name}"))

@@ -1,6 +1,7 @@
 """The Benchmarks view: one click runs a ``fleet bench`` benchmark on the current shard set, with
 progress, Cancel, live tok/s per stream, a results plot that grows as rows are measured (for the WAN
-sweep: throughput against injected hop latency), and the results saved as PNG, CSV or JSON."""
+sweep: throughput against injected hop latency; for the simulated office: tok/s against users, one
+line per server), and the results saved as PNG, CSV or JSON."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ PLOTS = {
     "pipeline": ("bars", "config", "tok_s"),
     "parity": ("bars", "config", "tok_s"),
     "spec": ("bars", "prompt", "target_tok_s"),
+    "sim": ("sweep", "users", ("tok_s",), "server", "users at once"),
 }
 LABELS = {  # report keys as the plots name them
     "naive_tok_s": "naive: 1 stream", "full_tok_s": "full stack: 2 streams + speculation",
@@ -46,6 +48,8 @@ DESCRIPTIONS = {
     "pipeline": "what the TCP relay costs against in-process stages",
     "parity": "our stage chains against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
     "spec": "speculative decoding against the target alone (needs a draft model)",
+    "sim": "a second PC: one PC against two, ours and llama.cpp's split, at 1-8 users, in a simulated office "
+           "(needs root for its network namespaces, a GGUF model, and builds llama.cpp once)",
 }
 
 
@@ -278,6 +282,8 @@ class BenchPanel(QWidget):
                     name = LABELS.get(y, y) if series is None else f"{series} {row.get(series)}"
                     if series == "k":
                         name = f"K={row.get('k')}"
+                    if series == "server":
+                        name = row["server"]
                     if series is not None and "stages" in row and self.bench_name == "microbatch":
                         name = f"{row['stages']} stages, {row['streams']} streams"
                     xs_, ys_ = lines.setdefault(name, ([], []))

@@ -11,6 +11,8 @@ import threading
 import pytest
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
 
+from fleetgui.bench_panel import DESCRIPTIONS
+
 
 @pytest.fixture(scope="module")
 def shards(tiny_exports):
@@ -115,3 +117,19 @@ def test_plots_read_plainly_with_one_point_and_name_chats(qtbot, gui_home, tmp_p
     assert xs and xs[-1] < 5 and ys[-1] > 0
     assert "Paris trip" in live.key.text() and live.key.isVisible() is chat.isVisible()
     assert live.plot.getPlotItem().legend is None  # no legend over the curves
+
+
+def test_the_office_comparison_plots_a_line_per_server(qtbot, gui_home, tmp_path):
+    """`fleet bench sim`'s office rows: tok/s against users at once, one line per server, named as
+    the report names it; the choice says what the run needs."""
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    panel = window.show_view("Benchmarks")
+    assert "needs root" in DESCRIPTIONS["sim"]
+    panel.bench_name = "sim"
+    panel.rows = [{"server": server, "users": u, "tok_s": rate * u, "ttft_ms": 500.0}
+                  for server, rate in (("ours, one PC", 13.0), ("llama.cpp RPC split, 2 PCs", 11.0)) for u in (1, 2, 4)]
+    panel._draw()
+    lines = {item.name(): item.getData() for item in panel.plot.getPlotItem().listDataItems()}
+    assert set(lines) == {"ours, one PC", "llama.cpp RPC split, 2 PCs"}
+    assert list(lines["ours, one PC"][0]) == [1.0, 2.0, 4.0] and list(lines["ours, one PC"][1]) == [13.0, 26.0, 52.0]
+    assert panel.plot.getPlotItem().getAxis("bottom").labelText == "users at once"

@@ -36,14 +36,14 @@ def key_file(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, **fleet_args):
+def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, **fleet_args):
     """Stages 1.. as worker processes, stage 0 in this process."""
     fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
     chain = None
     try:
         chain = RemoteChain(folders[0], fleet.addresses, key=coordinator_key or load_key(key_file),
                             connect_timeout_s=30, tls=fleet_args.get("tls") and _tls(key_file),
-                            mode=fleet_args.get("mode", "fast"))
+                            mode=fleet_args.get("mode", "fast"), depth=depth)
         yield fleet, chain
     finally:
         if chain is not None:
@@ -87,10 +87,12 @@ def test_loopback_pipeline_equals_in_process_chain(arch, label, tiny_exports, ke
         assert len(top1.stage_ms) == len(folders) and top1.network_ms >= 0
 
 
-def test_streams_travel_packed_one_frame_per_round(tiny_exports, key_file, tmp_path):
-    """Every stage paged: a round of every active stream is one PACKED frame down the chain, and
+@pytest.mark.parametrize("depth", [1, 3])
+def test_streams_travel_packed_one_frame_per_round(depth, tiny_exports, key_file, tmp_path):
+    """Every stage paged: the active streams' rounds travel in PACKED frames down the chain, and
     each stream decodes (exact settings) what it decodes alone, while streams join and leave and
-    spoiled drafts are cut back inside the packs."""
+    spoiled drafts are cut back inside the packs.  ``depth`` 1: one frame carries every stream's
+    round; 3: the streams form one group per stage, all in flight at once."""
     from engine.runtime.decode.generate import Decoding
     from engine.runtime.decode.kvsequence import KVSequence
     from engine.runtime.decode.speculative import PromptLookup
@@ -106,8 +108,9 @@ def test_streams_travel_packed_one_frame_per_round(tiny_exports, key_file, tmp_p
     lengths = [4, 10, 7, 10]  # stream 0 leaves early, stream 3 joins late
     alone = Generator(LocalChain(folders, config=MODES["exact"], paged=False), 256)
     want = [alone.generate(np.array([p]), n, ignore_eos=True).tokens for p, n in zip(prompts, lengths)]
-    with pipeline(folders, key_file, tmp_path, mode="exact") as (fleet, chain):
+    with pipeline(folders, key_file, tmp_path, mode="exact", depth=depth) as (fleet, chain):
         assert chain.packs and all(stage["packs"] for stage in chain.stages)
+        assert chain.depth == depth
         sent, send = [], chain._send
         chain._send = lambda frame, keys=None: (sent.append(frame), send(frame, keys))[1]
         for drafter in (None, WrongDrafts):
@@ -131,16 +134,45 @@ def test_streams_travel_packed_one_frame_per_round(tiny_exports, key_file, tmp_p
             packs = [len(wire.unpack_forward(f)[1]) for f in sent if f.type == Msg.PACKED]
             # the prompt's forward and every round's: each stream's share of some frame
             assert sum(packs) == sum(d.result.breakdown.rounds + 1 for d in decodings)
-            assert max(packs) == 4, "stream 3 joined the others in flight"
-            if drafter is None:  # one frame per round of the streams in flight: fewer than one per stream
-                assert len(packs) <= max(lengths) + 3
+            if depth == 1:
+                assert max(packs) == 4, "stream 3 joined the others in flight"
+                assert chain.most_in_flight == 1
+            else:  # 4 streams over 3 stages: groups of at most 2, and every stage had one to compute
+                assert max(packs) == 2 and chain.most_in_flight == 3, (packs, chain.most_in_flight)
+            if drafter is None:  # one frame per round of a group in flight: fewer than one per stream
+                assert len(packs) <= (max(lengths) + 3) * chain.depth
             else:
                 assert sum(d.result.drafted for d in decodings) > sum(d.result.accepted for d in decodings)
 
 
+def test_groups_in_flight_follow_the_measured_trip():
+    """How many groups of streams a chain keeps in flight: enough to keep its slowest stage busy."""
+    from engine.runtime.relay.remote import _Trip
+
+    def groups(rounds):
+        trip = _Trip()
+        for stage_ms, network_ms in rounds:
+            trip.observe(stage_ms, network_ms)
+        return trip.groups()
+
+    assert groups([]) is None
+    assert groups([([40.0, 40.0], 1.0)] * 5) == 2  # balanced stages: one group each
+    assert groups([([3.0, 80.0], 1.0)] * 5) == 1  # stage 0 only feeds the PC that holds the rest
+    assert groups([([40.0, 40.0], 200.0)] * 5) == 7  # a slow link: more groups hide its time
+    # a round that queued behind another group does not count as network time
+    assert groups([([40.0, 40.0], 1.0), ([40.0, 40.0], 120.0)]) == 2
+    assert groups([([1.0, 1.0], 500.0)]) == _Trip.MAX_GROUPS
+    # stages that take one computer's turns never compute at once: they are one stage of the pipeline
+    trip = _Trip()
+    trip.observe([40.0, 40.0, 40.0], 1.0)
+    assert trip.groups() == 3 and trip.groups([None, None, None]) == 3
+    assert trip.groups(["here", "here", None]) == 2 and trip.groups(["here", "here", "here"]) == 1
+
+
 def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, key_file, tmp_path):
     """What the app and `fleet serve` run: the chat service over a worker process.  Four users at once
-    travel in shared PACKED frames, and each gets the reply it gets alone (exact settings)."""
+    travel in shared PACKED frames, in as many groups as the measured rounds ask for (loopback hops
+    cost more than the tiny stages: several), and each gets the reply it gets alone (exact settings)."""
     from engine.runtime.decode.service import ChatService
     from engine.runtime.stages.stage import MODES
 
@@ -163,7 +195,8 @@ def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, ke
             service.close()
     assert got == want
     packs = [len(wire.unpack_forward(f)[1]) for f in sent if f.type == Msg.PACKED]
-    assert not [f for f in sent if f.type == Msg.FORWARD] and max(packs) >= 3, packs
+    assert packs and not [f for f in sent if f.type == Msg.FORWARD]
+    assert chain.depth == chain._trip.groups() > 1 and chain.most_in_flight > 1
 
 
 def test_breakdown_and_injected_delay(tiny_exports, key_file, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from engine.errors import FleetError
 from engine.fleet.placement import (
-    GB, DeviceProfile, Evaluation, Fleet, Infeasible, ModelShape, Pin, Plan, PlacementError, evaluate,
+    GB, DeviceProfile, Evaluation, Fleet, Infeasible, ModelShape, Pin, Plan, PlacementError, evaluate, even_split,
     simulated_fleet, solve,
 )
 
@@ -406,3 +406,15 @@ def test_check_placement_refuses_what_deploy_cannot_run():
             check_placement(bad)
         assert str(raised.value).startswith(message), bad
         assert placement_problem(bad) == str(raised.value)
+
+
+def test_an_even_split_gives_each_stage_the_same_weights_to_read():
+    """The head is read whole by the last stage (Qwen2.5-Coder-1.5B's INT8 head weighs ten INT4
+    layers), the embedding is a lookup: 2 stages of 28 layers part at 19, not 14."""
+    qwen = ModelShape("qwen", 28, layer_bytes=24_127_488, embed_bytes=240_666_624, head_bytes=240_666_624,
+                      kv_bytes_per_layer=1)
+    assert even_split(qwen, 2) == [19] and even_split(qwen, 3) == [13, 25]
+    light = ModelShape("light", 8, layer_bytes=100, embed_bytes=0, head_bytes=0, kv_bytes_per_layer=1)
+    assert even_split(light, 2) == [4] and even_split(light, 4) == [2, 4, 6]
+    heavy = ModelShape("heavy", 3, layer_bytes=1, embed_bytes=0, head_bytes=1000, kv_bytes_per_layer=1)
+    assert even_split(heavy, 3) == [1, 2]  # every stage keeps at least one layer

@@ -4,7 +4,8 @@ finds every PC at its own address and no further (a PC on the routed subnet is r
 a PC whose cable is cut mid-reply (link down: packets vanish, no reset) has its layers moved and the
 reply carries on token-identical; its link back, it is offered to the fleet again; shards cross a
 bandwidth-capped link and a cut transfer resumes; a PC given a link delay holds the rounds through
-it and no other PC's; a model no single PC's memory cap holds is placed over several PCs.  Needs root (CI runs as root); nothing made is left behind."""
+it and no other PC's; a model no single PC's memory cap holds is placed over several PCs; two PCs of a split compute at the
+same time, several users' streams in flight, each reply token-identical.  Needs root (CI runs as root); nothing made is left behind."""
 
 from __future__ import annotations
 
@@ -416,3 +417,112 @@ def test_a_delay_for_a_pc_the_office_lacks_or_not_a_number_is_refused(capsys):
         main(["sim", "--pcs", "2", "--delay-ms", "pc1=slow"])
     assert "takes a number of 0 or more, not 'slow'" in capsys.readouterr().err
     assert netns.namespaces() == before  # nothing made
+
+
+def _run_ns(office, name: str) -> int:
+    """Nanoseconds every thread of every process on the PC has run so far (the scheduler's count)."""
+    total = 0
+    for pid in netns.cgroup_pids(office.nodes[name].cgroup):
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError, ValueError):
+                    total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total
+
+
+class _Overlap:
+    """Samples pc1's and pc2's run time every few milliseconds while the block runs: of the moments
+    when either PC was busy (ran most of the moment), the share when both were."""
+
+    def __init__(self, office, period_s: float = 0.004):
+        self.office, self.period_s = office, period_s
+        self.either = self.both = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        last = (time.perf_counter_ns(), _run_ns(self.office, "pc1"), _run_ns(self.office, "pc2"))
+        while not self._stop.wait(self.period_s):
+            now = (time.perf_counter_ns(), _run_ns(self.office, "pc1"), _run_ns(self.office, "pc2"))
+            span = now[0] - last[0]
+            busy = [(now[i] - last[i]) / span > 0.6 for i in (1, 2)]
+            self.either += any(busy)
+            self.both += all(busy)
+            last = now
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def share(self) -> float:
+        return self.both / max(self.either, 1)
+
+
+def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alone(office, wide_model):
+    """A 3-stage split, two layers of about 60 MB on pc1 (CPU 0), one on pc2 (CPU 1), one here: six
+    users' rounds travel in groups, so while pc2 computes one group pc1 computes the next.  Sampled
+    every few milliseconds, both PCs are busy at once for a good share of the time either is (PCs
+    taking turns: almost never); and every reply is what it is alone (exact mode)."""
+    key = _key(office)
+    source = str(wide_model)
+    # long prompts: their prefill makes the PCs' compute, not this process's bookkeeping, the work
+    asks = [[{"role": "user", "content": f"Count from {n}, one number a line."}] for n in range(6)]
+    alone = ChatService(LocalChain(_folders(source, [1, 3]), config=compile_config("exact")), streams=1)
+    try:
+        want = [alone.submit(ask, 24, ignore_eos=True).wait(300).tokens for ask in asks]
+    finally:
+        alone.close()
+    stages = [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(office.nodes["pc1"].agent, "CPU", 1, 3),
+              StagePlacement(office.nodes["pc2"].agent, "CPU", 3, 4)]
+    deployment, chain = deploy(source, stages, key=key, weights="f32", mode="exact")
+    service = ChatService(chain, streams=len(asks), prefix_cache=False)
+    try:
+        assert chain.packs and chain.depth == 3
+        service.submit(asks[0], 4, ignore_eos=True).wait(120)  # warm: the first forwards compile
+        with _Overlap(office) as overlap:
+            replies = [h.wait(300) for h in [service.submit(ask, 24, ignore_eos=True) for ask in asks]]
+    finally:
+        service.close()
+        deployment.stop(key)
+    print(f"both PCs busy in {overlap.both} of the {overlap.either} samples either was")
+    assert [r.tokens for r in replies] == want
+    assert chain.most_in_flight >= 2
+    assert overlap.share > 0.15, (overlap.both, overlap.either)  # taking turns: 0-1 in 90
+
+
+def _folders(source: str, split: list[int]) -> list[Path]:
+    from engine.export.exporter import export_model
+
+    return export_model(source, split=split, weights="f32").folders
+
+
+BUSY = """
+import os, time
+start = time.monotonic()
+while time.monotonic() - start < 2.0:
+    pass
+times = os.times()
+print(times.user + times.system, flush=True)
+"""
+
+
+def test_a_pcs_cpu_quota_holds_what_runs_on_it(tmp_path):
+    """A PC given half a core (a cgroup CPU quota, so that three PCs fit two cores): a program that
+    spins for 2 s of wall time on it gets about 1 s of CPU; the quota is what was asked for."""
+    import sys
+
+    key_file = create_key(tmp_path / "fleet.key")
+    with simulated_office([NodeSpec("half", cpus="1", cpu_quota=0.5)], key_file, tmp_path / "office") as office:
+        node = office.nodes["half"]
+        assert netns.cpu_quota(node.cgroup) == 0.5
+        assert "0.5" in office.table()[1].split()
+        log = tmp_path / "busy.log"
+        proc = office.spawn("half", [sys.executable, "-c", BUSY], log)
+        assert proc.wait(30) == 0, log.read_text()
+        cpu = float(log.read_text().split()[-1])
+    assert 0.6 < cpu < 1.4, cpu

@@ -11,7 +11,7 @@ import pytest
 from fleet_support import turn_held
 
 from engine.bench.microbatch import schedule_bound
-from engine.runtime.stages.turns import ComputeTurns
+from engine.runtime.stages.turns import NO_TURNS, ComputeTurns, turns_identity
 
 
 def _acquired_in_background(turns: ComputeTurns) -> threading.Event:
@@ -62,3 +62,12 @@ def test_schedule_bound_meets_the_ideal_only_where_the_cores_can_stay_busy():
     knee = schedule_bound([12.0, 12.0, 20.0], 10.5, 2)
     assert 1.6 < knee < 0.95 * min(2, (44 + 42) / 44)
     assert schedule_bound([12.0, 12.0, 20.0], 10.5, 3) == pytest.approx(86 / 44, rel=0.01)
+
+
+def test_stages_taking_one_computers_turns_are_known_by_one_identity(tmp_path):
+    """What a worker reports, so that the coordinator keeps no more groups in flight than the
+    computers it reaches can compute at once (``RemoteChain.depth``)."""
+    here = ComputeTurns(tmp_path / "compute.turns")
+    assert turns_identity(here) == turns_identity(ComputeTurns(tmp_path / "compute.turns"))
+    assert turns_identity(here) != turns_identity(ComputeTurns(tmp_path / "other.turns"))
+    assert turns_identity(NO_TURNS) is None

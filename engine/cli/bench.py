@@ -61,7 +61,9 @@ def cmd_bench(args) -> int:
                                **({"stages": (args.stages,)} if args.stages else {}),
                                **({"weights": tuple(args.formats.split(","))} if args.formats else {}),
                                **({"text": Path(args.text)} if args.text else {})),
-        "sim": lambda f: f(model, tokens=args.tokens or 40, **common),
+        "sim": lambda f: f(model, tokens=args.tokens or 64, **runs, **common,
+                           **({"users": args.users} if args.users else {}),
+                           **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
         "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
@@ -93,9 +95,10 @@ def add_commands(sub) -> None:
     bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
     bench.add_argument("--delays", type=delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
-    bench.add_argument("--users", type=counts, help="serve: the concurrent users of each wave (default 1,2,4,8); batch: the stream counts (same default); "
-                       "soak: the users (default 8)")
-    bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft)")
+    bench.add_argument("--users", type=counts, help="serve, sim: the concurrent users of each wave (default 1,2,4,8); "
+                       "batch: the stream counts (same default); soak: the users (default 8)")
+    bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
+                       "sim: links,office (default both)")
     bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")
     bench.add_argument("--minutes", type=duration, default=60.0, help="soak: how long the users chat (default 60)")
     bench.add_argument("--kill-every", type=duration, default=300.0,

@@ -401,6 +401,16 @@ def _sim_delays(given, names: list[str]) -> dict[str, float]:
     return given
 
 
+def cpu_quotas(text: str) -> list[float]:
+    try:
+        quotas = [float(q) for q in text.split(";")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"CPU quotas are ';'-separated cores, like 0.9;0.2, not {text!r}") from None
+    if not all(0.01 <= q <= 64 for q in quotas):
+        raise argparse.ArgumentTypeError(f"a CPU quota is between 0.01 and 64 cores, not {text!r}")
+    return quotas
+
+
 def cmd_sim(args) -> int:
     """``fleet sim``: an office of simulated PCs on this Linux machine (``engine.fleet.sim``), up until
     Ctrl-C; or, with --clean, only the removal of what a crashed one left."""
@@ -412,8 +422,10 @@ def cmd_sim(args) -> int:
     cpus = [c.strip() or None for c in args.cpus.split(";")] if args.cpus else [None]
     names = [f"pc{i + 1}" if i < args.pcs else f"far{i + 1 - args.pcs}" for i in range(args.pcs + args.routed)]
     delays = _sim_delays(args.delay_ms, names)
-    specs = [NodeSpec(name, memory_mb=args.memory, cpus=cpus[i % len(cpus)], rate_mbit=args.rate,
-                      remote=i >= args.pcs, delay_ms=delays.get(name)) for i, name in enumerate(names)]
+    quotas = args.cpu_quota or [None]
+    specs = [NodeSpec(name, memory_mb=args.memory, cpus=cpus[i % len(cpus)], cpu_quota=quotas[i % len(quotas)],
+                      rate_mbit=args.rate, remote=i >= args.pcs, delay_ms=delays.get(name))
+             for i, name in enumerate(names)]
     load_key(args.fleet_key_file, create=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -525,6 +537,9 @@ def add_commands(sub) -> None:
     sim.add_argument("--memory", type=count, default=2048, help="each PC's memory cap in MB (default 2048)")
     sim.add_argument("--cpus", help="each PC's CPU set, ';'-separated, repeated over the PCs: \"0;1\" "
                                     "(default: every CPU)")
+    sim.add_argument("--cpu-quota", type=cpu_quotas, metavar="CORES;...",
+                     help="each PC's share of CPU time in cores, ';'-separated, repeated over the PCs: \"0.9;0.9;0.2\" "
+                          "(default: no quota)")
     sim.add_argument("--rate", type=float, help="each PC's link speed in Mbit/s (default: not capped)")
     sim.add_argument("--delay-ms", type=sim_delays, metavar="MS|NAME=MS,...",
                      help="one-way link delay: one value for every PC (20) or per PC (pc1=20,far1=5); their "

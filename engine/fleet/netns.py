@@ -17,7 +17,8 @@ from pathlib import Path
 from engine.errors import FleetError
 from engine.fleet.limits import CGROUP_ROOT
 
-V1_CONTROLLERS = ("memory", "cpuset")
+V1_CONTROLLERS = ("memory", "cpuset", "cpu")
+CPU_PERIOD_US = 100_000  # the quota's accounting period
 NETNS_DIR = Path("/run/netns")  # where `ip netns add` keeps its namespaces
 
 
@@ -167,11 +168,12 @@ def cgroup_dirs(name: str) -> list[Path]:
     return [_own_cgroup(c) / name for c in V1_CONTROLLERS]
 
 
-def make_cgroup(name: str, memory_mb: int | None, cpus: str | None) -> list[Path]:
-    """A cgroup with a memory cap and a CPU set; returns its folders."""
+def make_cgroup(name: str, memory_mb: int | None, cpus: str | None, cpu_quota: float | None = None) -> list[Path]:
+    """A cgroup with a memory cap, a CPU set and a CPU quota (``cpu_quota`` cores' worth of time:
+    0.2 is a fifth of one core); returns its folders, the memory controller's first."""
     if cgroup_v2():
         folder = CGROUP_ROOT / name
-        wanted = " ".join(f"+{c}" for c in ("memory", "cpuset") if c in
+        wanted = " ".join(f"+{c}" for c in ("memory", "cpuset", "cpu") if c in
                           (CGROUP_ROOT / "cgroup.controllers").read_text().split())
         if wanted:
             (CGROUP_ROOT / "cgroup.subtree_control").write_text(wanted)
@@ -182,16 +184,30 @@ def make_cgroup(name: str, memory_mb: int | None, cpus: str | None) -> list[Path
                 (folder / "memory.swap.max").write_text("0")
         if cpus:
             (folder / "cpuset.cpus").write_text(cpus)
+        if cpu_quota:
+            (folder / "cpu.max").write_text(f"{round(cpu_quota * CPU_PERIOD_US)} {CPU_PERIOD_US}")
         return [folder]
-    memory, cpuset = cgroup_dirs(name)
-    memory.mkdir(exist_ok=True)
-    cpuset.mkdir(exist_ok=True)
+    memory, cpuset, cpu = cgroup_dirs(name)
+    for folder in (memory, cpuset, cpu):
+        folder.mkdir(exist_ok=True)
     if memory_mb:
         (memory / "memory.limit_in_bytes").write_text(str(memory_mb << 20))
     parent = cpuset.parent
     (cpuset / "cpuset.mems").write_text((parent / "cpuset.mems").read_text().strip())
     (cpuset / "cpuset.cpus").write_text(cpus or (parent / "cpuset.cpus").read_text().strip())
-    return [memory, cpuset]
+    if cpu_quota:
+        (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        (cpu / "cpu.cfs_quota_us").write_text(str(round(cpu_quota * CPU_PERIOD_US)))
+    return [memory, cpuset, cpu]
+
+
+def cpu_quota(folders: list[Path]) -> float | None:
+    """The cores' worth of CPU time a cgroup made by ``make_cgroup`` may use (None: no quota)."""
+    if cgroup_v2():
+        quota, period = (folders[0] / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    quota = int((folders[2] / "cpu.cfs_quota_us").read_text())
+    return None if quota < 0 else quota / int((folders[2] / "cpu.cfs_period_us").read_text())
 
 
 def set_memory_cap(folders: list[Path], memory_mb: int) -> None:

@@ -202,6 +202,14 @@ def stage_memory(model: ModelShape) -> _Linear:
                    model.overhead_bytes)
 
 
+def even_split(model: ModelShape, stages: int) -> list[int]:
+    """Layer boundaries that give each of ``stages`` alike devices the same weights to read per
+    token: the embedding is a lookup (nearly free), the last stage reads the LM head whole."""
+    total = model.num_layers * model.layer_bytes + model.head_bytes
+    bounds = [round(i * total / stages / model.layer_bytes) for i in range(1, stages)]
+    return [min(max(b, i + 1), model.num_layers - stages + i + 1) for i, b in enumerate(bounds)]
+
+
 def aggregate_tok_s(token_ms: float, max_stage_ms: float, users: int) -> float:
     """Micro-batched streams: at most min(users, stages) usefully in flight (the pipeline-fill bound)."""
     bound = max(token_ms / users, max_stage_ms)

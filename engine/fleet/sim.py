@@ -36,12 +36,14 @@ _OFFICES = itertools.cycle("abcdefghijklmnopqrstuvwxyz")
 
 @dataclasses.dataclass
 class NodeSpec:
-    """One simulated PC: its name, memory cap (MB), CPU set ("0", "0-1"), link rate (Mbit/s),
-    whether it sits on the other subnet, behind the router, and its link's one-way delay (ms) that
-    the frames its workers take and send are held for."""
+    """One simulated PC: its name, memory cap (MB), CPU set ("0", "0-1"), CPU quota (cores' worth of
+    time: 0.6 is 60% of one core, so that three PCs fit two cores), link rate (Mbit/s), whether it
+    sits on the other subnet, behind the router, and its link's one-way delay (ms) that the frames
+    its workers take and send are held for."""
     name: str
     memory_mb: int | None = None
     cpus: str | None = None
+    cpu_quota: float | None = None
     rate_mbit: float | None = None
     remote: bool = False
     delay_ms: float | None = None
@@ -57,6 +59,7 @@ class SimNode:
     home: Path
     cgroup: list[Path]  # its folders (one per controller on cgroups v1)
     proc: subprocess.Popen | None = None
+    spawned: list[subprocess.Popen] = dataclasses.field(default_factory=list)  # further processes run on it
 
     @property
     def name(self) -> str:
@@ -167,7 +170,7 @@ class Office:
             if spec.rate_mbit:
                 netns.shape(link, spec.rate_mbit)  # towards the PC
                 netns.shape("eth0", spec.rate_mbit, namespace)  # from it
-            cgroup = netns.make_cgroup(f"{self.tag}-{spec.name}", spec.memory_mb, spec.cpus)
+            cgroup = netns.make_cgroup(f"{self.tag}-{spec.name}", spec.memory_mb, spec.cpus, spec.cpu_quota)
             self.nodes[spec.name] = SimNode(spec, namespace, link, ip, self.port, self.root / spec.name, cgroup)
 
     def start_agent(self, name: str, wait_s: float = 90.0) -> SimNode:
@@ -190,6 +193,17 @@ class Office:
         self.log(f"{name}: {node.agent} in namespace {node.namespace}")
         return node
 
+    def spawn(self, name: str, cmd: list[str], log: Path) -> subprocess.Popen:
+        """Runs ``cmd`` on the PC (in its namespace and cgroups), its output in ``log``; it is ended
+        with the office at the latest."""
+        node = self.nodes[name]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            proc = subprocess.Popen([*netns.enter(node.namespace), *cmd], stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, preexec_fn=netns.joiner(node.cgroup))
+        node.spawned.append(proc)
+        return proc
+
     def stop_agent(self, name: str) -> None:
         node = self.nodes[name]
         if node.proc is not None:
@@ -202,8 +216,10 @@ class Office:
             return
         self._made = False
         end_processes([n.proc for n in self.nodes.values() if n.proc is not None], timeout_s=15)
+        end_processes([p for n in self.nodes.values() for p in n.spawned], timeout_s=15)
         for node in self.nodes.values():
             node.proc = None
+            node.spawned.clear()
         for name in [n for n in netns.namespaces() if n.startswith(self.tag + "-")]:
             netns.delete_namespace(name)
         for name in [n for n in netns.links() if n.startswith(self.tag)]:
@@ -239,11 +255,13 @@ class Office:
         return netns.memory_used(self.nodes[name].cgroup)
 
     def table(self) -> list[str]:
-        rows = [f"{'name':<10} {'agent':<20} {'namespace':<22} {'memory':>8} {'cpus':<6} {'link':<10} {'delay':<8} subnet"]
+        rows = [f"{'name':<10} {'agent':<20} {'namespace':<22} {'memory':>8} {'cpus':<6} {'quota':<6} {'link':<10} "
+                f"{'delay':<8} subnet"]
         for n in self.nodes.values():
             s = n.spec
             rows.append(f"{n.name:<10} {n.agent:<20} {n.namespace:<22} "
                         f"{f'{s.memory_mb} MB' if s.memory_mb else '-':>8} {s.cpus or 'all':<6} "
+                        f"{f'{s.cpu_quota:g}' if s.cpu_quota else '-':<6} "
                         f"{f'{s.rate_mbit:g} Mbit/s' if s.rate_mbit else '-':<10} "
                         f"{f'{s.delay_ms:g} ms' if s.delay_ms else '-':<8} "
                         f"{'other (routed)' if s.remote else 'office'}")

@@ -283,6 +283,14 @@ class ChatService:
         with self._lock:
             return len(self._queue) + len(self._active)
 
+    def cached_prefix(self, ids: list[int]) -> int:
+        """The most of ``ids`` (from the start) that a stream's cache holds (0 without the prefix cache)."""
+        if not self.prefix_cache:
+            return 0
+        with self._lock:
+            held = list(self._held.values())
+        return max((_common_prefix(h, ids) for h in held), default=0)
+
     def close(self, timeout: float = 10.0) -> None:
         """Cancels everything, stops the scheduler and closes the chain (and whatever it owns)."""
         with self._lock:

@@ -8,13 +8,24 @@ stage 0 locally, sends the activations on and waits for the RESULT under a deadl
 the workers' heartbeats: a dead or silent stage becomes a ``StageError`` naming it.
 
 When every stage is paged the chain packs, as the in-process chain does: submitted rounds wait
-until one is collected, then stage 0 runs them all in one forward and one PACKED frame carries
-every stream's rows down the chain, so a hop costs one trip for all users.
+until one is collected, then stage 0 runs them in one forward and one PACKED frame carries those
+streams' rows down the chain, so a hop costs one trip for all of them.  The streams are packed into
+up to ``depth`` groups that are in flight at once: while stage 1 computes one group, stage 0
+computes the next, so the PCs of a split work at the same time instead of taking turns.  A group
+goes as soon as fewer than ``depth`` are in flight; its size is the active streams' fair share,
+which rebalances the groups as users come and go.  Unless fixed, ``depth`` follows the rounds: a
+round's trip (every stage's compute and the network's share) over the busiest computer's compute
+is how many groups keep that computer busy.  Balanced stages on their own PCs want one group each;
+stages that share one computer's compute turns (a local fleet), or a short stage 0 that only feeds
+a PC holding the rest, want one group, whose rows share every read of the weights; a slow link
+wants more groups, to hide its time.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import random
 import time
 from pathlib import Path
@@ -28,6 +39,7 @@ from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output
 from engine.runtime.stages.packing import Part, as_part, packs_of
 from engine.runtime.stages.stage import compile_config
+from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
 from engine.transport.link import Link, connect_successor
 from engine.transport.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
@@ -49,13 +61,50 @@ class _Round:
         return self.stream, self.seq
 
 
+class _Trip:
+    """What a round's trip costs, from the rounds collected: each stage's compute (smoothed), and the
+    network's share, the least of the recent rounds' (a round that queued behind another group
+    waited longer than the network made it).  Stages that take one computer's compute turns never
+    compute at once: together they are one stage of the pipeline."""
+
+    MAX_GROUPS = 8
+    WINDOW = 64
+
+    def __init__(self):
+        self.stage_ms: np.ndarray | None = None
+        self.network_ms: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+
+    def observe(self, stage_ms: list[float], network_ms: float) -> None:
+        ms = np.asarray(stage_ms, np.float64)
+        if self.stage_ms is None or self.stage_ms.shape != ms.shape:
+            self.stage_ms = ms
+        else:
+            self.stage_ms += 0.1 * (ms - self.stage_ms)
+        self.network_ms.append(network_ms)
+
+    def groups(self, turns: list[str | None] | None = None) -> int | None:
+        """The groups that keep the busiest computer busy (None before any round was measured);
+        ``turns``: each stage's compute turns (``turns_identity``), None for a stage with its own cores."""
+        if self.stage_ms is None or self.stage_ms.max() <= 0:
+            return None
+        busy: dict[object, float] = {}
+        for i, ms in enumerate(self.stage_ms):
+            shared = turns[i] if turns and i < len(turns) else None
+            busy[shared if shared is not None else i] = busy.get(shared if shared is not None else i, 0.0) + ms
+        trip = self.stage_ms.sum() + min(self.network_ms)
+        return int(min(max(round(trip / max(busy.values())), 1), self.MAX_GROUPS))
+
+
 class RemoteChain(Chain):
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
-                 connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None):
+                 connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None,
+                 depth: int | None = None):
         """``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
-        stream it holds is forgotten, and it is not compiled again."""
+        stream it holds is forgotten, and it is not compiled again.  ``depth``: groups of packed
+        streams in flight at once (default: as many as the measured rounds say keep the slowest
+        stage busy, one per stage until rounds are measured)."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
@@ -85,6 +134,12 @@ class RemoteChain(Chain):
         self._in_flight: set[tuple[int, int]] = set()
         self._early: dict[tuple[int, int], Frame] = {}
         self._pending: list[_Round] = []
+        self._groups: dict[tuple[int, int], int] = {}  # an uncollected reply -> the frame it went in
+        if depth is not None and depth < 1:
+            raise FleetError(f"a chain keeps at least one group of streams in flight, not {depth}")
+        self._depth = depth
+        self._trip = _Trip()
+        self.most_in_flight = 0  # the most groups that were in flight at once (a pipeline fills up)
         self._seq = random.getrandbits(31)  # a fresh range, so a previous session's late replies never match
         self.connect()
 
@@ -113,6 +168,7 @@ class RemoteChain(Chain):
         self._ready = False
         self._in_flight.clear()
         self._early.clear()
+        self._groups.clear()
         error = StageError(self.manifest.stage_index + 1, self.first_address, reason)
         for round_ in self._pending:
             round_.error = error
@@ -226,10 +282,23 @@ class RemoteChain(Chain):
         if any(r.stream == stream for r in self._pending):
             self._flush()
 
-    def _flush(self) -> None:
-        """Stage 0 runs the waiting rounds in forwards of at most ``PACK_ROWS`` rows (``packs_of``);
-        one PACKED frame a forward takes them on."""
-        pending, self._pending = self._pending, []
+    @property
+    def depth(self) -> int:
+        """Groups of streams kept in flight: fixed, or what the measured rounds ask for."""
+        if self._depth is not None:
+            return self._depth
+        turns = [turns_identity(self.local.turns), *(stage.get("turns") for stage in self.stages)]
+        return self._trip.groups(turns) or self.manifest.stage_count
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(set(self._groups.values()))
+
+    def _flush(self, count: int | None = None) -> None:
+        """Stage 0 runs the first ``count`` waiting rounds (all by default) in forwards of at most
+        ``PACK_ROWS`` rows (``packs_of``); one PACKED frame a forward takes them on."""
+        count = len(self._pending) if count is None else count
+        pending, self._pending = self._pending[:count], self._pending[count:]
         groups = packs_of(pending, lambda r: len(r.part.x))
         for i, group in enumerate(groups):
             try:
@@ -273,6 +342,7 @@ class RemoteChain(Chain):
             raise self._fail(f"sent a RESULT that does not answer the request ({len(tensors)} tensors)")
         stage_ms = tensors[-1].tolist()
         out = Output(tokens=tensors[0], stage_ms=stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
+        self._trip.observe(stage_ms, out.network_ms)
         rest = iter(tensors[1:-1])
         if flags & Flag.PROBS:
             out.probs = next(rest)
@@ -284,17 +354,25 @@ class RemoteChain(Chain):
 
     def first_ready(self, rounds: list[_Round]) -> int:
         """Waits until one of these rounds' results is here; returns its index (the earliest
-        submitted when several are).  Rounds waiting to be packed go when none of these travels."""
+        submitted when several are).  Rounds waiting to be packed go, a fair share at a time, while
+        fewer than ``depth`` groups are in flight (or none of these travels)."""
         while True:
             for i, r in enumerate(rounds):
                 if r.error is not None or (r.seq is not None and r.key in self._early):
                     return i
-            if not any(r.seq is not None and r.key in self._in_flight for r in rounds):
-                if not self._pending:
-                    raise FleetError("none of these rounds was submitted to this chain")
-                self._flush()
+            travelling = any(r.seq is not None and r.key in self._in_flight for r in rounds)
+            if self._pending and (not travelling or self.groups_in_flight < self.depth):
+                self._flush(self._share())
                 continue
+            if not travelling:
+                raise FleetError("none of these rounds was submitted to this chain")
             self._stash(self._receive())
+
+    def _share(self) -> int:
+        """How many waiting rounds go in the next group: the active streams spread evenly over the
+        ``depth`` groups (those in flight and those to come)."""
+        active = len(self._pending) + len(self._groups)
+        return min(len(self._pending), math.ceil(active / self.depth))
 
     def _stash(self, reply: Frame | None) -> None:
         """Keeps a reply for its request's ``collect``; drops a heartbeat (None) or a late reply to a
@@ -307,7 +385,11 @@ class RemoteChain(Chain):
         if self._link is None:
             raise self._fail("not connected (call reset() to reconnect)")
         if frame.type in (Msg.FORWARD, Msg.PACKED, Msg.PING):
-            self._in_flight.update(keys or [(frame.stream, frame.seq)])
+            sent = keys or [(frame.stream, frame.seq)]
+            self._in_flight.update(sent)
+            if frame.type != Msg.PING:
+                self._groups.update(dict.fromkeys(sent, frame.seq))
+                self.most_in_flight = max(self.most_in_flight, self.groups_in_flight)
         try:
             self._link.send(frame)
         except OSError as exc:
@@ -320,6 +402,7 @@ class RemoteChain(Chain):
             self._stash(self._receive())
         reply = self._early.pop(key)
         self._in_flight.discard(key)
+        self._groups.pop(key, None)
         if reply.type == Msg.ERROR:
             doc = reply.json()
             self._ready = False  # re-check the whole chain before the next request

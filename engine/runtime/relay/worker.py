@@ -28,6 +28,7 @@ from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import select
 from engine.runtime.stages.packing import Part
 from engine.runtime.stages.stage import compile_config
+from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
 from engine.transport.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError
@@ -116,7 +117,7 @@ class Worker:
         m = self.manifest
         return {"stage": m.stage_index, "layers": list(m.layers), "address": self.address,
                 "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname(),
-                "packs": self.runner.packs}
+                "packs": self.runner.packs, "turns": turns_identity(self.runner.turns)}
 
     def start(self) -> "Worker":
         for target, name in ((self._accept_loop, "accept"), (self._heartbeat_loop, "heartbeat"),

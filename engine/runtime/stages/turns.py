@@ -65,6 +65,18 @@ class ComputeTurns:
         finally:
             self._thread.release()
 
+    @functools.cached_property
+    def identity(self) -> str:
+        """The same for every stage that takes these turns (the file's device and inode), so a
+        coordinator can tell which stages cannot compute at once."""
+        info = os.fstat(self._fd)
+        return f"{info.st_dev}:{info.st_ino}"
+
+
+def turns_identity(turns) -> str | None:
+    """Which computer's turns a stage takes (``ComputeTurns.identity``); None when it takes none."""
+    return getattr(turns, "identity", None)
+
 
 # Stages with cores of their own: every inference runs at once.
 NO_TURNS = contextlib.nullcontext()
