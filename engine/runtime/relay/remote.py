@@ -87,10 +87,12 @@ class _Trip:
         ``turns``: each stage's compute turns (``turns_identity``), None for a stage with its own cores."""
         if self.stage_ms is None or self.stage_ms.max() <= 0:
             return None
+        turns = list(turns or [])[:len(self.stage_ms)]
+        computers = [shared if shared is not None else i for i, shared in enumerate(turns)]
+        computers += range(len(computers), len(self.stage_ms))
         busy: dict[object, float] = {}
-        for i, ms in enumerate(self.stage_ms):
-            shared = turns[i] if turns and i < len(turns) else None
-            busy[shared if shared is not None else i] = busy.get(shared if shared is not None else i, 0.0) + ms
+        for computer, ms in zip(computers, self.stage_ms):
+            busy[computer] = busy.get(computer, 0.0) + ms
         trip = self.stage_ms.sum() + min(self.network_ms)
         return int(min(max(round(trip / max(busy.values())), 1), self.MAX_GROUPS))
 
@@ -103,8 +105,8 @@ class RemoteChain(Chain):
         """``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
         stream it holds is forgotten, and it is not compiled again.  ``depth``: groups of packed
-        streams in flight at once (default: as many as the measured rounds say keep the slowest
-        stage busy, one per stage until rounds are measured)."""
+        streams in flight at once (default: as many as the measured rounds say keep the busiest
+        computer busy, one per stage until rounds are measured)."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
