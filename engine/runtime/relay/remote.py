@@ -71,21 +71,21 @@ class _Trip:
     WINDOW = 64
 
     def __init__(self):
-        self.stage_ms: np.ndarray | None = None
+        self.stage_ms: list[float] = []
         self.network_ms: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
 
     def observe(self, stage_ms: list[float], network_ms: float) -> None:
-        ms = np.asarray(stage_ms, np.float64)
-        if self.stage_ms is None or self.stage_ms.shape != ms.shape:
-            self.stage_ms = ms
+        if len(stage_ms) != len(self.stage_ms):
+            self.stage_ms = list(stage_ms)
         else:
-            self.stage_ms += 0.1 * (ms - self.stage_ms)
+            for i, ms in enumerate(stage_ms):
+                self.stage_ms[i] += 0.1 * (ms - self.stage_ms[i])
         self.network_ms.append(network_ms)
 
     def groups(self, turns: list[str | None] | None = None) -> int | None:
         """The groups that keep the busiest computer busy (None before any round was measured);
         ``turns``: each stage's compute turns (``turns_identity``), None for a stage with its own cores."""
-        if self.stage_ms is None or self.stage_ms.max() <= 0:
+        if not self.stage_ms or max(self.stage_ms) <= 0:
             return None
         turns = list(turns or [])[:len(self.stage_ms)]
         computers = [shared if shared is not None else i for i, shared in enumerate(turns)]
@@ -93,7 +93,7 @@ class _Trip:
         busy: dict[object, float] = {}
         for computer, ms in zip(computers, self.stage_ms):
             busy[computer] = busy.get(computer, 0.0) + ms
-        trip = self.stage_ms.sum() + min(self.network_ms)
+        trip = sum(self.stage_ms) + min(self.network_ms)
         return int(min(max(round(trip / max(busy.values())), 1), self.MAX_GROUPS))
 
 
@@ -141,6 +141,7 @@ class RemoteChain(Chain):
             raise FleetError(f"a chain keeps at least one group of streams in flight, not {depth}")
         self._depth = depth
         self._trip = _Trip()
+        self._turns: list[str | None] = []  # each stage's compute turns, once the chain is up
         self.most_in_flight = 0  # the most groups that were in flight at once (a pipeline fills up)
         self._seq = random.getrandbits(31)  # a fresh range, so a previous session's late replies never match
         self.connect()
@@ -222,6 +223,7 @@ class RemoteChain(Chain):
                     raise
                 time.sleep(0.2)
         self._check_stages()
+        self._turns = [turns_identity(self.local.turns), *(stage.get("turns") for stage in self.stages)]
         self._ready = True
 
     def _check_stages(self) -> None:
@@ -289,8 +291,7 @@ class RemoteChain(Chain):
         """Groups of streams kept in flight: fixed, or what the measured rounds ask for."""
         if self._depth is not None:
             return self._depth
-        turns = [turns_identity(self.local.turns), *(stage.get("turns") for stage in self.stages)]
-        return self._trip.groups(turns) or self.manifest.stage_count
+        return self._trip.groups(self._turns) or self.manifest.stage_count
 
     @property
     def groups_in_flight(self) -> int:
