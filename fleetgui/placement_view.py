@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGro
 
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment
-from engine.fleet.placement import Infeasible, solve
+from engine.fleet.placement import Infeasible, left_out, solve
 from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
@@ -497,9 +497,10 @@ class PlacementView(QWidget):
 
         def run(report, cancel):
             try:
-                return solve(shape, fleet, objective=objective, users=users, pins=pins), pins
+                plan = solve(shape, fleet, objective=objective, users=users, pins=pins)
             except Infeasible as exc:
                 return None, str(exc)
+            return (plan, left_out(shape, fleet, plan)), pins
 
         self._set_busy(f"Optimising for {objective}" + (f" with {len(pins)} pinned range(s)…" if pins else "…"))
         self.task = self.tasks.start(run, "solve", succeeded=self._optimised,
@@ -509,15 +510,17 @@ class PlacementView(QWidget):
     def _optimised(self, result) -> None:
         self.task = None
         self._set_busy(None)
-        plan, pins = result
-        if plan is None:
+        solved, pins = result
+        if solved is None:
             self.infeasible = self.model.readable(pins)
             self.problems.setText(f"Infeasible: {self.infeasible}")
             self.activity.setText("The solver found no placement; the plan shown is unchanged.")
             return
         self.infeasible = None
+        plan, left = solved
         self.model.set_plan(plan, pins)
-        self.activity.setText(f"Optimised in {plan.solve_ms:.0f} ms.")
+        self.activity.setText(" ".join([f"Optimised in {plan.solve_ms:.0f} ms.", *(
+            self.model.readable(f"Left out {node}: {reason}.") for node, reason in left.items())]))
 
     # --- deploy --------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ beta added by address) and this process as the coordinator, with the tiny Qwen2 
 "Profile fleet" runs a real survey and shows a lane per device; dragging a boundary and a range
 with the mouse (and a range through the model's own drop API) re-prices the plan live; a pinned
 range survives Optimise; a device too small for its layers, and a pin no solver can honour, show
-the reason; Deploy starts the chain on the two agents (the Fleet view shows each node's stage being
+the reason, as does a machine the solver leaves out; Deploy starts the chain on the two agents (the Fleet view shows each node's stage being
 exported) and a chat reply streams through it, token for token what the model decodes alone, and
 another app instance chats on the recorded deployment.  The embedded default (``fleetgui`` with no
 arguments) chats on its local fleet, and closing the window stops its agent."""
@@ -217,6 +217,7 @@ def test_infeasible_plans_say_why(qtbot, fleet):
     view.optimise_button.click()  # without the pin the solver routes around beta
     qtbot.waitUntil(lambda: view.task is None, timeout=60000)
     assert "beta" not in [n for n, _, _ in names(view.model)] and "beta" not in view.problems.text()
+    assert "Left out beta: it cannot hold one layer" in view.activity.text()  # and the view says why
 
 
 def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):

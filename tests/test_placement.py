@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
+import re
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from engine.errors import FleetError
 from engine.fleet.placement import (
     GB, DeviceProfile, Evaluation, Fleet, Infeasible, ModelShape, Pin, Plan, PlacementError, evaluate, even_split,
-    simulated_fleet, solve,
+    aggregate_tok_s, left_out, simulated_fleet, solve,
 )
 
 
@@ -171,6 +173,49 @@ def test_throughput_splits_where_latency_does_not():
     assert wide.token_ms > fast.token_ms
     # one user: throughput is latency again
     assert len(solve(model(8), f, objective="throughput", users=1).stages) == 1
+
+
+def test_a_slow_pc_gets_fewer_layers_or_none_and_the_reason_says_what_a_layer_there_would_cost():
+    """Two PCs of 0.9 of a core and one of 0.2 (a layer 4.5x as slow): one user's plan leaves the
+    slow one out, and says what its best single layer would do; for 4 users it takes fewer layers
+    than either fast PC.  A PC too small for a layer and one with no supported device are named with
+    their own reasons."""
+    shape = model(28, layer_gb=0.025, head_gb=0.25, kv_gb=0.004, overhead_gb=0.2)
+    f = fleet(dev("pc1", mem_gb=0.9, layer_ms=1.1, head_ms=10.0), dev("pc2", mem_gb=0.9, layer_ms=1.1, head_ms=10.0),
+              dev("slow", mem_gb=0.9, layer_ms=5.0, head_ms=45.0), dev("tiny", mem_gb=0.1),
+              dev("npu", "NPU", supported=False), rtt=0.3, coordinator="pc1")
+    plan = solve(shape, f)
+    assert {s.node for s in plan.stages} == {"pc1", "pc2"}, plan.explain()
+    reasons = left_out(shape, f, plan)
+    assert set(reasons) == {"slow", "tiny", "npu"}
+    assert reasons["npu"] == "none of its devices can run a stage"
+    assert reasons["tiny"].startswith("it cannot hold one layer")
+    assert "its CPU takes 5.00 ms a layer (the plan's slowest 1.10 ms)" in reasons["slow"]
+    worse, now = (float(x) for x in re.search(r"would take ([\d.]+) ms instead of ([\d.]+)", reasons["slow"]).groups())
+    assert worse > now == round(plan.token_ms, 2)
+    wide = solve(shape, f, objective="throughput", users=4)  # every row costs a whole step (no prefill measured)
+    layers = {s.node: s.end - s.start for s in wide.stages}
+    assert 0 < layers["slow"] < min(layers["pc1"], layers["pc2"]), wide.explain()
+    assert set(left_out(shape, f, wide)) == {"tiny", "npu"}
+    # devices that read their weights once a step, a packed row adding a tenth (as measured CPUs do):
+    # 4 users packed on the two fast PCs beat a third, slow stage
+    packed = Fleet([dataclasses.replace(d, prefill_layer_ms=d.layer_ms / 10) for d in f.devices], f.rtt_ms, "pc1")
+    wide = solve(shape, packed, objective="throughput", users=4)
+    assert {s.node for s in wide.stages} == {"pc1", "pc2"}, wide.explain()
+    assert "would get" in left_out(shape, packed, wide)["slow"]
+
+
+def test_packed_rows_cost_their_share_of_a_step():
+    """One stage, 4 users: rows that cost nothing give 4x one user's tok/s, rows that cost a whole step
+    1x; with two stages, groups in flight keep both busy."""
+    free = dev("a", layer_ms=1.0, head_ms=0.0)
+    one = dataclasses.replace(free, prefill_layer_ms=1e-9)
+    assert aggregate_tok_s([(one, 10, True, True)], 0.0, 4) == pytest.approx(4 * 100.0)
+    assert aggregate_tok_s([(free, 10, True, True)], 0.0, 4) == pytest.approx(100.0)
+    half = dataclasses.replace(free, prefill_layer_ms=0.5)  # a row adds half a step: 4 rows cost 2.5 steps
+    assert aggregate_tok_s([(half, 10, True, True)], 0.0, 4) == pytest.approx(4000 / 25)
+    # two stages of 5 layers, 2 groups of 2 rows: a trip 2 x 7.5 ms, each stage 2 x 7.5 ms a cycle
+    assert aggregate_tok_s([(half, 5, True, False), (half, 5, False, True)], 0.0, 4) == pytest.approx(4000 / 15)
 
 
 def test_ties_prefer_fewer_stages():

@@ -126,32 +126,38 @@ class LlamaServer:
     """``llama-server`` on ``gguf`` with ``slots`` parallel sequences, on a free loopback port."""
 
     def __init__(self, gguf: Path, *, slots: int = 1, context: int = 4096, threads: int | None = None,
-                 rpc: str | None = None, gpu_layers: int | None = None, log=print):
+                 rpc: str | None = None, gpu_layers: int | None = None, extra: tuple[str, ...] = (),
+                 host: str = "127.0.0.1", launch=None, log=print):
         """``rpc``: an ``rpc-server``'s HOST:PORT whose device takes the last ``gpu_layers`` layers
-        (with the output head when that is more than the model's layers), llama.cpp's own split."""
+        (with the output head when that is more than the model's layers), llama.cpp's own split;
+        ``extra``: more of its options; ``launch(cmd)``: starts the program elsewhere (on a simulated
+        PC, listening on ``host``) and returns its process, whose output it keeps itself."""
         binary = server_binary(log)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.host = host
+        self.url = f"http://{host}:{self.port}/v1"
         threads = threads or os.cpu_count() or 1
         # a context per slot: llama-server splits -c between its slots
-        cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [str(binary), "-m", str(gguf), "--host", "0.0.0.0" if launch else host, "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(context * slots), "-np", str(slots),
-               "--no-webui", "--log-disable"]
+               "--no-webui", "--log-disable", *extra]
         if rpc:
             cmd += ["--rpc", rpc, "-ngl", str(gpu_layers if gpu_layers is not None else 999)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = launch(cmd) if launch else subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                                stderr=subprocess.PIPE, text=True)
         self._wait_healthy()
 
     def _wait_healthy(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = "\n".join(self.proc.stderr.read().strip().splitlines()[-5:])
+                said = self.proc.stderr.read() if self.proc.stderr else ""
+                tail = "\n".join(said.strip().splitlines()[-5:])
                 raise LlamaCppUnavailable(f"llama-server exited (code {self.proc.returncode}):\n{tail}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as response:
+                with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=5) as response:
                     if response.status == 200:
                         return
             except OSError:
@@ -165,7 +171,7 @@ class LlamaServer:
         returns llama-server's own timings: ``prompt_ms``, ``predicted_per_second``..."""
         body = {"prompt": ids, "n_predict": tokens, "ignore_eos": True, "temperature": 0, "cache_prompt": False,
                 "samplers": ["top_k"], "top_k": 1}
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
+        request = urllib.request.Request(f"http://{self.host}:{self.port}/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.load(response)["timings"]

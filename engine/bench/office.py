@@ -62,7 +62,8 @@ def _messages(users: int) -> list[list[dict]]:
     return [[{"role": "user", "content": prompts[u % len(prompts)]}] for u in range(users)]
 
 
-def _ours_wave(service: ChatService | Replicas, users: int, tokens: int) -> tuple[float, float]:
+def chat_wave(service: ChatService | Replicas, users: int, tokens: int) -> tuple[float, float]:
+    """One request per user at once, a different prompt each: (aggregate tok/s, median first token ms)."""
     started = time.perf_counter()
     handles = [service.submit(m, tokens, ignore_eos=True) for m in _messages(users)]
     replies = [h.wait(1200) for h in handles]
@@ -158,9 +159,9 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
         llama_split = LlamaServer(gguf, slots=max(users), threads=1, rpc=rpc.address,
                                   gpu_layers=layers - half + 1, log=log)
         opened.append(llama_split)
-        waves = {OURS_ONE: lambda u: _ours_wave(ours_one, u, tokens),
-                 OURS_SPLIT: lambda u: _ours_wave(ours_split, u, tokens),
-                 OURS_REPLICAS: lambda u: _ours_wave(replicas, u, tokens),
+        waves = {OURS_ONE: lambda u: chat_wave(ours_one, u, tokens),
+                 OURS_SPLIT: lambda u: chat_wave(ours_split, u, tokens),
+                 OURS_REPLICAS: lambda u: chat_wave(replicas, u, tokens),
                  LLAMA_ONE: lambda u: _llama_wave(llama_one, prompts, u, tokens),
                  LLAMA_SPLIT: lambda u: _llama_wave(llama_split, prompts, u, tokens)}
         for name, wave in waves.items():  # warm: first compiles, first pages of the weights

@@ -108,8 +108,10 @@ class GenaiService:
         self._thread.join(30)
 
 
-def user_wave(url: str, model: str, prompts: list[str], tokens: int) -> tuple[list[dict], float]:
-    """One streamed chat request per prompt, all at once; per request: TTFT, chunk gaps, tokens."""
+def user_wave(url: str, model: str, prompts: list[str], tokens: int, *, api_key: str = "bench",
+              extra: dict | None = None) -> tuple[list[dict], float]:
+    """One streamed chat request per prompt, all at once; per request: TTFT, chunk gaps, tokens.
+    ``extra``: more fields of the request body (a server's own options)."""
     # the OpenAI client is a test extra: only the user waves need it
     import openai
 
@@ -117,13 +119,13 @@ def user_wave(url: str, model: str, prompts: list[str], tokens: int) -> tuple[li
     start = threading.Barrier(len(prompts) + 1)
 
     def user(i: int) -> None:
-        client = openai.OpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+        client = openai.OpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=600)
         start.wait()
         sent = time.perf_counter()
         times, usage = [], None
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompts[i]}], max_tokens=tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **(extra or {})})
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 times.append(time.perf_counter())

@@ -11,7 +11,11 @@ in the row too), with whether the reply stayed token-identical (greedy, exact mo
 
 Then the office comparison (``engine.bench.office``): two PCs of one core each at 1 Gbit/s, ours
 and llama.cpp's, whole on one PC and split over both, at 1-8 users (a GGUF source: llama.cpp runs
-the same file).  ``parts`` picks ``links`` (the deployment and cable-cut rows), ``office``, or both.
+the same file).  Then a model too big for one PC (``engine.bench.capped``): two PCs of ``memory_mb``
+each, the solver's split against llama.cpp whole on one (paging) and llama.cpp's split.  Then a slow
+PC (``engine.bench.slowpc``): two PCs of 0.9 of a core and one of a fifth, the solver's placement
+with the slow one and without it.  ``parts`` picks any of ``links`` (the deployment and cable-cut
+rows), ``office``, ``big`` and ``slow``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+from engine.bench import capped
 from engine.bench import office as office_bench
+from engine.bench import slowpc
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaCppUnavailable
 from engine.bench.parity import llamacpp_gguf
@@ -59,11 +65,11 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
                                                                  coordinator="coordinator").to_json()}
 
 
-PARTS = ("links", "office")
+PARTS = ("links", "office", "big", "slow")
 
 
 def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2, 4, 8), weights: str = "int4",
-            runs: int = 2, parts: tuple[str, ...] = PARTS, out: Path | None = None, log=print,
+            runs: int = 2, parts: tuple[str, ...] = PARTS, memory_mb: int = 1000, out: Path | None = None, log=print,
             hooks: Hooks = NO_HOOKS) -> dict:
     require_root("fleet bench sim")
     cores = sorted(os.sched_getaffinity(0))
@@ -74,12 +80,12 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
     if "links" in parts and tokens <= CUT_AFTER + 4:
         raise FleetError(f"fleet bench sim needs replies of more than {CUT_AFTER + 4} tokens, not {tokens}")
     gguf = None
-    if "office" in parts:
+    if "office" in parts or "big" in parts:
         try:
             gguf = llamacpp_gguf(model)
         except LlamaCppUnavailable as exc:
-            raise FleetError(f"the office comparison runs llama.cpp on the model's GGUF: {exc}") from None
-    steps = len(rates) * ("links" in parts) + ("office" in parts) + 1
+            raise FleetError(f"the office comparisons run llama.cpp on the model's GGUF: {exc}") from None
+    steps = len(rates) * ("links" in parts) + ("office" in parts) + ("big" in parts) + ("slow" in parts) + 1
     hooks.step(0, steps, "exporting the split")
     whole = export_model(model, stages=1, weights=weights)
     shape = ModelShape(**model_shape(load_manifest(whole.folders[0])))
@@ -96,7 +102,8 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             ratios |= {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
             settings |= {"rates_mbit": list(rates), "cut_after_tokens": CUT_AFTER}
         if "office" in parts:
-            hooks.step(steps - 1, steps, "the office: one PC against two, ours and llama.cpp's")
+            hooks.step(steps - 1 - ("big" in parts) - ("slow" in parts), steps,
+                       "the office: one PC against two, ours and llama.cpp's")
             spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
             with Office([spec], key_file=key_file, root=Path(tmp) / "office", log=log) as office:
                 office_rows, office_ratios = office_bench.compare(
@@ -108,6 +115,33 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             ratios |= office_ratios
             settings |= {"users": list(users), "runs": runs, "office": "this machine is PC 1 (one core); PC 2 "
                          "one core at 1 Gbit/s; greedy, no speculation, no prompt cache"}
+        if "big" in parts:
+            hooks.step(steps - 1 - ("slow" in parts), steps, "a model too big for one PC")
+            specs = [NodeSpec(f"pc{i + 1}", memory_mb=memory_mb, cpus=str(cores[i]), rate_mbit=1000.0) for i in range(2)]
+            with Office(specs, key_file=key_file, root=Path(tmp) / "big", log=log) as office:
+                big_rows, big_ratios, plan = capped.compare_capped(office, model, gguf, shape, key=key,
+                                                                   weights=weights, runs=runs, log=log, hooks=hooks)
+            for row in big_rows:
+                hooks.row(row)
+            rows += big_rows
+            ratios |= big_ratios
+            settings |= {"big": {"memory_mb": memory_mb, "users": list(capped.USERS), "tokens": capped.TOKENS,
+                                 "pcs": "2, one core and the memory cap each, 1 Gbit/s; no swap",
+                                 "placement": plan.explain().splitlines()}}
+        if "slow" in parts:
+            hooks.step(steps - 1, steps, "a slow PC beside two fast ones")
+            specs = [NodeSpec("pc2", cpus=str(cores[1]), cpu_quota=slowpc.QUOTA, rate_mbit=1000.0),
+                     NodeSpec("pc3", cpus=f"{cores[0]},{cores[1]}", cpu_quota=slowpc.SLOW_QUOTA, rate_mbit=1000.0)]
+            with Office(specs, key_file=key_file, root=Path(tmp) / "slow", log=log) as office:
+                slow_rows, slow_ratios, notes = slowpc.compare_slow(office, model, key=key, weights=weights,
+                                                                    tokens=tokens, runs=runs, core=cores[0], log=log,
+                                                                    hooks=hooks)
+            for row in slow_rows:
+                hooks.row(row)
+            rows += slow_rows
+            ratios |= slow_ratios
+            settings |= {"slow": {"users": list(slowpc.USERS), "pcs": "this machine (PC 1) and PC 2 at 0.9 of a "
+                                  "core each, PC 3 at 0.2, 1 Gbit/s", "objective": "throughput", **notes}}
     return write_report("sim", rows, ratios, out, settings=settings)
 
 

@@ -28,7 +28,7 @@ from engine.fleet.discovery import Browser, browse
 from engine.fleet.local import local_up, stop_local_agent
 from engine.fleet.netns import require_root
 from engine.fleet.node import SimulatedDevice, node_id
-from engine.fleet.placement import Pin, PlacementError, solve
+from engine.fleet.placement import Pin, PlacementError, left_out, solve
 from engine.fleet.plans import placement_stages, planned_by
 from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim import NodeSpec, Office, clean_leftovers
@@ -213,6 +213,8 @@ def _place(profile: Path, *, objective: str, users: int, pins, out: str | None =
     except PlacementError as exc:
         raise FleetError(readable(str(exc), nodes)) from None
     print(readable(plan.explain(), nodes))
+    for node, reason in left_out(shape, fleet, plan).items():
+        print(readable(f"  left out: {node}: {reason}", nodes))
     doc = {"plan": plan.to_json(), "nodes": nodes, "profile": str(Path(profile).resolve())}
     path = Path(out) if out else paths().data / "plan.json"
     path.write_text(json.dumps(doc, indent=2))

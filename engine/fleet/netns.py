@@ -225,6 +225,26 @@ def memory_used(folders: list[Path]) -> int:
     return int((folders[0] / usage).read_text()) - int(stat.get(cache, 0)) + int(stat.get(mapped, 0))
 
 
+def memory_anonymous(folders: list[Path]) -> int:
+    """Bytes of the cgroup's memory no file backs: what the kernel cannot drop under the cap (no swap)."""
+    stat = dict(row.split() for row in (folders[0] / "memory.stat").read_text().splitlines())
+    return int(stat.get("anon" if cgroup_v2() else "total_rss", 0))
+
+
+def oom_kills(folders: list[Path]) -> int:
+    """Processes the kernel has killed for the cgroup's memory cap so far."""
+    name = "memory.events" if cgroup_v2() else "memory.oom_control"
+    rows = dict(row.split() for row in (folders[0] / name).read_text().splitlines())
+    return int(rows.get("oom_kill", 0))
+
+
+def move_into(folders: list[Path], pid: int) -> None:
+    """Moves a running process, every thread of it, into the cgroup of ``folders`` (or back into the
+    folders it came from)."""
+    for folder in folders:
+        (folder / "cgroup.procs").write_text(str(pid))
+
+
 def cgroup_pids(folders: list[Path]) -> list[int]:
     pids: set[int] = set()
     for folder in folders:

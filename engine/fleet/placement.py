@@ -26,6 +26,7 @@ from engine.manifest import layer_span
 OBJECTIVES = ("latency", "throughput")
 GB = 2**30
 MIP_REL_GAP = 1e-8  # HiGHS's default 1e-4 would leave plans measurably short of the optimum
+MAX_GROUPS = 8  # groups of streams the relay keeps in flight at most (``engine.runtime.relay.remote``)
 
 
 class PlacementError(FleetError):
@@ -193,8 +194,20 @@ class _Linear:
         return self.per_layer * layers + self.first * first + self.last * last + self.fixed
 
 
-def stage_time(dev: DeviceProfile) -> _Linear:
-    return _Linear(dev.layer_ms, dev.embed_ms, dev.head_ms, dev.call_ms)
+def row_share(dev: DeviceProfile) -> float:
+    """The share of a one-row step's time that each further row (a stream packed into the same
+    step) adds; the rest is paid once a step (mostly reading the weights).  From the profile's
+    prefill, whose per-token cost is nearly all row cost; 1.0 (every row costs a whole step) where
+    no prefill was measured."""
+    if dev.layer_ms <= 0 or dev.prefill_layer_ms <= 0:
+        return 1.0
+    return min(1.0, dev.prefill_layer_ms / dev.layer_ms)
+
+
+def stage_time(dev: DeviceProfile, rows: float = 1.0) -> _Linear:
+    """A stage's time for one step of ``rows`` packed streams."""
+    k = 1.0 + row_share(dev) * (rows - 1.0)
+    return _Linear(dev.layer_ms * k, dev.embed_ms * k, dev.head_ms * k, dev.call_ms)
 
 
 def stage_memory(model: ModelShape) -> _Linear:
@@ -210,22 +223,32 @@ def even_split(model: ModelShape, stages: int) -> list[int]:
     return [min(max(b, i + 1), model.num_layers - stages + i + 1) for i, b in enumerate(bounds)]
 
 
-def aggregate_tok_s(token_ms: float, max_stage_ms: float, users: int) -> float:
-    """Micro-batched streams: at most min(users, stages) usefully in flight (the pipeline-fill bound)."""
-    bound = max(token_ms / users, max_stage_ms)
-    return 1000.0 / bound if bound > 0 else 0.0
+def aggregate_tok_s(steps: Sequence[tuple[DeviceProfile, int, bool, bool]], network_ms: float, users: int) -> float:
+    """Tokens per second of ``users`` streams, packed into the best number of groups in flight (as
+    the relay keeps them): with G groups of users/G rows, a cycle in which every stream makes a
+    token takes the longer of one group's trip (every stage's packed step, and the network) and the
+    busiest stage's G steps.  ``steps``: each stage's (device, layers, first, last)."""
+    best = 0.0
+    for groups in range(1, min(users, MAX_GROUPS) + 1):
+        ms = [stage_time(dev, users / groups).at(layers, first, last) for dev, layers, first, last in steps]
+        cycle = max(sum(ms) + network_ms, groups * max(ms, default=0.0))
+        if cycle > 0:
+            best = max(best, users * 1000.0 / cycle)
+    return best
 
 
 def _price(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, int, int]], *, objective: str,
            users: int, solve_ms: float = 0.0) -> tuple[Plan, list[str]]:
     """The plan's predictions; problems (unknown devices, missing RTTs) are returned, not raised."""
-    problems, planned, network = [], [], 0.0
+    problems, planned, network, steps = [], [], 0.0, []
     memory = stage_memory(model)
     for i, (node, device, start, end) in enumerate(stages):
         first, last = i == 0, i == len(stages) - 1
         dev = fleet.device(node, device)
         layers = max(end - start, 0)
         ms = stage_time(dev).at(layers, first, last) if dev else 0.0
+        if dev:
+            steps.append((dev, layers, first, last))
         planned.append(PlannedStage(node, device, start, end, ms, int(memory.at(layers, first, last)),
                                     dev.memory_bytes if dev else 0))
         if i:
@@ -236,7 +259,7 @@ def _price(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, int
     token_ms = sum(s.ms for s in planned) + network
     plan = Plan(model=model.name, stages=planned, objective=objective, users=users, network_ms=network,
                 token_ms=token_ms, tok_s=1000.0 / token_ms if token_ms > 0 else 0.0,
-                aggregate_tok_s=aggregate_tok_s(token_ms, max((s.ms for s in planned), default=0.0), users),
+                aggregate_tok_s=aggregate_tok_s(steps, network, users),
                 solve_ms=solve_ms)
     return plan, problems
 
@@ -307,14 +330,71 @@ def solve(model: ModelShape, fleet: Fleet, *, objective: str = "latency", users:
     nodes = list(dict.fromkeys(u.node for u in units))
     rtt = {(a, b): fleet.rtt(a, b) for a in nodes for b in nodes if a != b}
     _check_memory(model, fleet, units, max_stages)
-    chains = _Program.placement(model, fleet, units, nodes, rtt, objective, users, pins, max_stages).run(time_limit_s)
+    # throughput: a program for each number of groups in flight, the best of their chains kept
+    counts = range(1, min(users, MAX_GROUPS) + 1) if objective == "throughput" else [1]
+    chains = [chain for groups in counts for chain in _Program.placement(
+        model, fleet, units, nodes, rtt, objective, users, pins, max_stages, groups).run(time_limit_s / len(counts))]
     solve_ms = (time.perf_counter() - began) * 1000
     plans = [_price(model, fleet, chain, objective=objective, users=users, solve_ms=solve_ms)[0] for chain in chains]
-    best = plans[0]
-    for fewer in plans[1:]:  # HiGHS keeps the objective within its tolerances; the cost model has the last word
-        if _objective_value(fewer) <= _objective_value(best) * (1 + 1e-9):
+    best = min(plans, key=_objective_value)
+    for fewer in plans:  # HiGHS keeps the objective within its tolerances; the cost model has the last word
+        if len(fewer.stages) < len(best.stages) and _objective_value(fewer) <= _objective_value(best) * (1 + 1e-9):
             best = fewer
     return best
+
+
+def one_layer_on(model: ModelShape, fleet: Fleet, plan: Plan, node: str) -> tuple[Plan, DeviceProfile] | None:
+    """The plan with one layer moved onto ``node`` (the last of a stage, placed right after it), the
+    move and device that do best by the plan's objective; None where no move fits."""
+    chain = [(s.node, s.device, s.start, s.end) for s in plan.stages]
+    one_layer = stage_memory(model).at(1, False, False)
+    best = None
+    for dev in [d for d in fleet.devices if d.node == node and d.supported and d.memory_bytes >= one_layer]:
+        for i, (n, device, start, end) in enumerate(chain):
+            if end - start < 2:
+                continue
+            moved = [*chain[:i], (n, device, start, end - 1), (node, dev.device, end - 1, end), *chain[i + 1:]]
+            priced = evaluate(model, fleet, moved, users=plan.users)
+            if priced.ok:
+                alt = dataclasses.replace(priced.plan, objective=plan.objective)
+                if best is None or _objective_value(alt) < _objective_value(best[0]):
+                    best = (alt, dev)
+    return best
+
+
+def left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, str]:
+    """Why each node the plan does not use is left out, in words, keyed by node: none of its
+    devices can run a stage or hold one layer, or its best single layer (``one_layer_on``) would
+    make the plan's objective worse by the same cost model."""
+    used = {s.node for s in plan.stages}
+    one_layer = stage_memory(model).at(1, False, False)
+    slowest = max((fleet.device(s.node, s.device).layer_ms for s in plan.stages if fleet.device(s.node, s.device)),
+                  default=0.0)
+    reasons = {}
+    for node in fleet.nodes:
+        if node in used:
+            continue
+        devices = [d for d in fleet.devices if d.node == node and d.supported]
+        if not devices:
+            reasons[node] = "none of its devices can run a stage"
+            continue
+        if all(d.memory_bytes < one_layer for d in devices):
+            reasons[node] = (f"it cannot hold one layer ({gb(one_layer)} with the runtime; "
+                             f"{gb(max(d.memory_bytes for d in devices))} free)")
+            continue
+        moved = one_layer_on(model, fleet, plan, node)
+        if moved is None:
+            reasons[node] = "no layer of the plan can move there (its memory, or its round trips are not measured)"
+            continue
+        alt, dev = moved
+        speed = f"its {dev.device} takes {dev.layer_ms:.2f} ms a layer (the plan's slowest {slowest:.2f} ms)"
+        if plan.objective == "latency":
+            reasons[node] = (f"{speed}; with one layer there a token would take {alt.token_ms:.2f} ms instead of "
+                             f"{plan.token_ms:.2f}")
+        else:
+            reasons[node] = (f"{speed}; with one layer there {plan.users} user(s) would get {alt.aggregate_tok_s:.1f} "
+                             f"tok/s instead of {plan.aggregate_tok_s:.1f}")
+    return reasons
 
 
 def _objective_value(plan: Plan) -> float:
@@ -442,7 +522,7 @@ class _Program:
     @classmethod
     def placement(cls, model: ModelShape, fleet: Fleet, units: list[DeviceProfile], nodes: list[str],
                   rtt: dict[tuple[str, str], float], objective: str, users: int, pins: list[Pin],
-                  max_stages: int | None) -> _Program:
+                  max_stages: int | None, groups: int = 1) -> _Program:
         """The pins cut the layers into blocks: each pin a block of its own node, each range between
         pins a block for any number of free nodes.  Per unit u = (node, device) and block b, x[u,b]
         runs a stage of c[u,b] layers there; f[u] / g[u]: the stage is the first / the last.
@@ -454,8 +534,9 @@ class _Program:
         """
         p, L, inf = cls(), model.num_layers, np.inf
         memory = stage_memory(model)
-        times = [stage_time(u) for u in units]
-        scale = 1.0 / _typical_objective(model, units, objective, min(users, len(nodes)))  # objective near 1
+        rows = users / groups if objective == "throughput" else 1.0  # each group's packed streams
+        times = [stage_time(u, rows) for u in units]
+        scale = 1.0 / _typical_objective(model, units, rows)  # objective near 1
         ms = scale if objective == "latency" else 0.0
         pin_of = {pin.node: pin for pin in pins}
         edges = sorted({0, L, *(x for pin in pins for x in (pin.start, pin.end))})
@@ -527,16 +608,16 @@ class _Program:
                 nxt = in_block[b, k + 1] if k + 1 < B else []
                 p.row([(col, 1), *((v, 1) for v in in_block[a, k]), *((v, -1) for v in in_block[b, k] + nxt)],
                       -inf, 1)
-        if objective == "throughput":  # t >= token_ms / users and t >= every stage's time
+        if objective == "throughput":  # the cycle: >= a group's trip and >= each stage's steps of all groups
             t = p.var(0, inf, cost=scale)
             stage = {n: [(c[key], times[key[0]].per_layer) for key in on_node[n]]
                      + [(x[key], times[key[0]].fixed) for key in on_node[n]]
                      + [(f[i], times[i].first) for i, u in enumerate(units) if u.node == n]
                      + [(g[i], times[i].last) for i, u in enumerate(units) if u.node == n] for n in nodes}
             for n in nodes:  # a row per node, summed over its devices (one is used): tighter than per device
-                p.row([(t, 1), *((col, -v) for col, v in stage[n])], 0, inf)
+                p.row([(t, 1), *((col, -groups * v) for col, v in stage[n])], 0, inf)
             hops = [(col, rtt[ab]) for ab, col in e.items()]
-            p.row([(t, users), *((col, -v) for n in nodes for col, v in stage[n]), *((col, -v) for col, v in hops)],
+            p.row([(t, 1), *((col, -v) for n in nodes for col, v in stage[n]), *((col, -v) for col, v in hops)],
                   0, inf)
 
         def decode(sol: np.ndarray) -> list[tuple[str, str, int, int]]:
@@ -588,11 +669,9 @@ class _Program:
                         options={"time_limit": time_limit_s, "mip_rel_gap": MIP_REL_GAP, "mip_abs_gap": 0.0})
 
 
-def _typical_objective(model: ModelShape, units: list[DeviceProfile], objective: str, streams: int) -> float:
-    """The median device running the whole model (split over the streams in flight): only a scale."""
-    ms = sorted(stage_time(u).at(model.num_layers, True, True) for u in units)[len(units) // 2]
-    if objective == "throughput":
-        ms /= streams
+def _typical_objective(model: ModelShape, units: list[DeviceProfile], rows: float) -> float:
+    """The median device running the whole model for a step of ``rows`` streams: only a scale."""
+    ms = sorted(stage_time(u, rows).at(model.num_layers, True, True) for u in units)[len(units) // 2]
     return ms if ms > 0 else 1.0
 
 

@@ -193,14 +193,16 @@ class Office:
         self.log(f"{name}: {node.agent} in namespace {node.namespace}")
         return node
 
-    def spawn(self, name: str, cmd: list[str], log: Path) -> subprocess.Popen:
+    def spawn(self, name: str, cmd: list[str], log: Path, *, home: bool = False) -> subprocess.Popen:
         """Runs ``cmd`` on the PC (in its namespace and cgroups), its output in ``log``; it is ended
-        with the office at the latest."""
+        with the office at the latest.  ``home``: a ``fleet`` command that keeps its files (cache,
+        keys, settings) in the PC's home, as its agent does."""
         node = self.nodes[name]
         log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "FLEETSHARD_HOME": str(node.home)} if home else None
         with open(log, "w") as out:
             proc = subprocess.Popen([*netns.enter(node.namespace), *cmd], stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, preexec_fn=netns.joiner(node.cgroup))
+                                    stderr=subprocess.STDOUT, env=env, preexec_fn=netns.joiner(node.cgroup))
         node.spawned.append(proc)
         return proc
 

@@ -134,13 +134,14 @@ class PagedStage(PackingStage):
         self.first, self.last = self.manifest.first, self.manifest.last
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
         try:
-            model = read_for(self.folder, device)
+            model, mapped = read_for(self.folder, device)
             _rename_hidden_input(model)
             paged_attention_transformation(model, False, False)
             _slide_windows(model, self.manifest)
             if self.last:
                 _gather_logits_rows(model)
             self.compiled = core().compile_model(model, device, device_config(device, config, self.manifest))
+            self._mapped = mapped  # the fused weights it reads
         except RuntimeError as exc:
             raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with paged "
                              f"attention on {device}: {exc}") from exc

@@ -128,9 +128,10 @@ class StaticStage(PackingStage):
         """(Re)compiles for ``slots`` stream windows; the cached windows so far keep their place."""
         capacity = slots * self.window
         try:
-            model, self._pairs = static_model(read_for(self.folder, self.device), self.rows, capacity,
-                                              self.sliding)
+            graph, mapped = read_for(self.folder, self.device)
+            model, self._pairs = static_model(graph, self.rows, capacity, self.sliding)
             self.compiled = core().compile_model(model, self.device, device_config(self.device, self.config, self.manifest))
+            self._mapped = mapped  # the fused weights it reads, kept as long as it runs
         except RuntimeError as exc:
             raise ShardError(missing_device(self.device) or f"cannot compile shard {self.folder} with static "
                              f"shapes on {self.device}: {exc}") from exc

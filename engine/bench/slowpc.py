@@ -1,0 +1,106 @@
+"""The slow-PC comparison of ``fleet bench sim`` (part ``slow``): a third PC with a fifth of a core,
+beside two with 0.9 of one each, must cost the fleet nothing.
+
+This process is PC 1 (its core at 0.9: a cgroup CPU quota), PC 2 has the other core at 0.9 and
+PC 3 a fifth of a core on either, so the three fit this machine's two cores.  The fleet is
+surveyed as ``fleet profile`` does it (every PC's device measured under its quota, every round trip)
+and the solver places the model for each number of users twice (throughput objective): over the
+three PCs and over the first two.  Each distinct placement is deployed once; they take turns wave
+by wave, ``runs`` times.  The report has each one's tok/s and time to first token at 1 and 4 users,
+the placements, and what the solver said of PC 3 (``placement.left_out``) where it left it out;
+there, the plan with PC 3's best single layer (``placement.one_layer_on``) runs too, to show what
+leaving it out saves.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from engine.bench.harness import NO_HOOKS, Hooks
+from engine.bench.office import chat_wave
+from engine.fleet import netns
+from engine.fleet.deploy import deploy
+from engine.fleet.placement import Fleet, ModelShape, left_out, one_layer_on, solve
+from engine.fleet.plans import placement_stages
+from engine.fleet.sim import Office
+from engine.fleet.survey import readable, survey
+from engine.runtime.decode.service import ChatService
+
+USERS = (1, 4)
+QUOTA, SLOW_QUOTA = 0.9, 0.2
+WITH, WITHOUT = "ours, 3 PCs (one slow)", "ours, the 2 fast PCs"
+FORCED = "ours, 3 PCs, one layer forced onto the slow one"
+COORDINATOR = "coordinator"
+
+
+def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens: int, runs: int, core: int,
+                 log, hooks: Hooks = NO_HOOKS) -> tuple[list[dict], dict, dict]:
+    """Rows per placement and user count (medians over ``runs`` waves), the ratio with the slow PC
+    to without, and notes: both placements and the solver's word on the slow PC."""
+    fast, slow = office.nodes.values()
+    here = netns.make_cgroup(f"{office.tag}-{COORDINATOR}", None, str(core), QUOTA)
+    home = [folder.parent for folder in here]
+    opened: list = []
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    try:
+        netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
+        doc = survey(model, [fast.agent, slow.agent], key=key, local_node=COORDINATOR, weights=weights, log=log)
+        shape, fleet = ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"])
+        slow_id = next(n for n, info in doc["nodes"].items() if info.get("address") == slow.agent)
+        two = Fleet([d for d in fleet.devices if d.node != slow_id],
+                    {pair: ms for pair, ms in fleet.rtt_ms.items() if slow_id not in pair}, COORDINATOR)
+        fleets = {WITH: fleet, WITHOUT: two}
+        plans = {(name, users): solve(shape, fleets[name], objective="throughput", users=users)
+                 for users in USERS for name in fleets}
+        for users in USERS:  # what leaving it out saves: its best single layer, where the solver gave it none
+            if slow_id not in {s.node for s in plans[WITH, users].stages}:
+                moved = one_layer_on(shape, fleet, plans[WITH, users], slow_id)
+                if moved is not None:
+                    plans[FORCED, users] = moved[0]
+        notes = {}
+        for (name, users), plan in plans.items():
+            notes[f"{name}, {users} user(s)"] = readable(plan.explain(), doc["nodes"]).splitlines()
+            if name == WITH:  # what the solver says of the slow PC
+                notes[f"left out, {users} user(s)"] = [readable(f"{node}: {why}", doc["nodes"])
+                                                       for node, why in left_out(shape, fleet, plan).items()]
+        for line in (line for lines in notes.values() for line in lines):
+            log(line)
+        services: dict[tuple, ChatService] = {}  # one deployment per distinct placement
+        for plan in plans.values():
+            placement = tuple((s.node, s.device, s.start, s.end) for s in plan.stages)
+            if placement in services:
+                continue
+            deployment, chain = deploy(model, placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
+                                       key=key, weights=weights)
+            opened.append(lambda d=deployment: d.stop(key))
+            services[placement] = ChatService(chain, streams=max(USERS), prefix_cache=False)
+            opened.append(services[placement].close)
+        serving = {k: services[tuple((s.node, s.device, s.start, s.end) for s in plan.stages)]
+                   for k, plan in plans.items()}
+        for service in services.values():  # warm: first compiles, first pages of the weights
+            chat_wave(service, 2, tokens)
+        total, done = runs * len(plans), 0
+        for run in range(runs):
+            for (name, users), service in serving.items():
+                samples.setdefault((name, users), []).append(chat_wave(service, users, tokens))
+                done += 1
+                log(f"run {run + 1}/{runs}, {users} user(s), {name}: {samples[name, users][-1][0]:.2f} tok/s")
+                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {users} user(s)")
+    finally:
+        for close in reversed(opened):
+            try:
+                close()
+            except Exception as exc:  # closing is best effort: the office removes what is left
+                log(f"closing failed: {exc}")
+        netns.move_into(home, os.getpid())
+        netns.delete_cgroup(here)
+    rows = [{"part": "slow", "server": name, "users": users, "tok_s": round(statistics.median(t for t, _ in got), 2),
+             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got],
+             "stages": len(plans[name, users].stages)}
+            for (name, users), got in samples.items()]
+    tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
+    ratios = {f"slow PC, {u} user(s): {WITH} / {WITHOUT}": round(tok[WITH, u] / tok[WITHOUT, u], 3) for u in USERS}
+    ratios |= {f"slow PC, {u} user(s): {FORCED} / {WITHOUT}": round(tok[FORCED, u] / tok[WITHOUT, u], 3)
+               for u in USERS if (FORCED, u) in tok}
+    return rows, ratios, notes
