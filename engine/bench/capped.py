@@ -24,6 +24,7 @@ while the server loads and serves, with the processes the cap killed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import statistics
 import threading
@@ -116,7 +117,7 @@ class _OursServer:
 
     def __init__(self, office: Office, folders: list[Path], model: str, key: bytes, streams: int):
         pc1, pc2 = office.nodes.values()
-        self.office, self.key, self.agent = office, key, pc2.agent
+        self.key, self.agent = key, pc2.agent
         with ControlClient(pc2.agent, key) as agent:
             digest, _ = agent.send_shard(folders[1])
             self.worker = agent.start_worker(digest)
@@ -141,6 +142,17 @@ class _OursServer:
             agent.stop_worker(self.worker["id"])
 
 
+class _Both:
+    """llama.cpp's split as one server: ``llama-server`` and the ``rpc-server`` it uses."""
+
+    def __init__(self, server: LlamaServer, rpc: RpcServer):
+        self.server, self.rpc, self.url = server, rpc, server.url
+
+    def close(self) -> None:
+        self.server.close()
+        self.rpc.close()
+
+
 def compare_capped(office: Office, model: str, gguf: Path, shape: ModelShape, *, key: bytes, weights: str,
                    runs: int, log, hooks: Hooks = NO_HOOKS) -> tuple[list[dict], dict, Plan]:
     """Rows per server and user count (medians over ``runs`` waves, with each PC's peak memory), the
@@ -151,7 +163,7 @@ def compare_capped(office: Office, model: str, gguf: Path, shape: ModelShape, *,
     split = export_model(model, split=[boundary], weights=weights)
     pc1, pc2 = office.nodes.values()
     prompts = list(PROMPTS.values())
-    waves = iter(range(1_000_000))  # a number in each prompt: no server has seen it before
+    waves = itertools.count()  # a number in each prompt: no server has seen it before
 
     def llama(*extra: str, rpc: str | None = None):
         _uncache([gguf])
@@ -162,12 +174,10 @@ def compare_capped(office: Office, model: str, gguf: Path, shape: ModelShape, *,
     def llama_split():
         rpc = RpcServer(office, pc2.name, office.root)
         try:
-            server = llama(rpc=rpc.address)
+            return _Both(llama(rpc=rpc.address), rpc)
         except BaseException:
             rpc.close()
             raise
-        server.rpc = rpc
-        return server
 
     servers = {OURS: lambda: _OursServer(office, split.folders, model, key, max(USERS)),
                LLAMA_ONE: lambda: llama(), LLAMA_ONE_MAPPED: lambda: llama("--no-repack"),
@@ -195,8 +205,6 @@ def compare_capped(office: Office, model: str, gguf: Path, shape: ModelShape, *,
         finally:
             if server is not None:
                 server.close()
-                if getattr(server, "rpc", None):
-                    server.rpc.close()
             memory = peaks.close() | {"cap_mb": pc1.spec.memory_mb}
         if "error" in samples:
             rows.append({"part": "big", "server": name, "error": samples["error"], **memory})
