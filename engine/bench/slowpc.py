@@ -19,6 +19,7 @@ import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.office import chat_wave
+from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy
 from engine.fleet.placement import Fleet, ModelShape, left_out, one_layer_on, solve
@@ -26,6 +27,7 @@ from engine.fleet.plans import placement_stages
 from engine.fleet.sim import Office
 from engine.fleet.survey import readable, survey
 from engine.runtime.decode.service import ChatService
+from engine.runtime.stages.chain import LocalChain
 
 USERS = (1, 4)
 QUOTA, SLOW_QUOTA = 0.9, 0.2
@@ -71,9 +73,12 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
             placement = tuple((s.node, s.device, s.start, s.end) for s in plan.stages)
             if placement in services:
                 continue
-            deployment, chain = deploy(model, placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
-                                       key=key, weights=weights)
-            opened.append(lambda d=deployment: d.stop(key))
+            if len(plan.stages) == 1:  # the whole model here: nothing to deploy
+                chain = LocalChain(export_model(model, stages=1, weights=weights).folders)
+            else:
+                deployment, chain = deploy(model, placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
+                                           key=key, weights=weights)
+                opened.append(lambda d=deployment: d.stop(key))
             services[placement] = ChatService(chain, streams=max(USERS), prefix_cache=False)
             opened.append(services[placement].close)
         serving = {k: services[tuple((s.node, s.device, s.start, s.end) for s in plan.stages)]
