@@ -68,10 +68,12 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
                                                        for node, why in left_out(shape, fleet, plan).items()]
         for line in (line for lines in notes.values() for line in lines):
             log(line)
+        def placement(plan) -> tuple:
+            return tuple((s.node, s.device, s.start, s.end) for s in plan.stages)
+
         services: dict[tuple, ChatService] = {}  # one deployment per distinct placement
         for plan in plans.values():
-            placement = tuple((s.node, s.device, s.start, s.end) for s in plan.stages)
-            if placement in services:
+            if placement(plan) in services:
                 continue
             if len(plan.stages) == 1:  # the whole model here: nothing to deploy
                 chain = LocalChain(export_model(model, stages=1, weights=weights).folders)
@@ -79,10 +81,9 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
                 deployment, chain = deploy(model, placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
                                            key=key, weights=weights)
                 opened.append(lambda d=deployment: d.stop(key))
-            services[placement] = ChatService(chain, streams=max(USERS), prefix_cache=False)
-            opened.append(services[placement].close)
-        serving = {k: services[tuple((s.node, s.device, s.start, s.end) for s in plan.stages)]
-                   for k, plan in plans.items()}
+            services[placement(plan)] = ChatService(chain, streams=max(USERS), prefix_cache=False)
+            opened.append(services[placement(plan)].close)
+        serving = {k: services[placement(plan)] for k, plan in plans.items()}
         for service in services.values():  # warm: first compiles, first pages of the weights
             chat_wave(service, 2, tokens)
         total, done = runs * len(plans), 0

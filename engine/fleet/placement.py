@@ -368,8 +368,7 @@ def left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, str]:
     make the plan's objective worse by the same cost model."""
     used = {s.node for s in plan.stages}
     one_layer = stage_memory(model).at(1, False, False)
-    slowest = max((fleet.device(s.node, s.device).layer_ms for s in plan.stages if fleet.device(s.node, s.device)),
-                  default=0.0)
+    slowest = max((d.layer_ms for s in plan.stages if (d := fleet.device(s.node, s.device))), default=0.0)
     reasons = {}
     for node in fleet.nodes:
         if node in used:
