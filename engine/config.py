@@ -64,7 +64,9 @@ def int4_layers(weights: str) -> bool:
     """Whether a weight format stores the layers in INT4 (``auto`` always resolves to an INT4 one)."""
     return weights.split("-")[0] in ("int4", AUTO_WEIGHTS)
 
-DRAFTS = ("none", "lookup", "model", "hybrid")  # what proposes speculative tokens (``decode.speculative``)
+# what proposes speculative tokens (``decode.speculative``; ``remote``: a draft server on another
+# computer, ``decode.remotedraft``)
+DRAFTS = ("none", "lookup", "model", "hybrid", "remote")
 
 
 @dataclasses.dataclass
@@ -86,6 +88,8 @@ class Settings:
     k: str = "auto"  # draft tokens per round: a number or "auto"; 0 turns speculation off
     draft: str = "lookup"  # one of DRAFTS
     draft_model: str = ""  # the draft model source for "model" and "hybrid"
+    draft_at: str = ""  # HOST:PORT of the draft server (``fleet worker --role draft``) for "remote"; empty:
+    # the deployment's (``fleet deploy --draft-on``)
     nodes: list[str] = dataclasses.field(default_factory=list)  # agents added by address (no multicast there)
     api_enabled: bool = False  # the app serves the OpenAI-compatible API while its chat is up
     api_host: str = "127.0.0.1"  # any other address needs the API key (``fleet key api``)
@@ -135,6 +139,8 @@ class Settings:
             return f"the draft is one of {', '.join(DRAFTS)}, not {self.draft!r}"
         if self.draft in ("model", "hybrid") and not self.draft_model.strip():
             return f"a {self.draft} draft needs a draft model"
+        if self.draft == "remote" and self.draft_at and ":" not in self.draft_at:
+            return f"the draft server is HOST:PORT, not {self.draft_at!r}"
         try:
             parse_devices(self.device, self.stages)
         except FleetError as exc:

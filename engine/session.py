@@ -35,6 +35,7 @@ from engine.fleetkey import key_file, load_key, load_tls
 from engine.manifest import expand_shard_dirs, is_shard_set
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, pull
+from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import draft_head, open_draft_chain, stream_drafters
 from engine.runtime.relay.localfleet import LocalFleet
@@ -224,17 +225,36 @@ def draft_shards(settings: Settings, progress: Progress = quiet, cancel=None) ->
                           progress=progress, cancel=cancel)
 
 
-def drafter_factory(kind: str, chain, folders: list[Path] | None = None, device: str = "CPU"):
+def drafter_factory(kind: str, chain, folders: list[Path] | None = None, device: str = "CPU", *,
+                    remote: DraftLink | None = None):
     """What ``ChatService(drafters=...)`` takes for a draft kind (``config.DRAFTS``): a function giving
     one drafter per stream, over one draft chain compiled here for ``model`` and ``hybrid``
     (``folders``, a 1-stage export sharing the target's tokenizer, from ``draft_shards``) on stage 0's
-    device (the first of ``device``); None for ``none``."""
+    device (the first of ``device``), or over the draft server ``remote`` (``open_draft_link``) for
+    ``remote``; None for ``none``."""
     if kind == "none":
         return None
+    if kind == "remote":
+        return lambda n: [remote.drafter(i) for i in range(n)]
     draft_chain = None
     if kind in ("model", "hybrid"):
         draft_chain = open_draft_chain(expand_shard_dirs(folders), device.split(",")[0].strip(), turns=chain.turns)
     return lambda n: stream_drafters(kind, n, chain.manifest, draft_chain)
+
+
+def open_draft_link(settings: Settings, chain, deployment: Deployment | None = None) -> DraftLink | None:
+    """The connection to the draft server for a ``remote`` draft (the caller closes it), else None: the
+    settings' ``draft_at``, or else the deployment's draft server (``fleet deploy --draft-on``)."""
+    if settings.draft != "remote":
+        return None
+    address = settings.draft_at
+    if not address and deployment is not None and deployment.draft:
+        address = deployment.draft["address"]
+    if not address:
+        raise FleetError("a remote draft needs its draft server: --draft remote:HOST:PORT (a `fleet worker "
+                         "--role draft`), or a deployment with one (`fleet deploy --draft-on NODE`)")
+    return DraftLink(address, load_key(settings.fleet_key_file), chain.manifest,
+                     tls=load_tls(settings.tls, settings.fleet_key_file))
 
 
 def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None):
@@ -257,7 +277,10 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
         return None
     try:
         failover = open_failover(opened, settings, on_event)
-        drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device)
+        remote = open_draft_link(settings, opened.chain, opened.deployment)
+        if remote is not None:
+            opened.owned.append(remote)
+        drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device, remote=remote)
         service = ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
                               rewind=REWIND[settings.mode], owned=opened.owned,
                               recover=failover.recover if failover else None)

@@ -17,12 +17,14 @@ import itertools
 import random
 import time
 from pathlib import Path
+from urllib.parse import unquote
 
-from PySide6.QtCore import QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor, QTextDocument, QTextDocumentFragment
+from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import (QDesktopServices, QKeySequence, QShortcut, QTextCursor, QTextDocument,
+                           QTextDocumentFragment)
 from PySide6.QtWidgets import (QApplication, QComboBox, QDialog, QDialogButtonBox, QFileDialog, QHBoxLayout,
-                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QPlainTextEdit,
-                               QProgressBar, QPushButton, QTabWidget, QTextBrowser, QVBoxLayout, QWidget)
+                               QInputDialog, QLabel, QLineEdit, QListWidget, QListWidgetItem, QMessageBox,
+                               QPlainTextEdit, QProgressBar, QPushButton, QTabWidget, QVBoxLayout, QWidget)
 
 from engine.config import paths
 from engine.errors import FleetError
@@ -33,7 +35,7 @@ from engine.runtime.decode.service import Reply
 from fleetgui.chat_options import DEFAULT_PRESET, SamplingPanel, preset_options, sampling_params
 from fleetgui.chat_options import describe as describe_options
 from fleetgui.history import Conversation, HistoryStore, Message, to_json, to_markdown
-from fleetgui.markdown import code_blocks, message_html
+from fleetgui.markdown import REPLY_LINK, Transcript, code_blocks, message_html
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
 from fleetgui.widgets import Banner, flow_bar, splitter
@@ -44,7 +46,16 @@ RENDER_EVERY_MS = 100  # a streaming reply is rendered again at most this often,
 RENDER_SHARE = 0.25  # and a long reply's renders take at most about this share of the GUI thread
 # settings whose change needs a new service (the rest apply per request)
 SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device", "mode", "local_workers",
-                "streams", "k", "draft", "draft_model", "tls", "deadline_s")
+                "streams", "k", "draft", "draft_model", "draft_at", "tls", "deadline_s")
+
+
+def ask(parent: QWidget, title: str, question: str, action: str) -> bool:
+    """Whether the user confirms ``question`` (the confirming button says ``action``)."""
+    box = QMessageBox(QMessageBox.Icon.Question, title, question,
+                      QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, parent)
+    box.button(QMessageBox.StandardButton.Ok).setText(action)
+    box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+    return box.exec() == QMessageBox.StandardButton.Ok
 
 
 class _Bridge(QObject):
@@ -303,7 +314,7 @@ class ChatTab(QWidget):
                                 "oldest messages are left out")
         self.context.setFixedWidth(self.fontMetrics().horizontalAdvance("context: 00000 / 00000 tokens") +
                                    self.fontMetrics().averageCharWidth() * 4)  # the whole text on one line
-        self.transcript = QTextBrowser()
+        self.transcript = Transcript()
         self.transcript.setObjectName("transcript")
         self.transcript.setOpenLinks(False)
         self.transcript.anchorClicked.connect(self._link)
@@ -468,7 +479,17 @@ class ChatTab(QWidget):
         self._update_buttons()
 
     def _link(self, url) -> None:
-        action, _, where = url.toString().partition(":")
+        """A click on a link in the transcript: our own actions (copy, edit, delete, regenerate, copy
+        code), or a link in a reply's text (``REPLY_LINK``), which at most opens in the browser, and
+        only a web link, when the user says so."""
+        text = url.toString()
+        if text.startswith(REPLY_LINK):
+            target = unquote(text[len(REPLY_LINK):])
+            if target.lower().startswith(("http://", "https://")) and ask(
+                    self, "Open link", f"Open this link from the reply in your browser?\n\n{target[:500]}", "Open"):
+                QDesktopServices.openUrl(QUrl(target))
+            return
+        action, _, where = text.partition(":")
         parts = [int(p) for p in where.split(":") if p.isdigit()]
         if action == "copycode" and len(parts) == 2:
             blocks = code_blocks(self.conversation.messages[parts[0]].content)
@@ -477,8 +498,10 @@ class ChatTab(QWidget):
             self.copy_message(parts[0])
         elif action == "edit" and parts:
             self.edit_message(parts[0])
-        elif action == "delete" and parts:
-            self.delete_message(parts[0])
+        elif action == "delete" and parts and parts[0] < len(self.conversation.messages):
+            who = "your message" if self.conversation.messages[parts[0]].role == "user" else "this reply"
+            if ask(self, "Delete message", f"Delete {who} from the chat? This cannot be undone.", "Delete"):
+                self.delete_message(parts[0])
         elif action == "regenerate":
             self.regenerate()
 

@@ -1,6 +1,11 @@
 """A chat message as rich text: Markdown through Qt's own parser (``QTextDocument.setMarkdown``), and
 fenced code blocks syntax-highlighted with Pygments, each under a "Copy code" link.
 
+A reply is untrusted text (a model can be led to write anything), so it never reaches the chat as
+markup of its own: raw HTML in it shows as text, an image shows as a link to it, and every link in
+it is wrapped in ``REPLY_LINK``, a scheme the chat takes for no action (``ChatTab._link`` only offers
+to open a web link in the browser).  The transcript (``Transcript``) loads no resource of any scheme.
+
 ``code_blocks(text)`` gives the blocks' contents, so a link's index finds the code to copy.
 """
 
@@ -8,12 +13,29 @@ from __future__ import annotations
 
 import html
 import re
+from urllib.parse import quote
 
 from PySide6.QtGui import QTextDocument
+from PySide6.QtWidgets import QTextBrowser
 
 FENCE = re.compile(r"^```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^```[ \t]*$|\Z)", re.S | re.M)
 CODE_BACKGROUND = {"light": "#f1f4f8", "dark": "#0f1318"}
 PYGMENTS_STYLE = {"light": "default", "dark": "monokai"}
+REPLY_LINK = "reply:"  # what a link in a reply's text becomes: the link, quoted, after this scheme
+MARKDOWN = QTextDocument.MarkdownFeature(QTextDocument.MarkdownFeature.MarkdownDialectGitHub.value
+                                         | QTextDocument.MarkdownFeature.MarkdownNoHTML.value)
+# in the HTML Qt writes (attribute values in double quotes, escaped)
+IMAGE = re.compile(r"<img\b[^>]*>")
+ATTRIBUTE = re.compile(r'\b(src|alt|href)="([^"]*)"')
+HREF = re.compile(r'\bhref="([^"]*)"')
+
+
+class Transcript(QTextBrowser):
+    """A text browser that loads nothing: no image or style sheet of any scheme (``file:``,
+    ``http:``, a share's path), whatever the HTML it shows asks for."""
+
+    def loadResource(self, kind, name):  # noqa: N802 (Qt's name)
+        return None
 
 
 def code_blocks(text: str) -> list[tuple[str, str]]:
@@ -23,13 +45,24 @@ def code_blocks(text: str) -> list[tuple[str, str]]:
 
 
 def markdown_html(text: str) -> str:
-    """The HTML body Qt makes of ``text`` as Markdown (GitHub dialect)."""
+    """The HTML body Qt makes of ``text`` as Markdown (GitHub dialect, raw HTML shown as text), its
+    images turned into links and every link wrapped in ``REPLY_LINK``."""
     doc = QTextDocument()
-    doc.setMarkdown(text, QTextDocument.MarkdownFeature.MarkdownDialectGitHub)
+    doc.setMarkdown(text, MARKDOWN)
     full = doc.toHtml()
     start = full.find(">", full.find("<body")) + 1
     end = full.rfind("</body>")
-    return full[start:end] if start > 0 and end > start else html.escape(text)
+    if not (start > 0 and end > start):
+        return f"<p style='white-space:pre-wrap'>{html.escape(text)}</p>"
+    body = IMAGE.sub(_image_link, full[start:end])
+    return HREF.sub(lambda m: f'href="{REPLY_LINK}{quote(html.unescape(m.group(1)), safe="")}"', body)
+
+
+def _image_link(match: re.Match) -> str:
+    """An image as a link to it (wrapped like every link by ``markdown_html``), never loaded."""
+    found = dict(ATTRIBUTE.findall(match.group(0)))
+    label = html.escape(f"image: {html.unescape(found.get('alt', ''))}".rstrip(": "))
+    return f'<a href="{found.get("src", "")}">[{label}]</a>'
 
 
 def highlight(code: str, language: str, theme: str) -> str:
@@ -50,7 +83,15 @@ def highlight(code: str, language: str, theme: str) -> str:
 
 def message_html(text: str, message_index: int, theme: str = "light") -> str:
     """A message's HTML: Markdown between the code blocks; each block highlighted on a tinted
-    background with a ``copycode:MESSAGE:BLOCK`` link above it."""
+    background with a ``copycode:MESSAGE:BLOCK`` link above it.  Text that fails to render shows as
+    plain text."""
+    try:
+        return _message_html(text, message_index, theme)
+    except Exception:  # any failure of the parsers: the text itself, escaped, is always shown
+        return f"<p style='white-space:pre-wrap'>{html.escape(text)}</p>"
+
+
+def _message_html(text: str, message_index: int, theme: str) -> str:
     parts, last, block = [], 0, 0
     background = CODE_BACKGROUND.get(theme, CODE_BACKGROUND["light"])
     for match in FENCE.finditer(text):

@@ -64,8 +64,11 @@ HELP = {  # one line under each field, in words a new user understands
     "local": "Run the later stages as separate processes on this PC, as a real fleet would.",
     "streams": "How many chats can generate at the same time.",
     "k": "Speculative decoding: tokens guessed ahead per step (auto picks; 0 turns guessing off).",
-    "draft": "How the guesses are made: lookup copies from the conversation, a model drafts with a small model.",
+    "draft": "How the guesses are made: lookup copies from the conversation, a model drafts with a small model, "
+             "remote has another PC draft with it while this one checks.",
     "draft_model": "The small model for model and hybrid drafts.",
+    "draft_at": "For a remote draft: HOST:PORT of the PC that drafts for this one (it runs `fleet worker --role "
+                "draft`). Empty: the draft server of the deployment, if it has one.",
     "max_new_tokens": "The longest reply a new chat allows, in tokens (each chat can change it).",
     "chat_preset": "The sampling a new chat starts with (Balanced stops small models repeating themselves).",
     "theme": "Light or dark colours.",
@@ -113,6 +116,9 @@ class SettingsPage(QWidget):
         self.draft_model = QLineEdit()
         self.draft_model.setPlaceholderText("e.g. qwen2.5-coder-0.5b")
         form.addRow("Draft model", explained(self.draft_model, HELP["draft_model"]))
+        self.draft_at = QLineEdit()
+        self.draft_at.setPlaceholderText("e.g. 192.168.1.20:7311")
+        form.addRow("Draft server", explained(self.draft_at, HELP["draft_at"]))
         self.max_new_tokens = spin_box(1, 32768, 256)
         form.addRow("Max new tokens", explained(self.max_new_tokens, HELP["max_new_tokens"]))
         self.chat_preset = combo_box(PRESETS)
@@ -164,6 +170,7 @@ class SettingsPage(QWidget):
         self.k.setCurrentText(settings.k)
         self.draft.setCurrentText(settings.draft)
         self.draft_model.setText(settings.draft_model)
+        self.draft_at.setText(settings.draft_at)
         self.max_new_tokens.setValue(settings.max_new_tokens)
         self.chat_preset.setCurrentText(settings.chat_preset)
         self.theme.setCurrentText(settings.theme)
@@ -186,7 +193,8 @@ class SettingsPage(QWidget):
             stages=self.stages.value(), weights=self.weights.currentText(), device=self.devices.text().strip() or "CPU",
             mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(), streams=self.streams.value(),
             k=self.k.currentText().strip() or "auto", draft=self.draft.currentText(),
-            draft_model=self.draft_model.text().strip(), max_new_tokens=self.max_new_tokens.value(),
+            draft_model=self.draft_model.text().strip(), draft_at=self.draft_at.text().strip(),
+            max_new_tokens=self.max_new_tokens.value(),
             chat_preset=self.chat_preset.currentText(), theme=self.theme.currentText(),
             api_enabled=self.api_enabled.isChecked(), api_host=self.api_host.text().strip(),
             api_port=self.api_port.value())

@@ -19,7 +19,7 @@ from fleet_support import agent_process, deployed_equals_in_process, fleet_up, g
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, StagePlacement, deploy, deploy_draft
 from engine.fleet.shardstore import content_hash
 from engine.fleetkey import create_key, fleet_id, load_key
 from engine.runtime.stages.chain import LocalChain
@@ -164,6 +164,35 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []
         assert len(agent.call("prune")["dropped"]) == 1 and agent.status()["shards"] == []
+
+
+def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
+    from engine.config import Settings
+    from engine.runtime.decode.generate import Generator
+    from engine.session import open_draft_link
+
+    (_, a), (_, b) = two_agents
+    key = load_key(key_file)
+    model = str(tiny_models["qwen2"])
+    stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(a, "CPU", 2, 4)]
+    deployment, chain = deploy(model, stages, key=key, weights="f32", mode="exact")
+    try:
+        deployment.draft = deploy_draft(model, b, key=key, weights="f32")
+        with ControlClient(b, key) as agent:
+            assert [w["role"] for w in agent.status()["workers"]] == ["draft"]
+        link = open_draft_link(Settings(draft="remote", fleet_key_file=str(key_file)), chain, deployment)
+        try:
+            prompt = [5, 17, 42, 101, 7, 250, 33, 64]
+            want = Generator(chain, 64).generate(prompt, 24, ignore_eos=True).tokens
+            got = Generator(chain, 64).generate(prompt, 24, ignore_eos=True, drafter=link.drafter(0), k="auto")
+        finally:
+            link.close()
+    finally:
+        chain.close()
+        assert deployment.stop(key) == []
+    assert got.tokens == want and got.drafted > 0  # exact mode: the same tokens, however many drafts held
+    with ControlClient(b, key) as agent:
+        assert agent.status()["workers"] == []
 
 
 def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, key_file, tiny_models, tmp_path,

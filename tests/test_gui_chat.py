@@ -172,6 +172,12 @@ def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot
     assert window.history.load(tab.conversation.id).messages == []
     second = send(qtbot, tab, "A fleet of laptops, edited")
     assert [m.content for m in tab.conversation.messages] == ["A fleet of laptops, edited", second.text]
+    asked = []
+    monkeypatch.setattr(fleetgui.chat, "ask", lambda parent, title, question, action: asked.append(question) or False)
+    tab._link(QUrl("delete:1"))  # asks first: declined, nothing goes
+    assert asked == ["Delete this reply from the chat? This cannot be undone."]
+    assert [m.role for m in window.history.load(tab.conversation.id).messages] == ["user", "assistant"]
+    monkeypatch.setattr(fleetgui.chat, "ask", lambda *args: True)
     tab._link(QUrl("delete:1"))
     assert [m.role for m in window.history.load(tab.conversation.id).messages] == ["user"]
     count = window.chat.tabs.count()

@@ -39,7 +39,9 @@ def test_text_stream_pieces_add_up_to_the_full_decode(chain):
 
 
 def test_streams_run_concurrently_and_match_running_alone(chain):
-    service = ChatService(chain, streams=2, drafters=lambda n: stream_drafters("lookup", n), k=3, rewind="trim")
+    # drafting in every round, beside another stream too
+    service = ChatService(chain, streams=2, drafters=lambda n: stream_drafters("lookup", n), k=3, rewind="trim",
+                          draft_alone=False)
     try:
         prompts = [[{"role": "user", "content": p}] for p in ("The quick brown fox", "def add(a, b):", "Paris")]
         alone = [service.submit(m, 24, ignore_eos=True).wait(60) for m in prompts]

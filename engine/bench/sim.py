@@ -14,8 +14,10 @@ and llama.cpp's, whole on one PC and split over both, at 1-8 users (a GGUF sourc
 the same file).  Then a model too big for one PC (``engine.bench.capped``): two PCs of ``memory_mb``
 each, the solver's split against llama.cpp whole on one (paging) and llama.cpp's split.  Then a slow
 PC (``engine.bench.slowpc``): two PCs of 0.9 of a core and one of a fifth, the solver's placement
-with the slow one and without it.  ``parts`` picks any of ``links`` (the deployment and cable-cut
-rows), ``office``, ``big`` and ``slow``.
+with the slow one and without it.  Then one user with a second PC that drafts
+(``engine.bench.draftpc``): the target on this PC, its draft model on PC 2, against the best
+speculation of this PC alone.  ``parts`` picks any of ``links`` (the deployment and cable-cut rows),
+``office``, ``big``, ``slow`` and ``draft``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.bench import capped
+from engine.bench import capped, draftpc
 from engine.bench import office as office_bench
 from engine.bench import slowpc
 from engine.bench.harness import NO_HOOKS, Hooks
@@ -65,11 +67,12 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
                                                                  coordinator="coordinator").to_json()}
 
 
-PARTS = ("links", "office", "big", "slow")
+PARTS = ("links", "office", "big", "slow", "draft")
 
 
 def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2, 4, 8), weights: str = "int4",
-            runs: int = 2, parts: tuple[str, ...] = PARTS, memory_mb: int = 1000, out: Path | None = None, log=print,
+            runs: int = 2, parts: tuple[str, ...] = PARTS, memory_mb: int = 1000, draft: str = "qwen2.5-coder-0.5b",
+            out: Path | None = None, log=print,
             hooks: Hooks = NO_HOOKS) -> dict:
     require_root("fleet bench sim")
     cores = sorted(os.sched_getaffinity(0))
@@ -85,7 +88,8 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             gguf = llamacpp_gguf(model)
         except LlamaCppUnavailable as exc:
             raise FleetError(f"the office comparisons run llama.cpp on the model's GGUF: {exc}") from None
-    steps = len(rates) * ("links" in parts) + ("office" in parts) + ("big" in parts) + ("slow" in parts) + 1
+    later = [part for part in ("office", "big", "slow", "draft") if part in parts]  # a step each
+    steps = len(rates) * ("links" in parts) + len(later) + 1
     hooks.step(0, steps, "exporting the split")
     whole = export_model(model, stages=1, weights=weights)
     shape = ModelShape(**model_shape(load_manifest(whole.folders[0])))
@@ -102,7 +106,7 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             ratios |= {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
             settings |= {"rates_mbit": list(rates), "cut_after_tokens": CUT_AFTER}
         if "office" in parts:
-            hooks.step(steps - 1 - ("big" in parts) - ("slow" in parts), steps,
+            hooks.step(steps - len(later) + later.index("office"), steps,
                        "the office: one PC against two, ours and llama.cpp's")
             spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
             with Office([spec], key_file=key_file, root=Path(tmp) / "office", log=log) as office:
@@ -116,7 +120,7 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             settings |= {"users": list(users), "runs": runs, "office": "this machine is PC 1 (one core); PC 2 "
                          "one core at 1 Gbit/s; greedy, no speculation, no prompt cache"}
         if "big" in parts:
-            hooks.step(steps - 1 - ("slow" in parts), steps, "a model too big for one PC")
+            hooks.step(steps - len(later) + later.index("big"), steps, "a model too big for one PC")
             specs = [NodeSpec(f"pc{i + 1}", memory_mb=memory_mb, cpus=str(cores[i]), rate_mbit=1000.0) for i in range(2)]
             with Office(specs, key_file=key_file, root=Path(tmp) / "big", log=log) as office:
                 big_rows, big_ratios, plan = capped.compare_capped(office, model, gguf, shape, key=key,
@@ -129,7 +133,7 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
                                  "pcs": "2, one core and the memory cap each, 1 Gbit/s; no swap",
                                  "placement": plan.explain().splitlines()}}
         if "slow" in parts:
-            hooks.step(steps - 1, steps, "a slow PC beside two fast ones")
+            hooks.step(steps - len(later) + later.index("slow"), steps, "a slow PC beside two fast ones")
             specs = [NodeSpec("pc2", cpus=str(cores[1]), cpu_quota=slowpc.QUOTA, rate_mbit=1000.0),
                      NodeSpec("pc3", cpus=f"{cores[0]},{cores[1]}", cpu_quota=slowpc.SLOW_QUOTA, rate_mbit=1000.0)]
             with Office(specs, key_file=key_file, root=Path(tmp) / "slow", log=log) as office:
@@ -142,6 +146,20 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             ratios |= slow_ratios
             settings |= {"slow": {"users": list(slowpc.USERS), "pcs": "this machine (PC 1) and PC 2 at 0.9 of a "
                                   "core each, PC 3 at 0.2, 1 Gbit/s", "objective": "throughput", **notes}}
+        if "draft" in parts:
+            hooks.step(steps - len(later) + later.index("draft"), steps, "one user, and a second PC that drafts")
+            spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
+            with Office([spec], key_file=key_file, root=Path(tmp) / "draft", log=log) as office:
+                draft_rows, draft_ratios = draftpc.compare_draft(office, model, draft, key=key, weights=weights,
+                                                                 tokens=tokens, runs=runs, core=cores[0], log=log,
+                                                                 hooks=hooks)
+            for row in draft_rows:
+                hooks.row(row)
+            rows += draft_rows
+            ratios |= draft_ratios
+            settings |= {"draft": {"draft_model": draft, "users": list(draftpc.USERS),
+                                   "pcs": "this machine (PC 1, one core) holds the target; PC 2 (one core, "
+                                          "1 Gbit/s) the draft model"}}
     return write_report("sim", rows, ratios, out, settings=settings)
 
 

@@ -79,7 +79,8 @@ def chain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
     parser.add_argument("--stages", type=count, help="with --model: number of stages")
     parser.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
-                        "model (shard folder or model source with the target's tokenizer), or hybrid:MODEL")
+                        "model (shard folder or model source with the target's tokenizer), hybrid:MODEL, or remote:HOST:PORT "
+                        "(a draft server, `fleet worker --role draft`, drafting ahead on another computer)")
     parser.add_argument("--isolate-streams", action="store_true",
                         help="compile each stage once per stream instead of sharing one compiled model")
     parser.add_argument("--k", type=draft_tokens, default=4, help="draft tokens per round, or 'auto' (default 4)")
@@ -121,9 +122,12 @@ def settings_of(args: argparse.Namespace, settings: Settings | None = None) -> S
 
 
 def _draft(spec: str | None) -> dict:
-    """``--draft``: ``lookup``, a draft model (shard folder or model source) or ``hybrid:MODEL``."""
+    """``--draft``: ``lookup``, a draft model (shard folder or model source), ``hybrid:MODEL`` or
+    ``remote:HOST:PORT`` (a draft server on another computer)."""
     if not spec or spec == "lookup":
         return {"draft": "lookup" if spec else "none", "draft_model": ""}
+    if spec.startswith("remote:"):
+        return {"draft": "remote", "draft_at": spec.split(":", 1)[1]}
     if spec.startswith("hybrid:"):
         return {"draft": "hybrid", "draft_model": spec.split(":", 1)[1]}
     return {"draft": "model", "draft_model": spec}

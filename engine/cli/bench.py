@@ -61,7 +61,7 @@ def cmd_bench(args) -> int:
                                **({"stages": (args.stages,)} if args.stages else {}),
                                **({"weights": tuple(args.formats.split(","))} if args.formats else {}),
                                **({"text": Path(args.text)} if args.text else {})),
-        "sim": lambda f: f(model, tokens=args.tokens or 64, memory_mb=args.memory, **runs, **common,
+        "sim": lambda f: f(model, tokens=args.tokens or 64, memory_mb=args.memory, draft=draft, **runs, **common,
                            **({"users": args.users} if args.users else {}),
                            **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
         "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
@@ -98,7 +98,7 @@ def add_commands(sub) -> None:
     bench.add_argument("--users", type=counts, help="serve, sim: the concurrent users of each wave (default 1,2,4,8); "
                        "batch: the stream counts (same default); soak: the users (default 8)")
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
-                       "sim: links,office,big,slow (default all)")
+                       "sim: links,office,big,slow,draft (default all)")
     bench.add_argument("--memory", type=count, default=1000,
                        help="sim: each PC's memory cap in MB in the part with a model too big for one (default 1000)")
     bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")

@@ -23,7 +23,7 @@ from engine.export.compress import WEIGHT_FORMATS
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import MAX_NODES, demo_profile, demo_up
-from engine.fleet.deploy import Deployment, deploy
+from engine.fleet.deploy import Deployment, deploy, deploy_draft
 from engine.fleet.discovery import Browser, browse
 from engine.fleet.local import local_up, stop_local_agent
 from engine.fleet.netns import require_root
@@ -254,10 +254,20 @@ def cmd_deploy(args) -> int:
         plan_doc = json.loads(Path(args.plan).read_text())
     except (OSError, ValueError) as exc:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
+    if args.draft_on and not (args.draft_model or settings.draft_model):
+        raise FleetError("--draft-on needs the draft model: --draft-model MODEL (one with the target's tokenizer)")
     deployment, chain = deploy(args.model, placement_stages(plan_doc), key=key, tls=tls, weights=args.weights,
                                mode=settings.mode, progress=deploy_printer(), deadline_s=settings.deadline_s,
                                planned=planned_by(plan_doc))
     chain.close()
+    if args.draft_on:
+        try:
+            deployment.draft = deploy_draft(args.draft_model or settings.draft_model, args.draft_on, key=key, tls=tls,
+                                            weights=args.weights, progress=deploy_printer())
+        except BaseException:
+            deployment.stop(key, tls)
+            raise
+        say(f"draft server at {deployment.draft['address']}: chat with --draft remote: to draft there")
     path = deployment.save(Path(args.record) if args.record else None)
     print(f"deployed {args.model}: stage 0 here, workers at {', '.join(deployment.remotes)}")
     say(f"deployment recorded in {path}; chat with `fleet generate --deployment`; stop with `fleet deploy --stop`")
@@ -505,6 +515,9 @@ def add_commands(sub) -> None:
     dep.add_argument("--mode", choices=["fast", "exact"])
     dep.add_argument("--record", help="where to record the deployment (default: the data folder)")
     dep.add_argument("--stop", action="store_true", help="stop the recorded deployment's workers")
+    dep.add_argument("--draft-on", metavar="AGENT", help="HOST:PORT of a node's agent that runs a draft server "
+                     "for the deployment (drafting ahead while this PC verifies: `--draft remote:`)")
+    dep.add_argument("--draft-model", help="with --draft-on: the draft model (default: the settings' draft model)")
     connection_args(dep)
     dep.set_defaults(func=cmd_deploy)
 

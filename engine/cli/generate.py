@@ -20,7 +20,7 @@ from engine.runtime.decode.generate import Generator, generate_streams
 from engine.runtime.decode.sampling import SamplingParams
 from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
 from engine.runtime.stages.stage import REWIND
-from engine.session import chain_kind, draft_shards, drafter_factory, open_chain, open_service
+from engine.session import chain_kind, draft_shards, drafter_factory, open_chain, open_draft_link, open_service
 
 FAILOVER_KINDS = ("deployment", "local-fleet")  # the chains ``open_service`` gives failover
 
@@ -54,7 +54,10 @@ def _through_generator(args, settings, launch, prompts, streams, progress) -> li
     chain = opened.chain
     try:
         tokenizer = ChatTokenizer(chain.first_folder)
-        factory = drafter_factory(settings.draft, chain, drafts, settings.device)
+        remote = open_draft_link(settings, chain, opened.deployment)
+        if remote is not None:
+            opened.owned.append(remote)
+        factory = drafter_factory(settings.draft, chain, drafts, settings.device, remote=remote)
         drafters = factory(streams) if factory else None
         if streams > 1:
             return _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters)

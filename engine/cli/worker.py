@@ -8,8 +8,9 @@ import sys
 from engine.cli.args import connection_args, duration, settings_of
 from engine.fleetkey import load_key, load_tls
 from engine.launch import lifeline
-from engine.manifest import layer_span
+from engine.manifest import expand_shard_dirs, layer_span
 from engine.runtime.relay.affinity import pin
+from engine.runtime.decode.draftserver import DraftServer
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.turns import compute_turns
 
@@ -19,6 +20,8 @@ def cmd_worker(args) -> int:
     settings = settings_of(args)
     key = load_key(settings.fleet_key_file)
     tls = load_tls(settings.tls, settings.fleet_key_file)
+    if args.role == "draft":
+        return _draft_server(args, settings, key, tls)
     worker = Worker(args.shard, args.listen, args.next, key=key, device=settings.device, mode=settings.mode,
                     precision=args.precision, delay_ms=args.delay_ms, deadline_s=settings.deadline_s, tls=tls,
                     isolate=args.isolate_streams,
@@ -31,6 +34,18 @@ def cmd_worker(args) -> int:
           + (f", next stage {args.next}" if args.next else ""), file=sys.stderr, flush=True)
     print(f"ready {worker.address}", flush=True)
     worker.serve_forever()
+    return 0
+
+
+def _draft_server(args, settings, key: bytes, tls) -> int:
+    server = DraftServer(expand_shard_dirs([args.shard]), args.listen, key=key, device=settings.device, tls=tls,
+                         delay_ms=args.delay_ms)
+    if args.lifeline:
+        lifeline()
+    print(f"draft model {server.manifest.model_name} on {settings.device}, listening on {server.address}",
+          file=sys.stderr, flush=True)
+    print(f"ready {server.address}", flush=True)
+    server.serve_forever()
     return 0
 
 
@@ -49,6 +64,8 @@ def add_commands(sub) -> None:
     worker.add_argument("--cpus", help="pin this worker to these CPUs (Linux; like taskset: 0-3,6)")
     worker.add_argument("--compute-turns", metavar="FILE",
                         help="compute one at a time with the other stages on this computer that name the same file")
+    worker.add_argument("--role", choices=["stage", "draft"], default="stage",
+                        help="'draft': serve a whole draft model that drafts ahead for a target on another computer")
     worker.add_argument("--lifeline", action="store_true", help=argparse.SUPPRESS)
     connection_args(worker)
     worker.set_defaults(func=cmd_worker)

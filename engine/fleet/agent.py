@@ -289,8 +289,11 @@ class Agent:
                 raise FleetError(f"node {self.name} already runs {len(live)} workers")
         folder = self.store.path(digest)
         manifest = read_manifest(folder)
+        role = doc.get("role") or "stage"
+        if role not in ("stage", "draft"):
+            raise FleetError(f"a worker is a stage or a draft server, not {role!r}")
         host = self.host if self.host not in ("::",) else "0.0.0.0"
-        cmd = ["worker", "--shard", str(folder), "--listen", f"{host}:0",
+        cmd = ["worker", "--role", role, "--shard", str(folder), "--listen", f"{host}:0",
                "--device", self._real_device(str(doc.get("device") or "CPU")), "--mode", str(doc.get("mode") or "fast"),
                "--fleet-key-file", str(self.key_file), "--lifeline"]
         if doc.get("precision"):
@@ -310,11 +313,12 @@ class Agent:
             raise FleetError(f"worker for stage {manifest.stage_index} did not start ({exc})") from None
         port = int(printed.rpartition(":")[2])
         info = {"stage": manifest.stage_index, "layers": list(manifest.layers), "model": manifest.model_name,
-                "device": doc.get("device") or "CPU", "delay_ms": delay_ms}
+                "device": doc.get("device") or "CPU", "delay_ms": delay_ms, "role": role}
         worker = _Worker(wid, digest, proc, printed, port, info, log)
         with self._lock:
             self.workers[wid] = worker
-        self.log(f"started worker {wid}: stage {manifest.stage_index} on port {port}")
+        self.log(f"started worker {wid}: " + (f"stage {manifest.stage_index}" if role == "stage" else
+                                              f"draft server for {manifest.model_name}") + f" on port {port}")
         self._changed()
         return worker.to_json()
 

@@ -126,9 +126,10 @@ class ControlClient:
         return digest, True
 
     def start_worker(self, digest: str, *, device: str = "CPU", mode: str = "fast", delay_ms: float = 0.0,
-                     precision: str | None = None, timeout_s: float = 180.0) -> dict:
+                     precision: str | None = None, timeout_s: float = 180.0, role: str = "stage") -> dict:
+        """``role``: ``stage`` (a stage of the chain) or ``draft`` (a draft server, ``fleet worker --role draft``)."""
         return self.call("start_worker", timeout_s=timeout_s + 10, hash=digest, device=device, mode=mode,
-                         delay_ms=delay_ms, precision=precision, wait_s=timeout_s)
+                         delay_ms=delay_ms, precision=precision, wait_s=timeout_s, role=role)
 
     def stop_worker(self, worker: str | None = None) -> dict:
         return self.call("stop_worker", worker=worker)

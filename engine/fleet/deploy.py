@@ -65,6 +65,7 @@ class Deployment:
     profile: str | None = None  # the fleet profile it was planned from: failover re-plans with it
     objective: str = "latency"
     users: int = 1
+    draft: dict | None = None  # a draft server on a node (``deploy_draft``): agent, worker, address, model
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -105,8 +106,37 @@ class Deployment:
                            deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, **kw)
 
     def stop(self, key: bytes, tls=None) -> list[str]:
-        """Stops every worker of the deployment; returns the problems met (unreachable agents)."""
-        return _stop_workers(self.workers, key, tls)
+        """Stops every worker of the deployment (and its draft server); returns the problems met
+        (unreachable agents)."""
+        return _stop_workers(self.workers + ([self.draft] if self.draft else []), key, tls)
+
+
+def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights: str = "auto", device: str = "CPU",
+                 delay_ms: float = 0.0, progress: DeployProgress | None = None, cancel=None,
+                 worker_timeout_s: float = 180.0) -> dict:
+    """Exports the draft model whole, sends it to the node ``agent`` and starts a draft server there
+    (``engine.runtime.decode.draftserver``): what ``Deployment.draft`` records (agent, worker, address, model)."""
+    from engine.export.exporter import export_model  # deferred, as in ``deploy``
+    from engine.runtime.decode.speculative import draft_head
+
+    def report(phase: str, fraction: float) -> None:
+        if progress:
+            progress(0, phase, fraction)
+
+    folder = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights), cancel=cancel,
+                          progress=lambda i, step, frac: report("export", frac)).folders[0]
+    try:
+        with ControlClient(agent, key, tls=tls) as client:
+            digest, _ = client.send_shard(folder, progress=lambda done, total: report("send", Sent(done, total)),
+                                          cancel=cancel)
+            report("start", 0.0)
+            info = client.start_worker(digest, device=device, delay_ms=delay_ms, timeout_s=worker_timeout_s,
+                                       role="draft")
+    except AgentError as exc:
+        raise FleetError(f"the draft server was not started on {agent}: {exc}") from None
+    report("start", 1.0)
+    return {"agent": agent, "worker": info["id"], "address": worker_address(agent, info["port"]),
+            "model": draft_model}
 
 
 def default_record() -> Path:

@@ -75,6 +75,8 @@ class Msg(enum.IntEnum):
     PACKED = 19  # FORWARD for many streams in one frame, between paged stages (``pack_forward``)
     CALL = 20  # a node agent's control API: [JSON {"op": ..., ...}] plus an optional raw uint8 payload
     REPLY = 21  # the agent's answer to a CALL: [JSON] plus an optional raw uint8 payload
+    SYNC = 22  # to a draft server: a stream's text is now what it was told up to a point, then these tokens
+    DRAFTS = 23  # from a draft server: tokens it drafted, from a position of a stream's text on
 
 
 class Flag(enum.IntFlag):
@@ -133,6 +135,34 @@ def unpack_forward(frame: Frame) -> tuple[np.ndarray, list[PartHeader], np.ndarr
         raise ProtocolError("PACKED frame carries malformed stage timings")
     parts = [PartHeader(int(a), int(b), int(c), int(d), Flag(int(e))) for a, b, c, d, e in table.tolist()]
     return x, parts, positions, stage_ms
+
+
+def sync_frame(stream: int, epoch: int, start: int, lead: int, fresh: bool, tokens: list[int]) -> Frame:
+    """A SYNC: ``[i64 [start, lead, fresh], tokens (i64)]``: stream ``stream``'s text is the first
+    ``start`` tokens of what the draft server was told, then ``tokens``; it may draft ``lead``
+    tokens beyond, and drops what it drafted before when ``fresh`` (a new generation).  ``epoch``
+    (the frame's seq) numbers the SYNCs of a stream."""
+    return Frame(Msg.SYNC, stream, epoch, [np.array([start, lead, int(fresh)], np.int64),
+                                            np.asarray(tokens, np.int64)])
+
+
+def drafts_frame(stream: int, epoch: int, position: int, tokens: list[int]) -> Frame:
+    """A DRAFTS: ``[i64 [position], tokens (i64)]``: the server's text holds ``tokens`` from
+    ``position`` on, drafted after the SYNC numbered ``epoch``."""
+    return Frame(Msg.DRAFTS, stream, epoch, [np.array([position], np.int64), np.asarray(tokens, np.int64)])
+
+
+def unpack_tokens(frame: Frame, header: int, max_tokens: int) -> tuple[list[int], list[int]]:
+    """A SYNC's or DRAFTS' header values (``header`` of them, each at least 0) and its tokens."""
+    if len(frame.tensors) != 2:
+        raise ProtocolError(f"{frame.type.name} carries {len(frame.tensors)} tensors, expected 2")
+    head, tokens = frame.tensors
+    if head.dtype != np.int64 or head.shape != (header,) or head.min() < 0:
+        raise ProtocolError(f"{frame.type.name} header of shape {head.shape} {head.dtype}: expected [{header}] int64 >= 0")
+    if tokens.dtype != np.int64 or tokens.ndim != 1 or tokens.shape[0] > max_tokens:
+        raise ProtocolError(f"{frame.type.name} tokens of shape {tokens.shape} {tokens.dtype}: "
+                            f"expected at most {max_tokens} int64")
+    return head.tolist(), tokens.tolist()
 
 
 DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: np.dtype("<i8"), 4: np.dtype("<i4"), 5: np.dtype("u1"),

@@ -138,13 +138,16 @@ class Decoding:
                  drafter: Drafter | None = None, k: int | str = 4,
                  on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None,
                  cached: int = 0, prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
-                 logprobs: int | None = None, prompt_logprobs: bool = False):
+                 logprobs: int | None = None, prompt_logprobs: bool = False, alone: Callable[[], bool] | None = None):
         """``cached``: the stream's cache already holds the prompt's first ``cached`` tokens (the
         prefix cache): only the rest is prefilled, ``prefill_chunk`` tokens a forward.
         ``constraint``: every token (greedy, sampled or a draft) must be one its grammar allows; the
         stream asks for full logits (``Flag.LOGITS``), since the top candidates the last stage
-        returns may hold no legal token, and ends once the grammar is complete."""
+        returns may hold no legal token, and ends once the grammar is complete.  ``alone``: whether
+        this stream is the only one generating, asked each round: the drafter is consulted only then,
+        the other rounds are plain (``ChatService(draft_alone=True)``)."""
         self.seq = seq
+        self.alone = alone
         self.cached = cached
         self.prefill_chunk = prefill_chunk
         self._unfed: list[int] = []  # the prompt's tokens still to prefill after the chunk in flight
@@ -221,7 +224,8 @@ class Decoding:
     def _submit_round(self) -> None:
         room = self.max_new_tokens - len(self.result.tokens)
         self._drafts, self._draft_ms = [], 0.0
-        self._consulted = self.drafter is not None and self.k > 0 and room > 1
+        self._consulted = (self.drafter is not None and self.k > 0 and room > 1
+                           and (self.alone is None or self.alone()))
         if self._consulted:
             t = time.perf_counter()
             self._drafts = self.drafter.propose(self.history, min(self.k, room - 1))

@@ -177,14 +177,20 @@ class ChatService:
     def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
                  drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
                  max_length: int | None = None, eos_ids=None, owned=(), recover=None, prefix_cache: bool = True,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, draft_alone: bool = True):
         """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
         ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
         ``owned`` are further objects to ``close()`` with the service (a local fleet);
         ``recover(StageError)`` gives a new chain when a stage fails (``engine.fleet.failover``),
         on which the replies in flight carry on; without it they end with the error;
         ``prefix_cache=False`` prefills every conversation whole (a benchmark's cold side);
-        ``prefill_chunk``: prompt tokens a forward (other streams' rounds run between chunks)."""
+        ``prefill_chunk``: prompt tokens a forward (other streams' rounds run between chunks);
+        ``draft_alone``: a stream drafts only while it is the only one generating, its other rounds
+        are plain.  With several streams the verify's extra rows cost more than the drafts give:
+        measured on Qwen 1.5B with the 0.5B draft, one core, 64 tokens a user, drafting in every
+        round (``fleet bench sim --parts draft``, waves of two runs), at 2 and 4 users prompt lookup
+        gave 19-24 and 26-29 tok/s, a draft model here 12-16 and 13-17, the draft on another PC
+        20-23 and 26-27, plain rounds 23-28 and 38-41."""
         if streams < 1:
             raise FleetError("the chat service needs at least one stream")
         self.chain = chain
@@ -203,6 +209,7 @@ class ChatService:
         self.stages_up: list[bool] = [True] * (manifest.stage_count if manifest else 1)
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
+        self.draft_alone = draft_alone
         self._held: dict[int, list[int]] = {}  # stream -> the token ids its cache holds, in order
         self._last_used: dict[int, int] = {}
         self._uses = itertools.count()
@@ -378,7 +385,8 @@ class ChatService:
                                         cancel=request.handle._cancel, sampling=request.sampling,
                                         cached=max(cached, 0), prefill_chunk=self.prefill_chunk,
                                         constraint=request.constraint, logprobs=request.logprobs,
-                                        prompt_logprobs=request.prompt_logprobs and prompt is None)
+                                        prompt_logprobs=request.prompt_logprobs and prompt is None,
+                                        alone=(lambda: len(self._active) == 1) if self.draft_alone else None)
             if request.logprobs is not None:  # filled in as tokens come (after those of a replaced chain)
                 del request.handle.logprobs[len(request.earlier):]
                 request.decoding.token_logprobs = request.handle.logprobs

@@ -1,0 +1,105 @@
+"""The drafting-PC comparison of ``fleet bench sim`` (part ``draft``): a second PC makes one user faster
+by drafting for the first.
+
+This process, pinned to one core, is PC 1 and holds the target whole.  PC 2 (the other core, its link
+at 1 Gbit/s) runs a draft server with the draft model (``fleet worker --role draft``), which drafts
+ahead while PC 1 verifies (``engine.runtime.decode.remotedraft``).  Against it, PC 1 alone in each of
+its configurations: no speculation, prompt lookup, the draft model here, and the hybrid of both (K
+auto each), the best of which is the bar.  All are the chat service on their own copy of the target;
+they take turns wave by wave (64 greedy tokens a user, a different prompt each, no prompt cache).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from engine.bench.harness import NO_HOOKS, Hooks
+from engine.bench.office import chat_wave, pin_process
+from engine.errors import FleetError
+from engine.export.exporter import export_model
+from engine.fleet.sim import Office
+from engine.launch import fleet_command
+from engine.runtime.decode.remotedraft import DraftLink
+from engine.runtime.decode.service import ChatService
+from engine.runtime.decode.speculative import draft_head
+from engine.runtime.stages.chain import LocalChain
+from engine.session import drafter_factory
+
+USERS = (1, 2, 4)
+PORT = 7311
+DRAFTING_PC = "ours, 2 PCs (PC 2 drafts)"
+ONE_PC = {"none": "ours, one PC, no speculation", "lookup": "ours, one PC, prompt lookup",
+          "model": "ours, one PC, draft model here", "hybrid": "ours, one PC, hybrid draft here"}
+
+
+def open_draft_server(office: Office, pc: str, folder: Path, key: bytes, target, log, wait_s: float = 120.0) -> DraftLink:
+    """Starts a draft server for ``folder`` on the simulated PC ``pc``; the link to it, once it answers."""
+    node = office.nodes[pc]
+    log_file = office.root / f"draft-server-{pc}.log"
+    proc = office.spawn(pc, fleet_command("worker", "--role", "draft", "--shard", str(folder), "--listen",
+                                          f"0.0.0.0:{PORT}", "--device", "CPU", "--no-tls",
+                                          "--fleet-key-file", str(office.key_file)), log_file)
+    deadline = time.monotonic() + wait_s
+    while True:
+        if proc.poll() is not None:
+            raise FleetError(f"the draft server on {pc} exited (code {proc.returncode}): {log_file.read_text()[-500:]}")
+        try:
+            return DraftLink(f"{node.ip}:{PORT}", key, target)
+        except FleetError as exc:
+            if time.monotonic() > deadline:
+                raise FleetError(f"the draft server on {pc} did not answer in {wait_s:.0f} s: {exc}") from None
+            time.sleep(0.5)
+
+
+def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, weights: str, tokens: int,
+                  users: tuple[int, ...] = USERS, runs: int, core: int, log, hooks: Hooks = NO_HOOKS
+                  ) -> tuple[list[dict], dict]:
+    """Rows per configuration and user count (medians over ``runs`` waves), and each user count's
+    ratio of the drafting PC to the best configuration of PC 1 alone."""
+    pc2 = next(iter(office.nodes))
+    target = export_model(model, stages=1, weights=weights).folders
+    draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
+    before = pin_process({core})
+    opened: list = []
+    samples: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    try:
+        def service(factory) -> ChatService:
+            chain = LocalChain(target)
+            opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
+                                      prefix_cache=False))
+            return opened[-1]
+
+        link = open_draft_server(office, pc2, draft[0], key, LocalChain(target).manifest, log)
+        opened.append(link)
+        services = {name: service(lambda chain, kind=kind: drafter_factory(kind, chain, draft))
+                    for kind, name in ONE_PC.items()}
+        services[DRAFTING_PC] = service(lambda chain: drafter_factory("remote", chain, remote=link))
+        for svc in services.values():  # warm: first compiles, first shapes
+            chat_wave(svc, 1, 16)
+        total, done = runs * len(users) * len(services), 0
+        for run in range(runs):
+            for u in users:
+                for name, svc in services.items():
+                    tok_s, ttft = chat_wave(svc, u, tokens)
+                    samples.setdefault((name, u), []).append((tok_s, ttft))
+                    log(f"run {run + 1}/{runs}, {u} user(s), {name}: {tok_s:.2f} tok/s")
+                    done += 1
+                    hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
+    finally:
+        for thing in reversed(opened):
+            try:
+                thing.close()
+            except Exception as exc:  # closing is best effort: the office ends what is left
+                log(f"closing {thing!r} failed: {exc}")
+        pin_process(before)
+    rows = [{"server": name, "users": u, "tok_s": round(statistics.median(t for t, _ in got), 2),
+             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got]}
+            for (name, u), got in samples.items()]
+    tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
+    ratios = {}
+    for u in users:
+        best = max(ONE_PC.values(), key=lambda name: tok[name, u])
+        ratios[f"{u} user(s): {DRAFTING_PC} / the best of one PC ({best})"] = round(tok[DRAFTING_PC, u] / tok[best, u], 3)
+    return rows, ratios

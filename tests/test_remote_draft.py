@@ -1,0 +1,182 @@
+"""Drafting on another PC: a draft server over real sockets drafts ahead for a target here.  Exact
+mode stays token-identical to plain greedy decoding with several streams in flight; the server's
+rewind by mask leaves its cache as a fresh one fed the same text; a draft server that dies
+mid-reply, a foreign tokenizer, a peer without the fleet key and hostile frames cost nothing."""
+
+from __future__ import annotations
+
+import time
+from argparse import Namespace
+
+import numpy as np
+import pytest
+
+from engine.cli.args import settings_of
+from engine.config import Settings
+from engine.errors import FleetError, ShardError
+from engine.fleetkey import create_key, load_key
+from engine.runtime.decode.draftserver import DraftServer, DraftText, draft_identity
+from engine.runtime.decode.generate import Generator, generate_streams
+from engine.runtime.decode.remotedraft import DraftLink
+from engine.runtime.decode.speculative import open_draft_chain
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import MODES
+from engine.transport import wire
+from engine.transport.link import dial
+
+EXACT = MODES["exact"]
+PROMPT = [5, 17, 42, 101, 7, 250, 33, 64, 9, 17, 42, 101]
+
+
+@pytest.fixture
+def key(tmp_path):
+    return load_key(create_key(tmp_path / "fleet.key"))
+
+
+@pytest.fixture
+def server(tiny_exports, key):
+    # compiled as the target is: a tiny random model's argmax differs between bf16 and f32, so a draft
+    # compiled with a draft's own settings would rarely be right
+    drafts = DraftServer(tiny_exports["qwen2", "1"].folders, "127.0.0.1:0", key=key, log=lambda m: None,
+                         config=EXACT).start()
+    yield drafts
+    drafts.stop()
+
+
+def test_exact_mode_is_token_identical_with_drafts_from_another_process_of_streams(tiny_exports, server, key):
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    prompts = [PROMPT, PROMPT[::-1], [3, 1, 4, 1, 5, 9, 2, 6]]
+    want = [Generator(target, 128).generate(p, 40, ignore_eos=True).tokens for p in prompts]
+    link = DraftLink(server.address, key, target.manifest)
+    try:
+        for k in ("auto", 3):
+            gens, _ = generate_streams(target, [np.array(p) for p in prompts], 40, max_length=128, ignore_eos=True,
+                                       drafters=[link.drafter(i) for i in range(len(prompts))], k=k)
+            assert [g.tokens for g in gens] == want
+            assert all(g.accepted > 0 for g in gens), (k, [(g.accepted, g.drafted) for g in gens], server.drafted)
+    finally:
+        link.close()
+    assert server.drafted > 0
+
+
+def test_the_servers_rewind_leaves_its_cache_as_a_fresh_one_fed_the_same_text(tiny_exports):
+    chain = LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT)
+    text = DraftText(chain, 0)
+    text.seq.reset()
+    text.sync(1, 0, 6, False, PROMPT)
+    while text.wants_step():
+        text.step()
+    drafted = text.tokens[len(PROMPT):]
+    assert len(drafted) >= 6
+    # the target kept two drafts, then chose another token: the server rewinds to there
+    settled = PROMPT + drafted[:2] + [(drafted[2] + 1) % 256]
+    assert text.sync(2, len(PROMPT), 4, False, settled[len(PROMPT):]) == []
+    assert text.tokens == settled
+    text.step()
+    fresh = DraftText(chain, 1)
+    fresh.seq.reset()
+    fresh.sync(1, 0, 1, False, settled)
+    fresh.step()
+    assert text.tokens[-1] == fresh.tokens[-1]
+    assert text.seq.logical == fresh.seq.logical
+    # a text that the drafts already extend keeps them, and they are sent again
+    assert text.sync(3, len(settled), 4, False, []) == text.tokens[len(settled):]
+
+
+def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(tiny_exports, server, key):
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    want = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+    link = DraftLink(server.address, key, target.manifest)
+    drafter = link.drafter(0)
+    seen = []
+
+    def on_token(token):
+        seen.append(token)
+        if len(seen) == 10:
+            server.stop()
+
+    gen = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k="auto", on_token=on_token)
+    link.close()
+    assert gen.tokens == want
+    deadline = time.monotonic() + 5
+    while link.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert link.error is not None
+
+
+def test_a_foreign_tokenizer_and_a_wrong_key_are_refused(tiny_exports, server, key):
+    llama = LocalChain(tiny_exports["llama", "1"].folders)
+    with pytest.raises(ShardError, match="does not share the target .*tokenizer"):
+        DraftLink(server.address, key, llama.manifest)
+    with pytest.raises(FleetError, match="refused"):
+        DraftLink(server.address, b"x" * 32)
+
+
+@pytest.mark.parametrize("frame", [
+    wire.sync_frame(0, 1, 5, 4, False, [1, 2]),  # keeps tokens of a text it never told
+    wire.sync_frame(0, 1, 0, 4, False, [1 << 40]),  # a token outside the vocabulary
+    wire.Frame(wire.Msg.SYNC, 0, 1, [np.zeros(3, np.float32), np.zeros(1, np.int64)]),
+    wire.Frame(wire.Msg.FORWARD, 0, 1, []),
+])
+def test_a_hostile_frame_costs_its_sender_the_connection_only(tiny_exports, server, key, frame):
+    sock = dial(server.address)
+    sock.settimeout(5)
+    wire.client_handshake(sock, key, {"role": "draft"})
+    wire.send_frame(sock, frame)
+    with pytest.raises((wire.ProtocolError, OSError)):
+        wire.recv_frame(sock)
+    sock.close()
+    target = LocalChain(tiny_exports["qwen2", "1"].folders)  # the server still serves the next coordinator
+    link = DraftLink(server.address, key, target.manifest)
+    try:
+        drafter = link.drafter(0)
+        drafter.prime(PROMPT)
+        assert link.ahead(0, PROMPT, 1, 10.0)
+    finally:
+        link.close()
+
+
+def test_a_stage_worker_is_not_taken_for_a_draft_server(tiny_exports, key):
+    from engine.runtime.relay.worker import Worker
+
+    worker = Worker(tiny_exports["qwen2", "2"].folders[1], "127.0.0.1:0", key=key, log=lambda m: None).start()
+    try:
+        with pytest.raises(FleetError, match="role mismatch"):
+            DraftLink(worker.address, key)
+    finally:
+        worker.stop()
+
+
+def test_the_command_line_names_a_remote_draft():
+    settings = settings_of(Namespace(draft="remote:10.0.0.7:7311"), Settings())
+    assert (settings.draft, settings.draft_at) == ("remote", "10.0.0.7:7311")
+    assert settings.validate() is None
+    assert "HOST:PORT" in Settings(draft="remote", draft_at="10.0.0.7").validate()
+
+
+def test_the_handshake_names_the_drafts_tokenizer(tiny_exports):
+    chain = open_draft_chain(tiny_exports["qwen2", "1"].folders)
+    identity = draft_identity(chain.manifest)
+    assert identity["role"] == "draft"
+    assert all(identity["tokenizer"].values())
+
+
+def test_a_stream_drafts_only_while_it_is_alone(tiny_exports, server, key):
+    # with several streams the verify's extra rows cost more than drafts give (``draft_alone``)
+    from engine.runtime.decode.service import ChatService
+
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    link = DraftLink(server.address, key, target.manifest)
+    service = ChatService(target, streams=2, drafters=lambda n: [link.drafter(i) for i in range(n)], k="auto",
+                          prefix_cache=False, owned=[link])
+    try:
+        long, short = ([{"role": "user", "content": text}] for text in ("a long reply", "a short one"))
+        alone = service.submit(long, 40, ignore_eos=True).wait(120)
+        both = [service.submit(long, 40, ignore_eos=True), service.submit(short, 6, ignore_eos=True)]
+        together, brief = (h.wait(120) for h in both)
+    finally:
+        service.close()
+    assert together.tokens == alone.tokens  # exact mode: drafts or none, the same reply
+    assert alone.drafted > 0
+    assert brief.drafted == 0  # its every round had the other stream beside it
+    assert 0 < together.drafted < alone.drafted  # it drafted once the short reply was done
