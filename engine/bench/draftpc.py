@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import chat_wave, pin_process
+from engine.bench.office import chat_wave, close_all, pin_process
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim import Office
@@ -88,11 +88,7 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
                     done += 1
                     hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
     finally:
-        for thing in reversed(opened):
-            try:
-                thing.close()
-            except Exception as exc:  # closing is best effort: the office ends what is left
-                log(f"closing {thing!r} failed: {exc}")
+        close_all(opened, log)
         pin_process(before)
     rows = [{"server": name, "users": u, "tok_s": round(statistics.median(t for t, _ in got), 2),
              "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got]}

@@ -57,6 +57,16 @@ def pin_process(cpus: set[int]) -> set[int]:
     return before
 
 
+def close_all(opened: list, log) -> None:
+    """Closes what a comparison opened, last first; a failure is logged, not raised (closing is best
+    effort: the office ends what is left)."""
+    for thing in reversed(opened):
+        try:
+            thing.close()
+        except Exception as exc:  # see the docstring
+            log(f"closing {thing!r} failed: {exc}")
+
+
 def _messages(users: int) -> list[list[dict]]:
     prompts = list(PROMPTS.values())
     return [[{"role": "user", "content": prompts[u % len(prompts)]}] for u in range(users)]
@@ -176,11 +186,7 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
                     done += 1
                     hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
     finally:
-        for thing in reversed(opened):
-            try:
-                thing.close()
-            except Exception as exc:  # closing is best effort: the office removes what is left
-                log(f"closing {thing!r} failed: {exc}")
+        close_all(opened, log)
         pin_process(before)
     rows = []
     for (name, u), got in samples.items():

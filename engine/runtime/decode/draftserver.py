@@ -196,8 +196,7 @@ class DraftServer:
         texts: dict[int, DraftText] = {}
         turn = 0
         while not self._stop.is_set():
-            busy = [s for s, text in texts.items() if text.wants_step()]
-            frame = link.recv(0 if busy else 0.5)
+            frame = link.recv(0 if any(text.wants_step() for text in texts.values()) else 0.5)
             while frame is not None:  # every SYNC that arrived before the next step
                 if frame.type == Msg.BYE:
                     return
