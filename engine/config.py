@@ -15,6 +15,7 @@ from pathlib import Path
 import platformdirs
 
 from engine.errors import FleetError, ShardError
+from engine.files import lock, write_json
 
 APP = "fleetshard"
 
@@ -95,6 +96,7 @@ class Settings:
     api_host: str = "127.0.0.1"  # any other address needs the API key (``fleet key api``)
     api_port: int = 8000
     api_streams: int = 4  # concurrent replies `fleet serve` makes (more requests queue)
+    api_max_body_mb: float = 4.0  # the largest request body the API reads (larger: 413)
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Settings":
@@ -113,9 +115,7 @@ class Settings:
 
     def save(self, path: Path | None = None) -> None:
         """Writes the engine's fields (an extension's own fields are its to keep)."""
-        path = path or paths().settings_file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(self.engine()), indent=2))
+        write_json(path or paths().settings_file, dataclasses.asdict(self.engine()))
 
     def engine(self) -> "Settings":
         """The engine's part alone (an extension's own fields dropped)."""
@@ -149,6 +149,8 @@ class Settings:
             return "the API needs an address to listen on (127.0.0.1: this PC only)"
         if not 0 <= self.api_port <= 65535:
             return f"the API port must be between 0 and 65535, not {self.api_port}"
+        if not self.api_max_body_mb > 0:
+            return f"the API's largest request body must be more than 0 MB, not {self.api_max_body_mb}"
         return None
 
 
@@ -175,10 +177,11 @@ def parse_devices(device: str, count: int) -> list[str]:
 
 def set_node(address: str, added: bool) -> list[str]:
     """Adds (or removes) a node agent known by address, in the saved settings; returns the list."""
-    settings = Settings.load()
-    nodes = [n for n in settings.nodes if n != address]
-    if added:
-        nodes.append(address)
-    settings.nodes = nodes
-    settings.save()
+    with lock(paths().settings_file):  # the app may save the settings meanwhile
+        settings = Settings.load()
+        nodes = [n for n in settings.nodes if n != address]
+        if added:
+            nodes.append(address)
+        settings.nodes = nodes
+        settings.save()
     return nodes

@@ -52,8 +52,10 @@ def _write_secret(path: Path, text: str) -> Path:
     return path
 
 
-def load_key(override: str | Path | None = None, create: bool = False) -> bytes:
-    """Reads the fleet key; with ``create`` a missing default key is made (a local fleet needs no setup)."""
+def load_key(override: str | Path | None = None, create: bool = False, *, allow_shared: bool = False) -> bytes:
+    """Reads the fleet key; with ``create`` a missing default key is made (a local fleet needs no setup).
+    A key file other users can read is refused unless ``allow_shared`` (the app checks a chosen file's key,
+    then makes the file private: ``fleetgui.keystore.adopt``)."""
     path = key_file(override)
     if not path.exists():
         if create and not override:
@@ -68,6 +70,8 @@ def load_key(override: str | Path | None = None, create: bool = False) -> bytes:
         raise FleetError(f"fleet key file {path} does not hold hex digits") from None
     if len(key) < 16:
         raise FleetError(f"fleet key in {path} is too short ({len(key)} bytes; at least 16)")
+    if not allow_shared:
+        _check_private(path, "fleet key")
     return key
 
 
@@ -86,7 +90,18 @@ def load_api_key(create: bool = False, force: bool = False) -> str:
     key = path.read_text().strip()
     if len(key) < 16:
         raise FleetError(f"the API key in {path} is too short ({len(key)} characters; at least 16)")
+    _check_private(path, "API key")
     return key
+
+
+def _check_private(path: Path, what: str) -> None:
+    """Refuses a secret other users can read (POSIX; Windows has no mode bits to check)."""
+    if os.name != "posix":
+        return
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise FleetError(f"other users can read or change the {what} file {path} (mode {mode:03o}): "
+                         f"make it private with `chmod 600 {path}`")
 
 
 def fleet_id(key: bytes) -> str:
@@ -130,7 +145,8 @@ def create_certificate(path: Path, force: bool = False) -> Path:
 
 
 class TLS:
-    """Server and client contexts that accept exactly the fleet certificate."""
+    """Server and client contexts that accept exactly the fleet certificate, and present it: each
+    side of a connection checks the other's."""
 
     def __init__(self, pem: Path):
         if not pem.exists():
@@ -140,10 +156,13 @@ class TLS:
             self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.server.minimum_version = ssl.TLSVersion.TLSv1_2
             self.server.load_cert_chain(pem)
+            self.server.verify_mode = ssl.CERT_REQUIRED  # mutual: the client presents the fleet certificate too
+            self.server.load_verify_locations(pem)
             self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             self.client.minimum_version = ssl.TLSVersion.TLSv1_2
             self.client.check_hostname = False  # the pinned fleet certificate is the identity, not a host name
             self.client.load_verify_locations(pem)
+            self.client.load_cert_chain(pem)
         except (ssl.SSLError, OSError) as exc:
             raise FleetError(f"cannot use the fleet certificate {pem}: {exc}") from None
 

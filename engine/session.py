@@ -6,7 +6,8 @@
   the workers of a node agent process on loopback, with failover;
 - ``workers``: an exported shard set's stages 1.. as ``fleet worker`` processes (``LocalFleet``);
 - ``remote``: stage 0 here, the rest at workers' addresses;
-- ``deployment``: a recorded ``fleet deploy`` / ``fleet up`` deployment, with failover;
+- ``deployment``: a recorded ``fleet deploy`` / ``fleet up`` deployment, with failover (each of its
+  copies its own, when it holds replicas);
 - ``in-process``: every stage in this process (``LocalChain``).
 
 ``drafter_factory`` gives one drafter per stream for the settings' draft; ``open_service`` puts both
@@ -36,6 +37,7 @@ from engine.manifest import expand_shard_dirs, is_shard_set
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, pull
 from engine.runtime.decode.remotedraft import DraftLink
+from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import draft_head, open_draft_chain, stream_drafters
 from engine.runtime.relay.localfleet import LocalFleet
@@ -260,35 +262,53 @@ def open_draft_link(settings: Settings, chain, deployment: Deployment | None = N
 def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None):
     """The ``Failover`` of a deployed chain (``engine.fleet.failover``): a stopped worker starts again,
     a lost node's layers move; None for a chain that is not a deployment."""
-    if opened.deployment is None or not opened.deployment.placement:
+    if opened.deployment is None or not opened.deployment.placement or not opened.deployment.remotes:
         return None
-    return Failover.of(opened.deployment, key=load_key(settings.fleet_key_file),
+    return Failover.of(opened.deployment.copies[0], key=load_key(settings.fleet_key_file),
                        tls=load_tls(settings.tls, settings.fleet_key_file), deadline_s=settings.deadline_s,
                        on_event=on_event, chain=opened.chain)
 
 
 def open_service(settings: Settings, launch: Launch | None = None, progress: Progress = quiet, cancel=None,
-                 on_event: Callable[[str], None] | None = None) -> ChatService | None:
+                 on_event: Callable[[str], None] | None = None) -> ChatService | Replicas | None:
     """A chat service over the chain ``open_chain`` gives, with the settings' streams, K and drafts,
-    and failover for a deployed chain (what happens goes to ``on_event``); None when cancelled."""
+    and failover for a deployed chain (what happens goes to ``on_event``); for a deployment of
+    several copies (``deploy_layout``), one service per copy behind ``Replicas``.  None when cancelled."""
+    launch = launch or Launch()
     drafts = draft_shards(settings, progress, cancel)
     opened = open_chain(settings, launch, progress, cancel)
     if opened is None:
         return None
+    pending, services = [opened], []  # chains not yet under a service, and the services
     try:
-        failover = open_failover(opened, settings, on_event)
-        remote = open_draft_link(settings, opened.chain, opened.deployment)
-        if remote is not None:
-            opened.owned.append(remote)
-        drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device, remote=remote)
-        service = ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
-                              rewind=REWIND[settings.mode], owned=opened.owned,
-                              recover=failover.recover if failover else None)
+        for copy in opened.deployment.copies[1:] if opened.deployment else []:
+            pending.append(Opened(copy.chain(load_key(settings.fleet_key_file),
+                                            tls=load_tls(settings.tls, settings.fleet_key_file),
+                                            deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,
+                                            isolate=launch.isolate), "deployment", deployment=copy))
+        while pending:
+            services.append(_copy_service(settings, pending[0], drafts, on_event))
+            pending.pop(0)  # its service closes it now
     except BaseException:
-        opened.close()
+        for thing in [*services, *pending]:
+            thing.close()
         raise
+    service = services[0] if len(services) == 1 else Replicas(services)
     service.description += f", {CHAIN_KINDS[opened.kind]}"
     if _cancelled(cancel):
         service.close()
         return None
     return service
+
+
+def _copy_service(settings: Settings, opened: Opened, drafts: list[Path] | None,
+                  on_event: Callable[[str], None] | None) -> ChatService:
+    """The chat service of one open chain; it closes the chain and what it owns."""
+    failover = open_failover(opened, settings, on_event)
+    remote = open_draft_link(settings, opened.chain, opened.deployment)
+    if remote is not None:
+        opened.owned.append(remote)
+    drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device, remote=remote)
+    return ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
+                       rewind=REWIND[settings.mode], owned=opened.owned,
+                       recover=failover.recover if failover else None)

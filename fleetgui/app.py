@@ -4,6 +4,9 @@
 the default model, as ``make run`` and ``fleet up`` run it; closing the window stops it).
 ``fleetgui --worker`` runs this PC as a node of the fleet from the system tray (``fleetgui.tray``).
 
+On Linux, ``main`` first checks that Qt's X11 (xcb) platform plugin's system libraries load
+(``fleetgui.platform_check``) and otherwise exits naming the packages to install.
+
 ``build_window`` takes every dependency as a parameter (settings store, backend, history), so
 tests can hand it their own; ``main`` runs the app.
 """
@@ -19,6 +22,7 @@ from PySide6.QtWidgets import QApplication
 from engine.runtime.stages.stage import core
 from fleetgui import theme
 from fleetgui.history import HistoryStore
+from fleetgui.platform_check import xcb_problem
 from fleetgui.settings import GuiSettings, default_store
 from fleetgui.tray import DEFAULT_LISTEN, run_worker
 from fleetgui.workers import on_signals
@@ -55,6 +59,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv)
     args, qt_args = parse_args(argv[1:])
+    problem = xcb_problem(qt_args)  # Qt itself would only say it "could not load the Qt platform plugin xcb"
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     core()  # before Qt starts any thread: creating an OpenVINO Core forks a short-lived child
     app = QApplication(argv[:1] + qt_args)

@@ -22,7 +22,7 @@ from engine import session
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
-from engine.fleet.deploy import LOCAL, deploy
+from engine.fleet.deploy import LOCAL, deploy_layout
 from engine.fleet.local import own_agents
 from engine.fleet.node import local_node_info, node_id
 from engine.fleet.survey import survey
@@ -170,14 +170,16 @@ class EngineBackend:
                       log=lambda line: progress(("status", line)), cancel=cancel)
 
     def deploy(self, model: str, stages: list, settings, progress: Report = quiet, cancel=None,
-               planned: dict | None = None):
-        """Ships and starts a placement (``engine.fleet.deploy``); returns the saved ``Deployment``
-        (its chain closed: the chat opens its own).  ``planned``: its profile, objective and users."""
-        deployment, chain = deploy(model, stages, key=keystore.load(settings), tls=keystore.tls(settings),
-                                   weights=settings.weights, mode=settings.mode, cancel=cancel,
-                                   deadline_s=settings.deadline_s, planned=planned,
-                                   progress=session.deploy_progress(progress))
-        chain.close()
+               planned: dict | None = None, copies: list[list] = ()):
+        """Ships and starts a placement (``engine.fleet.deploy``), and the other ``copies`` of the
+        model the solver chose beside it (``deploy_layout``); returns the saved ``Deployment`` (its
+        chains closed: the chat opens its own).  ``planned``: its profile, objective and users."""
+        deployment, chains = deploy_layout(model, [stages, *copies], key=keystore.load(settings),
+                                           tls=keystore.tls(settings), weights=settings.weights, mode=settings.mode,
+                                           cancel=cancel, deadline_s=settings.deadline_s, planned=planned,
+                                           progress=session.deploy_progress(progress))
+        for chain in chains:
+            chain.close()
         deployment.save()
         return deployment
 

@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (QApplication, QComboBox, QDialog, QDialogButtonBo
 
 from engine.config import paths
 from engine.errors import FleetError
+from engine.fleet.fit import measured_key, record_measured
 from engine.models.catalog import CATALOG
 from engine.progress import describe_progress
 from engine.runtime.decode.sampling import SamplingParams
@@ -36,6 +37,7 @@ from fleetgui.chat_options import DEFAULT_PRESET, SamplingPanel, preset_options,
 from fleetgui.chat_options import describe as describe_options
 from fleetgui.history import Conversation, HistoryStore, Message, to_json, to_markdown
 from fleetgui.markdown import REPLY_LINK, Transcript, code_blocks, message_html
+from fleetgui.model_cards import ModelBrowser
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
 from fleetgui.widgets import Banner, flow_bar, splitter
@@ -699,6 +701,10 @@ class ChatView(QWidget):
         self._fill_models()
         self.model.activated.connect(lambda _: self._model_picked())
         self.model.lineEdit().returnPressed.connect(self._model_picked)
+        browse_models = QPushButton("Models…")
+        browse_models.setToolTip("the catalog's models with their size, license, whether they fit this PC and the "
+                                 "fleet, and their predicted and measured speed")
+        browse_models.clicked.connect(lambda: self.browse_models())
 
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search chats")
@@ -745,6 +751,7 @@ class ChatView(QWidget):
         header = QHBoxLayout()
         header.addWidget(QLabel("Model"))
         header.addWidget(self.model, 1)
+        header.addWidget(browse_models)
         right = splitter(Qt.Orientation.Vertical, (self.tabs, 4), (self.live, 1))
         split = splitter(Qt.Orientation.Horizontal, (left, 1), (right, 4))
         chars = self.fontMetrics().averageCharWidth()
@@ -776,6 +783,31 @@ class ChatView(QWidget):
         if name and name != self.settings.default_model:
             self.model_chosen.emit(name)
 
+    def browse_models(self, dialog: ModelBrowser | None = None) -> str | None:
+        """Opens the model browser; the model chosen there becomes the chat's."""
+        dialog = dialog or ModelBrowser(self.controller.tasks, self.settings.default_model, self.settings.weights, self)
+        if dialog.exec() != QDialog.DialogCode.Accepted:
+            return None
+        name = dialog.chosen_source()
+        if name and name != self.settings.default_model:
+            self.model.setCurrentText(name)
+            self.model_chosen.emit(name)
+        return name
+
+    def _record_speed(self, reply: Reply) -> None:
+        """Keeps the reply's decode speed as the model's measured figure (shown on its model card)."""
+        if reply.error or len(reply.tokens) < 2:
+            return
+        deployment = getattr(self.controller, "deployment", None)
+        source = deployment.stage0 if deployment is not None else self.settings.default_model
+        key = measured_key(source)
+        if deployment is not None and key == source:
+            key = deployment.model
+        try:
+            record_measured(key, reply.decode_tok_s)
+        except OSError:
+            pass  # a card without its measured figure is no reason to disturb the chat
+
     def _loading(self, step: str, fraction: float) -> None:
         if not step:
             self.progress.done()
@@ -793,6 +825,7 @@ class ChatView(QWidget):
     def new_chat(self, conversation: Conversation | None = None) -> ChatTab:
         tab = ChatTab(self, conversation or Conversation(None, ""), f"chat {next(self._labels)}")
         tab.title_changed.connect(lambda: self._retitle(tab))
+        tab.finished.connect(self._record_speed)
         index = self.tabs.addTab(tab, tab.title())
         self.tabs.setTabToolTip(index, tab.conversation.title)
         self.tabs.setCurrentIndex(index)

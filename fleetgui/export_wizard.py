@@ -1,6 +1,7 @@
 """The Export view: a three-step wizard from a model source to verified shard folders.
 
-1. Model: a catalog model, a Hugging Face folder or a GGUF file.
+1. Model: a catalog model, a Hugging Face folder or a GGUF file, each shown as a card
+   (``fleetgui.model_cards``: its facts, whether it fits this PC and the fleet, its predicted speed).
 2. Split and format: weight format, a stage count or explicit layer boundaries, the output folder.
 3. Export: the catalog pull's progress (when the model is not cached yet), a progress bar per stage,
    a Cancel that ends the running stage's process, and at the end the shard folders with their
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, QFormLayout, QGridLayout, QGroupBox,
+from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QFileDialog, QFormLayout, QGridLayout, QGroupBox,
                                QHBoxLayout, QHeaderView, QLabel, QLineEdit, QProgressBar, QPushButton, QRadioButton,
                                QStackedWidget, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
@@ -21,8 +22,10 @@ from engine.config import int4_layers, paths
 from engine.errors import FleetError
 from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.manifest import layer_numbers
-from engine.models.catalog import CATALOG, list_models
+from engine.models.catalog import CATALOG, DEFAULT_MODEL
+from engine.models.facts import facts_of
 from engine.progress import describe_progress
+from fleetgui.model_cards import ModelCards
 from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, spin_box
 from fleetgui.workers import TaskRunner
 
@@ -89,15 +92,13 @@ class ExportWizard(QWidget):
         for i, r in enumerate((self.catalog_radio, self.hf_radio, self.gguf_radio)):
             self.kind.addButton(r, i)
         self.catalog_radio.setChecked(True)
-        self.catalog = QComboBox()
-        for row in list_models():
-            self.catalog.addItem(f"{row.name} — {row.size / 2**20:.0f} MB{' (cached)' if row.cached else ''}",
-                                 row.name)
-        self.catalog_hint = QLabel()
-        self.catalog_hint.setObjectName("hint")
-        self.catalog_hint.setWordWrap(True)
-        self.catalog.currentIndexChanged.connect(self._describe_catalog)
-        self._describe_catalog()
+        self.cards = ModelCards(self.tasks, self.settings.weights)
+        self.cards.chosen.connect(self._card_chosen)
+        self.cards.select(DEFAULT_MODEL)
+        drop_hint = QLabel("Drop a .gguf file or a Hugging Face folder on the window to see its card. Speeds are "
+                           "predictions from the last fleet profile (Fleet view) until the model has run here.")
+        drop_hint.setObjectName("hint")
+        drop_hint.setWordWrap(True)
         self.hf_path = QLineEdit()
         self.hf_path.setPlaceholderText("a folder holding config.json, *.safetensors and the tokenizer")
         self.gguf_path = QLineEdit()
@@ -108,17 +109,17 @@ class ExportWizard(QWidget):
         self.hf_path.textEdited.connect(lambda: self.hf_radio.setChecked(True))
         self.gguf_path.textEdited.connect(lambda: self.gguf_radio.setChecked(True))
         grid = QGridLayout(page)
-        grid.addWidget(self.catalog_radio, 0, 0)
-        grid.addWidget(self.catalog, 0, 1, 1, 2)
-        grid.addWidget(self.catalog_hint, 1, 1, 1, 2)
+        grid.addWidget(self.catalog_radio, 0, 0, 1, 3)
+        grid.addWidget(self.cards, 1, 0, 1, 3)
         grid.addWidget(self.hf_radio, 2, 0)
         grid.addWidget(self.hf_path, 2, 1)
         grid.addWidget(hf_browse, 2, 2)
         grid.addWidget(self.gguf_radio, 3, 0)
         grid.addWidget(self.gguf_path, 3, 1)
         grid.addWidget(gguf_browse, 3, 2)
+        grid.addWidget(drop_hint, 4, 0, 1, 3)
         grid.setColumnStretch(1, 1)
-        grid.setRowStretch(4, 1)
+        grid.setRowStretch(1, 1)
         return page
 
     def _head_allowed(self, weights: str) -> None:
@@ -185,19 +186,48 @@ class ExportWizard(QWidget):
         layout.addWidget(self.total)
         return page
 
-    def _describe_catalog(self) -> None:
-        entry = CATALOG.get(self.catalog.currentData())
-        self.catalog_hint.setText(entry.description if entry else "")
+    def _card_chosen(self, source: str) -> None:
+        facts = next((f for f in self.cards.facts if f.source == source), None)
+        if facts is None or facts.kind == "catalog":
+            self.catalog_radio.setChecked(True)
+        elif facts.kind == "hf":
+            self.hf_path.setText(source)
+            self.hf_radio.setChecked(True)
+        else:
+            self.gguf_path.setText(source)
+            self.gguf_radio.setChecked(True)
+
+    def use_path(self, path: str | Path) -> bool:
+        """Shows the card of a GGUF file or a Hugging Face folder (dropped on the window or browsed to)
+        and makes it the export's source."""
+        self.banner.hide()
+        try:
+            facts = facts_of(str(path))
+        except FleetError as exc:
+            self.banner.error(str(exc))
+            return False
+        if self.task is None:
+            self._show_page(0)
+        self.cards.add_model(facts)
+        return True
+
+    def choose_catalog(self, name: str) -> None:
+        self.cards.select(name)
+        self.catalog_radio.setChecked(True)
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.cards.refresh()  # the fleet profile or the measured speeds may have changed meanwhile
 
     def _browse_hf(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Hugging Face model folder", self.hf_path.text())
-        if path:
+        if path and not self.use_path(path):
             self.hf_path.setText(path)
             self.hf_radio.setChecked(True)
 
     def _browse_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "GGUF file", self.gguf_path.text(), "GGUF (*.gguf)")
-        if path:
+        if path and not self.use_path(path):
             self.gguf_path.setText(path)
             self.gguf_radio.setChecked(True)
 
@@ -233,7 +263,8 @@ class ExportWizard(QWidget):
             return self.hf_path.text().strip()
         if self.gguf_radio.isChecked():
             return self.gguf_path.text().strip()
-        return self.catalog.currentData()
+        source = self.cards.current_source()
+        return source if source in CATALOG else ""
 
     def _show_page(self, index: int) -> None:
         self.pages.setCurrentIndex(index)
@@ -366,3 +397,6 @@ class ExportWizard(QWidget):
 
     def apply_settings(self, settings) -> None:
         self.settings = settings
+        if self.cards.weights != settings.weights:
+            self.cards.weights = settings.weights
+            self.cards.refresh()

@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFi
 
 from engine.config import Settings, set_node
 from engine.errors import FleetError
-from engine.fleet.discovery import Browser
+from engine.fleet.discovery import Browser, prover
 from engine.fleet.shardstore import pruned_text, shard_text
 from engine.manifest import layer_span
 from fleetgui import keystore
@@ -417,7 +417,9 @@ class RoundTripTable(QTableWidget):
 
 
 class _Discovery(QObject):
-    """A fleet's mDNS browser whose events reach the GUI thread (queued signal)."""
+    """A fleet's mDNS browser whose events reach the GUI thread (queued signal).  Given the fleet key
+    (``prover``), a record reaches the view only once its agent proved the key and its node id, so a
+    record cannot move a node the view knows to another address."""
 
     event = Signal(str, object)  # kind, NodeInfo
 
@@ -425,9 +427,9 @@ class _Discovery(QObject):
         super().__init__(parent)
         self.browser = None
 
-    def start(self, fleet_id: str) -> None:
+    def start(self, fleet_id: str, verify=None) -> None:
         self.stop()
-        self.browser = Browser(fleet_id, on_event=self.event.emit).start()
+        self.browser = Browser(fleet_id, on_event=self.event.emit, verify=verify).start()
 
     def stop(self) -> None:
         browser, self.browser = self.browser, None
@@ -590,7 +592,7 @@ class FleetView(QWidget):
         if not (self.discover and self.key and self.key.usable):
             return
         try:
-            self.discovery.start(self.key.fleet_id)
+            self.discovery.start(self.key.fleet_id, prover(keystore.load(self.settings), keystore.tls(self.settings)))
         except FleetError as exc:
             self.banner.info(f"Nodes cannot be discovered on this network ({exc}). Add them by address.")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -62,10 +63,22 @@ def default_path() -> Path:
     return paths().data / "history.sqlite"
 
 
+def _make_private(path: Path) -> None:
+    """The history (and its WAL journal, which SQLite creates with the database's mode) readable by its
+    owner only; a history an older version left readable by others is closed to them."""
+    if os.name != "posix":
+        return
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if file.exists():
+            os.chmod(file, 0o600)
+
+
 class HistoryStore:
     def __init__(self, path: Path | None = None):
         self.path = Path(path) if path else default_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _make_private(self.path)
         self._db = sqlite3.connect(self.path)
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.execute("PRAGMA journal_mode = WAL")

@@ -152,7 +152,7 @@ def create(path: Path) -> bytes:
 def adopt(path: Path) -> tuple[bytes, str | None]:
     """Checks a chosen key file and makes it private to its owner.  Returns the key and a notice
     when its permissions were tightened."""
-    key = load_key(path)
+    key = load_key(path, allow_shared=True)
     notice = None
     if sys.platform != "win32":
         mode = stat.S_IMODE(path.stat().st_mode)

@@ -1,10 +1,12 @@
 """The main window: a sidebar of views (Fleet, Placement, Chat, Export, Benchmarks, Settings), a
 status bar and the theme.  ``set_view`` swaps another widget in for a view.  A plan the
-Placement view deploys becomes the chain the chat runs on."""
+Placement view deploys becomes the chain the chat runs on.  A ``.gguf`` file or a Hugging Face
+folder dropped on the window opens the Export view with that model's card selected."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from PySide6.QtCore import QSettings, QSize
 from PySide6.QtGui import QAction, QActionGroup
@@ -100,6 +102,7 @@ class MainWindow(QMainWindow):
         if geometry is None or not self.restoreGeometry(geometry):
             self.resize(DEFAULT_SIZE)
         self.fit_screen()
+        self.setAcceptDrops(True)
 
     def _menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
@@ -166,6 +169,35 @@ class MainWindow(QMainWindow):
         old.deleteLater()
         self.views[name] = widget
         self.stack.setCurrentIndex(self.sidebar.currentRow())
+
+    # --- dropped models ------------------------------------------------------------------------------
+
+    @staticmethod
+    def dropped_model(mime) -> Path | None:
+        """The model a drag carries: a local ``.gguf`` file or a folder with a ``config.json``."""
+        for url in mime.urls() if mime.hasUrls() else ():
+            path = Path(url.toLocalFile()) if url.isLocalFile() else None
+            if path and ((path.is_file() and path.suffix.lower() == ".gguf") or (path / "config.json").is_file()):
+                return path
+        return None
+
+    def dragEnterEvent(self, event) -> None:
+        if self.dropped_model(event.mimeData()) is not None:
+            event.acceptProposedAction()
+        else:
+            event.ignore()
+
+    def dragMoveEvent(self, event) -> None:
+        self.dragEnterEvent(event)
+
+    def dropEvent(self, event) -> None:
+        path = self.dropped_model(event.mimeData())
+        if path is None:
+            event.ignore()
+            return
+        event.acceptProposedAction()
+        self.show_view("Export")
+        self.export.use_path(path)
 
     # --- settings ------------------------------------------------------------------------------------
 

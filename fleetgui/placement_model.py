@@ -216,6 +216,12 @@ class PlanModel(QAbstractItemModel):
         return [StagePlacement(LOCAL if i == 0 else self.lanes[s.lane].address, self.lanes[s.lane].device,
                                s.start, s.end) for i, s in enumerate(self.stages)]
 
+    def placement_of(self, plan) -> list[StagePlacement]:
+        """A solver ``Plan`` (another copy of the model, not the one drawn) as ``deploy`` takes it."""
+        address = {lane.node: lane.address for lane in self.lanes}
+        return [StagePlacement(LOCAL if i == 0 else address[s.node], s.device, s.start, s.end)
+                for i, s in enumerate(plan.stages)]
+
     # --- pricing -------------------------------------------------------------------------------------
 
     def evaluate(self) -> None:

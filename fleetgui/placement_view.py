@@ -12,8 +12,10 @@ device; ``fleetgui.placement_model.PlanModel`` holds the plan over it and prices
 - The tree beside it shows the same model (checkboxes pin; its drag and drop is Qt's own, ending in
   the same ``dropMimeData``).
 
-"Optimise" runs ``solve`` with the pinned ranges off the GUI thread; a plan that cannot work shows
-why (``evaluate``'s problems, or ``Infeasible``'s reason).  "Deploy" ships and starts the plan with
+"Optimise" runs ``solve`` with the pinned ranges off the GUI thread (for several users without pins,
+``solve_layout``, which may choose copies of the model: the one with most stages is drawn, the
+others are named and deployed with it unless the drawn chain is changed by hand); a plan that
+cannot work shows why (``evaluate``'s problems, or ``Infeasible``'s reason).  "Deploy" ships and starts the plan with
 a progress bar per stage and Cancel, then hands the deployment to the chat; ``preparing`` tells the
 fleet view which node's stage is being exported here.
 """
@@ -32,7 +34,9 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGro
                                QSizePolicy, QTreeView, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
+from engine.files import write_json
 from engine.fleet.deploy import Deployment
+from engine.fleet.layout import solve_layout
 from engine.fleet.placement import Infeasible, left_out, solve
 from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
@@ -304,6 +308,11 @@ class PlanCanvas(QWidget):
         return menu
 
 
+def _copy_words(plan) -> str:
+    """Where a copy of the model runs, in words (node ids, made readable by the caller)."""
+    return ", then ".join(f"{layer_span(s.start, s.end)} on {s.node}" for s in plan.stages)
+
+
 class PlacementView(QWidget):
     deployed = Signal(object)  # engine.fleet.deploy.Deployment, running and saved
     preparing = Signal(str, str)  # an agent's address, and what this view is doing for it ("" when done)
@@ -321,6 +330,7 @@ class PlacementView(QWidget):
         self.task = None  # the running survey, solve or deployment
         self.deploying: list[str] = []  # the running deployment's agents, by stage
         self.model = PlanModel(self)
+        self.copies: tuple[list, list] = ([], [])  # the chain the solver drew, and the other copies it chose
         self.banner = Banner()
 
         self.source = QLineEdit(settings.default_model)
@@ -464,9 +474,7 @@ class PlacementView(QWidget):
 
         def run(report, cancel):
             doc = backend.survey(model, agents, settings, report, cancel)
-            path = default_profile()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(doc, indent=2))
+            write_json(default_profile(), doc)
             return doc
 
         where = f"this machine and {len(agents)} node{'s' if len(agents) != 1 else ''}" if agents else \
@@ -497,10 +505,17 @@ class PlacementView(QWidget):
 
         def run(report, cancel):
             try:
-                plan = solve(shape, fleet, objective=objective, users=users, pins=pins)
+                if objective == "throughput" and not pins:  # several users may be served best by copies
+                    layout = solve_layout(shape, fleet, users=users)
+                    # the copy with the most stages is drawn (one whole here is not a deployment of its own)
+                    plan, *others = sorted(layout.plans, key=lambda p: -len(p.stages))
+                else:
+                    plan, others, layout = solve(shape, fleet, objective=objective, users=users, pins=pins), [], None
             except Infeasible as exc:
                 return None, str(exc)
-            return (plan, left_out(shape, fleet, plan)), pins
+            used = {s.node for p in others for s in p.stages}
+            left = {node: why for node, why in left_out(shape, fleet, plan).items() if node not in used}
+            return (plan, left, others, layout), pins
 
         self._set_busy(f"Optimising for {objective}" + (f" with {len(pins)} pinned range(s)…" if pins else "…"))
         self.task = self.tasks.start(run, "solve", succeeded=self._optimised,
@@ -517,10 +532,17 @@ class PlacementView(QWidget):
             self.activity.setText("The solver found no placement; the plan shown is unchanged.")
             return
         self.infeasible = None
-        plan, left = solved
+        plan, left, others, layout = solved
         self.model.set_plan(plan, pins)
-        self.activity.setText(" ".join([f"Optimised in {plan.solve_ms:.0f} ms.", *(
-            self.model.readable(f"Left out {node}: {reason}.") for node, reason in left.items())]))
+        self.copies = (self.model.chain(), [self.model.placement_of(p) for p in others])
+        said = [f"Optimised in {plan.solve_ms:.0f} ms."]
+        if others:
+            where = "; ".join(_copy_words(p) for p in others)
+            said.append(self.model.readable(
+                f"{len(others) + 1} copies of the model serve {layout.users} users best: the chain drawn, and {where} "
+                f"({layout.aggregate_tok_s:.1f} tok/s aggregate predicted). Deploy starts them all."))
+        said.extend(self.model.readable(f"Left out {node}: {reason}.") for node, reason in left.items())
+        self.activity.setText(" ".join(said))
 
     # --- deploy --------------------------------------------------------------------------------------
 
@@ -534,17 +556,19 @@ class PlacementView(QWidget):
         weights = str((self.doc or {}).get("weights") or self.settings.weights)
         settings = dataclasses.replace(self.settings, weights=weights)
         stages, previous, owned, backend = self.model.placement(), self.deployment, self.owns_deployment, self.backend
+        drawn, others = self.copies
+        copies = others if drawn == self.model.chain() else []  # a chain redrawn by hand is deployed alone
         planned = None
         if self.doc:  # the profile the plan came from: the chat's failover re-plans with it if a node is lost
             profile = default_profile().with_name("deployed-profile.json")
-            profile.write_text(json.dumps(self.doc))
+            write_json(profile, self.doc, indent=None)
             planned = {"profile": str(profile), "objective": self.objective.currentText(), "users": self.users.value()}
 
         def run(report, cancel):
             if previous is not None and owned:  # one deployment at a time: the old chain's workers go first
                 report(("status", "stopping the previous deployment"))
                 backend.stop_deployment(previous, settings)
-            deployment = backend.deploy(model, stages, settings, report, cancel, planned)
+            deployment = backend.deploy(model, stages, settings, report, cancel, planned, copies)
             if cancel.is_set():  # cancelled after the last point deploy() looks: undo it
                 backend.stop_deployment(deployment, settings)
                 return None
@@ -624,8 +648,9 @@ class PlacementView(QWidget):
         for label, bar in self.deploy_bars:
             bar.setValue(1000)
             label.setText("running")
+        copies = f" and {len(deployment.replicas)} more copies of the model" if deployment.replicas else ""
         self.activity.setText(f"Deployed {deployment.model}: stage 0 in this app, stages 1.. at "
-                              f"{', '.join(deployment.remotes)}. The chat now uses this chain.")
+                              f"{', '.join(deployment.remotes)}{copies}. The chat now uses this chain.")
         self.deployed.emit(deployment)
 
     def stop_deployment(self) -> None:

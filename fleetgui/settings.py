@@ -13,9 +13,10 @@ from PySide6.QtCore import QSettings, Signal
 from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFormLayout, QLabel, QLineEdit, QPushButton, QScrollArea,
                                QVBoxLayout, QWidget)
 
-from engine.config import DRAFTS, Settings
+from engine.config import DRAFTS, Settings, paths
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS, WEIGHT_NOTES
+from engine.files import lock
 from engine.models.catalog import CATALOG
 from fleetgui.chat_options import DEFAULT_PRESET, PRESETS
 from fleetgui.theme import THEMES
@@ -41,11 +42,12 @@ class GuiSettings(Settings):
     def save(self, store: QSettings) -> None:
         """The engine's part to ``settings.json`` (keeping the node list as saved there: the Fleet view and
         ``fleet nodes`` edit it), the app's to ``store``."""
-        try:
-            nodes = Settings.load().nodes
-        except FleetError:
-            nodes = self.nodes
-        dataclasses.replace(self.engine(), nodes=nodes).save()
+        with lock(paths().settings_file):  # `fleet nodes` may edit the list meanwhile
+            try:
+                nodes = Settings.load().nodes
+            except FleetError:
+                nodes = self.nodes
+            dataclasses.replace(self.engine(), nodes=nodes).save()
         store.setValue("theme", self.theme)
         store.setValue("chat_preset", self.chat_preset)
         store.sync()

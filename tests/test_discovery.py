@@ -9,6 +9,7 @@ import os
 import secrets
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -424,3 +425,126 @@ def test_a_host_without_multicast_gets_a_readable_error(namespaces):
 def test_no_usable_interface_is_a_fleet_error():
     with pytest.raises(FleetError, match="cannot start mDNS"):
         discovery._open(["203.0.113.77"])  # not an address of this machine
+
+
+# --- records that lie: a known node cannot be moved, a bogus record never fails `--nodes all`, a flood is bounded
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def announce(zc: Zeroconf, info: NodeInfo, tag: str) -> str:
+    """Registers ``info`` as a record of its own on 127.0.0.1 (as anyone on the LAN can); returns its name."""
+    name = f"{tag} ({secrets.token_hex(3)}).{SERVICE}"
+    zc.register_service(ServiceInfo(SERVICE, name, port=info.port, properties=info.to_txt(),
+                                    server=f"{tag}-{secrets.token_hex(3)}.local.", parsed_addresses=["127.0.0.1"]))
+    return name
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="agent processes are stopped by SIGTERM (POSIX only)")
+def test_a_record_moves_a_known_node_only_once_the_agent_there_proves_the_key_and_the_id(tmp_path, caplog):
+    from fleet_support import agent_process
+
+    from engine.fleetkey import create_key, load_key
+
+    key_file, other_key = create_key(tmp_path / "fleet.key"), create_key(tmp_path / "other.key")
+    key = load_key(key_file)
+    caplog.set_level("WARNING", logger="engine.fleet.discovery")
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        with agent_process(key_file, tmp_path / "a", mdns=True, name="alice") as (_, address), \
+                agent_process(other_key, tmp_path / "x", name="alice") as (_, keyless), \
+                Browser(fleet_id(key), verify=discovery.prover(key)) as browser:
+            node = wait_for(lambda: next(iter(browser.nodes().values()), None), 30)
+            assert node and (node.addresses[0], node.port) == ("127.0.0.1", port_of(address)), browser.rejected()
+
+            # The same node id at a port where nothing answers, then at an agent without the fleet key.
+            for tag, port, why in (("gone", closed_port(), "not reachable"), ("keyless", port_of(keyless), "key")):
+                name = announce(zc, dataclasses.replace(node, port=port), tag)
+                reason = wait_for(lambda: browser.rejected().get(name), 20)
+                assert reason and why in reason and f"stays at 127.0.0.1 port {node.port}" in reason, reason
+                assert browser.nodes()[node.node_id].port == node.port
+                assert name in caplog.text
+
+            # The node's agent restarted on another port (same home, so the same id) and its old record lingers.
+            moved_home = tmp_path / "b"
+            (moved_home / "config").mkdir(parents=True)
+            (moved_home / "config" / "node.id").write_text((tmp_path / "a" / "config" / "node.id").read_text())
+            with agent_process(key_file, moved_home, name="alice") as (_, moved):
+                name = announce(zc, dataclasses.replace(node, port=port_of(moved)), "moved")
+                assert wait_for(lambda: browser.nodes()[node.node_id].port == port_of(moved), 20), browser.rejected()
+                assert name not in browser.rejected()
+    finally:
+        zc.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="agent processes are stopped by SIGTERM (POSIX only)")
+def test_nodes_all_leaves_out_a_bogus_record_and_keeps_the_real_nodes(tmp_path, capsys):
+    import argparse
+
+    from fleet_support import agent_process
+
+    from engine.cli.fleet import _agent_addresses
+    from engine.fleetkey import create_key, load_key
+
+    key_file = create_key(tmp_path / "fleet.key")
+    key = load_key(key_file)
+    bogus = sample(fleet_id(key), name="mallory", port=closed_port())
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        with agent_process(key_file, tmp_path / "a", mdns=True, name="alice") as (_, address), \
+                Browser(fleet_id(key)) as everyone:
+            announce(zc, bogus, "mallory")
+            assert wait_for(lambda: len(everyone.nodes()) == 2, 30), everyone.nodes()  # both are on the air
+            agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=3.0), key, None)
+        assert agents == [address]
+        err = capsys.readouterr().err
+        assert "left out mDNS record 'mallory (" in err and "not reachable" in err, err
+    finally:
+        zc.close()
+
+
+def test_a_flood_of_records_keeps_a_bounded_store():
+    from zeroconf import DNSOutgoing
+    from zeroconf.const import _FLAGS_AA, _FLAGS_QR_RESPONSE
+
+    fid = fleet_id(secrets.token_bytes(32))
+    flood = {}
+    for i in range(1000):
+        info = sample(fid, name=f"flood-{i}")
+        flood[info.node_id] = ServiceInfo(SERVICE, f"flood-{i}.{SERVICE}", port=7461, properties=info.to_txt(),
+                                          server=f"flood-{i}.local.", parsed_addresses=["127.0.0.1"])
+    added: set[str] = set()
+    lock = threading.Lock()
+
+    def record(kind: str, info: NodeInfo) -> None:
+        with lock:
+            if kind == "added":
+                added.add(info.node_id)
+
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        with Browser(fleet_id=fid, on_event=record) as browser:
+            for _ in range(5):  # UDP on loopback may drop a packet of the burst: those are sent again
+                with lock:
+                    missing = [s for node, s in flood.items() if node not in added]
+                for service in missing:
+                    out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+                    for answer in (service.dns_pointer(), service.dns_service(), service.dns_text(),
+                                   *service.dns_addresses()):
+                        out.add_answer_at_time(answer, 0)
+                    zc.send(out)
+                    time.sleep(0.002)
+                if wait_for(lambda: len(added) == len(flood), 20):
+                    break
+            assert len(added) == len(flood), f"heard {len(added)} of {len(flood)} records"
+            assert len(browser.nodes()) == len(browser._names) == discovery.MAX_RECORDS < len(flood)
+    finally:
+        zc.close()

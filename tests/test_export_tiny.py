@@ -1,5 +1,6 @@
 """Export of tiny random Llama, Qwen2 and Gemma 3 models: per-stage numerics against Hugging Face, greedy
-equality across 1/2/3-stage chains, the beam_idx pattern, and refusal of damaged shards."""
+equality across 1/2/3-stage chains, the beam_idx pattern, INT4 constants that do not depend on the split,
+and refusal of damaged shards."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from engine.errors import ExportError, ShardError, SourceError
+from engine.export.compress import INT4_ASYMMETRIC
 from engine.export.exporter import plan_split
 from engine.manifest import MODEL_XML, check_chain, load_manifest
 from engine.runtime.decode.generate import Generator
@@ -188,7 +190,8 @@ def test_unsupported_architecture_is_named(tiny_models, tmp_path):
         HFCheckpoint(folder)
 
 
-@pytest.mark.parametrize("weights, layer_type", [("int4", ov.Type.i4), ("int8", ov.Type.u8), ("fp16", ov.Type.f16)])
+@pytest.mark.parametrize("weights, layer_type", [("int4", ov.Type.u4 if INT4_ASYMMETRIC else ov.Type.i4),
+                                                 ("int8", ov.Type.u8), ("fp16", ov.Type.f16)])
 def test_compressed_exports_of_a_tiny_model_run(tiny_models, tmp_path, weights, layer_type):
     from engine.export.exporter import export_model
 
@@ -341,3 +344,47 @@ def test_int4_matmuls_sharing_an_input_run_as_one_with_the_same_logits(tiny_mode
                            "beam_idx": np.zeros(1, np.int32), "logits_to_keep": np.array([n])})[0]
     got = stage.forward(IDS, mask, positions)
     assert np.array_equal(got, want)
+
+
+def _layer_constants(folder: Path, first_layer: int) -> dict[tuple[int, str], tuple[ov.Type, np.ndarray]]:
+    """Every compressed layer constant of a stage (codes, zero points, scales) by (global layer,
+    name): the graph names a stage's layers from 0."""
+    import re
+
+    found = {}
+    for op in core().read_model(str(folder / MODEL_XML)).get_ops():
+        name = re.fullmatch(r"self\.layers\.(\d+)\.(.+)", op.get_friendly_name())
+        if op.get_type_name() == "Constant" and name:
+            found[first_layer + int(name[1]), name[2]] = (op.get_output_element_type(0), op.get_data().copy())
+    return found
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_a_layer_compresses_to_the_same_int4_constants_whatever_the_split(tiny_models, tmp_path, monkeypatch,
+                                                                          asymmetric):
+    """Each layer's INT4 codes, zero points and scales are the same whichever stage it lands in (the
+    2-stage and 1-stage exports of a model must decode alike).  The stages export in this process so
+    that the symmetric/asymmetric switch reaches NNCF."""
+    from engine.export import compress
+    from engine.export.exporter import export_stage
+    from engine.models.catalog import resolve_source
+
+    monkeypatch.setattr(compress, "INT4_ASYMMETRIC", asymmetric)
+    source = resolve_source(str(tiny_models["llama"]))
+    layers = {}
+    for label, ranges in (("one", [(0, 4)]), ("two", [(0, 1), (1, 4)])):
+        layers[label] = {}
+        for index, (start, end) in enumerate(ranges):
+            folder = tmp_path / label / f"stage{index}"
+            folder.parent.mkdir(exist_ok=True)
+            job = dict(kind=source.kind, path=str(source.path), name="tiny", fingerprint=source.fingerprint,
+                       start=start, end=end, index=index, count=len(ranges), weights="int4", folder=str(folder))
+            export_stage(job, lambda step, fraction: None)
+            layers[label].update(_layer_constants(folder, start))
+    one, two = layers["one"], layers["two"]
+    assert one.keys() == two.keys()
+    differ = [key for key in one if one[key][0] != two[key][0] or not np.array_equal(one[key][1], two[key][1])]
+    assert not differ, f"constants that depend on the split: {differ}"
+    kinds = {kind for kind, _ in one.values()}
+    assert kinds == ({ov.Type.u4, ov.Type.f16} if asymmetric else {ov.Type.i4, ov.Type.f16})
+    assert any(name.endswith("zero_point") for _, name in one) == asymmetric

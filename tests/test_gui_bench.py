@@ -133,3 +133,19 @@ def test_the_office_comparison_plots_a_line_per_server(qtbot, gui_home, tmp_path
     assert set(lines) == {"ours, one PC", "llama.cpp RPC split, 2 PCs"}
     assert list(lines["ours, one PC"][0]) == [1.0, 2.0, 4.0] and list(lines["ours, one PC"][1]) == [13.0, 26.0, 52.0]
     assert panel.plot.getPlotItem().getAxis("bottom").labelText == "users at once"
+
+
+def test_a_parts_progress_fills_its_share_of_the_whole_run():
+    """`fleet bench sim` reports each part's own progress through ``Hooks.part``: the Benchmarks
+    view's bar moves on from the part's start instead of starting again from zero."""
+    from engine.bench.harness import Hooks
+
+    seen = []
+    hooks = Hooks(progress=lambda fraction, what: seen.append((round(fraction, 3), what)))
+    hooks.step(1, 4, "the office")
+    within = hooks.part(1, 4)
+    within.step(0, 10, "wave 0")
+    within.step(5, 10, "wave 5")
+    within.step(10, 10, "wave 10")
+    assert seen == [(0.25, "the office"), (0.25, "wave 0"), (0.375, "wave 5"), (0.5, "wave 10")]
+    assert Hooks().part(1, 4).progress is None

@@ -96,7 +96,7 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"),
                          backend=Pulling())
     wizard = window.show_view("Export")
-    wizard.catalog.setCurrentIndex(wizard.catalog.findData("smollm2-135m"))
+    wizard.choose_catalog("smollm2-135m")
     wizard.next_button.click()
     wizard.weights.setCurrentText("int4")
     wizard.head.setCurrentText("int4")  # an INT4 head, offered with INT4 layers only
@@ -146,7 +146,7 @@ def test_the_engine_reports_bytes_and_stage_counts_the_wizard_follows(qtbot, gui
 
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     wizard = window.show_view("Export")
-    wizard.catalog.setCurrentIndex(wizard.catalog.findData("smollm2-135m"))
+    wizard.choose_catalog("smollm2-135m")
     wizard.next_button.click()
     wizard.stages.setValue(2)
     with qtbot.waitSignal(wizard.exported, timeout=10000):

@@ -95,6 +95,43 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         assert [r.found_by for r in view.model.rows] == ["this machine"]  # always listed
 
 
+def test_a_record_cannot_move_a_node_the_view_knows(qtbot, gui_home, key_file, tmp_path, caplog):
+    """Anyone on the LAN can announce a record naming a known node's id at their own address: the
+    view dials it first, and one where nothing answers is skipped with a warning, the node staying
+    where it is."""
+    import dataclasses
+    import secrets
+    import socket
+
+    from zeroconf import IPVersion, ServiceInfo, Zeroconf
+
+    from engine.fleet.discovery import SERVICE
+
+    caplog.set_level("WARNING", logger="engine.fleet.discovery")
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = sock.getsockname()[1]
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        with agent_process(key_file, tmp_path / "m", mdns=True, name="mdns-node") as (_, address):
+            window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),
+                                 settings_store(tmp_path / "s.ini"))
+            view = window.show_view("Fleet")
+            qtbot.waitUntil(lambda: view.model.row("mdns-node") is not None, timeout=30000)
+            node = view.discovery.browser.nodes()[view.model.row("mdns-node").node_id]
+            bogus = dataclasses.replace(node, port=closed)
+            name = f"mdns-node ({secrets.token_hex(3)}).{SERVICE}"
+            zc.register_service(ServiceInfo(SERVICE, name, port=closed, properties=bogus.to_txt(),
+                                            server="elsewhere.local.", parsed_addresses=["127.0.0.1"]))
+            qtbot.waitUntil(lambda: name in view.discovery.browser.rejected(), timeout=20000)
+            qtbot.wait(200)  # an event the browser had sent would be delivered by now
+            assert view.model.row("mdns-node").address == address
+            assert view.discovery.browser.nodes()[node.node_id].port == node.port
+            assert name in caplog.text and "not reachable" in caplog.text
+    finally:
+        zc.close()
+
+
 def test_fleet_key_is_made_and_chosen_private(qtbot, gui_home, tmp_path):
     from fleetgui import keystore
     from fleetgui.settings import GuiSettings

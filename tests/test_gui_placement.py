@@ -310,6 +310,54 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
 
 
+def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, fleet):
+    from engine.fleet.control import ControlClient
+    from engine.fleet.layout import solve_layout
+    from engine.fleetkey import load_key
+    from fleetgui.placement_model import parse_profile
+
+    doc = surveyed(qtbot, fleet)
+    for device in doc["fleet"]["devices"]:  # PCs alike, each able to hold the model: copies serve 4 users best
+        device.update(layer_ms=2.0, head_ms=12.0, embed_ms=0.1, call_ms=1.0, prefill_layer_ms=0.3,
+                      memory_bytes=8 << 30)
+    shape, _, fleet_model = parse_profile(doc)
+    layout = solve_layout(shape, fleet_model, users=4)
+    assert len(layout.plans) >= 2, layout.explain()
+    key = load_key(fleet.key_file)
+    window, fleet_view, view = open_app(qtbot, fleet, max_new_tokens=8)
+    wait_for_agents(qtbot, fleet_view, fleet)
+    window.show_view("Placement")
+    view.load_profile(doc)
+    view.objective.setCurrentText("throughput")
+    view.users.setValue(4)
+    view.optimise_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert f"{len(layout.plans)} copies of the model serve 4 users best" in view.activity.text(), view.activity.text()
+    assert "alpha" in view.activity.text() or "beta" in view.activity.text()  # nodes by name, not id
+    deployed = []
+    view.deployed.connect(deployed.append)
+    view.deploy_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
+    assert deployed and deployed[0] is not None, view.banner.message
+    deployment = deployed[0]
+    assert len(deployment.copies) == len(layout.plans) and "more copies of the model" in view.activity.text()
+
+    def workers(address):
+        with ControlClient(address, key) as agent:
+            return agent.status()["workers"]
+
+    assert {w["agent"] for copy in deployment.copies for w in copy.workers} == {fleet.alpha, fleet.beta}
+    assert sum(len(workers(a)) for a in (fleet.alpha, fleet.beta)) == sum(len(c.workers) for c in deployment.copies)
+    tab = window.chat.new_chat()
+    tab.input.setPlainText("Paris is the capital of")
+    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
+        tab.send()
+    assert blocker.args[0].tokens, blocker.args[0].error
+    assert f"{len(layout.plans)} replicas" in window.service_label.text()  # the chat serves from every copy
+    window.close()  # every copy's workers are stopped with the window
+    assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
+
+
 def test_a_cancelled_deployment_leaves_no_workers(qtbot, fleet):
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key

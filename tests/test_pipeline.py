@@ -327,12 +327,12 @@ def test_fuzzed_worker_keeps_serving(tiny_exports, key_file, tmp_path):
             sent += 1
         with contextlib.closing(dial(address)) as s:  # well-framed nonsense: answered with ERROR each
             s.settimeout(5)
-            wire.client_handshake(s, key, identity)
+            _, seal = wire.client_handshake(s, key, identity)
             for frame in _bad_forwards(rng, hidden):
-                wire.send_frame(s, frame)
-                reply = wire.recv_frame(s)
+                wire.send_frame(s, frame, seal)
+                reply = wire.recv_frame(s, seal=seal)
                 while reply.type == Msg.ALIVE:
-                    reply = wire.recv_frame(s)
+                    reply = wire.recv_frame(s, seal=seal)
                 assert reply.type == Msg.ERROR and reply.seq == frame.seq, reply
                 assert reply.json()["stage"] == 1 and reply.json()["reason"]
                 sent += 1

@@ -121,10 +121,10 @@ def test_a_foreign_tokenizer_and_a_wrong_key_are_refused(tiny_exports, server, k
 def test_a_hostile_frame_costs_its_sender_the_connection_only(tiny_exports, server, key, frame):
     sock = dial(server.address)
     sock.settimeout(5)
-    wire.client_handshake(sock, key, {"role": "draft"})
-    wire.send_frame(sock, frame)
+    _, seal = wire.client_handshake(sock, key, {"role": "draft"})
+    wire.send_frame(sock, frame, seal)
     with pytest.raises((wire.ProtocolError, OSError)):
-        wire.recv_frame(sock)
+        wire.recv_frame(sock, seal=seal)
     sock.close()
     target = LocalChain(tiny_exports["qwen2", "1"].folders)  # the server still serves the next coordinator
     link = DraftLink(server.address, key, target.manifest)

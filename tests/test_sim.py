@@ -492,7 +492,8 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
     print(f"both PCs busy in {overlap.both} of the {overlap.either} samples either was")
     assert [r.tokens for r in replies] == want
     assert chain.most_in_flight >= 2
-    assert overlap.share > 0.15, (overlap.both, overlap.either)  # taking turns: 0-1 in 90
+    # taking turns: 0-1 in 90; at once: 14-28 in 95, depending on the machine's load
+    assert overlap.share > 0.08, (overlap.both, overlap.either)
 
 
 def _folders(source: str, split: list[int]) -> list[Path]:

@@ -84,14 +84,14 @@ def _pair(server_key, client_key, server_id, client_id):
 
     def serve():
         try:
-            result["server"] = wire.server_handshake(b, server_key, server_id)
+            result["server"], result["server_seal"] = wire.server_handshake(b, server_key, server_id)
         except AuthError as exc:
             result["server_error"] = str(exc)
 
     t = threading.Thread(target=serve)
     t.start()
     try:
-        result["client"] = wire.client_handshake(a, client_key, client_id)
+        result["client"], result["client_seal"] = wire.client_handshake(a, client_key, client_id)
     except AuthError as exc:
         result["client_error"] = str(exc)
     t.join(5)
@@ -132,3 +132,23 @@ def test_an_empty_tensor_of_impossible_shape_is_refused():
         wire.decode(data)
     empty = wire.decode(wire.encode(wire.Frame(wire.Msg.KEEP, tensors=[np.zeros((1, 0, 576), np.float32)])))
     assert empty.tensors[0].shape == (1, 0, 576)
+
+
+def test_frames_after_the_handshake_are_sealed_per_direction_and_in_order():
+    r = _pair(b"k" * 32, b"k" * 32, {"fingerprint": "abc"}, {"fingerprint": "abc"})
+    client, server = r["client_seal"], r["server_seal"]
+    frames = [wire.encode(wire.control(Msg.CALL, {"op": "ping", "n": i}), client) for i in range(3)]
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(frames[0])
+        assert wire.recv_frame(b, seal=server).json() == {"op": "ping", "n": 0}
+        a.sendall(frames[2])  # frame 1 dropped on its way
+        with pytest.raises(ProtocolError, match="frame 1 from the peer failed its authentication"):
+            wire.recv_frame(b, seal=server)
+    reflected = wire.encode(wire.control(Msg.REPLY, {}), server)  # the server's own frame, sent back to it
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(reflected)
+        with pytest.raises(ProtocolError, match="failed its authentication"):
+            wire.recv_frame(b, seal=server)
+    assert r["client"] == {"fingerprint": "abc"}

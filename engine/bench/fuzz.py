@@ -14,6 +14,14 @@ than the frame limit before the input is validated.  The targets:
   runs minutes of profiling).
 - ``manifest``: damaged and hostile ``manifest.json`` documents (``load_manifest``).
 - ``http``: the OpenAI-compatible API with any JSON body, any bytes, and requests without the key.
+- ``http_bounds``: the API's bounds (``engine.serve.guard``): bodies over the size limit (by
+  Content-Length and chunked), bodies nested too deep, hostile schemas (huge property counts, deep
+  nesting, recursive ``$ref``), a wrong Host on loopback, and bodies of any kind without the key,
+  each answered with its own status (413, 400, 421, 401), never a 5xx.
+- ``flood``: a slow-handshake flood, measured rather than fuzzed: 200 connections trickle a HELLO
+  into a real worker's listener a byte at a time while a real chain through that worker keeps
+  serving; it reports the tokens made during the flood and how many trickling connections were
+  still open past the handshake deadline.
 
 The suite runs a bounded number of cases per target; the bench runs thousands and reports the counts.
 """
@@ -24,9 +32,11 @@ import collections
 import http.client
 import json
 import os
+import select
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +47,16 @@ from engine.export.exporter import export_model
 from engine.fleet.agent import Agent
 from engine.fleetkey import create_key
 from engine.manifest import MANIFEST, load_manifest
+from engine.runtime.decode.grammar import MAX_OPTIONAL_PROPERTIES, MAX_SCHEMA_DEPTH
 from engine.runtime.decode.service import ChatService
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.chain import LocalChain
+from engine.serve.guard import MAX_BODY_DEPTH
 from engine.serve.server import ApiServer
-from engine.transport import wire
+from engine.transport import link, wire
 
-TARGETS = ("wire", "handshake", "control", "manifest", "http")
+TARGETS = ("wire", "handshake", "control", "manifest", "http", "http_bounds", "flood")
 API_KEY = "fs-fuzz-key-0123456789abcdef"
 
 
@@ -370,6 +384,217 @@ def fuzz_http(cases: int, tally: Tally, service, model_id: str) -> None:
         server.stop()
 
 
+# --- http bounds ----------------------------------------------------------------------------------
+
+BOUNDS_BODY_MB = 0.25  # the bounds target's server takes bodies up to this (small: oversized cases stay cheap)
+
+
+def _exchange(host: str, port: int, head: bytes, body: bytes, chunked: bool) -> tuple[int, dict]:
+    """One request on a raw connection: the body sent in pieces until the server answers (it may
+    answer, and close, before the body is all sent), then the answer."""
+    with socket.create_connection((host, port), timeout=60) as sock:
+        sock.sendall(head)
+        step = 16 * 1024
+        try:
+            for start in range(0, len(body), step):
+                piece = body[start:start + step]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                if select.select([sock], [], [], 0)[0]:
+                    break  # the answer came: the rest is not wanted
+            else:
+                if chunked:
+                    sock.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # answered and closed while the body was still coming: the answer is read below
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    top, _, payload = data.partition(b"\r\n\r\n")
+    return int(top.split()[1]), json.loads(payload or b"null")
+
+
+def _length(data: bytes) -> int:
+    for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 1 << 62
+
+
+def _hostile_schemas(st):
+    """Schemas past the bounds, or recursive: refused by name (400), or followed (200), never a 5xx."""
+    def nested(levels):
+        schema = {"type": "string"}
+        for _ in range(levels):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    def defs(names, make):
+        return {"$defs": {name: make(i) for i, name in enumerate(names)}, "$ref": f"#/$defs/{names[-1]}"}
+
+    many = st.integers(MAX_OPTIONAL_PROPERTIES + 1, 3000).map(
+        lambda n: {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}})
+    deep = st.integers(MAX_SCHEMA_DEPTH + 1, MAX_BODY_DEPTH - 8).map(nested)
+    self_ref = st.just({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})
+    mutual = st.just({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})
+    linked = st.just({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}},
+                      "$ref": "#/$defs/n"})
+    def doubling(i):  # each definition twice the one before: 2**n expansions, unless refs are shared
+        return {"type": "string"} if i == 0 else {"anyOf": [{"$ref": f"#/$defs/d{i - 1}"}] * 2}
+
+    bomb = st.integers(8, 40).map(lambda n: defs([f"d{i}" for i in range(n)], doubling))
+    broken = st.sampled_from([{"$ref": "#/$defs/missing"}, {"$ref": "http://example.com/schema"},
+                              {"type": "object", "properties": []}, {"allOf": [{"$ref": "#"}]}])
+    return st.one_of(many, deep, self_ref, mutual, linked, bomb, broken)
+
+
+def fuzz_http_bounds(cases: int, tally: Tally, service, model_id: str) -> None:
+    _, st = _hypothesis()
+    server = ApiServer(service, port=0, api_key=API_KEY, model_id=model_id, max_body_mb=BOUNDS_BODY_MB).start()
+    limit = int(BOUNDS_BODY_MB * (1 << 20))
+    good_host = f"127.0.0.1:{server.port}"
+    chat = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def deep_body(levels: int, kind: str) -> bytes:
+        inner = "[" * levels + "]" * levels if kind == "array" else '{"a":' * levels + "1" + "}" * levels
+        return json.dumps({**chat, "metadata": "X"}).replace('"X"', inner).encode()
+
+    garbage = st.one_of(st.binary(max_size=256), st.integers(1, 2 * limit).map(lambda n: b"{" * n),
+                        st.just(json.dumps(chat).encode()))
+    kinds = st.one_of(
+        st.tuples(st.just("oversized"), st.integers(limit + 1, 2 * limit).map(lambda n: b" " * n), st.booleans()),
+        st.tuples(st.just("deep"), st.builds(deep_body, st.integers(MAX_BODY_DEPTH + 1, 20_000),
+                                             st.sampled_from(["array", "object"])), st.booleans()),
+        st.tuples(st.just("schema"), st.tuples(_hostile_schemas(st), st.booleans()).map(
+            lambda c: json.dumps({**chat, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": c[0]}}} if c[1] else {**chat, "tools": [{"type": "function", "function": {
+                    "name": "f", "parameters": c[0]}}]}).encode()), st.booleans()),
+        st.tuples(st.just("host"), garbage, st.booleans()),
+        st.tuples(st.just("keyless"), garbage, st.booleans()))
+    hosts = st.one_of(st.sampled_from(["evil.example", f"evil.example:{server.port}", "10.0.0.1", "localhost.evil",
+                                       "127.0.0.1.evil.example", "[::2]", ""]),
+                      st.from_regex(r"[a-z0-9.-]{1,30}(:[0-9]{1,5})?", fullmatch=True).filter(
+                          lambda h: h.split(":")[0] not in ("localhost", "127.0.0.1") and not h.startswith("127.")))
+    expected = {"oversized": {413}, "deep": {400}, "host": {421}, "keyless": {401}}
+
+    @_settings(cases)
+    @_hypothesis()[0].given(kinds, hosts, st.sampled_from(["", "Bearer wrong", "Basic x"]))
+    def call(case, host, bad_auth) -> None:
+        kind, body, chunked = case
+        auth = bad_auth if kind == "keyless" else f"Bearer {API_KEY}"
+        lines = ["POST /v1/chat/completions HTTP/1.1", f"Host: {host if kind == 'host' else good_host}",
+                 "Content-Type: application/json",
+                 "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"]
+        if auth:
+            lines.append(f"Authorization: {auth}")
+        status, doc = _exchange(server.host, server.port, ("\r\n".join(lines) + "\r\n\r\n").encode(), body, chunked)
+        assert status < 500, (kind, status, doc)
+        assert status in expected.get(kind, {200, 400}), (kind, status, doc)
+        if status != 200:
+            assert doc["error"]["message"] and doc["error"]["type"]
+        tally.add("http_bounds", f"{kind} {status}")
+
+    try:
+        call()
+    finally:
+        server.stop()
+
+
+# --- flood ----------------------------------------------------------------------------------------
+
+TRICKLE_S = 1.0  # a byte this often on each connection: below any per-read timeout, so only an
+# overall handshake deadline (or a cap on unauthenticated connections) cuts the connection
+MARGIN_S = 3.0  # past the handshake deadline, before the open connections are counted
+
+
+def handshake_deadline_s() -> float:
+    """The longest handshake time the transport names (``HANDSHAKE_..._S`` in ``link`` or ``wire``)."""
+    names = [(m, n) for m in (link, wire) for n in dir(m) if n.startswith("HANDSHAKE") and n.endswith("_S")]
+    return max(float(getattr(m, n)) for m, n in names)
+
+
+def fuzz_flood(folders: list[Path], tally: Tally, connections: int = 200, log=lambda text: None) -> dict:
+    """``connections`` trickle a HELLO a byte at a time into the listener of the worker that serves
+    ``folders[1]`` while a chain through it keeps serving replies; returns what was measured.  A
+    connection counts as cut once the worker closed it (a read gives end of file, or a send fails)."""
+    key = os.urandom(32)
+    worker = Worker(folders[1], "127.0.0.1:0", key=key, log=lambda text: None).start()
+    port = int(worker.address.rsplit(":", 1)[1])
+    chain = service = None
+    socks: list[socket.socket] = []
+    try:
+        chain = RemoteChain(folders[0], [worker.address], key=key, connect_timeout_s=30)
+        service = ChatService(chain, streams=1, max_length=64)
+        service.submit([{"role": "user", "content": "warm up"}], 2).wait(120)
+        hello = wire.encode(wire.control(wire.Msg.HELLO, {"role": "stage", "version": wire.VERSION,
+                                                          "nonce": "00" * 32, "fingerprint": "f" * 16}))
+        refused = 0
+        for _ in range(connections):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:
+                refused += 1
+        cut: set[int] = set()
+        made, replies, errors, serving = [0], [0], [], threading.Event()
+
+        def serve() -> None:
+            while not serving.is_set():
+                reply = service.submit([{"role": "user", "content": "count on"}], 8, ignore_eos=True).wait(120)
+                if reply.error:
+                    errors.append(reply.error)
+                    return
+                made[0] += len(reply.tokens)
+                replies[0] += 1
+
+        deadline = handshake_deadline_s()
+        hold = deadline + MARGIN_S
+        log(f"flood: {len(socks)} connections trickling for {hold:.0f} s (handshake deadline {deadline:.0f} s)")
+        server = threading.Thread(target=serve, name="flood serve", daemon=True)
+        start = time.monotonic()
+        server.start()
+        sent = 0
+        while time.monotonic() - start < hold:
+            byte = hello[sent % len(hello): sent % len(hello) + 1]
+            sent += 1
+            for i, sock in enumerate(socks):
+                if i in cut:
+                    continue
+                try:
+                    sock.setblocking(False)
+                    try:
+                        if sock.recv(4096) == b"":
+                            cut.add(i)
+                            continue
+                    except BlockingIOError:
+                        pass
+                    sock.send(byte)
+                except OSError:
+                    cut.add(i)
+            time.sleep(TRICKLE_S)
+        serving.set()
+        server.join(120)
+        result = {"connections": connections, "refused at connect": refused, "cut": len(cut) + refused,
+                  "still open": len(socks) - len(cut), "handshake deadline s": deadline, "held s": hold,
+                  "tokens during flood": made[0], "replies during flood": replies[0], "chain errors": errors,
+                  "worker tokens": worker.tokens}
+        result["served"] = made[0] > 0 and not errors
+        result["ok"] = result["served"] and result["still open"] == 0
+        for outcome, n in (("cut", result["cut"]), ("still open", result["still open"])):
+            if n:
+                tally.counts["flood"][outcome] += n
+        return result
+    finally:
+        for sock in socks:
+            sock.close()
+        if service is not None:
+            service.close()
+        elif chain is not None:
+            chain.close()
+        worker.stop()
+
+
 def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS, weights: str = "int4",
              out: Path | None = None, log=print) -> dict:
     folders = export_model(model, stages=1, weights=weights).folders
@@ -379,17 +604,26 @@ def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS
         log(f"fuzzing {target}: {cases} cases")
         if target == "manifest":
             fuzz_manifest(cases, tally, sample)
-        elif target == "http":
+        elif target in ("http", "http_bounds"):
             service = ChatService(LocalChain(folders), streams=2, max_length=48)
             try:
-                fuzz_http(cases, tally, service, model)
+                globals()[f"fuzz_{target}"](cases if target == "http" else max(cases // 20, 1), tally, service, model)
             finally:
                 service.close()
+        elif target == "flood":
+            flood = fuzz_flood(export_model(model, stages=2, weights=weights).folders, tally, log=log)
+            log(f"flood: {json.dumps(flood)}")
         else:
             globals()[f"fuzz_{target}"](cases, tally)
     # a crash or hang fails its target's property and stops the bench: every row here had none
     rows = [{"target": t, "cases": tally.cases(t), "crashes": 0,
              "outcomes": ", ".join(f"{name} {n}" for name, n in tally.counts[t].most_common())} for t in targets]
     ratios = {f"{t} cases": tally.cases(t) for t in targets}
+    if "flood" in targets:  # measured, not a property that stops the bench: its verdict is in the row
+        rows[list(targets).index("flood")]["outcomes"] += (
+            f"; {flood['tokens during flood']} tokens served during the flood; "
+            f"{'PASS' if flood['ok'] else 'FAIL'}: {flood['still open']} connections open past the deadline")
+        ratios["flood still open"] = flood["still open"]
+        ratios["flood tokens"] = flood["tokens during flood"]
     return write_report("fuzz", rows, ratios, out, settings={"model": model, "cases_per_target": cases})
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -78,6 +78,12 @@ class Hooks:
     def row(self, row: dict) -> None:
         if self.on_row:
             self.on_row(row)
+
+    def part(self, index: int, count: int) -> "Hooks":
+        """These hooks for the ``index``-th of ``count`` equal parts of a run: the part's own
+        progress, from 0 to 1, fills its share of the whole."""
+        outer = self.progress
+        return replace(self, progress=None if outer is None else lambda f, what: outer((index + f) / count, what))
 
 
 NO_HOOKS = Hooks()

@@ -16,8 +16,10 @@ each, the solver's split against llama.cpp whole on one (paging) and llama.cpp's
 PC (``engine.bench.slowpc``): two PCs of 0.9 of a core and one of a fifth, the solver's placement
 with the slow one and without it.  Then one user with a second PC that drafts
 (``engine.bench.draftpc``): the target on this PC, its draft model on PC 2, against the best
-speculation of this PC alone.  ``parts`` picks any of ``links`` (the deployment and cable-cut rows),
-``office``, ``big``, ``slow`` and ``draft``.
+speculation of this PC alone.  Then the solver's layout (``engine.bench.copies``): on 2 PCs of one
+core and on 3 PCs of 0.6 of a core each, whatever ``engine.fleet.layout`` chooses (a chain, copies of
+the model or both) against N times one PC at U/N users.  ``parts`` picks any of ``links`` (the
+deployment and cable-cut rows), ``office``, ``big``, ``slow``, ``draft`` and ``layout``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from engine.bench import capped, draftpc
 from engine.bench import office as office_bench
-from engine.bench import slowpc
+from engine.bench import copies, slowpc
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaCppUnavailable
 from engine.bench.parity import llamacpp_gguf
@@ -67,7 +69,8 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
                                                                  coordinator="coordinator").to_json()}
 
 
-PARTS = ("links", "office", "big", "slow", "draft")
+PARTS = ("links", "office", "big", "slow", "draft", "layout")
+LAYOUT_OFFICES = ((2, None, (2, 4, 8)), (3, 0.6, (3, 6)))  # PCs, CPU quota of each, user counts
 
 
 def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2, 4, 8), weights: str = "int4",
@@ -88,8 +91,15 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             gguf = llamacpp_gguf(model)
         except LlamaCppUnavailable as exc:
             raise FleetError(f"the office comparisons run llama.cpp on the model's GGUF: {exc}") from None
-    later = [part for part in ("office", "big", "slow", "draft") if part in parts]  # a step each
+    later = [part for part in ("office", "big", "slow", "draft", "layout") if part in parts]  # a step each
     steps = len(rates) * ("links" in parts) + len(later) + 1
+
+    def begin(part: str, what: str) -> Hooks:
+        """Reports that ``part`` begins; returns the hooks whose progress fills its step."""
+        index = steps - len(later) + later.index(part)
+        hooks.step(index, steps, what)
+        return hooks.part(index, steps)
+
     hooks.step(0, steps, "exporting the split")
     whole = export_model(model, stages=1, weights=weights)
     shape = ModelShape(**model_shape(load_manifest(whole.folders[0])))
@@ -106,13 +116,12 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             ratios |= {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
             settings |= {"rates_mbit": list(rates), "cut_after_tokens": CUT_AFTER}
         if "office" in parts:
-            hooks.step(steps - len(later) + later.index("office"), steps,
-                       "the office: one PC against two, ours and llama.cpp's")
+            within = begin("office", "the office: one PC against two, ours and llama.cpp's")
             spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
             with Office([spec], key_file=key_file, root=Path(tmp) / "office", log=log) as office:
                 office_rows, office_ratios = office_bench.compare(
                     office, model, gguf, whole.folders, split, key=key, weights=weights, tokens=tokens,
-                    users=tuple(users), runs=runs, core=cores[0], log=log, hooks=hooks)
+                    users=tuple(users), runs=runs, core=cores[0], log=log, hooks=within)
             for row in office_rows:
                 hooks.row(row)
             rows += office_rows
@@ -120,11 +129,11 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             settings |= {"users": list(users), "runs": runs, "office": "this machine is PC 1 (one core); PC 2 "
                          "one core at 1 Gbit/s; greedy, no speculation, no prompt cache"}
         if "big" in parts:
-            hooks.step(steps - len(later) + later.index("big"), steps, "a model too big for one PC")
+            within = begin("big", "a model too big for one PC")
             specs = [NodeSpec(f"pc{i + 1}", memory_mb=memory_mb, cpus=str(cores[i]), rate_mbit=1000.0) for i in range(2)]
             with Office(specs, key_file=key_file, root=Path(tmp) / "big", log=log) as office:
                 big_rows, big_ratios, plan = capped.compare_capped(office, model, gguf, shape, key=key,
-                                                                   weights=weights, runs=runs, log=log, hooks=hooks)
+                                                                   weights=weights, runs=runs, log=log, hooks=within)
             for row in big_rows:
                 hooks.row(row)
             rows += big_rows
@@ -133,13 +142,13 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
                                  "pcs": "2, one core and the memory cap each, 1 Gbit/s; no swap",
                                  "placement": plan.explain().splitlines()}}
         if "slow" in parts:
-            hooks.step(steps - len(later) + later.index("slow"), steps, "a slow PC beside two fast ones")
+            within = begin("slow", "a slow PC beside two fast ones")
             specs = [NodeSpec("pc2", cpus=str(cores[1]), cpu_quota=slowpc.QUOTA, rate_mbit=1000.0),
                      NodeSpec("pc3", cpus=f"{cores[0]},{cores[1]}", cpu_quota=slowpc.SLOW_QUOTA, rate_mbit=1000.0)]
             with Office(specs, key_file=key_file, root=Path(tmp) / "slow", log=log) as office:
                 slow_rows, slow_ratios, notes = slowpc.compare_slow(office, model, key=key, weights=weights,
                                                                     tokens=tokens, runs=runs, core=cores[0], log=log,
-                                                                    hooks=hooks)
+                                                                    hooks=within)
             for row in slow_rows:
                 hooks.row(row)
             rows += slow_rows
@@ -147,12 +156,12 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             settings |= {"slow": {"users": list(slowpc.USERS), "pcs": "this machine (PC 1) and PC 2 at 0.9 of a "
                                   "core each, PC 3 at 0.2, 1 Gbit/s", "objective": "throughput", **notes}}
         if "draft" in parts:
-            hooks.step(steps - len(later) + later.index("draft"), steps, "one user, and a second PC that drafts")
+            within = begin("draft", "one user, and a second PC that drafts")
             spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
             with Office([spec], key_file=key_file, root=Path(tmp) / "draft", log=log) as office:
                 draft_rows, draft_ratios = draftpc.compare_draft(office, model, draft, key=key, weights=weights,
                                                                  tokens=tokens, runs=runs, core=cores[0], log=log,
-                                                                 hooks=hooks)
+                                                                 hooks=within)
             for row in draft_rows:
                 hooks.row(row)
             rows += draft_rows
@@ -160,6 +169,23 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             settings |= {"draft": {"draft_model": draft, "users": list(draftpc.USERS),
                                    "pcs": "this machine (PC 1, one core) holds the target; PC 2 (one core, "
                                           "1 Gbit/s) the draft model"}}
+        if "layout" in parts:
+            within = begin("layout", "the solver's layout on 2 and 3 PCs")
+            for pcs, quota, counts in LAYOUT_OFFICES:
+                specs = [NodeSpec(f"pc{i + 2}", cpus=str(cores[1]) if i == 0 else f"{cores[0]},{cores[1]}",
+                                  cpu_quota=quota, rate_mbit=1000.0) for i in range(pcs - 1)]
+                with Office(specs, key_file=key_file, root=Path(tmp) / f"layout{pcs}", log=log) as office:
+                    layout_rows, layout_ratios, notes = copies.compare_layout(
+                        office, model, key=key, weights=weights, tokens=tokens, users=counts, runs=runs,
+                        core=cores[0], quota=quota, log=log, hooks=within)
+                for row in layout_rows:
+                    hooks.row(row)
+                rows += layout_rows
+                ratios |= layout_ratios
+                settings |= {f"layout, {pcs} PCs": {
+                    "pcs": f"this machine (PC 1) and {pcs - 1} more, " + (f"{quota} of a core each" if quota else
+                                                                          "one core each") + ", 1 Gbit/s",
+                    "users": list(counts), **notes}}
     return write_report("sim", rows, ratios, out, settings=settings)
 
 

@@ -98,7 +98,7 @@ def add_commands(sub) -> None:
     bench.add_argument("--users", type=counts, help="serve, sim: the concurrent users of each wave (default 1,2,4,8); "
                        "batch: the stream counts (same default); soak: the users (default 8)")
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
-                       "sim: links,office,big,slow,draft (default all)")
+                       "sim: links,office,big,slow,draft,layout (default all)")
     bench.add_argument("--memory", type=count, default=1000,
                        help="sim: each PC's memory cap in MB in the part with a model too big for one (default 1000)")
     bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")

@@ -20,16 +20,18 @@ from engine.cli.generate import chat
 from engine.config import Settings, paths, set_node
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
+from engine.files import write_json
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import MAX_NODES, demo_profile, demo_up
-from engine.fleet.deploy import Deployment, deploy, deploy_draft
-from engine.fleet.discovery import Browser, browse
+from engine.fleet.deploy import Deployment, deploy_draft, deploy_layout
+from engine.fleet.discovery import Browser, browse, prover
 from engine.fleet.local import local_up, stop_local_agent
 from engine.fleet.netns import require_root
 from engine.fleet.node import SimulatedDevice, node_id
+from engine.fleet.layout import price_layout, solve_layout
 from engine.fleet.placement import Pin, PlacementError, left_out, solve
-from engine.fleet.plans import placement_stages, planned_by
+from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import load_survey, readable, recent_survey, survey
@@ -113,7 +115,7 @@ def cmd_nodes(args) -> int:
         else:
             print(f"{kind:<8} {_row({**dataclasses.asdict(info), 'source': 'mdns'})}", flush=True)
 
-    with Browser(fleet_id(key), on_event=show if args.watch else None) as browser:
+    with Browser(fleet_id(key), on_event=show if args.watch else None, verify=prover(key, tls)) as browser:
         found = [_static_status(a, key, tls) for a in settings.nodes]
         if args.watch:
             if not args.json:
@@ -142,11 +144,17 @@ def cmd_nodes(args) -> int:
 
 
 def _agent_addresses(args, key: bytes, tls) -> list[str]:
-    """--nodes: 'all' (mDNS plus the nodes added by address that answer: a PC switched off is left
-    out, said) or a comma-separated HOST:PORT list (each must answer)."""
+    """--nodes: 'all' (the mDNS records whose agents prove the fleet key and their node id, plus the
+    nodes added by address that answer: a PC switched off or a bogus record is left out, said) or a
+    comma-separated HOST:PORT list (each must answer)."""
     if args.nodes and args.nodes != "all":
         return [a.strip() for a in args.nodes.split(",") if a.strip()]
-    found = [f"{n.addresses[0]}:{n.port}" for n in browse(args.seconds, fleet_id(key)) if n.addresses]
+    with Browser(fleet_id(key), verify=prover(key, tls)) as browser:
+        time.sleep(args.seconds)
+        heard, skipped = browser.nodes().values(), browser.rejected()
+    for name, reason in skipped.items():
+        say(f"left out mDNS record {name.split('._', 1)[0]!r}: {reason}")
+    found = [f"{n.addresses[0]}:{n.port}" for n in heard if n.addresses]
     for address in [a for a in Settings.load().nodes if a not in found]:
         status = _static_status(address, key, tls)
         if "error" in status:
@@ -170,8 +178,7 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
         say(f"using the fleet profile of {minutes:.0f} min ago in {path} (--resurvey profiles the fleet afresh)")
     else:
         doc = survey(**asked, log=say)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2))
+        write_json(path, doc)
         say(f"fleet profile written to {path}")
     for d in doc["fleet"]["devices"]:
         print(f"{doc['nodes'][d['node']]['name']:<20} {d['device']:<8} layer {d['layer_ms']:.3f} ms  "
@@ -203,27 +210,38 @@ def _pin(text: str):
     return Pin(node=node, start=first, end=last + 1, device=device[0] if device else None)
 
 
-def _place(profile: Path, *, objective: str, users: int, pins, out: str | None = None) -> tuple[dict, Path]:
-    """Solves the placement for a profile, prints why, and writes the plan document."""
+def _place(profile: Path, *, objective: str, users: int, pins, out: str | None = None,
+           replicas: bool = True) -> tuple[dict, Path]:
+    """Solves the placement for a profile, prints why, and writes the plan document.  For several
+    users (throughput, no pins) the solver may choose copies of the model (``engine.fleet.layout``)
+    unless ``replicas`` is off."""
     shape, nodes, fleet = load_survey(profile)
     names = {n: info.get("name", n) for n, info in nodes.items()}
     pins = [p if p.node in nodes else _resolve_pin(p, names) for p in pins]
     try:
-        plan = solve(shape, fleet, objective=objective, users=users, pins=pins)
+        if objective == "throughput" and not pins:
+            layout = solve_layout(shape, fleet, users=users, replicas=replicas)
+        else:
+            layout = price_layout(shape, fleet, [solve(shape, fleet, objective=objective, users=users, pins=pins)],
+                                  users)
     except PlacementError as exc:
         raise FleetError(readable(str(exc), nodes)) from None
-    print(readable(plan.explain(), nodes))
+    plan, *others = layout.plans
+    print(readable(layout.explain(), nodes))
+    used = {s.node for p in layout.plans for s in p.stages}
     for node, reason in left_out(shape, fleet, plan).items():
-        print(readable(f"  left out: {node}: {reason}", nodes))
-    doc = {"plan": plan.to_json(), "nodes": nodes, "profile": str(Path(profile).resolve())}
-    path = Path(out) if out else paths().data / "plan.json"
-    path.write_text(json.dumps(doc, indent=2))
+        if node not in used:
+            print(readable(f"  left out: {node}: {reason}", nodes))
+    doc = {"plan": plan.to_json(), "replicas": [p.to_json() for p in others], "nodes": nodes,
+           "profile": str(Path(profile).resolve())}
+    path = write_json(Path(out) if out else paths().data / "plan.json", doc)
     return doc, path
 
 
 def cmd_place(args) -> int:
     doc, path = _place(Path(args.profile) if args.profile else paths().data / "fleet-profile.json",
-                       objective=args.objective, users=args.users, pins=args.pin or [], out=args.out)
+                       objective=args.objective, users=args.users, pins=args.pin or [], out=args.out,
+                       replicas=not args.one_chain)
     say(f"plan written to {path}; deploy it with `fleet deploy --model {doc['plan']['model']} --plan {path}`")
     return 0
 
@@ -246,7 +264,8 @@ def cmd_deploy(args) -> int:
         problems = record.stop(key, tls)
         for p in problems:
             say(f"warning: {p}")
-        say(f"stopped {len(record.workers) - len(problems)} of {len(record.workers)} workers")
+        workers = sum(len(copy.workers) for copy in record.copies)
+        say(f"stopped {workers - len(problems)} of {workers} workers")
         return 0
     if not (args.model and args.plan):
         raise FleetError("fleet deploy needs --model and --plan (or --stop)")
@@ -256,10 +275,11 @@ def cmd_deploy(args) -> int:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
     if args.draft_on and not (args.draft_model or settings.draft_model):
         raise FleetError("--draft-on needs the draft model: --draft-model MODEL (one with the target's tokenizer)")
-    deployment, chain = deploy(args.model, placement_stages(plan_doc), key=key, tls=tls, weights=args.weights,
-                               mode=settings.mode, progress=deploy_printer(), deadline_s=settings.deadline_s,
-                               planned=planned_by(plan_doc))
-    chain.close()
+    deployment, chains = deploy_layout(args.model, layout_stages(plan_doc), key=key, tls=tls, weights=args.weights,
+                                       mode=settings.mode, progress=deploy_printer(), deadline_s=settings.deadline_s,
+                                       planned=planned_by(plan_doc))
+    for chain in chains:
+        chain.close()
     if args.draft_on:
         try:
             deployment.draft = deploy_draft(args.draft_model or settings.draft_model, args.draft_on, key=key, tls=tls,
@@ -269,7 +289,7 @@ def cmd_deploy(args) -> int:
             raise
         say(f"draft server at {deployment.draft['address']}: chat with --draft remote: to draft there")
     path = deployment.save(Path(args.record) if args.record else None)
-    print(f"deployed {args.model}: stage 0 here, workers at {', '.join(deployment.remotes)}")
+    print(f"deployed {args.model}: {_where(deployment)}")
     say(f"deployment recorded in {path}; chat with `fleet generate --deployment`; stop with `fleet deploy --stop`")
     return 0
 
@@ -306,18 +326,20 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
                          "PCs, or name them with --nodes HOST:PORT,...")
     profile = _survey(model, agents, key=key, tls=tls, devices=settings.device, weights=settings.weights,
                       context=PLAN_CONTEXT, streams=args.users, reuse=not args.resurvey)
-    doc, _ = _place(profile, objective=args.objective, users=args.users, pins=args.pin or [])
-    stages = placement_stages(doc)
-    if len(stages) == 1:
+    doc, _ = _place(profile, objective=args.objective, users=args.users, pins=args.pin or [],
+                    replicas=not args.one_chain)
+    copies = layout_stages(doc)
+    if len(copies) == 1 and len(copies[0]) == 1:
         why = ("the nodes would not make it faster (--objective throughput --users N weighs several users; "
                "--pin NODE:FIRST-LAST places layers by hand)" if len(doc["nodes"]) > 1 else
                "the only node agent found runs on this machine")
         say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1", tls=settings.tls)
-    deployment, chain = deploy(model, stages, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
-                               progress=deploy_printer(), deadline_s=settings.deadline_s,
-                               planned=planned_by(doc))
-    chain.close()
+    deployment, chains = deploy_layout(model, copies, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
+                                       progress=deploy_printer(), deadline_s=settings.deadline_s,
+                                       planned=planned_by(doc))
+    for chain in chains:
+        chain.close()
     try:
         return _serve(args, model, deployment, settings.tls)
     finally:
@@ -355,11 +377,18 @@ def _interrupt(*_) -> None:
     raise KeyboardInterrupt
 
 
+def _where(deployment: Deployment) -> str:
+    """Where a deployment's copies run, in words."""
+    places = [f"stage 0 here, workers at {', '.join(c.remotes)}" if c.remotes else "whole on this machine"
+              for c in deployment.copies]
+    return places[0] if len(places) == 1 else f"{len(places)} replicas: " + "; ".join(places)
+
+
 def _serve(args, model: str, deployment, tls: bool) -> int:
     """Records ``deployment`` and chats through it (or, with --no-chat, keeps it up) until the user
     ends it, with Ctrl-C or SIGTERM: either way the caller's cleanup stops the workers.  ``tls``: the
     settings' TLS, which the deployment was made with."""
-    say(f"{model} is up: stage 0 in this process, stage(s) 1.. at {', '.join(deployment.remotes)}")
+    say(f"{model} is up: {_where(deployment)}")
     record = deployment.save()
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -506,6 +535,8 @@ def add_commands(sub) -> None:
     place.add_argument("--pin", action="append", type=_pin,
                        help="NODE:FIRST-LAST[:DEVICE]: these layers (both included) on this node, fixed by hand")
     place.add_argument("--out", help="where to write the plan (default: the data folder)")
+    place.add_argument("--one-chain", action="store_true",
+                       help="one chain over the nodes, never copies of the model (replicas) for several users")
     place.set_defaults(func=cmd_place)
 
     dep = sub.add_parser("deploy", help="ship a plan's shards to its nodes and start the chain")
@@ -530,6 +561,7 @@ def add_commands(sub) -> None:
                                     "place the model with the solver, deploy and chat")
     up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
     up.add_argument("--users", type=count, default=1, help="with --nodes: concurrent users planned for")
+    up.add_argument("--one-chain", action="store_true", help="with --nodes: never copies of the model (replicas)")
     up.add_argument("--pin", action="append", type=_pin,
                     help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--demo", nargs="?", type=count, const=MAX_NODES, metavar="N",

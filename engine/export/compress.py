@@ -1,4 +1,4 @@
-"""Weight formats of a shard: INT4 (symmetric, group 128) or INT8 layer weights via NNCF with the
+"""Weight formats of a shard: INT4 (asymmetric, group 128) or INT8 layer weights via NNCF with the
 vocabulary matrices in asymmetric INT8, INT4 fitted to the activations of calibration text
 (``CALIBRATED``: NNCF's data-aware algorithms, ``engine.export.calibration``), a GGUF's own
 quantized layer weights carried over as they are (``gguf``: ``engine.export.gguf_weights``;
@@ -54,6 +54,10 @@ WEIGHT_NOTES = {
 }
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
+# Data-free ``int4`` codes: asymmetric (INT4_ASYM, a u4 zero point per group beside the f16 scale:
+# KL 10-26% lower than symmetric INT4_SYM for about 0.5% more bytes, docs/benchmarks.md "Asymmetric
+# int4").  Switching re-exports every cached int4 shard: bump EXPORTER_VERSION with it.
+INT4_ASYMMETRIC = True
 _ROW_BLOCK = 2048
 
 
@@ -97,9 +101,10 @@ def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:
     data_aware = {}
     if weights in CALIBRATED:
         data_aware = dict(CALIBRATED[weights], dataset=dataset, subset_size=dataset.get_length())
+    asymmetric = weights == "int4" and INT4_ASYMMETRIC  # the calibrated formats keep symmetric codes
     return nncf.compress_weights(
         model,
-        mode=nncf.CompressWeightsMode.INT4_SYM,
+        mode=nncf.CompressWeightsMode.INT4_ASYM if asymmetric else nncf.CompressWeightsMode.INT4_SYM,
         group_size=INT4_GROUP,
         ratio=1.0,
         all_layers=True,

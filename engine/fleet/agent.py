@@ -42,7 +42,7 @@ from engine.runtime.stages.stage import core
 from engine.runtime.stages.turns import machine_turns_file
 from engine.transport import wire
 from engine.transport.link import Link, accept_loop, authenticate_peer, parse_address
-from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
+from engine.transport.wire import Frame, Msg, ProtocolError
 
 MAX_WORKERS = 8
 UNFINISHED_S = 600.0  # a transfer no chunk reached for this long is dropped by a prune
@@ -172,16 +172,15 @@ class Agent:
     # --- connections ---------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        accept_loop(self._listener, self._stop, self._session, "control")
+        accept_loop(self._listener, self._stop, self._authenticate, self._session, "control", self.log)
 
-    def _session(self, conn: socket.socket, peer: str) -> None:
-        try:
-            conn = authenticate_peer(conn, self.key, {**ROLE, "node": {"name": self.name, "fleet": self.fleet_id}}, self.tls)
-        except (ProtocolError, AuthError, OSError, ValueError) as exc:
-            self.log(f"refused control connection from {peer}: {exc}")
-            conn.close()
-            return
-        link = Link(conn, peer, max_frame=CONTROL_MAX_FRAME)
+    def _authenticate(self, conn: socket.socket) -> tuple[socket.socket, wire.Seal]:
+        # the node's id in WELCOME lets a browser check that an mDNS record naming this node leads here
+        identity = {**ROLE, "node": {"name": self.name, "fleet": self.fleet_id, "id": self.node_id}}
+        return authenticate_peer(conn, self.key, identity, self.tls)
+
+    def _session(self, conn: socket.socket, seal: wire.Seal, peer: str) -> None:
+        link = Link(conn, peer, seal, max_frame=CONTROL_MAX_FRAME)
         self._links.add(link)
         try:
             while not self._stop.is_set():

@@ -38,6 +38,15 @@ def call_frame(op: str, doc: dict | None = None, data: bytes | None = None) -> F
     return frame
 
 
+def prove_node(address: str, key: bytes, node_id: str, *, tls=None, timeout_s: float = 3.0) -> None:
+    """Checks that the agent at ``address`` proves the fleet key and is node ``node_id`` (its WELCOME
+    names it): what an mDNS record must pass before it is believed.  Raises AgentError saying why not."""
+    with ControlClient(address, key, tls=tls, timeout_s=timeout_s) as agent:
+        said = agent.node.get("id") if isinstance(agent.node, dict) else None
+    if said != node_id:
+        raise AgentError(f"node agent at {address} is node {said or '(no id given)'}, not {node_id}")
+
+
 class ControlClient:
     def __init__(self, address: str, key: bytes, *, tls=None, timeout_s: float = 10.0):
         self.address = address
@@ -49,12 +58,12 @@ class ControlClient:
             raise AgentError(f"node agent at {address} is not reachable ({exc.strerror or exc})") from None
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            self.welcome = wire.client_handshake(sock, key, ROLE)
+            self.welcome, seal = wire.client_handshake(sock, key, ROLE)
         except (AuthError, ProtocolError, OSError) as exc:
             sock.close()
             raise AgentError(f"node agent at {address}: {exc}") from None
         self.node = self.welcome.get("node", {})
-        self._link = Link(sock, address, max_frame=CONTROL_MAX_FRAME)
+        self._link = Link(sock, address, seal, max_frame=CONTROL_MAX_FRAME)
 
     def call(self, op: str, data: bytes | None = None, timeout_s: float | None = None, **doc) -> dict:
         """One request; returns the reply's JSON (raw reply bytes, if any, under ``"_data"``)."""

@@ -16,13 +16,13 @@ reaches them speak TLS as the caller's settings say (``tls``), as the local flee
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 from pathlib import Path
 from typing import Callable
 
 from engine.config import paths
 from engine.errors import FleetError
+from engine.files import write_json
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.local import start_local_agent
@@ -139,9 +139,7 @@ def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, weight
             "first, once)")
         doc = survey(model, fleet.addresses, key=secret, tls=contexts, local_node=node_id(), local_devices=[device],
                      weights=weights, log=log, cancel=cancel)
-        path = demo_profile()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2))
+        path = write_json(demo_profile(), doc)
         stages = even_placement(int(doc["model"]["num_layers"]), fleet, device)
         deployment, chain = deploy(model, stages, key=secret, tls=contexts, weights=weights, mode=mode,
                                    progress=progress, deadline_s=deadline_s, cancel=cancel,

@@ -17,9 +17,12 @@ from typing import Callable
 
 from engine.config import paths
 from engine.errors import FleetError
+from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient
 from engine.manifest import layer_span, load_manifest
 from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
 from engine.transport.link import parse_address
 
@@ -66,6 +69,7 @@ class Deployment:
     objective: str = "latency"
     users: int = 1
     draft: dict | None = None  # a draft server on a node (``deploy_draft``): agent, worker, address, model
+    replicas: list[dict] = dataclasses.field(default_factory=list)  # the other copies' records (``deploy_layout``)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -82,11 +86,14 @@ class Deployment:
     def stages(self) -> list[StagePlacement]:
         return [StagePlacement(**s) for s in self.placement]
 
+    @property
+    def copies(self) -> list["Deployment"]:
+        """Each copy of the model on its own: this one (without the replicas and draft server it
+        records) and the other replicas deployed with it.  What a copy's failover restarts."""
+        return [dataclasses.replace(self, replicas=[], draft=None), *(Deployment.from_json(r) for r in self.replicas)]
+
     def save(self, path: Path | None = None) -> Path:
-        path = Path(path or default_record())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), indent=2))
-        return path
+        return write_json(Path(path or default_record()), self.to_json())
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Deployment":
@@ -102,13 +109,17 @@ class Deployment:
         """The coordinator's chain; its stage 0 (and a draft model beside it) takes this computer's
         compute turns, with any stage worker a node agent runs here (``engine.runtime.stages.turns``)."""
         kw.setdefault("turns", compute_turns(machine_turns_file()))
+        if not self.remotes:  # a copy whole on this machine (``deploy_layout``)
+            return LocalChain([self.stage0], device=self.device, config=compile_config(self.mode),
+                              isolate=kw.get("isolate", False), turns=kw["turns"])
         return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
                            deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, **kw)
 
     def stop(self, key: bytes, tls=None) -> list[str]:
-        """Stops every worker of the deployment (and its draft server); returns the problems met
-        (unreachable agents)."""
-        return _stop_workers(self.workers + ([self.draft] if self.draft else []), key, tls)
+        """Stops every worker of the deployment (its replicas' and its draft server's too); returns
+        the problems met (unreachable agents)."""
+        workers = [w for copy in self.copies for w in copy.workers]
+        return _stop_workers(workers + ([self.draft] if self.draft else []), key, tls)
 
 
 def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights: str = "auto", device: str = "CPU",
@@ -260,3 +271,45 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     except BaseException:
         _stop_workers(started, key, tls)
         raise
+
+
+def deploy_layout(model: str, copies: list[list[StagePlacement]], *, key: bytes, tls=None, weights: str = "int4",
+                  mode: str = "fast", deadline_s: float = 2.0, progress: DeployProgress | None = None,
+                  planned: dict | None = None, cancel=None, **kw):
+    """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
+    or, for a single stage here, the model exported whole for this machine.  Returns the first
+    copy's ``Deployment``, holding the others in ``replicas``, and every copy's chain (the caller
+    closes them).  A copy that fails stops the ones already running."""
+    done: list[tuple[Deployment, object]] = []
+    try:
+        for stages in copies:
+            if len(stages) == 1 and stages[0].agent == LOCAL:
+                copy = _whole_here(model, stages[0], weights=weights, mode=mode, progress=progress, planned=planned,
+                                   cancel=cancel)
+                done.append((copy, copy.chain(key, tls=tls, deadline_s=deadline_s)))
+            else:
+                done.append(deploy(model, stages, key=key, tls=tls, weights=weights, mode=mode, deadline_s=deadline_s,
+                                   progress=progress, planned=planned, cancel=cancel, **kw))
+    except BaseException:
+        for copy, chain in done:
+            chain.close()
+            copy.stop(key, tls)
+        raise
+    first = done[0][0]
+    first.replicas = [copy.to_json() for copy, _ in done[1:]]
+    return first, [chain for _, chain in done]
+
+
+def _whole_here(model: str, stage: StagePlacement, *, weights: str, mode: str, progress: DeployProgress | None,
+                planned: dict | None, cancel=None) -> Deployment:
+    """A copy of the model whole on this machine: exported (or found in the cache), nothing sent."""
+    from engine.export.exporter import export_model  # deferred, as in ``deploy``
+
+    folder = export_model(model, stages=1, weights=weights, cancel=cancel,
+                          progress=lambda i, step, frac: progress(0, "export", frac) if progress else None).folders[0]
+    manifest = load_manifest(folder)
+    if (stage.start, stage.end) != tuple(manifest.layers):
+        raise FleetError(f"a copy on this machine holds the whole model, {layer_span(*manifest.layers)}, not "
+                         f"{layer_span(stage.start, stage.end)}")
+    return Deployment(model=model, stage0=str(folder), device=stage.device, remotes=[], workers=[], mode=mode,
+                      weights=manifest.weights, placement=[dataclasses.asdict(stage)], **(planned or {}))

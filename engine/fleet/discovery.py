@@ -5,6 +5,12 @@ Only public facts travel: the record names the fleet by its id (a keyed hash), n
 Both sides run zeroconf on its own thread, so they work the same from plain threads or asyncio code.
 Given no addresses, both follow this machine's interfaces as they come and go (a laptop whose agent
 starts before its Wi-Fi connects, or that moves to another network).
+
+Anyone on the LAN can send a record, so a browser given the fleet key (``prover``) believes a record
+only once the agent at its address proves the key and answers as the node the record names; the same
+check guards a record that would move a node it already knows to another address or port.  A record
+that fails it is skipped with a warning and the node stays where it was.  At most ``MAX_RECORDS``
+records are kept, the oldest heard dropped first.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import psutil
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
 from engine.errors import FleetError
+from engine.fleet.control import prove_node
 from engine.fleet.node import BadRecord, NodeInfo
 
 log = logging.getLogger(__name__)
@@ -32,6 +39,9 @@ SERVICE = "_fleetshard._tcp.local."
 TTL = 120
 RESOLVE_MS = 3000
 MAX_REJECTED = 64  # reasons kept for inspection; a flood of bad records must not grow memory
+MAX_RECORDS = 256  # service records kept; a flood of records (even of valid form) must not grow memory either
+PROVE_S = 3.0  # how long a record's agent may take to answer the check of ``prover``
+PROVE_ADDRESSES = 4  # addresses of a record ``prover`` tries: one listing hundreds must not stall the browser
 WATCH_S = 3.0  # how often the interfaces are checked for changes
 SETTLE_S = 3.0  # a change must hold this long before mDNS moves: a flapping link does not re-announce
 RECONFIRM_S = 10.0  # after a change, a node not heard again within this is dropped
@@ -67,6 +77,28 @@ def _open(addresses: list[str]) -> Zeroconf:
         zc.close()
         raise FleetError(f"cannot start mDNS: none of {', '.join(addresses)} accepts multicast ({hint})")
     return zc
+
+
+def prover(key: bytes, tls=None, timeout_s: float = PROVE_S) -> Callable[[NodeInfo], str]:
+    """A ``Browser``'s check of a record: dials the record's addresses in turn and returns the first
+    whose agent proves the fleet key and answers as the record's node (``control.prove_node``);
+    raises FleetError with every address's reason when none does."""
+
+    def prove(info: NodeInfo) -> str:
+        reasons = []
+        for address in info.addresses[:PROVE_ADDRESSES]:
+            try:
+                prove_node(f"{address}:{info.port}", key, info.node_id, tls=tls, timeout_s=timeout_s)
+                return address
+            except FleetError as exc:
+                reasons.append(str(exc))
+        raise FleetError("; ".join(reasons) or "the record gives no address")
+
+    return prove
+
+
+def _endpoint(info: NodeInfo) -> tuple[frozenset, int]:
+    return frozenset(info.addresses), info.port
 
 
 def _instance(info: NodeInfo) -> str:
@@ -207,16 +239,22 @@ class Browser(_Follower):
     "removed"; it must not call ``close()``.  A record that cannot be decoded is skipped, and its reason
     kept in ``rejected()``.  Given no addresses it listens on every local IPv4 address and moves as
     interfaces come and go; after a move, the nodes not heard again within ``RECONFIRM_S`` are removed.
+
+    ``verify`` (``prover(key)``) checks a record naming a node at addresses or a port it is not known
+    at (a new node, or a known one moving) before it is believed, and returns the address that
+    passed, listed first from then on; a record that fails is skipped, its reason in ``rejected()``,
+    and a known node keeps its place.  Without it, records are believed as heard.
     """
 
     def __init__(self, fleet_id: str | None = None, on_event: Callable[[str, NodeInfo], None] | None = None,
-                 addresses: list[str] | None = None):
+                 addresses: list[str] | None = None, verify: Callable[[NodeInfo], str] | None = None):
         super().__init__(addresses)
         self.fleet_id = fleet_id
         self._on_event = on_event
+        self._verify = verify
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeInfo] = {}
-        self._names: dict[str, str] = {}  # service name -> node id
+        self._names: dict[str, str] = {}  # service name -> node id, the least recently heard first
         self._rejected: dict[str, str] = {}  # service name -> reason
         self._unconfirmed: set[str] = set()  # service names known from before the last move
         self._moves = 0
@@ -300,6 +338,21 @@ class Browser(_Follower):
             log.debug("ignoring %s of fleet %s", name, info.fleet_id)
             self._forget(name)
             return
+        if self._verify is not None:
+            with self._lock:
+                known = self._nodes.get(info.node_id)
+            if known is None or _endpoint(known) != _endpoint(info):
+                # Blocking again, on this thread: the agent is dialled before the record is believed.
+                try:
+                    proven = self._verify(info)
+                except FleetError as exc:
+                    where = f"{','.join(info.addresses) or '?'} port {info.port}"
+                    self._refuse(name, f"it names node {info.node_id} at {where}, which does not answer as "
+                                       f"that node with the fleet key ({exc})", known)
+                    return
+                info.addresses = [proven] + [a for a in info.addresses if a != proven]
+            else:  # new facts at the same place: the address that passed stays first
+                info.addresses = list(known.addresses)
         events = []
         with self._lock:
             self._rejected.pop(name, None)
@@ -307,12 +360,29 @@ class Browser(_Follower):
             before = self._names.get(name)
             if before is not None and before != info.node_id:
                 events += self._unlink(name)
+            self._names.pop(name, None)
             previous = self._nodes.get(info.node_id)
-            self._names[name] = info.node_id
+            self._names[name] = info.node_id  # last in the order: heard most recently
             self._nodes[info.node_id] = info
             if previous != info:
                 events.append(("added" if previous is None else "updated", info))
+            while len(self._names) > MAX_RECORDS:
+                oldest = next(iter(self._names))
+                log.warning("dropping mDNS service %s: more than %d records heard", oldest, MAX_RECORDS)
+                events += self._unlink(oldest)
         self._emit(events)
+
+    def _refuse(self, name: str, reason: str, known: NodeInfo | None) -> None:
+        """Skips a record that failed ``verify``; unlike a malformed one, it does not take the node it
+        names away (a record cannot unseat a node that proved itself)."""
+        if known is not None:
+            reason += f"; the node stays at {','.join(known.addresses)} port {known.port}"
+        log.warning("skipping mDNS service %s: %s", name, reason)
+        with self._lock:
+            self._rejected.pop(name, None)
+            self._rejected[name] = reason
+            while len(self._rejected) > MAX_REJECTED:
+                del self._rejected[next(iter(self._rejected))]
 
     def _reject(self, name: str, reason: str) -> None:
         log.warning("skipping mDNS service %s: %s", name, reason)
@@ -346,8 +416,9 @@ class Browser(_Follower):
                 log.exception("discovery callback failed on %s of %s", kind, info.name)
 
 
-def browse(seconds: float, fleet_id: str | None = None, addresses: list[str] | None = None) -> list[NodeInfo]:
-    """The nodes heard within ``seconds``."""
-    with Browser(fleet_id, addresses=addresses) as browser:
+def browse(seconds: float, fleet_id: str | None = None, addresses: list[str] | None = None,
+           verify: Callable[[NodeInfo], str] | None = None) -> list[NodeInfo]:
+    """The nodes heard within ``seconds`` (with ``verify``, those whose records passed it)."""
+    with Browser(fleet_id, addresses=addresses, verify=verify) as browser:
         time.sleep(seconds)
         return list(browser.nodes().values())

@@ -1,5 +1,6 @@
 """The plan document ``fleet place`` writes (and the app's placement view saves): its deployable
-stages, and what a deployment keeps of it for failover."""
+stages (``plan``, and the other copies' plans in ``replicas`` when the solver chose several,
+``engine.fleet.layout``), and what a deployment keeps of it for failover."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ from engine.fleet.deploy import StagePlacement
 from engine.fleet.placement import OBJECTIVES
 
 
-def placement_stages(plan_doc: dict):
-    """The deployable stages of a ``fleet place`` plan document."""
+def placement_stages(plan_doc: dict, plan: dict | None = None) -> list[StagePlacement]:
+    """The deployable stages of a ``fleet place`` plan document (of its ``plan``, or of one of its
+    ``replicas``)."""
     try:
         nodes = plan_doc["nodes"]
         return [StagePlacement(agent=nodes[s["node"]]["address"], device=s["device"], start=s["start"], end=s["end"])
-                for s in plan_doc["plan"]["stages"]]
+                for s in (plan or plan_doc["plan"])["stages"]]
     except (KeyError, TypeError) as exc:
         raise FleetError(f"not a plan written by `fleet place` (missing {exc})") from None
+
+
+def layout_stages(plan_doc: dict) -> list[list[StagePlacement]]:
+    """Every copy's deployable stages: the plan's, then each replica's."""
+    return [placement_stages(plan_doc), *(placement_stages(plan_doc, p) for p in plan_doc.get("replicas", []))]
 
 
 def planned_by(plan_doc: dict) -> dict:

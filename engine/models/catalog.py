@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 from engine.config import paths
 from engine.errors import SourceError
-from engine.hashing import sha256_file
+from engine.hashing import sha256_file, weights_sha256
 
 Progress = Callable[[str, int, int], None]
 DEFAULT_MODEL = "smollm2-135m"
@@ -51,6 +51,20 @@ class CatalogEntry:
     has_chat_template: bool
     tokenizer_family: str  # models of one family share their tokenizer exactly
     draft_for: str | None = None  # catalog name of the model this one can draft for (speculative decoding)
+    # What a model card shows, and the shape placement is estimated from before the model is exported
+    # (the GGUF headers' values; ``parameters`` is the model's published count, a separate output matrix
+    # in the file not included).
+    parameters: int = 0
+    weight_format: str = ""
+    context: int = 0  # the longest context the model was trained for
+    license: str = ""
+    num_layers: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
 
     @property
     def path(self) -> Path:
@@ -78,6 +92,9 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         size=98_362_432,
         has_chat_template=True,
         tokenizer_family="smollm2",
+        parameters=134_515_008, weight_format="GGUF Q4_1", context=8192, license="Apache-2.0",
+        num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+        vocab_size=49152,
     ),
     CatalogEntry(
         name="qwen2.5-coder-1.5b",
@@ -89,6 +106,9 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         size=1_117_320_768,
         has_chat_template=True,
         tokenizer_family="qwen2.5",
+        parameters=1_543_714_304, weight_format="GGUF Q4_K_M", context=32768, license="Apache-2.0",
+        num_layers=28, hidden_size=1536, intermediate_size=8960, num_heads=12, num_kv_heads=2, head_dim=128,
+        vocab_size=151936,
     ),
     CatalogEntry(
         name="qwen2.5-coder-0.5b",
@@ -101,6 +121,9 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         has_chat_template=True,
         tokenizer_family="qwen2.5",
         draft_for="qwen2.5-coder-1.5b",
+        parameters=494_032_768, weight_format="GGUF Q4_K_M", context=32768, license="Apache-2.0",
+        num_layers=24, hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64,
+        vocab_size=151936,
     ),
     CatalogEntry(
         name="gemma3-270m",
@@ -113,6 +136,9 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         size=253_113_024,
         has_chat_template=False,
         tokenizer_family="gemma3",
+        parameters=268_098_176, weight_format="GGUF Q4_K_M", context=32768, license="Gemma Terms of Use",
+        num_layers=18, hidden_size=640, intermediate_size=2048, num_heads=4, num_kv_heads=1, head_dim=256,
+        vocab_size=262144,
     ),
 )}
 
@@ -265,7 +291,7 @@ class ResolvedSource:
     kind: str  # "gguf" or "hf"
     path: Path
     entry: CatalogEntry | None
-    fingerprint: str  # identifies the weights: sha256 for catalog models, a cheap content hash otherwise
+    fingerprint: str  # identifies the weights: the GGUF's sha256, or a folder's config and tensor files' sha256
 
 
 def resolve_source(src: str | Path, progress: Progress | None = None) -> ResolvedSource:
@@ -374,13 +400,8 @@ def _gguf_data_end(path: Path) -> int:
 
 
 def _file_fingerprint(path: Path) -> str:
-    size = path.stat().st_size
-    h = hashlib.sha256(f"{path.name}\0{size}\0".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()
+    """The whole file's sha256 (as a catalog entry's), hashed once (``engine.hashing.weights_sha256``)."""
+    return weights_sha256(path)
 
 
 def _hf_fingerprint(folder: Path) -> str:
@@ -399,5 +420,5 @@ def _hf_fingerprint(folder: Path) -> str:
             (length,) = struct.unpack("<Q", raw)
             if length > 100 << 20:
                 raise SourceError(f"{t} is not a safetensors file (header length {length})")
-            h.update(f"{t.name}\0{t.stat().st_size}\0".encode() + f.read(length))
+        h.update(f"{t.name}\0{weights_sha256(t)}\0".encode())  # the tensor data, not just the header
     return h.hexdigest()

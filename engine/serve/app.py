@@ -10,33 +10,43 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.config import Settings
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService, ContextExceeded, Reply
+from engine.serve.guard import RequestGuard
 from engine.serve.metrics import CONTENT_TYPE, Metrics
 from engine.serve.schema import (ApiError, Call, ChatRequest, CompletionRequest, ResponsesRequest, responses_call,
                                  to_call, validation_error)
 from engine.serve.tools import CallStream, parse_reply, prepare
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+MB = 1 << 20
+# Schemas (response_format, tools) compile here, off the event loop: a large one takes seconds.  A
+# pool of their own, so that hostile schemas queue behind each other, not before other requests'
+# work in the loop's default executor.
+_GRAMMARS = ThreadPoolExecutor(2, thread_name_prefix="api-grammar")
 
 
-def create_app(service: ChatService, model_id: str, api_key: str | None = None) -> FastAPI:
-    """The API for ``service``, serving it as ``model_id``; with ``api_key`` every request but
-    ``/health`` must carry it as a bearer token."""
+def create_app(service: ChatService, model_id: str, api_key: str | None = None,
+               max_body_mb: float = Settings.api_max_body_mb, local: bool = False) -> FastAPI:
+    """The API for ``service``, serving it as ``model_id``; with ``api_key`` every ``/v1`` request
+    must carry it as a bearer token; bodies up to ``max_body_mb``; ``local``: it listens on
+    loopback, and answers only to loopback Host names (``guard``)."""
     app = FastAPI(title="fleetshard", version="1", docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = app.state.metrics = Metrics(service)
-    app.add_middleware(_CountStatus, metrics=metrics)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body=int(max_body_mb * MB), local=local)
+    app.add_middleware(_CountStatus, metrics=metrics)  # added last, outermost: it counts the guard's refusals
 
     @app.exception_handler(ApiError)
     async def api_error(_request, exc: ApiError):
@@ -53,17 +63,7 @@ def create_app(service: ChatService, model_id: str, api_key: str | None = None) 
         error = validation_error(list(exc.errors()))
         return JSONResponse(error.body(), status_code=error.status)
 
-    def authorize(request: Request) -> None:
-        if api_key:
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                why = "a wrong API key" if token else "no API key"
-                raise ApiError(401, f"this server needs its API key as a bearer token; the request carries {why}",
-                               code="invalid_api_key")
-
-    # (a dependency, not a middleware: Starlette's middleware hides a client's disconnect from the route)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1")  # the API key is the guard's to check, before the body is read
 
     @app.get("/health")
     async def health():
@@ -85,7 +85,7 @@ def create_app(service: ChatService, model_id: str, api_key: str | None = None) 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body.model, model_id)
-        return await _complete(service, to_call(body), request, model_id, chat=True)
+        return await _complete(service, await _call_of(body), request, model_id, chat=True)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -99,6 +99,13 @@ def create_app(service: ChatService, model_id: str, api_key: str | None = None) 
 
     app.include_router(v1)
     return app
+
+
+async def _call_of(body: ChatRequest) -> Call:
+    """``to_call`` of a chat request, in the grammar pool when it has a schema to compile."""
+    if body.tools or (body.response_format is not None and body.response_format.type != "text"):
+        return await asyncio.get_running_loop().run_in_executor(_GRAMMARS, to_call, body)
+    return to_call(body)
 
 
 def _model_card(model_id: str, created: int) -> dict:

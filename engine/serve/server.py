@@ -2,12 +2,11 @@
 in a thread of the app or in the foreground of ``fleet serve``.
 
 Off loopback the API is reachable by anyone on the network, so binding any other address requires
-an API key.
+an API key; on loopback it answers only to loopback Host names (``guard``).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -15,9 +14,11 @@ import time
 
 import uvicorn
 
+from engine.config import Settings
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService
 from engine.serve.app import create_app
+from engine.serve.guard import is_loopback
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -25,20 +26,13 @@ DEFAULT_PORT = 8000
 log = logging.getLogger(__name__)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 class ApiServer:
-    """The OpenAI-compatible API over ``service`` on ``host:port`` (port 0: any free port)."""
+    """The OpenAI-compatible API over ``service`` on ``host:port`` (port 0: any free port), taking
+    request bodies up to ``max_body_mb``."""
 
     def __init__(self, service: ChatService, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-                 api_key: str | None = None, model_id: str | None = None):
+                 api_key: str | None = None, model_id: str | None = None,
+                 max_body_mb: float = Settings.api_max_body_mb):
         if not is_loopback(host) and not api_key:
             raise FleetError(f"serving on {host} opens the model to the network: that needs an API key "
                              "(`fleet serve` creates one; clients send it as a bearer token)")
@@ -54,8 +48,8 @@ class ApiServer:
             raise FleetError(f"cannot serve the API on {host}:{port}: {exc.strerror}") from None
         self._sock.listen(2048)  # connections wait in the backlog until uvicorn runs: none is refused
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(create_app(service, self.model_id, api_key), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=2)
+        app = create_app(service, self.model_id, api_key, max_body_mb, local=is_loopback(host))
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

@@ -21,7 +21,8 @@ import dataclasses
 import json
 import uuid
 
-from engine.runtime.decode.grammar import JSON_OPTIONS, GrammarError, closed, compile_grammar
+from engine.runtime.decode.grammar import (JSON_OPTIONS, MAX_SCHEMA_CHARS, GrammarError, check_schema, closed,
+                                            compile_grammar)
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
@@ -63,6 +64,11 @@ def plan_tools(tools: list[dict], choice: str | None, parallel: bool = True) -> 
     if choice not in CHOICES and choice not in names:
         raise GrammarError(f"tool_choice: no tool is named {choice!r} (the tools are {', '.join(names)})",
                            "tool_choice")
+    sizes = [check_schema(t["function"]["parameters"], f"tools[{i}].function.parameters")
+             for i, t in enumerate(tools) if t["function"].get("parameters") is not None]
+    if sum(sizes) > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"tools: the tools' parameter schemas are {sum(sizes)} characters of JSON together; "
+                           f"at most {MAX_SCHEMA_CHARS}", "tools")
     plan = ToolPlan(tools, choice, parallel)
     called = [t for t in tools if choice in ("auto", "required") or t["function"]["name"] == choice]
     calls = _calls_rule(called, parallel)

@@ -1,5 +1,10 @@
-"""A persistent connection between neighbouring stages: dialing, framed send/receive with
-timeouts, and the optional injected one-way delay (WAN simulation on one machine).
+"""A persistent connection between fleet processes: listening (bounded handshakes), dialing,
+sealed framed send/receive with timeouts, and the optional injected one-way delay (WAN simulation
+on one machine).
+
+A listener lets each connection take at most ``HANDSHAKE_DEADLINE_S`` for its whole handshake (TLS
+included), however it paces its bytes, and holds at most ``MAX_PENDING`` connections that have not
+finished it; one more is closed at once.
 
 The delay models latency, not a slow link: each frame is held for ``delay`` after it arrives (or
 before it leaves) on its own clock, so frames of different streams overlap in flight the way they
@@ -21,7 +26,9 @@ from engine.transport import wire
 from engine.transport.wire import Frame, PeerClosed, ProtocolError
 
 FRAME_STALL_S = 10.0  # once a frame has started arriving, the rest must follow within this
-HANDSHAKE_TIMEOUT_S = 5.0
+HANDSHAKE_TIMEOUT_S = 5.0  # per receive, on the dialing side
+HANDSHAKE_DEADLINE_S = 5.0  # for the whole handshake, on the listening side
+MAX_PENDING = 64  # connections of one listener still in their handshake
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -37,9 +44,14 @@ def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]
     return host.strip("[]") or default_host, number
 
 
-def accept_loop(listener: socket.socket, stop: threading.Event, session, label: str) -> None:
-    """Accepts connections until ``stop`` is set, each served by ``session(conn, "host:port")`` on
-    its own thread."""
+def accept_loop(listener: socket.socket, stop: threading.Event, authenticate, session, label: str, log,
+                max_pending: int | None = None) -> None:
+    """Accepts connections until ``stop`` is set.  Each, on its own thread, is authenticated by
+    ``authenticate(conn)`` (``authenticate_peer``, returning the socket and its seal), then served
+    by ``session(conn, seal, "host:port")``; a refusal is logged through ``log``.  At most
+    ``max_pending`` (``MAX_PENDING``) connections may be in their handshake at once."""
+    max_pending = max_pending or MAX_PENDING
+    pending = threading.BoundedSemaphore(max_pending)
     while not stop.is_set():
         try:
             conn, addr = listener.accept()
@@ -49,18 +61,118 @@ def accept_loop(listener: socket.socket, stop: threading.Event, session, label: 
             time.sleep(0.05)
             continue
         peer = "%s:%d" % addr[:2]
-        threading.Thread(target=session, args=(conn, peer), daemon=True, name=f"{label} {peer}").start()
+        if not pending.acquire(blocking=False):
+            log(f"refused connection from {peer}: {max_pending} connections to the {label} port are "
+                "already in their handshake")
+            _drop(conn)
+            continue
+        thread = threading.Thread(target=_serve, args=(conn, peer, authenticate, session, pending, log),
+                                  daemon=True, name=f"{label} {peer}")
+        try:
+            thread.start()
+        except RuntimeError as exc:  # out of threads: this connection is lost, the listener is not
+            pending.release()
+            log(f"refused connection from {peer}: cannot start a thread for it ({exc})")
+            _drop(conn)
+            time.sleep(0.05)
 
 
-def authenticate_peer(conn: socket.socket, key: bytes, identity: dict, tls=None) -> socket.socket:
+def _drop(conn: socket.socket) -> None:
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+def _serve(conn: socket.socket, peer: str, authenticate, session, pending, log) -> None:
+    try:
+        conn, seal = authenticate(conn)
+    except Exception as exc:  # noqa: BLE001 - whatever a stranger caused, it costs only its connection
+        _drop(conn)
+        log(f"refused connection from {peer}: {exc}")
+        return
+    finally:
+        pending.release()
+    session(conn, seal, peer)
+
+
+class _Deadlines:
+    """Cuts off handshakes that outlive their deadline (shuts their socket down, which wakes the
+    thread blocked on it): one thread for every listener of the process."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._due: dict[int, list] = {}  # token -> [deadline, socket, cut]
+        self._tokens = 0
+        self._thread: threading.Thread | None = None
+
+    def watch(self, sock: socket.socket, seconds: float) -> int:
+        with self._cond:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, daemon=True, name="handshake deadlines")
+                thread.start()
+                self._thread = thread
+            self._tokens += 1
+            self._due[self._tokens] = [time.monotonic() + seconds, sock, False]
+            self._cond.notify()
+            return self._tokens
+
+    def follow(self, token: int, sock: socket.socket) -> None:
+        """The watched connection now goes through ``sock`` (its TLS wrapper)."""
+        with self._cond:
+            self._due[token][1] = sock
+
+    def release(self, token: int) -> bool:
+        """Stops watching; returns whether the deadline cut the connection off."""
+        with self._cond:
+            return self._due.pop(token)[2]
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now, wait = time.monotonic(), None
+                for entry in self._due.values():
+                    if entry[2]:
+                        continue
+                    if entry[0] <= now:
+                        entry[2] = True
+                        try:  # the plain socket's shutdown: safe on a TLS socket mid-handshake on another thread
+                            socket.socket.shutdown(entry[1], socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                    else:
+                        wait = entry[0] - now if wait is None else min(wait, entry[0] - now)
+                self._cond.wait(wait)
+
+
+_DEADLINES = _Deadlines()
+
+
+def authenticate_peer(conn: socket.socket, key: bytes, identity: dict, tls=None,
+                      deadline_s: float | None = None) -> tuple[socket.socket, wire.Seal]:
     """The listening side of a new connection: TLS when the fleet uses it, then the fleet-key
-    handshake; returns the socket to serve (raises ProtocolError, AuthError, OSError)."""
+    handshake, all within ``deadline_s`` (``HANDSHAKE_DEADLINE_S``); returns the socket to serve and
+    its seal (raises ProtocolError, AuthError, OSError; the socket is then closed)."""
+    deadline_s = deadline_s or HANDSHAKE_DEADLINE_S
     tune(conn)
-    conn.settimeout(HANDSHAKE_TIMEOUT_S)
-    if tls is not None:
-        conn = tls.server.wrap_socket(conn, server_side=True)
-    wire.server_handshake(conn, key, identity)
-    return conn
+    conn.settimeout(min(HANDSHAKE_TIMEOUT_S, deadline_s))
+    token = _DEADLINES.watch(conn, deadline_s)
+    try:
+        if tls is not None:
+            conn = tls.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            _DEADLINES.follow(token, conn)
+            conn.do_handshake()
+        _, seal = wire.server_handshake(conn, key, identity)
+    except BaseException:
+        cut = _DEADLINES.release(token)
+        _drop(conn)
+        if cut:
+            raise ProtocolError(f"the handshake did not finish within {deadline_s:g} s: cut off") from None
+        raise
+    if _DEADLINES.release(token):
+        _drop(conn)
+        raise ProtocolError(f"the handshake did not finish within {deadline_s:g} s: cut off")
+    return conn, seal
 
 
 def tune(sock: socket.socket) -> None:
@@ -91,23 +203,26 @@ def connect_successor(address: str, key: bytes, manifest: Manifest, mode: str, t
     sock = dial(address, tls)
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        welcome = wire.client_handshake(sock, key, successor_identity(manifest, mode))
+        welcome, seal = wire.client_handshake(sock, key, successor_identity(manifest, mode))
     except OSError as exc:
         sock.close()
         raise wire.AuthError(f"the connection broke during the handshake ({exc})") from None
     except BaseException:
         sock.close()
         raise
-    return Link(sock, address, 0.0, max_frame), float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
+    return Link(sock, address, seal, 0.0, max_frame), float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
 
 
 class Link:
-    """A framed socket. ``send`` is thread-safe; one thread calls ``recv``."""
+    """A framed socket, every frame sealed by the handshake's ``seal`` (a frame that fails its
+    check raises ProtocolError). ``send`` is thread-safe; one thread calls ``recv``."""
 
-    def __init__(self, sock: socket.socket, peer: str, delay_s: float = 0.0,
+    def __init__(self, sock: socket.socket, peer: str, seal: wire.Seal, delay_s: float = 0.0,
                  max_frame: int = wire.DEFAULT_MAX_FRAME):
         self.sock = sock
         self.peer = peer
+        self.seal = seal
+        seal.peer = peer
         self.delay_s = delay_s
         self.max_frame = max_frame
         self.closed = threading.Event()
@@ -122,11 +237,13 @@ class Link:
     # --- sending ---------------------------------------------------------------------------------
 
     def send(self, frame: Frame) -> None:
-        data = wire.encode(frame)
-        if self.delay_s > 0:
-            self._outbox.put((time.monotonic() + self.delay_s, data))
-            return
-        with self._send_lock:
+        parts = wire.encode_parts(frame)
+        with self._send_lock:  # frames leave in the order of their seal's counter
+            parts.append(self.seal.tag(parts))
+            data = b"".join(parts)
+            if self.delay_s > 0:
+                self._outbox.put((time.monotonic() + self.delay_s, data))
+                return
             self.sock.sendall(data)
 
     def _sender(self) -> None:
@@ -155,7 +272,7 @@ class Link:
             return None
         self.sock.settimeout(FRAME_STALL_S)
         try:
-            return wire.recv_frame(self.sock, self.max_frame)
+            return wire.recv_frame(self.sock, self.max_frame, self.seal)
         except socket.timeout:
             raise ProtocolError(f"a frame from {self.peer} stalled halfway") from None
         finally:
@@ -189,6 +306,9 @@ class Link:
             return self._read_frame(timeout)
         except PeerClosed:
             raise ConnectionError(f"{self.peer} closed the connection") from None
+        except ProtocolError:  # the byte stream can no longer be trusted, nor even framed
+            self.close()
+            raise
         except (OSError, ValueError) as exc:  # ValueError: select on a socket closed under us
             if isinstance(exc, ConnectionError):
                 raise

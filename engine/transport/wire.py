@@ -13,6 +13,11 @@ checked before anything is allocated or read, so a hostile or truncated frame co
 
 The handshake proves on both sides that the peer knows the fleet key (HMAC-SHA256 over fresh
 nonces; the key never crosses the wire) and that both hold the same model and protocol version.
+It also yields the connection's ``Seal``: from WELCOME on, every frame is followed by a 16-byte
+tag, HMAC-SHA256 (truncated) under a key of its direction over an implicit 64-bit frame counter,
+the header and the payload.  The keys come from the fleet key, both nonces and the HELLO sent, so a
+peer without the fleet key can relay a handshake but can neither inject, alter, replay, reorder
+nor drop a frame after it unnoticed.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import numpy as np
 from engine.errors import FleetError
 
 MAGIC = b"FS"
-VERSION = 1
+VERSION = 2  # 2: frames after the handshake carry a tag (``Seal``)
 HEADER = struct.Struct("<2sBBIIHHQ")
 TENSOR_HEADER = struct.Struct("<BBH4I")
 MAX_DIMS = 4
@@ -195,7 +200,16 @@ def control(kind: Msg, doc: dict, stream: int = 0, seq: int = 0) -> Frame:
     return Frame(kind, stream, seq, [np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)])
 
 
-def encode(frame: Frame) -> bytes:
+def encode(frame: Frame, seal: "Seal | None" = None) -> bytes:
+    """A frame's bytes, followed by its tag when ``seal`` (the connection's) is given."""
+    parts = encode_parts(frame)
+    if seal is not None:
+        parts.append(seal.tag(parts))
+    return b"".join(parts)
+
+
+def encode_parts(frame: Frame) -> list[bytes]:
+    """A frame's bytes in pieces (header first), for a tag computed over them without a copy."""
     parts = [b""]  # the frame header goes first, once the payload length is known
     for t in frame.tensors:
         arr = np.asarray(t)  # (ascontiguousarray would turn a 0-d scalar into shape (1,))
@@ -207,7 +221,7 @@ def encode(frame: Frame) -> bytes:
         parts.append(arr.astype(DTYPES[code], copy=False).tobytes())
     parts[0] = HEADER.pack(MAGIC, VERSION, int(frame.type), frame.stream, frame.seq, len(frame.tensors),
                            int(frame.flags), sum(len(part) for part in parts))
-    return b"".join(parts)
+    return parts
 
 
 def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, int, int, int, Flag, int]:
@@ -277,15 +291,75 @@ def _recv_exact(sock: socket.socket, n: int, boundary: bool = False) -> bytearra
     return buf
 
 
-def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
-    """Reads one frame; the payload is read only after the header proved it acceptable."""
-    kind, stream, seq, count, flags, length = parse_header(bytes(_recv_exact(sock, HEADER.size, True)), max_frame)
+def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, seal: "Seal | None" = None,
+               unsealed: frozenset = frozenset()) -> Frame:
+    """Reads one frame; the payload is read only after the header proved it acceptable, and parsed
+    only after its tag proved it authentic when the connection has a ``seal``.  Frames of a type in
+    ``unsealed`` come without a tag (only a REFUSE, during the handshake)."""
+    header = bytes(_recv_exact(sock, HEADER.size, True))
+    try:
+        kind, stream, seq, count, flags, length = parse_header(header, max_frame)
+    except ProtocolError as exc:
+        if seal is None:
+            raise
+        raise seal.refusal(str(exc)) from None
     payload = _recv_exact(sock, length) if length else bytearray()
+    if seal is not None and kind not in unsealed:
+        seal.check(header, payload, _recv_exact(sock, TAG_BYTES))
     return Frame(kind, stream, seq, parse_payload(count, payload), flags)
 
 
-def send_frame(sock: socket.socket, frame: Frame) -> None:
-    sock.sendall(encode(frame))
+def send_frame(sock: socket.socket, frame: Frame, seal: "Seal | None" = None) -> None:
+    sock.sendall(encode(frame, seal))
+
+
+# --- frame authentication -------------------------------------------------------------------------
+
+TAG_BYTES = 16
+_COUNTER = struct.Struct("<Q")
+
+
+class Seal:
+    """One connection's frame keys (one per direction) and frame counters.  ``tag`` and ``check``
+    each count the frames of their direction, so the caller keeps sends in order (``Link`` sends
+    under a lock) and one thread receives."""
+
+    def __init__(self, send_key: bytes, recv_key: bytes, peer: str = "the peer"):
+        self._send = hmac.new(send_key, digestmod=hashlib.sha256)  # copied per frame: pads computed once
+        self._recv = hmac.new(recv_key, digestmod=hashlib.sha256)
+        self.sent = 0
+        self.received = 0
+        self.peer = peer  # named in the refusal; ``Link`` sets the peer's address
+
+    def tag(self, parts: list) -> bytes:
+        mac = self._send.copy()
+        mac.update(_COUNTER.pack(self.sent))
+        for part in parts:
+            mac.update(part)
+        self.sent += 1
+        return mac.digest()[:TAG_BYTES]
+
+    def check(self, header: bytes, payload, tag) -> None:
+        mac = self._recv.copy()
+        mac.update(_COUNTER.pack(self.received))
+        mac.update(header)
+        mac.update(payload)
+        if not hmac.compare_digest(mac.digest()[:TAG_BYTES], bytes(tag)):
+            raise self.refusal()
+        self.received += 1
+
+    def refusal(self, detail: str = "") -> ProtocolError:
+        return ProtocolError(f"frame {self.received} from {self.peer} failed its authentication: altered, replayed "
+                             f"or not from the fleet" + (f" ({detail})" if detail else ""))
+
+
+def _frame_keys(key: bytes, client_nonce: bytes, server_nonce: bytes, hello: bytes) -> tuple[bytes, bytes]:
+    """(client-to-server, server-to-client) frame keys: HKDF (RFC 5869) extract and expand, one
+    block each, bound to the HELLO the client sent so that one altered on its way fails WELCOME."""
+    prk = hmac.new(b"fleetshard-v1|frames", key + client_nonce + server_nonce + hashlib.sha256(hello).digest(),
+                   hashlib.sha256).digest()
+    return (hmac.new(prk, b"client to server\x01", hashlib.sha256).digest(),
+            hmac.new(prk, b"server to client\x01", hashlib.sha256).digest())
 
 
 # --- handshake ------------------------------------------------------------------------------------
@@ -294,11 +368,13 @@ def _mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"fleetshard-v1|" + role + b"|" + b"|".join(parts), hashlib.sha256).digest()
 
 
-def client_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
+def client_handshake(sock: socket.socket, key: bytes, identity: dict) -> tuple[dict, Seal]:
     """Dials side. ``identity`` names what we expect of the peer (model fingerprint, stage);
-    returns the peer's WELCOME document or raises AuthError with the reason."""
+    returns the peer's WELCOME document and the connection's ``Seal``, or raises AuthError with
+    the reason."""
     nonce = os.urandom(32)
-    send_frame(sock, control(Msg.HELLO, {**identity, "version": VERSION, "nonce": nonce.hex()}))
+    hello = json.dumps({**identity, "version": VERSION, "nonce": nonce.hex()}).encode()
+    send_frame(sock, Frame(Msg.HELLO, tensors=[np.frombuffer(hello, dtype=np.uint8)]))
     reply = recv_frame(sock, max_frame=1 << 16)
     if reply.type == Msg.REFUSE:
         raise AuthError(f"peer refused the connection: {reply.json().get('reason', 'no reason given')}")
@@ -315,16 +391,23 @@ def client_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
         send_frame(sock, control(Msg.REFUSE, {"reason": "you did not prove the fleet key"}))
         raise AuthError("peer does not know the fleet key")
     send_frame(sock, control(Msg.PROOF, {"proof": _mac(key, b"client", server_nonce, nonce, fp).hex()}))
-    final = recv_frame(sock, max_frame=1 << 16)
+    seal = Seal(*_frame_keys(key, nonce, server_nonce, hello))
+    try:
+        final = recv_frame(sock, max_frame=1 << 16, seal=seal, unsealed=frozenset({Msg.REFUSE}))
+    except PeerClosed:
+        raise
+    except ProtocolError as exc:
+        raise AuthError(f"the handshake was altered on its way ({exc})") from None
     if final.type != Msg.WELCOME:
         reason = final.json().get("reason", "") if final.type == Msg.REFUSE else final.type.name
         raise AuthError(f"peer refused the connection: {reason}")
-    return final.json()
+    return final.json(), seal
 
 
-def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
+def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> tuple[dict, Seal]:
     """Listening side: checks version and model, proves the key, verifies the client's proof.
-    Returns the client's HELLO document; refuses (and raises AuthError) otherwise."""
+    Returns the client's HELLO document and the connection's ``Seal`` (WELCOME already went out
+    under it); refuses (and raises AuthError) otherwise."""
     hello = recv_frame(sock, max_frame=1 << 16)
     if hello.type != Msg.HELLO:
         raise AuthError(f"expected HELLO, got {hello.type.name}")
@@ -356,5 +439,7 @@ def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> dict:
         given = b""
     if not hmac.compare_digest(given, _mac(key, b"client", nonce, client_nonce, fp)):
         refuse("the peer does not know the fleet key")
-    send_frame(sock, control(Msg.WELCOME, identity))
-    return doc
+    to_server, to_client = _frame_keys(key, client_nonce, nonce, hello.tensors[0].tobytes())
+    seal = Seal(to_client, to_server)
+    send_frame(sock, control(Msg.WELCOME, identity), seal)
+    return doc, seal

@@ -28,7 +28,7 @@ from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.speculative import TOKENIZER_FILES, PromptLookup, open_draft_chain
 from engine.transport import wire
 from engine.transport.link import Link, accept_loop, authenticate_peer, parse_address
-from engine.transport.wire import AuthError, Flag, Msg, ProtocolError
+from engine.transport.wire import Flag, Msg, ProtocolError
 
 MAX_STREAMS = 64
 MAX_LEAD = 32  # tokens a stream may be drafted beyond the text it was told
@@ -144,7 +144,8 @@ class DraftServer:
         self.step_s = 0.0  # the time those drafts took
 
     def start(self) -> "DraftServer":
-        threading.Thread(target=accept_loop, args=(self._listener, self._stop, self._session, "draft"),
+        threading.Thread(target=accept_loop, args=(self._listener, self._stop, self._authenticate, self._session,
+                                                     "draft", self.log),
                          daemon=True, name="draft accept").start()
         return self
 
@@ -167,14 +168,11 @@ class DraftServer:
         if self._serving.acquire(timeout=5.0):  # the session's loop has let go of the draft model
             self._serving.release()
 
-    def _session(self, conn: socket.socket, peer: str) -> None:
-        try:
-            conn = authenticate_peer(conn, self.key, self.identity, self.tls)
-        except (ProtocolError, AuthError, OSError, ValueError) as exc:
-            self.log(f"refused connection from {peer}: {exc}")
-            conn.close()
-            return
-        link = Link(conn, peer, self.delay_s)
+    def _authenticate(self, conn: socket.socket) -> tuple[socket.socket, wire.Seal]:
+        return authenticate_peer(conn, self.key, self.identity, self.tls)
+
+    def _session(self, conn: socket.socket, seal: wire.Seal, peer: str) -> None:
+        link = Link(conn, peer, seal, self.delay_s)
         previous, self._current = self._current, link
         if previous is not None:  # its session ends and lets go of the streams
             self.log(f"coordinator {peer} replaces {previous.peer}")

@@ -98,15 +98,49 @@ class GrammarTokenizer:
         self.ll = llguidance.LLTokenizer(wrapper, eos_token=eos_ids)
 
 
+# A schema is compiled at a cost that grows with its size (10,000 properties: seconds), and walked
+# recursively (by ``closed`` and the compiler): both are bounded before any work is done on it.
+MAX_SCHEMA_CHARS = 512 * 1024  # a schema's JSON text (about 17,000 simple properties)
+MAX_SCHEMA_DEPTH = 64  # nested objects and arrays in a schema's JSON (a property object is two)
+# An object's optional properties may come in any subset: llguidance's parser holds about four items
+# a property in one row, at most 2000, and fails at the reply's first token past ~500 (measured).
+MAX_OPTIONAL_PROPERTIES = 400
+
+
+def check_schema(spec, field: str) -> int:
+    """The JSON text length of a schema within the bounds above, or a ``GrammarError`` naming ``field``."""
+    def walk(value, level: int) -> int:  # stops one past the depth limit: never recurses deeper than that
+        if level > MAX_SCHEMA_DEPTH or not isinstance(value, (dict, list)):
+            return level
+        if isinstance(value, dict) and isinstance(value.get("properties"), dict):
+            required = value.get("required") if isinstance(value.get("required"), list) else []
+            optional = len(value["properties"].keys() - {r for r in required if isinstance(r, str)})
+            if optional > MAX_OPTIONAL_PROPERTIES:
+                raise GrammarError(f"{field}: an object of the schema has {optional} optional properties; at most "
+                                   f"{MAX_OPTIONAL_PROPERTIES} (list the others in its required)", field)
+        return max((walk(v, level + 1) for v in (value.values() if isinstance(value, dict) else value)),
+                   default=level)
+
+    if walk(spec, 0) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"{field}: the schema nests more than {MAX_SCHEMA_DEPTH} levels of objects and arrays",
+                           field)
+    size = len(json.dumps(spec))
+    if size > MAX_SCHEMA_CHARS:
+        raise GrammarError(f"{field}: the schema is {size} characters of JSON; at most {MAX_SCHEMA_CHARS}", field)
+    return size
+
+
 def compile_grammar(kind: str, spec=None, field: str = "response_format") -> str:
     """llguidance grammar text for a ``kind``: ``json_schema`` (``spec`` the schema), ``json_object``
-    (any JSON object) or ``lark`` (``spec`` a Lark-like grammar); a schema the compiler refuses is a
-    ``GrammarError`` naming ``field``."""
+    (any JSON object) or ``lark`` (``spec`` a Lark-like grammar); a schema the compiler refuses, or
+    one past ``check_schema``'s bounds, is a ``GrammarError`` naming ``field``.  A large schema
+    takes seconds: the API compiles off its event loop."""
     if kind == "json_object":
         spec, kind = {"type": "object"}, "json_schema"
     if kind == "json_schema":
         if not isinstance(spec, dict):
             raise GrammarError(f"{field}: the JSON schema must be an object, not {type(spec).__name__}", field)
+        check_schema(spec, field)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed(spec)), defaults=JSON_OPTIONS)
         except ValueError as exc:

@@ -48,7 +48,7 @@ class DraftLink:
             raise FleetError(f"cannot reach the draft server at {address}: {exc.strerror or exc}") from None
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            welcome = wire.client_handshake(sock, key, {"role": "draft"})
+            welcome, seal = wire.client_handshake(sock, key, {"role": "draft"})
         except (OSError, AuthError, ProtocolError) as exc:
             sock.close()
             raise FleetError(f"the draft server at {address} refused us: {exc}") from None
@@ -61,7 +61,7 @@ class DraftLink:
                     raise ShardError(f"the draft model {self.model} at {address} does not share the target "
                                      f"{target.model_name}'s tokenizer ({name} differs): its token ids would "
                                      "mean other text")
-        self.link = Link(sock, address)
+        self.link = Link(sock, address, seal)
         self._cond = threading.Condition()
         self._mirrors: dict[int, _Mirror] = {}
         # SYNCs are numbered across the link's life, so a stream's new drafter (a new mirror) never

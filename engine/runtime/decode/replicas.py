@@ -3,7 +3,8 @@
 Where the model fits on a PC, the fleet's capacity is the sum of its PCs': each copy (a chain whole
 in this process, or one whose short stage 0 here feeds a PC that holds the rest) serves its own
 users with its own ``ChatService``.  ``Replicas`` has the part of the chat service's surface that
-callers use (``submit``, ``busy``, ``queued``, ``close``, ``tokenizer``, ``max_length``) and sends a
+callers use (``submit``, ``busy``, ``queued``, ``close``, ``tokenizer``, ``max_length``, ``chain`` for
+the model's facts) and sends a
 request to the copy whose prefix cache holds most of it while that copy has a free stream, else to
 the least busy copy: users spread evenly, and a conversation's next turn finds its cache.
 """
@@ -23,6 +24,7 @@ class Replicas:
         self.services = list(services)
         first = self.services[0]
         self.tokenizer = first.tokenizer
+        self.chain = first.chain  # the model's manifest and spec; every copy serves the same model
         self.max_length = min(s.max_length for s in self.services)
         self.streams = sum(s.streams for s in self.services)
         self.description = f"{first.description}, {len(self.services)} replicas"

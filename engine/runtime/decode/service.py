@@ -210,7 +210,9 @@ class ChatService:
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
         self.draft_alone = draft_alone
-        self._held: dict[int, list[int]] = {}  # stream -> the token ids its cache holds, in order
+        # stream -> the token ids its cache holds, in order; the scheduler (its only writer) writes it
+        # under the lock, for ``cached_prefix`` on other threads
+        self._held: dict[int, list[int]] = {}
         self._last_used: dict[int, int] = {}
         self._uses = itertools.count()
         m = manifest
@@ -466,7 +468,8 @@ class ChatService:
                 return
             finally:
                 self._recovering = False
-        self._held.clear()
+        with self._lock:
+            self._held.clear()
         message = _describe(exc)
         if not isinstance(exc, FleetError):
             log.error("chain failure", exc_info=exc)
@@ -483,7 +486,8 @@ class ChatService:
         except Exception:
             log.exception("closing the broken chain failed")
         self._sequences.clear()
-        self._held.clear()
+        with self._lock:
+            self._held.clear()
         resumed, self._active = self._active, []
         for request in resumed:
             request.prompt_entries = request.prompt_entries or request.decoding.prompt_entries
@@ -530,8 +534,8 @@ class ChatService:
             reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
                           context_error=context)
         if handle.stream is not None:
-            self._remember(handle.stream, request.decoding, error)
             with self._lock:
+                self._remember(handle.stream, request.decoding, error)
                 self._free.append(handle.stream)
                 self._free.sort()
         if result is not None and result.tokens and not error and not all(self.stages_up):
@@ -544,7 +548,7 @@ class ChatService:
 
     def _remember(self, stream: int, decoding: Decoding | None, error: str | None) -> None:
         """What a finished stream's cache holds: its prompt and every token it emitted but the last
-        (which was never fed); after an error, or before a first token, nothing known."""
+        (which was never fed); after an error, or before a first token, nothing known.  Under the lock."""
         self._last_used[stream] = next(self._uses)
         if decoding is None or error or not decoding.result.tokens:
             self._held.pop(stream, None)

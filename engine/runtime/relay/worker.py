@@ -31,7 +31,7 @@ from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
 from engine.transport.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
-from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError
+from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
 TOKEN_COUNT_S = 5.0  # how often a serving worker logs the tokens it served (the tray's live tally)
@@ -146,16 +146,13 @@ class Worker:
     # --- upstream: accept, authenticate, serve -----------------------------------------------------
 
     def _accept_loop(self) -> None:
-        accept_loop(self._listener, self._stop, self._session, "upstream")
+        accept_loop(self._listener, self._stop, self._authenticate, self._session, "upstream", self.log)
 
-    def _session(self, conn: socket.socket, peer: str) -> None:
-        try:
-            conn = authenticate_peer(conn, self.key, self.identity, self.tls)
-        except (ProtocolError, AuthError, OSError, ValueError) as exc:
-            self.log(f"refused connection from {peer}: {exc}")
-            conn.close()
-            return
-        link = Link(conn, peer, self.delay_s, self.max_frame)
+    def _authenticate(self, conn: socket.socket) -> tuple[socket.socket, Seal]:
+        return authenticate_peer(conn, self.key, self.identity, self.tls)
+
+    def _session(self, conn: socket.socket, seal: Seal, peer: str) -> None:
+        link = Link(conn, peer, seal, self.delay_s, self.max_frame)
         with self._lock:
             previous, self._upstream = self._upstream, link
             self._owed.clear()

@@ -1,0 +1,114 @@
+"""The layout comparison of ``fleet bench sim`` (part ``layout``): N PCs serving U users through the
+layout the solver chooses (``engine.fleet.layout``: one chain, copies of the model, or both) against
+N times one PC serving U/N users.
+
+This process is PC 1 and the office's nodes the others, each PC under the same cgroup CPU quota
+(so three PCs fit this machine's two cores), the one-PC baseline too: it is this process alone.
+The fleet is surveyed as ``fleet profile`` does it, the solver lays the model out for each number of
+users, each distinct layout is deployed once (``deploy_layout``) behind the chat service the app
+would open over it (``Replicas`` for several copies), and the layouts and the baseline take turns
+wave by wave, ``runs`` times.  The ratio per user count is the fleet's aggregate tok/s over N times
+the baseline's at U/N users (issue 56's bar: 0.85).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from engine.bench.harness import NO_HOOKS, Hooks
+from engine.bench.office import chat_wave
+from engine.export.exporter import export_model
+from engine.fleet import netns
+from engine.fleet.deploy import deploy_layout
+from engine.fleet.layout import solve_layout
+from engine.fleet.placement import Fleet, ModelShape
+from engine.fleet.plans import layout_stages
+from engine.fleet.sim import Office
+from engine.fleet.survey import readable, survey
+from engine.runtime.decode.replicas import Replicas
+from engine.runtime.decode.service import ChatService
+from engine.runtime.stages.chain import LocalChain
+
+COORDINATOR = "coordinator"
+ONE_PC = "ours, one PC"
+
+
+def fleet_name(pcs: int) -> str:
+    return f"ours, solver's layout on {pcs} PCs"
+
+
+def compare_layout(office: Office, model: str, *, key: bytes, weights: str, tokens: int, users: tuple[int, ...],
+                   runs: int, core: int, quota: float | None, log, hooks: Hooks = NO_HOOKS
+                   ) -> tuple[list[dict], dict, dict]:
+    """Rows per server and user count (medians over ``runs`` waves), the ratios against N x one PC
+    at U/N users, and notes: each layout the solver chose, in words."""
+    pcs = len(office.nodes) + 1
+    if any(u % pcs for u in users):
+        raise ValueError(f"each user count must divide among the {pcs} PCs: {users}")
+    here = netns.make_cgroup(f"{office.tag}-{COORDINATOR}", None, str(core), quota)
+    home = [folder.parent for folder in here]
+    opened: list = []
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    notes: dict[str, list[str]] = {}
+    try:
+        netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
+        doc = survey(model, [node.agent for node in office.nodes.values()], key=key, local_node=COORDINATOR,
+                     weights=weights, log=log)
+        shape, fleet = ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"])
+        layouts = {u: solve_layout(shape, fleet, users=u) for u in users}
+        services: dict[tuple, object] = {}  # one deployment per distinct layout
+        serving = {}
+        for u, layout in layouts.items():
+            notes[f"layout, {u} user(s)"] = readable(layout.explain(), doc["nodes"]).splitlines()
+            plan, *others = layout.plans
+            copies = layout_stages({"plan": plan.to_json(), "replicas": [p.to_json() for p in others],
+                                    "nodes": doc["nodes"]})
+            placed = tuple(tuple((s.agent, s.device, s.start, s.end) for s in c) for c in copies)
+            if placed not in services:
+                services[placed] = _serve(model, copies, key=key, weights=weights, streams=max(users), opened=opened)
+            serving[u] = services[placed]
+        for line in (line for lines in notes.values() for line in lines):
+            log(line)
+        one = ChatService(LocalChain(export_model(model, stages=1, weights=weights).folders), streams=max(users),
+                          prefix_cache=False)
+        opened.append(one.close)
+        for service in [one, *services.values()]:  # warm: first compiles, first pages of the weights
+            chat_wave(service, 2, tokens)
+        waves = [(name, u) for u in users for name in (fleet_name(pcs), ONE_PC)]
+        total, done = runs * len(waves), 0
+        for run in range(runs):
+            for name, u in waves:
+                got = chat_wave(serving[u], u, tokens) if name != ONE_PC else chat_wave(one, u // pcs, tokens)
+                samples.setdefault((name, u), []).append(got)
+                done += 1
+                log(f"run {run + 1}/{runs}, {u} user(s), {name}: {got[0]:.2f} tok/s")
+                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
+    finally:
+        for close in reversed(opened):
+            try:
+                close()
+            except Exception as exc:  # closing is best effort: the office removes what is left
+                log(f"closing failed: {exc}")
+        netns.move_into(home, os.getpid())
+        netns.delete_cgroup(here)
+    rows = [{"part": "layout", "server": name, "users": u if name != ONE_PC else u // pcs,
+             "fleet_users": u, "pcs": pcs if name != ONE_PC else 1,
+             "tok_s": round(statistics.median(t for t, _ in got), 2),
+             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got],
+             "copies": len(layouts[u].plans) if name != ONE_PC else 1}
+            for (name, u), got in samples.items()]
+    tok = {(r["server"], r["fleet_users"]): r["tok_s"] for r in rows}
+    ratios = {f"{pcs} PCs, {u} users: solver's layout / ({pcs} x one PC at {u // pcs})":
+              round(tok[fleet_name(pcs), u] / (pcs * tok[ONE_PC, u]), 3) for u in users}
+    return rows, ratios, notes
+
+
+def _serve(model: str, copies, *, key: bytes, weights: str, streams: int, opened: list):
+    """The chat service the app would open over a deployed layout (its closing queued in ``opened``)."""
+    deployment, chains = deploy_layout(model, copies, key=key, weights=weights)
+    opened.append(lambda: deployment.stop(key))
+    services = [ChatService(chain, streams=streams, prefix_cache=False) for chain in chains]
+    service = services[0] if len(services) == 1 else Replicas(services)
+    opened.append(service.close)
+    return service

@@ -1,0 +1,141 @@
+"""Layouts: the model as one chain over the fleet, or as replicas (several chains), and which
+serves more users.
+
+Where the model fits on one PC, two PCs serving two copies add up better than one chain split over
+both: each copy batches its own users and nothing waits on a hop.  Every chain's stage 0 runs on the
+coordinator (it holds the tokenizer and the chat service), so a copy on another node keeps its
+first layer there and the rest on that node.  ``solve_layout`` weighs, for the expected users:
+one chain over every node (``placement.solve``), and the same with some nodes each serving a copy of
+their own, the chain (if any) keeping the coordinator and the remaining nodes.  Users spread evenly
+over the copies (``engine.runtime.decode.replicas`` routes each request to the least busy one), and
+the stage 0s every copy runs on the coordinator share its time.  Like ``placement``, a pure function
+of the measured profiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from engine.fleet.placement import (Fleet, Infeasible, ModelShape, Plan, PlacementError, Record, evaluate, solve,
+                                    stage_memory, stage_time)
+
+# A chain over several nodes is chosen over copies only when it predicts this much more.  The cost
+# model prices a split's groups in flight as overlapping perfectly; measured side by side, copies
+# served 15-19% more than the split at 2, 4 and 8 users where the model prices them within a few
+# percent (bench-results/2026-11-26/sim-office-qwen1.5b.json).
+CHAIN_MARGIN = 1.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(Record):
+    """Chains that serve the same model side by side, each priced at its share of the users."""
+
+    plans: list[Plan]
+    users: int
+    aggregate_tok_s: float
+    coordinator_load: float  # the share of the coordinator's time its stages take at that rate
+
+    def explain(self) -> str:
+        if len(self.plans) == 1:
+            return self.plans[0].explain()
+        lines = [f"{len(self.plans)} replicas, {self.users} user(s) spread over them: "
+                 f"{self.aggregate_tok_s:.1f} tok/s aggregate predicted "
+                 f"(the coordinator busy {100 * min(self.coordinator_load, 1.0):.0f}% of the time)"]
+        for i, plan in enumerate(self.plans):
+            lines.append(f"replica {i + 1}:")
+            lines.extend("  " + line for line in plan.explain().splitlines())
+        return "\n".join(lines)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Layout:
+        return cls(**{**d, "plans": [Plan.from_json(p) for p in d["plans"]]})
+
+
+def shares(users: int, replicas: int) -> list[int]:
+    """Users per copy as the router spreads them (the least busy copy takes the next)."""
+    return [users // replicas + (i < users % replicas) for i in range(replicas)]
+
+
+def price_layout(model: ModelShape, fleet: Fleet, plans: list[Plan], users: int) -> Layout:
+    """The aggregate tok/s of ``plans`` side by side.  Each plan's own ``aggregate_tok_s`` must be
+    priced at its share of ``users``; where the coordinator's stages of all copies together would
+    take more than its time, every copy slows by that factor."""
+    load = 0.0
+    for plan in plans:
+        if plan.aggregate_tok_s <= 0:
+            continue
+        first = plan.stages[0]
+        dev = fleet.device(first.node, first.device)
+        if dev is None or first.node != fleet.coordinator:
+            continue
+        rows = max(plan.users, 1)
+        step_ms = stage_time(dev, rows).at(first.end - first.start, True, len(plan.stages) == 1)
+        load += step_ms * plan.aggregate_tok_s / rows / 1000.0  # rounds per second x one round's time
+    total = sum(p.aggregate_tok_s for p in plans)
+    if load > 1.0:
+        total /= load
+    return Layout(plans=plans, users=users, aggregate_tok_s=total, coordinator_load=load)
+
+
+def _own_copy(model: ModelShape, fleet: Fleet, node: str, users: int) -> Plan | None:
+    """A copy on ``node``: the first layer on the coordinator, the rest on the node's best device."""
+    c, L = fleet.coordinator, model.num_layers
+    if L < 2:
+        return None
+    best = None
+    for here in (d for d in fleet.devices if d.node == c and d.supported):
+        for there in (d for d in fleet.devices if d.node == node and d.supported):
+            evaluation = evaluate(model, fleet, [(c, here.device, 0, 1), (node, there.device, 1, L)], users=users)
+            if evaluation.ok and (best is None or evaluation.plan.aggregate_tok_s > best.aggregate_tok_s):
+                best = evaluation.plan
+    return best
+
+
+def _without(fleet: Fleet, nodes: set[str], coordinator_bytes: int) -> Fleet:
+    """The fleet without ``nodes``, the coordinator's memory less ``coordinator_bytes``."""
+    devices = [dataclasses.replace(d, memory_bytes=d.memory_bytes - coordinator_bytes) if d.node == fleet.coordinator
+               else d for d in fleet.devices if d.node not in nodes]
+    return Fleet(devices=devices, rtt_ms=fleet.rtt_ms, coordinator=fleet.coordinator)
+
+
+def solve_layout(model: ModelShape, fleet: Fleet, *, users: int, max_stages: int | None = None,
+                 replicas: bool = True, time_limit_s: float = 30) -> Layout:
+    """The layout that serves ``users`` fastest by the cost model (see the module's docstring):
+    one chain (``solve`` for throughput), or copies of the model on nodes of their own beside a
+    chain over the rest, or copies only; the one chain must predict ``CHAIN_MARGIN`` more than the
+    best copies.  Raises Infeasible when even one chain does not fit."""
+    one = price_layout(model, fleet, [solve(model, fleet, objective="throughput", users=users, max_stages=max_stages,
+                                            time_limit_s=time_limit_s)], users)
+    c = fleet.coordinator
+    if not replicas or users < 2 or c is None:
+        return one
+    best = None
+    others = [n for n in fleet.nodes if n != c]
+    feeder = int(stage_memory(model).at(1, True, False))  # a copy's stage 0 on the coordinator
+    for count in range(1, len(others) + 1):
+        for homes in itertools.combinations(others, count):
+            rest = _without(fleet, set(homes), feeder * count)
+            for with_chain in (True, False):
+                n = count + with_chain
+                if n > users or (not with_chain and count < 2):
+                    continue
+                split = shares(users, n)
+                copies = [_own_copy(model, fleet, node, u) for node, u in zip(homes, split[with_chain:])]
+                if any(p is None for p in copies):
+                    continue
+                if with_chain:
+                    try:
+                        chain = solve(model, rest, objective="throughput", users=split[0], max_stages=max_stages,
+                                      time_limit_s=time_limit_s / 4)
+                    except (Infeasible, PlacementError):
+                        continue
+                    copies.insert(0, chain)
+                elif max(d.memory_bytes for d in rest.devices if d.node == c) < 0:
+                    continue  # the coordinator cannot hold every copy's stage 0
+                layout = price_layout(model, fleet, copies, users)
+                if best is None or layout.aggregate_tok_s > best.aggregate_tok_s:
+                    best = layout
+    if best is None or best.aggregate_tok_s * CHAIN_MARGIN < one.aggregate_tok_s:
+        return one
+    return best

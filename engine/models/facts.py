@@ -1,0 +1,196 @@
+"""What a model card shows: a model's size, parameters, weight format, context, license and the shape
+facts placement is estimated from, for a catalog model, a GGUF file or a Hugging Face folder.
+
+Only headers are read (a GGUF's key/value section and tensor table, a folder's ``config.json`` and
+safetensors headers), with ``struct`` and ``json`` alone, so a card works on a worker install that
+lacks the export packages and before a catalog model is pulled.  Facts a source does not state are
+left at zero or empty; the card says what is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import re
+import struct
+from pathlib import Path
+
+from engine.errors import SourceError
+from engine.models.catalog import CATALOG, CatalogEntry
+
+# llama.cpp's general.file_type values (LLAMA_FTYPE_*) for the formats in common use
+GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+                   11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+                   17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    source: str  # the catalog name, or the file's or folder's path: what the export takes
+    kind: str  # "catalog", "gguf" or "hf"
+    size: int  # bytes of the weights file(s)
+    parameters: int = 0
+    weight_format: str = ""
+    context: int = 0
+    license: str = ""
+    architecture: str = ""
+    num_layers: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
+    description: str = ""
+    fingerprint: str = ""  # a catalog model's sha256, which its exports carry as their fingerprint
+
+    @property
+    def has_shape(self) -> bool:
+        """Enough is known to estimate the model's memory per layer."""
+        return all((self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads, self.vocab_size))
+
+
+def catalog_facts(e: CatalogEntry) -> ModelFacts:
+    return ModelFacts(name=e.name, source=e.name, kind="catalog", size=e.size, parameters=e.parameters,
+                      weight_format=e.weight_format, context=e.context, license=e.license,
+                      architecture=e.architecture, num_layers=e.num_layers, hidden_size=e.hidden_size,
+                      intermediate_size=e.intermediate_size, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
+                      head_dim=e.head_dim, vocab_size=e.vocab_size, description=e.description, fingerprint=e.sha256)
+
+
+def gguf_header(path: Path) -> tuple[dict, int]:
+    """A GGUF file's scalar and string metadata (arrays as their length) and its parameter count."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise SourceError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
+        f.seek(0)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            pos = 4
+
+            def take(fmt: str):
+                nonlocal pos
+                (value,) = struct.unpack_from("<" + fmt, m, pos)
+                pos += struct.calcsize(fmt)
+                return value
+
+            def string() -> str:
+                nonlocal pos
+                n = take("Q")
+                if pos + n > len(m):
+                    raise ValueError("a string runs past the end of the file")
+                pos += n
+                return m[pos - n:pos].decode("utf-8", "replace")
+
+            def value(kind: int):
+                nonlocal pos
+                if kind == 8:
+                    return string()
+                if kind == 9:
+                    item, count = take("I"), take("Q")
+                    if item in _SCALAR:
+                        pos += count * struct.calcsize(_SCALAR[item])
+                    else:
+                        for _ in range(count):
+                            value(item)
+                    return count
+                return take(_SCALAR[kind])
+
+            try:
+                if take("I") < 2:
+                    raise ValueError("GGUF versions before 2 are not supported")
+                n_tensors, n_kv = take("Q"), take("Q")
+                meta = {}
+                for _ in range(n_kv):
+                    key = string()
+                    meta[key] = value(take("I"))
+                params = 0
+                for _ in range(n_tensors):
+                    string()
+                    count = 1
+                    for _ in range(take("I")):
+                        count *= take("Q")
+                    take("I"), take("Q")  # type, offset
+                    params += count
+            except (struct.error, ValueError, KeyError) as exc:
+                raise SourceError(f"{path} is a truncated or corrupt GGUF file ({exc})") from None
+    return meta, params
+
+
+def gguf_facts(path: str | Path) -> ModelFacts:
+    path = Path(path).expanduser()
+    meta, params = gguf_header(path)
+    arch = str(meta.get("general.architecture", ""))
+
+    def a(key: str) -> int:
+        v = meta.get(f"{arch}.{key}", 0)
+        return int(v) if isinstance(v, (int, float)) else 0
+
+    heads = a("attention.head_count")
+    hidden = a("embedding_length")
+    file_type = meta.get("general.file_type")
+    return ModelFacts(
+        name=str(meta.get("general.name") or path.stem), source=str(path), kind="gguf", size=path.stat().st_size,
+        parameters=params, weight_format="GGUF" + (f" {GGUF_FILE_TYPES.get(file_type, f'type {file_type}')}"
+                                                   if file_type is not None else ""),
+        context=a("context_length"), license=str(meta.get("general.license", "")), architecture=arch,
+        num_layers=a("block_count"), hidden_size=hidden, intermediate_size=a("feed_forward_length"),
+        num_heads=heads, num_kv_heads=a("attention.head_count_kv") or heads,
+        head_dim=a("attention.key_length") or (hidden // heads if heads else 0),
+        vocab_size=a("vocab_size") or int(meta.get("tokenizer.ggml.tokens", 0) or 0))
+
+
+def hf_facts(folder: str | Path) -> ModelFacts:
+    folder = Path(folder).expanduser()
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"{folder} is not a Hugging Face model folder: no readable config.json ({exc})") from None
+    config = {**config.get("text_config", {}), **config}  # multimodal configs nest the decoder's facts
+    files = sorted(folder.glob("*.safetensors"))
+    params, dtypes = 0, set()
+    for t in files:
+        try:
+            with open(t, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(min(length, 100 << 20)))
+        except (OSError, ValueError, struct.error):
+            continue
+        for key, tensor in header.items():
+            if key != "__metadata__" and isinstance(tensor, dict):
+                count = 1
+                for d in tensor.get("shape", []):
+                    count *= d
+                params += count
+                dtypes.add(str(tensor.get("dtype", "")).lower())
+    heads = int(config.get("num_attention_heads") or 0)
+    hidden = int(config.get("hidden_size") or 0)
+    licence = ""
+    readme = folder / "README.md"
+    if readme.is_file():
+        match = re.search(r"^license:\s*(\S+)", readme.read_text(errors="replace")[:4000], re.MULTILINE)
+        licence = match.group(1) if match else ""
+    fmt = str(config.get("torch_dtype") or config.get("dtype") or "/".join(sorted(d for d in dtypes if d)))
+    return ModelFacts(
+        name=folder.name, source=str(folder), kind="hf", size=sum(t.stat().st_size for t in files),
+        parameters=params, weight_format="safetensors" + (f" {fmt}" if fmt else ""),
+        context=int(config.get("max_position_embeddings") or 0), license=licence,
+        architecture=str(config.get("model_type", "")), num_layers=int(config.get("num_hidden_layers") or 0),
+        hidden_size=hidden, intermediate_size=int(config.get("intermediate_size") or 0), num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or (hidden // heads if heads else 0)),
+        vocab_size=int(config.get("vocab_size") or 0))
+
+
+def facts_of(source: str | Path) -> ModelFacts:
+    """The card facts of a catalog name, a ``.gguf`` file or a Hugging Face folder."""
+    if str(source) in CATALOG:
+        return catalog_facts(CATALOG[str(source)])
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return hf_facts(path)
+    if path.is_file():
+        return gguf_facts(path)
+    raise SourceError(f"{source!r} is neither a catalog model ({', '.join(CATALOG)}) nor an existing file or folder")

@@ -1,0 +1,230 @@
+"""Model cards: one list entry per model with its facts, whether it fits this PC and the fleet, and
+its predicted (and last measured) speed.
+
+``card_lines`` words a card from the model's facts (``engine.models.facts``), its ``engine.fleet.fit.Fit``
+and the last measured tok/s; ``ModelCards`` is the list the Export wizard's first step shows, and
+``ModelBrowser`` the chat's model browser around it.  The facts appear at once; the fit needs the placement solver, so ``refresh``
+prices every card off the GUI thread and fills the figures in when it is done.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLabel, QListWidget, QListWidgetItem,
+                               QVBoxLayout)
+
+from engine.errors import FleetError
+from engine.fleet.fit import NO_PROFILE, USERS, Fit, load_profile, measured_key, measured_tok_s, predict
+from engine.manifest import is_shard_set
+from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
+from engine.models.facts import ModelFacts, catalog_facts, facts_of
+
+SOURCE = Qt.ItemDataRole.UserRole
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.0f} MB"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def facts_line(facts: ModelFacts) -> str:
+    parts = [_bytes(facts.size) if facts.size else "size unknown",
+             f"{_count(facts.parameters)} parameters" if facts.parameters else "",
+             facts.weight_format,
+             (f"{facts.context // 1024}K context" if facts.context % 1024 == 0 else f"{facts.context} context")
+             if facts.context else "",
+             f"license {facts.license}" if facts.license else "license not stated"]
+    if facts.kind == "catalog" and facts.source in CATALOG:
+        parts.append("cached" if is_cached(CATALOG[facts.source]) else "not downloaded yet")
+    return f"{facts.name} — " + " · ".join(p for p in parts if p)
+
+
+def fit_line(fit: Fit) -> str:
+    here = (f"fits this PC ({_bytes(fit.need_bytes)} of {_bytes(fit.here_bytes)})" if fit.fits_here else
+            f"does not fit this PC (needs {_bytes(fit.need_bytes)}, it has {_bytes(fit.here_bytes)})")
+    here = here[0].upper() + here[1:]
+    if not fit.fleet_pcs:
+        return here
+    if fit.pcs_needed is None:
+        fleet = f"the fleet's {fit.fleet_pcs} PC{'s' if fit.fleet_pcs > 1 else ''} cannot hold it"
+    else:
+        fleet = f"needs {fit.pcs_needed} of the fleet's {fit.fleet_pcs} PC{'s' if fit.fleet_pcs > 1 else ''}"
+    return f"{here} · {fleet}"
+
+
+def speed_line(fit: Fit, measured: float | None) -> str:
+    if fit.tok_s_1 is not None:
+        text = (f"Predicted {fit.tok_s_1:.1f} tok/s for 1 user, {fit.tok_s_users:.1f} tok/s for {USERS} users"
+                if fit.tok_s_users is not None else f"Predicted {fit.tok_s_1:.1f} tok/s for 1 user")
+    elif fit.fleet_pcs:
+        text = "No prediction: the fleet cannot run it"
+    else:
+        text = NO_PROFILE[0].upper() + NO_PROFILE[1:]
+    return text + (f" · measured {measured:.1f} tok/s" if measured else "")
+
+
+def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None) -> list[str]:
+    lines = [facts_line(facts)]
+    if facts.description:
+        lines.append(facts.description)
+    if fit is None:
+        lines.append("Working out whether it fits…" if facts.has_shape else
+                     "Its layers and sizes are not known: no fit or speed prediction")
+        if measured:
+            lines.append(f"Measured {measured:.1f} tok/s")
+    else:
+        lines += [fit_line(fit), speed_line(fit, measured)]
+    return lines
+
+
+def card_tooltip(fit: Fit | None) -> str:
+    if fit is None:
+        return ""
+    notes = []
+    if fit.estimated_shape:
+        notes.append("Memory estimated from the model's layers, sizes and the export's weight format.")
+    if fit.tok_s_1 is not None:
+        notes.append("Speeds are predictions of the placement solver from the last fleet profile, its per-layer "
+                     "times scaled to this model's weights (decode reads every weight once a token).")
+    if fit.note and fit.note != NO_PROFILE:
+        notes.append(fit.note)
+    return "\n".join(notes)
+
+
+def price(facts: list[ModelFacts], weights: str) -> dict[str, Fit]:
+    """Every card's fit over the last fleet profile (runs off the GUI thread)."""
+    profile = load_profile()
+    return {f.source: predict(f, profile, weights=weights) for f in facts if f.has_shape}
+
+
+class ModelCards(QListWidget):
+    """A card per model; ``chosen(source)`` when the user selects one."""
+
+    chosen = Signal(str)
+    priced = Signal()  # the fits of a refresh arrived
+
+    def __init__(self, tasks, weights: str = "int4", parent=None):
+        super().__init__(parent)
+        self.tasks = tasks
+        self.weights = weights
+        self.facts: list[ModelFacts] = []
+        self.fits: dict[str, Fit] = {}
+        self._task = None
+        self._again = False
+        self.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.setAlternatingRowColors(True)
+        self.setSpacing(2)
+        self.currentItemChanged.connect(lambda item, _: item is not None and self.chosen.emit(item.data(SOURCE)))
+        self.set_models([catalog_facts(e) for e in CATALOG.values()])
+
+    def set_models(self, facts: list[ModelFacts]) -> None:
+        current = self.current_source()
+        self.facts = list(facts)
+        self.blockSignals(True)
+        self.clear()
+        for f in self.facts:
+            item = QListWidgetItem()
+            item.setData(SOURCE, f.source)
+            self.addItem(item)
+        self.blockSignals(False)
+        self.render()
+        if current:
+            self.select(current)
+
+    def add_model(self, facts: ModelFacts) -> None:
+        """Adds (or replaces) the card of ``facts`` and selects it."""
+        self.set_models([f for f in self.facts if f.source != facts.source] + [facts])
+        self.select(facts.source)
+        self.refresh()
+
+    def render(self) -> None:
+        for i, f in enumerate(self.facts):
+            item = self.item(i)
+            fit = self.fits.get(f.source)
+            item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)))))
+            item.setToolTip(card_tooltip(fit))
+
+    def refresh(self) -> None:
+        """Prices every card again (the profile or the measured speeds may have changed)."""
+        if self._task is not None:
+            self._again = True
+            return
+        facts, weights = list(self.facts), self.weights
+        self._task = self.tasks.start(lambda report, cancel: price(facts, weights), "model cards",
+                                      succeeded=self._priced, failed=self._unpriced)
+
+    def _priced(self, fits: dict) -> None:
+        self._task = None
+        self.fits = fits
+        self.render()
+        self.priced.emit()
+        if self._again:
+            self._again = False
+            self.refresh()
+
+    def _unpriced(self, message: str) -> None:
+        self._task = None
+        self.render()
+        for i in range(self.count()):
+            self.item(i).setToolTip(f"No fit could be worked out: {message}")
+        self.priced.emit()
+
+    # --- selection -------------------------------------------------------------------------------------
+
+    def select(self, source: str) -> bool:
+        for i in range(self.count()):
+            if self.item(i).data(SOURCE) == source:
+                self.setCurrentRow(i)
+                return True
+        return False
+
+    def current_source(self) -> str | None:
+        item = self.currentItem()
+        return item.data(SOURCE) if item is not None else None
+
+    def card_text(self, source: str) -> str:
+        for i in range(self.count()):
+            if self.item(i).data(SOURCE) == source:
+                return self.item(i).text()
+        raise KeyError(source)
+
+
+class ModelBrowser(QDialog):
+    """The chat's model browser: the catalog's cards (and the current model's, where it is a GGUF file
+    or a Hugging Face folder); accepting it picks the selected model."""
+
+    def __init__(self, tasks, current: str, weights: str = "int4", parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("Choose a model")
+        self.cards = ModelCards(tasks, weights)
+        if current and current not in CATALOG and Path(current).expanduser().exists() and not is_shard_set(current):
+            try:
+                self.cards.set_models([*self.cards.facts, facts_of(current)])
+            except FleetError:
+                pass
+        self.cards.select(current) or self.cards.select(DEFAULT_MODEL)
+        self.cards.itemActivated.connect(lambda _: self.accept())
+        hint = QLabel("Speeds are predictions from the last fleet profile until a model has run here.")
+        hint.setObjectName("hint")
+        hint.setWordWrap(True)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Chat with this model")
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.cards, 1)
+        layout.addWidget(hint)
+        layout.addWidget(buttons)
+        chars = self.fontMetrics().averageCharWidth()
+        self.resize(chars * 110, self.fontMetrics().lineSpacing() * 28)
+        self.cards.refresh()
+
+    def chosen_source(self) -> str | None:
+        return self.cards.current_source()

@@ -1,0 +1,123 @@
+"""Model cards in the Export wizard and the chat's model browser: a card per catalog model with its
+facts, whether it fits this PC and the fleet and its predicted speed from the fleet profile in the
+data folder (or a request to profile), the last measured speed, and a GGUF dropped on the window."""
+
+from __future__ import annotations
+
+import json
+
+from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QTimer, QUrl
+from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import QApplication
+
+from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+from test_fit import profile_doc, write_gguf
+
+from engine.config import paths
+from engine.fleet import fit
+from engine.models.catalog import CATALOG
+from engine.models.facts import catalog_facts
+
+
+def _priced(qtbot, cards) -> None:
+    with qtbot.waitSignal(cards.priced, timeout=60000):
+        cards.refresh()
+
+
+def test_a_card_per_catalog_model_asks_for_a_profile(qtbot, gui_home, tmp_path):
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    wizard = window.show_view("Export")
+    cards = wizard.cards
+    assert [cards.item(i).data(Qt.ItemDataRole.UserRole) for i in range(cards.count())] == list(CATALOG)
+    _priced(qtbot, cards)
+    smol = cards.card_text("smollm2-135m").splitlines()
+    assert smol[0] == ("smollm2-135m — 94 MB · 135M parameters · GGUF Q4_1 · 8K context · license Apache-2.0 · "
+                       + ("cached" if "cached" in smol[0] else "not downloaded yet"))
+    assert "1.5B parameters" in cards.card_text("qwen2.5-coder-1.5b")
+    assert "license Gemma Terms of Use" in cards.card_text("gemma3-270m")
+    for name in CATALOG:
+        text = cards.card_text(name)
+        assert "this PC" in text and "Profile the fleet to predict speed" in text and "tok/s" not in text
+    assert cards.current_source() == "smollm2-135m" and wizard.source() == "smollm2-135m"
+    wizard.choose_catalog("gemma3-270m")
+    assert wizard.source() == "gemma3-270m" and wizard.catalog_radio.isChecked()
+
+
+def test_cards_predict_from_the_fleet_profile_and_show_the_measured_speed(qtbot, gui_home, tmp_path):
+    paths().data.mkdir(parents=True, exist_ok=True)
+    (paths().data / fit.PROFILE_NAME).write_text(json.dumps(profile_doc()))
+    fit.record_measured("smollm2-135m", 23.4)
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    wizard = window.show_view("Export")
+    _priced(qtbot, wizard.cards)
+    profile = fit.load_profile(paths().data / fit.PROFILE_NAME)
+    big = fit.predict(catalog_facts(CATALOG["qwen2.5-coder-1.5b"]), profile)
+    lines = wizard.cards.card_text("qwen2.5-coder-1.5b").splitlines()
+    assert lines[2].startswith("Does not fit this PC (needs 1.") and lines[2].endswith("needs 2 of the fleet's 3 PCs")
+    assert lines[3] == f"Predicted {big.tok_s_1:.1f} tok/s for 1 user, {big.tok_s_users:.1f} tok/s for 4 users"
+    smol = wizard.cards.card_text("smollm2-135m").splitlines()
+    assert smol[2].startswith("Fits this PC") and smol[2].endswith("needs 1 of the fleet's 3 PCs")
+    assert smol[3].startswith("Predicted ") and smol[3].endswith(" · measured 23.4 tok/s")
+    item = wizard.cards.item(1)
+    assert "predictions of the placement solver" in item.toolTip() and "estimated" in item.toolTip()
+    screenshot(window, "export-cards")
+
+
+def _drag(window, path) -> QDragEnterEvent:
+    """A drag of ``path`` entering the window (Qt delivers a drop only after an accepted enter)."""
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(path))])
+    enter = QDragEnterEvent(QPoint(50, 50), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                            Qt.KeyboardModifier.NoModifier)
+    enter._mime = mime  # keep the data alive as long as the event
+    QApplication.sendEvent(window, enter)
+    return enter
+
+
+def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_home, tmp_path):
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    window.show_view("Chat")
+    gguf = write_gguf(tmp_path / "tiny.gguf")
+    assert not _drag(window, tmp_path / "notes.txt").isAccepted()  # only models are taken
+    mime = _drag(window, gguf).mimeData()
+    drop = QDropEvent(QPointF(50, 50), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                      Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(window, drop)
+    assert drop.isAccepted() and window.current_view() == "Export"
+    wizard = window.export
+    assert wizard.gguf_radio.isChecked() and wizard.source() == str(gguf)
+    text = wizard.cards.card_text(str(gguf))
+    assert text.startswith("tiny test llama — ") and "2K context" in text and "license mit" in text
+    assert "GGUF F16" in text and wizard.cards.current_source() == str(gguf)
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
+    assert not wizard.use_path(tmp_path / "broken.gguf") and "corrupt GGUF" in wizard.banner.message
+
+
+def test_the_chat_model_browser_picks_a_card(qtbot, gui_home, tmp_path):
+    from fleetgui.model_cards import ModelBrowser
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    chat = window.chat
+    dialog = ModelBrowser(chat.controller.tasks, chat.settings.default_model, parent=chat)
+    assert dialog.cards.count() == len(CATALOG)
+    dialog.cards.select("gemma3-270m")
+    chosen = []
+    chat.model_chosen.connect(chosen.append)
+    QTimer.singleShot(0, dialog.accept)
+    chat.model_chosen.disconnect(window.use_model)  # the choice itself, without opening that model
+    assert chat.browse_models(dialog) == "gemma3-270m" and chosen == ["gemma3-270m"]
+
+
+def test_a_chat_reply_becomes_the_cards_measured_speed(qtbot, gui_home, tmp_path):
+    from engine.runtime.decode.service import Reply
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none", default_model="gemma3-270m"),
+                         settings_store(tmp_path / "s.ini"))
+    tab = window.chat.tab(window.chat.tabs.currentIndex())
+    tab.finished.emit(Reply("hi there", [1, 2, 3], 5, "eos", decode_tok_s=0.0, error="boom"))
+    assert fit.measured_tok_s("gemma3-270m") is None  # a failed reply measures nothing
+    tab.finished.emit(Reply("hi there", [1, 2, 3], 5, "eos", decode_tok_s=41.26))
+    assert fit.measured_tok_s("gemma3-270m") == 41.26
+    wizard = window.show_view("Export")
+    qtbot.waitUntil(lambda: "measured 41.3 tok/s" in wizard.cards.card_text("gemma3-270m"), timeout=60000)
+    assert "measured" not in wizard.cards.card_text("smollm2-135m")

@@ -1,0 +1,116 @@
+"""The layout solver: one chain over the fleet or copies of the model (replicas), chosen for the
+expected users from the same cost model as the placement; and `fleet place` writing the copies
+into the plan document that `fleet deploy` reads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.fleet.layout import CHAIN_MARGIN, Layout, price_layout, shares, solve_layout
+from engine.fleet.placement import GB, DeviceProfile, Fleet, ModelShape, evaluate, solve
+from engine.fleet.plans import layout_stages
+
+# Qwen 1.5B-like: 28 layers, an INT8 head as heavy as ten layers
+MODEL = ModelShape("qwen", 28, 30_000_000, 100_000_000, 250_000_000, 2_000_000, 200_000_000)
+
+
+def office(n: int, memory_gb: float, *, layer_ms: float = 2.2) -> Fleet:
+    devices = [DeviceProfile(f"pc{i}", "CPU", int(memory_gb * GB), layer_ms, 12.0, 0.1, prefill_layer_ms=0.3,
+                             call_ms=1.0) for i in range(1, n + 1)]
+    rtt = {(f"pc{i}", f"pc{j}"): 0.3 for i in range(1, n + 1) for j in range(i + 1, n + 1)}
+    return Fleet(devices, rtt, coordinator="pc1")
+
+
+def chains(layout: Layout) -> list[list[tuple[str, int, int]]]:
+    return [[(s.node, s.start, s.end) for s in plan.stages] for plan in layout.plans]
+
+
+def test_one_user_gets_one_chain_and_many_users_get_a_copy_per_pc():
+    fleet = office(2, 4)
+    assert chains(solve_layout(MODEL, fleet, users=1)) == [[("pc1", 0, 28)]]
+    for users in (2, 4, 8):
+        layout = solve_layout(MODEL, fleet, users=users)
+        # the model whole here, and whole on pc2 but for the first layer, which feeds it from here
+        assert chains(layout) == [[("pc1", 0, 28)], [("pc1", 0, 1), ("pc2", 1, 28)]], users
+        assert [p.users for p in layout.plans] == shares(users, 2)
+        assert layout.aggregate_tok_s > solve(MODEL, fleet, objective="latency").aggregate_tok_s * 1.5
+    one = solve_layout(MODEL, fleet, users=4, replicas=False)
+    assert len(one.plans) == 1 and len(one.plans[0].stages) == 2  # asked for one chain: the split
+
+
+def test_pcs_that_cannot_hold_the_model_share_one_chain():
+    layout = solve_layout(MODEL, office(3, 0.8), users=4)
+    assert len(layout.plans) == 1 and len(layout.plans[0].stages) == 3
+
+
+def test_three_pcs_mix_copies_and_a_split_and_count_the_coordinators_memory():
+    two_copies = solve_layout(MODEL, office(3, 4), users=2)
+    # two users, three PCs: a copy on each other PC, this one only feeding them
+    assert chains(two_copies) == [[("pc1", 0, 1), ("pc2", 1, 28)], [("pc1", 0, 1), ("pc3", 1, 28)]]
+    assert two_copies.coordinator_load < 0.5
+    both = solve_layout(MODEL, office(3, 4), users=8)
+    assert len(both.plans) >= 2 and sum(p.users for p in both.plans) == 8
+    nodes = [s.node for p in both.plans for s in p.stages if s.node != "pc1"]
+    assert sorted(nodes) == ["pc2", "pc3"]  # every PC serves, each in one copy
+    # a coordinator that holds the whole model but not one more copy's first stage beside it:
+    # the other copy cannot be fed from here, so pc2 joins one chain
+    tight = Fleet([*(d if d.node != "pc1" else DeviceProfile("pc1", "CPU", int(1.5 * GB), 2.2, 12.0, 0.1,
+                                                              prefill_layer_ms=0.3, call_ms=1.0)
+                     for d in office(2, 4).devices)], office(2, 4).rtt_ms, coordinator="pc1")
+    assert evaluate(MODEL, tight, [("pc1", "CPU", 0, 28)]).ok  # it does hold the model whole
+    assert len(solve_layout(MODEL, tight, users=4).plans) == 1
+
+
+def test_a_busy_coordinator_slows_every_copy_and_a_much_faster_chain_still_wins():
+    fleet = office(2, 4)
+    copies = solve_layout(MODEL, fleet, users=4).plans
+    unloaded = sum(p.aggregate_tok_s for p in copies)
+    layout = price_layout(MODEL, fleet, copies, 4)
+    assert layout.coordinator_load > 1.0  # its own copy, and the other's first stage
+    assert layout.aggregate_tok_s == pytest.approx(unloaded / layout.coordinator_load)
+    # PCs with fast GPUs that cannot hold the model alone, and a slow CPU here: the chain over the
+    # GPUs is far faster than any copy could be
+    gpus = [DeviceProfile(f"pc{i}", "GPU.0", int(0.9 * GB), 0.3, 2.0, 0.05, prefill_layer_ms=0.05)
+            for i in (2, 3)]
+    mixed = Fleet([*office(3, 4, layer_ms=6.0).devices, *gpus], office(3, 4).rtt_ms, coordinator="pc1")
+    chosen = solve_layout(MODEL, mixed, users=4)
+    single = solve(MODEL, mixed, objective="throughput", users=4)
+    if len(chosen.plans) > 1:
+        assert chosen.aggregate_tok_s * CHAIN_MARGIN >= single.aggregate_tok_s
+    else:
+        assert chains(chosen) == [[(s.node, s.start, s.end) for s in single.stages]]
+
+
+def test_layouts_round_trip_and_explain_each_copy():
+    layout = solve_layout(MODEL, office(2, 4), users=4)
+    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    text = layout.explain()
+    assert text.startswith("2 replicas, 4 user(s) spread over them") and "replica 2:" in text
+
+
+def test_fleet_place_writes_the_copies_that_deploy_reads(tmp_path):
+    fleet = office(2, 4)
+    profile = {"model": MODEL.to_json(), "fleet": fleet.to_json(),
+               "nodes": {"pc1": {"name": "this machine", "address": "local"},
+                         "pc2": {"name": "beta", "address": "10.0.0.2:7420"}}}
+    (tmp_path / "profile.json").write_text(json.dumps(profile))
+
+    def place(*extra: str) -> dict:
+        out = tmp_path / "plan.json"
+        run = subprocess.run([sys.executable, "-m", "engine.cli", "place", "--profile", str(tmp_path / "profile.json"),
+                              "--objective", "throughput", "--users", "4", "--out", str(out), *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        return json.loads(out.read_text()) | {"stdout": run.stdout}
+
+    doc = place()
+    assert "2 replicas, 4 user(s)" in doc["stdout"] and "beta" in doc["stdout"]
+    copies = layout_stages(doc)
+    assert [[(s.agent, s.start, s.end) for s in c] for c in copies] == [
+        [("local", 0, 28)], [("local", 0, 1), ("10.0.0.2:7420", 1, 28)]]
+    one = place("--one-chain")
+    assert one["replicas"] == [] and len(layout_stages(one)) == 1 and len(layout_stages(one)[0]) == 2
