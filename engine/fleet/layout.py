@@ -40,8 +40,8 @@ class Layout(Record):
         if len(self.plans) == 1:
             return self.plans[0].explain()
         lines = [f"{len(self.plans)} replicas, {self.users} user(s) spread over them: "
-                 f"{self.aggregate_tok_s:.1f} tok/s aggregate predicted "
-                 f"(the coordinator busy {100 * min(self.coordinator_load, 1.0):.0f}% of the time)"]
+                 f"{self.aggregate_tok_s:.1f} tok/s aggregate predicted (the stage 0s of every copy "
+                 f"need {100 * self.coordinator_load:.0f}% of the time of the PC that runs them)"]
         for i, plan in enumerate(self.plans):
             lines.append(f"replica {i + 1}:")
             lines.extend("  " + line for line in plan.explain().splitlines())
@@ -88,7 +88,7 @@ def _own_copy(model: ModelShape, fleet: Fleet, node: str, users: int) -> Plan | 
         for there in (d for d in fleet.devices if d.node == node and d.supported):
             evaluation = evaluate(model, fleet, [(c, here.device, 0, 1), (node, there.device, 1, L)], users=users)
             if evaluation.ok and (best is None or evaluation.plan.aggregate_tok_s > best.aggregate_tok_s):
-                best = evaluation.plan
+                best = dataclasses.replace(evaluation.plan, objective="throughput")
     return best
 
 
