@@ -17,7 +17,7 @@ import os
 import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import chat_wave
+from engine.bench.office import DeployedWorkers, chat_wave, close_all
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy_layout
@@ -72,7 +72,7 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
             log(line)
         one = ChatService(LocalChain(export_model(model, stages=1, weights=weights).folders), streams=max(users),
                           prefix_cache=False)
-        opened.append(one.close)
+        opened.append(one)
         for service in [one, *services.values()]:  # warm: first compiles, first pages of the weights
             chat_wave(service, 2, tokens)
         waves = [(name, u) for u in users for name in (fleet_name(pcs), ONE_PC)]
@@ -85,11 +85,7 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
                 log(f"run {run + 1}/{runs}, {u} user(s), {name}: {got[0]:.2f} tok/s")
                 hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
     finally:
-        for close in reversed(opened):
-            try:
-                close()
-            except Exception as exc:  # closing is best effort: the office removes what is left
-                log(f"closing failed: {exc}")
+        close_all(opened, log)
         netns.move_into(home, os.getpid())
         netns.delete_cgroup(here)
     rows = [{"part": "layout", "server": name, "users": u if name != ONE_PC else u // pcs,
@@ -107,8 +103,8 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
 def _serve(model: str, copies, *, key: bytes, weights: str, streams: int, opened: list):
     """The chat service the app would open over a deployed layout (its closing queued in ``opened``)."""
     deployment, chains = deploy_layout(model, copies, key=key, weights=weights)
-    opened.append(lambda: deployment.stop(key))
+    opened.append(DeployedWorkers(deployment, key))
     services = [ChatService(chain, streams=streams, prefix_cache=False) for chain in chains]
     service = services[0] if len(services) == 1 else Replicas(services)
-    opened.append(service.close)
+    opened.append(service)
     return service

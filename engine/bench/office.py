@@ -153,7 +153,7 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
     def deployed(start: int):
         stages = [StagePlacement(LOCAL, "CPU", 0, start), StagePlacement(pc2.agent, "CPU", start, layers)]
         deployment, chain = deploy(model, stages, key=key, weights=weights)
-        opened.append(_Stop(deployment, key))
+        opened.append(DeployedWorkers(deployment, key))
         return chain
 
     try:
@@ -212,7 +212,7 @@ def _ratios(rows: list[dict], users: tuple[int, ...]) -> dict:
     return ratios
 
 
-class _Stop:
+class DeployedWorkers:
     """A deployment as something to close: its workers stop."""
 
     def __init__(self, deployment, key: bytes):

@@ -18,7 +18,7 @@ import os
 import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import chat_wave
+from engine.bench.office import DeployedWorkers, chat_wave, close_all
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy
@@ -80,9 +80,9 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
             else:
                 deployment, chain = deploy(model, placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
                                            key=key, weights=weights)
-                opened.append(lambda d=deployment: d.stop(key))
+                opened.append(DeployedWorkers(deployment, key))
             services[placement(plan)] = ChatService(chain, streams=max(USERS), prefix_cache=False)
-            opened.append(services[placement(plan)].close)
+            opened.append(services[placement(plan)])
         serving = {k: services[placement(plan)] for k, plan in plans.items()}
         for service in services.values():  # warm: first compiles, first pages of the weights
             chat_wave(service, 2, tokens)
@@ -94,11 +94,7 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
                 log(f"run {run + 1}/{runs}, {users} user(s), {name}: {samples[name, users][-1][0]:.2f} tok/s")
                 hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {users} user(s)")
     finally:
-        for close in reversed(opened):
-            try:
-                close()
-            except Exception as exc:  # closing is best effort: the office removes what is left
-                log(f"closing failed: {exc}")
+        close_all(opened, log)
         netns.move_into(home, os.getpid())
         netns.delete_cgroup(here)
     rows = [{"part": "slow", "server": name, "users": users, "tok_s": round(statistics.median(t for t, _ in got), 2),

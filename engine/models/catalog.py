@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import math
 import mmap
 import os
 import re
@@ -339,12 +340,19 @@ def _check_gguf(path: Path) -> None:
 _GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def _gguf_data_end(path: Path) -> int:
-    """Where the last tensor's data ends, from the header alone (``gguf.GGUFReader`` needs 10+ s on
-    large vocabularies because it materialises every token; this walks the header in well under 1 s)."""
-    from gguf import GGML_QUANT_SIZES
+class GGUFHeader(NamedTuple):
+    meta: dict  # key -> scalar or string value; an array as its length
+    tensors: list[tuple[list[int], int, int]]  # (dims, ggml type, data offset) of each tensor
+    data_start: int  # where the tensor data begins (the header's end, aligned)
 
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """A GGUF file's header, walked directly (``gguf.GGUFReader`` needs 10+ s on large vocabularies
+    because it materialises every token; this takes well under 1 s).  Raises ValueError (or
+    struct.error) for a file that is not a GGUF of version 2 or later, or is cut short."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError("it does not start with b'GGUF'")
         pos = 4
 
         def take(fmt: str):
@@ -353,13 +361,13 @@ def _gguf_data_end(path: Path) -> int:
             pos += struct.calcsize(fmt)
             return value
 
-        def string() -> bytes:
+        def string() -> str:
             nonlocal pos
             n = take("Q")
             if pos + n > len(m):
-                raise ValueError("string runs past the end of the file")
+                raise ValueError("a string runs past the end of the file")
             pos += n
-            return m[pos - n:pos]
+            return m[pos - n:pos].decode("utf-8", "replace")
 
         def value(kind: int):
             nonlocal pos
@@ -372,31 +380,36 @@ def _gguf_data_end(path: Path) -> int:
                 else:
                     for _ in range(count):
                         value(item)
-                return None
+                return count
             return take(_GGUF_SCALAR[kind])
 
         version = take("I")
         if version < 2:
             raise ValueError(f"GGUF version {version} is not supported")
         n_tensors, n_kv = take("Q"), take("Q")
-        alignment = 32
+        meta = {}
         for _ in range(n_kv):
             key = string()
-            v = value(take("I"))
-            if key == b"general.alignment":
-                alignment = int(v)
-        end = 0
+            meta[key] = value(take("I"))
+        tensors = []
         for _ in range(n_tensors):
             string()
             dims = [take("Q") for _ in range(take("I"))]
-            ggml_type, offset = take("I"), take("Q")
-            block, type_size = GGML_QUANT_SIZES[ggml_type]
-            count = 1
-            for d in dims:
-                count *= d
-            end = max(end, offset + count // block * type_size)
-        start = -(-pos // alignment) * alignment
-        return start + end
+            tensors.append((dims, take("I"), take("Q")))
+        alignment = int(meta.get("general.alignment", 32))
+        return GGUFHeader(meta, tensors, -(-pos // alignment) * alignment)
+
+
+def _gguf_data_end(path: Path) -> int:
+    """Where the last tensor's data ends, from the header alone."""
+    from gguf import GGML_QUANT_SIZES
+
+    header = read_gguf_header(path)
+    end = 0
+    for dims, ggml_type, offset in header.tensors:
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        end = max(end, offset + math.prod(dims) // block * type_size)
+    return header.data_start + end
 
 
 def _file_fingerprint(path: Path) -> str:

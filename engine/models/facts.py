@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
+import math
 import re
 import struct
 from pathlib import Path
 
 from engine.errors import SourceError
-from engine.models.catalog import CATALOG, CatalogEntry
+from engine.models.catalog import CATALOG, CatalogEntry, read_gguf_header
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) for the formats in common use
 GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
                    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
                    17: "Q5_K_M", 18: "Q6_K", 32: "BF16"}
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +53,8 @@ class ModelFacts:
 
 
 def catalog_facts(e: CatalogEntry) -> ModelFacts:
-    return ModelFacts(name=e.name, source=e.name, kind="catalog", size=e.size, parameters=e.parameters,
-                      weight_format=e.weight_format, context=e.context, license=e.license,
-                      architecture=e.architecture, num_layers=e.num_layers, hidden_size=e.hidden_size,
-                      intermediate_size=e.intermediate_size, num_heads=e.num_heads, num_kv_heads=e.num_kv_heads,
-                      head_dim=e.head_dim, vocab_size=e.vocab_size, description=e.description, fingerprint=e.sha256)
+    shared = {f.name: getattr(e, f.name) for f in dataclasses.fields(ModelFacts) if hasattr(e, f.name)}
+    return ModelFacts(**shared, source=e.name, kind="catalog", fingerprint=e.sha256)
 
 
 def gguf_header(path: Path) -> tuple[dict, int]:
@@ -66,57 +62,11 @@ def gguf_header(path: Path) -> tuple[dict, int]:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise SourceError(f"{path} is not a GGUF file (it does not start with b'GGUF')")
-        f.seek(0)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            pos = 4
-
-            def take(fmt: str):
-                nonlocal pos
-                (value,) = struct.unpack_from("<" + fmt, m, pos)
-                pos += struct.calcsize(fmt)
-                return value
-
-            def string() -> str:
-                nonlocal pos
-                n = take("Q")
-                if pos + n > len(m):
-                    raise ValueError("a string runs past the end of the file")
-                pos += n
-                return m[pos - n:pos].decode("utf-8", "replace")
-
-            def value(kind: int):
-                nonlocal pos
-                if kind == 8:
-                    return string()
-                if kind == 9:
-                    item, count = take("I"), take("Q")
-                    if item in _SCALAR:
-                        pos += count * struct.calcsize(_SCALAR[item])
-                    else:
-                        for _ in range(count):
-                            value(item)
-                    return count
-                return take(_SCALAR[kind])
-
-            try:
-                if take("I") < 2:
-                    raise ValueError("GGUF versions before 2 are not supported")
-                n_tensors, n_kv = take("Q"), take("Q")
-                meta = {}
-                for _ in range(n_kv):
-                    key = string()
-                    meta[key] = value(take("I"))
-                params = 0
-                for _ in range(n_tensors):
-                    string()
-                    count = 1
-                    for _ in range(take("I")):
-                        count *= take("Q")
-                    take("I"), take("Q")  # type, offset
-                    params += count
-            except (struct.error, ValueError, KeyError) as exc:
-                raise SourceError(f"{path} is a truncated or corrupt GGUF file ({exc})") from None
-    return meta, params
+    try:
+        header = read_gguf_header(path)
+    except (struct.error, ValueError) as exc:
+        raise SourceError(f"{path} is a truncated or corrupt GGUF file ({exc})") from None
+    return header.meta, sum(math.prod(dims) for dims, _, _ in header.tensors)
 
 
 def gguf_facts(path: str | Path) -> ModelFacts:

@@ -213,6 +213,32 @@ def connect_successor(address: str, key: bytes, manifest: Manifest, mode: str, t
     return Link(sock, address, seal, 0.0, max_frame), float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
 
 
+class Listening:
+    """What a process serving a port shares (a stage worker, a draft server): ``start`` its threads,
+    ``serve_forever`` until ``stop``; subclasses set ``_listener`` and ``_stop`` and extend ``stop``."""
+
+    _listener: socket.socket
+    _stop: threading.Event
+
+    def start(self):
+        raise NotImplementedError
+
+    def serve_forever(self) -> None:
+        self.start()
+        try:
+            while not self._stop.wait(0.5):
+                pass
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+
+
 class Link:
     """A framed socket, every frame sealed by the handshake's ``seal`` (a frame that fails its
     check raises ProtocolError). ``send`` is thread-safe; one thread calls ``recv``."""

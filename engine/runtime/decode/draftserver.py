@@ -27,7 +27,7 @@ from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.speculative import TOKENIZER_FILES, PromptLookup, open_draft_chain
 from engine.transport import wire
-from engine.transport.link import Link, accept_loop, authenticate_peer, parse_address
+from engine.transport.link import Link, Listening, accept_loop, authenticate_peer, parse_address
 from engine.transport.wire import Flag, Msg, ProtocolError
 
 MAX_STREAMS = 64
@@ -116,7 +116,7 @@ class DraftText:
         return drafts
 
 
-class DraftServer:
+class DraftServer(Listening):
     """Serves a draft model's 1-stage shard on a TCP port (``fleet worker --draft``)."""
 
     def __init__(self, folders: list[Path], listen: str, *, key: bytes, device: str = "CPU", tls=None,
@@ -149,20 +149,8 @@ class DraftServer:
                          daemon=True, name="draft accept").start()
         return self
 
-    def serve_forever(self) -> None:
-        self.start()
-        try:
-            while not self._stop.wait(0.5):
-                pass
-        finally:
-            self.stop()
-
     def stop(self) -> None:
-        self._stop.set()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        super().stop()
         if self._current is not None:
             self._current.close()
         if self._serving.acquire(timeout=5.0):  # the session's loop has let go of the draft model

@@ -30,7 +30,7 @@ from engine.runtime.stages.packing import Part
 from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
-from engine.transport.link import Link, accept_loop, authenticate_peer, connect_successor, parse_address
+from engine.transport.link import Link, Listening, accept_loop, authenticate_peer, connect_successor, parse_address
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
@@ -66,7 +66,7 @@ def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Fram
     return Frame(Msg.RESULT, frame.stream, frame.seq, tensors, frame.flags)
 
 
-class Worker:
+class Worker(Listening):
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
@@ -125,20 +125,8 @@ class Worker:
             threading.Thread(target=target, daemon=True, name=f"worker {name}").start()
         return self
 
-    def serve_forever(self) -> None:
-        self.start()
-        try:
-            while not self._stop.wait(0.5):
-                pass
-        finally:
-            self.stop()
-
     def stop(self) -> None:
-        self._stop.set()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        super().stop()
         for link in (self._upstream, self._downstream):
             if link is not None:
                 link.close()
