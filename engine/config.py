@@ -97,6 +97,10 @@ class Settings:
     api_port: int = 8000
     api_streams: int = 4  # concurrent replies `fleet serve` makes (more requests queue)
     api_max_body_mb: float = 4.0  # the largest request body the API reads (larger: 413)
+    # MCP servers whose tools the chat offers (``engine.serve.mcp.McpServer.to_json``: name, command, args,
+    # env or url, enabled), and the tools ("server/tool") it calls without asking first
+    mcp_servers: list[dict] = dataclasses.field(default_factory=list)
+    mcp_always_allowed: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path | None = None) -> "Settings":
@@ -173,6 +177,17 @@ def parse_devices(device: str, count: int) -> list[str]:
     if len(devices) != count or not all(devices):
         raise ShardError(f"{device!r} names {len(devices)} devices for {count} stages")
     return devices
+
+
+def allow_tool(key: str) -> list[str]:
+    """Adds an MCP tool (``server/tool``) to those the chat calls without asking, in the saved
+    settings; returns the list."""
+    with lock(paths().settings_file):  # the app's Settings view may save meanwhile
+        settings = Settings.load()
+        if key not in settings.mcp_always_allowed:
+            settings.mcp_always_allowed = [*settings.mcp_always_allowed, key]
+            settings.save()
+    return settings.mcp_always_allowed
 
 
 def set_node(address: str, added: bool) -> list[str]:

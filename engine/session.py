@@ -29,7 +29,7 @@ from typing import Callable
 from engine.config import AUTO_WEIGHTS, Settings, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
-from engine.fleet.deploy import Deployment, Sent
+from engine.fleet.deploy import Deployment, LiveRecord, Sent
 from engine.fleet.failover import Failover
 from engine.fleet.local import LocalAgent, local_up
 from engine.fleetkey import key_file, load_key, load_tls
@@ -63,6 +63,7 @@ class Launch:
     shards: list[str | Path] | None = None  # exported shard folders instead of the settings' model
     remote: list[str] = dataclasses.field(default_factory=list)  # workers of stages 1.. (stage 0 here)
     deployment: Deployment | None = None  # a recorded deployment to connect to
+    record: Path | None = None  # the file it was loaded from, kept true when a failover moves its workers
     workers: str | None = None  # "processes" (LocalFleet) or "none" (in process); None: as the settings say
     precision: str | None = None  # the inference precision hint (f32, bf16, f16)
     isolate: bool = False  # one compiled model per stream
@@ -259,14 +260,16 @@ def open_draft_link(settings: Settings, chain, deployment: Deployment | None = N
                      tls=load_tls(settings.tls, settings.fleet_key_file))
 
 
-def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None):
+def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None,
+                  on_recovered: Callable[[Deployment], None] | None = None):
     """The ``Failover`` of a deployed chain (``engine.fleet.failover``): a stopped worker starts again,
-    a lost node's layers move; None for a chain that is not a deployment."""
+    a lost node's layers move; None for a chain that is not a deployment.  ``on_recovered`` is told
+    each new deployment."""
     if opened.deployment is None or not opened.deployment.placement or not opened.deployment.remotes:
         return None
     return Failover.of(opened.deployment.copies[0], key=load_key(settings.fleet_key_file),
                        tls=load_tls(settings.tls, settings.fleet_key_file), deadline_s=settings.deadline_s,
-                       on_event=on_event, chain=opened.chain)
+                       on_event=on_event, chain=opened.chain, on_recovered=on_recovered)
 
 
 def open_service(settings: Settings, launch: Launch | None = None, progress: Progress = quiet, cancel=None,
@@ -280,6 +283,7 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
     if opened is None:
         return None
     pending, services = [opened], []  # chains not yet under a service, and the services
+    record = LiveRecord(opened.deployment, launch.record) if opened.deployment else None
     try:
         for copy in opened.deployment.copies[1:] if opened.deployment else []:
             pending.append(Opened(copy.chain(load_key(settings.fleet_key_file),
@@ -287,7 +291,8 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
                                             deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,
                                             isolate=launch.isolate), "deployment", deployment=copy))
         while pending:
-            services.append(_copy_service(settings, pending[0], drafts, on_event))
+            recovered = (lambda copy, index=len(services): record.replace(index, copy)) if record else None
+            services.append(_copy_service(settings, pending[0], drafts, on_event, recovered))
             pending.pop(0)  # its service closes it now
     except BaseException:
         for thing in [*services, *pending]:
@@ -302,9 +307,9 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
 
 
 def _copy_service(settings: Settings, opened: Opened, drafts: list[Path] | None,
-                  on_event: Callable[[str], None] | None) -> ChatService:
+                  on_event: Callable[[str], None] | None, on_recovered=None) -> ChatService:
     """The chat service of one open chain; it closes the chain and what it owns."""
-    failover = open_failover(opened, settings, on_event)
+    failover = open_failover(opened, settings, on_event, on_recovered)
     remote = open_draft_link(settings, opened.chain, opened.deployment)
     if remote is not None:
         opened.owned.append(remote)

@@ -22,7 +22,7 @@ from engine import session
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
-from engine.fleet.deploy import LOCAL, deploy_layout
+from engine.fleet.deploy import LOCAL, default_record, deploy_layout
 from engine.fleet.local import own_agents
 from engine.fleet.node import local_node_info, node_id
 from engine.fleet.survey import survey
@@ -62,7 +62,7 @@ class EngineBackend:
     def open_deployment(self, settings, deployment, progress: Report = quiet, cancel=None):
         """A chat service over a running deployment (``engine.fleet.deploy.Deployment``): stage 0
         here, the later stages on the fleet's workers."""
-        return self._open(settings, Launch(deployment=deployment), progress, cancel)
+        return self._open(settings, Launch(deployment=deployment, record=default_record()), progress, cancel)
 
     def _open(self, settings, launch: Launch, progress: Report, cancel):
         keystore.materialise(keystore.key_path(settings), default=not settings.fleet_key_file)
@@ -184,7 +184,8 @@ class EngineBackend:
         return deployment
 
     def stop_deployment(self, deployment, settings) -> list[str]:
-        return deployment.stop(keystore.load(settings), keystore.tls(settings))
+        # a failover in the chat may have restarted or moved workers since: the record names them
+        return deployment.current().stop(keystore.load(settings), keystore.tls(settings))
 
     def bench(self, name: str, settings, options: dict, hooks, log: Callable[[str], None] = print) -> dict:
         """Runs benchmark ``name`` on the current shard set; ``options``: tokens, runs, delays, draft_kind."""

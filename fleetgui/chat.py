@@ -7,7 +7,8 @@ service's callbacks (called on its scheduler thread) to the GUI thread through q
 ``RENDER_EVERY_MS``, an unclosed code fence as a code block so far), Stop,
 Regenerate (sampled anew), per-message Copy, Edit and Delete, a system prompt, the chat's sampling
 settings, the context it uses and each reply's speed.  ``ChatView`` holds the model picker, the
-tabs, the saved conversations (search, rename, export) and the live tok/s plot.
+tabs, the saved conversations (search, rename, export), the document collections chats answer from
+(``fleetgui.documents``) and the live tok/s plot.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ from engine.models.catalog import CATALOG
 from engine.progress import describe_progress
 from engine.runtime.decode.sampling import SamplingParams
 from engine.runtime.decode.service import Reply
+from engine.serve.tools import prepare
 from fleetgui.chat_options import DEFAULT_PRESET, SamplingPanel, preset_options, sampling_params
 from fleetgui.chat_options import describe as describe_options
+from fleetgui.chat_tools import McpTools, ToolLoop, call_html, result_html
+from fleetgui.documents import DocumentsPanel, sources_html, with_sources
 from fleetgui.history import Conversation, HistoryStore, Message, to_json, to_markdown
 from fleetgui.markdown import REPLY_LINK, Transcript, code_blocks, message_html
 from fleetgui.model_cards import ModelBrowser
@@ -97,16 +101,17 @@ class ChatController(QObject):
 
     # --- requests ------------------------------------------------------------------------------------
 
-    def submit(self, messages: list[dict], max_new_tokens: int, on_text, on_done, sampling=None) -> int:
+    def submit(self, messages: list[dict], max_new_tokens: int, on_text, on_done, sampling=None, tools=None) -> int:
         """Queues a reply; ``on_text(piece, tokens)`` and ``on_done(Reply)`` run on the GUI thread.
-        ``sampling``: the engine's ``SamplingParams`` (None: greedy)."""
+        ``sampling``: the engine's ``SamplingParams`` (None: greedy); ``tools``: the ``ToolPlan`` of
+        the tools the reply may call (``engine.serve.tools``)."""
         key = next(self._keys)
         self._listeners[key] = (on_text, on_done)
         if self.service is None:
-            self._pending.append((key, messages, max_new_tokens, sampling))
+            self._pending.append((key, messages, max_new_tokens, sampling, tools))
             self.open()
         else:
-            self._send(key, messages, max_new_tokens, sampling)
+            self._send(key, messages, max_new_tokens, sampling, tools)
         return key
 
     def cancel(self, key: int | None, forget: bool = False) -> None:
@@ -124,12 +129,18 @@ class ChatController(QObject):
         if handle is not None:
             handle.cancel()
 
-    def _send(self, key: int, messages: list[dict], max_new_tokens: int, sampling=None) -> None:
+    def _send(self, key: int, messages: list[dict], max_new_tokens: int, sampling=None, tools=None) -> None:
         bridge = self._bridge
+        extra = {}
+        if tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            # tools in the prompt, earlier calls and results as the template takes them, the calls held
+            # to their schemas
+            messages, template_tools = prepare(messages, tools, self.service.tokenizer)
+            extra = {"tools": template_tools, "grammar": tools.grammar if tools is not None else None}
         try:
             self._handles[key] = self.service.submit(
                 messages, max_new_tokens, on_text=lambda piece, n: bridge.text.emit(key, piece, n),
-                on_done=lambda reply: bridge.done.emit(key, reply), sampling=sampling)
+                on_done=lambda reply: bridge.done.emit(key, reply), sampling=sampling, **extra)
         except FleetError as exc:
             self._on_done(key, Reply("", [], 0, "error", error=str(exc)))
 
@@ -193,8 +204,8 @@ class ChatController(QObject):
         self.status.emit(f"Chat: {service.description}")
         self.service_changed.emit(service)
         pending, self._pending = self._pending, []
-        for key, messages, max_new_tokens, sampling in pending:
-            self._send(key, messages, max_new_tokens, sampling)
+        for key, messages, max_new_tokens, sampling, tools in pending:
+            self._send(key, messages, max_new_tokens, sampling, tools)
         self.ready.emit()
 
     def _open_failed(self, message: str) -> None:
@@ -337,14 +348,16 @@ class ChatTab(QWidget):
         self.regenerate_button.clicked.connect(self.regenerate)
         self.copy_button.clicked.connect(self.copy)
         QShortcut(QKeySequence("Ctrl+Return"), self.input, activated=self.send)
+        self.tools = ToolLoop(self)  # MCP tools: offered to each reply, each call asked about
 
         layout = QVBoxLayout(self)
         layout.addWidget(self.system)
         layout.addWidget(self.transcript, 1)
         layout.addWidget(self.stats)
+        layout.addWidget(self.tools.bar)
         layout.addWidget(self.input)
-        layout.addWidget(flow_bar(self.sampling_button, self.context, self.copy_button, self.regenerate_button,
-                                  self.stop_button, self.send_button, align_right=True)[0])
+        layout.addWidget(flow_bar(self.tools.mode, self.sampling_button, self.context, self.copy_button,
+                                  self.regenerate_button, self.stop_button, self.send_button, align_right=True)[0])
         self.stats.setWordWrap(True)
         self.stats.hide()
         replies = [m for m in conversation.messages if m.role == "assistant"]
@@ -357,7 +370,7 @@ class ChatTab(QWidget):
 
     @property
     def busy(self) -> bool:
-        return self.key is not None
+        return self.key is not None or self.tools.active
 
     def _set_stats(self, text: str) -> None:
         self.stats.setText(text)
@@ -390,7 +403,7 @@ class ChatTab(QWidget):
         return dialog
 
     def set_options(self, options: dict) -> None:
-        self.conversation.options = dict(options)
+        self.conversation.options = {**self.conversation.options, **options}  # keeps the chat's documents
         if self.conversation.id is not None:
             self.view.history.update(self.conversation)
         self._show_options()
@@ -432,6 +445,7 @@ class ChatTab(QWidget):
 
     def stop(self) -> None:
         self.view.controller.cancel(self.key)
+        self.tools.cancel()
 
     def regenerate(self) -> None:
         """Replaces the last reply with a new one to the same conversation, sampled anew."""
@@ -504,6 +518,8 @@ class ChatTab(QWidget):
             who = "your message" if self.conversation.messages[parts[0]].role == "user" else "this reply"
             if ask(self, "Delete message", f"Delete {who} from the chat? This cannot be undone.", "Delete"):
                 self.delete_message(parts[0])
+        elif action == "source" and len(parts) == 2 and parts[0] < len(self.conversation.messages):
+            self.view.documents.show_source(self.conversation.messages[parts[0]].stats.get("sources", []), parts[1])
         elif action == "regenerate":
             self.regenerate()
 
@@ -514,15 +530,21 @@ class ChatTab(QWidget):
     def close_tab(self) -> None:
         self.view.controller.cancel(self.key, forget=True)
         self.key = None
+        self.tools.cancel()
 
     # --- the reply -----------------------------------------------------------------------------------
 
-    def _start_reply(self, fresh: bool) -> None:
+    def _start_reply(self, fresh: bool, question: bool = True) -> None:
+        """Asks the model for a reply: to the user's message (``question``) or, after tool calls, to
+        their results."""
         conv = self.conversation
         conv.system = self.system.text().strip()
-        prompt = conv.prompt()
+        sources = self.view.documents.sources_for(conv)  # the chat's documents that answer the question
+        prompt = with_sources(conv.prompt(), sources)
         sampling, seed = self._sampling(fresh)
         self.reply = Message("assistant", "", {"seed": seed} if seed is not None else {})
+        if sources:
+            self.reply.stats["sources"] = sources
         conv.messages.append(self.reply)
         self._tokens = 0
         self._saved = 0.0
@@ -533,7 +555,7 @@ class ChatTab(QWidget):
         self.view.meter.begin(self.label)
         self.view.live.set_name(self.label, self.title())
         self.key = self.view.controller.submit(prompt, int(self.options["max_tokens"]), self._on_text, self._on_done,
-                                               sampling=sampling)
+                                               sampling=sampling, tools=self.tools.next_plan(question))
         self._update_buttons()
 
     def _on_text(self, piece: str, tokens: int) -> None:
@@ -585,9 +607,10 @@ class ChatTab(QWidget):
         stats = reply.to_json()
         if message is not None:
             message.content = reply.text
-            seed = message.stats.get("seed")
-            message.stats = {**stats, **({"seed": seed} if seed is not None else {})}
+            kept = {k: message.stats[k] for k in ("seed", "sources") if message.stats.get(k) is not None}
+            message.stats = {**stats, **kept}
             stats = message.stats
+            self.tools.take_calls(message, reply.text)  # its calls (if any) wait for the user
             if reply.text:
                 self.view.history.save(conv.id, message)
             else:
@@ -605,6 +628,7 @@ class ChatTab(QWidget):
         self.render()
         self._update_buttons()
         self.view.conversations_changed()
+        self.tools.ask()
         self.finished.emit(reply)
 
     def _show_context(self, reply: Reply) -> None:
@@ -633,6 +657,9 @@ class ChatTab(QWidget):
         last_reply = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
         for i, m in enumerate(messages):
             who = "You" if m.role == "user" else "Assistant"
+            if m.role == "tool":
+                parts.append(result_html(m))
+                continue
             if m is self.reply:
                 parts.append(f"<p style='margin-top:0.8em'><b>{who}</b></p><p style='white-space:pre-wrap'></p>")
                 continue
@@ -646,6 +673,8 @@ class ChatTab(QWidget):
             parts.append(f"<p style='margin-top:0.8em'><b>{who}</b>&nbsp;&nbsp;<small>{' · '.join(links)}</small></p>")
             parts.append(message_html(m.content, i, theme) if m.role == "assistant" else
                          f"<p style='white-space:pre-wrap'>{html.escape(m.content)}</p>")
+            parts.append(sources_html(m.stats.get("sources"), i) if m.role == "assistant" else "")
+            parts.extend(call_html(c) for c in m.stats.get("tool_calls", []))
             stats = format_stats(m.stats) if m.role == "assistant" and i != last_reply else ""
             if stats:  # the last reply's figures are in the line under the transcript
                 parts.append(f"<p><small><i>{html.escape(stats)}</i></small></p>")
@@ -733,6 +762,10 @@ class ChatView(QWidget):
         left_layout.addWidget(self.search)
         left_layout.addWidget(self.saved, 1)
         left_layout.addWidget(flow_bar(new_button, rename_button, export_button, delete_button)[0])
+        self.documents = DocumentsPanel(controller.tasks)
+        self.mcp = McpTools(controller.tasks, settings, self)
+        self.mcp.failed.connect(lambda message: self.banner.error(message))
+        left_layout.addWidget(self.documents)
 
         self.tabs = QTabWidget()
         self.tabs.setTabsClosable(True)
@@ -826,6 +859,7 @@ class ChatView(QWidget):
         tab = ChatTab(self, conversation or Conversation(None, ""), f"chat {next(self._labels)}")
         tab.title_changed.connect(lambda: self._retitle(tab))
         tab.finished.connect(self._record_speed)
+        self.documents.attach(tab)
         index = self.tabs.addTab(tab, tab.title())
         self.tabs.setTabToolTip(index, tab.conversation.title)
         self.tabs.setCurrentIndex(index)
@@ -965,6 +999,7 @@ class ChatView(QWidget):
     def apply_settings(self, settings) -> None:
         self.settings = settings
         self.controller.reconfigure(settings)
+        self.mcp.apply_settings(settings)
         self.live.set_theme(settings.theme)
         self._fill_models()
         for tab in self.all_tabs():
@@ -975,3 +1010,4 @@ class ChatView(QWidget):
         for tab in self.all_tabs():
             tab.close_tab()
         self.controller.shutdown()
+        self.mcp.close()

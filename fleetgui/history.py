@@ -38,7 +38,7 @@ CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation, id
 
 @dataclasses.dataclass
 class Message:
-    role: str  # "user" | "assistant"
+    role: str  # "user" | "assistant" | "tool" (an MCP tool's result)
     content: str
     stats: dict = dataclasses.field(default_factory=dict)  # the reply's report (assistant messages)
     id: int | None = None
@@ -56,7 +56,17 @@ class Conversation:
     def prompt(self) -> list[dict]:
         """The messages as the chat template takes them, system prompt first."""
         head = [{"role": "system", "content": self.system}] if self.system.strip() else []
-        return head + [{"role": m.role, "content": m.content} for m in self.messages]
+        return head + [_prompt_message(m) for m in self.messages]
+
+
+def _prompt_message(m: Message) -> dict:
+    """A message as the chat template takes it: a reply's tool calls, and a tool result's call id
+    (``fleetgui.chat_tools`` keeps both in the message's stats)."""
+    if m.role == "assistant" and m.stats.get("tool_calls"):
+        return {"role": "assistant", "content": m.content or None, "tool_calls": m.stats["tool_calls"]}
+    if m.role == "tool":
+        return {"role": "tool", "content": m.content, "tool_call_id": m.stats.get("tool_call_id", "")}
+    return {"role": m.role, "content": m.content}
 
 
 def default_path() -> Path:
@@ -163,7 +173,10 @@ def to_markdown(conversation: Conversation) -> str:
     if conversation.system.strip():
         parts.append(f"*System:* {conversation.system.strip()}")
     for m in conversation.messages:
-        parts.append(f"## {'You' if m.role == 'user' else 'Assistant'}\n\n{m.content}")
+        who = {"user": "You", "tool": f"Tool result ({m.stats.get('name', 'tool')})"}.get(m.role, "Assistant")
+        calls = "".join(f"\n\n*Called* `{c['function']['name']}` *with* `{c['function']['arguments']}`"
+                        for c in m.stats.get("tool_calls", []))
+        parts.append(f"## {who}\n\n{m.content}{calls}")
     return "\n\n".join(parts) + "\n"
 
 

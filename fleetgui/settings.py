@@ -19,6 +19,7 @@ from engine.export.compress import WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.files import lock
 from engine.models.catalog import CATALOG
 from fleetgui.chat_options import DEFAULT_PRESET, PRESETS
+from fleetgui.mcp_settings import McpServersDialog, summary
 from fleetgui.theme import THEMES
 from fleetgui.widgets import combo_box, explained, explained_choice, field_row, flow_bar, spin_box
 
@@ -76,6 +77,7 @@ HELP = {  # one line under each field, in words a new user understands
     "theme": "Light or dark colours.",
     "api": "Let other programs use the chat's model through an OpenAI-compatible address.",
     "api_address": "127.0.0.1 keeps the API on this PC; another address needs the API key the app creates.",
+    "mcp": "Tools the chat can use: MCP servers (a command or a URL); the chat asks before each call.",
 }
 
 
@@ -132,6 +134,11 @@ class SettingsPage(QWidget):
         self.api_host = QLineEdit()
         self.api_port = spin_box(0, 65535, 8000)
         form.addRow("API address", explained(field_row(self.api_host, self.api_port), HELP["api_address"]))
+        self.mcp_summary = QLabel()
+        self.mcp_summary.setWordWrap(True)
+        mcp_button = QPushButton("MCP servers…")
+        mcp_button.clicked.connect(lambda: self.edit_mcp_servers())
+        form.addRow("Tools", explained(field_row(self.mcp_summary, mcp_button), HELP["mcp"]))
 
         inner = QWidget()
         inner.setLayout(form)
@@ -179,7 +186,24 @@ class SettingsPage(QWidget):
         self.api_enabled.setChecked(settings.api_enabled)
         self.api_host.setText(settings.api_host)
         self.api_port.setValue(settings.api_port)
+        self._set_mcp_servers(settings.mcp_servers, None)
         self.error.hide()
+
+    def _set_mcp_servers(self, entries: list[dict], always: list[str] | None) -> None:
+        """``always`` None: the always-allowed tools as they are (the chat adds to them meanwhile)."""
+        self._mcp_servers, self._mcp_always = [dict(e) for e in entries], always
+        self.mcp_summary.setText(summary(self._mcp_servers))
+
+    def _always_allowed(self) -> list[str]:
+        return list(self._settings.mcp_always_allowed if self._mcp_always is None else self._mcp_always)
+
+    def edit_mcp_servers(self, dialog: McpServersDialog | None = None) -> McpServersDialog:
+        """The MCP servers dialog (non-modal); OK takes its list into the fields (Save keeps it)."""
+        dialog = dialog or McpServersDialog(self._mcp_servers, self._always_allowed(), self)
+        dialog.accepted.connect(lambda: self._set_mcp_servers(dialog.servers(), dialog.always))
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        return dialog
 
     def apply_settings(self, settings: GuiSettings) -> None:
         self.load(settings)
@@ -199,7 +223,8 @@ class SettingsPage(QWidget):
             max_new_tokens=self.max_new_tokens.value(),
             chat_preset=self.chat_preset.currentText(), theme=self.theme.currentText(),
             api_enabled=self.api_enabled.isChecked(), api_host=self.api_host.text().strip(),
-            api_port=self.api_port.value())
+            api_port=self.api_port.value(), mcp_servers=[dict(e) for e in self._mcp_servers],
+            mcp_always_allowed=self._always_allowed())
 
     def accept(self) -> bool:
         """Saves the fields when they are valid (True); otherwise says what is wrong under them."""

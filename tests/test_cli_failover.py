@@ -1,7 +1,8 @@
 """The terminal chat ``fleet up`` hands over to (``fleet generate --deployment``) survives a worker killed
 mid-reply, as the API server and the app do: a local node agent runs stage 1 of the tiny Llama over a slow
 link, its worker is killed (kill -9) once the reply has begun to print, and the reply carries on over a
-new worker to the end, token-identical to the model in one process."""
+new worker to the end, token-identical to the model in one process; the saved record then names the
+new worker, so stopping the deployment stops it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy
 from engine.fleet.local import start_local_agent, stop_local_agent
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.service import ChatService
@@ -69,6 +70,11 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
         assert "fleet: stage 1 stopped answering" in text and "starting its worker again" in text, text
         assert "carried on over a new chain 1x" in text
         assert [p.pid for p in psutil.Process(agent.pid).children()] != [worker.pid]  # a new worker serves
+        # the record names the worker that runs now, so stopping the deployment stops it
+        saved = Deployment.load(record)
+        assert saved.id == deployment.id and saved.workers != deployment.workers
+        assert saved.stop(key) == []
+        assert psutil.Process(agent.pid).children() == []
     finally:
         if chat is not None and chat.poll() is None:
             chat.kill()

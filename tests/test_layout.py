@@ -114,3 +114,24 @@ def test_fleet_place_writes_the_copies_that_deploy_reads(tmp_path):
         [("local", 0, 28)], [("local", 0, 1), ("10.0.0.2:7420", 1, 28)]]
     one = place("--one-chain")
     assert one["replicas"] == [] and len(layout_stages(one)) == 1 and len(layout_stages(one)[0]) == 2
+
+
+def test_a_copys_failover_rewrites_only_that_copy_in_the_saved_record(tmp_path):
+    from engine.fleet.deploy import Deployment, LiveRecord
+
+    def copy(name, worker):
+        return Deployment(model="m", stage0=f"{name}/stage0", device="CPU", remotes=[f"{name}:2"],
+                          workers=[{"agent": f"{name}:1", "worker": worker, "stage": 1}])
+
+    whole = copy("a", "w1")
+    whole.replicas = [copy("b", "w2").to_json(), copy("c", "w3").to_json()]
+    whole.draft = {"agent": "d:1", "worker": "w4", "address": "d:2", "model": "draft"}
+    path = whole.save(tmp_path / "deployment.json")
+    live = LiveRecord(whole, path)
+    moved = copy("e", "w5")  # copy 1 (on b) moved to e by its failover: a new deployment, a new id
+    live.replace(1, moved)
+    saved = Deployment.load(path)
+    assert [c.workers[0]["worker"] for c in saved.copies] == ["w1", "w5", "w3"]
+    assert saved.id == whole.id and saved.draft == whole.draft
+    assert whole.current(path).copies[1].remotes == ["e:2"]  # what a stop now reaches
+    assert copy("x", "w9").current(path).workers[0]["worker"] == "w9"  # another deployment's record is not ours

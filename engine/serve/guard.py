@@ -3,7 +3,8 @@ request costs the server as little as it can:
 
 1. the Host header, on loopback: a loopback name (``localhost``, ``127.0.0.1``, ``[::1]``), else
    421 (a web page's DNS rebinding reaches a loopback API under its own host name);
-2. the API key (``/v1``, when the server has one): 401 before a byte of the body is read;
+2. the API key (``/v1`` and Ollama's ``/api``, when the server has one), as a bearer token or
+   Anthropic's ``x-api-key`` header: 401 before a byte of the body is read;
 3. the body's size: a ``Content-Length`` over the limit is 413 at once, and a chunked body is
    counted as it comes and refused with 413 once it passes the limit;
 4. the body's nesting (JSON arrays and objects): past ``MAX_BODY_DEPTH``, 400 before it is parsed
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse
 
 from engine.serve.schema import ApiError
 
+KEYED = ("/v1", "/api")  # the paths that need the API key (OpenAI's and Anthropic's, Ollama's)
 DRAIN = 64 * 1024  # the most of a refused body read (and dropped) before the answer
 MAX_BODY_DEPTH = 128  # nested arrays and objects in a request body (a schema in it: up to 64 more)
 _STEP = np.zeros(256, np.int8)  # what a byte does to the nesting, outside strings
@@ -78,7 +80,7 @@ async def _drained(receive, read: int, length: str | None) -> bool:
 
 
 class RequestGuard:
-    """The checks above, in front of ``app``: ``api_key`` None lets ``/v1`` in without one,
+    """The checks above, in front of ``app``: ``api_key`` None lets ``/v1`` and ``/api`` in without one,
     ``max_body`` in bytes, ``local`` the server listens on loopback (the Host check)."""
 
     def __init__(self, app, api_key: str | None, max_body: int, local: bool):
@@ -108,10 +110,11 @@ class RequestGuard:
                 error = ApiError(400, f"the request body nests {depth} levels of arrays and objects; at most "
                                       f"{MAX_BODY_DEPTH}", code="body_too_deep")
         if error is not None:
-            headers = {}
+            answer = {}
             if more and not await _drained(receive, size, headers.get("content-length")):
-                headers["Connection"] = "close"  # the unread rest is not waited for: the connection ends
-            return await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+                answer["Connection"] = "close"  # the unread rest is not waited for: the connection ends
+            return await JSONResponse(error.body_for(scope["path"]), status_code=error.status,
+                                      headers=answer)(scope, receive, send)
         handed = False
 
         async def replay():
@@ -129,13 +132,13 @@ class RequestGuard:
             return ApiError(421, f"this server listens on loopback and answers only to localhost, 127.0.0.1 or "
                                  f"[::1], not the Host {headers.get('host', '(none)')!r} (a guard against DNS "
                                  "rebinding)", code="invalid_host")
-        if self.api_key and (path == "/v1" or path.startswith("/v1/")):
+        if self.api_key and any(path == p or path.startswith(p + "/") for p in KEYED):
             given = headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
+            token = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(token.encode("latin-1"), self.api_key.encode()):
                 why = "a wrong API key" if token else "no API key"
-                return ApiError(401, f"this server needs its API key as a bearer token; the request carries {why}",
-                                code="invalid_api_key")
+                return ApiError(401, f"this server needs its API key as a bearer token (or an x-api-key header); "
+                                     f"the request carries {why}", code="invalid_api_key")
         length = headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body:
             return self._too_large(f"the request body is {int(length)} bytes")

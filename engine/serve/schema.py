@@ -33,6 +33,31 @@ class ApiError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
+    def body_for(self, path: str) -> dict:
+        """The body in the shape of the API ``path`` belongs to: Ollama's ``{"error": message}`` under
+        ``/api/``, Anthropic's under ``/v1/messages``, else OpenAI's."""
+        if path.startswith("/api/"):
+            return {"error": self.message}
+        if path == "/v1/messages" or path.startswith("/v1/messages/"):
+            kind = _ANTHROPIC_KINDS.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return self.body()
+
+    def renamed(self, names: dict[str, str]) -> "ApiError":
+        """This error with its field as another API names it (``{"stop": "stop_sequences"}``)."""
+        for old, new in names.items():
+            if self.param is not None and (self.param == old or self.param.startswith((old + ".", old + "["))):
+                param = new + self.param[len(old):]
+                message = self.message
+                if message.startswith(self.param):
+                    message = param + message[len(self.param):]
+                return ApiError(self.status, message, param, self.kind, self.code)
+        return self
+
+
+_ANTHROPIC_KINDS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")

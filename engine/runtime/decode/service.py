@@ -90,6 +90,7 @@ class Reply:
     rounds: int = 0  # decode rounds (forwards after the first token)
     logprobs: list | None = None  # per token: (token, logprob, [(alternative, logprob)...]), when asked for
     prompt_logprobs: list | None = None  # the same for the prompt's tokens (the first one's logprob None)
+    stop_string: str | None = None  # the stop string that ended it (``stopped_by`` "stop")
 
     @property
     def finish_reason(self) -> str:
@@ -529,7 +530,8 @@ class ChatService:
                           cached_tokens=request.decoding.cached if not request.rerouted else 0,
                           stage_ms=list(result.breakdown.stage_ms), rounds=result.breakdown.rounds,
                           logprobs=list(handle.logprobs) if request.logprobs is not None else None,
-                          prompt_logprobs=request.prompt_entries or request.decoding.prompt_entries)
+                          prompt_logprobs=request.prompt_entries or request.decoding.prompt_entries,
+                          stop_string=request.stop.hit if not error else None)
         else:
             reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
                           context_error=context)

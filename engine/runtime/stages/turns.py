@@ -8,11 +8,13 @@ oversubscribed threads lose another 10-20% to each other.  Taking turns keeps wh
 for (one stream computes while the others wait on the network) without that loss.
 
 The turn is an exclusive lock on a file every stage process opens (``flock``; on Windows a ``filelock``
-lock on ``<file>.lock``), plus a thread lock for the threads of one process.
+lock on ``<file>.lock``), plus a first-come-first-served lock for the threads of one process
+(``FifoLock``).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -56,13 +58,54 @@ else:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
 
+class FifoLock:
+    """A lock handed to waiting threads in the order they asked.  ``threading.Lock`` lets the
+    thread that just released take it straight back: a whole copy of the model on the coordinator
+    then kept the turn from another copy's stage 0 waiting beside it, which got half its share
+    (a copy forwarding 67 ms at a time against a 4 ms stage 0 with 65 ms elsewhere, modelled with
+    sleeps: 14.5 and 6.5 tokens/s with ``threading.Lock``, 14.0 and 13.8 with this)."""
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._held = False
+        self._waiters: collections.deque = collections.deque()
+
+    def acquire(self) -> None:
+        with self._guard:
+            if not self._held:
+                self._held = True
+                return
+            waiter = threading.Lock()
+            waiter.acquire()
+            self._waiters.append(waiter)
+        try:
+            waiter.acquire()  # released by ``release``, which hands the lock over held
+        except BaseException:
+            with self._guard:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:  # handed over as we were interrupted: pass it on
+                    self._hand_over()
+            raise
+
+    def release(self) -> None:
+        with self._guard:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().release()  # the lock stays held: the first waiter owns it now
+        else:
+            self._held = False
+
+
 class ComputeTurns:
     """``with turns:`` around an inference waits for this computer's compute turn."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)  # held for the process's life
-        self._thread = threading.Lock()
+        self._thread = FifoLock()
         self._file = _FileTurn(self.path, self._fd)
 
     def __enter__(self) -> "ComputeTurns":

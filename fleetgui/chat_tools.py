@@ -1,0 +1,307 @@
+"""The chat's tools from MCP servers (``engine.serve.mcp``): ``McpTools`` keeps the window's
+connections (opened off the GUI thread when the settings list servers) and the tools they offer;
+``ToolLoop`` runs one chat's calls.
+
+A reply that calls a tool (through the grammar-held calls of ``engine.serve.tools``) is shown with
+its arguments as plain text, and the bar under the transcript asks: Allow once, Always allow this
+tool (kept in the settings), or Deny.  An allowed call runs off the GUI thread; its result (or the
+error of a server that crashed or timed out) becomes a ``tool`` message and the model is asked
+again, until it answers without a call (at most ``MAX_ROUNDS`` rounds per question).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtWidgets import QComboBox, QFrame, QHBoxLayout, QLabel, QPushButton
+
+from engine.config import allow_tool
+from engine.errors import FleetError
+from engine.serve.mcp import McpError, McpHub, McpServer, McpTool, offer, servers_from_settings
+from engine.serve.tools import parse, plan_tools
+from fleetgui.history import Message
+
+MAX_ROUNDS = 8  # model replies per question; the last one may not call a tool
+MODES = {"off": "Tools: off", "auto": "Tools: the model decides", "required": "Tools: call one first"}
+RESULT_CHARS = 20000  # a tool result longer than this is cut for the model (and the transcript)
+
+
+class McpTools(QObject):
+    """The enabled MCP servers of the settings, connected in the background, and their tools."""
+
+    changed = Signal()  # the tools offered, or a server's state, changed
+    failed = Signal(str)  # a server could not be connected
+
+    def __init__(self, tasks, settings, parent: QObject | None = None):
+        super().__init__(parent)
+        self.tasks = tasks
+        self.hub: McpHub | None = None
+        self.servers: list[McpServer] = []
+        self.listed: dict[str, list[McpTool]] = {}  # server name -> its tools
+        self.errors: dict[str, str] = {}
+        self.tools: list[McpTool] = []  # as offered to the model
+        self.skipped: list[str] = []
+        self.always: set[str] = set()
+        self._generation = 0
+        self.apply_settings(settings)
+
+    def apply_settings(self, settings) -> None:
+        """Connects the servers the settings enable (anew where one changed) and forgets the others."""
+        self.always = set(getattr(settings, "mcp_always_allowed", []))
+        try:
+            servers = [s for s in servers_from_settings(getattr(settings, "mcp_servers", [])) if s.enabled]
+        except McpError as exc:
+            self.failed.emit(f"The MCP servers in the settings cannot be read: {exc}")
+            servers = []
+        if servers == self.servers:
+            return
+        self.servers = servers
+        self._generation += 1
+        self.listed, self.errors = {}, {}
+        self._offer()
+        if self.hub is not None:
+            hub, self.hub = self.hub, None
+            self.tasks.start(lambda report, cancel: hub.close(), "close MCP servers")
+        if servers:
+            self.hub = McpHub()
+            for server in servers:
+                self.connect(server)
+
+    def connect(self, server: McpServer) -> None:
+        hub, generation = self.hub, self._generation
+
+        def listed(tools):
+            if generation == self._generation:
+                self.listed[server.name] = tools
+                self.errors.pop(server.name, None)
+                self._offer()
+
+        def failed(message: str):
+            if generation == self._generation:
+                self.errors[server.name] = message
+                self.failed.emit(message)
+                self.changed.emit()
+
+        self.tasks.start(lambda report, cancel: hub.tools(server), f"connect MCP server {server.name}",
+                         succeeded=listed, failed=failed)
+
+    def _offer(self) -> None:
+        self.tools, self.skipped = offer([t for s in self.servers for t in self.listed.get(s.name, [])])
+        self.changed.emit()
+
+    def find(self, call_name: str) -> McpTool | None:
+        return next((t for t in self.tools if t.call_name == call_name), None)
+
+    def describe(self) -> str:
+        """The servers' state in a line (the tools button's tooltip)."""
+        if not self.servers:
+            return "No MCP servers: add them in Settings → MCP servers"
+        lines = []
+        for server in self.servers:
+            if server.name in self.errors:
+                lines.append(f"{server.name}: {self.errors[server.name]}")
+            elif server.name in self.listed:
+                lines.append(f"{server.name}: {len(self.listed[server.name])} tools")
+            else:
+                lines.append(f"{server.name}: connecting…")
+        return "\n".join(lines + [f"left out: {s}" for s in self.skipped])
+
+    def close(self) -> None:
+        hub, self.hub = self.hub, None
+        self._generation += 1
+        if hub is not None:
+            hub.close()
+
+
+def call_html(call: dict) -> str:
+    """A tool call as the transcript shows it: the function and its arguments as text (the model's
+    output is not trusted markup)."""
+    arguments = call["function"]["arguments"]
+    try:
+        arguments = json.dumps(json.loads(arguments), ensure_ascii=False, indent=1)
+    except ValueError:
+        pass
+    return (f"<p><small>The model calls <b>{html.escape(call['function']['name'])}</b> with</small></p>"
+            f"<pre>{html.escape(arguments)}</pre>")
+
+
+def result_html(message: Message) -> str:
+    note = " (error)" if message.stats.get("error") else ""
+    return (f"<p style='margin-top:0.8em'><b>Tool result</b> <small>{html.escape(message.stats.get('name', ''))}"
+            f"{note}</small></p><pre style='white-space:pre-wrap'>{html.escape(message.content)}</pre>")
+
+
+class ToolLoop(QObject):
+    """One chat's tool calls: offers the tools to each reply, asks before each call, runs it and
+    asks the model again with its result."""
+
+    def __init__(self, tab):
+        super().__init__(tab)
+        self.tab = tab
+        self.mcp: McpTools = tab.view.mcp
+        self.rounds = 0  # replies since the user's last message
+        self.plan = None  # the tools the reply in progress may call
+        self.pending: list[dict] = []  # calls of the last reply waiting for the user or running
+        self.running = None  # the task of the call that runs
+        self._cancelled = False
+
+        self.mode = QComboBox(tab)  # a child from the start: shown, it never becomes a window of its own
+        for key, label in MODES.items():
+            self.mode.addItem(label, key)
+        self.mode.setCurrentIndex(1)
+        self.mode.setToolTip(self.mcp.describe())
+        self.mcp.changed.connect(self._servers_changed)
+        self._servers_changed()
+
+        self.bar = QFrame(tab)
+        self.bar.setObjectName("toolbar")
+        self.question = QLabel()
+        self.question.setWordWrap(True)
+        self.question.setTextFormat(Qt.TextFormat.PlainText)
+        self.allow_button = QPushButton("Allow once")
+        self.always_button = QPushButton("Always allow this tool")
+        self.deny_button = QPushButton("Deny")
+        self.allow_button.clicked.connect(lambda: self.decide("once"))
+        self.always_button.clicked.connect(lambda: self.decide("always"))
+        self.deny_button.clicked.connect(lambda: self.decide("deny"))
+        row = QHBoxLayout(self.bar)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.question, 1)
+        for button in (self.allow_button, self.always_button, self.deny_button):
+            row.addWidget(button)
+        self.bar.hide()
+
+    @property
+    def active(self) -> bool:
+        """Calls are waiting for the user or running: the chat is busy."""
+        return bool(self.pending)
+
+    def _servers_changed(self) -> None:
+        self.mode.setVisible(bool(self.mcp.servers))
+        self.mode.setToolTip(self.mcp.describe())
+
+    # --- a reply ---------------------------------------------------------------------------------------
+
+    def next_plan(self, new_question: bool):
+        """The tools the next reply may call (None: none), per the chat's mode; the first reply to a
+        question may be made to call one, the last of ``MAX_ROUNDS`` may not."""
+        if new_question:
+            self.rounds = 0
+        self.rounds += 1
+        mode = self.mode.currentData()
+        self.plan = None
+        if mode == "off" or not self.mcp.tools or self.rounds >= MAX_ROUNDS:
+            return None
+        choice = "required" if mode == "required" and self.rounds == 1 else "auto"
+        try:
+            self.plan = plan_tools([t.openai() for t in self.mcp.tools], choice, parallel=False)
+        except FleetError as exc:
+            self.tab.view.banner.error(f"The MCP tools cannot be offered to the model: {exc}")
+        return self.plan
+
+    def take_calls(self, message: Message, text: str) -> None:
+        """A finished reply: its tool calls (if the reply was offered tools and made any) go to the
+        message's stats, its text beside them stays its content, and the calls wait for the user."""
+        plan, self.plan = self.plan, None
+        if plan is None or not text:
+            return
+        content, calls = parse(text, plan.names)
+        if not calls:
+            return
+        message.content = content or ""
+        message.stats["tool_calls"] = calls
+        self.pending = list(calls)
+        self._cancelled = False
+
+    def ask(self) -> None:
+        """Asks about the first waiting call, or runs it when its tool is always allowed."""
+        if not self.pending or self.running is not None:
+            return
+        call = self.pending[0]
+        tool = self.mcp.find(call["function"]["name"])
+        if tool is not None and tool.key in self.mcp.always:
+            self._run(call, tool)
+            return
+        where = f" (MCP server {tool.server})" if tool is not None else ""
+        self.question.setText(f"Run the tool {call['function']['name']}{where} with the arguments shown?")
+        self.bar.show()
+        self.allow_button.setFocus()
+
+    def decide(self, answer: str) -> None:
+        """The user's answer about the first waiting call: ``once``, ``always`` or ``deny``."""
+        if not self.pending or self.running is not None:
+            return
+        self.bar.hide()
+        call = self.pending[0]
+        tool = self.mcp.find(call["function"]["name"])
+        if answer == "deny":
+            self._result(call, "The user did not allow this call.", error=True)
+            return
+        if tool is None:
+            self._result(call, f"No tool named {call['function']['name']} is connected.", error=True)
+            return
+        if answer == "always":
+            self.mcp.always.add(tool.key)
+            settings = self.tab.view.settings
+            settings.mcp_always_allowed = sorted(set(settings.mcp_always_allowed) | {tool.key})
+            try:
+                allow_tool(tool.key)
+            except (FleetError, OSError) as exc:
+                self.tab.view.banner.error(f"“Always allow” could not be saved: {exc}")
+        self._run(call, tool)
+
+    def _run(self, call: dict, tool: McpTool) -> None:
+        try:
+            arguments = json.loads(call["function"]["arguments"] or "{}")
+        except ValueError as exc:
+            self._result(call, f"The arguments are not valid JSON: {exc}", error=True)
+            return
+        hub = self.mcp.hub
+        if hub is None or not isinstance(arguments, dict):
+            self._result(call, "The MCP servers are turned off." if hub is None else
+                         "The arguments must be a JSON object.", error=True)
+            return
+        self.tab._set_stats(f"running {tool.name} on {tool.server}…")
+        self.running = self.tab.view.controller.tasks.start(
+            lambda report, cancel: hub.call(tool, arguments), f"MCP call {tool.key}",
+            succeeded=lambda result: self._ran(call, result.text, result.is_error),
+            failed=lambda message: self._ran(call, message, True, crashed=True))
+
+    def _ran(self, call: dict, text: str, error: bool, crashed: bool = False) -> None:
+        self.running = None
+        if crashed:
+            self.tab.view.banner.error(f"The tool call failed: {text}")
+        if self._cancelled:
+            return
+        self._result(call, text, error)
+
+    def _result(self, call: dict, text: str, error: bool = False) -> None:
+        """The call's result as a tool message; the next call is asked about, or, all answered, the
+        model replies again."""
+        tab = self.tab
+        if len(text) > RESULT_CHARS:
+            text = text[:RESULT_CHARS] + f"\n[… cut: {len(text) - RESULT_CHARS} more characters]"
+        stats = {"tool_call_id": call["id"], "name": call["function"]["name"], **({"error": True} if error else {})}
+        message = Message("tool", text, stats)
+        tab.conversation.messages.append(message)
+        tab.view.history.append(tab.conversation.id, message)
+        self.pending = self.pending[1:]
+        tab.render()
+        if self.pending:
+            self.ask()
+        else:
+            tab._start_reply(fresh=False, question=False)
+
+    def cancel(self) -> None:
+        """Stop: the waiting calls are dropped (a running one ends unheard) and the chat is free."""
+        if not self.pending:
+            return
+        self._cancelled = True
+        self.pending = []
+        self.bar.hide()
+        self.tab._set_stats("stopped")
+        self.tab.render()
+        self.tab._update_buttons()
+

@@ -1,0 +1,198 @@
+"""MCP tools in the app: the chat offers mcp-server-time's tools (the real server from PyPI over
+stdio) to the real SmolLM2, shows the call it makes with its arguments, runs it once the user
+allows it, shows the result and the model's answer to it; "Always allow" is kept in the settings
+and skips the question; a server that crashes during a call leaves a clear message and a usable
+chat; and the Settings view's MCP servers dialog (import, test, save)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+from gui_support import gui_home, open_window, screenshot, settings_store  # noqa: F401
+
+from engine.config import Settings
+from engine.serve.mcp import McpServer
+
+TIME_SERVER = McpServer("time", sys.executable, ["-m", "mcp_server_time", "--local-timezone", "Etc/UTC"])
+CRASHING = textwrap.dedent("""
+    import os, sys
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("fragile")
+
+    @server.tool()
+    def look_up(word: str) -> str:
+        "Looks a word up."
+        print("segfault (pretend)", file=sys.stderr, flush=True)
+        os._exit(11)
+
+    server.run()
+""")
+
+
+@pytest.fixture(autouse=True)
+def slow_start(monkeypatch):
+    """Servers start slowly on a busy test machine: only the timeout tests of test_mcp rely on timeouts."""
+    monkeypatch.setattr("engine.serve.mcp.CONNECT_TIMEOUT_S", 300.0)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from engine.export.exporter import export_model
+
+    # module scope: made before a test's own home is set, so it lands in (and reuses) the user's cache
+    return export_model("smollm2-135m", stages=1, weights="int4").out
+
+
+def chat_settings(model, servers):
+    from fleetgui.settings import GuiSettings
+
+    return GuiSettings(default_model=str(model), stages=1, weights="int4", local_workers=False, draft="none", k="0",
+                       streams=2, max_new_tokens=48, chat_preset="Greedy",
+                       mcp_servers=[s.to_json() for s in servers])
+
+
+def ask(qtbot, tab, text, timeout=300000):
+    tab.input.setPlainText(text)
+    with qtbot.waitSignal(tab.finished, timeout=timeout) as blocker:
+        tab.send()
+    return blocker.args[0]
+
+
+def answer(qtbot, tab, button, timeout=300000):
+    """Clicks Allow/Always/Deny and waits for the model's next reply."""
+    with qtbot.waitSignal(tab.finished, timeout=timeout) as blocker:
+        button.click()
+    return blocker.args[0]
+
+
+def force_a_call(tab):
+    tab.tools.mode.setCurrentIndex(tab.tools.mode.findData("required"))
+
+
+@pytest.mark.real_model
+def test_the_model_calls_the_time_server_once_allowed_and_answers(qtbot, gui_home, tmp_path, smollm2):
+    window = open_window(qtbot, chat_settings(smollm2, [TIME_SERVER]), settings_store(tmp_path / "s.ini"))
+    view = window.chat
+    qtbot.waitUntil(lambda: len(view.mcp.tools) == 2, timeout=400000)
+    tab = view.all_tabs()[0]
+    assert tab.tools.mode.isVisible() and "time: 2 tools" in tab.tools.mode.toolTip()
+    force_a_call(tab)  # the first reply must be a call (a 135M model rarely decides on one itself)
+
+    ask(qtbot, tab, "What time is it in London right now?")
+    call_message = tab.conversation.messages[-1]
+    (call,) = call_message.stats["tool_calls"]
+    name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+    assert name in ("get_current_time", "convert_time") and isinstance(arguments, dict)
+    # the call and its arguments are in the transcript, as text; the chat waits for the user
+    shown = tab.transcript.toPlainText()
+    assert f"calls {name} with" in shown and all(str(v) in shown for v in arguments.values())
+    assert tab.tools.bar.isVisible() and name in tab.tools.question.text()
+    assert tab.busy and not tab.send_button.isEnabled() and tab.stop_button.isEnabled()
+    screenshot(window, "tools")
+
+    reply = answer(qtbot, tab, tab.tools.allow_button)
+    roles = [m.role for m in tab.conversation.messages]
+    assert roles[:4] == ["user", "assistant", "tool", "assistant"], roles
+    result = tab.conversation.messages[2]
+    assert result.stats["tool_call_id"] == call["id"] and result.stats["name"] == name
+    assert "timezone" in result.content.lower()  # the server's answer (a time, or its own error about the zone)
+    shown = tab.transcript.toPlainText()
+    assert "Tool result" in shown and result.content.splitlines()[0] in shown
+    while tab.tools.active:  # the model may call again on its own: say no until it answers
+        reply = answer(qtbot, tab, tab.tools.deny_button)
+    final = tab.conversation.messages[-1]
+    assert final.role == "assistant" and final.content and not final.stats.get("tool_calls")
+    assert reply.text and not tab.busy and tab.send_button.isEnabled() and not tab.tools.bar.isVisible()
+    assert not Settings.load().mcp_always_allowed  # "once" is not remembered
+
+    # the conversation, calls and results included, is in the history
+    stored = window.history.load(tab.conversation.id)
+    assert [m.role for m in stored.messages] == [m.role for m in tab.conversation.messages]
+    assert stored.messages[1].stats["tool_calls"] == [call]
+
+    # always allow: kept in the settings, and the next call of that tool runs without asking
+    ask(qtbot, tab, "And in Tokyo?")
+    (again,) = tab.conversation.messages[-1].stats["tool_calls"]
+    tool = view.mcp.find(again["function"]["name"])
+    answer(qtbot, tab, tab.tools.always_button)
+    assert Settings.load().mcp_always_allowed == [tool.key] and view.settings.mcp_always_allowed == [tool.key]
+    while tab.tools.active:
+        answer(qtbot, tab, tab.tools.deny_button)
+    if tool.name == "get_current_time":  # the tool remembered is the one the next question calls
+        count = len(tab.conversation.messages)
+        ask(qtbot, tab, "And in Paris?")
+        qtbot.waitUntil(lambda: not tab.busy and tab.conversation.messages[-1].role == "assistant"
+                        and len(tab.conversation.messages) > count + 2, timeout=300000)
+        assert [m.role for m in tab.conversation.messages[count:count + 3]] == ["user", "assistant", "tool"]
+        assert not tab.tools.bar.isVisible()
+
+
+@pytest.mark.real_model
+def test_a_server_that_crashes_during_a_call_leaves_a_clear_message(qtbot, gui_home, tmp_path, smollm2):
+    script = tmp_path / "fragile.py"
+    script.write_text(CRASHING)
+    fragile = McpServer("fragile", sys.executable, [str(script)])
+    window = open_window(qtbot, chat_settings(smollm2, [fragile]), settings_store(tmp_path / "s.ini"))
+    view = window.chat
+    qtbot.waitUntil(lambda: len(view.mcp.tools) == 1, timeout=400000)
+    tab = view.all_tabs()[0]
+    force_a_call(tab)
+    ask(qtbot, tab, "Look up the word 'fleet'.")
+    assert tab.tools.bar.isVisible()
+    answer(qtbot, tab, tab.tools.allow_button)  # the model still answers, told of the failure
+    result = next(m for m in tab.conversation.messages if m.role == "tool")
+    assert result.stats.get("error") and "'fragile' stopped answering during look_up" in result.content
+    assert "segfault (pretend)" in result.content
+    assert "The tool call failed: MCP server 'fragile' stopped answering" in view.banner.message
+    while tab.tools.active:
+        answer(qtbot, tab, tab.tools.deny_button)
+    assert not tab.busy and tab.send_button.isEnabled()
+
+
+def test_settings_import_test_and_save_mcp_servers(qtbot, gui_home, tmp_path):
+    from PySide6.QtWidgets import QDialogButtonBox
+
+    from fleetgui.settings import GuiSettings, SettingsPage
+
+    page = SettingsPage(GuiSettings(mcp_always_allowed=["time/get_current_time"]))
+    qtbot.addWidget(page)
+    assert page.mcp_summary.text() == "none"
+    dialog = page.edit_mcp_servers()
+    assert dialog.always_label.text() == "Always allowed: time/get_current_time"
+    dialog.forget.click()  # the chat asks before every call again
+    importer = dialog.open_import()
+    importer.text.setPlainText('{"mcpServers": {"time": {"command": "x", "url": "http://h"}}}')
+    importer.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok).click()
+    assert "not both" in importer.problem.text() and dialog.list.count() == 0  # refused, said why
+    importer.text.setPlainText(json.dumps({"mcpServers": {
+        "time": {"command": sys.executable, "args": ["-m", "mcp_server_time"]},
+        "web": {"url": "http://127.0.0.1:9/mcp"}}}))
+    importer.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok).click()
+    assert dialog.list.count() == 2
+
+    with qtbot.waitSignal(dialog.tested, timeout=400000) as tested:
+        dialog.test(0)
+    assert tested.args[0] == "time: 2 tools (get_current_time, convert_time)"
+    with qtbot.waitSignal(dialog.tested, timeout=400000) as tested:
+        dialog.test(1)  # nothing listens there
+    assert tested.args[0].startswith("MCP server 'web'")
+
+    with pytest.raises(Exception, match="already a server named 'time'"):
+        dialog.add("time", "uvx mcp-server-time")
+    dialog.add("files", "npx -y '@modelcontextprotocol/server-filesystem' /tmp", "DEBUG=1")
+    dialog.remove(1)
+    dialog.accept()
+    assert page.mcp_summary.text() == "time, files"
+    with qtbot.waitSignal(page.saved) as saved:
+        page.save_button.click()
+    settings = saved.args[0]
+    settings.save(settings_store(tmp_path / "s.ini"))
+    assert Settings.load().mcp_always_allowed == []
+    kept = Settings.load().mcp_servers
+    assert [s["name"] for s in kept] == ["time", "files"]
+    assert kept[1] == {"name": "files", "command": "npx", "args": ["-y", "@modelcontextprotocol/server-filesystem",
+                                                                   "/tmp"], "env": {"DEBUG": "1"}, "enabled": True}
