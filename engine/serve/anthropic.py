@@ -20,11 +20,10 @@ import uuid
 from typing import Annotated, Literal, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.runtime.decode.service import ChatService, Handle, Reply
-from engine.serve.chat import Pipe, call_of, check_model, error_for, raise_for, submit, wait
+from engine.serve.chat import Pipe, answer, call_of, check_model, error_for, submit
 from engine.serve.schema import ApiError
 from engine.serve.tools import CallStream, parse_reply
 
@@ -130,14 +129,7 @@ def router(service: ChatService, model_id: str) -> APIRouter:
         call = await call_of(to_chat(body), FIELDS)
         pipe, handle = await submit(service, call, request)
         shape = _Message(model_id, call.tools.names if call.tools else None)
-        if call.stream:
-            return StreamingResponse(shape.events(pipe, handle), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        reply = await wait(pipe, handle, request)
-        if reply is None:
-            return Response(status_code=499)  # the client has gone: nobody reads this
-        raise_for(reply)
-        return shape.whole(reply)
+        return await answer(pipe, handle, request, call.stream, lambda: shape.events(pipe, handle), shape.whole)
 
     return api
 

@@ -24,8 +24,8 @@ from engine.config import Settings
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService, ContextExceeded, Reply
 from engine.serve import anthropic, ollama
-from engine.serve.chat import (DISCONNECT_POLL_S, Pipe, call_of, check_model, error_for, raise_for, submit,
-                               wait)
+from engine.serve.chat import (DISCONNECT_POLL_S, Pipe, answer, call_of, check_model, error_for, raise_for,
+                               submit)
 from engine.serve.guard import RequestGuard
 from engine.serve.metrics import CONTENT_TYPE, Metrics
 from engine.serve.schema import (ApiError, Call, ChatRequest, CompletionRequest, ResponsesRequest, responses_call,
@@ -144,14 +144,8 @@ async def _complete(service: ChatService, call: Call, request: Request, model_id
     shape.tool_names = call.tools.names if call.tools else None
     if call.logprobs is not None:
         shape.decode = service.tokenizer.decode
-    if call.stream:
-        return StreamingResponse(_events(pipe, handle, shape, call.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reply = await wait(pipe, handle, request)
-    if reply is None:
-        return Response(status_code=499)  # the client has gone: nobody reads this
-    raise_for(reply)
-    return shape.whole(reply)
+    return await answer(pipe, handle, request, call.stream, lambda: _events(pipe, handle, shape, call.include_usage),
+                        shape.whole)
 
 
 class _Tagged(Pipe):
@@ -256,14 +250,7 @@ async def _respond(service: ChatService, call: Call, body, request: Request, mod
     except FleetError as exc:
         raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
     shape = _Response(f"resp_{uuid.uuid4().hex[:24]}", f"msg_{uuid.uuid4().hex[:24]}", model_id, body)
-    if call.stream:
-        return StreamingResponse(shape.events(pipe, handle), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    reply = await wait(pipe, handle, request)
-    if reply is None:
-        return Response(status_code=499)
-    raise_for(reply)
-    return shape.whole(reply)
+    return await answer(pipe, handle, request, call.stream, lambda: shape.events(pipe, handle), shape.whole)
 
 
 class _Response:

@@ -11,6 +11,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from engine.errors import FleetError
@@ -93,6 +94,22 @@ async def wait(pipe: Pipe, handle: Handle, request: Request) -> Reply | None:
             if await request.is_disconnected():
                 handle.cancel()
                 return None
+
+
+SSE = "text/event-stream"
+
+
+async def answer(pipe: Pipe, handle: Handle, request: Request, stream: bool, events, whole, media_type: str = SSE):
+    """The reply as the client asked for it: ``events()`` (what to send as it is made) streamed, or
+    ``whole(reply)`` once it is done; 499 when the client has gone (nobody reads it)."""
+    if stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"} if media_type == SSE else None
+        return StreamingResponse(events(), media_type=media_type, headers=headers)
+    reply = await wait(pipe, handle, request)
+    if reply is None:
+        return Response(status_code=499)
+    raise_for(reply)
+    return whole(reply)
 
 
 def error_for(reply: Reply) -> ApiError:

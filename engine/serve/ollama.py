@@ -25,12 +25,11 @@ import time
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine.export.compress import parameters
 from engine.runtime.decode.service import ChatService, Handle, Reply
-from engine.serve.chat import Pipe, call_of, check_model, error_for, raise_for, submit, wait
+from engine.serve.chat import Pipe, answer, call_of, check_model, error_for, submit
 from engine.serve.schema import ApiError, CompletionRequest, FunctionSpec, to_call, validation_error
 from engine.serve.tools import CallStream, parse_reply
 
@@ -281,13 +280,8 @@ def _tool_calls(calls: list[dict], first: int = 0) -> list[dict]:
 
 
 async def _answer(shape: "_Reply", pipe: Pipe, handle: Handle, request: Request, stream: bool):
-    if stream:
-        return StreamingResponse(shape.lines(pipe, handle), media_type=NDJSON)
-    reply = await wait(pipe, handle, request)
-    if reply is None:
-        return Response(status_code=499)  # the client has gone: nobody reads this
-    raise_for(reply)
-    return shape.last(reply, whole=True)
+    return await answer(pipe, handle, request, stream, lambda: shape.lines(pipe, handle),
+                        lambda reply: shape.last(reply, whole=True), NDJSON)
 
 
 class _Reply:

@@ -13,6 +13,7 @@ would on a real long-haul path, instead of queueing behind one another's sleeps.
 
 from __future__ import annotations
 
+import abc
 import queue
 import select
 import socket
@@ -213,15 +214,16 @@ def connect_successor(address: str, key: bytes, manifest: Manifest, mode: str, t
     return Link(sock, address, seal, 0.0, max_frame), float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
 
 
-class Listening:
+class Listening(abc.ABC):
     """What a process serving a port shares (a stage worker, a draft server): ``start`` its threads,
     ``serve_forever`` until ``stop``; subclasses set ``_listener`` and ``_stop`` and extend ``stop``."""
 
     _listener: socket.socket
     _stop: threading.Event
 
+    @abc.abstractmethod
     def start(self):
-        raise NotImplementedError
+        """Starts the threads that accept and serve connections."""
 
     def serve_forever(self) -> None:
         self.start()
