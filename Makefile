@@ -21,8 +21,9 @@ run: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/fleet up --model $(MODEL) --local
 
+# --capture=sys: a native library that ends the process (ld.so, Qt) leaves its last words in the log
 test: $(STAMP)
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider --capture=sys tests
 
 screenshots: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gui_*.py --screenshots docs/screenshots

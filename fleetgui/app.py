@@ -20,7 +20,7 @@ import sys
 from PySide6.QtWidgets import QApplication
 
 from engine.runtime.stages.stage import core
-from fleetgui import theme
+from fleetgui import qtfix, theme
 from fleetgui.history import HistoryStore
 from fleetgui.platform_check import xcb_problem
 from fleetgui.settings import GuiSettings, default_store
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     core()  # before Qt starts any thread: creating an OpenVINO Core forks a short-lived child
     app = QApplication(argv[:1] + qt_args)
+    qtfix.collect_on_gui_thread(app)
     app.setOrganizationName("fleetshard")
     app.setApplicationName("fleetgui")
     app.setWindowIcon(theme.icon())

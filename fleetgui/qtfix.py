@@ -1,4 +1,4 @@
-"""A workaround for a reference-counting bug in the installed PySide6.
+"""Workarounds for two PySide6 hazards: a reference-counting bug, and Qt objects freed on the wrong thread.
 
 PySide6 6.12.0's ``SignalInstance.emit`` returns ``True`` without owning a reference to it: every
 emit called from Python (ours, and pyqtgraph's on every plot update) takes one reference away from
@@ -6,11 +6,18 @@ emit called from Python (ours, and pyqtgraph's on every plot update) takes one r
 drives its count to zero and the interpreter aborts ("bool_dealloc: deallocating True or False").
 ``install()`` measures whether emit loses a reference here and, only then, wraps it to give the
 reference back.  Python 3.12+ (immortal booleans) and fixed PySide6 versions are left untouched.
+
+Python's cyclic garbage collector runs on whichever thread happens to allocate when a threshold is
+crossed: in this app that is often an engine thread (the chat scheduler, a deployment, zeroconf), and a
+cycle holding a widget's wrapper then runs Qt's destructor off the GUI thread, which corrupts memory
+and crashes some time later, far from the cause.  ``collect_on_gui_thread()`` turns automatic
+collection off and collects from a timer on the GUI thread instead, at the same thresholds.
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 
 _installed = False
@@ -50,3 +57,23 @@ def install() -> bool:
         incref(True)
     _installed = True
     return True
+
+
+def collect_on_gui_thread(app, interval_ms: int = 250):
+    """Garbage collection from the GUI thread only (see the module's docstring); returns the timer."""
+    from PySide6.QtCore import QTimer
+
+    gc.disable()
+    thresholds = gc.get_threshold()
+
+    def collect():
+        counts = gc.get_count()
+        for generation in (2, 1, 0):
+            if counts[generation] > thresholds[generation]:
+                gc.collect(generation)
+                return
+
+    timer = QTimer(app)
+    timer.timeout.connect(collect)
+    timer.start(interval_ms)
+    return timer

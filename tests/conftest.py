@@ -3,6 +3,7 @@ tokenizer) built in the test run, and session-cached exports of them."""
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -31,8 +32,26 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     import gui_support
 
+    # Garbage is collected on the main thread only: between tests (below) and, in GUI tests, from the
+    # app's timer (fleetgui.qtfix explains why a collection on an engine thread can crash Qt).
+    gc.disable()
+
     folder = config.getoption("screenshots")
     gui_support.SCREENSHOTS = Path(folder).resolve() if folder else None
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_between_tests():
+    yield
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def qapp(qapp):
+    from fleetgui import qtfix
+
+    qtfix.collect_on_gui_thread(qapp)
+    return qapp
 
 
 def _tokenizer(folder: Path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -388,3 +390,21 @@ def test_a_layer_compresses_to_the_same_int4_constants_whatever_the_split(tiny_m
     kinds = {kind for kind, _ in one.values()}
     assert kinds == ({ov.Type.u4, ov.Type.f16} if asymmetric else {ov.Type.i4, ov.Type.f16})
     assert any(name.endswith("zero_point") for _, name in one) == asymmetric
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the glibc unload hazard engine.pinned avoids is Linux's")
+def test_libraries_openvino_would_unload_stay_mapped(tiny_exports):
+    """A tokenizer opened and closed and a shard read leave openvino-tokenizers' extension and the
+    frontends mapped (engine/pinned.py says why)."""
+    folder = tiny_exports["llama", "1"].folders[0]
+    script = ("import gc, sys\n"
+              "from engine.runtime.decode.tokenizer import ChatTokenizer\n"
+              "from engine.runtime.stages.stage import core\n"
+              "ChatTokenizer(sys.argv[1])\n"
+              "core().read_model(sys.argv[1] + '/openvino_model.xml')\n"
+              "gc.collect()\n"
+              "maps = open('/proc/self/maps').read()\n"
+              "print(*(name in maps for name in ('libopenvino_tokenizers.so', 'libopenvino_onnx_frontend.so')))\n")
+    out = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]

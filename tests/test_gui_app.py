@@ -189,3 +189,38 @@ def test_signal_emits_keep_the_reference_count_of_true(qapp):
     for _ in range(1000):
         source.fired.emit(1)
     assert sys.getrefcount(True) - before >= 0
+
+
+def test_garbage_made_on_an_engine_thread_is_collected_on_the_gui_thread(qtbot, qapp):
+    import gc
+    import threading
+
+    from fleetgui import qtfix
+
+    freed_on = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            freed_on.append(threading.current_thread().name)
+
+    kept = []
+
+    def engine_work():
+        Cycle()
+        kept.extend([] for _ in range(20_000))  # live objects past every generation's threshold
+
+    gc.enable()
+    timer = qtfix.collect_on_gui_thread(qapp, interval_ms=50)
+    try:
+        worker = threading.Thread(target=engine_work, name="engine")
+        worker.start()
+        worker.join()
+        qtbot.waitUntil(lambda: bool(freed_on), timeout=10000)
+        assert freed_on == [threading.main_thread().name]
+    finally:
+        timer.stop()
+        gc.disable()
+        kept.clear()

@@ -18,7 +18,8 @@ PACKAGES = ("engine", "fleetgui")
 # Lowest floor first: a module may import only modules on its own floor or lower. A module's floor is that of
 # its longest matching prefix (matched on whole dotted components: "engine.cli" does not match "engine.clidoc").
 FLOORS = [
-    ["engine", "engine.errors", "engine.hashing", "engine.files", "engine.config", "engine.progress"],
+    ["engine", "engine.errors", "engine.hashing", "engine.files", "engine.config", "engine.progress",
+     "engine.pinned"],
     ["engine.models", "engine.manifest", "engine.fleetkey", "engine.launch", "engine.transport", "engine.documents"],
     ["engine.export"],
     ["engine.runtime", "engine.runtime.interfaces"],

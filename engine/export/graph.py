@@ -18,6 +18,7 @@ from openvino.op.util import Variable, VariableInfo
 
 from engine.export.decoder import DecoderStage
 from engine.manifest import BEAM_IDX
+from engine.pinned import pin_libraries
 
 
 def io_names(stage: DecoderStage) -> tuple[list[str], list[str], list[tuple[str, str]]]:
@@ -56,6 +57,7 @@ def convert_stage(stage: DecoderStage) -> ov.Model:
     shapes = [ov.PartialShape([-1, -1, spec.hidden_size]), ov.PartialShape([-1, -1]), ov.PartialShape([-1, -1])]
     shapes += [kv_shape] * (len(in_names) - 3)
     types = [ov.Type.f32, ov.Type.i64, ov.Type.i64] + [ov.Type.f32] * (len(in_names) - 3)
+    pin_libraries()  # convert_model loads and unloads every frontend
     model = ov.convert_model(traced, example_input=example, input=list(zip(shapes, types)))
     for port, name in zip(model.inputs, in_names):
         # LLMPipeline's paged-attention conversion finds ``input_ids`` by the node's friendly name.

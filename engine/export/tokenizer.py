@@ -11,6 +11,7 @@ from pathlib import Path
 import openvino as ov
 
 from engine.errors import SourceError
+from engine.pinned import pin_libraries
 
 TOKENIZER_XML = "openvino_tokenizer.xml"
 DETOKENIZER_XML = "openvino_detokenizer.xml"
@@ -41,6 +42,7 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 
 def write_tokenizer(tokenizer, folder: Path) -> None:
+    pin_libraries()
     # openvino_tokenizers takes ~0.4 s to import and patches openvino.Core on import: only this step needs it
     from openvino_tokenizers import convert_tokenizer
 

@@ -297,10 +297,10 @@ def _openvino_devices() -> tuple[str, list[dict]]:
         import openvino
 
         # (the shared Core's module imports OpenVINO too)
-        from engine.runtime.stages.stage import core as shared_core
+        from engine.runtime.stages.stage import core as shared_core, devices as listed
 
         core = shared_core()  # one Core per process: creating one forks a short-lived child each time
-        names = core.available_devices
+        names = listed()  # listed once: each listing loads (or fails to load) every plugin again
     except Exception as exc:  # a broken driver or plugin raises all sorts; the node still serves on CPU
         log.warning("OpenVINO devices unavailable: %s", exc)
         return "", []

@@ -305,6 +305,14 @@ class McpHub:
             future.cancel()
             raise
 
+    async def _drop(self, name: str, connection: "_Connection") -> str:
+        """Forgets and stops a server's connection (its next use starts it anew); returns the tail
+        of what it wrote to stderr, for the message."""
+        self._connections.pop(name, None)
+        tail = connection.stderr_tail()
+        await connection.close()
+        return tail
+
     def tools(self, server: McpServer) -> list[McpTool]:
         """The server's tools, connecting first unless connected (a failed connection is tried anew)."""
         async def connect():
@@ -316,14 +324,11 @@ class McpHub:
             try:
                 return await asyncio.wait_for(asyncio.shield(connection.ready), self.connect_timeout_s)
             except asyncio.TimeoutError:
-                self._connections.pop(server.name, None)
-                tail = connection.stderr_tail()
-                await connection.close()
+                tail = await self._drop(server.name, connection)
                 raise McpError(f"MCP server {server.name!r} did not answer within {self.connect_timeout_s:g} s "
                                f"of starting{tail}") from None
             except McpError:
-                self._connections.pop(server.name, None)
-                await connection.close()
+                await self._drop(server.name, connection)
                 raise
 
         with self._lock:
@@ -345,9 +350,7 @@ class McpHub:
                 result = await asyncio.wait_for(future, timeout_s)
             except asyncio.TimeoutError:
                 # the server may still be busy with the call: start it anew for the next one
-                self._connections.pop(tool.server, None)
-                tail = connection.stderr_tail()
-                await connection.close()
+                tail = await self._drop(tool.server, connection)
                 raise McpError(f"MCP server {tool.server!r}: {tool.name} did not answer within {timeout_s:g} s; "
                                f"the server was stopped{tail}") from None
             except McpError:
@@ -356,9 +359,7 @@ class McpHub:
                 leaves = _leaves(exc)
                 if any(getattr(e, "code", None) == CONNECTION_CLOSED for e in leaves):
                     # the server ended (crashed) during the call: the next call starts it anew
-                    self._connections.pop(tool.server, None)
-                    tail = connection.stderr_tail()
-                    await connection.close()
+                    tail = await self._drop(tool.server, connection)
                     raise McpError(f"MCP server {tool.server!r} stopped answering during {tool.name} "
                                    f"(it crashed or closed the connection){tail}") from None
                 reasons = "; ".join(getattr(e, "message", None) or str(e) or type(e).__name__ for e in leaves)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import ShardError
+from engine.pinned import pin_libraries
 from engine.runtime.decode.grammar import Constraint, GrammarTokenizer
 
 REPLACEMENT = "\ufffd"
@@ -14,6 +15,7 @@ REPLACEMENT = "\ufffd"
 
 class ChatTokenizer:
     def __init__(self, folder: Path):
+        pin_libraries()
         # workers import this module too but never tokenize: only the coordinator loads openvino_genai
         import openvino_genai
 

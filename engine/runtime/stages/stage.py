@@ -15,11 +15,13 @@ import openvino as ov
 from engine.config import paths
 from engine.errors import ShardError
 from engine.manifest import BEAM_IDX, INT4_GROUP, MODEL_XML, Manifest, load_manifest
+from engine.pinned import pin_libraries
 from engine.runtime.interfaces import Stage
 from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, fuse_sibling_matmuls, keep_last_logits
 from engine.runtime.stages.turns import NO_TURNS
 
 _core: ov.Core | None = None
+_devices: tuple[str, ...] = ()
 
 # Compile settings per correctness mode.  "exact": speculative decoding must give the very tokens of
 # plain greedy decoding.  Measured here: a K+1-position verify matches K+1 single steps only with
@@ -99,16 +101,27 @@ def compile_config(mode: str = "fast", precision: str | None = None) -> dict:
 
 def core() -> ov.Core:
     """The process-wide OpenVINO core with its plugins loaded (one per stage would reload them)."""
-    global _core
+    global _core, _devices
     if _core is None:
         # read by oneDNN at its first primitive, so before any compile (a user's setting stays)
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(SHAPE_CACHE))
+        pin_libraries()
         _core = ov.Core()
         # Loading the device plugins forks a short-lived child process; a fork while other threads
         # hold locks can leave that child hung forever.  Load them now, which callers do before
         # they start threads (agent, worker, app), instead of at the first compile on some thread.
-        _core.available_devices
+        _devices = tuple(_core.available_devices)
     return _core
+
+
+def devices() -> tuple[str, ...]:
+    """This machine's OpenVINO devices, listed once per process.  Every listing makes OpenVINO try
+    each plugin again, and a plugin whose driver is missing (the GPU's, without OpenCL) is mapped and
+    unmapped each time; glibc 2.36 keeps thread-local storage bookkeeping wrong after enough of those,
+    and a thread started later aborts the process ("Inconsistency detected by ld.so: dl-tls.c ...
+    Assertion `listp != NULL' failed", exit status 127)."""
+    core()
+    return _devices
 
 
 def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
@@ -128,7 +141,7 @@ def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
 def missing_device(device: str) -> str | None:
     """Why ``device`` is not one of this machine's OpenVINO devices, or None if it is listed ("GPU"
     stands for GPU.0, GPU.1...; AUTO, HETERO:... and MULTI:... choose among them)."""
-    available = core().available_devices
+    available = devices()
     name = device.upper()
     if ":" in name or name == "AUTO" or name in available or name in {a.split(".")[0] for a in available} \
             or (name.endswith(".0") and name[:-2] in available):
