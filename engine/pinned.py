@@ -12,6 +12,7 @@ of them keeps their reference count above zero, so OpenVINO's unloads never unma
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -22,12 +23,12 @@ LIBRARIES = (("openvino", "libs", "libopenvino_*_frontend.so*"),
 _handles: list = []
 
 
+@functools.cache
 def pin_libraries() -> None:
-    """Loads each of ``LIBRARIES`` once and keeps it (once per process; a library that does not load
-    here is left to OpenVINO, which reports it if it needs it)."""
-    if _handles or sys.platform != "linux":
+    """Loads each of ``LIBRARIES`` and keeps it (once per process; a library that does not load here
+    is left to OpenVINO, which reports it if it needs it)."""
+    if sys.platform != "linux":
         return
-    _handles.append(None)  # tried: once is enough
     for package, folder, pattern in LIBRARIES:
         spec = importlib.util.find_spec(package)
         for root in (spec.submodule_search_locations or []) if spec else []:

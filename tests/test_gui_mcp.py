@@ -12,11 +12,11 @@ import textwrap
 
 import pytest
 from gui_support import gui_home, open_window, screenshot, settings_store  # noqa: F401
+from mcp_support import TIME_SERVER
 
 from engine.config import Settings
 from engine.serve.mcp import McpServer
 
-TIME_SERVER = McpServer("time", sys.executable, ["-m", "mcp_server_time", "--local-timezone", "Etc/UTC"])
 CRASHING = textwrap.dedent("""
     import os, sys
     from mcp.server.mcpserver import MCPServer

@@ -14,12 +14,12 @@ import textwrap
 import time
 
 import pytest
+from mcp_support import TIME_SERVER
 
 from engine.serve.mcp import McpError, McpHub, McpServer, McpTool, offer, parse_mcp_servers, probe
 from engine.serve.tools import plan_tools
 
 SLOW_START_S = 300  # a server starting on a busy test machine; only the timeout tests rely on timeouts
-TIME_SERVER = McpServer("time", sys.executable, ["-m", "mcp_server_time", "--local-timezone", "Etc/UTC"])
 
 OWN_SERVER = textwrap.dedent("""
     import os, sys, time
