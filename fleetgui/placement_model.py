@@ -211,23 +211,24 @@ class PlanModel(QAbstractItemModel):
         return [(self.lanes[s.lane].node, self.lanes[s.lane].device, s.start, s.end) for s in self.stages]
 
     def placement(self) -> list[StagePlacement]:
-        """The plan as ``deploy`` takes it: stage 0 in this app (the coordinator), the others at their
-        lanes' agents."""
-        return [StagePlacement(LOCAL if i == 0 else self.lanes[s.lane].address, self.lanes[s.lane].device,
-                               s.start, s.end) for i, s in enumerate(self.stages)]
+        """The plan as ``deploy`` takes it: each stage at its lane's agent, ``LOCAL`` for this app's
+        lane (a plan whose stage 0 is on another PC is fed from here)."""
+        return [StagePlacement(self.lanes[s.lane].address, self.lanes[s.lane].device, s.start, s.end)
+                for s in self.stages]
 
     def placement_of(self, plan) -> list[StagePlacement]:
         """A solver ``Plan`` (another copy of the model, not the one drawn) as ``deploy`` takes it."""
         address = {lane.node: lane.address for lane in self.lanes}
-        return [StagePlacement(LOCAL if i == 0 else address[s.node], s.device, s.start, s.end)
-                for i, s in enumerate(plan.stages)]
+        return [StagePlacement(address[s.node], s.device, s.start, s.end) for s in plan.stages]
 
     # --- pricing -------------------------------------------------------------------------------------
 
     def evaluate(self) -> None:
         if not self.loaded:
             return
-        self.evaluation = evaluate(self.shape, self.fleet, self.chain(), users=self.users)
+        chain = self.chain()
+        fed = bool(chain) and chain[0][0] != self.fleet.coordinator  # this app feeds a chain on other PCs
+        self.evaluation = evaluate(self.shape, self.fleet, chain, users=self.users, fed=fed)
         problems = list(self.evaluation.problems)
         refused = placement_problem(self.placement())  # what deploy() refuses besides what evaluate prices
         if refused is not None:

@@ -507,8 +507,10 @@ class PlacementView(QWidget):
             try:
                 if objective == "throughput" and not pins:  # several users may be served best by copies
                     layout = solve_layout(shape, fleet, users=users)
-                    # the copy with the most stages is drawn (one whole here is not a deployment of its own)
-                    plan, *others = sorted(layout.plans, key=lambda p: -len(p.stages))
+                    # the copy with the most stages is drawn, else one on another PC (one whole here is
+                    # not a deployment of its own)
+                    plan, *others = sorted(layout.plans, key=lambda p: (-len(p.stages),
+                                                                        p.stages[0].node == fleet.coordinator))
                 else:
                     plan, others, layout = solve(shape, fleet, objective=objective, users=users, pins=pins), [], None
             except Infeasible as exc:

@@ -198,9 +198,10 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
 
 def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_agents, key_file, tiny_models,
                                                                           tmp_path):
-    """Three copies (whole here; a layer here feeding alpha; two layers here feeding beta): the
+    """Three copies (whole here; a layer here feeding alpha; whole on beta, fed from here): the
     record holds them all, the chat service spreads users over them with the tokens of one chain
-    in exact mode, and stopping the record stops every copy's workers."""
+    in exact mode, each copy's failover restarts its own worker, and stopping the record stops
+    every copy's workers."""
     from engine.config import Settings
     from engine.fleet.deploy import Deployment, deploy_layout
     from engine.runtime.decode.replicas import Replicas
@@ -213,12 +214,13 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     model = str(tiny_models["qwen2"])
     copies = [[StagePlacement(LOCAL, "CPU", 0, 4)],
               [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(a, "CPU", 1, 4)],
-              [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(b, "CPU", 2, 4)]]
+              [StagePlacement(b, "CPU", 0, 4)]]
     deployment, chains = deploy_layout(model, copies, key=key, weights="f32", mode="exact")
     for chain in chains:
         chain.close()
     record = Deployment.load(deployment.save(tmp_path / "deployment.json"))
     assert [c.remotes == [] for c in record.copies] == [True, False, False]
+    assert [c.fed for c in record.copies] == [False, False, True]
     settings = Settings(fleet_key_file=str(key_file), mode="exact", streams=2, draft="none", k="0")
     questions = [[{"role": "user", "content": f"question number {i}"}] for i in range(6)]
     service = open_service(settings, Launch(deployment=record))
@@ -227,26 +229,28 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
         handles = [service.submit(q, 10, ignore_eos=True) for q in questions]
         got = [h.wait(120) for h in handles]
         routed = list(service.routed)
-        # alpha's worker dies: its copy's failover starts it again, the other copies serve on
-        (worker,) = psutil.Process(two_agents[0][0].pid).children()
-        worker.kill()
+        # alpha's and beta's workers die: each copy's failover starts its own again
+        for agent, _ in two_agents:
+            (worker,) = psutil.Process(agent.pid).children()
+            worker.kill()
         again = [h.wait(120) for h in [service.submit(q, 10, ignore_eos=True) for q in questions]]
     finally:
         service.close()
     assert sum(routed) == 6 and min(routed) >= 1  # users arriving together go to idle copies first
     assert [r.tokens for r in again] == [r.tokens for r in got] and all(r.error is None for r in again)
-    assert sum(r.rerouted for r in again) >= 1  # the ones on alpha's copy went through its failover
+    assert sum(r.rerouted for r in again) >= 2  # the ones on alpha's and beta's copies went through failover
     whole = ChatService(LocalChain([record.stage0], config=compile_config("exact")), streams=1)
     try:
         want = [whole.submit(q, 10, ignore_eos=True).wait(120) for q in questions]
     finally:
         whole.close()
     assert [r.tokens for r in got] == [r.tokens for r in want] and all(len(r.tokens) == 10 for r in got)
-    # the record names alpha's first worker; the one its failover started is the only one left
+    # the record names the first workers; the ones the failovers started are the only ones left
     assert [p for p in record.stop(key) if "no worker" not in p] == []
-    with ControlClient(a, key) as agent:
-        (restarted,) = agent.status()["workers"]
-        agent.stop_worker(restarted["id"])
+    for address in (a, b):
+        with ControlClient(address, key) as agent:
+            (restarted,) = agent.status()["workers"]
+            agent.stop_worker(restarted["id"])
     for address in (a, b):
         with ControlClient(address, key) as agent:
             assert agent.status()["workers"] == []

@@ -4,6 +4,7 @@ into the plan document that `fleet deploy` reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -34,8 +35,8 @@ def test_one_user_gets_one_chain_and_many_users_get_a_copy_per_pc():
     assert chains(solve_layout(MODEL, fleet, users=1)) == [[("pc1", 0, 28)]]
     for users in (2, 4, 8):
         layout = solve_layout(MODEL, fleet, users=users)
-        # the model whole here, and whole on pc2 but for the first layer, which feeds it from here
-        assert chains(layout) == [[("pc1", 0, 28)], [("pc1", 0, 1), ("pc2", 1, 28)]], users
+        # the model whole here, and whole on pc2, fed from here
+        assert chains(layout) == [[("pc1", 0, 28)], [("pc2", 0, 28)]], users
         assert [p.users for p in layout.plans] == shares(users, 2)
         assert layout.aggregate_tok_s > solve(MODEL, fleet, objective="latency").aggregate_tok_s * 1.5
     one = solve_layout(MODEL, fleet, users=4, replicas=False)
@@ -47,31 +48,34 @@ def test_pcs_that_cannot_hold_the_model_share_one_chain():
     assert len(layout.plans) == 1 and len(layout.plans[0].stages) == 3
 
 
-def test_three_pcs_mix_copies_and_a_split_and_count_the_coordinators_memory():
+def test_three_pcs_mix_copies_and_a_split_and_copies_go_only_where_the_model_fits():
     two_copies = solve_layout(MODEL, office(3, 4), users=2)
-    # two users, three PCs: a copy on each other PC, this one only feeding them
-    assert chains(two_copies) == [[("pc1", 0, 1), ("pc2", 1, 28)], [("pc1", 0, 1), ("pc3", 1, 28)]]
-    assert two_copies.coordinator_load < 0.5
-    both = solve_layout(MODEL, office(3, 4), users=8)
-    assert len(both.plans) >= 2 and sum(p.users for p in both.plans) == 8
-    nodes = [s.node for p in both.plans for s in p.stages if s.node != "pc1"]
-    assert sorted(nodes) == ["pc2", "pc3"]  # every PC serves, each in one copy
-    # a coordinator that holds the whole model but not one more copy's first stage beside it:
-    # the other copy cannot be fed from here, so pc2 joins one chain
-    tight = Fleet([*(d if d.node != "pc1" else DeviceProfile("pc1", "CPU", int(1.5 * GB), 2.2, 12.0, 0.1,
+    # two users, three PCs: two copies, each whole on its PC (the one here needs no hop)
+    assert len(two_copies.plans) == 2 and all(len(p.stages) == 1 for p in two_copies.plans)
+    assert two_copies.plans[0].stages[0].node == "pc1"
+    both = solve_layout(MODEL, office(3, 4), users=9)
+    assert len(both.plans) == 3 and sum(p.users for p in both.plans) == 9
+    assert sorted(p.stages[0].node for p in both.plans) == ["pc1", "pc2", "pc3"]  # every PC serves a copy
+    # a node that cannot hold the model whole serves no copy of its own: it joins this PC's chain
+    small = Fleet([*(d if d.node != "pc2" else DeviceProfile("pc2", "CPU", int(0.6 * GB), 2.2, 12.0, 0.1,
                                                               prefill_layer_ms=0.3, call_ms=1.0)
                      for d in office(2, 4).devices)], office(2, 4).rtt_ms, coordinator="pc1")
-    assert evaluate(MODEL, tight, [("pc1", "CPU", 0, 28)]).ok  # it does hold the model whole
-    assert len(solve_layout(MODEL, tight, users=4).plans) == 1
+    assert not evaluate(MODEL, small, [("pc2", "CPU", 0, 28)], fed=True).ok
+    assert len(solve_layout(MODEL, small, users=4).plans) == 1
 
 
-def test_a_busy_coordinator_slows_every_copy_and_a_much_faster_chain_still_wins():
+def test_copies_fed_from_here_cost_it_nothing_and_a_much_faster_chain_still_wins():
     fleet = office(2, 4)
     copies = solve_layout(MODEL, fleet, users=4).plans
-    unloaded = sum(p.aggregate_tok_s for p in copies)
+    fed = copies[1]
+    assert fed.network_ms == pytest.approx(fleet.rtt("pc1", "pc2"))  # the hop there and back
+    assert fed.aggregate_tok_s < copies[0].aggregate_tok_s
     layout = price_layout(MODEL, fleet, copies, 4)
-    assert layout.coordinator_load > 1.0  # its own copy, and the other's first stage
-    assert layout.aggregate_tok_s == pytest.approx(unloaded / layout.coordinator_load)
+    assert layout.coordinator_load <= 1.0  # only its own copy computes here
+    assert layout.aggregate_tok_s == pytest.approx(sum(p.aggregate_tok_s for p in copies))
+    # a copy's first layer kept here would be priced as this PC's time too: both copies slow down
+    split = evaluate(MODEL, fleet, [("pc1", "CPU", 0, 1), ("pc2", "CPU", 1, 28)], users=2).plan
+    assert price_layout(MODEL, fleet, [copies[0], split], 4).coordinator_load > 1.0
     # PCs with fast GPUs that cannot hold the model alone, and a slow CPU here: the chain over the
     # GPUs is far faster than any copy could be
     gpus = [DeviceProfile(f"pc{i}", "GPU.0", int(0.9 * GB), 0.3, 2.0, 0.05, prefill_layer_ms=0.05)
@@ -110,8 +114,7 @@ def test_fleet_place_writes_the_copies_that_deploy_reads(tmp_path):
     doc = place()
     assert "2 replicas, 4 user(s)" in doc["stdout"] and "beta" in doc["stdout"]
     copies = layout_stages(doc)
-    assert [[(s.agent, s.start, s.end) for s in c] for c in copies] == [
-        [("local", 0, 28)], [("local", 0, 1), ("10.0.0.2:7420", 1, 28)]]
+    assert [[(s.agent, s.start, s.end) for s in c] for c in copies] == [[("local", 0, 28)], [("10.0.0.2:7420", 0, 28)]]
     one = place("--one-chain")
     assert one["replicas"] == [] and len(layout_stages(one)) == 1 and len(layout_stages(one)[0]) == 2
 
@@ -135,3 +138,19 @@ def test_a_copys_failover_rewrites_only_that_copy_in_the_saved_record(tmp_path):
     assert saved.id == whole.id and saved.draft == whole.draft
     assert whole.current(path).copies[1].remotes == ["e:2"]  # what a stop now reaches
     assert copy("x", "w9").current(path).workers[0]["worker"] == "w9"  # another deployment's record is not ours
+
+
+def test_whole_copies_win_unless_a_split_predicts_the_margin_more():
+    """PC 2 a little slower: the cost model prices a split over here and PC 2, beside a copy on PC 3,
+    just above three whole copies; measured, splits serve less than priced, so the copies are chosen."""
+    from engine.fleet.layout import _own_copy, _without
+
+    base = office(3, 4)
+    fleet = Fleet([dataclasses.replace(d, layer_ms=3.5) if d.node == "pc2" else d for d in base.devices], base.rtt_ms,
+                  coordinator="pc1")
+    chain = solve(MODEL, _without(fleet, {"pc3"}), objective="throughput", users=3)
+    mixed = price_layout(MODEL, fleet, [chain, _own_copy(MODEL, fleet, "pc3", 3)], 6)
+    chosen = solve_layout(MODEL, fleet, users=6)
+    assert len(chain.stages) == 2 and mixed.aggregate_tok_s > chosen.aggregate_tok_s  # priced above the copies
+    assert chosen.aggregate_tok_s * CHAIN_MARGIN > mixed.aggregate_tok_s
+    assert chains(chosen) == [[("pc1", 0, 28)], [("pc2", 0, 28)], [("pc3", 0, 28)]]

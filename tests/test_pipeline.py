@@ -36,14 +36,15 @@ def key_file(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, **fleet_args):
-    """Stages 1.. as worker processes, stage 0 in this process."""
-    fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
+def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, fed=False, **fleet_args):
+    """Stages 1.. as worker processes, stage 0 in this process (``fed``: every stage a worker, this
+    process feeding the first its token ids)."""
+    fleet = LocalFleet(folders if fed else folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
     chain = None
     try:
         chain = RemoteChain(folders[0], fleet.addresses, key=coordinator_key or load_key(key_file),
                             connect_timeout_s=30, tls=fleet_args.get("tls") and _tls(key_file),
-                            mode=fleet_args.get("mode", "fast"), depth=depth)
+                            mode=fleet_args.get("mode", "fast"), depth=depth, fed=fed)
         yield fleet, chain
     finally:
         if chain is not None:
@@ -61,17 +62,21 @@ def _greedy(chain, tokens=TOKENS, **kw):
     return Generator(chain, max_length=128).generate(IDS, tokens, ignore_eos=True, **kw).tokens
 
 
-@pytest.mark.parametrize("arch, label", [("llama", "2"), ("qwen2", "3")])
-def test_loopback_pipeline_equals_in_process_chain(arch, label, tiny_exports, key_file, tmp_path):
+@pytest.mark.parametrize("arch, label, fed, stateful", [("llama", "2", False, False), ("qwen2", "3", False, False),
+                                                       ("qwen2", "1", True, False), ("llama", "2", True, True)])
+def test_loopback_pipeline_equals_in_process_chain(arch, label, fed, stateful, tiny_exports, key_file, tmp_path):
+    """``fed``: every stage on a worker, the model whole on one or split over two; this process
+    only feeds token ids to the first (``stateful`` workers: one FORWARD per stream, no packing)."""
     folders = tiny_exports[arch, label].folders
-    local = LocalChain(folders)
+    local = LocalChain(folders, paged=False) if stateful else LocalChain(folders)
     want = _greedy(local)
     n = IDS.shape[1]
     mask, pos = np.ones((1, n), np.int64), np.arange(n)[None]
     local.reset()
     want_out = local.forward(IDS, mask, pos, Flag.LOGITS | Flag.PROBS | Flag.ALL_POSITIONS)
-    with pipeline(folders, key_file, tmp_path) as (fleet, chain):
-        assert [s["stage"] for s in chain.stages] == list(range(1, len(folders)))
+    with pipeline(folders, key_file, tmp_path, fed=fed, isolate=stateful) as (fleet, chain):
+        assert [s["stage"] for s in chain.stages] == list(range(0 if fed else 1, len(folders)))
+        assert chain.packs != stateful
         assert _greedy(chain) == want
         assert _greedy(chain) == want  # a second request on the same connections starts clean
         chain.reset()
@@ -84,15 +89,16 @@ def test_loopback_pipeline_equals_in_process_chain(arch, label, tiny_exports, ke
         chain.reset()
         top1 = chain.forward(IDS, mask, pos)  # the default: top-1 of the last position only
         assert top1.logits is None and top1.probs is None and top1.tokens.tolist() == [want_out.tokens[-1]]
-        assert len(top1.stage_ms) == len(folders) and top1.network_ms >= 0
+        assert len(top1.stage_ms) == len(folders) + fed and top1.network_ms >= 0  # fed: the feeder's 0 ms
 
 
-@pytest.mark.parametrize("depth", [1, 3])
-def test_streams_travel_packed_one_frame_per_round(depth, tiny_exports, key_file, tmp_path):
+@pytest.mark.parametrize("depth, fed", [(1, False), (3, False), (1, True)])
+def test_streams_travel_packed_one_frame_per_round(depth, fed, tiny_exports, key_file, tmp_path):
     """Every stage paged: the active streams' rounds travel in PACKED frames down the chain, and
     each stream decodes (exact settings) what it decodes alone, while streams join and leave and
     spoiled drafts are cut back inside the packs.  ``depth`` 1: one frame carries every stream's
-    round; 3: the streams form one group per stage, all in flight at once."""
+    round; 3: the streams form one group per stage, all in flight at once.  ``fed``: the token ids
+    travel packed to a worker holding stage 0."""
     from engine.runtime.decode.generate import Decoding
     from engine.runtime.decode.kvsequence import KVSequence
     from engine.runtime.decode.speculative import PromptLookup
@@ -108,7 +114,7 @@ def test_streams_travel_packed_one_frame_per_round(depth, tiny_exports, key_file
     lengths = [4, 10, 7, 10]  # stream 0 leaves early, stream 3 joins late
     alone = Generator(LocalChain(folders, config=MODES["exact"], paged=False), 256)
     want = [alone.generate(np.array([p]), n, ignore_eos=True).tokens for p, n in zip(prompts, lengths)]
-    with pipeline(folders, key_file, tmp_path, mode="exact", depth=depth) as (fleet, chain):
+    with pipeline(folders, key_file, tmp_path, mode="exact", depth=depth, fed=fed) as (fleet, chain):
         assert chain.packs and all(stage["packs"] for stage in chain.stages)
         assert chain.depth == depth
         sent, send = [], chain._send

@@ -429,13 +429,13 @@ def test_check_placement_refuses_what_deploy_cannot_run():
         return [StagePlacement(agent, "CPU", start, end) for agent, start, end in spec]
 
     a, b = "10.0.0.2:7411", "10.0.0.3:7411"
-    good = stages((LOCAL, 0, 1), (a, 1, 3), (b, 3, 4))
-    check_placement(good)
-    assert placement_problem(good) is None
+    for good in (stages((LOCAL, 0, 1), (a, 1, 3), (b, 3, 4)), stages((a, 0, 4)), stages((a, 0, 2), (b, 2, 4))):
+        check_placement(good)  # stage 0 here, or every stage on a node (this machine feeds them)
+        assert placement_problem(good) is None
     for bad, message in [
         ([], "a placement needs at least one stage"),
-        (stages((a, 0, 2), (b, 2, 4)), "stage 0 runs in the coordinator: the placement's first stage must be on "
-                                        "this machine"),
+        (stages((a, 0, 2), (LOCAL, 2, 4)), "stage 1 (layers 2-3) is on this machine: only stage 0 runs in the "
+                                            "coordinator"),
         (stages((LOCAL, 0, 4)), "a deployment needs at least one stage on a node agent"),
         (stages((LOCAL, 0, 1), (a, 1, 3), (LOCAL, 3, 4)),
          "stage 2 (layer 3) is on this machine: only stage 0 runs in the coordinator, later stages need a node "

@@ -73,8 +73,8 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
         one = ChatService(LocalChain(export_model(model, stages=1, weights=weights).folders), streams=max(users),
                           prefix_cache=False)
         opened.append(one)
-        for service in [one, *services.values()]:  # warm: first compiles, first pages of the weights
-            chat_wave(service, 2, tokens)
+        for service in [one, *services.values()]:  # warm every copy: first compiles, first pages of the weights
+            chat_wave(service, max(2, len(getattr(service, "services", ()))), tokens)
         waves = [(name, u) for u in users for name in (fleet_name(pcs), ONE_PC)]
         total, done = runs * len(waves), 0
         for run in range(runs):

@@ -8,8 +8,8 @@ once and take turns, wave by wave:
 - ours split: stage 0 here, stage 1 on PC 2 (the relay keeps one group of streams per stage in
   flight, so both PCs compute at once), the boundary where both stages read the same weights per
   token (``placement.even_split``);
-- ours as two replicas: the model whole here, and whole on PC 2 but for its first layer, which
-  stays here as the stage 0 that feeds it; each user is routed to one copy (``Replicas``);
+- ours as two replicas: the model whole here, and whole on PC 2, fed its token ids from here;
+  each user is routed to one copy (``Replicas``);
 - llama.cpp on one PC: ``llama-server`` on PC 1's core;
 - llama.cpp's split: ``llama-server`` here with ``--rpc`` to ``rpc-server`` on PC 2, which holds
   the layers our stage 1 holds (and the output head, as our last stage does).
@@ -151,7 +151,9 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
         return opened[-1]
 
     def deployed(start: int):
-        stages = [StagePlacement(LOCAL, "CPU", 0, start), StagePlacement(pc2.agent, "CPU", start, layers)]
+        """Layers from ``start`` on PC 2, those before here (none: the copy on PC 2 is fed from here)."""
+        here = [StagePlacement(LOCAL, "CPU", 0, start)] if start else []
+        stages = [*here, StagePlacement(pc2.agent, "CPU", start, layers)]
         deployment, chain = deploy(model, stages, key=key, weights=weights)
         opened.append(DeployedWorkers(deployment, key))
         return chain
@@ -160,7 +162,7 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
         ours_one = service(LocalChain(whole))
         split_chain = deployed(half)
         ours_split = service(split_chain)
-        replicas = Replicas([service(LocalChain(whole)), service(deployed(1))])
+        replicas = Replicas([service(LocalChain(whole)), service(deployed(0))])
         llama_one = LlamaServer(gguf, slots=max(users), threads=1, log=log)
         opened.append(llama_one)
         rpc = RpcServer(office, pc2.name, office.root)

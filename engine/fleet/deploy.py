@@ -2,7 +2,8 @@
 
 ``deploy`` exports the shards a placement needs (reusing the cache), ships each to its node's agent
 (chunked, resumable, verified, skipped when the node already holds it), starts the workers in chain
-order and connects the coordinator, which runs stage 0 itself.  If anything fails on the way (a node
+order and connects the coordinator, which runs stage 0 itself, or, when every stage is on a node
+(a copy of the model whole on one, ``engine.fleet.layout``), only feeds the first its token ids.  If anything fails on the way (a node
 lost, a worker that does not start, a chain that does not answer) every worker already started is
 stopped again: a failed deployment leaves no half-started chain.  A ``Deployment`` is saved as JSON
 so ``fleet generate --deployment`` and the app reuse a running chain.
@@ -49,7 +50,7 @@ class Sent(float):
 
 @dataclasses.dataclass
 class StagePlacement:
-    """Where one stage runs: ``agent`` is a node agent's HOST:PORT, or ``LOCAL`` for stage 0."""
+    """Where one stage runs: ``agent`` is a node agent's HOST:PORT, or ``LOCAL`` (stage 0 only)."""
 
     agent: str
     device: str
@@ -60,9 +61,9 @@ class StagePlacement:
 @dataclasses.dataclass
 class Deployment:
     model: str
-    stage0: str  # shard folder the coordinator runs
+    stage0: str  # shard folder the coordinator runs (fed: where it reads the manifest and tokenizer)
     device: str  # stage 0's device
-    remotes: list[str]  # worker addresses of stages 1..
+    remotes: list[str]  # worker addresses of the stages on nodes (1.., or 0.. when fed)
     workers: list[dict]  # {"agent": HOST:PORT, "worker": id, "stage": k}
     mode: str = "fast"
     weights: str = "int4"
@@ -88,6 +89,11 @@ class Deployment:
     @property
     def stages(self) -> list[StagePlacement]:
         return [StagePlacement(**s) for s in self.placement]
+
+    @property
+    def fed(self) -> bool:
+        """Whether every stage runs on a node: this machine only feeds stage 0 its token ids."""
+        return bool(self.placement) and self.placement[0]["agent"] != LOCAL
 
     @property
     def copies(self) -> list["Deployment"]:
@@ -132,7 +138,7 @@ class Deployment:
             return LocalChain([self.stage0], device=self.device, config=compile_config(self.mode),
                               isolate=kw.get("isolate", False), turns=kw["turns"])
         return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
-                           deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, **kw)
+                           deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, fed=self.fed, **kw)
 
     def stop(self, key: bytes, tls=None) -> list[str]:
         """Stops every worker of the deployment (its replicas' and its draft server's too); returns
@@ -208,13 +214,12 @@ def _stop_workers(workers: list[dict], key: bytes, tls) -> list[str]:
 
 def check_placement(stages: list[StagePlacement]) -> None:
     """Raises FleetError, saying why, unless ``deploy`` can run this placement: stage 0 on this machine
-    (the coordinator), every later stage on a node agent, at least one of them, and the stages
-    covering the layers from 0 once, in order (the model's layer count is checked at export)."""
+    (the coordinator) and every later stage on a node agent, at least one of them, or every stage on
+    a node agent (this machine feeds them); the stages covering the layers from 0 once, in order (the
+    model's layer count is checked at export)."""
     if not stages:
         raise FleetError("a placement needs at least one stage")
-    if stages[0].agent != LOCAL:
-        raise FleetError("stage 0 runs in the coordinator: the placement's first stage must be on this machine")
-    if len(stages) < 2:
+    if len(stages) < 2 and stages[0].agent == LOCAL:
         raise FleetError("a deployment needs at least one stage on a node agent")
     here = [f"stage {i} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1) if s.agent == LOCAL]
     if here:
@@ -254,7 +259,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
 
     check_placement(stages)
     split = [s.end for s in stages[:-1]]
-    for address in dict.fromkeys(s.agent for s in stages[1:]):  # all there before minutes of export
+    for address in dict.fromkeys(s.agent for s in stages if s.agent != LOCAL):  # all there before minutes of export
         try:
             with ControlClient(address, key, tls=tls) as agent:
                 agent.status()
@@ -272,9 +277,10 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
                              f"{export.stages[-1].layers[1]} layers")
         folders = export.folders
+    fed = stages[0].agent != LOCAL
     digests = {}
     for i, (stage, folder) in enumerate(zip(stages, folders)):
-        if i == 0:
+        if i == 0 and not fed:
             continue
         try:
             with ControlClient(stage.agent, key, tls=tls) as agent:
@@ -285,7 +291,9 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     started: list[dict] = []
     remotes: list[str] = []
     try:
-        for i, stage in enumerate(stages[1:], start=1):
+        for i, stage in enumerate(stages):
+            if i == 0 and not fed:
+                continue
             report(i, "start", 0.0)
             try:
                 with ControlClient(stage.agent, key, tls=tls) as agent:

@@ -24,7 +24,7 @@ from typing import Callable
 from engine.errors import FleetError, StageError
 from engine.export.exporter import stage_folder
 from engine.fleet.control import AgentError, ControlClient
-from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy_layout
 from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
 from engine.fleet.survey import readable
 from engine.manifest import layer_span
@@ -73,7 +73,7 @@ class Failover:
         """A new chain for the deployment after ``error`` broke it; raises FleetError when the fleet
         cannot carry on."""
         placement = self.deployment.stages
-        gone = [s for s in placement[1:] if not self._answers(s.agent)]
+        gone = [s for s in placement if s.agent != LOCAL and not self._answers(s.agent)]
         if gone:
             for stage in gone:
                 self.lost[self.node_of(stage.agent)] = stage.agent
@@ -87,10 +87,12 @@ class Failover:
         old = self.deployment
         # the same placement runs the shards the deployment already has: the model is not opened again
         held = None if gone else [stage_folder(Path(old.stage0).parent, i) for i in range(len(placement))]
-        deployment, chain = deploy(old.model, placement, key=self.key, tls=self.tls, weights=old.weights,
-                                   mode=old.mode, deadline_s=self.deadline_s,
-                                   planned={"profile": old.profile, "objective": old.objective, "users": old.users},
-                                   local=getattr(self.chain, "local", None), folders=held)
+        # deploy_layout: a copy that was whole on the lost node may come back whole on this machine
+        deployment, (chain,) = deploy_layout(old.model, [placement], key=self.key, tls=self.tls, weights=old.weights,
+                                             mode=old.mode, deadline_s=self.deadline_s,
+                                             planned={"profile": old.profile, "objective": old.objective,
+                                                      "users": old.users},
+                                             local=getattr(self.chain, "local", None), folders=held)
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         self.on_recovered(deployment)

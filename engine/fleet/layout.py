@@ -2,14 +2,15 @@
 serves more users.
 
 Where the model fits on one PC, two PCs serving two copies add up better than one chain split over
-both: each copy batches its own users and nothing waits on a hop.  Every chain's stage 0 runs on the
-coordinator (it holds the tokenizer and the chat service), so a copy on another node keeps its
-first layer there and the rest on that node.  ``solve_layout`` weighs, for the expected users:
-one chain over every node (``placement.solve``), and the same with some nodes each serving a copy of
-their own, the chain (if any) keeping the coordinator and the remaining nodes.  Users spread evenly
-over the copies (``engine.runtime.decode.replicas`` routes each request to the least busy one), and
-the stage 0s every copy runs on the coordinator share its time.  Like ``placement``, a pure function
-of the measured profiles.
+both: each copy batches its own users and nothing waits on a hop.  A copy on another node holds the
+whole model there; the coordinator (it holds the tokenizer and the chat service) only feeds it token
+ids (``deploy``'s fed placement).  An earlier layout kept each copy's first layer on the
+coordinator: that layer then waited, every token, for the coordinator's own copy to finish a whole
+forward on the same cores, and the second copy served half what it should.  ``solve_layout``
+weighs, for the expected users: one chain over every node (``placement.solve``), and the same with
+some nodes each serving a copy of their own, the chain (if any) keeping the coordinator and the
+remaining nodes.  Users spread evenly over the copies (``engine.runtime.decode.replicas`` routes
+each request to the least busy one).  Like ``placement``, a pure function of the measured profiles.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import dataclasses
 import itertools
 
 from engine.fleet.placement import (Fleet, Infeasible, ModelShape, Plan, PlacementError, Record, evaluate, solve,
-                                    stage_memory, stage_time)
+                                    stage_time)
 
-# A chain over several nodes is chosen over copies only when it predicts this much more.  The cost
-# model prices a split's groups in flight as overlapping perfectly; measured side by side, copies
-# served 15-19% more than the split at 2, 4 and 8 users where the model prices them within a few
-# percent (bench-results/2026-11-26/sim-office-qwen1.5b.json).
+# A layout with a chain split over several nodes is chosen over whole copies only when it predicts
+# this much more.  The cost model prices a split's groups in flight as overlapping perfectly;
+# measured side by side, copies served 15-19% more than the split at 2, 4 and 8 users where the
+# model prices them within a few percent (bench-results/2026-11-26/sim-office-qwen1.5b.json), and
+# on 3 PCs a split beside a copy served 0.66 of 3 PCs where 3 copies served 0.76
+# (bench-results/2026-11-27/sim-layout-qwen1.5b-fed.json).
 CHAIN_MARGIN = 1.10
 
 
@@ -40,8 +43,8 @@ class Layout(Record):
         if len(self.plans) == 1:
             return self.plans[0].explain()
         lines = [f"{len(self.plans)} replicas, {self.users} user(s) spread over them: "
-                 f"{self.aggregate_tok_s:.1f} tok/s aggregate predicted (the stage 0s of every copy "
-                 f"need {100 * self.coordinator_load:.0f}% of the time of the PC that runs them)"]
+                 f"{self.aggregate_tok_s:.1f} tok/s aggregate predicted (a copy on another PC holds the whole "
+                 f"model there; this PC only feeds it token ids)"]
         for i, plan in enumerate(self.plans):
             lines.append(f"replica {i + 1}:")
             lines.extend("  " + line for line in plan.explain().splitlines())
@@ -79,43 +82,37 @@ def price_layout(model: ModelShape, fleet: Fleet, plans: list[Plan], users: int)
 
 
 def _own_copy(model: ModelShape, fleet: Fleet, node: str, users: int) -> Plan | None:
-    """A copy on ``node``: the first layer on the coordinator, the rest on the node's best device."""
-    c, L = fleet.coordinator, model.num_layers
-    if L < 2:
-        return None
+    """A copy whole on ``node``'s best device, fed by the coordinator; None where it does not fit."""
     best = None
-    for here in (d for d in fleet.devices if d.node == c and d.supported):
-        for there in (d for d in fleet.devices if d.node == node and d.supported):
-            evaluation = evaluate(model, fleet, [(c, here.device, 0, 1), (node, there.device, 1, L)], users=users)
-            if evaluation.ok and (best is None or evaluation.plan.aggregate_tok_s > best.aggregate_tok_s):
-                best = dataclasses.replace(evaluation.plan, objective="throughput")
+    for there in (d for d in fleet.devices if d.node == node and d.supported):
+        evaluation = evaluate(model, fleet, [(node, there.device, 0, model.num_layers)], users=users, fed=True)
+        if evaluation.ok and (best is None or evaluation.plan.aggregate_tok_s > best.aggregate_tok_s):
+            best = dataclasses.replace(evaluation.plan, objective="throughput")
     return best
 
 
-def _without(fleet: Fleet, nodes: set[str], coordinator_bytes: int) -> Fleet:
-    """The fleet without ``nodes``, the coordinator's memory less ``coordinator_bytes``."""
-    devices = [dataclasses.replace(d, memory_bytes=d.memory_bytes - coordinator_bytes) if d.node == fleet.coordinator
-               else d for d in fleet.devices if d.node not in nodes]
-    return Fleet(devices=devices, rtt_ms=fleet.rtt_ms, coordinator=fleet.coordinator)
+def _without(fleet: Fleet, nodes: set[str]) -> Fleet:
+    return Fleet(devices=[d for d in fleet.devices if d.node not in nodes], rtt_ms=fleet.rtt_ms,
+                 coordinator=fleet.coordinator)
 
 
 def solve_layout(model: ModelShape, fleet: Fleet, *, users: int, max_stages: int | None = None,
                  replicas: bool = True, time_limit_s: float = 30) -> Layout:
     """The layout that serves ``users`` fastest by the cost model (see the module's docstring):
     one chain (``solve`` for throughput), or copies of the model on nodes of their own beside a
-    chain over the rest, or copies only; the one chain must predict ``CHAIN_MARGIN`` more than the
-    best copies.  Raises Infeasible when even one chain does not fit."""
+    chain over the rest, or copies only; a layout with a chain split over PCs must predict
+    ``CHAIN_MARGIN`` more than the best of whole copies.  Raises Infeasible when even one chain
+    does not fit."""
     one = price_layout(model, fleet, [solve(model, fleet, objective="throughput", users=users, max_stages=max_stages,
                                             time_limit_s=time_limit_s)], users)
     c = fleet.coordinator
     if not replicas or users < 2 or c is None:
         return one
-    best = None
+    layouts = [one]
     others = [n for n in fleet.nodes if n != c]
-    feeder = int(stage_memory(model).at(1, True, False))  # a copy's stage 0 on the coordinator
     for count in range(1, len(others) + 1):
         for homes in itertools.combinations(others, count):
-            rest = _without(fleet, set(homes), feeder * count)
+            rest = _without(fleet, set(homes))
             for with_chain in (True, False):
                 n = count + with_chain
                 if n > users or (not with_chain and count < 2):
@@ -131,11 +128,13 @@ def solve_layout(model: ModelShape, fleet: Fleet, *, users: int, max_stages: int
                     except (Infeasible, PlacementError):
                         continue
                     copies.insert(0, chain)
-                elif max(d.memory_bytes for d in rest.devices if d.node == c) < 0:
-                    continue  # the coordinator cannot hold every copy's stage 0
-                layout = price_layout(model, fleet, copies, users)
-                if best is None or layout.aggregate_tok_s > best.aggregate_tok_s:
-                    best = layout
-    if best is None or best.aggregate_tok_s * CHAIN_MARGIN < one.aggregate_tok_s:
-        return one
-    return best
+                layouts.append(price_layout(model, fleet, copies, users))
+
+    def best(candidates: list[Layout]) -> Layout | None:
+        return max(candidates, key=lambda layout: layout.aggregate_tok_s, default=None)
+
+    whole = best([layout for layout in layouts if all(len(p.stages) == 1 for p in layout.plans)])
+    split = best([layout for layout in layouts if any(len(p.stages) > 1 for p in layout.plans)])
+    if whole is None or (split is not None and split.aggregate_tok_s > whole.aggregate_tok_s * CHAIN_MARGIN):
+        return split
+    return whole

@@ -145,14 +145,16 @@ class Plan(Record):
     tok_s: float
     aggregate_tok_s: float
     solve_ms: float
+    fed: bool = False  # stage 0 is on a node that the coordinator feeds its token ids (one more hop)
 
     def explain(self) -> str:
-        lines = [f"{self.model}: {len(self.stages)} stage(s), objective {self.objective}"]
+        lines = [f"{self.model}: {len(self.stages)} stage(s), objective {self.objective}"
+                 + (", fed its token ids by this machine" if self.fed else "")]
         for i, s in enumerate(self.stages):
             share = f"{100 * s.memory_bytes / s.memory_limit_bytes:.0f}%" if s.memory_limit_bytes else "no limit known"
             lines.append(f"  stage {i}: {s.node} {s.device}, {layer_span(s.start, s.end)}, {s.ms:.2f} ms, "
                          f"{gb(s.memory_bytes)} of {gb(s.memory_limit_bytes)} ({share})")
-        lines.append(f"  network: {self.network_ms:.2f} ms per token over {max(len(self.stages) - 1, 0)} hop(s)")
+        lines.append(f"  network: {self.network_ms:.2f} ms per token over {max(len(self.stages) - 1 + self.fed, 0)} hop(s)")
         lines.append(f"  predicted: {self.token_ms:.2f} ms per token, {self.tok_s:.1f} tok/s for one user, "
                      f"{self.aggregate_tok_s:.1f} tok/s aggregate for {self.users} user(s)")
         return "\n".join(lines)
@@ -238,8 +240,9 @@ def aggregate_tok_s(steps: Sequence[tuple[DeviceProfile, int, bool, bool]], netw
 
 
 def _price(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, int, int]], *, objective: str,
-           users: int, solve_ms: float = 0.0) -> tuple[Plan, list[str]]:
-    """The plan's predictions; problems (unknown devices, missing RTTs) are returned, not raised."""
+           users: int, solve_ms: float = 0.0, fed: bool = False) -> tuple[Plan, list[str]]:
+    """The plan's predictions; problems (unknown devices, missing RTTs) are returned, not raised.
+    ``fed``: stage 0 is on a node, fed its token ids by the coordinator (one more hop)."""
     problems, planned, network, steps = [], [], 0.0, []
     memory = stage_memory(model)
     for i, (node, device, start, end) in enumerate(stages):
@@ -251,27 +254,28 @@ def _price(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, int
             steps.append((dev, layers, first, last))
         planned.append(PlannedStage(node, device, start, end, ms, int(memory.at(layers, first, last)),
                                     dev.memory_bytes if dev else 0))
-        if i:
+        if i or fed:
             try:
-                network += fleet.rtt(stages[i - 1][0], node)
+                network += fleet.rtt(stages[i - 1][0] if i else fleet.coordinator, node)
             except PlacementError as e:
                 problems.append(str(e))
     token_ms = sum(s.ms for s in planned) + network
     plan = Plan(model=model.name, stages=planned, objective=objective, users=users, network_ms=network,
                 token_ms=token_ms, tok_s=1000.0 / token_ms if token_ms > 0 else 0.0,
                 aggregate_tok_s=aggregate_tok_s(steps, network, users),
-                solve_ms=solve_ms)
+                solve_ms=solve_ms, fed=fed)
     return plan, problems
 
 
 def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, int, int]], *,
-             users: int = 1) -> Evaluation:
+             users: int = 1, fed: bool = False) -> Evaluation:
     """Predictions and problems of a hand-drawn chain of (node, device, start, end); never raises.
 
     A node may appear in several stages here (one machine running a local multi-stage chain).
+    ``fed``: stage 0 runs on a node, which the coordinator feeds (a copy of the model on a node).
     """
     stages = [tuple(s) for s in stages]
-    plan, problems = _price(model, fleet, stages, objective="manual", users=max(users, 1))
+    plan, problems = _price(model, fleet, stages, objective="manual", users=max(users, 1), fed=fed)
     if users < 1:
         problems.append("users must be at least 1 (priced for 1)")
     known = set(fleet.nodes)
@@ -301,7 +305,7 @@ def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, i
         problems.append(f"gap: {layer_span(expected, model.num_layers)} in no stage")
     elif expected > model.num_layers:
         problems.append(f"{layer_span(model.num_layers, expected)} past the model's {model.num_layers} layers")
-    if stages and fleet.coordinator is not None and stages[0][0] != fleet.coordinator:
+    if stages and fleet.coordinator is not None and not fed and stages[0][0] != fleet.coordinator:
         problems.append(f"stage 0 must run on the coordinator {fleet.coordinator}, not {stages[0][0]}")
     return Evaluation(plan=plan, problems=problems)
 

@@ -19,6 +19,11 @@ is how many groups keep that computer busy.  Balanced stages on their own PCs wa
 stages that share one computer's compute turns (a local fleet), or a short stage 0 that only feeds
 a PC holding the rest, want one group, whose rows share every read of the weights; a slow link
 wants more groups, to hide its time.
+
+A copy of the model whole on a node (``fed``) has no stage here: a ``Feeder`` stands in for stage 0,
+holding no layers, and the token ids themselves travel to the node.  This process then computes
+nothing for that copy, so it never waits for this computer's compute turns (a whole copy beside it
+in this process would hold them for a whole forward each time).
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import FleetError, ShardError, StageError
-from engine.manifest import layer_span
+from engine.manifest import layer_span, load_manifest
 from engine.runtime.interfaces import Chain
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output
-from engine.runtime.stages.packing import Part, as_part, packs_of
+from engine.runtime.stages.packing import Part, as_part, check_parts, packs_of
 from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
@@ -59,6 +64,44 @@ class _Round:
     @property
     def key(self) -> tuple[int, int | None]:
         return self.stream, self.seq
+
+
+class Feeder:
+    """Stage 0 of a chain whose every stage runs on workers: holds no layers, passes the token ids on
+    and counts each stream's positions as a stage does.  Its manifest is the model's, as a stage
+    -1 that ends at layer 0, so the worker holding layer 0 is its successor."""
+
+    packs = True
+    turns = None
+
+    def __init__(self, folder: Path | str, device: str = "CPU"):
+        self.folder, self.device = Path(folder), device
+        self.manifest = dataclasses.replace(load_manifest(self.folder), stage_index=-1, layers=(0, 0))
+        self._length: dict[int, int] = {}
+
+    @property
+    def streams(self) -> list[int]:
+        return list(self._length)
+
+    def length(self, stream: int) -> int:
+        return self._length.get(stream, 0)
+
+    def reset(self, stream: int = 0) -> None:
+        self._length[stream] = 0
+
+    def keep(self, stream: int, slots: np.ndarray) -> None:
+        self._length[stream] = len(slots)
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                stream: int = 0) -> np.ndarray:
+        self._length[stream] = attention_mask.shape[1]
+        return input_ids
+
+    def forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
+        check_parts(parts, self.length)
+        for p in parts:
+            self._length[p.stream] = p.start + len(p.x)
+        return [p.x for p in parts]
 
 
 class _Trip:
@@ -101,16 +144,20 @@ class RemoteChain(Chain):
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
                  connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None,
-                 depth: int | None = None):
+                 depth: int | None = None, fed: bool = False):
         """``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
         stream it holds is forgotten, and it is not compiled again.  ``depth``: groups of packed
         streams in flight at once (default: as many as the measured rounds say keep the busiest
-        computer busy, one per stage until rounds are measured)."""
+        computer busy, one per stage until rounds are measured).  ``fed``: every stage runs on the
+        workers, from layer 0 (``Feeder``); ``stage0`` is then only where the model's manifest and
+        tokenizer are read."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
-        if local is not None and Path(local.folder) == Path(stage0) and local.device == device:
+        if fed:
+            self.local = Feeder(stage0, device)
+        elif local is not None and Path(local.folder) == Path(stage0) and local.device == device:
             for stream in local.streams:
                 local.reset(stream)
             self.local = local
