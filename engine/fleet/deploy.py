@@ -3,9 +3,10 @@
 ``deploy`` exports the shards a placement needs (reusing the cache), ships each to its node's agent
 (chunked, resumable, verified, skipped when the node already holds it), starts the workers in chain
 order and connects the coordinator, which runs stage 0 itself, or, when every stage is on a node
-(a copy of the model whole on one, ``engine.fleet.layout``), only feeds the first its token ids.  If anything fails on the way (a node
-lost, a worker that does not start, a chain that does not answer) every worker already started is
-stopped again: a failed deployment leaves no half-started chain.  A ``Deployment`` is saved as JSON
+(a copy of the model whole on one, ``engine.fleet.layout``), only feeds the first its token ids.
+If anything fails on the way (a node lost, a worker that does not start, a chain that does not
+answer) every worker already started is stopped again: a failed deployment leaves no half-started
+chain.  A ``Deployment`` is saved as JSON
 so ``fleet generate --deployment`` and the app reuse a running chain.
 """
 
@@ -259,7 +260,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
 
     check_placement(stages)
     split = [s.end for s in stages[:-1]]
-    for address in dict.fromkeys(s.agent for s in stages if s.agent != LOCAL):  # all there before minutes of export
+    for address in dict.fromkeys(s.agent for s in stages if s.agent != LOCAL):  # all up before minutes of export
         try:
             with ControlClient(address, key, tls=tls) as agent:
                 agent.status()

@@ -154,7 +154,8 @@ class Plan(Record):
             share = f"{100 * s.memory_bytes / s.memory_limit_bytes:.0f}%" if s.memory_limit_bytes else "no limit known"
             lines.append(f"  stage {i}: {s.node} {s.device}, {layer_span(s.start, s.end)}, {s.ms:.2f} ms, "
                          f"{gb(s.memory_bytes)} of {gb(s.memory_limit_bytes)} ({share})")
-        lines.append(f"  network: {self.network_ms:.2f} ms per token over {max(len(self.stages) - 1 + self.fed, 0)} hop(s)")
+        hops = max(len(self.stages) - 1 + self.fed, 0)
+        lines.append(f"  network: {self.network_ms:.2f} ms per token over {hops} hop(s)")
         lines.append(f"  predicted: {self.token_ms:.2f} ms per token, {self.tok_s:.1f} tok/s for one user, "
                      f"{self.aggregate_tok_s:.1f} tok/s aggregate for {self.users} user(s)")
         return "\n".join(lines)
