@@ -68,7 +68,7 @@ def test_loopback_pipeline_equals_in_process_chain(arch, label, fed, stateful, t
     """``fed``: every stage on a worker, the model whole on one or split over two; this process
     only feeds token ids to the first (``stateful`` workers: one FORWARD per stream, no packing)."""
     folders = tiny_exports[arch, label].folders
-    local = LocalChain(folders, paged=False) if stateful else LocalChain(folders)
+    local = LocalChain(folders, paged=False if stateful else None)
     want = _greedy(local)
     n = IDS.shape[1]
     mask, pos = np.ones((1, n), np.int64), np.arange(n)[None]

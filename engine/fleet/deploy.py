@@ -260,7 +260,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
 
     check_placement(stages)
     split = [s.end for s in stages[:-1]]
-    for address in dict.fromkeys(s.agent for s in stages if s.agent != LOCAL):  # all up before minutes of export
+    on_nodes = [i for i, s in enumerate(stages) if s.agent != LOCAL]  # all but a stage 0 run here
+    for address in dict.fromkeys(stages[i].agent for i in on_nodes):  # all up before minutes of export
         try:
             with ControlClient(address, key, tls=tls) as agent:
                 agent.status()
@@ -278,11 +279,9 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
                              f"{export.stages[-1].layers[1]} layers")
         folders = export.folders
-    fed = stages[0].agent != LOCAL
     digests = {}
-    for i, (stage, folder) in enumerate(zip(stages, folders)):
-        if i == 0 and not fed:
-            continue
+    for i in on_nodes:
+        stage, folder = stages[i], folders[i]
         try:
             with ControlClient(stage.agent, key, tls=tls) as agent:
                 digests[i], _ = agent.send_shard(folder, progress=lambda done, total, i=i: report(
@@ -292,9 +291,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     started: list[dict] = []
     remotes: list[str] = []
     try:
-        for i, stage in enumerate(stages):
-            if i == 0 and not fed:
-                continue
+        for i in on_nodes:
+            stage = stages[i]
             report(i, "start", 0.0)
             try:
                 with ControlClient(stage.agent, key, tls=tls) as agent:

@@ -74,14 +74,10 @@ class Feeder:
     packs = True
     turns = None
 
-    def __init__(self, folder: Path | str, device: str = "CPU"):
-        self.folder, self.device = Path(folder), device
+    def __init__(self, folder: Path | str):
+        self.folder = Path(folder)
         self.manifest = dataclasses.replace(load_manifest(self.folder), stage_index=-1, layers=(0, 0))
         self._length: dict[int, int] = {}
-
-    @property
-    def streams(self) -> list[int]:
-        return list(self._length)
 
     def length(self, stream: int) -> int:
         return self._length.get(stream, 0)
@@ -156,8 +152,9 @@ class RemoteChain(Chain):
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
         if fed:
-            self.local = Feeder(stage0, device)
-        elif local is not None and Path(local.folder) == Path(stage0) and local.device == device:
+            self.local = Feeder(stage0)
+        elif (local is not None and not isinstance(local, Feeder) and Path(local.folder) == Path(stage0)
+              and local.device == device):
             for stream in local.streams:
                 local.reset(stream)
             self.local = local
