@@ -62,8 +62,8 @@ AUTO_WEIGHTS = "auto"  # the weight format that is the measured best for the sou
 
 
 def int4_layers(weights: str) -> bool:
-    """Whether a weight format stores the layers in INT4 (``auto`` always resolves to an INT4 one)."""
-    return weights.split("-")[0] in ("int4", AUTO_WEIGHTS)
+    """Whether a weight format stores the layers in INT4 (``auto`` may not: a GGUF's is ``gguf``)."""
+    return weights.split("-")[0] == "int4"
 
 # what proposes speculative tokens (``decode.speculative``; ``remote``: a draft server on another
 # computer, ``decode.remotedraft``)

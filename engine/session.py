@@ -39,7 +39,7 @@ from engine.models.catalog import CATALOG, pull
 from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
-from engine.runtime.decode.speculative import draft_head, open_draft_chain, stream_drafters
+from engine.runtime.decode.speculative import draft_head, draft_weights, open_draft_chain, stream_drafters
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
@@ -224,7 +224,8 @@ def draft_shards(settings: Settings, progress: Progress = quiet, cancel=None) ->
     """The draft model's 1-stage shards for a ``model`` or ``hybrid`` draft, else None."""
     if settings.draft not in ("model", "hybrid"):
         return None
-    return resolve_shards(settings.draft_model, stages=1, weights=settings.weights, head=draft_head(settings.weights),
+    weights = draft_weights(settings.weights)
+    return resolve_shards(settings.draft_model, stages=1, weights=weights, head=draft_head(weights),
                           progress=progress, cancel=cancel)
 
 

@@ -2,7 +2,9 @@
 
 1. Model: a catalog model, a Hugging Face folder or a GGUF file, each shown as a card
    (``fleetgui.model_cards``: its facts, whether it fits this PC and the fleet, its predicted speed).
-2. Split and format: weight format, a stage count or explicit layer boundaries, the output folder.
+2. Split and format: for a GGUF, Faithful or Fast (``engine.export.choices``, with what each was
+   measured to cost), the weight format behind them, a stage count or explicit layer boundaries, the
+   output folder.
 3. Export: the catalog pull's progress (when the model is not cached yet), a progress bar per stage,
    a Cancel that ends the running stage's process, and at the end the shard folders with their
    sizes and each stage's peak memory.
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 from PySide6.QtCore import Signal
@@ -20,7 +23,9 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QFileDialog, QFormLayout
 
 from engine.config import int4_layers, paths
 from engine.errors import FleetError
+from engine.export.choices import CHOICES, FAITHFUL, choice_of, describe
 from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEIGHT_NOTES
+from engine.export.gguf_weights import carries
 from engine.manifest import layer_numbers
 from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.models.facts import facts_of
@@ -40,6 +45,13 @@ def parse_split(text: str) -> list[int]:
     if not split:
         raise FleetError("give at least one layer boundary, like 10 for two stages")
     return split
+
+
+def _carries(path: str) -> bool:
+    try:
+        return carries(Path(path).expanduser())
+    except (OSError, ValueError, struct.error):
+        return False  # the export names what is wrong with the file
 
 
 class ExportWizard(QWidget):
@@ -129,12 +141,48 @@ class ExportWizard(QWidget):
             self.head.setCurrentText(HEAD_FORMATS[0])
         self.head.setEnabled(allowed)
 
+    def _show_choice(self, weights: str) -> None:
+        """Checks Faithful or Fast as the weight format says (``auto`` is Faithful for a GGUF), or
+        neither for another format."""
+        choice = FAITHFUL if weights == "auto" else choice_of(weights)
+        self.choices.setExclusive(False)
+        for radio in self.choices.buttons():
+            radio.setChecked(choice is not None and radio.text() == choice.name)
+        self.choices.setExclusive(True)
+
+    def _prepare_choices(self) -> None:
+        """Faithful / Fast for a GGUF source, each with the figures measured on it (or on the
+        reference model); hidden for a Hugging Face folder, which has no GGUF weights to keep, and for
+        a GGUF whose types cannot be carried over."""
+        source = self.source()
+        self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked() and _carries(source)))
+        for choice in CHOICES:
+            self.choice_notes[choice.weights].setText(describe(choice, source if source in CATALOG else None))
+        self._show_choice(self.weights.currentText())
+
     def _split_page(self) -> QWidget:
         page = QGroupBox("2. Split and weight format")
         self.weights = combo_box(WEIGHT_FORMATS, self.settings.weights)
         self.head = combo_box(HEAD_FORMATS, HEAD_FORMATS[0])
         self.weights.currentTextChanged.connect(self._head_allowed)
         self._head_allowed(self.weights.currentText())
+        self.choices = QButtonGroup(page)
+        self.choice_box = QWidget()
+        choice_layout = QVBoxLayout(self.choice_box)
+        choice_layout.setContentsMargins(0, 0, 0, 0)
+        self.choice_notes: dict[str, QLabel] = {}
+        for choice in CHOICES:
+            radio = QRadioButton(choice.name)
+            radio.setObjectName(f"choice-{choice.weights}")
+            radio.toggled.connect(lambda on, c=choice: on and self.weights.setCurrentText(c.weights))
+            self.choices.addButton(radio)
+            note = QLabel()
+            note.setObjectName("hint")
+            note.setWordWrap(True)
+            self.choice_notes[choice.weights] = note
+            choice_layout.addWidget(radio)
+            choice_layout.addWidget(note)
+        self.weights.currentTextChanged.connect(self._show_choice)
         self.by_count = QRadioButton("Number of stages (layers split evenly)")
         self.by_split = QRadioButton("Explicit layer boundaries")
         self.by_count.setChecked(True)
@@ -152,6 +200,7 @@ class ExportWizard(QWidget):
         out_browse.clicked.connect(self._browse_out)
         self.force = QCheckBox("export again even if this export is cached")
         form = QFormLayout(page)
+        form.addRow("Answers", self.choice_box)
         form.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
         form.addRow("LM head", explained_choice(self.head, HEAD_NOTES))
         form.addRow(self.by_count, self.stages)
@@ -290,6 +339,7 @@ class ExportWizard(QWidget):
             if not self.source():
                 self.banner.error("Choose a model: a catalog entry, a Hugging Face folder or a GGUF file.")
                 return
+            self._prepare_choices()
             self._show_page(1)
         elif index == 1:
             self.start()

@@ -15,7 +15,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLabel, QListWidget, QListWidgetItem,
                                QVBoxLayout)
 
+from engine.config import AUTO_WEIGHTS
 from engine.errors import FleetError
+from engine.export.choices import CHOICES, FAITHFUL, MEASURED, REFERENCE, choice_of
 from engine.fleet.fit import NO_PROFILE, USERS, Fit, load_profile, measured_key, measured_tok_s, predict
 from engine.manifest import is_shard_set
 from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
@@ -68,7 +70,18 @@ def speed_line(fit: Fit, measured: float | None) -> str:
     return text + (f" · measured {measured:.1f} tok/s" if measured else "")
 
 
-def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None) -> list[str]:
+def export_line(facts: ModelFacts, weights: str) -> str | None:
+    """How a GGUF exports with ``weights``: Faithful or Fast, what that keeps and what it costs."""
+    choice = FAITHFUL if weights == AUTO_WEIGHTS else choice_of(weights)
+    if facts.kind == "hf" or choice is None:
+        return None
+    other = next(c for c in CHOICES if c is not choice)
+    measured = MEASURED.get(facts.source, MEASURED[REFERENCE])
+    kl = f"KL {measured[choice.weights].kl:g} against {other.name}'s {measured[other.weights].kl:g}"
+    return f"Exports {choice.name} — {choice.what} ({kl}; {other.name} in the Export wizard)"
+
+
+def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weights: str = AUTO_WEIGHTS) -> list[str]:
     lines = [facts_line(facts)]
     if facts.description:
         lines.append(facts.description)
@@ -79,7 +92,8 @@ def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None) -> li
             lines.append(f"Measured {measured:.1f} tok/s")
     else:
         lines += [fit_line(fit), speed_line(fit, measured)]
-    return lines
+    export = export_line(facts, weights)
+    return lines + ([export] if export else [])
 
 
 def card_tooltip(fit: Fit | None) -> str:
@@ -148,7 +162,7 @@ class ModelCards(QListWidget):
         for i, f in enumerate(self.facts):
             item = self.item(i)
             fit = self.fits.get(f.source)
-            item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)))))
+            item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)), self.weights)))
             item.setToolTip(card_tooltip(fit))
 
     def refresh(self) -> None:

@@ -79,8 +79,8 @@ def test_a_calibrated_format_without_calibration_data_is_refused():
 
 def test_auto_weights_are_gptq_for_small_float_checkpoints_and_int4_otherwise(tiny_models, tmp_path, capsys):
     """``auto``, the default, exports what measured best for the source: a float checkpoint under 1B
-    parameters as int4-gptq; a GGUF, or Qwen2.5-Coder-1.5B's size, as int4.  `fleet export` says
-    which it chose."""
+    parameters as int4-gptq; Qwen2.5-Coder-1.5B's size, or a GGUF with nothing to carry over, as
+    int4.  `fleet export` says which it chose."""
     import dataclasses
 
     from engine.cli.main import main

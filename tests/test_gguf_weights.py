@@ -44,36 +44,33 @@ def test_each_block_type_decomposes_to_the_gguf_values(qtype):
     want = reference(qtype, raw)
     q = decompose(qtype, raw, ROWS, COLUMNS)
     assert q.exact == (qtype in EXACT)
-    if q.exact:
-        assert np.array_equal(q.values(), want)
-    else:  # a minimum has no integer zero point: within two ulps of each group's scale
-        assert np.abs(q.values() - want).max() <= 2 * np.finfo(np.float32).eps * np.abs(q.scale).max() * 64
+    assert np.array_equal(q.values(), want)
 
 
-@pytest.mark.parametrize("corrected", [False, True], ids=["float zero point", "rounded and corrected"])
+@pytest.mark.parametrize("offsets", [False, True], ids=["float zero point", "offsets added"])
 @pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
-def test_the_shard_constant_decodes_to_the_gguf_values_in_a_compressed_matmul(qtype, corrected):
+def test_the_shard_constant_decodes_to_the_gguf_values_in_a_compressed_matmul(qtype, offsets):
     raw = raw_blocks(qtype, np.random.default_rng(100 + qtype))
     want = reference(qtype, raw)
     q = decompose(qtype, raw, ROWS, COLUMNS)
     x = ops.parameter([1, -1, COLUMNS], ov.Type.f32, name="x")
     matmul = ops.matmul(x, ops.constant(np.zeros((ROWS, COLUMNS), np.float32)), False, True)
     model = ov.Model([ops.result(matmul)], [x])
-    limit = 0 if corrected else 10**9
-    carry_matmul(matmul, q, limit)
+    limit = 0 if offsets else 10**9
+    carry_matmul(matmul, q, offsets_from=limit)
     compiled = ov.Core().compile_model(model, "CPU", EXACT_CONFIG)
     got = compiled(np.eye(COLUMNS, dtype=np.float32)[None])[0][0].T  # identity in: the weights out
     assert np.array_equal(got, carried_values(q, limit))
     if q.exact:
         assert np.array_equal(got, want)
-    else:  # the rounded zero point and its correction: the GGUF's values within an ulp or two
+    else:  # a float zero point, or centered codes plus offsets: the GGUF's values within an ulp or two
         assert np.abs(got - want).max() <= 4 * np.finfo(np.float32).eps * np.abs(want).max()
     # the decompression runs inside the MatMul: the weights stay as their codes, not a float matrix
     kinds = []
     for op in compiled.get_runtime_model().get_ordered_ops():
         if op.get_rt_info()["layerType"].astype(str) == "FullyConnected":
             kinds.append(op.input_value(1).get_node().get_rt_info()["outputPrecisions"].astype(str))
-    assert kinds[0] in ("u4", "u8") and len(kinds) == (2 if corrected and not q.exact else 1)  # 2: the correction
+    assert kinds[0] in ("i4", "i8", "u4", "u8") and len(kinds) == (2 if offsets and not q.exact else 1)  # 2: offsets
 
 
 def test_a_float_source_has_no_gguf_weights_to_carry(tiny_models, tmp_path):
@@ -135,3 +132,43 @@ def test_the_quality_bench_ranks_formats_against_the_float_reference(tiny_models
     assert rows["f32", "f32"]["kl_nats"] < 1e-4 and rows["f32", "f32"]["top1_agreement"] == 1.0
     assert rows["int4", "f32"]["kl_nats"] > 100 * max(rows["f32", "f32"]["kl_nats"], 1e-7)
     assert len(report["ratios"]) == len(report["rows"]) - 1
+
+
+def write_matrices(path, types: list[int]) -> None:
+    """A GGUF holding one 64 x 512 matrix of each GGML type (and a float norm vector)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for i, qtype in enumerate(types):
+        if qtype in (0, 1):
+            writer.add_tensor(f"blk.{i}.w", np.zeros((ROWS, COLUMNS), dtype=np.float32 if qtype == 0 else np.float16))
+            continue
+        size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        raw = np.zeros((ROWS, COLUMNS // size * nbytes), dtype=np.uint8)
+        writer.add_tensor(f"blk.{i}.w", raw, raw_dtype=gguf.GGMLQuantizationType(qtype))
+    writer.add_tensor("norm", np.ones(COLUMNS, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("types, carried", [
+    ([12, 12, 14, 1], True),  # Q4_K_M-like, a float embedding
+    ([3, 3, 8], True),
+    ([1, 1, 1], False),  # a float GGUF: nothing to carry
+    ([12, 11, 14], False),  # a Q3_K matrix cannot be carried
+], ids=["Q4_K_M", "Q4_1", "F16", "Q3_K"])
+def test_auto_keeps_a_ggufs_own_weights_where_every_matrix_carries_over(tmp_path, types, carried):
+    """``auto`` exports a GGUF faithfully (``gguf``) when all its quantized matrices are of the types
+    carried over, else as int4; a float checkpoint keeps its data-aware choice."""
+    from engine.export.compress import best_weights
+    from engine.export.gguf_weights import carries
+    from engine.models.architectures import ModelSpec
+
+    path = tmp_path / "m.gguf"
+    write_matrices(path, types)
+    assert carries(path) is carried
+    spec = ModelSpec(arch="llama", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                     head_dim=16, vocab_size=1000, rms_eps=1e-5, rope_theta=1e4, max_position=2048,
+                     tie_embeddings=True)
+    assert best_weights("gguf", spec, path) == ("gguf" if carried else "int4")
+    assert best_weights("hf", spec) == "int4-gptq"

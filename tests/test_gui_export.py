@@ -3,7 +3,7 @@ stage's progress reaching 100% and the shard sizes shown; Cancel ends the export
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import QLabel
+from PySide6.QtWidgets import QLabel, QRadioButton
 
 from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
 
@@ -29,11 +29,12 @@ def test_export_wizard_exports_the_tiny_model(qtbot, gui_home, tmp_path, tiny_mo
     assert wizard.pages.currentIndex() == 0 and "Choose a model" in wizard.banner.message
     note = wizard.weights.parentWidget().findChild(QLabel, "hint")  # each format says what it is for
     wizard.weights.setCurrentText("gguf")
-    assert "as accurate as the GGUF" in note.text()
+    assert "answers as the GGUF does in llama.cpp" in note.text()
     wizard.weights.setCurrentText("int4")
-    assert note.text().startswith("INT4: smallest and fastest")
+    assert note.text().startswith("INT4 (Fast for a GGUF): smallest and fastest")
     out = tmp_path / "export"
     _to_export_page(wizard, tiny_models["llama"], out)
+    assert wizard.choice_box.isHidden()  # Faithful / Fast is a GGUF's choice
     seen: dict[int, list[int]] = {}
     with qtbot.waitSignal(wizard.exported, timeout=180000) as blocker:
         wizard.next_button.click()  # "Export"
@@ -97,7 +98,18 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
                          backend=Pulling())
     wizard = window.show_view("Export")
     wizard.choose_catalog("smollm2-135m")
+    wizard.weights.setCurrentText("auto")
     wizard.next_button.click()
+    # a GGUF's choice in words: Faithful (auto's choice) or Fast, each with what it was measured to cost
+    faithful, fast = (wizard.findChild(QRadioButton, f"choice-{w}") for w in ("gguf", "int4"))
+    assert not wizard.choice_box.isHidden() and faithful.isChecked() and not fast.isChecked()
+    assert "KL 0.002" in wizard.choice_notes["gguf"].text() and "KL 0.32" in wizard.choice_notes["int4"].text()
+    fast.click()
+    assert wizard.weights.currentText() == "int4" and not faithful.isChecked()
+    wizard.weights.setCurrentText("int8")
+    assert not fast.isChecked() and not faithful.isChecked()
+    wizard.weights.setCurrentText("gguf")
+    assert faithful.isChecked()
     wizard.weights.setCurrentText("int4")
     wizard.head.setCurrentText("int4")  # an INT4 head, offered with INT4 layers only
     assert wizard.head.isEnabled() and "perplexity" in wizard.head.parentWidget().findChild(QLabel, "hint").text()

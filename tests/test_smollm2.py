@@ -9,6 +9,7 @@ import pytest
 
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
+from engine.manifest import load_manifest
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
@@ -102,7 +103,7 @@ def test_export_reports_stage_memory(smol_exports):
     assert all(s.peak_rss_mb > 100 for s in stages)
 
 
-def test_fleet_up_then_generate_on_the_deployment(smol_exports, tmp_path):
+def test_fleet_up_then_generate_on_the_deployment(tmp_path):
     """The README's newcomer path without the GUI: `fleet up` brings up the 2-stage local fleet (a
     real agent process receiving the shard over its control API), `fleet generate --deployment`
     answers through it exactly as the in-process 2-stage chain does."""
@@ -138,5 +139,7 @@ def test_fleet_up_then_generate_on_the_deployment(smol_exports, tmp_path):
         up.stdin.close()
         up.stdout.close()
     got = json.loads((tmp_path / "gen.json").read_text())[0]
-    _, want = _generate(smol_exports[2].folders, QUESTION, 24, ignore_eos=False)
+    default = export_model(MODEL, stages=2, weights="auto")  # what `fleet up` deployed: a GGUF's own weights
+    assert load_manifest(default.folders[0]).weights == "gguf"
+    _, want = _generate(default.folders, QUESTION, 24, ignore_eos=False)
     assert got["text"] == want and "Paris" in want

@@ -22,6 +22,7 @@ import openvino.opset13 as ops
 
 from engine.config import AUTO_WEIGHTS
 from engine.errors import ExportError
+from engine.export.gguf_weights import carries
 from engine.manifest import INT4_GROUP
 
 # Data-aware INT4: the same symmetric INT4 group-128 codes as ``int4``, with
@@ -35,11 +36,11 @@ CALIBRATED = {
 WEIGHT_FORMATS = (AUTO_WEIGHTS, "int4", *CALIBRATED, "int8", "gguf", "fp16", "f32")
 # What each format is for, in a user's words (figures: docs/benchmarks.md, Qwen2.5-Coder-1.5B)
 WEIGHT_NOTES = {
-    AUTO_WEIGHTS: "The measured best for the source: INT4 fitted to sample text (GPTQ) for a float "
-                  "checkpoint under 1B parameters, which it brings much closer to the original (the export "
-                  "takes minutes); INT4 for GGUF files and larger models.",
-    "int4": "INT4: smallest and fastest. From a GGUF it quantizes the GGUF's weights again, so it is a "
-            "little less accurate than the GGUF.",
+    AUTO_WEIGHTS: "The measured best for the source: for a GGUF file its own weights (Faithful, gguf); "
+                  "for a float checkpoint under 1B parameters INT4 fitted to sample text (GPTQ), which it "
+                  "brings much closer to the original (the export takes minutes); INT4 for larger ones.",
+    "int4": "INT4 (Fast for a GGUF): smallest and fastest for one user. From a GGUF it quantizes the "
+            "GGUF's weights again, so it answers worse than the GGUF (Qwen 1.5B: KL 0.064).",
     "int4-awq": "INT4 fitted to sample text (AWQ): int4's size and speed, closer to the original; the "
                 "export takes many times longer.",
     "int4-se": "INT4 fitted to sample text (scale estimation): int4's size and speed, closer to the "
@@ -47,8 +48,8 @@ WEIGHT_NOTES = {
     "int4-gptq": "INT4 fitted to sample text (GPTQ): int4's size and speed, the closest INT4; the export "
                  "takes many times longer.",
     "int8": "INT8: twice int4's size, close to the original.",
-    "gguf": "A GGUF's own quantized weights, carried over as they are: as accurate as the GGUF; decodes "
-            "slower than int4 (about 0.55x on Qwen 1.5B). GGUF sources only.",
+    "gguf": "A GGUF's own quantized weights, carried over as they are (Faithful): it answers as the "
+            "GGUF does in llama.cpp; for one user slower than int4. GGUF sources only.",
     "fp16": "16-bit floats: exact to the source's float weights, large and slow.",
     "f32": "32-bit floats: the reference; the largest and slowest.",
 }
@@ -65,7 +66,7 @@ _ROW_BLOCK = 2048
 # float weights, docs/benchmarks.md "Data-aware INT4"): SmolLM2-135M 0.199 against 0.355 for int4,
 # Gemma 3 270M 0.290 against 0.815, for 17-48x the export time (minutes at these sizes); on
 # Qwen2.5-Coder-1.5B GPTQ is worse (0.0864 against 0.0787, 29x the time) and AWQ gains 2% for 11x.
-# A GGUF keeps int4, the fast format (``gguf``, its own codes, is the faithful one).
+# A GGUF keeps its own codes (``gguf``, the faithful format; ``engine.export.choices``).
 CALIBRATE_BELOW = 1_000_000_000
 
 
@@ -76,9 +77,12 @@ def parameters(spec) -> int:
     return spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2) + spec.num_layers * layer
 
 
-def best_weights(kind: str, spec) -> str:
-    """What ``auto`` exports for a source of ``kind`` ("gguf" or "hf") with this spec."""
-    return "int4-gptq" if kind != "gguf" and parameters(spec) < CALIBRATE_BELOW else "int4"
+def best_weights(kind: str, spec, path=None) -> str:
+    """What ``auto`` exports for a source of ``kind`` ("gguf" or "hf") with this spec: a GGUF whose
+    matrices can all be carried over (at ``path``) keeps them (``gguf``, the faithful format)."""
+    if kind == "gguf":
+        return "gguf" if path is not None and carries(path) else "int4"
+    return "int4-gptq" if parameters(spec) < CALIBRATE_BELOW else "int4"
 
 
 def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:

@@ -33,9 +33,10 @@ from engine.models.catalog import CATALOG, resolve_source
 from engine.models.checkpoint import open_checkpoint
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
-EXPORTER_VERSION = 9
+EXPORTER_VERSION = 10
 STAGE_STEPS = ("load", "calibrate", "convert", "stateful", "compress", "save", "tokenizer", "hash")
 Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
+INT4_HEAD_ALONE = "an INT4 head goes with --weights int4 (or a calibrated int4-* format)"
 
 
 def plan_split(num_layers: int, stages: int | None = None, split: list[int] | None = None) -> list[tuple[int, int]]:
@@ -116,8 +117,8 @@ def export_model(
     """
     if head not in HEAD_FORMATS:
         raise ExportError(f"unknown head format {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
-    if head == "int4" and not int4_layers(weights):
-        raise ExportError("an INT4 head goes with --weights int4 (or a calibrated int4-* format)")
+    if head == "int4" and weights != AUTO_WEIGHTS and not int4_layers(weights):
+        raise ExportError(INT4_HEAD_ALONE)
     if weights not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if source in CATALOG:
@@ -128,7 +129,9 @@ def export_model(
                           f"{source} is not a GGUF model")
     spec = open_checkpoint(resolved.kind, resolved.path).spec
     if weights == AUTO_WEIGHTS:
-        weights = best_weights(resolved.kind, spec)
+        weights = best_weights(resolved.kind, spec, resolved.path)
+        if head == "int4" and not int4_layers(weights):
+            raise ExportError(f"{INT4_HEAD_ALONE}; auto exports {source} as {weights}")
     ranges = plan_split(spec.num_layers, stages, split)
     name = resolved.entry.name if resolved.entry else resolved.path.stem
     out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx, head)

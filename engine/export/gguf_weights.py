@@ -2,22 +2,23 @@
 
 A GGUF block type stores each group of a row as integer codes with a scale and, for some types, a
 minimum.  ``decompose`` turns a tensor's raw blocks into codes ``[rows, groups, group]`` with a scale
-and a zero point per group, so that ``(codes - zero_point) * scale`` is the float value the GGUF
-stands for; ``carry_matmul`` builds it as the decompression pattern OpenVINO's CPU and GPU plugins run
-inside their compressed MatMul (Constant u4/u8 codes and zero point -> Convert -> Subtract ->
+per group (and the minimums); ``carry_matmul`` builds them as the decompression pattern OpenVINO's
+CPU and GPU plugins run inside their compressed MatMul (Constant codes -> Convert -> [Subtract] ->
 Multiply -> Reshape), so the shard holds the GGUF's own codes.
 
-Exact types: Q4_0, Q5_0, Q8_0 and Q6_K decode to exactly the GGUF's float32 values.  Types with a
-minimum (Q4_1, Q5_1, Q4_K, Q5_K: ``scale * q + min``) have no integer zero point; theirs, ``-min /
-scale``, decodes within an ulp or two of each value.  An integer zero point matters for speed: with
-one the CPU plugin quantizes the activations to int8 on the fly, with a float one it keeps them in
-float.  So a large matrix of such a type gets its zero point rounded to an integer, and what the
-rounding moved, ``scale * (rounded - zero_point)`` per group, comes back through a second, small
-MatMul over each group's sum of the activations; a small matrix keeps the float zero point, where
-the extra ops would cost more than they save.  Measured on this CPU (OpenVINO 2026.4.1): an [8960,
-1536] Q4_K matrix, one token, 289 us with a float zero point, 132 us rounded and corrected (NNCF's
-INT4 at group 128: 115 us); whole models, decode: Qwen2.5-Coder-1.5B (matrices of 2.4-14M weights)
-19.7 against 17.4 tok/s with the correction, SmolLM2-135M (0.3-0.9M) 82.6 against 96.4 without.
+Types without a minimum (Q4_0, Q5_0, Q8_0, Q6_K) become signed codes, ``codes - center``, times their
+scale: exactly the GGUF's float32 values.  Types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K: ``scale *
+codes + minimum``) have no integer zero point.  An integer zero point matters for speed: with one the
+CPU plugin quantizes the activations to int8 on the fly, with a float one it keeps them in float.  So
+a large matrix of such a type runs its codes less their center (an integer zero point) and gets each
+group's offset, ``center * scale + minimum``, from a second, small MatMul over each group's sum of
+the activations; the K-quants' offsets stay six-bit codes under the super-block's ``d`` and ``dmin``,
+as in the GGUF.  A small matrix keeps a float zero point, ``-minimum / scale``, where the extra ops
+would cost more than they save.  Either way within an ulp or two of the GGUF's values.  Measured on
+this CPU (OpenVINO 2026.4.1, 2026-11-27, one process, interleaved), Qwen2.5-Coder-1.5B decode: 15.0
+tok/s with the zero points rounded and the rounding corrected by an f32 table, as before, 17.0-17.4
+with the offsets; SmolLM2-135M's small Q4_1 matrices, float zero points: 90 tok/s, offsets: 81.
+Q6_K's i8 codes in place of u8 less 32: 497 against 678 us for an [1536, 8960] matrix.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import ExportError
+from engine.models.catalog import read_gguf_header
 
 # GGML's type ids (ggml.h), with (elements per block, bytes per block)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
@@ -38,22 +40,72 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: 
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
          Q6_K: "Q6_K"}
 EXACT = frozenset({Q4_0, Q5_0, Q8_0, Q6_K})
+FLOATS = frozenset({0, 1, 30})  # F32, F16, BF16
+
+
+def carries(path) -> bool:
+    """Whether a GGUF file's matrices can all be carried over: every quantized one of a type above,
+    and most of them quantized (a float GGUF has nothing to carry).  Reads the header alone."""
+    types = [kind for dims, kind, _ in read_gguf_header(path).tensors if len(dims) == 2]
+    quantized = [kind for kind in types if kind not in FLOATS]
+    return all(kind in BLOCKS for kind in quantized) and 2 * len(quantized) > len(types)
+
+
+@dataclasses.dataclass
+class Table:
+    """A ``[rows, groups]`` table: u8 ``codes [rows, blocks, per]`` times a ``scale [rows, blocks, 1]``
+    (a K-quant super-block's six-bit scales or minimums under its f16 ``d`` or ``dmin``), or, with no
+    codes, the values themselves ``[rows, groups, 1]`` (Q4_1's and Q5_1's f16 ones)."""
+
+    scale: np.ndarray
+    codes: np.ndarray | None = None
+
+    def values(self) -> np.ndarray:
+        if self.codes is None:
+            return self.scale[..., 0]
+        return (self.codes.astype(np.float32) * self.scale).reshape(len(self.scale), -1)
 
 
 @dataclasses.dataclass
 class Quantized:
-    """``(codes - zero_point) * scale`` per group: codes uint8 ``[rows, groups, group]``, scale and
-    zero point float32 ``[rows, groups, 1]``."""
+    """A GGUF matrix per group: codes uint8 ``[rows, groups, group]``, scale float32 ``[rows, groups,
+    1]``, the center of the codes' range and, for a type with a minimum, that minimum and the scales
+    again as tables (``steps``): ``codes * scale + minimum``, the GGUF's own formula."""
 
     codes: np.ndarray
     scale: np.ndarray
-    zero_point: np.ndarray
+    center: int
     bits: int
-    exact: bool  # the expression gives the GGUF's float32 values bit for bit
+    minimum: Table | None = None
+    steps: Table | None = None
+
+    @property
+    def exact(self) -> bool:
+        """``(codes - center) * scale`` alone gives the GGUF's values (no minimum)."""
+        return self.minimum is None
 
     def values(self) -> np.ndarray:
-        """The float32 matrix ``[rows, columns]``, evaluated in the order the shard's graph does."""
-        return ((self.codes.astype(np.float32) - self.zero_point) * self.scale).reshape(len(self.codes), -1)
+        """The float32 matrix ``[rows, columns]``: the GGUF's values bit for bit."""
+        if self.minimum is not None:
+            values = self.codes.astype(np.float32) * self.scale + self.minimum.values()[..., None]
+        else:
+            values = (self.codes.astype(np.float32) - np.float32(self.center)) * self.scale
+        return values.reshape(len(self.codes), -1)
+
+    def zero_point_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(codes, scale, zero point): ``(codes - zero point) * scale`` per group with a float zero
+        point, ``-minimum / scale``, within an ulp or two of the values; a group of scale 0 (all its
+        values equal to its minimum) becomes codes 0 - zero point 1 times the minimum, which is exact."""
+        low = self.minimum.values()[..., None]
+        flat = self.scale == 0
+        zero_point = np.where(flat, np.float32(1.0), -low / np.where(flat, 1.0, self.scale)).astype(np.float32)
+        codes = np.where(flat, np.uint8(0), self.codes).astype(np.uint8)
+        return codes, np.where(flat, -low, self.scale).astype(np.float32), zero_point
+
+    def offsets(self) -> np.ndarray:
+        """What each group adds to ``(codes - center) * scale``: ``center * scale + minimum``
+        ``[rows, groups]``, as the graph's second MatMul sums it (in float32)."""
+        return np.float32(self.center) * self.steps.values() + self.minimum.values()
 
 
 def _blocks(raw: np.ndarray, qtype: int, rows: int, columns: int) -> np.ndarray:
@@ -93,57 +145,49 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return (q & 0x0F).reshape(*qs.shape[:-1], 8, 32)
 
 
-def _with_minimum(codes, scale, minimum, bits) -> Quantized:
-    """``scale * codes + minimum`` as a zero-point form; a group of scale 0 (all values equal to its
-    minimum) becomes codes 0 - zero point 1 times the minimum, which is exact."""
-    flat = scale == 0
-    safe = np.where(flat, 1.0, scale)
-    zero_point = np.where(flat, np.float32(1.0), -minimum / safe).astype(np.float32)
-    codes = np.where(flat, np.uint8(0), codes).astype(np.uint8)
-    scale = np.where(flat, -minimum, scale).astype(np.float32)
-    return Quantized(codes, scale, zero_point, bits, exact=False)
-
-
 def decompose(qtype: int, raw: np.ndarray, rows: int, columns: int) -> Quantized:
-    """A GGUF tensor's raw blocks (``rows`` x ``columns`` values) as codes, scales and zero points."""
+    """A GGUF tensor's raw blocks (``rows`` x ``columns`` values) as codes, scales and minimums."""
     if qtype not in BLOCKS:
         raise ExportError(f"GGML type {qtype} cannot be carried over")
     b = _blocks(raw, qtype, rows, columns)
     if qtype == Q4_0:
         d = _f16(b[..., 0:2])
-        return Quantized(_nibbles(b[..., 2:18]), d, np.full_like(d, 8.0), 4, exact=True)
+        return Quantized(_nibbles(b[..., 2:18]), d, 8, 4)
     if qtype == Q4_1:
-        return _with_minimum(_nibbles(b[..., 4:20]), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 4)
+        d = _f16(b[..., 0:2])
+        return Quantized(_nibbles(b[..., 4:20]), d, 8, 4, minimum=Table(_f16(b[..., 2:4])), steps=Table(d))
     if qtype == Q5_0:
         d = _f16(b[..., 0:2])
         codes = _nibbles(b[..., 6:22]) | (_high_bits(b[..., 2:6]) << 4)
-        return Quantized(codes, d, np.full_like(d, 16.0), 5, exact=True)
+        return Quantized(codes, d, 16, 5)
     if qtype == Q5_1:
+        d = _f16(b[..., 0:2])
         codes = _nibbles(b[..., 8:24]) | (_high_bits(b[..., 4:8]) << 4)
-        return _with_minimum(codes, _f16(b[..., 0:2]), _f16(b[..., 2:4]), 5)
+        return Quantized(codes, d, 16, 5, minimum=Table(_f16(b[..., 2:4])), steps=Table(d))
     if qtype == Q8_0:
         d = _f16(b[..., 0:2])
         codes = (np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return Quantized(codes, d, np.full_like(d, 128.0), 8, exact=True)
+        return Quantized(codes, d, 128, 8)
     blocks = b.shape[1]
     if qtype in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sub, mins = _k_scales(b[..., 4:16])
         scale = (d * sub).reshape(rows, blocks * 8, 1)  # exact in f32: 11-bit times 6-bit
-        minimum = -(dmin * mins).reshape(rows, blocks * 8, 1)
+        minimum, steps = Table(-dmin, mins.astype(np.uint8)), Table(d, sub.astype(np.uint8))
         if qtype == Q4_K:
             codes = _k_nibbles(b[..., 16:144])
         else:
             high = (b[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
             codes = _k_nibbles(b[..., 48:176]) | (high << 4)
-        return _with_minimum(codes.reshape(rows, blocks * 8, 32), scale, minimum, 4 if qtype == Q4_K else 5)
+        bits = 4 if qtype == Q4_K else 5
+        return Quantized(codes.reshape(rows, blocks * 8, 32), scale, 1 << (bits - 1), bits, minimum=minimum, steps=steps)
     # Q6_K: 16 groups of 16 per super-block, int8 scales, codes 0..63 around 32
     low = (b[..., 0:128].reshape(rows, blocks, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
     high = (b[..., 128:192].reshape(rows, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03
     codes = (low.reshape(rows, blocks, 8, 32) | (high.reshape(rows, blocks, 8, 32) << 4)).reshape(rows, blocks * 16, 16)
     sub = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
     scale = (_f16(b[..., 208:210]) * sub).reshape(rows, blocks * 16, 1)  # exact in f32: 11-bit times 8-bit
-    return Quantized(codes, scale, np.full_like(scale, 32.0), 6, exact=True)
+    return Quantized(codes, scale, 32, 6)
 
 
 def _f16_exact(values: np.ndarray) -> bool:
@@ -151,72 +195,97 @@ def _f16_exact(values: np.ndarray) -> bool:
 
 
 def _small(values: np.ndarray) -> ov.Output:
-    """A scale or correction table: f16 where that holds it exactly, else f32 (as f32 values)."""
+    """A scale or table: f16 where that holds it exactly, else f32 (as f32 values)."""
     if _f16_exact(values):
         return ops.convert(ops.constant(values.astype(np.float16)), ov.Type.f32).output(0)
     return ops.constant(values.astype(np.float32)).output(0)
 
 
-# From this many weights on, a matrix with a minimum rounds its zero point and corrects (see above).
-CORRECTED_FROM = 2**21
+# From this many weights on, a matrix with a minimum gets its offsets from a second MatMul (see
+# above); a smaller one keeps a float zero point, where the extra ops cost more than they save.
+OFFSETS_FROM = 2**21
 
 
-def integral(q: Quantized) -> tuple[np.ndarray, np.ndarray | None]:
-    """The zero points rounded to integers the codes' type holds, and what that moved per group,
-    ``scale * (rounded - zero_point)`` ``[rows, groups]`` (None when nothing moved)."""
-    rounded = np.clip(np.rint(q.zero_point), 0, 15 if q.bits <= 4 else 255)
-    moved = (q.scale * (rounded - q.zero_point))[..., 0]
-    return rounded.astype(np.uint8), (moved.astype(np.float32) if moved.any() else None)
-
-
-def matrix(q: Quantized, zero_point: np.ndarray) -> ov.Output:
-    """``(codes - zero_point) * scale`` as an f32 [rows, columns] graph output in the pattern the
-    plugins fuse into their compressed MatMul: u4 codes (up to 4 bits) or u8, a zero point of the
-    same type where it is an integer (uint8 here), else f16 or f32."""
-    rows, groups, group = q.codes.shape
-    kind = ov.Type.u4 if q.bits <= 4 else ov.Type.u8
-    if zero_point.dtype == np.uint8:
-        zero = ops.convert(ops.constant(zero_point, dtype=kind), ov.Type.f32).output(0)
-    else:
-        zero = _small(zero_point)
-    centered = ops.subtract(ops.convert(ops.constant(q.codes, dtype=kind), ov.Type.f32), zero)
-    scaled = ops.multiply(centered, _small(q.scale))
+def _pattern(codes: np.ndarray, kind: ov.Type, zero: ov.Output | None, scale: np.ndarray) -> ov.Output:
+    """``(codes - zero) * scale`` reshaped to [rows, columns], the decompression pattern the plugins
+    fuse into their compressed MatMul (no Subtract where ``zero`` is None)."""
+    rows, groups, group = codes.shape
+    centered = ops.convert(ops.constant(codes, dtype=kind), ov.Type.f32)
+    if zero is not None:
+        centered = ops.subtract(centered, zero)
+    scaled = ops.multiply(centered, _small(scale))
     return ops.reshape(scaled, ops.constant(np.array([rows, groups * group], dtype=np.int64)), False).output(0)
 
 
-def _plan(q: Quantized, corrected_from: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """The zero points a matrix is built with, and its correction table (None: none)."""
+def matrix(q: Quantized, offsets: bool) -> ov.Output:
+    """The codes as an f32 [rows, columns] graph output: signed codes (i4 up to 4 bits, else i8) times
+    their scales where there is no minimum; with ``offsets``, u4/u8 codes less their center as an
+    integer zero point, so that the activations the CPU quantizes to int8 on the fly meet centered
+    codes (uncentered ones lost ten times more to that rounding on SmolLM2's Q4_1 matrices), the
+    offsets coming after; else the codes less a float zero point (``Quantized.zero_point_form``),
+    which keeps the activations in float."""
+    kind = ov.Type.u4 if q.bits <= 4 else ov.Type.u8
     if q.exact:
-        return q.zero_point.astype(np.uint8), None
-    if q.codes.size < corrected_from:
-        return q.zero_point, None
-    return integral(q)
+        signed = (q.codes.astype(np.int16) - q.center).astype(np.int8)
+        return _pattern(signed, ov.Type.i4 if q.bits <= 4 else ov.Type.i8, None, q.scale)
+    if offsets:
+        zero = np.full((*q.codes.shape[:2], 1), q.center, dtype=np.uint8)
+        return _pattern(q.codes, kind, ops.convert(ops.constant(zero, dtype=kind), ov.Type.f32), q.scale)
+    codes, scale, zero_point = q.zero_point_form()
+    return _pattern(codes, kind, _small(zero_point), scale)
 
 
-def carry_matmul(matmul, q: Quantized, corrected_from: int = CORRECTED_FROM) -> None:
-    """Gives ``matmul`` (``x @ W.T``, x ``[batch, positions, columns]``) the GGUF's codes as its weight,
-    plus, for a large matrix with a minimum, the correction of its rounded zero points."""
-    zero_point, moved = _plan(q, corrected_from)
-    matmul.input(1).replace_source_output(matrix(q, zero_point))
-    if moved is None:
+def _offsets(q: Quantized, offsets_from: int) -> bool:
+    return not q.exact and q.codes.size >= offsets_from
+
+
+def _offset_table(q: Quantized) -> ov.Output:
+    """``[center * steps | minimum]`` as one f32 [rows, 2 * groups] graph output: for the K-quants
+    their six-bit codes under ``center * d`` and ``dmin`` (a compressed MatMul's weight again, as
+    small as the GGUF keeps them), else the f16 values."""
+    steps, minimum = q.steps, q.minimum
+    rows, groups = len(q.codes), q.codes.shape[1]
+    if minimum.codes is None:
+        return _small(np.concatenate([np.float32(q.center) * steps.scale, minimum.scale], axis=1)[..., 0])
+    codes = np.concatenate([steps.codes, minimum.codes], axis=1)
+    scale = np.concatenate([np.float32(q.center) * steps.scale, minimum.scale], axis=1)
+    table = ops.multiply(ops.convert(ops.constant(codes, dtype=ov.Type.u8), ov.Type.f32), _small(scale))
+    return ops.reshape(table, ops.constant(np.array([rows, 2 * groups], dtype=np.int64)), False).output(0)
+
+
+def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: int = OFFSETS_FROM) -> None:
+    """Gives ``matmul`` (``x @ W.T``, x ``[batch, positions, columns]``) the GGUF's codes as its weight;
+    for a large matrix with a minimum, centered, with each group's offset (``Quantized.offsets``)
+    times the group's sum of ``x`` from a second MatMul.  ``sums`` shares those sums between the
+    MatMuls of one input, whose second MatMuls can then be stacked as their first ones are."""
+    offsets = _offsets(q, offsets_from)
+    matmul.input(1).replace_source_output(matrix(q, offsets))
+    if not offsets:
         return
     consumers = list(matmul.output(0).get_target_inputs())
     _, groups, group = q.codes.shape
-    grouped = ops.reshape(matmul.input_value(0), ops.constant(np.array([0, 0, groups, group], dtype=np.int64)), True)
-    sums = ops.reduce_sum(grouped, ops.constant(np.array([-1], dtype=np.int64)), False)
-    total = ops.add(matmul.output(0), ops.matmul(sums, _small(moved), False, True))
+    x = matmul.input_value(0)
+    key = (x.get_node().get_friendly_name(), x.get_index(), groups)
+    shared = {} if sums is None else sums
+    if key not in shared:
+        grouped = ops.reshape(x, ops.constant(np.array([0, 0, groups, group], dtype=np.int64)), True)
+        summed = ops.reduce_sum(grouped, ops.constant(np.array([-1], dtype=np.int64)), False)
+        shared[key] = ops.concat([summed, summed], -1)
+    total = ops.add(matmul.output(0), ops.matmul(shared[key], _offset_table(q), False, True))
     for consumer in consumers:
         consumer.replace_source_output(total.output(0))
 
 
-def carried_values(q: Quantized, corrected_from: int = CORRECTED_FROM) -> np.ndarray:
-    """The float32 matrix ``carry_matmul`` computes with, as a graph with an identity input would
-    return it: codes less the zero points, times the scales, plus each group's correction if any."""
-    zero_point, moved = _plan(q, corrected_from)
-    if moved is None:  # the zero points as decomposed (an integral one is the same number in uint8)
+def carried_values(q: Quantized, offsets_from: int = OFFSETS_FROM) -> np.ndarray:
+    """The float32 matrix ``carry_matmul`` computes with, as a graph with an identity input returns
+    it: the GGUF's values, bit for bit without a minimum, else within an ulp or two."""
+    if q.exact:
         return q.values()
-    values = (q.codes.astype(np.float32) - zero_point) * q.scale + moved[..., None]
-    return values.reshape(len(q.codes), -1)
+    if not _offsets(q, offsets_from):
+        codes, scale, zero_point = q.zero_point_form()
+        return ((codes.astype(np.float32) - zero_point) * scale).reshape(len(codes), -1)
+    centered = (q.codes.astype(np.float32) - np.float32(q.center)) * q.scale
+    return (centered + q.offsets()[..., None]).reshape(len(q.codes), -1)
 
 
 def fingerprint(array: np.ndarray) -> bytes:
@@ -230,6 +299,7 @@ def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict
     and what was not (kept as floats, then stored as the format's fp16)."""
     carried: dict[str, int] = {}
     kept: list[str] = []
+    sums: dict = {}
     for op in model.get_ordered_ops():
         if op.get_type_name() != "MatMul":
             continue
@@ -248,7 +318,7 @@ def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict
             continue
         qtype, raw = blocks
         rows, columns = node.get_output_shape(0)
-        carry_matmul(op, decompose(qtype, raw, rows, columns))
+        carry_matmul(op, decompose(qtype, raw, rows, columns), sums)
         carried[NAMES[qtype]] = carried.get(NAMES[qtype], 0) + 1
     kept += [f"layer {layer} {part} (not found in the graph)" for part, layer in matrices.values()]
     return {"carried": carried, "inexact": sorted(n for n in carried if n not in {NAMES[t] for t in EXACT}),
@@ -260,8 +330,8 @@ def carried_text(report: dict) -> str:
     done = ", ".join(f"{count} {name}" for name, count in sorted(report["carried"].items())) or "none"
     text = f"GGUF matrices carried over as they are: {done}"
     if report["inexact"]:
-        text += (f" ({', '.join(report['inexact'])}: a minimum has no integer zero point, so these decode "
-                 "within an ulp or two of the GGUF's values)")
+        text += (f" ({', '.join(report['inexact'])}: each group's minimum is added to its centered codes, so "
+                 "these decode within an ulp or two of the GGUF's values)")
     if report["kept_float"]:
         text += f"; kept as fp16: {', '.join(report['kept_float'])}"
     return text

@@ -171,12 +171,13 @@ def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights:
     """Exports the draft model whole, sends it to the node ``agent`` and starts a draft server there
     (``engine.runtime.decode.draftserver``): what ``Deployment.draft`` records (agent, worker, address, model)."""
     from engine.export.exporter import export_model  # deferred, as in ``deploy``
-    from engine.runtime.decode.speculative import draft_head
+    from engine.runtime.decode.speculative import draft_head, draft_weights
 
     def report(phase: str, fraction: float) -> None:
         if progress:
             progress(0, phase, fraction)
 
+    weights = draft_weights(weights)
     folder = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights), cancel=cancel,
                           progress=lambda i, step, frac: report("export", frac)).folders[0]
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import DRAFTS, int4_layers
+from engine.config import AUTO_WEIGHTS, DRAFTS, int4_layers
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
 from engine.runtime.decode.kvsequence import KVSequence
@@ -33,10 +33,16 @@ TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
 
 
 
+def draft_weights(weights: str) -> str:
+    """The weight format a draft model is exported in: ``auto`` gives the fast one, INT4, since a
+    draft is there for speed and the target checks every token it proposes."""
+    return "int4" if weights == AUTO_WEIGHTS else weights
+
+
 def draft_head(weights: str) -> str:
     """The LM head a draft model is exported with (``export_model(head=...)``): INT4 beside INT4
-    weights (``auto`` gives INT4 ones), since the head is a large share of a draft step and
-    verification corrects what the coarser head changes; INT8 otherwise."""
+    weights, since the head is a large share of a draft step and verification corrects what the
+    coarser head changes; INT8 otherwise."""
     return "int4" if int4_layers(weights) else "int8"
 
 
