@@ -147,7 +147,9 @@ class ExportWizard(QWidget):
         choice = FAITHFUL if weights == "auto" else choice_of(weights)
         self.choices.setExclusive(False)
         for radio in self.choices.buttons():
+            radio.blockSignals(True)  # showing the format is not choosing one: "auto" stays "auto"
             radio.setChecked(choice is not None and radio.text() == choice.name)
+            radio.blockSignals(False)
         self.choices.setExclusive(True)
 
     def _prepare_choices(self) -> None:

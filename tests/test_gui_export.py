@@ -103,6 +103,7 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     # a GGUF's choice in words: Faithful (auto's choice) or Fast, each with what it was measured to cost
     faithful, fast = (wizard.findChild(QRadioButton, f"choice-{w}") for w in ("gguf", "int4"))
     assert not wizard.choice_box.isHidden() and faithful.isChecked() and not fast.isChecked()
+    assert wizard.weights.currentText() == "auto"  # shown as Faithful, still auto
     assert "KL 0.002" in wizard.choice_notes["gguf"].text() and "KL 0.32" in wizard.choice_notes["int4"].text()
     fast.click()
     assert wizard.weights.currentText() == "int4" and not faithful.isChecked()
