@@ -10,7 +10,7 @@ import openvino as ov
 import openvino.opset13 as ops
 import pytest
 
-from engine.export.gguf_weights import BLOCKS, EXACT, NAMES, carried_values, carry_matmul, decompose
+from engine.export.gguf_weights import BLOCKS, EXACT, NAMES, carried_values, carry_matmul, decompose, lookup_table
 
 ROWS, COLUMNS = 64, 512
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
@@ -71,6 +71,32 @@ def test_the_shard_constant_decodes_to_the_gguf_values_in_a_compressed_matmul(qt
         if op.get_rt_info()["layerType"].astype(str) == "FullyConnected":
             kinds.append(op.input_value(1).get_node().get_rt_info()["outputPrecisions"].astype(str))
     assert kinds[0] in ("i4", "i8", "u4", "u8") and len(kinds) == (2 if offsets and not q.exact else 1)  # 2: offsets
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
+def test_an_embedding_keeps_its_gguf_codes_in_a_compressed_gather(qtype):
+    """The embedding of a ``gguf`` export is the GGUF's codes, which the CPU plugin's Gather decodes
+    row by row: each looked-up row is the GGUF's (bit for bit without a minimum), and no float table
+    is built."""
+    raw = raw_blocks(qtype, np.random.default_rng(200 + qtype))
+    want = reference(qtype, raw)
+
+    class Checkpoint:
+        def read_blocks(self, part, layer=None):
+            assert part == "embed"
+            return qtype, raw
+
+    ids = ops.parameter([1, -1], ov.Type.i64, name="ids")
+    model = ov.Model([ops.gather(lookup_table(Checkpoint()), ids, ops.constant(np.int64(0)))], [ids])
+    compiled = ov.Core().compile_model(model, "CPU", EXACT_CONFIG)
+    got = compiled(np.arange(ROWS, dtype=np.int64)[::-1][None])[0][0][::-1]
+    if qtype in EXACT:
+        assert np.array_equal(got, want)
+    else:
+        assert np.abs(got - want).max() <= 4 * np.finfo(np.float32).eps * np.abs(want).max()
+    gather = next(op for op in compiled.get_runtime_model().get_ordered_ops()
+                  if op.get_rt_info()["layerType"].astype(str) == "Gather")
+    assert gather.input_value(0).get_element_type().get_type_name() in ("i4", "i8", "u4", "u8")
 
 
 def test_a_float_source_has_no_gguf_weights_to_carry(tiny_models, tmp_path):

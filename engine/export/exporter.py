@@ -24,7 +24,7 @@ import openvino as ov
 from engine.config import AUTO_WEIGHTS, int4_layers, paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export import tokenizer as tok
-from engine.export.gguf_weights import carry, fingerprint
+from engine.export.gguf_weights import carry, fingerprint, lookup_table
 from engine.export.compress import (CALIBRATED, HEAD_FORMATS, WEIGHT_FORMATS, best_weights, compress,
                                     head_table_int4, save_fp16, staging_dtype, vocab_table)
 from engine.manifest import MODEL_XML, Manifest, check_chain, layer_span, load_manifest
@@ -248,10 +248,15 @@ def _staged_matrices(stage) -> dict[bytes, tuple[str, int]]:
 
 def _vocabulary(ckpt, job: dict):
     """The embedding table (first stage) and head (last stage) as graph outputs, built one at a
-    time from the checkpoint; a tied single-stage model shares one table."""
+    time from the checkpoint; a tied single-stage model shares one table.  For ``gguf`` an
+    embedding that is not also the head keeps the GGUF's codes (``gguf_weights.lookup_table``)."""
     first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
     dtype = staging_dtype(job["weights"])
-    embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"]) if first else None
+    embed = None
+    if first and job["weights"] == "gguf" and not (last and ckpt.spec.tie_embeddings):
+        embed = lookup_table(ckpt)
+    if first and embed is None:
+        embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"])
     head = None
     if last:
         if job.get("head") == "int4":
