@@ -78,6 +78,8 @@ def export_line(facts: ModelFacts, weights: str) -> str | None:
     other = next(c for c in CHOICES if c is not choice)
     measured = MEASURED.get(facts.source, MEASURED[REFERENCE])
     kl = f"KL {measured[choice.weights].kl:g} against {other.name}'s {measured[other.weights].kl:g}"
+    if facts.source not in MEASURED:
+        kl += f" on {REFERENCE}"
     return f"Exports {choice.name} — {choice.what} ({kl}; {other.name} in the Export wizard)"
 
 

@@ -121,3 +121,20 @@ def test_a_chat_reply_becomes_the_cards_measured_speed(qtbot, gui_home, tmp_path
     wizard = window.show_view("Export")
     qtbot.waitUntil(lambda: "measured 41.3 tok/s" in wizard.cards.card_text("gemma3-270m"), timeout=60000)
     assert "measured" not in wizard.cards.card_text("smollm2-135m")
+
+
+def test_a_ggufs_card_says_how_it_exports_and_what_the_other_choice_costs(tmp_path):
+    """Faithful (auto, gguf) or Fast (int4), with the KL measured on the model, or on the reference
+    model for a GGUF of the user's own; a Hugging Face folder and other formats get no such line."""
+    import dataclasses
+
+    from fleetgui.model_cards import export_line
+
+    smol = catalog_facts(CATALOG["smollm2-135m"])
+    assert export_line(smol, "auto") == export_line(smol, "gguf")
+    assert export_line(smol, "auto").startswith("Exports Faithful") and "KL 0.002 against Fast's 0.32;" in \
+        export_line(smol, "auto")
+    assert export_line(smol, "int4").startswith("Exports Fast")
+    own = dataclasses.replace(smol, source=str(tmp_path / "own.gguf"), kind="gguf")
+    assert "KL 0.0006 against Fast's 0.064 on qwen2.5-coder-1.5b" in export_line(own, "auto")
+    assert export_line(dataclasses.replace(smol, kind="hf"), "auto") is None and export_line(smol, "int8") is None
