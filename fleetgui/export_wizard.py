@@ -23,7 +23,7 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QFileDialog, QFormLayout
 
 from engine.config import int4_layers, paths
 from engine.errors import FleetError
-from engine.export.choices import CHOICES, FAITHFUL, choice_of, describe
+from engine.export.choices import CHOICES, choice_of, describe
 from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.export.gguf_weights import carries
 from engine.manifest import layer_numbers
@@ -144,7 +144,7 @@ class ExportWizard(QWidget):
     def _show_choice(self, weights: str) -> None:
         """Checks Faithful or Fast as the weight format says (``auto`` is Faithful for a GGUF), or
         neither for another format."""
-        choice = FAITHFUL if weights == "auto" else choice_of(weights)
+        choice = choice_of(weights)
         self.choices.setExclusive(False)
         for radio in self.choices.buttons():
             radio.blockSignals(True)  # showing the format is not choosing one: "auto" stays "auto"

@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLa
 
 from engine.config import AUTO_WEIGHTS
 from engine.errors import FleetError
-from engine.export.choices import CHOICES, FAITHFUL, MEASURED, REFERENCE, choice_of
+from engine.export.choices import choice_of, measured_on, other_than
 from engine.fleet.fit import NO_PROFILE, USERS, Fit, load_profile, measured_key, measured_tok_s, predict
 from engine.manifest import is_shard_set
 from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
@@ -72,14 +72,14 @@ def speed_line(fit: Fit, measured: float | None) -> str:
 
 def export_line(facts: ModelFacts, weights: str) -> str | None:
     """How a GGUF exports with ``weights``: Faithful or Fast, what that keeps and what it costs."""
-    choice = FAITHFUL if weights == AUTO_WEIGHTS else choice_of(weights)
+    choice = choice_of(weights)
     if facts.kind == "hf" or choice is None:
         return None
-    other = next(c for c in CHOICES if c is not choice)
-    measured = MEASURED.get(facts.source, MEASURED[REFERENCE])
+    other = other_than(choice)
+    measured, on = measured_on(facts.source)
     kl = f"KL {measured[choice.weights].kl:g} against {other.name}'s {measured[other.weights].kl:g}"
-    if facts.source not in MEASURED:
-        kl += f" on {REFERENCE}"
+    if on != facts.source:
+        kl += f" on {on}"
     return f"Exports {choice.name} — {choice.what} ({kl}; {other.name} in the Export wizard)"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from engine.cli.args import Bar, count, progress_printer
 from engine.errors import FleetError
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
-from engine.export.choices import CHOICES, choice_of, describe
+from engine.export.choices import choice_of, describe, other_than
 from engine.export.gguf_weights import carried_text
 from engine.manifest import layer_numbers, load_manifest
 from engine.models import catalog
@@ -44,8 +44,8 @@ def cmd_export(args) -> int:
         weights = load_manifest(result.stages[0].folder).weights  # what "auto" resolved to
         choice = choice_of(weights)
         print(f"weights: {weights}" + (f" ({choice.name}: {describe(choice, args.model)})" if choice else ""))
-        other = next((c for c in CHOICES if choice and c is not choice), None)
-        if other:
+        if choice:
+            other = other_than(choice)
             print(f"  {other.name}, --weights {other.weights}: {describe(other, args.model)}")
     print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.config import AUTO_WEIGHTS
+
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
@@ -52,7 +54,22 @@ MEASURED: dict[str, dict[str, Measured]] = {
 
 
 def choice_of(weights: str) -> Choice | None:
+    """The choice a weight format is (``auto``: Faithful, what it gives a GGUF), or None."""
+    if weights == AUTO_WEIGHTS:
+        return FAITHFUL
     return next((c for c in CHOICES if c.weights == weights), None)
+
+
+def other_than(choice: Choice) -> Choice:
+    return next(c for c in CHOICES if c is not choice)
+
+
+def measured_on(model: str | None) -> tuple[dict[str, Measured], str]:
+    """The figures measured on ``model`` (a catalog name) and its name, or the reference model's
+    where ``model`` was not measured."""
+    if model in MEASURED:
+        return MEASURED[model], model
+    return MEASURED[REFERENCE], REFERENCE
 
 
 def _figures(m: Measured, peer: Measured | None) -> list[str]:
@@ -74,10 +91,7 @@ def _figures(m: Measured, peer: Measured | None) -> list[str]:
 def describe(choice: Choice, model: str | None = None) -> str:
     """What a choice is and costs, with the figures measured on ``model`` (a catalog name), or on
     Qwen2.5-Coder-1.5B where ``model`` was not measured."""
-    measured = MEASURED.get(model or "", {})
-    on = model
-    if choice.weights not in measured:
-        measured, on = MEASURED[REFERENCE], REFERENCE
+    measured, on = measured_on(model)
     figures = _figures(measured[choice.weights], measured.get(LLAMACPP))
     text = f"{choice.what[0].upper()}{choice.what[1:]}."
     return text + (f" Measured on {on}: {'; '.join(figures)}." if figures else "")

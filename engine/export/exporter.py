@@ -253,10 +253,11 @@ def _vocabulary(ckpt, job: dict):
     first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
     dtype = staging_dtype(job["weights"])
     embed = None
-    if first and job["weights"] == "gguf" and not (last and ckpt.spec.tie_embeddings):
-        embed = lookup_table(ckpt)
-    if first and embed is None:
-        embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"])
+    if first:
+        if job["weights"] == "gguf" and not (last and ckpt.spec.tie_embeddings):
+            embed = lookup_table(ckpt)
+        if embed is None:
+            embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"])
     head = None
     if last:
         if job.get("head") == "int4":
