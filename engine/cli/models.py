@@ -73,7 +73,8 @@ def add_commands(sub) -> None:
     how.add_argument("--stages", type=count, help="number of stages (layers split evenly)")
     how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
     export.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
-                        help="auto (default): int4-gptq for a float checkpoint under 1B parameters, int4 otherwise")
+                        help="auto (default): a GGUF's own weights (gguf, Faithful) where they all carry over; "
+                             "int4-gptq for a float checkpoint under 1B parameters; int4 otherwise")
     export.add_argument("--head", default="int8", choices=HEAD_FORMATS,
                         help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
     export.add_argument("--out", help="output folder (default: the shard cache)")

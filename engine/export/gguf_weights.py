@@ -7,18 +7,27 @@ CPU and GPU plugins run inside their compressed MatMul (Constant codes -> Conver
 Multiply -> Reshape), so the shard holds the GGUF's own codes.
 
 Types without a minimum (Q4_0, Q5_0, Q8_0, Q6_K) become signed codes, ``codes - center``, times their
-scale: exactly the GGUF's float32 values.  Types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K: ``scale *
-codes + minimum``) have no integer zero point.  An integer zero point matters for speed: with one the
-CPU plugin quantizes the activations to int8 on the fly, with a float one it keeps them in float.  So
-a large matrix of such a type runs its codes less their center (an integer zero point) and gets each
-group's offset, ``center * scale + minimum``, from a second, small MatMul over each group's sum of
-the activations; the K-quants' offsets stay six-bit codes under the super-block's ``d`` and ``dmin``,
-as in the GGUF.  A small matrix keeps a float zero point, ``-minimum / scale``, where the extra ops
-would cost more than they save.  Either way within an ulp or two of the GGUF's values.  Measured on
-this CPU (OpenVINO 2026.4.1, 2026-11-27, one process, interleaved), Qwen2.5-Coder-1.5B decode: 15.0
-tok/s with the zero points rounded and the rounding corrected by an f32 table, as before, 17.0-17.4
-with the offsets; SmolLM2-135M's small Q4_1 matrices, float zero points: 90 tok/s, offsets: 81.
-Q6_K's i8 codes in place of u8 less 32: 497 against 678 us for an [1536, 8960] matrix.
+scale.  Types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K: ``scale * codes + minimum``) have no integer
+zero point.  Signed codes (or an integer zero point) matter for speed: with them a CPU with int8 dot
+products (VNNI, AVX-512) quantizes the activations to int8 on the fly, with a float zero point it
+keeps them in float.  So a large matrix of such a type runs its codes less their center, as signed
+codes, and gets each group's offset, ``center * scale + minimum``, from a second, small MatMul over
+each group's sum of the activations; the K-quants' offsets stay six-bit codes under the
+super-block's ``d`` and ``dmin``, as in the GGUF.  A small matrix keeps a float zero point,
+``-minimum / scale``, where the extra ops would cost more than they save.
+
+Scales and zero points are stored as f16 where that holds them to 11 bits (``stored``; a K-quant's
+``d * scale`` has up to 17): a weight moves by at most 2^-11 of itself, against the half step of
+its 4-6 bit code the GGUF rounded it by.
+
+Measured (OpenVINO 2026.4.1, one process, interleaved), Qwen2.5-Coder-1.5B decode on a CPU with int8
+dot products (2026-11-27): 15.0 tok/s with the zero points rounded and the rounding corrected by an
+f32 table, as before, 17.0-17.4 with the offsets; SmolLM2-135M's small Q4_1 matrices, float zero
+points: 90 tok/s, offsets: 81; Q6_K's i8 codes in place of u8 less 32: 497 against 678 us for an
+[1536, 8960] matrix.  On an AVX2 CPU without them (another host, the same day), where every
+compressed MatMul runs in float: signed codes in place of u4 less a zero point of 8, 4.06 -> 4.63
+tok/s.  f16 scales took the shard from 1,384 to 1,265 MB (the GGUF: 1,066) at the same KL from the
+GGUF's weights (0.00013 nats per token at the f32 hint).
 
 An embedding that is not also the head keeps its codes too (``lookup_table``): the CPU plugin's
 Gather decodes the rows it looks up from them (Qwen2.5-Coder-1.5B's Q4_K table, 30 us a lookup),
@@ -194,15 +203,23 @@ def decompose(qtype: int, raw: np.ndarray, rows: int, columns: int) -> Quantized
     return Quantized(codes, scale, 32, 6)
 
 
-def _f16_exact(values: np.ndarray) -> bool:
-    return bool(np.array_equal(values.astype(np.float16).astype(np.float32), values))
+def stored(values: np.ndarray) -> np.ndarray:
+    """A scale, zero point or table as the shard stores it: f16 where f16 holds every value to its
+    11 bits (within 2^-11 of itself, none outside f16's normal range), else f32.  A K-quant's ``d *
+    scale`` has up to 17 significant bits; rounded to 11 it moves a weight by 2^-11 of itself at
+    most, against the half step of its four or six-bit code the GGUF already rounded it by."""
+    values = np.asarray(values, dtype=np.float32)
+    half = values.astype(np.float16)
+    if np.all(np.abs(half.astype(np.float32) - values) <= np.abs(values) * np.float32(2**-11)):
+        return half
+    return values
 
 
 def _small(values: np.ndarray) -> ov.Output:
-    """A scale or table: f16 where that holds it exactly, else f32 (as f32 values)."""
-    if _f16_exact(values):
-        return ops.convert(ops.constant(values.astype(np.float16)), ov.Type.f32).output(0)
-    return ops.constant(values.astype(np.float32)).output(0)
+    """``stored(values)`` as an f32 graph output."""
+    kept = stored(values)
+    constant = ops.constant(kept)
+    return (ops.convert(constant, ov.Type.f32) if kept.dtype == np.float16 else constant).output(0)
 
 
 # From this many weights on, a matrix with a minimum gets its offsets from a second MatMul (see
@@ -222,21 +239,17 @@ def _pattern(codes: np.ndarray, kind: ov.Type, zero: ov.Output | None, scale: np
 
 
 def matrix(q: Quantized, offsets: bool) -> ov.Output:
-    """The codes as an f32 [rows, columns] graph output: signed codes (i4 up to 4 bits, else i8) times
-    their scales where there is no minimum; with ``offsets``, u4/u8 codes less their center as an
-    integer zero point, so that the activations the CPU quantizes to int8 on the fly meet centered
-    codes (uncentered ones lost ten times more to that rounding on SmolLM2's Q4_1 matrices), the
-    offsets coming after; else the codes less a float zero point (``Quantized.zero_point_form``),
-    which keeps the activations in float."""
-    kind = ov.Type.u4 if q.bits <= 4 else ov.Type.u8
-    if q.exact:
+    """The codes as an f32 [rows, columns] graph output: signed codes, ``codes - center`` (i4 up to 4
+    bits, else i8), times their scales where there is no minimum and, with ``offsets``, where the
+    offsets come after: the activations the CPU quantizes to int8 on the fly then meet centered
+    codes (uncentered ones lost ten times more to that rounding on SmolLM2's Q4_1 matrices); else the
+    codes less a float zero point (``Quantized.zero_point_form``), which keeps the activations in
+    float."""
+    if q.exact or offsets:
         signed = (q.codes.astype(np.int16) - q.center).astype(np.int8)
         return _pattern(signed, ov.Type.i4 if q.bits <= 4 else ov.Type.i8, None, q.scale)
-    if offsets:
-        zero = np.full((*q.codes.shape[:2], 1), q.center, dtype=np.uint8)
-        return _pattern(q.codes, kind, ops.convert(ops.constant(zero, dtype=kind), ov.Type.f32), q.scale)
     codes, scale, zero_point = q.zero_point_form()
-    return _pattern(codes, kind, _small(zero_point), scale)
+    return _pattern(codes, ov.Type.u4 if q.bits <= 4 else ov.Type.u8, _small(zero_point), scale)
 
 
 def _offsets(q: Quantized, offsets_from: int) -> bool:
@@ -282,13 +295,16 @@ def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: i
 
 def carried_values(q: Quantized, offsets_from: int = OFFSETS_FROM) -> np.ndarray:
     """The float32 matrix ``carry_matmul`` computes with, as a graph with an identity input returns
-    it: the GGUF's values, bit for bit without a minimum, else within an ulp or two."""
+    it: the GGUF's values with the scales and zero points as ``stored`` keeps them."""
+    def kept(values):
+        return stored(values).astype(np.float32)
+
     if q.exact:
-        return q.values()
+        return ((q.codes.astype(np.float32) - np.float32(q.center)) * kept(q.scale)).reshape(len(q.codes), -1)
     if not _offsets(q, offsets_from):
         codes, scale, zero_point = q.zero_point_form()
-        return ((codes.astype(np.float32) - zero_point) * scale).reshape(len(codes), -1)
-    centered = (q.codes.astype(np.float32) - np.float32(q.center)) * q.scale
+        return ((codes.astype(np.float32) - kept(zero_point)) * kept(scale)).reshape(len(codes), -1)
+    centered = (q.codes.astype(np.float32) - np.float32(q.center)) * kept(q.scale)
     return (centered + q.offsets()[..., None]).reshape(len(q.codes), -1)
 
 
@@ -338,17 +354,13 @@ def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict
         carry_matmul(op, decompose(qtype, raw, rows, columns), sums)
         carried[NAMES[qtype]] = carried.get(NAMES[qtype], 0) + 1
     kept += [f"layer {layer} {part} (not found in the graph)" for part, layer in matrices.values()]
-    return {"carried": carried, "inexact": sorted(n for n in carried if n not in {NAMES[t] for t in EXACT}),
-            "kept_float": kept}
+    return {"carried": carried, "kept_float": kept}
 
 
 def carried_text(report: dict) -> str:
     """What ``carry`` did, in words."""
     done = ", ".join(f"{count} {name}" for name, count in sorted(report["carried"].items())) or "none"
-    text = f"GGUF matrices carried over as they are: {done}"
-    if report["inexact"]:
-        text += (f" ({', '.join(report['inexact'])}: each group's minimum is added to its centered codes, so "
-                 "these decode within an ulp or two of the GGUF's values)")
+    text = f"GGUF matrices carried over as they are: {done} (their codes, with scales held to 11 bits)"
     if report["kept_float"]:
         text += f"; kept as fp16: {', '.join(report['kept_float'])}"
     return text

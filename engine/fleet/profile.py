@@ -29,9 +29,9 @@ from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.stage import core
 
 # Bytes per weight of each format, with its quantization scales (INT4: f16 scale per group of 128).
-# (the data-aware int4-* formats have INT4's layout; gguf carries 4-8 bit codes with an f32 scale per 16
-# or 32 and the K-quants' offsets: Qwen2.5-Coder-1.5B's Q4_K_M layers take 0.80 bytes a weight)
-WEIGHT_BYTES = {"int4": 0.5 + 2 / 128, "int8": 1.0 + 2 / 128, "gguf": 0.80, "fp16": 2.0, "f32": 4.0}
+# (the data-aware int4-* formats have INT4's layout; gguf carries 4-8 bit codes with an f16 scale per 16
+# or 32 and the K-quants' offsets: Qwen2.5-Coder-1.5B's Q4_K_M layers take 0.71 bytes a weight)
+WEIGHT_BYTES = {"int4": 0.5 + 2 / 128, "int8": 1.0 + 2 / 128, "gguf": 0.71, "fp16": 2.0, "f32": 4.0}
 VOCAB_BYTES = 1.0 + 4 / 128  # embedding and head rows are INT8 with a scale per block
 KV_BYTES = 2  # the CPU plugin keeps the KV cache in bf16/f16 by default
 # OpenVINO runtime, Python and compiled-model working memory per stage.  Measured here (Qwen2.5-Coder-1.5B,
