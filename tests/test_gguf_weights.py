@@ -79,6 +79,9 @@ def test_the_shard_constant_decodes_to_the_gguf_values_in_a_compressed_matmul(qt
     model = ov.Model([ops.result(matmul)], [x])
     limit = 0 if offsets else 10**9
     carry_matmul(matmul, q, offsets_from=limit)
+    scales = [op.input_value(1).get_node() for op in model.get_ops() if op.get_type_name() == "Multiply"]
+    assert scales and all(n.get_type_name() == "Convert" and n.input_value(0).get_element_type() == ov.Type.f16
+                          for n in scales)  # stored in f16: half the bytes
     compiled = ov.Core().compile_model(model, "CPU", EXACT_CONFIG)
     got = compiled(np.eye(COLUMNS, dtype=np.float32)[None])[0][0].T  # identity in: the weights out
     assert np.array_equal(got, carried_values(q, limit))
