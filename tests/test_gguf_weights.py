@@ -10,10 +10,11 @@ import openvino as ov
 import openvino.opset13 as ops
 import pytest
 
-from engine.export.gguf_weights import (BLOCKS, EXACT, NAMES, carried_values, carry_matmul, decompose, lookup_table,
-                                       stored)
+from engine.export.gguf_weights import (BLOCKS, NAMES, Q4_0, Q5_0, Q6_K, Q8_0, carried_values, carry_matmul,
+                                       decompose, lookup_table, stored)
 
 ROWS, COLUMNS = 64, 512
+EXACT = frozenset({Q4_0, Q5_0, Q8_0, Q6_K})  # the types without a minimum
 EXACT_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 
 

@@ -38,8 +38,9 @@ LLAMACPP = "llama.cpp"
 REFERENCE = "qwen2.5-coder-1.5b"
 PROBLEMS = 82  # HumanEval problems, evenly spread over its 164 (`fleet bench quality --cases 82`)
 
-# KL: `fleet bench quality` (2026-11-25, 2026-11-26; Qwen's gguf 2026-11-27); HumanEval: bench-results/
-# 2026-11-27/quality-qwen2.5-coder-1.5b-humaneval-82.json, every server through the same client; tok/s: `fleet bench serve --llamacpp` (bench-results/2026-11-27/
+# KL: `fleet bench quality` (2026-11-25, 2026-11-26; Qwen's gguf 2026-11-27); HumanEval:
+# bench-results/2026-11-27/quality-qwen2.5-coder-1.5b-humaneval-82.json, every server through the
+# same client; tok/s: `fleet bench serve --llamacpp` (bench-results/2026-11-27/
 # serve-llamacpp-qwen1.5b-gguf.json and -int4.json: each format side by side with llama.cpp, whose
 # two runs are averaged here).
 MEASURED: dict[str, dict[str, Measured]] = {

@@ -52,7 +52,6 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: 
           Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
          Q6_K: "Q6_K"}
-EXACT = frozenset({Q4_0, Q5_0, Q8_0, Q6_K})
 FLOATS = frozenset({0, 1, 30})  # F32, F16, BF16
 
 
@@ -262,10 +261,10 @@ def _offset_table(q: Quantized) -> ov.Output:
     small as the GGUF keeps them), else the f16 values."""
     steps, minimum = q.steps, q.minimum
     rows, groups = len(q.codes), q.codes.shape[1]
-    if minimum.codes is None:
-        return _small(np.concatenate([np.float32(q.center) * steps.scale, minimum.scale], axis=1)[..., 0])
-    codes = np.concatenate([steps.codes, minimum.codes], axis=1)
     scale = np.concatenate([np.float32(q.center) * steps.scale, minimum.scale], axis=1)
+    if minimum.codes is None:
+        return _small(scale[..., 0])
+    codes = np.concatenate([steps.codes, minimum.codes], axis=1)
     table = ops.multiply(ops.convert(ops.constant(codes, dtype=ov.Type.u8), ov.Type.f32), _small(scale))
     return ops.reshape(table, ops.constant(np.array([rows, 2 * groups], dtype=np.int64)), False).output(0)
 
@@ -296,16 +295,14 @@ def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: i
 def carried_values(q: Quantized, offsets_from: int = OFFSETS_FROM) -> np.ndarray:
     """The float32 matrix ``carry_matmul`` computes with, as a graph with an identity input returns
     it: the GGUF's values with the scales and zero points as ``stored`` keeps them."""
-    def kept(values):
-        return stored(values).astype(np.float32)
-
-    if q.exact:
-        return ((q.codes.astype(np.float32) - np.float32(q.center)) * kept(q.scale)).reshape(len(q.codes), -1)
-    if not _offsets(q, offsets_from):
+    if not q.exact and not _offsets(q, offsets_from):
         codes, scale, zero_point = q.zero_point_form()
-        return ((codes.astype(np.float32) - kept(zero_point)) * kept(scale)).reshape(len(codes), -1)
-    centered = (q.codes.astype(np.float32) - np.float32(q.center)) * kept(q.scale)
-    return (centered + q.offsets()[..., None]).reshape(len(q.codes), -1)
+        values = (codes.astype(np.float32) - stored(zero_point)) * stored(scale)
+    else:
+        values = (q.codes.astype(np.float32) - np.float32(q.center)) * stored(q.scale)
+        if not q.exact:
+            values = values + q.offsets()[..., None]
+    return values.astype(np.float32).reshape(len(q.codes), -1)
 
 
 def lookup_table(ckpt) -> ov.Output | None:
