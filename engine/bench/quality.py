@@ -36,7 +36,7 @@ from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.stages.chain import LocalChain
 from engine.models.catalog import resolve_source
-from engine.runtime.stages.stage import compile_config, core
+from engine.runtime.stages.stage import compile_config, has_bf16
 from engine.serve.server import ApiServer
 from engine.transport.wire import Flag
 
@@ -62,7 +62,7 @@ def precisions(device: str) -> dict[str, dict]:
     """The compile settings each format is measured at: f32 throughout (``exact``), the stages' own
     default (``fast``) and, where the CPU has it, bf16 (OpenVINO's own default there)."""
     configs = {"f32": compile_config("exact"), "fast": {}}
-    if device.upper().startswith("CPU") and "BF16" in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+    if has_bf16(device):
         configs["bf16"] = {"INFERENCE_PRECISION_HINT": "bf16"}
     return configs
 

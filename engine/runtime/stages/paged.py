@@ -140,7 +140,8 @@ class PagedStage(PackingStage):
             _slide_windows(model, self.manifest)
             if self.last:
                 _gather_logits_rows(model)
-            self.compiled = core().compile_model(model, device, device_config(device, config, self.manifest))
+            self.config = device_config(device, config, self.manifest)  # as compiled
+            self.compiled = core().compile_model(model, device, self.config)
             self._mapped = mapped  # the fused weights it reads
         except RuntimeError as exc:
             raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with paged "

@@ -114,6 +114,12 @@ def core() -> ov.Core:
     return _core
 
 
+def has_bf16(device: str = "CPU") -> bool:
+    """Whether ``device`` computes in bf16 when asked to: a CPU without AVX-512 bf16 or AMX quietly
+    runs an ``INFERENCE_PRECISION_HINT`` of bf16 in f32."""
+    return family(device) == "CPU" and "BF16" in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
 def devices() -> tuple[str, ...]:
     """This machine's OpenVINO devices, listed once per process.  Every listing makes OpenVINO try
     each plugin again, and a plugin whose driver is missing (the GPU's, without OpenCL) is mapped and
@@ -166,7 +172,7 @@ class StageRunner(Stage):
         self.device = device
         self.isolate = isolate
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
-        self._config = device_config(device, config, self.manifest)
+        self.config = device_config(device, config, self.manifest)  # as compiled
         self.compiles = 0
         self._model, self._mapped = self._read()
         self.compiled = self._compile()
@@ -192,7 +198,7 @@ class StageRunner(Stage):
     def _compile(self) -> ov.CompiledModel:
         self.compiles += 1
         try:
-            return core().compile_model(self._model, self.device, self._config)
+            return core().compile_model(self._model, self.device, self.config)
         except RuntimeError as exc:
             missing = missing_device(self.device)
             raise ShardError(missing or f"cannot compile shard {self.folder} on {self.device}: {exc}") from exc

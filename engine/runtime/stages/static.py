@@ -112,7 +112,7 @@ class StaticStage(PackingStage):
         if self.slide > window - sinks:
             raise ShardError(f"a static stage's ring ({window} positions, {sinks} sinks) must hold the model's "
                              f"{self.slide}-token sliding window")
-        self.device, self.config = device, config
+        self.device, self.config = device, device_config(device, config, self.manifest)  # as compiled
         self.first, self.last = self.manifest.first, self.manifest.last
         self.rows, self.window, self.sinks, self.max_slots = rows, window, sinks, max_slots
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
@@ -130,7 +130,7 @@ class StaticStage(PackingStage):
         try:
             graph, mapped = read_for(self.folder, self.device)
             model, self._pairs = static_model(graph, self.rows, capacity, self.sliding)
-            self.compiled = core().compile_model(model, self.device, device_config(self.device, self.config, self.manifest))
+            self.compiled = core().compile_model(model, self.device, self.config)
             self._mapped = mapped  # the fused weights it reads, kept as long as it runs
         except RuntimeError as exc:
             raise ShardError(missing_device(self.device) or f"cannot compile shard {self.folder} with static "
