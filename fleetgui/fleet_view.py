@@ -27,14 +27,15 @@ from pathlib import Path
 
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QGroupBox,
-                               QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QTableView,
-                               QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QApplication, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
+                               QGroupBox, QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QStyle,
+                               QTableView, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.config import Settings, set_node
 from engine.errors import FleetError
 from engine.fleet.discovery import Browser, prover
 from engine.fleet.shardstore import pruned_text, shard_text
+from engine.hostcpu import INT8_NOTE, NONE
 from engine.manifest import layer_span
 from fleetgui import keystore
 from fleetgui.widgets import Banner, flow_bar, splitter
@@ -96,6 +97,7 @@ class NodeRow:
     preparing: str = ""  # what this app is doing for the node ("exporting stage 2 (40%)")
     role: str = ""  # THIS_MACHINE, or an own agent's role ("local fleet", "demo"); "" for the fleet's nodes
     simulated: bool = False  # a demo node: its devices are simulated
+    int8_dot: str = ""  # its CPU's int8 dot-product instructions; NONE: OpenVINO runs slowly there
 
     @property
     def added(self) -> bool:
@@ -158,12 +160,15 @@ class NodeRow:
         self.memory_mb = int(node.get("memory_mb") or self.memory_mb)
         self.available_mb = int(node.get("available_mb") or self.available_mb)
         self.simulated = bool(node.get("simulated", self.simulated))
+        self.int8_dot = str(node.get("int8_dot") or self.int8_dot)
 
 
 class NodesModel(QAbstractTableModel):
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
         self.rows: list[NodeRow] = []
+        # beside the devices of a CPU that runs OpenVINO slowly (its tooltip says why)
+        self.slow_cpu_icon = QApplication.style().standardIcon(QStyle.StandardPixmap.SP_MessageBoxWarning)
 
     # --- Qt's side -----------------------------------------------------------------------------------
 
@@ -193,8 +198,10 @@ class NodesModel(QAbstractTableModel):
                 return row.error
             if column == "Shards" and row.shards:
                 return "\n".join(shard_text(s) for s in row.shards)
-            if column in ("Name", "Devices"):
-                return f"{row.cpu}\nnode id {row.node_id}" if row.node_id else None
+            if column in ("Name", "Devices") and row.node_id:
+                return "\n".join([row.cpu, f"node id {row.node_id}"] + ([INT8_NOTE] if row.int8_dot == NONE else []))
+        if role == Qt.ItemDataRole.DecorationRole and column == "Devices" and row.int8_dot == NONE:
+            return self.slow_cpu_icon
         if role == Qt.ItemDataRole.ForegroundRole and column == "Status":
             word = row.status.split(" ", 1)[0]
             return QColor(STATUS_COLOURS[word]) if word in STATUS_COLOURS else None

@@ -90,7 +90,7 @@ def sample(fleet: str = "0123456789ab", **changes) -> NodeInfo:
                     devices=[{"name": "CPU", "full_name": "Intel(R) Core(TM) Ultra 7 155H", "memory_mb": None},
                              {"name": "GPU.0", "full_name": "Intel(R) Arc(TM) Graphics (iGPU)", "memory_mb": 18000},
                              {"name": "NPU", "full_name": "", "memory_mb": None}],
-                    port=7461, fleet_id=fleet)
+                    port=7461, fleet_id=fleet, int8_dot="AVX-VNNI")
     return dataclasses.replace(info, **changes)
 
 
@@ -141,6 +141,7 @@ def test_long_strings_are_clipped_to_fit_a_txt_entry():
     (lambda t: t.update({b"cpu": b"\xff\xfe"}), "is not text"),
     (lambda t: t.update({b"os": b"Linux\x00"}), "control characters"),
     (lambda t: t.update({b"dev": b"CPU,GPU.0:lots"}), "device entry 'GPU.0:lots' is malformed"),
+    (lambda t: t.update({b"i8": b"<b>VNNI</b>"}), "'i8' is malformed"),
     (lambda t: t.update({b"dev": b",".join([b"CPU"] * 9)}), "9 devices"),
     (lambda t: t.update({f"x{i}".encode(): b"" for i in range(50)}), "TXT entries (at most 40)"),
     (lambda t: t.update({f"x{i}".encode(): b"y" * 200 for i in range(8)}), "TXT record is"),
@@ -151,6 +152,23 @@ def test_malformed_or_oversized_txt_is_refused_with_a_reason(mutate, reason):
     with pytest.raises(BadRecord, match="node 'alice-pc'") as err:
         NodeInfo.from_txt("alice-pc._fleetshard._tcp.local.", txt, [], 7461)
     assert reason in str(err.value)
+
+
+def test_a_cpus_int8_dot_products_are_read_from_its_flags_and_reported():
+    from engine.hostcpu import NONE, int8_dot
+
+    def flags(*names):
+        return "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 " + " ".join(names) + "\n"
+
+    assert int8_dot(flags()) == NONE  # AVX2 alone: OpenVINO multiplies in float
+    assert int8_dot(flags("avx_vnni")) == "AVX-VNNI"  # Meteor Lake's, without AVX-512
+    assert int8_dot(flags("avx512f", "avx512_vnni", "amx_tile", "amx_int8")) == "AMX"
+    assert int8_dot(flags("avx512f", "avx512_vnni")) == "AVX-512 VNNI"
+    info = local_node_info(7461, "0123456789ab")
+    assert info.int8_dot == int8_dot() and info.to_txt().get("i8", "") == info.int8_dot
+    # an older node says nothing: unknown, not "none"
+    older = {k: v for k, v in as_bytes(sample().to_txt()).items() if k != b"i8"}
+    assert NodeInfo.from_txt("n", older, [], 1).int8_dot == ""
 
 
 def test_bad_port_and_unknown_keys():

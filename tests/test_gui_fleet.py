@@ -12,6 +12,7 @@ import pytest
 from fleet_support import agent_process
 from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
 
+from engine.hostcpu import int8_dot
 from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
@@ -66,6 +67,7 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         qtbot.waitUntil(lambda: status("static-node") == "idle" and status("mdns-node") == "idle", timeout=20000)
         static = view.model.row("static-node")
         assert static.added and not static.mdns and static.os and "CPU" in static.devices and static.memory_mb > 0
+        assert static.int8_dot == int8_dot()  # from the agent's status
         index = view.model.index(view.model.rows.index(static), 5)
         assert view.model.data(index) == "idle"
         assert view.agent_addresses() == [mdns_address, static_address]
@@ -93,6 +95,29 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         view.remove_node(static_address)
         assert added_nodes() == [] and view.model.node_rows() == []
         assert [r.found_by for r in view.model.rows] == ["this machine"]  # always listed
+
+
+def test_a_cpu_without_int8_dot_products_is_marked_and_its_tooltip_says_why(qtbot):
+    from PySide6.QtCore import Qt
+
+    from engine.hostcpu import NONE
+    from fleetgui.fleet_view import COLUMNS, NodeRow, NodesModel
+
+    model = NodesModel()
+    for name, dot in (("old-pc", NONE), ("ai-pc", "AVX-VNNI"), ("older-agent", "")):
+        model._append(row := NodeRow(key=name))
+        row.take_node({"name": name, "node_id": "ab" * 8, "cpu": "Some CPU", "devices": [{"name": "CPU"}],
+                       "int8_dot": dot})
+    column = COLUMNS.index("Devices")
+
+    def cell(name, role):
+        return model.data(model.index(model.rows.index(model.row(name)), column), role)
+
+    assert not cell("old-pc", Qt.ItemDataRole.DecorationRole).isNull()
+    assert "no int8 dot-product instructions" in cell("old-pc", Qt.ItemDataRole.ToolTipRole)
+    for name in ("ai-pc", "older-agent"):  # one that has them, one that does not say
+        assert cell(name, Qt.ItemDataRole.DecorationRole) is None
+        assert "int8" not in cell(name, Qt.ItemDataRole.ToolTipRole)
 
 
 def test_a_record_cannot_move_a_node_the_view_knows(qtbot, gui_home, key_file, tmp_path, caplog):

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import openvino as ov
 
+from engine.hostcpu import cpu_model, int8_dot
+
 
 def machine() -> dict:
     info = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
+        "int8_dot": int8_dot() or "unknown",  # decides OpenVINO's speed on the CPU (engine.hostcpu)
         "logical_cores": os.cpu_count(),
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
@@ -31,16 +34,6 @@ def machine() -> dict:
     except ImportError:
         pass
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def median(values: list[float]) -> float:

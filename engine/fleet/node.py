@@ -29,6 +29,7 @@ import socket
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.limits import process_cores, process_memory
+from engine.hostcpu import cpu_model, int8_dot
 from engine.transport.wire import VERSION
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,13 @@ MAX_RECORD = 1400  # a whole TXT record; ours is a few hundred bytes, at most ab
 MAX_ENTRIES = 40
 MAX_DEVICES = 8
 # Strings are clipped to these many UTF-8 bytes when encoded, so every entry stays within MAX_ENTRY.
-CLIP = {"name": 63, "os": 63, "cpu": 127, "ov": 31, "st": 31, "full_name": 63}
+CLIP = {"name": 63, "os": 63, "cpu": 127, "ov": 31, "st": 31, "full_name": 63, "i8": 15}
 
 _NODE_ID = re.compile(r"[0-9a-f]{8,32}")
 _FLEET_ID = re.compile(r"[0-9a-f]{12}")
 _DEVICE = re.compile(r"[A-Z][A-Z0-9_.]{0,31}")
 _INT = re.compile(r"[0-9]{1,12}")
+_INT8_DOT = re.compile(r"[A-Za-z0-9 -]{0,15}")  # "AVX-512 VNNI", "none"; a newer node may name others
 
 
 class BadRecord(FleetError):
@@ -134,6 +136,7 @@ class NodeInfo:
     version: int = VERSION
     status: str = "ready"  # the agent's current activity, for display (clipped to 31 bytes on the wire)
     simulated: bool = False  # a demo node: its devices are simulated (``SimulatedDevice``)
+    int8_dot: str = ""  # the CPU's int8 dot-product instructions (``engine.hostcpu.int8_dot``); "": unknown
 
     def to_txt(self) -> dict[str, str]:
         listed: list[str] = []
@@ -149,6 +152,8 @@ class NodeInfo:
                "st": _clip(self.status, CLIP["st"]), "dev": ",".join(listed)}
         if self.simulated:
             txt["sim"] = "1"
+        if self.int8_dot:
+            txt["i8"] = _clip(self.int8_dot, CLIP["i8"])
         for i, d in enumerate(self.devices[:len(listed)]):
             if d.get("full_name"):
                 txt[f"d{i}"] = _clip(d["full_name"], CLIP["full_name"])
@@ -192,11 +197,13 @@ class NodeInfo:
         node, fleet, version = need("id", _NODE_ID), need("fleet", _FLEET_ID), int(need("v", _INT))
         ints = {key: int(need(key, _INT)) for key in ("cores", "mem", "avail")}
         names = {key: fields.get(key, "")[:CLIP[key]] for key in ("name", "os", "cpu", "ov", "st")}
+        if not _INT8_DOT.fullmatch(fields.get("i8", "")):
+            raise BadRecord(f"node {label!r}: TXT 'i8' is malformed: {fields['i8'][:40]!r}")
         return cls(node_id=node, name=names["name"] or label, os=names["os"], cpu=names["cpu"],
                    cores=ints["cores"], memory_mb=ints["mem"], available_mb=ints["avail"], openvino=names["ov"],
                    devices=_decode_devices(label, fields), port=port, fleet_id=fleet,
                    addresses=_valid_addresses(addresses), version=version, status=names["st"],
-                   simulated=fields.get("sim") == "1")
+                   simulated=fields.get("sim") == "1", int8_dot=fields.get("i8", ""))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -253,14 +260,15 @@ def local_node_info(port: int, fleet_id: str, name: str | None = None, *, node: 
     ``simulated``: a demo node's device, reported instead of the real ones, its memory as the node's."""
     total, available = (size >> 20 for size in process_memory())
     openvino, devices = _openvino_devices()
-    cpu = _cpu_model(devices)
+    # Elsewhere than Linux OpenVINO's CPU name beats platform.processor() ("Intel64 Family 6 Model 154 ...").
+    cpu = cpu_model(next((d["full_name"] for d in devices if d["name"] == "CPU" and d["full_name"]), ""))
     if simulated is not None:
         total, available = simulated.memory_mb, min(available, simulated.memory_mb)
         devices, cpu = [simulated.device()], f"simulated on {cpu}"
     return NodeInfo(node_id=node or node_id(), name=name or socket.gethostname().split(".")[0], os=_os_name(),
                     cpu=cpu, cores=process_cores(), memory_mb=total,
                     available_mb=available, openvino=openvino, devices=devices, port=port, fleet_id=fleet_id,
-                    simulated=simulated is not None)
+                    simulated=simulated is not None, int8_dot="" if simulated else int8_dot())
 
 
 def _os_name() -> str:
@@ -274,21 +282,6 @@ def _os_name() -> str:
         return f"macOS {platform.mac_ver()[0]}"
     match = re.match(r"\d+\.\d+", platform.release())
     return f"{system} {match.group(0) if match else platform.release()}"
-
-
-def _cpu_model(devices: list[dict]) -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    # Elsewhere OpenVINO's CPU name beats platform.processor() ("Intel64 Family 6 Model 154 ...").
-    for device in devices:
-        if device["name"] == "CPU" and device["full_name"]:
-            return device["full_name"]
-    return platform.processor() or platform.machine()
 
 
 def _openvino_devices() -> tuple[str, list[dict]]:
