@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 from PySide6.QtCore import Signal
@@ -25,12 +24,11 @@ from engine.config import int4_layers, paths
 from engine.errors import FleetError
 from engine.export.choices import CHOICES, choice_of, describe
 from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEIGHT_NOTES
-from engine.export.gguf_weights import carries
 from engine.manifest import layer_numbers
 from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.models.facts import facts_of
 from engine.progress import describe_progress
-from fleetgui.model_cards import ModelCards
+from fleetgui.model_cards import ModelCards, carried
 from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, spin_box
 from fleetgui.workers import TaskRunner
 
@@ -45,13 +43,6 @@ def parse_split(text: str) -> list[int]:
     if not split:
         raise FleetError("give at least one layer boundary, like 10 for two stages")
     return split
-
-
-def _carries(path: str) -> bool:
-    try:
-        return carries(Path(path).expanduser())
-    except (OSError, ValueError, struct.error):
-        return False  # the export names what is wrong with the file
 
 
 class ExportWizard(QWidget):
@@ -157,7 +148,7 @@ class ExportWizard(QWidget):
         reference model); hidden for a Hugging Face folder, which has no GGUF weights to keep, and for
         a GGUF whose types cannot be carried over."""
         source = self.source()
-        self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked() and _carries(source)))
+        self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked() and carried(source)))
         for choice in CHOICES:
             self.choice_notes[choice.weights].setText(describe(choice, source if source in CATALOG else None))
         self._show_choice(self.weights.currentText())

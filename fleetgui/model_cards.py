@@ -9,6 +9,7 @@ prices every card off the GUI thread and fills the figures in when it is done.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -17,7 +18,8 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLa
 
 from engine.config import AUTO_WEIGHTS
 from engine.errors import FleetError
-from engine.export.choices import choice_of, measured_on, other_than
+from engine.export.choices import FAITHFUL, FAST, choice_of, measured_on, other_than
+from engine.export.gguf_weights import carries
 from engine.fleet.fit import NO_PROFILE, USERS, Fit, load_profile, measured_key, measured_tok_s, predict
 from engine.manifest import is_shard_set
 from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
@@ -70,11 +72,26 @@ def speed_line(fit: Fit, measured: float | None) -> str:
     return text + (f" · measured {measured:.1f} tok/s" if measured else "")
 
 
-def export_line(facts: ModelFacts, weights: str) -> str | None:
-    """How a GGUF exports with ``weights``: Faithful or Fast, what that keeps and what it costs."""
+def carried(path: str) -> bool:
+    """Whether the Faithful format can carry the GGUF at ``path`` (``gguf_weights.carries``); a file
+    that cannot be read is not (its export names what is wrong with it)."""
+    try:
+        return carries(Path(path).expanduser())
+    except (OSError, ValueError, struct.error):
+        return False
+
+
+def export_line(facts: ModelFacts, weights: str, carries_weights: bool = True) -> str | None:
+    """How a GGUF exports with ``weights``: Faithful or Fast, what that keeps and what it costs.
+    ``carries_weights``: whether Faithful can carry the file's weight types (else ``auto`` gives Fast)."""
     choice = choice_of(weights)
     if facts.kind == "hf" or choice is None:
         return None
+    if not carries_weights and choice is FAITHFUL:
+        fast = weights == AUTO_WEIGHTS
+        return (f"Exports {FAST.name if fast else FAITHFUL.name}"
+                + (f" — {FAST.what}" if fast else ": it will fail")
+                + f" (Faithful cannot carry this file's weight types: float, Q2_K, Q3_K or IQ)")
     other = other_than(choice)
     measured, on = measured_on(facts.source)
     kl = f"KL {measured[choice.weights].kl:g} against {other.name}'s {measured[other.weights].kl:g}"
@@ -83,7 +100,8 @@ def export_line(facts: ModelFacts, weights: str) -> str | None:
     return f"Exports {choice.name} — {choice.what} ({kl}; {other.name} in the Export wizard)"
 
 
-def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weights: str = AUTO_WEIGHTS) -> list[str]:
+def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weights: str = AUTO_WEIGHTS,
+               carries_weights: bool = True) -> list[str]:
     lines = [facts_line(facts)]
     if facts.description:
         lines.append(facts.description)
@@ -94,7 +112,7 @@ def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weigh
             lines.append(f"Measured {measured:.1f} tok/s")
     else:
         lines += [fit_line(fit), speed_line(fit, measured)]
-    export = export_line(facts, weights)
+    export = export_line(facts, weights, carries_weights)
     return lines + ([export] if export else [])
 
 
@@ -130,6 +148,7 @@ class ModelCards(QListWidget):
         self.weights = weights
         self.facts: list[ModelFacts] = []
         self.fits: dict[str, Fit] = {}
+        self.carried: dict[str, bool] = {}  # a user's own GGUF: whether Faithful can carry it (read once)
         self._task = None
         self._again = False
         self.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
@@ -143,6 +162,8 @@ class ModelCards(QListWidget):
     def set_models(self, facts: list[ModelFacts]) -> None:
         current = self.current_source()
         self.facts = list(facts)
+        self.carried = {f.source: self.carried[f.source] if f.source in self.carried else carried(f.source)
+                        for f in self.facts if f.kind == "gguf"}
         self.blockSignals(True)
         self.clear()
         for f in self.facts:
@@ -164,7 +185,8 @@ class ModelCards(QListWidget):
         for i, f in enumerate(self.facts):
             item = self.item(i)
             fit = self.fits.get(f.source)
-            item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)), self.weights)))
+            item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)), self.weights,
+                                               self.carried.get(f.source, True))))
             item.setToolTip(card_tooltip(fit))
 
     def refresh(self) -> None:

@@ -89,6 +89,11 @@ def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_h
     text = wizard.cards.card_text(str(gguf))
     assert text.startswith("tiny test llama — ") and "2K context" in text and "license mit" in text
     assert "GGUF F16" in text and wizard.cards.current_source() == str(gguf)
+    # a float GGUF has no codes to carry: auto exports it Fast, and the card says so
+    wizard.cards.weights = "auto"
+    wizard.cards.render()
+    assert "\nExports Fast — " in wizard.cards.card_text(str(gguf))
+    assert "Faithful cannot carry this file's weight types" in wizard.cards.card_text(str(gguf))
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
     assert not wizard.use_path(tmp_path / "broken.gguf") and "corrupt GGUF" in wizard.banner.message
 
@@ -138,3 +143,5 @@ def test_a_ggufs_card_says_how_it_exports_and_what_the_other_choice_costs(tmp_pa
     own = dataclasses.replace(smol, source=str(tmp_path / "own.gguf"), kind="gguf")
     assert "KL 0.0006 against Fast's 0.064 on qwen2.5-coder-1.5b" in export_line(own, "auto")
     assert export_line(dataclasses.replace(smol, kind="hf"), "auto") is None and export_line(smol, "int8") is None
+    assert export_line(own, "auto", carries_weights=False).startswith("Exports Fast — quantized again")
+    assert "it will fail (Faithful cannot carry" in export_line(own, "gguf", carries_weights=False)
