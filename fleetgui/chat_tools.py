@@ -150,7 +150,9 @@ class ToolLoop(QObject):
         self.mode = QComboBox(tab)  # a child from the start: shown, it never becomes a window of its own
         for key, label in MODES.items():
             self.mode.addItem(label, key)
-        self.mode.setCurrentIndex(1)
+        # the chat's own choice, kept with its sampling options ("auto" where it never chose)
+        self.mode.setCurrentIndex(max(self.mode.findData(tab.options.get("tools", "auto")), 0))
+        self.mode.currentIndexChanged.connect(lambda _: tab.set_options({"tools": self.mode.currentData()}))
         self.mode.setToolTip(self.mcp.describe())
         self.mcp.changed.connect(self._servers_changed)
         self._servers_changed()

@@ -432,7 +432,9 @@ def test_markdown_code_blocks_saved_chats_and_tabs_come_back(qtbot, gui_home, tm
     view.open_conversation(ids[2])
     view.open_conversation(ids[1])
     assert view.open_ids() == [ids[0], ids[2], ids[1]], ([t.conversation.title for t in view.all_tabs()], ids)
+    tab.tools.mode.setCurrentIndex(tab.tools.mode.findData("off"))  # this chat's tools, kept with it
     window.close()
     again = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(store))
     assert again.chat.open_ids() == [ids[0], ids[2], ids[1]]
     assert again.chat.current_id() == ids[1]
+    assert [t.tools.mode.currentData() for t in again.chat.all_tabs()] == ["off", "auto", "auto"]
