@@ -448,7 +448,8 @@ class ChatTab(QWidget):
         self.tools.cancel()
 
     def regenerate(self) -> None:
-        """Replaces the last reply with a new one to the same conversation, sampled anew."""
+        """Replaces the last reply with a new one to the same conversation, sampled anew: to the
+        user's message, or to the tool results it answered (the calls and their results stay)."""
         messages = self.conversation.messages
         if self.busy or not messages:
             return
@@ -456,8 +457,8 @@ class ChatTab(QWidget):
             last = messages.pop()
             if last.id is not None:
                 self.view.history.remove_message(last.id)
-        if messages and messages[-1].role == "user":
-            self._start_reply(fresh=True)
+        if messages and messages[-1].role in ("user", "tool"):
+            self._start_reply(fresh=True, question=messages[-1].role == "user")
 
     def copy(self) -> None:
         if self.conversation.messages:

@@ -135,6 +135,7 @@ def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot
 
     import fleetgui.chat
     from fleetgui.chat_options import preset_options, sampling_params
+    from fleetgui.history import Message
 
     # Fresh seeds are random; draw known ones, in exact mode, so no CPU's numerics can sample an
     # empty reply (a quarter of the tiny vocabulary has no text) and drop it from the chat.
@@ -185,6 +186,20 @@ def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot
     assert window.chat.tabs.count() == count + 1 and fresh.conversation.messages == []
     window.chat.close_tab(window.chat.tabs.indexOf(fresh))
     assert window.chat.tabs.count() == count
+    # after a tool's result, Regenerate answers that result anew (the call and the result stay)
+    call = {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}
+    timed = window.history.create("What time is it?")
+    for message in (Message("user", "What time is it?"), Message("assistant", "", {"tool_calls": [call]}),
+                    Message("tool", "12:00", {"tool_call_id": "call_1", "name": "clock"}),
+                    Message("assistant", "It is noon.")):
+        window.history.append(timed, message)
+    window.chat.open_conversation(timed)
+    clock = window.chat.tabs.currentWidget()
+    with qtbot.waitSignal(clock.finished, timeout=60000):
+        clock.regenerate()
+    for messages in (clock.conversation.messages, window.history.load(timed).messages):
+        assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
+        assert messages[-1].content != "It is noon." and messages[1].stats["tool_calls"] == [call]
 
 
 def test_new_chats_sample_with_defaults_that_stop_loops(qtbot, gui_home, tmp_path, shards):
