@@ -118,7 +118,7 @@ def test_streams_travel_packed_one_frame_per_round(depth, fed, tiny_exports, key
         assert chain.packs and all(stage["packs"] for stage in chain.stages)
         assert chain.depth == depth
         sent, send = [], chain._send
-        chain._send = lambda frame, keys=None: (sent.append(frame), send(frame, keys))[1]
+        chain._send = lambda frame, keys=None, group=None: (sent.append(frame), send(frame, keys, group))[1]
         for drafter in (None, WrongDrafts):
             sent.clear()
             decodings = [Decoding(KVSequence(chain, 256, i), p, n, frozenset(), drafter=drafter and drafter(),
@@ -149,6 +149,37 @@ def test_streams_travel_packed_one_frame_per_round(depth, fed, tiny_exports, key
                 assert len(packs) <= (max(lengths) + 3) * chain.depth
             else:
                 assert sum(d.result.drafted for d in decodings) > sum(d.result.accepted for d in decodings)
+
+
+def test_a_group_whose_rows_take_several_frames_counts_once_in_flight(tiny_exports, key_file, tmp_path):
+    """Long prompts: a group's rows may take several PACKED frames (at most PACK_ROWS rows a forward).
+    It is still one group, so the next group goes before any reply comes back, and both PCs compute."""
+    from engine.runtime.decode.generate import Decoding
+    from engine.runtime.decode.kvsequence import KVSequence
+    from engine.runtime.stages.packing import PACK_ROWS
+    from engine.runtime.stages.stage import MODES
+
+    folders = tiny_exports["qwen2", "2"].folders
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 200, size=PACK_ROWS // 2 + 10).tolist() for _ in range(4)]
+    alone = Generator(LocalChain(folders, config=MODES["exact"], paged=False), 256)
+    want = [alone.generate(np.array([p]), 3, ignore_eos=True).tokens for p in prompts]
+    with pipeline(folders, key_file, tmp_path, mode="exact", depth=2) as (fleet, chain):
+        events, send, receive = [], chain._send, chain._receive
+        chain._send = lambda frame, keys=None, group=None: (events.append(frame.type), send(frame, keys, group))[1]
+        chain._receive = lambda: (events.append("wait"), receive())[1]
+        decodings = [Decoding(KVSequence(chain, 256, i), p, 3, frozenset()) for i, p in enumerate(prompts)]
+        for d in decodings:
+            d.start()
+        active = list(decodings)
+        while active:
+            d = active.pop(chain.first_ready([d.ticket for d in active]))
+            if d.advance():
+                active.append(d)
+        assert [d.result.tokens for d in decodings] == want
+    # two groups of two prompts, each group over PACK_ROWS rows (two frames): all four frames went
+    # before the first wait for a reply
+    assert [e for e in events[:events.index("wait")] if e == Msg.PACKED] == [Msg.PACKED] * 4, events[:8]
 
 
 def test_groups_in_flight_follow_the_measured_trip():
@@ -192,7 +223,7 @@ def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, ke
         alone.close()
     with pipeline(folders, key_file, tmp_path, mode="exact") as (fleet, chain):
         sent, send = [], chain._send
-        chain._send = lambda frame, keys=None: (sent.append(frame), send(frame, keys))[1]
+        chain._send = lambda frame, keys=None, group=None: (sent.append(frame), send(frame, keys, group))[1]
         service = ChatService(chain, streams=4)
         try:
             handles = [service.submit(ask, 12, ignore_eos=True) for ask in asks]

@@ -57,6 +57,38 @@ def test_oversized_frame_is_refused_before_reading_it():
             wire.recv_frame(b, max_frame=1 << 20)
 
 
+def test_a_forged_length_costs_only_the_bytes_actually_sent():
+    """A header's length is not authenticated until its tag: claiming the largest frame and then
+    sending little must not make the receiver hold the claimed size (nor a large frame arrive
+    other than whole)."""
+    import tracemalloc
+
+    claimed, sent = wire.DEFAULT_MAX_FRAME, 3 * wire.FIRST_BUFFER + 5
+    header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(Msg.FORWARD), 0, 0, 1, 0, claimed)
+    data = header + b"x" * sent
+    a, b = socket.socketpair()
+    with a, b:
+        writer = threading.Thread(target=lambda: (a.sendall(data), a.shutdown(socket.SHUT_WR)))
+        tracemalloc.start()
+        try:
+            writer.start()
+            with pytest.raises(ProtocolError, match=f"connection closed after {sent} of {claimed} bytes"):
+                wire.recv_frame(b)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            writer.join()
+    assert peak < 4 * sent < claimed / 8
+    frame = Frame(Msg.FORWARD, 1, 2, [np.arange(3 * wire.FIRST_BUFFER // 4 + 7, dtype=np.float32)])
+    a, b = socket.socketpair()  # a real frame larger than the first buffer still arrives whole
+    with a, b:
+        writer = threading.Thread(target=a.sendall, args=(wire.encode(frame),))
+        writer.start()
+        got = wire.recv_frame(b)
+        writer.join()
+    assert np.array_equal(got.tensors[0], frame.tensors[0])
+
+
 def test_thousands_of_random_frames_never_escape_as_other_errors():
     rng = np.random.default_rng(1)
     good = wire.encode(Frame(Msg.FORWARD, 1, 2, [rng.standard_normal((1, 4, 16)).astype(np.float32),

@@ -42,6 +42,7 @@ HEADER = struct.Struct("<2sBBIIHHQ")
 TENSOR_HEADER = struct.Struct("<BBH4I")
 MAX_DIMS = 4
 DEFAULT_MAX_FRAME = 256 << 20  # a [1, 8192, 8192] f32 activation fits; anything larger is refused
+FIRST_BUFFER = 1 << 20  # a frame's payload is read into this much, then twice as much, ... (``_recv_exact``)
 
 
 class ProtocolError(FleetError):
@@ -279,10 +280,16 @@ def decode(data: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> Frame:
 
 
 def _recv_exact(sock: socket.socket, n: int, boundary: bool = False) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    """``n`` bytes.  The buffer grows as they arrive (doubling from ``FIRST_BUFFER``): a header's
+    length is not yet authenticated, so a forged one must not make this process hold more memory
+    than was actually sent."""
+    buf = bytearray(min(n, FIRST_BUFFER))
+    got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if got == len(buf):
+            buf += bytearray(min(n, 2 * got) - got)
+        with memoryview(buf) as view:
+            k = sock.recv_into(view[got:], len(buf) - got)
         if k == 0:
             if boundary and not got:
                 raise PeerClosed("connection closed")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import random
 import time
@@ -180,7 +181,8 @@ class RemoteChain(Chain):
         self._in_flight: set[tuple[int, int]] = set()
         self._early: dict[tuple[int, int], Frame] = {}
         self._pending: list[_Round] = []
-        self._groups: dict[tuple[int, int], int] = {}  # an uncollected reply -> the frame it went in
+        self._groups: dict[tuple[int, int], int] = {}  # an uncollected reply -> the group it went in
+        self._group_ids = itertools.count()
         if depth is not None and depth < 1:
             raise FleetError(f"a chain keeps at least one group of streams in flight, not {depth}")
         self._depth = depth
@@ -321,7 +323,8 @@ class RemoteChain(Chain):
         local_ms = (time.perf_counter() - start) * 1e3
         round_ = _Round(stream, flags, seq=self._next_seq())
         self._send(Frame(Msg.FORWARD, stream, round_.seq, [hidden, attention_mask.astype(np.uint8), position_ids,
-                                                            np.array([local_ms], np.float32)], flags))
+                                                            np.array([local_ms], np.float32)], flags),
+                   group=next(self._group_ids))
         round_.sent = time.perf_counter()
         return round_
 
@@ -342,21 +345,23 @@ class RemoteChain(Chain):
         return len(set(self._groups.values()))
 
     def _flush(self, count: int | None = None) -> None:
-        """Stage 0 runs the first ``count`` waiting rounds (all by default) in forwards of at most
-        ``PACK_ROWS`` rows (``packs_of``); one PACKED frame a forward takes them on."""
+        """Stage 0 runs the first ``count`` waiting rounds (all by default), one group in flight, in
+        forwards of at most ``PACK_ROWS`` rows (``packs_of``); one PACKED frame a forward takes them on.
+        However many frames a group's rows take (long prompts), it counts once against ``depth``."""
         count = len(self._pending) if count is None else count
         pending, self._pending = self._pending[:count], self._pending[count:]
-        groups = packs_of(pending, lambda r: len(r.part.x))
-        for i, group in enumerate(groups):
+        forwards = packs_of(pending, lambda r: len(r.part.x))
+        group = next(self._group_ids)
+        for i, rounds in enumerate(forwards):
             try:
-                self._flush_group(group)
+                self._forward_packed(rounds, group)
             except BaseException as exc:
-                for later in groups[i + 1:]:
+                for later in forwards[i + 1:]:
                     for r in later:
                         r.error = exc
                 raise
 
-    def _flush_group(self, pending: list[_Round]) -> None:
+    def _forward_packed(self, pending: list[_Round], group: int) -> None:
         start = time.perf_counter()
         try:
             hidden = self.local.forward_parts([r.part for r in pending])
@@ -371,7 +376,7 @@ class RemoteChain(Chain):
             heads.append(PartHeader(r.stream, r.seq, r.part.start, len(r.part.x), r.flags))
         frame = wire.pack_forward(np.concatenate(hidden), heads, np.concatenate([r.part.positions for r in pending]),
                                   np.array([local_ms], np.float32))
-        self._send(frame, [r.key for r in pending])
+        self._send(frame, [r.key for r in pending], group)
         for r in pending:
             r.sent, r.part = time.perf_counter(), None
 
@@ -427,15 +432,16 @@ class RemoteChain(Chain):
         if reply is not None and (reply.stream, reply.seq) in self._in_flight:
             self._early[reply.stream, reply.seq] = reply
 
-    def _send(self, frame: Frame, keys: list[tuple[int, int]] | None = None) -> None:
-        """``keys``: the replies the frame asks for, when not the one its header names."""
+    def _send(self, frame: Frame, keys: list[tuple[int, int]] | None = None, group: int | None = None) -> None:
+        """``keys``: the replies the frame asks for, when not the one its header names; ``group``: the
+        group in flight a FORWARD or PACKED frame's rounds belong to."""
         if self._link is None:
             raise self._fail("not connected (call reset() to reconnect)")
         if frame.type in (Msg.FORWARD, Msg.PACKED, Msg.PING):
             sent = keys or [(frame.stream, frame.seq)]
             self._in_flight.update(sent)
             if frame.type != Msg.PING:
-                self._groups.update(dict.fromkeys(sent, frame.seq))
+                self._groups.update(dict.fromkeys(sent, group))
                 self.most_in_flight = max(self.most_in_flight, self.groups_in_flight)
         try:
             self._link.send(frame)
