@@ -260,7 +260,6 @@ def local_node_info(port: int, fleet_id: str, name: str | None = None, *, node: 
     ``simulated``: a demo node's device, reported instead of the real ones, its memory as the node's."""
     total, available = (size >> 20 for size in process_memory())
     openvino, devices = _openvino_devices()
-    # Elsewhere than Linux OpenVINO's CPU name beats platform.processor() ("Intel64 Family 6 Model 154 ...").
     cpu = cpu_model(next((d["full_name"] for d in devices if d["name"] == "CPU" and d["full_name"]), ""))
     if simulated is not None:
         total, available = simulated.memory_mb, min(available, simulated.memory_mb)
