@@ -91,7 +91,7 @@ def export_line(facts: ModelFacts, weights: str, carries_weights: bool = True) -
         fast = weights == AUTO_WEIGHTS
         return (f"Exports {FAST.name if fast else FAITHFUL.name}"
                 + (f" — {FAST.what}" if fast else ": it will fail")
-                + f" (Faithful cannot carry this file's weight types: float, Q2_K, Q3_K or IQ)")
+                + " (Faithful cannot carry this file's weight types: float, Q2_K, Q3_K or IQ)")
     other = other_than(choice)
     measured, on = measured_on(facts.source)
     kl = f"KL {measured[choice.weights].kl:g} against {other.name}'s {measured[other.weights].kl:g}"
@@ -148,7 +148,7 @@ class ModelCards(QListWidget):
         self.weights = weights
         self.facts: list[ModelFacts] = []
         self.fits: dict[str, Fit] = {}
-        self.carried: dict[str, bool] = {}  # a user's own GGUF: whether Faithful can carry it (read once)
+        self.can_carry: dict[str, bool] = {}  # a user's own GGUF: whether Faithful can carry it (read once)
         self._task = None
         self._again = False
         self.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
@@ -162,8 +162,8 @@ class ModelCards(QListWidget):
     def set_models(self, facts: list[ModelFacts]) -> None:
         current = self.current_source()
         self.facts = list(facts)
-        self.carried = {f.source: self.carried[f.source] if f.source in self.carried else carried(f.source)
-                        for f in self.facts if f.kind == "gguf"}
+        self.can_carry = {f.source: self.can_carry[f.source] if f.source in self.can_carry else carried(f.source)
+                          for f in self.facts if f.kind == "gguf"}
         self.blockSignals(True)
         self.clear()
         for f in self.facts:
@@ -186,7 +186,7 @@ class ModelCards(QListWidget):
             item = self.item(i)
             fit = self.fits.get(f.source)
             item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)), self.weights,
-                                               self.carried.get(f.source, True))))
+                                               self.can_carry.get(f.source, True))))
             item.setToolTip(card_tooltip(fit))
 
     def refresh(self) -> None:
