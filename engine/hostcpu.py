@@ -17,6 +17,7 @@ from pathlib import Path
 # /proc/cpuinfo's flag for each, best first
 INT8_FLAGS = (("amx_int8", "AMX"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"))
 NONE = "none"
+SLOW = "no int8 dot products: OpenVINO runs at about 0.4x llama.cpp here"  # a one-line INT8_NOTE
 INT8_NOTE = ("This CPU has no int8 dot-product instructions (AVX-VNNI, AVX-512 VNNI or AMX), so OpenVINO "
              "turns every weight back into a float before multiplying: on such a CPU (an AVX2-only AMD EPYC) "
              "Qwen2.5-Coder-1.5B decoded at 0.42x llama.cpp's speed. It still serves; placement gives it "

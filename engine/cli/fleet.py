@@ -35,8 +35,8 @@ from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import load_survey, readable, recent_survey, survey
-from engine.hostcpu import NONE
 from engine.fleetkey import fleet_id, key_file, load_key, load_tls
+from engine.hostcpu import NONE, SLOW
 from engine.launch import lifeline
 from engine.manifest import layer_span
 from engine.transport.link import parse_address
@@ -86,8 +86,7 @@ def _row(node: dict) -> str:
     devices = ",".join(d.get("name", "?") for d in node.get("devices", []))
     where = node.get("address") or f"{(node.get('addresses') or ['?'])[0]}:{node.get('port', '?')}"
     name = str(node.get("name", "?")) + (" (simulated)" if node.get("simulated") else "")
-    note = node.get("error") or ("no int8 dot products: OpenVINO runs slowly here (about 0.4x llama.cpp)"
-                                 if node.get("int8_dot") == NONE else "")
+    note = node.get("error") or (SLOW if node.get("int8_dot") == NONE else "")
     return (f"{name:<20} {where:<22} {node.get('status', '?'):<16} {node.get('os', ''):<14} "
             f"{devices:<14} {node.get('memory_mb', 0) / 1024:.1f} GB  {note}")
 

@@ -223,7 +223,6 @@ class ChatService:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Request] = collections.deque()
-        self._starting = 0  # admitted from the queue, not yet active: still busy (a router counts them)
         self._free = list(range(streams))
         self._active: list[_Request] = []
         self._sequences: dict[int, KVSequence] = {}
@@ -290,9 +289,10 @@ class ChatService:
 
     @property
     def busy(self) -> int:
-        """Requests queued or generating."""
+        """Requests queued or holding a stream (being started, generating or finishing): a request
+        the scheduler has taken from the queue but not yet started is busy too (a router counts it)."""
         with self._lock:
-            return len(self._queue) + self._starting + len(self._active)
+            return len(self._queue) + self.streams - len(self._free)
 
     def cached_prefix(self, ids: list[int]) -> int:
         """The most of ``ids`` (from the start) that a stream's cache holds (0 without the prefix cache)."""
@@ -345,13 +345,10 @@ class ChatService:
                 if self._closed:
                     dropped += admitted
                     admitted = []
-                self._starting = len(admitted)
             for request in dropped:
                 self._finish(request, stopped_by="cancelled")
             for request in admitted:
                 self._start(request)
-                with self._lock:
-                    self._starting -= 1
             if self._active:
                 self._advance_first()
 
