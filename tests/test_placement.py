@@ -13,7 +13,8 @@ import pytest
 
 from engine.errors import FleetError
 from engine.fleet.placement import (
-    GB, DeviceProfile, Evaluation, Fleet, Infeasible, ModelShape, Pin, Plan, PlacementError, evaluate, even_split,
+    GB, DeviceProfile, Evaluation, Fleet, Infeasible, ModelShape, Pin, Plan, PlacementError, balanced_split, evaluate,
+    even_split,
     aggregate_tok_s, left_out, simulated_fleet, solve,
 )
 
@@ -463,3 +464,21 @@ def test_an_even_split_gives_each_stage_the_same_weights_to_read():
     assert even_split(light, 2) == [4] and even_split(light, 4) == [2, 4, 6]
     heavy = ModelShape("heavy", 3, layer_bytes=1, embed_bytes=0, head_bytes=1000, kv_bytes_per_layer=1)
     assert even_split(heavy, 3) == [1, 2]  # every stage keeps at least one layer
+
+
+def test_a_balanced_split_gives_each_stage_the_same_measured_time():
+    """Measured on a CPU that computes in float (AVX2 only), Qwen2.5-Coder-1.5B's head costs about 5
+    layers, not the 10 its bytes say: the boundary that balances the stages' time is 17, not 19."""
+    qwen = ModelShape("qwen", 28, layer_bytes=24_127_488, embed_bytes=240_666_624, head_bytes=240_666_624,
+                      kv_bytes_per_layer=1)
+    avx2 = DeviceProfile("pc", "CPU", 8 * GB, layer_ms=11.53, head_ms=58.8)
+    assert balanced_split(qwen, avx2, 2) == [17]
+    assert balanced_split(qwen, avx2, 1) == []
+    # a head as costly as its bytes: the even split's boundaries
+    by_bytes = DeviceProfile("pc", "CPU", 8 * GB, layer_ms=1.0, head_ms=240_666_624 / 24_127_488)
+    assert balanced_split(qwen, by_bytes, 2) == even_split(qwen, 2)
+    assert balanced_split(qwen, avx2, 3) == [11, 22]  # 11, 11 and 6 layers with the head: 127, 127, 128 ms
+    heavy = ModelShape("heavy", 3, layer_bytes=1, embed_bytes=0, head_bytes=1000, kv_bytes_per_layer=1)
+    assert balanced_split(heavy, DeviceProfile("pc", "CPU", GB, layer_ms=1.0, head_ms=1000.0), 3) == [1, 2]
+    with pytest.raises(PlacementError, match="4 stages cannot split 3 layers"):
+        balanced_split(heavy, avx2, 4)

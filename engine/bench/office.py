@@ -6,8 +6,8 @@ once and take turns, wave by wave:
 
 - ours on one PC: the model whole in this process;
 - ours split: stage 0 here, stage 1 on PC 2 (the relay keeps one group of streams per stage in
-  flight, so both PCs compute at once), the boundary where both stages read the same weights per
-  token (``placement.even_split``);
+  flight, so both PCs compute at once), the boundary where both stages take the same time per
+  token on this CPU (``balanced_boundary``: an even split by weight bytes, timed);
 - ours as two replicas: the model whole here, and whole on PC 2, fed its token ids from here;
   each user is routed to one copy (``Replicas``);
 - llama.cpp on one PC: ``llama-server`` on PC 1's core;
@@ -33,7 +33,10 @@ from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks
 from engine.bench.llamacpp import LlamaServer, binary
 from engine.errors import FleetError
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.placement import ModelShape, balanced_split
+from engine.fleet.profile import profile_shards
 from engine.fleet.sim import Office
+from engine.fleet.survey import device_profile
 from engine.launch import end_processes
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
@@ -55,6 +58,18 @@ def pin_process(cpus: set[int]) -> set[int]:
         except OSError:  # a thread that ended meanwhile
             pass
     return before
+
+
+def balanced_boundary(folders: list[Path], shape: ModelShape, core: int) -> int:
+    """The layer where a 2-stage split of alike one-core PCs is balanced, from timing the stages of
+    a 2-stage export (``folders``) on ``core``: on a CPU that computes in float the head costs less
+    than its bytes say, so the split by bytes (``placement.even_split``) leaves stage 0 the busier."""
+    before = pin_process({core})
+    try:
+        measured = profile_shards(folders, "CPU")
+    finally:
+        pin_process(before)
+    return balanced_split(shape, device_profile("pc", measured), 2)[0]
 
 
 def close_all(opened: list, log) -> None:

@@ -103,10 +103,15 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
     hooks.step(0, steps, "exporting the split")
     whole = export_model(model, stages=1, weights=weights)
     shape = ModelShape(**model_shape(load_manifest(whole.folders[0])))
-    boundary = even_split(shape, 2)[0]
-    split = export_model(model, split=[boundary], weights=weights)
+    by_bytes = even_split(shape, 2)
+    split = export_model(model, split=by_bytes, weights=weights)
+    boundary = office_bench.balanced_boundary(split.folders, shape, cores[0])
+    if [boundary] != by_bytes:
+        split = export_model(model, split=[boundary], weights=weights)
     rows, ratios = [], {}
-    settings = {"model": model, "weights": weights, "stages": 2, "split": boundary, "tokens": tokens,
+    settings = {"model": model, "weights": weights, "stages": 2, "split": boundary,
+                "split_rule": f"both stages take the same measured decode time on one core here "
+                              f"(placement.balanced_split; by weight bytes: {by_bytes[0]})", "tokens": tokens,
                 "pcs": "2, one core each", "shaping": "tc tbf", "parts": list(parts)}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-sim-") as tmp:
         key_file = create_key(Path(tmp) / "fleet.key")

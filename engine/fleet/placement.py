@@ -10,6 +10,7 @@ Layer ranges are half-open: ``start, end = 0, 40`` means layers 0..39, written "
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import random
 import time
@@ -224,6 +225,29 @@ def even_split(model: ModelShape, stages: int) -> list[int]:
     total = model.num_layers * model.layer_bytes + model.head_bytes
     bounds = [round(i * total / stages / model.layer_bytes) for i in range(1, stages)]
     return [min(max(b, i + 1), model.num_layers - stages + i + 1) for i, b in enumerate(bounds)]
+
+
+def balanced_split(model: ModelShape, dev: DeviceProfile, stages: int) -> list[int]:
+    """Layer boundaries that give each of ``stages`` devices alike ``dev`` the same time per decode
+    step, by its measured costs: the busiest stage as light as it can be.  Where a device computes
+    in float (no int8 dot product), the head costs less than its bytes say, and this differs from
+    ``even_split``."""
+    cost, layers = stage_time(dev), model.num_layers
+    if not 1 <= stages <= layers:
+        raise PlacementError(f"{stages} stages cannot split {layers} layers")
+
+    @functools.cache
+    def best(start: int, stage: int) -> tuple[float, tuple[int, ...]]:
+        """The least busiest time of stages ``stage``.. holding layers ``start``.., and their boundaries."""
+        if stage == stages - 1:
+            return cost.at(layers - start, stage == 0, True), ()
+        options = []
+        for end in range(start + 1, layers - (stages - stage - 1) + 1):
+            rest, bounds = best(end, stage + 1)
+            options.append((max(cost.at(end - start, stage == 0, False), rest), (end, *bounds)))
+        return min(options)
+
+    return list(best(0, 0)[1])
 
 
 def aggregate_tok_s(steps: Sequence[tuple[DeviceProfile, int, bool, bool]], network_ms: float, users: int) -> float:

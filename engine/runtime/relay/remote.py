@@ -13,7 +13,10 @@ streams' rows down the chain, so a hop costs one trip for all of them.  The stre
 up to ``depth`` groups that are in flight at once: while stage 1 computes one group, stage 0
 computes the next, so the PCs of a split work at the same time instead of taking turns.  A group
 goes as soon as fewer than ``depth`` are in flight; its size is the active streams' fair share,
-which rebalances the groups as users come and go.  Unless fixed, ``depth`` follows the rounds: a
+which rebalances the groups as users come and go.  A prompt's chunk (``PROMPT_ROWS`` rows or more)
+fills a forward by itself: in a pipeline it goes at once as a group of its own, not counted against
+``depth``, so that stage 1 starts on the first prompt while stage 0 computes the next ones instead
+of waiting for half of them.  Unless fixed, ``depth`` follows the rounds: a
 round's trip (every stage's compute and the network's share) over the busiest computer's compute
 is how many groups keep that computer busy.  Balanced stages on their own PCs want one group each;
 stages that share one computer's compute turns (a local fleet), or a short stage 0 that only feeds
@@ -49,6 +52,11 @@ from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
 from engine.transport.link import Link, connect_successor
 from engine.transport.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
+
+
+# A round of this many rows (a prompt's chunk; a speculative round has at most AutoK.K_MAX + 1)
+# computes about as efficiently alone as packed with others
+PROMPT_ROWS = 16
 
 
 @dataclasses.dataclass
@@ -181,7 +189,9 @@ class RemoteChain(Chain):
         self._in_flight: set[tuple[int, int]] = set()
         self._early: dict[tuple[int, int], Frame] = {}
         self._pending: list[_Round] = []
-        self._groups: dict[tuple[int, int], int] = {}  # an uncollected reply -> the group it went in
+        # an uncollected reply -> the group it went in: (its id, whether it is a prompt's)
+        self._groups: dict[tuple[int, int], tuple[int, bool]] = {}
+        self.prompt_rows = PROMPT_ROWS
         self._group_ids = itertools.count()
         if depth is not None and depth < 1:
             raise FleetError(f"a chain keeps at least one group of streams in flight, not {depth}")
@@ -324,7 +334,7 @@ class RemoteChain(Chain):
         round_ = _Round(stream, flags, seq=self._next_seq())
         self._send(Frame(Msg.FORWARD, stream, round_.seq, [hidden, attention_mask.astype(np.uint8), position_ids,
                                                             np.array([local_ms], np.float32)], flags),
-                   group=next(self._group_ids))
+                   group=(next(self._group_ids), False))
         round_.sent = time.perf_counter()
         return round_
 
@@ -342,16 +352,18 @@ class RemoteChain(Chain):
 
     @property
     def groups_in_flight(self) -> int:
-        return len(set(self._groups.values()))
+        """Groups in flight that count against ``depth``: a prompt's does not."""
+        return len({group for group in self._groups.values() if not group[1]})
 
-    def _flush(self, count: int | None = None) -> None:
+    def _flush(self, count: int | None = None, prompt: bool = False) -> None:
         """Stage 0 runs the first ``count`` waiting rounds (all by default), one group in flight, in
         forwards of at most ``PACK_ROWS`` rows (``packs_of``); one PACKED frame a forward takes them on.
-        However many frames a group's rows take (long prompts), it counts once against ``depth``."""
+        However many frames a group's rows take (long prompts), it counts once against ``depth``;
+        ``prompt``: a prompt's chunk, which does not count."""
         count = len(self._pending) if count is None else count
         pending, self._pending = self._pending[:count], self._pending[count:]
         forwards = packs_of(pending, lambda r: len(r.part.x))
-        group = next(self._group_ids)
+        group = next(self._group_ids), prompt
         for i, rounds in enumerate(forwards):
             try:
                 self._forward_packed(rounds, group)
@@ -361,7 +373,7 @@ class RemoteChain(Chain):
                         r.error = exc
                 raise
 
-    def _forward_packed(self, pending: list[_Round], group: int) -> None:
+    def _forward_packed(self, pending: list[_Round], group: tuple[int, bool]) -> None:
         start = time.perf_counter()
         try:
             hidden = self.local.forward_parts([r.part for r in pending])
@@ -407,18 +419,30 @@ class RemoteChain(Chain):
     def first_ready(self, rounds: list[_Round]) -> int:
         """Waits until one of these rounds' results is here; returns its index (the earliest
         submitted when several are).  Rounds waiting to be packed go, a fair share at a time, while
-        fewer than ``depth`` groups are in flight (or none of these travels)."""
+        fewer than ``depth`` groups are in flight (or none of these travels); in a pipeline, a
+        prompt's chunk goes at once, alone."""
         while True:
             for i, r in enumerate(rounds):
                 if r.error is not None or (r.seq is not None and r.key in self._early):
                     return i
             travelling = any(r.seq is not None and r.key in self._in_flight for r in rounds)
+            if prompt := self._waiting_prompt():
+                self._pending.remove(prompt)
+                self._pending.insert(0, prompt)
+                self._flush(1, prompt=True)
+                continue
             if self._pending and (not travelling or self.groups_in_flight < self.depth):
                 self._flush(self._share())
                 continue
             if not travelling:
                 raise FleetError("none of these rounds was submitted to this chain")
             self._stash(self._receive())
+
+    def _waiting_prompt(self) -> _Round | None:
+        """The first waiting round of ``prompt_rows`` rows or more, where groups are pipelined."""
+        if self.depth > 1:
+            return next((r for r in self._pending if len(r.part.x) >= self.prompt_rows), None)
+        return None
 
     def _share(self) -> int:
         """How many waiting rounds go in the next group: the active streams spread evenly over the
@@ -432,9 +456,10 @@ class RemoteChain(Chain):
         if reply is not None and (reply.stream, reply.seq) in self._in_flight:
             self._early[reply.stream, reply.seq] = reply
 
-    def _send(self, frame: Frame, keys: list[tuple[int, int]] | None = None, group: int | None = None) -> None:
+    def _send(self, frame: Frame, keys: list[tuple[int, int]] | None = None,
+              group: tuple[int, bool] | None = None) -> None:
         """``keys``: the replies the frame asks for, when not the one its header names; ``group``: the
-        group in flight a FORWARD or PACKED frame's rounds belong to."""
+        group in flight a FORWARD or PACKED frame's rounds belong to (its id, and whether a prompt's)."""
         if self._link is None:
             raise self._fail("not connected (call reset() to reconnect)")
         if frame.type in (Msg.FORWARD, Msg.PACKED, Msg.PING):
@@ -442,7 +467,7 @@ class RemoteChain(Chain):
             self._in_flight.update(sent)
             if frame.type != Msg.PING:
                 self._groups.update(dict.fromkeys(sent, group))
-                self.most_in_flight = max(self.most_in_flight, self.groups_in_flight)
+                self.most_in_flight = max(self.most_in_flight, len(set(self._groups.values())))
         try:
             self._link.send(frame)
         except OSError as exc:
