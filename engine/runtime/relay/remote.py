@@ -146,6 +146,8 @@ class _Trip:
 
 
 class RemoteChain(Chain):
+    prompt_rows = PROMPT_ROWS  # a chain (a test) may raise its own
+
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
                  connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None,
@@ -191,7 +193,6 @@ class RemoteChain(Chain):
         self._pending: list[_Round] = []
         # an uncollected reply -> the group it went in: (its id, whether it is a prompt's)
         self._groups: dict[tuple[int, int], tuple[int, bool]] = {}
-        self.prompt_rows = PROMPT_ROWS
         self._group_ids = itertools.count()
         if depth is not None and depth < 1:
             raise FleetError(f"a chain keeps at least one group of streams in flight, not {depth}")
@@ -426,9 +427,8 @@ class RemoteChain(Chain):
                 if r.error is not None or (r.seq is not None and r.key in self._early):
                     return i
             travelling = any(r.seq is not None and r.key in self._in_flight for r in rounds)
-            if prompt := self._waiting_prompt():
-                self._pending.remove(prompt)
-                self._pending.insert(0, prompt)
+            if (prompt := self._waiting_prompt()) is not None:
+                self._pending.insert(0, self._pending.pop(prompt))
                 self._flush(1, prompt=True)
                 continue
             if self._pending and (not travelling or self.groups_in_flight < self.depth):
@@ -438,10 +438,10 @@ class RemoteChain(Chain):
                 raise FleetError("none of these rounds was submitted to this chain")
             self._stash(self._receive())
 
-    def _waiting_prompt(self) -> _Round | None:
-        """The first waiting round of ``prompt_rows`` rows or more, where groups are pipelined."""
-        if self.depth > 1:
-            return next((r for r in self._pending if len(r.part.x) >= self.prompt_rows), None)
+    def _waiting_prompt(self) -> int | None:
+        """Where the first waiting round of ``prompt_rows`` rows or more is, if groups are pipelined."""
+        if self._pending and self.depth > 1:
+            return next((i for i, r in enumerate(self._pending) if len(r.part.x) >= self.prompt_rows), None)
         return None
 
     def _share(self) -> int:
