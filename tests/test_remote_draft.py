@@ -48,12 +48,20 @@ def test_exact_mode_is_token_identical_with_drafts_from_another_process_of_strea
     prompts = [PROMPT, PROMPT[::-1], [3, 1, 4, 1, 5, 9, 2, 6]]
     want = [Generator(target, 128).generate(p, 40, ignore_eos=True).tokens for p in prompts]
     link = DraftLink(server.address, key, target.manifest)
+
+    def steep(drafter):  # as on an AVX2 core, where a padded verify costs more than a plain one
+        drafter.plain_s, drafter.padded_s = 1e-4, 1.0
+        return drafter
+
     try:
-        for k in ("auto", 3):
+        for k, costs in (("auto", None), (3, None), ("auto", steep)):
+            drafters = [link.drafter(i) for i in range(len(prompts))]
             gens, _ = generate_streams(target, [np.array(p) for p in prompts], 40, max_length=128, ignore_eos=True,
-                                       drafters=[link.drafter(i) for i in range(len(prompts))], k=k)
+                                       drafters=[costs(d) for d in drafters] if costs else drafters, k=k)
             assert [g.tokens for g in gens] == want
             assert all(g.accepted > 0 for g in gens), (k, [(g.accepted, g.drafted) for g in gens], server.drafted)
+            if costs:
+                assert all(sum(d._plain) > 0 for d in drafters)  # some rounds went plain
     finally:
         link.close()
     assert server.drafted > 0
@@ -180,3 +188,23 @@ def test_a_stream_drafts_only_while_it_is_alone(tiny_exports, server, key):
     assert alone.drafted > 0
     assert brief.drafted == 0  # its every round had the other stream beside it
     assert 0 < together.drafted < alone.drafted  # it drafted once the short reply was done
+
+
+def test_a_round_goes_plain_where_padded_rounds_with_as_many_guesses_did_not_pay():
+    from engine.runtime.decode.remotedraft import RemoteDraft
+
+    drafter = RemoteDraft(Namespace(), 0)
+    drafter.pick_k = True
+    assert drafter._goes_plain(0) and not drafter._goes_plain(1)  # no plain verify timed: a bare round times one
+    drafter.feedback(0, 0, 381.0, 0.0)
+    drafter._class = 2
+    drafter.feedback(3, 2, 731.0, 0.0)
+    assert (drafter.plain_s, drafter.padded_s) == (0.381, 0.731)
+    assert drafter.gain[2] == pytest.approx(0.8 + 0.4)
+    drafter.gain = [0.1, 0.5, 1.2, 2.0]  # an AVX2 core: a padded round pays with more than 0.92 extra tokens
+    assert not drafter._goes_plain(3) and not drafter._goes_plain(2)
+    went = [drafter._goes_plain(0) for _ in range(4 * RemoteDraft.RETRY)]
+    assert went.count(False) == 4  # padded now and then, to hear whether it still does not pay
+    # with int8 dot products a plain verify after padded ones costs about what they do (and its new width more)
+    drafter.plain_s, drafter.padded_s = 0.080, 0.067
+    assert not any(drafter._goes_plain(g) for g in range(RemoteDraft.WIDTH + 1))

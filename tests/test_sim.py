@@ -527,3 +527,10 @@ def test_a_pcs_cpu_quota_holds_what_runs_on_it(tmp_path):
         assert proc.wait(30) == 0, log.read_text()
         cpu = float(log.read_text().split()[-1])
     assert 0.6 < cpu < 1.4, cpu
+
+
+def test_bench_sim_refuses_user_counts_its_layout_does_not_serve(capsys):
+    from engine.cli.main import main
+
+    assert main(["bench", "sim", "--model", "smollm2-135m", "--parts", "layout", "--users", "1,5"]) != 0
+    assert "fleet bench sim's layout serves 2, 3, 4, 6, 8 users, none of 1, 5" in capsys.readouterr().err

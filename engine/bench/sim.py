@@ -70,13 +70,16 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
 
 
 PARTS = ("links", "office", "big", "slow", "draft", "layout")
+OFFICE_USERS = (1, 2, 4, 8)
 LAYOUT_OFFICES = ((2, None, (2, 4, 8)), (3, 0.6, (3, 6)))  # PCs, CPU quota of each, user counts
 
 
-def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2, 4, 8), weights: str = "int4",
+def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, weights: str = "int4",
             runs: int = 2, parts: tuple[str, ...] = PARTS, memory_mb: int = 1000, draft: str = "qwen2.5-coder-0.5b",
             out: Path | None = None, log=print,
             hooks: Hooks = NO_HOOKS) -> dict:
+    """``users``: the user counts of the office (default 1, 2, 4, 8) and of the drafting PC (default 1,
+    2, 4), and which of the layout's offices run (those with any of them; default both)."""
     require_root("fleet bench sim")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -85,6 +88,11 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
         raise FleetError(f"fleet bench sim measures {', '.join(PARTS)}, not {', '.join(sorted(unknown))}")
     if "links" in parts and tokens <= CUT_AFTER + 4:
         raise FleetError(f"fleet bench sim needs replies of more than {CUT_AFTER + 4} tokens, not {tokens}")
+    office_users, draft_users = tuple(users or OFFICE_USERS), tuple(users or draftpc.USERS)
+    layout_counts = sorted({u for _, _, counts in LAYOUT_OFFICES for u in counts})
+    if "layout" in parts and users and not set(users) & set(layout_counts):
+        raise FleetError(f"fleet bench sim's layout serves {', '.join(map(str, layout_counts))} users, "
+                         f"none of {', '.join(map(str, users))}")
     gguf = None
     if "office" in parts or "big" in parts:
         try:
@@ -100,19 +108,20 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
         hooks.step(index, steps, what)
         return hooks.part(index, steps)
 
-    hooks.step(0, steps, "exporting the split")
+    hooks.step(0, steps, "exporting the model")
     whole = export_model(model, stages=1, weights=weights)
     shape = ModelShape(**model_shape(load_manifest(whole.folders[0])))
-    by_bytes = even_split(shape, 2)
-    split = export_model(model, split=by_bytes, weights=weights)
-    boundary = office_bench.balanced_boundary(split.folders, shape, cores[0])
-    if [boundary] != by_bytes:
-        split = export_model(model, split=[boundary], weights=weights)
     rows, ratios = [], {}
-    settings = {"model": model, "weights": weights, "stages": 2, "split": boundary,
-                "split_rule": f"both stages take the same measured decode time on one core here "
-                              f"(placement.balanced_split; by weight bytes: {by_bytes[0]})", "tokens": tokens,
-                "pcs": "2, one core each", "shaping": "tc tbf", "parts": list(parts)}
+    settings = {"model": model, "weights": weights, "tokens": tokens, "shaping": "tc tbf", "parts": list(parts)}
+    if "links" in parts or "office" in parts:  # the parts that run the forced 2-stage split
+        by_bytes = even_split(shape, 2)
+        split = export_model(model, split=by_bytes, weights=weights)
+        boundary = office_bench.balanced_boundary(split.folders, shape, cores[0])
+        if [boundary] != by_bytes:
+            split = export_model(model, split=[boundary], weights=weights)
+        settings |= {"stages": 2, "split": boundary, "pcs": "2, one core each",
+                     "split_rule": f"both stages take the same measured decode time on one core here "
+                                   f"(placement.balanced_split; by weight bytes: {by_bytes[0]})"}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-sim-") as tmp:
         key_file = create_key(Path(tmp) / "fleet.key")
         key = load_key(key_file)
@@ -126,12 +135,12 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             with Office([spec], key_file=key_file, root=Path(tmp) / "office", log=log) as office:
                 office_rows, office_ratios = office_bench.compare(
                     office, model, gguf, whole.folders, split, key=key, weights=weights, tokens=tokens,
-                    users=tuple(users), runs=runs, core=cores[0], log=log, hooks=within)
+                    users=office_users, runs=runs, core=cores[0], log=log, hooks=within)
             for row in office_rows:
                 hooks.row(row)
             rows += office_rows
             ratios |= office_ratios
-            settings |= {"users": list(users), "runs": runs, "office": "this machine is PC 1 (one core); PC 2 "
+            settings |= {"users": list(office_users), "runs": runs, "office": "this machine is PC 1 (one core); PC 2 "
                          "one core at 1 Gbit/s; greedy, no speculation, no prompt cache"}
         if "big" in parts:
             within = begin("big", "a model too big for one PC")
@@ -165,18 +174,20 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=(1, 2,
             spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
             with Office([spec], key_file=key_file, root=Path(tmp) / "draft", log=log) as office:
                 draft_rows, draft_ratios = draftpc.compare_draft(office, model, draft, key=key, weights=weights,
-                                                                 tokens=tokens, runs=runs, core=cores[0], log=log,
-                                                                 hooks=within)
+                                                                 tokens=tokens, users=draft_users, runs=runs,
+                                                                 core=cores[0], log=log, hooks=within)
             for row in draft_rows:
                 hooks.row(row)
             rows += draft_rows
             ratios |= draft_ratios
-            settings |= {"draft": {"draft_model": draft, "users": list(draftpc.USERS),
+            settings |= {"draft": {"draft_model": draft, "users": list(draft_users),
                                    "pcs": "this machine (PC 1, one core) holds the target; PC 2 (one core, "
                                           "1 Gbit/s) the draft model"}}
         if "layout" in parts:
             within = begin("layout", "the solver's layout on 2 and 3 PCs")
             for pcs, quota, counts in LAYOUT_OFFICES:
+                if users and not (counts := tuple(u for u in counts if u in users)):
+                    continue
                 specs = [NodeSpec(f"pc{i + 2}", cpus=str(cores[1]) if i == 0 else f"{cores[0]},{cores[1]}",
                                   cpu_quota=quota, rate_mbit=1000.0) for i in range(pcs - 1)]
                 with Office(specs, key_file=key_file, root=Path(tmp) / f"layout{pcs}", log=log) as office:

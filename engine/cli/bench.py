@@ -115,7 +115,8 @@ def add_commands(sub) -> None:
     bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
     bench.add_argument("--delays", type=delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
-    bench.add_argument("--users", type=counts, help="serve, sim: the concurrent users of each wave (default 1,2,4,8); "
+    bench.add_argument("--users", type=counts, help="serve, sim: the concurrent users of each wave (default 1,2,4,8; sim's draft: "
+                       "1,2,4; sim's layout: its offices with any of them, default all); "
                        "batch: the stream counts (same default); soak: the users (default 8)")
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
                        "sim: links,office,big,slow,draft,layout (default all); quality: kl,humaneval (default kl)")

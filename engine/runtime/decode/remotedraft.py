@@ -21,7 +21,7 @@ import time
 
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
-from engine.runtime.decode.speculative import TOKENIZER_FILES, Drafter, PromptLookup
+from engine.runtime.decode.speculative import TOKENIZER_FILES, Drafter, PromptLookup, smooth
 from engine.runtime.decode.draftserver import common_prefix
 from engine.transport import wire
 from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, dial
@@ -140,19 +140,33 @@ class RemoteDraft(Drafter):
     widths 1-6 alternate (the CPU plugin prepares every node again for a new shape).  So each
     round verifies ``WIDTH`` drafts: the server's, after waiting up to ``WAIT_S`` for the first,
     then prompt lookup's continuation of them, then the last token again (a draft that costs only
-    its position)."""
+    its position).
+
+    On a CPU without int8 dot products every position costs (an AVX2 core: 381 ms for 1, 731 for
+    4), and a padded round pays only where its guesses are often right.  So a round goes plain where
+    padded rounds with as many guesses (the server's drafts and lookup's) gave fewer extra tokens
+    than the padded verify costs over a plain one; every ``RETRY``-th such round is padded anyway,
+    to hear whether that still holds.  The first round without any guess goes plain to time a plain
+    verify.  With int8 dot products a plain verify costs about a padded one, so rounds stay padded."""
 
     name = "remote"
     fits_k = True
     WIDTH = 3  # drafts a round verifies under K auto
     LEAD = 2 * WIDTH + 1  # how far beyond the text the server drafts: past the round in flight's drafts
     WAIT_S = 0.03  # how long a round waits for its first draft (see the module docstring)
+    RETRY = 4  # of rounds a class's record sends plain, one in this many is padded anyway
 
     def __init__(self, link: DraftLink, stream: int):
         self.link = link
         self.stream = stream
         self.pick_k = False
         self._lookup = PromptLookup()
+        self.plain_s = self.padded_s = 0.0  # a plain verify's time and a padded one's (running averages)
+        # drafts accepted in a padded round, by how many of its drafts were guesses (the rest repeat
+        # the last token): running averages from a hopeful start, and plain rounds each class sent
+        self.gain = [1.0] * (self.WIDTH + 1)
+        self._plain = [0] * (self.WIDTH + 1)
+        self._class: int | None = None  # the round in flight's guesses (None: not a padded round)
 
     def prime(self, prompt: list[int]) -> None:
         self.link.sync(self.stream, list(prompt), self.LEAD, fresh=True)
@@ -164,7 +178,32 @@ class RemoteDraft(Drafter):
             drafts = self.link.ahead(self.stream, history, 1, self.WAIT_S)[:take]
         else:
             drafts = []
-        if len(drafts) < take and self.pick_k:
+        if not self.pick_k:
+            return drafts
+        if len(drafts) < take:
             drafts += self._lookup.propose(history + drafts, take - len(drafts))
-            drafts += drafts[-1:] * (take - len(drafts)) if drafts else history[-1:] * take
+        guesses = len(drafts)
+        self._class = guesses if take == self.WIDTH else None  # a shorter round: the reply's last tokens
+        if self._class is not None and self._goes_plain(guesses):
+            self._class = None
+            return []
+        drafts += drafts[-1:] * (take - len(drafts)) if drafts else history[-1:] * take
         return drafts
+
+    def _goes_plain(self, guesses: int) -> bool:
+        """Whether a round with ``guesses`` guesses goes plain (see the class docstring)."""
+        if not self.plain_s:
+            return guesses == 0
+        if (1 + self.gain[guesses]) * self.plain_s >= self.padded_s:
+            return False
+        self._plain[guesses] += 1
+        return self._plain[guesses] % self.RETRY != 0
+
+    def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
+        if not self.pick_k:
+            return
+        if proposed == 0:
+            self.plain_s = smooth(self.plain_s, verify_ms / 1e3)
+        elif self._class is not None:
+            self.padded_s = smooth(self.padded_s, verify_ms / 1e3)
+            self.gain[self._class] = 0.8 * self.gain[self._class] + 0.2 * accepted
