@@ -183,10 +183,11 @@ class RemoteDraft(Drafter):
         if len(drafts) < take:
             drafts += self._lookup.propose(history + drafts, take - len(drafts))
         guesses = len(drafts)
-        self._class = guesses if take == self.WIDTH else None  # a shorter round: the reply's last tokens
-        if self._class is not None and self._goes_plain(guesses):
+        full = take == self.WIDTH  # a shorter round: the reply's last tokens, on no record
+        if full and self._goes_plain(guesses):
             self._class = None
             return []
+        self._class = guesses if full else None
         drafts += drafts[-1:] * (take - len(drafts)) if drafts else history[-1:] * take
         return drafts
 
@@ -200,10 +201,8 @@ class RemoteDraft(Drafter):
         return self._plain[guesses] % self.RETRY != 0
 
     def feedback(self, proposed: int, accepted: int, verify_ms: float, draft_ms: float) -> None:
-        if not self.pick_k:
-            return
         if proposed == 0:
             self.plain_s = smooth(self.plain_s, verify_ms / 1e3)
-        elif self._class is not None:
+        elif self._class is not None:  # a padded round of WIDTH drafts (never without K auto)
             self.padded_s = smooth(self.padded_s, verify_ms / 1e3)
-            self.gain[self._class] = 0.8 * self.gain[self._class] + 0.2 * accepted
+            self.gain[self._class] = smooth(self.gain[self._class], accepted)
