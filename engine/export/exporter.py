@@ -33,7 +33,7 @@ from engine.models.catalog import CATALOG, resolve_source
 from engine.models.checkpoint import open_checkpoint
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
-EXPORTER_VERSION = 11
+EXPORTER_VERSION = 12
 STAGE_STEPS = ("load", "calibrate", "convert", "stateful", "compress", "save", "tokenizer", "hash")
 Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
 INT4_HEAD_ALONE = "an INT4 head goes with --weights int4 (or a calibrated int4-* format)"

@@ -16,9 +16,12 @@ each group's sum of the activations; the K-quants' offsets stay six-bit codes un
 super-block's ``d`` and ``dmin``, as in the GGUF.  A small matrix keeps a float zero point,
 ``-minimum / scale``, where the extra ops would cost more than they save.
 
-Scales and zero points are stored as f16 where that holds them to 11 bits (``stored``; a K-quant's
-``d * scale`` has up to 17): a weight moves by at most 2^-11 of itself, against the half step of
-its 4-6 bit code the GGUF rounded it by.
+A K-quant's scales (and offsets) stay its six- or eight-bit codes under the super-block's f16 ``d``
+(``Table``), multiplied out by the plugin's constant folding at compile time, so a matrix without a
+float zero point decodes to the GGUF's values bit for bit.  Codes of five or six bits are stored as
+u6, which folding widens to i8 (``_integers``).  Float zero points and their scales are f16 where
+that holds them to 11 bits (``stored``): a weight moves by at most 2^-11 of itself, against the half
+step of its 4-6 bit code the GGUF rounded it by.
 
 Measured (OpenVINO 2026.4.1, one process, interleaved), Qwen2.5-Coder-1.5B decode on a CPU with int8
 dot products (2026-11-27): 15.0 tok/s with the zero points rounded and the rounding corrected by an
@@ -27,7 +30,8 @@ points: 90 tok/s, offsets: 81; Q6_K's i8 codes in place of u8 less 32: 497 again
 [1536, 8960] matrix.  On an AVX2 CPU without them (another host, the same day), where every
 compressed MatMul runs in float: signed codes in place of u4 less a zero point of 8, 4.06 -> 4.63
 tok/s.  f16 scales took the shard from 1,384 to 1,265 MB (the GGUF: 1,066) at the same KL from the
-GGUF's weights (0.00013 nats per token at the f32 hint).
+GGUF's weights (0.00013 nats per token at the f32 hint); the GGUF's scale codes and u6 codes
+(2026-11-28, the AVX2 CPU) to 1,115 MB, at the same decode speed and KL and 15% less memory.
 
 An embedding that is not also the head keeps its codes too (``lookup_table``): the CPU plugin's
 Gather decodes the rows it looks up from them (Qwen2.5-Coder-1.5B's Q4_K table, 30 us a lookup),
@@ -65,9 +69,10 @@ def carries(path) -> bool:
 
 @dataclasses.dataclass
 class Table:
-    """A ``[rows, groups]`` table: u8 ``codes [rows, blocks, per]`` times a ``scale [rows, blocks, 1]``
-    (a K-quant super-block's six-bit scales or minimums under its f16 ``d`` or ``dmin``), or, with no
-    codes, the values themselves ``[rows, groups, 1]`` (Q4_1's and Q5_1's f16 ones)."""
+    """A ``[rows, groups]`` table: integer ``codes [rows, blocks, per]`` times a ``scale [rows, blocks,
+    1]`` (a K-quant super-block's six-bit scales or minimums under its f16 ``d`` or ``dmin``, Q6_K's
+    int8 scales under its ``d``), or, with no codes, the values themselves ``[rows, groups, 1]`` (the
+    legacy types' f16 scales and minimums)."""
 
     scale: np.ndarray
     codes: np.ndarray | None = None
@@ -80,16 +85,20 @@ class Table:
 
 @dataclasses.dataclass
 class Quantized:
-    """A GGUF matrix per group: codes uint8 ``[rows, groups, group]``, scale float32 ``[rows, groups,
-    1]``, the center of the codes' range and, for a type with a minimum, that minimum and the scales
-    again as tables (``steps``): ``codes * scale + minimum``, the GGUF's own formula."""
+    """A GGUF matrix per group: codes uint8 ``[rows, groups, group]``, the scales as a table
+    (``steps``), the center of the codes' range and, for a type with a minimum, that minimum as a
+    table: ``codes * scale + minimum``, the GGUF's own formula."""
 
     codes: np.ndarray
-    scale: np.ndarray
+    steps: Table
     center: int
     bits: int
     minimum: Table | None = None
-    steps: Table | None = None
+
+    @property
+    def scale(self) -> np.ndarray:
+        """float32 ``[rows, groups, 1]``, exact (a K-quant's ``d * scale`` is 11 bits times 6 or 8)."""
+        return self.steps.values()[..., None]
 
     @property
     def exact(self) -> bool:
@@ -164,27 +173,26 @@ def decompose(qtype: int, raw: np.ndarray, rows: int, columns: int) -> Quantized
     b = _blocks(raw, qtype, rows, columns)
     if qtype == Q4_0:
         d = _f16(b[..., 0:2])
-        return Quantized(_nibbles(b[..., 2:18]), d, 8, 4)
+        return Quantized(_nibbles(b[..., 2:18]), Table(d), 8, 4)
     if qtype == Q4_1:
         d = _f16(b[..., 0:2])
-        return Quantized(_nibbles(b[..., 4:20]), d, 8, 4, minimum=Table(_f16(b[..., 2:4])), steps=Table(d))
+        return Quantized(_nibbles(b[..., 4:20]), Table(d), 8, 4, minimum=Table(_f16(b[..., 2:4])))
     if qtype == Q5_0:
         d = _f16(b[..., 0:2])
         codes = _nibbles(b[..., 6:22]) | (_high_bits(b[..., 2:6]) << 4)
-        return Quantized(codes, d, 16, 5)
+        return Quantized(codes, Table(d), 16, 5)
     if qtype == Q5_1:
         d = _f16(b[..., 0:2])
         codes = _nibbles(b[..., 8:24]) | (_high_bits(b[..., 4:8]) << 4)
-        return Quantized(codes, d, 16, 5, minimum=Table(_f16(b[..., 2:4])), steps=Table(d))
+        return Quantized(codes, Table(d), 16, 5, minimum=Table(_f16(b[..., 2:4])))
     if qtype == Q8_0:
         d = _f16(b[..., 0:2])
         codes = (np.ascontiguousarray(b[..., 2:34]).view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return Quantized(codes, d, 128, 8)
+        return Quantized(codes, Table(d), 128, 8)
     blocks = b.shape[1]
     if qtype in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sub, mins = _k_scales(b[..., 4:16])
-        scale = (d * sub).reshape(rows, blocks * 8, 1)  # exact in f32: 11-bit times 6-bit
         minimum, steps = Table(-dmin, mins.astype(np.uint8)), Table(d, sub.astype(np.uint8))
         if qtype == Q4_K:
             codes = _k_nibbles(b[..., 16:144])
@@ -192,14 +200,13 @@ def decompose(qtype: int, raw: np.ndarray, rows: int, columns: int) -> Quantized
             high = (b[..., 16:48][..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
             codes = _k_nibbles(b[..., 48:176]) | (high << 4)
         bits = 4 if qtype == Q4_K else 5
-        return Quantized(codes.reshape(rows, blocks * 8, 32), scale, 1 << (bits - 1), bits, minimum=minimum, steps=steps)
+        return Quantized(codes.reshape(rows, blocks * 8, 32), steps, 1 << (bits - 1), bits, minimum=minimum)
     # Q6_K: 16 groups of 16 per super-block, int8 scales, codes 0..63 around 32
     low = (b[..., 0:128].reshape(rows, blocks, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 0x0F
     high = (b[..., 128:192].reshape(rows, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 0x03
     codes = (low.reshape(rows, blocks, 8, 32) | (high.reshape(rows, blocks, 8, 32) << 4)).reshape(rows, blocks * 16, 16)
-    sub = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-    scale = (_f16(b[..., 208:210]) * sub).reshape(rows, blocks * 16, 1)  # exact in f32: 11-bit times 8-bit
-    return Quantized(codes, scale, 32, 6)
+    sub = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
+    return Quantized(codes, Table(_f16(b[..., 208:210]), sub), 32, 6)
 
 
 def stored(values: np.ndarray) -> np.ndarray:
@@ -220,53 +227,98 @@ def _small(values: np.ndarray) -> ov.Output:
     constant = ops.constant(kept)
     return (ops.convert(constant, ov.Type.f32) if kept.dtype == np.float16 else constant).output(0)
 
-
 # From this many weights on, a matrix with a minimum gets its offsets from a second MatMul (see
 # above); a smaller one keeps a float zero point, where the extra ops cost more than they save.
 OFFSETS_FROM = 2**21
 
 
-def _pattern(codes: np.ndarray, kind: ov.Type, zero: ov.Output | None, scale: np.ndarray) -> ov.Output:
+def _reshape(x, shape) -> ov.Output:
+    return ops.reshape(x, ops.constant(np.array(shape, dtype=np.int64)), False).output(0)
+
+
+def _integers(values: np.ndarray, kind: ov.Type, six_bits: bool = True) -> ov.Output:
+    """Integer ``values`` as a graph output of ``kind`` (i4, u4, i8 or u8).  With ``six_bits``, eight-bit
+    values that span at most 64 are stored as u6 (plus their lowest value), which constant folding
+    widens to ``kind`` at compile time: no plugin multiplies by six-bit codes, but the CPU plugin's
+    compressed MatMul runs the eight-bit constant that results, so the shard holds six bits a code.
+    Its Gather does not: a lookup table folded so becomes floats."""
+    wide = values.astype(np.int16)
+    low = int(wide.min()) if wide.size else 0
+    if not six_bits or kind not in (ov.Type.i8, ov.Type.u8) or int(wide.max()) - low >= 64:
+        return ops.constant(values, dtype=kind).output(0)
+    widened = ops.convert(ops.constant((wide - low).astype(np.uint8), dtype=ov.Type.u6), kind)
+    if low == 0:
+        return widened.output(0)
+    return ops.add(widened, ops.constant(np.array(low, dtype=np.int8 if kind == ov.Type.i8 else np.uint8))).output(0)
+
+
+@dataclasses.dataclass
+class _Parts:
+    """A table's graph parts, built once and shared by the graph's uses of it: its codes (u8 or i8)
+    and its scale (f32 ``[rows, blocks, 1]``), or, with no codes, its values (f32 ``[rows, groups, 1]``)."""
+
+    codes: ov.Output | None
+    scale: ov.Output
+
+    @classmethod
+    def of(cls, table: Table) -> "_Parts":
+        if table.codes is None:
+            return cls(None, _small(table.scale))
+        kind = ov.Type.i8 if table.codes.dtype == np.int8 else ov.Type.u8
+        return cls(_integers(table.codes, kind), _small(table.scale))
+
+    def values(self) -> ov.Output:
+        """The table as an f32 ``[rows, groups, 1]`` graph output: codes times scale, exact in f32,
+        which constant folding computes at compile time."""
+        if self.codes is None:
+            return self.scale
+        rows, blocks, per = self.codes.get_shape()
+        return _reshape(ops.multiply(ops.convert(self.codes, ov.Type.f32), self.scale), [rows, blocks * per, 1])
+
+
+def _pattern(codes: ov.Output, zero: ov.Output | None, scale: ov.Output) -> ov.Output:
     """``(codes - zero) * scale`` reshaped to [rows, columns], the decompression pattern the plugins
     fuse into their compressed MatMul (no Subtract where ``zero`` is None)."""
-    rows, groups, group = codes.shape
-    centered = ops.convert(ops.constant(codes, dtype=kind), ov.Type.f32)
+    rows, groups, group = codes.get_shape()
+    centered = ops.convert(codes, ov.Type.f32)
     if zero is not None:
         centered = ops.subtract(centered, zero)
-    scaled = ops.multiply(centered, _small(scale))
-    return ops.reshape(scaled, ops.constant(np.array([rows, groups * group], dtype=np.int64)), False).output(0)
+    return _reshape(ops.multiply(centered, scale), [rows, groups * group])
 
 
-def matrix(q: Quantized, offsets: bool) -> ov.Output:
+def matrix(q: Quantized, offsets: bool, steps: _Parts | None = None, six_bits: bool = True) -> ov.Output:
     """The codes as an f32 [rows, columns] graph output: signed codes, ``codes - center`` (i4 up to 4
-    bits, else i8), times their scales where there is no minimum and, with ``offsets``, where the
-    offsets come after: the activations the CPU quantizes to int8 on the fly then meet centered
-    codes (uncentered ones lost ten times more to that rounding on SmolLM2's Q4_1 matrices); else the
-    codes less a float zero point (``Quantized.zero_point_form``), which keeps the activations in
-    float."""
+    bits, else i8), times their scales (``steps``, the GGUF's own scale codes where it has them)
+    where there is no minimum and, with ``offsets``, where the offsets come after: the activations
+    the CPU quantizes to int8 on the fly then meet centered codes (uncentered ones lost ten times
+    more to that rounding on SmolLM2's Q4_1 matrices); else the codes less a float zero point
+    (``Quantized.zero_point_form``), which keeps the activations in float.  ``six_bits``: see
+    ``_integers``."""
     if q.exact or offsets:
         signed = (q.codes.astype(np.int16) - q.center).astype(np.int8)
-        return _pattern(signed, ov.Type.i4 if q.bits <= 4 else ov.Type.i8, None, q.scale)
+        codes = _integers(signed, ov.Type.i4 if q.bits <= 4 else ov.Type.i8, six_bits)
+        return _pattern(codes, None, (steps or _Parts.of(q.steps)).values())
     codes, scale, zero_point = q.zero_point_form()
-    return _pattern(codes, ov.Type.u4 if q.bits <= 4 else ov.Type.u8, _small(zero_point), scale)
+    kind = ov.Type.u4 if q.bits <= 4 else ov.Type.u8
+    return _pattern(_integers(codes, kind, six_bits), _small(zero_point), _small(scale))
 
 
 def _offsets(q: Quantized, offsets_from: int) -> bool:
     return not q.exact and q.codes.size >= offsets_from
 
 
-def _offset_table(q: Quantized) -> ov.Output:
+def _offset_table(q: Quantized, steps: _Parts) -> ov.Output:
     """``[center * steps | minimum]`` as one f32 [rows, 2 * groups] graph output: for the K-quants
     their six-bit codes under ``center * d`` and ``dmin`` (a compressed MatMul's weight again, as
-    small as the GGUF keeps them), else the f16 values."""
-    steps, minimum = q.steps, q.minimum
+    small as the GGUF keeps them, sharing the scales' codes and ``d`` with the matrix), else the f16
+    values."""
+    minimum = _Parts.of(q.minimum)
     rows, groups = len(q.codes), q.codes.shape[1]
-    scale = np.concatenate([np.float32(q.center) * steps.scale, minimum.scale], axis=1)
+    scale = ops.concat([ops.multiply(steps.scale, ops.constant(np.float32(q.center))), minimum.scale], 1)
     if minimum.codes is None:
-        return _small(scale[..., 0])
-    codes = np.concatenate([steps.codes, minimum.codes], axis=1)
-    table = ops.multiply(ops.convert(ops.constant(codes, dtype=ov.Type.u8), ov.Type.f32), _small(scale))
-    return ops.reshape(table, ops.constant(np.array([rows, 2 * groups], dtype=np.int64)), False).output(0)
+        return _reshape(scale, [rows, 2 * groups])
+    codes = ops.convert(ops.concat([steps.codes, minimum.codes], 1), ov.Type.f32)
+    return _reshape(ops.multiply(codes, scale), [rows, 2 * groups])
 
 
 def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: int = OFFSETS_FROM) -> None:
@@ -275,7 +327,8 @@ def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: i
     times the group's sum of ``x`` from a second MatMul.  ``sums`` shares those sums between the
     MatMuls of one input, whose second MatMuls can then be stacked as their first ones are."""
     offsets = _offsets(q, offsets_from)
-    matmul.input(1).replace_source_output(matrix(q, offsets))
+    steps = _Parts.of(q.steps)
+    matmul.input(1).replace_source_output(matrix(q, offsets, steps))
     if not offsets:
         return
     consumers = list(matmul.output(0).get_target_inputs())
@@ -287,19 +340,20 @@ def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: i
         grouped = ops.reshape(x, ops.constant(np.array([0, 0, groups, group], dtype=np.int64)), True)
         summed = ops.reduce_sum(grouped, ops.constant(np.array([-1], dtype=np.int64)), False)
         shared[key] = ops.concat([summed, summed], -1)
-    total = ops.add(matmul.output(0), ops.matmul(shared[key], _offset_table(q), False, True))
+    total = ops.add(matmul.output(0), ops.matmul(shared[key], _offset_table(q, steps), False, True))
     for consumer in consumers:
         consumer.replace_source_output(total.output(0))
 
 
 def carried_values(q: Quantized, offsets_from: int = OFFSETS_FROM) -> np.ndarray:
     """The float32 matrix ``carry_matmul`` computes with, as a graph with an identity input returns
-    it: the GGUF's values with the scales and zero points as ``stored`` keeps them."""
+    it: the GGUF's values, with a float zero point (and its scale) as ``stored`` keeps them where
+    there is one."""
     if not q.exact and not _offsets(q, offsets_from):
         codes, scale, zero_point = q.zero_point_form()
         values = (codes.astype(np.float32) - stored(zero_point)) * stored(scale)
     else:
-        values = (q.codes.astype(np.float32) - np.float32(q.center)) * stored(q.scale)
+        values = (q.codes.astype(np.float32) - np.float32(q.center)) * q.scale
         if not q.exact:
             values = values + q.offsets()[..., None]
     return values.astype(np.float32).reshape(len(q.codes), -1)
@@ -315,7 +369,7 @@ def lookup_table(ckpt) -> ov.Output | None:
         return None
     qtype, raw = blocks
     size, nbytes = BLOCKS[qtype]
-    return matrix(decompose(qtype, raw, raw.shape[0], raw.shape[1] // nbytes * size), offsets=False)
+    return matrix(decompose(qtype, raw, raw.shape[0], raw.shape[1] // nbytes * size), offsets=False, six_bits=False)
 
 
 def fingerprint(array: np.ndarray) -> bytes:
@@ -357,7 +411,7 @@ def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict
 def carried_text(report: dict) -> str:
     """What ``carry`` did, in words."""
     done = ", ".join(f"{count} {name}" for name, count in sorted(report["carried"].items())) or "none"
-    text = f"GGUF matrices carried over as they are: {done} (their codes, with scales held to 11 bits)"
+    text = f"GGUF matrices carried over as they are: {done} (their codes and scales)"
     if report["kept_float"]:
         text += f"; kept as fp16: {', '.join(report['kept_float'])}"
     return text
