@@ -117,11 +117,11 @@ class Quantized:
         """(codes, scale, zero point): ``(codes - zero point) * scale`` per group with a float zero
         point, ``-minimum / scale``, within an ulp or two of the values; a group of scale 0 (all its
         values equal to its minimum) becomes codes 0 - zero point 1 times the minimum, which is exact."""
-        low = self.minimum.values()[..., None]
-        flat = self.scale == 0
-        zero_point = np.where(flat, np.float32(1.0), -low / np.where(flat, 1.0, self.scale)).astype(np.float32)
+        low, scale = self.minimum.values()[..., None], self.scale  # scale: computed from steps, once
+        flat = scale == 0
+        zero_point = np.where(flat, np.float32(1.0), -low / np.where(flat, 1.0, scale)).astype(np.float32)
         codes = np.where(flat, np.uint8(0), self.codes).astype(np.uint8)
-        return codes, np.where(flat, -low, self.scale).astype(np.float32), zero_point
+        return codes, np.where(flat, -low, scale).astype(np.float32), zero_point
 
     def offsets(self) -> np.ndarray:
         """What each group adds to ``(codes - center) * scale``: ``center * scale + minimum``
@@ -227,6 +227,7 @@ def _small(values: np.ndarray) -> ov.Output:
     constant = ops.constant(kept)
     return (ops.convert(constant, ov.Type.f32) if kept.dtype == np.float16 else constant).output(0)
 
+
 # From this many weights on, a matrix with a minimum gets its offsets from a second MatMul (see
 # above); a smaller one keeps a float zero point, where the extra ops cost more than they save.
 OFFSETS_FROM = 2**21
@@ -262,10 +263,10 @@ class _Parts:
 
     @classmethod
     def of(cls, table: Table) -> "_Parts":
-        if table.codes is None:
-            return cls(None, _small(table.scale))
-        kind = ov.Type.i8 if table.codes.dtype == np.int8 else ov.Type.u8
-        return cls(_integers(table.codes, kind), _small(table.scale))
+        codes = table.codes
+        if codes is not None:
+            codes = _integers(codes, ov.Type.i8 if codes.dtype == np.int8 else ov.Type.u8)
+        return cls(codes, _small(table.scale))
 
     def values(self) -> ov.Output:
         """The table as an f32 ``[rows, groups, 1]`` graph output: codes times scale, exact in f32,
