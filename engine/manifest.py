@@ -69,6 +69,15 @@ class Manifest:
         return self.layers[0] == 0
 
     @property
+    def rank(self) -> int:
+        """This shard's tensor-parallel rank (``engine.transport.mesh``; 0 of 1 when it is not split)."""
+        return int(self.export.get("tensor_parallel", {}).get("rank", 0))
+
+    @property
+    def ranks(self) -> int:
+        return int(self.export.get("tensor_parallel", {}).get("ranks", 1))
+
+    @property
     def last(self) -> bool:
         return self.layers[1] == self.spec.num_layers
 

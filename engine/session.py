@@ -33,7 +33,7 @@ from engine.fleet.deploy import Deployment, LiveRecord, Sent
 from engine.fleet.failover import Failover
 from engine.fleet.local import LocalAgent, local_up
 from engine.fleetkey import key_file, load_key, load_tls
-from engine.manifest import expand_shard_dirs, is_shard_set
+from engine.manifest import expand_shard_dirs, is_shard_set, load_manifest
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, pull
 from engine.runtime.decode.remotedraft import DraftLink
@@ -41,6 +41,7 @@ from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import draft_head, draft_weights, open_draft_chain, stream_drafters
 from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import REWIND, compile_config
@@ -69,6 +70,7 @@ class Launch:
     isolate: bool = False  # one compiled model per stream
     delay_ms: float = 0.0  # injected one-way delay per hop (local worker processes)
     connect_timeout_s: float = 60.0
+    mesh: str | None = None  # where tensor-parallel rank 0 (the shard here) listens for the workers' ranks
 
 
 @dataclasses.dataclass
@@ -136,12 +138,13 @@ def pull_model(source: str, progress: Progress = quiet, cancel=None) -> None:
 
 
 def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = AUTO_WEIGHTS,
-           out: Path | None = None, force: bool = False, head: str = "int8", progress: Progress = quiet, cancel=None):
+           out: Path | None = None, force: bool = False, head: str = "int8", ranks: int = 1, progress: Progress = quiet,
+           cancel=None):
     """Pulls a catalog model when needed, then exports it (or finds the export in the cache)."""
     pull_model(source, progress, cancel)
     count = len(split) + 1 if split else stages or 1  # as ``plan_split`` cuts the model
     return export_model(source, stages=stages, split=split, weights=weights, out=out, force=force, cancel=cancel,
-                        head=head, progress=lambda i, step, frac: progress(("stage", i, step, frac, count)))
+                        head=head, ranks=ranks, progress=lambda i, step, frac: progress(("stage", i, step, frac, count)))
 
 
 def resolve_shards(source: str | Path, *, stages: int, weights: str, head: str = "int8", progress: Progress = quiet,
@@ -199,6 +202,15 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         if len(folders) != 1:
             raise FleetError("with remote workers, give only the stage-0 shard folder")
         devices, remotes = [settings.device], launch.remote
+        if load_manifest(folders[0]).ranks > 1:
+            if not launch.mesh:
+                raise FleetError(f"{folders[0]} is tensor-parallel rank 0: give --mesh HOST:PORT, where it "
+                                 f"listens for the other ranks")
+            progress(("status", "waiting for the other tensor-parallel ranks"))
+            chain = RankChain(folders[0], launch.mesh, remotes, key=key, device=settings.device, mode=settings.mode,
+                              precision=launch.precision, tls=tls, deadline_s=settings.deadline_s,
+                              connect_timeout_s=launch.connect_timeout_s)
+            return Opened(chain, "remote")
     else:
         if len(folders) < 2:
             raise FleetError("local workers need a model split into at least 2 stages")

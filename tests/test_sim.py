@@ -5,7 +5,8 @@ a PC whose cable is cut mid-reply (link down: packets vanish, no reset) has its 
 reply carries on token-identical; its link back, it is offered to the fleet again; shards cross a
 bandwidth-capped link and a cut transfer resumes; a PC given a link delay holds the rounds through
 it and no other PC's; a model no single PC's memory cap holds is placed over several PCs; two PCs of a split compute at the
-same time, several users' streams in flight, each reply token-identical.  Needs root (CI runs as root); nothing made is left behind."""
+same time, several users' streams in flight, each reply token-identical; two PCs as tensor-parallel
+ranks decode what the whole model does.  Needs root (CI runs as root); nothing made is left behind."""
 
 from __future__ import annotations
 
@@ -494,6 +495,43 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
     assert chain.most_in_flight >= 2
     # taking turns: 0-1 in 90; at once: 14-28 in 95, depending on the machine's load
     assert overlap.share > 0.08, (overlap.both, overlap.either)
+
+
+def test_two_pcs_as_tensor_parallel_ranks_decode_what_the_whole_model_does(office, tiny_models, tmp_path):
+    """Rank 0 here, rank 1 a `fleet worker --mesh` on pc2: every layer of every token is computed
+    by both (two exchanges a layer, one for the logits), and greedy replies are the whole model's."""
+    from engine.export.exporter import export_model, rank_folder
+    from engine.launch import fleet_command
+    from engine.runtime.relay.ranks import RankChain
+
+    source = str(tiny_models["qwen2"])
+    ranks = export_model(source, weights="f32", ranks=2, out=tmp_path / "ranks").out
+    pc2, mesh = office.nodes["pc2"], f"{office.coordinator_ip}:7421"
+    worker = office.spawn("pc2", fleet_command("worker", "--shard", str(rank_folder(ranks, 1)), "--listen",
+                                               "0.0.0.0:7420", "--mesh", mesh, "--mode", "exact", "--no-tls",
+                                               "--fleet-key-file", str(office.key_file)), tmp_path / "rank1.log")
+    asks = (MESSAGES, [{"role": "user", "content": "Count to ten."}])
+    whole = export_model(source, stages=1, weights="f32").folders
+    alone = ChatService(LocalChain(whole, config=compile_config("exact")), streams=1)
+    chain = None
+    try:
+        want = [alone.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]
+        chain = RankChain(rank_folder(ranks, 0), mesh, [f"{pc2.ip}:7420"], key=_key(office), mode="exact",
+                          connect_timeout_s=120)
+        service = ChatService(chain, streams=1, prefix_cache=False)
+        try:
+            got = [service.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]
+        finally:
+            service.close()
+        layers = load_manifest(rank_folder(ranks, 0)).spec.num_layers
+        forwards = chain.mesh.exchanges // (2 * layers + 1)
+        assert chain.mesh.exchanges == forwards * (2 * layers + 1) and forwards >= 24
+    finally:
+        alone.close()
+        if chain is not None:
+            chain.close()
+        worker.terminate()
+    assert got == want
 
 
 def _folders(source: str, split: list[int]) -> list[Path]:

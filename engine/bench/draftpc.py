@@ -11,12 +11,11 @@ they take turns wave by wave (64 greedy tokens a user, a different prompt each, 
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import chat_wave, close_all, pin_process
+from engine.bench.office import chat_wave, close_all, interleave, pin_process
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim import Office
@@ -63,7 +62,6 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
     draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
     before = pin_process({core})
     opened: list = []
-    samples: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     try:
         def service(factory) -> ChatService:
             chain = LocalChain(target)
@@ -78,21 +76,11 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
         services[DRAFTING_PC] = service(lambda chain: drafter_factory("remote", chain, remote=link))
         for svc in services.values():  # warm: first compiles, first shapes
             chat_wave(svc, 1, 16)
-        total, done = runs * len(users) * len(services), 0
-        for run in range(runs):
-            for u in users:
-                for name, svc in services.items():
-                    tok_s, ttft = chat_wave(svc, u, tokens)
-                    samples.setdefault((name, u), []).append((tok_s, ttft))
-                    log(f"run {run + 1}/{runs}, {u} user(s), {name}: {tok_s:.2f} tok/s")
-                    done += 1
-                    hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
+        rows = interleave({name: lambda u, svc=svc: chat_wave(svc, u, tokens) for name, svc in services.items()},
+                          users, runs, log, hooks)
     finally:
         close_all(opened, log)
         pin_process(before)
-    rows = [{"server": name, "users": u, "tok_s": round(statistics.median(t for t, _ in got), 2),
-             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got]}
-            for (name, u), got in samples.items()]
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {}
     for u in users:

@@ -82,7 +82,7 @@ def close_all(opened: list, log) -> None:
             log(f"closing {thing!r} failed: {exc}")
 
 
-def _messages(users: int) -> list[list[dict]]:
+def messages(users: int) -> list[list[dict]]:
     prompts = list(PROMPTS.values())
     return [[{"role": "user", "content": prompts[u % len(prompts)]}] for u in range(users)]
 
@@ -90,7 +90,7 @@ def _messages(users: int) -> list[list[dict]]:
 def chat_wave(service: ChatService | Replicas, users: int, tokens: int) -> tuple[float, float]:
     """One request per user at once, a different prompt each: (aggregate tok/s, median first token ms)."""
     started = time.perf_counter()
-    handles = [service.submit(m, tokens, ignore_eos=True) for m in _messages(users)]
+    handles = [service.submit(m, tokens, ignore_eos=True) for m in messages(users)]
     replies = [h.wait(1200) for h in handles]
     wall = time.perf_counter() - started
     failed = [r.error or "no reply in time" for r in replies if r is None or r.error]
@@ -99,7 +99,7 @@ def chat_wave(service: ChatService | Replicas, users: int, tokens: int) -> tuple
     return sum(len(r.tokens) for r in replies) / wall, statistics.median(r.ttft_ms for r in replies)
 
 
-def _llama_wave(server: LlamaServer, prompts: list[list[int]], users: int, tokens: int) -> tuple[float, float]:
+def llama_wave(server: LlamaServer, prompts: list[list[int]], users: int, tokens: int) -> tuple[float, float]:
     timings: list[dict | BaseException] = [{}] * users
 
     def user(u: int) -> None:
@@ -147,6 +147,24 @@ class RpcServer:
         end_processes([self.proc], timeout_s=15)
 
 
+def interleave(waves: dict, users: tuple[int, ...], runs: int, log, hooks: Hooks = NO_HOOKS) -> list[dict]:
+    """Runs every wave (``name -> f(users) -> (tok/s, first token ms)``) at every user count, taking
+    turns, ``runs`` times; one row per configuration and user count with the medians."""
+    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    total, done = runs * len(users) * len(waves), 0
+    for run in range(runs):
+        for u in users:
+            for name, wave in waves.items():
+                tok_s, ttft = wave(u)
+                samples.setdefault((name, u), []).append((tok_s, ttft))
+                log(f"run {run + 1}/{runs}, {u} user(s), {name}: {tok_s:.2f} tok/s, first token {ttft:.0f} ms")
+                done += 1
+                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
+    return [{"server": name, "users": u, "tok_s": round(statistics.median(t for t, _ in got), 2),
+             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got]}
+            for (name, u), got in samples.items()]
+
+
 def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *, key: bytes, weights: str,
             tokens: int, users: tuple[int, ...], runs: int, core: int, log, hooks: Hooks = NO_HOOKS
             ) -> tuple[list[dict], dict]:
@@ -156,8 +174,7 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
     pc2 = office.nodes[next(iter(office.nodes))]
     layers = split.stages[-1].layers[1]
     half = split.stages[1].layers[0]
-    prompts = [ChatTokenizer(whole[0]).chat_ids(m).reshape(-1).tolist() for m in _messages(max(users))]
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    prompts = [ChatTokenizer(whole[0]).chat_ids(m).reshape(-1).tolist() for m in messages(max(users))]
     before = pin_process({core})
     opened: list = []
 
@@ -189,27 +206,14 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
         waves = {OURS_ONE: lambda u: chat_wave(ours_one, u, tokens),
                  OURS_SPLIT: lambda u: chat_wave(ours_split, u, tokens),
                  OURS_REPLICAS: lambda u: chat_wave(replicas, u, tokens),
-                 LLAMA_ONE: lambda u: _llama_wave(llama_one, prompts, u, tokens),
-                 LLAMA_SPLIT: lambda u: _llama_wave(llama_split, prompts, u, tokens)}
+                 LLAMA_ONE: lambda u: llama_wave(llama_one, prompts, u, tokens),
+                 LLAMA_SPLIT: lambda u: llama_wave(llama_split, prompts, u, tokens)}
         for name, wave in waves.items():  # warm: first compiles, first pages of the weights
             wave(2)
-        total, done = runs * len(users) * len(waves), 0
-        for run in range(runs):
-            for u in users:
-                for name, wave in waves.items():
-                    tok_s, ttft = wave(u)
-                    samples.setdefault((name, u), []).append((tok_s, ttft))
-                    log(f"run {run + 1}/{runs}, {u} user(s), {name}: {tok_s:.2f} tok/s, first token {ttft:.0f} ms")
-                    done += 1
-                    hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
+        rows = interleave(waves, users, runs, log, hooks)
     finally:
         close_all(opened, log)
         pin_process(before)
-    rows = []
-    for (name, u), got in samples.items():
-        rows.append({"server": name, "users": u, "tok_s": round(statistics.median(t for t, _ in got), 2),
-                     "ttft_ms": round(statistics.median(f for _, f in got), 1),
-                     "runs_tok_s": [round(t, 2) for t, _ in got]})
     return rows, _ratios(rows, users) | {"groups in flight on the split (most)": split_chain.most_in_flight}
 
 

@@ -16,10 +16,12 @@ each, the solver's split against llama.cpp whole on one (paging) and llama.cpp's
 PC (``engine.bench.slowpc``): two PCs of 0.9 of a core and one of a fifth, the solver's placement
 with the slow one and without it.  Then one user with a second PC that drafts
 (``engine.bench.draftpc``): the target on this PC, its draft model on PC 2, against the best
-speculation of this PC alone.  Then the solver's layout (``engine.bench.copies``): on 2 PCs of one
+speculation of this PC alone.  Then one user on two PCs as tensor-parallel ranks
+(``engine.bench.rankpc``): every layer's heads and MLP split between this PC and PC 2, against the
+same bar.  Then the solver's layout (``engine.bench.copies``): on 2 PCs of one
 core and on 3 PCs of 0.6 of a core each, whatever ``engine.fleet.layout`` chooses (a chain, copies of
 the model or both) against N times one PC at U/N users.  ``parts`` picks any of ``links`` (the
-deployment and cable-cut rows), ``office``, ``big``, ``slow``, ``draft`` and ``layout``.
+deployment and cable-cut rows), ``office``, ``big``, ``slow``, ``draft``, ``ranks`` and ``layout``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.bench import capped, draftpc
+from engine.bench import capped, draftpc, rankpc
 from engine.bench import office as office_bench
 from engine.bench import copies, slowpc
 from engine.bench.harness import NO_HOOKS, Hooks
@@ -69,7 +71,7 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
                                                                  coordinator="coordinator").to_json()}
 
 
-PARTS = ("links", "office", "big", "slow", "draft", "layout")
+PARTS = ("links", "office", "big", "slow", "draft", "ranks", "layout")
 OFFICE_USERS = (1, 2, 4, 8)
 LAYOUT_OFFICES = ((2, None, (2, 4, 8)), (3, 0.6, (3, 6)))  # PCs, CPU quota of each, user counts
 
@@ -78,8 +80,8 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, 
             runs: int = 2, parts: tuple[str, ...] = PARTS, memory_mb: int = 1000, draft: str = "qwen2.5-coder-0.5b",
             out: Path | None = None, log=print,
             hooks: Hooks = NO_HOOKS) -> dict:
-    """``users``: the user counts of the office (default 1, 2, 4, 8) and of the drafting PC (default 1,
-    2, 4), and which of the layout's offices run (those with any of them; default both)."""
+    """``users``: the user counts of the office (default 1, 2, 4, 8), of the drafting PC (default 1,
+    2, 4) and of the ranks (default 1), and which of the layout's offices run (those with any of them; default both)."""
     require_root("fleet bench sim")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -89,17 +91,20 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, 
     if "links" in parts and tokens <= CUT_AFTER + 4:
         raise FleetError(f"fleet bench sim needs replies of more than {CUT_AFTER + 4} tokens, not {tokens}")
     office_users, draft_users = tuple(users or OFFICE_USERS), tuple(users or draftpc.USERS)
+    rank_users = tuple(users or rankpc.USERS)
     layout_counts = sorted({u for _, _, counts in LAYOUT_OFFICES for u in counts})
     if "layout" in parts and users and not set(users) & set(layout_counts):
         raise FleetError(f"fleet bench sim's layout serves {', '.join(map(str, layout_counts))} users, "
                          f"none of {', '.join(map(str, users))}")
     gguf = None
-    if "office" in parts or "big" in parts:
+    if {"office", "big", "ranks"} & set(parts):
         try:
             gguf = llamacpp_gguf(model)
         except LlamaCppUnavailable as exc:
-            raise FleetError(f"the office comparisons run llama.cpp on the model's GGUF: {exc}") from None
-    later = [part for part in ("office", "big", "slow", "draft", "layout") if part in parts]  # a step each
+            if "office" in parts or "big" in parts:
+                raise FleetError(f"the office comparisons run llama.cpp on the model's GGUF: {exc}") from None
+            log(f"the ranks run without llama.cpp's rows: {exc}")
+    later = [part for part in ("office", "big", "slow", "draft", "ranks", "layout") if part in parts]  # a step each
     steps = len(rates) * ("links" in parts) + len(later) + 1
 
     def begin(part: str, what: str) -> Hooks:
@@ -183,6 +188,18 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, 
             settings |= {"draft": {"draft_model": draft, "users": list(draft_users),
                                    "pcs": "this machine (PC 1, one core) holds the target; PC 2 (one core, "
                                           "1 Gbit/s) the draft model"}}
+        if "ranks" in parts:
+            within = begin("ranks", "one user on two PCs as tensor-parallel ranks")
+            spec = NodeSpec("pc2", cpus=str(cores[1]), rate_mbit=1000.0)
+            with Office([spec], key_file=key_file, root=Path(tmp) / "ranks", log=log) as office:
+                rank_rows, rank_ratios, notes = rankpc.compare_ranks(
+                    office, model, draft, key=key, weights=weights, tokens=tokens, users=rank_users, runs=runs,
+                    core=cores[0], log=log, hooks=within, gguf=gguf)
+            for row in rank_rows:
+                hooks.row(row)
+            rows += rank_rows
+            ratios |= rank_ratios
+            settings |= {"ranks": {"draft_model": draft, "users": list(rank_users), **notes}}
         if "layout" in parts:
             within = begin("layout", "the solver's layout on 2 and 3 PCs")
             for pcs, quota, counts in LAYOUT_OFFICES:

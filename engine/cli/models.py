@@ -39,7 +39,7 @@ def parse_split(text: str | None) -> list[int] | None:
 def cmd_export(args) -> int:
     result = export(args.model, stages=args.stages, split=parse_split(args.split), weights=args.weights,
                     out=Path(args.out) if args.out else None, force=args.force, head=args.head,
-                    progress=progress_printer())
+                    ranks=args.ranks, progress=progress_printer())
     if result.stages:
         weights = load_manifest(result.stages[0].folder).weights  # what "auto" resolved to
         choice = choice_of(weights)
@@ -77,6 +77,10 @@ def add_commands(sub) -> None:
                              "int4-gptq for a float checkpoint under 1B parameters; int4 otherwise")
     export.add_argument("--head", default="int8", choices=HEAD_FORMATS,
                         help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
+    export.add_argument("--ranks", type=int, default=1,
+                        help="split every layer into this many tensor-parallel ranks (one PC each) instead of "
+                             "stages: rank0/, rank1/... (run rank 0 with the coordinator, the others with "
+                             "`fleet worker --mesh`)")
     export.add_argument("--out", help="output folder (default: the shard cache)")
     export.add_argument("--force", action="store_true", help="export again even if cached")
     export.set_defaults(func=cmd_export)

@@ -57,11 +57,48 @@ def _identity(x):
     return x
 
 
+def share(count: int, rank: int, ranks: int) -> tuple[int, int]:
+    """Rank ``rank``'s part ``[lo, hi)`` of ``count`` items split as evenly as they go."""
+    return count * rank // ranks, count * (rank + 1) // ranks
+
+
+MLP_UNIT = 128  # the MLP's columns split in whole INT4 groups, so each rank's codes are the whole model's
+
+
+def rank_weights(spec: ModelSpec, weights: dict[str, np.ndarray], rank: int, ranks: int) -> tuple[dict, int, int]:
+    """A layer's matrices as tensor-parallel rank ``rank`` of ``ranks`` holds them: its key/value
+    heads (and the query heads that read them), its columns of the MLP; returns them with the rank's
+    query and key/value head counts.  The output projections keep every row and only the rank's
+    columns: their outputs are partial sums, added across the ranks (``mesh.AllReduce``)."""
+    if ranks == 1:
+        return weights, spec.num_heads, spec.num_kv_heads
+    groups = spec.num_heads // spec.num_kv_heads
+    kv_lo, kv_hi = share(spec.num_kv_heads, rank, ranks)
+    d = spec.head_dim
+    q_rows = slice(kv_lo * groups * d, kv_hi * groups * d)
+    kv_rows = slice(kv_lo * d, kv_hi * d)
+    unit = MLP_UNIT if spec.intermediate_size % (MLP_UNIT * ranks) == 0 else 1
+    lo, hi = share(spec.intermediate_size // unit, rank, ranks)
+    mlp = slice(lo * unit, hi * unit)
+    rows = {"q": q_rows, "q_bias": q_rows, "k": kv_rows, "k_bias": kv_rows, "v": kv_rows, "v_bias": kv_rows,
+            "gate": mlp, "up": mlp}
+    columns = {"o": q_rows, "down": mlp}
+    sliced = {}
+    for name, w in weights.items():
+        if name in rows:
+            w = w[rows[name]]
+        elif name in columns:
+            w = w[:, columns[name]]
+        sliced[name] = np.ascontiguousarray(w)
+    return sliced, (kv_hi - kv_lo) * groups, kv_hi - kv_lo
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], dtype=np.float32,
-                 activation: str = "silu", sliding: bool = False):
+                 activation: str = "silu", sliding: bool = False, rank: int = 0, ranks: int = 1):
         super().__init__()
         self.spec = spec
+        weights, self.heads, self.kv_heads = rank_weights(spec, weights, rank, ranks)
         self.sliding = sliding
         self.act = ACTIVATIONS[activation]
         self.input_norm = RMSNorm(weights["input_norm"], spec.rms_eps)
@@ -82,9 +119,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, past_k, past_v):
         spec = self.spec
         h = self.input_norm(x)
-        q = self.q_norm(self._project(h, spec.num_heads, self.q, self.q_bias))
-        k = self.k_norm(self._project(h, spec.num_kv_heads, self.k, self.k_bias))
-        v = self._project(h, spec.num_kv_heads, self.v, self.v_bias)
+        q = self.q_norm(self._project(h, self.heads, self.q, self.q_bias))
+        k = self.k_norm(self._project(h, self.kv_heads, self.k, self.k_bias))
+        v = self._project(h, self.kv_heads, self.v, self.v_bias)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         k = torch.cat([past_k, k], dim=2)
@@ -97,7 +134,7 @@ class DecoderLayer(nn.Module):
             v_all = v[:, :, None, :, :].expand(b, kvh, groups, s, d).reshape(b, kvh * groups, s, d)
         attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=spec.attention_scale)
         b, _, t, _ = attn.shape
-        x = x + self.attn_out_norm(F.linear(attn.transpose(1, 2).reshape(b, t, spec.num_heads * spec.head_dim), _w(self.o)))
+        x = x + self.attn_out_norm(F.linear(attn.transpose(1, 2).reshape(b, t, self.heads * spec.head_dim), _w(self.o)))
         h = self.post_norm(x)
         x = x + self.ffn_out_norm(F.linear(self.act(F.linear(h, _w(self.gate))) * F.linear(h, _w(self.up)), _w(self.down)))
         return x, k, v
@@ -113,12 +150,15 @@ class DecoderStage(nn.Module):
     traced nor held twice.
     """
 
-    def __init__(self, ckpt: Checkpoint, start: int, end: int, weight_dtype=np.float32):
+    def __init__(self, ckpt: Checkpoint, start: int, end: int, weight_dtype=np.float32, rank: int = 0,
+                 ranks: int = 1):
         """``weight_dtype=np.float16`` halves the memory of the matrices (exports to 16-bit or
-        compressed formats lose nothing by it); norms, biases and the computation stay f32."""
+        compressed formats lose nothing by it); norms, biases and the computation stay f32.
+        ``rank`` of ``ranks``: the tensor-parallel part of each layer (``rank_weights``)."""
         super().__init__()
         spec = ckpt.spec
         self.spec, self.start, self.end = spec, start, end
+        self.rank, self.ranks = rank, ranks
         self.first = start == 0
         self.last = end == spec.num_layers
         parts = ckpt.arch.layer_parts()
@@ -129,9 +169,12 @@ class DecoderStage(nn.Module):
                 weight_dtype,
                 ckpt.arch.activation,
                 sliding=i in spec.sliding_layers,
+                rank=rank,
+                ranks=ranks,
             )
             for i in range(start, end)
         )
+        self.kv_heads = self.layers[0].kv_heads if len(self.layers) else spec.num_kv_heads
         self.final_norm = RMSNorm(ckpt.read("final_norm"), spec.rms_eps) if self.last else None
         self.register_buffer("inv_freq", self._inv_freq(spec.rope_theta), persistent=False)
         self.register_buffer("sliding_inv_freq", self._inv_freq(spec.sliding_rope_theta or spec.rope_theta),

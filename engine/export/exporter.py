@@ -82,14 +82,19 @@ class ExportResult:
 
 
 def default_out(name: str, fingerprint: str, weights: str, ranges: list[tuple[int, int]], beam_idx: bool = True,
-                head: str = "int8") -> Path:
+                head: str = "int8", ranks: int = 1) -> Path:
     cuts = "-".join(str(end) for _, end in ranges)
     tags = ("" if beam_idx else "-nobeam") + ("" if head == "int8" else f"-head{head}")
+    tags += f"-tp{ranks}" if ranks > 1 else ""
     return paths().shards / f"{name}-{weights}-{cuts}{tags}-{fingerprint[:10]}"
 
 
 def stage_folder(out: Path, index: int) -> Path:
     return Path(out) / f"stage{index}"
+
+
+def rank_folder(out: Path, rank: int) -> Path:
+    return Path(out) / f"rank{rank}"
 
 
 def export_model(
@@ -105,6 +110,7 @@ def export_model(
     beam_idx: bool = True,
     only: list[int] | None = None,
     head: str = "int8",
+    ranks: int = 1,
 ) -> ExportResult:
     """Exports ``source`` (catalog name, GGUF path or HF folder) into one shard folder per stage.
 
@@ -114,6 +120,9 @@ def export_model(
     layers, not the whole model).  ``head="int4"`` stores the LM head (of an int4 export) in INT4
     too, for draft models.  A ``compress.CALIBRATED`` format runs the float model over the
     calibration text first (``engine.export.calibration``), in each stage's own process.
+    ``ranks`` > 1 exports a whole model as that many tensor-parallel ranks instead of stages
+    (``rank_folder``; ``engine.transport.mesh``): each holds every layer's share of heads and
+    MLP columns and its share of the vocabulary.
     """
     if head not in HEAD_FORMATS:
         raise ExportError(f"unknown head format {head!r}; choose one of {', '.join(HEAD_FORMATS)}")
@@ -133,13 +142,15 @@ def export_model(
         if head == "int4" and not int4_layers(weights):
             raise ExportError(f"{INT4_HEAD_ALONE}; auto exports {source} as {weights}")
     ranges = plan_split(spec.num_layers, stages, split)
+    if ranks > 1:
+        _check_ranks(spec, ranks, len(ranges), weights)
     name = resolved.entry.name if resolved.entry else resolved.path.stem
-    out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx, head)
+    out = Path(out) if out else default_out(name, resolved.fingerprint, weights, ranges, beam_idx, head, ranks)
 
     indices = sorted(set(only)) if only else list(range(len(ranges)))
     if indices[0] < 0 or indices[-1] >= len(ranges):
         raise ExportError(f"stage indices {only} do not exist in a {len(ranges)}-stage split")
-    cached = None if force else _reuse(out, resolved.fingerprint, weights, ranges, beam_idx, indices, head)
+    cached = None if force else _reuse(out, resolved.fingerprint, weights, ranges, beam_idx, indices, head, ranks)
     if cached is not None:
         return ExportResult(out, cached, cached=True)
 
@@ -147,33 +158,50 @@ def export_model(
     reports = []
     for index in indices:
         start, end = ranges[index]
-        job = dict(
-            kind=resolved.kind, path=str(resolved.path), name=name, fingerprint=resolved.fingerprint,
-            start=start, end=end, index=index, count=len(ranges), weights=weights,
-            folder=str(stage_folder(out, index)), beam_idx=beam_idx, head=head,
-        )
-        reports.append(_run_stage(job, progress, cancel))
+        for rank in range(ranks):
+            job = dict(
+                kind=resolved.kind, path=str(resolved.path), name=name, fingerprint=resolved.fingerprint,
+                start=start, end=end, index=index, count=len(ranges), weights=weights,
+                folder=str(rank_folder(out, rank) if ranks > 1 else stage_folder(out, index)),
+                beam_idx=beam_idx, head=head, rank=rank, ranks=ranks,
+            )
+            reports.append(_run_stage(job, progress, cancel))
     return ExportResult(out, reports, cached=False)
 
 
+def _check_ranks(spec, ranks: int, stages: int, weights: str) -> None:
+    if stages > 1:
+        raise ExportError("tensor-parallel ranks hold a whole model each: export them without a split")
+    if weights == "gguf":
+        raise ExportError("the gguf weight format is not split into tensor-parallel ranks yet: "
+                          "choose int4, int8 or fp16")
+    if spec.num_kv_heads < ranks:
+        raise ExportError(f"the model has {spec.num_kv_heads} key/value heads: it cannot be split into "
+                          f"{ranks} tensor-parallel ranks")
+    if spec.vocab_size % ranks:
+        raise ExportError(f"the vocabulary ({spec.vocab_size} tokens) does not split evenly into {ranks} ranks")
+
+
 def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool,
-           indices: list[int], head: str = "int8") -> list[StageReport] | None:
+           indices: list[int], head: str = "int8", ranks: int = 1) -> list[StageReport] | None:
+    folders = [rank_folder(out, r) for r in range(ranks)] if ranks > 1 else [stage_folder(out, i) for i in indices]
+    indices = [indices[0]] * ranks if ranks > 1 else indices
     try:
-        manifests = [load_manifest(stage_folder(out, i)) for i in indices]
+        manifests = [load_manifest(f) for f in folders]
         if len(indices) == len(ranges):
             check_chain(manifests)
     except ShardError:
         return None
     if any(m.fingerprint != fingerprint or m.weights != weights or tuple(m.layers) != ranges[i]
-           or m.stage_index != i or m.export.get("beam_idx", True) != beam_idx
+           or m.stage_index != i or m.ranks != ranks or m.export.get("beam_idx", True) != beam_idx
            or m.export.get("head", "int8") != head
            or m.export.get("exporter") != EXPORTER_VERSION
            for m, i in zip(manifests, indices)):
         return None
     return [
-        StageReport(m.stage_index, tuple(m.layers), stage_folder(out, i), m.export.get("peak_rss_mb", 0.0),
-                    m.export.get("seconds", 0.0), _size_mb(stage_folder(out, i)))
-        for i, m in zip(indices, manifests)
+        StageReport(m.stage_index, tuple(m.layers), f, m.export.get("peak_rss_mb", 0.0),
+                    m.export.get("seconds", 0.0), _size_mb(f))
+        for f, m in zip(folders, manifests)
     ]
 
 
@@ -252,6 +280,7 @@ def _vocabulary(ckpt, job: dict):
     embedding that is not also the head keeps the GGUF's codes (``gguf_weights.lookup_table``)."""
     first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
     dtype = staging_dtype(job["weights"])
+    rank, ranks = job.get("rank", 0), job.get("ranks", 1)
     embed = None
     if first:
         if job["weights"] == "gguf" and not (last and ckpt.spec.tie_embeddings):
@@ -260,12 +289,14 @@ def _vocabulary(ckpt, job: dict):
             embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"])
     head = None
     if last:
+        vocab = ckpt.spec.vocab_size
+        rows = slice(vocab * rank // ranks, vocab * (rank + 1) // ranks)  # a tensor-parallel rank's share
         if job.get("head") == "int4":
-            head = head_table_int4(ckpt.read_head(dtype=dtype))
-        elif first and ckpt.spec.tie_embeddings:
+            head = head_table_int4(ckpt.read_head(dtype=dtype)[rows])
+        elif first and ckpt.spec.tie_embeddings and ranks == 1:
             head = embed
         else:
-            head = vocab_table(ckpt.read_head(dtype=dtype), job["weights"])
+            head = vocab_table(ckpt.read_head(dtype=dtype)[rows], job["weights"])
     return embed, head
 
 
@@ -326,7 +357,8 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     # Vocabulary tables first: their float staging is gone before the layers arrive.
     vocabulary = _vocabulary(ckpt, job)
     _release_free_memory()
-    stage = DecoderStage(ckpt, job["start"], job["end"], weight_dtype=staging_dtype(job["weights"]))
+    stage = DecoderStage(ckpt, job["start"], job["end"], weight_dtype=staging_dtype(job["weights"]),
+                         rank=job.get("rank", 0), ranks=job.get("ranks", 1))
     _release_free_memory()
     in_names, _, pairs = io_names(stage)
     matrices = _staged_matrices(stage) if job["weights"] == "gguf" else None
@@ -334,7 +366,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     model = convert_stage(stage)
     del stage
     scale = ckpt.spec.hidden_size ** 0.5 if ckpt.arch.scaled_embeddings else None
-    model = attach_vocabulary(model, *vocabulary, embed_scale=scale)
+    model = attach_vocabulary(model, *vocabulary, embed_scale=scale, ranks=job.get("ranks", 1))
     del vocabulary
     step()
     model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))
@@ -366,6 +398,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
         export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
                 "beam_idx": job.get("beam_idx", True), "head": job.get("head", "int8"),
                 **({"gguf_weights": carried} if carried is not None else {}),
+                **({"tensor_parallel": {"rank": job["rank"], "ranks": job["ranks"]}} if job.get("ranks", 1) > 1 else {}),
                 **({"calibration": {"text": cal.TEXT.name, "sequences": int(calibration.shape[0]),
                                     "tokens": int(calibration.shape[1]), **CALIBRATED[job["weights"]]}}
                    if calibration is not None else {}),

@@ -378,6 +378,18 @@ def fingerprint(array: np.ndarray) -> bytes:
     return hashlib.blake2b(memoryview(np.ascontiguousarray(array)).cast("B"), digest_size=16).digest()
 
 
+def weight_constants(model: ov.Model):
+    """(MatMul, the Constant of its weight, behind a Convert or not) for every MatMul with one."""
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "MatMul":
+            continue
+        node = op.input_value(1).get_node()
+        if node.get_type_name() == "Convert":
+            node = node.input_value(0).get_node()
+        if node.get_type_name() == "Constant":
+            yield op, node
+
+
 def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict:
     """Gives every MatMul whose weight constant holds a quantized GGUF matrix (``matrices``: the staged
     matrices' fingerprints -> (part, layer)) the GGUF's own codes; returns what was carried, by type,
@@ -385,14 +397,7 @@ def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict
     carried: dict[str, int] = {}
     kept: list[str] = []
     sums: dict = {}
-    for op in model.get_ordered_ops():
-        if op.get_type_name() != "MatMul":
-            continue
-        node = op.input_value(1).get_node()
-        if node.get_type_name() == "Convert":
-            node = node.input_value(0).get_node()
-        if node.get_type_name() != "Constant":
-            continue
+    for op, node in weight_constants(model):
         found = matrices.pop(fingerprint(node.get_data()), None)
         if found is None:
             continue

@@ -17,8 +17,10 @@ import torch
 from openvino.op.util import Variable, VariableInfo
 
 from engine.export.decoder import DecoderStage
+from engine.export.gguf_weights import fingerprint, weight_constants
 from engine.manifest import BEAM_IDX
 from engine.pinned import pin_libraries
+from engine.transport.mesh import AllReduce, all_gather
 
 
 def io_names(stage: DecoderStage) -> tuple[list[str], list[str], list[tuple[str, str]]]:
@@ -37,7 +39,7 @@ def example_inputs(stage: DecoderStage, seq: int = 3, past: int = 2) -> tuple[to
     hidden = torch.randn(1, seq, spec.hidden_size)
     mask = torch.ones(1, past + seq, dtype=torch.int64)
     pos = torch.arange(past, past + seq)[None]
-    kv = [torch.randn(1, spec.num_kv_heads, past, spec.head_dim) for _ in range(2 * (stage.end - stage.start))]
+    kv = [torch.randn(1, stage.kv_heads, past, spec.head_dim) for _ in range(2 * (stage.end - stage.start))]
     return (hidden, mask, pos, *kv)
 
 
@@ -53,7 +55,7 @@ def convert_stage(stage: DecoderStage) -> ov.Model:
     example = example_inputs(stage)
     with torch.no_grad():
         traced = torch.jit.trace(stage.eval(), example, check_trace=False)
-    kv_shape = ov.PartialShape([-1, spec.num_kv_heads, -1, spec.head_dim])
+    kv_shape = ov.PartialShape([-1, stage.kv_heads, -1, spec.head_dim])
     shapes = [ov.PartialShape([-1, -1, spec.hidden_size]), ov.PartialShape([-1, -1]), ov.PartialShape([-1, -1])]
     shapes += [kv_shape] * (len(in_names) - 3)
     types = [ov.Type.f32, ov.Type.i64, ov.Type.i64] + [ov.Type.f32] * (len(in_names) - 3)
@@ -65,17 +67,37 @@ def convert_stage(stage: DecoderStage) -> ov.Model:
         port.get_tensor().set_names({name})
     for port, name in zip(model.outputs, out_names):
         port.get_tensor().set_names({name})
+    if stage.ranks > 1:
+        add_all_reduces(model, stage)
     return model
 
 
+def add_all_reduces(model: ov.Model, stage: DecoderStage) -> None:
+    """Puts an ``AllReduce`` after each layer's output projections (found by their weights' bytes),
+    whose outputs on a tensor-parallel rank are partial sums."""
+    wanted = {fingerprint(getattr(layer, part).detach().numpy()) for layer in stage.layers for part in ("o", "down")}
+    found = 0
+    for op, node in list(weight_constants(model)):
+        if fingerprint(node.get_data()) not in wanted:
+            continue
+        targets = list(op.output(0).get_target_inputs())
+        reduced = AllReduce(op.output(0))
+        for target in targets:
+            target.replace_source_output(reduced.output(0))
+        found += 1
+    if found != 2 * len(stage.layers):
+        raise RuntimeError(f"found {found} output projections to reduce across ranks, expected {2 * len(stage.layers)}")
+
+
 def attach_vocabulary(model: ov.Model, embed: ov.Output | None, head: ov.Output | None,
-                      embed_scale: float | None = None) -> ov.Model:
+                      embed_scale: float | None = None, ranks: int = 1) -> ov.Model:
     """Gives a first stage ``input_ids -> Gather(embed)`` in place of its hidden-state input, and a
     last stage ``MatMul(hidden, head^T) -> logits`` in place of its hidden-state output.
 
     ``embed`` and ``head`` are f32 outputs of the vocabulary tables (``compress.vocab_table``); a
     tied single-stage model passes the same table twice.  ``embed_scale`` multiplies the looked-up
-    embeddings (Gemma scales them by sqrt(hidden_size)).
+    embeddings (Gemma scales them by sqrt(hidden_size)).  With ``ranks`` > 1 ``head`` is this
+    rank's share of the vocabulary, and an ``AllGather`` puts the ranks' logits side by side.
     """
     params = list(model.get_parameters())
     if embed is not None:
@@ -92,6 +114,8 @@ def attach_vocabulary(model: ov.Model, embed: ov.Output | None, head: ov.Output 
     if head is not None:
         normed = results[0].input_value(0)
         logits = ops.matmul(normed, head, transpose_a=False, transpose_b=True)
+        if ranks > 1:
+            logits = all_gather(logits.output(0), ranks)
         results[0].input(0).replace_source_output(logits.output(0))
     rebuilt = ov.Model(results, params, model.get_friendly_name())
     if head is not None:

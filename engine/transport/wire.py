@@ -83,6 +83,7 @@ class Msg(enum.IntEnum):
     REPLY = 21  # the agent's answer to a CALL: [JSON] plus an optional raw uint8 payload
     SYNC = 22  # to a draft server: a stream's text is now what it was told up to a point, then these tokens
     DRAFTS = 23  # from a draft server: tokens it drafted, from a position of a stream's text on
+    SHARE = 24  # between tensor-parallel ranks: a partial sum or vocabulary slice ([x f32]; seq counts them)
 
 
 class Flag(enum.IntFlag):

@@ -24,7 +24,9 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import FleetError, ShardError
+from engine.manifest import load_manifest
 from engine.runtime.stages.factory import open_stage
+from engine.transport.mesh import Mesh
 from engine.runtime.stages.output import select
 from engine.runtime.stages.packing import Part
 from engine.runtime.stages.stage import compile_config
@@ -34,6 +36,7 @@ from engine.transport.link import Link, Listening, accept_loop, authenticate_pee
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
+MESH_WAIT_S = 120.0  # how long a tensor-parallel rank waits for rank 0 to listen
 TOKEN_COUNT_S = 5.0  # how often a serving worker logs the tokens it served (the tray's live tally)
 
 
@@ -66,12 +69,29 @@ def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Fram
     return Frame(Msg.RESULT, frame.stream, frame.seq, tensors, frame.flags)
 
 
+def _join_mesh(shard: Path, address: str | None, key: bytes, tls) -> Mesh | None:
+    m = load_manifest(shard)
+    if m.ranks == 1:
+        if address:
+            raise ShardError(f"{shard} is not a tensor-parallel rank: it takes no mesh address")
+        return None
+    if m.rank == 0 or not address:
+        raise ShardError(f"{shard} is tensor-parallel rank {m.rank} of {m.ranks}: "
+                         + ("rank 0 runs with the coordinator" if m.rank == 0 else "give the address of rank 0's mesh"))
+    return Mesh.join(address, key, m.fingerprint, m.rank, m.ranks, timeout_s=MESH_WAIT_S, tls=tls)
+
+
 class Worker(Listening):
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
-                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None):
-        self.runner = open_stage(Path(shard), device, compile_config(mode, precision), isolate=isolate, turns=turns)
+                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None,
+                 mesh: str | None = None):
+        """``mesh``: where rank 0 of a tensor-parallel shard listens for the other ranks
+        (``engine.transport.mesh``); this worker joins it before it compiles its rank."""
+        self.mesh = _join_mesh(Path(shard), mesh, key, tls)
+        self.runner = open_stage(Path(shard), device, compile_config(mode, precision), isolate=isolate, turns=turns,
+                                 mesh=self.mesh)
         m = self.manifest = self.runner.manifest
         self.key = key
         self.tls = tls
@@ -115,7 +135,7 @@ class Worker(Listening):
 
     def describe(self) -> dict:
         m = self.manifest
-        return {"stage": m.stage_index, "layers": list(m.layers), "address": self.address,
+        return {"stage": m.stage_index, "layers": list(m.layers), "rank": m.rank, "address": self.address,
                 "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname(),
                 "packs": self.runner.packs, "turns": turns_identity(self.runner.turns)}
 

@@ -16,6 +16,8 @@ def stage_kind(manifest: Manifest, device: str, *, paged: bool | None = None, st
     asked for; else ``paged`` attention where it is supported or asked for; else ``stateful`` (also
     when ``isolate`` asks for one compiled model per stream)."""
     npu = device.upper().startswith("NPU")
+    if manifest.ranks > 1:  # a tensor-parallel rank: every rank must run the very same forwards
+        return "stateful"
     if static or (static is None and npu and not isolate):
         return "static"
     if paged or (paged is None and not npu and not isolate):
@@ -24,12 +26,14 @@ def stage_kind(manifest: Manifest, device: str, *, paged: bool | None = None, st
 
 
 def open_stage(folder: Path, device: str = "CPU", config: dict | None = None, manifest: Manifest | None = None,
-               *, paged: bool | None = None, static: bool | None = None, isolate: bool = False, turns=None):
-    """The stage runner ``stage_kind`` picks for a shard on ``device``."""
+               *, paged: bool | None = None, static: bool | None = None, isolate: bool = False, turns=None,
+               mesh=None):
+    """The stage runner ``stage_kind`` picks for a shard on ``device``; ``mesh`` for a
+    tensor-parallel rank (``engine.transport.mesh``)."""
     manifest = manifest or load_manifest(Path(folder))
     kind = stage_kind(manifest, device, paged=paged, static=static, isolate=isolate)
     if kind == "static":
         return StaticStage(folder, device, config, manifest, turns=turns)
     if kind == "paged":
         return PagedStage(folder, device, config, manifest, turns=turns)
-    return StageRunner(folder, device, config, manifest, isolate, turns)
+    return StageRunner(folder, device, config, manifest, isolate, turns, mesh)

@@ -37,6 +37,8 @@ def keep_last_logits(model: ov.Model) -> bool:
     untouched) when the logits do not come from a MatMul as ``graph.attach_vocabulary`` makes it."""
     result = model.outputs[0].get_node()
     head = result.input_value(0).get_node()
+    if head.get_type_name() == "AllGather":  # a tensor-parallel rank's share of the vocabulary
+        head = head.input_value(0).get_node()
     if head.get_type_name() != "MatMul":
         return False
     keep = ops.parameter(ov.PartialShape([1]), ov.Type.i64, name=LOGITS_TO_KEEP)

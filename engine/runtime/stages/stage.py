@@ -17,6 +17,7 @@ from engine.errors import ShardError
 from engine.manifest import BEAM_IDX, INT4_GROUP, MODEL_XML, Manifest, load_manifest
 from engine.pinned import pin_libraries
 from engine.runtime.interfaces import Stage
+from engine.transport import mesh as tensor_parallel
 from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, fuse_sibling_matmuls, keep_last_logits
 from engine.runtime.stages.turns import NO_TURNS
 
@@ -107,6 +108,7 @@ def core() -> ov.Core:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(SHAPE_CACHE))
         pin_libraries()
         _core = ov.Core()
+        tensor_parallel.register(_core)
         # Loading the device plugins forks a short-lived child process; a fork while other threads
         # hold locks can leave that child hung forever.  Load them now, which callers do before
         # they start threads (agent, worker, app), instead of at the first compile on some thread.
@@ -164,9 +166,10 @@ class StageRunner(Stage):
     packs = False  # one stream a forward; a rewind may mask slots out
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
-                 manifest: Manifest | None = None, isolate: bool = False, turns=None):
+                 manifest: Manifest | None = None, isolate: bool = False, turns=None, mesh=None):
         """``turns``: the ``engine.runtime.stages.turns`` lock a CPU stage's inferences wait for (stages
-        sharing this computer's cores); a GPU or NPU stage does not take turns."""
+        sharing this computer's cores); a GPU or NPU stage does not take turns.  ``mesh``: a
+        tensor-parallel rank's connections to the other ranks (``engine.transport.mesh``)."""
         self.folder = Path(folder)
         self.manifest = manifest or load_manifest(self.folder)
         self.device = device
@@ -174,6 +177,7 @@ class StageRunner(Stage):
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
         self.config = device_config(device, config, self.manifest)  # as compiled
         self.compiles = 0
+        self.mesh = mesh
         self._model, self._mapped = self._read()
         self.compiled = self._compile()
         self.first = self.manifest.first
@@ -193,6 +197,13 @@ class StageRunner(Stage):
             raise ShardError(f"cannot read shard {self.folder}: {exc}") from exc
         if self.manifest.last:
             keep_last_logits(model)
+        m = self.manifest
+        if m.ranks > 1:
+            if self.mesh is None or (self.mesh.rank, self.mesh.ranks) != (m.rank, m.ranks):
+                have = "none" if self.mesh is None else f"rank {self.mesh.rank} of {self.mesh.ranks}"
+                raise ShardError(f"shard {self.folder} is tensor-parallel rank {m.rank} of {m.ranks}: it runs "
+                                 f"with a mesh of that rank (given {have})")
+            tensor_parallel.bind(model, self.mesh)
         return model, mapped
 
     def _compile(self) -> ov.CompiledModel:

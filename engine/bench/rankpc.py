@@ -1,0 +1,112 @@
+"""The tensor-parallel comparison of ``fleet bench sim`` (part ``ranks``): two PCs compute every layer
+of one user's token together, each reading half the weights.
+
+This process, pinned to one core, is PC 1 and holds rank 0 of a 2-rank export (``fleet export
+--ranks 2``); PC 2 (the other core, its link at 1 Gbit/s) runs rank 1 as ``fleet worker --mesh``.
+Each layer's partial sums cross the link twice a token (``engine.transport.mesh``).  Against
+it, PC 1 alone in each configuration ``draftpc`` measures (no speculation, prompt lookup, the draft
+model, the hybrid), the best of which is the bar, and PC 1 alone with the ranks' own weight format.
+The ranks run plain and with the hybrid drafter.  All are the chat service; they take turns wave by
+wave (64 greedy tokens a user, a different prompt each, no prompt cache) with llama.cpp on the same
+GGUF, whole on PC 1 and split over both PCs by RPC as in the office comparison (``office``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.bench.draftpc import ONE_PC
+from engine.bench.harness import NO_HOOKS, Hooks
+from engine.bench.office import (LLAMA_ONE, LLAMA_SPLIT, RpcServer, chat_wave, close_all, interleave, llama_wave,
+                                messages, pin_process)
+from engine.bench.llamacpp import LlamaServer
+from engine.export.exporter import export_model, rank_folder
+from engine.fleet.sim import Office
+from engine.launch import fleet_command
+from engine.manifest import load_manifest
+from engine.runtime.decode.service import ChatService
+from engine.runtime.decode.tokenizer import ChatTokenizer
+from engine.runtime.decode.speculative import draft_head
+from engine.runtime.relay.ranks import RankChain
+from engine.runtime.stages.chain import LocalChain
+from engine.session import drafter_factory
+
+USERS = (1,)
+PORT = 7312  # rank 1's worker; the next port rank 0's mesh (two chains: +2)
+RANKS = "ours, 2 PCs as tensor-parallel ranks"
+RANKS_HYBRID = "ours, 2 PCs as tensor-parallel ranks, hybrid draft"
+
+
+def rank_weights(weights: str) -> str:
+    """The format the ranks take: the GGUF's own is not split yet (``exporter._check_ranks``)."""
+    return "int4" if weights == "gguf" else weights
+
+
+def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, weights: str, tokens: int,
+                  users: tuple[int, ...] = USERS, runs: int, core: int, log, hooks: Hooks = NO_HOOKS,
+                  gguf: Path | None = None) -> tuple[list[dict], dict, dict]:
+    """Rows per configuration and user count (medians over ``runs`` waves), the ratios of the ranks
+    to the best configuration of PC 1 alone, to PC 1 in the ranks' format and (``gguf``: the model's
+    GGUF) to llama.cpp's split, and what was run."""
+    pc2 = office.nodes[next(iter(office.nodes))]
+    whole = export_model(model, stages=1, weights=weights).folders
+    whole_format = load_manifest(whole[0]).weights
+    same_format = rank_weights(whole_format)
+    ranks = export_model(model, weights=same_format, ranks=2).out
+    draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
+    alike = f"ours, one PC, no speculation, {same_format}"
+    before = pin_process({core})
+    opened: list = []
+    try:
+        def service(chain, factory) -> ChatService:
+            opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
+                                      prefix_cache=False))
+            return opened[-1]
+
+        services = {name: service(LocalChain(whole), lambda chain, kind=kind: drafter_factory(kind, chain, draft))
+                    for kind, name in ONE_PC.items()}
+        if same_format != whole_format:
+            alone = export_model(model, stages=1, weights=same_format).folders
+            services[alike] = service(LocalChain(alone), lambda chain: drafter_factory("none", chain))
+        for i, (name, kind) in enumerate(((RANKS, "none"), (RANKS_HYBRID, "hybrid"))):
+            worker, mesh = f"{pc2.ip}:{PORT + 2 * i}", f"{office.coordinator_ip}:{PORT + 2 * i + 1}"
+            office.spawn(pc2.spec.name, fleet_command(
+                "worker", "--shard", str(rank_folder(ranks, 1)), "--listen", f"0.0.0.0:{PORT + 2 * i}",
+                "--mesh", mesh, "--device", "CPU", "--no-tls", "--fleet-key-file", str(office.key_file)),
+                office.root / f"rank1-{kind}.log")
+            chain = RankChain(rank_folder(ranks, 0), mesh, [worker], key=key, connect_timeout_s=300)
+            opened.append(chain)
+            services[name] = service(chain, lambda c, kind=kind: drafter_factory(kind, c, draft))
+        waves = {name: lambda u, svc=svc: chat_wave(svc, u, tokens) for name, svc in services.items()}
+        if gguf is not None:
+            prompts = [ChatTokenizer(whole[0]).chat_ids(m).reshape(-1).tolist() for m in messages(max(users))]
+            layers = load_manifest(whole[0]).spec.num_layers
+            opened.append(LlamaServer(gguf, slots=max(users), threads=1, log=log))
+            waves[LLAMA_ONE] = lambda u, server=opened[-1]: llama_wave(server, prompts, u, tokens)
+            rpc = RpcServer(office, pc2.spec.name, office.root)
+            opened.append(rpc)
+            # the second half of the layers and the output head on PC 2, as the office splits them
+            opened.append(LlamaServer(gguf, slots=max(users), threads=1, rpc=rpc.address,
+                                      gpu_layers=layers - layers // 2 + 1, log=log))
+            waves[LLAMA_SPLIT] = lambda u, server=opened[-1]: llama_wave(server, prompts, u, tokens)
+        for wave in waves.values():  # warm: first compiles, first shapes
+            wave(1)
+        rows = interleave(waves, users, runs, log, hooks)
+    finally:
+        close_all(opened, log)
+        pin_process(before)
+    tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
+    ratios = {}
+    for u in users:
+        best = max(ONE_PC.values(), key=lambda name: tok[name, u])
+        for name in (RANKS, RANKS_HYBRID):
+            ratios[f"{u} user(s): {name} / the best of one PC ({best})"] = round(tok[name, u] / tok[best, u], 3)
+        plain = alike if (alike, u) in tok else ONE_PC["none"]
+        ratios[f"{u} user(s): {RANKS} / {plain}"] = round(tok[RANKS, u] / tok[plain, u], 3)
+        for peer in (LLAMA_SPLIT, LLAMA_ONE):
+            if (peer, u) in tok:
+                ratios[f"{u} user(s): {RANKS} / {peer}"] = round(tok[RANKS, u] / tok[peer, u], 3)
+    notes = {"one_pc_weights": whole_format, "rank_weights": same_format,
+             "pcs": "this machine (PC 1, one core) holds rank 0 and runs every one-PC configuration; PC 2 "
+                    "(one core, 1 Gbit/s) rank 1"}
+    return rows, ratios, notes

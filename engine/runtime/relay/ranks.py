@@ -1,0 +1,101 @@
+"""A model split into tensor-parallel ranks: rank 0 in this process, the others on workers.
+
+Each call of the generation loop (a forward, a reset, a rewind) goes first to every worker, then
+runs here; the ranks' collectives (``engine.transport.mesh``) make the forwards meet layer by
+layer, so every PC computes its share of the same token at the same time.  Rank 0's logits are the
+whole model's; the workers' results only confirm that their forward completed.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import ShardError
+from engine.manifest import load_manifest
+from engine.runtime.interfaces import Chain
+from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.chain import LocalChain
+from engine.transport.mesh import Mesh
+from engine.runtime.stages.output import Output
+from engine.runtime.stages.stage import compile_config
+from engine.transport.link import parse_address
+from engine.transport.wire import Flag
+
+
+class RankChain(Chain):
+    paged = False
+    packs = False  # every rank must run the same forwards: one round at a time
+
+    def __init__(self, rank0: Path | str, listen: str, workers: list[str], *, key: bytes, device: str = "CPU",
+                 mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
+                 connect_timeout_s: float = 60.0):
+        """``rank0``: rank 0's shard folder; ``listen``: where its mesh waits for the other ranks
+        (their workers were started with ``--mesh`` naming it); ``workers``: rank 1's worker
+        address, then rank 2's..."""
+        manifest = load_manifest(Path(rank0))
+        if manifest.rank != 0 or manifest.ranks != len(workers) + 1:
+            raise ShardError(f"{rank0} is rank {manifest.rank} of {manifest.ranks}: a rank chain runs rank 0 here "
+                             f"and one worker for each other rank ({len(workers)} given)")
+        listener = socket.create_server(parse_address(listen, "0.0.0.0"))
+        try:
+            self.mesh = Mesh.serve(listener, key, manifest.fingerprint, manifest.ranks,
+                                   timeout_s=connect_timeout_s, tls=tls)
+        finally:
+            listener.close()
+        self.remotes: list[RemoteChain] = []
+        try:
+            self.local = LocalChain([rank0], device, compile_config(mode, precision), paged=False, mesh=self.mesh)
+            for rank, address in enumerate(workers, start=1):
+                self.remotes.append(RemoteChain(rank0, [address], key=key, mode=mode, tls=tls, deadline_s=deadline_s,
+                                                connect_timeout_s=connect_timeout_s, fed=True))
+                held = self.remotes[-1].stages[0].get("rank") if self.remotes[-1].stages else None
+                if held != rank:
+                    raise ShardError(f"the worker at {address} serves rank {held}, expected rank {rank}")
+        except BaseException:
+            self.close()
+            raise
+        self.turns = self.local.turns
+        self.manifest = manifest
+        self.spec = manifest.spec
+
+    @property
+    def first_folder(self) -> Path:
+        return self.local.first_folder
+
+    def reset(self, stream: int = 0) -> None:
+        for remote in self.remotes:
+            remote.reset(stream)
+        self.local.reset(stream)
+
+    def keep(self, stream: int, slots: np.ndarray) -> None:
+        for remote in self.remotes:
+            remote.keep(stream, slots)
+        self.local.keep(stream, slots)
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                flags: Flag = Flag.NONE, stream: int = 0) -> Output:
+        rest = flags & Flag.ALL_POSITIONS  # the workers' own results are not used: only their top-1
+        rounds = [remote.submit(input_ids, attention_mask, position_ids, rest, stream) for remote in self.remotes]
+        try:
+            out = self.local.forward(input_ids, attention_mask, position_ids, flags, stream)
+        finally:
+            for remote, round_ in zip(self.remotes, rounds):
+                remote.collect(round_)
+        return out
+
+    def submit(self, input_ids, attention_mask, position_ids, flags: Flag = Flag.NONE, stream: int = 0):
+        return self.forward(input_ids, attention_mask, position_ids, flags, stream)
+
+    def collect(self, ticket: Output) -> Output:
+        return ticket
+
+    def first_ready(self, tickets: list) -> int:
+        return 0
+
+    def close(self) -> None:
+        for remote in self.remotes:
+            remote.close()
+        self.mesh.close()
