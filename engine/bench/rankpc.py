@@ -17,16 +17,16 @@ from pathlib import Path
 
 from engine.bench.draftpc import ONE_PC
 from engine.bench.harness import NO_HOOKS, Hooks
+from engine.bench.llamacpp import LlamaServer
 from engine.bench.office import (LLAMA_ONE, LLAMA_SPLIT, RpcServer, chat_wave, close_all, interleave, llama_wave,
                                 messages, pin_process)
-from engine.bench.llamacpp import LlamaServer
 from engine.export.exporter import export_model, rank_folder
 from engine.fleet.sim import Office
 from engine.launch import fleet_command
 from engine.manifest import load_manifest
 from engine.runtime.decode.service import ChatService
-from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.decode.speculative import draft_head
+from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.relay.ranks import RankChain
 from engine.runtime.stages.chain import LocalChain
 from engine.session import drafter_factory
@@ -37,7 +37,7 @@ RANKS = "ours, 2 PCs as tensor-parallel ranks"
 RANKS_HYBRID = "ours, 2 PCs as tensor-parallel ranks, hybrid draft"
 
 
-def rank_weights(weights: str) -> str:
+def ranks_format(weights: str) -> str:
     """The format the ranks take: the GGUF's own is not split yet (``exporter._check_ranks``)."""
     return "int4" if weights == "gguf" else weights
 
@@ -51,7 +51,7 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
     pc2 = office.nodes[next(iter(office.nodes))]
     whole = export_model(model, stages=1, weights=weights).folders
     whole_format = load_manifest(whole[0]).weights
-    same_format = rank_weights(whole_format)
+    same_format = ranks_format(whole_format)
     ranks = export_model(model, weights=same_format, ranks=2).out
     draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
     alike = f"ours, one PC, no speculation, {same_format}"

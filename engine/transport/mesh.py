@@ -250,10 +250,8 @@ def all_gather(x: ov.Output, ranks: int) -> ov.Node:
 
 def register(core: ov.Core) -> None:
     """Lets ``core`` read graphs that hold collectives (once per core)."""
-    if not getattr(core, "_fleet_collectives", False):
-        for op in COLLECTIVES:
-            core.add_extension(op)
-        core._fleet_collectives = True
+    for op in COLLECTIVES:
+        core.add_extension(op)
 
 
 def bind(model: ov.Model, mesh: Mesh) -> int:

@@ -18,10 +18,10 @@ from engine.manifest import load_manifest
 from engine.runtime.interfaces import Chain
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
-from engine.transport.mesh import Mesh
 from engine.runtime.stages.output import Output
 from engine.runtime.stages.stage import compile_config
 from engine.transport.link import parse_address
+from engine.transport.mesh import Mesh
 from engine.transport.wire import Flag
 
 

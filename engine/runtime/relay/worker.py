@@ -24,15 +24,15 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import FleetError, ShardError
-from engine.manifest import load_manifest
+from engine.manifest import Manifest, load_manifest
 from engine.runtime.stages.factory import open_stage
-from engine.transport.mesh import Mesh
 from engine.runtime.stages.output import select
 from engine.runtime.stages.packing import Part
 from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
 from engine.transport.link import Link, Listening, accept_loop, authenticate_peer, connect_successor, parse_address
+from engine.transport.mesh import Mesh
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
@@ -69,8 +69,7 @@ def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Fram
     return Frame(Msg.RESULT, frame.stream, frame.seq, tensors, frame.flags)
 
 
-def _join_mesh(shard: Path, address: str | None, key: bytes, tls) -> Mesh | None:
-    m = load_manifest(shard)
+def _join_mesh(shard: Path, m: Manifest, address: str | None, key: bytes, tls) -> Mesh | None:
     if m.ranks == 1:
         if address:
             raise ShardError(f"{shard} is not a tensor-parallel rank: it takes no mesh address")
@@ -89,9 +88,10 @@ class Worker(Listening):
                  mesh: str | None = None):
         """``mesh``: where rank 0 of a tensor-parallel shard listens for the other ranks
         (``engine.transport.mesh``); this worker joins it before it compiles its rank."""
-        self.mesh = _join_mesh(Path(shard), mesh, key, tls)
-        self.runner = open_stage(Path(shard), device, compile_config(mode, precision), isolate=isolate, turns=turns,
-                                 mesh=self.mesh)
+        manifest = load_manifest(Path(shard))  # its files hashed once, for the mesh and the stage
+        self.mesh = _join_mesh(Path(shard), manifest, mesh, key, tls)
+        self.runner = open_stage(Path(shard), device, compile_config(mode, precision), manifest, isolate=isolate,
+                                 turns=turns, mesh=self.mesh)
         m = self.manifest = self.runner.manifest
         self.key = key
         self.tls = tls
