@@ -70,7 +70,6 @@ class Launch:
     isolate: bool = False  # one compiled model per stream
     delay_ms: float = 0.0  # injected one-way delay per hop (local worker processes)
     connect_timeout_s: float = 60.0
-    mesh: str | None = None  # where tensor-parallel rank 0 (the shard here) listens for the workers' ranks
 
 
 @dataclasses.dataclass
@@ -202,14 +201,12 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         if len(folders) != 1:
             raise FleetError("with remote workers, give only the stage-0 shard folder")
         devices, remotes = [settings.device], launch.remote
-        if load_manifest(folders[0]).ranks > 1:
-            if not launch.mesh:
-                raise FleetError(f"{folders[0]} is tensor-parallel rank 0: give --mesh HOST:PORT, where it "
-                                 f"listens for the other ranks")
-            progress(("status", "waiting for the other tensor-parallel ranks"))
-            chain = RankChain(folders[0], launch.mesh, remotes, key=key, device=settings.device, mode=settings.mode,
+        manifest = load_manifest(folders[0])
+        if manifest.ranks > 1:
+            progress(("status", "connecting the other tensor-parallel ranks"))
+            chain = RankChain(folders[0], remotes, key=key, device=settings.device, mode=settings.mode,
                               precision=launch.precision, tls=tls, deadline_s=settings.deadline_s,
-                              connect_timeout_s=launch.connect_timeout_s)
+                              connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
             return Opened(chain, "remote")
     else:
         if len(folders) < 2:

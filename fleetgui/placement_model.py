@@ -25,7 +25,7 @@ from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet import survey
 from engine.fleet.deploy import LOCAL, StagePlacement, placement_problem
-from engine.fleet.placement import Fleet, ModelShape, Pin, evaluate
+from engine.fleet.placement import Fleet, ModelShape, Pin, evaluate, price_ranks
 from engine.manifest import layer_span
 
 MIME = "application/x-fleetshard-layers"
@@ -79,7 +79,8 @@ class PlanModel(QAbstractItemModel):
         self.nodes: dict = {}
         self.fleet = None
         self.lanes: list[Lane] = []
-        self.stages: list[StageRange] = []  # chain order (by first layer)
+        self.stages: list[StageRange] = []  # chain order (by first layer), or rank order
+        self.ranks = False  # the stages are tensor-parallel ranks, each with every layer (``price_ranks``)
         self.users = 1
         self.evaluation = None
         self.problems: list[str] = []
@@ -121,9 +122,10 @@ class PlanModel(QAbstractItemModel):
 
     # --- editing -------------------------------------------------------------------------------------
 
-    def set_stages(self, stages: list[StageRange]) -> None:
+    def set_stages(self, stages: list[StageRange], ranks: bool = False) -> None:
         self.beginResetModel()
         self.stages = sorted(stages, key=lambda s: s.start)
+        self.ranks = ranks
         self.endResetModel()
         self.evaluate()
 
@@ -136,13 +138,15 @@ class PlanModel(QAbstractItemModel):
             if lane is None:
                 raise FleetError(f"the plan uses {s.device} of node {s.node}, which is not in the profile")
             stages.append(StageRange(lane, s.start, s.end, (s.node, s.start, s.end) in pinned))
-        self.set_stages(stages)
+        self.set_stages(stages, ranks=bool(getattr(plan, "ranks", False)))
 
     def move_range(self, start: int, end: int, lane: int) -> bool:
         """Moves layers ``start``-``end`` onto ``lane``: they leave the stages that held them, and a
         neighbouring range already on that lane joins them.  A whole range keeps its pin."""
         if not self.loaded or not (0 <= start < end <= self.shape.num_layers) or not 0 <= lane < len(self.lanes):
             return False
+        if self.ranks:  # a range moved by hand makes a chain again, from rank 0's whole model here
+            self.stages, self.ranks = self.stages[:1], False
         whole = next((s for s in self.stages if (s.start, s.end) == (start, end)), None)
         if whole is not None and whole.lane == lane:
             return False
@@ -170,7 +174,7 @@ class PlanModel(QAbstractItemModel):
 
     def move_boundary(self, index: int, layer: int) -> bool:
         """Moves the boundary after stage ``index`` to ``layer`` (each side keeps at least one layer)."""
-        if not 0 <= index < len(self.stages) - 1:
+        if self.ranks or not 0 <= index < len(self.stages) - 1:  # ranks have no boundaries between them
             return False
         left, right = self.stages[index], self.stages[index + 1]
         layer = max(left.start + 1, min(right.end - 1, int(layer)))
@@ -186,7 +190,7 @@ class PlanModel(QAbstractItemModel):
     def split(self, index: int) -> bool:
         """Splits a range of 2+ layers in two halves on the same lane."""
         s = self.stages[index]
-        if s.end - s.start < 2:
+        if self.ranks or s.end - s.start < 2:
             return False
         mid = (s.start + s.end) // 2
         rest = [x for i, x in enumerate(self.stages) if i != index]
@@ -213,8 +217,8 @@ class PlanModel(QAbstractItemModel):
     def placement(self) -> list[StagePlacement]:
         """The plan as ``deploy`` takes it: each stage at its lane's agent, ``LOCAL`` for this app's
         lane (a plan whose stage 0 is on another PC is fed from here)."""
-        return [StagePlacement(self.lanes[s.lane].address, self.lanes[s.lane].device, s.start, s.end)
-                for s in self.stages]
+        return [StagePlacement(self.lanes[s.lane].address, self.lanes[s.lane].device, s.start, s.end,
+                               rank=i if self.ranks else None) for i, s in enumerate(self.stages)]
 
     def placement_of(self, plan) -> list[StagePlacement]:
         """A solver ``Plan`` (another copy of the model, not the one drawn) as ``deploy`` takes it."""
@@ -228,7 +232,11 @@ class PlanModel(QAbstractItemModel):
             return
         chain = self.chain()
         fed = bool(chain) and chain[0][0] != self.fleet.coordinator  # this app feeds a chain on other PCs
-        self.evaluation = evaluate(self.shape, self.fleet, chain, users=self.users, fed=fed)
+        if self.ranks:
+            self.evaluation = price_ranks(self.shape, self.fleet, [(node, device) for node, device, _, _ in chain],
+                                          users=self.users)
+        else:
+            self.evaluation = evaluate(self.shape, self.fleet, chain, users=self.users, fed=fed)
         problems = list(self.evaluation.problems)
         refused = placement_problem(self.placement())  # what deploy() refuses besides what evaluate prices
         if refused is not None:
@@ -312,7 +320,7 @@ class PlanModel(QAbstractItemModel):
         s = self.stages[stage]
         if role == Qt.ItemDataRole.DisplayRole:
             return layer_span(s.start, s.end) if index.column() == 0 else \
-                f"stage {stage}, {self.stage_ms(stage):.2f} ms"
+                f"{'rank' if self.ranks else 'stage'} {stage}, {self.stage_ms(stage):.2f} ms"
         if role == Qt.ItemDataRole.CheckStateRole and index.column() == 0:
             return Qt.CheckState.Checked if s.pinned else Qt.CheckState.Unchecked
         if role == Qt.ItemDataRole.ToolTipRole:

@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGro
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.deploy import Deployment
-from engine.fleet.layout import solve_layout
+from engine.fleet.layout import fastest_for_one, solve_layout
 from engine.fleet.placement import Infeasible, left_out, solve
 from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
@@ -141,7 +141,7 @@ class PlanCanvas(QWidget):
             return None
         grab = max(4.0, self.line * 0.4)
         best = None
-        for i, s in enumerate(self.model.stages[:-1]):
+        for i, s in enumerate([] if self.model.ranks else self.model.stages[:-1]):
             gap = abs(self.layer_x(s.end) - pos.x())
             if gap <= grab and (best is None or gap < best[0]):
                 best = (gap, i)
@@ -206,7 +206,7 @@ class PlanCanvas(QWidget):
             self._paint_block(p, i, s)
         p.setPen(QPen(text, 2))
         bottom = self.lane_rect(len(m.lanes) - 1).bottom()
-        for s in m.stages[:-1]:  # boundary handles across the layer bar and lanes
+        for s in ([] if m.ranks else m.stages[:-1]):  # boundary handles across the layer bar and lanes
             x = self.layer_x(s.end)
             p.drawLine(int(x), int(ruler.top() - line * 0.2), int(x), int(bottom))
             p.fillRect(QRectF(x - line * 0.2, ruler.center().y() - line * 0.45, line * 0.4, line * 0.9), text)
@@ -227,7 +227,8 @@ class PlanCanvas(QWidget):
             p.drawRect(r)
         p.setPen(QColor("#ffffff"))
         pinned = " · pinned" if s.pinned else ""
-        label = f"stage {i}: {layer_numbers(s.start, s.end)} · {self.model.stage_ms(i):.2f} ms{pinned}"
+        what = f"rank {i}: 1/{len(self.model.stages)} of" if self.model.ranks else f"stage {i}:"
+        label = f"{what} {layer_numbers(s.start, s.end)} · {self.model.stage_ms(i):.2f} ms{pinned}"
         if self.fontMetrics().horizontalAdvance(label) > r.width() - 4:
             label = layer_numbers(s.start, s.end) + (" ⚑" if s.pinned else "")
         p.drawText(r, Qt.AlignmentFlag.AlignCenter, label)
@@ -513,6 +514,8 @@ class PlacementView(QWidget):
                                                                         p.stages[0].node == fleet.coordinator))
                 else:
                     plan, others, layout = solve(shape, fleet, objective=objective, users=users, pins=pins), [], None
+                    if objective == "latency" and not pins:  # one user may be served best by ranks
+                        plan = fastest_for_one(shape, fleet, plan)
             except Infeasible as exc:
                 return None, str(exc)
             used = {s.node for p in others for s in p.stages}
@@ -538,6 +541,9 @@ class PlacementView(QWidget):
         self.model.set_plan(plan, pins)
         self.copies = (self.model.chain(), [self.model.placement_of(p) for p in others])
         said = [f"Optimised in {plan.solve_ms:.0f} ms."]
+        if plan.ranks:
+            said.append(f"{len(plan.stages)} PCs as tensor-parallel ranks serve {plan.users} user(s) best: each "
+                        f"computes its share of every layer of the same token.")
         if others:
             where = "; ".join(_copy_words(p) for p in others)
             said.append(self.model.readable(
@@ -579,7 +585,8 @@ class PlacementView(QWidget):
         self.deployment = None
         self.deploying = [s.agent for s in stages]
         self._reset_bars(stages)
-        self._set_busy(f"Deploying {model} ({weights}) on {len(stages)} stages…")
+        self._set_busy(f"Deploying {model} ({weights}) on {len(stages)} "
+                       f"{'tensor-parallel ranks' if self.model.ranks else 'stages'}…")
         self.task = self.tasks.start(run, "deploy", progressed=self._progress, succeeded=self._deployed,
                                      failed=lambda m: self._failed("Deployment failed", m),
                                      cancelled=self._task_cancelled)
@@ -592,7 +599,7 @@ class PlacementView(QWidget):
         self.deploy_bars = []
         for i, s in enumerate(stages):
             lane = self.model.lanes[self.model.stages[i].lane]
-            name = QLabel(f"stage {i}: {lane.label}, {layer_span(s.start, s.end)}")
+            name = QLabel(f"{'stage' if s.rank is None else 'rank'} {i}: {lane.label}, {layer_span(s.start, s.end)}")
             phase = QLabel("waiting")
             phase.setObjectName("hint")
             bar = QProgressBar()
@@ -724,7 +731,8 @@ class PlacementView(QWidget):
         self.prediction.setText(
             f"Predicted {plan.tok_s:.1f} tok/s for one user · {plan.aggregate_tok_s:.1f} tok/s aggregate for "
             f"{m.users} user{'s' if m.users != 1 else ''} · {plan.token_ms:.2f} ms per token "
-            f"({plan.network_ms:.2f} ms network, {len(m.stages)} stage{'s' if len(m.stages) != 1 else ''})")
+            f"({plan.network_ms:.2f} ms network, {len(m.stages)} "
+            + ("tensor-parallel ranks)" if m.ranks else f"stage{'s' if len(m.stages) != 1 else ''})"))
         self.problems.setText("Not deployable: " + "; ".join(m.problems) if m.problems else "")
 
     @property

@@ -219,3 +219,21 @@ def test_auto_keeps_a_ggufs_own_weights_where_every_matrix_carries_over(tmp_path
                      tie_embeddings=True)
     assert best_weights("gguf", spec, path) == ("gguf" if carried else "int4")
     assert best_weights("hf", spec) == "int4-gptq"
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
+def test_a_tensor_parallel_ranks_cut_keeps_the_gguf_values_of_its_rows_and_columns(qtype):
+    """A rank's rows, or its columns in whole blocks, of a GGUF matrix decode to the same slice of
+    the whole matrix's values; a cut through a block is refused."""
+    from engine.errors import ExportError
+    from engine.export.gguf_weights import _cut
+
+    raw = raw_blocks(qtype, np.random.default_rng(qtype))
+    whole = decompose(qtype, raw, ROWS, COLUMNS).values()
+    rows = slice(16, 48)
+    assert np.array_equal(decompose(qtype, _cut(raw, qtype, 0, rows), 32, COLUMNS).values(), whole[rows])
+    columns = slice(256, 512)
+    assert np.array_equal(decompose(qtype, _cut(raw, qtype, 1, columns), ROWS, 256).values(), whole[:, columns])
+    if BLOCKS[qtype][0] > 16:
+        with pytest.raises(ExportError, match="cut .* blocks"):
+            _cut(raw, qtype, 1, slice(16, 512))

@@ -358,6 +358,49 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
     assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
 
 
+def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel_ranks(qtbot, fleet):
+    from engine.fleet.control import ControlClient
+    from engine.fleetkey import load_key
+
+    doc = surveyed(qtbot, fleet)
+    assert doc["model"]["max_ranks"] == 2  # the tiny Qwen2's export splits into two ranks
+    for device in doc["fleet"]["devices"]:  # PCs alike whose layers cost far more than an exchange
+        device.update(layer_ms=60.0, head_ms=100.0, embed_ms=0.1, call_ms=1.0, prefill_layer_ms=20.0,
+                      memory_bytes=8 << 30)
+    window, fleet_view, view = open_app(qtbot, fleet, max_new_tokens=8)
+    wait_for_agents(qtbot, fleet_view, fleet)
+    window.show_view("Placement")
+    view.load_profile(doc)
+    view.objective.setCurrentText("throughput")
+    view.users.setValue(1)
+    view.optimise_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    model = view.model
+    assert model.ranks and [(start, end) for _, start, end in names(model)] == [(0, 4), (0, 4)], names(model)
+    assert names(model)[0][0] == "this machine" and not model.problems, model.problems
+    assert [s.rank for s in model.placement()] == [0, 1]
+    assert not model.move_boundary(0, 2)  # ranks have no boundary to drag
+    screenshot(window, "placement-ranks")
+    deployed = []
+    view.deployed.connect(deployed.append)
+    view.deploy_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
+    assert deployed and deployed[0] is not None, view.banner.message
+    deployment = deployed[0]
+    assert deployment.ranks == 2 and len(deployment.workers) == 1
+    tab = window.chat.new_chat()
+    tab.input.setPlainText("Paris is the capital of")
+    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
+        tab.send()
+    assert blocker.args[0].tokens, blocker.args[0].error
+    window.close()
+    with ControlClient(deployment.workers[0]["agent"], load_key(fleet.key_file)) as agent:
+        assert agent.status()["workers"] == []
+    model.move_range(0, 2, model.lane_of(*next((lane.node, lane.device) for lane in model.lanes
+                                                 if lane.name != "this machine")))
+    assert not model.ranks and [(a, b) for _, a, b in names(model)] == [(0, 2), (2, 4)]  # a chain by hand again
+
+
 def test_a_cancelled_deployment_leaves_no_workers(qtbot, fleet):
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key

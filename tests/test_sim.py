@@ -498,7 +498,7 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
 
 
 def test_two_pcs_as_tensor_parallel_ranks_decode_what_the_whole_model_does(office, tiny_models, tmp_path):
-    """Rank 0 here, rank 1 a `fleet worker --mesh` on pc2: every layer of every token is computed
+    """Rank 0 here, rank 1 a `fleet worker` on pc2: every layer of every token is computed
     by both (two exchanges a layer, one for the logits), and greedy replies are the whole model's."""
     from engine.export.exporter import export_model, rank_folder
     from engine.launch import fleet_command
@@ -506,9 +506,9 @@ def test_two_pcs_as_tensor_parallel_ranks_decode_what_the_whole_model_does(offic
 
     source = str(tiny_models["qwen2"])
     ranks = export_model(source, weights="f32", ranks=2, out=tmp_path / "ranks").out
-    pc2, mesh = office.nodes["pc2"], f"{office.coordinator_ip}:7421"
+    pc2 = office.nodes["pc2"]
     worker = office.spawn("pc2", fleet_command("worker", "--shard", str(rank_folder(ranks, 1)), "--listen",
-                                               "0.0.0.0:7420", "--mesh", mesh, "--mode", "exact", "--no-tls",
+                                               "0.0.0.0:7420", "--mode", "exact", "--no-tls",
                                                "--fleet-key-file", str(office.key_file)), tmp_path / "rank1.log")
     asks = (MESSAGES, [{"role": "user", "content": "Count to ten."}])
     whole = export_model(source, stages=1, weights="f32").folders
@@ -516,7 +516,7 @@ def test_two_pcs_as_tensor_parallel_ranks_decode_what_the_whole_model_does(offic
     chain = None
     try:
         want = [alone.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]
-        chain = RankChain(rank_folder(ranks, 0), mesh, [f"{pc2.ip}:7420"], key=_key(office), mode="exact",
+        chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:7420"], key=_key(office), mode="exact",
                           connect_timeout_s=120)
         service = ChatService(chain, streams=1, prefix_cache=False)
         try:

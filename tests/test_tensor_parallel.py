@@ -3,6 +3,7 @@ logits of the whole model, and a missing, foreign or dead rank fails with a clea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -14,9 +15,12 @@ import pytest
 
 from engine.errors import ExportError, ShardError
 from engine.export.exporter import export_model, rank_folder
+from engine.export.rankcut import GGUF_UNIT, rank_cuts, ranks_problem
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
+from engine.models.architectures import ModelSpec
 from engine.runtime.relay.ranks import RankChain
+from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.chain import LocalChain
 from engine.transport.mesh import Mesh, MeshError
 from engine.runtime.stages.stage import StageRunner, compile_config
@@ -32,22 +36,21 @@ def tp_exports(tiny_models, tmp_path_factory):
             for arch in ("llama", "qwen2", "gemma3")}
 
 
-def _mesh_pair(fingerprint: str, key: bytes = KEY) -> tuple[Mesh, Mesh]:
+def _listening_rank(fingerprint: str) -> tuple[Mesh, str]:
+    """Rank 1 of 2, listening for rank 0 on a loopback port; and that port's address."""
     listener = socket.create_server(("127.0.0.1", 0))
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    got = {}
-    server = threading.Thread(target=lambda: got.update(m=Mesh.serve(listener, KEY, fingerprint, 2, timeout_s=10)))
-    server.start()
-    try:
-        joined = Mesh.join(address, key, fingerprint, 1, 2, timeout_s=10)
-    finally:
-        server.join()
-        listener.close()
-    return got["m"], joined
+    rank1 = Mesh(1, 2)
+    rank1.listen(listener, KEY, fingerprint)
+    return rank1, f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _mesh_pair(fingerprint: str) -> tuple[Mesh, Mesh]:
+    rank1, address = _listening_rank(fingerprint)
+    return Mesh.dial({1: address}, KEY, fingerprint, 2, timeout_s=10), rank1
 
 
 def _both(fn0, fn1):
-    """Runs the two ranks' calls at once (as two PCs would); returns rank 0's result."""
+    """Runs the two ranks' calls at once (as two PCs would); returns both results."""
     out, errors = {}, []
 
     def run(i, fn):
@@ -99,27 +102,36 @@ def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
 def test_a_rank_needs_its_mesh(tp_exports):
     with pytest.raises(ShardError, match="tensor-parallel rank 1 of 2"):
         StageRunner(rank_folder(tp_exports["qwen2"].out, 1), config=EXACT)
+    with pytest.raises(ShardError, match="rank 0 of 2: it runs in the coordinator"):
+        Worker(rank_folder(tp_exports["qwen2"].out, 0), "127.0.0.1:0", key=KEY)
 
 
-def test_a_rank_without_the_fleet_key_is_refused(tp_exports):
+def test_a_rank_0_without_the_fleet_key_is_refused_and_the_next_coordinator_is_taken(tp_exports):
     fingerprint = load_manifest(rank_folder(tp_exports["qwen2"].out, 0)).fingerprint
-    listener = socket.create_server(("127.0.0.1", 0))
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    result = {}
+    rank1, address = _listening_rank(fingerprint)
+    try:
+        with pytest.raises(MeshError, match="rank 1 at .* refused the connection"):
+            Mesh.dial({1: address}, b"x" * 32, fingerprint, 2, timeout_s=3)
+        with pytest.raises(MeshError, match="rank 1 at .* refused the connection: .*fingerprint mismatch"):
+            Mesh.dial({1: address}, KEY, "another model", 2, timeout_s=3)
+        with pytest.raises(MeshError, match="serves tensor-parallel rank 1, not rank 2"):
+            Mesh.dial({2: address}, KEY, fingerprint, 3, timeout_s=3)
+        assert not rank1.links  # nobody got in
+        x = np.arange(4, dtype=np.float32)[None]
+        for session in range(2):  # each coordinator session replaces the last, counted from 0
+            rank0 = Mesh.dial({1: address}, KEY, fingerprint, 2, timeout_s=3)
+            sums = _both(lambda: _reduced(rank0, x), lambda: _reduced(rank1, 10 * x))
+            assert np.array_equal(sums[0], 11 * x) and np.array_equal(sums[1], 11 * x)
+            assert rank0.exchanges == rank1.exchanges == 1
+            rank0.close()
+    finally:
+        rank1.close()
 
-    def serve():
-        try:
-            Mesh.serve(listener, KEY, fingerprint, 2, timeout_s=3)
-        except MeshError as exc:
-            result["error"] = str(exc)
 
-    server = threading.Thread(target=serve)
-    server.start()
-    with pytest.raises(MeshError, match="refused rank 1"):
-        Mesh.join(address, b"x" * 32, fingerprint, 1, 2, timeout_s=3)
-    server.join()
-    listener.close()
-    assert "did not connect" in result["error"]
+def _reduced(mesh: Mesh, x: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    mesh.all_reduce(x, out)
+    return out
 
 
 def test_a_dead_rank_ends_the_forward_with_an_error(tp_exports):
@@ -140,6 +152,15 @@ def test_ranks_refuse_what_they_cannot_split(tiny_models, tmp_path):
         export_model(str(tiny_models["qwen2"]), weights="f32", ranks=2, stages=2, out=tmp_path / "a")
     with pytest.raises(ExportError, match="cannot be split into 4"):
         export_model(str(tiny_models["qwen2"]), weights="f32", ranks=4, out=tmp_path / "b")
+    # a GGUF's own blocks are cut between blocks only: Qwen2.5-1.5B's heads and MLP are, SmolLM2's heads not
+    qwen = ModelSpec(arch="qwen2", num_layers=28, hidden_size=1536, intermediate_size=8960, num_heads=12,
+                     num_kv_heads=2, head_dim=128, vocab_size=151936, rms_eps=1e-6, rope_theta=1e6,
+                     max_position=32768, tie_embeddings=True)
+    smol = dataclasses.replace(qwen, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64)
+    assert ranks_problem(qwen, 2, "gguf") is None and ranks_problem(smol, 2, "int4") is None
+    assert "do not split into 2 ranks" in ranks_problem(smol, 2, "gguf")
+    cuts, heads, kv_heads = rank_cuts(qwen, 1, 2, GGUF_UNIT)
+    assert (cuts["o"], cuts["down"], heads, kv_heads) == ((1, slice(768, 1536)), (1, slice(4352, 8960)), 6, 1)
 
 
 def _free_port() -> int:
@@ -149,33 +170,22 @@ def _free_port() -> int:
 
 
 def test_a_worker_process_serves_rank_1_for_the_coordinators_rank_0(tp_exports, tiny_exports, tmp_path):
-    """Rank 1 in a `fleet worker --mesh` process, rank 0 here: greedy steps, a rewind and a reset
-    give the tokens of the whole model."""
+    """Rank 1 in a `fleet worker` process, rank 0 here: greedy steps, a rewind and a reset give the
+    tokens of the whole model."""
     out = tp_exports["llama"].out
     key_file = create_key(tmp_path / "fleet.key")
-    mesh, listen = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{_free_port()}"
     worker = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--shard", str(rank_folder(out, 1)),
-                               "--listen", listen, "--mesh", mesh, "--fleet-key-file", str(key_file),
+                               "--listen", listen, "--fleet-key-file", str(key_file),
                                "--mode", "exact"], stderr=subprocess.PIPE, text=True)
     whole = LocalChain(tiny_exports["llama", "1"].folders, config=EXACT)
     chain = None
     try:
-        chain = RankChain(rank_folder(out, 0), mesh, [listen], key=load_key(key_file), mode="exact",
+        chain = RankChain(rank_folder(out, 0), [listen], key=load_key(key_file), mode="exact",
                           connect_timeout_s=120)
 
-        def steps(c, prompt, n):
-            ids, tokens = list(prompt), []
-            c.reset(0)
-            out_ = c.forward(np.array([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None])
-            for _ in range(n):
-                tokens.append(int(out_.tokens.reshape(-1)[-1]))
-                ids.append(tokens[-1])
-                out_ = c.forward(np.array([[ids[-1]]]), np.ones((1, len(ids)), np.int64),
-                                 np.array([[len(ids) - 1]]))
-            return tokens
-
-        assert steps(chain, [5, 17, 42, 99], 6) == steps(whole, [5, 17, 42, 99], 6)
-        assert steps(chain, [9, 8, 7], 4) == steps(whole, [9, 8, 7], 4)  # a reset between requests
+        assert _greedy(chain, [5, 17, 42, 99], 6) == _greedy(whole, [5, 17, 42, 99], 6)
+        assert _greedy(chain, [9, 8, 7], 4) == _greedy(whole, [9, 8, 7], 4)  # a reset between requests
         # a rewind: keep 5 slots of the cache, then go on from there on both
         for c in (chain, whole):
             c.keep(0, np.arange(5, dtype=np.int32))
@@ -190,12 +200,13 @@ def test_a_worker_process_serves_rank_1_for_the_coordinators_rank_0(tp_exports, 
 
 
 def test_fleet_generate_runs_rank_0_with_remote_ranks(tp_exports, tiny_exports, tmp_path):
-    """`fleet generate --shards rank0 --remote W --mesh M` against the whole model, greedy, exact mode."""
+    """`fleet generate --shards rank0 --remote W` against the whole model, greedy, exact mode, twice:
+    the worker takes the second coordinator as it took the first."""
     out = tp_exports["qwen2"].out
     key_file = create_key(tmp_path / "fleet.key")
-    mesh, listen = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{_free_port()}"
     worker = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--shard", str(rank_folder(out, 1)),
-                               "--listen", listen, "--mesh", mesh, "--fleet-key-file", str(key_file),
+                               "--listen", listen, "--fleet-key-file", str(key_file),
                                "--mode", "exact"], stderr=subprocess.DEVNULL)
 
     def generate(*shards_and_route, name):
@@ -208,8 +219,53 @@ def test_fleet_generate_runs_rank_0_with_remote_ranks(tp_exports, tiny_exports, 
 
     try:
         whole = generate(str(tiny_exports["qwen2", "1"].folders[0]), name="whole.json")
-        ranks = generate(str(rank_folder(out, 0)), "--remote", listen, "--mesh", mesh, name="ranks.json")
+        ranks = [generate(str(rank_folder(out, 0)), "--remote", listen, name=f"ranks{i}.json") for i in range(2)]
     finally:
         worker.terminate()
         worker.wait(30)
-    assert ranks == whole and len(whole) == 8
+    assert ranks == [whole, whole] and len(whole) == 8
+
+
+def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a_lost_rank_is_named(
+        tp_exports, tiny_models, tiny_exports, tmp_path, monkeypatch):
+    """`deploy` exports the ranks, ships rank 1 to a node agent and starts its worker; the
+    deployment's chain is a RankChain giving the whole model's tokens, a second coordinator session
+    gets them again from the same worker, and a rank whose worker is stopped fails the next forward
+    with a StageError naming it (what failover takes)."""
+    from engine.errors import StageError
+    from engine.fleet.control import ControlClient
+    from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+    from tests.fleet_support import agent_process
+
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
+    key_file = create_key(tmp_path / "fleet.key")
+    key = load_key(key_file)
+    whole = LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT)
+    layers = load_manifest(tiny_exports["qwen2", "1"].folders[0]).spec.num_layers
+    with agent_process(key_file, tmp_path / "a", name="alpha") as (_, agent):
+        stages = [StagePlacement(LOCAL, "CPU", 0, layers, rank=0), StagePlacement(agent, "CPU", 0, layers, rank=1)]
+        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32", mode="exact")
+        try:
+            assert isinstance(chain, RankChain) and deployment.ranks == 2
+            assert _greedy(chain) == _greedy(whole)
+            chain.close()
+            chain = deployment.chain(key)  # the next coordinator session, the same worker
+            assert _greedy(chain) == _greedy(whole)
+            with ControlClient(agent, key) as client:
+                client.stop_worker(deployment.workers[0]["worker"])
+            with pytest.raises(StageError):
+                _greedy(chain)
+        finally:
+            chain.close()
+            deployment.stop(key)
+
+
+def _greedy(chain, prompt=(5, 17, 42, 99), n: int = 5) -> list[int]:
+    ids, tokens = list(prompt), []
+    chain.reset(0)
+    out = chain.forward(np.array([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None])
+    for _ in range(n):
+        tokens.append(int(out.tokens.reshape(-1)[-1]))
+        ids.append(tokens[-1])
+        out = chain.forward(np.array([[ids[-1]]]), np.ones((1, len(ids)), np.int64), np.array([[len(ids) - 1]]))
+    return tokens

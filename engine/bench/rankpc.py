@@ -2,11 +2,14 @@
 of one user's token together, each reading half the weights.
 
 This process, pinned to one core, is PC 1 and holds rank 0 of a 2-rank export (``fleet export
---ranks 2``); PC 2 (the other core, its link at 1 Gbit/s) runs rank 1 as ``fleet worker --mesh``.
+--ranks 2``); PC 2 (the other core, its link at 1 Gbit/s) runs rank 1 as a ``fleet worker``.
 Each layer's partial sums cross the link twice a token (``engine.transport.mesh``).  Against
 it, PC 1 alone in each configuration ``draftpc`` measures (no speculation, prompt lookup, the draft
 model, the hybrid), the best of which is the bar, and PC 1 alone with the ranks' own weight format.
-The ranks run plain and with the hybrid drafter.  All are the chat service; they take turns wave by
+The ranks run plain and with the hybrid drafter, and beside them runs what the fleet itself deploys
+for one user (``_fleets_choice``: surveyed, placed by the solver, started through PC 2's agent),
+plain.  The ranks take the one PC's format where its blocks split (``rankcut``).  All are the chat
+service; they take turns wave by
 wave (64 greedy tokens a user, a different prompt each, no prompt cache) with llama.cpp on the same
 GGUF, whole on PC 1 and split over both PCs by RPC as in the office comparison (``office``).
 """
@@ -18,10 +21,16 @@ from pathlib import Path
 from engine.bench.draftpc import ONE_PC
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
-from engine.bench.office import (LLAMA_ONE, LLAMA_SPLIT, RpcServer, chat_wave, close_all, interleave, llama_wave,
-                                messages, pin_process)
+from engine.bench.office import (LLAMA_ONE, LLAMA_SPLIT, DeployedWorkers, RpcServer, chat_wave, close_all,
+                                interleave, llama_wave, messages, pin_process)
 from engine.export.exporter import export_model, rank_folder
+from engine.export.rankcut import ranks_problem
+from engine.fleet.deploy import deploy_layout
+from engine.fleet.layout import fastest_for_one
+from engine.fleet.placement import Fleet, ModelShape, solve
+from engine.fleet.plans import layout_stages
 from engine.fleet.sim import Office
+from engine.fleet.survey import readable, survey
 from engine.launch import fleet_command
 from engine.manifest import load_manifest
 from engine.runtime.decode.service import ChatService
@@ -32,14 +41,16 @@ from engine.runtime.stages.chain import LocalChain
 from engine.session import drafter_factory
 
 USERS = (1,)
-PORT = 7312  # rank 1's worker; the next port rank 0's mesh (two chains: +2)
+PORT = 7312  # rank 1's worker for the plain chain; the next port its worker for the hybrid one
 RANKS = "ours, 2 PCs as tensor-parallel ranks"
 RANKS_HYBRID = "ours, 2 PCs as tensor-parallel ranks, hybrid draft"
+FLEET = "ours, the fleet's own choice for one user"
+COORDINATOR = "coordinator"
 
 
-def ranks_format(weights: str) -> str:
-    """The format the ranks take: the GGUF's own is not split yet (``exporter._check_ranks``)."""
-    return "int4" if weights == "gguf" else weights
+def ranks_format(spec, weights: str) -> str:
+    """The format the ranks take: the one PC's own where its blocks split (``rankcut``), else int4."""
+    return weights if ranks_problem(spec, 2, weights) is None else "int4"
 
 
 def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, weights: str, tokens: int,
@@ -50,8 +61,8 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
     GGUF) to llama.cpp's split, and what was run."""
     pc2 = office.nodes[next(iter(office.nodes))]
     whole = export_model(model, stages=1, weights=weights).folders
-    whole_format = load_manifest(whole[0]).weights
-    same_format = ranks_format(whole_format)
+    manifest = load_manifest(whole[0])
+    whole_format, same_format = manifest.weights, ranks_format(manifest.spec, manifest.weights)
     ranks = export_model(model, weights=same_format, ranks=2).out
     draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
     alike = f"ours, one PC, no speculation, {same_format}"
@@ -69,14 +80,15 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
             alone = export_model(model, stages=1, weights=same_format).folders
             services[alike] = service(LocalChain(alone), lambda chain: drafter_factory("none", chain))
         for i, (name, kind) in enumerate(((RANKS, "none"), (RANKS_HYBRID, "hybrid"))):
-            worker, mesh = f"{pc2.ip}:{PORT + 2 * i}", f"{office.coordinator_ip}:{PORT + 2 * i + 1}"
             office.spawn(pc2.spec.name, fleet_command(
-                "worker", "--shard", str(rank_folder(ranks, 1)), "--listen", f"0.0.0.0:{PORT + 2 * i}",
-                "--mesh", mesh, "--device", "CPU", "--no-tls", "--fleet-key-file", str(office.key_file)),
+                "worker", "--shard", str(rank_folder(ranks, 1)), "--listen", f"0.0.0.0:{PORT + i}",
+                "--device", "CPU", "--no-tls", "--fleet-key-file", str(office.key_file)),
                 office.root / f"rank1-{kind}.log")
-            chain = RankChain(rank_folder(ranks, 0), mesh, [worker], key=key, connect_timeout_s=300)
+            chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:{PORT + i}"], key=key, connect_timeout_s=300)
             opened.append(chain)
             services[name] = service(chain, lambda c, kind=kind: drafter_factory(kind, c, draft))
+        chain, chosen = _fleets_choice(office, model, key=key, weights=weights, opened=opened, log=log)
+        services[FLEET] = service(chain, lambda c: drafter_factory("none", c))
         waves = {name: lambda u, svc=svc: chat_wave(svc, u, tokens) for name, svc in services.items()}
         if gguf is not None:
             prompts = [ChatTokenizer(whole[0]).chat_ids(m).reshape(-1).tolist() for m in messages(max(users))]
@@ -99,14 +111,33 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
     ratios = {}
     for u in users:
         best = max(ONE_PC.values(), key=lambda name: tok[name, u])
-        for name in (RANKS, RANKS_HYBRID):
+        for name in (RANKS, RANKS_HYBRID, FLEET):
             ratios[f"{u} user(s): {name} / the best of one PC ({best})"] = round(tok[name, u] / tok[best, u], 3)
         plain = alike if (alike, u) in tok else ONE_PC["none"]
         ratios[f"{u} user(s): {RANKS} / {plain}"] = round(tok[RANKS, u] / tok[plain, u], 3)
         for peer in (LLAMA_SPLIT, LLAMA_ONE):
             if (peer, u) in tok:
                 ratios[f"{u} user(s): {RANKS} / {peer}"] = round(tok[RANKS, u] / tok[peer, u], 3)
-    notes = {"one_pc_weights": whole_format, "rank_weights": same_format,
+    notes = {"one_pc_weights": whole_format, "rank_weights": same_format, "fleet_choice": chosen,
              "pcs": "this machine (PC 1, one core) holds rank 0 and runs every one-PC configuration; PC 2 "
                     "(one core, 1 Gbit/s) rank 1"}
     return rows, ratios, notes
+
+
+def _fleets_choice(office: Office, model: str, *, key: bytes, weights: str, opened: list, log):
+    """What the fleet itself deploys for one user, as ``fleet up --nodes`` does: this PC and PC 2
+    surveyed, the solver's fastest plan for one user (``layout.fastest_for_one``: a chain, the model
+    whole here, or two ranks), deployed through PC 2's agent.  Its chain (closed with ``opened``),
+    and the plan in words."""
+    doc = survey(model, [node.agent for node in office.nodes.values()], key=key, local_node=COORDINATOR,
+                 weights=weights, log=log)
+    shape, fleet = ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"])
+    plan = fastest_for_one(shape, fleet, solve(shape, fleet, objective="latency"))
+    chosen = readable(plan.explain(), doc["nodes"]).splitlines()
+    for line in chosen:
+        log(line)
+    deployment, (chain,) = deploy_layout(model, layout_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
+                                         key=key, weights=weights)
+    opened.extend([DeployedWorkers(deployment, key), chain])
+    return chain, chosen
+

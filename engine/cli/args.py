@@ -92,8 +92,6 @@ def chain_args(parser: argparse.ArgumentParser) -> None:
                         "a draft keeps its device's default")
     parser.add_argument("--remote", help="run stage 0 here and the rest on workers: HOST:PORT of stage 1 "
                         "(and optionally of the later stages, comma-separated)")
-    parser.add_argument("--mesh", help="with --remote and a tensor-parallel rank 0 in --shards (fleet export "
-                        "--ranks): HOST:PORT where it listens for the other ranks' workers (`fleet worker --mesh`)")
     parser.add_argument("--local-workers", action="store_true",
                         help="run stages 1.. as worker processes on this machine (the local fleet)")
     parser.add_argument("--deployment", nargs="?", const="last",
@@ -142,8 +140,6 @@ def launch_of(args: argparse.Namespace, *, in_process: bool) -> Launch:
         raise FleetError("--remote, --local-workers and --deployment exclude each other")
     if args.remote and not args.shards:
         raise FleetError("with --remote, give the stage-0 shard folder in --shards")
-    if args.mesh and not args.remote:
-        raise FleetError("--mesh goes with --remote: the workers of the other tensor-parallel ranks")
     deployment = record = None
     if args.deployment:
         record = default_record() if args.deployment == "last" else Path(args.deployment)
@@ -151,7 +147,7 @@ def launch_of(args: argparse.Namespace, *, in_process: bool) -> Launch:
     workers = "processes" if args.local_workers else ("none" if in_process or args.shards else None)
     return Launch(shards=args.shards, remote=[a.strip() for a in (args.remote or "").split(",") if a.strip()],
                   deployment=deployment, record=record, workers=workers, precision=args.precision, isolate=args.isolate_streams,
-                  delay_ms=args.delay_ms or 0.0, connect_timeout_s=args.connect_timeout, mesh=args.mesh)
+                  delay_ms=args.delay_ms or 0.0, connect_timeout_s=args.connect_timeout)
 
 
 class Bar:

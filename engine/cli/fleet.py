@@ -29,7 +29,7 @@ from engine.fleet.discovery import Browser, browse, prover
 from engine.fleet.local import local_up, stop_local_agent
 from engine.fleet.netns import require_root
 from engine.fleet.node import SimulatedDevice, node_id
-from engine.fleet.layout import price_layout, solve_layout
+from engine.fleet.layout import fastest_for_one, price_layout, solve_layout
 from engine.fleet.placement import Pin, PlacementError, left_out, solve
 from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
@@ -224,8 +224,10 @@ def _place(profile: Path, *, objective: str, users: int, pins, out: str | None =
         if objective == "throughput" and not pins:
             layout = solve_layout(shape, fleet, users=users, replicas=replicas)
         else:
-            layout = price_layout(shape, fleet, [solve(shape, fleet, objective=objective, users=users, pins=pins)],
-                                  users)
+            plan = solve(shape, fleet, objective=objective, users=users, pins=pins)
+            if objective == "latency" and not pins:
+                plan = fastest_for_one(shape, fleet, plan)
+            layout = price_layout(shape, fleet, [plan], users)
     except PlacementError as exc:
         raise FleetError(readable(str(exc), nodes)) from None
     plan, *others = layout.plans
@@ -381,7 +383,8 @@ def _interrupt(*_) -> None:
 
 def _where(deployment: Deployment) -> str:
     """Where a deployment's copies run, in words."""
-    places = [f"stage 0 here, workers at {', '.join(c.remotes)}" if c.remotes else "whole on this machine"
+    places = [(f"tensor-parallel rank 0 here, the other ranks at {', '.join(c.remotes)}" if c.ranks > 1 else
+               f"stage 0 here, workers at {', '.join(c.remotes)}") if c.remotes else "whole on this machine"
               for c in deployment.copies]
     return places[0] if len(places) == 1 else f"{len(places)} replicas: " + "; ".join(places)
 

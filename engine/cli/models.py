@@ -80,7 +80,7 @@ def add_commands(sub) -> None:
     export.add_argument("--ranks", type=int, default=1,
                         help="split every layer into this many tensor-parallel ranks (one PC each) instead of "
                              "stages: rank0/, rank1/... (run rank 0 with the coordinator, the others with "
-                             "`fleet worker --mesh`)")
+                             "`fleet worker`)")
     export.add_argument("--out", help="output folder (default: the shard cache)")
     export.add_argument("--force", action="store_true", help="export again even if cached")
     export.set_defaults(func=cmd_export)

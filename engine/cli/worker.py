@@ -25,11 +25,13 @@ def cmd_worker(args) -> int:
     worker = Worker(args.shard, args.listen, args.next, key=key, device=settings.device, mode=settings.mode,
                     precision=args.precision, delay_ms=args.delay_ms, deadline_s=settings.deadline_s, tls=tls,
                     isolate=args.isolate_streams,
-                    turns=compute_turns(args.compute_turns), mesh=args.mesh)
+                    turns=compute_turns(args.compute_turns))
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         lifeline()
     m = worker.manifest
-    print(f"stage {m.stage_index} of {m.stage_count} ({layer_span(*m.layers)}) on "
+    what = (f"tensor-parallel rank {m.rank} of {m.ranks}" if m.ranks > 1 else
+            f"stage {m.stage_index} of {m.stage_count}")
+    print(f"{what} ({layer_span(*m.layers)}) on "
           f"{worker.runner.device}, listening on {worker.address}"
           + (f", next stage {args.next}" if args.next else ""), file=sys.stderr, flush=True)
     print(f"ready {worker.address}", flush=True)
@@ -54,8 +56,6 @@ def add_commands(sub) -> None:
     worker.add_argument("--shard", required=True, help="the shard folder this worker serves")
     worker.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any free port)")
     worker.add_argument("--next", help="HOST:PORT of the next stage (default: the coordinator names it)")
-    worker.add_argument("--mesh", help="for a tensor-parallel rank (fleet export --ranks): HOST:PORT where "
-                        "rank 0 listens for the other ranks")
     worker.add_argument("--device", help="OpenVINO device (CPU, GPU, NPU, GPU.1...)")
     worker.add_argument("--precision", help="inference precision hint (f32, bf16, f16)")
     worker.add_argument("--mode", choices=["fast", "exact"], help="correctness mode (every stage must agree)")

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from engine.export.rankcut import MLP_UNIT, rank_cuts
 from engine.models.architectures import ModelSpec
 from engine.models.checkpoint import Checkpoint
 
@@ -57,48 +58,29 @@ def _identity(x):
     return x
 
 
-def share(count: int, rank: int, ranks: int) -> tuple[int, int]:
-    """Rank ``rank``'s part ``[lo, hi)`` of ``count`` items split as evenly as they go."""
-    return count * rank // ranks, count * (rank + 1) // ranks
-
-
-MLP_UNIT = 128  # the MLP's columns split in whole INT4 groups, so each rank's codes are the whole model's
-
-
-def rank_weights(spec: ModelSpec, weights: dict[str, np.ndarray], rank: int, ranks: int) -> tuple[dict, int, int]:
-    """A layer's matrices as tensor-parallel rank ``rank`` of ``ranks`` holds them: its key/value
-    heads (and the query heads that read them), its columns of the MLP; returns them with the rank's
-    query and key/value head counts.  The output projections keep every row and only the rank's
-    columns: their outputs are partial sums, added across the ranks (``mesh.AllReduce``)."""
+def rank_weights(spec: ModelSpec, weights: dict[str, np.ndarray], rank: int, ranks: int,
+                 unit: int = MLP_UNIT) -> tuple[dict, int, int]:
+    """A layer's matrices as tensor-parallel rank ``rank`` of ``ranks`` holds them (``rankcut``), with
+    the rank's query and key/value head counts."""
     if ranks == 1:
         return weights, spec.num_heads, spec.num_kv_heads
-    groups = spec.num_heads // spec.num_kv_heads
-    kv_lo, kv_hi = share(spec.num_kv_heads, rank, ranks)
-    d = spec.head_dim
-    q_rows = slice(kv_lo * groups * d, kv_hi * groups * d)
-    kv_rows = slice(kv_lo * d, kv_hi * d)
-    unit = MLP_UNIT if spec.intermediate_size % (MLP_UNIT * ranks) == 0 else 1
-    lo, hi = share(spec.intermediate_size // unit, rank, ranks)
-    mlp = slice(lo * unit, hi * unit)
-    rows = {"q": q_rows, "q_bias": q_rows, "k": kv_rows, "k_bias": kv_rows, "v": kv_rows, "v_bias": kv_rows,
-            "gate": mlp, "up": mlp}
-    columns = {"o": q_rows, "down": mlp}
+    cuts, heads, kv_heads = rank_cuts(spec, rank, ranks, unit)
     sliced = {}
     for name, w in weights.items():
-        if name in rows:
-            w = w[rows[name]]
-        elif name in columns:
-            w = w[:, columns[name]]
+        if name in cuts:
+            axis, kept = cuts[name]
+            w = w[kept] if axis == 0 else w[:, kept]
         sliced[name] = np.ascontiguousarray(w)
-    return sliced, (kv_hi - kv_lo) * groups, kv_hi - kv_lo
+    return sliced, heads, kv_heads
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], dtype=np.float32,
-                 activation: str = "silu", sliding: bool = False, rank: int = 0, ranks: int = 1):
+                 activation: str = "silu", sliding: bool = False, rank: int = 0, ranks: int = 1,
+                 unit: int = MLP_UNIT):
         super().__init__()
         self.spec = spec
-        weights, self.heads, self.kv_heads = rank_weights(spec, weights, rank, ranks)
+        weights, self.heads, self.kv_heads = rank_weights(spec, weights, rank, ranks, unit)
         self.sliding = sliding
         self.act = ACTIVATIONS[activation]
         self.input_norm = RMSNorm(weights["input_norm"], spec.rms_eps)
@@ -151,14 +133,15 @@ class DecoderStage(nn.Module):
     """
 
     def __init__(self, ckpt: Checkpoint, start: int, end: int, weight_dtype=np.float32, rank: int = 0,
-                 ranks: int = 1):
+                 ranks: int = 1, unit: int = MLP_UNIT):
         """``weight_dtype=np.float16`` halves the memory of the matrices (exports to 16-bit or
         compressed formats lose nothing by it); norms, biases and the computation stay f32.
-        ``rank`` of ``ranks``: the tensor-parallel part of each layer (``rank_weights``)."""
+        ``rank`` of ``ranks``: the tensor-parallel part of each layer (``rank_weights``, its MLP cut
+        in ``unit`` columns)."""
         super().__init__()
         spec = ckpt.spec
         self.spec, self.start, self.end = spec, start, end
-        self.rank, self.ranks = rank, ranks
+        self.rank, self.ranks, self.unit = rank, ranks, unit
         self.first = start == 0
         self.last = end == spec.num_layers
         parts = ckpt.arch.layer_parts()
@@ -171,6 +154,7 @@ class DecoderStage(nn.Module):
                 sliding=i in spec.sliding_layers,
                 rank=rank,
                 ranks=ranks,
+                unit=unit,
             )
             for i in range(start, end)
         )

@@ -25,6 +25,7 @@ from engine.config import AUTO_WEIGHTS, int4_layers, paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export import tokenizer as tok
 from engine.export.gguf_weights import carry, fingerprint, lookup_table
+from engine.export.rankcut import GGUF_UNIT, MLP_UNIT, rank_cuts, ranks_problem
 from engine.export.compress import (CALIBRATED, HEAD_FORMATS, WEIGHT_FORMATS, best_weights, compress,
                                     head_table_int4, save_fp16, staging_dtype, vocab_table)
 from engine.manifest import MODEL_XML, Manifest, check_chain, layer_span, load_manifest
@@ -172,14 +173,9 @@ def export_model(
 def _check_ranks(spec, ranks: int, stages: int, weights: str) -> None:
     if stages > 1:
         raise ExportError("tensor-parallel ranks hold a whole model each: export them without a split")
-    if weights == "gguf":
-        raise ExportError("the gguf weight format is not split into tensor-parallel ranks yet: "
-                          "choose int4, int8 or fp16")
-    if spec.num_kv_heads < ranks:
-        raise ExportError(f"the model has {spec.num_kv_heads} key/value heads: it cannot be split into "
-                          f"{ranks} tensor-parallel ranks")
-    if spec.vocab_size % ranks:
-        raise ExportError(f"the vocabulary ({spec.vocab_size} tokens) does not split evenly into {ranks} ranks")
+    problem = ranks_problem(spec, ranks, weights)
+    if problem:
+        raise ExportError(problem)
 
 
 def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool,
@@ -266,11 +262,13 @@ def _describe(ports) -> list[dict]:
              "dtype": p.get_element_type().get_type_name()} for p in ports]
 
 
-def _staged_matrices(stage) -> dict[bytes, tuple[str, int]]:
-    """Each layer matrix of a traced stage by its fingerprint: (part, layer), for ``gguf_weights.carry``."""
+def _staged_matrices(stage) -> dict[bytes, tuple[str, int, tuple | None]]:
+    """Each layer matrix of a traced stage by its fingerprint: (part, layer, the axis and slice a
+    tensor-parallel rank keeps of it or None), for ``gguf_weights.carry``."""
     from engine.export.decoder import MATRICES  # torch, as export_stage's imports
 
-    return {fingerprint(getattr(layer, part).detach().numpy()): (part, stage.start + i)
+    cuts = rank_cuts(stage.spec, stage.rank, stage.ranks, stage.unit)[0] if stage.ranks > 1 else {}
+    return {fingerprint(getattr(layer, part).detach().numpy()): (part, stage.start + i, cuts.get(part))
             for i, layer in enumerate(stage.layers) for part in MATRICES}
 
 
@@ -358,7 +356,8 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     vocabulary = _vocabulary(ckpt, job)
     _release_free_memory()
     stage = DecoderStage(ckpt, job["start"], job["end"], weight_dtype=staging_dtype(job["weights"]),
-                         rank=job.get("rank", 0), ranks=job.get("ranks", 1))
+                         rank=job.get("rank", 0), ranks=job.get("ranks", 1),
+                         unit=GGUF_UNIT if job["weights"] == "gguf" else MLP_UNIT)
     _release_free_memory()
     in_names, _, pairs = io_names(stage)
     matrices = _staged_matrices(stage) if job["weights"] == "gguf" else None

@@ -390,10 +390,11 @@ def weight_constants(model: ov.Model):
             yield op, node
 
 
-def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict:
+def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int, tuple | None]]) -> dict:
     """Gives every MatMul whose weight constant holds a quantized GGUF matrix (``matrices``: the staged
-    matrices' fingerprints -> (part, layer)) the GGUF's own codes; returns what was carried, by type,
-    and what was not (kept as floats, then stored as the format's fp16)."""
+    matrices' fingerprints -> (part, layer, cut), ``cut`` the axis and slice a tensor-parallel rank
+    keeps, ``engine.export.rankcut``) the GGUF's own codes; returns what was carried, by type, and
+    what was not (kept as floats, then stored as the format's fp16)."""
     carried: dict[str, int] = {}
     kept: list[str] = []
     sums: dict = {}
@@ -401,17 +402,30 @@ def carry(model: ov.Model, ckpt, matrices: dict[bytes, tuple[str, int]]) -> dict
         found = matrices.pop(fingerprint(node.get_data()), None)
         if found is None:
             continue
-        part, layer = found
+        part, layer, cut = found
         blocks = ckpt.read_blocks(part, layer)
         if blocks is None or blocks[0] not in BLOCKS:
             kept.append(f"layer {layer} {part}" + (f" (GGML type {blocks[0]})" if blocks else " (floats)"))
             continue
         qtype, raw = blocks
+        if cut is not None:
+            raw = _cut(raw, qtype, *cut)
         rows, columns = node.get_output_shape(0)
         carry_matmul(op, decompose(qtype, raw, rows, columns), sums)
         carried[NAMES[qtype]] = carried.get(NAMES[qtype], 0) + 1
-    kept += [f"layer {layer} {part} (not found in the graph)" for part, layer in matrices.values()]
+    kept += [f"layer {layer} {part} (not found in the graph)" for part, layer, _ in matrices.values()]
     return {"carried": carried, "kept_float": kept}
+
+
+def _cut(raw: np.ndarray, qtype: int, axis: int, kept: slice) -> np.ndarray:
+    """A rank's rows (``axis`` 0) or columns (1: whole blocks of every row) of a matrix's raw blocks."""
+    if axis == 0:
+        return raw[kept]
+    size, nbytes = BLOCKS[qtype]
+    if kept.start % size or kept.stop % size:
+        raise ExportError(f"a tensor-parallel rank's columns {kept.start}-{kept.stop} cut {NAMES[qtype]} blocks "
+                          f"of {size}")
+    return np.ascontiguousarray(raw[:, kept.start // size * nbytes:kept.stop // size * nbytes])
 
 
 def carried_text(report: dict) -> str:

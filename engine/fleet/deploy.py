@@ -24,6 +24,7 @@ from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient
 from engine.manifest import layer_span, load_manifest
+from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
@@ -51,12 +52,15 @@ class Sent(float):
 
 @dataclasses.dataclass
 class StagePlacement:
-    """Where one stage runs: ``agent`` is a node agent's HOST:PORT, or ``LOCAL`` (stage 0 only)."""
+    """Where one stage runs: ``agent`` is a node agent's HOST:PORT, or ``LOCAL`` (stage 0 only).
+    ``rank``: the stages are tensor-parallel ranks of the whole model (``engine.runtime.relay.ranks``),
+    this one rank ``rank``."""
 
     agent: str
     device: str
     start: int
     end: int
+    rank: int | None = None
 
 
 @dataclasses.dataclass
@@ -90,6 +94,11 @@ class Deployment:
     @property
     def stages(self) -> list[StagePlacement]:
         return [StagePlacement(**s) for s in self.placement]
+
+    @property
+    def ranks(self) -> int:
+        """How many tensor-parallel ranks the stages are (1: a chain of stages)."""
+        return len(self.placement) if self.placement and self.placement[0].get("rank") is not None else 1
 
     @property
     def fed(self) -> bool:
@@ -138,6 +147,9 @@ class Deployment:
         if not self.remotes:  # a copy whole on this machine (``deploy_layout``)
             return LocalChain([self.stage0], device=self.device, config=compile_config(self.mode),
                               isolate=kw.get("isolate", False), turns=kw["turns"])
+        if self.ranks > 1:
+            return RankChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
+                             deadline_s=deadline_s, connect_timeout_s=connect_timeout_s)
         return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
                            deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, fed=self.fed, **kw)
 
@@ -221,6 +233,9 @@ def check_placement(stages: list[StagePlacement]) -> None:
     model's layer count is checked at export)."""
     if not stages:
         raise FleetError("a placement needs at least one stage")
+    if any(s.rank is not None for s in stages):
+        _check_ranks(stages)
+        return
     if len(stages) < 2 and stages[0].agent == LOCAL:
         raise FleetError("a deployment needs at least one stage on a node agent")
     here = [f"stage {i} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1) if s.agent == LOCAL]
@@ -236,6 +251,16 @@ def check_placement(stages: list[StagePlacement]) -> None:
         if b.start != a.end:
             raise FleetError(f"the stages of {layer_span(a.start, a.end)} and {layer_span(b.start, b.end)} "
                              f"are not contiguous")
+
+
+def _check_ranks(stages: list[StagePlacement]) -> None:
+    if [s.rank for s in stages] != list(range(len(stages))) or len(stages) < 2:
+        raise FleetError(f"tensor-parallel ranks are numbered 0 to {len(stages) - 1} in order, at least 2, "
+                         f"not {[s.rank for s in stages]}")
+    if stages[0].agent != LOCAL or any(s.agent == LOCAL for s in stages[1:]):
+        raise FleetError("rank 0 runs in the coordinator and every other rank on a node agent")
+    if any((s.start, s.end) != (0, stages[0].end) or s.end <= 0 for s in stages):
+        raise FleetError("every tensor-parallel rank holds its share of every layer, from layer 0")
 
 
 def placement_problem(stages: list[StagePlacement]) -> str | None:
@@ -260,7 +285,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     from engine.export.exporter import export_model
 
     check_placement(stages)
-    split = [s.end for s in stages[:-1]]
+    ranks = len(stages) if stages[0].rank is not None else 1
+    split = [] if ranks > 1 else [s.end for s in stages[:-1]]
     on_nodes = [i for i, s in enumerate(stages) if s.agent != LOCAL]  # all but a stage 0 run here
     for address in dict.fromkeys(stages[i].agent for i in on_nodes):  # all up before minutes of export
         try:
@@ -274,7 +300,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             progress(stage, phase, fraction)
 
     if folders is None:
-        export = export_model(model, split=split, weights=weights, cancel=cancel,
+        export = export_model(model, split=split, weights=weights, ranks=ranks, cancel=cancel,
                               progress=lambda i, step, frac: report(i, "export", frac))
         if stages[-1].end != export.stages[-1].layers[1]:
             raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import FleetError, StageError
-from engine.export.exporter import stage_folder
+from engine.export.exporter import rank_folder, stage_folder
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy_layout
 from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
@@ -86,7 +86,8 @@ class Failover:
                 self.on_event(f"warning: {problem}")
         old = self.deployment
         # the same placement runs the shards the deployment already has: the model is not opened again
-        held = None if gone else [stage_folder(Path(old.stage0).parent, i) for i in range(len(placement))]
+        folder = rank_folder if old.ranks > 1 else stage_folder
+        held = None if gone else [folder(Path(old.stage0).parent, i) for i in range(len(placement))]
         # deploy_layout: a copy that was whole on the lost node may come back whole on this machine
         deployment, (chain,) = deploy_layout(old.model, [placement], key=self.key, tls=self.tls, weights=old.weights,
                                              mode=old.mode, deadline_s=self.deadline_s,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from engine.fleet.placement import (Fleet, Infeasible, ModelShape, Plan, PlacementError, Record, evaluate, solve,
-                                    stage_time)
+from engine.fleet.placement import (Fleet, Infeasible, ModelShape, Plan, PlacementError, Record, evaluate,
+                                    price_ranks, solve, stage_time)
 
 # A layout with a chain split over several nodes is chosen over whole copies only when it predicts
 # this much more.  The cost model prices a split's groups in flight as overlapping perfectly;
@@ -72,8 +72,9 @@ def price_layout(model: ModelShape, fleet: Fleet, plans: list[Plan], users: int)
         dev = fleet.device(first.node, first.device)
         if dev is None or first.node != fleet.coordinator:
             continue
-        rows = max(plan.users, 1)
-        step_ms = stage_time(dev, rows).at(first.end - first.start, True, len(plan.stages) == 1)
+        rows = 1 if plan.ranks else max(plan.users, 1)  # ranks run one stream's forward at a time
+        step_ms = first.ms if plan.ranks else stage_time(dev, rows).at(first.end - first.start, True,
+                                                                        len(plan.stages) == 1)
         load += step_ms * plan.aggregate_tok_s / rows / 1000.0  # rounds per second x one round's time
     total = sum(p.aggregate_tok_s for p in plans)
     if load > 1.0:
@@ -106,10 +107,12 @@ def solve_layout(model: ModelShape, fleet: Fleet, *, users: int, max_stages: int
     one = price_layout(model, fleet, [solve(model, fleet, objective="throughput", users=users, max_stages=max_stages,
                                             time_limit_s=time_limit_s)], users)
     c = fleet.coordinator
-    if not replicas or users < 2 or c is None:
+    if c is None:
         return one
-    layouts = [one]
     others = [n for n in fleet.nodes if n != c]
+    layouts = [one, *(price_layout(model, fleet, [plan], users) for plan in _rank_pairs(model, fleet, others, users))]
+    if not replicas or users < 2:
+        return _best(layouts)
     for count in range(1, len(others) + 1):
         for homes in itertools.combinations(others, count):
             rest = _without(fleet, set(homes))
@@ -130,6 +133,40 @@ def solve_layout(model: ModelShape, fleet: Fleet, *, users: int, max_stages: int
                     copies.insert(0, chain)
                 layouts.append(price_layout(model, fleet, copies, users))
 
+    return _best(layouts)
+
+
+def fastest_for_one(model: ModelShape, fleet: Fleet, plan: Plan) -> Plan:
+    """``plan`` (the solver's fastest chain for one user), or two PCs as tensor-parallel ranks where
+    they predict ``CHAIN_MARGIN`` more tok/s than it and than the model whole on one PC."""
+    whole = max((e.plan.tok_s for d in fleet.devices if d.node == fleet.coordinator and d.supported
+                 if (e := evaluate(model, fleet, [(d.node, d.device, 0, model.num_layers)])).ok), default=0.0)
+    ranks = max(_rank_pairs(model, fleet, [n for n in fleet.nodes if n != fleet.coordinator], 1),
+                key=lambda p: p.tok_s, default=None)
+    if ranks is not None and ranks.tok_s > max(plan.tok_s, whole * CHAIN_MARGIN):
+        return dataclasses.replace(ranks, objective=plan.objective)
+    return plan
+
+
+def _rank_pairs(model: ModelShape, fleet: Fleet, others: list[str], users: int) -> list[Plan]:
+    """The coordinator and each other node as two tensor-parallel ranks, on their fastest pair of
+    devices that fits (``placement.price_ranks``); none where the model's export cannot be split."""
+    if model.max_ranks < 2:
+        return []
+    plans = []
+    for node in others:
+        pairs = [price_ranks(model, fleet, [(a.node, a.device), (b.node, b.device)], users=users)
+                 for a in fleet.devices if a.node == fleet.coordinator and a.supported
+                 for b in fleet.devices if b.node == node and b.supported]
+        fits = [e.plan for e in pairs if e.ok]
+        if fits:
+            plans.append(max(fits, key=lambda plan: plan.tok_s))
+    return plans
+
+
+def _best(layouts: list[Layout]) -> Layout:
+    """The fastest layout; one that spreads a copy over several PCs (a chain split over them, or
+    tensor-parallel ranks) only where it predicts ``CHAIN_MARGIN`` more than whole copies."""
     def best(candidates: list[Layout]) -> Layout | None:
         return max(candidates, key=lambda layout: layout.aggregate_tok_s, default=None)
 

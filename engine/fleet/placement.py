@@ -62,6 +62,7 @@ class ModelShape(Record):
     head_bytes: int  # last stage extra: final norm + LM head
     kv_bytes_per_layer: int  # KV cache of one layer at the planned context and streams
     overhead_bytes: int = 0  # fixed runtime cost of each stage process
+    max_ranks: int = 1  # tensor-parallel ranks its export can split it into (``price_ranks``): 2, or 1 for none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,16 +148,24 @@ class Plan(Record):
     aggregate_tok_s: float
     solve_ms: float
     fed: bool = False  # stage 0 is on a node that the coordinator feeds its token ids (one more hop)
+    ranks: bool = False  # the stages are tensor-parallel ranks, each with every layer (``price_ranks``)
 
     def explain(self) -> str:
-        lines = [f"{self.model}: {len(self.stages)} stage(s), objective {self.objective}"
-                 + (", fed its token ids by this machine" if self.fed else "")]
+        if self.ranks:
+            lines = [f"{self.model}: {len(self.stages)} PCs as tensor-parallel ranks, each computing its share "
+                     f"of every layer of the same token"]
+        else:
+            lines = [f"{self.model}: {len(self.stages)} stage(s), objective {self.objective}"
+                     + (", fed its token ids by this machine" if self.fed else "")]
         for i, s in enumerate(self.stages):
             share = f"{100 * s.memory_bytes / s.memory_limit_bytes:.0f}%" if s.memory_limit_bytes else "no limit known"
-            lines.append(f"  stage {i}: {s.node} {s.device}, {layer_span(s.start, s.end)}, {s.ms:.2f} ms, "
+            what, layers = ((f"rank {i}", f"1/{len(self.stages)} of each of {layer_span(s.start, s.end)}")
+                            if self.ranks else (f"stage {i}", layer_span(s.start, s.end)))
+            lines.append(f"  {what}: {s.node} {s.device}, {layers}, {s.ms:.2f} ms, "
                          f"{gb(s.memory_bytes)} of {gb(s.memory_limit_bytes)} ({share})")
         hops = max(len(self.stages) - 1 + self.fed, 0)
-        lines.append(f"  network: {self.network_ms:.2f} ms per token over {hops} hop(s)")
+        lines.append(f"  network: {self.network_ms:.2f} ms per token over "
+                     + (f"{exchanges(self.stages[0].end)} exchanges" if self.ranks else f"{hops} hop(s)"))
         lines.append(f"  predicted: {self.token_ms:.2f} ms per token, {self.tok_s:.1f} tok/s for one user, "
                      f"{self.aggregate_tok_s:.1f} tok/s aggregate for {self.users} user(s)")
         return "\n".join(lines)
@@ -335,6 +344,63 @@ def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, i
     return Evaluation(plan=plan, problems=problems)
 
 
+# ---- tensor-parallel ranks ----
+
+# What one exchange of partial sums costs beyond the link's one-way latency: Python collectives, the
+# frames' seals, and the wait for the slower rank.  Measured on 2 one-core PCs over a 1 Gbit/s
+# link: ranks took 331-351 ms a token where half the model alone took 283, over 57 exchanges
+# (bench-results/2026-11-28/sim-ranks-qwen1.5b-avx2.json).
+EXCHANGE_MS = 0.8
+
+
+def exchanges(num_layers: int) -> int:
+    """Exchanges a token costs tensor-parallel ranks: after each layer's attention and MLP, and
+    the head's vocabulary (``engine.transport.mesh``)."""
+    return 2 * num_layers + 1
+
+
+def price_ranks(model: ModelShape, fleet: Fleet, units: Sequence[tuple[str, str]], *, users: int = 1) -> Evaluation:
+    """Prices ``units`` ((node, device), rank 0 first: the coordinator) as tensor-parallel ranks:
+    each holds the embedding and 1/R of every layer and of the head, and a token takes the slowest
+    rank's share plus an exchange per ``exchanges`` over the slowest link.  A rank chain runs one
+    forward at a time (``engine.runtime.relay.ranks``), so users take turns: the aggregate is one
+    user's rate.  Never raises; problems are listed."""
+    ranks, L = len(units), model.num_layers
+    problems, planned, slowest, link = [], [], 0.0, 0.0
+    if ranks < 2 or ranks > model.max_ranks:
+        problems.append(f"{model.name} is not split into {ranks} tensor-parallel ranks (its export allows "
+                        f"{model.max_ranks})")
+    memory = stage_memory(model)
+    need = int((memory.per_layer * L + memory.last) / max(ranks, 1) + memory.first + memory.fixed)
+    for i, (node, device) in enumerate(units):
+        dev = fleet.device(node, device)
+        if dev is None:
+            problems.append(f"rank {i}: node {node} has no device {device}")
+            ms = 0.0
+        else:
+            cost = stage_time(dev)
+            ms = (cost.per_layer * L + cost.last) / ranks + cost.first + cost.fixed
+            if not dev.supported:
+                problems.append(f"rank {i}: {device} on {node} cannot run a stage")
+            if need > dev.memory_bytes:
+                problems.append(f"rank {i} on {node} {device} needs {gb(need)} but has {gb(dev.memory_bytes)}")
+        if i:
+            try:
+                link = max(link, fleet.rtt(units[0][0], node))
+            except PlacementError as e:
+                problems.append(str(e))
+        slowest = max(slowest, ms)
+        planned.append(PlannedStage(node, device, 0, L, ms, need, dev.memory_bytes if dev else 0))
+    if fleet.coordinator is not None and units and units[0][0] != fleet.coordinator:
+        problems.append(f"rank 0 must run on the coordinator {fleet.coordinator}, not {units[0][0]}")
+    network = link + exchanges(L) * (EXCHANGE_MS + link / 2)  # ids out and the result back; each swap one way
+    token_ms = slowest + network
+    tok_s = 1000.0 / token_ms if token_ms > 0 else 0.0
+    plan = Plan(model=model.name, stages=planned, objective="throughput", users=max(users, 1), network_ms=network,
+                token_ms=token_ms, tok_s=tok_s, aggregate_tok_s=tok_s, solve_ms=0.0, ranks=True)
+    return Evaluation(plan=plan, problems=problems)
+
+
 # ---- the solver ----
 
 def solve(model: ModelShape, fleet: Fleet, *, objective: str = "latency", users: int = 1,
@@ -405,6 +471,10 @@ def left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, str]:
         devices = [d for d in fleet.devices if d.node == node and d.supported]
         if not devices:
             reasons[node] = "none of its devices can run a stage"
+            continue
+        if plan.ranks:
+            reasons[node] = ("tensor-parallel ranks pair this machine with one other PC, and the pair with it "
+                             "was predicted slower")
             continue
         if all(d.memory_bytes < one_layer for d in devices):
             reasons[node] = (f"it cannot hold one layer ({gb(one_layer)} with the runtime; "

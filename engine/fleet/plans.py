@@ -13,9 +13,10 @@ def placement_stages(plan_doc: dict, plan: dict | None = None) -> list[StagePlac
     """The deployable stages of a ``fleet place`` plan document (of its ``plan``, or of one of its
     ``replicas``)."""
     try:
-        nodes = plan_doc["nodes"]
-        return [StagePlacement(agent=nodes[s["node"]]["address"], device=s["device"], start=s["start"], end=s["end"])
-                for s in (plan or plan_doc["plan"])["stages"]]
+        nodes, plan = plan_doc["nodes"], plan or plan_doc["plan"]
+        return [StagePlacement(agent=nodes[s["node"]]["address"], device=s["device"], start=s["start"], end=s["end"],
+                               rank=i if plan.get("ranks") else None)
+                for i, s in enumerate(plan["stages"])]
     except (KeyError, TypeError) as exc:
         raise FleetError(f"not a plan written by `fleet place` (missing {exc})") from None
 

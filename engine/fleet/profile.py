@@ -22,6 +22,7 @@ import numpy as np
 from engine.config import AUTO_WEIGHTS
 from engine.errors import FleetError
 from engine.fleet.limits import process_memory
+from engine.export.rankcut import ranks_problem
 from engine.manifest import MODEL_XML, Manifest, load_manifest
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
@@ -176,4 +177,5 @@ def model_shape(manifest: Manifest, context: int = 4096, streams: int = 1) -> di
             "layer_bytes": int((attn + mlp) * weight_bytes(manifest.weights)),
             "embed_bytes": vocab, "head_bytes": vocab,
             "kv_bytes_per_layer": 2 * s.num_kv_heads * s.head_dim * min(context, s.max_position) * streams * KV_BYTES,
-            "overhead_bytes": STAGE_OVERHEAD_BYTES}
+            "overhead_bytes": STAGE_OVERHEAD_BYTES,
+            "max_ranks": 2 if ranks_problem(s, 2, manifest.weights) is None else 1}

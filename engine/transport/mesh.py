@@ -8,9 +8,11 @@ operations whose ``evaluate`` swaps tensors with the other ranks over an authent
 (``Mesh``).  Every rank then runs the same forwards in the same order, and each ends with the
 whole model's logits: one user's token costs each PC half the weights it would read alone.
 
-A rank 0 listens for the others, which dial it (the fleet-key handshake, then sealed SHARE frames).
-With two ranks they swap their parts over one connection; with more, rank 0 gathers, combines in
-rank order and sends the result back.  Sums are always taken in rank order, so every rank holds the
+Every rank but 0 listens on a port of its own (its worker names it in its PONG); rank 0, in the
+coordinator, dials them when it opens the chain (the fleet-key handshake, then sealed SHARE
+frames), and a rank takes the next coordinator's connection in place of the last.  With two ranks
+they swap their parts over one connection; with more, rank 0 gathers, combines in rank order and
+sends the result back.  Sums are always taken in rank order, so every rank holds the
 very same activations.
 
 A collective node finds its mesh by its friendly name (``bind``): the plugin compiles a copy of each
@@ -31,7 +33,7 @@ import openvino.opset13 as ops
 
 from engine.errors import FleetError
 from engine.transport import wire
-from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, authenticate_peer, dial, parse_address
+from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, authenticate_peer, dial
 from engine.transport.wire import Frame, Msg
 
 EXCHANGE_WAIT_S = 30.0  # the longest one rank waits at an exchange for the others to get there
@@ -47,9 +49,14 @@ class MeshError(FleetError):
 class Mesh:
     """This rank's connections to the other ranks of one tensor-parallel group."""
 
-    def __init__(self, rank: int, ranks: int, links: dict[int, Link], timeout_s: float = EXCHANGE_WAIT_S):
-        self.rank, self.ranks, self.links = rank, ranks, links
+    def __init__(self, rank: int, ranks: int, links: dict[int, Link] | None = None,
+                 timeout_s: float = EXCHANGE_WAIT_S):
+        """``links``: rank 0's connection to each other rank; a rank > 0 starts without and
+        ``listen``s for rank 0."""
+        self.rank, self.ranks, self.links = rank, ranks, dict(links or {})
         self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         self.id = f"mesh{next(_ids)}"
         self.exchanges = 0
         self._outbox: queue.Queue = queue.Queue()
@@ -57,54 +64,49 @@ class Mesh:
         _MESHES[self.id] = self
 
     @classmethod
-    def serve(cls, listener: socket.socket, key: bytes, fingerprint: str, ranks: int, *,
-              timeout_s: float = 30.0, tls=None) -> "Mesh":
-        """Rank 0: accepts ranks 1..ranks-1 on ``listener`` (each proves the fleet key and the model),
-        waiting up to ``timeout_s`` for each."""
+    def dial(cls, addresses: dict[int, str], key: bytes, fingerprint: str, ranks: int, *,
+             timeout_s: float = 30.0, tls=None) -> "Mesh":
+        """Rank 0: dials every other rank's mesh port (``addresses``: rank -> HOST:PORT), each within
+        ``timeout_s``; the handshake proves the fleet key and the model both ways, the peer's
+        welcome its rank."""
         links: dict[int, Link] = {}
-        listener.settimeout(timeout_s)
-        while len(links) < ranks - 1:
-            try:
-                conn, peer = listener.accept()
-            except socket.timeout:
-                raise MeshError(f"tensor-parallel ranks {sorted(set(range(1, ranks)) - set(links))} did not "
-                                f"connect within {timeout_s:g} s") from None
-            try:
-                conn, seal = authenticate_peer(conn, key, {"role": "mesh", "fingerprint": fingerprint}, tls)
-                link = Link(conn, f"{peer[0]}:{peer[1]}", seal)
-                hello = link.recv(HANDSHAKE_TIMEOUT_S)
-                rank = int(hello.json()["rank"]) if hello is not None and hello.type == Msg.CALL else -1
-            except (wire.AuthError, wire.ProtocolError, OSError, ValueError, KeyError, TypeError):
-                continue  # a stranger, a broken dial or a malformed hello: keep waiting for the ranks
-            if not 0 < rank < ranks or rank in links:
+        try:
+            for rank, address in sorted(addresses.items()):
+                links[rank] = _dial_rank(address, key, fingerprint, rank, ranks, timeout_s, tls)
+        except BaseException:
+            for link in links.values():
                 link.close()
-                continue
-            link.peer = seal.peer = f"rank {rank} at {peer[0]}:{peer[1]}"
-            links[rank] = link
+            raise
         return cls(0, ranks, links)
 
-    @classmethod
-    def join(cls, address: str, key: bytes, fingerprint: str, rank: int, ranks: int, *,
-             timeout_s: float = 30.0, tls=None) -> "Mesh":
-        """Rank ``rank`` > 0: dials rank 0 at ``address`` until it answers (within ``timeout_s``)."""
-        parse_address(address)
-        deadline = time.monotonic() + timeout_s
-        while True:
+    def listen(self, listener: socket.socket, key: bytes, fingerprint: str, *, tls=None, log=None) -> None:
+        """Rank > 0: takes rank 0's connection on ``listener`` for as long as the process runs.  A
+        new one (the next coordinator session) replaces the last, its exchanges counted from 0."""
+        identity = {"role": "mesh", "fingerprint": fingerprint, "rank": self.rank}
+        log = log or (lambda msg: None)
+
+        def session(conn: socket.socket, seal: wire.Seal, peer: str) -> None:
+            link = Link(conn, f"rank 0 at {peer}", seal)
             try:
-                sock = dial(address, tls)
-                sock.settimeout(HANDSHAKE_TIMEOUT_S)
-                _, seal = wire.client_handshake(sock, key, {"role": "mesh", "fingerprint": fingerprint})
-                break
-            except OSError:
-                if time.monotonic() >= deadline:
-                    raise MeshError(f"rank 0 of the tensor-parallel group at {address} did not answer "
-                                    f"within {timeout_s:g} s") from None
-                time.sleep(0.2)
-            except wire.AuthError as exc:
-                raise MeshError(f"rank 0 at {address} refused rank {rank}: {exc}") from None
-        link = Link(sock, f"rank 0 at {address}", seal)
-        link.send(wire.control(Msg.CALL, {"rank": rank}))
-        return cls(rank, ranks, {0: link})
+                hello = link.recv(HANDSHAKE_TIMEOUT_S)
+                doc = hello.json() if hello is not None and hello.type == Msg.CALL else {}
+                if doc.get("rank") != 0 or doc.get("ranks") != self.ranks:
+                    raise wire.ProtocolError(f"expected rank 0 of {self.ranks}, got {str(doc)[:80]}")
+                with self._lock:
+                    previous, self.links[0] = self.links.get(0), link
+                    self.exchanges = 0
+                link.send(wire.control(Msg.REPLY, {"rank": self.rank}, hello.stream, hello.seq))
+            except (ConnectionError, wire.ProtocolError, OSError, ValueError) as exc:
+                log(f"tensor-parallel connection from {peer} dropped: {exc}")
+                link.close()
+                return
+            if previous is not None:
+                previous.close()
+            log(f"tensor-parallel rank 0 at {peer} joined")
+
+        threading.Thread(target=accept_loop, daemon=True, name=f"{self.id} accept",
+                         args=(listener, self._closed, lambda conn: authenticate_peer(conn, key, identity, tls),
+                               session, "tensor-parallel", log)).start()
 
     # --- the collectives ---------------------------------------------------------------------------
 
@@ -117,8 +119,9 @@ class Mesh:
         self._collect(x, out, lambda parts: np.concatenate(parts, axis=-1, out=out))
 
     def _collect(self, x: np.ndarray, out: np.ndarray, combine) -> None:
-        seq = self.exchanges
-        self.exchanges += 1
+        with self._lock:
+            seq = self.exchanges
+            self.exchanges += 1
         if self.ranks == 2:  # swap parts: one crossing each way, at once
             other = 1 - self.rank
             self._send(other, Frame(Msg.SHARE, 0, seq, [x]))
@@ -134,25 +137,36 @@ class Mesh:
             out[...] = self._receive(0, seq, out.shape)
 
     def _send(self, rank: int, frame: Frame) -> None:
+        link = self._link(rank)
         if sum(t.nbytes for t in frame.tensors) <= INLINE_BYTES:
-            self.links[rank].send(frame)
+            try:
+                link.send(frame)
+            except OSError as exc:
+                raise MeshError(f"tensor-parallel {link.peer} is gone: {exc}") from None
         else:  # both ranks send at once: a large part must not wait for the peer to read
             frame.tensors = [np.array(t) for t in frame.tensors]
-            self._outbox.put((rank, frame))
+            self._outbox.put((link, frame))
 
     def _sender(self) -> None:
         while True:
             item = self._outbox.get()
             if item is None:
                 return
-            rank, frame = item
+            link, frame = item
             try:
-                self.links[rank].send(frame)
+                link.send(frame)
             except OSError:
-                self.links[rank].close()
+                link.close()
+
+    def _link(self, rank: int) -> Link:
+        link = self.links.get(rank)
+        if link is None:
+            raise MeshError(f"tensor-parallel rank {rank} has not connected to rank {self.rank} (rank 0, the "
+                            f"coordinator, dials the others when it opens the chain)")
+        return link
 
     def _receive(self, rank: int, seq: int, shape, any_last: bool = False) -> np.ndarray:
-        link = self.links[rank]
+        link = self._link(rank)
         try:
             frame = link.recv(self.timeout_s)
         except (ConnectionError, wire.ProtocolError) as exc:
@@ -168,10 +182,45 @@ class Mesh:
         return part
 
     def close(self) -> None:
+        self._closed.set()
         _MESHES.pop(self.id, None)
         self._outbox.put(None)
         for link in self.links.values():
             link.close()
+
+
+def _dial_rank(address: str, key: bytes, fingerprint: str, rank: int, ranks: int, timeout_s: float,
+               tls) -> Link:
+    """Rank 0's connection to rank ``rank`` at ``address``, acknowledged by that rank."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = dial(address, tls)
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            welcome, seal = wire.client_handshake(sock, key, {"role": "mesh", "fingerprint": fingerprint})
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise MeshError(f"tensor-parallel rank {rank} at {address} did not answer within "
+                                f"{timeout_s:g} s") from None
+            time.sleep(0.2)
+        except wire.AuthError as exc:
+            raise MeshError(f"tensor-parallel rank {rank} at {address} refused the connection: {exc}") from None
+    link = Link(sock, f"rank {rank} at {address}", seal)
+    try:
+        if welcome.get("rank") != rank:
+            raise MeshError(f"{address} serves tensor-parallel rank {welcome.get('rank')}, not rank {rank}")
+        link.send(wire.control(Msg.CALL, {"rank": 0, "ranks": ranks}))
+        ack = link.recv(HANDSHAKE_TIMEOUT_S)
+        if ack is None or ack.type != Msg.REPLY:
+            raise MeshError(f"tensor-parallel rank {rank} at {address} did not take the connection")
+    except (ConnectionError, wire.ProtocolError) as exc:
+        link.close()
+        raise MeshError(f"tensor-parallel rank {rank} at {address} broke off: {exc}") from None
+    except MeshError:
+        link.close()
+        raise
+    return link
 
 
 def _sum(parts: list[np.ndarray], out: np.ndarray) -> None:

@@ -8,20 +8,19 @@ whole model's; the workers' results only confirm that their forward completed.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import numpy as np
 
-from engine.errors import ShardError
-from engine.manifest import load_manifest
+from engine.errors import ShardError, StageError
+from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import Chain
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.output import Output
 from engine.runtime.stages.stage import compile_config
 from engine.transport.link import parse_address
-from engine.transport.mesh import Mesh
+from engine.transport.mesh import Mesh, MeshError
 from engine.transport.wire import Flag
 
 
@@ -29,31 +28,30 @@ class RankChain(Chain):
     paged = False
     packs = False  # every rank must run the same forwards: one round at a time
 
-    def __init__(self, rank0: Path | str, listen: str, workers: list[str], *, key: bytes, device: str = "CPU",
+    def __init__(self, rank0: Path | str, workers: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
-                 connect_timeout_s: float = 60.0):
-        """``rank0``: rank 0's shard folder; ``listen``: where its mesh waits for the other ranks
-        (their workers were started with ``--mesh`` naming it); ``workers``: rank 1's worker
-        address, then rank 2's..."""
-        manifest = load_manifest(Path(rank0))
+                 connect_timeout_s: float = 60.0, manifest: Manifest | None = None):
+        """``rank0``: rank 0's shard folder (``manifest``: its manifest, when already loaded);
+        ``workers``: rank 1's worker address, then rank 2's...  Each worker names its mesh port in
+        its PONG; rank 0 dials it there."""
+        manifest = manifest or load_manifest(Path(rank0))
         if manifest.rank != 0 or manifest.ranks != len(workers) + 1:
             raise ShardError(f"{rank0} is rank {manifest.rank} of {manifest.ranks}: a rank chain runs rank 0 here "
                              f"and one worker for each other rank ({len(workers)} given)")
-        listener = socket.create_server(parse_address(listen, "0.0.0.0"))
-        try:
-            self.mesh = Mesh.serve(listener, key, manifest.fingerprint, manifest.ranks,
-                                   timeout_s=connect_timeout_s, tls=tls)
-        finally:
-            listener.close()
         self.remotes: list[RemoteChain] = []
+        self.mesh = None
         try:
-            self.local = LocalChain([rank0], device, compile_config(mode, precision), paged=False, mesh=self.mesh)
+            meshes = {}
             for rank, address in enumerate(workers, start=1):
                 self.remotes.append(RemoteChain(rank0, [address], key=key, mode=mode, tls=tls, deadline_s=deadline_s,
                                                 connect_timeout_s=connect_timeout_s, fed=True))
-                held = self.remotes[-1].stages[0].get("rank") if self.remotes[-1].stages else None
-                if held != rank:
-                    raise ShardError(f"the worker at {address} serves rank {held}, expected rank {rank}")
+                held = self.remotes[-1].stages[0] if self.remotes[-1].stages else {}
+                if held.get("rank") != rank or not held.get("mesh"):
+                    raise ShardError(f"the worker at {address} serves rank {held.get('rank')}, expected rank {rank}")
+                meshes[rank] = f"{parse_address(address)[0]}:{held['mesh']}"
+            self.mesh = Mesh.dial(meshes, key, manifest.fingerprint, manifest.ranks, timeout_s=connect_timeout_s,
+                                  tls=tls)
+            self.local = LocalChain([rank0], device, compile_config(mode, precision), paged=False, mesh=self.mesh)
         except BaseException:
             self.close()
             raise
@@ -81,9 +79,15 @@ class RankChain(Chain):
         rounds = [remote.submit(input_ids, attention_mask, position_ids, rest, stream) for remote in self.remotes]
         try:
             out = self.local.forward(input_ids, attention_mask, position_ids, flags, stream)
-        finally:
-            for remote, round_ in zip(self.remotes, rounds):
-                remote.collect(round_)
+        except (RuntimeError, MeshError) as exc:  # an exchange failed inside the graph (through OpenVINO)
+            failure = exc
+        else:
+            failure = None
+        for remote, round_ in zip(self.remotes, rounds):
+            remote.collect(round_)  # a rank whose worker died or went silent says so here, as a StageError
+        if failure is not None:  # the workers answered, but rank 0 lost its exchange with one of them
+            peers = ", ".join(link.peer for link in self.mesh.links.values())
+            raise StageError(self.manifest.stage_index, peers, f"tensor-parallel exchange failed: {failure}")
         return out
 
     def submit(self, input_ids, attention_mask, position_ids, flags: Flag = Flag.NONE, stream: int = 0):
@@ -98,4 +102,5 @@ class RankChain(Chain):
     def close(self) -> None:
         for remote in self.remotes:
             remote.close()
-        self.mesh.close()
+        if self.mesh is not None:
+            self.mesh.close()

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from engine.errors import FleetError, ShardError
-from engine.manifest import Manifest, load_manifest
+from engine.manifest import load_manifest
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import select
 from engine.runtime.stages.packing import Part
@@ -36,7 +36,6 @@ from engine.transport.mesh import Mesh
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
-MESH_WAIT_S = 120.0  # how long a tensor-parallel rank waits for rank 0 to listen
 TOKEN_COUNT_S = 5.0  # how often a serving worker logs the tokens it served (the tray's live tally)
 
 
@@ -69,27 +68,18 @@ def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Fram
     return Frame(Msg.RESULT, frame.stream, frame.seq, tensors, frame.flags)
 
 
-def _join_mesh(shard: Path, m: Manifest, address: str | None, key: bytes, tls) -> Mesh | None:
-    if m.ranks == 1:
-        if address:
-            raise ShardError(f"{shard} is not a tensor-parallel rank: it takes no mesh address")
-        return None
-    if m.rank == 0 or not address:
-        raise ShardError(f"{shard} is tensor-parallel rank {m.rank} of {m.ranks}: "
-                         + ("rank 0 runs with the coordinator" if m.rank == 0 else "give the address of rank 0's mesh"))
-    return Mesh.join(address, key, m.fingerprint, m.rank, m.ranks, timeout_s=MESH_WAIT_S, tls=tls)
-
-
 class Worker(Listening):
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
-                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None,
-                 mesh: str | None = None):
-        """``mesh``: where rank 0 of a tensor-parallel shard listens for the other ranks
-        (``engine.transport.mesh``); this worker joins it before it compiles its rank."""
+                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None):
+        """A tensor-parallel rank (``engine.transport.mesh``) other than 0 also listens, on a port of
+        its own beside ``listen``'s host, for rank 0's connection."""
         manifest = load_manifest(Path(shard))  # its files hashed once, for the mesh and the stage
-        self.mesh = _join_mesh(Path(shard), manifest, mesh, key, tls)
+        if manifest.rank == 0 and manifest.ranks > 1:
+            raise ShardError(f"{shard} is tensor-parallel rank 0 of {manifest.ranks}: it runs in the coordinator "
+                             f"(`fleet generate --shards` it, with --remote naming the other ranks' workers)")
+        self.mesh = Mesh(manifest.rank, manifest.ranks) if manifest.ranks > 1 else None
         self.runner = open_stage(Path(shard), device, compile_config(mode, precision), manifest, isolate=isolate,
                                  turns=turns, mesh=self.mesh)
         m = self.manifest = self.runner.manifest
@@ -109,6 +99,10 @@ class Worker(Listening):
         except OSError as exc:
             raise FleetError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
         host, port = self._listener.getsockname()[:2]
+        self._mesh_listener = None
+        if self.mesh is not None:
+            self._mesh_listener = socket.create_server((host, 0))
+            self.mesh.listen(self._mesh_listener, key, m.fingerprint, tls=tls, log=self.log)
         # what peers and error messages call this worker: a wildcard bind is shown as the host name
         self.address = f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
         self._fixed_next = next_address is not None
@@ -135,7 +129,8 @@ class Worker(Listening):
 
     def describe(self) -> dict:
         m = self.manifest
-        return {"stage": m.stage_index, "layers": list(m.layers), "rank": m.rank, "address": self.address,
+        mesh = self._mesh_listener.getsockname()[1] if self._mesh_listener is not None else None
+        return {"stage": m.stage_index, "layers": list(m.layers), "rank": m.rank, "mesh": mesh, "address": self.address,
                 "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname(),
                 "packs": self.runner.packs, "turns": turns_identity(self.runner.turns)}
 
@@ -147,6 +142,9 @@ class Worker(Listening):
 
     def stop(self) -> None:
         super().stop()
+        if self.mesh is not None:
+            self.mesh.close()
+            self._mesh_listener.close()
         for link in (self._upstream, self._downstream):
             if link is not None:
                 link.close()
