@@ -85,6 +85,35 @@ def even_split(model):
     return lane
 
 
+def optimised(qtbot, fleet, doc: dict, users: int):
+    """The app on the fleet, ``doc`` loaded in its Placement view and optimised for throughput at
+    ``users``: (window, view)."""
+    window, fleet_view, view = open_app(qtbot, fleet, max_new_tokens=8)
+    wait_for_agents(qtbot, fleet_view, fleet)
+    window.show_view("Placement")
+    view.load_profile(doc)
+    view.objective.setCurrentText("throughput")
+    view.users.setValue(users)
+    view.optimise_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    return window, view
+
+
+def deployed_and_chatted(qtbot, window, view):
+    """Deploys the view's plan and chats one reply through it; the Deployment."""
+    deployed = []
+    view.deployed.connect(deployed.append)
+    view.deploy_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
+    assert deployed and deployed[0] is not None, view.banner.message
+    tab = window.chat.new_chat()
+    tab.input.setPlainText("Paris is the capital of")
+    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
+        tab.send()
+    assert blocker.args[0].tokens, blocker.args[0].error
+    return deployed[0]
+
+
 def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     from engine.export.exporter import plan_split
     from engine.fleet.deploy import LOCAL
@@ -324,22 +353,10 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
     layout = solve_layout(shape, fleet_model, users=4)
     assert len(layout.plans) >= 2, layout.explain()
     key = load_key(fleet.key_file)
-    window, fleet_view, view = open_app(qtbot, fleet, max_new_tokens=8)
-    wait_for_agents(qtbot, fleet_view, fleet)
-    window.show_view("Placement")
-    view.load_profile(doc)
-    view.objective.setCurrentText("throughput")
-    view.users.setValue(4)
-    view.optimise_button.click()
-    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    window, view = optimised(qtbot, fleet, doc, 4)
     assert f"{len(layout.plans)} copies of the model serve 4 users best" in view.activity.text(), view.activity.text()
     assert "alpha" in view.activity.text() or "beta" in view.activity.text()  # nodes by name, not id
-    deployed = []
-    view.deployed.connect(deployed.append)
-    view.deploy_button.click()
-    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
-    assert deployed and deployed[0] is not None, view.banner.message
-    deployment = deployed[0]
+    deployment = deployed_and_chatted(qtbot, window, view)
     assert len(deployment.copies) == len(layout.plans) and "more copies of the model" in view.activity.text()
 
     def workers(address):
@@ -348,11 +365,6 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
 
     assert {w["agent"] for copy in deployment.copies for w in copy.workers} == {fleet.alpha, fleet.beta}
     assert sum(len(workers(a)) for a in (fleet.alpha, fleet.beta)) == sum(len(c.workers) for c in deployment.copies)
-    tab = window.chat.new_chat()
-    tab.input.setPlainText("Paris is the capital of")
-    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
-        tab.send()
-    assert blocker.args[0].tokens, blocker.args[0].error
     assert f"{len(layout.plans)} replicas" in window.service_label.text()  # the chat serves from every copy
     window.close()  # every copy's workers are stopped with the window
     assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
@@ -367,32 +379,15 @@ def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel
     for device in doc["fleet"]["devices"]:  # PCs alike whose layers cost far more than an exchange
         device.update(layer_ms=60.0, head_ms=100.0, embed_ms=0.1, call_ms=1.0, prefill_layer_ms=20.0,
                       memory_bytes=8 << 30)
-    window, fleet_view, view = open_app(qtbot, fleet, max_new_tokens=8)
-    wait_for_agents(qtbot, fleet_view, fleet)
-    window.show_view("Placement")
-    view.load_profile(doc)
-    view.objective.setCurrentText("throughput")
-    view.users.setValue(1)
-    view.optimise_button.click()
-    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    window, view = optimised(qtbot, fleet, doc, 1)
     model = view.model
     assert model.ranks and [(start, end) for _, start, end in names(model)] == [(0, 4), (0, 4)], names(model)
     assert names(model)[0][0] == "this machine" and not model.problems, model.problems
     assert [s.rank for s in model.placement()] == [0, 1]
     assert not model.move_boundary(0, 2)  # ranks have no boundary to drag
     screenshot(window, "placement-ranks")
-    deployed = []
-    view.deployed.connect(deployed.append)
-    view.deploy_button.click()
-    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
-    assert deployed and deployed[0] is not None, view.banner.message
-    deployment = deployed[0]
+    deployment = deployed_and_chatted(qtbot, window, view)
     assert deployment.ranks == 2 and len(deployment.workers) == 1
-    tab = window.chat.new_chat()
-    tab.input.setPlainText("Paris is the capital of")
-    with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
-        tab.send()
-    assert blocker.args[0].tokens, blocker.args[0].error
     window.close()
     with ControlClient(deployment.workers[0]["agent"], load_key(fleet.key_file)) as agent:
         assert agent.status()["workers"] == []
