@@ -98,7 +98,7 @@ class Deployment:
     @property
     def ranks(self) -> int:
         """How many tensor-parallel ranks the stages are (1: a chain of stages)."""
-        return len(self.placement) if self.placement and self.placement[0].get("rank") is not None else 1
+        return rank_count(self.stages)
 
     @property
     def fed(self) -> bool:
@@ -253,6 +253,11 @@ def check_placement(stages: list[StagePlacement]) -> None:
                              f"are not contiguous")
 
 
+def rank_count(stages: list[StagePlacement]) -> int:
+    """How many tensor-parallel ranks ``stages`` are (1: a chain of stages)."""
+    return len(stages) if stages and stages[0].rank is not None else 1
+
+
 def _check_ranks(stages: list[StagePlacement]) -> None:
     if [s.rank for s in stages] != list(range(len(stages))) or len(stages) < 2:
         raise FleetError(f"tensor-parallel ranks are numbered 0 to {len(stages) - 1} in order, at least 2, "
@@ -285,7 +290,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     from engine.export.exporter import export_model
 
     check_placement(stages)
-    ranks = len(stages) if stages[0].rank is not None else 1
+    ranks = rank_count(stages)
     split = [] if ranks > 1 else [s.end for s in stages[:-1]]
     on_nodes = [i for i, s in enumerate(stages) if s.agent != LOCAL]  # all but a stage 0 run here
     for address in dict.fromkeys(stages[i].agent for i in on_nodes):  # all up before minutes of export

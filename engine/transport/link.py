@@ -196,22 +196,30 @@ def successor_identity(manifest: Manifest, mode: str) -> dict:
             "first_layer": manifest.layers[1], "mode": mode}
 
 
-def connect_successor(address: str, key: bytes, manifest: Manifest, mode: str, tls=None,
-                      max_frame: int = wire.DEFAULT_MAX_FRAME) -> tuple["Link", float]:
-    """Dials and authenticates the next stage; returns the link and the peer's injected one-way
-    delay in seconds.  Raises OSError when it is not up (yet), AuthError/ProtocolError when it
-    answered but refused or broke off the handshake (a plain peer against TLS drops it)."""
+def connect_peer(address: str, key: bytes, identity: dict, tls=None,
+                 max_frame: int = wire.DEFAULT_MAX_FRAME) -> tuple["Link", dict]:
+    """Dials and authenticates a peer that must match ``identity``; returns the link and the peer's
+    WELCOME.  Raises OSError when it is not up (yet), AuthError/ProtocolError when it answered but
+    refused or broke off the handshake (a plain peer against TLS drops it)."""
     sock = dial(address, tls)
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        welcome, seal = wire.client_handshake(sock, key, successor_identity(manifest, mode))
+        welcome, seal = wire.client_handshake(sock, key, identity)
     except OSError as exc:
         sock.close()
         raise wire.AuthError(f"the connection broke during the handshake ({exc})") from None
     except BaseException:
         sock.close()
         raise
-    return Link(sock, address, seal, 0.0, max_frame), float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
+    return Link(sock, address, seal, 0.0, max_frame), welcome
+
+
+def connect_successor(address: str, key: bytes, manifest: Manifest, mode: str, tls=None,
+                      max_frame: int = wire.DEFAULT_MAX_FRAME) -> tuple["Link", float]:
+    """Dials and authenticates the next stage (``connect_peer``); returns the link and the peer's
+    injected one-way delay in seconds."""
+    link, welcome = connect_peer(address, key, successor_identity(manifest, mode), tls, max_frame)
+    return link, float(welcome.get("delay_ms", 0.0) or 0.0) / 1e3
 
 
 class Listening(abc.ABC):

@@ -33,7 +33,7 @@ import openvino.opset13 as ops
 
 from engine.errors import FleetError
 from engine.transport import wire
-from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, authenticate_peer, dial
+from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, authenticate_peer, connect_peer
 from engine.transport.wire import Frame, Msg
 
 EXCHANGE_WAIT_S = 30.0  # the longest one rank waits at an exchange for the others to get there
@@ -195,18 +195,16 @@ def _dial_rank(address: str, key: bytes, fingerprint: str, rank: int, ranks: int
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            sock = dial(address, tls)
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            welcome, seal = wire.client_handshake(sock, key, {"role": "mesh", "fingerprint": fingerprint})
+            link, welcome = connect_peer(address, key, {"role": "mesh", "fingerprint": fingerprint}, tls)
             break
         except OSError:
             if time.monotonic() >= deadline:
                 raise MeshError(f"tensor-parallel rank {rank} at {address} did not answer within "
                                 f"{timeout_s:g} s") from None
             time.sleep(0.2)
-        except wire.AuthError as exc:
+        except (wire.AuthError, wire.ProtocolError) as exc:
             raise MeshError(f"tensor-parallel rank {rank} at {address} refused the connection: {exc}") from None
-    link = Link(sock, f"rank {rank} at {address}", seal)
+    link.peer = link.seal.peer = f"rank {rank} at {address}"
     try:
         if welcome.get("rank") != rank:
             raise MeshError(f"{address} serves tensor-parallel rank {welcome.get('rank')}, not rank {rank}")
