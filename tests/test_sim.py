@@ -570,5 +570,5 @@ def test_a_pcs_cpu_quota_holds_what_runs_on_it(tmp_path):
 def test_bench_sim_refuses_user_counts_its_layout_does_not_serve(capsys):
     from engine.cli.main import main
 
-    assert main(["bench", "sim", "--model", "smollm2-135m", "--parts", "layout", "--users", "1,5"]) != 0
-    assert "fleet bench sim's layout serves 2, 3, 4, 6, 8 users, none of 1, 5" in capsys.readouterr().err
+    assert main(["bench", "sim", "--model", "smollm2-135m", "--parts", "layout", "--users", "5,7"]) != 0
+    assert "fleet bench sim's layout serves 1, 2, 3, 4, 6, 8 users, none of 5, 7" in capsys.readouterr().err

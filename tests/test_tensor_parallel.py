@@ -134,6 +134,57 @@ def _reduced(mesh: Mesh, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def test_a_small_part_never_overtakes_a_large_one_still_being_sent():
+    """A part too large to send from the caller goes through the mesh's sender thread; the next
+    small part, sent at once after it, must still arrive behind it (it used to overtake it now and
+    then: the peer then saw its parts out of step)."""
+    rank0, rank1 = _mesh_pair("fp")
+    try:
+        large = np.ones((1, 1, 40_000), np.float32)  # 160 kB: over INLINE_BYTES
+        small = np.ones((1, 1, 16), np.float32)
+
+        def rounds(mesh):
+            for _ in range(150):
+                gathered = np.empty((1, 1, 80_000), np.float32)
+                mesh.all_gather(large, gathered)
+                _reduced(mesh, small)
+            return gathered.sum()
+
+        assert _both(lambda: rounds(rank0), lambda: rounds(rank1)) == (80_000, 80_000)
+        assert rank0.exchanges == rank1.exchanges == 300
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_a_failed_exchange_fails_every_later_one_until_rank_0_connects_again():
+    """OpenVINO does not always pass an exception from inside the graph on to ``infer``, so the
+    mesh keeps the failure: ``check`` (after every forward) and every later exchange raise it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    rank1 = Mesh(1, 2)
+    rank1.listen(listener, KEY, "fp")
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    x = np.ones((1, 4), np.float32)
+    try:
+        rank0 = Mesh.dial({1: address}, KEY, "fp", 2, timeout_s=3)
+        _both(lambda: _reduced(rank0, x), lambda: _reduced(rank1, x))
+        rank0.close()  # the coordinator goes away: rank 1's next exchange fails
+        with pytest.raises(MeshError, match="rank 0 .* is gone") as failed:
+            _reduced(rank1, x)
+        with pytest.raises(MeshError) as again:
+            rank1.check()
+        assert again.value is failed.value
+        with pytest.raises(MeshError) as later:
+            _reduced(rank1, x)
+        assert later.value is failed.value and rank1.exchanges == 2  # not tried again on a dead link
+        rank0 = Mesh.dial({1: address}, KEY, "fp", 2, timeout_s=3)  # the next session starts clean
+        rank1.check()
+        assert np.array_equal(_both(lambda: _reduced(rank0, x), lambda: _reduced(rank1, x))[1], 2 * x)
+        rank0.close()
+    finally:
+        rank1.close()
+
+
 def test_a_dead_rank_ends_the_forward_with_an_error(tp_exports):
     out = tp_exports["qwen2"].out
     mesh0, mesh1 = _mesh_pair(load_manifest(rank_folder(out, 0)).fingerprint)

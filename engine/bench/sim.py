@@ -20,7 +20,7 @@ speculation of this PC alone.  Then one user on two PCs as tensor-parallel ranks
 (``engine.bench.rankpc``): every layer's heads and MLP split between this PC and PC 2, and what
 the fleet deploys for one user by itself (survey, solver, agents), against the same bar.  Then the solver's layout (``engine.bench.copies``): on 2 PCs of one
 core and on 3 PCs of 0.6 of a core each, whatever ``engine.fleet.layout`` chooses (a chain, copies of
-the model or both) against N times one PC at U/N users.  ``parts`` picks any of ``links`` (the
+the model, both, or ranks for one user) against N times one PC at U/N users and one PC at U.  ``parts`` picks any of ``links`` (the
 deployment and cable-cut rows), ``office``, ``big``, ``slow``, ``draft``, ``ranks`` and ``layout``.
 """
 
@@ -73,7 +73,7 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
 
 PARTS = ("links", "office", "big", "slow", "draft", "ranks", "layout")
 OFFICE_USERS = (1, 2, 4, 8)
-LAYOUT_OFFICES = ((2, None, (2, 4, 8)), (3, 0.6, (3, 6)))  # PCs, CPU quota of each, user counts
+LAYOUT_OFFICES = ((2, None, (1, 2, 4, 8)), (3, 0.6, (3, 6)))  # PCs, CPU quota of each, user counts
 
 
 def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, weights: str = "int4",

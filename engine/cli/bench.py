@@ -119,7 +119,7 @@ def add_commands(sub) -> None:
                        "1,2,4; sim's layout: its offices with any of them, default all); "
                        "batch: the stream counts (same default); soak: the users (default 8)")
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
-                       "sim: links,office,big,slow,draft,layout (default all); quality: kl,humaneval (default kl)")
+                       "sim: links,office,big,slow,draft,ranks,layout (default all); quality: kl,humaneval (default kl)")
     bench.add_argument("--memory", type=count, default=1000,
                        help="sim: each PC's memory cap in MB in the part with a model too big for one (default 1000)")
     bench.add_argument("--cases", type=count, help="fuzz: generated cases per target (default 10000); quality: "

@@ -59,7 +59,9 @@ class Mesh:
         self._closed = threading.Event()
         self.id = f"mesh{next(_ids)}"
         self.exchanges = 0
+        self.failure: MeshError | None = None  # the exchange that failed: every later one fails with it
         self._outbox: queue.Queue = queue.Queue()
+        self._queued = 0  # frames in the outbox not yet sent: a later frame must not overtake them
         threading.Thread(target=self._sender, daemon=True, name=f"{self.id} send").start()
         _MESHES[self.id] = self
 
@@ -94,7 +96,7 @@ class Mesh:
                     raise wire.ProtocolError(f"expected rank 0 of {self.ranks}, got {str(doc)[:80]}")
                 with self._lock:
                     previous, self.links[0] = self.links.get(0), link
-                    self.exchanges = 0
+                    self.exchanges, self.failure = 0, None
                 link.send(wire.control(Msg.REPLY, {"rank": self.rank}, hello.stream, hello.seq))
             except (ConnectionError, wire.ProtocolError, OSError, ValueError) as exc:
                 log(f"tensor-parallel connection from {peer} dropped: {exc}")
@@ -118,7 +120,23 @@ class Mesh:
         """``out`` = every rank's ``x`` side by side along the last axis, in rank order."""
         self._collect(x, out, lambda parts: np.concatenate(parts, axis=-1, out=out))
 
+    def check(self) -> None:
+        """Raises the failure of an exchange since this connection began.  OpenVINO does not always
+        pass an exception raised inside a custom operation on to ``infer``: seen with the ranks in
+        two processes, the infer returned with stale outputs (and later ones ran only part of the
+        graph), so a forward must ask here after its infer."""
+        if self.failure is not None:
+            raise self.failure
+
     def _collect(self, x: np.ndarray, out: np.ndarray, combine) -> None:
+        self.check()
+        try:
+            self._exchange(x, out, combine)
+        except Exception as exc:
+            self.failure = exc if isinstance(exc, MeshError) else MeshError(f"tensor-parallel exchange failed: {exc}")
+            raise self.failure from None
+
+    def _exchange(self, x: np.ndarray, out: np.ndarray, combine) -> None:
         with self._lock:
             seq = self.exchanges
             self.exchanges += 1
@@ -138,13 +156,15 @@ class Mesh:
 
     def _send(self, rank: int, frame: Frame) -> None:
         link = self._link(rank)
-        if sum(t.nbytes for t in frame.tensors) <= INLINE_BYTES:
+        if not self._queued and sum(t.nbytes for t in frame.tensors) <= INLINE_BYTES:
             try:
                 link.send(frame)
             except OSError as exc:
                 raise MeshError(f"tensor-parallel {link.peer} is gone: {exc}") from None
         else:  # both ranks send at once: a large part must not wait for the peer to read
             frame.tensors = [np.array(t) for t in frame.tensors]
+            with self._lock:
+                self._queued += 1
             self._outbox.put((link, frame))
 
     def _sender(self) -> None:
@@ -157,6 +177,9 @@ class Mesh:
                 link.send(frame)
             except OSError:
                 link.close()
+            finally:
+                with self._lock:
+                    self._queued -= 1
 
     def _link(self, rank: int) -> Link:
         link = self.links.get(rank)

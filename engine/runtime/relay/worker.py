@@ -32,7 +32,7 @@ from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
 from engine.transport.link import Link, Listening, accept_loop, authenticate_peer, connect_successor, parse_address
-from engine.transport.mesh import Mesh
+from engine.transport.mesh import Mesh, MeshError
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
@@ -239,7 +239,7 @@ class Worker(Listening):
             failure = exc
         except (ProtocolError, ShardError) as exc:  # ShardError: a paged stage given a mask with holes...
             failure = RequestError(str(exc))
-        except RuntimeError as exc:  # OpenVINO refused the request
+        except (RuntimeError, MeshError) as exc:  # OpenVINO refused the request, or a rank's exchange failed
             failure = RequestError(f"inference failed: {exc}")
         else:
             return

@@ -261,4 +261,6 @@ class StageRunner(Stage):
             inputs[LOGITS_TO_KEEP] = np.array([1 if last_only else x.shape[1]], dtype=np.int64)
         with self.turns:
             request.infer(inputs, share_inputs=True, share_outputs=True)
+        if self.mesh is not None:
+            self.mesh.check()
         return request.get_tensor(self._output).data
