@@ -43,7 +43,7 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
                    runs: int, core: int, quota: float | None, log, hooks: Hooks = NO_HOOKS
                    ) -> tuple[list[dict], dict, dict]:
     """Rows per server and user count (medians over ``runs`` waves), the ratios against N x one PC
-    at U/N users, and notes: each layout the solver chose, in words."""
+    at U/N users and against one PC at U, and notes: each layout the solver chose, in words."""
     pcs = len(office.nodes) + 1
     here = netns.make_cgroup(f"{office.tag}-{COORDINATOR}", None, str(core), quota)
     home = [folder.parent for folder in here]
@@ -74,10 +74,8 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
         opened.append(one)
         for service in [one, *services.values()]:  # warm every copy: first compiles, first pages of the weights
             chat_wave(service, max(2, len(getattr(service, "services", ()))), tokens)
-        # the fleet at U users; one PC at each U/N and U (each count once)
-        waves = [(fleet_name(pcs), u) for u in users]
-        waves += [(ONE_PC, u) for u in sorted({n for u in users for n in (u // pcs, u) if n and n * pcs >= u})]
-        waves.sort(key=lambda wave: wave[1])
+        alone = set(users) | {u // pcs for u in users if u % pcs == 0}  # one PC at U and at U/N
+        waves = sorted([(fleet_name(pcs), u) for u in users] + [(ONE_PC, u) for u in alone], key=lambda w: w[1])
         total, done = runs * len(waves), 0
         for run in range(runs):
             for name, u in waves:
