@@ -18,9 +18,10 @@ with the slow one and without it.  Then one user with a second PC that drafts
 (``engine.bench.draftpc``): the target on this PC, its draft model on PC 2, against the best
 speculation of this PC alone.  Then one user on two PCs as tensor-parallel ranks
 (``engine.bench.rankpc``): every layer's heads and MLP split between this PC and PC 2, and what
-the fleet deploys for one user by itself (survey, solver, agents), against the same bar.  Then the solver's layout (``engine.bench.copies``): on 2 PCs of one
-core and on 3 PCs of 0.6 of a core each, whatever ``engine.fleet.layout`` chooses (a chain, copies of
-the model, both, or ranks for one user) against N times one PC at U/N users and one PC at U.  ``parts`` picks any of ``links`` (the
+the fleet deploys for one user by itself (survey, solver, agents), against the same bar.  Then the
+solver's layout (``engine.bench.copies``): on 2 PCs of one core and on 3 PCs of 0.6 of a core each,
+whatever ``engine.fleet.layout`` chooses (a chain, copies of the model, both, or ranks for one user)
+against N times one PC at U/N users and one PC at U.  ``parts`` picks any of ``links`` (the
 deployment and cable-cut rows), ``office``, ``big``, ``slow``, ``draft``, ``ranks`` and ``layout``.
 """
 
