@@ -21,7 +21,7 @@ from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.office import DeployedWorkers, chat_wave, close_all
 from engine.export.exporter import export_model
 from engine.fleet import netns
-from engine.fleet.deploy import deploy_layout
+from engine.fleet.deploy import deploy_layout, rank_count
 from engine.fleet.layout import solve_layout
 from engine.fleet.placement import Fleet, ModelShape
 from engine.fleet.plans import layout_stages
@@ -57,12 +57,13 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
         shape, fleet = ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"])
         layouts = {u: solve_layout(shape, fleet, users=u) for u in users}
         services: dict[tuple, object] = {}  # one deployment per distinct layout
-        serving = {}
+        serving, ranks = {}, {}
         for u, layout in layouts.items():
             notes[f"layout, {u} user(s)"] = readable(layout.explain(), doc["nodes"]).splitlines()
             plan, *others = layout.plans
             copies = layout_stages({"plan": plan.to_json(), "replicas": [p.to_json() for p in others],
                                     "nodes": doc["nodes"]})
+            ranks[u] = rank_count(copies[0])
             placed = tuple(tuple((s.agent, s.device, s.start, s.end, s.rank) for s in c) for c in copies)
             if placed not in services:
                 services[placed] = _serve(model, copies, key=key, weights=weights, streams=max(users), opened=opened)
@@ -92,7 +93,7 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
              "tok_s": round(statistics.median(t for t, _ in got), 2),
              "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got],
              "copies": len(layouts[u].plans) if name != ONE_PC else 1,
-             "ranks": _ranks(layouts[u]) if name != ONE_PC else 1}
+             "ranks": ranks[u] if name != ONE_PC else 1}
             for (name, u), got in samples.items()]
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {}
@@ -103,12 +104,6 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
         ratios[f"{pcs} PCs, {u} user(s): solver's layout / one PC at {u}"] = round(
             tok[fleet_name(pcs), u] / tok[ONE_PC, u], 3)
     return rows, ratios, notes
-
-
-def _ranks(layout) -> int:
-    """How many tensor-parallel ranks serve ``layout``'s first copy (1: it is not split into ranks)."""
-    plan = layout.plans[0]
-    return len(plan.stages) if plan.ranks else 1
 
 
 def _serve(model: str, copies, *, key: bytes, weights: str, streams: int, opened: list):

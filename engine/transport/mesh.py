@@ -60,8 +60,7 @@ class Mesh:
         self.id = f"mesh{next(_ids)}"
         self.exchanges = 0
         self.failure: MeshError | None = None  # the exchange that failed: every later one fails with it
-        self._outbox: queue.Queue = queue.Queue()
-        self._queued = 0  # frames in the outbox not yet sent: a later frame must not overtake them
+        self._outbox: queue.Queue = queue.Queue()  # large parts, in order; a later part must not overtake them
         threading.Thread(target=self._sender, daemon=True, name=f"{self.id} send").start()
         _MESHES[self.id] = self
 
@@ -156,15 +155,13 @@ class Mesh:
 
     def _send(self, rank: int, frame: Frame) -> None:
         link = self._link(rank)
-        if not self._queued and sum(t.nbytes for t in frame.tensors) <= INLINE_BYTES:
+        if not self._outbox.unfinished_tasks and sum(t.nbytes for t in frame.tensors) <= INLINE_BYTES:
             try:
                 link.send(frame)
             except OSError as exc:
                 raise MeshError(f"tensor-parallel {link.peer} is gone: {exc}") from None
         else:  # both ranks send at once: a large part must not wait for the peer to read
             frame.tensors = [np.array(t) for t in frame.tensors]
-            with self._lock:
-                self._queued += 1
             self._outbox.put((link, frame))
 
     def _sender(self) -> None:
@@ -178,8 +175,7 @@ class Mesh:
             except OSError:
                 link.close()
             finally:
-                with self._lock:
-                    self._queued -= 1
+                self._outbox.task_done()
 
     def _link(self, rank: int) -> Link:
         link = self.links.get(rank)

@@ -131,8 +131,8 @@ class Worker(Listening):
         m = self.manifest
         mesh = self._mesh_listener.getsockname()[1] if self._mesh_listener is not None else None
         return {"stage": m.stage_index, "layers": list(m.layers), "rank": m.rank, "mesh": mesh,
-                "address": self.address, "device": self.runner.device, "delay_ms": self.delay_s * 1e3, "host": socket.gethostname(),
-                "packs": self.runner.packs, "turns": turns_identity(self.runner.turns)}
+                "address": self.address, "device": self.runner.device, "delay_ms": self.delay_s * 1e3,
+                "host": socket.gethostname(), "packs": self.runner.packs, "turns": turns_identity(self.runner.turns)}
 
     def start(self) -> "Worker":
         for target, name in ((self._accept_loop, "accept"), (self._heartbeat_loop, "heartbeat"),
