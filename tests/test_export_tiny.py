@@ -348,6 +348,57 @@ def test_int4_matmuls_sharing_an_input_run_as_one_with_the_same_logits(tiny_mode
     assert np.array_equal(got, want)
 
 
+def _compressed_matmul(rows: int, depth: int, layout: str) -> ov.Model:
+    """``x @ W.T`` with W as the exports write it: ``q6`` a Q6_K-like u6 matrix whose group scales are
+    int8 codes under an f16 factor per 256 columns, ``i4`` INT4 codes less u4 zero points in groups
+    of 32, ``row`` int8 codes with one scale per row."""
+    rng = np.random.default_rng(depth)
+    x = ov.op.Parameter(ov.Type.f32, ov.PartialShape([1, -1, depth]))
+    if layout == "q6":
+        codes = ov.opset13.convert(ov.opset13.constant(rng.integers(0, 64, (rows, depth // 16, 16)).astype(np.uint8),
+                                                       dtype=ov.Type.u6), ov.Type.i8)
+        centered = ov.opset13.convert(ov.opset13.add(codes, ov.opset13.constant(np.int8(-32))), ov.Type.f32)
+        steps = ov.opset13.multiply(ov.opset13.convert(ov.opset13.constant(
+            rng.integers(-127, 128, (rows, depth // 256, 16)).astype(np.int8)), ov.Type.f32),
+            ov.opset13.convert(ov.opset13.constant(rng.random((rows, depth // 256, 1)).astype(np.float16)), ov.Type.f32))
+        scale = ov.opset13.reshape(steps, ov.opset13.constant(np.array([rows, depth // 16, 1])), False)
+    elif layout == "i4":
+        codes = ov.opset13.subtract(ov.opset13.convert(ov.opset13.constant(
+            rng.integers(0, 16, (rows, depth // 32, 32)).astype(np.uint8), dtype=ov.Type.u4), ov.Type.f32),
+            ov.opset13.convert(ov.opset13.constant(rng.integers(0, 16, (rows, depth // 32, 1)).astype(np.uint8),
+                                                   dtype=ov.Type.u4), ov.Type.f32))
+        centered, scale = codes, ov.opset13.constant(rng.random((rows, depth // 32, 1)).astype(np.float32) / 50)
+    else:
+        centered = ov.opset13.convert(ov.opset13.constant(rng.integers(-127, 128, (rows, 1, depth)).astype(np.int8)),
+                                      ov.Type.f32)
+        scale = ov.opset13.constant(rng.random((rows, 1, 1)).astype(np.float32) / 100)
+    weight = ov.opset13.reshape(ov.opset13.multiply(centered, scale), ov.opset13.constant(np.array([rows, depth])), False)
+    return ov.Model([ov.opset13.matmul(x, weight, False, True)], [x])
+
+
+@pytest.mark.parametrize("depth, layout, chunks", [(4352, "q6", 2), (8192, "i4", 2), (4864, "i4", 2),
+                                                   (4096, "q6", 1), (8960, "q6", 1), (4352, "row", 1)])
+def test_a_matmul_the_cpu_runs_slowly_at_its_depth_runs_in_chunks_with_the_same_result(tmp_path, depth, layout,
+                                                                                       chunks):
+    """A compressed MatMul of 4096 < depth <= 8192 input columns becomes MatMuls over chunks of its
+    codes and scales, summed; others (and a weight whose groups span every column) stay whole."""
+    from engine.runtime.stages.rewrite import split_deep_matmuls
+    from engine.runtime.stages.stage import compile_config
+
+    model = _compressed_matmul(64, depth, layout)
+    want = core().compile_model(model, "CPU", compile_config("exact")).create_infer_request()
+    split, mapped = split_deep_matmuls(model, str(tmp_path))
+    assert split == (chunks > 1)
+    assert sum(op.get_type_name() == "MatMul" for op in model.get_ordered_ops()) == chunks
+    widths = [op.get_output_partial_shape(0)[1].get_length() for op in model.get_ordered_ops()
+              if op.get_type_name() == "Reshape" and op.get_output_partial_shape(0).rank.get_length() == 2]
+    assert sum(widths) == depth and max(widths) <= (4096 if chunks > 1 else depth)
+    got = core().compile_model(model, "CPU", compile_config("exact")).create_infer_request()
+    x = np.random.default_rng(1).standard_normal((1, 5, depth)).astype(np.float32)
+    a, b = want.infer([x])[0], got.infer([x])[0]
+    assert np.abs(a).max() > 1 and np.allclose(a, b, rtol=1e-5, atol=1e-4 * np.abs(a).max())
+
+
 def _layer_constants(folder: Path, first_layer: int) -> dict[tuple[int, str], tuple[ov.Type, np.ndarray]]:
     """Every compressed layer constant of a stage (codes, zero points, scales) by (global layer,
     name): the graph names a stage's layers from 0."""

@@ -149,12 +149,14 @@ class RpcServer:
 
 def interleave(waves: dict, users: tuple[int, ...], runs: int, log, hooks: Hooks = NO_HOOKS) -> list[dict]:
     """Runs every wave (``name -> f(users) -> (tok/s, first token ms)``) at every user count, taking
-    turns, ``runs`` times; one row per configuration and user count with the medians."""
+    turns, ``runs`` times; one row per configuration and user count with the medians.  Every other
+    run takes the waves in reverse order, so that no configuration always follows the same one."""
     samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     total, done = runs * len(users) * len(waves), 0
     for run in range(runs):
+        order = list(waves.items())[::-1 if run % 2 else 1]
         for u in users:
-            for name, wave in waves.items():
+            for name, wave in order:
                 tok_s, ttft = wave(u)
                 samples.setdefault((name, u), []).append((tok_s, ttft))
                 log(f"run {run + 1}/{runs}, {u} user(s), {name}: {tok_s:.2f} tok/s, first token {ttft:.0f} ms")

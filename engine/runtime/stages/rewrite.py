@@ -11,7 +11,10 @@ quantization and one pass over the rows instead of three or two, which matters m
 k and v.  Their biases (Qwen's q, k, v) are stacked too and added before the split, where the
 plugin folds them into the MatMul as it did for each alone.
 
-The stacked weights live in an unlinked file, mapped, not in the process's own memory: the CPU
+``split_deep_matmuls`` cuts a compressed MatMul whose depth the CPU plugin's float path runs at
+half speed (``SLOW_DEPTH``) into MatMuls over chunks of its columns, summed.
+
+The stacked (and sliced) weights live in an unlinked file, mapped, not in the process's own memory: the CPU
 plugin keeps the constants it was given beside its own repacked copy, and pages of a file the kernel
 can drop under a memory cap, as it drops the shard's, where anonymous ones stay for good (Qwen2.5-
 Coder-1.5B whole: 1,463 MB anonymous after the first token stacked in memory, 1,043 unfused).
@@ -111,12 +114,12 @@ class _Spill:
         self.pieces: list[tuple[int, int]] = []  # (offset, bytes) of each stack, in order
         self.map: mmap.mmap | None = None
 
-    def write(self, constants: list) -> int:
-        """Writes the Constants' bytes in order; returns the stack's index for ``output``."""
+    def write(self, arrays: list) -> int:
+        """Writes the arrays' bytes in order; returns the stack's index for ``constant``."""
         offset = -(-self.file.tell() // self.ALIGN) * self.ALIGN
         self.file.seek(offset)
-        for c in constants:
-            self.file.write(memoryview(np.ascontiguousarray(c.get_data())).cast("B"))
+        for array in arrays:
+            self.file.write(memoryview(np.ascontiguousarray(array)).cast("B"))
         self.pieces.append((offset, self.file.tell() - offset))
         return len(self.pieces) - 1
 
@@ -128,14 +131,12 @@ class _Spill:
             self.map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY)  # writable, no write-back
         self.file.close()  # the mapping keeps the file
 
-    def output(self, index: int, constants: list) -> ov.Output:
-        """Stack ``index`` as one Constant over the mapped bytes (4-bit ones as their packed bytes;
-        ``_constant`` takes only those of whole bytes)."""
+    def constant(self, index: int, shape: list[int], element_type: ov.Type) -> ov.Output:
+        """Stack ``index`` as one Constant of ``shape`` over the mapped bytes (sub-byte types as their
+        packed bytes)."""
         offset, size = self.pieces[index]
-        first = constants[0]
-        shape = [sum(c.get_output_shape(0)[0] for c in constants), *first.get_output_shape(0)[1:]]
         data = np.frombuffer(self.map, dtype=np.uint8, count=size, offset=offset)
-        return ov.op.Constant(ov.Tensor(data, ov.Shape(shape), first.get_element_type()), shared_memory=True).output(0)
+        return ov.op.Constant(ov.Tensor(data, ov.Shape(shape), element_type), shared_memory=True).output(0)
 
 
 def _bias(matmul) -> tuple | None:
@@ -167,15 +168,16 @@ def fuse_sibling_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple
             siblings.setdefault(found[0], []).append((op, found[1]))
     groups = [list(zip(*group)) for group in siblings.values() if len(group) > 1]
     spill = _Spill(spill_dir)
-    stacks = [[None if leaves[0][i] is None else spill.write([leaf[i][0] for leaf in leaves]) for i in range(3)]
-              for _, leaves in groups]
+    stacks = [[None if leaves[0][i] is None else spill.write([leaf[i][0].get_data() for leaf in leaves])
+               for i in range(3)] for _, leaves in groups]
     spill.seal()
     fused = 0
     for (matmuls, leaves), stack in zip(groups, stacks):
 
         def stacked(i: int) -> ov.Output:
-            converted = leaves[0][i][1]
-            joint = spill.output(stack[i], [leaf[i][0] for leaf in leaves])
+            converted, constants = leaves[0][i][1], [leaf[i][0] for leaf in leaves]
+            shape = [sum(c.get_output_shape(0)[0] for c in constants), *constants[0].get_output_shape(0)[1:]]
+            joint = spill.constant(stack[i], shape, constants[0].get_element_type())
             return joint if converted is None else ops.convert(joint, converted).output(0)
 
         rows = [leaf[0][0].get_output_shape(0)[0] for leaf in leaves]
@@ -205,3 +207,114 @@ def fuse_sibling_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple
     if fused:
         model.validate_nodes_and_infer_types()
     return fused, spill.map
+
+
+# The CPU plugin's float path for compressed weights (a CPU without int8 dot products) runs a MatMul
+# whose depth (input columns) lies in this band at half speed from a few rows up: an [1536, 4352]
+# INT4 matrix took 18.1 ms at 45 rows where [1536, 4096] took 9.2 and [1536, 8960] 17.3 (4 rows:
+# 1.93 against 1.53 split in two; one row the same).  A tensor-parallel rank's ``down`` falls in it
+# (Qwen2.5-1.5B: 4352 and 4608 of 8960), as do the MLPs of Qwen2.5-0.5B (4864) and Llama 3.2 1B (8192).
+SLOW_DEPTH = (4096, 8192)
+DEPTH_UNIT = 256  # chunks end between K-quant super-blocks (and so between every format's groups)
+_ELEMENTWISE = {"Convert", "Add", "Subtract", "Multiply"}
+
+
+def split_deep_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple[int, mmap.mmap | None]:
+    """Splits each compressed MatMul whose depth lies in ``SLOW_DEPTH`` into MatMuls over chunks of
+    at most ``SLOW_DEPTH[0]`` input columns, summed: each chunk's weights are the same codes and
+    scales, sliced between groups.  Returns how many were split and the mapping that holds the
+    slices (as ``fuse_sibling_matmuls``)."""
+    found = []
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "MatMul" or op.get_attributes() != {"transpose_a": False, "transpose_b": True}:
+            continue
+        shape = op.input_value(1).get_partial_shape()
+        if not shape.is_static or len(shape) != 2:
+            continue
+        rows, depth = shape[0].get_length(), shape[1].get_length()
+        if SLOW_DEPTH[0] < depth <= SLOW_DEPTH[1] and depth % DEPTH_UNIT == 0:
+            leaves: dict = {}
+            if _sliceable(op.input_value(1), rows, depth, leaves):
+                units, n = depth // DEPTH_UNIT, -(-depth // SLOW_DEPTH[0])
+                bounds = [units * i // n * DEPTH_UNIT for i in range(n + 1)]
+                found.append((op, depth, list(zip(bounds, bounds[1:])), leaves))
+    spill = _Spill(spill_dir)
+    written = {(name, chunk): spill.write([_slice(leaf, depth, *chunk)])
+               for _, depth, chunks, leaves in found for name, leaf in leaves.items() for chunk in chunks}
+    spill.seal()
+    for op, depth, chunks, leaves in found:
+        x = op.input_value(0)
+        parts = ops.variadic_split(x, ops.constant(np.int64(-1)),
+                                   ops.constant(np.array([b - a for a, b in chunks], dtype=np.int64)))
+        total = None
+        for i, chunk in enumerate(chunks):
+            weight = _rebuilt(op.input_value(1), depth, chunk, lambda name, shape, kind, c=chunk:
+                              spill.constant(written[name, c], shape, kind))
+            product = ops.matmul(parts.output(i), weight, False, True)
+            total = product if total is None else ops.add(total, product)
+        for consumer in list(op.output(0).get_target_inputs()):
+            consumer.replace_source_output(total.output(0))
+    if found:
+        model.validate_nodes_and_infer_types()
+    return len(found), spill.map
+
+
+def _spans(shape: list[int], rows: int, depth: int) -> bool:
+    """Whether a constant of ``shape`` runs along the weight's depth on its axis 1, in pieces that
+    chunks of ``DEPTH_UNIT`` columns cut whole."""
+    return (len(shape) >= 2 and shape[0] in (rows, 1) and shape[1] > 1 and depth % shape[1] == 0
+            and DEPTH_UNIT % (depth // shape[1]) == 0)
+
+
+def _sliceable(output: ov.Output, rows: int, depth: int, leaves: dict) -> bool:
+    """Whether the weight behind ``output`` is constants through element-wise ops and reshapes that
+    keep rows on axis 0 and depth on axis 1; collects the constants to slice in ``leaves``."""
+    node = output.get_node()
+    kind = node.get_type_name()
+    if kind == "Constant":
+        shape = list(node.get_output_shape(0))
+        if all(d == 1 for d in shape[1:]):
+            return True  # the same for every column: taken whole
+        if not _spans(shape, rows, depth):
+            return False
+        bits = int(np.prod(shape[2:], dtype=np.int64)) * node.get_element_type().bitwidth  # a step of axis 1
+        if bits * (DEPTH_UNIT // (depth // shape[1])) % 8 or bits * shape[1] % 8:
+            return False  # a chunk would begin inside a byte of packed codes
+        leaves[node.get_name()] = node
+        return True
+    if kind == "Reshape":
+        if not node.get_output_partial_shape(0).is_static or not _spans(list(node.get_output_shape(0)), rows, depth):
+            return False
+        return _sliceable(node.input_value(0), rows, depth, leaves)
+    if kind in _ELEMENTWISE:
+        return all(_sliceable(node.input_value(i), rows, depth, leaves) for i in range(node.get_input_size()))
+    return False
+
+
+def _slice(constant, depth: int, start: int, end: int) -> np.ndarray:
+    """The bytes of ``constant`` for input columns ``[start, end)`` (along its axis 1)."""
+    shape = list(constant.get_output_shape(0))
+    per = depth // shape[1]  # columns per step of axis 1
+    bits = int(np.prod(shape[2:], dtype=np.int64)) * constant.get_element_type().bitwidth
+    data = np.ascontiguousarray(constant.get_data()).view(np.uint8).reshape(shape[0], -1)  # sub-byte types packed
+    return data[:, start // per * bits // 8: end // per * bits // 8]
+
+
+def _rebuilt(output: ov.Output, depth: int, chunk: tuple[int, int], constant) -> ov.Output:
+    """The weight behind ``output`` for the input columns of ``chunk`` (``constant(name, shape,
+    type)``: a sliced leaf)."""
+    node = output.get_node()
+    kind = node.get_type_name()
+    share = lambda shape: [shape[0], shape[1] * (chunk[1] - chunk[0]) // depth, *shape[2:]]  # noqa: E731
+    if kind == "Constant":
+        shape = list(node.get_output_shape(0))
+        if all(d == 1 for d in shape[1:]):
+            return output
+        return constant(node.get_name(), share(shape), node.get_element_type())
+    if kind == "Reshape":
+        target = ops.constant(np.array(share(list(node.get_output_shape(0))), dtype=np.int64))
+        return ops.reshape(_rebuilt(node.input_value(0), depth, chunk, constant), target, False).output(0)
+    inputs = [_rebuilt(node.input_value(i), depth, chunk, constant) for i in range(node.get_input_size())]
+    if kind == "Convert":
+        return ops.convert(inputs[0], node.get_output_element_type(0)).output(0)
+    return {"Add": ops.add, "Subtract": ops.subtract, "Multiply": ops.multiply}[kind](*inputs).output(0)

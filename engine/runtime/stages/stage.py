@@ -18,7 +18,8 @@ from engine.manifest import BEAM_IDX, INT4_GROUP, MODEL_XML, Manifest, load_mani
 from engine.pinned import pin_libraries
 from engine.runtime.interfaces import Stage
 from engine.transport import mesh as tensor_parallel
-from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, fuse_sibling_matmuls, keep_last_logits
+from engine.hostcpu import NONE, int8_dot
+from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, fuse_sibling_matmuls, keep_last_logits, split_deep_matmuls
 from engine.runtime.stages.turns import NO_TURNS
 
 _core: ov.Core | None = None
@@ -136,14 +137,18 @@ def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
     """A shard's graph as ``device`` runs it best: on CPU with the MatMuls that share an input fused
     (``fuse_sibling_matmuls``; the same logits bit for bit).  Measured here, decode tok/s, one process,
     interleaved: Qwen2.5-Coder-1.5B 37.5 -> 40.1, Gemma 3 270M 129.5 -> 137.8, SmolLM2-135M 133 -> 154.
-    Returns the graph and what its fused weights are mapped from: keep it while a model compiled
-    from the graph lives (None when nothing was fused)."""
+    Where the CPU multiplies compressed weights in float (no int8 dot products), MatMuls of a depth
+    it runs slowly are split (``split_deep_matmuls``).  Returns the graph and what its rewritten
+    weights are mapped from: keep it while a model compiled from the graph lives."""
     model = core().read_model(str(Path(folder) / MODEL_XML))
     if family(device) != "CPU":
         return model, None
     spill = paths().cache  # on disk: a temporary folder may be memory (tmpfs)
     spill.mkdir(parents=True, exist_ok=True)
-    return model, fuse_sibling_matmuls(model, str(spill))[1]
+    mapped = [fuse_sibling_matmuls(model, str(spill))[1]]
+    if int8_dot() == NONE:
+        mapped.append(split_deep_matmuls(model, str(spill))[1])
+    return model, mapped
 
 
 def missing_device(device: str) -> str | None:
