@@ -3,7 +3,6 @@ import sys, time, os
 os.sched_setaffinity(0, {0})
 import numpy as np
 import openvino as ov, openvino.opset13 as ops
-sys.path.insert(0, "/work/main")
 from engine.runtime.stages.stage import compile_config
 core = ov.Core(); cfg = compile_config("fast")
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1536

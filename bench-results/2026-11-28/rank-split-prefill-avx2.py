@@ -1,7 +1,6 @@
 """Rank 0 of the 2-rank Qwen2.5-Coder-1.5B gguf export alone (each exchange a local copy), with and without split_deep_matmuls, interleaved in one process on one core: a 45-token prefill and the median of 8 decode steps; then the largest logit difference.  python rank-split-prefill-avx2.py fast|exact"""
 import os, sys, time
 import numpy as np
-sys.path.insert(0, "/work/main")
 os.sched_setaffinity(0, {0})
 from engine.export.exporter import export_model, rank_folder
 from engine.runtime.stages import stage as st

@@ -243,14 +243,13 @@ def split_deep_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple[i
                for _, depth, chunks, leaves in found for name, leaf in leaves.items() for chunk in chunks}
     spill.seal()
     for op, depth, chunks, leaves in found:
-        x = op.input_value(0)
-        parts = ops.variadic_split(x, ops.constant(np.int64(-1)),
+        parts = ops.variadic_split(op.input_value(0), ops.constant(np.int64(-1)),
                                    ops.constant(np.array([b - a for a, b in chunks], dtype=np.int64)))
         total = None
         for i, chunk in enumerate(chunks):
-            weight = _rebuilt(op.input_value(1), depth, chunk, lambda name, shape, kind, c=chunk:
-                              spill.constant(written[name, c], shape, kind))
-            product = ops.matmul(parts.output(i), weight, False, True)
+            sliced = {name: spill.constant(written[name, chunk], _share(list(leaf.get_output_shape(0)), depth, chunk),
+                                           leaf.get_element_type()) for name, leaf in leaves.items()}
+            product = ops.matmul(parts.output(i), _rebuilt(op.input_value(1), depth, chunk, sliced), False, True)
             total = product if total is None else ops.add(total, product)
         for consumer in list(op.output(0).get_target_inputs()):
             consumer.replace_source_output(total.output(0))
@@ -277,7 +276,7 @@ def _sliceable(output: ov.Output, rows: int, depth: int, leaves: dict) -> bool:
             return True  # the same for every column: taken whole
         if not _spans(shape, rows, depth):
             return False
-        bits = int(np.prod(shape[2:], dtype=np.int64)) * node.get_element_type().bitwidth  # a step of axis 1
+        bits = _step_bits(node)
         if bits * (DEPTH_UNIT // (depth // shape[1])) % 8 or bits * shape[1] % 8:
             return False  # a chunk would begin inside a byte of packed codes
         leaves[node.get_name()] = node
@@ -291,30 +290,35 @@ def _sliceable(output: ov.Output, rows: int, depth: int, leaves: dict) -> bool:
     return False
 
 
+def _step_bits(constant) -> int:
+    """The bits of one step of a constant's axis 1."""
+    return int(np.prod(list(constant.get_output_shape(0))[2:], dtype=np.int64)) * constant.get_element_type().bitwidth
+
+
+def _share(shape: list[int], depth: int, chunk: tuple[int, int]) -> list[int]:
+    """``shape`` (depth on its axis 1) for the input columns of ``chunk``."""
+    return [shape[0], shape[1] * (chunk[1] - chunk[0]) // depth, *shape[2:]]
+
+
 def _slice(constant, depth: int, start: int, end: int) -> np.ndarray:
     """The bytes of ``constant`` for input columns ``[start, end)`` (along its axis 1)."""
     shape = list(constant.get_output_shape(0))
-    per = depth // shape[1]  # columns per step of axis 1
-    bits = int(np.prod(shape[2:], dtype=np.int64)) * constant.get_element_type().bitwidth
+    per, bits = depth // shape[1], _step_bits(constant)  # columns and bits per step of axis 1
     data = np.ascontiguousarray(constant.get_data()).view(np.uint8).reshape(shape[0], -1)  # sub-byte types packed
     return data[:, start // per * bits // 8: end // per * bits // 8]
 
 
-def _rebuilt(output: ov.Output, depth: int, chunk: tuple[int, int], constant) -> ov.Output:
-    """The weight behind ``output`` for the input columns of ``chunk`` (``constant(name, shape,
-    type)``: a sliced leaf)."""
+def _rebuilt(output: ov.Output, depth: int, chunk: tuple[int, int], sliced: dict) -> ov.Output:
+    """The weight behind ``output`` for the input columns of ``chunk``, its sliced constants from
+    ``sliced`` (by name; the others are the same for every column)."""
     node = output.get_node()
     kind = node.get_type_name()
-    share = lambda shape: [shape[0], shape[1] * (chunk[1] - chunk[0]) // depth, *shape[2:]]  # noqa: E731
     if kind == "Constant":
-        shape = list(node.get_output_shape(0))
-        if all(d == 1 for d in shape[1:]):
-            return output
-        return constant(node.get_name(), share(shape), node.get_element_type())
+        return sliced.get(node.get_name(), output)
     if kind == "Reshape":
-        target = ops.constant(np.array(share(list(node.get_output_shape(0))), dtype=np.int64))
-        return ops.reshape(_rebuilt(node.input_value(0), depth, chunk, constant), target, False).output(0)
-    inputs = [_rebuilt(node.input_value(i), depth, chunk, constant) for i in range(node.get_input_size())]
+        target = ops.constant(np.array(_share(list(node.get_output_shape(0)), depth, chunk), dtype=np.int64))
+        return ops.reshape(_rebuilt(node.input_value(0), depth, chunk, sliced), target, False).output(0)
+    inputs = [_rebuilt(node.input_value(i), depth, chunk, sliced) for i in range(node.get_input_size())]
     if kind == "Convert":
         return ops.convert(inputs[0], node.get_output_element_type(0)).output(0)
     return {"Add": ops.add, "Subtract": ops.subtract, "Multiply": ops.multiply}[kind](*inputs).output(0)

@@ -14,11 +14,11 @@ import openvino as ov
 
 from engine.config import paths
 from engine.errors import ShardError
+from engine.hostcpu import NONE, int8_dot
 from engine.manifest import BEAM_IDX, INT4_GROUP, MODEL_XML, Manifest, load_manifest
 from engine.pinned import pin_libraries
 from engine.runtime.interfaces import Stage
 from engine.transport import mesh as tensor_parallel
-from engine.hostcpu import NONE, int8_dot
 from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, fuse_sibling_matmuls, keep_last_logits, split_deep_matmuls
 from engine.runtime.stages.turns import NO_TURNS
 
