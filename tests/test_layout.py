@@ -160,7 +160,7 @@ def test_one_user_on_slow_pcs_gets_two_tensor_parallel_ranks_and_more_users_get_
     """Where a layer costs much more than the exchanges its ranks add (a CPU without int8 dot
     products), one user is served fastest by two PCs as ranks; never where the model's export
     cannot be split, where the link is slow, or once users can be spread over copies."""
-    from engine.fleet.placement import EXCHANGE_MS, exchanges, price_ranks
+    from engine.fleet.placement import EXCHANGE_WAIT, exchanges, price_ranks
 
     splittable = dataclasses.replace(MODEL, max_ranks=2)
     slow = office(2, 4, layer_ms=15.0)
@@ -169,7 +169,7 @@ def test_one_user_on_slow_pcs_gets_two_tensor_parallel_ranks_and_more_users_get_
     assert plan.ranks and chains(layout) == [[("pc1", 0, 28), ("pc2", 0, 28)]]
     whole = evaluate(splittable, slow, [("pc1", "CPU", 0, 28)]).plan
     assert plan.tok_s > whole.tok_s * CHAIN_MARGIN
-    assert plan.network_ms == pytest.approx(0.3 + exchanges(28) * (EXCHANGE_MS + 0.15))
+    assert plan.network_ms == pytest.approx(0.3 + exchanges(28) * 0.15 + plan.stages[1].ms * EXCHANGE_WAIT)
     assert plan.stages[0].memory_bytes < whole.stages[0].memory_bytes  # each holds half the layers and head
     assert "2 PCs as tensor-parallel ranks" in layout.explain() and "57 exchanges" in layout.explain()
     stages = layout_stages({"plan": plan.to_json(), "nodes": {"pc1": {"address": "local"},
@@ -178,9 +178,10 @@ def test_one_user_on_slow_pcs_gets_two_tensor_parallel_ranks_and_more_users_get_
     assert type(plan).from_json(json.loads(json.dumps(plan.to_json()))) == plan
     assert not any(p.ranks for p in solve_layout(splittable, slow, users=2).plans)  # two copies serve 2 users
     assert not solve_layout(MODEL, slow, users=1).plans[0].ranks  # its export is not split
-    far = Fleet(slow.devices, {k: 5.0 for k in slow.rtt_ms}, coordinator="pc1")
+    far = Fleet(slow.devices, {k: 10.0 for k in slow.rtt_ms}, coordinator="pc1")
     assert not solve_layout(splittable, far, users=1).plans[0].ranks  # 57 exchanges over a slow link
-    assert not solve_layout(splittable, office(2, 4), users=1).plans[0].ranks  # fast layers: the exchanges cost more
+    fast = office(2, 4, layer_ms=0.3)
+    assert not solve_layout(splittable, fast, users=1).plans[0].ranks  # fast layers: the exchanges cost more
     small = price_ranks(splittable, office(2, 0.5, layer_ms=15.0), [("pc1", "CPU"), ("pc2", "CPU")])
     assert any("needs" in p for p in small.problems)
 
@@ -189,7 +190,7 @@ def test_the_fastest_plan_for_one_user_may_be_two_ranks():
     from engine.fleet.layout import fastest_for_one
 
     splittable = dataclasses.replace(MODEL, max_ranks=2)
-    slow, fast = office(2, 4, layer_ms=15.0), office(2, 4)
+    slow, fast = office(2, 4, layer_ms=15.0), office(2, 4, layer_ms=0.3)
     chain = solve(splittable, slow, objective="latency")
     assert fastest_for_one(splittable, slow, chain).ranks and fastest_for_one(splittable, slow, chain).objective == "latency"
     assert fastest_for_one(splittable, fast, solve(splittable, fast, objective="latency")).ranks is False

@@ -36,12 +36,12 @@ def tp_exports(tiny_models, tmp_path_factory):
             for arch in ("llama", "qwen2", "gemma3")}
 
 
-def _listening_rank(fingerprint: str) -> tuple[Mesh, str]:
-    """Rank 1 of 2, listening for rank 0 on a loopback port; and that port's address."""
+def _listening_rank(fingerprint: str, rank: int = 1, ranks: int = 2) -> tuple[Mesh, str]:
+    """Rank ``rank`` of ``ranks``, listening for rank 0 on a loopback port; and that port's address."""
     listener = socket.create_server(("127.0.0.1", 0))
-    rank1 = Mesh(1, 2)
-    rank1.listen(listener, KEY, fingerprint)
-    return rank1, f"127.0.0.1:{listener.getsockname()[1]}"
+    mesh = Mesh(rank, ranks)
+    mesh.listen(listener, KEY, fingerprint)
+    return mesh, f"127.0.0.1:{listener.getsockname()[1]}"
 
 
 def _mesh_pair(fingerprint: str) -> tuple[Mesh, Mesh]:
@@ -49,8 +49,8 @@ def _mesh_pair(fingerprint: str) -> tuple[Mesh, Mesh]:
     return Mesh.dial({1: address}, KEY, fingerprint, 2, timeout_s=10), rank1
 
 
-def _both(fn0, fn1):
-    """Runs the two ranks' calls at once (as two PCs would); returns both results."""
+def _at_once(*fns):
+    """Runs the ranks' calls at once (as separate PCs would); returns their results in order."""
     out, errors = {}, []
 
     def run(i, fn):
@@ -59,14 +59,14 @@ def _both(fn0, fn1):
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in ((0, fn0), (1, fn1))]
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     if errors:
         raise errors[0]
-    return out[0], out[1]
+    return tuple(out[i] for i in range(len(fns)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
@@ -88,7 +88,7 @@ def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
             mask = np.ones((1, total), dtype=np.int64)
             pos = np.arange(total - n, total, dtype=np.int64)[None]
             expected = whole.forward(x, mask, pos).copy()
-            got0, got1 = _both(lambda: rank0.forward(x, mask, pos).copy(), lambda: rank1.forward(x, mask, pos).copy())
+            got0, got1 = _at_once(lambda: rank0.forward(x, mask, pos).copy(), lambda: rank1.forward(x, mask, pos).copy())
             assert got0.shape == expected.shape
             np.testing.assert_allclose(got0, expected, atol=2e-4, rtol=1e-4)
             np.testing.assert_array_equal(got0, got1)  # sums in rank order: both ranks hold the same
@@ -120,7 +120,7 @@ def test_a_rank_0_without_the_fleet_key_is_refused_and_the_next_coordinator_is_t
         x = np.arange(4, dtype=np.float32)[None]
         for session in range(2):  # each coordinator session replaces the last, counted from 0
             rank0 = Mesh.dial({1: address}, KEY, fingerprint, 2, timeout_s=3)
-            sums = _both(lambda: _reduced(rank0, x), lambda: _reduced(rank1, 10 * x))
+            sums = _at_once(lambda: _reduced(rank0, x), lambda: _reduced(rank1, 10 * x))
             assert np.array_equal(sums[0], 11 * x) and np.array_equal(sums[1], 11 * x)
             assert rank0.exchanges == rank1.exchanges == 1
             rank0.close()
@@ -150,11 +150,39 @@ def test_a_small_part_never_overtakes_a_large_one_still_being_sent():
                 _reduced(mesh, small)
             return gathered.sum()
 
-        assert _both(lambda: rounds(rank0), lambda: rounds(rank1)) == (80_000, 80_000)
+        assert _at_once(lambda: rounds(rank0), lambda: rounds(rank1)) == (80_000, 80_000)
         assert rank0.exchanges == rank1.exchanges == 300
     finally:
         rank0.close()
         rank1.close()
+
+
+def test_three_ranks_sum_in_rank_order_and_gather_side_by_side_on_every_rank():
+    """With more than two ranks, rank 0 gathers the parts, combines them in rank order and sends the
+    result back: every rank holds the very same values, bit for bit."""
+    (rank1, address1), (rank2, address2) = (_listening_rank("fp", r, 3) for r in (1, 2))
+    rank0 = Mesh.dial({1: address1, 2: address2}, KEY, "fp", 3, timeout_s=10)
+    meshes = (rank0, rank1, rank2)
+    parts = [np.random.default_rng(r).standard_normal((1, 2, 64)).astype(np.float32) * 10 ** r for r in range(3)]
+    try:
+        def rounds(mesh):
+            sums, gathered = [], []
+            for _ in range(20):
+                sums.append(_reduced(mesh, parts[mesh.rank]))
+                side_by_side = np.empty((1, 2, 192), np.float32)
+                mesh.all_gather(parts[mesh.rank], side_by_side)
+                gathered.append(side_by_side)
+            return sums, gathered
+
+        results = _at_once(*(lambda m=m: rounds(m) for m in meshes))
+        want = (parts[0] + parts[1]) + parts[2]
+        for sums, gathered in results:
+            assert all(np.array_equal(s, want) for s in sums)
+            assert all(np.array_equal(g, np.concatenate(parts, axis=-1)) for g in gathered)
+        assert rank0.exchanges == rank1.exchanges == rank2.exchanges == 40
+    finally:
+        for mesh in meshes:
+            mesh.close()
 
 
 def test_a_failed_exchange_fails_every_later_one_until_rank_0_connects_again():
@@ -167,7 +195,7 @@ def test_a_failed_exchange_fails_every_later_one_until_rank_0_connects_again():
     x = np.ones((1, 4), np.float32)
     try:
         rank0 = Mesh.dial({1: address}, KEY, "fp", 2, timeout_s=3)
-        _both(lambda: _reduced(rank0, x), lambda: _reduced(rank1, x))
+        _at_once(lambda: _reduced(rank0, x), lambda: _reduced(rank1, x))
         rank0.close()  # the coordinator goes away: rank 1's next exchange fails
         with pytest.raises(MeshError, match="rank 0 .* is gone") as failed:
             _reduced(rank1, x)
@@ -179,7 +207,7 @@ def test_a_failed_exchange_fails_every_later_one_until_rank_0_connects_again():
         assert later.value is failed.value and rank1.exchanges == 2  # not tried again on a dead link
         rank0 = Mesh.dial({1: address}, KEY, "fp", 2, timeout_s=3)  # the next session starts clean
         rank1.check()
-        assert np.array_equal(_both(lambda: _reduced(rank0, x), lambda: _reduced(rank1, x))[1], 2 * x)
+        assert np.array_equal(_at_once(lambda: _reduced(rank0, x), lambda: _reduced(rank1, x))[1], 2 * x)
         rank0.close()
     finally:
         rank1.close()
@@ -320,3 +348,74 @@ def _greedy(chain, prompt=(5, 17, 42, 99), n: int = 5) -> list[int]:
         ids.append(tokens[-1])
         out = chain.forward(np.array([[ids[-1]]]), np.ones((1, len(ids)), np.int64), np.array([[len(ids) - 1]]))
     return tokens
+
+
+def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_models, tiny_exports, tmp_path,
+                                                                         monkeypatch):
+    """Rank 1 on a node agent's PC, rank 0 here, a chat reply in flight when that PC's agent and
+    worker are killed (kill -9): failover re-plans from the fleet profile without the lost node and
+    the reply carries on to the end, token-identical to the whole model in one process."""
+    import os
+    import signal
+
+    import psutil
+
+    from engine.fleet.control import ControlClient
+    from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+    from engine.fleet.failover import Failover
+    from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
+    from engine.fleet.profile import model_shape
+    from engine.runtime.decode.service import ChatService
+    from tests.fleet_support import agent_process
+
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
+    key_file = create_key(tmp_path / "fleet.key")
+    key = load_key(key_file)
+    whole = tiny_exports["qwen2", "1"].folders
+    layers = load_manifest(whole[0]).spec.num_layers
+
+    def reply(service, on_text=None):
+        return service.submit([{"role": "user", "content": "Paris is"}], 24, chat=False, ignore_eos=True,
+                              on_text=on_text).wait(300)
+
+    alone = ChatService(LocalChain(whole, config=EXACT), streams=1, rewind="trim")
+    try:
+        want = reply(alone).tokens
+    finally:
+        alone.close()
+    with agent_process(key_file, tmp_path / "alpha", name="alpha") as (alpha_proc, alpha), \
+            agent_process(key_file, tmp_path / "beta", name="beta") as (_, beta):
+        nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
+        for name, address in (("alpha", alpha), ("beta", beta)):
+            with ControlClient(address, key) as client:
+                nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}
+        devices = [DeviceProfile(node, "CPU", 8 << 30, layer_ms=0.2, head_ms=1.0) for node in nodes]
+        profile = {"model": ModelShape(**model_shape(load_manifest(whole[0]))).to_json(), "nodes": nodes,
+                   "fleet": Fleet(devices=devices, rtt_ms={(a, b): 0.3 for a in nodes for b in nodes if a < b},
+                                  coordinator="coordinator").to_json()}
+        stages = [StagePlacement(LOCAL, "CPU", 0, layers, rank=0), StagePlacement(alpha, "CPU", 0, layers, rank=1)]
+        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32", mode="exact")
+        events: list[str] = []
+        failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain)
+        service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+        try:
+            assert isinstance(chain, RankChain)
+            (worker,) = psutil.Process(alpha_proc.pid).children()
+            killed = threading.Event()
+
+            def kill_alpha(piece, tokens):
+                if tokens >= 6 and not killed.is_set():
+                    killed.set()
+                    for proc in (worker, alpha_proc):
+                        os.kill(proc.pid, signal.SIGKILL)
+
+            got = reply(service, kill_alpha)
+            assert killed.is_set() and got.error is None and got.rerouted == 1, (got.error, events)
+            assert got.tokens == want
+            assert any(e.startswith("node alpha lost") for e in events), events
+            assert all(s.agent != alpha for s in failover.deployment.stages)
+            again = reply(service)  # the next request on the recovered chain
+            assert again.tokens == want and again.rerouted == 0
+        finally:
+            service.close()
+            failover.deployment.stop(key)

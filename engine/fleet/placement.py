@@ -346,11 +346,14 @@ def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, i
 
 # ---- tensor-parallel ranks ----
 
-# What one exchange of partial sums costs beyond the link's one-way latency: Python collectives, the
-# frames' seals, and the wait for the slower rank.  Measured on 2 one-core PCs over a 1 Gbit/s
-# link: ranks took 331-351 ms a token where half the model alone took 283, over 57 exchanges
-# (bench-results/2026-11-28/sim-ranks-qwen1.5b-avx2.json).
-EXCHANGE_MS = 0.8
+# At every exchange of partial sums the faster rank waits for the slower: the ranks' shares of the
+# compute between two exchanges are never quite equal (the OS, caches, the shares' shapes), and the
+# wait grows with that compute.  Measured on 2 one-core PCs over a 1 Gbit/s link, a token took the
+# slowest rank's compute times 1 + EXCHANGE_WAIT plus half the link's round trip an exchange, on a
+# host where a rank took 283 ms (331-351 a token; bench-results/2026-11-28/sim-ranks-qwen1.5b-avx2.json)
+# and on one where it took 90 (118 a token; bench-results/2026-11-28/sim-ranks-split4-qwen1.5b-zen3.json).
+# A constant 0.8 ms an exchange, fitted on the first, predicted 154 ms on the second.
+EXCHANGE_WAIT = 0.12
 
 
 def exchanges(num_layers: int) -> int:
@@ -393,7 +396,8 @@ def price_ranks(model: ModelShape, fleet: Fleet, units: Sequence[tuple[str, str]
         planned.append(PlannedStage(node, device, 0, L, ms, need, dev.memory_bytes if dev else 0))
     if fleet.coordinator is not None and units and units[0][0] != fleet.coordinator:
         problems.append(f"rank 0 must run on the coordinator {fleet.coordinator}, not {units[0][0]}")
-    network = link + exchanges(L) * (EXCHANGE_MS + link / 2)  # ids out and the result back; each swap one way
+    # the ids out and the result back, each swap one way, and the waits for the slower rank
+    network = link + exchanges(L) * link / 2 + slowest * EXCHANGE_WAIT
     token_ms = slowest + network
     tok_s = 1000.0 / token_ms if token_ms > 0 else 0.0
     plan = Plan(model=model.name, stages=planned, objective="throughput", users=max(users, 1), network_ms=network,
