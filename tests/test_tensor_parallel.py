@@ -23,7 +23,9 @@ from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.chain import LocalChain
 from engine.transport.mesh import Mesh, MeshError
+from engine.runtime.stages.output import top_candidates
 from engine.runtime.stages.stage import StageRunner, compile_config
+from engine.transport.wire import CANDIDATES, Flag
 
 KEY = b"k" * 32
 EXACT = compile_config("exact")
@@ -71,17 +73,22 @@ def _at_once(*fns):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
+    """Rank 0 ends each forward with the whole model's logits: whole where its forward needs the
+    logits or probabilities, else with rank 1's slice cut to each row's top-1 (greedy) or top
+    candidates (sampling), which then are the whole model's.  Rank 1 keeps its own slice."""
     out = tp_exports[arch].out
     m0, m1 = load_manifest(rank_folder(out, 0)), load_manifest(rank_folder(out, 1))
     assert (m0.rank, m0.ranks, m1.rank, m1.ranks) == (0, 2, 1, 2)
     whole = StageRunner(tiny_exports[arch, "1"].folders[0], config=EXACT)
     mesh0, mesh1 = _mesh_pair(m0.fingerprint)
+    half = m0.spec.vocab_size // 2
     try:
         rank0 = StageRunner(rank_folder(out, 0), config=EXACT, mesh=mesh0)
         rank1 = StageRunner(rank_folder(out, 1), config=EXACT, mesh=mesh1)
         ids = np.array([[5, 17, 42, 99, 7, 250, 31]], dtype=np.int64)
         tokens = []
-        for step in range(4):
+        needs = [Flag.LOGITS, Flag.NONE, Flag.CANDIDATES, Flag.PROBS, Flag.NONE]
+        for step, mesh0.needs in enumerate(needs):
             n = ids.shape[1] if step == 0 else 1
             x = ids if step == 0 else np.array([[tokens[-1]]], dtype=np.int64)
             total = ids.shape[1] + step
@@ -89,9 +96,25 @@ def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
             pos = np.arange(total - n, total, dtype=np.int64)[None]
             expected = whole.forward(x, mask, pos).copy()
             got0, got1 = _at_once(lambda: rank0.forward(x, mask, pos).copy(), lambda: rank1.forward(x, mask, pos).copy())
-            assert got0.shape == expected.shape
-            np.testing.assert_allclose(got0, expected, atol=2e-4, rtol=1e-4)
-            np.testing.assert_array_equal(got0, got1)  # sums in rank order: both ranks hold the same
+            assert got0.shape == got1.shape == expected.shape
+            assert mesh1.needs == mesh0.needs  # told on rank 0's parts
+            np.testing.assert_array_equal(got1[..., half:], got0[..., half:] if mesh0.needs & (Flag.LOGITS | Flag.PROBS)
+                                          else got1[..., half:])
+            assert np.all(got1[..., :half] == -np.inf)
+            np.testing.assert_allclose(got0[..., :half], expected[..., :half], atol=2e-4, rtol=1e-4)
+            finite = np.isfinite(got0[..., half:]).sum(-1)
+            if mesh0.needs & (Flag.LOGITS | Flag.PROBS):
+                np.testing.assert_allclose(got0, expected, atol=2e-4, rtol=1e-4)
+            else:
+                assert np.all(finite == (1 if not mesh0.needs else min(CANDIDATES, half)))
+                np.testing.assert_array_equal(got0[..., half:][np.isfinite(got0[..., half:])],
+                                              got1[..., half:][np.isfinite(got0[..., half:])])
+            assert np.array_equal(got0.argmax(-1), expected.argmax(-1))
+            if mesh0.needs == Flag.CANDIDATES:
+                ids0, logits0 = top_candidates(got0[0])
+                ids_whole, logits_whole = top_candidates(expected[0])
+                assert np.array_equal(ids0, ids_whole)
+                np.testing.assert_allclose(logits0, logits_whole, atol=2e-4, rtol=1e-4)
             tokens.append(int(expected[0, -1].argmax()))
         assert mesh0.exchanges == mesh1.exchanges > 0
     finally:
@@ -148,18 +171,20 @@ def test_a_small_part_never_overtakes_a_large_one_still_being_sent():
                 gathered = np.empty((1, 1, 80_000), np.float32)
                 mesh.all_gather(large, gathered)
                 _reduced(mesh, small)
-            return gathered.sum()
+            return gathered[np.isfinite(gathered)].sum()
 
-        assert _at_once(lambda: rounds(rank0), lambda: rounds(rank1)) == (80_000, 80_000)
+        # rank 0 gathers both slices; rank 1, whose own comes back, sent its slice through the sender
+        assert _at_once(lambda: rounds(rank0), lambda: rounds(rank1)) == (80_000, 40_000)
         assert rank0.exchanges == rank1.exchanges == 300
     finally:
         rank0.close()
         rank1.close()
 
 
-def test_three_ranks_sum_in_rank_order_and_gather_side_by_side_on_every_rank():
-    """With more than two ranks, rank 0 gathers the parts, combines them in rank order and sends the
-    result back: every rank holds the very same values, bit for bit."""
+def test_three_ranks_sum_in_rank_order_on_every_rank_and_rank_0_gathers_the_slices():
+    """With more than two ranks, rank 0 gathers the parts, sums them in rank order and sends the
+    result back: every rank holds the very same sums, bit for bit.  A gather brings rank 0 every
+    rank's slice; the others keep their own."""
     (rank1, address1), (rank2, address2) = (_listening_rank("fp", r, 3) for r in (1, 2))
     rank0 = Mesh.dial({1: address1, 2: address2}, KEY, "fp", 3, timeout_s=10)
     meshes = (rank0, rank1, rank2)
@@ -176,9 +201,10 @@ def test_three_ranks_sum_in_rank_order_and_gather_side_by_side_on_every_rank():
 
         results = _at_once(*(lambda m=m: rounds(m) for m in meshes))
         want = (parts[0] + parts[1]) + parts[2]
-        for sums, gathered in results:
+        for rank, (sums, gathered) in enumerate(results):
             assert all(np.array_equal(s, want) for s in sums)
-            assert all(np.array_equal(g, np.concatenate(parts, axis=-1)) for g in gathered)
+            own = [p if r == rank or rank == 0 else np.full_like(p, -np.inf) for r, p in enumerate(parts)]
+            assert all(np.array_equal(g, np.concatenate(own, axis=-1)) for g in gathered)
         assert rank0.exchanges == rank1.exchanges == rank2.exchanges == 40
     finally:
         for mesh in meshes:

@@ -76,6 +76,7 @@ class RankChain(Chain):
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output:
         rest = flags & Flag.ALL_POSITIONS  # the workers' own results are not used: only their top-1
+        self.mesh.needs = flags & (Flag.LOGITS | Flag.PROBS | Flag.CANDIDATES)  # of the others' vocabulary
         rounds = [remote.submit(input_ids, attention_mask, position_ids, rest, stream) for remote in self.remotes]
         try:
             out = self.local.forward(input_ids, attention_mask, position_ids, flags, stream)

@@ -6,11 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from engine.transport.wire import Flag
-
-# The last stage returns this many candidates (ids and logits) per position when a request samples,
-# instead of vocabulary-sized logits: sampling draws from the CANDIDATES most likely tokens.
-CANDIDATES = 256
+from engine.transport.wire import CANDIDATES, Flag
 
 
 def top_candidates(rows: np.ndarray, n: int = CANDIDATES) -> tuple[np.ndarray, np.ndarray]:
