@@ -87,7 +87,7 @@ def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
         rank1 = StageRunner(rank_folder(out, 1), config=EXACT, mesh=mesh1)
         ids = np.array([[5, 17, 42, 99, 7, 250, 31]], dtype=np.int64)
         tokens = []
-        needs = [Flag.LOGITS, Flag.NONE, Flag.CANDIDATES, Flag.PROBS, Flag.NONE]
+        needs = [Flag.NONE, Flag.CANDIDATES, Flag.LOGITS, Flag.PROBS, Flag.NONE]  # the first: 7 rows
         for step, mesh0.needs in enumerate(needs):
             n = ids.shape[1] if step == 0 else 1
             x = ids if step == 0 else np.array([[tokens[-1]]], dtype=np.int64)
