@@ -25,7 +25,7 @@ from engine.runtime.stages.chain import LocalChain
 from engine.transport.mesh import Mesh, MeshError
 from engine.runtime.stages.output import top_candidates
 from engine.runtime.stages.stage import StageRunner, compile_config
-from engine.transport.wire import CANDIDATES, Flag
+from engine.transport.wire import CANDIDATES, Flag, Frame, Msg
 
 KEY = b"k" * 32
 EXACT = compile_config("exact")
@@ -209,6 +209,18 @@ def test_three_ranks_sum_in_rank_order_on_every_rank_and_rank_0_gathers_the_slic
     finally:
         for mesh in meshes:
             mesh.close()
+
+
+def test_a_top_1_outside_the_senders_vocabulary_slice_is_refused():
+    rank0, rank1 = _mesh_pair("fp")
+    try:
+        rank0.needs = Flag.NONE  # a greedy forward: rank 1 sends (value, index) per row
+        rank1._send(0, Frame(Msg.SHARE, 0, 0, [np.array([[[5.0, 8.0]]], np.float32)]))  # index 8 of 0-7
+        with pytest.raises(MeshError, match="rank 1 sent vocabulary indices outside its slice"):
+            rank0.all_gather(np.zeros((1, 1, 8), np.float32), np.empty((1, 1, 16), np.float32))
+    finally:
+        rank0.close()
+        rank1.close()
 
 
 def test_a_failed_exchange_fails_every_later_one_until_rank_0_connects_again():

@@ -127,7 +127,7 @@ class Mesh:
         """Rank 0: ``out`` = every rank's ``x`` side by side along the last axis, in rank order, the
         others' slices whole or only their rows' largest values (the rest -inf) as ``needs`` says:
         either way ``out``'s top-1 and candidates are the whole vocabulary's.  A rank > 0 sends its
-        slice and gets its own back in place, the rest -inf."""
+        slice and keeps only its own in ``out``, the rest -inf."""
         self._guarded(self._gather, x, out)
 
     def check(self) -> None:
@@ -182,8 +182,11 @@ class Mesh:
                 slice_[...] = self._receive(r, seq, x.shape)
             else:
                 part = self._receive(r, seq, (*x.shape[:-1], 2 * top))
+                where = part[..., top:]
+                if not np.all((where >= 0) & (where < width) & (where == np.floor(where))):
+                    raise MeshError(f"tensor-parallel rank {r} sent vocabulary indices outside its slice")
                 slice_.fill(-np.inf)
-                np.put_along_axis(slice_, part[..., top:].astype(np.int64), part[..., :top], axis=-1)
+                np.put_along_axis(slice_, where.astype(np.int64), part[..., :top], axis=-1)
 
     def _share(self, seq: int, x: np.ndarray) -> Frame:
         """A part for another rank; rank 0's say what its forward needs (``needs``)."""
