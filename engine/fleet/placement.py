@@ -349,11 +349,12 @@ def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, i
 # At every exchange of partial sums the faster rank waits for the slower: the ranks' shares of the
 # compute between two exchanges are never quite equal (the OS, caches, the shares' shapes), and the
 # wait grows with that compute.  Measured on 2 one-core PCs over a 1 Gbit/s link, a token took the
-# slowest rank's compute times 1 + EXCHANGE_WAIT plus half the link's round trip an exchange, on a
-# host where a rank took 283 ms (331-351 a token; bench-results/2026-11-28/sim-ranks-qwen1.5b-avx2.json)
-# and on one where it took 90 (118 a token; bench-results/2026-11-28/sim-ranks-split4-qwen1.5b-zen3.json).
-# A constant 0.8 ms an exchange, fitted on the first, predicted 154 ms on the second.
-EXCHANGE_WAIT = 0.12
+# slower rank's compute times 1.10-1.17 plus the link's share where a rank took 283 ms
+# (bench-results/2026-11-28/sim-ranks-qwen1.5b-avx2.json), and 1.10, 1.45 and 1.36-1.46 in three
+# runs on a host where it took 82-90 ms (sim-ranks-split-, -split4- and -gather-qwen1.5b-zen3.json):
+# the middle of that, within 15% of each run.  A constant 0.8 ms an exchange, fitted on the first
+# host, priced the second's 118-149 ms tokens at 146-154.
+EXCHANGE_WAIT = 0.25
 
 
 def exchanges(num_layers: int) -> int:
