@@ -172,8 +172,8 @@ class Mesh:
             min(wire.CANDIDATES if self.needs & wire.Flag.CANDIDATES else 1, width)
         if self.rank:
             self._send(0, self._share(seq, x if top is None else _largest(x, top)))
-            out.fill(-np.inf)
-            out[..., self.rank * width:(self.rank + 1) * width] = x
+            start, end = self.rank * width, (self.rank + 1) * width
+            out[..., :start], out[..., start:end], out[..., end:] = -np.inf, x, -np.inf
             return
         out[..., :width] = x
         for r in range(1, self.ranks):

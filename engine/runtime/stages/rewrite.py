@@ -216,7 +216,7 @@ def fuse_sibling_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple
 # (Qwen2.5-1.5B: 4352 and 4608 of 8960), as do the MLPs of Qwen2.5-0.5B (4864) and Llama 3.2 1B (8192).
 SLOW_DEPTH = (4096, 8192)
 DEPTH_UNIT = 256  # chunks end between K-quant super-blocks (and so between every format's groups)
-_ELEMENTWISE = {"Convert", "Add", "Subtract", "Multiply"}
+_ARITHMETIC = {"Add": ops.add, "Subtract": ops.subtract, "Multiply": ops.multiply}
 
 
 def split_deep_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple[int, mmap.mmap | None]:
@@ -285,7 +285,7 @@ def _sliceable(output: ov.Output, rows: int, depth: int, leaves: dict) -> bool:
         if not node.get_output_partial_shape(0).is_static or not _spans(list(node.get_output_shape(0)), rows, depth):
             return False
         return _sliceable(node.input_value(0), rows, depth, leaves)
-    if kind in _ELEMENTWISE:
+    if kind == "Convert" or kind in _ARITHMETIC:
         return all(_sliceable(node.input_value(i), rows, depth, leaves) for i in range(node.get_input_size()))
     return False
 
@@ -321,4 +321,4 @@ def _rebuilt(output: ov.Output, depth: int, chunk: tuple[int, int], sliced: dict
     inputs = [_rebuilt(node.input_value(i), depth, chunk, sliced) for i in range(node.get_input_size())]
     if kind == "Convert":
         return ops.convert(inputs[0], node.get_output_element_type(0)).output(0)
-    return {"Add": ops.add, "Subtract": ops.subtract, "Multiply": ops.multiply}[kind](*inputs).output(0)
+    return _ARITHMETIC[kind](*inputs).output(0)

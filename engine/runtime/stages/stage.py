@@ -148,7 +148,7 @@ def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
     mapped = [fuse_sibling_matmuls(model, str(spill))[1]]
     if int8_dot() == NONE:
         mapped.append(split_deep_matmuls(model, str(spill))[1])
-    return model, mapped
+    return model, [m for m in mapped if m is not None]
 
 
 def missing_device(device: str) -> str | None:
