@@ -372,11 +372,13 @@ def test_stop_text_holds_back_only_what_may_start_a_stop(pieces, stops, text, hi
     assert (out, stop.hit) == (text, hit)
 
 
-def test_the_serve_benchmark_measures_both_servers(tiny_models, tmp_path):
-    """`fleet bench serve` in miniature: fleet serve and LLMPipeline behind the same API, one user."""
+@pytest.mark.parametrize("stages", [1, 2])
+def test_the_serve_benchmark_measures_both_servers(stages, tiny_models, tmp_path):
+    """`fleet bench serve` in miniature: fleet serve and LLMPipeline behind the same API, one user;
+    one stage is the whole model in this process (no worker)."""
     from engine.bench.serve import run_serve
 
-    report = run_serve(str(tiny_models["llama"]), stages=2, users=(1,), tokens=4, runs=1, weights="f32",
+    report = run_serve(str(tiny_models["llama"]), stages=stages, users=(1,), tokens=4, runs=1, weights="f32",
                        parts=("users",), out=tmp_path / "serve.json", log=lambda _: None)
     rows = {r["server"]: r for r in report["rows"]}
     assert set(rows) == {"fleet serve", "LLMPipeline"}

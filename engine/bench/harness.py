@@ -32,6 +32,8 @@ from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.relay.affinity import parse_cpu_sets, pin
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import compute_turns
 from engine.session import drafter_factory
 
@@ -113,9 +115,17 @@ def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
 @contextlib.contextmanager
 def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", isolate: bool = False,
              cpu_sets: str = "", turns: bool = True):
-    """Yields (RemoteChain, LocalFleet): worker processes serve ``folders[1:]``, stage 0 runs here."""
+    """Yields (RemoteChain, LocalFleet): worker processes serve ``folders[1:]``, stage 0 runs here.
+    One folder is a whole model: it yields (LocalChain, None)."""
     sets = parse_cpu_sets(cpu_sets, len(folders))
     pin(sets[0])
+    if len(folders) == 1:
+        chain = LocalChain(folders, config=compile_config(mode), isolate=isolate)
+        try:
+            yield chain, None
+        finally:
+            chain.close()
+        return
     with tempfile.TemporaryDirectory() as tmp:
         key_path = create_key(Path(tmp) / "bench.key")
         with LocalFleet(folders[1:], key_path, delay_ms=delay_ms, mode=mode, isolate=isolate,

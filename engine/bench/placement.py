@@ -52,7 +52,7 @@ def run_placement(model: str, *, tokens: int = 64, warmup: int = 1, runs: int = 
     ids = ChatTokenizer(first).prompt_ids(STORY_PROMPT)
     length = ids.shape[1] + tokens + 1
     with contextlib.ExitStack() as stack:
-        chains = {name: LocalChain(folders) if len(folders) == 1 else stack.enter_context(loopback(folders))[0]
+        chains = {name: stack.enter_context(loopback(folders))[0]
                   for name, folders in splits.items()}
         chains["2 stages even, in-process"] = LocalChain(splits["2 stages even"])
         samples: dict[str, list[float]] = {name: [] for name in chains}
