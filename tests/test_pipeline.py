@@ -217,8 +217,9 @@ def test_groups_in_flight_follow_the_measured_trip():
 
 def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, key_file, tmp_path):
     """What the app and `fleet serve` run: the chat service over a worker process.  Four users at once
-    travel in shared PACKED frames, in as many groups as the measured rounds ask for (loopback hops
-    cost more than the tiny stages: several), and each gets the reply it gets alone (exact settings)."""
+    travel in shared PACKED frames, in as many groups as the measured rounds ask for (several: the
+    hop's injected 10 ms each way outweighs the tiny stages, where bare loopback hops only sometimes
+    did on a busy host), and each gets the reply it gets alone (exact settings)."""
     from engine.runtime.decode.service import ChatService
     from engine.runtime.stages.stage import MODES
 
@@ -230,7 +231,7 @@ def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, ke
         want = [alone.submit(ask, 12, ignore_eos=True).wait(60).text for ask in asks]
     finally:
         alone.close()
-    with pipeline(folders, key_file, tmp_path, mode="exact") as (fleet, chain):
+    with pipeline(folders, key_file, tmp_path, mode="exact", delay_ms=10) as (fleet, chain):
         sent, send = [], chain._send
         chain._send = lambda frame, keys=None, group=None: (sent.append(frame), send(frame, keys, group))[1]
         service = ChatService(chain, streams=4)
