@@ -120,11 +120,8 @@ def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", 
     sets = parse_cpu_sets(cpu_sets, len(folders))
     pin(sets[0])
     if len(folders) == 1:
-        chain = LocalChain(folders, config=compile_config(mode), isolate=isolate)
-        try:
+        with contextlib.closing(LocalChain(folders, config=compile_config(mode), isolate=isolate)) as chain:
             yield chain, None
-        finally:
-            chain.close()
         return
     with tempfile.TemporaryDirectory() as tmp:
         key_path = create_key(Path(tmp) / "bench.key")
