@@ -17,7 +17,7 @@ from engine.errors import FleetError, ShardError
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.draftserver import DraftServer, DraftText, draft_identity
 from engine.runtime.decode.generate import Generator, generate_streams
-from engine.runtime.decode.remotedraft import DraftLink
+from engine.runtime.decode.remotedraft import DraftLink, RemoteDraft
 from engine.runtime.decode.speculative import open_draft_chain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import MODES
@@ -89,6 +89,25 @@ def test_the_servers_rewind_leaves_its_cache_as_a_fresh_one_fed_the_same_text(ti
     assert text.seq.logical == fresh.seq.logical
     # a text that the drafts already extend keeps them, and they are sent again
     assert text.sync(3, len(settled), 4, False, []) == text.tokens[len(settled):]
+
+
+def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_before(tiny_exports, server, key):
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    link = DraftLink(server.address, key, target.manifest)
+    try:
+        link.drafter(0).prime(PROMPT)
+        fresh = link.drafter(0)  # as the next request on stream 0 does, before it primes
+        deadline = time.monotonic() + 10
+        while server.drafted < RemoteDraft.LEAD and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.drafted >= RemoteDraft.LEAD
+        time.sleep(0.2)  # the DRAFTS for the first drafter's text reach the new one's mirror
+        assert link.error is None
+        fresh.prime(PROMPT[::-1])
+        want = Generator(target, 128).generate(PROMPT[::-1], 3, ignore_eos=True).tokens
+        assert link.ahead(0, PROMPT[::-1], 3, 10.0)[:3] == want
+    finally:
+        link.close()
 
 
 def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(tiny_exports, server, key):

@@ -72,7 +72,8 @@ class DraftLink:
 
     def drafter(self, stream: int) -> "RemoteDraft":
         with self._cond:
-            self._mirrors[stream] = _Mirror()
+            mirror = self._mirrors[stream] = _Mirror()
+            mirror.valid = self._epoch + 1  # DRAFTS for the stream's drafter before are still on their way
         return RemoteDraft(self, stream)
 
     def _reader(self) -> None:
