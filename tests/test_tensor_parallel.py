@@ -180,6 +180,28 @@ def test_a_small_part_never_overtakes_a_large_one_still_being_sent():
         rank1.close()
 
 
+def test_exchange_numbers_wrap_at_32_bits_on_both_ranks():
+    """A frame numbers an exchange in 32 bits; a rank that has served long enough goes past that."""
+    rank0, rank1 = _mesh_pair("fp")
+    try:
+        rank0.exchanges = rank1.exchanges = 0xFFFFFFFF - 1
+        large = np.ones((1, 1, 40_000), np.float32)  # through the sender thread, as in the test above
+
+        def rounds(mesh):
+            gathered = np.empty((1, 1, 80_000), np.float32)
+            for _ in range(2):
+                mesh.all_gather(large, gathered)
+                summed = _reduced(mesh, np.ones((1, 4), np.float32))
+            return gathered[np.isfinite(gathered)].sum(), summed.sum()
+
+        assert _at_once(lambda: rounds(rank0), lambda: rounds(rank1)) == ((80_000, 8.0), (40_000, 8.0))
+        rank0.check()
+        rank1.check()
+    finally:
+        rank0.close()
+        rank1.close()
+
+
 def test_three_ranks_sum_in_rank_order_on_every_rank_and_rank_0_gathers_the_slices():
     """With more than two ranks, rank 0 gathers the parts, sums them in rank order and sends the
     result back: every rank holds the very same sums, bit for bit.  A gather brings rank 0 every
