@@ -239,16 +239,17 @@ def draft_shards(settings: Settings, progress: Progress = quiet, cancel=None) ->
 
 
 def drafter_factory(kind: str, chain, folders: list[Path] | None = None, device: str = "CPU", *,
-                    remote: DraftLink | None = None):
+                    remote: DraftLink | None = None, first_stream: int = 0):
     """What ``ChatService(drafters=...)`` takes for a draft kind (``config.DRAFTS``): a function giving
     one drafter per stream, over one draft chain compiled here for ``model`` and ``hybrid``
     (``folders``, a 1-stage export sharing the target's tokenizer, from ``draft_shards``) on stage 0's
     device (the first of ``device``), or over the draft server ``remote`` (``open_draft_link``) for
-    ``remote``; None for ``none``."""
+    ``remote`` (whose streams, shared by a deployment's copies, this service's take from
+    ``first_stream`` on); None for ``none``."""
     if kind == "none":
         return None
     if kind == "remote":
-        return lambda n: [remote.drafter(i) for i in range(n)]
+        return lambda n: [remote.drafter(first_stream + i) for i in range(n)]
     draft_chain = None
     if kind in ("model", "hybrid"):
         draft_chain = open_draft_chain(expand_shard_dirs(folders), device.split(",")[0].strip(), turns=chain.turns)
@@ -295,6 +296,10 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
     pending, services = [opened], []  # chains not yet under a service, and the services
     record = LiveRecord(opened.deployment, launch.record) if opened.deployment else None
     try:
+        # one draft server serves one coordinator: the copies share this connection
+        remote = open_draft_link(settings, opened.chain, opened.deployment)
+        if remote is not None:
+            opened.owned.append(remote)
         for copy in opened.deployment.copies[1:] if opened.deployment else []:
             pending.append(Opened(copy.chain(load_key(settings.fleet_key_file),
                                             tls=load_tls(settings.tls, settings.fleet_key_file),
@@ -302,7 +307,8 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
                                             isolate=launch.isolate), "deployment", deployment=copy))
         while pending:
             recovered = (lambda copy, index=len(services): record.replace(index, copy)) if record else None
-            services.append(_copy_service(settings, pending[0], drafts, on_event, recovered))
+            services.append(_copy_service(settings, pending[0], drafts, remote, on_event, recovered,
+                                          copy=len(services)))
             pending.pop(0)  # its service closes it now
     except BaseException:
         for thing in [*services, *pending]:
@@ -316,14 +322,12 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Pro
     return service
 
 
-def _copy_service(settings: Settings, opened: Opened, drafts: list[Path] | None,
-                  on_event: Callable[[str], None] | None, on_recovered=None) -> ChatService:
-    """The chat service of one open chain; it closes the chain and what it owns."""
+def _copy_service(settings: Settings, opened: Opened, drafts: list[Path] | None, remote: DraftLink | None,
+                  on_event: Callable[[str], None] | None, on_recovered=None, copy: int = 0) -> ChatService:
+    """The chat service of copy ``copy`` (its chain); it closes the chain and what it owns."""
     failover = open_failover(opened, settings, on_event, on_recovered)
-    remote = open_draft_link(settings, opened.chain, opened.deployment)
-    if remote is not None:
-        opened.owned.append(remote)
-    drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device, remote=remote)
+    drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device, remote=remote,
+                               first_stream=copy * settings.streams)
     return ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
                        rewind=REWIND[settings.mode], owned=opened.owned,
                        recover=failover.recover if failover else None)

@@ -196,6 +196,39 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
         assert agent.status()["workers"] == []
 
 
+def test_a_deployments_copies_share_its_draft_server(two_agents, key_file, tiny_models, tmp_path):
+    """A draft server serves one coordinator at a time: the copies of a deployment draft over one
+    connection, each copy's streams numbered after the copy's before."""
+    from engine.config import Settings
+    from engine.fleet.deploy import Deployment, deploy_layout
+    from engine.runtime.decode.replicas import Replicas
+    from engine.session import Launch, open_service
+
+    (_, a), (_, b) = two_agents
+    key = load_key(key_file)
+    model = str(tiny_models["qwen2"])
+    deployment, chains = deploy_layout(model, [[StagePlacement(LOCAL, "CPU", 0, 4)], [StagePlacement(a, "CPU", 0, 4)]],
+                                       key=key, weights="f32", mode="exact")
+    for chain in chains:
+        chain.close()
+    try:
+        deployment.draft = deploy_draft(model, b, key=key, weights="f32")
+        record = Deployment.load(deployment.save(tmp_path / "deployment.json"))
+        settings = Settings(fleet_key_file=str(key_file), mode="exact", streams=2, draft="remote", k="3")
+        service = open_service(settings, Launch(deployment=record))
+        try:
+            assert isinstance(service, Replicas)
+            questions = [[{"role": "user", "content": f"question number {i}"}] for i in range(2)]  # one a copy:
+            got = [h.wait(120) for h in [service.submit(q, 24, ignore_eos=True) for q in questions]]  # drafts
+            routed = list(service.routed)
+        finally:
+            service.close()
+    finally:
+        assert deployment.stop(key) == []
+    assert routed == [1, 1] and all(r.error is None for r in got)
+    assert all(r.drafted > 0 for r in got), [(r.drafted, r.accepted) for r in got]
+
+
 def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_agents, key_file, tiny_models,
                                                                           tmp_path):
     """Three copies (whole here; a layer here feeding alpha; whole on beta, fed from here): the

@@ -106,6 +106,8 @@ def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_
         fresh.prime(PROMPT[::-1])
         want = Generator(target, 128).generate(PROMPT[::-1], 3, ignore_eos=True).tokens
         assert link.ahead(0, PROMPT[::-1], 3, 10.0)[:3] == want
+        with pytest.raises(FleetError, match="64 streams at most"):  # the server would drop the link
+            link.drafter(64)
     finally:
         link.close()
 

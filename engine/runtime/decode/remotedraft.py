@@ -22,7 +22,7 @@ import time
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
 from engine.runtime.decode.speculative import TOKENIZER_FILES, Drafter, PromptLookup, smooth
-from engine.runtime.decode.draftserver import common_prefix
+from engine.runtime.decode.draftserver import MAX_STREAMS, common_prefix
 from engine.transport import wire
 from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, dial
 from engine.transport.wire import AuthError, Msg, ProtocolError
@@ -71,6 +71,10 @@ class DraftLink:
         threading.Thread(target=self._reader, daemon=True, name=f"drafts {address}").start()
 
     def drafter(self, stream: int) -> "RemoteDraft":
+        if not 0 <= stream < MAX_STREAMS:
+            raise FleetError(f"the draft server at {self.address} drafts for {MAX_STREAMS} streams at most, and "
+                             f"this service has more (all its copies' --streams): fewer streams, or a draft model "
+                             "on this PC (--draft MODEL)")
         with self._cond:
             mirror = self._mirrors[stream] = _Mirror()
             mirror.valid = self._epoch + 1  # DRAFTS for the stream's drafter before are still on their way
