@@ -112,6 +112,20 @@ def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_
         link.close()
 
 
+def test_a_text_outgrowing_the_drafts_context_goes_plain_and_keeps_the_link(tiny_exports, server, key):
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    want = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+    link = DraftLink(server.address, key, target.manifest)
+    assert link.context == server.chain.spec.max_position
+    link.context = len(PROMPT) + 20  # as a draft model of a shorter context than the target's would say
+    try:
+        gen = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True, drafter=link.drafter(0), k=3)
+        assert gen.tokens == want and gen.drafted > 0 and link.error is None
+        assert len(link._mirrors[0].told) + 2 < link.context  # the server was never told a longer text
+    finally:
+        link.close()
+
+
 def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(tiny_exports, server, key):
     target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
     want = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True).tokens

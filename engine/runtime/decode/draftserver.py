@@ -46,9 +46,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def draft_identity(manifest) -> dict:
-    """What a draft server answers the handshake with: its model, and its tokenizer files' hashes
-    (the coordinator refuses a draft whose token ids mean other text)."""
+    """What a draft server answers the handshake with: its model, its context (the coordinator
+    stops telling it a text that outgrows it), and its tokenizer files' hashes (the coordinator
+    refuses a draft whose token ids mean other text)."""
     return {"role": "draft", "fingerprint": manifest.fingerprint, "model": manifest.model_name,
+            "context": manifest.spec.max_position,
             "tokenizer": {name: manifest.files.get(name) for name in TOKENIZER_FILES}}
 
 

@@ -53,6 +53,10 @@ class DraftLink:
             sock.close()
             raise FleetError(f"the draft server at {address} refused us: {exc}") from None
         self.model = str(welcome.get("model", "?"))
+        self.context = welcome.get("context")  # the draft model's: a longer text is never told
+        if not isinstance(self.context, int):
+            sock.close()
+            raise FleetError(f"the draft server at {address} did not say its context")
         if target is not None:
             theirs = welcome.get("tokenizer") or {}
             for name in TOKENIZER_FILES:
@@ -99,6 +103,11 @@ class DraftLink:
             with self._cond:
                 self.error = str(exc)
                 self._cond.notify_all()
+
+    def fits(self, history: list[int]) -> bool:
+        """Whether the draft model's context leaves room to draft beyond ``history`` (the server
+        refuses a longer text, which would end the connection for every stream)."""
+        return len(history) + 2 < self.context
 
     def sync(self, stream: int, history: list[int], lead: int, fresh: bool = False) -> None:
         """Tells the server the stream's text is ``history`` (only what changed goes over the link);
@@ -174,11 +183,12 @@ class RemoteDraft(Drafter):
         self._class: int | None = None  # the round in flight's guesses (None: not a padded round)
 
     def prime(self, prompt: list[int]) -> None:
-        self.link.sync(self.stream, list(prompt), self.LEAD, fresh=True)
+        if self.link.fits(prompt):
+            self.link.sync(self.stream, list(prompt), self.LEAD, fresh=True)
 
     def propose(self, history: list[int], k: int) -> list[int]:
         take = min(k, self.WIDTH) if self.pick_k else k
-        if self.link.error is None:  # else plain rounds: the target decides every token anyway
+        if self.link.error is None and self.link.fits(history):  # else plain rounds: the target decides anyway
             self.link.sync(self.stream, history, self.LEAD)
             drafts = self.link.ahead(self.stream, history, 1, self.WAIT_S)[:take]
         else:
