@@ -246,6 +246,27 @@ def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, ke
     assert chain.depth == chain._trip.groups() > 1 and chain.most_in_flight > 1
 
 
+def test_a_round_a_worker_refuses_gives_up_the_others_in_flight(tiny_exports, key_file, tmp_path):
+    """A worker answers one round with ERROR (here: a stream whose cache it never held, as after a
+    restart) while another stream's round travels.  The caller gives up every round; so does the
+    chain, or their groups would count against the depth for as long as the link lives."""
+    folders = tiny_exports["qwen2", "3"].folders
+    want = _greedy(LocalChain(folders))
+    with pipeline(folders, key_file, tmp_path, depth=2, fed=True) as (fleet, chain):
+        for stream in (0, 1):
+            chain.reset(stream)
+        travelling = chain.submit(IDS, np.ones(IDS.shape, np.int64), np.arange(IDS.shape[1])[None], stream=0)
+        chain._flush()  # a group of its own
+        chain.local.keep(1, np.arange(5))  # the coordinator believes stream 1 holds 5 positions
+        refused = chain.submit(IDS[:, :1], np.ones((1, 6), np.int64), np.array([[5]]), stream=1)
+        with pytest.raises(StageError, match="stream 1 holds 0 positions"):
+            chain.collect(refused)
+        assert chain.groups_in_flight == 0
+        with pytest.raises(StageError, match="given up"):
+            chain.collect(travelling)
+        assert _greedy(chain) == want and chain.groups_in_flight == 0 and not chain._early
+
+
 def test_breakdown_and_injected_delay(tiny_exports, key_file, tmp_path):
     folders = tiny_exports["llama", "2"].folders
     want = _greedy(LocalChain(folders), 6)

@@ -226,14 +226,19 @@ class RemoteChain(Chain):
             self._link.close()
             self._link = None
         self._ready = False
+        error = StageError(self.manifest.stage_index + 1, self.first_address, reason)
+        self._abandon(error)
+        return error
+
+    def _abandon(self, error: StageError) -> None:
+        """Every round in flight or waiting is given up (a caller's collect raises ``error``, or
+        that the round was given up): a reply still on its way is dropped when it comes."""
         self._in_flight.clear()
         self._early.clear()
         self._groups.clear()
-        error = StageError(self.manifest.stage_index + 1, self.first_address, reason)
         for round_ in self._pending:
             round_.error = error
         self._pending = []
-        return error
 
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) & 0xFFFFFFFF
@@ -477,6 +482,9 @@ class RemoteChain(Chain):
         """Waits for the reply to the request ``key`` names; replies to other requests in flight are
         kept for their own ``collect``.  Heartbeats keep the deadline from expiring."""
         while key not in self._early:
+            if key not in self._in_flight:
+                raise StageError(self.manifest.stage_index + 1, self.first_address,
+                                 "its round was given up after another round failed")
             self._stash(self._receive())
         reply = self._early.pop(key)
         self._in_flight.discard(key)
@@ -484,8 +492,12 @@ class RemoteChain(Chain):
         if reply.type == Msg.ERROR:
             doc = reply.json()
             self._ready = False  # re-check the whole chain before the next request
-            raise StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
-                             str(doc.get("reason", "failed")), bool(doc.get("transient")))
+            error = StageError(int(doc.get("stage", -1)), str(doc.get("address", "?")),
+                               str(doc.get("reason", "failed")), bool(doc.get("transient")))
+            # every caller gives up its other rounds too (or replays them on a new chain): left in
+            # flight, their groups would hold back the pipeline for as long as the link lives
+            self._abandon(error)
+            raise error
         if reply.type != expected:
             raise self._fail(f"answered with {reply.type.name}, expected {expected.name}")
         return reply
