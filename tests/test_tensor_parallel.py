@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from engine.errors import ExportError, ShardError
+from engine.errors import ExportError, ShardError, StageError
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import GGUF_UNIT, rank_cuts, ranks_problem
 from engine.fleetkey import create_key, load_key
@@ -309,13 +309,18 @@ def _free_port() -> int:
 
 def test_a_worker_process_serves_rank_1_for_the_coordinators_rank_0(tp_exports, tiny_exports, tmp_path):
     """Rank 1 in a `fleet worker` process, rank 0 here: greedy steps, a rewind and a reset give the
-    tokens of the whole model."""
+    tokens of the whole model; after that worker restarts, the next request but one does again
+    (the chain reconnects to it, and the ranks' mesh with it)."""
     out = tp_exports["llama"].out
     key_file = create_key(tmp_path / "fleet.key")
     listen = f"127.0.0.1:{_free_port()}"
-    worker = subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--shard", str(rank_folder(out, 1)),
-                               "--listen", listen, "--fleet-key-file", str(key_file),
-                               "--mode", "exact"], stderr=subprocess.PIPE, text=True)
+
+    def start_worker():
+        return subprocess.Popen([sys.executable, "-m", "engine.cli", "worker", "--shard", str(rank_folder(out, 1)),
+                                 "--listen", listen, "--fleet-key-file", str(key_file), "--mode", "exact"],
+                                stderr=subprocess.DEVNULL)
+
+    worker = start_worker()
     whole = LocalChain(tiny_exports["llama", "1"].folders, config=EXACT)
     chain = None
     try:
@@ -330,6 +335,19 @@ def test_a_worker_process_serves_rank_1_for_the_coordinators_rank_0(tp_exports, 
         ids = np.array([[11]])
         mask, pos = np.ones((1, 6), np.int64), np.array([[5]])
         assert chain.forward(ids, mask, pos).tokens.tolist() == whole.forward(ids, mask, pos).tokens.tolist()
+        worker.kill()
+        worker.wait(30)
+        worker = start_worker()
+        failed = 0
+        while True:
+            try:
+                got = _greedy(chain, [9, 8, 7], 4)
+                break
+            except StageError:  # the request that finds the old worker gone
+                failed += 1
+                assert failed == 1, "the chain did not recover"
+        assert got == _greedy(whole, [9, 8, 7], 4)
+        assert _greedy(chain, [5, 17, 42, 99], 6) == _greedy(whole, [5, 17, 42, 99], 6)
     finally:
         if chain is not None:
             chain.close()
@@ -370,7 +388,6 @@ def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a
     deployment's chain is a RankChain giving the whole model's tokens, a second coordinator session
     gets them again from the same worker, and a rank whose worker is stopped fails the next forward
     with a StageError naming it (what failover takes)."""
-    from engine.errors import StageError
     from engine.fleet.control import ControlClient
     from engine.fleet.deploy import LOCAL, StagePlacement, deploy
     from tests.fleet_support import agent_process

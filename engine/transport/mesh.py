@@ -78,15 +78,19 @@ class Mesh:
         """Rank 0: dials every other rank's mesh port (``addresses``: rank -> HOST:PORT), each within
         ``timeout_s``; the handshake proves the fleet key and the model both ways, the peer's
         welcome its rank."""
-        links: dict[int, Link] = {}
-        try:
-            for rank, address in sorted(addresses.items()):
-                links[rank] = _dial_rank(address, key, fingerprint, rank, ranks, timeout_s, tls)
-        except BaseException:
-            for link in links.values():
-                link.close()
-            raise
-        return cls(0, ranks, links)
+        return cls(0, ranks, _dial_links(addresses, key, fingerprint, ranks, timeout_s, tls))
+
+    def redial(self, addresses: dict[int, str], key: bytes, fingerprint: str, *, timeout_s: float = 30.0,
+               tls=None) -> None:
+        """Rank 0: connects to the other ranks again (after a failed exchange, or a rank's worker
+        restarted), exchanges counted from 0 on both sides.  The links change in place: the
+        compiled graph finds this mesh by its id."""
+        links = _dial_links(addresses, key, fingerprint, self.ranks, timeout_s, tls)
+        with self._lock:
+            old, self.links = self.links, links
+            self.exchanges, self.failure = 0, None
+        for link in old.values():
+            link.close()
 
     def listen(self, listener: socket.socket, key: bytes, fingerprint: str, *, tls=None, log=None) -> None:
         """Rank > 0: takes rank 0's connection on ``listener`` for as long as the process runs.  A
@@ -248,6 +252,19 @@ class Mesh:
         self._outbox.put(None)
         for link in self.links.values():
             link.close()
+
+
+def _dial_links(addresses: dict[int, str], key: bytes, fingerprint: str, ranks: int, timeout_s: float,
+                tls) -> dict[int, Link]:
+    links: dict[int, Link] = {}
+    try:
+        for rank, address in sorted(addresses.items()):
+            links[rank] = _dial_rank(address, key, fingerprint, rank, ranks, timeout_s, tls)
+    except BaseException:
+        for link in links.values():
+            link.close()
+        raise
+    return links
 
 
 def _dial_rank(address: str, key: bytes, fingerprint: str, rank: int, ranks: int, timeout_s: float,

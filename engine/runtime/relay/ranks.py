@@ -40,24 +40,32 @@ class RankChain(Chain):
                              f"and one worker for each other rank ({len(workers)} given)")
         self.remotes: list[RemoteChain] = []
         self.mesh = None
+        self.manifest = manifest
+        self.spec = manifest.spec
+        self._key, self._tls, self._connect_timeout_s = key, tls, connect_timeout_s
         try:
-            meshes = {}
-            for rank, address in enumerate(workers, start=1):
+            for address in workers:
                 self.remotes.append(RemoteChain(rank0, [address], key=key, mode=mode, tls=tls, deadline_s=deadline_s,
                                                 connect_timeout_s=connect_timeout_s, fed=True))
-                held = self.remotes[-1].stages[0] if self.remotes[-1].stages else {}
-                if held.get("rank") != rank or not held.get("mesh"):
-                    raise ShardError(f"the worker at {address} serves rank {held.get('rank')}, expected rank {rank}")
-                meshes[rank] = f"{parse_address(address)[0]}:{held['mesh']}"
-            self.mesh = Mesh.dial(meshes, key, manifest.fingerprint, manifest.ranks, timeout_s=connect_timeout_s,
-                                  tls=tls)
+            self.mesh = Mesh.dial(self._mesh_addresses(), key, manifest.fingerprint, manifest.ranks,
+                                  timeout_s=connect_timeout_s, tls=tls)
+            self._meshed = [remote.connections for remote in self.remotes]  # the connections the mesh went with
             self.local = LocalChain([rank0], device, compile_config(mode, precision), paged=False, mesh=self.mesh)
         except BaseException:
             self.close()
             raise
         self.turns = self.local.turns
-        self.manifest = manifest
-        self.spec = manifest.spec
+
+    def _mesh_addresses(self) -> dict[int, str]:
+        """Each other rank's mesh port, as its worker names it in its PONG."""
+        addresses = {}
+        for rank, remote in enumerate(self.remotes, start=1):
+            held = remote.stages[0] if remote.stages else {}
+            if held.get("rank") != rank or not held.get("mesh"):
+                raise ShardError(f"the worker at {remote.first_address} serves rank {held.get('rank')}, "
+                                 f"expected rank {rank}")
+            addresses[rank] = f"{parse_address(remote.first_address)[0]}:{held['mesh']}"
+        return addresses
 
     @property
     def first_folder(self) -> Path:
@@ -65,7 +73,12 @@ class RankChain(Chain):
 
     def reset(self, stream: int = 0) -> None:
         for remote in self.remotes:
-            remote.reset(stream)
+            remote.reset(stream)  # reconnects a worker that broke off
+        connections = [remote.connections for remote in self.remotes]
+        if self.mesh.failure is not None or connections != self._meshed:  # the ranks meet on new links
+            self.mesh.redial(self._mesh_addresses(), self._key, self.manifest.fingerprint,
+                             timeout_s=self._connect_timeout_s, tls=self._tls)
+            self._meshed = connections
         self.local.reset(stream)
 
     def keep(self, stream: int, slots: np.ndarray) -> None:

@@ -186,6 +186,7 @@ class RemoteChain(Chain):
         self.connect_timeout_s = connect_timeout_s
         self.stages: list[dict] = []  # what each remote stage reported when the chain came up
         self._link: Link | None = None
+        self.connections = 0  # links made so far: a new one reaches a worker that may have restarted
         self._silence = deadline_s
         self._ready = False
         self._in_flight: set[tuple[int, int]] = set()
@@ -263,6 +264,7 @@ class RemoteChain(Chain):
                 time.sleep(0.2)
                 continue
             self._silence = 0.75 * self.deadline_s + 2 * peer_delay
+            self.connections += 1
         self._wait_ready(deadline)
 
     def ping(self) -> list[dict]:
