@@ -147,6 +147,16 @@ def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(tiny_exports, se
     assert link.error is not None
 
 
+def test_a_send_that_fails_before_the_reader_hears_leaves_plain_rounds(tiny_exports, server, key):
+    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+    want = Generator(target, 128).generate(PROMPT, 20, ignore_eos=True).tokens
+    link = DraftLink(server.address, key, target.manifest)
+    drafter = link.drafter(0)
+    link.link.close()  # every send fails now, whatever the reader has heard yet
+    gen = Generator(target, 128).generate(PROMPT, 20, ignore_eos=True, drafter=drafter, k=3)
+    assert gen.tokens == want and gen.drafted == 0 and link.error
+
+
 def test_a_foreign_tokenizer_and_a_wrong_key_are_refused(tiny_exports, server, key):
     llama = LocalChain(tiny_exports["llama", "1"].folders)
     with pytest.raises(ShardError, match="does not share the target .*tokenizer"):

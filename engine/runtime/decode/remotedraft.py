@@ -99,9 +99,9 @@ class DraftLink:
                         raise ProtocolError(f"DRAFTS at {position} leave a gap after {len(mirror.tokens)} tokens")
                     mirror.tokens[position:] = tokens
                     self._cond.notify_all()
-        except (ConnectionError, ProtocolError) as exc:
+        except (OSError, ProtocolError) as exc:  # OSError: ConnectionError, or our own close under the read
             with self._cond:
-                self.error = str(exc)
+                self.error = self.error or str(exc)
                 self._cond.notify_all()
 
     def fits(self, history: list[int]) -> bool:
@@ -122,7 +122,12 @@ class DraftLink:
                 mirror.valid = epoch
             mirror.told = list(history)
         if self.error is None:
-            self.link.send(wire.sync_frame(stream, epoch, start, lead, fresh, history[start:]))
+            try:
+                self.link.send(wire.sync_frame(stream, epoch, start, lead, fresh, history[start:]))
+            except OSError as exc:  # the server went before the reader heard: rounds go plain, as then
+                with self._cond:
+                    self.error = self.error or f"connection lost ({exc})"
+                    self._cond.notify_all()
 
     def ahead(self, stream: int, history: list[int], want: int, wait_s: float) -> list[int]:
         """The stream's drafts beyond ``history``, after waiting up to ``wait_s`` for ``want`` of them."""
