@@ -34,6 +34,15 @@ def key(tmp_path):
 
 
 @pytest.fixture
+def target(tiny_exports):
+    return LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+
+
+def _greedy(target, tokens: int, prompt=PROMPT) -> list[int]:
+    return Generator(target, 128).generate(prompt, tokens, ignore_eos=True).tokens
+
+
+@pytest.fixture
 def server(tiny_exports, key):
     # compiled as the target is: a tiny random model's argmax differs between bf16 and f32, so a draft
     # compiled with a draft's own settings would rarely be right
@@ -43,10 +52,9 @@ def server(tiny_exports, key):
     drafts.stop()
 
 
-def test_exact_mode_is_token_identical_with_drafts_from_another_process_of_streams(tiny_exports, server, key):
-    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+def test_exact_mode_is_token_identical_with_drafts_from_another_process_of_streams(target, server, key):
     prompts = [PROMPT, PROMPT[::-1], [3, 1, 4, 1, 5, 9, 2, 6]]
-    want = [Generator(target, 128).generate(p, 40, ignore_eos=True).tokens for p in prompts]
+    want = [_greedy(target, 40, p) for p in prompts]
     link = DraftLink(server.address, key, target.manifest)
 
     def steep(drafter):  # as on an AVX2 core, where a padded verify costs more than a plain one
@@ -91,8 +99,7 @@ def test_the_servers_rewind_leaves_its_cache_as_a_fresh_one_fed_the_same_text(ti
     assert text.sync(3, len(settled), 4, False, []) == text.tokens[len(settled):]
 
 
-def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_before(tiny_exports, server, key):
-    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
+def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_before(target, server, key):
     link = DraftLink(server.address, key, target.manifest)
     try:
         link.drafter(0).prime(PROMPT)
@@ -104,7 +111,7 @@ def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_
         time.sleep(0.2)  # the DRAFTS for the first drafter's text reach the new one's mirror
         assert link.error is None
         fresh.prime(PROMPT[::-1])
-        want = Generator(target, 128).generate(PROMPT[::-1], 3, ignore_eos=True).tokens
+        want = _greedy(target, 3, PROMPT[::-1])
         assert link.ahead(0, PROMPT[::-1], 3, 10.0)[:3] == want
         with pytest.raises(FleetError, match="64 streams at most"):  # the server would drop the link
             link.drafter(64)
@@ -112,9 +119,8 @@ def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_
         link.close()
 
 
-def test_a_text_outgrowing_the_drafts_context_goes_plain_and_keeps_the_link(tiny_exports, server, key):
-    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
-    want = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+def test_a_text_outgrowing_the_drafts_context_goes_plain_and_keeps_the_link(target, server, key):
+    want = _greedy(target, 40)
     link = DraftLink(server.address, key, target.manifest)
     assert link.context == server.chain.spec.max_position
     link.context = len(PROMPT) + 20  # as a draft model of a shorter context than the target's would say
@@ -126,9 +132,8 @@ def test_a_text_outgrowing_the_drafts_context_goes_plain_and_keeps_the_link(tiny
         link.close()
 
 
-def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(tiny_exports, server, key):
-    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
-    want = Generator(target, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(target, server, key):
+    want = _greedy(target, 40)
     link = DraftLink(server.address, key, target.manifest)
     drafter = link.drafter(0)
     seen = []
@@ -147,9 +152,8 @@ def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(tiny_exports, se
     assert link.error is not None
 
 
-def test_a_send_that_fails_before_the_reader_hears_leaves_plain_rounds(tiny_exports, server, key):
-    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
-    want = Generator(target, 128).generate(PROMPT, 20, ignore_eos=True).tokens
+def test_a_send_that_fails_before_the_reader_hears_leaves_plain_rounds(target, server, key):
+    want = _greedy(target, 20)
     link = DraftLink(server.address, key, target.manifest)
     drafter = link.drafter(0)
     link.link.close()  # every send fails now, whatever the reader has heard yet
@@ -214,11 +218,10 @@ def test_the_handshake_names_the_drafts_tokenizer(tiny_exports):
     assert all(identity["tokenizer"].values())
 
 
-def test_a_stream_drafts_only_while_it_is_alone(tiny_exports, server, key):
+def test_a_stream_drafts_only_while_it_is_alone(target, server, key):
     # with several streams the verify's extra rows cost more than drafts give (``draft_alone``)
     from engine.runtime.decode.service import ChatService
 
-    target = LocalChain(tiny_exports["qwen2", "3"].folders, config=EXACT)
     link = DraftLink(server.address, key, target.manifest)
     service = ChatService(target, streams=2, drafters=lambda n: [link.drafter(i) for i in range(n)], k="auto",
                           prefix_cache=False, owned=[link])

@@ -31,10 +31,10 @@ from engine.transport.wire import AuthError, Msg, ProtocolError
 class _Mirror:
     """One stream's text as the draft server holds it, from what it was told and sent back."""
 
-    def __init__(self):
+    def __init__(self, valid: int):
         self.told: list[int] = []
         self.tokens: list[int] = []  # ``told`` as of the last SYNC that parted, then drafts received
-        self.valid = 0  # DRAFTS drafted before this SYNC are on a path the server left
+        self.valid = valid  # DRAFTS drafted before this SYNC are on a path the server left
 
 
 class DraftLink:
@@ -80,8 +80,8 @@ class DraftLink:
                              f"this service has more (all its copies' --streams): fewer streams, or a draft model "
                              "on this PC (--draft MODEL)")
         with self._cond:
-            mirror = self._mirrors[stream] = _Mirror()
-            mirror.valid = self._epoch + 1  # DRAFTS for the stream's drafter before are still on their way
+            # DRAFTS for the stream's drafter before may still be on their way: only later SYNCs count
+            self._mirrors[stream] = _Mirror(valid=self._epoch + 1)
         return RemoteDraft(self, stream)
 
     def _reader(self) -> None:
@@ -100,9 +100,13 @@ class DraftLink:
                     mirror.tokens[position:] = tokens
                     self._cond.notify_all()
         except (OSError, ProtocolError) as exc:  # OSError: ConnectionError, or our own close under the read
-            with self._cond:
-                self.error = self.error or str(exc)
-                self._cond.notify_all()
+            self._broken(str(exc))
+
+    def _broken(self, reason: str) -> None:
+        """The link is gone (the first reason stays): every round from now on goes plain."""
+        with self._cond:
+            self.error = self.error or reason
+            self._cond.notify_all()
 
     def fits(self, history: list[int]) -> bool:
         """Whether the draft model's context leaves room to draft beyond ``history`` (the server
@@ -124,10 +128,8 @@ class DraftLink:
         if self.error is None:
             try:
                 self.link.send(wire.sync_frame(stream, epoch, start, lead, fresh, history[start:]))
-            except OSError as exc:  # the server went before the reader heard: rounds go plain, as then
-                with self._cond:
-                    self.error = self.error or f"connection lost ({exc})"
-                    self._cond.notify_all()
+            except OSError as exc:  # the server went before the reader heard
+                self._broken(f"connection lost ({exc})")
 
     def ahead(self, stream: int, history: list[int], want: int, wait_s: float) -> list[int]:
         """The stream's drafts beyond ``history``, after waiting up to ``wait_s`` for ``want`` of them."""
