@@ -143,7 +143,8 @@ def export(source: str, *, stages: int | None = None, split: list[int] | None = 
     pull_model(source, progress, cancel)
     count = len(split) + 1 if split else stages or 1  # as ``plan_split`` cuts the model
     return export_model(source, stages=stages, split=split, weights=weights, out=out, force=force, cancel=cancel,
-                        head=head, ranks=ranks, progress=lambda i, step, frac: progress(("stage", i, step, frac, count)))
+                        head=head, ranks=ranks,
+                        progress=lambda i, step, frac: progress(("stage", i, step, frac, count)))
 
 
 def resolve_shards(source: str | Path, *, stages: int, weights: str, head: str = "int8", progress: Progress = quiet,
@@ -178,8 +179,8 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
             return None
         progress(("status", "starting the local fleet"))
         deployment, chain, proc = local_up(
-            settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights, mode=settings.mode,
-            device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
+            settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights,
+            mode=settings.mode, device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
             progress=deploy_progress(progress), tls=settings.tls)  # the TLS the chat and failover reach it with
         return Opened(chain, kind, [LocalAgent(proc)], deployment)
     if launch.shards is not None:

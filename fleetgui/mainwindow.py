@@ -83,8 +83,8 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.service_label)
         self.chat_controller.status.connect(self.service_label.setText)
         self.chat_controller.fleet_event.connect(lambda text: self.statusBar().showMessage(f"Fleet: {text}", 30000))
-        self.export.exported.connect(lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}",
-                                                                            10000))
+        self.export.exported.connect(
+            lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}", 10000))
         self.export.use_as_default.connect(self.use_model)
         self.chat.model_chosen.connect(self.use_model)
         self.fleet.key_changed.connect(self.use_key)

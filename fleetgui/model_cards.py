@@ -3,8 +3,9 @@ its predicted (and last measured) speed.
 
 ``card_lines`` words a card from the model's facts (``engine.models.facts``), its ``engine.fleet.fit.Fit``
 and the last measured tok/s; ``ModelCards`` is the list the Export wizard's first step shows, and
-``ModelBrowser`` the chat's model browser around it.  The facts appear at once; the fit needs the placement solver, so ``refresh``
-prices every card off the GUI thread and fills the figures in when it is done.
+``ModelBrowser`` the chat's model browser around it.  The facts appear at once; the fit needs the
+placement solver, so ``refresh`` prices every card off the GUI thread and fills the figures in when
+it is done.
 """
 
 from __future__ import annotations

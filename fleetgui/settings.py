@@ -215,7 +215,8 @@ class SettingsPage(QWidget):
 
     def result_settings(self) -> GuiSettings:
         return dataclasses.replace(
-            self._settings, fleet_key_file=self.key_file.text().strip() or None, default_model=self.model.currentText().strip(),
+            self._settings, fleet_key_file=self.key_file.text().strip() or None,
+            default_model=self.model.currentText().strip(),
             stages=self.stages.value(), weights=self.weights.currentText(), device=self.devices.text().strip() or "CPU",
             mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(), streams=self.streams.value(),
             k=self.k.currentText().strip() or "auto", draft=self.draft.currentText(),

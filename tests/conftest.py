@@ -1,27 +1,59 @@
-"""Shared fixtures: tiny random-weight Llama, Qwen2 and Gemma 3 checkpoints (with a real byte-level BPE
-tokenizer) built in the test run, and session-cached exports of them."""
+"""Shared fixtures, and the suite's two tiers.
+
+The tiers: ``make test`` runs the fast one (``-m "not slow"``), ``make test-slow`` the rest
+(``-m slow``), ``make test-all`` both; tests/DURATIONS.md holds the measured times they were
+chosen from.  A test's tier follows from what it uses, marked here and nowhere else
+(``pytest_collection_modifyitems``): each fixture in ``KINDS`` brings its kind's marker (root and
+network namespaces, process fleets, real models, the network, the bundle, benchmarks, the soak),
+and so do a few tests named in ``TESTS`` whose cost is not a fixture's.  A test of any kind is
+slow unless it is named in ``FAST``: the few that keep every package, and the real SmolLM2
+model end to end, in the fast tier.
+"""
 
 from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import tiny_set
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-TINY_LAYERS = 4
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Paris is the capital of France. Berlin is the capital of Germany.",
-    "A fleet of laptops can serve one language model together.",
-    "def add(a, b):\n    return a + b\n",
-] * 20
+# The fixture that brings a cost, and the kind (marker) of that cost.
+KINDS = {
+    "root": "netns", "office": "netns", "namespaces": "netns",
+    "agents": "processes", "two_agents": "processes", "fleet": "processes", "fleet_home": "processes",
+    "processes": "processes",
+    "real_smollm2": "real_model", "smol_exports": "real_model", "smollm2": "real_model",
+    "smollm2_two_stages": "real_model", "gemma_exports": "real_model", "transformers_gemma": "real_model",
+    "package_index": "network",
+    "bundle": "bundle",
+}
+# Tests whose cost is not a fixture's: (file::test name prefix, kind).
+TESTS: dict[str, str] = {}
+# Tests of a slow kind kept in the fast tier (file::name prefix).
+FAST: tuple[str, ...] = ()
+
+
+def _named(item, prefixes) -> bool:
+    name = f"{Path(item.fspath).name}::{item.name}"
+    return any(name.startswith(prefix) for prefix in prefixes)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kinds = {KINDS[f] for f in item.fixturenames if f in KINDS}
+        kinds |= {kind for prefix, kind in TESTS.items() if _named(item, [prefix])}
+        if getattr(item, "callspec", None) and item.callspec.params.get("hosting") == "processes":
+            kinds.add("processes")
+        for kind in sorted(kinds):
+            item.add_marker(getattr(pytest.mark, kind))
+        if kinds and not _named(item, FAST):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_addoption(parser):
@@ -54,64 +86,54 @@ def qapp(qapp):
     return qapp
 
 
-def _tokenizer(folder: Path):
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(CORPUS, vocab_size=320, min_frequency=2,
-                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>",
-                                  bos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(folder)
-    return tok
-
-
-def build_tiny(arch: str, folder: Path) -> Path:
-    import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
-
-    torch.manual_seed({"llama": 0, "qwen2": 1, "gemma3": 2}[arch])
-    common = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=TINY_LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False))
-    else:
-        # A 4-token window, so prompts and replies in the tests slide past it; head_dim and the
-        # attention scale differ from hidden/heads, as in the real model's config they may.
-        model = Gemma3ForCausalLM(Gemma3TextConfig(
-            **common, head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            pad_token_id=1))
-    # Random init leaves biases and norms at 0/1; perturb them so the test sees them.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(folder)
-    _tokenizer(folder)
-    return folder
+@pytest.fixture
+def gui_home(tmp_path, monkeypatch) -> Path:
+    """FLEETSHARD_HOME below the test's tmp folder: history, keys and caches stay in it."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("FLEETSHARD_HOME", str(home))
+    return home
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny(arch, root / arch) for arch in ("llama", "qwen2", "gemma3")}
+def _tiny():
+    return tiny_set()
 
 
 @pytest.fixture(scope="session")
-def tiny_exports(tiny_models, tmp_path_factory):
-    """f32 exports of each tiny model as 1, 2 (even) and 3 (uneven 1/2/1) stages, made once."""
-    from engine.export.exporter import export_model
+def tiny_models(_tiny) -> dict[str, Path]:
+    """The tiny checkpoints, {arch: HF folder} (``tiny_models``: kept between runs)."""
+    return _tiny[0]
 
-    root = tmp_path_factory.mktemp("tiny-exports")
-    out = {}
-    for arch, folder in tiny_models.items():
-        for label, kw in (("1", {"stages": 1}), ("2", {"stages": 2}), ("3", {"split": [1, 3]})):
-            out[arch, label] = export_model(str(folder), weights="f32", out=root / f"{arch}-{label}", **kw)
-    return out
+
+@pytest.fixture(scope="session")
+def tiny_exports(_tiny):
+    """f32 exports of each tiny model as 1, 2 (even) and 3 (uneven 1/2/1) stages, kept between runs."""
+    return _tiny[1]
+
+
+@pytest.fixture(scope="session")
+def root():
+    """Skips the test, with the reason, unless this run may make network namespaces, veth links,
+    tc queues and cgroups (root on Linux)."""
+    if os.name != "posix" or os.geteuid() != 0:
+        pytest.skip("needs root on Linux (network namespaces, veth links, tc, cgroups)")
+
+
+@pytest.fixture(scope="session")
+def package_index():
+    """Skips the test, with pip's own words, when pip cannot reach its package index."""
+    try:
+        probe = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "pip", "--disable-pip-version-check",
+                                "--no-input", "--timeout", "15"], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.skip("the package index did not answer pip within 120 s")
+    if probe.returncode != 0:
+        lines = (probe.stderr or probe.stdout).strip().splitlines()
+        pytest.skip(f"pip cannot reach the package index: {lines[-1] if lines else probe.returncode}")
+
+
+@pytest.fixture(params=["threads", "processes"])
+def hosting(request) -> str:
+    """How a local fleet's workers run (``LocalFleet(hosting=...)``): threads in the fast tier,
+    processes in the slow one."""
+    return request.param

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 SCREENSHOTS: Path | None = None  # set from pytest's --screenshots; None encodes them in memory only
 SIZE = (1366, 768)
-
-
-@pytest.fixture
-def gui_home(tmp_path, monkeypatch) -> Path:
-    """FLEETSHARD_HOME below the test's tmp folder: history, keys and caches stay in it."""
-    home = tmp_path / "home"
-    monkeypatch.setenv("FLEETSHARD_HOME", str(home))
-    return home
 
 
 def settings_store(path: Path):

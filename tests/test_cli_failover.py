@@ -32,7 +32,8 @@ def _in_process(deployment) -> list[int]:
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
     service = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1, rewind="trim")
     try:
-        return service.submit([{"role": "user", "content": PROMPT}], TOKENS, chat=False, ignore_eos=True).wait(120).tokens
+        return service.submit([{"role": "user", "content": PROMPT}], TOKENS, chat=False,
+                              ignore_eos=True).wait(120).tokens
     finally:
         service.close()
 

@@ -149,5 +149,6 @@ def test_fleet_up_demo_brings_up_a_demo_fleet_and_stops_it(home, tiny_models, tm
             chain.close()
         up.stdin.close()
         assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
-    gone = lambda pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    def gone(pid):
+        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert all(gone(pid) for pid in pids)

@@ -111,7 +111,8 @@ def test_every_kv_state_flows_through_a_beam_idx_gather_and_fuses(arch, tiny_exp
         assert len(model.get_sinks()) == 2 * layers
         runtime = core().compile_model(model, "CPU").get_runtime_model()
         fused = [op for op in runtime.get_ops()
-                 if op.get_rt_info()["layerType"].astype(str) == "ScaledDotProductAttention" and op.get_output_size() == 3]
+                 if op.get_rt_info()["layerType"].astype(str) == "ScaledDotProductAttention"
+                 and op.get_output_size() == 3]
         assert len(fused) == layers, "the CPU plugin did not fuse the stateful attention"
 
 
@@ -360,7 +361,8 @@ def _compressed_matmul(rows: int, depth: int, layout: str) -> ov.Model:
         centered = ov.opset13.convert(ov.opset13.add(codes, ov.opset13.constant(np.int8(-32))), ov.Type.f32)
         steps = ov.opset13.multiply(ov.opset13.convert(ov.opset13.constant(
             rng.integers(-127, 128, (rows, depth // 256, 16)).astype(np.int8)), ov.Type.f32),
-            ov.opset13.convert(ov.opset13.constant(rng.random((rows, depth // 256, 1)).astype(np.float16)), ov.Type.f32))
+            ov.opset13.convert(ov.opset13.constant(rng.random((rows, depth // 256, 1)).astype(np.float16)),
+                               ov.Type.f32))
         scale = ov.opset13.reshape(steps, ov.opset13.constant(np.array([rows, depth // 16, 1])), False)
     elif layout == "i4":
         codes = ov.opset13.subtract(ov.opset13.convert(ov.opset13.constant(
@@ -372,7 +374,8 @@ def _compressed_matmul(rows: int, depth: int, layout: str) -> ov.Model:
         centered = ov.opset13.convert(ov.opset13.constant(rng.integers(-127, 128, (rows, 1, depth)).astype(np.int8)),
                                       ov.Type.f32)
         scale = ov.opset13.constant(rng.random((rows, 1, 1)).astype(np.float32) / 100)
-    weight = ov.opset13.reshape(ov.opset13.multiply(centered, scale), ov.opset13.constant(np.array([rows, depth])), False)
+    weight = ov.opset13.reshape(ov.opset13.multiply(centered, scale), ov.opset13.constant(np.array([rows, depth])),
+                                False)
     return ov.Model([ov.opset13.matmul(x, weight, False, True)], [x])
 
 

@@ -1,8 +1,8 @@
-"""Surviving a lost laptop, with real processes: three node agents on loopback, the real SmolLM2 as a 2-stage deployment,
-and a chat reply in flight when a node's agent and worker are killed (kill -9), when a worker hangs
-(SIGSTOP), and when the survivors cannot take the lost layers.  The reply carries on over the new
-chain token-identical to an uninterrupted one (greedy, exact mode); a lost node that comes back is
-offered to the next placement, not pulled into the conversation."""
+"""Surviving a lost laptop, with real processes: three node agents on loopback, the real SmolLM2 as
+a 2-stage deployment, and a chat reply in flight when a node's agent and worker are killed
+(kill -9), when a worker hangs (SIGSTOP), and when the survivors cannot take the lost layers.  The
+reply carries on over the new chain token-identical to an uninterrupted one (greedy, exact mode); a
+lost node that comes back is offered to the next placement, not pulled into the conversation."""
 
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
             agent.call("put_begin", b"{}", hash=cdigest, sizes={})
         # a shard larger than the node's free disk is refused before a byte is sent
         manifest = (corrupt / "manifest.json").read_bytes()
-        with pytest.raises(AgentError, match=r"^node alpha: not enough disk space for the shard: it needs 2147483648 MB more, .* has \d+ MB free$"):
+        with pytest.raises(AgentError, match=r"^node alpha: not enough disk space for the shard: "
+                                             r"it needs 2147483648 MB more, .* has \d+ MB free$"):
             agent.call("put_begin", manifest, hash=cdigest, sizes={n: 1 << 50 for n in names})
         # a disk that fills up during the transfer: the error reaches the sender, the connection stays
         agent.call("put_begin", manifest, hash=cdigest, sizes=sizes)
@@ -484,8 +485,8 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
             _up_serves_then_stops(up, lines, deployment, ending, log, a, key)
         # the first run profiles the fleet, the next ones reuse its profile
         assert ("using the fleet profile" in log.read_text()) == (ending != "SIGTERM"), log.read_text()
-    local = subprocess.run([sys.executable, "-m", "engine.cli", "up", *up_args, "--pin", "this machine:0-3"], capture_output=True, text=True, env=env,
-                           timeout=300)
+    local = subprocess.run([sys.executable, "-m", "engine.cli", "up", *up_args, "--pin", "this machine:0-3"],
+                           capture_output=True, text=True, env=env, timeout=300)
     assert local.returncode == 0, local.stderr
     assert "1 stage(s)" in local.stdout and "keeps every layer" in local.stderr
     assert "using the fleet profile" in local.stderr

@@ -7,7 +7,7 @@ import dataclasses
 import socket
 
 import openai
-from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, settings_store, tiny_settings
 
 
 def _refused(url: str) -> bool:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, screenshot, settings_store, tiny_settings
 
 from engine.errors import StageError
 from fleetgui.backend import EngineBackend

@@ -9,7 +9,7 @@ import json
 import threading
 
 import pytest
-from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, screenshot, settings_store, tiny_settings
 
 from fleetgui.bench_panel import DESCRIPTIONS
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, screenshot, settings_store, tiny_settings
 
 from PySide6.QtCore import QUrl
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gui_support import drag, gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+from gui_support import drag, open_window, settings_store, tiny_settings
 
 from engine.runtime.stages.stage import core
 

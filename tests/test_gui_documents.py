@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, screenshot, settings_store, tiny_settings
 from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QTimer, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent, QTextCursor
 from PySide6.QtTest import QTest

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel, QRadioButton
 
-from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, screenshot, settings_store, tiny_settings
 
 from engine.manifest import load_manifest
 

@@ -8,7 +8,7 @@ import os
 import signal
 
 import psutil
-from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, settings_store, tiny_settings
 
 
 def _send(qtbot, tab, text):

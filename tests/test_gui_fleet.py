@@ -10,7 +10,7 @@ import stat
 
 import pytest
 from fleet_support import agent_process
-from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, settings_store, tiny_settings
 
 from engine.hostcpu import int8_dot
 from engine.runtime.stages.stage import core

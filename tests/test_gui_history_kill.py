@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, settings_store, tiny_settings
 
 APP = textwrap.dedent("""
     import sys, time

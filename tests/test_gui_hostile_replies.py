@@ -5,7 +5,7 @@ holding such a reply at start without harm."""
 from __future__ import annotations
 
 import pytest
-from gui_support import gui_home, open_window, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, settings_store, tiny_settings
 from PySide6.QtCore import QUrl
 
 from fleetgui.history import Message

@@ -5,7 +5,7 @@ not scrolled away nor clipped by a parent.  Dialogs fit a 900x600 screen too."""
 from __future__ import annotations
 
 import pytest
-from gui_support import gui_home, open_window, screenshot, settings_store, tiny_settings  # noqa: F401
+from gui_support import open_window, screenshot, settings_store, tiny_settings
 
 from fleetgui.mainwindow import VIEWS
 

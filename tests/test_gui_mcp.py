@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from gui_support import gui_home, open_window, screenshot, settings_store  # noqa: F401
+from gui_support import open_window, screenshot, settings_store
 from mcp_support import TIME_SERVER
 
 from engine.config import Settings

@@ -4,10 +4,11 @@ beta added by address) and this process as the coordinator, with the tiny Qwen2 
 "Profile fleet" runs a real survey and shows a lane per device; dragging a boundary and a range
 with the mouse (and a range through the model's own drop API) re-prices the plan live; a pinned
 range survives Optimise; a device too small for its layers, and a pin no solver can honour, show
-the reason, as does a machine the solver leaves out; Deploy starts the chain on the two agents (the Fleet view shows each node's stage being
-exported) and a chat reply streams through it, token for token what the model decodes alone, and
-another app instance chats on the recorded deployment.  The embedded default (``fleetgui`` with no
-arguments) chats on its local fleet, and closing the window stops its agent."""
+the reason, as does a machine the solver leaves out; Deploy starts the chain on the two agents (the
+Fleet view shows each node's stage being exported) and a chat reply streams through it, token for
+token what the model decodes alone, and another app instance chats on the recorded deployment.  The
+embedded default (``fleetgui`` with no arguments) chats on its local fleet, and closing the window
+stops its agent."""
 
 from __future__ import annotations
 

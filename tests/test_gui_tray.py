@@ -1,7 +1,8 @@
 """Worker mode (``fleetgui --worker``) in its window fallback (offscreen has no system tray): the
 in-process agent is found over real mDNS, Pause shows as paused in the agent's own status and in its
-advertisement, Remove unused shards frees the store, "Start with the session" writes and removes the autostart entry, and Quit makes the
-browser report the node removed (a clean departure: goodbye sent, control port closed)."""
+advertisement, Remove unused shards frees the store, "Start with the session" writes and removes the
+autostart entry, and Quit makes the browser report the node removed (a clean departure: goodbye
+sent, control port closed)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from gui_support import gui_home, screenshot  # noqa: F401
+from gui_support import screenshot
 
 from engine.runtime.stages.stage import core
 

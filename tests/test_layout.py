@@ -192,6 +192,7 @@ def test_the_fastest_plan_for_one_user_may_be_two_ranks():
     splittable = dataclasses.replace(MODEL, max_ranks=2)
     slow, fast = office(2, 4, layer_ms=15.0), office(2, 4, layer_ms=0.3)
     chain = solve(splittable, slow, objective="latency")
-    assert fastest_for_one(splittable, slow, chain).ranks and fastest_for_one(splittable, slow, chain).objective == "latency"
+    assert (fastest_for_one(splittable, slow, chain).ranks
+            and fastest_for_one(splittable, slow, chain).objective == "latency")
     assert fastest_for_one(splittable, fast, solve(splittable, fast, objective="latency")).ranks is False
     assert fastest_for_one(MODEL, slow, chain) == chain

@@ -180,7 +180,8 @@ def test_the_static_stage_refuses_what_does_not_fit_and_npus_pick_it(tiny_export
     manifest = stage.manifest
     assert stage_kind(manifest, "NPU") == "static" and stage_kind(manifest, "npu.0") == "static"
     assert stage_kind(manifest, "CPU") == stage_kind(manifest, "GPU.1") == "paged"
-    assert stage_kind(manifest, "NPU", static=False) == "stateful" and stage_kind(manifest, "CPU", static=True) == "static"
+    assert (stage_kind(manifest, "NPU", static=False) == "stateful"
+            and stage_kind(manifest, "CPU", static=True) == "static")
     assert stage_kind(manifest, "CPU", isolate=True) == "stateful"
     gemma = load_manifest(tiny_exports["gemma3", "1"].folders[0])
     assert stage_kind(gemma, "NPU") == "static" and stage_kind(gemma, "CPU") == "paged"

@@ -85,7 +85,8 @@ def test_pin_argument_names_layers_inclusively():
     ([Pin("a", 0, 4, "NPU")], "pin of layers 0-3 on node a: the node has no device NPU"),
     ([Pin("c", 0, 4, "GPU.0")], "pin of layers 0-3 on node c: its GPU.0 cannot run a stage"),
     ([Pin("a", 0, 2), Pin("a", 4, 6)], "node a is pinned twice"),
-    ([Pin("a", 1, 2), Pin("b", 3, 4)], r"the pins leave 3 unpinned range\(s\) \(layer 0; layer 2; layers 4-7\) but only 1 other"),
+    ([Pin("a", 1, 2), Pin("b", 3, 4)],
+     r"the pins leave 3 unpinned range\(s\) \(layer 0; layer 2; layers 4-7\) but only 1 other"),
 ])
 def test_bad_pins_are_refused_before_solving(pins, reason):
     f = fleet(dev("a"), dev("b"), dev("c"), dev("c", "GPU.0", supported=False))

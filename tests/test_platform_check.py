@@ -70,6 +70,8 @@ def test_the_real_xcb_plugin_is_judged_consistently():
     assert all(m in problem for m in missing) and "sudo apt install" in problem
     env = {k: v for k, v in os.environ.items() if k not in ("QT_QPA_PLATFORM", "WAYLAND_DISPLAY")}
     env["DISPLAY"] = ":0"
-    proc = subprocess.run([sys.executable, "-c", "import sys; from fleetgui.app import main; sys.exit(main(['fleetgui']))"],
+    proc = subprocess.run([sys.executable, "-c",
+                           "import sys; from fleetgui.app import main; sys.exit(main(['fleetgui']))"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and problem in proc.stderr and "could not load the Qt platform plugin" not in proc.stderr
+    assert (proc.returncode == 1 and problem in proc.stderr
+            and "could not load the Qt platform plugin" not in proc.stderr)

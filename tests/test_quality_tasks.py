@@ -5,7 +5,6 @@ replies, and the whole part through the real API on a tiny model and on llama.cp
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess

@@ -56,7 +56,8 @@ def _conversation(service: ChatService) -> list:
 
 
 def test_a_seeded_conversation_is_the_same_cold_warm_and_speculative(chain):
-    lookup = (lambda n: stream_drafters("lookup", n))
+    def lookup(n):
+        return stream_drafters("lookup", n)
     services = {"cold": ChatService(chain, streams=1, prefix_cache=False),
                 "warm": ChatService(chain, streams=1),
                 "warm, speculative": ChatService(chain, streams=1, drafters=lookup, k=3, rewind="trim")}

@@ -4,9 +4,10 @@ finds every PC at its own address and no further (a PC on the routed subnet is r
 a PC whose cable is cut mid-reply (link down: packets vanish, no reset) has its layers moved and the
 reply carries on token-identical; its link back, it is offered to the fleet again; shards cross a
 bandwidth-capped link and a cut transfer resumes; a PC given a link delay holds the rounds through
-it and no other PC's; a model no single PC's memory cap holds is placed over several PCs; two PCs of a split compute at the
-same time, several users' streams in flight, each reply token-identical; two PCs as tensor-parallel
-ranks decode what the whole model does.  Needs root (CI runs as root); nothing made is left behind."""
+it and no other PC's; a model no single PC's memory cap holds is placed over several PCs; two PCs of
+a split compute at the same time, several users' streams in flight, each reply token-identical; two
+PCs as tensor-parallel ranks decode what the whole model does.  Needs root (CI runs as root);
+nothing made is left behind."""
 
 from __future__ import annotations
 

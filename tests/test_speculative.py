@@ -409,7 +409,8 @@ def test_the_hybrid_scores_a_passed_over_lookup_only_where_the_text_reached():
 
 
 def test_a_sequence_that_would_outgrow_the_context_compacts(tiny_exports):
-    target = LocalChain(tiny_exports["llama", "2"].folders, config=EXACT, paged=False)  # only a stateful cache has holes
+    # only a stateful cache has holes
+    target = LocalChain(tiny_exports["llama", "2"].folders, config=EXACT, paged=False)
     want = Generator(target, 72).generate(PROMPT, 60, ignore_eos=True).tokens
     # Drafts that are (almost) always wrong: the masked holes push the physical length past 72 long
     # before the logical one gets there.

@@ -95,7 +95,8 @@ def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
             mask = np.ones((1, total), dtype=np.int64)
             pos = np.arange(total - n, total, dtype=np.int64)[None]
             expected = whole.forward(x, mask, pos).copy()
-            got0, got1 = _at_once(lambda: rank0.forward(x, mask, pos).copy(), lambda: rank1.forward(x, mask, pos).copy())
+            got0, got1 = _at_once(lambda: rank0.forward(x, mask, pos).copy(),
+                                  lambda: rank1.forward(x, mask, pos).copy())
             assert got0.shape == got1.shape == expected.shape
             assert mesh1.needs == mesh0.needs  # told on rank 0's parts
             assert np.all(got1[..., :half] == -np.inf)

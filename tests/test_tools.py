@@ -92,7 +92,8 @@ def test_a_conversation_with_calls_and_tool_results_is_answered(served):
                                            temperature=0, max_tokens=40)
     assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
     # SmolLM2's template knows no tools: the generic rendering carries the call and its result
-    messages, template_tools = render(history, plan_tools(TOOLS, "auto"), tools_fit_template(service.tokenizer.template))
+    messages, template_tools = render(history, plan_tools(TOOLS, "auto"),
+                                      tools_fit_template(service.tokenizer.template))
     prompt = service.tokenizer.decode(service.tokenizer.chat_ids(messages, tools=template_tools).reshape(-1))
     assert template_tools is None and '"name": "get_weather"' in prompt and "<tools>" in prompt
     assert '<tool_response>\n{"temperature": 21' in prompt and '"arguments": {"city": "Paris"' in prompt

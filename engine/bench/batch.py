@@ -3,12 +3,12 @@
 stream's new tokens in one paged-attention forward per stage (``engine.runtime.stages.paged``), and
 (c) ``openvino_genai.ContinuousBatchingPipeline`` on the 1-stage export, OpenVINO's own multi-user
 path; with 2+ stages also (d) packed over the relay: stage 0 here, the rest as worker processes on
-loopback, one PACKED frame per round through the chain loop (``RemoteChain``).  Same prompts (the chat prompts, N of them), same compile settings, EOS ignored.  Aggregate
-decode tok/s: every batch runs twice, for ``SHORT`` and for ``SHORT + tokens`` new tokens, and the
-extra tokens of all streams are divided by the extra time, so the prefill (and any start-up) cancels
-out the same way for all three.  Stream counts and the three ways are interleaved, ``runs`` times;
-medians count.  Also the KV
-memory each stream holds at the end: the stateful states' bytes against the paged blocks it uses.
+loopback, one PACKED frame per round through the chain loop (``RemoteChain``).  Same prompts (the
+chat prompts, N of them), same compile settings, EOS ignored.  Aggregate decode tok/s: every batch
+runs twice, for ``SHORT`` and for ``SHORT + tokens`` new tokens, and the extra tokens of all streams
+are divided by the extra time, so the prefill (and any start-up) cancels out the same way for all
+three.  Stream counts and the three ways are interleaved, ``runs`` times; medians count.  Also the
+KV memory each stream holds at the end: the stateful states' bytes against the paged blocks it uses.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tu
             ratios[f"packed / per-stream, {n}-stage, {s} streams"] = round(
                 tok[f"packed {n}-stage", s] / tok[f"per-stream {n}-stage", s], 2)
         if 4 in streams:
-            ratios[f"packed {n}-stage: 4 streams / 1 stream"] = round(tok[f"packed {n}-stage", 4] / tok[f"packed {n}-stage", 1], 2)
+            ratios[f"packed {n}-stage: 4 streams / 1 stream"] = round(
+                tok[f"packed {n}-stage", 4] / tok[f"packed {n}-stage", 1], 2)
         if n > 1:
             for s in streams:
                 ratios[f"packed {n}-stage over the relay / in process, {s} streams"] = round(

@@ -62,7 +62,8 @@ def place(office: Office, shape: ModelShape, users: int, key: bytes) -> Plan:
     for node in office.nodes.values():
         with ControlClient(node.agent, key) as agent:
             free = agent.status()["node"]["available_mb"] << 20
-        devices.append(DeviceProfile(node.name, "CPU", free, layer_ms=1.0, head_ms=shape.head_bytes / shape.layer_bytes))
+        devices.append(DeviceProfile(node.name, "CPU", free, layer_ms=1.0,
+                                     head_ms=shape.head_bytes / shape.layer_bytes))
     names = [d.node for d in devices]
     fleet = Fleet(devices, {(a, b): 0.3 for a in names for b in names if a < b}, coordinator=names[0])
     try:
@@ -227,5 +228,6 @@ def _ratios(rows: list[dict]) -> dict:
             ratios[f"too big, {u} user(s): ours split / llama.cpp one capped PC (its better way)"] = round(
                 tok[OURS, u] / max(alone), 3)
         if (LLAMA_SPLIT, u) in tok:
-            ratios[f"too big, {u} user(s): ours split / llama.cpp RPC split"] = round(tok[OURS, u] / tok[LLAMA_SPLIT, u], 3)
+            ratios[f"too big, {u} user(s): ours split / llama.cpp RPC split"] = round(
+                tok[OURS, u] / tok[LLAMA_SPLIT, u], 3)
     return ratios

@@ -33,7 +33,8 @@ ONE_PC = {"none": "ours, one PC, no speculation", "lookup": "ours, one PC, promp
           "model": "ours, one PC, draft model here", "hybrid": "ours, one PC, hybrid draft here"}
 
 
-def open_draft_server(office: Office, pc: str, folder: Path, key: bytes, target, log, wait_s: float = 120.0) -> DraftLink:
+def open_draft_server(office: Office, pc: str, folder: Path, key: bytes, target, log,
+                      wait_s: float = 120.0) -> DraftLink:
     """Starts a draft server for ``folder`` on the simulated PC ``pc``; the link to it, once it answers."""
     node = office.nodes[pc]
     log_file = office.root / f"draft-server-{pc}.log"
@@ -85,5 +86,6 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
     ratios = {}
     for u in users:
         best = max(ONE_PC.values(), key=lambda name: tok[name, u])
-        ratios[f"{u} user(s): {DRAFTING_PC} / the best of one PC ({best})"] = round(tok[DRAFTING_PC, u] / tok[best, u], 3)
+        ratios[f"{u} user(s): {DRAFTING_PC} / the best of one PC ({best})"] = round(
+            tok[DRAFTING_PC, u] / tok[best, u], 3)
     return rows, ratios

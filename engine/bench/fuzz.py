@@ -158,7 +158,8 @@ def fuzz_wire(cases: int, tally: Tally) -> None:
         dtype = pick("i8", st.sampled_from(["i4", "f4"]))
         return wire.Frame(wire.Msg.PACKED, tensors=[np.zeros(shape, np.float32),
                                                     np.array(table, np.int64).reshape(-1, 5).astype(dtype),
-                                                    np.arange(positions, dtype=np.int64), np.zeros(1, np.float32)]), spoiled
+                                                    np.arange(positions, dtype=np.int64),
+                                                    np.zeros(1, np.float32)]), spoiled
 
     @_settings(cases // 4)
     @_hypothesis()[0].given(packed_frames())

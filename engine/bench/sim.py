@@ -150,7 +150,8 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, 
                          "one core at 1 Gbit/s; greedy, no speculation, no prompt cache"}
         if "big" in parts:
             within = begin("big", "a model too big for one PC")
-            specs = [NodeSpec(f"pc{i + 1}", memory_mb=memory_mb, cpus=str(cores[i]), rate_mbit=1000.0) for i in range(2)]
+            specs = [NodeSpec(f"pc{i + 1}", memory_mb=memory_mb, cpus=str(cores[i]), rate_mbit=1000.0)
+                     for i in range(2)]
             with Office(specs, key_file=key_file, root=Path(tmp) / "big", log=log) as office:
                 big_rows, big_ratios, plan = capped.compare_capped(office, model, gguf, shape, key=key,
                                                                    weights=weights, runs=runs, log=log, hooks=within)

@@ -133,7 +133,8 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
             ratios[f"{mode} {label} mean speedup"] = round(mean(r[f"{label} x"] for r in mine), 3)
             ratios[f"{mode} {label} identical"] = f"{sum(r[f'{label} same'] for r in mine)}/{len(mine)}"
         for label in sources:
-            ratios[f"{mode} hybrid vs {label} (geomean)"] = round(geometric_mean(r[f"hybrid vs {label}"] for r in mine), 3)
+            ratios[f"{mode} hybrid vs {label} (geomean)"] = round(
+                geometric_mean(r[f"hybrid vs {label}"] for r in mine), 3)
         ratios[f"{mode} hybrid vs better of two (min)"] = min(r["hybrid vs better of two"] for r in mine)
         floor = [r["A/A"] for r in mine]
         ratios[f"{mode} A/A: model K=auto vs itself (min)"] = min(floor)

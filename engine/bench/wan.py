@@ -50,7 +50,8 @@ def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0,
         acceptance = sum(b.acceptance for b in full) / len(full)
         mean_k = sum(b.mean_k for b in full) / len(full)
         rows.append({"delay_ms": delay, "naive_tok_s": round(naive, 2), "full_tok_s": round(full_tok_s, 2),
-                     "full_per_stream": round(full_tok_s / len(prompts), 2), "full_vs_naive": round(full_tok_s / naive, 3),
+                     "full_per_stream": round(full_tok_s / len(prompts), 2),
+                     "full_vs_naive": round(full_tok_s / naive, 3),
                      "acceptance": round(acceptance, 3), "mean_k": round(mean_k, 2)})
         hooks.row(rows[-1])
         ratios[f"{delay:g}ms full vs naive"] = round(full_tok_s / naive, 3)

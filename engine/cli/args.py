@@ -79,8 +79,9 @@ def chain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
     parser.add_argument("--stages", type=count, help="with --model: number of stages")
     parser.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
-                        "model (shard folder or model source with the target's tokenizer), hybrid:MODEL, or remote:HOST:PORT "
-                        "(a draft server, `fleet worker --role draft`, drafting ahead on another computer)")
+                        "model (shard folder or model source with the target's tokenizer), hybrid:MODEL, or "
+                        "remote:HOST:PORT (a draft server, `fleet worker --role draft`, drafting ahead on another "
+                        "computer)")
     parser.add_argument("--isolate-streams", action="store_true",
                         help="compile each stage once per stream instead of sharing one compiled model")
     parser.add_argument("--k", type=draft_tokens, default=4, help="draft tokens per round, or 'auto' (default 4)")
@@ -146,8 +147,8 @@ def launch_of(args: argparse.Namespace, *, in_process: bool) -> Launch:
         deployment = Deployment.load(record)
     workers = "processes" if args.local_workers else ("none" if in_process or args.shards else None)
     return Launch(shards=args.shards, remote=[a.strip() for a in (args.remote or "").split(",") if a.strip()],
-                  deployment=deployment, record=record, workers=workers, precision=args.precision, isolate=args.isolate_streams,
-                  delay_ms=args.delay_ms or 0.0, connect_timeout_s=args.connect_timeout)
+                  deployment=deployment, record=record, workers=workers, precision=args.precision,
+                  isolate=args.isolate_streams, delay_ms=args.delay_ms or 0.0, connect_timeout_s=args.connect_timeout)
 
 
 class Bar:

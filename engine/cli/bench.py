@@ -107,19 +107,23 @@ def add_commands(sub) -> None:
     bench.add_argument("--runs", type=count, help="interleaved repetitions (each benchmark has a default)")
     bench.add_argument("--weights", default="int4", choices=WEIGHT_FORMATS)
     bench.add_argument("--device", default="CPU")
-    bench.add_argument("--stages", type=count, help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, batch: 1 and 2, others: 2)")
+    bench.add_argument("--stages", type=count,
+                       help="number of pipeline stages (ksweep: 3, microbatch: 2 and 3, batch: 1 and 2, others: 2)")
     bench.add_argument("--draft", help="the draft model (default qwen2.5-coder-0.5b)")
     bench.add_argument("--draft-kind", default="model", choices=["model", "lookup", "hybrid"],
                        help="ksweep, wan, progression: what drafts")
     bench.add_argument("--spec-k", type=count, default=3, help="spec: the fixed K to compare with auto")
     bench.add_argument("--delay-ms", type=duration, default=0.0, help="pipeline, progression: one-way delay per hop")
-    bench.add_argument("--delays", type=delays, help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
+    bench.add_argument("--delays", type=delays,
+                       help="ksweep, microbatch, wan: the hop delays to sweep (ms, comma-separated)")
     bench.add_argument("--cpus", help="pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)")
-    bench.add_argument("--users", type=counts, help="serve, sim: the concurrent users of each wave (default 1,2,4,8; sim's draft: "
+    bench.add_argument("--users", type=counts,
+                       help="serve, sim: the concurrent users of each wave (default 1,2,4,8; sim's draft: "
                        "1,2,4; sim's layout: its offices with any of them, default all); "
                        "batch: the stream counts (same default); soak: the users (default 8)")
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
-                       "sim: links,office,big,slow,draft,ranks,layout (default all); quality: kl,humaneval (default kl)")
+                       "sim: links,office,big,slow,draft,ranks,layout (default all); "
+                       "quality: kl,humaneval (default kl)")
     bench.add_argument("--memory", type=count, default=1000,
                        help="sim: each PC's memory cap in MB in the part with a model too big for one (default 1000)")
     bench.add_argument("--cases", type=count, help="fuzz: generated cases per target (default 10000); quality: "
@@ -128,7 +132,8 @@ def add_commands(sub) -> None:
     bench.add_argument("--kill-every", type=duration, default=300.0,
                        help="soak: seconds between kills of the worker (default 300)")
     bench.add_argument("--formats", help="quality: the weight formats to compare, comma-separated "
-                       "(default int4,gguf,int8 for a GGUF source, int4,int8 otherwise; int4/head-int4: with an INT4 head)")
+                       "(default int4,gguf,int8 for a GGUF source, int4,int8 otherwise; "
+                       "int4/head-int4: with an INT4 head)")
     bench.add_argument("--head", choices=HEAD_FORMATS, default="int8",
                        help="parity: int4 adds a row whose LM head is INT4 (fleet export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")

@@ -526,7 +526,8 @@ def add_commands(sub) -> None:
     profile.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents")
     profile.add_argument("--device", help="this machine's devices to profile, comma-separated (default: settings)")
     profile.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
-    profile.add_argument("--context", type=count, default=PLAN_CONTEXT, help="context length the KV cache is planned for")
+    profile.add_argument("--context", type=count, default=PLAN_CONTEXT,
+                         help="context length the KV cache is planned for")
     profile.add_argument("--streams", type=count, default=1, help="concurrent streams the KV cache is planned for")
     profile.add_argument("--seconds", type=duration, default=3.0, help="with --nodes all: how long to listen")
     profile.add_argument("--out", help="where to write the profile (default: the data folder)")

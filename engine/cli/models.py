@@ -17,13 +17,15 @@ from engine.session import export
 def cmd_models(args) -> int:
     if args.models_cmd == "pull":
         bar = Bar()
-        path = catalog.pull(args.name, progress=lambda stage, done, total: bar.show(stage, done / total if total else 1.0))
+        path = catalog.pull(args.name,
+                            progress=lambda stage, done, total: bar.show(stage, done / total if total else 1.0))
         print(path)
         return 0
     rows = catalog.list_models()
     print(f"{'name':<22}{'arch':<8}{'size':>10}  {'cached':<7}description")
     for r in rows:
-        print(f"{r.name:<22}{r.architecture:<8}{r.size / 2**20:>8.0f}MB  {'yes' if r.cached else 'no':<7}{r.description}")
+        print(f"{r.name:<22}{r.architecture:<8}{r.size / 2**20:>8.0f}MB  "
+              f"{'yes' if r.cached else 'no':<7}{r.description}")
     return 0
 
 
@@ -49,7 +51,8 @@ def cmd_export(args) -> int:
             print(f"  {other.name}, --weights {other.weights}: {describe(other, args.model)}")
     print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:
-        print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}{s.seconds:>9.1f}  {s.folder}")
+        print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}"
+              f"{s.seconds:>9.1f}  {s.folder}")
     for s in result.stages:
         carried = load_manifest(s.folder).export.get("gguf_weights")
         if carried:

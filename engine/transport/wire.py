@@ -129,7 +129,8 @@ def unpack_forward(frame: Frame) -> tuple[np.ndarray, list[PartHeader], np.ndarr
         raise ProtocolError(f"PACKED carries {len(frame.tensors)} tensors, expected 4")
     x, table, positions, stage_ms = frame.tensors
     if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != 5 or not 1 <= table.shape[0] <= MAX_PARTS:
-        raise ProtocolError(f"PACKED parts table of shape {table.shape} {table.dtype}: expected [1..{MAX_PARTS}, 5] int64")
+        raise ProtocolError(f"PACKED parts table of shape {table.shape} {table.dtype}: "
+                            f"expected [1..{MAX_PARTS}, 5] int64")
     stream, seq, start, q, flags = table.T
     if (stream.min() < 0 or stream.max() > 0xFFFFFFFF or seq.min() < 0 or seq.max() > 0xFFFFFFFF
             or start.min() < 0 or q.min() < 1 or np.any(flags & ~_ALL_FLAGS) or flags.min() < 0):
@@ -168,7 +169,8 @@ def unpack_tokens(frame: Frame, header: int, max_tokens: int) -> tuple[list[int]
         raise ProtocolError(f"{frame.type.name} carries {len(frame.tensors)} tensors, expected 2")
     head, tokens = frame.tensors
     if head.dtype != np.int64 or head.shape != (header,) or head.min() < 0:
-        raise ProtocolError(f"{frame.type.name} header of shape {head.shape} {head.dtype}: expected [{header}] int64 >= 0")
+        raise ProtocolError(f"{frame.type.name} header of shape {head.shape} {head.dtype}: "
+                            f"expected [{header}] int64 >= 0")
     if tokens.dtype != np.int64 or tokens.ndim != 1 or tokens.shape[0] > max_tokens:
         raise ProtocolError(f"{frame.type.name} tokens of shape {tokens.shape} {tokens.dtype}: "
                             f"expected at most {max_tokens} int64")

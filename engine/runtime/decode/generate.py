@@ -1,9 +1,9 @@
 """The generation loop: prefill, then decode through a stage chain (greedy, or sampled by a request's
 ``SamplingParams``), optionally speculative.
 
-The loop needs a ``Chain`` (``engine.runtime.interfaces``): ``reset``, ``submit``/``collect`` (a forward in two halves, so several
-streams can be in flight) returning an ``Output`` (top-1 tokens), and ``keep`` for the trim rewind;
-the in-process chain and the distributed pipeline both have them.
+The loop needs a ``Chain`` (``engine.runtime.interfaces``): ``reset``, ``submit``/``collect`` (a
+forward in two halves, so several streams can be in flight) returning an ``Output`` (top-1 tokens),
+and ``keep`` for the trim rewind; the in-process chain and the distributed pipeline both have them.
 
 Speculative rounds feed the pending token plus K drafted ones and verify all K+1 positions in one
 traversal; the accepted prefix plus the target's own next token are emitted (sampled: drafts are

@@ -4,6 +4,11 @@ This is what ``fleet generate --local-workers`` (and the app's default) runs: th
 sockets and handshake as a multi-machine fleet, all on this computer.  Each worker's log goes to
 a file; a worker that fails to start is reported with the end of its log.  The workers exit with
 their parent: each watches its stdin, which only the parent holds open.
+
+``hosting="threads"`` serves the same workers from threads of this process instead: the same
+sockets, handshake and frames, without a process start and an OpenVINO start per worker (the
+test suite's fast tier runs its relay tests so; a worker's death is a process's, so those
+tests keep to processes).
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from pathlib import Path
 from engine.config import paths
 from engine.errors import FleetError
 from engine.launch import await_ready, end_processes, start_fleet
-from engine.runtime.stages.turns import machine_turns_file
+from engine.runtime.stages.turns import compute_turns, machine_turns_file
+
+HOSTINGS = ("processes", "threads")
 
 
 def free_port() -> int:
@@ -28,18 +35,26 @@ class LocalFleet:
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
                  deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True,
-                 isolate: bool = False, cpu_sets: list[str | None] | None = None, take_turns: bool = True):
+                 isolate: bool = False, cpu_sets: list[str | None] | None = None, take_turns: bool = True,
+                 hosting: str = "processes"):
         """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
         route tells them.  ``isolate``: one compiled model per stream; ``cpu_sets``: a CPU list per
         worker to pin it to (``engine.runtime.relay.affinity``).  ``take_turns``: unless the workers are
         pinned, they compute one at a time (``engine.runtime.stages.turns``); the coordinator joins them
-        through ``turns``."""
+        through ``turns``.  ``hosting``: "processes" or "threads" (the module's docstring)."""
+        if hosting not in HOSTINGS:
+            raise FleetError(f"unknown hosting {hosting!r}; choose one of {', '.join(HOSTINGS)}")
+        if hosting == "threads" and any(cpu_sets or []):
+            raise FleetError("workers hosted in threads cannot be pinned to CPUs of their own")
         self.shard_dirs = [Path(d) for d in shard_dirs]
         self.devices = devices or ["CPU"] * len(self.shard_dirs)
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in self.shard_dirs]
         self.log_dir = log_dir or paths().data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
+        self.hosting = hosting
+        self.procs: list[subprocess.Popen] = []  # hosting "processes"
+        self.workers: list = []  # hosting "threads": engine.runtime.relay.worker.Worker
+        self._log_files: list = []  # their logs, open
         self.logs: list[Path] = []
         self.key_file = key_file
         self.link_workers = link_workers
@@ -68,15 +83,50 @@ class LocalFleet:
             cmd += ["--compute-turns", str(self.turns)]
         return cmd
 
-    def start_worker(self, i: int) -> subprocess.Popen:
+    def start_worker(self, i: int) -> subprocess.Popen | None:
+        """Starts worker ``i`` (again, if it ran before); its process, or None when hosted in a thread."""
         log = self.log_dir / f"worker-{self.addresses[i].replace(':', '-')}.log"
+        if i < len(self.logs):
+            self.logs[i] = log
+        else:
+            self.logs.append(log)
+        if self.hosting == "threads":
+            self._start_thread(i, log)
+            return None
         proc = start_fleet(self.arguments(i), log)
         if i < len(self.procs):
-            self.procs[i], self.logs[i] = proc, log
+            self.procs[i] = proc
         else:
             self.procs.append(proc)
-            self.logs.append(log)
         return proc
+
+    def _start_thread(self, i: int, log: Path) -> None:
+        from engine.fleetkey import TLS, load_key, tls_file
+        from engine.runtime.relay.worker import Worker
+
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "a", buffering=1)
+
+        def write(message: str) -> None:
+            if not out.closed:
+                out.write(message + "\n")
+
+        nxt = self.addresses[i + 1] if self.link_workers and i + 1 < len(self.shard_dirs) else None
+        try:
+            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, key=load_key(self.key_file),
+                            device=self.devices[i], mode=self.mode, precision=self.precision, delay_ms=self.delay_ms,
+                            deadline_s=self.deadline_s, tls=TLS(tls_file(self.key_file)) if self.tls else None,
+                            log=write, isolate=self.isolate, turns=compute_turns(self.turns))
+        except Exception as exc:
+            out.close()
+            self.close()
+            raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from exc
+        worker.start()
+        if i < len(self.workers):
+            self.workers[i], self._log_files[i] = worker, out
+        else:
+            self.workers.append(worker)
+            self._log_files.append(out)
 
     def start(self, timeout_s: float = 120.0) -> "LocalFleet":
         for i in range(len(self.shard_dirs)):
@@ -86,7 +136,10 @@ class LocalFleet:
         return self
 
     def wait_ready(self, i: int, timeout_s: float = 120.0) -> None:
-        """Blocks until worker ``i`` printed its ready line; raises with its log if it died instead."""
+        """Blocks until worker ``i`` printed its ready line; raises with its log if it died instead.
+        A worker hosted in a thread is ready once started."""
+        if self.hosting == "threads":
+            return
         try:
             await_ready(self.procs[i], self.logs[i], timeout_s)
         except FleetError as exc:
@@ -96,6 +149,10 @@ class LocalFleet:
     def close(self) -> None:
         end_processes(self.procs)
         self.procs = []
+        for worker, out in zip(self.workers, self._log_files):
+            worker.stop()
+            out.close()
+        self.workers, self._log_files = [], []
 
     def __enter__(self) -> "LocalFleet":
         return self.start()

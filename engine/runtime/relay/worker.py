@@ -89,8 +89,8 @@ class Worker(Listening):
         self.deadline_s = deadline_s
         self.max_frame = max_frame
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.identity = {"role": "stage", "fingerprint": m.fingerprint, "stage": m.stage_index, "first_layer": m.layers[0],
-                         "mode": mode, "delay_ms": delay_ms}
+        self.identity = {"role": "stage", "fingerprint": m.fingerprint, "stage": m.stage_index,
+                         "first_layer": m.layers[0], "mode": mode, "delay_ms": delay_ms}
         self.max_length = m.spec.max_position
         self.hidden = m.spec.hidden_size
 
@@ -343,7 +343,8 @@ class Worker(Listening):
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
         if self.runner.last:
             for h, logits in zip(heads, outs):
-                self._reply(link, result_frame(logits[None], Frame(Msg.RESULT, h.stream, h.seq, flags=h.flags), timings))
+                self._reply(link, result_frame(logits[None], Frame(Msg.RESULT, h.stream, h.seq, flags=h.flags),
+                                               timings))
             return
         frame = wire.pack_forward(np.concatenate(outs), heads, pos, timings)
         if not self._send_down(frame, keys=[(h.stream, h.seq) for h in heads]):

@@ -15,7 +15,8 @@ def top_candidates(rows: np.ndarray, n: int = CANDIDATES) -> tuple[np.ndarray, n
     part = np.argpartition(rows, -n, axis=-1)[:, -n:]
     values = np.take_along_axis(rows, part, axis=-1)
     order = np.argsort(-values, axis=-1, kind="stable")
-    return np.take_along_axis(part, order, -1).astype(np.int64), np.take_along_axis(values, order, -1).astype(np.float32)
+    return (np.take_along_axis(part, order, -1).astype(np.int64),
+            np.take_along_axis(values, order, -1).astype(np.float32))
 
 
 @dataclasses.dataclass

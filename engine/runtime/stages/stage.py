@@ -61,10 +61,11 @@ def family(device: str) -> str:
 def shard_defaults(device: str, manifest: Manifest | None) -> dict:
     """What a CPU compile of this shard sets by default.  The f32 hint's int8 path quantizes the
     activations in groups of DYNAMIC_QUANTIZATION_GROUP_SIZE columns (32 unless set).  Where every
-    matrix is INT4 in groups of 128, activation groups of 128 line up with the weight groups.  Measured here (OpenVINO 2026.4.1, one process,
-    interleaved): Qwen2.5-Coder-1.5B decode 29.7 -> 39.5 tok/s, first token 157 -> 115 ms; where the
-    groups do not line up (SmolLM2's 576 columns take groups of 64; a GGUF's groups of 32) it is slower
-    (SmolLM2 170 -> 164 tok/s, Qwen from its GGUF blocks 21.0 -> 18.6)."""
+    matrix is INT4 in groups of 128, activation groups of 128 line up with the weight groups.  Measured
+    here (OpenVINO 2026.4.1, one process, interleaved): Qwen2.5-Coder-1.5B decode 29.7 -> 39.5 tok/s,
+    first token 157 -> 115 ms; where the groups do not line up (SmolLM2's 576 columns take groups of 64;
+    a GGUF's groups of 32) it is slower (SmolLM2 170 -> 164 tok/s, Qwen from its GGUF blocks
+    21.0 -> 18.6)."""
     if manifest is None or family(device) != "CPU" or manifest.weights.split("-")[0] != "int4":
         return {}
     spec = manifest.spec
