@@ -26,17 +26,64 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # The fixture that brings a cost, and the kind (marker) of that cost.
 KINDS = {
     "root": "netns", "office": "netns", "namespaces": "netns",
-    "agents": "processes", "two_agents": "processes", "fleet": "processes", "fleet_home": "processes",
-    "processes": "processes",
-    "real_smollm2": "real_model", "smol_exports": "real_model", "smollm2": "real_model",
-    "smollm2_two_stages": "real_model", "gemma_exports": "real_model", "transformers_gemma": "real_model",
+    "two_agents": "processes", "fleet": "processes", "fleet_home": "processes",
+    "smol_exports": "real_model", "smollm2": "real_model", "smollm2_two_stages": "real_model",
+    "gemma_exports": "real_model", "transformers_gemma": "real_model",
     "package_index": "network",
     "bundle": "bundle",
 }
-# Tests whose cost is not a fixture's: (file::test name prefix, kind).
-TESTS: dict[str, str] = {}
-# Tests of a slow kind kept in the fast tier (file::name prefix).
-FAST: tuple[str, ...] = ()
+# Tests whose cost is not a fixture's, by "file::name" prefix: the fleets they start themselves, the
+# benchmarks they run, and "heavy" work of their own (over about 15 s here, tests/DURATIONS.md).
+TESTS = {
+    "test_cli_failover.py::": "processes",
+    "test_demo_fleet.py::test_agents_on_one_machine": "processes",
+    "test_demo_fleet.py::test_demo_fleet_profiles": "processes",
+    "test_demo_fleet.py::test_fleet_up_demo": "processes",
+    "test_gui_demo.py::": "processes",
+    "test_gui_failover.py::": "processes",
+    "test_fleet_ops.py::test_a_worker_laptop": "processes",
+    "test_fleet_ops.py::test_agents_are_discovered": "processes",
+    "test_fleet_ops.py::test_fleet_nodes_lists": "processes",
+    "test_tensor_parallel.py::test_ranks_deploy_through_an_agent": "processes",
+    "test_tensor_parallel.py::test_a_ranks_pc_killed": "processes",
+    "test_discovery.py::test_a_record_moves_a_known_node": "processes",
+    "test_discovery.py::test_nodes_all_leaves_out": "processes",
+    "test_weights_fingerprint.py::test_weights_retrained_in_place": "processes",
+    "test_sim.py::test_leftovers_of_a_dead_office": "netns",
+    "test_sim.py::test_fleet_sim_brings_up": "netns",
+    "test_sim.py::test_a_worker_started_by_a_pinned_process": "netns",
+    "test_sim.py::test_a_pcs_cpu_quota": "netns",
+    "test_node_limits.py::test_a_node_in_a_real_300_mb_cgroup": "netns",
+    "test_soak.py::": "soak",
+    "test_serve.py::test_parity_bench": "bench",
+    "test_gguf_weights.py::test_the_quality_bench": "bench",
+    "test_serve_lm_eval.py::": "bench",
+    "test_gui_hostile_replies.py::test_links_in_a_reply": "heavy",
+    "test_gui_hostile_replies.py::test_a_hostile_reply_renders_as_text_and_links_only[long line]": "heavy",
+    "test_gui_layout.py::test_views_fit_900x600_with_a_larger_font": "heavy",
+    "test_gui_layout.py::test_a_window_larger_than_the_screen": "heavy",
+    "test_sampling.py::test_speculation_under_sampling_keeps": "heavy",
+    "test_calibrated.py::test_calibrated_int4_exports": "heavy",
+    "test_calibrated.py::test_auto_weights_are_gptq": "heavy",
+    "test_export_tiny.py::test_int4_head_for_draft_models": "heavy",
+    "test_export_tiny.py::test_compressed_exports_of_a_tiny_model_run": "heavy",
+    "test_export_tiny.py::test_a_layer_compresses_to_the_same_int4_constants": "heavy",
+    "test_fuzz.py::test_frames": "heavy",
+    "test_fuzz.py::test_a_slow_handshake_flood": "heavy",
+    "test_sampling.py::test_a_broken_residual_step": "heavy",
+    "test_mcp.py::test_a_hanging_call_and_a_crash": "heavy",
+    "test_mcp.py::test_a_server_that_never_answers": "heavy",
+    "test_paged.py::test_the_batch_benchmark": "bench",
+    "test_quality_tasks.py::test_the_quality_bench": "bench",
+    "test_speculative.py::test_spec_bench": "bench",
+}
+# Tests of a slow kind kept in the fast tier ("file::name" prefix): the real default model end to
+# end through the app on a local fleet, and the soak's short form.
+FAST = (
+    "test_gui_chat.py::test_the_default_model_answers_on_a_local_fleet",
+    "test_soak.py::test_users_keep_chatting_while_the_worker_is_killed[short]",
+)
+MARKED = {"real_model"}  # kinds a test module may also mark itself with (pytestmark)
 
 
 def _named(item, prefixes) -> bool:
@@ -48,6 +95,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         kinds = {KINDS[f] for f in item.fixturenames if f in KINDS}
         kinds |= {kind for prefix, kind in TESTS.items() if _named(item, [prefix])}
+        kinds |= {mark.name for mark in item.iter_markers() if mark.name in MARKED}
         if getattr(item, "callspec", None) and item.callspec.params.get("hosting") == "processes":
             kinds.add("processes")
         for kind in sorted(kinds):

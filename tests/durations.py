@@ -31,8 +31,8 @@ def read(junit: Path) -> list[tuple[str, str, float, str]]:
 
 def slow_tests() -> set[str]:
     """The ids (file::name) the slow tier collects."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow", "-p", "no:cacheprovider",
-                          "tests"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "slow",
+                          "-p", "no:cacheprovider", "tests"], cwd=ROOT, capture_output=True, text=True)
     return {line.split("/", 1)[-1] for line in out.stdout.splitlines() if "::" in line}
 
 

@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,24 @@ with turns:
     print("held", flush=True)
     sys.stdin.read()  # until the test closes our stdin
 """
+
+
+def waits_for_turn(path: Path, timeout_s: float = 60.0) -> bool:
+    """Whether a process (or a thread, through a descriptor of its own) comes to wait for the
+    compute turn of ``path``: a blocked ``flock`` on the file in /proc/locks (Linux).  The time is
+    a guard against a hang, not a measure."""
+    import pytest
+
+    if not Path("/proc/locks").exists():
+        pytest.skip("reads the kernel's table of file locks (/proc/locks: Linux only)")
+    info = path.stat()
+    inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any("->" in line and inode in line.split() for line in Path("/proc/locks").read_text().splitlines()):
+            return True
+        time.sleep(0.02)
+    return False
 
 
 @contextlib.contextmanager

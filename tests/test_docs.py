@@ -48,7 +48,8 @@ def test_the_readme_is_short_and_its_links_resolve():
     assert len(text.splitlines()) <= 200
     assert text.splitlines()[3:5] == ["make run    # set up .venv, fetch + export the default model (SmolLM2-135M), "
                                       "open the app chatting through a 2-stage local fleet",
-                                      "make test   # same set-up, then the test suite"]
+                                      "make test   # same set-up, then the test suite's fast tier (about 15 minutes; "
+                                      "`make test-all`: both tiers)"]
     for link in re.findall(r"\]\(([^)#]+)", text):
         assert (ROOT / link).exists(), link
 

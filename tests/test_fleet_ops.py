@@ -16,7 +16,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fleet_support import agent_process, deployed_equals_in_process, fleet_up, greedy, greedy_in_process, turn_held
+from fleet_support import (agent_process, deployed_equals_in_process, fleet_up, greedy, greedy_in_process, turn_held,
+                           waits_for_turn)
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
@@ -306,7 +307,8 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
         done = threading.Event()
         with turn_held(turns_file) as holder:
             threading.Thread(target=lambda: (greedy(chain, 2), done.set()), daemon=True).start()
-            assert not done.wait(1.0), f"a forward finished while {turns_file} was held elsewhere"
+            assert waits_for_turn(turns_file), f"no stage came to wait for {turns_file}"
+            assert not done.is_set(), f"a forward finished while {turns_file} was held elsewhere"
             holder.stdin.close()
             assert done.wait(30), "the forward did not finish once the turn was let go"
 

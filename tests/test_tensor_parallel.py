@@ -32,10 +32,9 @@ EXACT = compile_config("exact")
 
 
 @pytest.fixture(scope="module")
-def tp_exports(tiny_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
-    return {arch: export_model(str(tiny_models[arch]), weights="f32", ranks=2, out=root / arch)
-            for arch in ("llama", "qwen2", "gemma3")}
+def tp_exports(tiny_exports):
+    """Each tiny model as two tensor-parallel ranks (f32)."""
+    return {arch: tiny_exports[arch, "ranks"] for arch in ("llama", "qwen2", "gemma3")}
 
 
 def _listening_rank(fingerprint: str, rank: int = 1, ranks: int = 2) -> tuple[Mesh, str]:

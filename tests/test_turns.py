@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from fleet_support import turn_held
+from fleet_support import turn_held, waits_for_turn
 
 from engine.bench.microbatch import schedule_bound
 from engine.runtime.stages.turns import NO_TURNS, ComputeTurns, turns_identity
@@ -30,7 +30,8 @@ def test_a_turn_held_by_another_process_blocks_until_released(tmp_path):
     path = tmp_path / "compute.turns"
     with turn_held(path) as holder:
         got = _acquired_in_background(ComputeTurns(path))
-        assert not got.wait(0.5), "took the turn while another process held it"
+        assert waits_for_turn(path), "never came to wait for the turn"
+        assert not got.is_set(), "took the turn while another process held it"
         holder.stdin.close()
         assert got.wait(10), "the turn was not handed over"
 
@@ -39,7 +40,7 @@ def test_a_process_that_dies_holding_the_turn_frees_it(tmp_path):
     path = tmp_path / "compute.turns"
     with turn_held(path) as holder:
         got = _acquired_in_background(ComputeTurns(path))
-        assert not got.wait(0.3)
+        assert waits_for_turn(path) and not got.is_set()
         holder.kill()
         holder.wait()
         assert got.wait(10)
@@ -49,7 +50,11 @@ def test_threads_of_one_process_take_turns_too(tmp_path):
     turns = ComputeTurns(tmp_path / "compute.turns")
     with turns:
         got = _acquired_in_background(turns)
-        assert not got.wait(0.3), "a second thread took the turn (flock alone does not exclude threads)"
+        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
+        while not turns.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert turns.waiting == 1, "the second thread never came to wait"
+        assert not got.is_set(), "a second thread took the turn (flock alone does not exclude threads)"
     assert got.wait(10)
 
 

@@ -1,5 +1,6 @@
 """The tiny random-weight Llama, Qwen2 and Gemma 3 checkpoints (with a real byte-level BPE tokenizer)
-the suite runs on, and their f32 exports as 1, 2 and 3 stages, kept between runs.
+the suite runs on, and their f32 exports as 1, 2 and 3 stages and as two tensor-parallel ranks,
+kept between runs.
 
 A set is built once and kept in the user's cache under a key: a hash of this file, of the source
 of every engine module the exporter imports, and of the versions of the packages that build and
@@ -21,7 +22,8 @@ from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
-SPLITS = {"1": {"stages": 1}, "2": {"stages": 2}, "3": {"split": [1, 3]}}  # 3: uneven, 1/2/1 layers
+# 3: uneven, 1/2/1 layers; ranks: two tensor-parallel ranks of the whole model
+SPLITS = {"1": {"stages": 1}, "2": {"stages": 2}, "3": {"split": [1, 3]}, "ranks": {"ranks": 2}}
 PACKAGES = ("torch", "transformers", "tokenizers", "openvino", "openvino-tokenizers", "numpy")
 KEPT = 3  # sets kept in the cache (other checkouts may need older ones)
 
@@ -150,7 +152,7 @@ def _prune(root: Path, keep: Path) -> None:
 
 
 def tiny_set(root: Path | None = None):
-    """(models, exports): {arch: checkpoint folder} and {(arch, "1"|"2"|"3"): ExportResult}, from
+    """(models, exports): {arch: checkpoint folder} and {(arch, "1"|"2"|"3"|"ranks"): ExportResult}, from
     the cache, made first if it has no intact set for today's code."""
     from engine.export.exporter import export_model
 

@@ -92,6 +92,11 @@ class FifoLock:
         with self._guard:
             self._hand_over()
 
+    @property
+    def waiting(self) -> int:
+        """How many threads wait for the lock."""
+        return len(self._waiters)
+
     def _hand_over(self) -> None:
         if self._waiters:
             self._waiters.popleft().release()  # the lock stays held: the first waiter owns it now
@@ -122,6 +127,12 @@ class ComputeTurns:
             self._file.release()
         finally:
             self._thread.release()
+
+    @property
+    def waiting(self) -> int:
+        """How many threads of this process wait for the turn (a process's own threads queue here
+        before the file lock)."""
+        return self._thread.waiting
 
     @functools.cached_property
     def identity(self) -> str:
