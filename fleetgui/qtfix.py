@@ -59,21 +59,22 @@ def install() -> bool:
     return True
 
 
+def collect_due() -> None:
+    """One step of what the collector would do by itself with ``gc`` enabled: the oldest generation
+    whose count is past its threshold (nothing when none is)."""
+    counts, thresholds = gc.get_count(), gc.get_threshold()
+    for generation in (2, 1, 0):
+        if counts[generation] > thresholds[generation]:
+            gc.collect(generation)
+            return
+
+
 def collect_on_gui_thread(app, interval_ms: int = 250):
     """Garbage collection from the GUI thread only (see the module's docstring); returns the timer."""
     from PySide6.QtCore import QTimer
 
     gc.disable()
-    thresholds = gc.get_threshold()
-
-    def collect():
-        counts = gc.get_count()
-        for generation in (2, 1, 0):
-            if counts[generation] > thresholds[generation]:
-                gc.collect(generation)
-                return
-
     timer = QTimer(app)
-    timer.timeout.connect(collect)
+    timer.timeout.connect(collect_due)
     timer.start(interval_ms)
     return timer

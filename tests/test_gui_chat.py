@@ -230,7 +230,7 @@ def test_new_chats_sample_with_defaults_that_stop_loops(qtbot, gui_home, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def smollm2_two_stages():
+def smollm2_two_stages(smollm2_gguf):
     from engine.export.exporter import export_model
 
     # module scope: made before a test's own home is set, so it lands in (and reuses) the user's cache

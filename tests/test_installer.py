@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+from build_cache import cached, digest
 from fleet_support import deployed_equals_in_process
 
 from engine.fleet.control import AgentError, ControlClient
@@ -22,14 +25,22 @@ from engine.fleetkey import create_key, load_key
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("pyinstaller")
+def _build_bundle(folder: Path) -> None:
     build = subprocess.run([sys.executable, "-m", "PyInstaller", "--noconfirm", "--log-level", "WARN",
-                            "--distpath", str(work / "dist"), "--workpath", str(work / "build"),
-                            str(ROOT / "installer" / "fleetshard.spec")], capture_output=True, text=True, cwd=work)
+                            "--distpath", str(folder / "dist"), "--workpath", str(folder / "build"),
+                            str(ROOT / "installer" / "fleetshard.spec")], capture_output=True, text=True, cwd=folder)
     assert build.returncode == 0, build.stderr[-3000:]
-    folder = work / "dist" / "fleetshard"
+    shutil.rmtree(folder / "build")
+
+
+@pytest.fixture(scope="module")
+def bundle() -> Path:
+    """The worker bundle, built by PyInstaller once for the checkout's code and the installed
+    packages (kept between runs, tests/build_cache.py)."""
+    sources = [p for top in ("engine", "fleetgui", "resources", "installer") for p in (ROOT / top).rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts]
+    installed = sorted(d.metadata["Name"] for d in metadata.distributions())
+    folder = cached("bundle", digest(sources, installed), _build_bundle) / "dist" / "fleetshard"
     assert not any((folder / "_internal").glob("torch*")), "the worker bundle carries torch"
     return folder
 

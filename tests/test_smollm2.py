@@ -142,4 +142,8 @@ def test_fleet_up_then_generate_on_the_deployment(tmp_path):
     default = export_model(MODEL, stages=2, weights="auto")  # what `fleet up` deployed: a GGUF's own weights
     assert load_manifest(default.folders[0]).weights == "gguf"
     _, want = _generate(default.folders, QUESTION, 24, ignore_eos=False)
-    assert got["text"] == want and "Paris" in want
+    assert got["text"] == want
+    # the answer's sense, at exact settings: at the fast ones a CPU with int8 dot products quantizes
+    # the activations to 8 bits, which turns this 135M model's answer to nonsense
+    _, exact = _generate(default.folders, QUESTION, 24, ignore_eos=False, config=EXACT)
+    assert "Paris" in exact, exact

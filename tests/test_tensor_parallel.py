@@ -111,9 +111,12 @@ def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
             assert np.array_equal(got0.argmax(-1), expected.argmax(-1))
             if mesh0.needs == Flag.CANDIDATES:
                 ids0, logits0 = top_candidates(got0[0])
-                ids_whole, logits_whole = top_candidates(expected[0])
-                assert np.array_equal(ids0, ids_whole)
+                _, logits_whole = top_candidates(expected[0])
                 np.testing.assert_allclose(logits0, logits_whole, atol=2e-4, rtol=1e-4)
+                # the whole model's candidates in its order, but for logits tied within the sums' rounding
+                # (the ranks add their shares in another order: two such neighbours may swap)
+                np.testing.assert_allclose(np.take_along_axis(expected[0], ids0, -1), logits_whole, atol=2e-4,
+                                           rtol=1e-4)
             tokens.append(int(expected[0, -1].argmax()))
         assert mesh0.exchanges == mesh1.exchanges > 0
     finally:

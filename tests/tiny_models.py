@@ -2,30 +2,22 @@
 the suite runs on, and their f32 exports as 1, 2 and 3 stages and as two tensor-parallel ranks,
 kept between runs.
 
-A set is built once and kept in the user's cache under a key: a hash of this file, of the source
-of every engine module the exporter imports, and of the versions of the packages that build and
-export it.  A set whose files changed since it was made (a test that wrote into one) is made
-again, and so is one a run left half-built.
+A set is built once and kept in the user's cache (tests/build_cache.py) under a key: a hash of
+this file, of the source of every engine module the exporter imports, and of the versions of the
+packages that build and export it.
 """
 
 from __future__ import annotations
 
 import ast
-import hashlib
-import json
-import shutil
-from importlib import metadata
 from pathlib import Path
 
-import platformdirs
-from filelock import FileLock
+from build_cache import ROOT, cached, digest
 
-ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 # 3: uneven, 1/2/1 layers; ranks: two tensor-parallel ranks of the whole model
 SPLITS = {"1": {"stages": 1}, "2": {"stages": 2}, "3": {"split": [1, 3]}, "ranks": {"ranks": 2}}
 PACKAGES = ("torch", "transformers", "tokenizers", "openvino", "openvino-tokenizers", "numpy")
-KEPT = 3  # sets kept in the cache (other checkouts may need older ones)
 
 TINY_LAYERS = 4
 CHAT_TEMPLATE = (
@@ -112,43 +104,13 @@ def engine_closure(start: str) -> dict[str, Path]:
     return found
 
 
-def cache_key() -> str:
-    digest = hashlib.sha256(Path(__file__).read_bytes())
-    for name, path in sorted(engine_closure("engine.export.exporter").items()):
-        digest.update(name.encode() + b"\0" + path.read_bytes())
-    for package in PACKAGES:
-        try:
-            digest.update(f"{package}=={metadata.version(package)}".encode())
-        except metadata.PackageNotFoundError:
-            digest.update(f"{package} missing".encode())
-    return digest.hexdigest()[:16]
-
-
-def _stats(folder: Path) -> dict[str, list[int]]:
-    return {p.relative_to(folder).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns]
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "complete.json"}
-
-
-def _intact(folder: Path) -> bool:
-    record = folder / "complete.json"
-    return record.exists() and json.loads(record.read_text()) == _stats(folder)
-
-
 def _build(folder: Path) -> None:
     from engine.export.exporter import export_model
 
-    shutil.rmtree(folder, ignore_errors=True)
     for arch in ARCHITECTURES:
         model = build_tiny(arch, folder / "models" / arch)
         for label, split in SPLITS.items():
             export_model(str(model), weights="f32", out=folder / "exports" / f"{arch}-{label}", **split)
-    (folder / "complete.json").write_text(json.dumps(_stats(folder)))
-
-
-def _prune(root: Path, keep: Path) -> None:
-    others = sorted((p for p in root.iterdir() if p.is_dir() and p != keep), key=lambda p: p.stat().st_mtime)
-    for old in others[:max(0, len(others) - (KEPT - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def tiny_set(root: Path | None = None):
@@ -156,14 +118,8 @@ def tiny_set(root: Path | None = None):
     the cache, made first if it has no intact set for today's code."""
     from engine.export.exporter import export_model
 
-    root = root or platformdirs.user_cache_path("fleetshard") / "test-models"
-    root.mkdir(parents=True, exist_ok=True)
-    folder = root / cache_key()
-    with FileLock(str(root / "lock")):  # two runs at once: one builds, the other waits and reuses
-        if not _intact(folder):
-            _build(folder)
-            _prune(root, folder)
-        folder.touch()  # the most recently used sets are the ones kept
+    key = digest([Path(__file__), *engine_closure("engine.export.exporter").values()], PACKAGES)
+    folder = cached("tiny-models", key, _build, root)
     models = {arch: folder / "models" / arch for arch in ARCHITECTURES}
     exports = {(arch, label): export_model(str(models[arch]), weights="f32", out=folder / "exports" / f"{arch}-{label}",
                                            **split)

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from engine.config import paths
 from engine.errors import FleetError
+from engine.fleetkey import TLS, load_key, tls_file
 from engine.launch import await_ready, end_processes, start_fleet
+from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
 
 HOSTINGS = ("processes", "threads")
@@ -101,9 +103,6 @@ class LocalFleet:
         return proc
 
     def _start_thread(self, i: int, log: Path) -> None:
-        from engine.fleetkey import TLS, load_key, tls_file
-        from engine.runtime.relay.worker import Worker
-
         log.parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "a", buffering=1)
 
