@@ -41,12 +41,12 @@ def table(rows, tiers: set[str] | None) -> str:
     files = collections.Counter()
     for file, _, seconds, _ in rows:
         files[file] += seconds
-    lines = [f"{len(rows)} tests, {total / 60:.1f} minutes in all.", "", "## By file", "",
+    lines = [f"{len(rows)} tests, {total / 60:.1f} minutes in all.", "", "### By file", "",
              "| file | tests | seconds |", "|---|---|---|"]
     counts = collections.Counter(file for file, *_ in rows)
     lines += [f"| {file} | {counts[file]} | {seconds:.1f} |" for file, seconds in files.most_common()]
     head = "| file | test | seconds | outcome |" + (" tier |" if tiers is not None else "")
-    lines += ["", "## By test", "", head, "|---" * (head.count("|") - 1) + "|"]
+    lines += ["", "### By test", "", head, "|---" * (head.count("|") - 1) + "|"]
     for file, name, seconds, outcome in sorted(rows, key=lambda r: -r[2]):
         tier = "" if tiers is None else (" slow |" if f"{file}::{name}" in tiers else " fast |")
         lines.append(f"| {file} | `{name}` | {seconds:.1f} | {outcome} |{tier}")
