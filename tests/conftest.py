@@ -2,12 +2,13 @@
 
 The tiers: ``make test`` runs the fast one (``-m "not slow"``), ``make test-slow`` the rest
 (``-m slow``), ``make test-all`` both; tests/DURATIONS.md holds the measured times they were
-chosen from.  A test's tier follows from what it uses, marked here and nowhere else
-(``pytest_collection_modifyitems``): each fixture in ``KINDS`` brings its kind's marker (root and
-network namespaces, process fleets, real models, the network, the bundle, benchmarks, the soak),
-and so do a few tests named in ``TESTS`` whose cost is not a fixture's.  A test of any kind is
-slow unless it is named in ``FAST``: the few that keep every package, and the real SmolLM2
-model end to end, in the fast tier.
+chosen from.  A test's tier follows from what it uses, chosen here (``pytest_collection_modifyitems``):
+each fixture in ``KINDS`` brings its kind's marker (root and network namespaces, process fleets,
+real models, the network, the bundle), and so do the tests named in ``TESTS`` whose cost is not a
+fixture's (fleets they start themselves, benchmarks, the soak, heavy work of their own) and the
+modules that mark themselves ``real_model``.  A test of any kind is slow unless it is named in
+``FAST``: the few that keep the real SmolLM2 model end to end, a soak and a killed worker in the
+fast tier.
 """
 
 from __future__ import annotations
