@@ -23,8 +23,8 @@ def digest(files, packages=()) -> str:
     """A key for a build that reads ``files`` (their paths relative to the checkout, and contents)
     and depends on the installed versions of ``packages``."""
     h = hashlib.sha256()
-    for path in sorted(Path(p) for p in files):
-        h.update(str(path.resolve().relative_to(ROOT) if path.is_relative_to(ROOT) else path).encode())
+    for path in sorted(Path(p).resolve() for p in files):
+        h.update(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path).encode())
         h.update(b"\0" + path.read_bytes())
     for package in packages:
         try:

@@ -95,21 +95,17 @@ FAST = (
 MARKED = {"real_model"}  # kinds a test module may also mark itself with (pytestmark)
 
 
-def _named(item, prefixes) -> bool:
-    name = f"{Path(item.fspath).name}::{item.name}"
-    return any(name.startswith(prefix) for prefix in prefixes)
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        name = f"{Path(item.fspath).name}::{item.name}"
         kinds = {KINDS[f] for f in item.fixturenames if f in KINDS}
-        kinds |= {kind for prefix, kind in TESTS.items() if _named(item, [prefix])}
+        kinds |= {kind for prefix, kind in TESTS.items() if name.startswith(prefix)}
         kinds |= {mark.name for mark in item.iter_markers() if mark.name in MARKED}
         if getattr(item, "callspec", None) and item.callspec.params.get("hosting") == "processes":
             kinds.add("processes")
         for kind in sorted(kinds):
             item.add_marker(getattr(pytest.mark, kind))
-        if kinds and not _named(item, FAST):
+        if kinds and not name.startswith(FAST):
             item.add_marker(pytest.mark.slow)
 
 

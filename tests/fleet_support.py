@@ -86,22 +86,27 @@ with turns:
 """
 
 
+def eventually(predicate, timeout_s: float = 60.0) -> bool:
+    """Whether ``predicate()`` comes true within ``timeout_s`` (a guard against a hang, not a measure)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def waits_for_turn(path: Path, timeout_s: float = 60.0) -> bool:
     """Whether a process (or a thread, through a descriptor of its own) comes to wait for the
-    compute turn of ``path``: a blocked ``flock`` on the file in /proc/locks (Linux).  The time is
-    a guard against a hang, not a measure."""
+    compute turn of ``path``: a blocked ``flock`` on the file in /proc/locks (Linux)."""
     import pytest
 
     if not Path("/proc/locks").exists():
         pytest.skip("reads the kernel's table of file locks (/proc/locks: Linux only)")
     info = path.stat()
     inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any("->" in line and inode in line.split() for line in Path("/proc/locks").read_text().splitlines()):
-            return True
-        time.sleep(0.02)
-    return False
+    return eventually(lambda: any("->" in line and inode in line.split()
+                                  for line in Path("/proc/locks").read_text().splitlines()), timeout_s)
 
 
 @contextlib.contextmanager

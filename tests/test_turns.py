@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from fleet_support import turn_held, waits_for_turn
+from fleet_support import eventually, turn_held, waits_for_turn
 
 from engine.bench.microbatch import schedule_bound
 from engine.runtime.stages.turns import NO_TURNS, ComputeTurns, turns_identity
@@ -50,10 +50,7 @@ def test_threads_of_one_process_take_turns_too(tmp_path):
     turns = ComputeTurns(tmp_path / "compute.turns")
     with turns:
         got = _acquired_in_background(turns)
-        deadline = time.monotonic() + 60  # a guard against a hang, not a measure
-        while not turns.waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert turns.waiting == 1, "the second thread never came to wait"
+        assert eventually(lambda: turns.waiting == 1), "the second thread never came to wait"
         assert not got.is_set(), "a second thread took the turn (flock alone does not exclude threads)"
     assert got.wait(10)
 

@@ -104,25 +104,27 @@ def engine_closure(start: str) -> dict[str, Path]:
     return found
 
 
-def _build(folder: Path) -> None:
+def _export(folder: Path, arch: str, label: str):
+    """The f32 export of ``arch`` as ``SPLITS[label]`` in the set ``folder`` (made, or reused)."""
     from engine.export.exporter import export_model
 
+    return export_model(str(folder / "models" / arch), weights="f32", out=folder / "exports" / f"{arch}-{label}",
+                        **SPLITS[label])
+
+
+def _build(folder: Path) -> None:
     for arch in ARCHITECTURES:
-        model = build_tiny(arch, folder / "models" / arch)
-        for label, split in SPLITS.items():
-            export_model(str(model), weights="f32", out=folder / "exports" / f"{arch}-{label}", **split)
+        build_tiny(arch, folder / "models" / arch)
+        for label in SPLITS:
+            _export(folder, arch, label)
 
 
 def tiny_set(root: Path | None = None):
     """(models, exports): {arch: checkpoint folder} and {(arch, "1"|"2"|"3"|"ranks"): ExportResult}, from
     the cache, made first if it has no intact set for today's code."""
-    from engine.export.exporter import export_model
-
     key = digest([Path(__file__), *engine_closure("engine.export.exporter").values()], PACKAGES)
     folder = cached("tiny-models", key, _build, root)
     models = {arch: folder / "models" / arch for arch in ARCHITECTURES}
-    exports = {(arch, label): export_model(str(models[arch]), weights="f32", out=folder / "exports" / f"{arch}-{label}",
-                                           **split)
-               for arch in ARCHITECTURES for label, split in SPLITS.items()}
+    exports = {(arch, label): _export(folder, arch, label) for arch in ARCHITECTURES for label in SPLITS}
     assert all(result.cached for result in exports.values()), "a cached tiny export was not reused"
     return models, exports

@@ -33,6 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _keep(entries: list, i: int, value) -> None:
+    """Worker ``i``'s entry: replaced when it was started before, else added."""
+    if i < len(entries):
+        entries[i] = value
+    else:
+        entries.append(value)
+
+
 class LocalFleet:
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
@@ -88,18 +96,12 @@ class LocalFleet:
     def start_worker(self, i: int) -> subprocess.Popen | None:
         """Starts worker ``i`` (again, if it ran before); its process, or None when hosted in a thread."""
         log = self.log_dir / f"worker-{self.addresses[i].replace(':', '-')}.log"
-        if i < len(self.logs):
-            self.logs[i] = log
-        else:
-            self.logs.append(log)
+        _keep(self.logs, i, log)
         if self.hosting == "threads":
             self._start_thread(i, log)
             return None
         proc = start_fleet(self.arguments(i), log)
-        if i < len(self.procs):
-            self.procs[i] = proc
-        else:
-            self.procs.append(proc)
+        _keep(self.procs, i, proc)
         return proc
 
     def _start_thread(self, i: int, log: Path) -> None:
@@ -121,11 +123,8 @@ class LocalFleet:
             self.close()
             raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from exc
         worker.start()
-        if i < len(self.workers):
-            self.workers[i], self._log_files[i] = worker, out
-        else:
-            self.workers.append(worker)
-            self._log_files.append(out)
+        _keep(self.workers, i, worker)
+        _keep(self._log_files, i, out)
 
     def start(self, timeout_s: float = 120.0) -> "LocalFleet":
         for i in range(len(self.shard_dirs)):
