@@ -28,6 +28,12 @@ MARKDOWN = QTextDocument.MarkdownFeature(QTextDocument.MarkdownFeature.MarkdownD
 IMAGE = re.compile(r"<img\b[^>]*>")
 ATTRIBUTE = re.compile(r'\b(src|alt|href)="([^"]*)"')
 HREF = re.compile(r'\bhref="([^"]*)"')
+# Qt lays out a run without a break point in time that grows with the square of its length (a
+# million-character line froze the window for minutes), so a long run in the text between tags gets
+# a zero-width space every RUN characters; attributes and entities (runs stop at "&") keep theirs
+RUN = 256
+LONG_RUN = re.compile(r"[^\s&\u200b]{%d}(?=[^\s&\u200b])" % RUN)
+TEXT = re.compile(r"(?<=>)[^<]+|^[^<]+")  # the text between tags
 
 
 class Transcript(QTextBrowser):
@@ -84,11 +90,18 @@ def highlight(code: str, language: str, theme: str) -> str:
 def message_html(text: str, message_index: int, theme: str = "light") -> str:
     """A message's HTML: Markdown between the code blocks; each block highlighted on a tinted
     background with a ``copycode:MESSAGE:BLOCK`` link above it.  Text that fails to render shows as
-    plain text."""
+    plain text.  A long unbroken run gets break points (``breakable``)."""
     try:
-        return _message_html(text, message_index, theme)
+        body = _message_html(text, message_index, theme)
     except Exception:  # any failure of the parsers: the text itself, escaped, is always shown
-        return f"<p style='white-space:pre-wrap'>{html.escape(text)}</p>"
+        body = f"<p style='white-space:pre-wrap'>{html.escape(text)}</p>"
+    return breakable(body)
+
+
+def breakable(body: str) -> str:
+    """``body`` with a zero-width space after every ``RUN`` characters of a run Qt could not break
+    (see ``RUN``), in the text between tags only."""
+    return TEXT.sub(lambda text: LONG_RUN.sub(lambda m: m.group(0) + "\u200b", text.group(0)), body)
 
 
 def _message_html(text: str, message_index: int, theme: str) -> str:

@@ -5,8 +5,11 @@ stateful and on paged stages."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from build_cache import cached, digest
 
 from engine.export.exporter import export_model
 from engine.manifest import load_manifest
@@ -39,12 +42,27 @@ def gemma_exports():
 
 
 @pytest.fixture(scope="module")
-def transformers_gemma():
+def gemma_reference():
+    """Each prompt's token ids and the NEW_TOKENS greedy tokens of transformers' float model of the
+    same GGUF, kept between runs (loading the GGUF into transformers takes over a minute here)."""
+    key = f"{CATALOG[MODEL].sha256[:12]}-{digest([__file__], ('transformers', 'torch', 'gguf'))}"
+    return json.loads((cached("gemma3-reference", key, _reference) / "tokens.json").read_text())
+
+
+def _reference(folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = pull(CATALOG[MODEL])
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokens = {}
+    for prompt in PROMPTS:
+        ids = hf_tok(prompt).input_ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False)
+        tokens[prompt] = {"ids": ids, "greedy": out[0, len(ids):].tolist()}
+    (folder / "tokens.json").write_text(json.dumps(tokens))
 
 
 def test_the_manifest_carries_the_sliding_layers(gemma_exports):
@@ -54,20 +72,17 @@ def test_the_manifest_carries_the_sliding_layers(gemma_exports):
     assert spec.tie_embeddings
 
 
-def test_one_two_three_stateful_or_paged_stages_decode_transformers_greedy_tokens(gemma_exports, transformers_gemma):
-    model, hf_tok = transformers_gemma
+def test_one_two_three_stateful_or_paged_stages_decode_transformers_greedy_tokens(gemma_exports, gemma_reference):
     tok = ChatTokenizer(gemma_exports[1].folders[0])
     chains = {(n, kind): LocalChain(gemma_exports[n].folders, config=F32, paged=kind == "paged")
               for n in (1, 2, 3) for kind in ("stateful", "paged")}
     long_prompt_seen = False
     for prompt in PROMPTS:
         ids = tok.prompt_ids(prompt, chat=False)
-        assert ids.reshape(-1).tolist() == hf_tok(prompt).input_ids, f"tokenizer differs on {prompt[:30]!r}"
+        reference = gemma_reference[prompt]
+        assert ids.reshape(-1).tolist() == reference["ids"], f"tokenizer differs on {prompt[:30]!r}"
         long_prompt_seen |= ids.size > 512
-        with torch.no_grad():
-            out = model.generate(torch.from_numpy(ids.reshape(1, -1)), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False)
-        want = out[0, ids.size:].tolist()
+        want = reference["greedy"]
         for (n, kind), chain in chains.items():
             got = Generator(chain, max_length=2048).generate(ids.reshape(-1), NEW_TOKENS, ignore_eos=True).tokens
             assert got == want, f"{n}-stage {kind} chain on {prompt[:30]!r}"

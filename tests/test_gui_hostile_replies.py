@@ -9,7 +9,7 @@ from gui_support import open_window, settings_store, tiny_settings
 from PySide6.QtCore import QUrl
 
 from fleetgui.history import Message
-from fleetgui.markdown import REPLY_LINK, Transcript, message_html
+from fleetgui.markdown import REPLY_LINK, RUN, Transcript, message_html
 
 GALLERY = {
     "file image": "Look: ![x](file:///dev/zero)",
@@ -47,19 +47,34 @@ def test_a_hostile_reply_renders_as_text_and_links_only(name, qtbot):
     browser.show()
     qtbot.wait(10)
     assert Spy.loaded == []  # a resource of any scheme would have been asked for here
-    document = browser.document()
-    hrefs = []
+    formats = list(_fragments(browser.document()))
+    assert not any(fmt.isImageFormat() for fmt in formats)
+    hrefs = [fmt.anchorHref() for fmt in formats if fmt.isAnchor()]
+    assert all(h.startswith(REPLY_LINK) for h in hrefs), hrefs
+
+
+def test_a_long_unbroken_run_gets_break_points_between_tags_only(qtbot):
+    url = "https://example.com/" + "b" * 3 * RUN
+    html = message_html(f"[x]({url}) {'c' * 3 * RUN} &amp{'d' * 2 * RUN}", 0)
+    browser = Transcript()
+    qtbot.addWidget(browser)
+    browser.setHtml(html)
+    shown = browser.toPlainText()
+    assert max(len(run) for run in shown.replace("\u200b", " ").split()) <= RUN
+    assert shown.replace("\u200b", "") == f"x {'c' * 3 * RUN} &amp{'d' * 2 * RUN}"
+    hrefs = [f.anchorHref() for f in _fragments(browser.document()) if f.isAnchor()]
+    assert hrefs == [REPLY_LINK + QUrl.toPercentEncoding(url).data().decode()]  # the link is whole
+
+
+def _fragments(document):
+    """The character formats of ``document``'s fragments, in order."""
     block = document.begin()
     while block.isValid():
         it = block.begin()
         while not it.atEnd():
-            fmt = it.fragment().charFormat()
-            assert not fmt.isImageFormat()
-            if fmt.isAnchor():
-                hrefs.append(fmt.anchorHref())
+            yield it.fragment().charFormat()
             it += 1
         block = block.next()
-    assert all(h.startswith(REPLY_LINK) for h in hrefs), hrefs
 
 
 def test_links_in_a_reply_never_act_and_a_saved_hostile_chat_opens(qtbot, gui_home, tmp_path, monkeypatch):

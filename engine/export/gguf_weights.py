@@ -48,7 +48,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import ExportError
-from engine.models.catalog import read_gguf_header
+from engine.models.gguf_header import read_gguf_header
 
 # GGML's type ids (ggml.h), with (elements per block, bytes per block)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
@@ -62,7 +62,7 @@ FLOATS = frozenset({0, 1, 30})  # F32, F16, BF16
 def carries(path) -> bool:
     """Whether a GGUF file's matrices can all be carried over: every quantized one of a type above,
     and most of them quantized (a float GGUF has nothing to carry).  Reads the header alone."""
-    types = [kind for dims, kind, _ in read_gguf_header(path).tensors if len(dims) == 2]
+    types = [t.ggml_type for t in read_gguf_header(path).tensors if len(t.dims) == 2]
     quantized = [kind for kind in types if kind not in FLOATS]
     return all(kind in BLOCKS for kind in quantized) and 2 * len(quantized) > len(types)
 

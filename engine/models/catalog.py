@@ -18,7 +18,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import mmap
 import os
 import re
 import shutil
@@ -33,6 +32,7 @@ from typing import Callable, NamedTuple
 from engine.config import paths
 from engine.errors import SourceError
 from engine.hashing import sha256_file, weights_sha256
+from engine.models.gguf_header import read_gguf_header
 
 Progress = Callable[[str, int, int], None]
 DEFAULT_MODEL = "smollm2-135m"
@@ -336,79 +336,15 @@ def _check_gguf(path: Path) -> None:
                           f"the file has {size}")
 
 
-# GGUF value types -> struct format (8 = string, 9 = array are handled in the walker).
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-class GGUFHeader(NamedTuple):
-    meta: dict  # key -> scalar or string value; an array as its length
-    tensors: list[tuple[list[int], int, int]]  # (dims, ggml type, data offset) of each tensor
-    data_start: int  # where the tensor data begins (the header's end, aligned)
-
-
-def read_gguf_header(path: Path) -> GGUFHeader:
-    """A GGUF file's header, walked directly (``gguf.GGUFReader`` needs 10+ s on large vocabularies
-    because it materialises every token; this takes well under 1 s).  Raises ValueError (or
-    struct.error) for a file that is not a GGUF of version 2 or later, or is cut short."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        if m[:4] != b"GGUF":
-            raise ValueError("it does not start with b'GGUF'")
-        pos = 4
-
-        def take(fmt: str):
-            nonlocal pos
-            (value,) = struct.unpack_from("<" + fmt, m, pos)
-            pos += struct.calcsize(fmt)
-            return value
-
-        def string() -> str:
-            nonlocal pos
-            n = take("Q")
-            if pos + n > len(m):
-                raise ValueError("a string runs past the end of the file")
-            pos += n
-            return m[pos - n:pos].decode("utf-8", "replace")
-
-        def value(kind: int):
-            nonlocal pos
-            if kind == 8:
-                return string()
-            if kind == 9:
-                item, count = take("I"), take("Q")
-                if item in _GGUF_SCALAR:
-                    pos += count * struct.calcsize(_GGUF_SCALAR[item])
-                else:
-                    for _ in range(count):
-                        value(item)
-                return count
-            return take(_GGUF_SCALAR[kind])
-
-        version = take("I")
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        n_tensors, n_kv = take("Q"), take("Q")
-        meta = {}
-        for _ in range(n_kv):
-            key = string()
-            meta[key] = value(take("I"))
-        tensors = []
-        for _ in range(n_tensors):
-            string()
-            dims = [take("Q") for _ in range(take("I"))]
-            tensors.append((dims, take("I"), take("Q")))
-        alignment = int(meta.get("general.alignment", 32))
-        return GGUFHeader(meta, tensors, -(-pos // alignment) * alignment)
-
-
 def _gguf_data_end(path: Path) -> int:
     """Where the last tensor's data ends, from the header alone."""
     from gguf import GGML_QUANT_SIZES
 
     header = read_gguf_header(path)
     end = 0
-    for dims, ggml_type, offset in header.tensors:
-        block, type_size = GGML_QUANT_SIZES[ggml_type]
-        end = max(end, offset + math.prod(dims) // block * type_size)
+    for t in header.tensors:
+        block, type_size = GGML_QUANT_SIZES[t.ggml_type]
+        end = max(end, t.offset + math.prod(t.dims) // block * type_size)
     return header.data_start + end
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import abc
 import json
+import math
+import struct
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,9 +26,14 @@ from engine.models.architectures import (
     hf_config_values,
     spec_from_values,
 )
+from engine.models.gguf_header import read_gguf_header
 
 
 _ROW_BLOCK = 4096
+
+
+_PLAIN_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                 "I32": np.int32, "I64": np.int64}
 
 
 class _TensorInfo(NamedTuple):
@@ -64,32 +71,32 @@ class Checkpoint(abc.ABC):
         return self.read("embed", dtype=dtype)
 
 
+def _tensor_info(t, data_start: int) -> _TensorInfo:
+    """Where tensor ``t`` of a GGUF header lies, and how the gguf package views its raw bytes."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(t.ggml_type)
+    block, type_size = gguf.GGML_QUANT_SIZES[kind]
+    shape = tuple(reversed(t.dims))
+    dtype = _PLAIN_DTYPES.get(kind.name)
+    if dtype is None:  # quantized blocks: bytes per row
+        dtype, shape = np.uint8, (*shape[:-1], shape[-1] // block * type_size)
+    return _TensorInfo(kind, tuple(t.dims), data_start + t.offset, math.prod(t.dims) * type_size // block,
+                       np.dtype(dtype), shape)
+
+
 class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path):
-        import gguf
-
         try:
-            reader = gguf.GGUFReader(str(path))
-        except Exception as exc:  # the reader raises assorted errors on damaged files
+            header = read_gguf_header(path)
+            self._tensors = {t.name: _tensor_info(t, header.data_start) for t in header.tensors}
+        except (OSError, ValueError, KeyError, struct.error) as exc:
             raise SourceError(f"{path} is not a readable GGUF file ({exc})") from exc
         self.path = Path(path)
-        self.metadata = {}
-        for key, field in reader.fields.items():
-            if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:  # fields of exotic types are not needed
-                continue
+        # the scalars and strings (the arrays are the vocabulary's and merges; no spec field is one)
+        self.metadata = {key: v for key, v in header.meta.items() if key not in header.arrays}
         arch_name = self.metadata.get("general.architecture")
         self.arch = architecture(arch_name or "unknown")
-        # Keep only where each tensor lives; the reader (with its per-token vocabulary
-        # objects, hundreds of MB for a 150k vocabulary) is dropped once the header is read.
-        self._tensors = {
-            t.name: _TensorInfo(t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes,
-                                t.data.dtype, tuple(t.data.shape))
-            for t in reader.tensors
-        }
         values = gguf_config_values(arch_name, self.metadata)
         if "vocab_size" not in values:
             values["vocab_size"] = int(self._tensors[self.arch.gguf_global["embed"]].shape[-1])

@@ -17,7 +17,8 @@ import struct
 from pathlib import Path
 
 from engine.errors import SourceError
-from engine.models.catalog import CATALOG, CatalogEntry, read_gguf_header
+from engine.models.catalog import CATALOG, CatalogEntry
+from engine.models.gguf_header import read_gguf_header
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) for the formats in common use
 GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
@@ -66,7 +67,7 @@ def gguf_header(path: Path) -> tuple[dict, int]:
         header = read_gguf_header(path)
     except (struct.error, ValueError) as exc:
         raise SourceError(f"{path} is a truncated or corrupt GGUF file ({exc})") from None
-    return header.meta, sum(math.prod(dims) for dims, _, _ in header.tensors)
+    return header.meta, sum(math.prod(t.dims) for t in header.tensors)
 
 
 def gguf_facts(path: str | Path) -> ModelFacts:
