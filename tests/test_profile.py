@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from engine.bench.profile import NODES, run_profile
+from engine.bench.profile import KERNEL, NODES, run_profile
 
 
 def test_a_decode_round_is_split_into_node_kinds_and_the_python_around_them(tiny_models, tmp_path):
@@ -18,6 +18,8 @@ def test_a_decode_round_is_split_into_node_kinds_and_the_python_around_them(tiny
         assert set(NODES) <= set(parts), parts
         assert parts["layer matmuls"]["ms per round"] > 0 and parts["head matmul"]["ms per round"] > 0
         assert abs(sum(parts[k]["share of the graph"] for k in NODES) - 1) < 0.01
+        kernels = [k for k in parts if k.startswith(KERNEL)]  # the matmuls again, by the plugin's kernel
+        assert kernels and all(parts[k]["ms per round"] > 0 for k in kernels), kernels
         round_ms = parts["whole round"]["ms per round"]
         inside = sum(parts[k]["ms per round"] for k in ("inference call", "stage's Python around the call",
                                                          "decoding loop's Python"))

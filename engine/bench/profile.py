@@ -33,6 +33,7 @@ from engine.runtime.stages.stage import compile_config
 USERS = (1, 4)
 ATTENTION = ("PagedAttention", "ScaledDotProductAttention")  # node types, as prefixes
 NODES = ("layer matmuls", "head matmul", "attention", "other nodes")
+KERNEL = "matmuls on "  # and the plugin's name of the kernel
 
 
 class _Rounds:
@@ -64,9 +65,13 @@ class _Rounds:
             for i, info in enumerate(infos):
                 kind = ("head matmul" if i == matmuls[-1] else "layer matmuls") if i in matmuls else \
                     "attention" if info.node_type.startswith(ATTENTION) else "other nodes"
-                kinds[kind] += info.real_time.total_seconds() * 1e3
+                ms = info.real_time.total_seconds() * 1e3
+                kinds[kind] += ms
+                if i in matmuls:  # which of the plugin's kernels multiplies (int8 or float activations)
+                    kinds[f"{KERNEL}{info.exec_type}"] += ms
             self.rounds.append({"streams": len(parts), "start": start * 1e3, "forward": wall * 1e3,
-                                "infer": self._infer * 1e3, **kinds})
+                                "infer": self._infer * 1e3, "reading": (time.perf_counter() - start - wall) * 1e3,
+                                **kinds})
         return out
 
 
@@ -93,14 +98,16 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
             log(f"run {run + 1}/{runs}, {n} users: {measured[n][-1]['whole round']:.2f} ms a round")
     rows, ratios = [], {}
     for n in users:
-        parts = {key: median(m[key] for m in measured[n]) for key in measured[n][0]}
+        keys = dict.fromkeys(k for m in measured[n] for k in m)  # a kernel may run in some runs only
+        parts = {key: median(m.get(key, 0.0) for m in measured[n]) for key in keys}
         graph, step = sum(parts[k] for k in NODES), parts["whole round"]
         for key, value in parts.items():
             row = {"users": n, "part": key, "ms per round": round(value, 3)}
-            row.update({"share of the graph": round(value / graph, 3)} if key in NODES else
+            row.update({"share of the graph": round(value / graph, 3)} if key in NODES or key.startswith(KERNEL) else
                        {"share of the round": round(value / step, 3)})
+            if key == "whole round":
+                row["tok/s"] = round(n * 1e3 / step, 2)
             rows.append(row)
-        rows[-1]["tok/s"] = round(n * 1e3 / step, 2)
         ratios[f"{n} users: the matmuls' share of the graph"] = round((parts["layer matmuls"] + parts["head matmul"])
                                                                       / graph, 3)
         ratios[f"{n} users: the inference call's share of the round"] = round(parts["inference call"] / step, 3)
@@ -116,17 +123,20 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
 
 def _split(steps: list[dict]) -> dict:
     """The median decode round's parts (ms).  A round lasts from its forward's start to the next
-    round's (the last round has no next and counts only in the other parts)."""
-    parts = {k: median(s.get(k, 0.0) for s in steps) for k in NODES}
+    round's, less the time this bench spent reading the counters (the last round has no next and
+    counts only in the other parts)."""
+    kernels = sorted({k for s in steps for k in s if k.startswith(KERNEL)})
+    parts = {k: median(s.get(k, 0.0) for s in steps) for k in (*NODES, *kernels)}
     infer, forward = median(s["infer"] for s in steps), median(s["forward"] for s in steps)
-    step = median(b["start"] - a["start"] for a, b in zip(steps, steps[1:]))
+    step = median(b["start"] - a["start"] - a["reading"] for a, b in zip(steps, steps[1:]))
     return {**parts, "inference call": infer, "stage's Python around the call": forward - infer,
             "decoding loop's Python": max(step - forward, 0.0), "whole round": step}
 
 
 def _llamacpp(model: str, folder: Path, tokens: int, runs: int, rows: list[dict], log) -> tuple[dict, dict]:
     """llama-server's own time per token for one user on the model's GGUF, and its ratio to ours."""
-    ids = [int(t) for t in prompt_ids(folder, [next(iter(PROMPTS))])[0].reshape(-1)]
+    # a prompt whose answer outlasts the tokens: past an end of turn, llama-server refuses its own output
+    ids = [int(t) for t in prompt_ids(folder, ["list"])[0].reshape(-1)]
     with LlamaServer(pull(CATALOG[model]), log=log) as server:
         server.complete(ids, 4)  # warm
         per_token = median(server.complete(ids, tokens)["predicted_per_token_ms"] for _ in range(runs))
