@@ -29,8 +29,8 @@ IMAGE = re.compile(r"<img\b[^>]*>")
 ATTRIBUTE = re.compile(r'\b(src|alt|href)="([^"]*)"')
 HREF = re.compile(r'\bhref="([^"]*)"')
 # Qt lays out a run without a break point in time that grows with the square of its length (a
-# million-character line froze the window for minutes), so a long run in the text between tags gets
-# a zero-width space every RUN characters; attributes and entities (runs stop at "&") keep theirs
+# reply of one line a million characters long froze the window), so a long run in the text between tags
+# gets a zero-width space every RUN characters; attributes and entities (runs stop at "&") keep theirs
 RUN = 256
 LONG_RUN = re.compile(r"[^\s&\u200b]{%d}(?=[^\s&\u200b])" % RUN)
 TEXT = re.compile(r"(?<=>)[^<]+|^[^<]+")  # the text between tags

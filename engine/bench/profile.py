@@ -26,6 +26,7 @@ from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.models.catalog import CATALOG, pull
 from engine.runtime.decode.generate import generate_streams
+from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.paged import PagedStage
 from engine.runtime.stages.stage import compile_config
@@ -34,6 +35,7 @@ USERS = (1, 4)
 ATTENTION = ("PagedAttention", "ScaledDotProductAttention")  # node types, as prefixes
 NODES = ("layer matmuls", "head matmul", "attention", "other nodes")
 KERNEL = "matmuls on "  # and the plugin's name of the kernel
+LLAMACPP_PROMPT = "The capital of France is"
 
 
 class _Rounds:
@@ -135,8 +137,9 @@ def _split(steps: list[dict]) -> dict:
 
 def _llamacpp(model: str, folder: Path, tokens: int, runs: int, rows: list[dict], log) -> tuple[dict, dict]:
     """llama-server's own time per token for one user on the model's GGUF, and its ratio to ours."""
-    # a prompt whose answer outlasts the tokens: past an end of turn, llama-server refuses its own output
-    ids = [int(t) for t in prompt_ids(folder, ["list"])[0].reshape(-1)]
+    # plain text: llama-server b9993 refuses some chat answers of its own (HTTP 500, "does not match
+    # the expected Content-only format")
+    ids = [int(t) for t in ChatTokenizer(folder).prompt_ids(LLAMACPP_PROMPT, chat=False).reshape(-1)]
     with LlamaServer(pull(CATALOG[model]), log=log) as server:
         server.complete(ids, 4)  # warm
         per_token = median(server.complete(ids, tokens)["predicted_per_token_ms"] for _ in range(runs))

@@ -1,7 +1,7 @@
 """A GGUF file's header: its metadata and where each tensor lies, walked directly from the file.
 
-``gguf.GGUFReader`` builds a numpy view of every part of every field, which takes half a minute for
-a 262,144-token vocabulary; the walk here steps over arrays and takes well under a second.  The
+``gguf.GGUFReader`` builds a numpy view of every part of every field, a vocabulary's every token
+included; the walk here steps over arrays, so a large vocabulary costs it next to nothing.  The
 catalog checks files with it, the model facts and the checkpoint reader read it."""
 
 from __future__ import annotations
