@@ -9,7 +9,7 @@ from engine.bench.profile import KERNEL, NODES, run_profile
 
 
 def test_a_decode_round_is_split_into_node_kinds_and_the_python_around_them(tiny_models, tmp_path):
-    report = run_profile(str(tiny_models["llama"]), tokens=8, users=(1, 2), runs=1, weights="f32",
+    report = run_profile(str(tiny_models["llama"]), tokens=8, users=(1, 2), runs=1, weights="f32", memory_mb=8,
                          out=tmp_path / "profile.json", log=lambda _: None)
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["bench"] == "profile" and saved["rows"] == report["rows"] and "cpu" in saved["machine"]
@@ -26,3 +26,5 @@ def test_a_decode_round_is_split_into_node_kinds_and_the_python_around_them(tiny
         assert parts["inference call"]["ms per round"] > 0 and abs(inside - round_ms) < 0.01 * round_ms + 0.01
         assert parts["whole round"]["tok/s"] > 0
         assert 0 < report["ratios"][f"{users} users: the matmuls' share of the graph"] <= 1
+    memory = [r for r in report["rows"] if r["part"].startswith("stock int8 matmul reading 8 MB")]
+    assert len(memory) == 1 and memory[0]["GB/s"] > 0

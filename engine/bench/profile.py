@@ -8,6 +8,8 @@ Each decode round (every stream one new token, packed into one forward) is split
   so the sum's ratio to it is reported too);
 - the stage's Python around the call (its inputs), and the decoding loop's around the forward
   (sampling, bookkeeping): the time from one decode round's start to the next, less the forward.
+Beside it, the speed at which the stock compressed int8 MatMul reads weights from memory (matrices
+of ``memory_mb`` in all, more than a CPU cache holds): the bound a memory-bound decode meets.
 With ``--llamacpp``, llama-server's own per-token time on the same GGUF, one user, sits beside it.
 Prefill forwards are left out; the rounds are run ``runs`` times and each figure is the median.
 """
@@ -19,6 +21,10 @@ import time
 from pathlib import Path
 from statistics import median
 
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
 from engine.bench.harness import PROMPTS, prompt_ids
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.report import write_report
@@ -29,13 +35,15 @@ from engine.runtime.decode.generate import generate_streams
 from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.paged import PagedStage
-from engine.runtime.stages.stage import compile_config
+from engine.runtime.stages.stage import compile_config, core
 
 USERS = (1, 4)
 ATTENTION = ("PagedAttention", "ScaledDotProductAttention")  # node types, as prefixes
 NODES = ("layer matmuls", "head matmul", "attention", "other nodes")
 KERNEL = "matmuls on "  # and the plugin's name of the kernel
 LLAMACPP_PROMPT = "The capital of France is"
+MEMORY_MB = 400
+MEMORY_COLUMNS = 1536
 
 
 class _Rounds:
@@ -79,7 +87,7 @@ class _Rounds:
 
 def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str = "auto",
                 users: tuple[int, ...] = USERS, runs: int = 3, llamacpp: bool = False,
-                out: Path | None = None, log=print) -> dict:
+                memory_mb: int = MEMORY_MB, out: Path | None = None, log=print) -> dict:
     export = export_model(model, stages=1, weights=weights)
     folder = export.folders[0]
     config = {**compile_config("fast"), "PERF_COUNT": "YES"}
@@ -114,6 +122,9 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
                                                                       / graph, 3)
         ratios[f"{n} users: the inference call's share of the round"] = round(parts["inference call"] / step, 3)
         ratios[f"{n} users: the counters' sum over the call's wall time"] = round(graph / parts["inference call"], 3)
+    speed = _memory_speed(device, memory_mb, runs)
+    rows.append({"users": 0, "part": f"stock int8 matmul reading {memory_mb} MB of weights, GB/s",
+                 "ms per round": round(memory_mb * 2**20 / (speed * 1e6), 3), "GB/s": round(speed, 2)})
     if llamacpp:
         row, ratio = _llamacpp(model, folder, tokens, runs, rows, log)
         rows.append(row)
@@ -133,6 +144,30 @@ def _split(steps: list[dict]) -> dict:
     step = median(b["start"] - a["start"] - a["reading"] for a, b in zip(steps, steps[1:]))
     return {**parts, "inference call": infer, "stage's Python around the call": forward - infer,
             "decoding loop's Python": max(step - forward, 0.0), "whole round": step}
+
+
+def _memory_speed(device: str, memory_mb: int, runs: int) -> float:
+    """GB/s at which one row of activations meets four int8 matrices with f32 scales per 32 columns
+    (the stock compressed MatMul), ``memory_mb`` of codes in all: the median of ``runs`` timings."""
+    rows = max(1, memory_mb * 2**20 // (4 * MEMORY_COLUMNS))
+    x = ops.parameter([-1, MEMORY_COLUMNS], ov.Type.f32)
+    rng = np.random.default_rng(0)
+    outputs = []
+    for _ in range(4):
+        codes = ops.constant(rng.integers(-127, 128, (rows, MEMORY_COLUMNS // 32, 32), dtype=np.int8))
+        scales = ops.constant(np.full((rows, MEMORY_COLUMNS // 32, 1), 0.01, np.float32))
+        weight = ops.reshape(ops.multiply(ops.convert(codes, ov.Type.f32), scales),
+                             ops.constant(np.array([rows, MEMORY_COLUMNS], np.int64)), False)
+        outputs.append(ops.matmul(x, weight, False, True).output(0))
+    request = core().compile_model(ov.Model(outputs, [x]), device, compile_config("fast")).create_infer_request()
+    row = np.ones((1, MEMORY_COLUMNS), np.float32)
+    request.infer({0: row})  # warm
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        request.infer({0: row})
+        times.append(time.perf_counter() - start)
+    return 4 * rows * MEMORY_COLUMNS / median(times) / 1e9
 
 
 def _llamacpp(model: str, folder: Path, tokens: int, runs: int, rows: list[dict], log) -> tuple[dict, dict]:

@@ -69,7 +69,8 @@ def cmd_bench(args) -> int:
                                **({"text": Path(args.text)} if args.text else {}),
                                **({"parts": tuple(args.parts.split(","))} if args.parts else {}),
                                cases=args.cases, llamacpp=args.llamacpp),
-        "sim": lambda f: f(model, tokens=args.tokens or 64, memory_mb=args.memory, draft=draft, **runs, **common,
+        "sim": lambda f: f(model, tokens=args.tokens or 64, memory_mb=args.memory or 1000, draft=draft, **runs,
+                           **common,
                            **({"users": args.users} if args.users else {}),
                            **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
         "fuzz": lambda f: f(model, cases=args.cases or 10000, weights=args.weights, out=common["out"],
@@ -77,7 +78,8 @@ def cmd_bench(args) -> int:
         "docs": lambda f: f(out=common["out"], log=common["log"]),
         "profile": lambda f: f(model, tokens=args.tokens or 64, device=args.device, weights=args.weights, **runs,
                                llamacpp=args.llamacpp, out=common["out"], log=common["log"],
-                               **({"users": args.users} if args.users else {})),
+                               **({"users": args.users} if args.users else {}),
+                               **({"memory_mb": args.memory} if args.memory else {})),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
     }
@@ -129,8 +131,9 @@ def add_commands(sub) -> None:
     bench.add_argument("--parts", help="serve: the parts to measure, comma-separated (default users,prefix,ttft); "
                        "sim: links,office,big,slow,draft,ranks,layout (default all); "
                        "quality: kl,humaneval (default kl)")
-    bench.add_argument("--memory", type=count, default=1000,
-                       help="sim: each PC's memory cap in MB in the part with a model too big for one (default 1000)")
+    bench.add_argument("--memory", type=count,
+                       help="sim: each PC's memory cap in MB in the part with a model too big for one (default 1000); "
+                       "profile: the MB of weights the memory-speed row reads (default 400)")
     bench.add_argument("--cases", type=count, help="fuzz: generated cases per target (default 10000); quality: "
                        "HumanEval problems, evenly spaced over the 164 (default all)")
     bench.add_argument("--minutes", type=duration, default=60.0, help="soak: how long the users chat (default 60)")
