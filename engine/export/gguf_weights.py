@@ -94,6 +94,7 @@ class Quantized:
     center: int
     bits: int
     minimum: Table | None = None
+    qtype: int = 0  # the GGML type the codes came from
 
     @property
     def scale(self) -> np.ndarray:
@@ -168,6 +169,12 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 def decompose(qtype: int, raw: np.ndarray, rows: int, columns: int) -> Quantized:
     """A GGUF tensor's raw blocks (``rows`` x ``columns`` values) as codes, scales and minimums."""
+    q = _decompose(qtype, raw, rows, columns)
+    q.qtype = qtype
+    return q
+
+
+def _decompose(qtype: int, raw: np.ndarray, rows: int, columns: int) -> Quantized:
     if qtype not in BLOCKS:
         raise ExportError(f"GGML type {qtype} cannot be carried over")
     b = _blocks(raw, qtype, rows, columns)
@@ -209,6 +216,77 @@ def decompose(qtype: int, raw: np.ndarray, rows: int, columns: int) -> Quantized
     return Quantized(codes, Table(_f16(b[..., 208:210]), sub), 32, 6)
 
 
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    """[..., 1] float32 values of f16 -> [..., 2] bytes."""
+    return np.ascontiguousarray(values.astype(np.float16)).view(np.uint8)
+
+
+def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """32 codes -> 16 bytes, the inverse of ``_nibbles``."""
+    return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
+
+
+def _pack_high_bits(bits: np.ndarray) -> np.ndarray:
+    """32 0/1 codes -> their little-endian 32-bit word's 4 bytes, the inverse of ``_high_bits``."""
+    word = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    return np.ascontiguousarray(word[..., None]).view(np.uint8)
+
+
+def _pack_k_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and 8 six-bit minimums -> 12 bytes, the inverse of ``_k_scales``."""
+    s, m = scales.astype(np.uint8), mins.astype(np.uint8)
+    lo = s[..., :4] | ((s[..., 4:] & 0x30) << 2)
+    mid = m[..., :4] | ((m[..., 4:] & 0x30) << 2)
+    hi = (s[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)
+    return np.concatenate([lo, mid, hi], axis=-1)
+
+
+def _pack_k_nibbles(codes: np.ndarray) -> np.ndarray:
+    """8 groups of 32 four-bit codes -> 128 bytes, the inverse of ``_k_nibbles``."""
+    pairs = codes.reshape(*codes.shape[:-2], 4, 2, 32)
+    return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*codes.shape[:-2], 128).astype(np.uint8)
+
+
+def compose(q: Quantized) -> np.ndarray:
+    """The GGUF's raw blocks ``[rows, bytes per row]`` of ``q`` (``q.qtype``), the inverse of
+    ``decompose``: ``compose(decompose(t, raw, ...))`` gives ``raw`` back byte for byte."""
+    qtype, rows = q.qtype, len(q.codes)
+    if qtype not in BLOCKS:
+        raise ExportError(f"GGML type {qtype} cannot be composed")
+    size, _ = BLOCKS[qtype]
+    codes = q.codes.reshape(rows, -1, size)
+    blocks = codes.shape[1]
+    if qtype in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
+        parts = [_f16_bytes(q.steps.values()[..., None])]
+        if q.minimum is not None:
+            parts.append(_f16_bytes(q.minimum.values()[..., None]))
+        if qtype == Q8_0:
+            parts.append((codes.astype(np.int16) - 128).astype(np.int8).view(np.uint8))
+        else:
+            if qtype in (Q5_0, Q5_1):
+                parts.append(_pack_high_bits(codes >> 4))
+            parts.append(_pack_nibbles(codes & 0x0F))
+        return np.concatenate(parts, axis=-1).reshape(rows, -1)
+    if qtype in (Q4_K, Q5_K):
+        groups = codes.reshape(rows, blocks, 8, 32)
+        parts = [_f16_bytes(q.steps.scale), _f16_bytes(-q.minimum.scale),
+                 _pack_k_scales(q.steps.codes, q.minimum.codes)]
+        if qtype == Q5_K:
+            high = (groups >> 4).astype(np.uint8) << np.arange(8, dtype=np.uint8).reshape(8, 1)
+            parts.append(high.sum(axis=-2, dtype=np.uint8))
+        parts.append(_pack_k_nibbles(groups & 0x0F))
+        return np.concatenate(parts, axis=-1).reshape(rows, -1)
+    # Q6_K: the low nibbles of groups (h, s, k) in byte h*64 + k*32 + e at shift 4s, the high two bits of
+    # groups (h, t) in byte 128 + h*32 + e at shift 2t
+    groups = codes.reshape(rows, blocks, 2, 4, 32)
+    low = (groups & 0x0F).reshape(rows, blocks, 2, 2, 2, 32)  # (h, s, k, e)
+    ql = (low[..., 0, :, :] | (low[..., 1, :, :] << 4)).reshape(rows, blocks, 128)
+    high = ((groups >> 4) & 0x03) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    qh = high.sum(axis=-2, dtype=np.uint8).reshape(rows, blocks, 64)
+    sub = np.ascontiguousarray(q.steps.codes.reshape(rows, blocks, 16).astype(np.int8)).view(np.uint8)
+    return np.concatenate([ql, qh, sub, _f16_bytes(q.steps.scale)], axis=-1).reshape(rows, -1)
+
+
 def stored(values: np.ndarray) -> np.ndarray:
     """A scale, zero point or table as the shard stores it: f16 where f16 holds every value to its
     11 bits (within 2^-11 of itself, none outside f16's normal range), else f32.  A K-quant's ``d *
@@ -227,6 +305,10 @@ def _small(values: np.ndarray) -> ov.Output:
     constant = ops.constant(kept)
     return (ops.convert(constant, ov.Type.f32) if kept.dtype == np.float16 else constant).output(0)
 
+
+# The name a carried matrix's weight (the Reshape of its decompression pattern) ends in, after its
+# MatMul's name: "<matmul>/ggml.Q4_K".  engine.kernels finds the matrices it can run by it.
+KERNEL_TAG = "ggml."
 
 # From this many weights on, a matrix with a minimum gets its offsets from a second MatMul (see
 # above); a smaller one keeps a float zero point, where the extra ops cost more than they save.
@@ -329,7 +411,10 @@ def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: i
     MatMuls of one input, whose second MatMuls can then be stacked as their first ones are."""
     offsets = _offsets(q, offsets_from)
     steps = _Parts.of(q.steps)
-    matmul.input(1).replace_source_output(matrix(q, offsets, steps))
+    weight = matrix(q, offsets, steps)
+    if q.exact or offsets:  # a form engine.kernels can give back to ggml's kernels as the GGUF's blocks
+        weight.get_node().set_friendly_name(f"{matmul.get_friendly_name()}/{KERNEL_TAG}{NAMES[q.qtype]}")
+    matmul.input(1).replace_source_output(weight)
     if not offsets:
         return
     consumers = list(matmul.output(0).get_target_inputs())

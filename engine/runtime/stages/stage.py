@@ -16,6 +16,8 @@ from engine.config import paths
 from engine.errors import ShardError
 from engine.hostcpu import NONE, int8_dot
 from engine.manifest import BEAM_IDX, INT4_GROUP, MODEL_XML, Manifest, load_manifest
+from engine import kernels
+from engine.kernels.swap import swap_in
 from engine.pinned import pin_libraries
 from engine.runtime.interfaces import Stage
 from engine.transport import mesh as tensor_parallel
@@ -136,7 +138,8 @@ def devices() -> tuple[str, ...]:
 
 def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
     """A shard's graph as ``device`` runs it best: on CPU with the MatMuls that share an input fused
-    (``fuse_sibling_matmuls``; the same logits bit for bit).  Measured here, decode tok/s, one process,
+    (``fuse_sibling_matmuls``; the same logits bit for bit), and each carried GGUF matrix run by ggml's
+    kernels where this process has them (``engine.kernels``).  Measured here, decode tok/s, one process,
     interleaved: Qwen2.5-Coder-1.5B 37.5 -> 40.1, Gemma 3 270M 129.5 -> 137.8, SmolLM2-135M 133 -> 154.
     Where the CPU multiplies compressed weights in float (no int8 dot products), MatMuls of a depth
     it runs slowly are split (``split_deep_matmuls``).  Returns the graph and what its rewritten
@@ -144,6 +147,9 @@ def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
     model = core().read_model(str(Path(folder) / MODEL_XML))
     if family(device) != "CPU":
         return model, None
+    nodes = kernels.factory(core())
+    if nodes is not None:
+        swap_in(model, nodes, kernels.kernel())
     spill = paths().cache  # on disk: a temporary folder may be memory (tmpfs)
     spill.mkdir(parents=True, exist_ok=True)
     mapped = [fuse_sibling_matmuls(model, str(spill))[1]]

@@ -1,0 +1,108 @@
+"""Our own CPU kernels inside the shard's graph: the ``GGMLMatMul`` operation (``ggml_matmul.cpp``, an
+OpenVINO extension that ``pip install`` builds with the machine's compiler) runs a carried GGUF matrix
+with ggml's CPU kernels from its own blocks (``engine.kernels.swap`` puts it in the graph).
+
+The stock path (the CPU plugin's own compressed MatMuls) is the default for now: the operation is
+faster for one row at a time but slower for several (a batch of users, or a draft's verification),
+see docs/benchmarks.md.  ``use(True)`` turns it on for the stages a process compiles from then on;
+where the extension was not built, or ggml's library (the ``libggml-python`` package) is missing,
+the stock path runs anyway.  ``path()`` says which one this process uses and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+EXTENSION = "engine.kernels._ggml_matmul"  # the built library's module name (setup.py)
+GGML_LIBRARIES = ("libggml-base.so.0", "libggml-cpu.so.0")  # loaded before the extension, in this order
+OP = "GGMLMatMul"
+GGML = "ggml"  # path() of a process whose CPU stages run the operation
+STOCK = "stock"  # path() of one that runs the CPU plugin's own MatMuls
+
+# the operation's ``kernel`` attribute: OWN is ours (ggml_matmul.cpp's, for Q4_K and Q6_K on a CPU with
+# int8 dot products; ggml's elsewhere), GGML_KERNEL is ggml's vec_dot for every type
+OWN, GGML_KERNEL = 0, 1
+
+_wanted = False
+_kernel = OWN
+_loaded: dict[int, object] = {}  # id(core) -> the NodeFactory that builds the operation
+_why_not: str | None = None
+
+
+def use(wanted: bool, kernel: int = OWN) -> tuple[bool, int]:
+    """Whether CPU stages compiled from now on in this process run the operation (when it is
+    available) or the stock path, and with which ``kernel``; returns the choice it replaces.
+    ``fleet bench profile --kernels`` and the tests compare the paths."""
+    global _wanted, _kernel
+    before = (_wanted, _kernel)
+    _wanted, _kernel = bool(wanted), int(kernel)
+    return before
+
+
+def kernel() -> int:
+    """The ``kernel`` attribute the operation gets in this process."""
+    return _kernel
+
+
+def library() -> Path | None:
+    """The built extension, or None (and ``unavailable()`` says why)."""
+    global _why_not
+    spec = importlib.util.find_spec(EXTENSION)
+    if spec is None or not spec.origin:
+        _why_not = "the kernel extension was not built with this install (pip install needs a C++ compiler)"
+        return None
+    return Path(spec.origin)
+
+
+def _ggml_folder() -> Path | None:
+    spec = importlib.util.find_spec("libggml")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "lib64"
+
+
+def unavailable() -> str | None:
+    """Why this process cannot run the operation, in words; None when it can."""
+    if library() is None:
+        return _why_not
+    folder = _ggml_folder()
+    if folder is None or not all((folder / name).is_file() for name in GGML_LIBRARIES):
+        return "ggml's CPU library is missing (pip install libggml-python)"
+    return None
+
+
+def factory(core):
+    """The NodeFactory that builds ``GGMLMatMul``, with the extension added to ``core`` (once per
+    core); None where it is unavailable or not wanted."""
+    global _why_not
+    if not _wanted:
+        return None
+    if id(core) in _loaded:
+        return _loaded[id(core)]
+    if unavailable():
+        return None
+    try:
+        for name in GGML_LIBRARIES:  # the extension finds ggml's symbols among the loaded libraries
+            ctypes.CDLL(str(_ggml_folder() / name), mode=ctypes.RTLD_GLOBAL)
+        from openvino.utils.node_factory import NodeFactory  # deferred: only a CPU stage builds the op
+
+        core.add_extension(str(library()))
+        nodes = NodeFactory()
+        nodes.add_extension(str(library()))
+    except (OSError, RuntimeError) as exc:
+        _why_not = f"the kernel extension does not load here: {exc}"
+        _loaded[id(core)] = None
+        return None
+    _loaded[id(core)] = nodes
+    return nodes
+
+
+def path(core) -> tuple[str, str]:
+    """(``GGML`` or ``STOCK``, why): which matrices this process's CPU stages run, in words."""
+    if not _wanted:
+        return STOCK, "the stock path was chosen"
+    if factory(core) is None:
+        return STOCK, unavailable() or _why_not or "the kernel extension does not load here"
+    return GGML, "carried GGUF matrices run with ggml's CPU kernels"
