@@ -57,6 +57,8 @@ BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: 
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
          Q6_K: "Q6_K"}
 FLOATS = frozenset({0, 1, 30})  # F32, F16, BF16
+# the center of each type's codes: what the shard's signed codes are less
+CENTERS = {Q4_0: 8, Q4_1: 8, Q5_0: 16, Q5_1: 16, Q8_0: 128, Q4_K: 8, Q5_K: 16, Q6_K: 32}
 
 
 def carries(path) -> bool:

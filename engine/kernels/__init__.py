@@ -27,8 +27,8 @@ OWN, GGML_KERNEL = 0, 1
 
 _wanted = False
 _kernel = OWN
-_loaded: dict[int, object] = {}  # id(core) -> the NodeFactory that builds the operation
-_why_not: str | None = None
+_loaded: dict[int, object] = {}  # id(core) -> the NodeFactory that builds the operation (None: it did not load)
+_load_error: str | None = None  # why the built extension did not load
 
 
 def use(wanted: bool, kernel: int = OWN) -> tuple[bool, int]:
@@ -47,13 +47,9 @@ def kernel() -> int:
 
 
 def library() -> Path | None:
-    """The built extension, or None (and ``unavailable()`` says why)."""
-    global _why_not
+    """The built extension, or None."""
     spec = importlib.util.find_spec(EXTENSION)
-    if spec is None or not spec.origin:
-        _why_not = "the kernel extension was not built with this install (pip install needs a C++ compiler)"
-        return None
-    return Path(spec.origin)
+    return Path(spec.origin) if spec is not None and spec.origin else None
 
 
 def _ggml_folder() -> Path | None:
@@ -66,17 +62,17 @@ def _ggml_folder() -> Path | None:
 def unavailable() -> str | None:
     """Why this process cannot run the operation, in words; None when it can."""
     if library() is None:
-        return _why_not
+        return "the kernel extension was not built with this install (pip install needs a C++ compiler)"
     folder = _ggml_folder()
     if folder is None or not all((folder / name).is_file() for name in GGML_LIBRARIES):
         return "ggml's CPU library is missing (pip install libggml-python)"
-    return None
+    return _load_error
 
 
 def factory(core):
     """The NodeFactory that builds ``GGMLMatMul``, with the extension added to ``core`` (once per
     core); None where it is unavailable or not wanted."""
-    global _why_not
+    global _load_error
     if not _wanted:
         return None
     if id(core) in _loaded:
@@ -92,7 +88,7 @@ def factory(core):
         nodes = NodeFactory()
         nodes.add_extension(str(library()))
     except (OSError, RuntimeError) as exc:
-        _why_not = f"the kernel extension does not load here: {exc}"
+        _load_error = f"the kernel extension does not load here: {exc}"
         _loaded[id(core)] = None
         return None
     _loaded[id(core)] = nodes
@@ -104,5 +100,5 @@ def path(core) -> tuple[str, str]:
     if not _wanted:
         return STOCK, "the stock path was chosen"
     if factory(core) is None:
-        return STOCK, unavailable() or _why_not or "the kernel extension does not load here"
+        return STOCK, unavailable()
     return GGML, "carried GGUF matrices run with ggml's CPU kernels"

@@ -74,12 +74,14 @@ inline void k_scales(const uint8_t* packed, uint8_t out[16]) {
 
 constexpr int ROWS_AT_ONCE = 8;  // rows of x that share one unpacking of a block
 
+// the sum of a vector's eight floats (a subset of every kernel's target, so it inlines into each)
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 #define FLEET_KERNELS(SUFFIX, TARGET, DPBUSD, DPWSSD)                                                             \
-    __attribute__((target(TARGET))) static inline float hsum_##SUFFIX(__m256 v) {                                 \
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));                            \
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                                                    \
-        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));                                                   \
-    }                                                                                                              \
     /* Q4_K: f16 d and dmin, 12 bytes of six-bit scales and minimums, 128 bytes of nibbles */                     \
     __attribute__((target(TARGET))) void q4_K_##SUFFIX(const uint8_t* w, int64_t blocks, const Q8Row* x,         \
                                                        int64_t M, int64_t x_stride, float* y, int64_t y_stride) { \
@@ -122,7 +124,7 @@ constexpr int ROWS_AT_ONCE = 8;  // rows of x that share one unpacking of a bloc
                                               _mm256_set1_ps(dmin * a.d), mins[i]);                                \
                 }                                                                                                  \
             }                                                                                                      \
-            for (int i = 0; i < rows; i++) y[(m0 + i) * y_stride] = hsum_##SUFFIX(sums[i]) - hsum_##SUFFIX(mins[i]); \
+            for (int i = 0; i < rows; i++) y[(m0 + i) * y_stride] = hsum8(sums[i]) - hsum8(mins[i]); \
         }                                                                                                          \
     }                                                                                                              \
     /* Q6_K: 128 bytes of low nibbles, 64 bytes of high bit pairs, 16 int8 scales, f16 d */                       \
@@ -175,12 +177,12 @@ constexpr int ROWS_AT_ONCE = 8;  // rows of x that share one unpacking of a bloc
                     sums[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_set1_ps(d * a.d), sums[i]);        \
                 }                                                                                                  \
             }                                                                                                      \
-            for (int i = 0; i < rows; i++) y[(m0 + i) * y_stride] = hsum_##SUFFIX(sums[i]);                       \
+            for (int i = 0; i < rows; i++) y[(m0 + i) * y_stride] = hsum8(sums[i]);                       \
         }                                                                                                          \
     }
 
+// 256-bit, for the CPUs with AVX-VNNI alone (Intel's client cores)
 FLEET_KERNELS(vnni, "avx2,fma,f16c,avxvnni", _mm256_dpbusd_avx_epi32, _mm256_dpwssd_avx_epi32)
-FLEET_KERNELS(avx512, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", _mm256_dpbusd_epi32, _mm256_dpwssd_epi32)
 
 // The same sums with 512-bit vectors, for CPUs with AVX-512 VNNI: half the instructions a row
 #define ZMM_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
@@ -230,7 +232,7 @@ __attribute__((target(ZMM_TARGET))) void q4_K_zmm(const uint8_t* w, int64_t bloc
                                           mins[i]);
             }
         }
-        for (int i = 0; i < rows; i++) y[(m0 + i) * y_stride] = _mm512_reduce_add_ps(sums[i]) - hsum_avx512(mins[i]);
+        for (int i = 0; i < rows; i++) y[(m0 + i) * y_stride] = _mm512_reduce_add_ps(sums[i]) - hsum8(mins[i]);
     }
 }
 
@@ -288,13 +290,12 @@ __attribute__((target(ZMM_TARGET))) void q6_K_zmm(const uint8_t* w, int64_t bloc
 using RowsKernel = void (*)(const uint8_t*, int64_t, const Q8Row*, int64_t, int64_t, float*, int64_t);
 
 // our kernel for a type on this CPU, or null (ggml's vec_dot then, row by row)
-int ZMM = 1;
 RowsKernel own_kernel(ggml_type type) {
     static const int isa = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") ? 2
                            : __builtin_cpu_supports("avxvnni")                                       ? 1
                                                                                                      : 0;
-    if (type == GGML_TYPE_Q4_K) return isa == 2 ? (ZMM ? q4_K_zmm : q4_K_avx512) : isa == 1 ? q4_K_vnni : nullptr;
-    if (type == GGML_TYPE_Q6_K) return isa == 2 ? (ZMM ? q6_K_zmm : q6_K_avx512) : isa == 1 ? q6_K_vnni : nullptr;
+    if (type == GGML_TYPE_Q4_K) return isa == 2 ? q4_K_zmm : isa == 1 ? q4_K_vnni : nullptr;
+    if (type == GGML_TYPE_Q6_K) return isa == 2 ? q6_K_zmm : isa == 1 ? q6_K_vnni : nullptr;
     return nullptr;
 }
 
@@ -366,29 +367,32 @@ public:
         const auto own = m_kernel == OWN ? own_kernel(type) : nullptr;
         if (own) {
             const int64_t blocks = K / 256;
-            std::vector<Q8Row> rows(blocks * M);
+            thread_local std::vector<Q8Row> rows;  // kept between calls: no allocation a token
+            rows.resize(blocks * M);
+            Q8Row* const xrows = rows.data();  // the lambdas see this thread's buffer through it
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, M, 8), [&](const tbb::blocked_range<int64_t>& r) {
-                for (int64_t m = r.begin(); m < r.end(); m++) quantize_row(xp + m * K, K, rows.data() + m * blocks);
+                for (int64_t m = r.begin(); m < r.end(); m++) quantize_row(xp + m * K, K, xrows + m * blocks);
             });
             const int64_t grain = std::max<int64_t>(16, N / 64);
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, N, grain), [&](const tbb::blocked_range<int64_t>& r) {
                 for (int64_t n = r.begin(); n < r.end(); n++)
-                    own(wp + n * row_bytes, blocks, rows.data(), M, blocks, yp + n, N);
+                    own(wp + n * row_bytes, blocks, xrows, M, blocks, yp + n, N);
             });
             return true;
         }
         // ggml's: the activations in the type's partner type, row by row (F32's partner is itself)
         const size_t x_bytes = ggml_row_size(partner, K);
-        std::vector<uint8_t> quantized;
+        thread_local std::vector<uint8_t> quantized;
         const uint8_t* xq = reinterpret_cast<const uint8_t*>(xp);
         if (partner != GGML_TYPE_F32) {
             quantized.resize(x_bytes * M);
+            uint8_t* const buffer = quantized.data();  // the lambda sees this thread's buffer through it
             const auto from_float = ggml_get_type_traits_cpu(partner)->from_float;
             tbb::parallel_for(tbb::blocked_range<int64_t>(0, M, 8), [&](const tbb::blocked_range<int64_t>& r) {
                 for (int64_t m = r.begin(); m < r.end(); m++)
-                    from_float(xp + m * K, quantized.data() + m * x_bytes, K);
+                    from_float(xp + m * K, buffer + m * x_bytes, K);
             });
-            xq = quantized.data();
+            xq = buffer;
         }
         // each row of the matrix against every row of x, while the row is in the cache; every output is one
         // vec_dot of its own, so a row of x gets the same numbers alone or in a batch (exact mode relies on it)

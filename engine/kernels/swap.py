@@ -10,13 +10,10 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from engine.export.gguf_weights import (KERNEL_TAG, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Quantized,
-                                        Table, compose)
+from engine.export.gguf_weights import CENTERS, KERNEL_TAG, NAMES, Q4_0, Q5_0, Q6_K, Q8_0, Quantized, Table, compose
 from engine.kernels import OP
 
 _TYPES = {name: qtype for qtype, name in NAMES.items()}
-# the center of each type's codes (what the graph's signed codes are less)
-_CENTERS = {Q4_0: 8, Q4_1: 8, Q5_0: 16, Q5_1: 16, Q8_0: 128, Q4_K: 8, Q5_K: 16, Q6_K: 32}
 _NO_MINIMUM = (Q4_0, Q5_0, Q8_0, Q6_K)
 
 
@@ -77,9 +74,9 @@ def _quantized(matmul: ov.Node, qtype: int) -> tuple[Quantized, ov.Output]:
     """The carried matrix of ``matmul`` and the output the operation replaces (the MatMul's, or the
     Add of its offsets)."""
     product = _op(_op(matmul.input_value(1), "Reshape").input_value(0), "Multiply")
-    codes = _integers(_op(product.input_value(0), "Convert").output(0)) + _CENTERS[qtype]
+    codes = _integers(_op(product.input_value(0), "Convert").output(0)) + CENTERS[qtype]
     steps, _, _ = _table(product.input_value(1))
-    q = Quantized(codes.astype(np.uint8), steps, _CENTERS[qtype], 0, qtype=qtype)
+    q = Quantized(codes.astype(np.uint8), steps, CENTERS[qtype], 0, qtype=qtype)
     if qtype not in _NO_MINIMUM:  # a type with a minimum: its offsets come from a second MatMul
         adds = [t.get_node() for t in matmul.output(0).get_target_inputs() if t.get_node().get_type_name() == "Add"]
         if len(adds) != 1:
