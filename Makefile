@@ -14,7 +14,7 @@ PYTEST := QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovid
 
 .PHONY: run chat test test-slow test-all screenshots docs installer clean
 
-$(STAMP): pyproject.toml setup.py engine/kernels/ggml_matmul.cpp
+$(STAMP): pyproject.toml setup.py engine/kernels/ggml_matmul.cpp engine/kernels/tile_kernels.inc
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

@@ -1,7 +1,7 @@
-"""The build of the kernel extension (engine/kernels/ggml_matmul.cpp): a shared library OpenVINO loads
-with ``Core.add_extension``, compiled against the openvino wheel's headers and ggml's (libggml-python)
-with the machine's C++ compiler.  It is optional: where it cannot be built the install goes on and the
-CPU plugin's own MatMuls run (engine.kernels says which path a process uses)."""
+"""The build of the kernel extension (engine/kernels/ggml_matmul.cpp, with tile_kernels.inc): a shared
+library OpenVINO loads with ``Core.add_extension``, compiled against the openvino wheel's headers and
+ggml's (libggml-python) with the machine's C++ compiler.  It is optional: where it cannot be built the
+install goes on and the CPU plugin's own MatMuls run (engine.kernels says which path a process uses)."""
 
 import importlib.util
 import sys
@@ -27,6 +27,7 @@ def _extensions() -> list[Extension]:
     return [Extension(
         "engine.kernels._ggml_matmul",
         sources=["engine/kernels/ggml_matmul.cpp"],
+        depends=["engine/kernels/tile_kernels.inc"],
         include_dirs=[str(openvino / "include"), str(ggml / "include")],
         library_dirs=[str(libs), str(ggml / "lib64")],
         libraries=[f":{name}" for name in versioned] + ["ggml-base", "ggml-cpu"],

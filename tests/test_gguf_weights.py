@@ -237,3 +237,39 @@ def test_a_tensor_parallel_ranks_cut_keeps_the_gguf_values_of_its_rows_and_colum
     if BLOCKS[qtype][0] > 16:
         with pytest.raises(ExportError, match="cut .* blocks"):
             _cut(raw, qtype, 1, slice(16, 512))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own head", "tied"])
+def test_a_head_of_its_own_is_carried_with_its_gguf_codes(tied):
+    """A model whose head is its own GGUF tensor (not the embedding) gets the GGUF's codes in the
+    last stage's head MatMul, a rank its rows of the vocabulary; a tied head is left to the
+    embedding's table."""
+    from types import SimpleNamespace
+
+    from engine.export.gguf_weights import carry_head, own_head
+
+    raw = raw_blocks(Q6_K, np.random.default_rng(7))
+
+    class Checkpoint:
+        spec = SimpleNamespace(tie_embeddings=tied)
+
+        def has(self, part, layer=None):
+            return part == "lm_head"
+
+        def read_blocks(self, part, layer=None):
+            assert part == "lm_head"
+            return Q6_K, raw
+
+    blocks = own_head(Checkpoint())
+    if tied:
+        assert blocks is None
+        return
+    rows = slice(16, 48)
+    hidden = ops.parameter([1, -1, COLUMNS], ov.Type.f32, name="hidden")
+    stand_in = ops.broadcast(ops.constant(np.float32(0)), ops.constant(np.array([32, COLUMNS])))
+    model = ov.Model([ops.result(ops.matmul(hidden, stand_in, False, True))], [hidden])
+    assert carry_head(model, blocks, rows) == "Q6_K"
+    x = np.random.default_rng(8).standard_normal((1, 3, COLUMNS)).astype(np.float32)
+    got = ov.Core().compile_model(model, "CPU", EXACT_CONFIG)(x)[0]
+    want = x @ reference(Q6_K, raw)[rows].T
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()

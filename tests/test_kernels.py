@@ -1,8 +1,9 @@
 """Our CPU kernels inside the graph (``engine.kernels``): the extension ``pip install`` builds loads here;
-``GGMLMatMul`` multiplies by every carried GGUF type's blocks as the GGUF's values do, within the
-rounding of its int8 activations, and gives a row of x the same numbers alone or in a batch (exact
-mode relies on it); the blocks it runs are the GGUF's own again (``compose``); and a shard's carried
-matrices swap in for it, while the stock path keeps the CPU plugin's MatMuls."""
+``GGMLMatMul`` multiplies by every carried GGUF type as the GGUF's values do, within the rounding of
+its int8 activations, with our kernels from a matrix's tiles and with ggml's from its blocks, and gives
+a row of x the same numbers alone or in a batch (exact mode relies on it); the blocks ggml's kernels
+run are the GGUF's own again (``compose``); and a shard's carried matrices swap in for it, while the
+stock path keeps the CPU plugin's MatMuls."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from engine import kernels
 from engine.export.gguf_weights import BLOCKS, NAMES, Q4_K, Q6_K, carry_matmul, compose, decompose
 from engine.kernels.swap import swap_in
+from engine.kernels.tiles import TYPES, tiles
 from engine.runtime.stages.stage import core
 
 ROWS = 77  # not a multiple of any thread's share
@@ -50,6 +52,7 @@ def test_the_extension_is_built_by_the_install_and_loads_here(nodes):
     assert nodes is not None
     before = kernels.use(True)
     assert kernels.path(core())[0] == kernels.GGML
+    assert kernels.tile_width() in (8, 16, 0)
     kernels.use(False)
     assert kernels.path(core()) == (kernels.STOCK, "the stock path was chosen")
     kernels.use(*before)
@@ -63,18 +66,32 @@ def test_compose_gives_back_the_gguf_blocks(qtype):
 
 def _compiled(nodes, qtype, raw, kernel):
     x = ops.parameter([-1, COLUMNS], np.float32)
-    op = nodes.create(kernels.OP, [x.output(0), ops.constant(raw).output(0)],
-                      {"ggml_type": qtype, "columns": COLUMNS, "kernel": kernel})
+    matrix = raw if kernel == kernels.GGML_KERNEL else tiles(decompose(qtype, raw, ROWS, COLUMNS))
+    op = nodes.create(kernels.OP, [x.output(0), ops.constant(matrix).output(0)],
+                      {"ggml_type": qtype, "rows": ROWS, "columns": COLUMNS, "kernel": kernel})
     return core().compile_model(ov.Model([op], [x]), "CPU", CONFIG)
 
 
-@pytest.mark.parametrize("kernel", [kernels.OWN, kernels.GGML_KERNEL], ids=["ours", "ggml's"])
-@pytest.mark.parametrize("qtype", sorted(BLOCKS), ids=lambda t: NAMES[t])
+KERNELS = {kernels.OWN: "ours", kernels.OWN_256: "ours at 256 bits", kernels.GGML_KERNEL: "ggml"}
+CASES = [(qtype, kernel) for kernel in (kernels.OWN, kernels.OWN_256) for qtype in TYPES] + \
+        [(qtype, kernels.GGML_KERNEL) for qtype in sorted(BLOCKS)]
+
+
+@pytest.mark.parametrize("qtype, kernel", CASES, ids=[f"{NAMES[t]} {KERNELS[k]}" for t, k in CASES])
 def test_the_operation_multiplies_by_the_gguf_values(nodes, qtype, kernel):
+    """Our kernels at both widths (where this CPU has their int8 dot products) and ggml's, on 77 rows:
+    a last tile of padding."""
+    if kernel != kernels.GGML_KERNEL and not kernels.tile_width():
+        pytest.skip("this CPU has no int8 dot products: our kernels do not run here")
     rng = np.random.default_rng(200 + qtype)
     raw = random_blocks(qtype, rng)
     weights = decompose(qtype, raw, ROWS, COLUMNS).values()
-    compiled = _compiled(nodes, qtype, raw, kernel)
+    try:
+        compiled = _compiled(nodes, qtype, raw, kernel)
+    except RuntimeError as exc:
+        if kernel == kernels.OWN_256 and "no kernel of ours" in str(exc):
+            pytest.skip("this CPU has AVX-512 VNNI but not AVX-VNNI: the 256-bit kernels do not run here")
+        raise
     for batch in (1, 3, 9):  # 9: more rows than a kernel takes at once
         x = rng.standard_normal((batch, COLUMNS)).astype(np.float32)
         got, want = compiled(x)[0], x @ weights.T
@@ -84,18 +101,34 @@ def test_the_operation_multiplies_by_the_gguf_values(nodes, qtype, kernel):
         assert np.array_equal(got, alone)  # a row's numbers do not depend on its batch
 
 
-def test_the_operation_refuses_a_shape_its_blocks_do_not_fit(nodes):
+@pytest.mark.parametrize("kernel", [kernels.OWN, kernels.GGML_KERNEL], ids=["tiles", "blocks"])
+def test_the_operation_refuses_a_shape_its_blocks_do_not_fit(nodes, kernel):
+    if kernel == kernels.OWN and not kernels.tile_width():
+        pytest.skip("this CPU has no int8 dot products: our kernels do not run here")
     raw = random_blocks(Q4_K, np.random.default_rng(0))
+    matrix = raw if kernel == kernels.GGML_KERNEL else tiles(decompose(Q4_K, raw, ROWS, COLUMNS))
     x = ops.parameter([-1, 512], np.float32)
     with pytest.raises(RuntimeError, match="blocks are not"):
-        nodes.create(kernels.OP, [x.output(0), ops.constant(raw).output(0)], {"ggml_type": Q4_K, "columns": 512})
+        nodes.create(kernels.OP, [x.output(0), ops.constant(matrix).output(0)],
+                     {"ggml_type": Q4_K, "rows": ROWS, "columns": 512, "kernel": kernel})
 
 
-@pytest.mark.parametrize("qtype, offsets", [(Q4_K, True), (Q6_K, False), (3, True), (8, False), (Q4_K, False)],
-                         ids=["Q4_K offsets", "Q6_K", "Q4_1 offsets", "Q8_0", "Q4_K zero point"])
-def test_a_carried_matrix_swaps_in_for_the_operation(nodes, qtype, offsets):
+def test_tiles_refuse_a_type_our_kernels_do_not_run():
+    with pytest.raises(ValueError, match="no tiles"):
+        tiles(decompose(8, random_blocks(8, np.random.default_rng(0)), ROWS, COLUMNS))
+
+
+SWAPS = [(Q4_K, True, "Q4_K"), (Q6_K, False, "Q6_K"), (3, True, "Q4_1"), (8, False, "Q8_0"), (2, False, "Q4_0"),
+         (Q4_K, False, "Q4_1"), (3, False, "Q4_1"), (7, False, None)]
+
+
+@pytest.mark.parametrize("qtype, offsets, runs_as", SWAPS,
+                         ids=["Q4_K offsets", "Q6_K", "Q4_1 offsets", "Q8_0", "Q4_0", "Q4_K zero point",
+                              "Q4_1 zero point", "Q5_1 zero point"])
+def test_a_carried_matrix_swaps_in_for_the_operation(nodes, qtype, offsets, runs_as):
     """A matrix the exporter carried (``carry_matmul``) becomes one GGMLMatMul with its offsets folded
-    in, and multiplies as the stock graph does; one with a float zero point keeps the stock MatMul."""
+    in, and multiplies as the stock graph does; a 4-bit one with a float zero point runs as Q4_1, a
+    wider one keeps the stock MatMul."""
     rng = np.random.default_rng(qtype)
     raw = random_blocks(qtype, rng)
     q = decompose(qtype, raw, ROWS, COLUMNS)
@@ -111,9 +144,8 @@ def test_a_carried_matrix_swaps_in_for_the_operation(nodes, qtype, offsets):
     stock, swapped = graph(), graph()
     counts = swap_in(swapped, nodes)
     kinds = [op.get_type_name() for op in swapped.get_ordered_ops()]
-    exact = qtype in (Q6_K, 8)
-    if offsets or exact:
-        assert counts == {NAMES[qtype]: 1} and kinds.count("GGMLMatMul") == 1 and "MatMul" not in kinds
+    if runs_as:
+        assert counts == {runs_as: 1} and kinds.count("GGMLMatMul") == 1 and "MatMul" not in kinds
     else:
         assert counts == {} and "GGMLMatMul" not in kinds
     x = rng.standard_normal((1, 5, COLUMNS)).astype(np.float32)
@@ -123,7 +155,7 @@ def test_a_carried_matrix_swaps_in_for_the_operation(nodes, qtype, offsets):
 
 
 def test_the_stock_path_keeps_a_shards_matmuls(nodes, tiny_exports):
-    """Off (the default), reading a shard swaps nothing; a float shard has nothing to swap either way."""
+    """A float shard has nothing to swap, with the operation chosen (the default) or not."""
     from engine.runtime.stages.stage import read_for
 
     folder = next(iter(tiny_exports.values())).folders[0]
@@ -134,3 +166,31 @@ def test_the_stock_path_keeps_a_shards_matmuls(nodes, tiny_exports):
         finally:
             kernels.use(*before)
         assert not any(op.get_type_name() == "GGMLMatMul" for op in model.get_ops())
+
+
+def test_on_the_stock_path_a_carried_head_runs_as_int8_rows():
+    """A head carried with its Q6_K codes becomes INT8 rows for the CPU plugin's own MatMul: the same
+    logits within INT8's rounding; a head without the tag is left as it is."""
+    from engine.kernels.swap import int8_head
+
+    rng = np.random.default_rng(3)
+    raw = random_blocks(Q6_K, rng)
+    q = decompose(Q6_K, raw, ROWS, COLUMNS)
+
+    def graph(carried=True):
+        x = ops.parameter([1, -1, COLUMNS], ov.Type.f32, name="x")
+        head = ops.matmul(x, ops.constant(q.values()), False, True)
+        model = ov.Model([ops.result(head)], [x])
+        if carried:
+            carry_matmul(head, q)
+        return model
+
+    model = graph()
+    assert int8_head(model)
+    weight = [op for op in model.get_ordered_ops() if op.get_type_name() == "Constant"
+              and op.get_element_type() == ov.Type.u8]
+    assert weight and not int8_head(graph(carried=False))
+    x = rng.standard_normal((1, 4, COLUMNS)).astype(np.float32)
+    got = core().compile_model(model, "CPU", CONFIG)(x)[0]
+    want = x @ q.values().T
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()

@@ -11,15 +11,17 @@ Each decode round (every stream one new token, packed into one forward) is split
 Beside it, the speed at which the stock compressed int8 MatMul reads weights from memory (matrices
 of ``memory_mb`` in all, more than a CPU cache holds): the bound a memory-bound decode meets.
 Each of ``paths`` is profiled side by side, interleaved: the stock path (the CPU plugin's compressed
-MatMuls) and, where this machine has the kernel extension, the carried GGUF matrices on ggml's
-kernels (``engine.kernels``).  With ``--llamacpp``, llama-server's own per-token time on the same
-GGUF, one user, sits beside them.
+MatMuls) and, where this machine has the kernel extension, the carried GGUF matrices in the
+``GGMLMatMul`` operation (``engine.kernels``: our kernels for the types they cover, ggml's for the
+rest).  With ``--llamacpp``, llama-server's own per-token time on the same GGUF, one user, sits beside
+them, measured in each run after them.
 Prefill forwards are left out; the rounds are run ``runs`` times and each figure is the median.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from pathlib import Path
 from statistics import median
@@ -118,19 +120,13 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
         recorders[path] = _Rounds(chains[path].stages[0])
     names = list(PROMPTS)
     measured = {(path, n): [] for path in paths for n in users}
-    for run in range(runs):
-        for n in users:  # interleaved: the machine's load falls on every count and path alike
-            prompts = [ids.reshape(-1) for ids in prompt_ids(folder, [names[i % len(names)] for i in range(n)])]
-            for path in paths:
-                rounds = recorders[path]
-                rounds.rounds.clear()
-                generate_streams(chains[path], prompts, tokens, max_length=4096, ignore_eos=True)
-                steps = [r for r in rounds.rounds if r["streams"] == n]
-                if len(steps) < 3:
-                    raise FleetError(f"only {len(steps)} decode rounds of {n} streams were seen: ask for more tokens")
-                measured[path, n].append(_split(steps))
-                log(f"run {run + 1}/{runs}, {n} users, {path} path: {measured[path, n][-1]['whole round']:.2f} ms "
-                    "a round")
+    with contextlib.ExitStack() as stack:
+        peer = stack.enter_context(_Peer(model, folder, tokens, log)) if llamacpp else None
+        for run in range(runs):
+            _run(run, runs, users, paths, chains, recorders, folder, names, tokens, measured, log)
+            if peer is not None:
+                peer.measure()
+                log(f"run {run + 1}/{runs}, 1 user, llama.cpp: {peer.times[-1]:.2f} ms a token")
     rows, ratios = [], {}
     for path in paths:
         for n in users:
@@ -145,13 +141,29 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
     rows.append({"users": 0, "part": f"stock int8 matmul reading {memory_mb} MB of weights, GB/s",
                  "ms per round": round(memory_mb * 2**20 / (speed * 1e6), 3), "GB/s": round(speed, 2)})
     if llamacpp:
-        row, ratio = _llamacpp(model, folder, tokens, runs, rows, paths, log)
+        row, ratio = peer.report(rows, paths)
         rows.append(row)
         ratios.update(ratio)
     stage = chains[paths[0]].stages[0]
     settings = {"model": model, "weights": stage.manifest.weights, "paths": list(paths),
                 "tokens": tokens, "runs": runs, "device": device, "compile": config}
     return write_report("profile", rows, ratios, out, settings)
+
+
+def _run(run, runs, users, paths, chains, recorders, folder, names, tokens, measured, log) -> None:
+    """One run: every user count on every path, interleaved (the machine's load falls on them alike)."""
+    for n in users:
+        prompts = [ids.reshape(-1) for ids in prompt_ids(folder, [names[i % len(names)] for i in range(n)])]
+        for path in paths:
+            rounds = recorders[path]
+            rounds.rounds.clear()
+            generate_streams(chains[path], prompts, tokens, max_length=4096, ignore_eos=True)
+            steps = [r for r in rounds.rounds if r["streams"] == n]
+            if len(steps) < 3:
+                raise FleetError(f"only {len(steps)} decode rounds of {n} streams were seen: ask for more tokens")
+            measured[path, n].append(_split(steps))
+            log(f"run {run + 1}/{runs}, {n} users, {path} path: {measured[path, n][-1]['whole round']:.2f} ms "
+                "a round")
 
 
 def _path_rows(path: str, n: int, measured: list[dict], ratios: dict) -> list[dict]:
@@ -211,16 +223,34 @@ def _memory_speed(device: str, memory_mb: int, runs: int) -> float:
     return 4 * rows * MEMORY_COLUMNS / median(times) / 1e9
 
 
-def _llamacpp(model: str, folder: Path, tokens: int, runs: int, rows: list[dict], paths, log) -> tuple[dict, dict]:
-    """llama-server's own time per token for one user on the model's GGUF, and its ratio to each path's."""
-    # plain text: llama-server b9993 refuses some chat answers of its own (HTTP 500, "does not match
-    # the expected Content-only format")
-    ids = [int(t) for t in ChatTokenizer(folder).prompt_ids(LLAMACPP_PROMPT, chat=False).reshape(-1)]
-    with LlamaServer(pull(CATALOG[model]), log=log) as server:
-        server.complete(ids, 4)  # warm
-        per_token = median(server.complete(ids, tokens)["predicted_per_token_ms"] for _ in range(runs))
-    ours = {path: next(r["ms per round"] for r in rows if r["users"] == 1 and r.get("path") == path
-                       and r["part"] == "whole round") for path in paths}
-    return ({"users": 1, "part": f"llama.cpp {LLAMACPP_VERSION}, whole token", "ms per round": round(per_token, 3),
-             "tok/s": round(1e3 / per_token, 2)},
-            {f"1 user, {path} path: tok/s, ours over llama.cpp": round(per_token / ms, 3) for path, ms in ours.items()})
+class _Peer:
+    """llama-server on the model's GGUF, one user: its own time per token, measured once a run (after
+    our paths, so the machine's load falls on both alike), and its ratio to each path's."""
+
+    def __init__(self, model: str, folder: Path, tokens: int, log):
+        # plain text: llama-server b9993 refuses some chat answers of its own (HTTP 500, "does not match
+        # the expected Content-only format")
+        self.ids = [int(t) for t in ChatTokenizer(folder).prompt_ids(LLAMACPP_PROMPT, chat=False).reshape(-1)]
+        self.server = LlamaServer(pull(CATALOG[model]), log=log)
+        self.tokens = tokens
+        self.times: list[float] = []
+
+    def __enter__(self) -> "_Peer":
+        self.server.__enter__()
+        self.server.complete(self.ids, 4)  # warm
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.__exit__(*exc)
+
+    def measure(self) -> None:
+        self.times.append(self.server.complete(self.ids, self.tokens)["predicted_per_token_ms"])
+
+    def report(self, rows: list[dict], paths) -> tuple[dict, dict]:
+        per_token = median(self.times)
+        ours = {path: next(r["ms per round"] for r in rows if r["users"] == 1 and r.get("path") == path
+                           and r["part"] == "whole round") for path in paths}
+        return ({"users": 1, "part": f"llama.cpp {LLAMACPP_VERSION}, whole token", "ms per round": round(per_token, 3),
+                 "tok/s": round(1e3 / per_token, 2)},
+                {f"1 user, {path} path: tok/s, ours over llama.cpp": round(per_token / ms, 3)
+                 for path, ms in ours.items()})

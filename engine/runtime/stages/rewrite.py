@@ -32,17 +32,16 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from engine.kernels.swap import head_of
+
 LOGITS_TO_KEEP = "logits_to_keep"
 
 
 def keep_last_logits(model: ov.Model) -> bool:
     """Slices the head's input to the last ``logits_to_keep`` positions; False (and the model
-    untouched) when the logits do not come from a MatMul as ``graph.attach_vocabulary`` makes it."""
-    result = model.outputs[0].get_node()
-    head = result.input_value(0).get_node()
-    if head.get_type_name() == "AllGather":  # a tensor-parallel rank's share of the vocabulary
-        head = head.input_value(0).get_node()
-    if head.get_type_name() != "MatMul":
+    untouched) when the logits do not come from a multiply as ``graph.attach_vocabulary`` makes it."""
+    head = head_of(model)
+    if head is None:
         return False
     keep = ops.parameter(ov.PartialShape([1]), ov.Type.i64, name=LOGITS_TO_KEEP)
     keep.get_output_tensor(0).set_names({LOGITS_TO_KEEP})

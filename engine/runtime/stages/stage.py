@@ -17,7 +17,7 @@ from engine.errors import ShardError
 from engine.hostcpu import NONE, int8_dot
 from engine.manifest import BEAM_IDX, INT4_GROUP, MODEL_XML, Manifest, load_manifest
 from engine import kernels
-from engine.kernels.swap import swap_in
+from engine.kernels.swap import int8_head, swap_in
 from engine.pinned import pin_libraries
 from engine.runtime.interfaces import Stage
 from engine.transport import mesh as tensor_parallel
@@ -137,17 +137,19 @@ def devices() -> tuple[str, ...]:
 
 
 def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
-    """A shard's graph as ``device`` runs it best: on CPU with the MatMuls that share an input fused
-    (``fuse_sibling_matmuls``; the same logits bit for bit), and each carried GGUF matrix run by ggml's
-    kernels where this process has them (``engine.kernels``).  Measured here, decode tok/s, one process,
-    interleaved: Qwen2.5-Coder-1.5B 37.5 -> 40.1, Gemma 3 270M 129.5 -> 137.8, SmolLM2-135M 133 -> 154.
-    Where the CPU multiplies compressed weights in float (no int8 dot products), MatMuls of a depth
-    it runs slowly are split (``split_deep_matmuls``).  Returns the graph and what its rewritten
-    weights are mapped from: keep it while a model compiled from the graph lives."""
+    """A shard's graph as ``device`` runs it best: on CPU each carried GGUF matrix in our kernels (or
+    ggml's) where this process has them (``engine.kernels``), else, as on the other devices, a head
+    carried from the GGUF as INT8 rows; on CPU the MatMuls that share an input fused
+    (``fuse_sibling_matmuls``; the same logits bit for bit), and, where the CPU multiplies compressed
+    weights in float (no int8 dot products), MatMuls of a depth it runs slowly split
+    (``split_deep_matmuls``).  Returns the graph and what its rewritten weights are mapped from: keep
+    it while a model compiled from the graph lives."""
     model = core().read_model(str(Path(folder) / MODEL_XML))
+    nodes = kernels.factory(core()) if family(device) == "CPU" else None
+    if nodes is None:  # the plugin's own MatMuls: a head carried from the GGUF runs faster as INT8 rows
+        int8_head(model)
     if family(device) != "CPU":
         return model, None
-    nodes = kernels.factory(core())
     if nodes is not None:
         swap_in(model, nodes, kernels.kernel())
     spill = paths().cache  # on disk: a temporary folder may be memory (tmpfs)
