@@ -135,13 +135,13 @@ class PagedStage(PackingStage):
         self.first, self.last = self.manifest.first, self.manifest.last
         self.turns = turns if turns is not None and device.upper().startswith("CPU") else NO_TURNS
         try:
-            model, mapped = read_for(self.folder, device)
+            self.config = device_config(device, config, self.manifest)  # as compiled
+            model, mapped = read_for(self.folder, device, self.config)
             _rename_hidden_input(model)
             paged_attention_transformation(model, False, False)
             _slide_windows(model, self.manifest)
             if self.last:
                 _gather_logits_rows(model)
-            self.config = device_config(device, config, self.manifest)  # as compiled
             self.compiled = core().compile_model(model, device, self.config)
             self._mapped = mapped  # the fused weights it reads
         except RuntimeError as exc:

@@ -136,16 +136,18 @@ def devices() -> tuple[str, ...]:
     return _devices
 
 
-def read_for(folder: Path, device: str) -> tuple[ov.Model, object]:
-    """A shard's graph as ``device`` runs it best: on CPU each carried GGUF matrix in our kernels (or
-    ggml's) where this process has them (``engine.kernels``), else, as on the other devices, a head
-    carried from the GGUF as INT8 rows; on CPU the MatMuls that share an input fused
-    (``fuse_sibling_matmuls``; the same logits bit for bit), and, where the CPU multiplies compressed
-    weights in float (no int8 dot products), MatMuls of a depth it runs slowly split
-    (``split_deep_matmuls``).  Returns the graph and what its rewritten weights are mapped from: keep
+def read_for(folder: Path, device: str, config: dict | None = None) -> tuple[ov.Model, object]:
+    """A shard's graph as ``device`` runs it best with the compile ``config``: on CPU each carried GGUF
+    matrix in our kernels (or ggml's) where this process has them (``engine.kernels``) and the config
+    lets activations be quantized (our kernels quantize them to int8: ``exact`` keeps them in float),
+    else, as on the other devices, a head carried from the GGUF as INT8 rows; on CPU the MatMuls that
+    share an input fused (``fuse_sibling_matmuls``; the same logits bit for bit), and, where the CPU
+    multiplies compressed weights in float (no int8 dot products), MatMuls of a depth it runs slowly
+    split (``split_deep_matmuls``).  Returns the graph and what its rewritten weights are mapped from: keep
     it while a model compiled from the graph lives."""
     model = core().read_model(str(Path(folder) / MODEL_XML))
-    nodes = kernels.factory(core()) if family(device) == "CPU" else None
+    float_activations = (config or {}).get("DYNAMIC_QUANTIZATION_GROUP_SIZE") == "0"
+    nodes = kernels.factory(core()) if family(device) == "CPU" and not float_activations else None
     if nodes is None:  # the plugin's own MatMuls: a head carried from the GGUF runs faster as INT8 rows
         int8_head(model)
     if family(device) != "CPU":
@@ -206,7 +208,7 @@ class StageRunner(Stage):
     def _read(self) -> tuple[ov.Model, object]:
         """The graph every compile of this stage (one per stream when isolated) is made from."""
         try:
-            model, mapped = read_for(self.folder, self.device)
+            model, mapped = read_for(self.folder, self.device, self.config)
         except RuntimeError as exc:
             raise ShardError(f"cannot read shard {self.folder}: {exc}") from exc
         if self.manifest.last:

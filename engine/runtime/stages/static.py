@@ -128,7 +128,7 @@ class StaticStage(PackingStage):
         """(Re)compiles for ``slots`` stream windows; the cached windows so far keep their place."""
         capacity = slots * self.window
         try:
-            graph, mapped = read_for(self.folder, self.device)
+            graph, mapped = read_for(self.folder, self.device, self.config)
             model, self._pairs = static_model(graph, self.rows, capacity, self.sliding)
             self.compiled = core().compile_model(model, self.device, self.config)
             self._mapped = mapped  # the fused weights it reads, kept as long as it runs
