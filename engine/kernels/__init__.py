@@ -4,7 +4,8 @@ from its own bits: Q4_0, Q4_1, Q4_K and Q6_K with our kernels (int8 dot products
 ``tiles``), every other type with ggml's (from its blocks).  ``engine.kernels.swap`` puts it in the graph.
 
 It is the default on a CPU: faster than the CPU plugin's own compressed MatMuls (the stock path) for
-one row at a time and for several (docs/benchmarks.md).  ``use(False)`` chooses the stock path for the
+one row at a time and for several (docs/benchmarks.md); a stage compiled for exact mode, whose
+activations stay in float, runs the stock path (``stage.read_for``).  ``use(False)`` chooses the stock path for the
 stages a process compiles from then on; where the extension was not built, or ggml's library (the
 ``libggml-python`` package) is missing, the stock path runs anyway.  ``path()`` says which one this
 process uses and why.
