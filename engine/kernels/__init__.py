@@ -1,7 +1,8 @@
 """Our own CPU kernels inside the shard's graph: the ``GGMLMatMul`` operation (``ggml_matmul.cpp``, an
 OpenVINO extension that ``pip install`` builds with the machine's compiler) runs a carried GGUF matrix
-from its own bits: Q4_0, Q4_1, Q4_K and Q6_K with our kernels (int8 dot products, the matrix in
-``tiles``), every other type with ggml's (from its blocks).  ``engine.kernels.swap`` puts it in the graph.
+from its own bits: Q4_0, Q4_1, Q4_K and Q6_K with our kernels (int8 products with AVX-512 VNNI,
+AVX-VNNI or AVX2, the matrix in ``tiles``), every other type with ggml's (from its blocks).
+``engine.kernels.swap`` puts it in the graph.
 
 It is the default on a CPU: faster than the CPU plugin's own compressed MatMuls (the stock path) for
 one row at a time and for several (docs/benchmarks.md); a stage compiled for exact mode, whose
@@ -23,10 +24,11 @@ OP = "GGMLMatMul"
 GGML = "ggml"  # path() of a process whose CPU stages run the operation
 STOCK = "stock"  # path() of one that runs the CPU plugin's own MatMuls
 
-# the operation's ``kernel`` attribute: OWN is ours (ggml_matmul.cpp's, for tiles.TYPES on a CPU with
-# int8 dot products, from the matrix's tiles), GGML_KERNEL is ggml's vec_dot (every type, from its blocks),
-# OWN_256 ours at 256 bits where a CPU with AVX-512 would take 512 (for the tests: both widths run)
-OWN, GGML_KERNEL, OWN_256 = 0, 1, 2
+# the operation's ``kernel`` attribute: OWN is ours (ggml_matmul.cpp's, for tiles.TYPES, from the
+# matrix's tiles, in the best instruction set the CPU has), GGML_KERNEL is ggml's vec_dot (every type,
+# from its blocks), OWN_256 and OWN_AVX2 ours with AVX-VNNI or with AVX2 where the CPU has a better one
+# (for the tests: every instruction set the machine has runs)
+OWN, GGML_KERNEL, OWN_256, OWN_AVX2 = 0, 1, 2, 3
 
 _wanted = True
 _kernel = OWN
@@ -99,8 +101,8 @@ def factory(core):
 
 
 def tile_width() -> int:
-    """The matrix rows one vector of our kernels holds on this CPU (16: AVX-512 VNNI, 8: AVX-VNNI), or
-    0 where it has no int8 dot products or the extension is unavailable (ggml's kernels run then)."""
+    """The matrix rows one vector of our kernels holds on this CPU (16: AVX-512 VNNI, 8: AVX-VNNI or
+    AVX2), or 0 where it has no AVX2 or the extension is unavailable (ggml's kernels run then)."""
     if unavailable():
         return 0
     return int(ctypes.CDLL(str(library())).fleetshard_tile_width())

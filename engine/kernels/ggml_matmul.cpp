@@ -1,13 +1,13 @@
 // GGMLMatMul: an OpenVINO operation that multiplies activations by a matrix kept in a GGUF block type,
-// so a token reads 4.5 bits a weight of a Q4_K matrix, not the 8 the CPU plugin widens it to.  On a CPU
-// with int8 dot products, Q4_0, Q4_1, Q4_K and Q6_K run our kernels (below) from the matrix laid out in
+// so a token reads 4.5 bits a weight of a Q4_K matrix, not the 8 the CPU plugin widens it to.  On an
+// x86-64 CPU with AVX2, Q4_0, Q4_1, Q4_K and Q6_K run our kernels (below) from the matrix laid out in
 // tiles (the GGUF's bits, rearranged by engine/kernels/tiles.py): x quantized to int8 per block (256
-// values for the K-quants, 32 for the others), multiplied with AVX-512 VNNI or AVX-VNNI.  Every other
-// type, and every CPU without them, runs ggml's own vec_dot (libggml-python's libggml-cpu) from the
-// GGUF's own blocks, with x in the type's dot-product partner (Q8_K, Q8_0, Q8_1).  Either way the work
-// is threaded over the matrix's rows.
+// values for the K-quants, 32 for the others), multiplied with AVX-512 VNNI, AVX-VNNI or AVX2.  Every
+// other type, and every CPU without AVX2, runs ggml's own vec_dot (libggml-python's libggml-cpu) from
+// the GGUF's own blocks, with x in the type's dot-product partner (Q8_K, Q8_0, Q8_1).  Either way the
+// work is threaded over the matrix's rows.
 //
-//   inputs:  x f32 [..., columns]; the matrix u8 (a Constant): with our kernels (kernel 0 or 2) its
+//   inputs:  x f32 [..., columns]; the matrix u8 (a Constant): with our kernels (kernel 0, 2 or 3) its
 //            tiles [tiles * blocks of a row, bytes of a tile's block], with ggml's (kernel 1) its
 //            blocks [rows, bytes per row]
 //   output:  f32 [..., rows]  (x @ W.T)
@@ -31,11 +31,11 @@
 
 namespace fleetshard {
 
-// ---- our own kernels, for the CPUs with int8 dot products (AVX-VNNI, or AVX-512 VNNI) ----
+// ---- our own kernels, for the CPUs with AVX2 (with int8 dot products where they have them) ----
 // They read a matrix in tiles (engine/kernels/tiles.py lays them out): 16 matrix rows interleaved four
 // columns at a time, so one vector holds 16 rows' next four codes and one dot-product instruction
-// multiplies them by four values of x broadcast, and a block's scale applies to 16 rows at once after
-// four to eight such instructions.  A tile's codes are unpacked once for up to ROWS_AT_ONCE rows of x,
+// (AVX2: two) multiplies them by four values of x broadcast, and a block's scale applies to 16 rows at
+// once after four to eight such steps.  A tile's codes are unpacked once for up to ROWS_AT_ONCE rows of x,
 // and every output is summed in the same order whatever the number of rows: a row of x gets the
 // same numbers alone or in a batch.
 
@@ -108,7 +108,7 @@ template <int64_t BYTES, int STEPS>
 inline void prefetch(const uint8_t* block, int step) {
     constexpr int each = ((BYTES + 63) / 64 + STEPS - 1) / STEPS;  // lines a step (the last asks past the end)
     const char* at = reinterpret_cast<const char*>(block) + 64 * each * step;
-    for (int l = 0; l < each; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
+    _Pragma("GCC unroll 16") for (int l = 0; l < each; l++) _mm_prefetch(at + 64 * l, _MM_HINT_T0);
 }
 
 // a tile's outputs for ``rows`` rows of x (ROWS_AT_ONCE at most)
@@ -117,13 +117,17 @@ using TileKernel = void (*)(const uint8_t* tile, int64_t blocks, const XBlock* x
 using Tile32Kernel = void (*)(const uint8_t* tile, int64_t blocks, const X32* x, int64_t x_stride, float* y,
                               int64_t y_stride);
 
-// The vector operations the kernels use (V), at two widths: zmm's vectors hold a tile's 16 rows (AVX-512
-// VNNI), ymm's 8 of them, so it takes a tile in two halves (AVX-VNNI)
+// The vector operations the kernels use (V), at three instruction sets: zmm's vectors hold a tile's
+// 16 rows (AVX-512 VNNI), ymm's 8 of them, so they take a tile in two halves (AVX-VNNI); avx2 has the
+// same 8-row vectors but no int8 dot-product instruction, and sums pairs of products instead
+// (``maddubs``); avx2_wide is avx2 on two vectors at once.  ``VNNI`` says which: ``dot``, or
+// ``products``, ``add16`` and ``widen`` (tile_kernels.inc)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace zmm {
 struct V {
     static constexpr int ROWS = 16;
+    static constexpr bool VNNI = true;
     using I = __m512i;
     using F = __m512;
     static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
@@ -164,10 +168,10 @@ struct V {
 }  // namespace zmm
 #pragma GCC pop_options
 
+// the 256-bit operations ymm and avx2 share
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,avxvnni")
-namespace ymm {
-struct V {
+#pragma GCC target("avx2,fma,f16c")
+struct Ymm {
     static constexpr int ROWS = 8;
     using I = __m256i;
     using F = __m256;
@@ -180,10 +184,10 @@ struct V {
     template <int n> static I left(I a) { return _mm256_slli_epi16(a, n); }
     static I add(I a, I b) { return _mm256_add_epi32(a, b); }
     static I sub(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
-    static I dot(I acc, I w, const int8_t* x) {
+    static I four(const int8_t* x) {  // x's four values in each row's lane
         int32_t four;
         std::memcpy(&four, x, 4);
-        return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32(four));
+        return _mm256_set1_epi32(four);
     }
     static F floats(I a) { return _mm256_cvtepi32_ps(a); }
     static F u8s(const uint8_t* p) {
@@ -204,20 +208,103 @@ struct V {
     static void store(float* y, F v) { _mm256_storeu_ps(y, v); }
 };
 
+namespace avx2 {
+struct V : Ymm {
+    static constexpr bool VNNI = false;
+    // each row's two pairs of products of codes and x's four values, in int16
+    static I products(I w, const int8_t* x) { return _mm256_maddubs_epi16(w, four(x)); }
+    static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
+    static I widen(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }  // each row's pairs summed, int32
+};
+
+#include "tile_kernels.inc"
+}  // namespace avx2
+#pragma GCC pop_options
+
+// AVX2 with a tile's 16 rows in two vectors: x's four values broadcast once for both, and a tile read in
+// one pass, not two; more registers a row of x, so it spills where avx2 does not for many rows
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2_wide {
+struct V {
+    static constexpr int ROWS = 16;
+    static constexpr bool VNNI = false;
+    struct I { __m256i a, b; };
+    struct F { __m256 a, b; };
+    using Y = Ymm;
+    static I load(const uint8_t* p) { return {Y::load(p), Y::load(p + 32)}; }
+    static I bytes(char v) { return {Y::bytes(v), Y::bytes(v)}; }
+    static I zero() { return {Y::zero(), Y::zero()}; }
+    static I and_(I x, I y) { return {Y::and_(x.a, y.a), Y::and_(x.b, y.b)}; }
+    static I or_(I x, I y) { return {Y::or_(x.a, y.a), Y::or_(x.b, y.b)}; }
+    template <int n> static I right(I x) { return {Y::right<n>(x.a), Y::right<n>(x.b)}; }
+    template <int n> static I left(I x) { return {Y::left<n>(x.a), Y::left<n>(x.b)}; }
+    static I add(I x, I y) { return {Y::add(x.a, y.a), Y::add(x.b, y.b)}; }
+    static I sub(I x, int32_t y) { return {Y::sub(x.a, y), Y::sub(x.b, y)}; }
+    static I products(I w, const int8_t* x) { const auto f = Y::four(x); return {_mm256_maddubs_epi16(w.a, f), _mm256_maddubs_epi16(w.b, f)}; }
+    static I add16(I x, I y) { return {_mm256_add_epi16(x.a, y.a), _mm256_add_epi16(x.b, y.b)}; }
+    static I widen(I x) { const auto one = _mm256_set1_epi16(1); return {_mm256_madd_epi16(x.a, one), _mm256_madd_epi16(x.b, one)}; }
+    static F floats(I x) { return {Y::floats(x.a), Y::floats(x.b)}; }
+    static F u8s(const uint8_t* p) { return {Y::u8s(p), Y::u8s(p + 8)}; }
+    static F i8s(const uint8_t* p) { return {Y::i8s(p), Y::i8s(p + 8)}; }
+    static F halves(const uint8_t* p) { return {Y::halves(p), Y::halves(p + 16)}; }
+    static F fzero() { return {Y::fzero(), Y::fzero()}; }
+    static F mul(F x, F y) { return {Y::mul(x.a, y.a), Y::mul(x.b, y.b)}; }
+    static F mul(F x, float y) { return {Y::mul(x.a, y), Y::mul(x.b, y)}; }
+    static F fmadd(F x, F y, F z) { return {Y::fmadd(x.a, y.a, z.a), Y::fmadd(x.b, y.b, z.b)}; }
+    static F fmadd(F x, float y, F z) { return {Y::fmadd(x.a, y, z.a), Y::fmadd(x.b, y, z.b)}; }
+    static F fnmadd(F x, float y, F z) { return {Y::fnmadd(x.a, y, z.a), Y::fnmadd(x.b, y, z.b)}; }
+    static void store(float* y, F v) { Y::store(y, v.a); Y::store(y + 8, v.b); }
+};
+
+#include "tile_kernels.inc"
+}  // namespace avx2_wide
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace ymm {
+struct V : Ymm {
+    static constexpr bool VNNI = true;
+    static I dot(I acc, I w, const int8_t* x) { return _mm256_dpbusd_avx_epi32(acc, w, four(x)); }
+};
+
 #include "tile_kernels.inc"
 }  // namespace ymm
 #pragma GCC pop_options
 
-// the rows of a tile one vector holds on this CPU: 16 with AVX-512 VNNI, 8 with AVX-VNNI, 0 without int8
-// dot products (ggml's kernels then)
-int tile_width() {
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
-        return 16;
-    return __builtin_cpu_supports("avxvnni") ? 8 : 0;
+// The instruction sets our kernels are built for, the best first
+enum class Isa { NONE, AVX2, AVX_VNNI, AVX512_VNNI };
+
+bool has(Isa isa) {
+    switch (isa) {
+        case Isa::AVX512_VNNI:
+            return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512bw");
+        case Isa::AVX_VNNI:
+            return __builtin_cpu_supports("avxvnni");
+        case Isa::AVX2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        default:
+            return true;
+    }
 }
 
-// Our kernels for a type at a width (16 or 8 rows a vector): a K-quant's (x per 256 values) or a legacy
-// type's (x per 32), with the columns and bytes of a tile's block; none where there are none
+Isa best() {
+    for (Isa isa : {Isa::AVX512_VNNI, Isa::AVX_VNNI, Isa::AVX2})
+        if (has(isa)) return isa;
+    return Isa::NONE;
+}
+
+// the rows of a tile one vector holds on this CPU: 16 with AVX-512 VNNI, 8 with AVX-VNNI or AVX2, 0
+// without AVX2 (ggml's kernels then)
+int tile_width() {
+    static const Isa isa = best();
+    return isa == Isa::AVX512_VNNI ? 16 : isa == Isa::NONE ? 0 : 8;
+}
+
+// Our kernels for a type in an instruction set: a K-quant's (x per 256 values) or a legacy type's (x
+// per 32), with the columns and bytes of a tile's block; none where there are none
 struct Tiles {
     const TileKernel* k_quant = nullptr;
     const Tile32Kernel* legacy = nullptr;
@@ -225,13 +312,32 @@ struct Tiles {
     explicit operator bool() const { return k_quant || legacy; }
 };
 
-Tiles tile_kernels(ggml_type type, int width) {
-    if (width != 16 && width != 8) return {};
-    const bool z = width == 16;
-    if (type == GGML_TYPE_Q4_K) return {z ? zmm::q4_K : ymm::q4_K, nullptr, 256, Q4_K_TILE};
-    if (type == GGML_TYPE_Q6_K) return {z ? zmm::q6_K : ymm::q6_K, nullptr, 256, Q6_K_TILE};
-    if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1) return {nullptr, z ? zmm::q4_1 : ymm::q4_1, 32, Q4_1_TILE};
+// AVX2's Q4_K kernels: avx2_wide's for up to 3 rows of x, avx2's (8 rows a pass) for more, which are
+// faster there; avx2_wide's Q6_K kernels are faster at every count, avx2's Q4_1 kernels a little
+constexpr TileKernel avx2_q4_K[ROWS_AT_ONCE + 1] = {
+    nullptr, avx2_wide::q4_K_rows<1>, avx2_wide::q4_K_rows<2>, avx2_wide::q4_K_rows<3>, avx2::q4_K_rows<4>,
+    avx2::q4_K_rows<5>, avx2::q4_K_rows<6>, avx2::q4_K_rows<7>, avx2::q4_K_rows<8>};
+
+template <const TileKernel* q4_K, const TileKernel* q6_K, const Tile32Kernel* q4_1>
+Tiles tile_kernels(ggml_type type) {
+    if (type == GGML_TYPE_Q4_K) return {q4_K, nullptr, 256, Q4_K_TILE};
+    if (type == GGML_TYPE_Q6_K) return {q6_K, nullptr, 256, Q6_K_TILE};
+    if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1) return {nullptr, q4_1, 32, Q4_1_TILE};
     return {};
+}
+
+Tiles tile_kernels(ggml_type type, Isa isa) {
+    if (!has(isa)) return {};
+    switch (isa) {
+        case Isa::AVX512_VNNI:
+            return tile_kernels<zmm::q4_K, zmm::q6_K, zmm::q4_1>(type);
+        case Isa::AVX_VNNI:
+            return tile_kernels<ymm::q4_K, ymm::q6_K, ymm::q4_1>(type);
+        case Isa::AVX2:
+            return tile_kernels<avx2_q4_K, avx2_wide::q6_K, avx2::q4_1>(type);
+        default:
+            return {};
+    }
 }
 
 void init_ggml() {
@@ -244,9 +350,10 @@ public:
     OPENVINO_OP("GGMLMatMul", "fleetshard");
 
     GGMLMatMul() = default;
-    // kernel: OWN (ours, from the matrix's tiles, at this CPU's widest), GGML (ggml's vec_dot, from its
-    // GGUF blocks) or OWN_256 (ours at 256 bits, on a CPU with AVX-VNNI: the tests run both widths)
-    static constexpr int64_t OWN = 0, GGML = 1, OWN_256 = 2;
+    // kernel: OWN (ours, from the matrix's tiles, in the best instruction set this CPU has), GGML (ggml's
+    // vec_dot, from its GGUF blocks), OWN_256 or OWN_AVX2 (ours with AVX-VNNI or with AVX2, where this
+    // CPU has them: the tests run every instruction set the machine has)
+    static constexpr int64_t OWN = 0, GGML = 1, OWN_256 = 2, OWN_AVX2 = 3;
 
     GGMLMatMul(const ov::OutputVector& args, int64_t ggml_type, int64_t rows, int64_t columns, int64_t kernel)
         : Op(args), m_type(ggml_type), m_rows(rows), m_columns(columns), m_kernel(kernel) {
@@ -260,7 +367,7 @@ public:
                               "GGMLMatMul: ggml has no CPU dot product for type ", m_type);
         NODE_VALIDATION_CHECK(this, m_columns > 0 && m_columns % ggml_blck_size(type) == 0,
                               "GGMLMatMul: ", m_columns, " columns are not whole blocks of ", ggml_type_name(type));
-        NODE_VALIDATION_CHECK(this, m_kernel == OWN || m_kernel == GGML || m_kernel == OWN_256,
+        NODE_VALIDATION_CHECK(this, m_kernel >= OWN && m_kernel <= OWN_AVX2,
                               "GGMLMatMul: no kernel ", m_kernel);
         NODE_VALIDATION_CHECK(this, m_kernel == GGML || own(type),
                               "GGMLMatMul: no kernel of ours for ", ggml_type_name(type), " on this CPU");
@@ -312,11 +419,10 @@ public:
     }
 
 private:
-    // our tile kernels for a type at the width this node asks for (none where this CPU has none)
+    // our tile kernels for a type in the instruction set this node asks for (none where this CPU lacks it)
     Tiles own(ggml_type type) const {
-        static const int widest = tile_width();
-        const int width = m_kernel == OWN_256 ? (__builtin_cpu_supports("avxvnni") ? 8 : 0) : widest;
-        return tile_kernels(type, width);
+        static const Isa isa = best();
+        return tile_kernels(type, m_kernel == OWN_256 ? Isa::AVX_VNNI : m_kernel == OWN_AVX2 ? Isa::AVX2 : isa);
     }
 
     void tiled(ggml_type type, const float* xp, int64_t M, const uint8_t* wp, float* yp) const {

@@ -14,7 +14,7 @@ import openvino.opset13 as ops
 
 from engine.export.gguf_weights import (CENTERS, KERNEL_TAG, NAMES, Q4_0, Q4_1, Q5_0, Q6_K, Q8_0, Quantized, Table,
                                        compose)
-from engine.kernels import GGML_KERNEL, OP, OWN, OWN_256, tile_width
+from engine.kernels import GGML_KERNEL, OP, OWN, tile_width
 from engine.kernels.tiles import TYPES, tiles
 
 _TYPES = {name: qtype for qtype, name in NAMES.items()}
@@ -171,7 +171,7 @@ def swap_in(model: ov.Model, factory, kernel: int = OWN) -> dict[str, int]:
     ``engine.kernels.factory``), in tiles for our kernels where ``kernel`` is ours and this CPU has
     one for the type, else as the GGUF's blocks for ggml's; returns how many matrices of each type now
     run so.  A matrix whose graph does not have the expected form stays as it is."""
-    ours = kernel in (OWN, OWN_256) and tile_width() > 0
+    ours = kernel != GGML_KERNEL and tile_width() > 0
     swapped: dict[str, int] = {}
     for matmul in model.get_ordered_ops():
         if matmul.get_type_name() != "MatMul" or matmul.get_transpose_a() or not matmul.get_transpose_b():
