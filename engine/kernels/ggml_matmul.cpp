@@ -231,7 +231,7 @@ struct V {
     static constexpr bool VNNI = false;
     struct I { __m256i a, b; };
     struct F { __m256 a, b; };
-    using Y = Ymm;
+    using Y = avx2::V;
     static I load(const uint8_t* p) { return {Y::load(p), Y::load(p + 32)}; }
     static I bytes(char v) { return {Y::bytes(v), Y::bytes(v)}; }
     static I zero() { return {Y::zero(), Y::zero()}; }
@@ -241,9 +241,12 @@ struct V {
     template <int n> static I left(I x) { return {Y::left<n>(x.a), Y::left<n>(x.b)}; }
     static I add(I x, I y) { return {Y::add(x.a, y.a), Y::add(x.b, y.b)}; }
     static I sub(I x, int32_t y) { return {Y::sub(x.a, y), Y::sub(x.b, y)}; }
-    static I products(I w, const int8_t* x) { const auto f = Y::four(x); return {_mm256_maddubs_epi16(w.a, f), _mm256_maddubs_epi16(w.b, f)}; }
-    static I add16(I x, I y) { return {_mm256_add_epi16(x.a, y.a), _mm256_add_epi16(x.b, y.b)}; }
-    static I widen(I x) { const auto one = _mm256_set1_epi16(1); return {_mm256_madd_epi16(x.a, one), _mm256_madd_epi16(x.b, one)}; }
+    static I products(I w, const int8_t* x) {  // x's four values broadcast once for both vectors
+        const auto f = Y::four(x);
+        return {_mm256_maddubs_epi16(w.a, f), _mm256_maddubs_epi16(w.b, f)};
+    }
+    static I add16(I x, I y) { return {Y::add16(x.a, y.a), Y::add16(x.b, y.b)}; }
+    static I widen(I x) { return {Y::widen(x.a), Y::widen(x.b)}; }
     static F floats(I x) { return {Y::floats(x.a), Y::floats(x.b)}; }
     static F u8s(const uint8_t* p) { return {Y::u8s(p), Y::u8s(p + 8)}; }
     static F i8s(const uint8_t* p) { return {Y::i8s(p), Y::i8s(p + 8)}; }
@@ -276,7 +279,7 @@ struct V : Ymm {
 // The instruction sets our kernels are built for, the best first
 enum class Isa { NONE, AVX2, AVX_VNNI, AVX512_VNNI };
 
-bool has(Isa isa) {
+bool supported(Isa isa) {
     switch (isa) {
         case Isa::AVX512_VNNI:
             return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
@@ -290,16 +293,26 @@ bool has(Isa isa) {
     }
 }
 
+// whether this CPU has ``isa`` (asked once per instruction set)
+bool has(Isa isa) {
+    static const bool known[] = {true, supported(Isa::AVX2), supported(Isa::AVX_VNNI), supported(Isa::AVX512_VNNI)};
+    return known[static_cast<int>(isa)];
+}
+
+// the best instruction set this CPU has
 Isa best() {
-    for (Isa isa : {Isa::AVX512_VNNI, Isa::AVX_VNNI, Isa::AVX2})
-        if (has(isa)) return isa;
-    return Isa::NONE;
+    static const Isa isa = [] {
+        for (Isa each : {Isa::AVX512_VNNI, Isa::AVX_VNNI, Isa::AVX2})
+            if (has(each)) return each;
+        return Isa::NONE;
+    }();
+    return isa;
 }
 
 // the rows of a tile one vector holds on this CPU: 16 with AVX-512 VNNI, 8 with AVX-VNNI or AVX2, 0
 // without AVX2 (ggml's kernels then)
 int tile_width() {
-    static const Isa isa = best();
+    const Isa isa = best();
     return isa == Isa::AVX512_VNNI ? 16 : isa == Isa::NONE ? 0 : 8;
 }
 
@@ -421,8 +434,7 @@ public:
 private:
     // our tile kernels for a type in the instruction set this node asks for (none where this CPU lacks it)
     Tiles own(ggml_type type) const {
-        static const Isa isa = best();
-        return tile_kernels(type, m_kernel == OWN_256 ? Isa::AVX_VNNI : m_kernel == OWN_AVX2 ? Isa::AVX2 : isa);
+        return tile_kernels(type, m_kernel == OWN_256 ? Isa::AVX_VNNI : m_kernel == OWN_AVX2 ? Isa::AVX2 : best());
     }
 
     void tiled(ggml_type type, const float* xp, int64_t M, const uint8_t* wp, float* yp) const {
