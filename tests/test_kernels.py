@@ -1,7 +1,8 @@
 """Our CPU kernels inside the graph (``engine.kernels``): the extension ``pip install`` builds loads here;
 ``GGMLMatMul`` multiplies by every carried GGUF type as the GGUF's values do, within the rounding of
-its int8 activations, with our kernels from a matrix's tiles and with ggml's from its blocks, and gives
-a row of x the same numbers alone or in a batch (exact mode relies on it); the blocks ggml's kernels
+its int8 activations, with our kernels from a matrix's tiles and with ggml's from its blocks, and within
+float rounding with our kernels' activations in float (exact mode); it gives a row of x the same numbers
+alone or in a batch (exact mode relies on it); the blocks ggml's kernels
 run are the GGUF's own again (``compose``); and a shard's carried matrices swap in for it, while the
 stock path keeps the CPU plugin's MatMuls."""
 
@@ -64,41 +65,53 @@ def test_compose_gives_back_the_gguf_blocks(qtype):
     assert np.array_equal(compose(decompose(qtype, raw, ROWS, COLUMNS)), raw)
 
 
-def _compiled(nodes, qtype, raw, kernel):
+def _compiled(nodes, qtype, raw, kernel, float_x=False):
     x = ops.parameter([-1, COLUMNS], np.float32)
     matrix = raw if kernel == kernels.GGML_KERNEL else tiles(decompose(qtype, raw, ROWS, COLUMNS))
     op = nodes.create(kernels.OP, [x.output(0), ops.constant(matrix).output(0)],
-                      {"ggml_type": qtype, "rows": ROWS, "columns": COLUMNS, "kernel": kernel})
+                      {"ggml_type": qtype, "rows": ROWS, "columns": COLUMNS, "kernel": kernel,
+                       "float_x": int(float_x)})
     return core().compile_model(ov.Model([op], [x]), "CPU", CONFIG)
 
 
 KERNELS = {kernels.OWN: "ours", kernels.OWN_256: "ours with AVX-VNNI", kernels.OWN_AVX2: "ours with AVX2",
            kernels.GGML_KERNEL: "ggml"}
-CASES = [(qtype, kernel) for kernel in (kernels.OWN, kernels.OWN_256, kernels.OWN_AVX2) for qtype in TYPES] + \
-        [(qtype, kernels.GGML_KERNEL) for qtype in sorted(BLOCKS)]
+OURS = (kernels.OWN, kernels.OWN_256, kernels.OWN_AVX2)
+CASES = [(qtype, kernel, float_x) for float_x in (False, True) for kernel in OURS for qtype in TYPES] + \
+        [(qtype, kernels.GGML_KERNEL, False) for qtype in sorted(BLOCKS)]
 
 
-@pytest.mark.parametrize("qtype, kernel", CASES, ids=[f"{NAMES[t]} {KERNELS[k]}" for t, k in CASES])
-def test_the_operation_multiplies_by_the_gguf_values(nodes, qtype, kernel):
-    """Our kernels in each instruction set this CPU has and ggml's, on 77 rows: a last tile of padding."""
+@pytest.mark.parametrize("qtype, kernel, float_x", CASES,
+                         ids=[f"{NAMES[t]} {KERNELS[k]}{', x in float' if f else ''}" for t, k, f in CASES])
+def test_the_operation_multiplies_by_the_gguf_values(nodes, qtype, kernel, float_x):
+    """Our kernels in each instruction set this CPU has, with x in int8 and in float, and ggml's, on 77
+    rows: a last tile of padding."""
     if kernel != kernels.GGML_KERNEL and not kernels.tile_width():
         pytest.skip("this CPU has no AVX2: our kernels do not run here")
     rng = np.random.default_rng(200 + qtype)
     raw = random_blocks(qtype, rng)
-    weights = decompose(qtype, raw, ROWS, COLUMNS).values()
+    weights = decompose(qtype, raw, ROWS, COLUMNS).values().astype(np.float64)
     try:
-        compiled = _compiled(nodes, qtype, raw, kernel)
+        compiled = _compiled(nodes, qtype, raw, kernel, float_x)
     except RuntimeError as exc:
         if kernel == kernels.OWN_256 and "no kernel of ours" in str(exc):
             pytest.skip("this CPU has no AVX-VNNI: those kernels do not run here")
         raise
+    # int8 activations: within a few hundredths of the largest output; float ones: float32's rounding
+    tolerance = 1e-5 if float_x else 0.03
     for batch in (1, 3, 5, 9):  # 9: more rows than a kernel takes at once
         x = rng.standard_normal((batch, COLUMNS)).astype(np.float32)
         got, want = compiled(x)[0], x @ weights.T
-        # int8 activations: within a few hundredths of the largest output
-        assert got.shape == want.shape and np.abs(got - want).max() <= 0.03 * np.abs(want).max()
+        assert got.shape == want.shape and np.abs(got - want).max() <= tolerance * np.abs(want).max()
         alone = np.concatenate([compiled(x[i:i + 1])[0] for i in range(batch)])
         assert np.array_equal(got, alone)  # a row's numbers do not depend on its batch
+
+
+def test_float_activations_run_our_kernels_only(nodes):
+    """ggml's kernels take x in the type's int8 partner: x in float is refused for them."""
+    raw = random_blocks(Q4_K, np.random.default_rng(0))
+    with pytest.raises(RuntimeError, match="x in float runs our kernels only"):
+        _compiled(nodes, Q4_K, raw, kernels.GGML_KERNEL, float_x=True)
 
 
 @pytest.mark.parametrize("kernel", [kernels.OWN, kernels.GGML_KERNEL], ids=["tiles", "blocks"])
@@ -118,6 +131,8 @@ def test_tiles_refuse_a_type_our_kernels_do_not_run():
         tiles(decompose(8, random_blocks(8, np.random.default_rng(0)), ROWS, COLUMNS))
 
 
+EXACT = {**CONFIG, "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}  # the stock path's float activations
+OURS_NAMES = {NAMES[t] for t in TYPES}
 SWAPS = [(Q4_K, True, "Q4_K"), (Q6_K, False, "Q6_K"), (3, True, "Q4_1"), (8, False, "Q8_0"), (2, False, "Q4_0"),
          (Q4_K, False, "Q4_1"), (3, False, "Q4_1"), (7, False, None)]
 
@@ -141,17 +156,20 @@ def test_a_carried_matrix_swaps_in_for_the_operation(nodes, qtype, offsets, runs
         carry_matmul(matmul, q, offsets_from=0 if offsets else 10**9)
         return model
 
-    stock, swapped = graph(), graph()
-    counts = swap_in(swapped, nodes)
-    kinds = [op.get_type_name() for op in swapped.get_ordered_ops()]
-    if runs_as:
-        assert counts == {runs_as: 1} and kinds.count("GGMLMatMul") == 1 and "MatMul" not in kinds
-    else:
-        assert counts == {} and "GGMLMatMul" not in kinds
+    stock = graph()
     x = rng.standard_normal((1, 5, COLUMNS)).astype(np.float32)
-    want = core().compile_model(stock, "CPU", CONFIG)(x)[0]
-    got = core().compile_model(swapped, "CPU", CONFIG)(x)[0]
-    assert np.abs(got - want).max() <= 0.03 * np.abs(want).max()
+    want = core().compile_model(stock, "CPU", EXACT)(x)[0]
+    for float_x in (False, True):
+        swapped = graph()
+        counts = swap_in(swapped, nodes, float_x=float_x)
+        kinds = [op.get_type_name() for op in swapped.get_ordered_ops()]
+        if runs_as and (not float_x or runs_as in OURS_NAMES):  # x in float: our kernels' types only
+            assert counts == {runs_as: 1} and kinds.count("GGMLMatMul") == 1 and "MatMul" not in kinds
+        else:
+            assert counts == {} and "GGMLMatMul" not in kinds
+        got = core().compile_model(swapped, "CPU", EXACT if float_x else CONFIG)(x)[0]
+        # x in float: within f16's rounding of a zero point's minimum (Q4_1 stores m in f16)
+        assert np.abs(got - want).max() <= (2e-3 if float_x else 0.03) * np.abs(want).max()
 
 
 def test_the_stock_path_keeps_a_shards_matmuls(nodes, tiny_exports):

@@ -16,6 +16,8 @@ MatMuls) and, where this machine has the kernel extension, the carried GGUF matr
 rest).  With ``--llamacpp``, llama-server's own per-token time on the same GGUF, one user, sits beside
 them, measured in each run after them.
 Prefill forwards are left out; the rounds are run ``runs`` times and each figure is the median.
+``mode`` is the correctness mode the stage compiles in: ``exact`` keeps the activations in float,
+in our kernels as in the stock MatMuls.
 """
 
 from __future__ import annotations
@@ -95,13 +97,13 @@ class _Rounds:
 
 def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str = "auto",
                 users: tuple[int, ...] = USERS, runs: int = 3, llamacpp: bool = False,
-                memory_mb: int = MEMORY_MB, paths: tuple[str, ...] | None = None, out: Path | None = None,
-                log=print) -> dict:
+                memory_mb: int = MEMORY_MB, paths: tuple[str, ...] | None = None, mode: str = "fast",
+                out: Path | None = None, log=print) -> dict:
     """``paths``: the matrices' paths to profile side by side, of ``kernels.STOCK`` and ``kernels.GGML``
     (default: both where this machine has the kernel extension, else the stock one)."""
     export = export_model(model, stages=1, weights=weights)
     folder = export.folders[0]
-    config = {**compile_config("fast"), "PERF_COUNT": "YES"}
+    config = {**compile_config(mode), "PERF_COUNT": "YES"}
     if not paths:
         before = kernels.use(True)
         paths = (kernels.STOCK, kernels.GGML) if kernels.path(core())[0] == kernels.GGML else (kernels.STOCK,)
@@ -146,7 +148,7 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
         ratios.update(ratio)
     stage = chains[paths[0]].stages[0]
     settings = {"model": model, "weights": stage.manifest.weights, "paths": list(paths),
-                "tokens": tokens, "runs": runs, "device": device, "compile": config}
+                "tokens": tokens, "runs": runs, "device": device, "mode": mode, "compile": config}
     return write_report("profile", rows, ratios, out, settings)
 
 

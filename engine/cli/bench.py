@@ -80,7 +80,8 @@ def cmd_bench(args) -> int:
                                llamacpp=args.llamacpp, out=common["out"], log=common["log"],
                                **({"users": args.users} if args.users else {}),
                                **({"memory_mb": args.memory} if args.memory else {}),
-                               **({"paths": tuple(args.kernels.split(","))} if args.kernels else {})),
+                               **({"paths": tuple(args.kernels.split(","))} if args.kernels else {}),
+                               mode=args.mode),
         "soak": lambda f: f(model, users=max(args.users or (8,)), minutes=args.minutes, kill_every_s=args.kill_every,
                             tokens=args.tokens or 32, **({"stages": args.stages} if args.stages else {}), **common),
     }
@@ -146,6 +147,8 @@ def add_commands(sub) -> None:
     bench.add_argument("--head", choices=HEAD_FORMATS, default="int8",
                        help="parity: int4 adds a row whose LM head is INT4 (fleet export --head int4)")
     bench.add_argument("--text", help="quality: a text file to measure on (default: the shipped prose and code)")
+    bench.add_argument("--mode", default="fast", choices=("fast", "exact"),
+                       help="profile: the correctness mode the stage compiles in (exact: activations in float)")
     bench.add_argument("--kernels", help="profile: the matrices' paths to compare, comma-separated, of stock "
                        "(the CPU plugin's MatMuls) and ggml (the GGUF's blocks in the graph, on our kernels); "
                        "default: both where the kernel extension runs here")

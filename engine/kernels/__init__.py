@@ -1,12 +1,12 @@
 """Our own CPU kernels inside the shard's graph: the ``GGMLMatMul`` operation (``ggml_matmul.cpp``, an
 OpenVINO extension that ``pip install`` builds with the machine's compiler) runs a carried GGUF matrix
 from its own bits: Q4_0, Q4_1, Q4_K and Q6_K with our kernels (int8 products with AVX-512 VNNI,
-AVX-VNNI or AVX2, the matrix in ``tiles``), every other type with ggml's (from its blocks).
-``engine.kernels.swap`` puts it in the graph.
+AVX-VNNI or AVX2, the matrix in ``tiles``), every other type with ggml's (from its blocks).  A stage
+compiled for exact mode keeps its activations in float: our kernels then multiply in float, and the
+other types keep the CPU plugin's MatMuls.  ``engine.kernels.swap`` puts it in the graph.
 
 It is the default on a CPU: faster than the CPU plugin's own compressed MatMuls (the stock path) for
-one row at a time and for several (docs/benchmarks.md); a stage compiled for exact mode, whose
-activations stay in float, runs the stock path (``stage.read_for``).  ``use(False)`` chooses the stock path for the
+one row at a time and for several (docs/benchmarks.md).  ``use(False)`` chooses the stock path for the
 stages a process compiles from then on; where the extension was not built, or ggml's library (the
 ``libggml-python`` package) is missing, the stock path runs anyway.  ``path()`` says which one this
 process uses and why.
@@ -85,8 +85,7 @@ def factory(core):
     if unavailable():
         return None
     try:
-        for name in GGML_LIBRARIES:  # the extension finds ggml's symbols among the loaded libraries
-            ctypes.CDLL(str(_ggml_folder() / name), mode=ctypes.RTLD_GLOBAL)
+        _dependencies()
         from openvino.utils.node_factory import NodeFactory  # deferred: only a CPU stage builds the op
 
         core.add_extension(str(library()))
@@ -100,12 +99,25 @@ def factory(core):
     return nodes
 
 
+def _dependencies() -> None:
+    """Loads what the extension links to: OpenVINO's runtime, and ggml's libraries, whose symbols it
+    finds among the loaded ones."""
+    import openvino  # noqa: F401 - deferred: loads OpenVINO's runtime library
+
+    for name in GGML_LIBRARIES:
+        ctypes.CDLL(str(_ggml_folder() / name), mode=ctypes.RTLD_GLOBAL)
+
+
 def tile_width() -> int:
     """The matrix rows one vector of our kernels holds on this CPU (16: AVX-512 VNNI, 8: AVX-VNNI or
     AVX2), or 0 where it has no AVX2 or the extension is unavailable (ggml's kernels run then)."""
     if unavailable():
         return 0
-    return int(ctypes.CDLL(str(library())).fleetshard_tile_width())
+    try:
+        _dependencies()
+        return int(ctypes.CDLL(str(library())).fleetshard_tile_width())
+    except OSError:
+        return 0
 
 
 def path(core) -> tuple[str, str]:

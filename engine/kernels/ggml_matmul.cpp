@@ -2,7 +2,8 @@
 // so a token reads 4.5 bits a weight of a Q4_K matrix, not the 8 the CPU plugin widens it to.  On an
 // x86-64 CPU with AVX2, Q4_0, Q4_1, Q4_K and Q6_K run our kernels (below) from the matrix laid out in
 // tiles (the GGUF's bits, rearranged by engine/kernels/tiles.py): x quantized to int8 per block (256
-// values for the K-quants, 32 for the others), multiplied with AVX-512 VNNI, AVX-VNNI or AVX2.  Every
+// values for the K-quants, 32 for the others), multiplied with AVX-512 VNNI, AVX-VNNI or AVX2, or, in
+// exact mode, x kept in float and the codes made floats (float_x).  Every
 // other type, and every CPU without AVX2, runs ggml's own vec_dot (libggml-python's libggml-cpu) from
 // the GGUF's own blocks, with x in the type's dot-product partner (Q8_K, Q8_0, Q8_1).  Either way the
 // work is threaded over the matrix's rows.
@@ -11,7 +12,7 @@
 //            tiles [tiles * blocks of a row, bytes of a tile's block], with ggml's (kernel 1) its
 //            blocks [rows, bytes per row]
 //   output:  f32 [..., rows]  (x @ W.T)
-//   attributes: ggml_type (ggml.h's type id), rows, columns, kernel
+//   attributes: ggml_type (ggml.h's type id), rows, columns, kernel, float_x
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
 #include <openvino/op/op.hpp>
@@ -116,6 +117,10 @@ using TileKernel = void (*)(const uint8_t* tile, int64_t blocks, const XBlock* x
                             int64_t y_stride);
 using Tile32Kernel = void (*)(const uint8_t* tile, int64_t blocks, const X32* x, int64_t x_stride, float* y,
                               int64_t y_stride);
+// and with x in float (exact mode), each row of x its K values
+using FloatKernel = void (*)(const uint8_t* tile, int64_t blocks, const float* x, int64_t x_stride, float* y,
+                             int64_t y_stride);
+constexpr int CHAINS = 2;  // the float kernels' sums a row of x keeps, so that one waits less on another
 
 // The vector operations the kernels use (V), at three instruction sets: zmm's vectors hold a tile's
 // 16 rows (AVX-512 VNNI), ymm's 8 of them, so they take a tile in two halves (AVX-VNNI); avx2 has the
@@ -139,6 +144,8 @@ struct V {
     template <int n> static I left(I a) { return _mm512_slli_epi16(a, n); }
     static I add(I a, I b) { return _mm512_add_epi32(a, b); }
     static I sub(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+    static I ints(int32_t v) { return _mm512_set1_epi32(v); }
+    static I right32(I a, int n) { return _mm512_srli_epi32(a, n); }
     // acc + the dot products of each row's four codes with x's four values
     static I dot(I acc, I w, const int8_t* x) {
         int32_t four;
@@ -161,6 +168,8 @@ struct V {
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F fmadd(F a, float b, F c) { return _mm512_fmadd_ps(a, _mm512_set1_ps(b), c); }
     static F fnmadd(F a, float b, F c) { return _mm512_fnmadd_ps(a, _mm512_set1_ps(b), c); }
+    static F fmsub(F a, F b, F c) { return _mm512_fmsub_ps(a, b, c); }
+    static F fadd(F a, F b) { return _mm512_add_ps(a, b); }
     static void store(float* y, F v) { _mm512_storeu_ps(y, v); }
 };
 
@@ -184,6 +193,8 @@ struct Ymm {
     template <int n> static I left(I a) { return _mm256_slli_epi16(a, n); }
     static I add(I a, I b) { return _mm256_add_epi32(a, b); }
     static I sub(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+    static I ints(int32_t v) { return _mm256_set1_epi32(v); }
+    static I right32(I a, int n) { return _mm256_srli_epi32(a, n); }
     static I four(const int8_t* x) {  // x's four values in each row's lane
         int32_t four;
         std::memcpy(&four, x, 4);
@@ -205,6 +216,8 @@ struct Ymm {
     static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static F fmadd(F a, float b, F c) { return _mm256_fmadd_ps(a, _mm256_set1_ps(b), c); }
     static F fnmadd(F a, float b, F c) { return _mm256_fnmadd_ps(a, _mm256_set1_ps(b), c); }
+    static F fmsub(F a, F b, F c) { return _mm256_fmsub_ps(a, b, c); }
+    static F fadd(F a, F b) { return _mm256_add_ps(a, b); }
     static void store(float* y, F v) { _mm256_storeu_ps(y, v); }
 };
 
@@ -241,6 +254,8 @@ struct V {
     template <int n> static I left(I x) { return {Y::left<n>(x.a), Y::left<n>(x.b)}; }
     static I add(I x, I y) { return {Y::add(x.a, y.a), Y::add(x.b, y.b)}; }
     static I sub(I x, int32_t y) { return {Y::sub(x.a, y), Y::sub(x.b, y)}; }
+    static I ints(int32_t v) { return {Y::ints(v), Y::ints(v)}; }
+    static I right32(I x, int n) { return {Y::right32(x.a, n), Y::right32(x.b, n)}; }
     static I products(I w, const int8_t* x) {  // x's four values broadcast once for both vectors
         const auto f = Y::four(x);
         return {_mm256_maddubs_epi16(w.a, f), _mm256_maddubs_epi16(w.b, f)};
@@ -257,6 +272,8 @@ struct V {
     static F fmadd(F x, F y, F z) { return {Y::fmadd(x.a, y.a, z.a), Y::fmadd(x.b, y.b, z.b)}; }
     static F fmadd(F x, float y, F z) { return {Y::fmadd(x.a, y, z.a), Y::fmadd(x.b, y, z.b)}; }
     static F fnmadd(F x, float y, F z) { return {Y::fnmadd(x.a, y, z.a), Y::fnmadd(x.b, y, z.b)}; }
+    static F fmsub(F x, F y, F z) { return {Y::fmsub(x.a, y.a, z.a), Y::fmsub(x.b, y.b, z.b)}; }
+    static F fadd(F x, F y) { return {Y::fadd(x.a, y.a), Y::fadd(x.b, y.b)}; }
     static void store(float* y, F v) { Y::store(y, v.a); Y::store(y + 8, v.b); }
 };
 
@@ -317,10 +334,11 @@ int tile_width() {
 }
 
 // Our kernels for a type in an instruction set: a K-quant's (x per 256 values) or a legacy type's (x
-// per 32), with the columns and bytes of a tile's block; none where there are none
+// per 32), and the one for x in float, with the columns and bytes of a tile's block; none where there are none
 struct Tiles {
     const TileKernel* k_quant = nullptr;
     const Tile32Kernel* legacy = nullptr;
+    const FloatKernel* floats = nullptr;
     int64_t columns = 0, bytes = 0;
     explicit operator bool() const { return k_quant || legacy; }
 };
@@ -330,12 +348,23 @@ struct Tiles {
 constexpr TileKernel avx2_q4_K[ROWS_AT_ONCE + 1] = {
     nullptr, avx2_wide::q4_K_rows<1>, avx2_wide::q4_K_rows<2>, avx2_wide::q4_K_rows<3>, avx2::q4_K_rows<4>,
     avx2::q4_K_rows<5>, avx2::q4_K_rows<6>, avx2::q4_K_rows<7>, avx2::q4_K_rows<8>};
+// and with x in float: avx2_wide's for up to 3 rows of x, whose sums then stay in registers, avx2's for more
+constexpr FloatKernel avx2_q4_K_f[ROWS_AT_ONCE + 1] = {
+    nullptr, avx2_wide::q4_K_floats<1>, avx2_wide::q4_K_floats<2>, avx2_wide::q4_K_floats<3>, avx2::q4_K_floats<4>,
+    avx2::q4_K_floats<5>, avx2::q4_K_floats<6>, avx2::q4_K_floats<7>, avx2::q4_K_floats<8>};
+constexpr FloatKernel avx2_q6_K_f[ROWS_AT_ONCE + 1] = {
+    nullptr, avx2_wide::q6_K_floats<1>, avx2_wide::q6_K_floats<2>, avx2_wide::q6_K_floats<3>, avx2::q6_K_floats<4>,
+    avx2::q6_K_floats<5>, avx2::q6_K_floats<6>, avx2::q6_K_floats<7>, avx2::q6_K_floats<8>};
+constexpr FloatKernel avx2_q4_1_f[ROWS_AT_ONCE + 1] = {
+    nullptr, avx2_wide::q4_1_floats<1>, avx2_wide::q4_1_floats<2>, avx2_wide::q4_1_floats<3>, avx2::q4_1_floats<4>,
+    avx2::q4_1_floats<5>, avx2::q4_1_floats<6>, avx2::q4_1_floats<7>, avx2::q4_1_floats<8>};
 
-template <const TileKernel* q4_K, const TileKernel* q6_K, const Tile32Kernel* q4_1>
+template <const TileKernel* q4_K, const TileKernel* q6_K, const Tile32Kernel* q4_1, const FloatKernel* q4_K_f,
+          const FloatKernel* q6_K_f, const FloatKernel* q4_1_f>
 Tiles tile_kernels(ggml_type type) {
-    if (type == GGML_TYPE_Q4_K) return {q4_K, nullptr, 256, Q4_K_TILE};
-    if (type == GGML_TYPE_Q6_K) return {q6_K, nullptr, 256, Q6_K_TILE};
-    if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1) return {nullptr, q4_1, 32, Q4_1_TILE};
+    if (type == GGML_TYPE_Q4_K) return {q4_K, nullptr, q4_K_f, 256, Q4_K_TILE};
+    if (type == GGML_TYPE_Q6_K) return {q6_K, nullptr, q6_K_f, 256, Q6_K_TILE};
+    if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1) return {nullptr, q4_1, q4_1_f, 32, Q4_1_TILE};
     return {};
 }
 
@@ -343,11 +372,11 @@ Tiles tile_kernels(ggml_type type, Isa isa) {
     if (!has(isa)) return {};
     switch (isa) {
         case Isa::AVX512_VNNI:
-            return tile_kernels<zmm::q4_K, zmm::q6_K, zmm::q4_1>(type);
+            return tile_kernels<zmm::q4_K, zmm::q6_K, zmm::q4_1, zmm::q4_K_f, zmm::q6_K_f, zmm::q4_1_f>(type);
         case Isa::AVX_VNNI:
-            return tile_kernels<ymm::q4_K, ymm::q6_K, ymm::q4_1>(type);
+            return tile_kernels<ymm::q4_K, ymm::q6_K, ymm::q4_1, ymm::q4_K_f, ymm::q6_K_f, ymm::q4_1_f>(type);
         case Isa::AVX2:
-            return tile_kernels<avx2_q4_K, avx2_wide::q6_K, avx2::q4_1>(type);
+            return tile_kernels<avx2_q4_K, avx2_wide::q6_K, avx2::q4_1, avx2_q4_K_f, avx2_q6_K_f, avx2_q4_1_f>(type);
         default:
             return {};
     }
@@ -365,11 +394,13 @@ public:
     GGMLMatMul() = default;
     // kernel: OWN (ours, from the matrix's tiles, in the best instruction set this CPU has), GGML (ggml's
     // vec_dot, from its GGUF blocks), OWN_256 or OWN_AVX2 (ours with AVX-VNNI or with AVX2, where this
-    // CPU has them: the tests run every instruction set the machine has)
+    // CPU has them: the tests run every instruction set the machine has); float_x: 1 keeps x in float
+    // (exact mode: our kernels only), 0 quantizes it to int8
     static constexpr int64_t OWN = 0, GGML = 1, OWN_256 = 2, OWN_AVX2 = 3;
 
-    GGMLMatMul(const ov::OutputVector& args, int64_t ggml_type, int64_t rows, int64_t columns, int64_t kernel)
-        : Op(args), m_type(ggml_type), m_rows(rows), m_columns(columns), m_kernel(kernel) {
+    GGMLMatMul(const ov::OutputVector& args, int64_t ggml_type, int64_t rows, int64_t columns, int64_t kernel,
+               int64_t float_x)
+        : Op(args), m_type(ggml_type), m_rows(rows), m_columns(columns), m_kernel(kernel), m_float_x(float_x) {
         constructor_validate_and_infer_types();
     }
 
@@ -384,6 +415,8 @@ public:
                               "GGMLMatMul: no kernel ", m_kernel);
         NODE_VALIDATION_CHECK(this, m_kernel == GGML || own(type),
                               "GGMLMatMul: no kernel of ours for ", ggml_type_name(type), " on this CPU");
+        NODE_VALIDATION_CHECK(this, m_float_x == 0 || (m_float_x == 1 && m_kernel != GGML),
+                              "GGMLMatMul: x in float runs our kernels only (float_x ", m_float_x, ")");
         const bool tiled = m_kernel != GGML;
         const Tiles kernels = tiled ? own(type) : Tiles{};
         const int64_t count = tiled ? (m_rows + TILE - 1) / TILE * (m_columns / kernels.columns) : m_rows;
@@ -400,7 +433,7 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<GGMLMatMul>(args, m_type, m_rows, m_columns, m_kernel);
+        return std::make_shared<GGMLMatMul>(args, m_type, m_rows, m_columns, m_kernel, m_float_x);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -408,6 +441,7 @@ public:
         visitor.on_attribute("rows", m_rows);
         visitor.on_attribute("columns", m_columns);
         visitor.on_attribute("kernel", m_kernel);
+        visitor.on_attribute("float_x", m_float_x);
         return true;
     }
 
@@ -439,24 +473,38 @@ private:
 
     void tiled(ggml_type type, const float* xp, int64_t M, const uint8_t* wp, float* yp) const {
         const Tiles kernels = own(type);
-        if (kernels.k_quant)
-            tiled<XBlock>(kernels.k_quant, kernels, xp, M, wp, yp);
+        const int64_t K = m_columns, blocks = K / kernels.columns, bytes = kernels.bytes * blocks;  // a tile's
+        if (m_float_x)
+            each_tile(M, yp, [&](int64_t t, int64_t m0, int64_t rows, float* y, int64_t y_stride) {
+                kernels.floats[rows](wp + t * bytes, blocks, xp + m0 * K, K, y, y_stride);
+            });
+        else if (kernels.k_quant)
+            quantized<XBlock>(kernels.k_quant, blocks, bytes, xp, M, wp, yp);
         else
-            tiled<X32>(kernels.legacy, kernels, xp, M, wp, yp);
+            quantized<X32>(kernels.legacy, blocks, bytes, xp, M, wp, yp);
     }
 
-    // ours: x in int8 per block, each tile of the matrix against ROWS_AT_ONCE rows of x at a time
+    // ours with x in int8 per block
     template <class X, class Kernel>
-    void tiled(const Kernel* kernels, const Tiles& tiles, const float* xp, int64_t M, const uint8_t* wp,
-               float* yp) const {
-        const int64_t K = m_columns, N = m_rows, blocks = K / tiles.columns;
-        const int64_t bytes = tiles.bytes * blocks;  // a tile's
-        thread_local std::vector<X> rows;            // kept between calls: no allocation a token
+    void quantized(const Kernel* kernels, int64_t blocks, int64_t bytes, const float* xp, int64_t M,
+                   const uint8_t* wp, float* yp) const {
+        const int64_t K = m_columns;
+        thread_local std::vector<X> rows;  // kept between calls: no allocation a token
         rows.resize(blocks * M);
         X* const xrows = rows.data();  // the lambdas see this thread's buffer through it
         tbb::parallel_for(tbb::blocked_range<int64_t>(0, M, 8), [&](const tbb::blocked_range<int64_t>& r) {
             for (int64_t m = r.begin(); m < r.end(); m++) quantize_row(xp + m * K, K, xrows + m * blocks);
         });
+        each_tile(M, yp, [&](int64_t t, int64_t m0, int64_t rows, float* y, int64_t y_stride) {
+            kernels[rows](wp + t * bytes, blocks, xrows + m0 * blocks, blocks, y, y_stride);
+        });
+    }
+
+    // each tile of the matrix against ROWS_AT_ONCE rows of x at a time, threaded over the tiles:
+    // run(tile, first row of x, rows of x, their outputs, the outputs' stride)
+    template <class Run>
+    void each_tile(int64_t M, float* yp, const Run& run) const {
+        const int64_t N = m_rows;
         tbb::parallel_for(tbb::blocked_range<int64_t>(0, (N + TILE - 1) / TILE), [&](const tbb::blocked_range<int64_t>& r) {
             alignas(64) float part[ROWS_AT_ONCE * TILE];  // a last tile's outputs, of which some rows are padding
             for (int64_t t = r.begin(); t < r.end(); t++) {
@@ -465,10 +513,10 @@ private:
                     const int64_t at_once = std::min<int64_t>(ROWS_AT_ONCE, M - m0);
                     float* y = yp + m0 * N + t * TILE;
                     if (kept == TILE) {
-                        kernels[at_once](wp + t * bytes, blocks, xrows + m0 * blocks, blocks, y, N);
+                        run(t, m0, at_once, y, N);
                         continue;
                     }
-                    kernels[at_once](wp + t * bytes, blocks, xrows + m0 * blocks, blocks, part, TILE);
+                    run(t, m0, at_once, part, TILE);
                     for (int64_t i = 0; i < at_once; i++) std::memcpy(y + i * N, part + i * TILE, kept * sizeof(float));
                 }
             }
@@ -510,6 +558,7 @@ private:
     int64_t m_rows = 0;
     int64_t m_columns = 0;
     int64_t m_kernel = OWN;
+    int64_t m_float_x = 0;
 };
 
 }  // namespace fleetshard

@@ -166,11 +166,13 @@ def int8_head(model: ov.Model) -> bool:
     return True
 
 
-def swap_in(model: ov.Model, factory, kernel: int = OWN) -> dict[str, int]:
+def swap_in(model: ov.Model, factory, kernel: int = OWN, float_x: bool = False) -> dict[str, int]:
     """Replaces every tagged matrix of ``model`` with ``GGMLMatMul`` (``factory``: the NodeFactory of
     ``engine.kernels.factory``), in tiles for our kernels where ``kernel`` is ours and this CPU has
     one for the type, else as the GGUF's blocks for ggml's; returns how many matrices of each type now
-    run so.  A matrix whose graph does not have the expected form stays as it is."""
+    run so.  With ``float_x`` (exact mode) the activations stay in float, which only our kernels do:
+    a matrix they do not take keeps the stock MatMul.  A matrix whose graph does not have the expected
+    form stays as it is."""
     ours = kernel != GGML_KERNEL and tile_width() > 0
     swapped: dict[str, int] = {}
     for matmul in model.get_ordered_ops():
@@ -185,11 +187,13 @@ def swap_in(model: ov.Model, factory, kernel: int = OWN) -> dict[str, int]:
             continue
         qtype = q.qtype  # Q4_1 for a zero-point form
         tiled = ours and qtype in TYPES
+        if float_x and not tiled:
+            continue
         rows, columns = len(q.codes), q.codes.shape[1] * q.codes.shape[2]
         matrix = tiles(q) if tiled else compose(q)
         op = factory.create(OP, [matmul.input_value(0), ops.constant(matrix).output(0)],
                             {"ggml_type": qtype, "rows": rows, "columns": columns,
-                             "kernel": kernel if tiled else GGML_KERNEL})
+                             "kernel": kernel if tiled else GGML_KERNEL, "float_x": int(float_x)})
         op.set_friendly_name(matmul.get_friendly_name())
         for target in list(replaced.get_target_inputs()):
             target.replace_source_output(op.output(0))

@@ -138,22 +138,22 @@ def devices() -> tuple[str, ...]:
 
 def read_for(folder: Path, device: str, config: dict | None = None) -> tuple[ov.Model, object]:
     """A shard's graph as ``device`` runs it best with the compile ``config``: on CPU each carried GGUF
-    matrix in our kernels (or ggml's) where this process has them (``engine.kernels``) and the config
-    lets activations be quantized (our kernels quantize them to int8: ``exact`` keeps them in float),
-    else, as on the other devices, a head carried from the GGUF as INT8 rows; on CPU the MatMuls that
+    matrix in our kernels (or ggml's) where this process has them (``engine.kernels``), with the
+    activations in int8, or in float where the config keeps them so (``exact``: our kernels' types
+    only); a head carried from the GGUF that still runs the plugin's MatMul (on the other devices, or
+    where the kernels are not) as INT8 rows; on CPU the MatMuls that
     share an input fused (``fuse_sibling_matmuls``; the same logits bit for bit), and, where the CPU
     multiplies compressed weights in float (no int8 dot products), MatMuls of a depth it runs slowly
     split (``split_deep_matmuls``).  Returns the graph and what its rewritten weights are mapped from: keep
     it while a model compiled from the graph lives."""
     model = core().read_model(str(Path(folder) / MODEL_XML))
-    float_activations = (config or {}).get("DYNAMIC_QUANTIZATION_GROUP_SIZE") == "0"
-    nodes = kernels.factory(core()) if family(device) == "CPU" and not float_activations else None
-    if nodes is None:  # the plugin's own MatMuls: a head carried from the GGUF runs faster as INT8 rows
-        int8_head(model)
+    nodes = kernels.factory(core()) if family(device) == "CPU" else None
+    if nodes is not None:
+        float_x = (config or {}).get("DYNAMIC_QUANTIZATION_GROUP_SIZE") == "0"
+        swap_in(model, nodes, kernels.kernel(), float_x)
+    int8_head(model)  # the plugin's own MatMul runs a head carried from the GGUF faster as INT8 rows
     if family(device) != "CPU":
         return model, None
-    if nodes is not None:
-        swap_in(model, nodes, kernels.kernel())
     spill = paths().cache  # on disk: a temporary folder may be memory (tmpfs)
     spill.mkdir(parents=True, exist_ok=True)
     mapped = [fuse_sibling_matmuls(model, str(spill))[1]]
