@@ -212,3 +212,37 @@ def test_on_the_stock_path_a_carried_head_runs_as_int8_rows():
     got = core().compile_model(model, "CPU", CONFIG)(x)[0]
     want = x @ q.values().T
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()
+
+
+def test_siblings_in_whole_tiles_share_one_operation_with_the_same_numbers(nodes):
+    """Three carried matrices on one input: the two of whole tiles (64 and 32 rows) become one
+    GGMLMatMul split back, the one of 77 rows (a padded tile) keeps its own; each output is the
+    one it had alone, bit for bit."""
+    if not kernels.tile_width():
+        pytest.skip("this CPU has no AVX2: our kernels do not run here")
+    rng = np.random.default_rng(5)
+    quantized = [decompose(Q6_K, random_blocks(Q6_K, rng, rows), rows, COLUMNS) for rows in (64, 32, ROWS)]
+
+    def graph():
+        x = ops.parameter([1, -1, COLUMNS], ov.Type.f32, name="x")
+        results = []
+        for i, q in enumerate(quantized):
+            matmul = ops.matmul(x, ops.constant(np.zeros((len(q.codes), COLUMNS), np.float32)), False, True)
+            matmul.set_friendly_name(f"layer/{i}/MatMul")
+            results.append(ops.result(matmul))
+            carry_matmul(matmul, q, offsets_from=10**9)
+        return ov.Model(results, [x])
+
+    fused = graph()
+    assert swap_in(fused, nodes) == {"Q6_K": 3}
+    kinds = [op.get_type_name() for op in fused.get_ordered_ops()]
+    assert kinds.count("GGMLMatMul") == 2 and kinds.count("VariadicSplit") == 1
+    x = rng.standard_normal((1, 5, COLUMNS)).astype(np.float32)
+    got = core().compile_model(fused, "CPU", CONFIG)(x)
+    for i, q in enumerate(quantized):  # each matrix alone in a graph of its own
+        x_alone = ops.parameter([1, -1, COLUMNS], ov.Type.f32, name="x")
+        matmul = ops.matmul(x_alone, ops.constant(np.zeros((len(q.codes), COLUMNS), np.float32)), False, True)
+        carry_matmul(matmul, q, offsets_from=10**9)
+        single = ov.Model([ops.result(matmul)], [x_alone])
+        assert swap_in(single, nodes) == {"Q6_K": 1}
+        assert np.array_equal(got[i], core().compile_model(single, "CPU", CONFIG)(x)[0])

@@ -8,6 +8,8 @@ point's, within an f16 rounding of the shard's values.  Everything else in the g
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
@@ -15,7 +17,7 @@ import openvino.opset13 as ops
 from engine.export.gguf_weights import (CENTERS, KERNEL_TAG, NAMES, Q4_0, Q4_1, Q5_0, Q6_K, Q8_0, Quantized, Table,
                                        compose)
 from engine.kernels import GGML_KERNEL, OP, OWN, tile_width
-from engine.kernels.tiles import TYPES, tiles
+from engine.kernels.tiles import TILE, TYPES, tiles
 
 _TYPES = {name: qtype for qtype, name in NAMES.items()}
 _NO_MINIMUM = (Q4_0, Q5_0, Q8_0, Q6_K)
@@ -170,11 +172,13 @@ def swap_in(model: ov.Model, factory, kernel: int = OWN, float_x: bool = False) 
     """Replaces every tagged matrix of ``model`` with ``GGMLMatMul`` (``factory``: the NodeFactory of
     ``engine.kernels.factory``), in tiles for our kernels where ``kernel`` is ours and this CPU has
     one for the type, else as the GGUF's blocks for ggml's; returns how many matrices of each type now
-    run so.  With ``float_x`` (exact mode) the activations stay in float, which only our kernels do:
-    a matrix they do not take keeps the stock MatMul.  A matrix whose graph does not have the expected
-    form stays as it is."""
+    run so.  Matrices in tiles that share their input and type, each of whole tiles (q, k and v; gate
+    and up), become one operation whose output is split back: one call a layer in place of several,
+    each row's numbers the same.  With ``float_x`` (exact mode) the activations stay in float, which
+    only our kernels do: a matrix they do not take keeps the stock MatMul.  A matrix whose graph does
+    not have the expected form stays as it is."""
     ours = kernel != GGML_KERNEL and tile_width() > 0
-    swapped: dict[str, int] = {}
+    siblings: dict[tuple, list[_Swap]] = {}
     for matmul in model.get_ordered_ops():
         if matmul.get_type_name() != "MatMul" or matmul.get_transpose_a() or not matmul.get_transpose_b():
             continue
@@ -189,16 +193,40 @@ def swap_in(model: ov.Model, factory, kernel: int = OWN, float_x: bool = False) 
         tiled = ours and qtype in TYPES
         if float_x and not tiled:
             continue
-        rows, columns = len(q.codes), q.codes.shape[1] * q.codes.shape[2]
-        matrix = tiles(q) if tiled else compose(q)
-        op = factory.create(OP, [matmul.input_value(0), ops.constant(matrix).output(0)],
-                            {"ggml_type": qtype, "rows": rows, "columns": columns,
-                             "kernel": kernel if tiled else GGML_KERNEL, "float_x": int(float_x)})
-        op.set_friendly_name(matmul.get_friendly_name())
-        for target in list(replaced.get_target_inputs()):
-            target.replace_source_output(op.output(0))
-        swapped[NAMES[qtype]] = swapped.get(NAMES[qtype], 0) + 1
+        rows = len(q.codes)
+        swap = _Swap(matmul, replaced, qtype, rows, q.codes.shape[1] * q.codes.shape[2], tiled,
+                     tiles(q) if tiled else compose(q))
+        x = matmul.input_value(0)
+        key = (x.get_node().get_friendly_name(), x.get_index(), qtype) if tiled and rows % TILE == 0 else (matmul,)
+        siblings.setdefault(key, []).append(swap)
+    swapped: dict[str, int] = {}
+    for group in siblings.values():
+        first, rows = group[0], [swap.rows for swap in group]
+        matrix = np.concatenate([swap.matrix for swap in group]) if len(group) > 1 else first.matrix
+        op = factory.create(OP, [first.matmul.input_value(0), ops.constant(matrix).output(0)],
+                            {"ggml_type": first.qtype, "rows": sum(rows), "columns": first.columns,
+                             "kernel": kernel if first.tiled else GGML_KERNEL, "float_x": int(float_x)})
+        op.set_friendly_name(first.matmul.get_friendly_name())
+        outputs = [op.output(0)] if len(group) == 1 else \
+            ops.variadic_split(op.output(0), ops.constant(np.int64(-1)), ops.constant(np.array(rows))).outputs()
+        for swap, output in zip(group, outputs):
+            for target in list(swap.replaced.get_target_inputs()):
+                target.replace_source_output(output)
+        swapped[NAMES[first.qtype]] = swapped.get(NAMES[first.qtype], 0) + len(group)
     if swapped:
         model.validate_nodes_and_infer_types()
     return swapped
 
+
+@dataclasses.dataclass
+class _Swap:
+    """A carried matrix on its way into the operation: the MatMul, the output the operation replaces,
+    the matrix's type, rows and columns, whether it runs our kernels, and its tiles or blocks."""
+
+    matmul: ov.Node
+    replaced: ov.Output
+    qtype: int
+    rows: int
+    columns: int
+    tiled: bool
+    matrix: np.ndarray
