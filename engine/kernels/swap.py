@@ -197,7 +197,7 @@ def swap_in(model: ov.Model, factory, kernel: int = OWN, float_x: bool = False) 
         swap = _Swap(matmul, replaced, qtype, rows, q.codes.shape[1] * q.codes.shape[2], tiled,
                      tiles(q) if tiled else compose(q))
         x = matmul.input_value(0)
-        key = (x.get_node().get_friendly_name(), x.get_index(), qtype) if tiled and rows % TILE == 0 else (matmul,)
+        key = (x.get_node().get_name(), x.get_index(), qtype) if tiled and rows % TILE == 0 else (matmul,)
         siblings.setdefault(key, []).append(swap)
     swapped: dict[str, int] = {}
     for group in siblings.values():
