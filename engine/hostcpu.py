@@ -1,12 +1,11 @@
 """This machine's CPU as the fleet reports it: its model name, and which int8 dot-product instructions
 it has.
 
-The second decides how fast OpenVINO runs a compressed shard on the CPU.  With AVX-VNNI, AVX-512
-VNNI or AMX the plugin quantizes each matrix's activations to int8 and multiplies them by the weights'
-integer codes; without them it turns every weight back into a float first.  Measured on an AVX2-only
-AMD EPYC (Zen 1), Qwen2.5-Coder-1.5B decoded at 0.42x llama.cpp's speed on the same GGUF
-(bench-results/2026-11-27/faithful-decode-avx2-qwen1.5b.json); on the AVX-512 hosts of earlier runs
-it was level with llama.cpp (0.91-1.15x).
+The second decides how fast OpenVINO's own kernels (the stock path) run a compressed shard on the
+CPU.  With AVX-VNNI, AVX-512 VNNI or AMX the plugin quantizes each matrix's activations to int8 and
+multiplies them by the weights' integer codes; without them it turns every weight back into a float
+first, at a fraction of llama.cpp's speed (docs/benchmarks.md).  Our kernels (``engine.kernels``)
+do not depend on it: ``engine.fleet.node.runs_slowly`` says where both hold.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from pathlib import Path
 # /proc/cpuinfo's flag for each, best first
 INT8_FLAGS = (("amx_int8", "AMX"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"))
 NONE = "none"
-SLOW = "no int8 dot products: OpenVINO runs at about 0.4x llama.cpp here"  # a one-line INT8_NOTE
-INT8_NOTE = ("This CPU has no int8 dot-product instructions (AVX-VNNI, AVX-512 VNNI or AMX), so OpenVINO "
-             "turns every weight back into a float before multiplying: on such a CPU (an AVX2-only AMD EPYC) "
-             "Qwen2.5-Coder-1.5B decoded at 0.42x llama.cpp's speed. It still serves; placement gives it "
-             "work by its measured speed.")
+SLOW = "no int8 dot products and OpenVINO's own kernels: slow here"  # a one-line INT8_NOTE
+INT8_NOTE = ("This CPU has no int8 dot-product instructions (AVX-VNNI, AVX-512 VNNI or AMX), and its "
+             "stages run OpenVINO's own kernels (this install has no kernel extension), which turn every "
+             "weight back into a float before multiplying: about half the speed of our kernels. It still "
+             "serves; placement gives it work by its measured speed.")
 
 
 def _cpuinfo() -> str:

@@ -34,8 +34,9 @@ from PySide6.QtWidgets import (QAbstractItemView, QApplication, QDialog, QDialog
 from engine.config import Settings, set_node
 from engine.errors import FleetError
 from engine.fleet.discovery import Browser, prover
+from engine.fleet.node import KERNEL_PATHS, runs_slowly
 from engine.fleet.shardstore import pruned_text, shard_text
-from engine.hostcpu import INT8_NOTE, NONE
+from engine.hostcpu import INT8_NOTE
 from engine.manifest import layer_span
 from fleetgui import keystore
 from fleetgui.widgets import Banner, flow_bar, splitter
@@ -97,7 +98,8 @@ class NodeRow:
     preparing: str = ""  # what this app is doing for the node ("exporting stage 2 (40%)")
     role: str = ""  # THIS_MACHINE, or an own agent's role ("local fleet", "demo"); "" for the fleet's nodes
     simulated: bool = False  # a demo node: its devices are simulated
-    int8_dot: str = ""  # its CPU's int8 dot-product instructions; NONE: OpenVINO runs slowly there
+    int8_dot: str = ""  # its CPU's int8 dot-product instructions (engine.hostcpu)
+    kernels: str = ""  # which kernels run its matrices (engine.fleet.node.KERNEL_PATHS); "": not said
 
     @property
     def added(self) -> bool:
@@ -161,6 +163,11 @@ class NodeRow:
         self.available_mb = int(node.get("available_mb") or self.available_mb)
         self.simulated = bool(node.get("simulated", self.simulated))
         self.int8_dot = str(node.get("int8_dot") or self.int8_dot)
+        self.kernels = str(node.get("kernels") or self.kernels)
+
+    @property
+    def slow_cpu(self) -> bool:
+        return runs_slowly(self.int8_dot, self.kernels)
 
 
 class NodesModel(QAbstractTableModel):
@@ -199,8 +206,9 @@ class NodesModel(QAbstractTableModel):
             if column == "Shards" and row.shards:
                 return "\n".join(shard_text(s) for s in row.shards)
             if column in ("Name", "Devices") and row.node_id:
-                return "\n".join([row.cpu, f"node id {row.node_id}"] + ([INT8_NOTE] if row.int8_dot == NONE else []))
-        if role == Qt.ItemDataRole.DecorationRole and column == "Devices" and row.int8_dot == NONE:
+                kernels = [f"matrices: {KERNEL_PATHS[row.kernels]}"] if row.kernels in KERNEL_PATHS else []
+                return "\n".join([row.cpu, f"node id {row.node_id}", *kernels] + ([INT8_NOTE] if row.slow_cpu else []))
+        if role == Qt.ItemDataRole.DecorationRole and column == "Devices" and row.slow_cpu:
             return self.slow_cpu_icon
         if role == Qt.ItemDataRole.ForegroundRole and column == "Status":
             word = row.status.split(" ", 1)[0]

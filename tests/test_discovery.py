@@ -142,6 +142,7 @@ def test_long_strings_are_clipped_to_fit_a_txt_entry():
     (lambda t: t.update({b"os": b"Linux\x00"}), "control characters"),
     (lambda t: t.update({b"dev": b"CPU,GPU.0:lots"}), "device entry 'GPU.0:lots' is malformed"),
     (lambda t: t.update({b"i8": b"<b>VNNI</b>"}), "'i8' is malformed"),
+    (lambda t: t.update({b"kp": b"GGML!"}), "'kp' is malformed"),
     (lambda t: t.update({b"dev": b",".join([b"CPU"] * 9)}), "9 devices"),
     (lambda t: t.update({f"x{i}".encode(): b"" for i in range(50)}), "TXT entries (at most 40)"),
     (lambda t: t.update({f"x{i}".encode(): b"y" * 200 for i in range(8)}), "TXT record is"),
@@ -169,6 +170,24 @@ def test_a_cpus_int8_dot_products_are_read_from_its_flags_and_reported():
     # an older node says nothing: unknown, not "none"
     older = {k: v for k, v in as_bytes(sample().to_txt()).items() if k != b"i8"}
     assert NodeInfo.from_txt("n", older, [], 1).int8_dot == ""
+
+
+def test_a_node_says_which_kernels_run_its_matrices():
+    """The record names the kernel path its CPU stages take (ours where the extension runs here,
+    OpenVINO's own elsewhere); a CPU without int8 dot products is slow only on OpenVINO's own, or
+    where an older node does not say."""
+    from engine import kernels
+    from engine.fleet.node import runs_slowly
+    from engine.hostcpu import NONE
+    from engine.runtime.stages.stage import core
+
+    info = local_node_info(7461, "0123456789ab")
+    assert info.kernels == kernels.path(core())[0] and info.to_txt()["kp"] == info.kernels
+    assert NodeInfo.from_txt("n", as_bytes(info.to_txt()), [], 1).kernels == info.kernels
+    older = {k: v for k, v in as_bytes(info.to_txt()).items() if k != b"kp"}
+    assert NodeInfo.from_txt("n", older, [], 1).kernels == ""
+    assert [runs_slowly(NONE, path) for path in (kernels.GGML, kernels.STOCK, "")] == [False, True, True]
+    assert not runs_slowly("AVX-VNNI", kernels.STOCK)
 
 
 def test_bad_port_and_unknown_keys():

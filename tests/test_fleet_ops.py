@@ -537,7 +537,7 @@ def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
         fleet("nodes", "add", "127.0.0.1:9")
         nodes = json.loads(fleet("nodes", "--json", "--seconds", "4", "--fleet-key-file", str(key_file)))
         table = fleet("nodes", "--seconds", "1", "--fleet-key-file", str(key_file)).splitlines()
-    assert table[0].split() == ["name", "agent", "status", "OS", "devices", "memory"], table
+    assert table[0].split() == ["name", "agent", "status", "OS", "devices", "kernels", "memory"], table
     assert any(line.split()[:3] == ["added", added, "idle"] for line in table[1:]), table
     by_name = {n.get("name", n.get("address")): n for n in nodes}
     assert by_name["heard"]["source"] == "mdns" and by_name["heard"]["port"] == int(heard.rpartition(":")[2])

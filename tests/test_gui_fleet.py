@@ -98,16 +98,20 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
 
 
 def test_a_cpu_without_int8_dot_products_is_marked_and_its_tooltip_says_why(qtbot):
+    """Marked where OpenVINO's own kernels run its matrices, not where ours do; the tooltip names the
+    kernels a node runs."""
     from PySide6.QtCore import Qt
 
     from engine.hostcpu import NONE
+    from engine.kernels import GGML, STOCK
     from fleetgui.fleet_view import COLUMNS, NodeRow, NodesModel
 
     model = NodesModel()
-    for name, dot in (("old-pc", NONE), ("ai-pc", "AVX-VNNI"), ("older-agent", "")):
+    for name, dot, kernels in (("old-pc", NONE, STOCK), ("old-pc-ours", NONE, GGML), ("ai-pc", "AVX-VNNI", STOCK),
+                               ("older-agent", "", "")):
         model._append(row := NodeRow(key=name))
         row.take_node({"name": name, "node_id": "ab" * 8, "cpu": "Some CPU", "devices": [{"name": "CPU"}],
-                       "int8_dot": dot})
+                       "int8_dot": dot, "kernels": kernels})
     column = COLUMNS.index("Devices")
 
     def cell(name, role):
@@ -115,7 +119,9 @@ def test_a_cpu_without_int8_dot_products_is_marked_and_its_tooltip_says_why(qtbo
 
     assert not cell("old-pc", Qt.ItemDataRole.DecorationRole).isNull()
     assert "no int8 dot-product instructions" in cell("old-pc", Qt.ItemDataRole.ToolTipRole)
-    for name in ("ai-pc", "older-agent"):  # one that has them, one that does not say
+    assert "matrices: OpenVINO's own" in cell("old-pc", Qt.ItemDataRole.ToolTipRole)
+    assert "matrices: our CPU kernels" in cell("old-pc-ours", Qt.ItemDataRole.ToolTipRole)
+    for name in ("old-pc-ours", "ai-pc", "older-agent"):  # ours run it, one that has them, one that does not say
         assert cell(name, Qt.ItemDataRole.DecorationRole) is None
         assert "int8" not in cell(name, Qt.ItemDataRole.ToolTipRole)
 

@@ -28,7 +28,7 @@ from engine.fleet.deploy import Deployment, deploy_draft, deploy_layout
 from engine.fleet.discovery import Browser, browse, prover
 from engine.fleet.local import local_up, stop_local_agent
 from engine.fleet.netns import require_root
-from engine.fleet.node import SimulatedDevice, node_id
+from engine.fleet.node import KERNEL_PATHS, SimulatedDevice, node_id, runs_slowly
 from engine.fleet.layout import fastest_for_one, price_layout, solve_layout
 from engine.fleet.placement import Pin, PlacementError, left_out, solve
 from engine.fleet.plans import layout_stages, planned_by
@@ -36,7 +36,7 @@ from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import load_survey, readable, recent_survey, survey
 from engine.fleetkey import fleet_id, key_file, load_key, load_tls
-from engine.hostcpu import NONE, SLOW
+from engine.hostcpu import SLOW
 from engine.launch import lifeline
 from engine.manifest import layer_span
 from engine.transport.link import parse_address
@@ -86,12 +86,13 @@ def _row(node: dict) -> str:
     devices = ",".join(d.get("name", "?") for d in node.get("devices", []))
     where = node.get("address") or f"{(node.get('addresses') or ['?'])[0]}:{node.get('port', '?')}"
     name = str(node.get("name", "?")) + (" (simulated)" if node.get("simulated") else "")
-    note = node.get("error") or (SLOW if node.get("int8_dot") == NONE else "")
+    note = node.get("error") or (SLOW if runs_slowly(node.get("int8_dot", ""), node.get("kernels", "")) else "")
+    kernels = KERNEL_PATHS.get(node.get("kernels", ""), "?")
     return (f"{name:<20} {where:<22} {node.get('status', '?'):<16} {node.get('os', ''):<14} "
-            f"{devices:<14} {node.get('memory_mb', 0) / 1024:.1f} GB  {note}")
+            f"{devices:<14} {kernels:<16} {node.get('memory_mb', 0) / 1024:.1f} GB  {note}")
 
 
-NODES_HEADER = f"{'name':<20} {'agent':<22} {'status':<16} {'OS':<14} {'devices':<14} memory"
+NODES_HEADER = f"{'name':<20} {'agent':<22} {'status':<16} {'OS':<14} {'devices':<14} {'kernels':<16} memory"
 
 
 def cmd_nodes(args) -> int:

@@ -29,7 +29,8 @@ import socket
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.limits import process_cores, process_memory
-from engine.hostcpu import cpu_model, int8_dot
+from engine.hostcpu import NONE, cpu_model, int8_dot
+from engine.kernels import GGML, STOCK
 from engine.transport.wire import VERSION
 
 log = logging.getLogger(__name__)
@@ -40,12 +41,15 @@ MAX_ENTRIES = 40
 MAX_DEVICES = 8
 # Strings are clipped to these many UTF-8 bytes when encoded, so every entry stays within MAX_ENTRY.
 CLIP = {"name": 63, "os": 63, "cpu": 127, "ov": 31, "st": 31, "full_name": 63, "i8": 15}
+# which kernels multiply a node's matrices on its CPU (``engine.kernels.path``), in words
+KERNEL_PATHS = {GGML: "our CPU kernels", STOCK: "OpenVINO's own"}
 
 _NODE_ID = re.compile(r"[0-9a-f]{8,32}")
 _FLEET_ID = re.compile(r"[0-9a-f]{12}")
 _DEVICE = re.compile(r"[A-Z][A-Z0-9_.]{0,31}")
 _INT = re.compile(r"[0-9]{1,12}")
 _INT8_DOT = re.compile(r"[A-Za-z0-9 -]{0,15}")  # "AVX-512 VNNI", "none"; a newer node may name others
+_KERNEL_PATH = re.compile(r"[a-z]{0,8}")  # KERNEL_PATHS' keys; a newer node may name others
 
 
 class BadRecord(FleetError):
@@ -137,6 +141,7 @@ class NodeInfo:
     status: str = "ready"  # the agent's current activity, for display (clipped to 31 bytes on the wire)
     simulated: bool = False  # a demo node: its devices are simulated (``SimulatedDevice``)
     int8_dot: str = ""  # the CPU's int8 dot-product instructions (``engine.hostcpu.int8_dot``); "": unknown
+    kernels: str = ""  # which kernels run its CPU stages' matrices (a key of KERNEL_PATHS); "": unknown
 
     def to_txt(self) -> dict[str, str]:
         listed: list[str] = []
@@ -154,6 +159,8 @@ class NodeInfo:
             txt["sim"] = "1"
         if self.int8_dot:
             txt["i8"] = _clip(self.int8_dot, CLIP["i8"])
+        if self.kernels:
+            txt["kp"] = self.kernels[:8]
         for i, d in enumerate(self.devices[:len(listed)]):
             if d.get("full_name"):
                 txt[f"d{i}"] = _clip(d["full_name"], CLIP["full_name"])
@@ -199,11 +206,13 @@ class NodeInfo:
         names = {key: fields.get(key, "")[:CLIP[key]] for key in ("name", "os", "cpu", "ov", "st")}
         if not _INT8_DOT.fullmatch(fields.get("i8", "")):
             raise BadRecord(f"node {label!r}: TXT 'i8' is malformed: {fields['i8'][:40]!r}")
+        if not _KERNEL_PATH.fullmatch(fields.get("kp", "")):
+            raise BadRecord(f"node {label!r}: TXT 'kp' is malformed: {fields['kp'][:40]!r}")
         return cls(node_id=node, name=names["name"] or label, os=names["os"], cpu=names["cpu"],
                    cores=ints["cores"], memory_mb=ints["mem"], available_mb=ints["avail"], openvino=names["ov"],
                    devices=_decode_devices(label, fields), port=port, fleet_id=fleet,
                    addresses=_valid_addresses(addresses), version=version, status=names["st"],
-                   simulated=fields.get("sim") == "1", int8_dot=fields.get("i8", ""))
+                   simulated=fields.get("sim") == "1", int8_dot=fields.get("i8", ""), kernels=fields.get("kp", ""))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -267,7 +276,26 @@ def local_node_info(port: int, fleet_id: str, name: str | None = None, *, node: 
     return NodeInfo(node_id=node or node_id(), name=name or socket.gethostname().split(".")[0], os=_os_name(),
                     cpu=cpu, cores=process_cores(), memory_mb=total,
                     available_mb=available, openvino=openvino, devices=devices, port=port, fleet_id=fleet_id,
-                    simulated=simulated is not None, int8_dot="" if simulated else int8_dot())
+                    simulated=simulated is not None, int8_dot="" if simulated else int8_dot(),
+                    kernels="" if simulated else _kernel_path())
+
+
+def runs_slowly(int8: str, kernels: str) -> bool:
+    """Whether a node's CPU runs OpenVINO's compressed matrices slowly: it has no int8 dot products
+    and its stages do not run our kernels (or it does not say which kernels run them)."""
+    return int8 == NONE and kernels != GGML
+
+
+def _kernel_path() -> str:
+    """Which kernels this machine's CPU stages run (``engine.kernels.path``), "" where OpenVINO is missing."""
+    try:
+        from engine import kernels  # deferred: loads the extension into the shared Core
+        from engine.runtime.stages.stage import core
+
+        return kernels.path(core())[0]
+    except Exception as exc:  # a broken OpenVINO: the node still reports its other facts
+        log.warning("cannot tell which kernels run here: %s", exc)
+        return ""
 
 
 def _os_name() -> str:
