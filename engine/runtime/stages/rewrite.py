@@ -94,7 +94,7 @@ def _compressed_weight(matmul) -> tuple | None:
     if codes is None or scale is None or codes[1] is None or len(codes[0].get_output_shape(0)) != 3:
         return None
     leaves = (codes, zero, scale)
-    signature = (matmul.input_value(0).get_node().get_friendly_name(), matmul.input_value(0).get_index(), outer,
+    signature = (matmul.input_value(0).get_node().get_name(), matmul.input_value(0).get_index(), outer,
                  *((None,) if leaf is None else (leaf[0].get_element_type(), tuple(leaf[0].get_output_shape(0)[1:]),
                                                  leaf[1]) for leaf in leaves))
     return signature, leaves
