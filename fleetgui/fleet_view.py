@@ -206,8 +206,12 @@ class NodesModel(QAbstractTableModel):
             if column == "Shards" and row.shards:
                 return "\n".join(shard_text(s) for s in row.shards)
             if column in ("Name", "Devices") and row.node_id:
-                kernels = [f"matrices: {KERNEL_PATHS[row.kernels]}"] if row.kernels in KERNEL_PATHS else []
-                return "\n".join([row.cpu, f"node id {row.node_id}", *kernels] + ([INT8_NOTE] if row.slow_cpu else []))
+                lines = [row.cpu, f"node id {row.node_id}"]
+                if row.kernels in KERNEL_PATHS:
+                    lines.append(f"matrices: {KERNEL_PATHS[row.kernels]}")
+                if row.slow_cpu:
+                    lines.append(INT8_NOTE)
+                return "\n".join(lines)
         if role == Qt.ItemDataRole.DecorationRole and column == "Devices" and row.slow_cpu:
             return self.slow_cpu_icon
         if role == Qt.ItemDataRole.ForegroundRole and column == "Status":

@@ -40,7 +40,7 @@ MAX_RECORD = 1400  # a whole TXT record; ours is a few hundred bytes, at most ab
 MAX_ENTRIES = 40
 MAX_DEVICES = 8
 # Strings are clipped to these many UTF-8 bytes when encoded, so every entry stays within MAX_ENTRY.
-CLIP = {"name": 63, "os": 63, "cpu": 127, "ov": 31, "st": 31, "full_name": 63, "i8": 15}
+CLIP = {"name": 63, "os": 63, "cpu": 127, "ov": 31, "st": 31, "full_name": 63, "i8": 15, "kp": 8}
 # which kernels multiply a node's matrices on its CPU (``engine.kernels.path``), in words
 KERNEL_PATHS = {GGML: "our CPU kernels", STOCK: "OpenVINO's own"}
 
@@ -160,7 +160,7 @@ class NodeInfo:
         if self.int8_dot:
             txt["i8"] = _clip(self.int8_dot, CLIP["i8"])
         if self.kernels:
-            txt["kp"] = self.kernels[:8]
+            txt["kp"] = _clip(self.kernels, CLIP["kp"])
         for i, d in enumerate(self.devices[:len(listed)]):
             if d.get("full_name"):
                 txt[f"d{i}"] = _clip(d["full_name"], CLIP["full_name"])
@@ -277,7 +277,7 @@ def local_node_info(port: int, fleet_id: str, name: str | None = None, *, node: 
                     cpu=cpu, cores=process_cores(), memory_mb=total,
                     available_mb=available, openvino=openvino, devices=devices, port=port, fleet_id=fleet_id,
                     simulated=simulated is not None, int8_dot="" if simulated else int8_dot(),
-                    kernels="" if simulated else _kernel_path())
+                    kernels="" if simulated or not openvino else _kernel_path())
 
 
 def runs_slowly(int8: str, kernels: str) -> bool:
@@ -287,15 +287,11 @@ def runs_slowly(int8: str, kernels: str) -> bool:
 
 
 def _kernel_path() -> str:
-    """Which kernels this machine's CPU stages run (``engine.kernels.path``), "" where OpenVINO is missing."""
-    try:
-        from engine import kernels  # deferred: loads the extension into the shared Core
-        from engine.runtime.stages.stage import core
+    """Which kernels this machine's CPU stages run (``engine.kernels.path``; OpenVINO is there)."""
+    from engine import kernels  # deferred: loads the extension into the shared Core
+    from engine.runtime.stages.stage import core
 
-        return kernels.path(core())[0]
-    except Exception as exc:  # a broken OpenVINO: the node still reports its other facts
-        log.warning("cannot tell which kernels run here: %s", exc)
-        return ""
+    return kernels.path(core())[0]
 
 
 def _os_name() -> str:

@@ -44,6 +44,9 @@ constexpr int TILE = 16;  // matrix rows a tile interleaves
 constexpr int64_t Q4_K_TILE = 2368, Q6_K_TILE = 3360;  // bytes of a tile's super-block (tiles.py)
 constexpr int64_t Q4_1_TILE = 320;                     // and of a tile's block of 32 (Q4_0, Q4_1)
 constexpr int ROWS_AT_ONCE = 8;  // rows of x that share one unpacking of a tile's codes
+// a kernel's table by the rows of x it takes at once, 1..ROWS_AT_ONCE: FEW's for up to 3, MANY's for more
+#define ROWS_TABLE(FEW, MANY) {nullptr, FEW<1>, FEW<2>, FEW<3>, MANY<4>, MANY<5>, MANY<6>, MANY<7>, MANY<8>}
+static_assert(ROWS_AT_ONCE == 8, "ROWS_TABLE lists 8 kernels");
 
 // A row of x, per 256 values: 256 int8 codes, their scale, the sum of each 32 (Q4_K's minimums)
 // and 32 times the sum of each 16 (Q6_K's codes are 32 above their values)
@@ -345,19 +348,11 @@ struct Tiles {
 
 // AVX2's Q4_K kernels: avx2_wide's for up to 3 rows of x, avx2's (8 rows a pass) for more, which are
 // faster there; avx2_wide's Q6_K kernels are faster at every count, avx2's Q4_1 kernels a little
-constexpr TileKernel avx2_q4_K[ROWS_AT_ONCE + 1] = {
-    nullptr, avx2_wide::q4_K_rows<1>, avx2_wide::q4_K_rows<2>, avx2_wide::q4_K_rows<3>, avx2::q4_K_rows<4>,
-    avx2::q4_K_rows<5>, avx2::q4_K_rows<6>, avx2::q4_K_rows<7>, avx2::q4_K_rows<8>};
+constexpr TileKernel avx2_q4_K[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2_wide::q4_K_rows, avx2::q4_K_rows);
 // and with x in float: avx2_wide's for up to 3 rows of x, whose sums then stay in registers, avx2's for more
-constexpr FloatKernel avx2_q4_K_f[ROWS_AT_ONCE + 1] = {
-    nullptr, avx2_wide::q4_K_floats<1>, avx2_wide::q4_K_floats<2>, avx2_wide::q4_K_floats<3>, avx2::q4_K_floats<4>,
-    avx2::q4_K_floats<5>, avx2::q4_K_floats<6>, avx2::q4_K_floats<7>, avx2::q4_K_floats<8>};
-constexpr FloatKernel avx2_q6_K_f[ROWS_AT_ONCE + 1] = {
-    nullptr, avx2_wide::q6_K_floats<1>, avx2_wide::q6_K_floats<2>, avx2_wide::q6_K_floats<3>, avx2::q6_K_floats<4>,
-    avx2::q6_K_floats<5>, avx2::q6_K_floats<6>, avx2::q6_K_floats<7>, avx2::q6_K_floats<8>};
-constexpr FloatKernel avx2_q4_1_f[ROWS_AT_ONCE + 1] = {
-    nullptr, avx2_wide::q4_1_floats<1>, avx2_wide::q4_1_floats<2>, avx2_wide::q4_1_floats<3>, avx2::q4_1_floats<4>,
-    avx2::q4_1_floats<5>, avx2::q4_1_floats<6>, avx2::q4_1_floats<7>, avx2::q4_1_floats<8>};
+constexpr FloatKernel avx2_q4_K_f[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2_wide::q4_K_floats, avx2::q4_K_floats);
+constexpr FloatKernel avx2_q6_K_f[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2_wide::q6_K_floats, avx2::q6_K_floats);
+constexpr FloatKernel avx2_q4_1_f[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2_wide::q4_1_floats, avx2::q4_1_floats);
 
 template <const TileKernel* q4_K, const TileKernel* q6_K, const Tile32Kernel* q4_1, const FloatKernel* q4_K_f,
           const FloatKernel* q6_K_f, const FloatKernel* q4_1_f>
