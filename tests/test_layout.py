@@ -188,6 +188,7 @@ def test_one_user_on_slow_pcs_gets_two_tensor_parallel_ranks_and_more_users_get_
 
 def test_the_fastest_plan_for_one_user_may_be_two_ranks():
     from engine.fleet.layout import fastest_for_one
+    from engine.fleet.placement import price_ranks
 
     splittable = dataclasses.replace(MODEL, max_ranks=2)
     slow, fast = office(2, 4, layer_ms=15.0), office(2, 4, layer_ms=0.3)
@@ -196,3 +197,12 @@ def test_the_fastest_plan_for_one_user_may_be_two_ranks():
             and fastest_for_one(splittable, slow, chain).objective == "latency")
     assert fastest_for_one(splittable, fast, solve(splittable, fast, objective="latency")).ranks is False
     assert fastest_for_one(MODEL, slow, chain) == chain
+    # ranks that predict a little more than the model whole (less than a chain's margin) are chosen,
+    # ranks that predict a little less are not
+    for layer_ms, chosen in ((0.6, True), (0.4, False)):
+        fleet = office(2, 4, layer_ms=layer_ms)
+        whole = evaluate(splittable, fleet, [("pc1", "CPU", 0, 28)]).plan.tok_s
+        ranks = price_ranks(splittable, fleet, [("pc1", "CPU"), ("pc2", "CPU")]).plan.tok_s
+        assert (whole < ranks < whole * CHAIN_MARGIN) if chosen else ranks < whole
+        assert fastest_for_one(splittable, fleet, solve(splittable, fleet, objective="latency")).ranks is chosen
+        assert solve_layout(splittable, fleet, users=1).plans[0].ranks is chosen

@@ -12,7 +12,9 @@ once and take turns, wave by wave:
   each user is routed to one copy (``Replicas``);
 - llama.cpp on one PC: ``llama-server`` on PC 1's core;
 - llama.cpp's split: ``llama-server`` here with ``--rpc`` to ``rpc-server`` on PC 2, which holds
-  the layers our stage 1 holds (and the output head, as our last stage does).
+  the layers our stage 1 holds (and the output head, as our last stage does);
+- llama.cpp as two replicas: ``llama-server`` here and another on PC 2, the users dealt to them in
+  turn, as a round-robin proxy in front of them would.
 
 A wave is one request per user at once, a different prompt each, greedy, the end of text ignored, no
 prompt cache on either side; its aggregate tok/s is every reply's tokens over the wave's wall time,
@@ -45,6 +47,7 @@ from engine.runtime.stages.chain import LocalChain
 
 OURS_ONE, OURS_SPLIT, OURS_REPLICAS = "ours, one PC", "ours split, 2 PCs", "ours, 2 replicas (2 PCs)"
 LLAMA_ONE, LLAMA_SPLIT = "llama.cpp, one PC", "llama.cpp RPC split, 2 PCs"
+LLAMA_REPLICAS = "llama.cpp, 2 replicas (2 PCs)"
 RPC_PORT = 50052
 
 
@@ -99,12 +102,15 @@ def chat_wave(service: ChatService | Replicas, users: int, tokens: int) -> tuple
     return sum(len(r.tokens) for r in replies) / wall, statistics.median(r.ttft_ms for r in replies)
 
 
-def llama_wave(server: LlamaServer, prompts: list[list[int]], users: int, tokens: int) -> tuple[float, float]:
+def llama_wave(servers: LlamaServer | list[LlamaServer], prompts: list[list[int]], users: int,
+               tokens: int) -> tuple[float, float]:
+    """As ``chat_wave``, of llama-server; several ``servers`` take the users in turn (round robin)."""
+    servers = servers if isinstance(servers, list) else [servers]
     timings: list[dict | BaseException] = [{}] * users
 
     def user(u: int) -> None:
         try:
-            timings[u] = server.complete(prompts[u % len(prompts)], tokens)
+            timings[u] = servers[u % len(servers)].complete(prompts[u % len(prompts)], tokens)
         except BaseException as exc:  # reported below, on the caller's thread
             timings[u] = exc
 
@@ -205,11 +211,15 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
         llama_split = LlamaServer(gguf, slots=max(users), threads=1, rpc=rpc.address,
                                   gpu_layers=layers - half + 1, log=log)
         opened.append(llama_split)
+        llama_pc2 = LlamaServer(gguf, slots=max(users), threads=1, host=pc2.ip, log=log,
+                                launch=lambda cmd: office.spawn(pc2.name, cmd, office.root / "llama-server-pc2.log"))
+        opened.append(llama_pc2)
         waves = {OURS_ONE: lambda u: chat_wave(ours_one, u, tokens),
                  OURS_SPLIT: lambda u: chat_wave(ours_split, u, tokens),
                  OURS_REPLICAS: lambda u: chat_wave(replicas, u, tokens),
                  LLAMA_ONE: lambda u: llama_wave(llama_one, prompts, u, tokens),
-                 LLAMA_SPLIT: lambda u: llama_wave(llama_split, prompts, u, tokens)}
+                 LLAMA_SPLIT: lambda u: llama_wave(llama_split, prompts, u, tokens),
+                 LLAMA_REPLICAS: lambda u: llama_wave([llama_one, llama_pc2], prompts, u, tokens)}
         for name, wave in waves.items():  # warm: first compiles, first pages of the weights
             wave(2)
         rows = interleave(waves, users, runs, log, hooks)
@@ -223,8 +233,10 @@ def _ratios(rows: list[dict], users: tuple[int, ...]) -> dict:
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {}
     for u in users:
+        best = max((LLAMA_SPLIT, LLAMA_REPLICAS), key=lambda name: tok[name, u])
         for ours in (OURS_SPLIT, OURS_REPLICAS):
             ratios[f"{u} user(s): {ours} / llama.cpp RPC split"] = round(tok[ours, u] / tok[LLAMA_SPLIT, u], 3)
+            ratios[f"{u} user(s): {ours} / llama.cpp's best of 2 PCs ({best})"] = round(tok[ours, u] / tok[best, u], 3)
             ratios[f"{u} user(s): {ours} / ours one PC"] = round(tok[ours, u] / tok[OURS_ONE, u], 3)
             if u % 2 == 0 and (OURS_ONE, u // 2) in tok:  # the bar: 0.85 x 2 PCs at half the users each
                 ratios[f"{u} user(s): {ours} / (2 x one PC at {u // 2})"] = round(

@@ -28,6 +28,10 @@ from engine.fleet.placement import (Fleet, Infeasible, ModelShape, Plan, Placeme
 # on 3 PCs a split beside a copy served 0.66 of 3 PCs where 3 copies served 0.76
 # (bench-results/2026-11-27/sim-layout-qwen1.5b-fed.json).
 CHAIN_MARGIN = 1.10
+# Two PCs as tensor-parallel ranks are chosen for one user over the model whole on one PC wherever
+# they predict more at all: measured side by side, ranks served more than one PC in every run,
+# also where the cost model priced them below it (docs/benchmarks.md, "One user on two PCs").
+RANKS_MARGIN = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,12 +142,12 @@ def solve_layout(model: ModelShape, fleet: Fleet, *, users: int, max_stages: int
 
 def fastest_for_one(model: ModelShape, fleet: Fleet, plan: Plan) -> Plan:
     """``plan`` (the solver's fastest chain for one user), or two PCs as tensor-parallel ranks where
-    they predict ``CHAIN_MARGIN`` more tok/s than it and than the model whole on one PC."""
+    they predict more tok/s than it and ``RANKS_MARGIN`` more than the model whole on one PC."""
     whole = max((e.plan.tok_s for d in fleet.devices if d.node == fleet.coordinator and d.supported
                  if (e := evaluate(model, fleet, [(d.node, d.device, 0, model.num_layers)])).ok), default=0.0)
     ranks = max(_rank_pairs(model, fleet, [n for n in fleet.nodes if n != fleet.coordinator], 1),
                 key=lambda p: p.tok_s, default=None)
-    if ranks is not None and ranks.tok_s > max(plan.tok_s, whole * CHAIN_MARGIN):
+    if ranks is not None and ranks.tok_s > max(plan.tok_s, whole * RANKS_MARGIN):
         return dataclasses.replace(ranks, objective=plan.objective)
     return plan
 
@@ -165,13 +169,16 @@ def _rank_pairs(model: ModelShape, fleet: Fleet, others: list[str], users: int) 
 
 
 def _best(layouts: list[Layout]) -> Layout:
-    """The fastest layout; one that spreads a copy over several PCs (a chain split over them, or
-    tensor-parallel ranks) only where it predicts ``CHAIN_MARGIN`` more than whole copies."""
-    def best(candidates: list[Layout]) -> Layout | None:
-        return max(candidates, key=lambda layout: layout.aggregate_tok_s, default=None)
+    """The fastest layout; one that spreads a copy over several PCs only where it predicts more than
+    whole copies by its margin: ``CHAIN_MARGIN`` for a chain split over them, ``RANKS_MARGIN`` for
+    tensor-parallel ranks."""
+    def spread(layout: Layout) -> bool:
+        return any(len(p.stages) > 1 for p in layout.plans)
 
-    whole = best([layout for layout in layouts if all(len(p.stages) == 1 for p in layout.plans)])
-    split = best([layout for layout in layouts if any(len(p.stages) > 1 for p in layout.plans)])
-    if whole is None or (split is not None and split.aggregate_tok_s > whole.aggregate_tok_s * CHAIN_MARGIN):
-        return split
-    return whole
+    def margin(layout: Layout) -> float:
+        return RANKS_MARGIN if any(p.ranks for p in layout.plans) else CHAIN_MARGIN
+
+    whole = max((layout for layout in layouts if not spread(layout)), key=lambda l: l.aggregate_tok_s, default=None)
+    candidates = [layout for layout in layouts if not spread(layout) or whole is None
+                  or layout.aggregate_tok_s > whole.aggregate_tok_s * margin(layout)]
+    return max(candidates, key=lambda layout: layout.aggregate_tok_s)
