@@ -178,7 +178,8 @@ def _best(layouts: list[Layout]) -> Layout:
     def margin(layout: Layout) -> float:
         return RANKS_MARGIN if any(p.ranks for p in layout.plans) else CHAIN_MARGIN
 
-    whole = max((layout for layout in layouts if not spread(layout)), key=lambda l: l.aggregate_tok_s, default=None)
+    whole = max((layout for layout in layouts if not spread(layout)), key=lambda layout: layout.aggregate_tok_s,
+                default=None)
     candidates = [layout for layout in layouts if not spread(layout) or whole is None
                   or layout.aggregate_tok_s > whole.aggregate_tok_s * margin(layout)]
     return max(candidates, key=lambda layout: layout.aggregate_tok_s)
