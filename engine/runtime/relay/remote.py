@@ -340,8 +340,8 @@ class RemoteChain(Chain):
         hidden = self.local.forward(input_ids, attention_mask, position_ids, stream)
         local_ms = (time.perf_counter() - start) * 1e3
         round_ = _Round(stream, flags, seq=self._next_seq())
-        self._send(Frame(Msg.FORWARD, stream, round_.seq, [hidden, attention_mask.astype(np.uint8), position_ids,
-                                                            np.array([local_ms], np.float32)], flags),
+        self._send(wire.forward_frame(stream, round_.seq, hidden, attention_mask.astype(np.uint8), position_ids,
+                                      np.array([local_ms], np.float32), flags),
                    group=(next(self._group_ids), False))
         round_.sent = time.perf_counter()
         return round_
@@ -394,7 +394,7 @@ class RemoteChain(Chain):
         for r in pending:
             r.seq = self._next_seq()
             heads.append(PartHeader(r.stream, r.seq, r.part.start, len(r.part.x), r.flags))
-        frame = wire.pack_forward(np.concatenate(hidden), heads, np.concatenate([r.part.positions for r in pending]),
+        frame = wire.packed_frame(np.concatenate(hidden), heads, np.concatenate([r.part.positions for r in pending]),
                                   np.array([local_ms], np.float32))
         self._send(frame, [r.key for r in pending], group)
         for r in pending:
@@ -407,21 +407,13 @@ class RemoteChain(Chain):
             raise round_.error
         reply = self._await(round_.key, Msg.RESULT)
         wait_ms = (time.perf_counter() - round_.sent) * 1e3
-        flags = round_.flags
-        tensors = reply.tensors
-        want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS) + 2 * bool(flags & Flag.CANDIDATES)
-        if reply.flags != flags or len(tensors) != want or tensors[0].dtype != np.int64:
-            raise self._fail(f"sent a RESULT that does not answer the request ({len(tensors)} tensors)")
-        stage_ms = tensors[-1].tolist()
-        out = Output(tokens=tensors[0], stage_ms=stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
+        try:
+            tokens, probs, logits, candidates, stage_ms = wire.unpack_result(reply, round_.flags)
+        except ProtocolError as exc:
+            raise self._fail(f"sent a malformed frame ({exc})") from None
+        stage_ms = stage_ms.tolist()
+        out = Output(tokens, probs, logits, candidates, stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
         self._trip.observe(stage_ms, out.network_ms)
-        rest = iter(tensors[1:-1])
-        if flags & Flag.PROBS:
-            out.probs = next(rest)
-        if flags & Flag.LOGITS:
-            out.logits = next(rest)
-        if flags & Flag.CANDIDATES:
-            out.candidates = (next(rest), next(rest))
         return out
 
     def first_ready(self, rounds: list[_Round]) -> int:
