@@ -196,6 +196,7 @@ def test_prompts_go_at_once_and_a_group_over_several_frames_counts_once(tiny_exp
 
 def test_groups_in_flight_follow_the_measured_trip():
     """How many groups of streams a chain keeps in flight: enough to keep its slowest stage busy."""
+    from engine.runtime.relay import MAX_GROUPS
     from engine.runtime.relay.remote import _Trip
 
     def groups(rounds):
@@ -210,7 +211,7 @@ def test_groups_in_flight_follow_the_measured_trip():
     assert groups([([40.0, 40.0], 200.0)] * 5) == 7  # a slow link: more groups hide its time
     # a round that queued behind another group does not count as network time
     assert groups([([40.0, 40.0], 1.0), ([40.0, 40.0], 120.0)]) == 2
-    assert groups([([1.0, 1.0], 500.0)]) == _Trip.MAX_GROUPS
+    assert groups([([1.0, 1.0], 500.0)]) == MAX_GROUPS
     # stages that take one computer's turns never compute at once: they are one stage of the pipeline
     trip = _Trip()
     trip.observe([40.0, 40.0, 40.0], 1.0)

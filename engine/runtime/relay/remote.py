@@ -44,6 +44,7 @@ import numpy as np
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span, load_manifest
 from engine.runtime.interfaces import Chain
+from engine.runtime.relay import MAX_GROUPS
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output
 from engine.runtime.stages.packing import Part, as_part, check_parts, packs_of
@@ -115,7 +116,6 @@ class _Trip:
     waited longer than the network made it).  Stages that take one computer's compute turns never
     compute at once: together they are one stage of the pipeline."""
 
-    MAX_GROUPS = 8
     WINDOW = 64
 
     def __init__(self):
@@ -142,7 +142,7 @@ class _Trip:
         for computer, ms in zip(computers, self.stage_ms):
             busy[computer] = busy.get(computer, 0.0) + ms
         trip = sum(self.stage_ms) + min(self.network_ms)
-        return int(min(max(round(trip / max(busy.values())), 1), self.MAX_GROUPS))
+        return int(min(max(round(trip / max(busy.values())), 1), MAX_GROUPS))
 
 
 class RemoteChain(Chain):
