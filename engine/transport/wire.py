@@ -94,9 +94,9 @@ class Flag(enum.IntFlag):
 
 
 _ALL_FLAGS = int(Flag.ALL_POSITIONS | Flag.PROBS | Flag.LOGITS | Flag.CANDIDATES)
-# A RESULT for a request that samples carries this many candidates (ids and logits) per position,
-# instead of vocabulary-sized logits: sampling draws from the CANDIDATES most likely tokens.
-CANDIDATES = 256
+# A RESULT for a request that samples (``Flag.CANDIDATES``) carries this many candidates (ids and
+# logits) per position, instead of vocabulary-sized logits: sampling draws from the most likely tokens.
+CANDIDATE_COUNT = 256
 MAX_PARTS = 64  # streams in one PACKED frame
 
 
