@@ -10,8 +10,8 @@ PC half the weights it would read alone.  Rank 0 ends with the whole model's log
 whose results the coordinator does not use, send rank 0 their vocabulary slices and keep only their
 own.  They send a slice whole only where rank 0's forward needs the logits or the probabilities;
 otherwise each row's largest logits, one for a greedy token or ``wire.CANDIDATE_COUNT`` for sampling
-(a vocabulary slice of Qwen2.5 is 300 kB, 2.4 ms at 1 Gbit/s; its top-1 is 8 bytes).  Rank 0 says
-which on every part it sends (the frame's flags: ``Mesh.needs``).
+(a few bytes a row, where a vocabulary slice would cost the link its time on every token).  Rank 0
+says which on every part it sends (the frame's flags: ``Mesh.needs``).
 
 Every rank but 0 listens on a port of its own (its worker names it in its PONG); rank 0, in the
 coordinator, dials them when it opens the chain (the fleet-key handshake, then sealed SHARE
@@ -151,8 +151,8 @@ class Mesh:
             raise self.failure from None
 
     def _next_seq(self) -> int:
-        """The next exchange's number: a frame's 32-bit ``seq`` (a 1.5B model's forward takes 57
-        exchanges, so a rank serving all day long wraps it within months)."""
+        """The next exchange's number: a frame's 32-bit ``seq``, which wraps around (two exchanges a
+        layer, so a rank serving all day long wraps it within months)."""
         with self._lock:
             self.exchanges += 1
             return (self.exchanges - 1) & 0xFFFFFFFF

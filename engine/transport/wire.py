@@ -247,6 +247,8 @@ _DTYPE_CODES = {dt: code for code, dt in DTYPES.items()}
 
 @dataclasses.dataclass
 class Frame:
+    """One message as it travels: its type, the stream and request it belongs to, its tensors and flags."""
+
     type: Msg
     stream: int = 0
     seq: int = 0
@@ -267,6 +269,7 @@ class Frame:
 
 
 def control(kind: Msg, doc: dict, stream: int = 0, seq: int = 0) -> Frame:
+    """A control frame (PING, PONG, ERROR, CALL, ...): its JSON document as a uint8 tensor (``Frame.json``)."""
     return Frame(kind, stream, seq, [np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)])
 
 
@@ -295,6 +298,8 @@ def encode_parts(frame: Frame) -> list[bytes]:
 
 
 def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, int, int, int, Flag, int]:
+    """A frame header's (type, stream, seq, tensor count, flags, payload length), refused before the
+    payload is read when it is not ours or announces more than ``max_frame`` bytes."""
     magic, version, kind, stream, seq, count, flags, length = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"not a fleetshard frame (magic {magic!r})")
@@ -314,6 +319,7 @@ def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, i
 
 
 def parse_payload(count: int, payload: bytes | memoryview) -> list[np.ndarray]:
+    """A payload's ``count`` tensors, as views of it; every tensor header is checked against the bytes left."""
     tensors, pos, view = [], 0, memoryview(payload)
     for _ in range(count):
         if pos + TENSOR_HEADER.size > len(view):
@@ -386,6 +392,7 @@ def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, seal: "S
 
 
 def send_frame(sock: socket.socket, frame: Frame, seal: "Seal | None" = None) -> None:
+    """Sends one frame on a plain socket (the handshake; a connection's later frames go through ``Link``)."""
     sock.sendall(encode(frame, seal))
 
 

@@ -146,6 +146,8 @@ class _Trip:
 
 
 class RemoteChain(Chain):
+    """A chain whose stage 0 runs here and whose other stages run on workers (the module's docstring)."""
+
     prompt_rows = PROMPT_ROWS  # a chain (a test) may raise its own
 
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
@@ -401,6 +403,7 @@ class RemoteChain(Chain):
             r.sent, r.part = time.perf_counter(), None
 
     def collect(self, round_: _Round) -> Output:
+        """Waits for a submitted round's RESULT (sending the round first if it still waits to be packed)."""
         if round_.seq is None and round_.error is None:
             self._flush()
         if round_.error is not None:

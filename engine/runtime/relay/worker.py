@@ -52,6 +52,7 @@ class RequestError(FleetError):
 
 
 def heartbeat_interval(deadline_s: float) -> float:
+    """How often a worker sends ALIVE while it owes a reply, and checks its successor's silence."""
     return min(0.25, deadline_s / 10)
 
 
@@ -63,6 +64,8 @@ def answer(logits: np.ndarray, stream: int, seq: int, flags: Flag, stage_ms: np.
 
 
 class Worker(Listening):
+    """One stage of a chain served on a TCP port (the module's docstring)."""
+
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
@@ -205,6 +208,7 @@ class Worker(Listening):
         self._reply(link, wire.control(Msg.ERROR, doc, frame.stream, frame.seq))
 
     def _dispatch(self, link: Link, frame: Frame) -> None:
+        """Serves one frame from upstream; what it cannot serve is answered with an ERROR per request."""
         keys = [(frame.stream, frame.seq)]
         if frame.type == Msg.PACKED:
             try:
