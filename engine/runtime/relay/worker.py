@@ -264,13 +264,7 @@ class Worker(Listening):
     def _check_forward(self, frame: Frame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """A FORWARD's tensors (``wire.unpack_forward``), checked to fit this stage and the stream's cache."""
         x, mask, pos, stage_ms = wire.unpack_forward(frame)
-        if self.runner.first:
-            ok = x.dtype == np.int64 and x.ndim == 2
-        else:
-            ok = x.dtype == np.float32 and x.ndim == 3 and x.shape[2] == self.hidden
-        if not ok:
-            raise RequestError(f"activations of shape {x.shape} {x.dtype} do not fit stage "
-                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
+        self._check_rows(x, 1, "activations")
         q = x.shape[1]
         past = self._kv_length.get(frame.stream, 0)
         if mask.shape != (1, past + q):
@@ -280,6 +274,17 @@ class Worker(Listening):
             raise RequestError(f"positions beyond the context of {self.max_length}")
         self._check_streams([frame.stream])
         return x, mask, pos, stage_ms
+
+    def _check_rows(self, x: np.ndarray, batch: int, what: str) -> None:
+        """Raises unless ``x`` is what this stage takes: token ids at the first stage, else hidden
+        states, after ``batch`` leading axes (1 in a FORWARD, none in a PACKED frame)."""
+        if self.runner.first:
+            ok = x.dtype == np.int64 and x.ndim == batch + 1
+        else:
+            ok = x.dtype == np.float32 and x.ndim == batch + 2 and x.shape[-1] == self.hidden
+        if not ok:
+            raise RequestError(f"{what} of shape {x.shape} {x.dtype} do not fit stage "
+                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
 
     def _check_streams(self, streams: list[int]) -> None:
         if len(set(self._kv_length) | set(streams)) > MAX_STREAMS:
@@ -312,13 +317,7 @@ class Worker(Listening):
         per stream back."""
         if not self.runner.packs:
             raise RequestError(f"stage {self.manifest.stage_index} is stateful: it takes one stream per FORWARD")
-        if self.runner.first:
-            ok = x.dtype == np.int64 and x.ndim == 1
-        else:
-            ok = x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == self.hidden
-        if not ok:
-            raise RequestError(f"packed rows of shape {x.shape} {x.dtype} do not fit stage "
-                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
+        self._check_rows(x, 0, "packed rows")
         if pos.min() < 0 or pos.max() >= self.max_length or any(h.start + h.q > self.max_length for h in heads):
             raise RequestError(f"positions beyond the context of {self.max_length}")
         self._check_streams([h.stream for h in heads])
