@@ -140,7 +140,7 @@ def test_streams_travel_packed_one_frame_per_round(depth, fed, tiny_exports, key
                     active.append(decodings[3])
             assert [d.result.tokens for d in decodings] == want
             assert not [f for f in sent if f.type == Msg.FORWARD], "every round went packed"
-            packs = [len(wire.unpack_forward(f)[1]) for f in sent if f.type == Msg.PACKED]
+            packs = [len(wire.unpack_packed(f)[1]) for f in sent if f.type == Msg.PACKED]
             # the prompt's forward and every round's: each stream's share of some frame
             assert sum(packs) == sum(d.result.breakdown.rounds + 1 for d in decodings)
             if depth == 1:
@@ -191,11 +191,12 @@ def test_prompts_go_at_once_and_a_group_over_several_frames_counts_once(tiny_exp
             # every prompt's frame went before the first wait for a reply: alone, one prompt a frame;
             # packed, two groups of two prompts, each group over PACK_ROWS rows (two frames)
             first = [f for f in events[:events.index("wait")] if f != "wait" and f.type == Msg.PACKED]
-            assert [[h.stream for h in wire.unpack_forward(f)[1]] for f in first] == [[0], [1], [2], [3]], events[:8]
+            assert [[h.stream for h in wire.unpack_packed(f)[1]] for f in first] == [[0], [1], [2], [3]], events[:8]
 
 
 def test_groups_in_flight_follow_the_measured_trip():
     """How many groups of streams a chain keeps in flight: enough to keep its slowest stage busy."""
+    from engine.runtime.relay import MAX_GROUPS
     from engine.runtime.relay.remote import _Trip
 
     def groups(rounds):
@@ -210,7 +211,7 @@ def test_groups_in_flight_follow_the_measured_trip():
     assert groups([([40.0, 40.0], 200.0)] * 5) == 7  # a slow link: more groups hide its time
     # a round that queued behind another group does not count as network time
     assert groups([([40.0, 40.0], 1.0), ([40.0, 40.0], 120.0)]) == 2
-    assert groups([([1.0, 1.0], 500.0)]) == _Trip.MAX_GROUPS
+    assert groups([([1.0, 1.0], 500.0)]) == MAX_GROUPS
     # stages that take one computer's turns never compute at once: they are one stage of the pipeline
     trip = _Trip()
     trip.observe([40.0, 40.0, 40.0], 1.0)
@@ -244,7 +245,7 @@ def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, ke
         finally:
             service.close()
     assert got == want
-    packs = [len(wire.unpack_forward(f)[1]) for f in sent if f.type == Msg.PACKED]
+    packs = [len(wire.unpack_packed(f)[1]) for f in sent if f.type == Msg.PACKED]
     assert packs and not [f for f in sent if f.type == Msg.FORWARD]
     assert chain.depth == chain._trip.groups() > 1 and chain.most_in_flight > 1
 

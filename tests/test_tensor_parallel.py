@@ -25,7 +25,7 @@ from engine.runtime.stages.chain import LocalChain
 from engine.transport.mesh import Mesh, MeshError
 from engine.runtime.stages.output import top_candidates
 from engine.runtime.stages.stage import StageRunner, compile_config
-from engine.transport.wire import CANDIDATES, Flag, Frame, Msg
+from engine.transport.wire import CANDIDATE_COUNT, Flag, Frame, Msg
 
 KEY = b"k" * 32
 EXACT = compile_config("exact")
@@ -105,7 +105,7 @@ def test_two_ranks_give_the_whole_models_logits(arch, tp_exports, tiny_exports):
                 np.testing.assert_array_equal(got1[..., half:], got0[..., half:])
                 np.testing.assert_allclose(got0, expected, atol=2e-4, rtol=1e-4)
             else:
-                assert np.all(finite == (1 if not mesh0.needs else min(CANDIDATES, half)))
+                assert np.all(finite == (1 if not mesh0.needs else min(CANDIDATE_COUNT, half)))
                 np.testing.assert_array_equal(got0[..., half:][np.isfinite(got0[..., half:])],
                                               got1[..., half:][np.isfinite(got0[..., half:])])
             assert np.array_equal(got0.argmax(-1), expected.argmax(-1))

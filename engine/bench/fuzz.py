@@ -166,7 +166,7 @@ def fuzz_wire(cases: int, tally: Tally) -> None:
     def unpack_packed(case) -> None:
         frame, spoiled = case
         try:
-            x, parts, positions, _ = wire.unpack_forward(wire.decode(wire.encode(frame)))
+            x, parts, positions, _ = wire.unpack_packed(wire.decode(wire.encode(frame)))
         except wire.ProtocolError as exc:
             assert spoiled, f"a consistent PACKED frame was refused: {exc}"
             tally.add("wire", f"packed: {type(exc).__name__}")

@@ -23,11 +23,11 @@ from scipy.sparse import csr_array, vstack
 
 from engine.errors import FleetError
 from engine.manifest import layer_span
+from engine.runtime.relay import MAX_GROUPS
 
 OBJECTIVES = ("latency", "throughput")
 GB = 2**30
 MIP_REL_GAP = 1e-8  # HiGHS's default 1e-4 would leave plans measurably short of the optimum
-MAX_GROUPS = 8  # groups of streams the relay keeps in flight at most (``engine.runtime.relay.remote``)
 
 
 class PlacementError(FleetError):

@@ -33,6 +33,7 @@ MAX_PENDING = 64  # connections of one listener still in their handshake
 
 
 def parse_address(text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """(host, port) of a ``HOST:PORT`` (or a bare ``PORT`` on ``default_host``) a user or a peer gave."""
     host, sep, port = text.rpartition(":")
     if not sep:
         host, port = "", text
@@ -177,6 +178,7 @@ def authenticate_peer(conn: socket.socket, key: bytes, identity: dict, tls=None,
 
 
 def tune(sock: socket.socket) -> None:
+    """Sets up a fleet connection's socket: small frames go at once, a dead peer is noticed."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # per-token frames are small: no Nagle
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 

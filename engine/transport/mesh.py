@@ -9,9 +9,9 @@ operations whose ``evaluate`` swaps tensors with the other ranks over an authent
 PC half the weights it would read alone.  Rank 0 ends with the whole model's logits; the others,
 whose results the coordinator does not use, send rank 0 their vocabulary slices and keep only their
 own.  They send a slice whole only where rank 0's forward needs the logits or the probabilities;
-otherwise each row's largest logits, one for a greedy token or ``wire.CANDIDATES`` for sampling
-(a vocabulary slice of Qwen2.5 is 300 kB, 2.4 ms at 1 Gbit/s; its top-1 is 8 bytes).  Rank 0 says
-which on every part it sends (the frame's flags: ``Mesh.needs``).
+otherwise each row's largest logits, one for a greedy token or ``wire.CANDIDATE_COUNT`` for sampling
+(a few bytes a row, where a vocabulary slice would cost the link its time on every token).  Rank 0
+says which on every part it sends (the frame's flags: ``Mesh.needs``).
 
 Every rank but 0 listens on a port of its own (its worker names it in its PONG); rank 0, in the
 coordinator, dials them when it opens the chain (the fleet-key handshake, then sealed SHARE
@@ -41,7 +41,7 @@ from engine.transport import wire
 from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, accept_loop, authenticate_peer, connect_peer
 from engine.transport.wire import Frame, Msg
 
-EXCHANGE_WAIT_S = 30.0  # the longest one rank waits at an exchange for the others to get there
+EXCHANGE_TIMEOUT_S = 30.0  # the longest one rank waits at an exchange for the others to get there
 INLINE_BYTES = 64 << 10  # a frame this small always fits the peer's socket buffer: sent from the caller
 _MESHES: dict[str, "Mesh"] = {}
 _ids = itertools.count(1)
@@ -55,7 +55,7 @@ class Mesh:
     """This rank's connections to the other ranks of one tensor-parallel group."""
 
     def __init__(self, rank: int, ranks: int, links: dict[int, Link] | None = None,
-                 timeout_s: float = EXCHANGE_WAIT_S):
+                 timeout_s: float = EXCHANGE_TIMEOUT_S):
         """``links``: rank 0's connection to each other rank; a rank > 0 starts without and
         ``listen``s for rank 0."""
         self.rank, self.ranks, self.links = rank, ranks, dict(links or {})
@@ -151,8 +151,8 @@ class Mesh:
             raise self.failure from None
 
     def _next_seq(self) -> int:
-        """The next exchange's number: a frame's 32-bit ``seq`` (a 1.5B model's forward takes 57
-        exchanges, so a rank serving all day long wraps it within months)."""
+        """The next exchange's number: a frame's 32-bit ``seq``, which wraps around (two exchanges a
+        layer, so a rank serving all day long wraps it within months)."""
         with self._lock:
             self.exchanges += 1
             return (self.exchanges - 1) & 0xFFFFFFFF
@@ -175,7 +175,7 @@ class Mesh:
     def _gather(self, x: np.ndarray, out: np.ndarray) -> None:
         seq, width = self._next_seq(), x.shape[-1]
         top = None if self.needs & (wire.Flag.LOGITS | wire.Flag.PROBS) else \
-            min(wire.CANDIDATES if self.needs & wire.Flag.CANDIDATES else 1, width)
+            min(wire.CANDIDATE_COUNT if self.needs & wire.Flag.CANDIDATES else 1, width)
         if self.rank:
             self._send(0, self._share(seq, x if top is None else _largest(x, top)))
             start, end = self.rank * width, (self.rank + 1) * width

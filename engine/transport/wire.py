@@ -58,19 +58,16 @@ class AuthError(FleetError):
 
 
 class Msg(enum.IntEnum):
-    """Message types.  FORWARD carries ``[x, attention_mask (u8), position_ids, stage_ms (f32)]``:
-    token ids (stage 0) or hidden states, the mask over every KV slot, the positions of the new
-    tokens, and the compute time of each stage so far.  RESULT carries ``[token_ids (i64),
-    stage_ms]``, plus probabilities (``Flag.PROBS``), full logits (``Flag.LOGITS``) and the sampling
-    candidates' ids (i64) and logits (f32) (``Flag.CANDIDATES``), in that order, before stage_ms."""
+    """Message types.  The relay's frames are built and read only by their functions below:
+    ``forward_frame``, ``packed_frame``, ``result_frame``, ``sync_frame``, ``drafts_frame``."""
 
     HELLO = 1
     CHALLENGE = 2
     PROOF = 3
     WELCOME = 4
     REFUSE = 5
-    FORWARD = 10  # activations (and their attention mask, positions) towards the next stage
-    RESULT = 11  # what the last stage sends back: token ids, probabilities or logits
+    FORWARD = 10  # one stream's activations (and their attention mask, positions) towards the next stage
+    RESULT = 11  # what the last stage sends back: token ids, probabilities or logits (``result_frame``)
     RESET = 12  # drop a stream's KV state
     ERROR = 13
     PING = 14
@@ -78,7 +75,7 @@ class Msg(enum.IntEnum):
     BYE = 16
     ALIVE = 17  # heartbeat upstream while a request is outstanding (deadlines, not keep-alive)
     KEEP = 18  # keep only these physical KV slots of a stream ([slots i32]): rewind and compaction
-    PACKED = 19  # FORWARD for many streams in one frame, between paged stages (``pack_forward``)
+    PACKED = 19  # FORWARD for many streams in one frame, between paged stages (``packed_frame``)
     CALL = 20  # a node agent's control API: [JSON {"op": ..., ...}] plus an optional raw uint8 payload
     REPLY = 21  # the agent's answer to a CALL: [JSON] plus an optional raw uint8 payload
     SYNC = 22  # to a draft server: a stream's text is now what it was told up to a point, then these tokens
@@ -97,10 +94,38 @@ class Flag(enum.IntFlag):
 
 
 _ALL_FLAGS = int(Flag.ALL_POSITIONS | Flag.PROBS | Flag.LOGITS | Flag.CANDIDATES)
-# A RESULT for a request that samples carries this many candidates (ids and logits) per position,
-# instead of vocabulary-sized logits: sampling draws from the CANDIDATES most likely tokens.
-CANDIDATES = 256
+# A RESULT for a request that samples (``Flag.CANDIDATES``) carries this many candidates (ids and
+# logits) per position, instead of vocabulary-sized logits: sampling draws from the most likely tokens.
+CANDIDATE_COUNT = 256
 MAX_PARTS = 64  # streams in one PACKED frame
+
+
+def forward_frame(stream: int, seq: int, x: np.ndarray, mask: np.ndarray, positions: np.ndarray,
+                  stage_ms: np.ndarray, flags: Flag = Flag.NONE) -> Frame:
+    """A FORWARD, which takes one stream's new rows to the next stage: ``[x, mask (u8 [1, slots]),
+    positions (i64 [1, q]), stage_ms (f32)]``, with ``x`` token ids (i64 [1, q], to the stage
+    holding layer 0) or hidden states (f32 [1, q, hidden]), ``mask`` over every KV slot the stream
+    holds once these rows are in, and the compute time of each stage so far.  ``flags`` say what
+    the last stage answers with (``result_frame``)."""
+    return Frame(Msg.FORWARD, stream, seq, [x, mask, positions, stage_ms], flags)
+
+
+def unpack_forward(frame: Frame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A FORWARD's ``x, mask, positions, stage_ms``, checked against one another; whether ``x``
+    fits the stage and the mask its cache is the stage's to check."""
+    if len(frame.tensors) != 4:
+        raise ProtocolError(f"FORWARD carries {len(frame.tensors)} tensors, expected 4")
+    x, mask, positions, stage_ms = frame.tensors
+    q = x.shape[1] if x.ndim in (2, 3) and x.shape[0] == 1 else 0
+    if q == 0:
+        raise ProtocolError(f"FORWARD activations of shape {x.shape} {x.dtype}: expected [1, q] or [1, q, hidden] "
+                            f"with q >= 1")
+    if positions.dtype != np.int64 or positions.shape != (1, q):
+        raise ProtocolError(f"position_ids {positions.shape} {positions.dtype} do not match {q} new tokens")
+    if mask.dtype != np.uint8 or mask.ndim != 2 or mask.shape[0] != 1:
+        raise ProtocolError(f"attention mask {mask.shape} {mask.dtype}: expected [1, slots] uint8")
+    _check_stage_ms(frame, stage_ms)
+    return x, mask, positions, stage_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,15 +140,16 @@ class PartHeader:
     flags: Flag
 
 
-def pack_forward(x: np.ndarray, parts: list[PartHeader], positions: np.ndarray, stage_ms: np.ndarray) -> Frame:
-    """A PACKED frame: ``[x, parts (i64 [n, 5]: stream, seq, start, q, flags), position_ids (i64
-    [rows]), stage_ms (f32)]``, with ``x`` every part's rows one after another (token ids ``[rows]``
-    or hidden states ``[rows, hidden]``).  The last stage answers each part with its own RESULT."""
+def packed_frame(x: np.ndarray, parts: list[PartHeader], positions: np.ndarray, stage_ms: np.ndarray) -> Frame:
+    """A PACKED frame, which takes several streams' rows to the next stage at once: ``[x, parts
+    (i64 [n, 5]: stream, seq, start, q, flags), position_ids (i64 [rows]), stage_ms (f32)]``, with
+    ``x`` every part's rows one after another (token ids ``[rows]`` or hidden states ``[rows,
+    hidden]``).  The last stage answers each part with its own RESULT."""
     table = np.array([[p.stream, p.seq, p.start, p.q, int(p.flags)] for p in parts], np.int64).reshape(-1, 5)
     return Frame(Msg.PACKED, parts[0].stream, parts[0].seq, [x, table, positions, stage_ms])
 
 
-def unpack_forward(frame: Frame) -> tuple[np.ndarray, list[PartHeader], np.ndarray, np.ndarray]:
+def unpack_packed(frame: Frame) -> tuple[np.ndarray, list[PartHeader], np.ndarray, np.ndarray]:
     """A PACKED frame's contents, its table checked for consistency with the rows it describes."""
     if len(frame.tensors) != 4:
         raise ProtocolError(f"PACKED carries {len(frame.tensors)} tensors, expected 4")
@@ -142,10 +168,47 @@ def unpack_forward(frame: Frame) -> tuple[np.ndarray, list[PartHeader], np.ndarr
     rows = int(q.sum())  # at most MAX_PARTS times the rows: no overflow
     if x.shape[0] != rows or positions.dtype != np.int64 or positions.shape != (rows,):
         raise ProtocolError(f"PACKED rows {x.shape} and positions {positions.shape} do not match the table's {rows}")
-    if stage_ms.dtype != np.float32 or stage_ms.ndim != 1 or stage_ms.shape[0] > 64:
-        raise ProtocolError("PACKED frame carries malformed stage timings")
+    _check_stage_ms(frame, stage_ms)
     parts = [PartHeader(int(a), int(b), int(c), int(d), Flag(int(e))) for a, b, c, d, e in table.tolist()]
     return x, parts, positions, stage_ms
+
+
+def _check_stage_ms(frame: Frame, stage_ms: np.ndarray) -> None:
+    if stage_ms.dtype != np.float32 or stage_ms.ndim != 1 or stage_ms.shape[0] > 64:
+        raise ProtocolError(f"{frame.type.name} frame carries malformed stage timings")
+
+
+def result_frame(stream: int, seq: int, flags: Flag, tokens: np.ndarray, stage_ms: np.ndarray,
+                 probs: np.ndarray | None = None, logits: np.ndarray | None = None,
+                 candidates: tuple[np.ndarray, np.ndarray] | None = None) -> Frame:
+    """A RESULT, the last stage's answer to one stream's FORWARD (or part of a PACKED frame), its
+    ``flags`` echoed: ``[tokens (i64 [positions]), probs, logits, candidate ids, candidate logits,
+    stage_ms (f32)]``, where probs (f32 [positions]) are there only under ``Flag.PROBS``, logits
+    (f32 [1, positions, vocab]) under ``Flag.LOGITS`` and the candidates (i64 and f32 [positions,
+    CANDIDATE_COUNT]) under ``Flag.CANDIDATES``."""
+    tensors = [tokens]
+    if flags & Flag.PROBS:
+        tensors.append(probs)
+    if flags & Flag.LOGITS:
+        tensors.append(logits)
+    if flags & Flag.CANDIDATES:
+        tensors += candidates
+    return Frame(Msg.RESULT, stream, seq, [*tensors, stage_ms], flags)
+
+
+def unpack_result(frame: Frame, flags: Flag) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None,
+                                                      tuple[np.ndarray, np.ndarray] | None, np.ndarray]:
+    """A RESULT's ``tokens, probs, logits, candidates, stage_ms``, checked to answer a request
+    with ``flags``; what the request did not ask for is None."""
+    tensors = frame.tensors
+    want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS) + 2 * bool(flags & Flag.CANDIDATES)
+    if frame.flags != flags or len(tensors) != want or tensors[0].dtype != np.int64:
+        raise ProtocolError(f"RESULT of {len(tensors)} tensors does not answer the request")
+    rest = iter(tensors[1:-1])
+    probs = next(rest) if flags & Flag.PROBS else None
+    logits = next(rest) if flags & Flag.LOGITS else None
+    candidates = (next(rest), next(rest)) if flags & Flag.CANDIDATES else None
+    return tensors[0], probs, logits, candidates, tensors[-1]
 
 
 def sync_frame(stream: int, epoch: int, start: int, lead: int, fresh: bool, tokens: list[int]) -> Frame:
@@ -184,6 +247,8 @@ _DTYPE_CODES = {dt: code for code, dt in DTYPES.items()}
 
 @dataclasses.dataclass
 class Frame:
+    """One message as it travels: its type, the stream and request it belongs to, its tensors and flags."""
+
     type: Msg
     stream: int = 0
     seq: int = 0
@@ -204,6 +269,7 @@ class Frame:
 
 
 def control(kind: Msg, doc: dict, stream: int = 0, seq: int = 0) -> Frame:
+    """A control frame (PING, PONG, ERROR, CALL, ...): its JSON document as a uint8 tensor (``Frame.json``)."""
     return Frame(kind, stream, seq, [np.frombuffer(json.dumps(doc).encode(), dtype=np.uint8)])
 
 
@@ -232,6 +298,8 @@ def encode_parts(frame: Frame) -> list[bytes]:
 
 
 def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, int, int, int, Flag, int]:
+    """A frame header's (type, stream, seq, tensor count, flags, payload length), refused before the
+    payload is read when it is not ours or announces more than ``max_frame`` bytes."""
     magic, version, kind, stream, seq, count, flags, length = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"not a fleetshard frame (magic {magic!r})")
@@ -251,6 +319,7 @@ def parse_header(raw: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Msg, i
 
 
 def parse_payload(count: int, payload: bytes | memoryview) -> list[np.ndarray]:
+    """A payload's ``count`` tensors, as views of it; every tensor header is checked against the bytes left."""
     tensors, pos, view = [], 0, memoryview(payload)
     for _ in range(count):
         if pos + TENSOR_HEADER.size > len(view):
@@ -323,6 +392,7 @@ def recv_frame(sock: socket.socket, max_frame: int = DEFAULT_MAX_FRAME, seal: "S
 
 
 def send_frame(sock: socket.socket, frame: Frame, seal: "Seal | None" = None) -> None:
+    """Sends one frame on a plain socket (the handshake; a connection's later frames go through ``Link``)."""
     sock.sendall(encode(frame, seal))
 
 

@@ -3,7 +3,7 @@ penalty and a seed.
 
 ``SamplingParams`` is what a request carries (the API server, the chat service and the CLI share
 it); ``temperature == 0`` is greedy decoding, token-identical to the top-1 path.  A sampled request
-has the last stage return its top ``CANDIDATES`` token ids and logits per position (``Flag.CANDIDATES``,
+has the last stage return its top ``CANDIDATE_COUNT`` token ids and logits per position (``Flag.CANDIDATES``,
 a few KB instead of the vocabulary), and the coordinator's ``Sampler`` draws from them, verifying
 speculative drafts by rejection sampling.
 

@@ -12,6 +12,7 @@ from engine.errors import FleetError
 
 
 def parse_cpus(text: str) -> set[int]:
+    """The CPUs a ``taskset -c`` list such as ``"0,2,4-5"`` names."""
     cpus: set[int] = set()
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):

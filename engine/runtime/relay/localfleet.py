@@ -42,6 +42,8 @@ def _keep(entries: list, i: int, value) -> None:
 
 
 class LocalFleet:
+    """Stages 1.. of a model served on this computer, for a coordinator here (the module's docstring)."""
+
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
                  deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True,

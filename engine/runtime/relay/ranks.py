@@ -25,6 +25,8 @@ from engine.transport.wire import Flag
 
 
 class RankChain(Chain):
+    """A chain of one model's tensor-parallel ranks: rank 0 here, each other rank on a worker."""
+
     paged = False
     packs = False  # every rank must run the same forwards: one round at a time
 

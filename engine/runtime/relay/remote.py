@@ -44,6 +44,7 @@ import numpy as np
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span, load_manifest
 from engine.runtime.interfaces import Chain
+from engine.runtime.relay import MAX_GROUPS
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output
 from engine.runtime.stages.packing import Part, as_part, check_parts, packs_of
@@ -115,7 +116,6 @@ class _Trip:
     waited longer than the network made it).  Stages that take one computer's compute turns never
     compute at once: together they are one stage of the pipeline."""
 
-    MAX_GROUPS = 8
     WINDOW = 64
 
     def __init__(self):
@@ -142,10 +142,12 @@ class _Trip:
         for computer, ms in zip(computers, self.stage_ms):
             busy[computer] = busy.get(computer, 0.0) + ms
         trip = sum(self.stage_ms) + min(self.network_ms)
-        return int(min(max(round(trip / max(busy.values())), 1), self.MAX_GROUPS))
+        return int(min(max(round(trip / max(busy.values())), 1), MAX_GROUPS))
 
 
 class RemoteChain(Chain):
+    """A chain whose stage 0 runs here and whose other stages run on workers (the module's docstring)."""
+
     prompt_rows = PROMPT_ROWS  # a chain (a test) may raise its own
 
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
@@ -340,8 +342,8 @@ class RemoteChain(Chain):
         hidden = self.local.forward(input_ids, attention_mask, position_ids, stream)
         local_ms = (time.perf_counter() - start) * 1e3
         round_ = _Round(stream, flags, seq=self._next_seq())
-        self._send(Frame(Msg.FORWARD, stream, round_.seq, [hidden, attention_mask.astype(np.uint8), position_ids,
-                                                            np.array([local_ms], np.float32)], flags),
+        self._send(wire.forward_frame(stream, round_.seq, hidden, attention_mask.astype(np.uint8), position_ids,
+                                      np.array([local_ms], np.float32), flags),
                    group=(next(self._group_ids), False))
         round_.sent = time.perf_counter()
         return round_
@@ -394,34 +396,27 @@ class RemoteChain(Chain):
         for r in pending:
             r.seq = self._next_seq()
             heads.append(PartHeader(r.stream, r.seq, r.part.start, len(r.part.x), r.flags))
-        frame = wire.pack_forward(np.concatenate(hidden), heads, np.concatenate([r.part.positions for r in pending]),
+        frame = wire.packed_frame(np.concatenate(hidden), heads, np.concatenate([r.part.positions for r in pending]),
                                   np.array([local_ms], np.float32))
         self._send(frame, [r.key for r in pending], group)
         for r in pending:
             r.sent, r.part = time.perf_counter(), None
 
     def collect(self, round_: _Round) -> Output:
+        """Waits for a submitted round's RESULT (sending the round first if it still waits to be packed)."""
         if round_.seq is None and round_.error is None:
             self._flush()
         if round_.error is not None:
             raise round_.error
         reply = self._await(round_.key, Msg.RESULT)
         wait_ms = (time.perf_counter() - round_.sent) * 1e3
-        flags = round_.flags
-        tensors = reply.tensors
-        want = 2 + bool(flags & Flag.PROBS) + bool(flags & Flag.LOGITS) + 2 * bool(flags & Flag.CANDIDATES)
-        if reply.flags != flags or len(tensors) != want or tensors[0].dtype != np.int64:
-            raise self._fail(f"sent a RESULT that does not answer the request ({len(tensors)} tensors)")
-        stage_ms = tensors[-1].tolist()
-        out = Output(tokens=tensors[0], stage_ms=stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
+        try:
+            tokens, probs, logits, candidates, stage_ms = wire.unpack_result(reply, round_.flags)
+        except ProtocolError as exc:
+            raise self._fail(f"sent a malformed frame ({exc})") from None
+        stage_ms = stage_ms.tolist()
+        out = Output(tokens, probs, logits, candidates, stage_ms, network_ms=max(wait_ms - sum(stage_ms[1:]), 0.0))
         self._trip.observe(stage_ms, out.network_ms)
-        rest = iter(tensors[1:-1])
-        if flags & Flag.PROBS:
-            out.probs = next(rest)
-        if flags & Flag.LOGITS:
-            out.logits = next(rest)
-        if flags & Flag.CANDIDATES:
-            out.candidates = (next(rest), next(rest))
         return out
 
     def first_ready(self, rounds: list[_Round]) -> int:

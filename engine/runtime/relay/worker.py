@@ -52,23 +52,20 @@ class RequestError(FleetError):
 
 
 def heartbeat_interval(deadline_s: float) -> float:
+    """How often a worker sends ALIVE while it owes a reply, and checks its successor's silence."""
     return min(0.25, deadline_s / 10)
 
 
-def result_frame(logits: np.ndarray, frame: Frame, stage_ms: np.ndarray) -> Frame:
-    out = select(logits, frame.flags)
-    tensors = [out.tokens]
-    if out.probs is not None:
-        tensors.append(out.probs)
-    if out.logits is not None:
-        tensors.append(out.logits)
-    if out.candidates is not None:
-        tensors += list(out.candidates)
-    tensors.append(stage_ms)
-    return Frame(Msg.RESULT, frame.stream, frame.seq, tensors, frame.flags)
+def answer(logits: np.ndarray, stream: int, seq: int, flags: Flag, stage_ms: np.ndarray) -> Frame:
+    """The RESULT a last stage sends back for one stream: what ``flags`` ask of its ``logits``
+    ``[1, q, vocab]``, and no more."""
+    out = select(logits, flags)
+    return wire.result_frame(stream, seq, flags, out.tokens, stage_ms, out.probs, out.logits, out.candidates)
 
 
 class Worker(Listening):
+    """One stage of a chain served on a TCP port (the module's docstring)."""
+
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
@@ -211,10 +208,11 @@ class Worker(Listening):
         self._reply(link, wire.control(Msg.ERROR, doc, frame.stream, frame.seq))
 
     def _dispatch(self, link: Link, frame: Frame) -> None:
+        """Serves one frame from upstream; what it cannot serve is answered with an ERROR per request."""
         keys = [(frame.stream, frame.seq)]
         if frame.type == Msg.PACKED:
             try:
-                packed = wire.unpack_forward(frame)
+                packed = wire.unpack_packed(frame)
             except ProtocolError as exc:
                 self._error(link, frame, str(exc))
                 return
@@ -264,29 +262,29 @@ class Worker(Listening):
         self._send_down(Frame(Msg.KEEP, frame.stream, 0, [slots]), track=False)
 
     def _check_forward(self, frame: Frame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        if len(frame.tensors) != 4:
-            raise RequestError(f"FORWARD carries {len(frame.tensors)} tensors, expected 4")
-        x, mask, pos, stage_ms = frame.tensors
-        if self.runner.first:
-            ok = x.dtype == np.int64 and x.ndim == 2 and x.shape[0] == 1
-        else:
-            ok = x.dtype == np.float32 and x.ndim == 3 and x.shape[0] == 1 and x.shape[2] == self.hidden
-        q = x.shape[1] if x.ndim >= 2 else 0
-        if not ok or q == 0:
-            raise RequestError(f"activations of shape {x.shape} {x.dtype} do not fit stage "
-                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
-        if pos.dtype != np.int64 or pos.shape != (1, q):
-            raise RequestError(f"position_ids {pos.shape} {pos.dtype} do not match {q} new tokens")
+        """A FORWARD's tensors (``wire.unpack_forward``), checked to fit this stage and the stream's cache."""
+        x, mask, pos, stage_ms = wire.unpack_forward(frame)
+        self._check_rows(x, 1, "activations")
+        q = x.shape[1]
         past = self._kv_length.get(frame.stream, 0)
-        if mask.dtype != np.uint8 or mask.shape != (1, past + q):
+        if mask.shape != (1, past + q):
             raise RequestError(f"attention mask {mask.shape} {mask.dtype} does not cover the {past} cached "
                                f"and {q} new positions of stream {frame.stream}")
         if past + q > self.max_length or pos.min() < 0 or pos.max() >= self.max_length:
             raise RequestError(f"positions beyond the context of {self.max_length}")
-        if stage_ms.dtype != np.float32 or stage_ms.ndim != 1 or stage_ms.shape[0] > 64:
-            raise RequestError("malformed stage timings")
         self._check_streams([frame.stream])
         return x, mask, pos, stage_ms
+
+    def _check_rows(self, x: np.ndarray, batch: int, what: str) -> None:
+        """Raises unless ``x`` is what this stage takes: token ids at the first stage, else hidden
+        states, after ``batch`` leading axes (1 in a FORWARD, none in a PACKED frame)."""
+        if self.runner.first:
+            ok = x.dtype == np.int64 and x.ndim == batch + 1
+        else:
+            ok = x.dtype == np.float32 and x.ndim == batch + 2 and x.shape[-1] == self.hidden
+        if not ok:
+            raise RequestError(f"{what} of shape {x.shape} {x.dtype} do not fit stage "
+                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
 
     def _check_streams(self, streams: list[int]) -> None:
         if len(set(self._kv_length) | set(streams)) > MAX_STREAMS:
@@ -309,8 +307,8 @@ class Worker(Listening):
         self._kv_length[stream] = length
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
         if self.runner.last:
-            self._reply(link, result_frame(y, frame, timings))
-        elif not self._send_down(Frame(Msg.FORWARD, stream, frame.seq, [y, mask, pos, timings], frame.flags)):
+            self._reply(link, answer(y, stream, frame.seq, frame.flags, timings))
+        elif not self._send_down(wire.forward_frame(stream, frame.seq, y, mask, pos, timings, frame.flags)):
             self._error(link, frame, "connection lost", self.manifest.stage_index + 1, self._next, True)
 
     def _forward_packed(self, link: Link, x: np.ndarray, heads: list[wire.PartHeader], pos: np.ndarray,
@@ -319,13 +317,7 @@ class Worker(Listening):
         per stream back."""
         if not self.runner.packs:
             raise RequestError(f"stage {self.manifest.stage_index} is stateful: it takes one stream per FORWARD")
-        if self.runner.first:
-            ok = x.dtype == np.int64 and x.ndim == 1
-        else:
-            ok = x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == self.hidden
-        if not ok:
-            raise RequestError(f"packed rows of shape {x.shape} {x.dtype} do not fit stage "
-                               f"{self.manifest.stage_index} (hidden size {self.hidden})")
+        self._check_rows(x, 0, "packed rows")
         if pos.min() < 0 or pos.max() >= self.max_length or any(h.start + h.q > self.max_length for h in heads):
             raise RequestError(f"positions beyond the context of {self.max_length}")
         self._check_streams([h.stream for h in heads])
@@ -343,10 +335,9 @@ class Worker(Listening):
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
         if self.runner.last:
             for h, logits in zip(heads, outs):
-                self._reply(link, result_frame(logits[None], Frame(Msg.RESULT, h.stream, h.seq, flags=h.flags),
-                                               timings))
+                self._reply(link, answer(logits[None], h.stream, h.seq, h.flags, timings))
             return
-        frame = wire.pack_forward(np.concatenate(outs), heads, pos, timings)
+        frame = wire.packed_frame(np.concatenate(outs), heads, pos, timings)
         if not self._send_down(frame, keys=[(h.stream, h.seq) for h in heads]):
             raise RequestError("connection lost", self.manifest.stage_index + 1, self._next, True)
 

@@ -6,10 +6,10 @@ import dataclasses
 
 import numpy as np
 
-from engine.transport.wire import CANDIDATES, Flag
+from engine.transport.wire import CANDIDATE_COUNT, Flag
 
 
-def top_candidates(rows: np.ndarray, n: int = CANDIDATES) -> tuple[np.ndarray, np.ndarray]:
+def top_candidates(rows: np.ndarray, n: int = CANDIDATE_COUNT) -> tuple[np.ndarray, np.ndarray]:
     """The ``n`` largest logits of each row of ``rows`` [positions, vocab], most likely first."""
     n = min(n, rows.shape[-1])
     part = np.argpartition(rows, -n, axis=-1)[:, -n:]
@@ -27,7 +27,7 @@ class Output:
     tokens: np.ndarray  # int64 [positions]
     probs: np.ndarray | None = None  # float32 [positions]
     logits: np.ndarray | None = None  # float32 [1, positions, vocab]
-    candidates: tuple[np.ndarray, np.ndarray] | None = None  # ids int64, logits float32 [positions, CANDIDATES]
+    candidates: tuple[np.ndarray, np.ndarray] | None = None  # ids int64, logits float32 [positions, CANDIDATE_COUNT]
     stage_ms: list[float] = dataclasses.field(default_factory=list)  # compute per stage
     network_ms: float = 0.0  # waiting on the wire and relaying, beyond the remote stages' compute
 
