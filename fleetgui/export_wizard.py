@@ -27,7 +27,7 @@ from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEI
 from engine.manifest import layer_numbers
 from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.models.facts import facts_of
-from engine.progress import describe_progress
+from engine.progress import Progress
 from fleetgui.model_cards import ModelCards, carried
 from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, spin_box
 from fleetgui.workers import TaskRunner
@@ -398,16 +398,13 @@ class ExportWizard(QWidget):
         self.total.setText("")
         self.cancel_button.setEnabled(True)
 
-    def _progress(self, payload: tuple) -> None:
-        if payload[0] == "pull":
-            text, fraction = describe_progress(payload)
-            self.pull_label.setText(text)
-            self.pull_bar.setValue(100 if fraction is None else round(fraction * 100))
-        elif payload[0] == "stage":
-            _, index, step, fraction = payload[:4]  # then the stage count
-            if 0 <= index < len(self.stage_bars):
-                self.stage_bars[index].setValue(round(fraction * 100))
-                self.stage_labels[index].setText(f"stage {index}: {step}")
+    def _progress(self, progress: Progress) -> None:
+        if progress.stage is None:  # the catalog model's download
+            self.pull_label.setText(progress.text)
+            self.pull_bar.setValue(100 if progress.fraction is None else round(progress.fraction * 100))
+        elif 0 <= progress.stage < len(self.stage_bars):
+            self.stage_bars[progress.stage].setValue(round(progress.fraction * 100))
+            self.stage_labels[progress.stage].setText(f"stage {progress.stage}: {progress.step}")
 
     def _finish(self) -> None:
         self.task = None

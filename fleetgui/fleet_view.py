@@ -867,7 +867,7 @@ class FleetView(QWidget):
             self.banner.error(f"The demo fleet did not start: {message}")
 
         self._demo_task = self.tasks.start(lambda report, cancel: backend.start_demo(settings, count, report),
-                                           "demo fleet", progressed=lambda p: self.banner.info(f"{p[-1]}…"),
+                                           "demo fleet", progressed=lambda p: self.banner.info(f"{p.text}…"),
                                            succeeded=started, failed=failed)
 
     def stop_demo_node(self, name: str) -> None:

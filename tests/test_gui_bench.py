@@ -78,7 +78,8 @@ def test_bench_hooks_report_progress_and_cancel_without_changing_results(shards)
 
     progress, tokens = [], []
     report = run_wan("tiny", "none", shards=shards, delays=(0.0,), tokens=4, draft_kind="lookup", log=lambda m: None,
-                     hooks=Hooks(progress=lambda f, m: progress.append(f), on_token=lambda s, t: tokens.append(s)))
+                     hooks=Hooks(progress=lambda p: progress.append(p.fraction),
+                                 on_token=lambda s, t: tokens.append(s)))
     assert progress[0] == 0.0 and progress[-1] == 1.0 and progress == sorted(progress)
     assert set(tokens) == {0, 1} and report["settings"]["stages"] == 2
     quiet = run_wan("tiny", "none", shards=shards, delays=(0.0,), tokens=4, draft_kind="lookup", log=lambda m: None)
@@ -141,7 +142,7 @@ def test_a_parts_progress_fills_its_share_of_the_whole_run():
     from engine.bench.harness import Hooks
 
     seen = []
-    hooks = Hooks(progress=lambda fraction, what: seen.append((round(fraction, 3), what)))
+    hooks = Hooks(progress=lambda p: seen.append((round(p.fraction, 3), p.text)))
     hooks.step(1, 4, "the office")
     within = hooks.part(1, 4)
     within.step(0, 10, "wave 0")

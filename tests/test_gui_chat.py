@@ -264,53 +264,39 @@ def test_the_default_model_answers_on_a_local_fleet(qtbot, gui_home, tmp_path, s
 
 
 def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home, tmp_path):
-    """The first-run payloads (engine.session) shown in the Chat view's progress panel: a
+    """The first-run progress (engine.progress) shown in the Chat view's progress panel: a
     download shows its share, its end reads as the next step with a busy bar, Cancel stops it."""
-    from engine.progress import describe_progress
+    from engine.progress import Progress, deploying, exporting, pulling
+
+    def said(p: Progress) -> tuple[str, float | None]:
+        return p.text, p.fraction
 
     # every step with a count a person can follow: bytes, stages, nodes
-    assert describe_progress(("pull", "download 2/4", 0.25, 67_500_000, 270_000_000)) == (
-        "Downloading the model: 68 of 270 MB", 0.25)
-    assert describe_progress(("pull", "assemble", 0.4, 41_000_000, 102_000_000)) == (
-        "Unpacking the model: 41 of 102 MB", 0.4)
-    assert describe_progress(("pull", "verify", 0.0, 0, 270_000_000)) == ("Checking the downloaded model (270 MB)",
-                                                                          None)
-    assert describe_progress(("stage", 1, "compress", 0.5, 3)) == ("Exporting stage 2 of 3 (compressing)", 0.5)
-    assert describe_progress(("deploy", 1, "send", 0.07, 40_000_000, 547_000_000)) == (
-        "Sending stage 1: 40 of 547 MB", 0.07)
-    assert describe_progress(("deploy", 1, "send", 0.5, 3_500_000, 7_000_000))[0] == "Sending stage 1: 3.5 of 7.0 MB"
-    assert describe_progress(("deploy", 2, "start", 0.0)) == ("Starting stage 2", 0.0)
-    # engine.fleet.deploy's send fraction carries its bytes into the payload
+    assert said(pulling("download", 67_500_000, 270_000_000)) == ("Downloading the model: 68 of 270 MB", 0.25)
+    assert said(pulling("assemble", 41_000_000, 102_000_000)) == ("Unpacking the model: 41 of 102 MB", 41 / 102)
+    assert said(pulling("verify", 0, 270_000_000)) == ("Checking the downloaded model (270 MB)", None)
+    assert said(exporting(1, 3, "compress", 0.5)) == ("Exporting stage 2 of 3 (compressing)", 0.5)
+    assert said(deploying(1, "send", 0.07, 40_000_000, 547_000_000)) == ("Sending stage 1: 40 of 547 MB", 0.07)
+    assert deploying(1, "send", 0.5, 3_500_000, 7_000_000).text == "Sending stage 1: 3.5 of 7.0 MB"
+    assert said(deploying(2, "start", 0.0)) == ("Starting stage 2", 0.0)
+    # an event carries its bytes and its stage beside its words, and crosses processes whole
     import pickle
 
-    from engine.fleet.deploy import Sent
-    from engine.session import deploy_progress
-
-    payloads = []
-    deploy_progress(payloads.append)(1, "send", Sent(40_000_000, 547_000_000))
-    deploy_progress(payloads.append)(1, "start", 1.0)
-    assert payloads == [("deploy", 1, "send", 40 / 547, 40_000_000, 547_000_000), ("deploy", 1, "start", 1.0)]
-    assert describe_progress(payloads[0])[0] == "Sending stage 1: 40 of 547 MB"
-    assert pickle.loads(pickle.dumps(Sent(3, 4))).done == 3
-    assert describe_progress(("status", "node 2 of 3: profiling pc1's CPU")) == (
-        "Node 2 of 3: profiling pc1's CPU", None)
-    # the payloads' older shapes (no counts) still read
-    assert describe_progress(("pull", "model.safetensors", 0.25)) == ("Downloading the model (model.safetensors)",
-                                                                      0.25)
-    assert describe_progress(("stage", 1, "convert", 0.5)) == ("Exporting stage 1 (converting)", 0.5)
-    assert describe_progress(("deploy", 2, "send", 0.1)) == ("Sending stage 2", 0.1)
-    for ready in (("pull", "ready", 1.0), ("pull", "ready", 1.0, 270_000_000, 270_000_000),
-                  ("pull", "download 4/4", 1.0, 270_000_000, 270_000_000)):
-        assert describe_progress(ready)[1] is None and "100%" not in describe_progress(ready)[0]
+    sent = deploying(1, "send", 40 / 547, 40_000_000, 547_000_000)
+    assert (sent.bytes_done, sent.bytes_total, sent.stage, sent.step) == (40_000_000, 547_000_000, 1, "send")
+    assert pickle.loads(pickle.dumps(sent)) == sent
+    assert deploying(2, "send", 0.1).text == "Sending stage 2"  # no bytes: no count
+    for ready in (pulling("ready", 270_000_000, 270_000_000), pulling("download", 270_000_000, 270_000_000)):
+        assert ready.fraction is None and "100%" not in ready.text
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     panel, controller = window.chat.progress, window.chat_controller
-    controller._loading_progress(("pull", "weights", 0.4))
+    controller._loading_progress(pulling("download", 108_000_000, 270_000_000))
     assert panel.isVisible() and panel.bar.value() == 40 and "Downloading" in panel.text
-    controller._loading_progress(("pull", "ready", 1.0))
+    controller._loading_progress(pulling("ready", 270_000_000, 270_000_000))
     assert panel.bar.maximum() == 0 and "preparing" in panel.text  # busy, not 100%
-    controller._loading_progress(("pull", "assemble", 0.5, 135_000_000, 270_000_000))
+    controller._loading_progress(pulling("assemble", 135_000_000, 270_000_000))
     assert panel.bar.value() == 50 and panel.text == "Unpacking the model: 135 of 270 MB"  # the count shown
-    controller._loading_progress(("stage", 0, "compress", 0.5, 2))
+    controller._loading_progress(exporting(0, 2, "compress", 0.5))
     assert panel.bar.value() == 50 and panel.text == "Exporting stage 1 of 2 (compressing)"
     cancelled = []
     controller.cancel_open = lambda: cancelled.append(True)
@@ -318,27 +304,28 @@ def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home,
     window.chat.progress.cancel_requested.connect(controller.cancel_open)
     panel.cancel_button.click()
     assert cancelled == [True]
-    controller.progress.emit("", 1.0)
+    controller.progress.emit(None)
     assert not panel.isVisible()
 
     # Profile fleet's pull in the Placement view: its share on the bar, then busy, never "ready, 100%"
     placement = window.show_view("Placement")
     placement._set_busy("Profiling the fleet…")
-    placement._progress(("pull", "model.gguf", 0.5))
+    placement._progress(pulling("download", 135_000_000, 270_000_000))
     assert placement.busy.maximum() == 100 and placement.busy.value() == 50
-    placement._progress(("pull", "ready", 1.0))
+    assert placement.activity.text() == "Downloading the model: 135 of 270 MB…"
+    placement._progress(pulling("ready", 270_000_000, 270_000_000))
     assert placement.busy.maximum() == 0 and "100%" not in placement.activity.text()
     assert "ready" not in placement.activity.text()
-    placement._progress(("status", "node 2 of 3: profiling alpha's CPU"))
+    placement._progress(Progress("Node 2 of 3: profiling alpha's CPU"))
     assert placement.activity.text() == "Node 2 of 3: profiling alpha's CPU"
     placement._set_busy(None)
     # a deployment's stage rows: the bytes sent, then the phases' shares
     from PySide6.QtWidgets import QLabel, QProgressBar
 
     placement.deploy_bars = [(QLabel(), QProgressBar()) for _ in range(2)]
-    placement._progress(("deploy", 1, "send", 0.07, 40_000_000, 547_000_000))
+    placement._progress(deploying(1, "send", 0.07, 40_000_000, 547_000_000))
     assert placement.deploy_bars[1][0].text() == "sending 40 of 547 MB"
-    placement._progress(("deploy", 1, "start", 0.0))
+    placement._progress(deploying(1, "start", 0.0))
     assert placement.deploy_bars[1][0].text() == "start 0%"
     placement.deploy_bars = []
 

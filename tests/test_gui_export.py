@@ -83,15 +83,16 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     """A catalog model that is not cached yet is pulled first: the wizard shows that progress too
     (a stub backend reports what EngineBackend.export reports while pulling)."""
     from engine.export.exporter import ExportResult, StageReport
+    from engine.progress import exporting, pulling
     from fleetgui.backend import EngineBackend
 
     class Pulling(EngineBackend):
         def export(self, source, *, progress, cancel=None, **kw):
             assert source == "smollm2-135m" and kw["stages"] == 1 and (kw["weights"], kw["head"]) == ("int8", "int8")
             for fraction in (0.0, 0.4, 1.0):
-                progress(("pull", "assemble", fraction, round(fraction * 270e6), 270e6))
-            progress(("stage", 0, "load", 0.0))
-            progress(("stage", 0, "done", 1.0))
+                progress(pulling("assemble", round(fraction * 270e6), 270_000_000))
+            progress(exporting(0, 1, "load", 0.0))
+            progress(exporting(0, 1, "done", 1.0))
             return ExportResult(tmp_path, [StageReport(0, (0, 30), tmp_path / "stage0", 812.0, 3.5, 97.25)], False)
 
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"),
@@ -128,34 +129,37 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
 
 
 def test_the_engine_reports_bytes_and_stage_counts_the_wizard_follows(qtbot, gui_home, tmp_path, monkeypatch):
-    """engine.session's payloads carry their counts (the model's bytes while it downloads, the stage
-    count while it exports), and the wizard, which reads their first fields, follows them."""
+    """engine.session passes on the pull's and the export's progress with their counts (the model's
+    bytes while it downloads, the stage count while it exports), ends the pull with the step that
+    follows it, and the wizard follows them."""
     from engine import session
     from engine.export.exporter import ExportResult, StageReport
     from engine.models.catalog import CATALOG
+    from engine.progress import exporting, pulling
 
     size = CATALOG["smollm2-135m"].size
+    pulled = [pulling("download", 0, size), pulling("download", round(size / 2), size), pulling("download", size, size),
+              pulling("assemble", size // 4, size), pulling("verify", 0, size)]
 
-    def pull(name, progress):  # what engine.models.catalog.pull reports: packages, then bytes
-        for done in range(3):
-            progress(f"download {max(1, done)}/2", done, 2)
-        progress("assemble", size // 4, size)
-        progress("verify", 0, 1)
+    def pull(name, progress):  # what engine.models.catalog.pull reports: the packages' bytes, then the file's
+        for event in pulled:
+            progress(event)
 
     def export_model(source, *, progress, stages, split, **kw):
         for i in range(stages):
-            progress(i, "compress", 0.5)
+            progress(exporting(i, stages, "compress", 0.5))
         return ExportResult(tmp_path, [StageReport(i, (i, i + 1), tmp_path / f"stage{i}", 1.0, 1.0, 1.0)
                                        for i in range(stages)], False)
 
     monkeypatch.setattr(session, "pull", pull)
     monkeypatch.setattr(session, "export_model", export_model)
-    payloads = []
-    session.export("smollm2-135m", stages=2, progress=payloads.append)
-    assert payloads == [("pull", "download 1/2", 0.0, 0, size), ("pull", "download 1/2", 0.5, round(size / 2), size),
-                        ("pull", "download 2/2", 1.0, size, size), ("pull", "assemble", 0.25, size // 4, size),
-                        ("pull", "verify", 0.0, 0, size), ("pull", "ready", 1.0, size, size),
-                        ("stage", 0, "compress", 0.5, 2), ("stage", 1, "compress", 0.5, 2)]
+    seen = []
+    session.export("smollm2-135m", stages=2, progress=seen.append)
+    assert seen == [*pulled, pulling("ready", size, size), exporting(0, 2, "compress", 0.5),
+                    exporting(1, 2, "compress", 0.5)]
+    assert [(p.bytes_done, p.bytes_total) for p in seen[:3]] == [(0, size), (round(size / 2), size), (size, size)]
+    assert [p.text for p in seen[-2:]] == ["Exporting stage 1 of 2 (compressing)",
+                                           "Exporting stage 2 of 2 (compressing)"]
 
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     wizard = window.show_view("Export")

@@ -136,9 +136,9 @@ def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     layers = view.model.shape.num_layers
     assert [(s.start, s.end) for s in view.model.stages] == plan_split(layers, 3)
     assert view.model.placement()[0].agent == LOCAL and view.model.stages[0].lane == 0
-    said = [str(p[-1]) for p in seen if p[0] == "status"]  # each with the count a person follows
-    assert "node 1 of 3: profiling this machine's CPU" in said, said
-    assert any(line.startswith("node 3 of 3: profiling") for line in said), said
+    said = [p.text for p in seen if not p.step]  # each with the count a person follows
+    assert "Node 1 of 3: profiling this machine's CPU" in said, said
+    assert any(line.startswith("Node 3 of 3: profiling") for line in said), said
     doc = json.loads(default_profile().read_text())
     assert doc["source"] == fleet.model and doc["weights"] == "f32" and len(doc["fleet"]["devices"]) == 3
     assert view.model.rowCount() == 3 and view.tree.model() is view.model
@@ -271,10 +271,10 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     view.deploy_button.click()
     assert view.deploy_box.isVisible() and len(view.deploy_bars) == 3
     sent = []  # sending a stage reports its bytes: done of total
-    view.task.progressed.connect(lambda p: sent.append(p) if p[:1] == ("deploy",) and p[2] == "send" else None)
+    view.task.progressed.connect(lambda p: sent.append(p) if p.step == "send" else None)
     qtbot.waitUntil(lambda: view.task is None, timeout=600000)
-    assert {p[1] for p in sent} == {1, 2} and all(len(p) == 6 and 0 <= p[4] <= p[5] for p in sent), sent
-    assert sent[-1][4] == sent[-1][5] > 0
+    assert {p.stage for p in sent} == {1, 2} and all(0 <= p.bytes_done <= p.bytes_total for p in sent), sent
+    assert sent[-1].bytes_done == sent[-1].bytes_total > 0
     assert deployed and deployed[0] is not None, view.banner.message
     deployment = deployed[0]
     # the fleet view showed each node's stage being exported here, and shows it no more

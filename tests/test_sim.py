@@ -251,7 +251,7 @@ def test_a_model_no_pc_can_hold_is_placed_over_several_and_chats(office, wide_mo
                     agent.send_shard(folder)
             office.set_memory(name, (office.memory_used(name) + (whole + part) // 2) >> 20)  # 2.5 layers' room
         doc = survey(source, [office.nodes[n].agent for n in names], key=key, local_node="coordinator",
-                     weights="f32", log=lambda m: None)
+                     weights="f32")
         held = {doc["nodes"][d["node"]]["name"]: d["memory_bytes"] for d in doc["fleet"]["devices"]}
         assert all(part < held[n] < whole for n in names), (held, part, whole)  # the caps, as measured
         plan = solve(ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"]),
@@ -282,8 +282,8 @@ def test_shards_cross_a_capped_link_and_a_cut_transfer_resumes(office, tiny_expo
     with ControlClient(office.nodes["pc3"].agent, key, timeout_s=30) as agent:
         cancel, seen = threading.Event(), []
 
-        def cut_after_three(done, total):
-            seen.append(done)
+        def cut_after_three(progress):
+            seen.append(progress.bytes_done)
             if len(seen) >= 3:
                 cancel.set()
 
@@ -291,7 +291,7 @@ def test_shards_cross_a_capped_link_and_a_cut_transfer_resumes(office, tiny_expo
             agent.send_shard(folder, progress=cut_after_three, cancel=cancel, chunk_bytes=64 << 10)
         resumed = []
         started = time.monotonic()
-        _, sent = agent.send_shard(folder, progress=lambda d, t: resumed.append(d), chunk_bytes=64 << 10)
+        _, sent = agent.send_shard(folder, progress=lambda p: resumed.append(p.bytes_done), chunk_bytes=64 << 10)
         seconds = time.monotonic() - started
         assert sent and resumed[0] == seen[-1] > 0  # picked up where the bytes on the PC ended
         assert agent.call("has_shard", hash=content_hash(folder))["present"]

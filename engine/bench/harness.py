@@ -26,6 +26,7 @@ from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
 from engine.manifest import expand_shard_dirs
+from engine.progress import Progress, Report
 from engine.runtime.decode.generate import Generation, generate_streams
 from engine.runtime.decode.speculative import draft_head
 from engine.runtime.decode.tokenizer import ChatTokenizer
@@ -62,7 +63,7 @@ class BenchCancelled(FleetError):
 class Hooks:
     """How a caller follows and stops a benchmark."""
 
-    progress: Callable[[float, str], None] | None = None  # (fraction done, what runs now)
+    progress: Report | None = None  # what runs now and the share of the run done
     on_token: Callable[[int, int], None] | None = None  # (stream, token) as each is generated
     on_row: Callable[[dict], None] | None = None  # each result row once measured
     cancel: object = None  # anything with is_set(): the benchmark stops at the next decode round
@@ -75,7 +76,7 @@ class Hooks:
         """Reports progress (``done`` of ``total`` units) and stops here if cancelled."""
         self.check()
         if self.progress:
-            self.progress(min(done / total, 1.0) if total else 1.0, message)
+            self.progress(Progress(message, min(done / total, 1.0) if total else 1.0))
 
     def row(self, row: dict) -> None:
         if self.on_row:
@@ -85,7 +86,8 @@ class Hooks:
         """These hooks for the ``index``-th of ``count`` equal parts of a run: the part's own
         progress, from 0 to 1, fills its share of the whole."""
         outer = self.progress
-        return replace(self, progress=None if outer is None else lambda f, what: outer((index + f) / count, what))
+        return replace(self, progress=None if outer is None else
+                       lambda p: outer(replace(p, fraction=(index + p.fraction) / count)))
 
 
 NO_HOOKS = Hooks()

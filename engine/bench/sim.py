@@ -252,8 +252,8 @@ def _measure(office: Office, model: str, split, shard_bytes: int, rate: float, w
     stages = [StagePlacement(LOCAL, "CPU", 0, half), StagePlacement(pc1.agent, "CPU", half, shape.num_layers)]
     sent: list[float] = []
 
-    def progress(stage: int, phase: str, fraction: float) -> None:
-        if phase == "send":
+    def progress(event) -> None:
+        if event.step == "send":
             sent.append(time.perf_counter())
 
     started = time.perf_counter()

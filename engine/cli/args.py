@@ -2,7 +2,7 @@
 
 argparse types refuse a bad value with the option's name before any work starts.  ``settings_of``
 lays the command line over the saved ``Settings``; ``launch_of`` says where the chain runs
-(``engine.session.Launch``); ``progress_printer`` shows the session's progress on stderr.
+(``engine.session.Launch``); ``progress_printer`` shows the engine's progress (``engine.progress``) on stderr.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from engine.config import Settings
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment, default_record
-from engine.progress import describe_progress
-from engine.session import Launch, deploy_progress
+from engine.progress import Progress, Report
+from engine.session import Launch
 
 
 def count(text: str) -> int:
@@ -152,21 +152,22 @@ def launch_of(args: argparse.Namespace, *, in_process: bool) -> Launch:
 
 
 class Bar:
-    """A one-line progress display on stderr (redrawn in place on a terminal)."""
+    """A one-line progress display on stderr (redrawn in place on a terminal; elsewhere a line each
+    tenth of a step)."""
 
     def __init__(self):
         self._tty = sys.stderr.isatty()
         self._last = None
 
-    def show(self, label: str, fraction: float) -> None:
-        fraction = max(0.0, min(1.0, fraction))
+    def show(self, progress: Progress) -> None:
+        fraction = max(0.0, min(1.0, progress.fraction))
         filled = int(fraction * 30)
-        line = f"{label:<28} [{'#' * filled}{'.' * (30 - filled)}] {fraction * 100:5.1f}%"
+        line = f"{progress.text:<28} [{'#' * filled}{'.' * (30 - filled)}] {fraction * 100:5.1f}%"
         if self._tty:
             sys.stderr.write("\r" + line + ("\n" if fraction >= 1.0 else ""))
             sys.stderr.flush()
-        elif (label, int(fraction * 10)) != self._last:
-            self._last = (label, int(fraction * 10))
+        elif (progress.stage, progress.step, int(fraction * 10)) != self._last:
+            self._last = (progress.stage, progress.step, int(fraction * 10))
             print(line, file=sys.stderr, flush=True)
 
 
@@ -174,26 +175,15 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def progress_printer():
-    """Shows ``engine.session`` progress payloads in the app's words (``engine.progress``): a bar for
-    pulls and exports, a line each tenth of a deployment's phase, other steps as lines."""
-    bar, last = Bar(), {}
+def progress_printer() -> Report:
+    """Shows the engine's progress in the app's words (``engine.progress``): a bar while a step's
+    share is known, a line for the others."""
+    bar = Bar()
 
-    def progress(payload: tuple) -> None:
-        text, fraction = describe_progress(payload)
-        if payload[0] in ("pull", "stage") and fraction is not None:
-            bar.show(text, fraction)
-        elif payload[0] == "deploy":
-            key = payload[1:3]  # (stage, phase)
-            if last.get(key) != int(fraction * 10):
-                last[key] = int(fraction * 10)
-                say(f"{text} ({fraction * 100:.0f}%)")
+    def progress(event: Progress) -> None:
+        if event.fraction is None:
+            say(event.text)
         else:
-            say(text)
+            bar.show(event)
 
     return progress
-
-
-def deploy_printer():
-    """``engine.fleet.deploy`` progress (stage, phase, fraction) shown like ``progress_printer``'s."""
-    return deploy_progress(progress_printer())

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.cli.args import connection_args, count, deploy_printer, duration, say, settings_of
+from engine.cli.args import connection_args, count, duration, progress_printer, say, settings_of
 from engine.cli.generate import chat
 from engine.config import Settings, paths, set_node
 from engine.errors import FleetError
@@ -180,7 +180,7 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
         minutes = (time.time() - doc["taken"]["at"]) / 60
         say(f"using the fleet profile of {minutes:.0f} min ago in {path} (--resurvey profiles the fleet afresh)")
     else:
-        doc = survey(**asked, log=say)
+        doc = survey(**asked, progress=progress_printer())
         write_json(path, doc)
         say(f"fleet profile written to {path}")
     for d in doc["fleet"]["devices"]:
@@ -281,14 +281,14 @@ def cmd_deploy(args) -> int:
     if args.draft_on and not (args.draft_model or settings.draft_model):
         raise FleetError("--draft-on needs the draft model: --draft-model MODEL (one with the target's tokenizer)")
     deployment, chains = deploy_layout(args.model, layout_stages(plan_doc), key=key, tls=tls, weights=args.weights,
-                                       mode=settings.mode, progress=deploy_printer(), deadline_s=settings.deadline_s,
+                                       mode=settings.mode, progress=progress_printer(), deadline_s=settings.deadline_s,
                                        planned=planned_by(plan_doc))
     for chain in chains:
         chain.close()
     if args.draft_on:
         try:
             deployment.draft = deploy_draft(args.draft_model or settings.draft_model, args.draft_on, key=key, tls=tls,
-                                            weights=args.weights, progress=deploy_printer())
+                                            weights=args.weights, progress=progress_printer())
         except BaseException:
             deployment.stop(key, tls)
             raise
@@ -312,7 +312,7 @@ def cmd_up(args) -> int:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
             "the local default; `fleet up --nodes all` places the model on them")
     deployment, chain, proc = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
-                                       mode=settings.mode, device=settings.device, progress=deploy_printer(),
+                                       mode=settings.mode, device=settings.device, progress=progress_printer(),
                                        deadline_s=settings.deadline_s, tls=settings.tls)
     chain.close()
     try:
@@ -341,7 +341,7 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
         say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1", tls=settings.tls)
     deployment, chains = deploy_layout(model, copies, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
-                                       progress=deploy_printer(), deadline_s=settings.deadline_s,
+                                       progress=progress_printer(), deadline_s=settings.deadline_s,
                                        planned=planned_by(doc))
     for chain in chains:
         chain.close()
@@ -357,7 +357,7 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
     model split over this machine and them, deployed and chatted on; everything stops with ``fleet up``."""
     fleet, deployment, chain, doc = demo_up(model, args.fleet_key_file, args.demo, weights=settings.weights,
                                             mode=settings.mode, device=settings.device.split(",")[0],
-                                            deadline_s=settings.deadline_s, progress=deploy_printer(), log=say,
+                                            deadline_s=settings.deadline_s, progress=progress_printer(), log=say,
                                             tls=settings.tls)
     chain.close()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.cli.args import Bar, count, progress_printer
+from engine.cli.args import count, progress_printer
 from engine.errors import FleetError
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 from engine.export.choices import choice_of, describe, other_than
@@ -16,9 +16,7 @@ from engine.session import export
 
 def cmd_models(args) -> int:
     if args.models_cmd == "pull":
-        bar = Bar()
-        path = catalog.pull(args.name,
-                            progress=lambda stage, done, total: bar.show(stage, done / total if total else 1.0))
+        path = catalog.pull(args.name, progress=progress_printer())
         print(path)
         return 0
     rows = catalog.list_models()

@@ -4,8 +4,8 @@ folder (``paths().data / "documents"``), and the update that keeps an index in s
 A collection holds sources (files and folders, folders searched recursively for ``readers.SUFFIXES``).
 ``Collection.update`` lists the files, reads only those that are new or whose size or modification time
 changed, drops those that are gone, and rebuilds the BM25 index from the stored passages (reading and
-parsing the files is the slow part; indexing the passages in memory is not).  It reports each file to a
-``progress(done, total, path)`` callback and stops between files when its ``cancel`` event is set; what
+parsing the files is the slow part; indexing the passages in memory is not).  It reports each file read
+to ``progress`` (``engine.progress``) and stops between files when its ``cancel`` event is set; what
 it read by then is kept, the rest is read by the next update.  When no file changed, it writes nothing.
 
 On disk, a collection is a folder: ``collection.json`` (name, sources, the files with their size, time
@@ -24,12 +24,12 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from typing import Callable
 
 from engine.config import paths
 from engine.documents.passages import Passage, split_pages, terms
 from engine.documents.readers import DocumentError, read_pages, supported
 from engine.files import write_json
+from engine.progress import Progress, Report, quiet
 
 MAX_NAME = 80
 INDEX_FILE = "collection.json"
@@ -215,8 +215,7 @@ class Collection:
 
     # --- indexing ------------------------------------------------------------------------------------
 
-    def update(self, progress: Callable[[int, int, str], None] | None = None,
-               cancel: threading.Event | None = None) -> UpdateReport:
+    def update(self, progress: Report = quiet, cancel: threading.Event | None = None) -> UpdateReport:
         """Brings the index up to date with the files (see the module's docstring)."""
         with self._lock:
             listed = self.listed_files()
@@ -240,8 +239,7 @@ class Collection:
                     if entry:  # changed but not read again: kept as it was, read next time
                         files[path], fresh[path] = entry, old.get(path, [])
                     continue
-                if progress:
-                    progress(done, total, path)
+                progress(Progress(f"Indexing {self.name}: {done} of {total} files ({Path(path).name})", done / total))
                 record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
                 try:
                     passages = split_pages(path, read_pages(path))
@@ -251,8 +249,8 @@ class Collection:
                 record["passages"] = len(passages)
                 files[path], fresh[path] = record, passages
                 report.read += 1
-            if progress:
-                progress(total, total, "")
+            if total:
+                progress(Progress(f"Indexing {self.name}: {total} of {total} files", 1.0))
             if report.read or report.dropped or not self.generation:
                 self.files = files
                 self._commit([p for path in files for p in fresh[path]])

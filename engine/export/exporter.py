@@ -17,7 +17,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import openvino as ov
@@ -34,11 +33,11 @@ from engine.manifest import MODEL_XML, Manifest, check_chain, layer_span, load_m
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, resolve_source
 from engine.models.checkpoint import open_checkpoint
+from engine.progress import Report, exporting, quiet
 
 # Bumped whenever the exported graphs change, so cached shards from an older exporter are redone.
 EXPORTER_VERSION = 12
 STAGE_STEPS = ("load", "calibrate", "convert", "stateful", "compress", "save", "tokenizer", "hash")
-Progress = Callable[[int, str, float], None]  # (stage index, step, fraction of the stage done)
 INT4_HEAD_ALONE = "an INT4 head goes with --weights int4 (or a calibrated int4-* format)"
 
 
@@ -107,7 +106,7 @@ def export_model(
     split: list[int] | None = None,
     weights: str = "int4",
     out: Path | None = None,
-    progress: Progress | None = None,
+    progress: Report = quiet,
     cancel=None,
     force: bool = False,
     beam_idx: bool = True,
@@ -207,7 +206,7 @@ def _size_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in Path(folder).iterdir() if p.is_file()) / 2**20
 
 
-def _run_stage(job: dict, progress: Progress | None, cancel) -> StageReport:
+def _run_stage(job: dict, progress: Report, cancel) -> StageReport:
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     child = ctx.Process(target=_stage_main, args=(job, events), daemon=True)
@@ -233,8 +232,8 @@ def _run_stage(job: dict, progress: Progress | None, cancel) -> StageReport:
                         + (":\n" + "\n".join(tail) if tail else "")
                     ) from None
                 continue
-            if kind == "progress" and progress:
-                progress(job["index"], payload[0], payload[1])
+            if kind == "progress":
+                progress(payload)
             elif kind == "error":
                 raise ExportError(f"stage {job['index']} ({layer_span(job['start'], job['end'])}): {payload}")
             elif kind == "done":
@@ -329,14 +328,14 @@ def _stage_main(job: dict, events) -> None:
     os.dup2(log.fileno(), 2)
     warnings.simplefilter("ignore")
     try:
-        events.put(("done", export_stage(job, lambda step, frac: events.put(("progress", (step, frac))))))
+        events.put(("done", export_stage(job, lambda progress: events.put(("progress", progress)))))
     except FleetError as exc:
         events.put(("error", str(exc)))
     except Exception as exc:  # anything else is a bug or a conversion failure: say what it was
         events.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
+def export_stage(job: dict, report: Report) -> dict:
     # torch: only the export's own process loads it (the runtime imports this module, and must not)
     from engine.export.decoder import DecoderStage
     from engine.export.graph import attach_vocabulary, convert_stage, io_names, make_stateful  # torch, as above
@@ -350,7 +349,7 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
 
     def step():
         i, name = next(steps)
-        report(name, i / len(STAGE_STEPS))
+        report(exporting(job["index"], job["count"], name, i / len(STAGE_STEPS)))
 
     step()
     ckpt = open_checkpoint(job["kind"], Path(job["path"]))
@@ -424,5 +423,5 @@ def export_stage(job: dict, report: Callable[[str, float], None]) -> dict:
     manifest.write(partial)
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
-    report("done", 1.0)
+    report(exporting(job["index"], job["count"], "done", 1.0))
     return {"peak_rss_mb": peak, "seconds": seconds}

@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from engine.errors import FleetError
 from engine.fleet.shardstore import content_hash
 from engine.manifest import MANIFEST, read_manifest
+from engine.progress import Progress, Report, byte_count, quiet
 from engine.transport import wire
 from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, dial
 from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
@@ -101,24 +101,27 @@ class ControlClient:
             times.append((time.perf_counter() - t) * 1e3)
         return float(np.median(times))
 
-    def send_shard(self, folder: Path, progress: Callable[[int, int], None] | None = None, cancel=None,
+    def send_shard(self, folder: Path, progress: Report = quiet, cancel=None,
                    chunk_bytes: int = CHUNK_BYTES) -> tuple[str, bool]:
-        """Ships a shard folder; returns (content hash, whether bytes were sent).  ``progress(sent,
-        total)`` counts bytes including those the node already had; ``cancel.is_set()`` stops
-        between chunks (the partial transfer stays on the node and resumes next time)."""
+        """Ships a shard folder; returns (content hash, whether bytes were sent).  ``progress`` counts
+        the bytes sent, including those the node already had; ``cancel.is_set()`` stops between
+        chunks (the partial transfer stays on the node and resumes next time)."""
         folder = Path(folder)
         manifest = read_manifest(folder)
         digest = content_hash(folder)
         sizes = {name: (folder / name).stat().st_size for name in manifest.files}
         total = sum(sizes.values())
+
+        def sent(done: int) -> None:
+            progress(Progress(f"Sending {folder.name}: {byte_count(done, total)}", done / max(1, total), done, total,
+                              step="send"))
+
         if self.call("has_shard", hash=digest)["present"]:
-            if progress:
-                progress(total, total)
+            sent(total)
             return digest, False
         have = self.call("put_begin", (folder / MANIFEST).read_bytes(), hash=digest, sizes=sizes)["have"]
         done = sum(have.values())
-        if progress:
-            progress(done, total)
+        sent(done)
         for name, size in sizes.items():
             offset = int(have.get(name, 0))
             with open(folder / name, "rb") as f:
@@ -129,8 +132,7 @@ class ControlClient:
                     block = f.read(chunk_bytes)
                     offset = self.call("put_chunk", block, hash=digest, file=name, offset=offset)["offset"]
                     done += len(block)
-                    if progress:
-                        progress(done, total)
+                    sent(done)
         self.call("put_end", hash=digest, timeout_s=max(self.timeout_s, 120.0))
         return digest, True
 

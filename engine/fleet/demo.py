@@ -30,6 +30,7 @@ from engine.fleet.node import SimulatedDevice, node_id
 from engine.fleet.survey import survey
 from engine.fleetkey import key_file, load_key, load_tls
 from engine.launch import end_processes
+from engine.progress import Report, quiet
 
 # (name, device): the first ``count`` of these are started
 DEMO_NODES = (
@@ -126,10 +127,11 @@ def demo_profile() -> Path:
 
 
 def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, weights: str = "int4",
-            mode: str = "fast", device: str = "CPU", deadline_s: float = 2.0, progress=None,
+            mode: str = "fast", device: str = "CPU", deadline_s: float = 2.0, progress: Report = quiet,
             log: Callable[[str], None] = lambda line: None, cancel=None, tls: bool):
     """``model`` over this machine and ``count`` new demo nodes: survey, even split, deployment
-    (planned from the survey, saved in ``demo_profile()``); ``tls``: the settings' TLS, for the demo
+    (planned from the survey, saved in ``demo_profile()``); ``progress`` tells the survey's and the
+    deployment's steps, ``log`` the demo nodes' lines; ``tls``: the settings' TLS, for the demo
     nodes and every connection to them (the caller reaches them with ``load_tls(tls, key)``).
     Returns (DemoFleet, deployment, chain, survey document); the caller closes the chain and the fleet."""
     fleet = start_demo_fleet(key, count, tls=tls, log=log)
@@ -138,7 +140,7 @@ def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, weight
         log(f"profiling this machine and the demo nodes for {model} (its three profiling shards are exported "
             "first, once)")
         doc = survey(model, fleet.addresses, key=secret, tls=contexts, local_node=node_id(), local_devices=[device],
-                     weights=weights, log=log, cancel=cancel)
+                     weights=weights, progress=progress, cancel=cancel)
         path = write_json(demo_profile(), doc)
         stages = even_placement(int(doc["model"]["num_layers"]), fleet, device)
         deployment, chain = deploy(model, stages, key=secret, tls=contexts, weights=weights, mode=mode,

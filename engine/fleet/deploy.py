@@ -17,13 +17,13 @@ import json
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable
 
 from engine.config import paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient
 from engine.manifest import layer_span, load_manifest
+from engine.progress import Report, deploying, quiet
 from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
@@ -32,22 +32,6 @@ from engine.runtime.stages.turns import compute_turns, machine_turns_file
 from engine.transport.link import parse_address
 
 LOCAL = "local"  # the coordinator's own stage in a placement's address list
-# progress(stage index, phase, fraction of that phase): phases "export", "send", "start", "connect";
-# while sending, the fraction is a ``Sent``
-DeployProgress = Callable[[int, str, float], None]
-
-
-class Sent(float):
-    """The share of a shard sent, a float like any phase's fraction, that also says how many bytes
-    (``done`` of ``total``) for whoever shows them."""
-
-    def __new__(cls, done: int, total: int):
-        sent = super().__new__(cls, done / max(1, total))
-        sent.done, sent.total = done, total
-        return sent
-
-    def __reduce__(self):
-        return Sent, (self.done, self.total)
 
 
 @dataclasses.dataclass
@@ -177,31 +161,32 @@ class LiveRecord:
                 self.deployment.save(self.path)
 
 
+def _phase_of(stage: int, phase: str, progress: Report) -> Report:
+    """``progress`` for an export's or a transfer's events, told as the deployment's ``phase`` of ``stage``."""
+    return lambda p: progress(deploying(stage, phase, p.fraction, p.bytes_done, p.bytes_total))
+
+
 def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights: str = "auto", device: str = "CPU",
-                 delay_ms: float = 0.0, progress: DeployProgress | None = None, cancel=None,
+                 delay_ms: float = 0.0, progress: Report = quiet, cancel=None,
                  worker_timeout_s: float = 180.0) -> dict:
     """Exports the draft model whole, sends it to the node ``agent`` and starts a draft server there
-    (``engine.runtime.decode.draftserver``): what ``Deployment.draft`` records (agent, worker, address, model)."""
+    (``engine.runtime.decode.draftserver``): what ``Deployment.draft`` records (agent, worker, address, model).
+    ``progress`` tells its phases as stage 0's."""
     from engine.export.exporter import export_model  # deferred, as in ``deploy``
     from engine.runtime.decode.speculative import draft_head, draft_weights
 
-    def report(phase: str, fraction: float) -> None:
-        if progress:
-            progress(0, phase, fraction)
-
     weights = draft_weights(weights)
     folder = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights), cancel=cancel,
-                          progress=lambda i, step, frac: report("export", frac)).folders[0]
+                          progress=_phase_of(0, "export", progress)).folders[0]
     try:
         with ControlClient(agent, key, tls=tls) as client:
-            digest, _ = client.send_shard(folder, progress=lambda done, total: report("send", Sent(done, total)),
-                                          cancel=cancel)
-            report("start", 0.0)
+            digest, _ = client.send_shard(folder, progress=_phase_of(0, "send", progress), cancel=cancel)
+            progress(deploying(0, "start", 0.0))
             info = client.start_worker(digest, device=device, delay_ms=delay_ms, timeout_s=worker_timeout_s,
                                        role="draft")
     except AgentError as exc:
         raise FleetError(f"the draft server was not started on {agent}: {exc}") from None
-    report("start", 1.0)
+    progress(deploying(0, "start", 1.0))
     return {"agent": agent, "worker": info["id"], "address": worker_address(agent, info["port"]),
             "model": draft_model}
 
@@ -279,9 +264,10 @@ def placement_problem(stages: list[StagePlacement]) -> str | None:
 
 def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, weights: str = "int4",
            mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
-           progress: DeployProgress | None = None, cancel=None, worker_timeout_s: float = 180.0,
+           progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
            deadline_s: float = 2.0, planned: dict | None = None, local=None, folders: list[Path] | None = None):
     """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it).
+    ``progress`` tells each stage's phases (``engine.progress.deploying``): export, send, start, connect.
     ``planned``: how the placement was chosen (``profile`` path, ``objective``, ``users``), kept in
     the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's;
     ``folders``: this split's exported stages, already at hand (failover redeploying a placement),
@@ -300,13 +286,9 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
         except AgentError as exc:
             raise FleetError(f"deployment not started: {exc}") from None
 
-    def report(stage: int, phase: str, fraction: float) -> None:
-        if progress:
-            progress(stage, phase, fraction)
-
     if folders is None:
         export = export_model(model, split=split, weights=weights, ranks=ranks, cancel=cancel,
-                              progress=lambda i, step, frac: report(i, "export", frac))
+                              progress=lambda p: progress(deploying(p.stage, "export", p.fraction)))
         if stages[-1].end != export.stages[-1].layers[1]:
             raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
                              f"{export.stages[-1].layers[1]} layers")
@@ -316,8 +298,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
         stage, folder = stages[i], folders[i]
         try:
             with ControlClient(stage.agent, key, tls=tls) as agent:
-                digests[i], _ = agent.send_shard(folder, progress=lambda done, total, i=i: report(
-                    i, "send", Sent(done, total)), cancel=cancel)
+                digests[i], _ = agent.send_shard(folder, progress=_phase_of(i, "send", progress), cancel=cancel)
         except AgentError as exc:
             raise FleetError(f"deployment stopped while sending stage {i}: {exc}") from None
     started: list[dict] = []
@@ -325,7 +306,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     try:
         for i in on_nodes:
             stage = stages[i]
-            report(i, "start", 0.0)
+            progress(deploying(i, "start", 0.0))
             try:
                 with ControlClient(stage.agent, key, tls=tls) as agent:
                     info = agent.start_worker(digests[i], device=stage.device, mode=mode, delay_ms=delay_ms,
@@ -334,14 +315,14 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
                 raise FleetError(f"deployment stopped while starting stage {i}: {exc}") from None
             started.append({"agent": stage.agent, "worker": info["id"], "stage": i})
             remotes.append(worker_address(stage.agent, info["port"]))
-            report(i, "start", 1.0)
+            progress(deploying(i, "start", 1.0))
         deployment = Deployment(model=model, stage0=str(folders[0]), device=stages[0].device,
                                 remotes=remotes, workers=started, mode=mode,
                                 weights=load_manifest(folders[0]).weights,  # "auto" as exported
                                 placement=[dataclasses.asdict(s) for s in stages], **(planned or {}))
-        report(0, "connect", 0.0)
+        progress(deploying(0, "connect", 0.0))
         chain = deployment.chain(key, tls=tls, deadline_s=deadline_s, local=local)  # the whole route answers
-        report(0, "connect", 1.0)
+        progress(deploying(0, "connect", 1.0))
         return deployment, chain
     except BaseException:
         _stop_workers(started, key, tls)
@@ -349,7 +330,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
 
 
 def deploy_layout(model: str, copies: list[list[StagePlacement]], *, key: bytes, tls=None, weights: str = "int4",
-                  mode: str = "fast", deadline_s: float = 2.0, progress: DeployProgress | None = None,
+                  mode: str = "fast", deadline_s: float = 2.0, progress: Report = quiet,
                   planned: dict | None = None, cancel=None, **kw):
     """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
     or, for a single stage here, the model exported whole for this machine.  Returns the first
@@ -375,13 +356,13 @@ def deploy_layout(model: str, copies: list[list[StagePlacement]], *, key: bytes,
     return first, [chain for _, chain in done]
 
 
-def _whole_here(model: str, stage: StagePlacement, *, weights: str, mode: str, progress: DeployProgress | None,
+def _whole_here(model: str, stage: StagePlacement, *, weights: str, mode: str, progress: Report,
                 planned: dict | None, cancel=None) -> Deployment:
     """A copy of the model whole on this machine: exported (or found in the cache), nothing sent."""
     from engine.export.exporter import export_model  # deferred, as in ``deploy``
 
     folder = export_model(model, stages=1, weights=weights, cancel=cancel,
-                          progress=lambda i, step, frac: progress(0, "export", frac) if progress else None).folders[0]
+                          progress=_phase_of(0, "export", progress)).folders[0]
     manifest = load_manifest(folder)
     if (stage.start, stage.end) != tuple(manifest.layers):
         raise FleetError(f"a copy on this machine holds the whole model, {layer_span(*manifest.layers)}, not "

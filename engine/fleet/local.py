@@ -23,6 +23,7 @@ from engine.fleetkey import key_file, load_key, load_tls
 from engine.launch import await_ready, end_processes, start_fleet
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
+from engine.progress import Report, quiet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,7 @@ class LocalAgent:
 
 
 def local_up(model: str, stages: int, key: str | Path | None = None, *, weights: str = "int4", mode: str = "fast",
-             device: str = "CPU", progress=None, deadline_s: float = 2.0, cancel=None, tls: bool):
+             device: str = "CPU", progress: Report = quiet, deadline_s: float = 2.0, cancel=None, tls: bool):
     """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
     workers; ``key`` is the fleet key file (None: the default one, made if missing: a local fleet
     needs no setup); ``tls``: the settings' TLS, for the agent, its workers and the deployment

@@ -57,7 +57,7 @@ def profile_splits(num_layers: int) -> list[tuple[list[int], int]]:
     return [([k], 0), ([2 * k], 0), ([num_layers - k], 1)]
 
 
-def export_profile_shards(model: str, weights: str = "int4", progress=None, cancel=None) -> list[Path]:
+def export_profile_shards(model: str, weights: str = "int4", cancel=None) -> list[Path]:
     """Exports (or reuses) the model's profiling shards."""
     # deferred: only the coordinator exports; node agents import this module to profile shards they hold
     from engine.export.exporter import export_model
@@ -66,8 +66,8 @@ def export_profile_shards(model: str, weights: str = "int4", progress=None, canc
     layers = open_checkpoint(resolved.kind, resolved.path).spec.num_layers
     if layers < 3:
         raise FleetError(f"{model} has {layers} layers: too few to profile by parts")
-    return [export_model(model, split=split, weights=weights, only=[index], progress=progress,
-                         cancel=cancel).folders[0] for split, index in profile_splits(layers)]
+    return [export_model(model, split=split, weights=weights, only=[index], cancel=cancel).folders[0]
+            for split, index in profile_splits(layers)]
 
 
 def _run_once(runner, x: np.ndarray, tokens: int, prompt: int) -> tuple[float, list[float]]:

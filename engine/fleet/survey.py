@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
@@ -21,8 +20,8 @@ from engine.fleet.deploy import LOCAL
 from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
 from engine.fleet.profile import export_profile_shards, model_shape, profile_shards
 from engine.manifest import load_manifest
+from engine.progress import Progress, Report, quiet
 
-Log = Callable[[str], None]
 FRESH_S = 24 * 3600  # how long `fleet up --nodes` reuses a survey of the same fleet
 
 
@@ -39,9 +38,10 @@ def node_devices(status: dict) -> list[str]:
 
 
 def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: str, local_devices=("CPU",),
-           weights: str = "int4", context: int = 4096, streams: int = 1, log: Log = print, cancel=None) -> dict:
-    """Profiles this machine and the agents at ``agents`` (HOST:PORT each) for ``model``.
-    ``cancel.is_set()`` stops it between steps (and shard chunks) with a FleetError."""
+           weights: str = "int4", context: int = 4096, streams: int = 1, progress: Report = quiet,
+           cancel=None) -> dict:
+    """Profiles this machine and the agents at ``agents`` (HOST:PORT each) for ``model``; ``progress``
+    tells each node's steps.  ``cancel.is_set()`` stops it between steps (and shard chunks) with a FleetError."""
 
     def check() -> None:
         if cancel is not None and cancel.is_set():
@@ -58,10 +58,10 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
     folders = export_profile_shards(model, weights, cancel=cancel)
     shape = ModelShape(**model_shape(load_manifest(folders[0]), context, streams))
     devices: list[DeviceProfile] = []
-    of = f"of {1 + len(statuses)}"  # the machines to profile: this one, then each node (in the log lines)
+    of = f"of {1 + len(statuses)}"  # the machines to profile: this one, then each node (in the progress lines)
     for device in local_devices:
         check()
-        log(f"node 1 {of}: profiling this machine's {device}")
+        progress(Progress(f"Node 1 {of}: profiling this machine's {device}"))
         devices.append(device_profile(local_node, profile_shards(folders, device)))
     nodes = {local_node: {"name": "this machine", "address": LOCAL}}
     rtt: dict[tuple[str, str], float] = {}
@@ -70,8 +70,8 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
     for number, (address, status) in enumerate(statuses.items(), 2):
         node = answered[address]
         if node in nodes:  # this machine's own agent (a tray worker), or a node under two addresses
-            log(f"node {number} {of}: the node agent at {address} is {nodes[node]['name']}, already profiled: "
-                "skipped")
+            progress(Progress(f"Node {number} {of}: the node agent at {address} is {nodes[node]['name']}, "
+                              "already profiled: skipped"))
             continue
         ids[address] = node
         nodes[node] = {"name": status["node"].get("name", address), "address": address,
@@ -82,12 +82,12 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
                 rtt[(local_node, node)] = agent.round_trip_ms()
                 digests = []
                 for i, folder in enumerate(folders):
-                    log(f"node {number} {of}: sending profiling shard {i + 1}/{len(folders)} to "
-                        f"{nodes[node]['name']}")
+                    progress(Progress(f"Node {number} {of}: sending profiling shard {i + 1}/{len(folders)} to "
+                                      f"{nodes[node]['name']}"))
                     digests.append(agent.send_shard(folder, cancel=cancel)[0])
                 for device in node_devices(status):
                     check()
-                    log(f"node {number} {of}: profiling {nodes[node]['name']}'s {device}")
+                    progress(Progress(f"Node {number} {of}: profiling {nodes[node]['name']}'s {device}"))
                     measured = agent.call("profile", timeout_s=600, hashes=digests, device=device)
                     devices.append(device_profile(node, measured))
         except AgentError as exc:

