@@ -24,6 +24,7 @@ from engine.config import AUTO_WEIGHTS
 from engine.errors import ExportError
 from engine.export.gguf_weights import carries
 from engine.manifest import INT4_GROUP
+from engine.tuning import CALIBRATE_BELOW
 
 # Data-aware INT4: the same symmetric INT4 group-128 codes as ``int4``, with
 # scales (and for AWQ a per-channel smoothing folded into the preceding weights) chosen to fit what
@@ -56,18 +57,10 @@ WEIGHT_NOTES = {
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
 # Data-free ``int4`` codes: asymmetric (INT4_ASYM, a u4 zero point per group beside the f16 scale:
-# KL 10-26% lower than symmetric INT4_SYM for about 0.5% more bytes, docs/benchmarks.md "Asymmetric
+# closer to the source than symmetric INT4_SYM for a few more bytes, docs/benchmarks.md "Asymmetric
 # int4").  Switching re-exports every cached int4 shard: bump EXPORTER_VERSION with it.
 INT4_ASYMMETRIC = True
 _ROW_BLOCK = 2048
-
-
-# Float checkpoints below this many parameters export ``auto`` as int4-gptq.  Measured (KL from the
-# float weights, docs/benchmarks.md "Data-aware INT4"): SmolLM2-135M 0.199 against 0.355 for int4,
-# Gemma 3 270M 0.290 against 0.815, for 17-48x the export time (minutes at these sizes); on
-# Qwen2.5-Coder-1.5B GPTQ is worse (0.0864 against 0.0787, 29x the time) and AWQ gains 2% for 11x.
-# A GGUF keeps its own codes (``gguf``, the faithful format; ``engine.export.choices``).
-CALIBRATE_BELOW = 1_000_000_000
 
 
 def parameters(spec) -> int:
@@ -79,7 +72,9 @@ def parameters(spec) -> int:
 
 def best_weights(kind: str, spec, path=None) -> str:
     """What ``auto`` exports for a source of ``kind`` ("gguf" or "hf") with this spec: a GGUF whose
-    matrices can all be carried over (at ``path``) keeps them (``gguf``, the faithful format)."""
+    matrices can all be carried over (at ``path``) keeps them (``gguf``, the faithful format); a float
+    checkpoint below ``CALIBRATE_BELOW`` parameters takes int4-gptq, whose data-aware scales pay for
+    their export time on a small model, a larger one int4."""
     if kind == "gguf":
         return "gguf" if path is not None and carries(path) else "int4"
     return "int4-gptq" if parameters(spec) < CALIBRATE_BELOW else "int4"
@@ -197,8 +192,8 @@ def int4_head_codes(table: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarr
 def head_table_int4(table: np.ndarray, group: int = HEAD_GROUP) -> ov.Output:
     """The LM head as asymmetric INT4 (``int4_head_codes``) in the pattern the CPU plugin runs as a
     compressed MatMul (Constant u4 [vocab, groups, group] -> Convert -> Subtract(u4 zero point) ->
-    Multiply(f16 scale) -> Reshape).  It halves the head's bytes: a tenth of Qwen2.5-Coder-1.5B's
-    decode step, and a larger share of a draft model's (Qwen2.5-Coder-0.5B: 27 -> 21 ms a step)."""
+    Multiply(f16 scale) -> Reshape).  It halves the head's bytes, which are a larger share of a small
+    draft model's step than of a large model's."""
     rows_total, hidden = table.shape
     group = next((g for g in (group, 64, 32) if hidden % g == 0), 0)  # as NNCF's group-size fallback
     if not group:

@@ -1,41 +1,14 @@
-"""GGUF quantized matrices carried into a shard as they are, instead of dequantized and quantized again.
+"""GGUF quantized matrices carried into a shard as they are, instead of dequantized and quantized again,
+so the shard answers as the GGUF does in llama.cpp.
 
-A GGUF block type stores each group of a row as integer codes with a scale and, for some types, a
-minimum.  ``decompose`` turns a tensor's raw blocks into codes ``[rows, groups, group]`` with a scale
+``decompose`` turns a tensor's raw blocks into integer codes ``[rows, groups, group]`` with a scale
 per group (and the minimums); ``carry_matmul`` builds them as the decompression pattern OpenVINO's
 CPU and GPU plugins run inside their compressed MatMul (Constant codes -> Convert -> [Subtract] ->
-Multiply -> Reshape), so the shard holds the GGUF's own codes.
-
-Types without a minimum (Q4_0, Q5_0, Q8_0, Q6_K) become signed codes, ``codes - center``, times their
-scale.  Types with a minimum (Q4_1, Q5_1, Q4_K, Q5_K: ``scale * codes + minimum``) have no integer
-zero point.  Signed codes (or an integer zero point) matter for speed: with them a CPU with int8 dot
-products (VNNI, AVX-512) quantizes the activations to int8 on the fly, with a float zero point it
-keeps them in float.  So a large matrix of such a type runs its codes less their center, as signed
-codes, and gets each group's offset, ``center * scale + minimum``, from a second, small MatMul over
-each group's sum of the activations; the K-quants' offsets stay six-bit codes under the
-super-block's ``d`` and ``dmin``, as in the GGUF.  A small matrix keeps a float zero point,
-``-minimum / scale``, where the extra ops would cost more than they save.
-
-A K-quant's scales (and offsets) stay its six- or eight-bit codes under the super-block's f16 ``d``
-(``Table``), multiplied out by the plugin's constant folding at compile time, so a matrix without a
-float zero point decodes to the GGUF's values bit for bit.  Codes of five or six bits are stored as
-u6, which folding widens to i8 (``_integers``).  Float zero points and their scales are f16 where
-that holds them to 11 bits (``stored``): a weight moves by at most 2^-11 of itself, against the half
-step of its 4-6 bit code the GGUF rounded it by.
-
-Measured (OpenVINO 2026.4.1, one process, interleaved), Qwen2.5-Coder-1.5B decode on a CPU with int8
-dot products (2026-11-27): 15.0 tok/s with the zero points rounded and the rounding corrected by an
-f32 table, as before, 17.0-17.4 with the offsets; SmolLM2-135M's small Q4_1 matrices, float zero
-points: 90 tok/s, offsets: 81; Q6_K's i8 codes in place of u8 less 32: 497 against 678 us for an
-[1536, 8960] matrix.  On an AVX2 CPU without them (another host, the same day), where every
-compressed MatMul runs in float: signed codes in place of u4 less a zero point of 8, 4.06 -> 4.63
-tok/s.  f16 scales took the shard from 1,384 to 1,265 MB (the GGUF: 1,066) at the same KL from the
-GGUF's weights (0.00013 nats per token at the f32 hint); the GGUF's scale codes and u6 codes
-(2026-11-28, the AVX2 CPU) to 1,115 MB, at the same decode speed and KL and 15% less memory.
-
-An embedding that is not also the head keeps its codes too (``lookup_table``): the CPU plugin's
-Gather decodes the rows it looks up from them (Qwen2.5-Coder-1.5B's Q4_K table, 30 us a lookup),
-which takes the shard from 1,440 to 1,384 MB against INT8 rows.
+Multiply -> Reshape), and ``lookup_table`` as a table the CPU plugin's Gather decodes row by row, for
+an embedding that is not also the head.  Signed codes (or an integer zero point) let a CPU with int8
+dot products run the MatMul on int8 activations, so a large matrix of a type with a minimum runs its
+codes less their center and gets each group's offset from a second, small MatMul
+(``OFFSETS_FROM``); docs/design.md ("The export") says how each block type is laid out.
 """
 
 from __future__ import annotations
@@ -49,6 +22,7 @@ import openvino.opset13 as ops
 
 from engine.errors import ExportError
 from engine.models.gguf_header import read_gguf_header
+from engine.tuning import OFFSETS_FROM
 
 # GGML's type ids (ggml.h), with (elements per block, bytes per block)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
@@ -311,11 +285,6 @@ def _small(values: np.ndarray) -> ov.Output:
 # The name a carried matrix's weight (the Reshape of its decompression pattern) ends in, after its
 # MatMul's name: "<matmul>/ggml.Q4_K".  engine.kernels finds the matrices it can run by it.
 KERNEL_TAG = "ggml."
-
-# From this many weights on, a matrix with a minimum gets its offsets from a second MatMul (see
-# above); a smaller one keeps a float zero point, where the extra ops cost more than they save.
-OFFSETS_FROM = 2**21
-
 
 def _reshape(x, shape) -> ov.Output:
     return ops.reshape(x, ops.constant(np.array(shape, dtype=np.int64)), False).output(0)
