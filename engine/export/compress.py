@@ -24,6 +24,7 @@ from engine.config import AUTO_WEIGHTS
 from engine.errors import ExportError
 from engine.export.gguf_weights import carries
 from engine.manifest import INT4_GROUP
+from engine.models.quantized import ROW_BLOCK, int8_rows
 from engine.tuning import CALIBRATE_BELOW
 
 # Data-aware INT4: the same symmetric INT4 group-128 codes as ``int4``, with
@@ -60,7 +61,6 @@ INT4_MIN_GROUP = 32
 # closer to the source than symmetric INT4_SYM for a few more bytes, docs/benchmarks.md "Asymmetric
 # int4").  Switching re-exports every cached int4 shard: bump EXPORTER_VERSION with it.
 INT4_ASYMMETRIC = True
-_ROW_BLOCK = 2048
 
 
 def parameters(spec) -> int:
@@ -117,30 +117,12 @@ def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:
 
 def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
     """A [vocab, hidden] matrix as an f32-valued graph output in the shard's weight format: for
-    int4/int8/gguf asymmetric uint8 rows with a per-row scale and zero point (as NNCF's INT8_ASYM),
-    quantized a block of rows at a time, in the decompression pattern the plugins fuse
-    (Constant u8 -> Convert -> Subtract(zero point) -> Multiply(scale))."""
+    int4/int8/gguf INT8 rows (``int8_rows``)."""
     if weights == "f32":
         return ops.constant(np.ascontiguousarray(table, dtype=np.float32)).output(0)
     if weights == "fp16":
         return ops.convert(ops.constant(np.ascontiguousarray(table, dtype=np.float16)), ov.Type.f32).output(0)
-    rows_total = table.shape[0]
-    q = np.empty(table.shape, dtype=np.uint8)
-    zero = np.empty((rows_total, 1), dtype=np.uint8)
-    scale = np.empty((rows_total, 1), dtype=np.float16)
-    for start in range(0, rows_total, _ROW_BLOCK):
-        rows = table[start:start + _ROW_BLOCK].astype(np.float32)
-        lo = np.minimum(rows.min(axis=1, keepdims=True), 0.0)
-        hi = np.maximum(rows.max(axis=1, keepdims=True), 0.0)
-        s = np.maximum(hi - lo, 1e-8) / 255.0
-        zp = np.clip(np.rint(-lo / s), 0, 255)
-        q[start:start + _ROW_BLOCK] = np.clip(np.rint(rows / s) + zp, 0, 255).astype(np.uint8)
-        zero[start:start + _ROW_BLOCK] = zp.astype(np.uint8)
-        scale[start:start + _ROW_BLOCK] = s
-    # shared_memory: the constant keeps the array alive instead of holding a second copy of it.
-    centered = ops.subtract(ops.convert(ops.constant(q, shared_memory=True), ov.Type.f16),
-                            ops.convert(ops.constant(zero), ov.Type.f16))
-    return ops.convert(ops.multiply(centered, ops.constant(scale)), ov.Type.f32).output(0)
+    return int8_rows(table)
 
 
 HEAD_FORMATS = ("int8", "int4")
@@ -168,8 +150,8 @@ def int4_head_codes(table: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarr
     codes = np.empty((rows_total, groups, group), dtype=np.uint8)
     zero = np.empty((rows_total, groups, 1), dtype=np.uint8)
     scale = np.empty((rows_total, groups, 1), dtype=np.float16)
-    for start in range(0, rows_total, _ROW_BLOCK):
-        x = table[start:start + _ROW_BLOCK].astype(np.float32).reshape(-1, groups, group)
+    for start in range(0, rows_total, ROW_BLOCK):
+        x = table[start:start + ROW_BLOCK].astype(np.float32).reshape(-1, groups, group)
         lo, hi = np.minimum(x.min(axis=2, keepdims=True), 0.0), np.maximum(x.max(axis=2, keepdims=True), 0.0)
         best = None
         for shrink in HEAD_SHRINK:
@@ -184,8 +166,8 @@ def int4_head_codes(table: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarr
                 better = err < best
                 best = np.where(better, err, best)
                 bq, bz, bs = np.where(better, q, bq), np.where(better, z, bz), np.where(better, s, bs)
-        codes[start:start + _ROW_BLOCK], zero[start:start + _ROW_BLOCK] = bq, bz
-        scale[start:start + _ROW_BLOCK] = bs
+        codes[start:start + ROW_BLOCK], zero[start:start + ROW_BLOCK] = bq, bz
+        scale[start:start + ROW_BLOCK] = bs
     return codes, zero, scale
 
 
