@@ -135,9 +135,9 @@ HEAD_NOTES = {
 }
 
 
-# Each group's range is shrunk by the ratio, of these, that leaves the least squared error: on
-# Qwen2.5-Coder-1.5B's head (from its Q6_K table) relative error 0.096, against 0.101 for the plain
-# range and 0.118 for symmetric codes (the int4 layers' kind) in groups of 128.
+# Each group's range is shrunk by the ratio, of these, that leaves the least squared error: closer to
+# the table than the plain range, and than symmetric codes (the int4 layers' kind), on a real head
+# (docs/benchmarks.md, "Parity with llama.cpp", 2026-11-26, later).
 HEAD_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
