@@ -11,8 +11,8 @@ import openvino as ov
 import openvino.opset13 as ops
 import pytest
 
-from engine.export.gguf_weights import (BLOCKS, NAMES, Q4_0, Q5_0, Q6_K, Q8_0, carried_values, carry_matmul,
-                                       decompose, lookup_table, stored)
+from engine.export.gguf_weights import carried_values, carry_matmul, lookup_table, stored
+from engine.models.quantized import BLOCKS, NAMES, Q4_0, Q5_0, Q6_K, Q8_0, decompose
 
 ROWS, COLUMNS = 64, 512
 EXACT = frozenset({Q4_0, Q5_0, Q8_0, Q6_K})  # the types without a minimum

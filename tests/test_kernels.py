@@ -17,9 +17,10 @@ import openvino.opset13 as ops
 import pytest
 
 from engine import kernels
-from engine.export.gguf_weights import BLOCKS, NAMES, Q4_K, Q6_K, carry_matmul, compose, decompose
+from engine.export.gguf_weights import carry_matmul
 from engine.kernels.swap import swap_in
 from engine.kernels.tiles import TYPES, tiles
+from engine.models.quantized import BLOCKS, NAMES, Q4_K, Q6_K, compose, decompose
 from engine.runtime.stages.stage import core
 
 ROWS = 77  # not a multiple of any thread's share

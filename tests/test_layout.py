@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-from engine.fleet.layout import CHAIN_MARGIN, Layout, price_layout, shares, solve_layout
+from engine.fleet.layout import Layout, price_layout, shares, solve_layout
 from engine.fleet.placement import GB, DeviceProfile, Fleet, ModelShape, evaluate, solve
 from engine.fleet.plans import layout_stages
+from engine.tuning import CHAIN_MARGIN, EXCHANGE_WAIT
 
 # Qwen 1.5B-like: 28 layers, an INT8 head as heavy as ten layers
 MODEL = ModelShape("qwen", 28, 30_000_000, 100_000_000, 250_000_000, 2_000_000, 200_000_000)
@@ -160,7 +161,7 @@ def test_one_user_on_slow_pcs_gets_two_tensor_parallel_ranks_and_more_users_get_
     """Where a layer costs much more than the exchanges its ranks add (a CPU without int8 dot
     products), one user is served fastest by two PCs as ranks; never where the model's export
     cannot be split, where the link is slow, or once users can be spread over copies."""
-    from engine.fleet.placement import EXCHANGE_WAIT, exchanges, price_ranks
+    from engine.fleet.placement import exchanges, price_ranks
 
     splittable = dataclasses.replace(MODEL, max_ranks=2)
     slow = office(2, 4, layer_ms=15.0)

@@ -107,7 +107,7 @@ def test_bad_parts_and_a_full_pool_are_refused_and_change_nothing(tiny_exports):
 def test_a_chain_packs_at_most_pack_rows_a_forward(tiny_exports):
     """Rounds queued together (a failover's re-prefills) go in forwards of at most PACK_ROWS rows, a
     longer one alone, in submission order; each stream's logits are what it gets alone."""
-    from engine.runtime.stages.packing import PACK_ROWS
+    from engine.tuning import PACK_ROWS
 
     folders = tiny_exports["llama", "2"].folders
     rng = np.random.default_rng(4)

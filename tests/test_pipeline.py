@@ -163,7 +163,7 @@ def test_prompts_go_at_once_and_a_group_over_several_frames_counts_once(tiny_exp
     back, and both PCs compute."""
     from engine.runtime.decode.generate import Decoding
     from engine.runtime.decode.kvsequence import KVSequence
-    from engine.runtime.stages.packing import PACK_ROWS
+    from engine.tuning import PACK_ROWS
     from engine.runtime.stages.stage import MODES
 
     folders = tiny_exports["qwen2", "2"].folders

@@ -19,7 +19,7 @@ PACKAGES = ("engine", "fleetgui")
 # its longest matching prefix (matched on whole dotted components: "engine.cli" does not match "engine.clidoc").
 FLOORS = [
     ["engine", "engine.errors", "engine.hashing", "engine.files", "engine.config", "engine.progress",
-     "engine.pinned", "engine.hostcpu"],
+     "engine.pinned", "engine.hostcpu", "engine.tuning"],
     ["engine.models", "engine.manifest", "engine.fleetkey", "engine.launch", "engine.transport", "engine.documents"],
     ["engine.export", "engine.kernels"],
     ["engine.runtime", "engine.runtime.interfaces"],
@@ -34,6 +34,9 @@ FLOORS = [
 EXACT_ONLY = {"engine", "engine.runtime"}  # the package __init__ alone, not everything under it
 LEAVES = {"engine.cli"}  # only the entry points reach these
 SIBLINGS = [("engine.runtime.relay", "engine.runtime.decode")]  # must not import each other
+# (importer, imported): no module under the first reaches one under the second, directly or through others, though
+# the floors would allow it.  A worker runs shards without the export's code.
+NEVER_REACHES = [("engine.runtime", "engine.export")]
 ENGINE_FORBIDDEN = ("fleetgui", "PySide6", "pyqtgraph")  # the engine never reaches the GUI
 HEAVY = ("torch", "transformers", "nncf", "gguf", "accelerate", "safetensors", "PySide6", "pyqtgraph",
          "openvino._offline_transformations")  # heavy optional dependencies: fine to import lazily
@@ -186,6 +189,29 @@ def test_imports_only_go_down_the_floors():
         if under(a, "engine") and any(under(b, name) for name in ENGINE_FORBIDDEN):
             problems.append(f"the engine imports the GUI: {a} -> {b}  ({where})")
     verdict("layering violations", problems)
+
+
+def test_runtime_never_reaches_the_export():
+    graph: dict[str, list[tuple[str, str]]] = {}
+    for a, b, where in EDGES:
+        graph.setdefault(a, []).append((b, where))
+    problems = []
+    for importer, imported in NEVER_REACHES:
+        came_from: dict[str, tuple[str, str] | None] = {module: None for module in MODULES if under(module, importer)}
+        todo = list(came_from)
+        while todo:
+            module = todo.pop()
+            for target, where in graph.get(module, ()):
+                if target not in came_from:
+                    came_from[target] = (module, where)
+                    todo.append(target)
+        for module in sorted(m for m in came_from if under(m, imported)):
+            chain, step = [module], came_from[module]
+            while step:
+                chain.append(f"{step[0]} ({step[1]})")
+                step = came_from[step[0]]
+            problems.append(f"{importer} reaches {imported}: " + " <- ".join(chain))
+    verdict("imports the floors allow but the design does not", problems)
 
 
 def test_every_module_has_a_docstring():

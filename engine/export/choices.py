@@ -38,11 +38,9 @@ LLAMACPP = "llama.cpp"
 REFERENCE = "qwen2.5-coder-1.5b"
 PROBLEMS = 82  # HumanEval problems, evenly spread over its 164 (`fleet bench quality --cases 82`)
 
-# KL: `fleet bench quality` (2026-11-25, 2026-11-26; Qwen's gguf 2026-11-27); HumanEval:
-# bench-results/2026-11-27/quality-qwen2.5-coder-1.5b-humaneval-82.json, every server through the
-# same client; tok/s: `fleet bench serve --llamacpp` (bench-results/2026-11-27/
-# serve-llamacpp-qwen1.5b-gguf.json and -int4.json: each format side by side with llama.cpp, whose
-# two runs are averaged here).
+# The figures of docs/benchmarks.md: KL from "Quality" (`fleet bench quality`), HumanEval and tok/s
+# from "Faithful by default" (`fleet bench quality --parts humaneval` and `fleet bench serve
+# --llamacpp`, every server through the same client; llama.cpp's two runs averaged here).
 MEASURED: dict[str, dict[str, Measured]] = {
     "qwen2.5-coder-1.5b": {
         "gguf": Measured(kl=0.0006, humaneval=68.3, same_outcome=79, tok_s_1=15.9, tok_s_4=40.8),

@@ -24,6 +24,8 @@ from engine.config import AUTO_WEIGHTS
 from engine.errors import ExportError
 from engine.export.gguf_weights import carries
 from engine.manifest import INT4_GROUP
+from engine.models.quantized import ROW_BLOCK, int8_rows
+from engine.tuning import CALIBRATE_BELOW
 
 # Data-aware INT4: the same symmetric INT4 group-128 codes as ``int4``, with
 # scales (and for AWQ a per-channel smoothing folded into the preceding weights) chosen to fit what
@@ -56,18 +58,9 @@ WEIGHT_NOTES = {
 # Dimensions that 128 does not divide (SmolLM2's hidden 576) get the largest divisor >= this.
 INT4_MIN_GROUP = 32
 # Data-free ``int4`` codes: asymmetric (INT4_ASYM, a u4 zero point per group beside the f16 scale:
-# KL 10-26% lower than symmetric INT4_SYM for about 0.5% more bytes, docs/benchmarks.md "Asymmetric
+# closer to the source than symmetric INT4_SYM for a few more bytes, docs/benchmarks.md "Asymmetric
 # int4").  Switching re-exports every cached int4 shard: bump EXPORTER_VERSION with it.
 INT4_ASYMMETRIC = True
-_ROW_BLOCK = 2048
-
-
-# Float checkpoints below this many parameters export ``auto`` as int4-gptq.  Measured (KL from the
-# float weights, docs/benchmarks.md "Data-aware INT4"): SmolLM2-135M 0.199 against 0.355 for int4,
-# Gemma 3 270M 0.290 against 0.815, for 17-48x the export time (minutes at these sizes); on
-# Qwen2.5-Coder-1.5B GPTQ is worse (0.0864 against 0.0787, 29x the time) and AWQ gains 2% for 11x.
-# A GGUF keeps its own codes (``gguf``, the faithful format; ``engine.export.choices``).
-CALIBRATE_BELOW = 1_000_000_000
 
 
 def parameters(spec) -> int:
@@ -79,7 +72,9 @@ def parameters(spec) -> int:
 
 def best_weights(kind: str, spec, path=None) -> str:
     """What ``auto`` exports for a source of ``kind`` ("gguf" or "hf") with this spec: a GGUF whose
-    matrices can all be carried over (at ``path``) keeps them (``gguf``, the faithful format)."""
+    matrices can all be carried over (at ``path``) keeps them (``gguf``, the faithful format); a float
+    checkpoint below ``CALIBRATE_BELOW`` parameters takes int4-gptq, whose data-aware scales pay for
+    their export time on a small model, a larger one int4."""
     if kind == "gguf":
         return "gguf" if path is not None and carries(path) else "int4"
     return "int4-gptq" if parameters(spec) < CALIBRATE_BELOW else "int4"
@@ -122,30 +117,12 @@ def compress(model: ov.Model, weights: str, dataset=None) -> ov.Model:
 
 def vocab_table(table: np.ndarray, weights: str) -> ov.Output:
     """A [vocab, hidden] matrix as an f32-valued graph output in the shard's weight format: for
-    int4/int8/gguf asymmetric uint8 rows with a per-row scale and zero point (as NNCF's INT8_ASYM),
-    quantized a block of rows at a time, in the decompression pattern the plugins fuse
-    (Constant u8 -> Convert -> Subtract(zero point) -> Multiply(scale))."""
+    int4/int8/gguf INT8 rows (``int8_rows``)."""
     if weights == "f32":
         return ops.constant(np.ascontiguousarray(table, dtype=np.float32)).output(0)
     if weights == "fp16":
         return ops.convert(ops.constant(np.ascontiguousarray(table, dtype=np.float16)), ov.Type.f32).output(0)
-    rows_total = table.shape[0]
-    q = np.empty(table.shape, dtype=np.uint8)
-    zero = np.empty((rows_total, 1), dtype=np.uint8)
-    scale = np.empty((rows_total, 1), dtype=np.float16)
-    for start in range(0, rows_total, _ROW_BLOCK):
-        rows = table[start:start + _ROW_BLOCK].astype(np.float32)
-        lo = np.minimum(rows.min(axis=1, keepdims=True), 0.0)
-        hi = np.maximum(rows.max(axis=1, keepdims=True), 0.0)
-        s = np.maximum(hi - lo, 1e-8) / 255.0
-        zp = np.clip(np.rint(-lo / s), 0, 255)
-        q[start:start + _ROW_BLOCK] = np.clip(np.rint(rows / s) + zp, 0, 255).astype(np.uint8)
-        zero[start:start + _ROW_BLOCK] = zp.astype(np.uint8)
-        scale[start:start + _ROW_BLOCK] = s
-    # shared_memory: the constant keeps the array alive instead of holding a second copy of it.
-    centered = ops.subtract(ops.convert(ops.constant(q, shared_memory=True), ov.Type.f16),
-                            ops.convert(ops.constant(zero), ov.Type.f16))
-    return ops.convert(ops.multiply(centered, ops.constant(scale)), ov.Type.f32).output(0)
+    return int8_rows(table)
 
 
 HEAD_FORMATS = ("int8", "int4")
@@ -158,9 +135,9 @@ HEAD_NOTES = {
 }
 
 
-# Each group's range is shrunk by the ratio, of these, that leaves the least squared error: on
-# Qwen2.5-Coder-1.5B's head (from its Q6_K table) relative error 0.096, against 0.101 for the plain
-# range and 0.118 for symmetric codes (the int4 layers' kind) in groups of 128.
+# Each group's range is shrunk by the ratio, of these, that leaves the least squared error: closer to
+# the table than the plain range, and than symmetric codes (the int4 layers' kind), on a real head
+# (docs/benchmarks.md, "Parity with llama.cpp", 2026-11-26, later).
 HEAD_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
@@ -173,8 +150,8 @@ def int4_head_codes(table: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarr
     codes = np.empty((rows_total, groups, group), dtype=np.uint8)
     zero = np.empty((rows_total, groups, 1), dtype=np.uint8)
     scale = np.empty((rows_total, groups, 1), dtype=np.float16)
-    for start in range(0, rows_total, _ROW_BLOCK):
-        x = table[start:start + _ROW_BLOCK].astype(np.float32).reshape(-1, groups, group)
+    for start in range(0, rows_total, ROW_BLOCK):
+        x = table[start:start + ROW_BLOCK].astype(np.float32).reshape(-1, groups, group)
         lo, hi = np.minimum(x.min(axis=2, keepdims=True), 0.0), np.maximum(x.max(axis=2, keepdims=True), 0.0)
         best = None
         for shrink in HEAD_SHRINK:
@@ -189,16 +166,16 @@ def int4_head_codes(table: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarr
                 better = err < best
                 best = np.where(better, err, best)
                 bq, bz, bs = np.where(better, q, bq), np.where(better, z, bz), np.where(better, s, bs)
-        codes[start:start + _ROW_BLOCK], zero[start:start + _ROW_BLOCK] = bq, bz
-        scale[start:start + _ROW_BLOCK] = bs
+        codes[start:start + ROW_BLOCK], zero[start:start + ROW_BLOCK] = bq, bz
+        scale[start:start + ROW_BLOCK] = bs
     return codes, zero, scale
 
 
 def head_table_int4(table: np.ndarray, group: int = HEAD_GROUP) -> ov.Output:
     """The LM head as asymmetric INT4 (``int4_head_codes``) in the pattern the CPU plugin runs as a
     compressed MatMul (Constant u4 [vocab, groups, group] -> Convert -> Subtract(u4 zero point) ->
-    Multiply(f16 scale) -> Reshape).  It halves the head's bytes: a tenth of Qwen2.5-Coder-1.5B's
-    decode step, and a larger share of a draft model's (Qwen2.5-Coder-0.5B: 27 -> 21 ms a step)."""
+    Multiply(f16 scale) -> Reshape).  It halves the head's bytes, which are a larger share of a small
+    draft model's step than of a large model's."""
     rows_total, hidden = table.shape
     group = next((g for g in (group, 64, 32) if hidden % g == 0), 0)  # as NNCF's group-size fallback
     if not group:

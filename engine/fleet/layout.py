@@ -20,18 +20,8 @@ import itertools
 
 from engine.fleet.placement import (Fleet, Infeasible, ModelShape, Plan, PlacementError, Record, evaluate,
                                     price_ranks, solve, stage_time)
+from engine.tuning import CHAIN_MARGIN, RANKS_MARGIN
 
-# A layout with a chain split over several nodes is chosen over whole copies only when it predicts
-# this much more.  The cost model prices a split's groups in flight as overlapping perfectly;
-# measured side by side, copies served 15-19% more than the split at 2, 4 and 8 users where the
-# model prices them within a few percent (bench-results/2026-11-26/sim-office-qwen1.5b.json), and
-# on 3 PCs a split beside a copy served 0.66 of 3 PCs where 3 copies served 0.76
-# (bench-results/2026-11-27/sim-layout-qwen1.5b-fed.json).
-CHAIN_MARGIN = 1.10
-# Two PCs as tensor-parallel ranks are chosen for one user over the model whole on one PC wherever
-# they predict more at all: measured side by side, ranks served more than one PC in every run,
-# also where the cost model priced them below it (docs/benchmarks.md, "One user on two PCs").
-RANKS_MARGIN = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +168,7 @@ def _best(layouts: list[Layout]) -> Layout:
     def margin(layout: Layout) -> float:
         return RANKS_MARGIN if any(p.ranks for p in layout.plans) else CHAIN_MARGIN
 
-    whole = max((layout for layout in layouts if not spread(layout)), key=lambda layout: layout.aggregate_tok_s,
-                default=None)
+    whole = max((layout for layout in layouts if not spread(layout)), key=lambda w: w.aggregate_tok_s, default=None)
     candidates = [layout for layout in layouts if not spread(layout) or whole is None
                   or layout.aggregate_tok_s > whole.aggregate_tok_s * margin(layout)]
     return max(candidates, key=lambda layout: layout.aggregate_tok_s)

@@ -24,6 +24,7 @@ from scipy.sparse import csr_array, vstack
 from engine.errors import FleetError
 from engine.manifest import layer_span
 from engine.runtime.relay import MAX_GROUPS
+from engine.tuning import EXCHANGE_WAIT
 
 OBJECTIVES = ("latency", "throughput")
 GB = 2**30
@@ -346,16 +347,6 @@ def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, i
 
 # ---- tensor-parallel ranks ----
 
-# At every exchange of partial sums the faster rank waits for the slower: the ranks' shares of the
-# compute between two exchanges are never quite equal (the OS, caches, the shares' shapes), and the
-# wait grows with that compute.  Measured on 2 one-core PCs over a 1 Gbit/s link, a token took the
-# slower rank's compute times 1.10-1.17 plus the link's share where a rank took 283 ms
-# (bench-results/2026-11-28/sim-ranks-qwen1.5b-avx2.json), and 1.10, 1.45 and 1.36-1.46 in three
-# runs on a host where it took 82-90 ms (sim-ranks-split-, -split4- and -gather-qwen1.5b-zen3.json):
-# the middle of that, within 15% of each run.  A constant 0.8 ms an exchange, fitted on the first
-# host, priced the second's 118-149 ms tokens at 146-154.
-EXCHANGE_WAIT = 0.25
-
 
 def exchanges(num_layers: int) -> int:
     """Exchanges a token costs tensor-parallel ranks: after each layer's attention and MLP, and
@@ -397,7 +388,9 @@ def price_ranks(model: ModelShape, fleet: Fleet, units: Sequence[tuple[str, str]
         planned.append(PlannedStage(node, device, 0, L, ms, need, dev.memory_bytes if dev else 0))
     if fleet.coordinator is not None and units and units[0][0] != fleet.coordinator:
         problems.append(f"rank 0 must run on the coordinator {fleet.coordinator}, not {units[0][0]}")
-    # the ids out and the result back, each swap one way, and the waits for the slower rank
+    # the ids out and the result back, each swap one way, and the waits for the slower rank: at every
+    # exchange the faster rank waits for the slower, whose share of the compute between two exchanges
+    # is never quite equal to its own (the OS, caches, the shares' shapes)
     network = link + exchanges(L) * link / 2 + slowest * EXCHANGE_WAIT
     token_ms = slowest + network
     tok_s = 1000.0 / token_ms if token_ms > 0 else 0.0

@@ -28,6 +28,7 @@ from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.stage import core
+from engine.tuning import STAGE_OVERHEAD_BYTES
 
 # Bytes per weight of each format, with its quantization scales (INT4: f16 scale per group of 128).
 # (the data-aware int4-* formats have INT4's layout; gguf carries 4-8 bit codes with an f16 scale per 16
@@ -35,10 +36,6 @@ from engine.runtime.stages.stage import core
 WEIGHT_BYTES = {"int4": 0.5 + 2 / 128, "int8": 1.0 + 2 / 128, "gguf": 0.71, "fp16": 2.0, "f32": 4.0}
 VOCAB_BYTES = 1.0 + 4 / 128  # embedding and head rows are INT8 with a scale per block
 KV_BYTES = 2  # the CPU plugin keeps the KV cache in bf16/f16 by default
-# OpenVINO runtime, Python and compiled-model working memory per stage.  Measured here (Qwen2.5-Coder-1.5B,
-# after a prompt and 9 tokens): a stage's anonymous memory is its layers' and head's weights (the CPU
-# plugin's own copy) plus 80-120 MB; 200 MB leaves room for the file pages it keeps reading.
-STAGE_OVERHEAD_BYTES = 200 << 20
 
 
 def weight_bytes(weights: str) -> float:
@@ -52,7 +49,7 @@ def weight_bytes(weights: str) -> float:
 def profile_splits(num_layers: int) -> list[tuple[list[int], int]]:
     """(split, stage index) of each profiling shard: the first k, the first 2k, the last k layers.
     k is a quarter of the model: shards of a few layers run from cache and underestimate a real
-    stage's per-layer and head cost (measured here: 0.19 vs 0.25 ms per layer, 0.7 vs 2 ms head)."""
+    stage's per-layer and head cost."""
     k = max(1, num_layers // 4)
     return [([k], 0), ([2 * k], 0), ([num_layers - k], 1)]
 

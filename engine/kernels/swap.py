@@ -1,7 +1,7 @@
 """Puts ``GGMLMatMul`` in a shard's graph in place of each carried GGUF matrix the exporter tagged
-(``engine.export.gguf_weights.KERNEL_TAG``): the matrix's codes and scales, read back from the graph's
+(``engine.models.quantized.KERNEL_TAG``): the matrix's codes and scales, read back from the graph's
 constants, become our kernels' tiles (``engine.kernels.tiles``) or the GGUF's own blocks again
-(``gguf_weights.compose``), and the operation multiplies by them; a matrix with offsets loses its
+(``quantized.compose``), and the operation multiplies by them; a matrix with offsets loses its
 second MatMul, since the kernels include the minimums.  A small 4-bit matrix the exporter gave a
 float zero point (``Quantized.zero_point_form``) runs as Q4_1, ``d * code + m`` with ``m`` the zero
 point's, within an f16 rounding of the shard's values.  Everything else in the graph stays as it is."""
@@ -14,10 +14,10 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from engine.export.gguf_weights import (CENTERS, KERNEL_TAG, NAMES, Q4_0, Q4_1, Q5_0, Q6_K, Q8_0, Quantized, Table,
-                                       compose)
 from engine.kernels import GGML_KERNEL, OP, OWN, tile_width
 from engine.kernels.tiles import TILE, TYPES, tiles
+from engine.models.quantized import (CENTERS, KERNEL_TAG, NAMES, Q4_0, Q4_1, Q5_0, Q6_K, Q8_0, Quantized, Table,
+                                     compose, int8_rows)
 
 _TYPES = {name: qtype for qtype, name in NAMES.items()}
 _NO_MINIMUM = (Q4_0, Q5_0, Q8_0, Q6_K)
@@ -154,16 +154,14 @@ def _carried(matmul: ov.Node) -> int | None:
 
 def int8_head(model: ov.Model) -> bool:
     """For the CPU plugin's own path (the stock path, and the other devices): a head carried with the
-    GGUF's codes becomes INT8 rows again (``compress.vocab_table``, from the codes' values), which the
-    plugins run fastest; True if it did."""
-    from engine.export.compress import vocab_table  # deferred: only a shard with a carried head needs it
-
+    GGUF's codes becomes INT8 rows again (``int8_rows``, from the codes' values), which the plugins run
+    fastest; True if it did."""
     head = head_of(model)
     qtype = _carried(head) if head is not None and head.get_type_name() == "MatMul" else None
     if qtype is None or qtype not in _NO_MINIMUM:  # the exporter carries a head without offsets
         return False
     q, _ = _quantized(head, qtype)
-    head.input(1).replace_source_output(vocab_table(q.values(), "int8"))
+    head.input(1).replace_source_output(int8_rows(q.values()))
     model.validate_nodes_and_infer_types()
     return True
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.export.gguf_weights import Q4_0, Q4_1, Q4_K, Q6_K, Quantized
+from engine.models.quantized import Q4_0, Q4_1, Q4_K, Q6_K, Quantized
 
 TILE = 16  # matrix rows a tile holds
 TYPES = (Q4_0, Q4_1, Q4_K, Q6_K)  # the types our kernels multiply by

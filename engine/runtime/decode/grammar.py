@@ -3,9 +3,9 @@
 
 The constraint is llguidance's (``LLMatcher``): a grammar (Lark-like text, or a JSON schema compiled
 to one) over the tokenizer's byte strings gives, at each step, the set of tokens that keep the reply
-a prefix of some sentence of the grammar.  Measured on SmolLM2's vocabulary of 49152 tokens (see
-the API docs' "Structured output"): a mask costs tens of microseconds a token, where outlines-core's
-index costs seconds to build per schema and xgrammar needs torch.
+a prefix of some sentence of the grammar.  It was chosen for its cost, a mask a token cheap beside a
+decode step (docs/guide.md, "Structured output", compares it with outlines-core and with xgrammar,
+which needs torch).
 
 The tokens' bytes come from the shard's own detokenizer (``openvino_detokenizer.xml``: the
 ``VocabDecoder``'s begins, ends and characters), so a worker's folder is all a coordinator needs:

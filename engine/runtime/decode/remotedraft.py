@@ -156,15 +156,14 @@ class DraftLink:
 class RemoteDraft(Drafter):
     """A stream's drafts from a draft server, at a steady verify width under K auto.
 
-    A verify's cost depends on its width, and a width other than the last costs more again: on the
-    1.5B target on one core, 65-68 ms for 1-3 positions, 78 for 4, 89 for 6, and 88 on average when
-    widths 1-6 alternate (the CPU plugin prepares every node again for a new shape).  So each
+    A verify's cost depends on its width, and a width other than the last costs more again (the CPU
+    plugin prepares every node again for a new shape).  So each
     round verifies ``WIDTH`` drafts: the server's, after waiting up to ``WAIT_S`` for the first,
     then prompt lookup's continuation of them, then the last token again (a draft that costs only
     its position).
 
-    On a CPU without int8 dot products every position costs (an AVX2 core: 381 ms for 1, 731 for
-    4), and a padded round pays only where its guesses are often right.  So a round goes plain where
+    On a CPU without int8 dot products every position costs (a 4-position verify about twice a plain
+    one), and a padded round pays only where its guesses are often right.  So a round goes plain where
     padded rounds with as many guesses (the server's drafts and lookup's) gave fewer extra tokens
     than the padded verify costs over a plain one; every ``RETRY``-th such round is padded anyway,
     to hear whether that still holds.  The first round without any guess goes plain to time a plain

@@ -187,11 +187,8 @@ class ChatService:
         ``prefix_cache=False`` prefills every conversation whole (a benchmark's cold side);
         ``prefill_chunk``: prompt tokens a forward (other streams' rounds run between chunks);
         ``draft_alone``: a stream drafts only while it is the only one generating, its other rounds
-        are plain.  With several streams the verify's extra rows cost more than the drafts give:
-        measured on Qwen 1.5B with the 0.5B draft, one core, 64 tokens a user, drafting in every
-        round (``fleet bench sim --parts draft``, waves of two runs), at 2 and 4 users prompt lookup
-        gave 19-24 and 26-29 tok/s, a draft model here 12-16 and 13-17, the draft on another PC
-        20-23 and 26-27, plain rounds 23-28 and 38-41."""
+        are plain.  With several streams the verify's extra rows cost more than the drafts give,
+        whichever the drafter (docs/benchmarks.md, "A second PC that drafts")."""
         if streams < 1:
             raise FleetError("the chat service needs at least one stream")
         self.chain = chain

@@ -28,6 +28,7 @@ from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
 from engine.transport.wire import Flag
+from engine.tuning import DRAFT_MAX_TRUST, DRAFT_POSITION_SHARE, LOOKUP_PRIOR
 
 TOKENIZER_FILES = ("openvino_tokenizer.bin", "openvino_detokenizer.bin")
 
@@ -112,23 +113,17 @@ class DraftModel(Drafter):
     With ``pick_k`` (K auto) it drafts up to K tokens but stops where another draft step no longer
     pays: the next token would be accepted only if every draft before it is, and that chance (the
     product of the draft's top-1 probabilities, scaled by how often its confidence has held in
-    verification) must be worth a draft step at the measured round cost.  Measured on Qwen2.5-Coder
-    1.5B with the 0.5B draft (eight prompts, in process): 1.27-1.30x the target alone with steps at
-    a steady width (``_step``), 1.18-1.23x before, and 1.13x when K auto chose one K per round from
-    the acceptance rate.
+    verification) must be worth a draft step at the measured round cost: deciding token by token
+    beats one K per round chosen from the acceptance rate (docs/speculative-history.md).
 
-    The scale on its confidence (accepted drafts per unit of it) goes up to ``MAX_TRUST``: in
-    ``fast`` mode the 0.5B draft is under-confident (the median scale was 0.96-1.27 by prompt), and
-    capped at 1 it stopped drafting where its drafts were still being accepted.  Side by side, eight
-    prompts, three runs each: 1.050x the cap at 1 in ``fast`` (1.005-1.12 by prompt), 1.017x in
-    ``exact`` (no prompt below 1.0); a cap of 2 gave 1.032x in ``exact``."""
+    The scale on its confidence (accepted drafts per unit of it) goes up to ``DRAFT_MAX_TRUST``, above
+    1: a draft model can be under-confident (the 0.5B draft is, in ``fast`` mode), and capped at 1 it
+    stops drafting where its drafts are still being accepted."""
 
     name = "model"
     fits_k = True
     DECAY = 0.95
-    POSITION_SHARE = 0.04  # what one more verify position adds to a round (measured: ~4 of ~100 ms)
     MAX_CATCH_UP = 16  # tokens a catch-up feeds at most (see ``_catch_up``)
-    MAX_TRUST = 1.5  # see the class docstring
 
     def __init__(self, chain, rewind: str = "mask", stream: int = 0):
         self.chain = chain
@@ -154,9 +149,9 @@ class DraftModel(Drafter):
 
     def warm(self, tokens: int = 256) -> None:
         """One forward of ``tokens`` positions, then a reset.  The first forward longer than any
-        before grows the request's buffers (measured on the 0.5B draft: +100-200 ms, and 1.4 s for a
-        fresh compiled model's first); after this one a catch-up of up to ``tokens`` costs only its
-        compute."""
+        before grows the request's buffers, and a fresh compiled model's first costs far more; after
+        this one a catch-up of up to ``tokens`` costs only its compute, not a first round's share of
+        the reply's time."""
         self.seq.reset()
         self.seq.forward(np.zeros(min(tokens, self.seq.max_length), np.int64))
         self.reset()
@@ -173,9 +168,8 @@ class DraftModel(Drafter):
         them are counted in ``fed`` but left out of the cache, and later positions follow as if
         they were there (only drafts are ever rewound, so no rewind reaches them).  The hybrid
         leaves the model idle for dozens of rounds where lookup or plain steps pay better, and a
-        try of the model after that caught up on every token it missed (measured: 302 ms of
-        drafting after 64 rounds away, against 25 ms for a draft step): a try's cost grew with the
-        time away, so trying less often saved nothing.  A draft that lacks part of its own
+        try of the model after that caught up on every token it missed, many draft steps' worth: a
+        try's cost grew with the time away, so trying less often saved nothing.  A draft that lacks part of its own
         answer's middle still drafts from the prompt and the recent text."""
         common = 0
         known = min(len(self.fed), len(history))
@@ -197,10 +191,9 @@ class DraftModel(Drafter):
         (1.0 unless ``pick_k``).
 
         With the mask rewind a single token goes in beside a guess at the draft's next token (prompt
-        lookup's, else the token again).  Measured on the 0.5B draft: a second position costs a step
-        4 ms, a step of another width than the last 9 ms on the Intel Xeon VM and 3.5 ms on the AMD
-        EPYC VM (the plugin re-prepares every node; 10 ms there with its runtime cache off), and
-        steps alternate between one token and the two of a catch-up.  A right guess gives the token
+        lookup's, else the token again): steps alternate between one token and the two of a catch-up,
+        and a step of another width than the last costs more than a second position does (the plugin
+        re-prepares every node).  A right guess gives the token
         after it in the same forward (``_bonus``); a wrong one is masked out.  With the trim rewind
         a wrong guess would cost a trim, so a single token goes in alone."""
         flags = Flag.PROBS if self.pick_k else Flag.NONE
@@ -228,21 +221,21 @@ class DraftModel(Drafter):
         token, prob = self._catch_up(history, self.MAX_CATCH_UP)
         drafts = [token]
         # accepted per unit of the draft's confidence: above 1 where the draft is under-confident
-        trust = min(self.MAX_TRUST, self._accepted / self._predicted)
+        trust = min(DRAFT_MAX_TRUST, self._accepted / self._predicted)
 
         def accepted(confidence: float) -> float:  # the chance a draft drafted with it is accepted
             return min(1.0, trust * confidence)
 
         chance = prob  # the draft's confidence that every draft so far is right
         # tokens the round gives (the verify adds one); unclipped, unlike ``accepted``: clipped, the
-        # draft drafted further and the model draft ran 0.969x as fast (eight prompts side by side)
+        # draft drafted further than pays
         expected = 1 + trust * chance
         self._chance = chance
         fixed, per_draft = self.costs.fit() if self.costs else (3.0, 1.0)  # before any round: a guess
         while len(drafts) < k:
             if self._bonus is not None:  # the last step's guess was right: the token after it is free
                 # it costs a verify position: worth it while its chance raises tokens per ms
-                if self.pick_k and accepted(chance * self._bonus[1]) < self.POSITION_SHARE * expected:
+                if self.pick_k and accepted(chance * self._bonus[1]) < DRAFT_POSITION_SHARE * expected:
                     break
                 self.fed.append(token)
                 token, prob = self._bonus
@@ -292,31 +285,24 @@ class Hybrid(Drafter):
     so a lookup that failed early is not judged by that alone while the model drafts; a lookup
     passed over for a while is still tried now and then.  A matched length no round has scored yet
     is not tried on its prior alone: its first proposal is scored against the model's round (in
-    `exact` a failed 3-token lookup round costs a 4-position verify, ~90 ms, for one token).  Side
-    by side, eight prompts, three runs each: `exact` 1.026x and `fast` 1.020x the hybrid that tried
-    on the prior (the model draft, the same code on both sides: 0.982 and 0.988).  No round is a
+    `exact` a failed 3-token lookup round costs a 4-position verify for one token).  No round is a
     plain step: under K auto the model drafts as far as its confidence pays, and a plain step
-    between drafted rounds changes the verify's width twice (+8-13 ms each on the 1.5B target).
-    Side by side on eight prompts, two runs each: 1.306x the target alone against 1.293x with plain
-    steps where nothing matches and the model was priced low (chat and reasoning then ran plain
-    steps where the model alone gives 1.1-1.25x).
+    between drafted rounds changes the verify's width twice, each change costing the plugin a
+    re-preparation.
 
     A switch has a cost: after lookup rounds the model's next round pays a longer catch-up (capped,
-    ``DraftModel.MAX_CATCH_UP``) and new shapes (measured in creative text: 45 against 29 ms of
-    drafting for one token).  So the model's rounds are fitted apart by what came before them, and a
-    lookup round chosen right after a model round is charged the difference, once: the model itself
-    is priced at its steady cost (side by side, eight prompts, two runs each: 1.349x against 1.327x
-    when its return was charged as well).  The model's own cost fit, which sets how far it drafts,
-    holds only those steady rounds: fed its returns too, it drafted 1.1-1.5 tokens a round in
-    reasoning text, against 2.1-3.5 since (side by side as above: 1.381x against 1.352x).
+    ``DraftModel.MAX_CATCH_UP``) and new shapes.  So the model's rounds are fitted apart by what came
+    before them, and a lookup round chosen right after a model round is charged the difference,
+    once: the model itself is priced at its steady cost.  The model's own cost fit, which sets how
+    far it drafts, holds only those steady rounds: fed its returns too, it drafted too little.
 
     The model's record decays as slowly as a passed-over lookup's (``MODEL_DECAY``).  Text that is
     hard for the model is hard for the lookup too: when the model's record reacted within a few
     rounds and the lookup's over dozens, a short hard stretch for the model handed its rounds to a
-    lookup judged on the easier text before.  Traced in reasoning text: one-token lookups whose
-    first draft was right 0.38 of the time where scored against the model's rounds were right 0.05
-    of the time where taken.  Side by side, three runs of eight, four and eight prompts: 1.016x,
-    1.010x and 1.026x the hybrid whose model record decayed by 0.9 a round.
+    lookup judged on the easier text before, which was then right far less often where taken than
+    where it had been scored.
+
+    Each of these rules won side by side against the hybrid without it (docs/speculative-history.md).
 
     With ``pick_k`` (K auto, which ``Decoding`` sets) the lookup proposes ``LOOKUP_K`` tokens: a
     steady verify width, where a K of its own chosen online changed it; the model fits its own round
@@ -331,9 +317,6 @@ class Hybrid(Drafter):
     UNUSED_DECAY = 0.97
     MODEL_DECAY = UNUSED_DECAY  # the model's record: as slow (see the class docstring)
     LOOKUP_K = 3  # the lookup's K under K auto
-    # [right, tried] before a lookup position's first outcome: the first draft after a match, and
-    # one after right drafts (measured: 0.5 and 0.7-0.9 in prose, 0.48 and 0.45-0.7 in reasoning)
-    PRIOR = ((1.0, 2.0), (1.5, 2.0))
 
     def __init__(self, lookup: PromptLookup, model: DraftModel):
         self.lookup = lookup
@@ -389,7 +372,7 @@ class Hybrid(Drafter):
     def _positions(self, source: str, count: int) -> list[list[float]]:
         """The first ``count`` positions' [right, tried] of a lookup source, from a prior."""
         rows = self.positions[source]
-        rows.extend(list(self.PRIOR[min(len(rows), 1)]) for _ in range(count - len(rows)))
+        rows.extend(list(LOOKUP_PRIOR[min(len(rows), 1)]) for _ in range(count - len(rows)))
         return rows[:count]
 
     def _leave_ms(self) -> float:
@@ -447,10 +430,8 @@ class Hybrid(Drafter):
         """The first ``matched`` of ``covered`` positions were right: each position is judged only
         where every one before it was right.  A draft past the first wrong one never counts, so a
         proposal scored only as far as a model round's few tokens is not taken as all right.
-        Scored as one pool of drafts, such proposals overrated the lookup in reasoning text by a
-        third (40-50 tokens/s expected, 29-35 given; its drafts there were right 0.48, 0.35 and
-        0.19 of the time by position).  Side by side, eight prompts, two runs each: 1.305x the
-        target alone against 1.264x for the pool."""
+        Scored as one pool of drafts, such proposals overrated the lookup in reasoning text, where its
+        later positions are right far less often than its first."""
         if covered:
             self._scored.add(source)
         for i, row in enumerate(self._positions(source, min(matched + 1, covered))):
@@ -476,11 +457,9 @@ def open_draft_chain(folders: list[Path], device: str = "CPU", turns=None):
     """A draft model's chain, in either mode compiled with the device's ``fast`` settings (its cache
     rewinds by mask: ``stream_drafters``).  A draft's numbers never reach the output, the target's
     verify decides every token, so ``exact`` mode and a user's precision hint are the target's alone
-    (on CPU the device's default, the f32 hint, drafts a token in 26 ms against 35 at bf16: "CPU
-    precision" in the README).  Measured in ``exact`` mode (Qwen 1.5B target, 0.5B draft, five
-    prompts, side by side, identical output throughout): the model draft 1.050x the target alone
-    against 0.942x with the draft compiled and trimmed like the target, the hybrid 1.081x against
-    0.967x."""
+    (on CPU the device's default, the f32 hint, drafts faster than bf16: docs/benchmarks.md, "CPU
+    precision").  In ``exact`` mode a draft compiled and trimmed like the target made speculation
+    slower than the target alone; on the fast settings it pays, with the same output."""
     return LocalChain(folders, device=device, config=compile_config("fast"), turns=turns)
 
 
@@ -596,8 +575,7 @@ class AutoK:
         rates = {k: (1 - a ** (k + 1)) / (1 - a) / self.cost(k) for k in range(1, self.k_max + 1)}
         best_k = max(rates, key=rates.get)
         # A new K changes the verify's shape, and the CPU plugin re-prepares every node for a new
-        # input shape (measured here: +10 ms on the 1.5B target's next forward, +5 ms on the 0.5B
-        # draft's): keep the current K unless another is clearly better.
+        # input shape: keep the current K unless another is clearly better.
         if self.k in rates and rates[best_k] < rates[self.k] * (1 + self.KEEP_MARGIN):
             best_k = self.k
         # keep the cost model honest: now and then try a neighbour, for two rounds (the second is

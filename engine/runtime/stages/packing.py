@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from engine.errors import ShardError
+from engine.tuning import PACK_ROWS
 
 
 @dataclasses.dataclass
@@ -39,15 +40,11 @@ def as_part(x: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
     return Part(stream, x[0].copy(), start, q if all_positions else 1, position_ids.reshape(-1).copy())
 
 
-# Rows (tokens) a packed forward carries at most.  A compiled model keeps the working memory of the
-# largest forward it has run: after a failover every reply in flight is prefilled again at once
-# (8 users: 800-1,000 rows), which cost stage 0 35-45 MB that it never gave back.
-PACK_ROWS = 256
-
-
 def packs_of(rounds: list, rows) -> list[list]:
     """``rounds`` in submission order, grouped into forwards of at most ``PACK_ROWS`` rows
-    (``rows(round)``); a round longer than that goes alone."""
+    (``rows(round)``); a round longer than that goes alone.  A compiled model keeps the working memory
+    of the largest forward it has run, so a failover's re-prefill of every reply in flight at once
+    goes in several forwards rather than one that would grow the stage for good."""
     groups: list[list] = []
     total = 0
     for r in rounds:

@@ -8,8 +8,8 @@ cached positions, packed along one token axis; each stream attends to its own bl
 stream's cache is its list of blocks and a length, so a rewind is setting a shorter length: the
 mask/trim choice of the stateful path does not arise.
 
-Measured on this CPU with the ``exact`` settings: a stream's greedy tokens are the same decoded
-alone, packed with others, or on the stateful path (``tests/test_paged.py``).
+With the ``exact`` settings a stream's greedy tokens are the same decoded alone, packed with others,
+or on the stateful path (``tests/test_paged.py`` checks it).
 """
 
 from __future__ import annotations

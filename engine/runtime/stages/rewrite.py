@@ -33,6 +33,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.kernels.swap import head_of
+from engine.tuning import SLOW_DEPTH
 
 LOGITS_TO_KEEP = "logits_to_keep"
 
@@ -208,12 +209,6 @@ def fuse_sibling_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple
     return fused, spill.map
 
 
-# The CPU plugin's float path for compressed weights (a CPU without int8 dot products) runs a MatMul
-# whose depth (input columns) lies in this band at half speed from a few rows up: an [1536, 4352]
-# INT4 matrix took 18.1 ms at 45 rows where [1536, 4096] took 9.2 and [1536, 8960] 17.3 (4 rows:
-# 1.93 against 1.53 split in two; one row the same).  A tensor-parallel rank's ``down`` falls in it
-# (Qwen2.5-1.5B: 4352 and 4608 of 8960), as do the MLPs of Qwen2.5-0.5B (4864) and Llama 3.2 1B (8192).
-SLOW_DEPTH = (4096, 8192)
 DEPTH_UNIT = 256  # chunks end between K-quant super-blocks (and so between every format's groups)
 _ARITHMETIC = {"Add": ops.add, "Subtract": ops.subtract, "Multiply": ops.multiply}
 
@@ -221,7 +216,10 @@ _ARITHMETIC = {"Add": ops.add, "Subtract": ops.subtract, "Multiply": ops.multipl
 def split_deep_matmuls(model: ov.Model, spill_dir: str | None = None) -> tuple[int, mmap.mmap | None]:
     """Splits each compressed MatMul whose depth lies in ``SLOW_DEPTH`` into MatMuls over chunks of
     at most ``SLOW_DEPTH[0]`` input columns, summed: each chunk's weights are the same codes and
-    scales, sliced between groups.  Returns how many were split and the mapping that holds the
+    scales, sliced between groups.  The CPU plugin's float path (a CPU without int8 dot products)
+    runs such a depth at about half speed from a few rows up; a tensor-parallel rank's ``down``
+    falls in the band (Qwen2.5-1.5B: 4352 and 4608 of 8960), as do the MLPs of Qwen2.5-0.5B (4864)
+    and Llama 3.2 1B (8192).  Returns how many were split and the mapping that holds the
     slices (as ``fuse_sibling_matmuls``)."""
     found = []
     for op in model.get_ordered_ops():

@@ -23,14 +23,15 @@ from engine.runtime.interfaces import Stage
 from engine.transport import mesh as tensor_parallel
 from engine.runtime.stages.rewrite import LOGITS_TO_KEEP, fuse_sibling_matmuls, keep_last_logits, split_deep_matmuls
 from engine.runtime.stages.turns import NO_TURNS
+from engine.tuning import SHAPE_CACHE
 
 _core: ov.Core | None = None
 _devices: tuple[str, ...] = ()
 
 # Compile settings per correctness mode.  "exact": speculative decoding must give the very tokens of
-# plain greedy decoding.  Measured here: a K+1-position verify matches K+1 single steps only with
-# f32 compute, an f32 KV cache and no dynamic activation quantization (at the bf16/u8 defaults the
-# logits differ by up to 0.5 and near-ties flip).  "fast" keeps the device defaults below.
+# plain greedy decoding.  A K+1-position verify matches K+1 single steps only with f32 compute, an
+# f32 KV cache and no dynamic activation quantization (at the bf16/u8 defaults the logits differ
+# enough that near-ties flip).  "fast" keeps the device defaults below.
 MODES = {
     "fast": {},
     "exact": {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
@@ -41,17 +42,14 @@ MODES = {
 REWIND = {"fast": "mask", "exact": "trim"}
 
 # What each device family compiles with unless the mode or the user says otherwise.  On CPU an INT4
-# model with the f32 hint runs its matmuls on dynamically int8-quantized activations; the bf16 default
-# (on CPUs with AMX/avx512_bf16) decompresses the weights to bf16 instead.  Measured here (Qwen2.5 1.5B
-# INT4): 61 vs 83 ms per decode step and 70 vs 139 ms for a 4-position verify.
+# model with the f32 hint runs its matmuls on dynamically int8-quantized activations, faster for a
+# decode step and far faster for a verify than the bf16 default (on CPUs with AMX/avx512_bf16), which
+# decompresses the weights to bf16 instead (docs/benchmarks.md, "CPU precision").
 #
 # Every new input shape of a dynamic-shape model leaves compiled kernels in two caches: the CPU
 # plugin's per-model runtime cache (CPU_RUNTIME_CACHE_CAPACITY, 5,000 entries by default) and
 # oneDNN's process-wide primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY, 1,024).  A paged stage
-# packing many streams sees a new shape almost every round (the soak: 557 distinct shapes in 3,000
-# rounds, +123 MB on SmolLM2's stage 0 and still climbing); 64 entries each keep the RSS flat
-# (+3.7 MB) at the same speed, where 0 entries cost 3x the time.
-SHAPE_CACHE = 64
+# packing many streams sees a new shape almost every round, so both keep ``SHAPE_CACHE`` entries.
 DEVICE_DEFAULTS = {"CPU": {"INFERENCE_PRECISION_HINT": "f32", "CPU_RUNTIME_CACHE_CAPACITY": str(SHAPE_CACHE)}}
 
 
@@ -63,11 +61,10 @@ def family(device: str) -> str:
 def shard_defaults(device: str, manifest: Manifest | None) -> dict:
     """What a CPU compile of this shard sets by default.  The f32 hint's int8 path quantizes the
     activations in groups of DYNAMIC_QUANTIZATION_GROUP_SIZE columns (32 unless set).  Where every
-    matrix is INT4 in groups of 128, activation groups of 128 line up with the weight groups.  Measured
-    here (OpenVINO 2026.4.1, one process, interleaved): Qwen2.5-Coder-1.5B decode 29.7 -> 39.5 tok/s,
-    first token 157 -> 115 ms; where the groups do not line up (SmolLM2's 576 columns take groups of 64;
-    a GGUF's groups of 32) it is slower (SmolLM2 170 -> 164 tok/s, Qwen from its GGUF blocks
-    21.0 -> 18.6)."""
+    matrix is INT4 in groups of 128, activation groups of 128 line up with the weight groups, which
+    makes decode and the first token faster; where the groups do not line up (SmolLM2's 576 columns
+    take groups of 64; a GGUF's groups of 32) larger activation groups are slower, so those keep the
+    default (docs/benchmarks.md, "Parity with llama.cpp", 2026-11-25)."""
     if manifest is None or family(device) != "CPU" or manifest.weights.split("-")[0] != "int4":
         return {}
     spec = manifest.spec
@@ -77,10 +74,10 @@ def shard_defaults(device: str, manifest: Manifest | None) -> dict:
     return {"DYNAMIC_QUANTIZATION_GROUP_SIZE": str(INT4_GROUP)}
 
 
-# At the f32 hint the CPU keeps its KV cache in u8 unless told otherwise.  f16 is faster here (Qwen2.5
-# 1.5B INT4 decode, one process, interleaved: 39.3 -> 40.5 tok/s after a 46-token prompt, 33.7 -> 34.7
-# after 1,500) and keeps answers the u8 cache changes (paged, SmolLM2-135M: "Le Grand-Est" for
-# "Paris", LLMPipeline's too on the same export).
+# At the f32 hint the CPU keeps its KV cache in u8 unless told otherwise.  f16 decodes a little faster
+# at short and long contexts alike (docs/benchmarks.md, "Parity with llama.cpp", 2026-11-26, later)
+# and keeps answers the u8 cache changes (paged, SmolLM2-135M: "Le Grand-Est" for "Paris",
+# LLMPipeline's too on the same export).
 CPU_F32_CACHE = {"KV_CACHE_PRECISION": "f16"}
 CACHE_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION")
 

@@ -43,8 +43,8 @@ else:
     import fcntl
 
     class _FileTurn:
-        """``flock`` on the held file: ~1 us a turn, where filelock (which opens the file each time) takes
-        ~130 us, on every token of every stage."""
+        """``flock`` on the held file: a fraction of what filelock (which opens the file each time) takes,
+        on every token of every stage."""
 
         __slots__ = ("_fd",)
 
@@ -62,8 +62,7 @@ class FifoLock:
     """A lock handed to waiting threads in the order they asked.  ``threading.Lock`` lets the
     thread that just released take it straight back: a whole copy of the model on the coordinator
     then kept the turn from another copy's stage 0 waiting beside it, which got half its share
-    (a copy forwarding 67 ms at a time against a 4 ms stage 0 with 65 ms elsewhere, modelled with
-    sleeps: 14.5 and 6.5 tokens/s with ``threading.Lock``, 14.0 and 13.8 with this)."""
+    (docs/benchmarks.md, "The solver's layout")."""
 
     def __init__(self):
         self._guard = threading.Lock()

@@ -1,0 +1,100 @@
+"""Tuned constants: the factors whose values were chosen from measurements, each with where its value
+came from.
+
+Only this module cites measurement files (``bench-results/``) or the benchmarks page; the code that
+uses a constant says what it does with it.  To retune one, measure again with the benchmark named
+beside it and record the run on docs/benchmarks.md.  (The data-aware export's calibration text is
+another thing: ``engine.export.calibration``.)
+"""
+
+from __future__ import annotations
+
+# ---- placement and layouts (engine.fleet) ----
+
+# The waits of tensor-parallel ranks, as a share of the slower rank's compute: at every exchange of
+# partial sums the faster rank waits for the slower, and that wait grows with the compute between
+# exchanges.  ``placement.price_ranks`` prices a token as the slower rank's compute times
+# 1 + EXCHANGE_WAIT, plus the link's share.  From `fleet bench sim --parts ranks`: the token took
+# 1.10-1.17 times the slower rank's compute on one host (bench-results/2026-11-28/
+# sim-ranks-qwen1.5b-avx2.json) and 1.10-1.46 on another (sim-ranks-split-, -split4- and
+# -gather-qwen1.5b-zen3.json, the same folder); 0.25 is the middle, within 15% of every run
+# (docs/benchmarks.md, "The ranks part in four runs after the split", 2026-11-28).
+EXCHANGE_WAIT = 0.25
+
+# How much more a layout with a chain split over several nodes must predict than whole copies to be
+# chosen (``layout.solve_layout``): the cost model prices a split's groups in flight as overlapping
+# perfectly, and measured side by side copies served more than priced against the split
+# (bench-results/2026-11-26/sim-office-qwen1.5b.json, bench-results/2026-11-27/
+# sim-layout-qwen1.5b-fed.json; docs/benchmarks.md, "A second PC" and "The solver's layout").
+CHAIN_MARGIN = 1.10
+
+# How much more two PCs as tensor-parallel ranks must predict than the model whole on one PC to be
+# chosen for one user (``layout.solve_layout``): any more at all, since measured side by side the
+# ranks served more than one PC in every run, also where the cost model priced them below it
+# (bench-results/2026-12-07/sim-ranks-qwen1.5b-zen3.json; docs/benchmarks.md, "One user on two PCs").
+RANKS_MARGIN = 1.0
+
+# What a stage takes in memory beyond its weights and KV cache: the OpenVINO runtime, Python and the
+# compiled model's working memory (``profile.model_shape``).  A stage's memory that no file backs
+# measured its weights plus about 100 MB; 200 MB leaves room for the file pages it keeps reading
+# (bench-results/2026-11-26/sim-big-qwen1.5b.json; docs/benchmarks.md, "A model too big for one PC").
+STAGE_OVERHEAD_BYTES = 200 << 20
+
+# ---- export (engine.export) ----
+
+# Float checkpoints below this many parameters export ``auto`` as int4-gptq, larger ones as int4
+# (``compress.best_weights``): GPTQ gave SmolLM2-135M and Gemma 3 270M well under int4's KL for
+# minutes of export, and Qwen2.5-Coder-1.5B a worse KL for 29 times the time
+# (bench-results/2026-11-26/quality-calibrated-*.json; docs/benchmarks.md, "Data-aware INT4").
+CALIBRATE_BELOW = 1_000_000_000
+
+# From this many weights on, a carried GGUF matrix with a minimum gets its offsets from a second
+# MatMul over the activations' group sums (``gguf_weights.carry_matmul``); a smaller one keeps a
+# float zero point, where the extra ops cost more than they save: SmolLM2-135M's small matrices
+# decoded faster with float zero points, Qwen2.5-Coder-1.5B's large ones faster with offsets
+# (docs/benchmarks.md, "Faithful by default", 2026-11-27).
+OFFSETS_FROM = 2**21
+
+# ---- compiled stages (engine.runtime.stages) ----
+
+# Entries the CPU plugin's per-model runtime cache and oneDNN's primitive cache keep (``stage``): a
+# paged stage packing many streams sees a new input shape almost every round, and the defaults
+# (5,000 and 1,024) grew the coordinator without bound; 64 each kept its memory flat at the same
+# speed, where 0 cost 3 times the time (docs/benchmarks.md, "Soak" and "Smaller measurements behind
+# the code's choices", 2026-11-25).
+SHAPE_CACHE = 64
+
+# Rows (tokens) a packed forward carries at most (``packing.packs_of``): a compiled model keeps the
+# working memory of the largest forward it ran, and a failover's re-prefill of every reply at once
+# left stage 0 tens of MB larger for good (docs/benchmarks.md, "Soak" and "Smaller measurements
+# behind the code's choices", 2026-11-25).
+PACK_ROWS = 256
+
+# The band of MatMul depths (input columns) the CPU plugin's float path for compressed weights (a
+# CPU without int8 dot products) runs at about half speed from a few rows up; ``rewrite`` splits
+# such a MatMul into chunks of at most the lower bound (bench-results/2026-11-28/
+# deep-matmul-depths-avx2.log; docs/benchmarks.md, "A rank's prefill at the CPU's full speed",
+# 2026-11-28).
+SLOW_DEPTH = (4096, 8192)
+
+# ---- speculative decoding (engine.runtime.decode) ----
+
+# What one more verify position adds to a speculative round, as a share of the round
+# (``speculative.DraftModel``: a draft that would bring less than that is not made); a position
+# costs a few ms of a round of about 100 on Qwen2.5-Coder-1.5B (docs/speculative-history.md, the
+# verify's cost by width, and "Draft steps at a steady width", 2026-11-22).
+DRAFT_POSITION_SHARE = 0.04
+
+# The cap on a draft model's confidence scale (accepted drafts per unit of its top-1 probability,
+# which sets how far it drafts under K auto): the 0.5B draft is under-confident in ``fast`` mode, and
+# capped at 1 it stopped drafting where its drafts were still being accepted; 1.5 served better than
+# 1 side by side in both modes (docs/benchmarks.md, "Speculative decoding", 2026-11-23;
+# docs/speculative-history.md, 2026-11-23, which has a cap of 2 in ``exact`` too).
+DRAFT_MAX_TRUST = 1.5
+
+# What the hybrid drafter takes a prompt-lookup draft position's record to be, [right, tried], before
+# that position was ever scored (``speculative.Hybrid``): the first draft after a match right half the
+# time, a draft after right drafts three times in four.  The lookup's drafts measured about that in
+# prose and in reasoning text (docs/benchmarks.md, "Smaller measurements behind the code's choices",
+# 2026-11-22).
+LOOKUP_PRIOR = ((1.0, 2.0), (1.5, 2.0))
