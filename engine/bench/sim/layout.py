@@ -1,5 +1,5 @@
-"""The layout comparison of ``fleet bench sim`` (part ``layout``): N PCs serving U users through the
-layout the solver chooses (``engine.fleet.layout``: one chain, copies of the model, both, or two
+"""The ``layout`` part of ``fleet bench sim``: N PCs serving U users through the layout the solver
+chooses (``engine.fleet.layout``: one chain, copies of the model, both, or two
 tensor-parallel ranks) against N times one PC serving U/N users, and against one PC serving all U.
 
 This process is PC 1 and the office's nodes the others, each PC under the same cgroup CPU quota
@@ -18,14 +18,15 @@ import os
 import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import DeployedWorkers, chat_wave, close_all
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all
+from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy_layout, rank_count
 from engine.fleet.layout import solve_layout
 from engine.fleet.placement import Fleet, ModelShape
 from engine.fleet.plans import layout_stages
-from engine.fleet.sim import Office
+from engine.fleet.sim import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
@@ -33,6 +34,37 @@ from engine.runtime.stages.chain import LocalChain
 
 COORDINATOR = "coordinator"
 ONE_PC = "ours, one PC"
+OFFICES = ((2, None, (1, 2, 4, 8)), (3, 0.6, (3, 6)))  # PCs, CPU quota of each, user counts
+
+
+def check(sim: Sim) -> None:
+    counts = sorted({u for _, _, users in OFFICES for u in users})
+    if sim.users and not set(sim.users) & set(counts):
+        raise FleetError(f"fleet bench sim's layout serves {', '.join(map(str, counts))} users, "
+                         f"none of {', '.join(map(str, sim.users))}")
+
+
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """Each of ``OFFICES`` with any of the users asked for: this machine (PC 1) and the others under
+    the office's quota, the second on the other core, the third on either."""
+    rows, ratios, settings = [], {}, {}
+    cores = sim.cores
+    for pcs, quota, counts in OFFICES:
+        if sim.users and not (counts := tuple(u for u in counts if u in sim.users)):
+            continue
+        specs = [NodeSpec(f"pc{i + 2}", cpus=str(cores[1]) if i == 0 else f"{cores[0]},{cores[1]}",
+                          cpu_quota=quota, rate_mbit=1000.0) for i in range(pcs - 1)]
+        with Office(specs, key_file=sim.key_file, root=sim.root / f"layout{pcs}", log=sim.log) as office:
+            layout_rows, layout_ratios, notes = compare_layout(
+                office, sim.model, key=sim.key, weights=sim.weights, tokens=sim.tokens, users=counts, runs=sim.runs,
+                core=cores[0], quota=quota, log=sim.log, hooks=hooks)
+        rows += layout_rows
+        ratios |= layout_ratios
+        settings[f"layout, {pcs} PCs"] = {
+            "pcs": f"this machine (PC 1) and {pcs - 1} more, " + (f"{quota} of a core each" if quota else
+                                                                  "one core each") + ", 1 Gbit/s",
+            "users": list(counts), **notes}
+    return rows, ratios, settings
 
 
 def fleet_name(pcs: int) -> str:

@@ -1,5 +1,5 @@
-"""The slow-PC comparison of ``fleet bench sim`` (part ``slow``): a third PC with a fifth of a core,
-beside two with 0.9 of one each, must cost the fleet nothing.
+"""The ``slow`` part of ``fleet bench sim``: a third PC with a fifth of a core, beside two with 0.9
+of one each, must cost the fleet nothing.
 
 This process is PC 1 (its core at 0.9: a cgroup CPU quota), PC 2 has the other core at 0.9 and
 PC 3 a fifth of a core on either, so the three fit this machine's two cores.  The fleet is
@@ -18,13 +18,13 @@ import os
 import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import DeployedWorkers, chat_wave, close_all
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy
 from engine.fleet.placement import Fleet, ModelShape, left_out, one_layer_on, solve
 from engine.fleet.plans import placement_stages
-from engine.fleet.sim import Office
+from engine.fleet.sim import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
@@ -34,6 +34,18 @@ QUOTA, SLOW_QUOTA = 0.9, 0.2
 WITH, WITHOUT = "ours, 3 PCs (one slow)", "ours, the 2 fast PCs"
 FORCED = "ours, 3 PCs, one layer forced onto the slow one"
 COORDINATOR = "coordinator"
+
+
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """PC 2 on the second core and PC 3 on either, beside this process (PC 1, the first core)."""
+    cores = sim.cores
+    specs = [NodeSpec("pc2", cpus=str(cores[1]), cpu_quota=QUOTA, rate_mbit=1000.0),
+             NodeSpec("pc3", cpus=f"{cores[0]},{cores[1]}", cpu_quota=SLOW_QUOTA, rate_mbit=1000.0)]
+    with Office(specs, key_file=sim.key_file, root=sim.root / "slow", log=sim.log) as office:
+        rows, ratios, notes = compare_slow(office, sim.model, key=sim.key, weights=sim.weights, tokens=sim.tokens,
+                                           runs=sim.runs, core=cores[0], log=sim.log, hooks=hooks)
+    return rows, ratios, {"slow": {"users": list(USERS), "pcs": "this machine (PC 1) and PC 2 at 0.9 of a core "
+                                   "each, PC 3 at 0.2, 1 Gbit/s", "objective": "throughput", **notes}}
 
 
 def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens: int, runs: int, core: int,
