@@ -34,7 +34,7 @@ from pathlib import Path
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.serve import user_wave
-from engine.bench.sim.shared import RpcServer, Sim
+from engine.bench.sim.shared import RpcServer, Sim, medians
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet import netns
@@ -222,10 +222,7 @@ def compare_big(office: Office, model: str, gguf: Path, shape: ModelShape, *, ke
         if "error" in samples:
             rows.append({"part": "big", "server": name, "error": samples["error"], **memory})
         for users, got in sorted((u, g) for u, g in samples.items() if u != "error"):
-            rows.append({"part": "big", "server": name, "users": users,
-                         "tok_s": round(statistics.median(t for t, _ in got), 2),
-                         "ttft_ms": round(statistics.median(f for _, f in got), 1),
-                         "runs_tok_s": [round(t, 2) for t, _ in got], **memory})
+            rows.append({"part": "big", "server": name, "users": users, **medians(got), **memory})
     return rows, _ratios(rows), plan
 
 

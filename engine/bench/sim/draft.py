@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.sim.shared import Sim, chat_wave, close_all, interleave, pin_process
+from engine.bench.sim.shared import Sim, chat_wave, on_pc1, wave_rows
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim import NodeSpec, Office
@@ -73,9 +73,7 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
     pc2 = next(iter(office.nodes))
     target = export_model(model, stages=1, weights=weights).folders
     draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
-    before = pin_process({core})
-    opened: list = []
-    try:
+    with on_pc1(core, log) as opened:
         def service(factory) -> ChatService:
             chain = LocalChain(target)
             opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
@@ -89,11 +87,8 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
         services[DRAFTING_PC] = service(lambda chain: drafter_factory("remote", chain, remote=link))
         for svc in services.values():  # warm: first compiles, first shapes
             chat_wave(svc, 1, 16)
-        rows = interleave({name: lambda u, svc=svc: chat_wave(svc, u, tokens) for name, svc in services.items()},
-                          users, runs, log, hooks)
-    finally:
-        close_all(opened, log)
-        pin_process(before)
+        rows = wave_rows({name: lambda u, svc=svc: chat_wave(svc, u, tokens) for name, svc in services.items()},
+                         users, runs, log, hooks)
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {}
     for u in users:

@@ -15,10 +15,9 @@ one PC's at U users (the fleet is never slower than one PC: 0.97).
 from __future__ import annotations
 
 import os
-import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet import netns
@@ -80,7 +79,6 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
     here = netns.make_cgroup(f"{office.tag}-{COORDINATOR}", None, str(core), quota)
     home = [folder.parent for folder in here]
     opened: list = []
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     notes: dict[str, list[str]] = {}
     try:
         netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
@@ -109,21 +107,13 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
             chat_wave(service, max(2, len(getattr(service, "services", ()))), tokens)
         alone = set(users) | {u // pcs for u in users if u % pcs == 0}  # one PC at U and at U/N
         waves = sorted([(fleet_name(pcs), u) for u in users] + [(ONE_PC, u) for u in alone], key=lambda w: w[1])
-        total, done = runs * len(waves), 0
-        for run in range(runs):
-            for name, u in waves:
-                got = chat_wave(serving[u] if name != ONE_PC else one, u, tokens)
-                samples.setdefault((name, u), []).append(got)
-                done += 1
-                log(f"run {run + 1}/{runs}, {u} user(s), {name}: {got[0]:.2f} tok/s")
-                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
+        samples = take_turns(waves, lambda key: chat_wave(one if key[0] == ONE_PC else serving[key[1]], key[1], tokens),
+                             runs, log, hooks)
     finally:
         close_all(opened, log)
         netns.move_into(home, os.getpid())
         netns.delete_cgroup(here)
-    rows = [{"part": "layout", "server": name, "users": u, "pcs": pcs if name != ONE_PC else 1,
-             "tok_s": round(statistics.median(t for t, _ in got), 2),
-             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got],
+    rows = [{"part": "layout", "server": name, "users": u, "pcs": pcs if name != ONE_PC else 1, **medians(got),
              "copies": len(layouts[u].plans) if name != ONE_PC else 1,
              "ranks": ranks[u] if name != ONE_PC else 1}
             for (name, u), got in samples.items()]

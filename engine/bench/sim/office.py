@@ -28,8 +28,8 @@ from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
-from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, close_all, interleave, llama_wave,
-                                     messages, pin_process)
+from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
+                                     on_pc1, wave_rows)
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
 from engine.fleet.sim import NodeSpec, Office
 from engine.runtime.decode.replicas import Replicas
@@ -65,22 +65,19 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
     layers = split.stages[-1].layers[1]
     half = split.stages[1].layers[0]
     prompts = [ChatTokenizer(whole[0]).chat_ids(m).reshape(-1).tolist() for m in messages(max(users))]
-    before = pin_process({core})
-    opened: list = []
+    with on_pc1(core, log) as opened:
+        def service(chain) -> ChatService:
+            opened.append(ChatService(chain, streams=max(users), prefix_cache=False))
+            return opened[-1]
 
-    def service(chain) -> ChatService:
-        opened.append(ChatService(chain, streams=max(users), prefix_cache=False))
-        return opened[-1]
+        def deployed(start: int):
+            """Layers from ``start`` on PC 2, those before here (none: the copy on PC 2 is fed from here)."""
+            here = [StagePlacement(LOCAL, "CPU", 0, start)] if start else []
+            stages = [*here, StagePlacement(pc2.agent, "CPU", start, layers)]
+            deployment, chain = deploy(model, stages, key=key, weights=weights)
+            opened.append(DeployedWorkers(deployment, key))
+            return chain
 
-    def deployed(start: int):
-        """Layers from ``start`` on PC 2, those before here (none: the copy on PC 2 is fed from here)."""
-        here = [StagePlacement(LOCAL, "CPU", 0, start)] if start else []
-        stages = [*here, StagePlacement(pc2.agent, "CPU", start, layers)]
-        deployment, chain = deploy(model, stages, key=key, weights=weights)
-        opened.append(DeployedWorkers(deployment, key))
-        return chain
-
-    try:
         ours_one = service(LocalChain(whole))
         split_chain = deployed(half)
         ours_split = service(split_chain)
@@ -104,10 +101,7 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
                  LLAMA_REPLICAS: lambda u: llama_wave([llama_one, llama_pc2], prompts, u, tokens)}
         for name, wave in waves.items():  # warm: first compiles, first pages of the weights
             wave(2)
-        rows = interleave(waves, users, runs, log, hooks)
-    finally:
-        close_all(opened, log)
-        pin_process(before)
+        rows = wave_rows(waves, users, runs, log, hooks)
     return rows, _ratios(rows, users) | {"groups in flight on the split (most)": split_chain.most_in_flight}
 
 

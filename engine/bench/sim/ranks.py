@@ -22,8 +22,8 @@ from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.sim.draft import ONE_PC
 from engine.bench.sim.office import LLAMA_ONE, LLAMA_SPLIT
-from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, close_all, interleave, llama_wave,
-                                     messages, pin_process)
+from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
+                                     on_pc1, wave_rows)
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import ranks_problem
 from engine.fleet.deploy import deploy_layout
@@ -83,9 +83,7 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
     ranks = export_model(model, weights=same_format, ranks=2).out
     draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
     alike = f"ours, one PC, no speculation, {same_format}"
-    before = pin_process({core})
-    opened: list = []
-    try:
+    with on_pc1(core, log) as opened:
         def service(chain, factory) -> ChatService:
             opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
                                       prefix_cache=False))
@@ -120,10 +118,7 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
             waves[LLAMA_SPLIT] = lambda u, server=opened[-1]: llama_wave(server, prompts, u, tokens)
         for wave in waves.values():  # warm: first compiles, first shapes
             wave(1)
-        rows = interleave(waves, users, runs, log, hooks)
-    finally:
-        close_all(opened, log)
-        pin_process(before)
+        rows = wave_rows(waves, users, runs, log, hooks)
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {}
     for u in users:

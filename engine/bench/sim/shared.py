@@ -4,6 +4,7 @@ and PC 1 itself (this process, pinned to its core)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import statistics
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks
+from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, interleave
 from engine.bench.llamacpp import LlamaServer, binary
 from engine.errors import FleetError
 from engine.fleet.placement import ModelShape
@@ -62,6 +63,19 @@ def pin_process(cpus: set[int]) -> set[int]:
         except OSError:  # a thread that ended meanwhile
             pass
     return before
+
+
+@contextlib.contextmanager
+def on_pc1(core: int, log):
+    """This process pinned to PC 1's ``core`` for a comparison; yields the list of what it opens, all
+    closed last first (``close_all``) and the pinning undone when it ends."""
+    before = pin_process({core})
+    opened: list = []
+    try:
+        yield opened
+    finally:
+        close_all(opened, log)
+        pin_process(before)
 
 
 def close_all(opened: list, log) -> None:
@@ -116,24 +130,32 @@ def llama_wave(servers: LlamaServer | list[LlamaServer], prompts: list[list[int]
     return sum(t["predicted_n"] for t in timings) / wall, statistics.median(t["prompt_ms"] for t in timings)
 
 
-def interleave(waves: dict, users: tuple[int, ...], runs: int, log, hooks: Hooks = NO_HOOKS) -> list[dict]:
-    """Runs every wave (``name -> f(users) -> (tok/s, first token ms)``) at every user count, taking
-    turns, ``runs`` times; one row per configuration and user count with the medians.  Every other
-    run takes the waves in reverse order, so that no configuration always follows the same one."""
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    total, done = runs * len(users) * len(waves), 0
-    for run in range(runs):
-        order = list(waves.items())[::-1 if run % 2 else 1]
-        for u in users:
-            for name, wave in order:
-                tok_s, ttft = wave(u)
-                samples.setdefault((name, u), []).append((tok_s, ttft))
-                log(f"run {run + 1}/{runs}, {u} user(s), {name}: {tok_s:.2f} tok/s, first token {ttft:.0f} ms")
-                done += 1
-                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
-    return [{"server": name, "users": u, "tok_s": round(statistics.median(t for t, _ in got), 2),
-             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got]}
-            for (name, u), got in samples.items()]
+def take_turns(keys, wave: Callable[[tuple[str, int]], tuple[float, float]], runs: int, log,
+               hooks: Hooks = NO_HOOKS, alternate: bool = False) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """Runs the wave of every key (``(server, users)``; ``wave(key) -> (tok/s, first token ms)``) once a
+    round, ``runs`` rounds (``harness.interleave``); each key's results, each logged as it comes."""
+
+    def logged(key: tuple[str, int], run: int) -> tuple[float, float]:
+        tok_s, ttft = wave(key)
+        log(f"run {run + 1}/{runs}, {key[1]} user(s), {key[0]}: {tok_s:.2f} tok/s, first token {ttft:.0f} ms")
+        return tok_s, ttft
+
+    return interleave(logged, keys, runs, alternate=alternate, hooks=hooks,
+                      label=lambda key: f"{key[0]}, {key[1]} user(s)")
+
+
+def medians(got: list[tuple[float, float]]) -> dict:
+    """A row's figures from a wave's results over the runs: the median tok/s and first token, and each run's tok/s."""
+    return {"tok_s": round(statistics.median(t for t, _ in got), 2),
+            "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got]}
+
+
+def wave_rows(waves: dict, users: tuple[int, ...], runs: int, log, hooks: Hooks = NO_HOOKS) -> list[dict]:
+    """Every wave (``name -> f(users) -> (tok/s, first token ms)``) at every user count, taking turns,
+    every other round in the reverse order (``take_turns``); one row per server and user count."""
+    keys = [(name, u) for u in users for name in waves]
+    samples = take_turns(keys, lambda key: waves[key[0]](key[1]), runs, log, hooks, alternate=True)
+    return [{"server": name, "users": u, **medians(got)} for (name, u), got in samples.items()]
 
 
 class RpcServer:

@@ -15,10 +15,9 @@ leaving it out saves.
 from __future__ import annotations
 
 import os
-import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy
@@ -56,7 +55,6 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
     here = netns.make_cgroup(f"{office.tag}-{COORDINATOR}", None, str(core), QUOTA)
     home = [folder.parent for folder in here]
     opened: list = []
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
         doc = survey(model, [fast.agent, slow.agent], key=key, local_node=COORDINATOR, weights=weights, log=log)
@@ -98,20 +96,12 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
         serving = {k: services[placement(plan)] for k, plan in plans.items()}
         for service in services.values():  # warm: first compiles, first pages of the weights
             chat_wave(service, 2, tokens)
-        total, done = runs * len(plans), 0
-        for run in range(runs):
-            for (name, users), service in serving.items():
-                samples.setdefault((name, users), []).append(chat_wave(service, users, tokens))
-                done += 1
-                log(f"run {run + 1}/{runs}, {users} user(s), {name}: {samples[name, users][-1][0]:.2f} tok/s")
-                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {users} user(s)")
+        samples = take_turns(serving, lambda key: chat_wave(serving[key], key[1], tokens), runs, log, hooks)
     finally:
         close_all(opened, log)
         netns.move_into(home, os.getpid())
         netns.delete_cgroup(here)
-    rows = [{"part": "slow", "server": name, "users": users, "tok_s": round(statistics.median(t for t, _ in got), 2),
-             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got],
-             "stages": len(plans[name, users].stages)}
+    rows = [{"part": "slow", "server": name, "users": users, **medians(got), "stages": len(plans[name, users].stages)}
             for (name, users), got in samples.items()]
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {f"slow PC, {u} user(s): {WITH} / {WITHOUT}": round(tok[WITH, u] / tok[WITHOUT, u], 3) for u in USERS}
