@@ -190,8 +190,8 @@ def warm_up(chain, prompts, tokens: int, drafters_=None, k="auto", hooks: Hooks 
     """First inferences (and, with per-stream compiled models, first compiles) are slow, and so is a
     request's first forward past the longest cache or the widest verify it has seen: every stream
     runs one whole generation of ``tokens``, without and then with drafting (at ``k``: the widest
-    verify the benchmark runs), before anything is measured.  Warmed with 4-8 tokens, the spec
-    bench's first configuration ran up to a third slower on its first prompt."""
+    verify the benchmark runs), before anything is measured: a shorter warm-up leaves the first
+    configuration measured slower than the rest."""
     decode_streams(chain, prompts, tokens, hooks=hooks)
     if drafters_:
         decode_streams(chain, prompts, tokens, drafters_=drafters_[: len(prompts)], k=k, hooks=hooks)

@@ -45,8 +45,8 @@ from engine.fleet.sim import NodeSpec, Office
 from engine.launch import end_processes, fleet_command
 
 USERS = (1, 4)
-TOKENS = 32  # llama.cpp paging makes a token cost about a second
-CONTEXT = 1024  # llama.cpp's context per slot, whose KV cache it allocates whole: 4 x 4096 would take 460 MB
+TOKENS = 32  # few: llama.cpp paging its weights makes every token slow
+CONTEXT = 1024  # llama.cpp's context per slot: it allocates the KV cache of every slot whole, under the cap
 SERVE_PORT = 8100
 OURS = "ours split, 2 capped PCs"
 LLAMA_ONE, LLAMA_ONE_MAPPED = "llama.cpp, one capped PC", "llama.cpp --no-repack, one capped PC"
