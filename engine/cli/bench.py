@@ -112,8 +112,8 @@ def cmd_bench(args) -> int:
 
 def add_commands(sub) -> None:
     bench = sub.add_parser("bench", help="run a benchmark and write a JSON report")
-    bench.add_argument("name", choices=list(BENCHES), metavar="NAME",
-                       help="the benchmark, one of " + "; ".join(f"{b.name}: {b.description}" for b in BENCHES.values()))
+    described = "; ".join(f"{b.name}: {b.description}" for b in BENCHES.values())
+    bench.add_argument("name", choices=list(BENCHES), metavar="NAME", help=f"the benchmark, one of {described}")
     for flag, spec in OPTIONS.items():
         bench.add_argument(flag, **{**spec, "help": option_help(flag[2:].replace("-", "_"), spec["help"])})
     bench.set_defaults(func=cmd_bench)
