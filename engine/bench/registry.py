@@ -42,7 +42,8 @@ def takes(*same: str, **renamed: str | tuple[str, Callable]) -> dict[str, tuple[
     return options
 
 
-def one(value) -> tuple:
+def single(value) -> tuple:
+    """One value as the tuple a run function takes (``--stages 2``: ``stage_counts=(2,)``)."""
     return (value,)
 
 
@@ -91,7 +92,7 @@ BENCHES = {bench.name: bench for bench in (
           plot=Plot("lines", "delay_ms", {"tok_s": "tok/s"}, "K={k}", DELAY_AXIS)),
     Bench("microbatch", "aggregate throughput of 1, 2 and 3 concurrent streams",
           takes("model", "tokens", "runs", "delays", "weights", "shards", cpus="cpu_sets",
-                stages=("stage_counts", one)),
+                stages=("stage_counts", single)),
           TARGET_MODEL, notes={"stages": "default 2 and 3"},
           plot=Plot("lines", "delay_ms", {"tok_s": "tok/s"}, "{stages} stages, {streams} streams", DELAY_AXIS,
                     skip=("isolation", "turns")),  # microbatch.COMPARISONS' rows
@@ -130,11 +131,11 @@ BENCHES = {bench.name: bench for bench in (
                  "parts": "users,prefix,ttft (default all)"}),
     Bench("batch", "many users on one stage: one forward per stream against packed paged attention and "
           "OpenVINO's ContinuousBatchingPipeline",
-          takes("model", "tokens", "runs", "device", "weights", stages=("stage_counts", one), users="streams"),
+          takes("model", "tokens", "runs", "device", "weights", stages=("stage_counts", single), users="streams"),
           TARGET_MODEL, notes={"stages": "default 1 and 2", "users": "the stream counts (default 1,2,4,8)"}),
     Bench("quality", "how faithful each weight format's shards are to the source's own weights (KL divergence, "
           "HumanEval)",
-          takes("model", "tokens", "device", "parts", "cases", "text", "llamacpp", stages=("stages", one),
+          takes("model", "tokens", "device", "parts", "cases", "text", "llamacpp", stages=("stages", single),
                 formats="weights"),
           notes={"stages": "default 1 and 2", "parts": "kl,humaneval (default kl)",
                  "cases": "HumanEval problems, evenly spaced over the 164 (default all)"}),
