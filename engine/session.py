@@ -61,6 +61,9 @@ class Launch:
     precision: str | None = None  # the inference precision hint (f32, bf16, f16)
     isolate: bool = False  # one compiled model per stream
     delay_ms: float = 0.0  # injected one-way delay per hop (local worker processes)
+    cpu_sets: list[str | None] | None = None  # a CPU list to pin each local worker process to
+    take_turns: bool = True  # local worker processes compute one at a time (``engine.runtime.stages.turns``)
+    log_dir: Path | None = None  # where local worker processes log (default: the data folder's logs)
     connect_timeout_s: float = 60.0
 
 
@@ -193,7 +196,8 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
         devices = parse_devices(settings.device, len(folders))
         fleet = LocalFleet(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:], mode=settings.mode,
                            precision=launch.precision, delay_ms=launch.delay_ms, tls=settings.tls,
-                           deadline_s=settings.deadline_s, isolate=launch.isolate).start()
+                           deadline_s=settings.deadline_s, isolate=launch.isolate, cpu_sets=launch.cpu_sets,
+                           take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses
     try:
         chain = RemoteChain(folders[0], remotes, key=key, device=devices[0], mode=settings.mode,

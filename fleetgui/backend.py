@@ -12,13 +12,13 @@ events (``engine.progress``).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
 from engine import session
+from engine.bench.registry import BENCHES
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
@@ -30,7 +30,7 @@ from engine.progress import Progress, Report, quiet
 from engine.session import Launch
 from fleetgui import keystore
 
-BENCHMARKS = ("wan", "ksweep", "microbatch", "progression", "pipeline", "parity", "spec", "sim")
+APP_BENCHES = {name: bench for name, bench in BENCHES.items() if bench.plot}  # those the Benchmarks view offers
 
 
 class EngineBackend:
@@ -188,29 +188,15 @@ class EngineBackend:
         return deployment.current().stop(keystore.load(settings), keystore.tls(settings))
 
     def bench(self, name: str, settings, options: dict, hooks, log: Callable[[str], None] = print) -> dict:
-        """Runs benchmark ``name`` on the current shard set; ``options``: tokens, runs, delays, draft_kind."""
-        if name not in BENCHMARKS:
-            raise FleetError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
-        # the status lines go to the log, not each step of a download or an export
+        """Runs benchmark ``name`` of the app's (``APP_BENCHES``) on the current shard set; ``options``: the
+        Benchmarks view's (tokens, runs, delays, draft_kind), of which it takes those it has."""
+        bench = APP_BENCHES.get(name)
+        if bench is None:
+            raise FleetError(f"unknown benchmark {name!r}; choose one of {', '.join(APP_BENCHES)}")
         shards = self.resolve_shards(settings, lambda p: None if p.step else log(p.text), hooks.cancel)
-        model, draft = settings.default_model, settings.draft_model or "qwen2.5-coder-0.5b"
-        tokens, runs, delays = options.get("tokens", 32), options.get("runs", 1), tuple(options.get("delays", (0.0,)))
-        kind = options.get("draft_kind", "lookup")
-        k = settings.k_value if settings.k_value != 0 else "auto"
-        common = {"weights": settings.weights, "log": log, "hooks": hooks}
-        calls = {
-            "wan": lambda f: f(model, draft, delays=delays, tokens=tokens, runs=runs, draft_kind=kind, k=k,
-                               shards=shards, **common),
-            "ksweep": lambda f: f(model, draft, delays=delays, tokens=tokens, draft_kind=kind, shards=shards, **common),
-            "microbatch": lambda f: f(model, delays=delays, tokens=tokens, runs=runs, isolation=False, turns=False,
-                                      shards=shards, **common),
-            "progression": lambda f: f(model, draft, delay_ms=delays[0], tokens=tokens, runs=runs, draft_kind=kind,
-                                       shards=shards, **common),
-            "pipeline": lambda f: f(model, tokens=tokens, runs=runs, delay_ms=delays[0], shards=shards, **common),
-            "parity": lambda f: f(model, tokens=tokens, runs=runs, device=settings.device.split(",")[0], **common),
-            "spec": lambda f: f(model, draft, tokens=tokens, runs=runs, **common),
-            "sim": lambda f: f(model, tokens=tokens, runs=runs, parts=("office",), **common),
-        }
-        module = importlib.import_module(f"engine.bench.{name}")
-        return calls[name](getattr(module, f"run_{name}"))
-
+        values = {"model": settings.default_model, "draft": settings.draft_model or None, "weights": settings.weights,
+                  "device": settings.device.split(",")[0], "shards": shards,
+                  "k": settings.k_value if settings.k_value != 0 else "auto", **options}
+        if options.get("delays"):  # a benchmark with one hop delay takes the first
+            values["delay_ms"] = options["delays"][0]
+        return bench.run(**bench.keywords(values), **bench.app, log=log, hooks=hooks)

@@ -16,42 +16,13 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QHBoxLayout, QHeaderVie
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.bench.harness import Hooks
-from engine.bench.microbatch import COMPARISONS
 from engine.errors import FleetError
 from engine.progress import Progress
-from fleetgui.backend import BENCHMARKS
+from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import SERIES
 from fleetgui.widgets import Banner, combo_box, spin_box, splitter
 from fleetgui.workers import TaskRunner
-
-# How each benchmark's rows are drawn: a sweep (x column, y columns, the column naming a series)
-# or bars (label column, value column).
-PLOTS = {
-    "wan": ("sweep", "delay_ms", ("naive_tok_s", "full_tok_s"), None, "hop delay (ms, one way)"),
-    "ksweep": ("sweep", "delay_ms", ("tok_s",), "k", "hop delay (ms, one way)"),
-    "microbatch": ("sweep", "delay_ms", ("tok_s",), "streams", "hop delay (ms, one way)"),
-    "progression": ("bars", "config", "tok_s"),
-    "pipeline": ("bars", "config", "tok_s"),
-    "parity": ("bars", "config", "tok_s"),
-    "spec": ("bars", "prompt", "target_tok_s"),
-    "sim": ("sweep", "users", ("tok_s",), "server", "users at once"),
-}
-LABELS = {  # report keys as the plots name them
-    "naive_tok_s": "naive: 1 stream", "full_tok_s": "full stack: 2 streams + speculation",
-    "tok_s": "tok/s", "target_tok_s": "target alone, tok/s",
-}
-DESCRIPTIONS = {
-    "wan": "naive decode against micro-batching + speculation as the hop delay grows",
-    "ksweep": "which draft length K wins at which hop delay",
-    "microbatch": "aggregate throughput of 1, 2 and 3 concurrent streams",
-    "progression": "monolithic → pipeline → + micro-batching → + speculation",
-    "pipeline": "what the TCP relay costs against in-process stages",
-    "parity": "our stage chains against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
-    "spec": "speculative decoding against the target alone (needs a draft model)",
-    "sim": "a second PC: one PC against two, ours and llama.cpp's split, at 1-8 users, in a simulated office "
-           "(needs root for its network namespaces, a GGUF model, and builds llama.cpp once)",
-}
 
 
 def parse_delays(text: str) -> tuple[float, ...]:
@@ -85,9 +56,9 @@ class BenchPanel(QWidget):
         self._rows.row.connect(self._add_row)
         self.banner = Banner()
 
-        self.name = combo_box(BENCHMARKS)
-        self.name.currentTextChanged.connect(lambda n: self.description.setText(DESCRIPTIONS.get(n, "")))
-        self.description = QLabel(DESCRIPTIONS[BENCHMARKS[0]])
+        self.name = combo_box(list(APP_BENCHES))
+        self.name.currentTextChanged.connect(self._chosen)
+        self.description = QLabel()
         self.description.setObjectName("hint")
         self.description.setWordWrap(True)
         self.tokens = spin_box(1, 4096, 32)
@@ -105,6 +76,9 @@ class BenchPanel(QWidget):
         form.addRow("Hop delays (ms)", self.delays)
         form.addRow("Drafts", self.draft_kind)
         form.addRow("Runs on", self.target)
+        # the form's fields, by the option each gives (a benchmark that takes none of them leaves it off)
+        self.fields = {("tokens",): self.tokens, ("runs",): self.runs, ("delays", "delay_ms"): self.delays,
+                       ("draft_kind",): self.draft_kind}
 
         self.run_button = QPushButton("Run benchmark")
         self.run_button.setObjectName("primary")
@@ -150,13 +124,26 @@ class BenchPanel(QWidget):
         layout.addWidget(self.banner)
         layout.addWidget(split, 1)
         self.apply_settings(settings)
+        self._chosen(self.name.currentText())
         self._update_buttons()
 
     # --- running -------------------------------------------------------------------------------------
 
+    def _chosen(self, name: str) -> None:
+        """Says what the benchmark measures, and turns on the fields it takes."""
+        bench = APP_BENCHES[name]
+        self.description.setText(bench.description)
+        for options, widget in self.fields.items():
+            widget.setEnabled(any(option in bench.options for option in options))
+
     def options(self) -> dict:
-        return {"tokens": self.tokens.value(), "runs": self.runs.value(), "delays": parse_delays(self.delays.text()),
-                "draft_kind": self.draft_kind.currentText()}
+        """The form's options, the hop delays where the chosen benchmark takes them (the backend passes
+        each benchmark those it takes)."""
+        options = {"tokens": self.tokens.value(), "runs": self.runs.value(),
+                   "draft_kind": self.draft_kind.currentText()}
+        if self.delays.isEnabled():
+            options["delays"] = parse_delays(self.delays.text())
+        return options
 
     def run(self) -> None:
         if self.task is not None:
@@ -263,32 +250,26 @@ class BenchPanel(QWidget):
         item.clear()
         if item.legend is not None:
             item.legend.clear()
-        spec = PLOTS.get(self.bench_name)
+        bench = APP_BENCHES.get(self.bench_name)
+        plot = bench.plot if bench else None
         bottom = item.getAxis("bottom")
-        if spec is None or not self.rows:
+        if plot is None or not self.rows:
             bottom.setTicks(None)
             return
-        if spec[0] == "sweep":
-            _, x, ys, series, x_label = spec
-            item.setLabel("bottom", x_label)
+        item.setLabel("bottom", plot.x_label)
+        if plot.kind == "lines":
             item.setLabel("left", "tok/s")
             bottom.setTicks(None)
             lines: dict[str, tuple[list, list]] = {}
             for row in self.rows:
-                if x not in row or any(row.get(c) for c in COMPARISONS):  # side-by-side rows
+                if plot.x not in row or any(row.get(c) for c in plot.skip):  # side-by-side rows
                     continue
-                for y in ys:
+                for y, label in plot.ys.items():
                     if row.get(y) is None:
                         continue
-                    name = LABELS.get(y, y) if series is None else f"{series} {row.get(series)}"
-                    if series == "k":
-                        name = f"K={row.get('k')}"
-                    if series == "server":
-                        name = row["server"]
-                    if series is not None and "stages" in row and self.bench_name == "microbatch":
-                        name = f"{row['stages']} stages, {row['streams']} streams"
+                    name = label if plot.series is None else plot.series.format_map(row)
                     xs_, ys_ = lines.setdefault(name, ([], []))
-                    xs_.append(float(row[x]))
+                    xs_.append(float(row[plot.x]))
                     ys_.append(float(row[y]))
             for i, (name, (xs_, ys_)) in enumerate(lines.items()):
                 colour = SERIES[i % len(SERIES)]
@@ -305,13 +286,12 @@ class BenchPanel(QWidget):
                 if padded is not None:
                     (item.setXRange if axis == "x" else item.setYRange)(*padded, padding=0)
         else:
-            _, label, value = spec
-            item.setLabel("bottom", "")
-            item.setLabel("left", LABELS.get(value, value))
+            (value, label), = plot.ys.items()
+            item.setLabel("left", label)
             rows = [r for r in self.rows if r.get(value) is not None]
             heights = [float(r[value]) for r in rows]
             item.addItem(pg.BarGraphItem(x=list(range(len(rows))), height=heights, width=0.6, brush=SERIES[0]))
-            bottom.setTicks([[(i, str(r.get(label, i))) for i, r in enumerate(rows)]])
+            bottom.setTicks([[(i, str(r.get(plot.x, i))) for i, r in enumerate(rows)]])
 
     def save_png(self, path: str | Path) -> Path:
         """The results plot as an image (the plot widget grabbed at its on-screen size)."""

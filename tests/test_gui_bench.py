@@ -11,7 +11,7 @@ import threading
 import pytest
 from gui_support import open_window, screenshot, settings_store, tiny_settings
 
-from fleetgui.bench_panel import DESCRIPTIONS
+from engine.bench.registry import BENCHES
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_the_office_comparison_plots_a_line_per_server(qtbot, gui_home, tmp_path
     the report names it; the choice says what the run needs."""
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     panel = window.show_view("Benchmarks")
-    assert "needs root" in DESCRIPTIONS["sim"]
+    assert "needs root" in BENCHES["sim"].description
     panel.bench_name = "sim"
     panel.rows = [{"server": server, "users": u, "tok_s": rate * u, "ttft_ms": 500.0}
                   for server, rate in (("ours, one PC", 13.0), ("llama.cpp RPC split, 2 PCs", 11.0)) for u in (1, 2, 4)]

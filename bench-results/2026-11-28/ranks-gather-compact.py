@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bench.office import pin_process
+from engine.bench.sim.shared import pin_process
 from engine.export.exporter import export_model, rank_folder
 from engine.fleet.sim import NodeSpec, Office
 from engine.fleetkey import create_key, load_key

@@ -2,7 +2,7 @@
 policy, and padded rounds forced: the policy before), interleaved wave by wave."""
 import os, sys, subprocess, time, statistics, tempfile
 from pathlib import Path
-from engine.bench.office import chat_wave
+from engine.bench.sim.shared import chat_wave
 from engine.bench.harness import PROMPTS
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key

@@ -14,7 +14,6 @@ KV memory each stream holds at the end: the stateful states' bytes against the p
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import time
 from pathlib import Path
 from statistics import median
@@ -23,13 +22,10 @@ import numpy as np
 import openvino as ov
 import openvino_genai
 
-from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, prompt_ids
+from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, interleave, loopback, prompt_ids
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
-from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.generate import generate_streams
-from engine.runtime.relay.localfleet import LocalFleet
-from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.packing import Part
 from engine.runtime.stages.paged import PagedStage
@@ -112,7 +108,7 @@ def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tu
     with contextlib.ExitStack() as closing:
         for n, folders in exports.items():
             if n > 1:
-                relay = closing.enter_context(_relay_chain(folders, device))
+                relay, _ = closing.enter_context(loopback(folders, device=device))
                 ways[f"packed {n}-stage, relay"] = lambda ps, t, relay=relay: generate_streams(
                     relay, ps, t, max_length=kv_positions, ignore_eos=True)[1]
         samples = _measure(ways, prompts, streams, tokens, runs, hooks, log)
@@ -153,33 +149,16 @@ def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tu
 
 
 def _measure(ways: dict, prompts, streams, tokens: int, runs: int, hooks, log) -> dict:
-    """Aggregate decode tok/s samples per (way, streams), the ways and stream counts interleaved."""
-    samples = {(way, s): [] for way in ways for s in streams}
-    total = (runs + 1) * len(streams) * len(ways)
-    done = 0
-    for run in range(runs + 1):  # the first round warms up
-        for s in streams:
-            for way, fn in ways.items():
-                hooks.step(done, total, f"run {run}: {way}, {s} streams")
-                extra = fn(prompts[:s], SHORT + tokens) - fn(prompts[:s], SHORT)
-                done += 1
-                if run:
-                    samples[way, s].append(s * tokens / extra)
-        log(f"round {run + 1}/{runs + 1} done")
-    return samples
+    """Aggregate decode tok/s samples per (way, streams), the ways and stream counts interleaved after
+    a round that warms up."""
 
+    def rate(key, _round: int) -> float:
+        way, s = key
+        extra = ways[way](prompts[:s], SHORT + tokens) - ways[way](prompts[:s], SHORT)
+        return s * tokens / extra
 
-@contextlib.contextmanager
-def _relay_chain(folders: list[Path], device: str):
-    """Stage 0 here, the later stages as worker processes on loopback, under a throwaway fleet key."""
-    with tempfile.TemporaryDirectory() as tmp:
-        key = create_key(Path(tmp) / "fleet.key")
-        with LocalFleet(folders[1:], key, devices=[device] * (len(folders) - 1), log_dir=Path(tmp)) as fleet:
-            chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), device=device)
-            try:
-                yield chain
-            finally:
-                chain.close()
+    return interleave(rate, [(way, s) for s in streams for way in ways], runs, warmup=1, hooks=hooks, log=log,
+                      label=lambda key: f"{key[0]}, {key[1]} streams")
 
 
 def _pool_costs(stages: list[PagedStage]) -> dict:

@@ -1,6 +1,7 @@
-"""What the benchmarks share: the prompt set, a loopback pipeline with injected hop delay, draft
-models per stream, decoding a set of prompts as concurrent streams with aggregate throughput, and
-OpenVINO GenAI's LLMPipeline as the reference.
+"""What the benchmarks share: the prompt set, a loopback pipeline with injected hop delay (opened as
+``session.open_chain`` opens local workers), draft models per stream, decoding a set of prompts as
+concurrent streams with aggregate throughput, configurations that take turns round by round
+(``interleave``), a process's resident memory, and OpenVINO GenAI's LLMPipeline as the reference.
 
 Every stage beyond the first runs in its own ``fleet worker`` process, as on a real fleet; with
 ``cpu_sets`` (``"0-1;2-3"``) each stage, the coordinator included, is pinned to its own cores.
@@ -16,27 +17,26 @@ import contextlib
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 import openvino as ov
 import openvino_genai
+import psutil
 
+from engine.config import Settings
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import create_key
 from engine.manifest import expand_shard_dirs
 from engine.progress import Progress, Report
 from engine.runtime.decode.generate import Generation, generate_streams
 from engine.runtime.decode.speculative import draft_head
 from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.relay.affinity import parse_cpu_sets, pin
-from engine.runtime.relay.localfleet import LocalFleet
-from engine.runtime.relay.remote import RemoteChain
-from engine.runtime.stages.chain import LocalChain
-from engine.runtime.stages.stage import compile_config
-from engine.runtime.stages.turns import compute_turns
-from engine.session import drafter_factory
+from engine.session import Launch, drafter_factory, open_chain
+
+K, T = TypeVar("K"), TypeVar("T")
 
 # The single-stream benchmarks' prompt (parity, pipeline).
 STORY_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -116,25 +116,23 @@ def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
 
 @contextlib.contextmanager
 def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", isolate: bool = False,
-             cpu_sets: str = "", turns: bool = True):
-    """Yields (RemoteChain, LocalFleet): worker processes serve ``folders[1:]``, stage 0 runs here.
-    One folder is a whole model: it yields (LocalChain, None)."""
+             cpu_sets: str = "", turns: bool = True, device: str = "CPU"):
+    """Yields (chain, LocalFleet) as ``session.open_chain`` opens a shard set with local workers:
+    stage 0 here, ``folders[1:]`` in worker processes on loopback under a throwaway fleet key, their
+    logs in a temporary folder.  One folder is a whole model: it yields (LocalChain, None).
+    ``cpu_sets``: one CPU set per stage, stage 0 this process; ``turns``: the workers take compute
+    turns (``engine.runtime.stages.turns``)."""
     sets = parse_cpu_sets(cpu_sets, len(folders))
     pin(sets[0])
-    if len(folders) == 1:
-        with contextlib.closing(LocalChain(folders, config=compile_config(mode), isolate=isolate)) as chain:
-            yield chain, None
-        return
     with tempfile.TemporaryDirectory() as tmp:
-        key_path = create_key(Path(tmp) / "bench.key")
-        with LocalFleet(folders[1:], key_path, delay_ms=delay_ms, mode=mode, isolate=isolate,
-                        cpu_sets=sets[1:], log_dir=Path(tmp), take_turns=turns) as fleet:
-            chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key_path), mode=mode, isolate=isolate,
-                                turns=compute_turns(fleet.turns))
-            try:
-                yield chain, fleet
-            finally:
-                chain.close()
+        settings = Settings(device=device, mode=mode, fleet_key_file=str(create_key(Path(tmp) / "bench.key")))
+        launch = Launch(shards=list(folders), workers="processes" if len(folders) > 1 else "none", delay_ms=delay_ms,
+                        isolate=isolate, cpu_sets=sets[1:], take_turns=turns, log_dir=Path(tmp))
+        opened = open_chain(settings, launch)
+        try:
+            yield opened.chain, next(iter(opened.owned), None)
+        finally:
+            opened.close()
 
 
 def drafters(kind: str, target, draft_folders: list[Path] | None, streams: int):
@@ -144,7 +142,9 @@ def drafters(kind: str, target, draft_folders: list[Path] | None, streams: int):
 
 
 @dataclass
-class BatchRun:
+class DecodedStreams:
+    """Prompts decoded as concurrent streams: each stream's generation, and the wall time of all."""
+
     results: list[Generation]
     wall_s: float
 
@@ -176,25 +176,57 @@ class BatchRun:
         return {"token_ms": self.wall_s * 1e3 / n, "compute_ms": compute / n}
 
 
-def run_batch(chain, prompts, tokens: int, *, drafters_=None, k="auto", hooks: Hooks = NO_HOOKS) -> BatchRun:
+def decode_streams(chain, prompts, tokens: int, *, drafters_=None, k="auto", hooks: Hooks = NO_HOOKS) -> DecodedStreams:
+    """Decodes ``prompts`` as concurrent streams of ``tokens`` new tokens each (the end of text
+    ignored), timed together."""
     length = max(p.shape[-1] for p in prompts) + tokens + 16
     hooks.check()
     results, wall = generate_streams(chain, prompts, tokens, max_length=length, ignore_eos=True,
                                      drafters=drafters_, k=k, on_token=hooks.on_token,
                                      cancels=[hooks.cancel] * len(prompts) if hooks.cancel is not None else None)
     hooks.check()
-    return BatchRun(results, wall)
+    return DecodedStreams(results, wall)
 
 
 def warm_up(chain, prompts, tokens: int, drafters_=None, k="auto", hooks: Hooks = NO_HOOKS) -> None:
     """First inferences (and, with per-stream compiled models, first compiles) are slow, and so is a
     request's first forward past the longest cache or the widest verify it has seen: every stream
     runs one whole generation of ``tokens``, without and then with drafting (at ``k``: the widest
-    verify the benchmark runs), before anything is measured.  Warmed with 4-8 tokens, the spec
-    bench's first configuration ran up to a third slower on its first prompt."""
-    run_batch(chain, prompts, tokens, hooks=hooks)
+    verify the benchmark runs), before anything is measured: a shorter warm-up leaves the first
+    configuration measured slower than the rest."""
+    decode_streams(chain, prompts, tokens, hooks=hooks)
     if drafters_:
-        run_batch(chain, prompts, tokens, drafters_=drafters_[: len(prompts)], k=k, hooks=hooks)
+        decode_streams(chain, prompts, tokens, drafters_=drafters_[: len(prompts)], k=k, hooks=hooks)
+
+
+def interleave(measure: Callable[[K, int], T], keys: Iterable[K], runs: int, *, warmup: int = 0,
+               alternate: bool = False, hooks: Hooks = NO_HOOKS, log: Callable[[str], None] | None = None,
+               label: Callable[[K], str] = str) -> dict[K, list[T]]:
+    """Measures every configuration (``measure(key, round)``) once a round, taking turns so that the
+    machine's drift falls on all of them alike: ``warmup`` rounds whose results are dropped, then
+    ``runs`` rounds whose results are kept, per key in round order.  With ``alternate`` every other
+    round takes the keys in reverse order, so that no configuration always follows the same one.
+    Progress goes to ``hooks`` before each measurement, a line per round to ``log``."""
+    keys = list(keys)
+    kept: dict[K, list[T]] = {key: [] for key in keys}
+    rounds = warmup + runs
+    for r in range(rounds):
+        for i, key in enumerate(keys[::-1] if alternate and r % 2 else keys):
+            hooks.step(r * len(keys) + i, rounds * len(keys), f"round {r + 1}/{rounds}: {label(key)}")
+            result = measure(key, r)
+            if r >= warmup:
+                kept[key].append(result)
+        if log:
+            log(f"round {r + 1}/{rounds}" + (" (warm-up)" if r < warmup else ""))
+    return kept
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory in MB; 0 for one that has ended."""
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return 0.0
 
 
 def genai_runner(folder: Path, tokens: int, *, device: str = "CPU", props: dict | None = None,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.harness import (NO_HOOKS, Hooks, draft_export, drafters, loopback, prompt_ids, run_batch,
-                                  split_export, warm_up)
+from engine.bench.harness import (NO_HOOKS, Hooks, decode_streams, draft_export, drafters, interleave, loopback,
+                                  prompt_ids, split_export, warm_up)
 from engine.bench.report import write_report
 
 SWEEP_PROMPTS = ("code", "technical explanation")
@@ -27,29 +27,24 @@ def run_ksweep(model: str, draft: str, *, stages: int = 3, delays=(0.0, 50.0, 10
     configs = ["none", *ks]
     widest = max((k for k in ks if k != "auto"), default="auto")  # the warm-up's K
     rows, ratios = [], {}
-    total, done = len(delays) * (1 + len(prompts) * len(configs)), 0
-    for delay in delays:
-        totals = {c: {"tokens": 0, "s": 0.0, "drafted": 0, "accepted": 0, "ks": []} for c in configs}
-        hooks.step(done, total, f"{delay:g} ms: starting the pipeline")
+    for d, delay in enumerate(delays):
+        within = hooks.part(d, len(delays))
+        within.step(0, 1, f"{delay:g} ms: starting the pipeline")
         with loopback(folders, delay_ms=delay, cpu_sets=cpu_sets) as (chain, _):
             (drafter,) = drafters(draft_kind, chain, draft_folders, 1)
             warm_up(chain, prompts[:1], tokens, [drafter], widest, hooks)
-            done += 1
-            for i, ids in enumerate(prompts):
-                order = configs if i % 2 == 0 else configs[::-1]
-                for k in order:
-                    hooks.step(done, total, f"{delay:g} ms: prompt {i + 1}/{len(prompts)}, K={k}")
-                    run = run_batch(chain, [ids], tokens, drafters_=None if k == "none" else [drafter],
-                                    k=0 if k == "none" else k, hooks=hooks)
-                    done += 1
-                    (g,) = run.results
-                    t = totals[k]
-                    t["tokens"] += len(g.tokens) - 1
-                    t["s"] += g.decode_s
-                    t["drafted"] += g.drafted
-                    t["accepted"] += g.accepted
-                    t["ks"] += g.k_history
-                log(f"{delay:g} ms: prompt {i + 1}/{len(prompts)} done")
+
+            def decode(k, prompt: int):
+                (g,) = decode_streams(chain, [prompts[prompt]], tokens, drafters_=None if k == "none" else [drafter],
+                                      k=0 if k == "none" else k, hooks=hooks).results
+                return g
+
+            # a round is a prompt: every configuration decodes it, in the reverse order every other prompt
+            got = interleave(decode, configs, len(prompts), alternate=True, hooks=within,
+                             log=lambda line: log(f"{delay:g} ms: {line}"), label=lambda k: f"{delay:g} ms: K={k}")
+        totals = {k: {"tokens": sum(len(g.tokens) - 1 for g in gs), "s": sum(g.decode_s for g in gs),
+                      "drafted": sum(g.drafted for g in gs), "accepted": sum(g.accepted for g in gs),
+                      "ks": [k_ for g in gs for k_ in g.k_history]} for k, gs in got.items()}
         speeds = {}
         for k in configs:
             t = totals[k]
@@ -65,7 +60,7 @@ def run_ksweep(model: str, draft: str, *, stages: int = 3, delays=(0.0, 50.0, 10
         ratios[f"{delay:g}ms auto vs best fixed"] = round(speeds["auto"] / fixed[best], 3)
         ratios[f"{delay:g}ms best vs no spec"] = round(max(speeds["auto"], fixed[best]) / speeds["none"], 3)
         log(f"{delay:g} ms: best fixed K={best} {fixed[best]:.2f} tok/s, auto {speeds['auto']:.2f}")
-    hooks.step(total, total, "done")
+    hooks.step(1, 1, "done")
     meta = {"model": model, "draft": draft if draft_folders else draft_kind, "draft_kind": draft_kind,
             "stages": stages, "tokens": tokens, "prompts": list(SWEEP_PROMPTS), "weights": weights,
             "cpu_sets": cpu_sets, "delay": "one-way, on every worker's receive and send (2x per hop per round)"}

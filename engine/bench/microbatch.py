@@ -28,7 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, loopback, prompt_ids, run_batch, split_export, warm_up
+from engine.bench.harness import (NO_HOOKS, PROMPTS, Hooks, decode_streams, interleave, loopback, prompt_ids, rss_mb,
+                                  split_export, warm_up)
 from engine.bench.report import write_report
 
 
@@ -37,13 +38,6 @@ COMPARISONS = {
     "isolation": (("shared compiled", {"isolate": False}), ("per-stream compiled", {"isolate": True})),
     "turns": (("all at once", {"turns": False}), ("compute turns", {"turns": True})),
 }
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def schedule_bound(stage_ms: list[float], hop_ms: float, streams: int, tokens: int = 200) -> float:
@@ -67,15 +61,11 @@ def schedule_bound(stage_ms: list[float], hop_ms: float, streams: int, tokens: i
     return streams * tokens / end * (sum(stage_ms) + sum(hops))
 
 
-def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks = NO_HOOKS,
-           tick=lambda: None) -> dict[int, list]:
+def _sweep(chain, prompts, counts, tokens: int, runs: int, hooks: Hooks, label: str) -> dict[int, list]:
+    """Each stream count's decodes, ``runs`` rounds of them taking turns, after a warm-up."""
     warm_up(chain, prompts[: max(counts)], tokens, hooks=hooks)
-    samples: dict[int, list] = {n: [] for n in counts}
-    for r in range(runs):
-        for n in (counts if r % 2 == 0 else counts[::-1]):
-            tick()
-            samples[n].append(run_batch(chain, prompts[:n], tokens, hooks=hooks))
-    return samples
+    return interleave(lambda n, _: decode_streams(chain, prompts[:n], tokens, hooks=hooks), counts, runs,
+                      alternate=True, hooks=hooks, label=lambda n: f"{label}, {n} stream(s)")
 
 
 def _stage_shares(result, compute_ms: float) -> list[float]:
@@ -99,15 +89,7 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
         splits = {len(given): given}
         stage_counts = (len(given),)
     points = len(stage_counts) * len(delays) + 2 * (isolation + turns)
-    total, done = points * runs * len(counts), 0
-
-    def tick(message: str):
-        def step():
-            nonlocal done
-            hooks.step(done, total, message)
-            done += 1
-        return step
-
+    point = 0  # of the points measured, each a share of the progress
     for stages in stage_counts:
         folders = splits.get(stages) or split_export(model, stages, weights, hooks=hooks)
         splits[stages] = folders
@@ -117,7 +99,9 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
             log(f"--cpus names {len(cpu_sets.split(';'))} CPU sets: the {stages}-stage points run unpinned")
         for delay in delays:
             with loopback(folders, delay_ms=delay, cpu_sets=sets) as (chain, _):
-                samples = _sweep(chain, prompts, counts, tokens, runs, hooks, tick(f"{stages} stages, {delay:g} ms"))
+                samples = _sweep(chain, prompts, counts, tokens, runs, hooks.part(point, points),
+                                 f"{stages} stages, {delay:g} ms")
+            point += 1
             single = sorted(samples[1], key=lambda b: b.tok_s)[len(samples[1]) // 2]
             bd = single.breakdown()
             bound = bd["token_ms"] / bd["compute_ms"]
@@ -150,8 +134,9 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
         speeds = {}
         for label, opts in ((base_label, base_opts), (alt_label, alt_opts)):
             with loopback(folders, delay_ms=10.0, **opts) as (chain, fleet):
-                samples = _sweep(chain, prompts, counts, tokens, runs, hooks, tick(f"{what}: {label}"))
+                samples = _sweep(chain, prompts, counts, tokens, runs, hooks.part(point, points), f"{what}: {label}")
                 memory = sum(rss_mb(p.pid) for p in fleet.procs)
+            point += 1
             for n in counts:
                 speeds[label, n] = median(b.tok_s for b in samples[n])
                 rows.append({"stages": stages, "delay_ms": 10.0, "streams": n, "tok_s": round(speeds[label, n], 2),
@@ -160,7 +145,7 @@ def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0),
                 hooks.row(rows[-1])
         for n in counts[1:]:
             ratios[f"{alt_label} vs {base_label} {n} streams"] = round(speeds[alt_label, n] / speeds[base_label, n], 3)
-    hooks.step(total, total, "done")
+    hooks.step(1, 1, "done")
     meta = {"model": model, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets,
             "ideal": "min(N, token_ms / compute_ms) from the single-stream run (prefill included) of the same point",
             "schedule": "the gain that breakdown allows with stages taking turns (schedule_bound)"}

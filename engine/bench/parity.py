@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, genai_runner
+from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, genai_runner, interleave
 from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.report import median, write_report
@@ -99,16 +99,8 @@ def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5,
         except LlamaCppUnavailable as exc:
             peer_note = f"skipped: {exc}"
             log(f"llama.cpp column {peer_note}")
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
-    total = (warmup + runs) * len(configs)
     with peers:
-        for round_index in range(warmup + runs):
-            for i, (name, run) in enumerate(configs.items()):
-                hooks.step(round_index * len(configs) + i, total, f"round {round_index + 1}/{warmup + runs}: {name}")
-                result = run()
-                if round_index >= warmup:
-                    samples[name].append(result)
-            log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
+        samples = interleave(lambda name, _: configs[name](), configs, runs, warmup=warmup, hooks=hooks, log=log)
     base = median([s[0] for s in samples["LLMPipeline 1-stage"]])
     rows = []
     for name, values in samples.items():
@@ -122,7 +114,7 @@ def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5,
             "vs_llmpipeline": round(median(tps) / base, 3) if base else 0.0,
         })
         hooks.row(rows[-1])
-    hooks.step(total, total, "done")
+    hooks.step(1, 1, "done")
     ratios = {row["config"]: row["vs_llmpipeline"] for row in rows}
     if LLAMACPP in samples:
         peer = [s[0] for s in samples[LLAMACPP]]

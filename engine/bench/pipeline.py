@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, loopback, split_export
+from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, interleave, loopback, split_export
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
@@ -35,24 +35,21 @@ def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int 
     ids = ChatTokenizer(whole.folders[0]).prompt_ids(STORY_PROMPT)
     length = ids.shape[1] + tokens + 1
     on_token = (lambda t: hooks.on_token(0, t)) if hooks.on_token else None
-    total = (warmup + runs) * 3 + 1
-    hooks.step(0, total, "starting the pipeline")
+    hooks.step(0, 1, "starting the pipeline")
     with loopback(split, delay_ms=delay_ms) as (remote, _):
         chains = {
             "1-stage in-process": LocalChain(whole.folders),
             f"{stages}-stage in-process": LocalChain(split),
             f"{stages}-stage loopback TCP": remote,
         }
-        samples: dict[str, list] = {name: [] for name in chains}
-        for round_index in range(warmup + runs):
-            for i, (name, chain) in enumerate(chains.items()):
-                hooks.step(1 + round_index * 3 + i, total, f"round {round_index + 1}/{warmup + runs}: {name}")
-                result = Generator(chain, length).generate(ids, tokens, ignore_eos=True, on_token=on_token,
-                                                           cancel=hooks.cancel)
-                hooks.check()
-                if round_index >= warmup:
-                    samples[name].append(result)
-            log(f"round {round_index + 1}/{warmup + runs}" + (" (warm-up)" if round_index < warmup else ""))
+
+        def decode(name: str, _round: int):
+            result = Generator(chains[name], length).generate(ids, tokens, ignore_eos=True, on_token=on_token,
+                                                              cancel=hooks.cancel)
+            hooks.check()
+            return result
+
+        samples = interleave(decode, chains, runs, warmup=warmup, hooks=hooks, log=log)
         pings = []
         for _ in range(5):
             start = time.perf_counter()
@@ -75,7 +72,7 @@ def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int 
             "same_tokens": all(r.tokens == samples[name][0].tokens for r in results),
         })
         hooks.row(rows[-1])
-    hooks.step(total, total, "done")
+    hooks.step(1, 1, "done")
     by = {r["config"]: r for r in rows}
     inproc, tcp = by[f"{stages}-stage in-process"], by[f"{stages}-stage loopback TCP"]
     hops = stages - 1

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, loopback
+from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, interleave, loopback
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.fleet.placement import Fleet, ModelShape, evaluate, simulated_fleet, solve
@@ -55,15 +55,10 @@ def run_placement(model: str, *, tokens: int = 64, warmup: int = 1, runs: int = 
         chains = {name: stack.enter_context(loopback(folders))[0]
                   for name, folders in splits.items()}
         chains["2 stages even, in-process"] = LocalChain(splits["2 stages even"])
-        samples: dict[str, list[float]] = {name: [] for name in chains}
-        total = (warmup + runs) * len(chains)
-        for r in range(warmup + runs):
-            for i, (name, chain) in enumerate(chains.items()):
-                hooks.step(r * len(chains) + i, total, f"round {r + 1}/{warmup + runs}: {name}")
-                result = Generator(chain, length).generate(ids, tokens, ignore_eos=True, cancel=hooks.cancel)
-                if r >= warmup:
-                    samples[name].append(1e3 / result.decode_tok_s)
-            log(f"round {r + 1}/{warmup + runs}" + (" (warm-up)" if r < warmup else ""))
+        samples = interleave(  # ms per token
+            lambda name, _: 1e3 / Generator(chains[name], length).generate(ids, tokens, ignore_eos=True,
+                                                                           cancel=hooks.cancel).decode_tok_s,
+            chains, runs, warmup=warmup, hooks=hooks, log=log)
     in_process = samples.pop("2 stages even, in-process")  # ms per token, like every sample below
     hop_ms = median(samples["2 stages even"]) - median(in_process)
     fleet = Fleet(devices=[device_profile(NODE, measured)], rtt_ms={(NODE, NODE): hop_ms}, coordinator=NODE)

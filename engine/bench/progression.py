@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from statistics import median
 
-from engine.bench.harness import (NO_HOOKS, Hooks, draft_export, drafters, loopback, prompt_ids, run_batch,
-                                  split_export, warm_up)
+from engine.bench.harness import (NO_HOOKS, Hooks, decode_streams, draft_export, drafters, interleave, loopback,
+                                  prompt_ids, split_export, warm_up)
 from engine.bench.report import write_report
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
@@ -32,28 +32,24 @@ def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96
     mono = LocalChain(whole.folders)
     names = ["monolithic, 1 stream", f"{stages}-stage, 1 stream", f"{stages}-stage, 2 streams",
              f"{stages}-stage, 2 streams + speculation"]
-    samples: dict[str, list] = {n: [] for n in names}
-    total, done = 1 + runs * len(names), 0
-    hooks.step(done, total, "starting the pipeline")
+    hooks.step(0, 1, "starting the pipeline")
     with loopback(split, delay_ms=delay_ms, cpu_sets=cpu_sets) as (chain, _):
         spec = drafters(draft_kind, chain, draft_folders, len(prompts))
         warm_up(mono, prompts[:1], tokens, hooks=hooks)
         warm_up(chain, prompts, tokens, spec, hooks=hooks)
-        done += 1
         steps = {
-            names[0]: lambda: [run_batch(mono, [p], tokens, hooks=hooks) for p in prompts],
-            names[1]: lambda: [run_batch(chain, [p], tokens, hooks=hooks) for p in prompts],
-            names[2]: lambda: [run_batch(chain, prompts, tokens, hooks=hooks)],
-            names[3]: lambda: [run_batch(chain, prompts, tokens, drafters_=spec, k="auto", hooks=hooks)],
+            names[0]: lambda: [decode_streams(mono, [p], tokens, hooks=hooks) for p in prompts],
+            names[1]: lambda: [decode_streams(chain, [p], tokens, hooks=hooks) for p in prompts],
+            names[2]: lambda: [decode_streams(chain, prompts, tokens, hooks=hooks)],
+            names[3]: lambda: [decode_streams(chain, prompts, tokens, drafters_=spec, k="auto", hooks=hooks)],
         }
-        for r in range(runs):
-            for name in (names if r % 2 == 0 else names[::-1]):
-                hooks.step(done, total, f"run {r + 1}/{runs}: {name}")
-                batches = steps[name]()
-                done += 1
-                samples[name].append((sum(b.tokens for b in batches) / sum(b.wall_s for b in batches),
-                                      batches[-1].acceptance))
-            log(f"round {r + 1}/{runs}")
+
+        def measure(name: str, _round: int) -> tuple[float, float]:
+            """Aggregate tok/s, and the last batch's acceptance."""
+            batches = steps[name]()
+            return sum(b.tokens for b in batches) / sum(b.wall_s for b in batches), batches[-1].acceptance
+
+        samples = interleave(measure, names, runs, alternate=True, hooks=hooks, log=log)
     base = median(s[0] for s in samples[names[0]])
     rows, ratios = [], {}
     for name in names:
@@ -62,7 +58,7 @@ def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96
                      "acceptance": round(samples[name][-1][1], 3) if "speculation" in name else None})
         ratios[f"{name} vs monolithic"] = round(tok_s / base, 3)
         hooks.row(rows[-1])
-    hooks.step(total, total, "done")
+    hooks.step(1, 1, "done")
     meta = {"model": model, "draft": draft if draft_folders else draft_kind, "stages": stages, "tokens": tokens,
             "runs": runs, "delay_ms": delay_ms, "weights": weights, "cpu_sets": cpu_sets}
     return write_report("progression", rows, ratios, out, settings=meta)

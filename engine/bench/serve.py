@@ -31,7 +31,7 @@ import numpy as np
 import openvino as ov
 import openvino_genai
 
-from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, loopback
+from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, interleave, loopback
 from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.parity import llamacpp_gguf
@@ -177,15 +177,16 @@ def _users_part(folders, one, model, users, tokens, runs, device, peers, hooks, 
             for url in urls.values():  # warm-up: first inferences and the widest wave
                 user_wave(url, model, prompts[:1], tokens)
                 user_wave(url, model, [prompts[i % len(prompts)] for i in range(max(users))], tokens)
-            waves: dict[tuple[str, int], list] = {}
-            steps = runs * len(users) * len(urls)
-            for step, (run, n, name) in enumerate(itertools.product(range(runs), users, urls)):
-                hooks.step(step, steps, f"run {run + 1}/{runs}: {n} user(s) on {name}")
+            def wave(key, run: int):
+                name, n = key
                 # every request new (neither server's cache may serve it), the same ones on both servers
                 asked = [f"(request {run}.{i}) {prompts[i % len(prompts)]}" for i in range(n)]
-                wave = user_wave(urls[name], model, asked, tokens)
-                waves.setdefault((name, n), []).append(wave)
-                log(f"run {run + 1}: {n} user(s) on {name}: {sum(r['tokens'] for r in wave[0]) / wave[1]:.1f} tok/s")
+                got = user_wave(urls[name], model, asked, tokens)
+                log(f"run {run + 1}: {n} user(s) on {name}: {sum(r['tokens'] for r in got[0]) / got[1]:.1f} tok/s")
+                return got
+
+            waves = interleave(wave, [(name, n) for n in users for name in urls], runs, hooks=hooks,
+                               label=lambda key: f"{key[1]} user(s) on {key[0]}")
         finally:
             for server in servers.values():
                 server.stop()
@@ -219,25 +220,27 @@ def _prefix_part(folders, model, runs, hooks, log) -> tuple[list[dict], dict]:
                     "warm": ChatService(warm_chain, streams=1, prefix_cache=True)}
         try:
             tokenizer = ChatTokenizer(cold_chain.first_folder)
-            samples: dict[str, list[float]] = {label: [] for label in services}
-            for run in range(runs + 1):  # the first round warms up
-                # each run's conversation is new: a first turn, then the second whose TTFT counts
-                first = [{"role": "user", "content": f"Run {run}.\n" + _long_text(tokenizer, 1000)}]
-                for label, service in services.items():
-                    hooks.step(run * 2 + (label == "warm"), (runs + 1) * 2, f"prefix cache, {label}, run {run}")
-                    reply = service.submit(first, 16, ignore_eos=True).wait()
-                    second = first + [{"role": "assistant", "content": reply.text},
-                                      {"role": "user", "content": "Summarise that in one sentence."}]
-                    turn = service.submit(second, 4, ignore_eos=True).wait()
-                    if run:
-                        samples[label].append(turn.ttft_ms)
-                    log(f"prefix cache {label}: second turn TTFT {turn.ttft_ms:.0f} ms "
-                        f"({turn.cached_tokens} of {turn.prompt_tokens} prompt tokens cached)")
+            text = _long_text(tokenizer, 1000)
+
+            def second_turn(label: str, run: int):
+                """Each run's conversation is new: a first turn, then the second whose TTFT counts."""
+                first = [{"role": "user", "content": f"Run {run}.\n" + text}]
+                reply = services[label].submit(first, 16, ignore_eos=True).wait()
+                second = first + [{"role": "assistant", "content": reply.text},
+                                  {"role": "user", "content": "Summarise that in one sentence."}]
+                turn = services[label].submit(second, 4, ignore_eos=True).wait()
+                log(f"prefix cache {label}: second turn TTFT {turn.ttft_ms:.0f} ms "
+                    f"({turn.cached_tokens} of {turn.prompt_tokens} prompt tokens cached)")
+                return turn
+
+            turns = interleave(second_turn, services, runs, warmup=1, hooks=hooks,
+                               label=lambda label: f"prefix cache, {label}")
         finally:
             for service in services.values():
                 service.close()
+    samples = {label: [turn.ttft_ms for turn in got] for label, got in turns.items()}
     for label, values in samples.items():
-        rows.append({"part": "prefix cache", "server": label, "prompt_tokens": turn.prompt_tokens,
+        rows.append({"part": "prefix cache", "server": label, "prompt_tokens": turns[label][-1].prompt_tokens,
                      "ttft_p50_ms": round(median(values), 1)})
         hooks.row(rows[-1])
     ratios["second-turn TTFT, cold / warm (1,000-token conversation)"] = round(
@@ -259,28 +262,22 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, peers, hooks, l
     rows, ratios = [], {}
     for length in PROMPT_LENGTHS:
         base_ids = long_ids.reshape(-1)[-length:]  # the last tokens: the template's ending included
-        samples: dict[str, list[float]] = {"LLMPipeline 1-stage": [], **{name: [] for name in ours},
-                                           **{name: [] for name in peer_rows}}
-        for run in range(runs + 1):  # the first round warms up
-            hooks.step(run, runs + 1, f"TTFT at {length} prompt tokens, run {run}")
+
+        def ttft_ms(name: str, run: int) -> float:
             # a new prompt every run: LLMPipeline reuses the KV of an identical previous prompt
             ids = base_ids.copy()
             ids[:2] = (100 + run, 200 + run)
             ids = ids.reshape(1, -1)
-            samples_now = {}
-            # every other run in the reverse order, so no side always goes first
-            for name in list(samples)[:: -1 if run % 2 else 1]:
-                if name == "LLMPipeline 1-stage":
-                    samples_now[name] = genai(ids)[1]
-                elif name in peer_rows:
-                    sent = time.perf_counter()
-                    peer_rows[name].complete([int(t) for t in ids.reshape(-1)], 1)
-                    samples_now[name] = (time.perf_counter() - sent) * 1e3
-                else:
-                    samples_now[name] = ours[name].generate(ids, 2, ignore_eos=True).ttft_s * 1e3
-            if run:
-                for name, value in samples_now.items():
-                    samples[name].append(value)
+            if name == "LLMPipeline 1-stage":
+                return genai(ids)[1]
+            if name in peer_rows:
+                sent = time.perf_counter()
+                peer_rows[name].complete([int(t) for t in ids.reshape(-1)], 1)
+                return (time.perf_counter() - sent) * 1e3
+            return ours[name].generate(ids, 2, ignore_eos=True).ttft_s * 1e3
+
+        samples = interleave(ttft_ms, ["LLMPipeline 1-stage", *ours, *peer_rows], runs, warmup=1, alternate=True,
+                             hooks=hooks, label=lambda name: f"TTFT at {length} prompt tokens, {name}")
         base = median(samples["LLMPipeline 1-stage"])
         for name, values in samples.items():
             rows.append({"part": "ttft", "server": name, "prompt_tokens": length,

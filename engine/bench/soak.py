@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from engine.bench.harness import PROMPTS
+from engine.bench.harness import PROMPTS, rss_mb
 from engine.bench.report import write_report
 from engine.config import Settings
 from engine.fleetkey import create_key, load_key
@@ -33,13 +33,6 @@ from engine.serve.server import ApiServer
 from engine.session import Launch, open_chain, open_failover
 
 HANG_S = 120.0
-
-
-def _rss_mb(pid: int) -> float:
-    try:
-        return psutil.Process(pid).memory_info().rss / 2**20
-    except psutil.Error:
-        return 0.0
 
 
 def _worker_pid(agent_pid: int) -> int | None:
@@ -106,8 +99,8 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
             for t in threads:
                 t.start()
             time.sleep(warmup_s)
-            start = {"coordinator": _rss_mb(os.getpid()), "agent": _rss_mb(agent.pid),
-                     "worker": _rss_mb(_worker_pid(agent.pid) or 0)}
+            start = {"coordinator": rss_mb(os.getpid()), "agent": rss_mb(agent.pid),
+                     "worker": rss_mb(_worker_pid(agent.pid) or 0)}
             with lock:
                 stats.update({k: 0 for k in stats})
                 latencies.clear()
@@ -128,8 +121,8 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60
             stop.set()
             for t in threads:
                 t.join(HANG_S + 10)
-            end = {"coordinator": _rss_mb(os.getpid()), "agent": _rss_mb(agent.pid),
-                   "worker": _rss_mb(_worker_pid(agent.pid) or 0)}
+            end = {"coordinator": rss_mb(os.getpid()), "agent": rss_mb(agent.pid),
+                   "worker": rss_mb(_worker_pid(agent.pid) or 0)}
             recoveries = failover.recoveries
         finally:
             stop.set()

@@ -6,11 +6,11 @@ mode (``fast``: device defaults; ``exact``: the compile settings under which ver
 steps) and per K (fixed and ``auto``): tok/s, acceptance, and whether the output equals the target's
 own greedy output in that mode.  Configurations run interleaved per prompt; with ``runs`` > 1 each
 prompt repeats, the order of the configurations reversed every other time, and a speedup is the mean
-of each run's ratio to the target alone measured beside it (per prompt the ratio varies by about
-±15% between runs on this machine).  The hybrid runs between the lookup and the model draft (K auto)
-in either order, and "hybrid vs better of two" compares it with each of them in the same run: the
-geometric mean over runs of its tok/s over theirs, the lower of the two (the target alone, measured
-before the drafters, moved by up to a third between consecutive runs on a busy machine).  The model
+of each run's ratio to the target alone measured beside it (that ratio varies between runs).  The
+hybrid runs between the lookup and the model draft (K auto) in either order, and "hybrid vs better
+of two" compares it with each of them in the same run: the geometric mean over runs of its tok/s
+over theirs, the lower of the two (the target alone is measured before the drafters, so a busy
+machine's drift between the two is in every speed-up, but not in this comparison).  The model
 draft (K auto) runs twice, side by side: "A/A" is the same comparison between two identical
 configurations, the noise floor under which "hybrid vs better of two" says nothing.
 """
@@ -69,8 +69,7 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
         }
         # A fresh compiled model's first inferences are slow, and so is each request's first forward
         # past the longest cache or widest verify it has seen: every configuration runs one whole
-        # generation first.  Warmed with 8 tokens, the first configuration measured ran up to a
-        # third slower on the first prompt (14.3 against 22.5 tok/s in its second run).
+        # generation first (a shorter warm-up leaves the first configuration measured slower).
         warm = next(iter(prompts.values()))
         gen.generate(warm, tokens, ignore_eos=True)
         for drafter, kk in configs.values():

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.harness import (NO_HOOKS, Hooks, draft_export, drafters, loopback, prompt_ids, run_batch,
-                                  split_export, warm_up)
+from engine.bench.harness import (NO_HOOKS, Hooks, decode_streams, draft_export, drafters, interleave, loopback,
+                                  prompt_ids, split_export, warm_up)
 from engine.bench.report import write_report
 
 WAN_PROMPTS = ("code", "chat")
+FULL = "full stack"
 
 
 def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0, 100.0), tokens: int = 64,
@@ -25,27 +26,21 @@ def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0,
     draft_folders = draft_export(draft, draft_kind, weights)
     prompts = prompt_ids(folders[0], WAN_PROMPTS)
     rows, ratios = [], {}
-    steps_per_delay = 1 + runs * (len(prompts) + 1)
-    total, done = len(delays) * steps_per_delay, 0
-    for delay in delays:
-        naive_tokens = naive_s = 0.0
-        full = []
-        hooks.step(done, total, f"{delay:g} ms: starting the pipeline")
+    for d, delay in enumerate(delays):
+        within = hooks.part(d, len(delays))
+        within.step(0, 1, f"{delay:g} ms: starting the pipeline")
         with loopback(folders, delay_ms=delay, cpu_sets=cpu_sets) as (chain, _):
             spec = drafters(draft_kind, chain, draft_folders, len(prompts))
             warm_up(chain, prompts, tokens, spec, k, hooks)
-            done += 1
-            for r in range(runs):
-                for ids in prompts:  # naive: one stream at a time
-                    hooks.step(done, total, f"{delay:g} ms: naive, run {r + 1}/{runs}")
-                    one = run_batch(chain, [ids], tokens, hooks=hooks)
-                    naive_tokens += one.tokens
-                    naive_s += one.wall_s
-                    done += 1
-                hooks.step(done, total, f"{delay:g} ms: full stack, run {r + 1}/{runs}")
-                full.append(run_batch(chain, prompts, tokens, drafters_=spec, k=k, hooks=hooks))
-                done += 1
-        naive = naive_tokens / naive_s
+            # naive: one stream at a time, each prompt; the full stack: every prompt at once
+            configs = {f"naive, prompt {i + 1}": lambda ids=ids: decode_streams(chain, [ids], tokens, hooks=hooks)
+                       for i, ids in enumerate(prompts)}
+            configs[FULL] = lambda: decode_streams(chain, prompts, tokens, drafters_=spec, k=k, hooks=hooks)
+            got = interleave(lambda name, _: configs[name](), configs, runs, hooks=within,
+                             label=lambda name: f"{delay:g} ms: {name}")
+        singles = [got[name][r] for r in range(runs) for name in configs if name != FULL]
+        naive = sum(b.tokens for b in singles) / sum(b.wall_s for b in singles)
+        full = got[FULL]
         full_tok_s = sum(b.tokens for b in full) / sum(b.wall_s for b in full)
         acceptance = sum(b.acceptance for b in full) / len(full)
         mean_k = sum(b.mean_k for b in full) / len(full)
@@ -56,7 +51,7 @@ def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0,
         hooks.row(rows[-1])
         ratios[f"{delay:g}ms full vs naive"] = round(full_tok_s / naive, 3)
         log(f"{delay:g} ms: naive {naive:.2f} tok/s, full stack {full_tok_s:.2f} tok/s")
-    hooks.step(total, total, "done")
+    hooks.step(1, 1, "done")
     meta = {"model": model, "draft": draft if draft_folders else draft_kind, "stages": stages, "streams": len(prompts),
             "k": k, "tokens_per_stream": tokens, "runs": runs, "weights": weights, "cpu_sets": cpu_sets}
     return write_report("wan", rows, ratios, out, settings=meta)

@@ -1,10 +1,10 @@
-"""The tensor-parallel comparison of ``fleet bench sim`` (part ``ranks``): two PCs compute every layer
-of one user's token together, each reading half the weights.
+"""The ``ranks`` part of ``fleet bench sim``: two PCs compute every layer of one user's token
+together, each reading half the weights.
 
 This process, pinned to one core, is PC 1 and holds rank 0 of a 2-rank export (``fleet export
 --ranks 2``); PC 2 (the other core, its link at 1 Gbit/s) runs rank 1 as a ``fleet worker``.
 Each layer's partial sums cross the link twice a token (``engine.transport.mesh``).  Against
-it, PC 1 alone in each configuration ``draftpc`` measures (no speculation, prompt lookup, the draft
+it, PC 1 alone in each configuration the ``draft`` part measures (no speculation, prompt lookup, the draft
 model, the hybrid), the best of which is the bar, and PC 1 alone with the ranks' own weight format.
 The ranks run plain and with the hybrid drafter, and beside them runs what the fleet itself deploys
 for one user (``_fleets_choice``: surveyed, placed by the solver, started through PC 2's agent),
@@ -18,18 +18,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.draftpc import ONE_PC
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
-from engine.bench.office import (LLAMA_ONE, LLAMA_SPLIT, DeployedWorkers, RpcServer, chat_wave, close_all,
-                                interleave, llama_wave, messages, pin_process)
+from engine.bench.sim.draft import ONE_PC
+from engine.bench.sim.office import LLAMA_ONE, LLAMA_SPLIT
+from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
+                                     on_pc1, wave_rows)
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import ranks_problem
 from engine.fleet.deploy import deploy_layout
 from engine.fleet.layout import fastest_for_one
 from engine.fleet.placement import Fleet, ModelShape, solve
 from engine.fleet.plans import layout_stages
-from engine.fleet.sim import Office
+from engine.fleet.sim import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.launch import fleet_command
 from engine.manifest import load_manifest
@@ -46,6 +47,22 @@ RANKS = "ours, 2 PCs as tensor-parallel ranks"
 RANKS_HYBRID = "ours, 2 PCs as tensor-parallel ranks, hybrid draft"
 FLEET = "ours, the fleet's own choice for one user"
 COORDINATOR = "coordinator"
+
+
+def check(sim: Sim) -> None:
+    if sim.gguf is None:
+        sim.log(f"the ranks run without llama.cpp's rows: {sim.gguf_missing}")
+
+
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """PC 2 on the second core at 1 Gbit/s beside this process (PC 1, the first core)."""
+    users = tuple(sim.users or USERS)
+    spec = NodeSpec("pc2", cpus=str(sim.cores[1]), rate_mbit=1000.0)
+    with Office([spec], key_file=sim.key_file, root=sim.root / "ranks", log=sim.log) as office:
+        rows, ratios, notes = compare_ranks(office, sim.model, sim.draft, key=sim.key, weights=sim.weights,
+                                            tokens=sim.tokens, users=users, runs=sim.runs, core=sim.cores[0],
+                                            log=sim.log, hooks=hooks, gguf=sim.gguf)
+    return rows, ratios, {"ranks": {"draft_model": sim.draft, "users": list(users), **notes}}
 
 
 def ranks_format(spec, weights: str) -> str:
@@ -66,9 +83,7 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
     ranks = export_model(model, weights=same_format, ranks=2).out
     draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
     alike = f"ours, one PC, no speculation, {same_format}"
-    before = pin_process({core})
-    opened: list = []
-    try:
+    with on_pc1(core, log) as opened:
         def service(chain, factory) -> ChatService:
             opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
                                       prefix_cache=False))
@@ -103,10 +118,7 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
             waves[LLAMA_SPLIT] = lambda u, server=opened[-1]: llama_wave(server, prompts, u, tokens)
         for wave in waves.values():  # warm: first compiles, first shapes
             wave(1)
-        rows = interleave(waves, users, runs, log, hooks)
-    finally:
-        close_all(opened, log)
-        pin_process(before)
+        rows = wave_rows(waves, users, runs, log, hooks)
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {}
     for u in users:

@@ -1,5 +1,5 @@
-"""The drafting-PC comparison of ``fleet bench sim`` (part ``draft``): a second PC makes one user faster
-by drafting for the first.
+"""The ``draft`` part of ``fleet bench sim``: a second PC makes one user faster by drafting for the
+first.
 
 This process, pinned to one core, is PC 1 and holds the target whole.  PC 2 (the other core, its link
 at 1 Gbit/s) runs a draft server with the draft model (``fleet worker --role draft``), which drafts
@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import chat_wave, close_all, interleave, pin_process
+from engine.bench.sim.shared import Sim, chat_wave, on_pc1, wave_rows
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.fleet.sim import Office
+from engine.fleet.sim import NodeSpec, Office
 from engine.launch import fleet_command
 from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.service import ChatService
@@ -31,6 +31,18 @@ PORT = 7311
 DRAFTING_PC = "ours, 2 PCs (PC 2 drafts)"
 ONE_PC = {"none": "ours, one PC, no speculation", "lookup": "ours, one PC, prompt lookup",
           "model": "ours, one PC, draft model here", "hybrid": "ours, one PC, hybrid draft here"}
+
+
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """PC 2 on the second core at 1 Gbit/s beside this process (PC 1, the first core)."""
+    users = tuple(sim.users or USERS)
+    spec = NodeSpec("pc2", cpus=str(sim.cores[1]), rate_mbit=1000.0)
+    with Office([spec], key_file=sim.key_file, root=sim.root / "draft", log=sim.log) as office:
+        rows, ratios = compare_draft(office, sim.model, sim.draft, key=sim.key, weights=sim.weights, tokens=sim.tokens,
+                                     users=users, runs=sim.runs, core=sim.cores[0], log=sim.log, hooks=hooks)
+    return rows, ratios, {"draft": {"draft_model": sim.draft, "users": list(users),
+                                    "pcs": "this machine (PC 1, one core) holds the target; PC 2 (one core, "
+                                           "1 Gbit/s) the draft model"}}
 
 
 def open_draft_server(office: Office, pc: str, folder: Path, key: bytes, target, log,
@@ -61,9 +73,7 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
     pc2 = next(iter(office.nodes))
     target = export_model(model, stages=1, weights=weights).folders
     draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
-    before = pin_process({core})
-    opened: list = []
-    try:
+    with on_pc1(core, log) as opened:
         def service(factory) -> ChatService:
             chain = LocalChain(target)
             opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
@@ -77,11 +87,8 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
         services[DRAFTING_PC] = service(lambda chain: drafter_factory("remote", chain, remote=link))
         for svc in services.values():  # warm: first compiles, first shapes
             chat_wave(svc, 1, 16)
-        rows = interleave({name: lambda u, svc=svc: chat_wave(svc, u, tokens) for name, svc in services.items()},
-                          users, runs, log, hooks)
-    finally:
-        close_all(opened, log)
-        pin_process(before)
+        rows = wave_rows({name: lambda u, svc=svc: chat_wave(svc, u, tokens) for name, svc in services.items()},
+                         users, runs, log, hooks)
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {}
     for u in users:

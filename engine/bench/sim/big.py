@@ -1,5 +1,5 @@
-"""The model-too-big comparison of ``fleet bench sim`` (part ``big``): a model that no simulated PC
-can hold alone, served across two of them.
+"""The ``big`` part of ``fleet bench sim``: a model that no simulated PC can hold alone, served
+across two of them.
 
 Two PCs of one core and ``memory_mb`` each (cgroup caps; this machine has no swap) at 1 Gbit/s: the
 whole model does not fit on one, by the placement solver's memory model (every stage's weights, its
@@ -33,24 +33,36 @@ from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks
 from engine.bench.llamacpp import LlamaServer
-from engine.bench.office import RpcServer
 from engine.bench.serve import user_wave
+from engine.bench.sim.shared import RpcServer, Sim, medians
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import worker_address
 from engine.fleet.placement import DeviceProfile, Fleet, Infeasible, ModelShape, Plan, solve
-from engine.fleet.sim import Office
+from engine.fleet.sim import NodeSpec, Office
 from engine.launch import end_processes, fleet_command
 
 USERS = (1, 4)
-TOKENS = 32  # llama.cpp paging makes a token cost about a second
-CONTEXT = 1024  # llama.cpp's context per slot, whose KV cache it allocates whole: 4 x 4096 would take 460 MB
+TOKENS = 32  # few: llama.cpp paging its weights makes every token slow
+CONTEXT = 1024  # llama.cpp's context per slot: it allocates the KV cache of every slot whole, under the cap
 SERVE_PORT = 8100
 OURS = "ours split, 2 capped PCs"
 LLAMA_ONE, LLAMA_ONE_MAPPED = "llama.cpp, one capped PC", "llama.cpp --no-repack, one capped PC"
 LLAMA_SPLIT = "llama.cpp RPC split, 2 capped PCs"
+
+
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """Two PCs of one core and ``sim.memory_mb`` each, at 1 Gbit/s."""
+    specs = [NodeSpec(f"pc{i + 1}", memory_mb=sim.memory_mb, cpus=str(sim.cores[i]), rate_mbit=1000.0)
+             for i in range(2)]
+    with Office(specs, key_file=sim.key_file, root=sim.root / "big", log=sim.log) as office:
+        rows, ratios, plan = compare_big(office, sim.model, sim.gguf, sim.shape, key=sim.key, weights=sim.weights,
+                                            runs=sim.runs, log=sim.log, hooks=hooks)
+    return rows, ratios, {"big": {"memory_mb": sim.memory_mb, "users": list(USERS), "tokens": TOKENS,
+                                  "pcs": "2, one core and the memory cap each, 1 Gbit/s; no swap",
+                                  "placement": plan.explain().splitlines()}}
 
 
 def place(office: Office, shape: ModelShape, users: int, key: bytes) -> Plan:
@@ -154,7 +166,7 @@ class _Both:
         self.rpc.close()
 
 
-def compare_capped(office: Office, model: str, gguf: Path, shape: ModelShape, *, key: bytes, weights: str,
+def compare_big(office: Office, model: str, gguf: Path, shape: ModelShape, *, key: bytes, weights: str,
                    runs: int, log, hooks: Hooks = NO_HOOKS) -> tuple[list[dict], dict, Plan]:
     """Rows per server and user count (medians over ``runs`` waves, with each PC's peak memory), the
     ratios of ours to llama.cpp's, and the solver's placement."""
@@ -210,10 +222,7 @@ def compare_capped(office: Office, model: str, gguf: Path, shape: ModelShape, *,
         if "error" in samples:
             rows.append({"part": "big", "server": name, "error": samples["error"], **memory})
         for users, got in sorted((u, g) for u, g in samples.items() if u != "error"):
-            rows.append({"part": "big", "server": name, "users": users,
-                         "tok_s": round(statistics.median(t for t, _ in got), 2),
-                         "ttft_ms": round(statistics.median(f for _, f in got), 1),
-                         "runs_tok_s": [round(t, 2) for t, _ in got], **memory})
+            rows.append({"part": "big", "server": name, "users": users, **medians(got), **memory})
     return rows, _ratios(rows), plan
 
 

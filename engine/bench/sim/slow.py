@@ -1,5 +1,5 @@
-"""The slow-PC comparison of ``fleet bench sim`` (part ``slow``): a third PC with a fifth of a core,
-beside two with 0.9 of one each, must cost the fleet nothing.
+"""The ``slow`` part of ``fleet bench sim``: a third PC with a fifth of a core, beside two with 0.9
+of one each, must cost the fleet nothing.
 
 This process is PC 1 (its core at 0.9: a cgroup CPU quota), PC 2 has the other core at 0.9 and
 PC 3 a fifth of a core on either, so the three fit this machine's two cores.  The fleet is
@@ -15,16 +15,15 @@ leaving it out saves.
 from __future__ import annotations
 
 import os
-import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import DeployedWorkers, chat_wave, close_all
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy
 from engine.fleet.placement import Fleet, ModelShape, left_out, one_layer_on, solve
 from engine.fleet.plans import placement_stages
-from engine.fleet.sim import Office
+from engine.fleet.sim import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
@@ -36,6 +35,18 @@ FORCED = "ours, 3 PCs, one layer forced onto the slow one"
 COORDINATOR = "coordinator"
 
 
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """PC 2 on the second core and PC 3 on either, beside this process (PC 1, the first core)."""
+    cores = sim.cores
+    specs = [NodeSpec("pc2", cpus=str(cores[1]), cpu_quota=QUOTA, rate_mbit=1000.0),
+             NodeSpec("pc3", cpus=f"{cores[0]},{cores[1]}", cpu_quota=SLOW_QUOTA, rate_mbit=1000.0)]
+    with Office(specs, key_file=sim.key_file, root=sim.root / "slow", log=sim.log) as office:
+        rows, ratios, notes = compare_slow(office, sim.model, key=sim.key, weights=sim.weights, tokens=sim.tokens,
+                                           runs=sim.runs, core=cores[0], log=sim.log, hooks=hooks)
+    return rows, ratios, {"slow": {"users": list(USERS), "pcs": "this machine (PC 1) and PC 2 at 0.9 of a core "
+                                   "each, PC 3 at 0.2, 1 Gbit/s", "objective": "throughput", **notes}}
+
+
 def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens: int, runs: int, core: int,
                  log, hooks: Hooks = NO_HOOKS) -> tuple[list[dict], dict, dict]:
     """Rows per placement and user count (medians over ``runs`` waves), the ratio with the slow PC
@@ -44,7 +55,6 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
     here = netns.make_cgroup(f"{office.tag}-{COORDINATOR}", None, str(core), QUOTA)
     home = [folder.parent for folder in here]
     opened: list = []
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
         doc = survey(model, [fast.agent, slow.agent], key=key, local_node=COORDINATOR, weights=weights,
@@ -87,20 +97,12 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
         serving = {k: services[placement(plan)] for k, plan in plans.items()}
         for service in services.values():  # warm: first compiles, first pages of the weights
             chat_wave(service, 2, tokens)
-        total, done = runs * len(plans), 0
-        for run in range(runs):
-            for (name, users), service in serving.items():
-                samples.setdefault((name, users), []).append(chat_wave(service, users, tokens))
-                done += 1
-                log(f"run {run + 1}/{runs}, {users} user(s), {name}: {samples[name, users][-1][0]:.2f} tok/s")
-                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {users} user(s)")
+        samples = take_turns(serving, lambda key: chat_wave(serving[key], key[1], tokens), runs, log, hooks)
     finally:
         close_all(opened, log)
         netns.move_into(home, os.getpid())
         netns.delete_cgroup(here)
-    rows = [{"part": "slow", "server": name, "users": users, "tok_s": round(statistics.median(t for t, _ in got), 2),
-             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got],
-             "stages": len(plans[name, users].stages)}
+    rows = [{"part": "slow", "server": name, "users": users, **medians(got), "stages": len(plans[name, users].stages)}
             for (name, users), got in samples.items()]
     tok = {(r["server"], r["users"]): r["tok_s"] for r in rows}
     ratios = {f"slow PC, {u} user(s): {WITH} / {WITHOUT}": round(tok[WITH, u] / tok[WITHOUT, u], 3) for u in USERS}

@@ -1,5 +1,5 @@
-"""The layout comparison of ``fleet bench sim`` (part ``layout``): N PCs serving U users through the
-layout the solver chooses (``engine.fleet.layout``: one chain, copies of the model, both, or two
+"""The ``layout`` part of ``fleet bench sim``: N PCs serving U users through the layout the solver
+chooses (``engine.fleet.layout``: one chain, copies of the model, both, or two
 tensor-parallel ranks) against N times one PC serving U/N users, and against one PC serving all U.
 
 This process is PC 1 and the office's nodes the others, each PC under the same cgroup CPU quota
@@ -15,17 +15,17 @@ one PC's at U users (the fleet is never slower than one PC: 0.97).
 from __future__ import annotations
 
 import os
-import statistics
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.office import DeployedWorkers, chat_wave, close_all
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
+from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet import netns
 from engine.fleet.deploy import deploy_layout, rank_count
 from engine.fleet.layout import solve_layout
 from engine.fleet.placement import Fleet, ModelShape
 from engine.fleet.plans import layout_stages
-from engine.fleet.sim import Office
+from engine.fleet.sim import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
@@ -33,6 +33,37 @@ from engine.runtime.stages.chain import LocalChain
 
 COORDINATOR = "coordinator"
 ONE_PC = "ours, one PC"
+OFFICES = ((2, None, (1, 2, 4, 8)), (3, 0.6, (3, 6)))  # PCs, CPU quota of each, user counts
+
+
+def check(sim: Sim) -> None:
+    counts = sorted({u for _, _, users in OFFICES for u in users})
+    if sim.users and not set(sim.users) & set(counts):
+        raise FleetError(f"fleet bench sim's layout serves {', '.join(map(str, counts))} users, "
+                         f"none of {', '.join(map(str, sim.users))}")
+
+
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """Each of ``OFFICES`` with any of the users asked for: this machine (PC 1) and the others under
+    the office's quota, the second on the other core, the third on either."""
+    rows, ratios, settings = [], {}, {}
+    cores = sim.cores
+    for pcs, quota, counts in OFFICES:
+        if sim.users and not (counts := tuple(u for u in counts if u in sim.users)):
+            continue
+        specs = [NodeSpec(f"pc{i + 2}", cpus=str(cores[1]) if i == 0 else f"{cores[0]},{cores[1]}",
+                          cpu_quota=quota, rate_mbit=1000.0) for i in range(pcs - 1)]
+        with Office(specs, key_file=sim.key_file, root=sim.root / f"layout{pcs}", log=sim.log) as office:
+            layout_rows, layout_ratios, notes = compare_layout(
+                office, sim.model, key=sim.key, weights=sim.weights, tokens=sim.tokens, users=counts, runs=sim.runs,
+                core=cores[0], quota=quota, log=sim.log, hooks=hooks)
+        rows += layout_rows
+        ratios |= layout_ratios
+        settings[f"layout, {pcs} PCs"] = {
+            "pcs": f"this machine (PC 1) and {pcs - 1} more, " + (f"{quota} of a core each" if quota else
+                                                                  "one core each") + ", 1 Gbit/s",
+            "users": list(counts), **notes}
+    return rows, ratios, settings
 
 
 def fleet_name(pcs: int) -> str:
@@ -48,7 +79,6 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
     here = netns.make_cgroup(f"{office.tag}-{COORDINATOR}", None, str(core), quota)
     home = [folder.parent for folder in here]
     opened: list = []
-    samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
     notes: dict[str, list[str]] = {}
     try:
         netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
@@ -77,21 +107,13 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
             chat_wave(service, max(2, len(getattr(service, "services", ()))), tokens)
         alone = set(users) | {u // pcs for u in users if u % pcs == 0}  # one PC at U and at U/N
         waves = sorted([(fleet_name(pcs), u) for u in users] + [(ONE_PC, u) for u in alone], key=lambda w: w[1])
-        total, done = runs * len(waves), 0
-        for run in range(runs):
-            for name, u in waves:
-                got = chat_wave(serving[u] if name != ONE_PC else one, u, tokens)
-                samples.setdefault((name, u), []).append(got)
-                done += 1
-                log(f"run {run + 1}/{runs}, {u} user(s), {name}: {got[0]:.2f} tok/s")
-                hooks.step(done, total, f"run {run + 1}/{runs}: {name}, {u} user(s)")
+        samples = take_turns(waves, lambda key: chat_wave(one if key[0] == ONE_PC else serving[key[1]], key[1], tokens),
+                             runs, log, hooks)
     finally:
         close_all(opened, log)
         netns.move_into(home, os.getpid())
         netns.delete_cgroup(here)
-    rows = [{"part": "layout", "server": name, "users": u, "pcs": pcs if name != ONE_PC else 1,
-             "tok_s": round(statistics.median(t for t, _ in got), 2),
-             "ttft_ms": round(statistics.median(f for _, f in got), 1), "runs_tok_s": [round(t, 2) for t, _ in got],
+    rows = [{"part": "layout", "server": name, "users": u, "pcs": pcs if name != ONE_PC else 1, **medians(got),
              "copies": len(layouts[u].plans) if name != ONE_PC else 1,
              "ranks": ranks[u] if name != ONE_PC else 1}
             for (name, u), got in samples.items()]

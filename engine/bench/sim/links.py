@@ -1,0 +1,129 @@
+"""The ``links`` part of ``fleet bench sim``: what the link between PCs costs a fleet.
+
+For each link speed (default 100 Mbit/s and 1 Gbit/s, tc tbf on every PC's cable), two PCs of one
+core each: the time to deploy a 2-stage split onto a PC that holds nothing yet (the shard's
+transfer, then the whole deployment: transfer, worker start, connection), and the time from a PC's
+cable being cut mid-reply (link down: packets vanish, no reset) to the reply's next token, carried
+on by the other PC (the silence deadline, the probe of the lost node, moving its layers: sending the
+shard, starting a worker, prefilling again; when the node was declared lost and when the new chain
+was placed are in the row too), with whether the reply stayed token-identical (greedy, exact mode).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from engine.bench.harness import Hooks
+from engine.bench.sim.shared import Sim
+from engine.errors import FleetError
+from engine.fleet.control import ControlClient
+from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.failover import Failover
+from engine.fleet.placement import DeviceProfile, Fleet
+from engine.fleet.sim import NodeSpec, Office
+from engine.runtime.decode.service import ChatService
+from engine.runtime.stages.chain import LocalChain
+from engine.runtime.stages.stage import compile_config
+
+MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+CUT_AFTER = 8  # tokens of the reply before the cable is cut
+
+
+def check(sim: Sim) -> None:
+    if sim.tokens <= CUT_AFTER + 4:
+        raise FleetError(f"fleet bench sim needs replies of more than {CUT_AFTER + 4} tokens, not {sim.tokens}")
+
+
+def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
+    """Per link rate: deploying onto an empty PC, and a cable cut mid-reply carried on by the other PC."""
+    alone = ChatService(LocalChain(sim.split.folders, config=compile_config("exact")), streams=1)
+    try:
+        want = alone.submit(MESSAGES, sim.tokens, ignore_eos=True).wait(600).tokens
+    finally:
+        alone.close()
+    shard_bytes = sum(p.stat().st_size for p in sim.split.folders[1].iterdir())
+    rows = []
+    for r, rate in enumerate(sim.rates):
+        hooks.step(r, len(sim.rates), f"{rate:g} Mbit/s")
+        specs = [NodeSpec(f"pc{i + 1}", cpus=str(sim.cores[i]), rate_mbit=rate) for i in range(2)]
+        with Office(specs, key_file=sim.key_file, root=sim.root / f"office-{r}", log=sim.log) as office:
+            rows += _measure(office, sim, shard_bytes, rate, want)
+    ratios = {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
+    return rows, ratios, {"rates_mbit": list(sim.rates), "cut_after_tokens": CUT_AFTER}
+
+
+def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list[int]) -> list[dict]:
+    model, split, shape, key, weights, tokens, log = (sim.model, sim.split, sim.shape, sim.key, sim.weights,
+                                                      sim.tokens, sim.log)
+    pc1, pc2 = office.nodes["pc1"], office.nodes["pc2"]
+    half = split.stages[1].layers[0]
+    stages = [StagePlacement(LOCAL, "CPU", 0, half), StagePlacement(pc1.agent, "CPU", half, shape.num_layers)]
+    sent: list[float] = []
+
+    def progress(event) -> None:
+        if event.step == "send":
+            sent.append(time.perf_counter())
+
+    started = time.perf_counter()
+    deployment, chain = deploy(model, stages, key=key, weights=weights, mode="exact", progress=progress)
+    deploy_s = time.perf_counter() - started
+    send_s = sent[-1] - sent[0] if len(sent) > 1 else 0.0
+    rows = [{"measure": "deploy", "rate_mbit": rate, "shard_mb": round(shard_bytes / 2**20, 1),
+             "send_s": round(send_s, 2), "seconds": round(deploy_s, 2),
+             "send_mbit_s": round(shard_bytes * 8 / 1e6 / send_s, 1) if send_s else None}]
+    log(f"{rate:g} Mbit/s: deployed in {deploy_s:.2f} s (the {shard_bytes / 2**20:.1f} MB shard in {send_s:.2f} s)")
+    events: list[str] = []
+    heard: list[tuple[float, str]] = []  # when each failover event came
+
+    def on_event(text: str) -> None:
+        events.append(text)
+        heard.append((time.perf_counter(), text))
+
+    failover = Failover(deployment, _profile(office, shape.to_json(), key), key=key, on_event=on_event, chain=chain)
+    service = ChatService(chain, streams=1, recover=failover.recover)
+    cut_at: list[float] = []
+    resumed: list[float] = []
+    lock = threading.Lock()
+
+    def on_text(piece, count):
+        with lock:
+            if count >= CUT_AFTER and not cut_at:
+                cut_at.append(time.perf_counter())
+                office.partition("pc1")
+            elif cut_at and not resumed and count > CUT_AFTER:
+                resumed.append(time.perf_counter())
+
+    try:
+        reply = service.submit(MESSAGES, tokens, on_text=on_text, ignore_eos=True).wait(600)
+    finally:
+        office.reconnect("pc1")
+        service.close()
+        failover.deployment.stop(key)
+        deployment.stop(key)
+    if reply.error or not resumed:
+        raise FleetError(f"the reply did not carry on after the cable was cut: {reply.error}; {events}")
+    carry_on = resumed[0] - cut_at[0]
+    moved = failover.deployment.stages[1].agent == pc2.agent
+    log(f"{rate:g} Mbit/s: link lost to the reply carrying on: {carry_on:.2f} s "
+        f"({'identical' if reply.tokens == want else 'DIFFERENT'}; {events[-1] if events else ''})")
+    lost = next((t for t, e in heard if e.startswith("node pc1 lost")), None)
+    placed = next((t for t, e in heard if e.startswith("placed:")), None)
+    rows.append({"measure": "link loss to next token", "rate_mbit": rate, "seconds": round(carry_on, 2),
+                 "lost_after_s": round(lost - cut_at[0], 2) if lost else None,
+                 "placed_after_s": round(placed - cut_at[0], 2) if placed else None,
+                 "rerouted": reply.rerouted, "moved_to_other_pc": moved, "identical": reply.tokens == want})
+    return rows
+
+
+def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
+    """The profile failover re-plans from: the PCs' node ids and addresses, their devices alike (where
+    the layers go is what is measured here, not the solver)."""
+    nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
+    for node in office.nodes.values():
+        with ControlClient(node.agent, key) as client:
+            nodes[client.status()["node"]["node_id"]] = {"name": node.name, "address": node.agent}
+    devices = [DeviceProfile(n, "CPU", 4 << 30, layer_ms=1.0, head_ms=2.0) for n in nodes]
+    rtt = {(a, b): 0.3 for a in nodes for b in nodes if a < b}
+    return {"model": model_doc, "nodes": nodes, "fleet": Fleet(devices=devices, rtt_ms=rtt,
+                                                                 coordinator="coordinator").to_json()}
