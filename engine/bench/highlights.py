@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.bench.office import LLAMA_ONE, LLAMA_REPLICAS, LLAMA_SPLIT, OURS_REPLICAS, OURS_SPLIT
-from engine.bench.rankpc import FLEET
+from engine.bench.sim.office import LLAMA_ONE, LLAMA_REPLICAS, LLAMA_SPLIT, OURS_REPLICAS, OURS_SPLIT
+from engine.bench.sim.ranks import FLEET
 
 USERS = (1, 4, 8)
 
