@@ -1,7 +1,8 @@
-"""The Benchmarks view: one click runs a ``fleet bench`` benchmark on the current shard set, with
-progress, Cancel, live tok/s per stream, a results plot that grows as rows are measured (for the WAN
-sweep: throughput against injected hop latency; for the simulated office: tok/s against users, one
-line per server), and the results saved as PNG, CSV or JSON."""
+"""The Benchmarks view: the published comparison with llama.cpp (``engine.bench.highlights``), and one
+click that runs a ``fleet bench`` benchmark on the current shard set, with progress, Cancel, live tok/s
+per stream, a results plot that grows as rows are measured (for the WAN sweep: throughput against
+injected hop latency; for the simulated office: tok/s against users, one line per server), and the
+results saved as PNG, CSV or JSON."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from engine.errors import FleetError
 from engine.progress import Progress
 from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
-from fleetgui.theme import SERIES
+from fleetgui.theme import RESOURCES, SERIES
 from fleetgui.widgets import Banner, combo_box, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
@@ -33,6 +34,41 @@ def parse_delays(text: str) -> tuple[float, ...]:
     if not delays or any(d < 0 for d in delays):
         raise FleetError("give at least one hop delay of 0 ms or more")
     return delays
+
+
+def published_table(path: Path) -> QWidget:
+    """The published comparison with llama.cpp (``resources/highlights.json``): per number of PCs and
+    users, ours and llama.cpp's tok/s and the ratio, with where and when it was measured."""
+    box = QWidget()
+    layout = QVBoxLayout(box)
+    layout.setContentsMargins(0, 0, 0, 0)
+    title = QLabel()
+    title.setTextFormat(Qt.TextFormat.PlainText)
+    title.setWordWrap(True)
+    layout.addWidget(title)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        title.setText(f"No published results to show ({path.name}: {exc})")
+        return box
+    title.setText(f"Published: {doc['model']} against llama.cpp on the same GGUF, measured {doc['date']} "
+                  f"on {doc['cpu']} ({'no int8 dot products' if doc['int8_dot'] == 'none' else doc['int8_dot']})")
+    table = QTableWidget(len(doc["rows"]), 5)
+    table.setObjectName("published")
+    table.setHorizontalHeaderLabels(["PCs", "People at once", "Ours, tok/s", "llama.cpp, tok/s", "Ours / llama.cpp"])
+    table.verticalHeader().hide()
+    table.setEditTriggers(QTableWidget.EditTrigger.NoEditTriggers)
+    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+    for i, row in enumerate(doc["rows"]):
+        cells = [str(row["pcs"]), str(row["users"]), f"{row['ours_tok_s']:g}", f"{row['peer_tok_s']:g}",
+                 f"{row['ratio']:.2f}x"]
+        tips = [row["setup"], "", row["ours"], row["peer"], row["report"]]
+        for j, (text, tip) in enumerate(zip(cells, tips)):
+            item = QTableWidgetItem(text)
+            item.setToolTip(tip)
+            table.setItem(i, j, item)
+    layout.addWidget(table)
+    return box
 
 
 class _Rows(QObject):
@@ -118,7 +154,8 @@ class BenchPanel(QWidget):
         self.table = QTableWidget(0, 0)
         self.table.verticalHeader().hide()
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
-        plots = splitter(Qt.Orientation.Vertical, (self.plot, 3), (self.live, 2), (self.table, 2))
+        self.published = published_table(RESOURCES / "highlights.json")
+        plots = splitter(Qt.Orientation.Vertical, (self.published, 2), (self.plot, 3), (self.live, 2), (self.table, 2))
         split = splitter(Qt.Orientation.Horizontal, (controls, 1), (plots, 3))
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)

@@ -8,8 +8,8 @@ GGUF, on one PC and on two, at 1, 4 and 8 users, taken from three ``fleet bench`
   split over both PCs, or a copy on each), against the better of llama.cpp's (its RPC split, or a
   copy on each behind a round robin).
 
-``collect`` builds the document from the reports; ``resources/highlights.json`` holds the one
-published, and a test checks it against the reports it names.
+``collect`` builds the document from the reports; ``write`` publishes it as ``resources/highlights.json``,
+which the Benchmarks view shows and a test checks against the reports it names and the README.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from engine.bench.sim.office import LLAMA_ONE, LLAMA_REPLICAS, LLAMA_SPLIT, OURS
 from engine.bench.sim.ranks import FLEET
 
 USERS = (1, 4, 8)
+PUBLISHED = Path("resources") / "highlights.json"  # under the checkout (the app's resources folder)
 
 
 def _tok(report: dict, server: str, users: int) -> float:
@@ -50,17 +51,28 @@ def collect(serve: Path, ranks: Path, office: Path, *, root: Path) -> dict:
         peer, peer_tok = _better(docs["office"], (LLAMA_SPLIT, LLAMA_REPLICAS), users)
         rows.append({"pcs": 2, "users": users, "ours": ours, "ours_tok_s": ours_tok, "peer": peer,
                      "peer_tok_s": peer_tok, "report": str(office)})
-    for row in rows:
+    cores = docs["serve"]["machine"]["logical_cores"]
+    for row in rows:  # the serve bench has the whole machine; the simulated PCs a core each
+        row["setup"] = f"1 PC of {cores} cores, through the API" if row["pcs"] == 1 else \
+            "2 simulated PCs of 1 core each, 1 Gbit/s"
         row["ratio"] = round(row["ours_tok_s"] / row["peer_tok_s"], 2)
     machine = docs["serve"]["machine"]
     return {"model": docs["serve"]["settings"]["model"], "date": machine["date"], "cpu": machine["cpu"],
-            "int8_dot": machine["int8_dot"], "rows": rows}
+            "int8_dot": machine["int8_dot"],
+            "reports": {"serve": str(serve), "ranks": str(ranks), "office": str(office)}, "rows": rows}
+
+
+def write(serve: Path, ranks: Path, office: Path, *, root: Path) -> dict:
+    """Collects the document and writes it where the app reads it (``PUBLISHED`` under ``root``)."""
+    doc = collect(serve, ranks, office, root=root)
+    (root / PUBLISHED).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
 
 
 def markdown(doc: dict) -> str:
     """The table the README shows."""
     lines = ["| PCs | users | ours, tok/s | llama.cpp, tok/s | ours / llama.cpp |", "|---|---|---|---|---|"]
     for row in doc["rows"]:
-        lines.append(f"| {row['pcs']} | {row['users']} | {row['ours_tok_s']:g} ({row['ours']}) | "
+        lines.append(f"| {row['setup']} | {row['users']} | {row['ours_tok_s']:g} ({row['ours']}) | "
                      f"{row['peer_tok_s']:g} ({row['peer']}) | **{row['ratio']:.2f}×** |")
     return "\n".join(lines)
