@@ -24,8 +24,9 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet import survey
-from engine.fleet.deploy import LOCAL, StagePlacement, placement_problem
+from engine.fleet.deploy import LOCAL, placement_problem
 from engine.fleet.placement import Fleet, ModelShape, Pin, evaluate, price_ranks
+from engine.fleet.span import StageSpan
 from engine.manifest import layer_span
 
 MIME = "application/x-fleetshard-layers"
@@ -214,16 +215,16 @@ class PlanModel(QAbstractItemModel):
     def chain(self) -> list[tuple[str, str, int, int]]:
         return [(self.lanes[s.lane].node, self.lanes[s.lane].device, s.start, s.end) for s in self.stages]
 
-    def placement(self) -> list[StagePlacement]:
+    def placement(self) -> list[StageSpan]:
         """The plan as ``deploy`` takes it: each stage at its lane's agent, ``LOCAL`` for this app's
         lane (a plan whose stage 0 is on another PC is fed from here)."""
-        return [StagePlacement(self.lanes[s.lane].address, self.lanes[s.lane].device, s.start, s.end,
-                               rank=i if self.ranks else None) for i, s in enumerate(self.stages)]
+        return [StageSpan(self.lanes[s.lane].address, self.lanes[s.lane].device, s.start, s.end,
+                          rank=i if self.ranks else None) for i, s in enumerate(self.stages)]
 
-    def placement_of(self, plan) -> list[StagePlacement]:
+    def placement_of(self, plan) -> list[StageSpan]:
         """A solver ``Plan`` (another copy of the model, not the one drawn) as ``deploy`` takes it."""
         address = {lane.node: lane.address for lane in self.lanes}
-        return [StagePlacement(address[s.node], s.device, s.start, s.end) for s in plan.stages]
+        return [s.at(address[s.node]) for s in plan.stages]
 
     # --- pricing -------------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, Deployment, deploy
+from engine.fleet.span import StageSpan
 from engine.fleet.local import start_local_agent, stop_local_agent
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.service import ChatService
@@ -45,7 +46,7 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
     agent, address = start_local_agent(key_path, options=("--link-delay-ms", "10"))  # a reply of a few seconds
     chat = None
     try:
-        stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(address, "CPU", 2, 4)]
+        stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)]
         deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", mode="exact")
         chain.close()
         record = deployment.save(tmp_path / "deployment.json")

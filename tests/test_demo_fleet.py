@@ -103,7 +103,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
         assert profiled[ids[gpu.name], "GPU"]["memory_bytes"] == gpu.device.memory_mb << 20
         assert (ids[laptop.name], "CPU") in profiled
         # the layers split evenly over this machine and the laptop; the GPU box is the spare
-        assert [(s.agent, s.device) for s in deployment.stages] == [(LOCAL, "CPU"), (laptop.address, "CPU")]
+        assert [(s.node, s.device) for s in deployment.placement] == [(LOCAL, "CPU"), (laptop.address, "CPU")]
         want = greedy_in_process(deployment)
         assert greedy(chain) == want
 
@@ -118,8 +118,8 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
             service.close()
         assert again.tokens == first.tokens, (again.error, events)
         assert any(e.startswith(f"node {laptop.name} lost") for e in events), events
-        moved = failover.deployment.stages
-        assert [s.agent for s in moved] == [LOCAL, gpu.address] and moved[1].device == "GPU", events
+        moved = failover.deployment.placement
+        assert [s.node for s in moved] == [LOCAL, gpu.address] and moved[1].device == "GPU", events
         assert [w["stage"] for w in _status(gpu.address, key)["workers"]] == [1]
         failover.deployment.stop(key)
     finally:

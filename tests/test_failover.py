@@ -16,7 +16,8 @@ import psutil
 import pytest
 from fleet_support import agent_process
 
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, deploy
+from engine.fleet.span import StageSpan
 from engine.fleet.failover import Failover
 from engine.fleet.placement import Fleet
 from engine.fleetkey import create_key, load_key
@@ -88,7 +89,7 @@ def _reference(deployment) -> list[int]:
 
 def _deployed(fleet, on="alpha"):
     address = fleet["agents"][on][1]
-    stages = [StagePlacement(LOCAL, "CPU", 0, 15), StagePlacement(address, "CPU", 15, 30)]
+    stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(address, "CPU", 15, 30)]
     return deploy(fleet["source"], stages, key=fleet["key"], weights="int4", mode="exact")
 
 
@@ -134,7 +135,7 @@ def test_a_node_killed_mid_reply_and_a_hung_worker(fleet):
         moved = [e for e in events if e.startswith("moving layers 15-29 to node")]
         assert moved and moved[0].split()[-1].rstrip("…") in ("beta", "gamma"), events
         survivor = moved[0].split()[-1].rstrip("…")
-        assert failover.deployment.stages[1].agent == fleet["agents"][survivor][1]
+        assert failover.deployment.placement[1].node == fleet["agents"][survivor][1]
         assert failover.chain is not chain and failover.chain.local is chain.local  # stage 0 not compiled again
 
         # a worker that hangs rather than dies: its node still answers, so the stage starts again there
@@ -153,7 +154,7 @@ def test_a_node_killed_mid_reply_and_a_hung_worker(fleet):
             assert any(e.startswith("node alpha is back") for e in events)
             again = service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120)
             assert again.tokens == want and again.rerouted == 0
-            assert all(s.agent != fleet["agents"]["alpha"][1] for s in failover.deployment.stages)
+            assert all(s.node != fleet["agents"]["alpha"][1] for s in failover.deployment.placement)
     finally:
         service.close()
         failover.deployment.stop(fleet["key"])

@@ -21,7 +21,8 @@ from fleet_support import (agent_process, deployed_equals_in_process, fleet_up, 
 
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy, deploy_draft
+from engine.fleet.deploy import LOCAL, deploy, deploy_draft
+from engine.fleet.span import StageSpan
 from engine.fleet.shardstore import content_hash
 from engine.fleetkey import create_key, fleet_id, load_key
 from engine.runtime.stages.chain import LocalChain
@@ -124,7 +125,7 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
 def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny_models, tmp_path):
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
-    stages = [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(a, "CPU", 1, 3), StagePlacement(b, "CPU", 3, 4)]
+    stages = [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(a, "CPU", 1, 3), StageSpan(b, "CPU", 3, 4)]
     phases = []
     deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
                                progress=lambda p: phases.append((p.stage, p.step)))
@@ -178,7 +179,7 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
     model = str(tiny_models["qwen2"])
-    stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(a, "CPU", 2, 4)]
+    stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(a, "CPU", 2, 4)]
     deployment, chain = deploy(model, stages, key=key, weights="f32", mode="exact")
     try:
         deployment.draft = deploy_draft(model, b, key=key, weights="f32")
@@ -210,7 +211,7 @@ def test_a_deployments_copies_share_its_draft_server(two_agents, key_file, tiny_
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
     model = str(tiny_models["qwen2"])
-    deployment, chains = deploy_layout(model, [[StagePlacement(LOCAL, "CPU", 0, 4)], [StagePlacement(a, "CPU", 0, 4)]],
+    deployment, chains = deploy_layout(model, [[StageSpan(LOCAL, "CPU", 0, 4)], [StageSpan(a, "CPU", 0, 4)]],
                                        key=key, weights="f32", mode="exact")
     for chain in chains:
         chain.close()
@@ -248,9 +249,9 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     (_, a), (_, b) = two_agents
     key = load_key(key_file)
     model = str(tiny_models["qwen2"])
-    copies = [[StagePlacement(LOCAL, "CPU", 0, 4)],
-              [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(a, "CPU", 1, 4)],
-              [StagePlacement(b, "CPU", 0, 4)]]
+    copies = [[StageSpan(LOCAL, "CPU", 0, 4)],
+              [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(a, "CPU", 1, 4)],
+              [StageSpan(b, "CPU", 0, 4)]]
     deployment, chains = deploy_layout(model, copies, key=key, weights="f32", mode="exact")
     for chain in chains:
         chain.close()
@@ -300,7 +301,7 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
 
     (_, a), _ = two_agents
     key = load_key(key_file)
-    stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(a, "CPU", 2, 4)]
+    stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(a, "CPU", 2, 4)]
     deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, weights="f32")
     chain.close()
 
@@ -357,14 +358,14 @@ def test_a_worker_laptop_serves_with_openvino_numpy_and_the_tokenizer_only(key_f
     with agent_process(key_file, tmp_path / "laptop", name="laptop", env=env) as (_, laptop):
         doc = survey(source, [laptop], key=key, local_node="coordinator", weights="f32")
         assert {d["node"] for d in doc["fleet"]["devices"]} == {"coordinator", *doc["taken"]["agents"].values()}
-        deployed_equals_in_process(source, [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(laptop, "CPU", 2, 4)],
+        deployed_equals_in_process(source, [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(laptop, "CPU", 2, 4)],
                                     key)
 
 
 def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_models):
     (_, a), (proc_b, b) = two_agents
     key = load_key(key_file)
-    stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(a, "CPU", 2, 3), StagePlacement(b, "CPU", 3, 4)]
+    stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(a, "CPU", 2, 3), StageSpan(b, "CPU", 3, 4)]
 
     def lose_b(progress):
         if (progress.stage, progress.step, progress.fraction) == (2, "start", 0.0):  # stage 1's worker is already up

@@ -81,7 +81,7 @@ def test_demo_fleet_drag_a_range_deploy_chat_and_lose_a_node(qtbot, gui_home, ti
     qtbot.waitUntil(lambda: view.task is None, timeout=600000)
     assert deployed and deployed[0] is not None, view.banner.message
     deployment = deployed[0]
-    assert [s.agent for s in deployment.stages[1:]] == [demo.node(gpu).address]
+    assert [s.node for s in deployment.placement[1:]] == [demo.node(gpu).address]
 
     reply = chat(qtbot, window)
     assert reply.tokens and not reply.error, reply.error

@@ -135,7 +135,7 @@ def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     # the starting plan is the engine's even split, one stage per machine, stage 0 on this one
     layers = view.model.shape.num_layers
     assert [(s.start, s.end) for s in view.model.stages] == plan_split(layers, 3)
-    assert view.model.placement()[0].agent == LOCAL and view.model.stages[0].lane == 0
+    assert view.model.placement()[0].node == LOCAL and view.model.stages[0].lane == 0
     said = [p.text for p in seen if not p.step]  # each with the count a person follows
     assert "Node 1 of 3: profiling this machine's CPU" in said, said
     assert any(line.startswith("Node 3 of 3: profiling") for line in said), said

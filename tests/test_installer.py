@@ -19,7 +19,8 @@ from build_cache import cached, digest
 from fleet_support import deployed_equals_in_process
 
 from engine.fleet.control import AgentError, ControlClient
-from engine.fleet.deploy import LOCAL, StagePlacement
+from engine.fleet.deploy import LOCAL
+from engine.fleet.span import StageSpan
 from engine.fleetkey import create_key, load_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +82,7 @@ def test_the_bundled_tray_worker_takes_a_stage_and_serves_it(bundle, tiny_models
         assert _reach(address, key, proc, log)["node"]["name"] == "laptop"
         # the agent in the bundled app starts the stage worker with the bundle's `fleet`
         deployed_equals_in_process(str(tiny_models["llama"]),
-                                   [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(address, "CPU", 2, 4)], key)
+                                   [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)], key)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -115,7 +115,7 @@ def test_fleet_place_writes_the_copies_that_deploy_reads(tmp_path):
     doc = place()
     assert "2 replicas, 4 user(s)" in doc["stdout"] and "beta" in doc["stdout"]
     copies = layout_stages(doc)
-    assert [[(s.agent, s.start, s.end) for s in c] for c in copies] == [[("local", 0, 28)], [("10.0.0.2:7420", 0, 28)]]
+    assert [[(s.node, s.start, s.end) for s in c] for c in copies] == [[("local", 0, 28)], [("10.0.0.2:7420", 0, 28)]]
     one = place("--one-chain")
     assert one["replicas"] == [] and len(layout_stages(one)) == 1 and len(layout_stages(one)[0]) == 2
 
@@ -175,7 +175,7 @@ def test_one_user_on_slow_pcs_gets_two_tensor_parallel_ranks_and_more_users_get_
     assert "2 PCs as tensor-parallel ranks" in layout.explain() and "57 exchanges" in layout.explain()
     stages = layout_stages({"plan": plan.to_json(), "nodes": {"pc1": {"address": "local"},
                                                                 "pc2": {"address": "10.0.0.2:7000"}}})
-    assert [(s.agent, s.start, s.end, s.rank) for s in stages[0]] == [("local", 0, 28, 0), ("10.0.0.2:7000", 0, 28, 1)]
+    assert [(s.node, s.start, s.end, s.rank) for s in stages[0]] == [("local", 0, 28, 0), ("10.0.0.2:7000", 0, 28, 1)]
     assert type(plan).from_json(json.loads(json.dumps(plan.to_json()))) == plan
     assert not any(p.ranks for p in solve_layout(splittable, slow, users=2).plans)  # two copies serve 2 users
     assert not solve_layout(MODEL, slow, users=1).plans[0].ranks  # its export is not split

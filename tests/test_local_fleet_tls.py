@@ -58,7 +58,7 @@ def _agent_answers(address: str, key: bytes, tls) -> bool:
 
 def _local_fleet(settings: Settings):
     opened = open_chain(settings, Launch())
-    assert opened.kind == "local-fleet" and len(opened.deployment.stages) == 2
+    assert opened.kind == "local-fleet" and len(opened.deployment.placement) == 2
     return opened
 
 
@@ -73,7 +73,7 @@ def test_the_local_fleet_speaks_tls_as_the_callers_settings_say(fleet_home, tiny
     try:
         tokens = greedy(opened.chain, 4)
         assert len(tokens) == 4
-        agent = opened.deployment.stages[1].agent
+        agent = opened.deployment.placement[1].node
         assert _tls_handshake(agent, key_path) is tls
         assert _agent_answers(agent, key, contexts)  # as failover probes it
         assert not _agent_answers(agent, key, load_tls(not tls, key_path))
@@ -105,7 +105,7 @@ def test_fleet_up_tls_brings_the_local_fleet_up_over_tls(fleet_home, tiny_models
     log = tmp_path / "up.log"
     with fleet_up(["--model", str(tiny_models["llama"]), "--local", "--no-chat", "--tls"], log) as (up, _, deployment):
         key = load_key(key_path)
-        assert _tls_handshake(deployment.stages[1].agent, key_path)
+        assert _tls_handshake(deployment.placement[1].node, key_path)
         chain = deployment.chain(key, tls=load_tls(True, key_path), connect_timeout_s=30)
         try:
             assert len(greedy(chain, 4)) == 4

@@ -425,10 +425,11 @@ def test_sixteen_nodes_on_an_80_layer_model():
 # ---- the deployment's rules (engine.fleet.deploy.check_placement), which the app's plan asks too ----
 
 def test_check_placement_refuses_what_deploy_cannot_run():
-    from engine.fleet.deploy import LOCAL, StagePlacement, check_placement, placement_problem
+    from engine.fleet.deploy import LOCAL, check_placement, placement_problem
+    from engine.fleet.span import StageSpan
 
     def stages(*spec):
-        return [StagePlacement(agent, "CPU", start, end) for agent, start, end in spec]
+        return [StageSpan(agent, "CPU", start, end) for agent, start, end in spec]
 
     a, b = "10.0.0.2:7411", "10.0.0.3:7411"
     for good in (stages((LOCAL, 0, 1), (a, 1, 3), (b, 3, 4)), stages((a, 0, 4)), stages((a, 0, 2), (b, 2, 4))):

@@ -23,7 +23,8 @@ from fleet_support import IDS, deployed_equals_in_process, simulated_office
 
 from engine.fleet import netns
 from engine.fleet.control import AgentError, ControlClient
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, deploy
+from engine.fleet.span import StageSpan
 from engine.fleet.discovery import Browser
 from engine.fleet.failover import Failover
 from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
@@ -98,8 +99,8 @@ def test_every_pc_is_found_across_the_bridge_at_its_own_address(office):
 def test_a_routed_pc_serves_a_stage(office, tiny_models):
     key = _key(office)
     far = office.nodes["far"].agent
-    deployment, chain = deploy(str(tiny_models["llama"]), [StagePlacement(LOCAL, "CPU", 0, 2),
-                                                           StagePlacement(far, "CPU", 2, 4)],
+    deployment, chain = deploy(str(tiny_models["llama"]), [StageSpan(LOCAL, "CPU", 0, 2),
+                                                           StageSpan(far, "CPU", 2, 4)],
                                key=key, weights="f32", mode="exact")
     try:
         got = ChatService(chain, streams=1).submit(MESSAGES, 8, ignore_eos=True).wait(120)
@@ -122,9 +123,9 @@ def test_a_pcs_link_delay_holds_the_rounds_through_it_and_no_other_pc(office, ti
     try:
         assert _status(office.nodes["pc2"].agent, key)["link_delay_ms"] == DELAY_MS
         assert _status(office.nodes["pc1"].agent, key)["link_delay_ms"] == 0
-        deployment, chain = deploy(str(tiny_models["llama"]), [StagePlacement(LOCAL, "CPU", 0, 2),
-                                                               StagePlacement(office.nodes["pc1"].agent, "CPU", 2, 3),
-                                                               StagePlacement(office.nodes["pc2"].agent, "CPU", 3, 4)],
+        deployment, chain = deploy(str(tiny_models["llama"]), [StageSpan(LOCAL, "CPU", 0, 2),
+                                                               StageSpan(office.nodes["pc1"].agent, "CPU", 2, 3),
+                                                               StageSpan(office.nodes["pc2"].agent, "CPU", 3, 4)],
                                    key=key, weights="f32", mode="exact")
         try:
             held = {name: [w["delay_ms"] for w in _status(office.nodes[name].agent, key)["workers"]]
@@ -164,7 +165,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
     key = _key(office)
     source = str(tiny_models["gemma3"])  # its greedy reply varies (the tiny Llama's repeats one token)
     profile = _profile(office, source, key)
-    stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(office.nodes["pc1"].agent, "CPU", 2, 4)]
+    stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(office.nodes["pc1"].agent, "CPU", 2, 4)]
     deployment, chain = deploy(source, stages, key=key, weights="f32", mode="exact")
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
     alone = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1)
@@ -187,7 +188,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
         assert cut.is_set() and reply.error is None, (reply.error, events)
         assert reply.rerouted == 1 and reply.tokens == want, events
         assert any(e.startswith("node pc1 lost") for e in events), events
-        moved = failover.deployment.stages[1].agent
+        moved = failover.deployment.placement[1].node
         assert moved in (office.nodes["pc2"].agent, office.nodes["pc3"].agent), events
         with pytest.raises(AgentError, match="not reachable"):  # still cut off
             ControlClient(office.nodes["pc1"].agent, key, timeout_s=2)
@@ -200,7 +201,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
         assert back == ["pc1"] and any(e.startswith("node pc1 is back") for e in events), events
         again = service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120)
         assert again.tokens == want and again.rerouted == 0  # not pulled into the conversation
-        assert all(s.agent != office.nodes["pc1"].agent for s in failover.deployment.stages)
+        assert all(s.agent != office.nodes["pc1"].agent for s in failover.deployment.placement)
     finally:
         office.reconnect("pc1")
         service.close()
@@ -257,8 +258,8 @@ def test_a_model_no_pc_can_hold_is_placed_over_several_and_chats(office, wide_mo
         plan = solve(ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"]),
                      pins=[Pin("coordinator", 0, 1)])
         stages = placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]})
-        assert stages[0].agent == LOCAL and (stages[0].start, stages[0].end) == (0, 1)
-        assert len({s.agent for s in stages[1:]}) >= 2, plan.explain()
+        assert stages[0].node == LOCAL and (stages[0].start, stages[0].end) == (0, 1)
+        assert len({s.node for s in stages[1:]}) >= 2, plan.explain()
         deployed_equals_in_process(source, stages, key)
     finally:
         for name in names:
@@ -435,8 +436,8 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
         want = [alone.submit(ask, 24, ignore_eos=True).wait(300).tokens for ask in asks]
     finally:
         alone.close()
-    stages = [StagePlacement(LOCAL, "CPU", 0, 1), StagePlacement(office.nodes["pc1"].agent, "CPU", 1, 3),
-              StagePlacement(office.nodes["pc2"].agent, "CPU", 3, 4)]
+    stages = [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(office.nodes["pc1"].agent, "CPU", 1, 3),
+              StageSpan(office.nodes["pc2"].agent, "CPU", 3, 4)]
     deployment, chain = deploy(source, stages, key=key, weights="f32", mode="exact")
     service = ChatService(chain, streams=len(asks), prefix_cache=False)
     in_flight = {1: set(), None: set()}  # the most groups in flight of each run, by depth

@@ -392,7 +392,8 @@ def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a
     gets them again from the same worker, and a rank whose worker is stopped fails the next forward
     with a StageError naming it (what failover takes)."""
     from engine.fleet.control import ControlClient
-    from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+    from engine.fleet.deploy import LOCAL, deploy
+    from engine.fleet.span import StageSpan
     from tests.fleet_support import agent_process
 
     monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
@@ -401,7 +402,7 @@ def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a
     whole = LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT)
     layers = load_manifest(tiny_exports["qwen2", "1"].folders[0]).spec.num_layers
     with agent_process(key_file, tmp_path / "a", name="alpha") as (_, agent):
-        stages = [StagePlacement(LOCAL, "CPU", 0, layers, rank=0), StagePlacement(agent, "CPU", 0, layers, rank=1)]
+        stages = [StageSpan(LOCAL, "CPU", 0, layers, rank=0), StageSpan(agent, "CPU", 0, layers, rank=1)]
         deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32", mode="exact")
         try:
             assert isinstance(chain, RankChain) and deployment.ranks == 2
@@ -440,7 +441,8 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
     import psutil
 
     from engine.fleet.control import ControlClient
-    from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+    from engine.fleet.deploy import LOCAL, deploy
+    from engine.fleet.span import StageSpan
     from engine.fleet.failover import Failover
     from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
     from engine.fleet.profile import model_shape
@@ -472,7 +474,7 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
         profile = {"model": ModelShape(**model_shape(load_manifest(whole[0]))).to_json(), "nodes": nodes,
                    "fleet": Fleet(devices=devices, rtt_ms={(a, b): 0.3 for a in nodes for b in nodes if a < b},
                                   coordinator="coordinator").to_json()}
-        stages = [StagePlacement(LOCAL, "CPU", 0, layers, rank=0), StagePlacement(alpha, "CPU", 0, layers, rank=1)]
+        stages = [StageSpan(LOCAL, "CPU", 0, layers, rank=0), StageSpan(alpha, "CPU", 0, layers, rank=1)]
         deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32", mode="exact")
         events: list[str] = []
         failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain)
@@ -492,7 +494,7 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
             assert killed.is_set() and got.error is None and got.rerouted == 1, (got.error, events)
             assert got.tokens == want
             assert any(e.startswith("node alpha lost") for e in events), events
-            assert all(s.agent != alpha for s in failover.deployment.stages)
+            assert all(s.node != alpha for s in failover.deployment.placement)
             again = reply(service)  # the next request on the recovered chain
             assert again.tokens == want and again.rerouted == 0
         finally:

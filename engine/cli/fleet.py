@@ -367,8 +367,8 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
                 f"{d.memory_mb / 1024:.0f} GB, profiled at {d.speed:g}x), running on this PC's CPU")
         names = {info.get("address"): info.get("name") for info in doc["nodes"].values()}
         say("placed by hand, evenly: " + "; ".join(
-            f"stage {i} on {names.get(s.agent, s.agent)} {s.device} ({layer_span(s.start, s.end)})"
-            for i, s in enumerate(deployment.stages)) + f". Profile in {demo_profile()}. Chatting through "
+            f"stage {i} on {names.get(s.node, s.node)} {s.device} ({layer_span(s.start, s.end)})"
+            for i, s in enumerate(deployment.placement)) + f". Profile in {demo_profile()}. Chatting through "
             "`fleet serve --deployment` or the app, stop a demo node (kill its pid) to watch its layers move to the "
             "spare one")
         return _serve(args, model, deployment, settings.tls)

@@ -24,9 +24,10 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.export.exporter import plan_split
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.local import start_local_agent
 from engine.fleet.node import SimulatedDevice, node_id
+from engine.fleet.span import StageSpan
 from engine.fleet.survey import survey
 from engine.fleetkey import key_file, load_key, load_tls
 from engine.launch import end_processes
@@ -112,14 +113,14 @@ def start_demo_fleet(key: str | Path | None = None, count: int = 2, *, tls: bool
     return DemoFleet(nodes)
 
 
-def even_placement(num_layers: int, fleet: DemoFleet, device: str = "CPU", spare: int = 1) -> list[StagePlacement]:
+def even_placement(num_layers: int, fleet: DemoFleet, device: str = "CPU", spare: int = 1) -> list[StageSpan]:
     """The layers split evenly over this machine (stage 0, on ``device``) and the running demo nodes
     but the last ``spare`` (at least one node is used)."""
     nodes = [n for n in fleet.nodes if n.running]
     nodes = nodes[:max(1, len(nodes) - spare)]
     where = [(LOCAL, device)] + [(n.address, n.device.name) for n in nodes]
     ranges = plan_split(num_layers, min(len(where), num_layers))
-    return [StagePlacement(agent, dev, a, b) for (agent, dev), (a, b) in zip(where, ranges)]
+    return [StageSpan(agent, dev, a, b) for (agent, dev), (a, b) in zip(where, ranges)]
 
 
 def demo_profile() -> Path:

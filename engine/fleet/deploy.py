@@ -22,6 +22,7 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.span import StageSpan
 from engine.manifest import layer_span, load_manifest
 from engine.progress import Report, deploying, quiet
 from engine.runtime.relay.ranks import RankChain
@@ -32,19 +33,7 @@ from engine.runtime.stages.turns import compute_turns, machine_turns_file
 from engine.transport.link import parse_address
 
 LOCAL = "local"  # the coordinator's own stage in a placement's address list
-
-
-@dataclasses.dataclass
-class StagePlacement:
-    """Where one stage runs: ``agent`` is a node agent's HOST:PORT, or ``LOCAL`` (stage 0 only).
-    ``rank``: the stages are tensor-parallel ranks of the whole model (``engine.runtime.relay.ranks``),
-    this one rank ``rank``."""
-
-    agent: str
-    device: str
-    start: int
-    end: int
-    rank: int | None = None
+AGENT = "agent"  # the key of a stage's node (its agent's address) in a deployment record
 
 
 @dataclasses.dataclass
@@ -56,7 +45,7 @@ class Deployment:
     workers: list[dict]  # {"agent": HOST:PORT, "worker": id, "stage": k}
     mode: str = "fast"
     weights: str = "int4"
-    placement: list[dict] = dataclasses.field(default_factory=list)  # every stage's StagePlacement, stage 0 too
+    placement: list[StageSpan] = dataclasses.field(default_factory=list)  # every stage at its agent, stage 0 too
     profile: str | None = None  # the fleet profile it was planned from: failover re-plans with it
     objective: str = "latency"
     users: int = 1
@@ -65,10 +54,11 @@ class Deployment:
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # kept through failovers (``current``)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "placement": [s.to_json(AGENT) for s in self.placement]}
 
     @classmethod
     def from_json(cls, raw: dict) -> "Deployment":
+        raw = {**raw, "placement": [StageSpan.from_json(s, AGENT) for s in raw.get("placement", [])]}
         fields = dataclasses.fields(cls)
         required = [f.name for f in fields
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -76,18 +66,14 @@ class Deployment:
                                                                  if f.name in raw and f.name not in required})
 
     @property
-    def stages(self) -> list[StagePlacement]:
-        return [StagePlacement(**s) for s in self.placement]
-
-    @property
     def ranks(self) -> int:
         """How many tensor-parallel ranks the stages are (1: a chain of stages)."""
-        return rank_count(self.stages)
+        return rank_count(self.placement)
 
     @property
     def fed(self) -> bool:
         """Whether every stage runs on a node: this machine only feeds stage 0 its token ids."""
-        return bool(self.placement) and self.placement[0]["agent"] != LOCAL
+        return bool(self.placement) and self.placement[0].node != LOCAL
 
     @property
     def copies(self) -> list["Deployment"]:
@@ -211,7 +197,7 @@ def _stop_workers(workers: list[dict], key: bytes, tls) -> list[str]:
     return problems
 
 
-def check_placement(stages: list[StagePlacement]) -> None:
+def check_placement(stages: list[StageSpan]) -> None:
     """Raises FleetError, saying why, unless ``deploy`` can run this placement: stage 0 on this machine
     (the coordinator) and every later stage on a node agent, at least one of them, or every stage on
     a node agent (this machine feeds them); the stages covering the layers from 0 once, in order (the
@@ -221,9 +207,9 @@ def check_placement(stages: list[StagePlacement]) -> None:
     if any(s.rank is not None for s in stages):
         _check_ranks(stages)
         return
-    if len(stages) < 2 and stages[0].agent == LOCAL:
+    if len(stages) < 2 and stages[0].node == LOCAL:
         raise FleetError("a deployment needs at least one stage on a node agent")
-    here = [f"stage {i} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1) if s.agent == LOCAL]
+    here = [f"stage {i} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1) if s.node == LOCAL]
     if here:
         raise FleetError(f"{', '.join(here)} {'is' if len(here) == 1 else 'are'} on this machine: only stage 0 runs "
                          f"in the coordinator, later stages need a node agent's address")
@@ -238,22 +224,22 @@ def check_placement(stages: list[StagePlacement]) -> None:
                              f"are not contiguous")
 
 
-def rank_count(stages: list[StagePlacement]) -> int:
+def rank_count(stages: list[StageSpan]) -> int:
     """How many tensor-parallel ranks ``stages`` are (1: a chain of stages)."""
     return len(stages) if stages and stages[0].rank is not None else 1
 
 
-def _check_ranks(stages: list[StagePlacement]) -> None:
+def _check_ranks(stages: list[StageSpan]) -> None:
     if [s.rank for s in stages] != list(range(len(stages))) or len(stages) < 2:
         raise FleetError(f"tensor-parallel ranks are numbered 0 to {len(stages) - 1} in order, at least 2, "
                          f"not {[s.rank for s in stages]}")
-    if stages[0].agent != LOCAL or any(s.agent == LOCAL for s in stages[1:]):
+    if stages[0].node != LOCAL or any(s.node == LOCAL for s in stages[1:]):
         raise FleetError("rank 0 runs in the coordinator and every other rank on a node agent")
     if any((s.start, s.end) != (0, stages[0].end) or s.end <= 0 for s in stages):
         raise FleetError("every tensor-parallel rank holds its share of every layer, from layer 0")
 
 
-def placement_problem(stages: list[StagePlacement]) -> str | None:
+def placement_problem(stages: list[StageSpan]) -> str | None:
     """What stops ``deploy`` from running this placement, in words, or None: ``check_placement``'s reason."""
     try:
         check_placement(stages)
@@ -262,7 +248,7 @@ def placement_problem(stages: list[StagePlacement]) -> str | None:
     return None
 
 
-def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, weights: str = "int4",
+def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights: str = "int4",
            mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
            progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
            deadline_s: float = 2.0, planned: dict | None = None, local=None, folders: list[Path] | None = None):
@@ -278,8 +264,8 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     check_placement(stages)
     ranks = rank_count(stages)
     split = [] if ranks > 1 else [s.end for s in stages[:-1]]
-    on_nodes = [i for i, s in enumerate(stages) if s.agent != LOCAL]  # all but a stage 0 run here
-    for address in dict.fromkeys(stages[i].agent for i in on_nodes):  # all up before minutes of export
+    on_nodes = [i for i, s in enumerate(stages) if s.node != LOCAL]  # all but a stage 0 run here
+    for address in dict.fromkeys(stages[i].node for i in on_nodes):  # all up before minutes of export
         try:
             with ControlClient(address, key, tls=tls) as agent:
                 agent.status()
@@ -297,7 +283,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
     for i in on_nodes:
         stage, folder = stages[i], folders[i]
         try:
-            with ControlClient(stage.agent, key, tls=tls) as agent:
+            with ControlClient(stage.node, key, tls=tls) as agent:
                 digests[i], _ = agent.send_shard(folder, progress=_phase_of(i, "send", progress), cancel=cancel)
         except AgentError as exc:
             raise FleetError(f"deployment stopped while sending stage {i}: {exc}") from None
@@ -308,18 +294,18 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
             stage = stages[i]
             progress(deploying(i, "start", 0.0))
             try:
-                with ControlClient(stage.agent, key, tls=tls) as agent:
+                with ControlClient(stage.node, key, tls=tls) as agent:
                     info = agent.start_worker(digests[i], device=stage.device, mode=mode, delay_ms=delay_ms,
                                               precision=precision, timeout_s=worker_timeout_s)
             except AgentError as exc:
                 raise FleetError(f"deployment stopped while starting stage {i}: {exc}") from None
-            started.append({"agent": stage.agent, "worker": info["id"], "stage": i})
-            remotes.append(worker_address(stage.agent, info["port"]))
+            started.append({"agent": stage.node, "worker": info["id"], "stage": i})
+            remotes.append(worker_address(stage.node, info["port"]))
             progress(deploying(i, "start", 1.0))
         deployment = Deployment(model=model, stage0=str(folders[0]), device=stages[0].device,
                                 remotes=remotes, workers=started, mode=mode,
                                 weights=load_manifest(folders[0]).weights,  # "auto" as exported
-                                placement=[dataclasses.asdict(s) for s in stages], **(planned or {}))
+                                placement=list(stages), **(planned or {}))
         progress(deploying(0, "connect", 0.0))
         chain = deployment.chain(key, tls=tls, deadline_s=deadline_s, local=local)  # the whole route answers
         progress(deploying(0, "connect", 1.0))
@@ -329,7 +315,7 @@ def deploy(model: str, stages: list[StagePlacement], *, key: bytes, tls=None, we
         raise
 
 
-def deploy_layout(model: str, copies: list[list[StagePlacement]], *, key: bytes, tls=None, weights: str = "int4",
+def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=None, weights: str = "int4",
                   mode: str = "fast", deadline_s: float = 2.0, progress: Report = quiet,
                   planned: dict | None = None, cancel=None, **kw):
     """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
@@ -339,7 +325,7 @@ def deploy_layout(model: str, copies: list[list[StagePlacement]], *, key: bytes,
     done: list[tuple[Deployment, object]] = []
     try:
         for stages in copies:
-            if len(stages) == 1 and stages[0].agent == LOCAL:
+            if len(stages) == 1 and stages[0].node == LOCAL:
                 copy = _whole_here(model, stages[0], weights=weights, mode=mode, progress=progress, planned=planned,
                                    cancel=cancel)
                 done.append((copy, copy.chain(key, tls=tls, deadline_s=deadline_s)))
@@ -356,7 +342,7 @@ def deploy_layout(model: str, copies: list[list[StagePlacement]], *, key: bytes,
     return first, [chain for _, chain in done]
 
 
-def _whole_here(model: str, stage: StagePlacement, *, weights: str, mode: str, progress: Report,
+def _whole_here(model: str, stage: StageSpan, *, weights: str, mode: str, progress: Report,
                 planned: dict | None, cancel=None) -> Deployment:
     """A copy of the model whole on this machine: exported (or found in the cache), nothing sent."""
     from engine.export.exporter import export_model  # deferred, as in ``deploy``
@@ -368,4 +354,4 @@ def _whole_here(model: str, stage: StagePlacement, *, weights: str, mode: str, p
         raise FleetError(f"a copy on this machine holds the whole model, {layer_span(*manifest.layers)}, not "
                          f"{layer_span(stage.start, stage.end)}")
     return Deployment(model=model, stage0=str(folder), device=stage.device, remotes=[], workers=[], mode=mode,
-                      weights=manifest.weights, placement=[dataclasses.asdict(stage)], **(planned or {}))
+                      weights=manifest.weights, placement=[stage], **(planned or {}))

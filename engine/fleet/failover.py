@@ -24,8 +24,9 @@ from typing import Callable
 from engine.errors import FleetError, StageError
 from engine.export.exporter import rank_folder, stage_folder
 from engine.fleet.control import AgentError, ControlClient
-from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy_layout
+from engine.fleet.deploy import LOCAL, Deployment, deploy_layout
 from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
+from engine.fleet.span import StageSpan
 from engine.fleet.survey import readable
 from engine.manifest import layer_span
 
@@ -72,12 +73,12 @@ class Failover:
     def recover(self, error: StageError):
         """A new chain for the deployment after ``error`` broke it; raises FleetError when the fleet
         cannot carry on."""
-        placement = self.deployment.stages
-        gone = [s for s in placement if s.agent != LOCAL and not self._answers(s.agent)]
+        placement = self.deployment.placement
+        gone = [s for s in placement if s.node != LOCAL and not self._answers(s.node)]
         if gone:
             for stage in gone:
-                self.lost[self.node_of(stage.agent)] = stage.agent
-                self.on_event(f"node {self.name(stage.agent)} lost ({error.reason})")
+                self.lost[self.node_of(stage.node)] = stage.node
+                self.on_event(f"node {self.name(stage.node)} lost ({error.reason})")
             placement = self._replan(placement, gone)
         else:
             self.on_event(f"stage {error.stage} stopped answering ({error.reason}); starting its worker again")
@@ -97,13 +98,13 @@ class Failover:
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         self.on_recovered(deployment)
-        where = [self.name(s.agent) if s.agent != LOCAL else "this machine" for s in placement]
+        where = [self.name(s.node) if s.node != LOCAL else "this machine" for s in placement]
         self.on_event("placed: " + "; ".join(f"stage {i} on {node} ({layer_span(s.start, s.end)})"
                                              for i, (node, s) in enumerate(zip(where, placement))))
         return chain
 
-    def _replan(self, placement: list[StagePlacement], gone: list[StagePlacement]) -> list[StagePlacement]:
-        names = ", ".join(self.name(s.agent) for s in gone)
+    def _replan(self, placement: list[StageSpan], gone: list[StageSpan]) -> list[StageSpan]:
+        names = ", ".join(self.name(s.node) for s in gone)
         moving = ", ".join(layer_span(s.start, s.end) for s in gone)
         if self.profile is None:
             raise FleetError(f"node {names} lost, and its {moving} cannot be moved: this deployment was not "
@@ -113,7 +114,7 @@ class Failover:
         fleet = Fleet(devices=[d for d in full.devices if d.node not in lost],
                       rtt_ms={k: v for k, v in full.rtt_ms.items() if not lost & set(k)}, coordinator=full.coordinator)
         keep = [s for s in placement if s not in gone]
-        pins = [Pin(full.coordinator if s.agent == LOCAL else self.node_of(s.agent), s.start, s.end, s.device)
+        pins = [Pin(full.coordinator if s.node == LOCAL else self.node_of(s.node), s.start, s.end, s.device)
                 for s in keep]
         try:
             plan = solve(shape, fleet, objective=self.objective, users=self.users, pins=pins)
@@ -121,10 +122,10 @@ class Failover:
             raise FleetError(f"node {names} lost, and the surviving nodes cannot take its {moving}: "
                              f"{readable(str(exc), self.nodes)}. Start a node agent (the tray worker) on another "
                              "PC, or free memory on the others, and bring the fleet up again") from None
-        stages = [StagePlacement(self.nodes[s.node]["address"], s.device, s.start, s.end) for s in plan.stages]
+        stages = [s.at(self.nodes[s.node]["address"]) for s in plan.stages]
         for s in stages:
-            if s.agent != LOCAL and all(s.agent != k.agent for k in keep):
-                self.on_event(f"moving {layer_span(s.start, s.end)} to node {self.name(s.agent)}…")
+            if s.node != LOCAL and all(s.node != k.node for k in keep):
+                self.on_event(f"moving {layer_span(s.start, s.end)} to node {self.name(s.node)}…")
         return stages
 
     @classmethod

@@ -44,6 +44,9 @@ class Layout(Record):
             lines.extend("  " + line for line in plan.explain().splitlines())
         return "\n".join(lines)
 
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "plans": [p.to_json() for p in self.plans]}
+
     @classmethod
     def from_json(cls, d: dict) -> Layout:
         return cls(**{**d, "plans": [Plan.from_json(p) for p in d["plans"]]})

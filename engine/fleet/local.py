@@ -18,7 +18,8 @@ from pathlib import Path
 from engine.config import paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, deploy
+from engine.fleet.span import StageSpan
 from engine.fleetkey import key_file, load_key, load_tls
 from engine.launch import await_ready, end_processes, start_fleet
 from engine.models.catalog import resolve_source
@@ -93,7 +94,7 @@ def local_up(model: str, stages: int, key: str | Path | None = None, *, weights:
     ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
     proc, address = start_local_agent(key_file(key), tls=tls)
     try:
-        placement = [StagePlacement(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
+        placement = [StageSpan(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
         deployment, chain = deploy(model, placement, key=secret, tls=contexts, weights=weights, mode=mode,
                                    progress=progress, deadline_s=deadline_s, cancel=cancel)
     except BaseException:

@@ -22,6 +22,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array, vstack
 
 from engine.errors import FleetError
+from engine.fleet.span import StageSpan, ranked
 from engine.manifest import layer_span
 from engine.runtime.relay import MAX_GROUPS
 from engine.tuning import EXCHANGE_WAIT
@@ -124,15 +125,19 @@ class Fleet:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class PlannedStage(Record):
-    node: str
-    device: str
-    start: int
-    end: int
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlannedStage(StageSpan):
+    """A stage of a plan (``node`` a fleet profile's node id) with the cost model's predictions."""
+
     ms: float  # predicted time of this stage per token
     memory_bytes: int
     memory_limit_bytes: int  # the device's memory_bytes
+
+    def to_json(self, node_key: str = "node") -> dict:
+        """As a plan document holds it: without ``rank``, which the plan's ``ranks`` implies."""
+        d = super().to_json(node_key)
+        del d["rank"]
+        return d
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +176,13 @@ class Plan(Record):
                      f"{self.aggregate_tok_s:.1f} tok/s aggregate for {self.users} user(s)")
         return "\n".join(lines)
 
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "stages": [s.to_json() for s in self.stages]}
+
     @classmethod
     def from_json(cls, d: dict) -> Plan:
-        return cls(**{**d, "stages": [PlannedStage.from_json(s) for s in d["stages"]]})
+        stages = [PlannedStage.from_json(s) for s in d["stages"]]
+        return cls(**{**d, "stages": ranked(stages) if d.get("ranks") else stages})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,8 +296,8 @@ def _price(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, int
         ms = stage_time(dev).at(layers, first, last) if dev else 0.0
         if dev:
             steps.append((dev, layers, first, last))
-        planned.append(PlannedStage(node, device, start, end, ms, int(memory.at(layers, first, last)),
-                                    dev.memory_bytes if dev else 0))
+        planned.append(PlannedStage(node, device, start, end, ms=ms, memory_bytes=int(memory.at(layers, first, last)),
+                                    memory_limit_bytes=dev.memory_bytes if dev else 0))
         if i or fed:
             try:
                 network += fleet.rtt(stages[i - 1][0] if i else fleet.coordinator, node)
@@ -385,7 +394,8 @@ def price_ranks(model: ModelShape, fleet: Fleet, units: Sequence[tuple[str, str]
             except PlacementError as e:
                 problems.append(str(e))
         slowest = max(slowest, ms)
-        planned.append(PlannedStage(node, device, 0, L, ms, need, dev.memory_bytes if dev else 0))
+        planned.append(PlannedStage(node, device, 0, L, i, ms=ms, memory_bytes=need,
+                                    memory_limit_bytes=dev.memory_bytes if dev else 0))
     if fleet.coordinator is not None and units and units[0][0] != fleet.coordinator:
         problems.append(f"rank 0 must run on the coordinator {fleet.coordinator}, not {units[0][0]}")
     # the ids out and the result back, each swap one way, and the waits for the slower rank: at every

@@ -5,23 +5,23 @@ stages (``plan``, and the other copies' plans in ``replicas`` when the solver ch
 from __future__ import annotations
 
 from engine.errors import FleetError
-from engine.fleet.deploy import StagePlacement
 from engine.fleet.placement import OBJECTIVES
+from engine.fleet.span import StageSpan, ranked
 
 
-def placement_stages(plan_doc: dict, plan: dict | None = None) -> list[StagePlacement]:
+def placement_stages(plan_doc: dict, plan: dict | None = None) -> list[StageSpan]:
     """The deployable stages of a ``fleet place`` plan document (of its ``plan``, or of one of its
-    ``replicas``)."""
+    ``replicas``): each stage at its node's agent."""
     try:
         nodes, plan = plan_doc["nodes"], plan or plan_doc["plan"]
-        return [StagePlacement(agent=nodes[s["node"]]["address"], device=s["device"], start=s["start"], end=s["end"],
-                               rank=i if plan.get("ranks") else None)
-                for i, s in enumerate(plan["stages"])]
+        stages = [StageSpan.from_json(s) for s in plan["stages"]]
+        stages = [s.at(nodes[s.node]["address"]) for s in stages]
+        return ranked(stages) if plan.get("ranks") else stages
     except (KeyError, TypeError) as exc:
         raise FleetError(f"not a plan written by `fleet place` (missing {exc})") from None
 
 
-def layout_stages(plan_doc: dict) -> list[list[StagePlacement]]:
+def layout_stages(plan_doc: dict) -> list[list[StageSpan]]:
     """Every copy's deployable stages: the plan's, then each replica's."""
     return [placement_stages(plan_doc), *(placement_stages(plan_doc, p) for p in plan_doc.get("replicas", []))]
 

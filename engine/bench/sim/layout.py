@@ -94,7 +94,7 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
             copies = layout_stages({"plan": plan.to_json(), "replicas": [p.to_json() for p in others],
                                     "nodes": doc["nodes"]})
             ranks[u] = rank_count(copies[0])
-            placed = tuple(tuple((s.agent, s.device, s.start, s.end, s.rank) for s in c) for c in copies)
+            placed = tuple(tuple((s.node, s.device, s.start, s.end, s.rank) for s in c) for c in copies)
             if placed not in services:
                 services[placed] = _serve(model, copies, key=key, weights=weights, streams=max(users), opened=opened)
             serving[u] = services[placed]

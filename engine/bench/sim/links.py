@@ -18,10 +18,11 @@ from engine.bench.harness import Hooks
 from engine.bench.sim.shared import Sim
 from engine.errors import FleetError
 from engine.fleet.control import ControlClient
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.failover import Failover
 from engine.fleet.placement import DeviceProfile, Fleet
 from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.span import StageSpan
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
@@ -58,7 +59,7 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
                                                       sim.tokens, sim.log)
     pc1, pc2 = office.nodes["pc1"], office.nodes["pc2"]
     half = split.stages[1].layers[0]
-    stages = [StagePlacement(LOCAL, "CPU", 0, half), StagePlacement(pc1.agent, "CPU", half, shape.num_layers)]
+    stages = [StageSpan(LOCAL, "CPU", 0, half), StageSpan(pc1.agent, "CPU", half, shape.num_layers)]
     sent: list[float] = []
 
     def progress(event) -> None:
@@ -104,7 +105,7 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
     if reply.error or not resumed:
         raise FleetError(f"the reply did not carry on after the cable was cut: {reply.error}; {events}")
     carry_on = resumed[0] - cut_at[0]
-    moved = failover.deployment.stages[1].agent == pc2.agent
+    moved = failover.deployment.placement[1].node == pc2.agent
     log(f"{rate:g} Mbit/s: link lost to the reply carrying on: {carry_on:.2f} s "
         f"({'identical' if reply.tokens == want else 'DIFFERENT'}; {events[-1] if events else ''})")
     lost = next((t for t, e in heard if e.startswith("node pc1 lost")), None)

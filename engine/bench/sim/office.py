@@ -30,8 +30,9 @@ from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
                                      on_pc1, wave_rows)
-from engine.fleet.deploy import LOCAL, StagePlacement, deploy
+from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.span import StageSpan
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.tokenizer import ChatTokenizer
@@ -72,8 +73,8 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
 
         def deployed(start: int):
             """Layers from ``start`` on PC 2, those before here (none: the copy on PC 2 is fed from here)."""
-            here = [StagePlacement(LOCAL, "CPU", 0, start)] if start else []
-            stages = [*here, StagePlacement(pc2.agent, "CPU", start, layers)]
+            here = [StageSpan(LOCAL, "CPU", 0, start)] if start else []
+            stages = [*here, StageSpan(pc2.agent, "CPU", start, layers)]
             deployment, chain = deploy(model, stages, key=key, weights=weights)
             opened.append(DeployedWorkers(deployment, key))
             return chain
