@@ -22,7 +22,7 @@ from engine.progress import Progress
 from fleetgui.backend import BENCHMARKS
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import SERIES
-from fleetgui.widgets import Banner, combo_box, spin_box, splitter
+from fleetgui.widgets import Banner, combo_box, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 # How each benchmark's rows are drawn: a sweep (x column, y columns, the column naming a series)
@@ -94,7 +94,7 @@ class BenchPanel(QWidget):
         self.runs = spin_box(1, 20, 1)
         self.delays = QLineEdit("0,10,50")
         self.draft_kind = combo_box(["lookup", "model", "hybrid"])
-        self.target = QLabel()
+        self.target = plain(QLabel())
         self.target.setObjectName("hint")
         self.target.setWordWrap(True)
         form = QFormLayout()
@@ -114,7 +114,7 @@ class BenchPanel(QWidget):
         self.cancel_button.clicked.connect(self.cancel)
         self.progress = QProgressBar()
         self.progress.setRange(0, 100)
-        self.status = QLabel("Idle")
+        self.status = plain(QLabel("Idle"))
         self.status.setObjectName("hint")
         self.status.setWordWrap(True)
         self.log = QPlainTextEdit()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 import json
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QComboBox, QFrame, QHBoxLayout, QLabel, QPushButton
 
 from engine.config import allow_tool
@@ -22,6 +22,7 @@ from engine.errors import FleetError
 from engine.serve.mcp import McpError, McpHub, McpServer, McpTool, offer, servers_from_settings
 from engine.serve.tools import parse, plan_tools
 from fleetgui.history import Message
+from fleetgui.widgets import plain, plain_tip
 
 MAX_ROUNDS = 8  # model replies per question; the last one may not call a tool
 MODES = {"off": "Tools: off", "auto": "Tools: the model decides", "required": "Tools: call one first"}
@@ -153,15 +154,14 @@ class ToolLoop(QObject):
         # the chat's own choice, kept with its sampling options ("auto" where it never chose)
         self.mode.setCurrentIndex(max(self.mode.findData(tab.options.get("tools", "auto")), 0))
         self.mode.currentIndexChanged.connect(lambda _: tab.set_options({"tools": self.mode.currentData()}))
-        self.mode.setToolTip(self.mcp.describe())
+        self.mode.setToolTip(plain_tip(self.mcp.describe()))
         self.mcp.changed.connect(self._servers_changed)
         self._servers_changed()
 
         self.bar = QFrame(tab)
         self.bar.setObjectName("toolbar")
-        self.question = QLabel()
+        self.question = plain(QLabel())
         self.question.setWordWrap(True)
-        self.question.setTextFormat(Qt.TextFormat.PlainText)
         self.allow_button = QPushButton("Allow once")
         self.always_button = QPushButton("Always allow this tool")
         self.deny_button = QPushButton("Deny")
@@ -182,7 +182,7 @@ class ToolLoop(QObject):
 
     def _servers_changed(self) -> None:
         self.mode.setVisible(bool(self.mcp.servers))
-        self.mode.setToolTip(self.mcp.describe())
+        self.mode.setToolTip(plain_tip(self.mcp.describe()))  # the servers' own error messages
 
     # --- a reply ---------------------------------------------------------------------------------------
 
