@@ -22,7 +22,7 @@ from engine.progress import Progress
 from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import RESOURCES, SERIES
-from fleetgui.widgets import Banner, combo_box, spin_box, splitter
+from fleetgui.widgets import Banner, combo_box, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 
@@ -42,8 +42,7 @@ def published_table(path: Path) -> QWidget:
     box = QWidget()
     layout = QVBoxLayout(box)
     layout.setContentsMargins(0, 0, 0, 0)
-    title = QLabel()
-    title.setTextFormat(Qt.TextFormat.PlainText)
+    title = plain(QLabel())
     title.setWordWrap(True)
     layout.addWidget(title)
     try:
@@ -101,7 +100,7 @@ class BenchPanel(QWidget):
         self.runs = spin_box(1, 20, 1)
         self.delays = QLineEdit("0,10,50")
         self.draft_kind = combo_box(["lookup", "model", "hybrid"])
-        self.target = QLabel()
+        self.target = plain(QLabel())
         self.target.setObjectName("hint")
         self.target.setWordWrap(True)
         form = QFormLayout()
@@ -124,7 +123,7 @@ class BenchPanel(QWidget):
         self.cancel_button.clicked.connect(self.cancel)
         self.progress = QProgressBar()
         self.progress.setRange(0, 100)
-        self.status = QLabel("Idle")
+        self.status = plain(QLabel("Idle"))
         self.status.setObjectName("hint")
         self.status.setWordWrap(True)
         self.log = QPlainTextEdit()

@@ -44,7 +44,7 @@ from fleetgui.markdown import REPLY_LINK, Transcript, code_blocks, message_html
 from fleetgui.model_cards import ModelBrowser
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
-from fleetgui.widgets import Banner, flow_bar, splitter
+from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter
 from fleetgui.workers import TaskRunner
 
 SAVE_EVERY_S = 1.0  # how often a reply in progress is written to the history (write-ahead)
@@ -57,8 +57,8 @@ SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device"
 
 def ask(parent: QWidget, title: str, question: str, action: str) -> bool:
     """Whether the user confirms ``question`` (the confirming button says ``action``)."""
-    box = QMessageBox(QMessageBox.Icon.Question, title, question,
-                      QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, parent)
+    box = plain(QMessageBox(QMessageBox.Icon.Question, title, question,  # it may quote a reply's link
+                            QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, parent))
     box.button(QMessageBox.StandardButton.Ok).setText(action)
     box.setDefaultButton(QMessageBox.StandardButton.Cancel)
     return box.exec() == QMessageBox.StandardButton.Ok
@@ -330,7 +330,7 @@ class ChatTab(QWidget):
         self.transcript.setObjectName("transcript")
         self.transcript.setOpenLinks(False)
         self.transcript.anchorClicked.connect(self._link)
-        self.stats = QLabel()
+        self.stats = plain(QLabel())  # it names the tool that runs, as its MCP server calls it
         self.stats.setObjectName("stats")
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Message (Ctrl+Enter sends)")
@@ -927,7 +927,7 @@ class ChatView(QWidget):
         for conv in self.history.conversations(self.search.text()):
             item = QListWidgetItem(conv.title or "(untitled)")
             item.setData(Qt.ItemDataRole.UserRole, conv.id)
-            item.setToolTip(conv.title)
+            item.setToolTip(plain_tip(conv.title))
             self.saved.addItem(item)
             if conv.id == selected:
                 self.saved.setCurrentItem(item)

@@ -4,9 +4,12 @@ connections (opened off the GUI thread when the settings list servers) and the t
 
 A reply that calls a tool (through the grammar-held calls of ``engine.serve.tools``) is shown with
 its arguments as plain text, and the bar under the transcript asks: Allow once, Always allow this
-tool (kept in the settings), or Deny.  An allowed call runs off the GUI thread; its result (or the
-error of a server that crashed or timed out) becomes a ``tool`` message and the model is asked
-again, until it answers without a call (at most ``MAX_ROUNDS`` rounds per question).
+tool (kept in the settings), or Deny.  Only a click answers, and only once the buttons are armed
+(``CONSENT_DELAY_MS``): they never take the keyboard's focus, which stays where the user types, so
+a keystroke meant for the next message cannot run a tool.  An allowed call runs off the GUI
+thread; its result (or the error of a server that crashed or timed out) becomes a ``tool`` message
+and the model is asked again, until it answers without a call (at most ``MAX_ROUNDS`` rounds per
+question).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import html
 import json
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QComboBox, QFrame, QHBoxLayout, QLabel, QPushButton
 
 from engine.config import allow_tool
@@ -22,10 +25,14 @@ from engine.errors import FleetError
 from engine.serve.mcp import McpError, McpHub, McpServer, McpTool, offer, servers_from_settings
 from engine.serve.tools import parse, plan_tools
 from fleetgui.history import Message
+from fleetgui.widgets import plain, plain_tip
 
 MAX_ROUNDS = 8  # model replies per question; the last one may not call a tool
 MODES = {"off": "Tools: off", "auto": "Tools: the model decides", "required": "Tools: call one first"}
 RESULT_CHARS = 20000  # a tool result longer than this is cut for the model (and the transcript)
+# the consent buttons take a click only this long after a question shows: a click (or a double
+# click's second half) aimed at what was there a moment before does not answer it
+CONSENT_DELAY_MS = 600
 
 
 class McpTools(QObject):
@@ -153,26 +160,33 @@ class ToolLoop(QObject):
         # the chat's own choice, kept with its sampling options ("auto" where it never chose)
         self.mode.setCurrentIndex(max(self.mode.findData(tab.options.get("tools", "auto")), 0))
         self.mode.currentIndexChanged.connect(lambda _: tab.set_options({"tools": self.mode.currentData()}))
-        self.mode.setToolTip(self.mcp.describe())
+        self.mode.setToolTip(plain_tip(self.mcp.describe()))
         self.mcp.changed.connect(self._servers_changed)
         self._servers_changed()
 
         self.bar = QFrame(tab)
         self.bar.setObjectName("toolbar")
-        self.question = QLabel()
+        self.question = plain(QLabel())
         self.question.setWordWrap(True)
-        self.question.setTextFormat(Qt.TextFormat.PlainText)
         self.allow_button = QPushButton("Allow once")
         self.always_button = QPushButton("Always allow this tool")
         self.deny_button = QPushButton("Deny")
         self.allow_button.clicked.connect(lambda: self.decide("once"))
         self.always_button.clicked.connect(lambda: self.decide("always"))
         self.deny_button.clicked.connect(lambda: self.decide("deny"))
+        self.buttons = (self.allow_button, self.always_button, self.deny_button)
         row = QHBoxLayout(self.bar)
         row.setContentsMargins(0, 0, 0, 0)
         row.addWidget(self.question, 1)
-        for button in (self.allow_button, self.always_button, self.deny_button):
+        for button in self.buttons:
+            button.setFocusPolicy(Qt.FocusPolicy.NoFocus)  # clicks only: no Space or Enter reaches them
+            button.setAutoDefault(False)
             row.addWidget(button)
+        self._arming = QTimer(self)
+        self._arming.setSingleShot(True)
+        self._arming.setTimerType(Qt.TimerType.PreciseTimer)  # never sooner (a coarse one may be 5% early)
+        self._arming.setInterval(CONSENT_DELAY_MS)
+        self._arming.timeout.connect(lambda: self._arm(True))
         self.bar.hide()
 
     @property
@@ -182,7 +196,7 @@ class ToolLoop(QObject):
 
     def _servers_changed(self) -> None:
         self.mode.setVisible(bool(self.mcp.servers))
-        self.mode.setToolTip(self.mcp.describe())
+        self.mode.setToolTip(plain_tip(self.mcp.describe()))  # the servers' own error messages
 
     # --- a reply ---------------------------------------------------------------------------------------
 
@@ -228,8 +242,13 @@ class ToolLoop(QObject):
             return
         where = f" (MCP server {tool.server})" if tool is not None else ""
         self.question.setText(f"Run the tool {call['function']['name']}{where} with the arguments shown?")
+        self._arm(False)
+        self._arming.start()
         self.bar.show()
-        self.allow_button.setFocus()
+
+    def _arm(self, on: bool) -> None:
+        for button in self.buttons:
+            button.setEnabled(on)
 
     def decide(self, answer: str) -> None:
         """The user's answer about the first waiting call: ``once``, ``always`` or ``deny``."""

@@ -27,7 +27,7 @@ from engine.documents.collection import Collection, Library, UpdateReport
 from engine.documents.readers import DocumentError
 from engine.progress import Progress
 from fleetgui.progress import ProgressPanel
-from fleetgui.widgets import flow_bar
+from fleetgui.widgets import flow_bar, plain, plain_tip
 
 OPTION = "documents"  # the conversation option that names the chat's collection
 NO_DOCUMENTS = "No documents"
@@ -69,8 +69,7 @@ class PassageDialog(QDialog):
         super().__init__(parent)
         self.source = source
         self.setWindowTitle(f"Source [{number}]: {source_where(source)}")
-        self.file = QLabel(source["file"])
-        self.file.setTextFormat(Qt.TextFormat.PlainText)
+        self.file = plain(QLabel(source["file"]))
         self.file.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.file.setWordWrap(True)
         self.page = QLabel("" if source.get("page") is None else f"Page {source['page']}")
@@ -153,7 +152,7 @@ class DocumentsPanel(QWidget):
         self.manage_button.setMenu(manage_menu)
         self.progress = ProgressPanel()
         self.progress.cancel_requested.connect(self.cancel_selected)
-        self.status = QLabel()
+        self.status = plain(QLabel())  # collection names, file names and readers' errors
         self.status.setObjectName("hint")
         self.status.setWordWrap(True)
         layout = QVBoxLayout(self)
@@ -252,7 +251,7 @@ class DocumentsPanel(QWidget):
         self._open.pop(name, None)  # the next search reads the new index
         self.progress.done()
         self.status.setText(f"{name}: {report.describe()}")
-        self.status.setToolTip("\n".join(report.skipped))
+        self.status.setToolTip(plain_tip("\n".join(report.skipped)))
         self.indexed.emit(name, report)
         queued = self._queued.pop(name, None)
         if queued:
@@ -277,7 +276,7 @@ class DocumentsPanel(QWidget):
             self.status.setText(str(exc))
             return
         self.status.setText(f"{name}: {len(collection.files)} files, {len(collection.passages)} passages")
-        self.status.setToolTip("\n".join(collection.sources))
+        self.status.setToolTip(plain_tip("\n".join(collection.sources)))
 
     def _ask_new(self) -> None:
         name, ok = QInputDialog.getText(self, "New document collection", "Name")

@@ -29,7 +29,7 @@ from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.models.facts import facts_of
 from engine.progress import Progress
 from fleetgui.model_cards import ModelCards, carried
-from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, spin_box
+from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, plain, spin_box
 from fleetgui.workers import TaskRunner
 
 RESULT_COLUMNS = ("stage", "layers", "peak MB", "size MB", "seconds", "folder")
@@ -204,9 +204,9 @@ class ExportWizard(QWidget):
 
     def _run_page(self) -> QWidget:
         page = QGroupBox("3. Export")
-        self.summary = QLabel()
+        self.summary = plain(QLabel())
         self.summary.setWordWrap(True)
-        self.pull_label = QLabel("Pulling the model")
+        self.pull_label = plain(QLabel("Pulling the model"))
         self.pull_bar = QProgressBar()
         self.stage_box = QWidget()
         self.stage_grid = QGridLayout(self.stage_box)
@@ -218,7 +218,7 @@ class ExportWizard(QWidget):
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.table.horizontalHeader().setStretchLastSection(True)
         self.table.verticalHeader().hide()
-        self.total = QLabel()
+        self.total = plain(QLabel())
         layout = QVBoxLayout(page)
         layout.addWidget(self.summary)
         layout.addWidget(self.pull_label)
@@ -359,7 +359,7 @@ class ExportWizard(QWidget):
         force = self.force.isChecked()
         self.result = None
         self._prepare(count, source)
-        self.summary.setText(f"Exporting <b>{source}</b> as {count} stage{'s' if count > 1 else ''} "
+        self.summary.setText(f"Exporting {source} as {count} stage{'s' if count > 1 else ''} "
                              f"({weights}{', INT4 head' if head == 'int4' else ''})"
                              f"{' into ' + str(out) if out else ''}.")
         backend = self.backend

@@ -39,7 +39,7 @@ from engine.fleet.shardstore import pruned_text, shard_text
 from engine.hostcpu import INT8_NOTE
 from engine.manifest import layer_span
 from fleetgui import keystore
-from fleetgui.widgets import Banner, flow_bar, splitter
+from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter
 from fleetgui.workers import TaskRunner
 
 COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
@@ -170,6 +170,22 @@ class NodeRow:
         return runs_slowly(self.int8_dot, self.kernels)
 
 
+def _tooltip(row: NodeRow, column: str) -> str:
+    """A cell's tooltip, as text: why the node is unreachable, its shards one by one, its CPU."""
+    if column == "Status" and row.error:
+        return row.error
+    if column == "Shards" and row.shards:
+        return "\n".join(shard_text(s) for s in row.shards)
+    if column in ("Name", "Devices") and row.node_id:
+        lines = [row.cpu, f"node id {row.node_id}"]
+        if row.kernels in KERNEL_PATHS:
+            lines.append(f"matrices: {KERNEL_PATHS[row.kernels]}")
+        if row.slow_cpu:
+            lines.append(INT8_NOTE)
+        return "\n".join(lines)
+    return ""
+
+
 class NodesModel(QAbstractTableModel):
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -201,17 +217,7 @@ class NodesModel(QAbstractTableModel):
                     "Shards": row.shards_text() if not row.error and row.role != THIS_MACHINE else "",
                     "Found by": row.found_by}[column]
         if role == Qt.ItemDataRole.ToolTipRole:
-            if column == "Status" and row.error:
-                return row.error
-            if column == "Shards" and row.shards:
-                return "\n".join(shard_text(s) for s in row.shards)
-            if column in ("Name", "Devices") and row.node_id:
-                lines = [row.cpu, f"node id {row.node_id}"]
-                if row.kernels in KERNEL_PATHS:
-                    lines.append(f"matrices: {KERNEL_PATHS[row.kernels]}")
-                if row.slow_cpu:
-                    lines.append(INT8_NOTE)
-                return "\n".join(lines)
+            return plain_tip(_tooltip(row, column)) or None
         if role == Qt.ItemDataRole.DecorationRole and column == "Devices" and row.slow_cpu:
             return self.slow_cpu_icon
         if role == Qt.ItemDataRole.ForegroundRole and column == "Status":
@@ -367,7 +373,7 @@ class AddNodeDialog(QDialog):
         # wide enough for the whole placeholder in the dialog's font
         self.address.setMinimumWidth(self.address.fontMetrics().horizontalAdvance(self.address.placeholderText()) +
                                      self.address.fontMetrics().averageCharWidth() * 4)
-        self.hint = QLabel()
+        self.hint = plain(QLabel())  # it quotes the text typed
         self.hint.setObjectName("hint")
         self.hint.setWordWrap(True)
         explain = QLabel("Add nodes whose agents mDNS cannot find (another subnet, or a network that drops "
@@ -476,10 +482,10 @@ class FleetView(QWidget):
         self.discovery = _Discovery(self)
         self.discovery.event.connect(self.model.discovered)
 
-        self.key_label = QLabel()
+        self.key_label = plain(QLabel())
         self.key_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.key_label.setWordWrap(True)
-        self.key_note = QLabel()
+        self.key_note = plain(QLabel())  # the key file's problem, in words
         self.key_note.setObjectName("hint")
         self.key_note.setWordWrap(True)
         create = QPushButton("New key…")
@@ -534,7 +540,7 @@ class FleetView(QWidget):
                                     "agents with simulated devices, to profile, place layers on, deploy to and chat")
         self.demo_button.clicked.connect(lambda: self.stop_demo() if self.demo else self.start_demo())
         tools.addWidget(self.demo_button)
-        self.demo_note = QLabel()
+        self.demo_note = plain(QLabel())  # the demo nodes' names
         self.demo_note.setObjectName("demoNote")
         self.demo_note.setWordWrap(True)
         self.demo_note.setStyleSheet("font-weight: bold;")
@@ -559,7 +565,7 @@ class FleetView(QWidget):
         nodes_layout.addWidget(self.table, 1)
         split = splitter(Qt.Orientation.Vertical, (nodes, 3), (rtt_box, 1))
         # the OpenAI-compatible API's status line (``fleetgui.api``): where tools reach the fleet's model
-        self.api_label = QLabel("API: off")
+        self.api_label = plain(QLabel("API: off"))
         self.api_label.setObjectName("hint")
         self.api_label.setWordWrap(True)
         self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -708,11 +714,11 @@ class FleetView(QWidget):
             self.banner.info(f"{name} holds no shards that its workers do not serve.")
             return None
         size = sum(s.get("bytes", 0) for s in unused) / 2**20
-        box = QMessageBox(QMessageBox.Icon.Question, "Remove unused shards",
-                          f"Remove {len(unused)} shard(s), {size:.1f} MB, from {name}? The shards its workers serve "
-                          "are kept; a later deployment sends what it needs again. Transfers left unfinished for "
-                          "10 minutes go too.",
-                          QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, self)
+        box = plain(QMessageBox(QMessageBox.Icon.Question, "Remove unused shards",
+                                f"Remove {len(unused)} shard(s), {size:.1f} MB, from {name}? The shards its workers "
+                                "serve are kept; a later deployment sends what it needs again. Transfers left "
+                                "unfinished for 10 minutes go too.",
+                                QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, self))
         box.button(QMessageBox.StandardButton.Ok).setText("Remove")
         box.accepted.connect(lambda: self.prune(row.address, name))
         box.finished.connect(box.deleteLater)

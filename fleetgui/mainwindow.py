@@ -21,7 +21,7 @@ from fleetgui.fleet_view import FleetView
 from fleetgui.history import HistoryStore
 from fleetgui.placement_view import PlacementView
 from fleetgui.settings import GuiSettings, SettingsPage
-from fleetgui.widgets import ViewFrame
+from fleetgui.widgets import ViewFrame, plain
 from fleetgui.workers import TaskRunner
 
 VIEWS = ("Fleet", "Placement", "Chat", "Export", "Benchmarks", "Settings")
@@ -79,7 +79,7 @@ class MainWindow(QMainWindow):
         self.api = ApiController(self.chat_controller, settings, self)
         self.api.status.connect(self.fleet.api_label.setText)
         self.api.start()
-        self.service_label = QLabel("Chat: not connected")
+        self.service_label = plain(QLabel("Chat: not connected"))  # the model, the fleet's nodes
         self.statusBar().addPermanentWidget(self.service_label)
         self.chat_controller.status.connect(self.service_label.setText)
         self.chat_controller.fleet_event.connect(lambda text: self.statusBar().showMessage(f"Fleet: {text}", 30000))

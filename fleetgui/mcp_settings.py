@@ -14,7 +14,7 @@ from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFileDialog, QFormLayo
                                QListWidgetItem, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget)
 
 from engine.serve.mcp import McpError, McpServer, parse_mcp_servers, probe, servers_from_settings
-from fleetgui.widgets import flow_bar
+from fleetgui.widgets import flow_bar, plain
 from fleetgui.workers import Task
 
 HELP = ("Tools from MCP servers: the chat offers them to the model and asks you before each call. "
@@ -65,14 +65,12 @@ class McpServersDialog(QDialog):
         test = QPushButton("Test")
         test.setToolTip("start the selected server and list its tools")
         test.clicked.connect(lambda: self.test(self.list.currentRow()))
-        self.status = QLabel()
+        self.status = plain(QLabel())
         self.status.setObjectName("hint")
         self.status.setWordWrap(True)
-        self.status.setTextFormat(Qt.TextFormat.PlainText)
         self.tested.connect(self.status.setText)
-        self.always_label = QLabel()
+        self.always_label = plain(QLabel())
         self.always_label.setWordWrap(True)
-        self.always_label.setTextFormat(Qt.TextFormat.PlainText)
         self.forget = QPushButton("Ask before every call again")
         self.forget.clicked.connect(self.forget_always)
         self._show_always()
@@ -176,9 +174,8 @@ class McpServersDialog(QDialog):
         dialog.setWindowTitle("Import mcpServers JSON")
         text = QPlainTextEdit()
         text.setPlaceholderText(EXAMPLE)
-        problem = QLabel()
+        problem = plain(QLabel())
         problem.setWordWrap(True)
-        problem.setTextFormat(Qt.TextFormat.PlainText)
         from_file = QPushButton("From file…")
 
         def choose():

@@ -25,6 +25,7 @@ from engine.fleet.fit import NO_PROFILE, USERS, Fit, load_profile, measured_key,
 from engine.manifest import is_shard_set
 from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
 from engine.models.facts import ModelFacts, catalog_facts, facts_of
+from fleetgui.widgets import plain_tip
 
 SOURCE = Qt.ItemDataRole.UserRole
 
@@ -188,7 +189,7 @@ class ModelCards(QListWidget):
             fit = self.fits.get(f.source)
             item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)), self.weights,
                                                self.can_carry.get(f.source, True))))
-            item.setToolTip(card_tooltip(fit))
+            item.setToolTip(plain_tip(card_tooltip(fit)))
 
     def refresh(self) -> None:
         """Prices every card again (the profile or the measured speeds may have changed)."""
@@ -212,7 +213,7 @@ class ModelCards(QListWidget):
         self._task = None
         self.render()
         for i in range(self.count()):
-            self.item(i).setToolTip(f"No fit could be worked out: {message}")
+            self.item(i).setToolTip(plain_tip(f"No fit could be worked out: {message}"))
         self.priced.emit()
 
     # --- selection -------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from engine.fleet.deploy import LOCAL, placement_problem
 from engine.fleet.placement import Fleet, ModelShape, Pin, evaluate, price_ranks
 from engine.fleet.span import StageSpan
 from engine.manifest import layer_span
+from fleetgui.widgets import plain_tip
 
 MIME = "application/x-fleetshard-layers"
 GB = 2**30
@@ -316,7 +317,7 @@ class PlanModel(QAbstractItemModel):
                 return lane.label if index.column() == 0 else \
                     f"{self.lane_memory(index.row()) / GB:.2f} of {lane.memory_bytes / GB:.1f} GB"
             if role == Qt.ItemDataRole.ToolTipRole:
-                return f"{lane.name} ({lane.address}), {lane.device}: drop layer ranges here"
+                return plain_tip(f"{lane.name} ({lane.address}), {lane.device}: drop layer ranges here")
             return None
         s = self.stages[stage]
         if role == Qt.ItemDataRole.DisplayRole:

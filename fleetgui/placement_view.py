@@ -42,7 +42,7 @@ from engine.manifest import layer_numbers, layer_span
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
 from fleetgui.theme import SERIES
 from engine.progress import Progress, byte_count
-from fleetgui.widgets import Banner, combo_box, flow_bar, spin_box, splitter
+from fleetgui.widgets import Banner, combo_box, flow_bar, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 # share of a stage's progress bar each deployment phase fills (stage 0 only exports and connects)
@@ -373,7 +373,7 @@ class PlacementView(QWidget):
         plan_row.addWidget(flow_bar(self.record_button, self.cancel_button, self.stop_button, self.deploy_button,
                                     align_right=True)[0], 1)
 
-        self.activity = QLabel()
+        self.activity = plain(QLabel())  # paths, nodes' names and progress
         self.activity.setObjectName("hint")
         self.activity.setWordWrap(True)
         self.busy = QProgressBar()
@@ -382,13 +382,13 @@ class PlacementView(QWidget):
         busy_row = QHBoxLayout()
         busy_row.addWidget(self.activity, 1)
         busy_row.addWidget(self.busy)
-        self.prediction = QLabel()
+        self.prediction = plain(QLabel())
         self.prediction.setObjectName("prediction")
         font = self.prediction.font()
         font.setBold(True)
         self.prediction.setFont(font)
         self.prediction.setWordWrap(True)
-        self.problems = QLabel()
+        self.problems = plain(QLabel())
         self.problems.setObjectName("problems")
         self.problems.setWordWrap(True)
         self.problems.setStyleSheet("color: #c0392b;")
@@ -599,8 +599,9 @@ class PlacementView(QWidget):
         self.deploy_bars = []
         for i, s in enumerate(stages):
             lane = self.model.lanes[self.model.stages[i].lane]
-            name = QLabel(f"{'stage' if s.rank is None else 'rank'} {i}: {lane.label}, {layer_span(s.start, s.end)}")
-            phase = QLabel("waiting")
+            name = plain(QLabel(f"{'stage' if s.rank is None else 'rank'} {i}: {lane.label}, "
+                                f"{layer_span(s.start, s.end)}"))
+            phase = plain(QLabel("waiting"))
             phase.setObjectName("hint")
             bar = QProgressBar()
             bar.setRange(0, 1000)

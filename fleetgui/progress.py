@@ -7,6 +7,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
 from engine.progress import Progress
+from fleetgui.widgets import plain
 
 
 class ProgressPanel(QWidget):
@@ -17,7 +18,7 @@ class ProgressPanel(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("progressPanel")
-        self.step = QLabel()
+        self.step = plain(QLabel())  # a step's words name files and nodes
         self.step.setWordWrap(True)
         self.bar = QProgressBar()
         self.bar.setRange(0, 100)

@@ -21,7 +21,7 @@ from engine.models.catalog import CATALOG
 from fleetgui.chat_options import DEFAULT_PRESET, PRESETS
 from fleetgui.mcp_settings import McpServersDialog, summary
 from fleetgui.theme import THEMES
-from fleetgui.widgets import combo_box, explained, explained_choice, field_row, flow_bar, spin_box
+from fleetgui.widgets import combo_box, explained, explained_choice, field_row, flow_bar, plain, spin_box
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ class SettingsPage(QWidget):
         self.api_host = QLineEdit()
         self.api_port = spin_box(0, 65535, 8000)
         form.addRow("API address", explained(field_row(self.api_host, self.api_port), HELP["api_address"]))
-        self.mcp_summary = QLabel()
+        self.mcp_summary = plain(QLabel())  # the servers' names, as imported
         self.mcp_summary.setWordWrap(True)
         mcp_button = QPushButton("MCP servers…")
         mcp_button.clicked.connect(lambda: self.edit_mcp_servers())
@@ -146,7 +146,7 @@ class SettingsPage(QWidget):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QScrollArea.Shape.NoFrame)
         scroll.setWidget(inner)
-        self.error = QLabel()
+        self.error = plain(QLabel())  # it quotes the values typed
         self.error.setObjectName("hint")
         self.error.setWordWrap(True)
         self.error.hide()

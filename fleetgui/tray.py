@@ -33,7 +33,7 @@ from engine.fleetkey import TLS, tls_file
 from engine.manifest import layer_span
 from fleetgui import autostart, keystore, theme
 from fleetgui.settings import GuiSettings, default_store
-from fleetgui.widgets import Banner, flow_bar
+from fleetgui.widgets import Banner, flow_bar, plain
 from fleetgui.workers import TaskRunner, on_signals
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ class WorkerWindow(QWidget):
         form = QFormLayout()
         for label, widget in (("Node", self.identity), ("Status", self.status), ("Serving", self.stage),
                               ("Shards held", self.shards), ("Activity", self.tally)):
-            widget.setWordWrap(True)
+            plain(widget).setWordWrap(True)  # the node's name, the coordinator's models, the agent's errors
             widget.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             form.addRow(label, widget)
         self.activity = QPlainTextEdit()

@@ -1,12 +1,30 @@
-"""Small widgets the views share: the inline message banner, the splitter and field-with-button
-rows several views lay out, a flow layout for rows of buttons that wrap instead of widening the
-window, the scroll frame every view sits in, and ready-filled spin and combo boxes for their forms."""
+"""Small widgets the views share: plain text for labels and tooltips, the inline message banner, the
+splitter and field-with-button rows several views lay out, a flow layout for rows of buttons that
+wrap instead of widening the window, the scroll frame every view sits in, and ready-filled spin and
+combo boxes for their forms."""
 
 from __future__ import annotations
+
+import html
 
 from PySide6.QtCore import QPoint, QRect, QSize, Qt
 from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLayout, QPushButton, QScrollArea,
                                QSizePolicy, QSpinBox, QSplitter, QStyle, QVBoxLayout, QWidget)
+
+
+def plain(widget):
+    """``widget`` (a label or a message box) set to show its text as written.  Left to itself, Qt
+    takes text that looks like HTML for rich text, and node names, file names, servers' and workers'
+    errors and model output reach labels: an ``<img src=file:///dev/zero>`` in one loaded that file
+    until the app died.  Returns the widget."""
+    widget.setTextFormat(Qt.TextFormat.PlainText)
+    return widget
+
+
+def plain_tip(text: str) -> str:
+    """``text`` as a tooltip that shows it as written, line breaks kept: a tooltip has no text format
+    to set, so the text goes escaped into the rich text Qt would otherwise guess at."""
+    return f"<p style='white-space:pre-wrap'>{html.escape(text, quote=False)}</p>" if text else ""
 
 
 class Banner(QFrame):
@@ -15,7 +33,7 @@ class Banner(QFrame):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("banner")
-        self.text = QLabel()
+        self.text = plain(QLabel())
         self.text.setObjectName("bannerText")
         self.text.setWordWrap(True)
         self.text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)

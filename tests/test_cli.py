@@ -155,3 +155,26 @@ def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
     assert probe.stdout.strip() == f"[{cpu}]", probe.stderr
     local = LocalFleet(tiny_exports["llama", "2"].folders[1:], tmp_path / "k", log_dir=tmp_path, cpu_sets=["0-1"])
     assert local.arguments(0)[-2:] == ["--cpus", "0-1"]
+
+
+def test_a_nodes_name_with_terminal_escapes_prints_without_them(tmp_path):
+    from engine.fleet.agent import Agent
+    from engine.fleetkey import create_key
+
+    name = "evil\x1b[2J\x1b]0;owned\x07node\x9b31m"  # clear the screen, retitle the terminal, a C1 CSI
+    key_file = create_key(tmp_path / "fleet.key")
+    node = Agent("127.0.0.1:0", key_file=key_file, name=name, store=tmp_path / "store", advertise=False,
+                 log=lambda line: None).start()
+    home = tmp_path / "home"
+    (home / "config").mkdir(parents=True)
+    (home / "config" / "settings.json").write_text(json.dumps({"nodes": [node.address], "tls": False}))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "engine.cli", "nodes", "--seconds", "0", "--fleet-key-file",
+                               str(key_file)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "FLEETSHARD_HOME": str(home)})
+    finally:
+        node.stop()
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if node.address in line)
+    assert row.startswith("evil[2J]0;ownednode31m ") and "idle" in row, proc.stdout
+    assert not any(c in proc.stdout + proc.stderr for c in "\x1b\x07\x9b")

@@ -1,8 +1,9 @@
 """MCP tools in the app: the chat offers mcp-server-time's tools (the real server from PyPI over
 stdio) to the real SmolLM2, shows the call it makes with its arguments, runs it once the user
 allows it, shows the result and the model's answer to it; "Always allow" is kept in the settings
-and skips the question; a server that crashes during a call leaves a clear message and a usable
-chat; and the Settings view's MCP servers dialog (import, test, save)."""
+and skips the question; no keystroke, and no click before the buttons are armed, answers the
+question; a server that crashes during a call leaves a clear message and a usable chat; and the
+Settings view's MCP servers dialog (import, test, save)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from gui_support import open_window, screenshot, settings_store
+from gui_support import open_window, screenshot, settings_store, tiny_settings
 from mcp_support import TIME_SERVER
 
 from engine.config import Settings
@@ -63,7 +64,8 @@ def ask(qtbot, tab, text, timeout=300000):
 
 
 def answer(qtbot, tab, button, timeout=300000):
-    """Clicks Allow/Always/Deny and waits for the model's next reply."""
+    """Clicks Allow/Always/Deny once it is armed and waits for the model's next reply."""
+    qtbot.waitUntil(button.isEnabled, timeout=5000)
     with qtbot.waitSignal(tab.finished, timeout=timeout) as blocker:
         button.click()
     return blocker.args[0]
@@ -129,6 +131,39 @@ def test_the_model_calls_the_time_server_once_allowed_and_answers(qtbot, gui_hom
                         and len(tab.conversation.messages) > count + 2, timeout=300000)
         assert [m.role for m in tab.conversation.messages[count:count + 3]] == ["user", "assistant", "tool"]
         assert not tab.tools.bar.isVisible()
+
+
+def test_a_tool_call_is_allowed_by_a_click_once_the_buttons_are_armed_never_by_a_keystroke(qtbot, gui_home, tmp_path):
+    import time
+
+    from PySide6.QtCore import Qt
+
+    from fleetgui.chat_tools import CONSENT_DELAY_MS
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    tab = window.chat.all_tabs()[0]
+    tools = tab.tools
+    tab.conversation.id = window.history.create("tools")
+    tab.input.setFocus()
+    qtbot.keyClicks(tab.input, "and what about")  # the user types the next question
+    tools.pending = [{"id": "call_0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    asked = time.monotonic()
+    tools.ask()  # the reply in progress called a tool
+    assert tools.bar.isVisible() and window.focusWidget() is tab.input
+    for key in (Qt.Key.Key_Space, Qt.Key.Key_Return, Qt.Key.Key_Enter, Qt.Key.Key_Space):
+        qtbot.keyClick(window.focusWidget(), key)  # typing on: the keys go where typing goes
+    assert tools.pending and tools.bar.isVisible()
+    assert tab.input.toPlainText() == "and what about \n\n "  # none of them was lost
+    for button in (tools.allow_button, tools.always_button, tools.deny_button):
+        qtbot.mouseClick(button, Qt.MouseButton.LeftButton)  # a click meant for what was there before
+    assert tools.pending and tools.bar.isVisible() and [m.role for m in tab.conversation.messages] == []
+
+    qtbot.waitUntil(tools.allow_button.isEnabled, timeout=CONSENT_DELAY_MS + 5000)
+    assert time.monotonic() - asked >= CONSENT_DELAY_MS / 1000
+    qtbot.mouseClick(tools.allow_button, Qt.MouseButton.LeftButton)
+    assert not tools.pending and not tools.bar.isVisible()
+    result = tab.conversation.messages[0]  # allowed: the call ran (no server has that tool here)
+    assert result.role == "tool" and result.content == "No tool named get_time is connected."
 
 
 @pytest.mark.real_model

@@ -3,6 +3,7 @@
 argparse types refuse a bad value with the option's name before any work starts.  ``settings_of``
 lays the command line over the saved ``Settings``; ``launch_of`` says where the chain runs
 (``engine.session.Launch``); ``progress_printer`` shows the engine's progress (``engine.progress``) on stderr.
+``printable`` is what the commands print of text from elsewhere (nodes' names, agents' errors).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class Bar:
     def show(self, progress: Progress) -> None:
         fraction = max(0.0, min(1.0, progress.fraction))
         filled = int(fraction * 30)
-        line = f"{progress.text:<28} [{'#' * filled}{'.' * (30 - filled)}] {fraction * 100:5.1f}%"
+        line = f"{printable(progress.text):<28} [{'#' * filled}{'.' * (30 - filled)}] {fraction * 100:5.1f}%"
         if self._tty:
             sys.stderr.write("\r" + line + ("\n" if fraction >= 1.0 else ""))
             sys.stderr.flush()
@@ -171,8 +172,20 @@ class Bar:
             print(line, file=sys.stderr, flush=True)
 
 
+# C0, DEL and C1: a node names itself (over mDNS, in its status), and a name holding "\x1b[2J" would
+# clear the terminal, or rewrite what was printed before it, were it printed as it came
+CONTROL = dict.fromkeys([*range(0x20), *range(0x7f, 0xa0)])
+
+
+def printable(text, *, lines: bool = False) -> str:
+    """``text`` from elsewhere (a node's name, an agent's error) without control characters, for the
+    terminal; ``lines`` keeps its line breaks (a message of several lines)."""
+    text = str(text)
+    return "\n".join(line.translate(CONTROL) for line in text.split("\n")) if lines else text.translate(CONTROL)
+
+
 def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(printable(msg, lines=True), file=sys.stderr, flush=True)
 
 
 def progress_printer() -> Report:

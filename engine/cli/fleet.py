@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.cli.args import connection_args, count, duration, progress_printer, say, settings_of
+from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
 from engine.config import Settings, paths, set_node
 from engine.errors import FleetError
@@ -83,12 +83,15 @@ def _static_status(address: str, key: bytes, tls) -> dict:
 
 
 def _row(node: dict) -> str:
-    devices = ",".join(d.get("name", "?") for d in node.get("devices", []))
+    """A node's line in ``fleet nodes``: what the node says of itself, made printable."""
+    devices = ",".join(str(d.get("name", "?")) for d in node.get("devices", []))
     where = node.get("address") or f"{(node.get('addresses') or ['?'])[0]}:{node.get('port', '?')}"
     name = str(node.get("name", "?")) + (" (simulated)" if node.get("simulated") else "")
     note = node.get("error") or (SLOW if runs_slowly(node.get("int8_dot", ""), node.get("kernels", "")) else "")
     kernels = KERNEL_PATHS.get(node.get("kernels", ""), "?")
-    return (f"{name:<20} {where:<22} {node.get('status', '?'):<16} {node.get('os', ''):<14} "
+    name, where, status, os_name, devices, note = map(printable, (name, where, node.get("status", "?"),
+                                                                  node.get("os", ""), devices, note))
+    return (f"{name:<20} {where:<22} {status:<16} {os_name:<14} "
             f"{devices:<14} {kernels:<16} {node.get('memory_mb', 0) / 1024:.1f} GB  {note}")
 
 
@@ -184,7 +187,8 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
         write_json(path, doc)
         say(f"fleet profile written to {path}")
     for d in doc["fleet"]["devices"]:
-        print(f"{doc['nodes'][d['node']]['name']:<20} {d['device']:<8} layer {d['layer_ms']:.3f} ms  "
+        print(f"{printable(doc['nodes'][d['node']]['name']):<20} {printable(d['device']):<8} "
+              f"layer {d['layer_ms']:.3f} ms  "
               f"head {d['head_ms']:.3f} ms  call {d.get('call_ms', 0):.3f} ms  "
               f"memory {d['memory_bytes'] / 2**30:.1f} GB  {'supported' if d['supported'] else 'UNSUPPORTED'}")
     return path
@@ -232,11 +236,11 @@ def _place(profile: Path, *, objective: str, users: int, pins, out: str | None =
     except PlacementError as exc:
         raise FleetError(readable(str(exc), nodes)) from None
     plan, *others = layout.plans
-    print(readable(layout.explain(), nodes))
+    print(printable(readable(layout.explain(), nodes), lines=True))
     used = {s.node for p in layout.plans for s in p.stages}
     for node, reason in left_out(shape, fleet, plan).items():
         if node not in used:
-            print(readable(f"  left out: {node}: {reason}", nodes))
+            print(printable(readable(f"  left out: {node}: {reason}", nodes)))
     doc = {"plan": plan.to_json(), "replicas": [p.to_json() for p in others], "nodes": nodes,
            "profile": str(Path(profile).resolve())}
     path = write_json(Path(out) if out else paths().data / "plan.json", doc)

@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except FleetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # deferred: it brings the session's modules, which `fleet key` does not load until it fails
+        from engine.cli.args import printable
+
+        print(f"error: {printable(exc, lines=True)}", file=sys.stderr)  # it may quote a node or its agent
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
