@@ -59,6 +59,9 @@ def paths() -> Paths:
 
 
 AUTO_WEIGHTS = "auto"  # the weight format that is the measured best for the source (``compress.best_weights``)
+# the weight format of every export whose caller names none: the app's, the CLI's and every engine
+# function's, so that ``fleet bench``, ``deploy()`` and ``local_up()`` export what the app does
+DEFAULT_WEIGHTS = AUTO_WEIGHTS
 
 
 def int4_layers(weights: str) -> bool:
@@ -77,7 +80,7 @@ class Settings:
 
     default_model: str = "smollm2-135m"  # catalog name, GGUF file, HF folder or an exported shard set
     device: str = "CPU"  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
-    weights: str = AUTO_WEIGHTS  # a format of engine.export.compress.WEIGHT_FORMATS
+    weights: str = DEFAULT_WEIGHTS  # a format of engine.export.compress.WEIGHT_FORMATS
     stages: int = 2
     max_new_tokens: int = 256
     fleet_key_file: str | None = None  # default: fleet.key in the config folder

@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from engine.config import AUTO_WEIGHTS, Settings, parse_devices
+from engine.config import DEFAULT_WEIGHTS, Settings, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
 from engine.fleet.deploy import Deployment, LiveRecord
@@ -36,7 +36,7 @@ from engine.progress import Progress, Report, pulling, quiet
 from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
-from engine.runtime.decode.speculative import draft_head, draft_weights, open_draft_chain, stream_drafters
+from engine.runtime.decode.speculative import draft_format, open_draft_chain, stream_drafters
 from engine.runtime.relay.localfleet import LocalFleet
 from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.remote import RemoteChain
@@ -118,7 +118,7 @@ def pull_model(source: str, progress: Report = quiet, cancel=None) -> None:
     progress(pulling("ready", size, size))
 
 
-def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = AUTO_WEIGHTS,
+def export(source: str, *, stages: int | None = None, split: list[int] | None = None, weights: str = DEFAULT_WEIGHTS,
            out: Path | None = None, force: bool = False, head: str = "int8", ranks: int = 1, progress: Report = quiet,
            cancel=None):
     """Pulls a catalog model when needed, then exports it (or finds the export in the cache)."""
@@ -215,9 +215,8 @@ def draft_shards(settings: Settings, progress: Report = quiet, cancel=None) -> l
     """The draft model's 1-stage shards for a ``model`` or ``hybrid`` draft, else None."""
     if settings.draft not in ("model", "hybrid"):
         return None
-    weights = draft_weights(settings.weights)
-    return resolve_shards(settings.draft_model, stages=1, weights=weights, head=draft_head(weights),
-                          progress=progress, cancel=cancel)
+    return resolve_shards(settings.draft_model, stages=1, **draft_format(settings.weights), progress=progress,
+                          cancel=cancel)
 
 
 def drafter_factory(kind: str, chain, folders: list[Path] | None = None, device: str = "CPU", *,

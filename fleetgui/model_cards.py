@@ -17,7 +17,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLabel, QListWidget, QListWidgetItem,
                                QVBoxLayout)
 
-from engine.config import AUTO_WEIGHTS
+from engine.config import AUTO_WEIGHTS, DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.choices import FAITHFUL, FAST, choice_of, measured_on, other_than
 from engine.export.gguf_weights import carries
@@ -102,7 +102,7 @@ def export_line(facts: ModelFacts, weights: str, carries_weights: bool = True) -
     return f"Exports {choice.name} — {choice.what} ({kl}; {other.name} in the Export wizard)"
 
 
-def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weights: str = AUTO_WEIGHTS,
+def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weights: str = DEFAULT_WEIGHTS,
                carries_weights: bool = True) -> list[str]:
     lines = [facts_line(facts)]
     if facts.description:
@@ -144,7 +144,7 @@ class ModelCards(QListWidget):
     chosen = Signal(str)
     priced = Signal()  # the fits of a refresh arrived
 
-    def __init__(self, tasks, weights: str = "int4", parent=None):
+    def __init__(self, tasks, weights: str = DEFAULT_WEIGHTS, parent=None):
         super().__init__(parent)
         self.tasks = tasks
         self.weights = weights
@@ -240,7 +240,7 @@ class ModelBrowser(QDialog):
     """The chat's model browser: the catalog's cards (and the current model's, where it is a GGUF file
     or a Hugging Face folder); accepting it picks the selected model."""
 
-    def __init__(self, tasks, current: str, weights: str = "int4", parent=None):
+    def __init__(self, tasks, current: str, weights: str = DEFAULT_WEIGHTS, parent=None):
         super().__init__(parent)
         self.setWindowTitle("Choose a model")
         self.cards = ModelCards(tasks, weights)

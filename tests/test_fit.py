@@ -44,7 +44,7 @@ def write_gguf(path, *, license="mit"):
 
 def profile_doc(source="qwen2.5-coder-0.5b", memory_gb=(1.0, 1.5, 1.5)) -> dict:
     """A fleet profile as `fleet profile` writes it: three PCs, "a" the coordinator."""
-    shape = fit.estimate_shape(catalog_facts(CATALOG[source]))
+    shape = fit.estimate_shape(catalog_facts(CATALOG[source]), weights="int4")
     devices = [DeviceProfile(n, "CPU", int(m * GB), 1.0, 5.0, embed_ms=0.1, prefill_layer_ms=0.2, call_ms=0.3)
                for n, m in zip("abc", memory_gb)]
     fleet = Fleet(devices, {("a", "b"): 0.5, ("a", "c"): 0.5, ("b", "c"): 0.5}, coordinator="a")
@@ -100,7 +100,7 @@ def test_the_predictions_are_the_solvers(profile):
 
     facts = catalog_facts(CATALOG["qwen2.5-coder-1.5b"])
     other = fit.predict(facts, profile)
-    shape = fit.estimate_shape(facts)
+    shape = fit.estimate_shape(facts, weights="int4")
     fleet = fit.scaled_fleet(profile.fleet, profile.shape, shape)
     assert fleet.devices[0].layer_ms == pytest.approx(shape.layer_bytes / profile.shape.layer_bytes)
     assert other.tok_s_users == pytest.approx(solve_layout(shape, fleet, users=4).aggregate_tok_s)
@@ -117,10 +117,10 @@ def test_a_fleet_that_cannot_hold_the_model(tmp_path):
 
 def test_without_a_profile_only_this_pc_is_known():
     facts = catalog_facts(CATALOG["smollm2-135m"])
-    need = stage_memory(fit.estimate_shape(facts)).at(30, True, True)
-    fits = fit.predict(facts, None, available_bytes=int(need) + 1)
+    need = stage_memory(fit.estimate_shape(facts, weights="int4")).at(30, True, True)
+    fits = fit.predict(facts, None, weights="int4", available_bytes=int(need) + 1)
     assert fits.fits_here and fits.tok_s_1 is None and fits.note == fit.NO_PROFILE and fits.fleet_pcs == 0
-    assert not fit.predict(facts, None, available_bytes=int(need) - 1).fits_here
+    assert not fit.predict(facts, None, weights="int4", available_bytes=int(need) - 1).fits_here
 
 
 def test_measured_speeds_are_kept_per_model(monkeypatch, tmp_path):

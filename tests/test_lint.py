@@ -1,6 +1,5 @@
 """The code keeps one style: ruff's pycodestyle and pyflakes rules at 120 columns
-(``[tool.ruff]`` in pyproject.toml), over everything it covers (bench-results/ holds dated one-off
-scripts and is left out)."""
+(``[tool.ruff]`` in pyproject.toml), over the whole tree (bench-results/ holds reports, no code)."""
 
 from __future__ import annotations
 

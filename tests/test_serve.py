@@ -393,7 +393,7 @@ def test_parity_bench_in_miniature(tiny_models, tmp_path):
     same ids, and the report names each one."""
     from engine.bench.parity import run_parity
 
-    report = run_parity(str(tiny_models["qwen2"]), tokens=4, warmup=0, runs=1, head="int4",
+    report = run_parity(str(tiny_models["qwen2"]), tokens=4, warmup=0, runs=1, weights="int4", head="int4",
                         out=tmp_path / "parity.json", log=lambda _: None)
     rows = {r["config"]: r for r in report["rows"]}
     assert {"ours 1-stage", "ours 2-stage", "ours 1-stage, paged", "ours 1-stage, INT4 head",

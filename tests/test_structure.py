@@ -9,6 +9,7 @@ package means importing its ``__init__``.
 from __future__ import annotations
 
 import ast
+import re
 import tokenize
 from pathlib import Path
 
@@ -235,3 +236,21 @@ def test_imports_inside_functions_are_deliberate():
                 if not (line in comments[module] or line - 1 in comments[module])
                 and not all(any(under(name, heavy) for heavy in HEAVY) for name in names)]
     verdict("imports inside functions without a comment saying why they are deferred", problems)
+
+
+def test_results_are_data():
+    """bench-results/ holds reports, each date with a README (command, commit, host), and no one-off scripts
+    (the commit history keeps those, the README names where); of the code, only engine/tuning.py cites a result
+    file, naming where each tuned value came from."""
+    results = ROOT / "bench-results"
+    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+        readme = folder / "README.md"
+        assert readme.exists(), f"{folder.name} has no README.md"
+        text = readme.read_text()
+        assert all(word in text.lower() for word in ("command", "commit", "host")), f"{folder.name}/README.md"
+    scripts = [p.relative_to(results) for p in results.rglob("*") if p.suffix in (".py", ".patch", ".diff")]
+    assert not scripts, f"one-off scripts in bench-results/: {scripts}"
+    cite = re.compile(r"bench-results/\d{4}-\d\d-\d\d")  # a date's folder or a file in it
+    citing = [p.relative_to(ROOT) for top in (*PACKAGES, "tests") for p in (ROOT / top).rglob("*.py")
+              if cite.search(p.read_text(encoding="utf-8")) and p != ROOT / "engine" / "tuning.py"]
+    assert not citing, f"code citing result files (cite docs/benchmarks.md, or a value in engine/tuning.py): {citing}"

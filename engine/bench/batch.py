@@ -24,6 +24,7 @@ import openvino_genai
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, interleave, loopback, prompt_ids
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.export.exporter import export_model
 from engine.runtime.decode.generate import generate_streams
 from engine.runtime.stages.chain import LocalChain
@@ -90,8 +91,8 @@ def _cb_runner(folder: Path, device: str, props: dict):
 
 
 def run_batch(model: str, *, stage_counts: tuple[int, ...] = (1, 2), streams: tuple[int, ...] = STREAMS,
-              tokens: int = 32, runs: int = 2, weights: str = "int4", device: str = "CPU", out: Path | None = None,
-              log=print, hooks: Hooks = NO_HOOKS) -> dict:
+              tokens: int = 32, runs: int = 2, weights: str = DEFAULT_WEIGHTS, device: str = "CPU",
+              out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
     props = device_config(device)
     exports = {n: export_model(model, stages=n, weights=weights, cancel=hooks.cancel).folders for n in stage_counts}
     one = export_model(model, stages=1, weights=weights, cancel=hooks.cancel).folders[0]

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError, ShardError
 from engine.export.exporter import export_model
 from engine.fleet.agent import Agent
@@ -596,7 +597,7 @@ def fuzz_flood(folders: list[Path], tally: Tally, connections: int = 200, log=la
         worker.stop()
 
 
-def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS, weights: str = "int4",
+def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS, weights: str = DEFAULT_WEIGHTS,
              out: Path | None = None, log=print) -> dict:
     folders = export_model(model, stages=1, weights=weights).folders
     sample = json.loads((folders[0] / MANIFEST).read_text())

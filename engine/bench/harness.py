@@ -31,7 +31,7 @@ from engine.fleetkey import create_key
 from engine.manifest import expand_shard_dirs
 from engine.progress import Progress, Report
 from engine.runtime.decode.generate import Generation, generate_streams
-from engine.runtime.decode.speculative import draft_head
+from engine.runtime.decode.speculative import draft_format
 from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.relay.affinity import parse_cpu_sets, pin
 from engine.session import Launch, drafter_factory, open_chain
@@ -111,7 +111,7 @@ def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
     """The draft model's 1-stage shard when ``kind`` needs a model."""
     if kind not in ("model", "hybrid"):
         return None
-    return export_model(draft, stages=1, weights=weights, head=draft_head(weights)).folders
+    return export_model(draft, stages=1, **draft_format(weights)).folders
 
 
 @contextlib.contextmanager

@@ -13,12 +13,13 @@ from pathlib import Path
 from engine.bench.harness import (NO_HOOKS, Hooks, decode_streams, draft_export, drafters, interleave, loopback,
                                   prompt_ids, split_export, warm_up)
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 
 SWEEP_PROMPTS = ("code", "technical explanation")
 
 
 def run_ksweep(model: str, draft: str, *, stages: int = 3, delays=(0.0, 50.0, 100.0), ks=(2, 3, 5, 7, 10, "auto"),
-               tokens: int = 96, draft_kind: str = "model", weights: str = "int4", cpu_sets: str = "",
+               tokens: int = 96, draft_kind: str = "model", weights: str = DEFAULT_WEIGHTS, cpu_sets: str = "",
                out: Path | None = None, log=print, shards=None, hooks: Hooks = NO_HOOKS) -> dict:
     folders = split_export(model, stages, weights, shards, hooks)
     stages = len(folders)

@@ -31,6 +31,7 @@ from statistics import median
 from engine.bench.harness import (NO_HOOKS, PROMPTS, Hooks, decode_streams, interleave, loopback, prompt_ids, rss_mb,
                                   split_export, warm_up)
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 
 
 # Each side-by-side comparison's two sides, (label, loopback options); its ratio is the second over the first.
@@ -78,8 +79,8 @@ def _stage_shares(result, compute_ms: float) -> list[float]:
 
 
 def run_microbatch(model: str, *, stage_counts=(2, 3), delays=(0.0, 10.0, 50.0), counts=(1, 2, 3),
-                   tokens: int = 64, runs: int = 2, isolation: bool = True, turns: bool = True, weights: str = "int4",
-                   cpu_sets: str = "", out: Path | None = None, log=print, shards=None,
+                   tokens: int = 64, runs: int = 2, isolation: bool = True, turns: bool = True,
+                   weights: str = DEFAULT_WEIGHTS, cpu_sets: str = "", out: Path | None = None, log=print, shards=None,
                    hooks: Hooks = NO_HOOKS) -> dict:
     names = list(PROMPTS)[: max(counts)]
     rows, ratios = [], {}

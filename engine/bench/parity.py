@@ -22,6 +22,7 @@ from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, genai_runner, in
 from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.report import median, write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
@@ -69,7 +70,7 @@ def llamacpp_gguf(model: str) -> Path:
     return source.path
 
 
-def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5, weights: str = "int4",
+def run_parity(model: str, *, tokens: int = 128, warmup: int = 2, runs: int = 5, weights: str = DEFAULT_WEIGHTS,
                device: str = "CPU", llamacpp: bool = False, head: str = "int8", out: Path | None = None, log=print,
                hooks: Hooks = NO_HOOKS) -> dict:
     """``head="int4"`` adds a row with the LM head in INT4 (``fleet export --head int4``)."""

@@ -19,13 +19,14 @@ from statistics import median
 
 from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, interleave, loopback, split_export
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.tokenizer import ChatTokenizer
 
 def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int = 1, runs: int = 5,
-                 weights: str = "int4", delay_ms: float = 0.0, out: Path | None = None, log=print, shards=None,
+                 weights: str = DEFAULT_WEIGHTS, delay_ms: float = 0.0, out: Path | None = None, log=print, shards=None,
                  hooks: Hooks = NO_HOOKS) -> dict:
     """``shards`` runs an existing split (an export folder or its stage folders) instead of
     exporting ``model`` into ``stages``."""

@@ -18,6 +18,7 @@ from statistics import median
 
 from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, interleave, loopback
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.export.exporter import export_model
 from engine.fleet.placement import Fleet, ModelShape, evaluate, simulated_fleet, solve
 from engine.fleet.profile import export_profile_shards, model_shape, profile_shards
@@ -39,7 +40,7 @@ def candidates(n: int) -> dict[str, list[int]]:
             "3 stages even": [n // 3, 2 * n // 3]}
 
 
-def run_placement(model: str, *, tokens: int = 64, warmup: int = 1, runs: int = 3, weights: str = "int4",
+def run_placement(model: str, *, tokens: int = 64, warmup: int = 1, runs: int = 3, weights: str = DEFAULT_WEIGHTS,
                   sizes=(4, 8, 16), out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
     hooks.step(0, 1, "profiling this machine")
     measured = profile_shards(export_profile_shards(model, weights, cancel=hooks.cancel), "CPU")

@@ -37,6 +37,7 @@ from engine.bench.harness import PROMPTS, prompt_ids
 from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.models.catalog import CATALOG, pull
@@ -95,7 +96,7 @@ class _Rounds:
         return out
 
 
-def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str = "auto",
+def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str = DEFAULT_WEIGHTS,
                 users: tuple[int, ...] = USERS, runs: int = 3, llamacpp: bool = False,
                 memory_mb: int = MEMORY_MB, paths: tuple[str, ...] | None = None, mode: str = "fast",
                 out: Path | None = None, log=print) -> dict:

@@ -15,6 +15,7 @@ from statistics import median
 from engine.bench.harness import (NO_HOOKS, Hooks, decode_streams, draft_export, drafters, interleave, loopback,
                                   prompt_ids, split_export, warm_up)
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
 
@@ -22,8 +23,9 @@ STREAM_PROMPTS = ("code", "chat")
 
 
 def run_progression(model: str, draft: str, *, stages: int = 2, tokens: int = 96, runs: int = 2,
-                    delay_ms: float = 0.0, draft_kind: str = "model", weights: str = "int4", cpu_sets: str = "",
-                    out: Path | None = None, log=print, shards=None, hooks: Hooks = NO_HOOKS) -> dict:
+                    delay_ms: float = 0.0, draft_kind: str = "model", weights: str = DEFAULT_WEIGHTS,
+                    cpu_sets: str = "", out: Path | None = None, log=print, shards=None,
+                    hooks: Hooks = NO_HOOKS) -> dict:
     whole = export_model(model, stages=1, weights=weights, cancel=hooks.cancel)
     split = split_export(model, stages, weights, shards, hooks)
     stages = len(split)

@@ -36,6 +36,7 @@ from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import median, write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.runtime.decode.generate import Generator
@@ -316,8 +317,9 @@ def _start_peers(stack: contextlib.ExitStack, model: str, slots: int, device: st
 
 
 def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, tokens: int = 64, runs: int = 2,
-              weights: str = "int4", device: str = "CPU", parts: tuple[str, ...] = PARTS, llamacpp: bool = False,
-              llamacpp_openvino: bool = False, out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
+              weights: str = DEFAULT_WEIGHTS, device: str = "CPU", parts: tuple[str, ...] = PARTS,
+              llamacpp: bool = False, llamacpp_openvino: bool = False, out: Path | None = None, log=print,
+              hooks: Hooks = NO_HOOKS) -> dict:
     """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure; ``llamacpp``: llama.cpp too;
     ``llamacpp_openvino``: llama.cpp's OpenVINO backend too, on ``device``."""
     unknown = set(parts) - set(PARTS)

@@ -26,7 +26,7 @@ import psutil
 
 from engine.bench.harness import PROMPTS, rss_mb
 from engine.bench.report import write_report
-from engine.config import Settings
+from engine.config import DEFAULT_WEIGHTS, Settings
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.service import ChatService
 from engine.serve.server import ApiServer
@@ -41,8 +41,8 @@ def _worker_pid(agent_pid: int) -> int | None:
 
 
 def run_soak(model: str = "smollm2-135m", *, users: int = 8, minutes: float = 60.0, kill_every_s: float = 300.0,
-             tokens: int = 32, stages: int = 2, weights: str = "int4", warmup_s: float = 20.0, out: Path | None = None,
-             log=print) -> dict:
+             tokens: int = 32, stages: int = 2, weights: str = DEFAULT_WEIGHTS, warmup_s: float = 20.0,
+             out: Path | None = None, log=print) -> dict:
     # the OpenAI client is a test extra: only the soak's users need it
     import openai
 

@@ -22,10 +22,11 @@ from statistics import geometric_mean, mean
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, prompt_ids
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.decode.generate import Generator
-from engine.runtime.decode.speculative import draft_head, open_draft_chain, stream_drafters
+from engine.runtime.decode.speculative import draft_format, open_draft_chain, stream_drafters
 from engine.runtime.stages.stage import REWIND, compile_config, device_config
 
 
@@ -38,11 +39,10 @@ def _versus(samples: list[dict], others: list[dict]) -> float:
 
 
 def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("fast", "exact"), runs: int = 1,
-             weights: str = "int4", genai: bool = True, out: Path | None = None, log=print,
+             weights: str = DEFAULT_WEIGHTS, genai: bool = True, out: Path | None = None, log=print,
              hooks: Hooks = NO_HOOKS) -> dict:
     target_folders = export_model(model, stages=1, weights=weights, cancel=hooks.cancel).folders
-    draft_folders = export_model(draft, stages=1, weights=weights, cancel=hooks.cancel,
-                                 head=draft_head(weights)).folders
+    draft_folders = export_model(draft, stages=1, cancel=hooks.cancel, **draft_format(weights)).folders
     on_token = (lambda t: hooks.on_token(0, t)) if hooks.on_token else None
     total, done = len(modes) * len(PROMPTS) * runs, 0
     prompts = dict(zip(PROMPTS, prompt_ids(target_folders[0], PROMPTS)))
@@ -144,5 +144,5 @@ def run_spec(model: str, draft: str, *, tokens: int = 128, k: int = 3, modes=("f
             ratios["genai spec vs genai target"] = round(
                 mean(r["genai_spec_tok_s"] / r["genai_target_tok_s"] for r in mine), 3)
     meta = {"model": model, "draft": draft, "tokens": tokens, "k": k, "runs": runs, "weights": weights,
-            "draft_head": draft_head(weights)}
+            **{f"draft_{k}": v for k, v in draft_format(weights).items()}}
     return write_report("spec", rows, ratios, out, settings=meta)

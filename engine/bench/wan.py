@@ -13,13 +13,14 @@ from pathlib import Path
 from engine.bench.harness import (NO_HOOKS, Hooks, decode_streams, draft_export, drafters, interleave, loopback,
                                   prompt_ids, split_export, warm_up)
 from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
 
 WAN_PROMPTS = ("code", "chat")
 FULL = "full stack"
 
 
 def run_wan(model: str, draft: str, *, stages: int = 2, delays=(0.0, 10.0, 50.0, 100.0), tokens: int = 64,
-            runs: int = 1, draft_kind: str = "model", k="auto", weights: str = "int4", cpu_sets: str = "",
+            runs: int = 1, draft_kind: str = "model", k="auto", weights: str = DEFAULT_WEIGHTS, cpu_sets: str = "",
             out: Path | None = None, log=print, shards=None, hooks: Hooks = NO_HOOKS) -> dict:
     folders = split_export(model, stages, weights, shards, hooks)
     stages = len(folders)

@@ -12,6 +12,7 @@ from pathlib import Path
 from engine.bench.registry import BENCHES, DRAFT_MODEL, SMALL_MODEL, TARGET_MODEL
 from engine.bench.report import format_table
 from engine.cli.args import count, duration
+from engine.config import DEFAULT_WEIGHTS
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 
 
@@ -38,7 +39,8 @@ OPTIONS = {
     "--tokens": {"type": count, "help": "new tokens per prompt and stream (each benchmark has a default)"},
     "--warmup": {"type": int, "default": 2, "help": "rounds run before the measured ones"},
     "--runs": {"type": count, "help": "interleaved repetitions (each benchmark has a default)"},
-    "--weights": {"default": "int4", "choices": WEIGHT_FORMATS, "help": "the shards' weight format"},
+    "--weights": {"default": DEFAULT_WEIGHTS, "choices": WEIGHT_FORMATS,
+                  "help": f"the shards' weight format (default {DEFAULT_WEIGHTS}, as the app exports)"},
     "--device": {"default": "CPU", "help": "the OpenVINO device"},
     "--stages": {"type": count, "help": "number of pipeline stages (default 2)"},
     "--draft": {"help": f"the draft model (default {DRAFT_MODEL})"},

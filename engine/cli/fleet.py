@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
-from engine.config import Settings, paths, set_node
+from engine.config import DEFAULT_WEIGHTS, Settings, paths, set_node
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.files import write_json
@@ -530,7 +530,7 @@ def add_commands(sub) -> None:
     profile.add_argument("--model", help="the model to profile (default: the settings' model)")
     profile.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents")
     profile.add_argument("--device", help="this machine's devices to profile, comma-separated (default: settings)")
-    profile.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
+    profile.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_FORMATS)
     profile.add_argument("--context", type=count, default=PLAN_CONTEXT,
                          help="context length the KV cache is planned for")
     profile.add_argument("--streams", type=count, default=1, help="concurrent streams the KV cache is planned for")
@@ -553,7 +553,7 @@ def add_commands(sub) -> None:
     dep = sub.add_parser("deploy", help="ship a plan's shards to its nodes and start the chain")
     dep.add_argument("--model")
     dep.add_argument("--plan", help="a plan written by `fleet place`")
-    dep.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS)
+    dep.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_FORMATS)
     dep.add_argument("--mode", choices=["fast", "exact"])
     dep.add_argument("--record", help="where to record the deployment (default: the data folder)")
     dep.add_argument("--stop", action="store_true", help="stop the recorded deployment's workers")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.cli.args import count, progress_printer
+from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 from engine.export.choices import choice_of, describe, other_than
@@ -73,7 +74,7 @@ def add_commands(sub) -> None:
     how = export.add_mutually_exclusive_group()
     how.add_argument("--stages", type=count, help="number of stages (layers split evenly)")
     how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
-    export.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
+    export.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_FORMATS,
                         help="auto (default): a GGUF's own weights (gguf, Faithful) where they all carry over; "
                              "int4-gptq for a float checkpoint under 1B parameters; int4 otherwise")
     export.add_argument("--head", default="int8", choices=HEAD_FORMATS,

@@ -22,7 +22,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from engine.config import AUTO_WEIGHTS, int4_layers, paths
+from engine.config import AUTO_WEIGHTS, DEFAULT_WEIGHTS, int4_layers, paths
 from engine.errors import ExportError, FleetError, ShardError
 from engine.export import tokenizer as tok
 from engine.export.gguf_weights import carry, carry_head, fingerprint, lookup_table, own_head
@@ -104,7 +104,7 @@ def export_model(
     *,
     stages: int | None = None,
     split: list[int] | None = None,
-    weights: str = "int4",
+    weights: str = DEFAULT_WEIGHTS,
     out: Path | None = None,
     progress: Report = quiet,
     cancel=None,

@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
-from engine.config import paths
+from engine.config import DEFAULT_WEIGHTS, paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.export.exporter import plan_split
@@ -127,7 +127,7 @@ def demo_profile() -> Path:
     return paths().data / PROFILE_NAME
 
 
-def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, weights: str = "int4",
+def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, weights: str = DEFAULT_WEIGHTS,
             mode: str = "fast", device: str = "CPU", deadline_s: float = 2.0, progress: Report = quiet,
             log: Callable[[str], None] = lambda line: None, cancel=None, tls: bool):
     """``model`` over this machine and ``count`` new demo nodes: survey, even split, deployment

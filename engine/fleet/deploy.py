@@ -18,7 +18,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from engine.config import paths
+from engine.config import DEFAULT_WEIGHTS, paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient
@@ -44,7 +44,7 @@ class Deployment:
     remotes: list[str]  # worker addresses of the stages on nodes (1.., or 0.. when fed)
     workers: list[dict]  # {"agent": HOST:PORT, "worker": id, "stage": k}
     mode: str = "fast"
-    weights: str = "int4"
+    weights: str = DEFAULT_WEIGHTS
     placement: list[StageSpan] = dataclasses.field(default_factory=list)  # every stage at its agent, stage 0 too
     profile: str | None = None  # the fleet profile it was planned from: failover re-plans with it
     objective: str = "latency"
@@ -152,17 +152,16 @@ def _phase_of(stage: int, phase: str, progress: Report) -> Report:
     return lambda p: progress(deploying(stage, phase, p.fraction, p.bytes_done, p.bytes_total))
 
 
-def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights: str = "auto", device: str = "CPU",
-                 delay_ms: float = 0.0, progress: Report = quiet, cancel=None,
+def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights: str = DEFAULT_WEIGHTS,
+                 device: str = "CPU", delay_ms: float = 0.0, progress: Report = quiet, cancel=None,
                  worker_timeout_s: float = 180.0) -> dict:
     """Exports the draft model whole, sends it to the node ``agent`` and starts a draft server there
     (``engine.runtime.decode.draftserver``): what ``Deployment.draft`` records (agent, worker, address, model).
     ``progress`` tells its phases as stage 0's."""
     from engine.export.exporter import export_model  # deferred, as in ``deploy``
-    from engine.runtime.decode.speculative import draft_head, draft_weights
+    from engine.runtime.decode.speculative import draft_format
 
-    weights = draft_weights(weights)
-    folder = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights), cancel=cancel,
+    folder = export_model(draft_model, stages=1, **draft_format(weights), cancel=cancel,
                           progress=_phase_of(0, "export", progress)).folders[0]
     try:
         with ControlClient(agent, key, tls=tls) as client:
@@ -248,7 +247,7 @@ def placement_problem(stages: list[StageSpan]) -> str | None:
     return None
 
 
-def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights: str = "int4",
+def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights: str = DEFAULT_WEIGHTS,
            mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
            progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
            deadline_s: float = 2.0, planned: dict | None = None, local=None, folders: list[Path] | None = None):
@@ -315,8 +314,8 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
         raise
 
 
-def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=None, weights: str = "int4",
-                  mode: str = "fast", deadline_s: float = 2.0, progress: Report = quiet,
+def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=None,
+                  weights: str = DEFAULT_WEIGHTS, mode: str = "fast", deadline_s: float = 2.0, progress: Report = quiet,
                   planned: dict | None = None, cancel=None, **kw):
     """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
     or, for a single stage here, the model exported whole for this machine.  Returns the first

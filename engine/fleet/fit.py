@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.config import paths
+from engine.config import DEFAULT_WEIGHTS, paths
 from engine.errors import ShardError
 from engine.files import lock, write_json
 from engine.fleet.layout import solve_layout
@@ -81,7 +81,8 @@ def load_profile(path: Path | None = None) -> Profile | None:
         return None
 
 
-def estimate_shape(facts: ModelFacts, weights: str = "int4", context: int = 4096, streams: int = 1) -> ModelShape:
+def estimate_shape(facts: ModelFacts, weights: str = DEFAULT_WEIGHTS, context: int = 4096,
+                   streams: int = 1) -> ModelShape:
     """The memory shape an export of the model in ``weights`` would have, from its card facts."""
     if not facts.has_shape:
         raise PlacementError(f"{facts.name}: its layers, hidden size, heads and vocabulary are not known")
@@ -132,7 +133,7 @@ def pcs_needed(model: ModelShape, fleet: Fleet) -> int | None:
     return None
 
 
-def predict(facts: ModelFacts, profile: Profile | None = None, *, weights: str = "int4",
+def predict(facts: ModelFacts, profile: Profile | None = None, *, weights: str = DEFAULT_WEIGHTS,
             available_bytes: int | None = None) -> Fit:
     """The card's figures for ``facts`` over ``profile`` (see the module's docstring).  Without a
     profile, ``available_bytes`` (default: the memory available now) is this PC's memory."""

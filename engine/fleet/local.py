@@ -15,7 +15,7 @@ import subprocess
 import threading
 from pathlib import Path
 
-from engine.config import paths
+from engine.config import DEFAULT_WEIGHTS, paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, deploy
@@ -81,8 +81,9 @@ class LocalAgent:
         stop_local_agent(self.proc)
 
 
-def local_up(model: str, stages: int, key: str | Path | None = None, *, weights: str = "int4", mode: str = "fast",
-             device: str = "CPU", progress: Report = quiet, deadline_s: float = 2.0, cancel=None, tls: bool):
+def local_up(model: str, stages: int, key: str | Path | None = None, *, weights: str = DEFAULT_WEIGHTS,
+             mode: str = "fast", device: str = "CPU", progress: Report = quiet, deadline_s: float = 2.0, cancel=None,
+             tls: bool):
     """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
     workers; ``key`` is the fleet key file (None: the default one, made if missing: a local fleet
     needs no setup); ``tls``: the settings' TLS, for the agent, its workers and the deployment

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import AUTO_WEIGHTS
+from engine.config import AUTO_WEIGHTS, DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.fleet.limits import process_memory
 from engine.export.rankcut import ranks_problem
@@ -54,7 +54,7 @@ def profile_splits(num_layers: int) -> list[tuple[list[int], int]]:
     return [([k], 0), ([2 * k], 0), ([num_layers - k], 1)]
 
 
-def export_profile_shards(model: str, weights: str = "int4", cancel=None) -> list[Path]:
+def export_profile_shards(model: str, weights: str = DEFAULT_WEIGHTS, cancel=None) -> list[Path]:
     """Exports (or reuses) the model's profiling shards."""
     # deferred: only the coordinator exports; node agents import this module to profile shards they hold
     from engine.export.exporter import export_model

@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL
@@ -38,7 +39,7 @@ def node_devices(status: dict) -> list[str]:
 
 
 def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: str, local_devices=("CPU",),
-           weights: str = "int4", context: int = 4096, streams: int = 1, progress: Report = quiet,
+           weights: str = DEFAULT_WEIGHTS, context: int = 4096, streams: int = 1, progress: Report = quiet,
            cancel=None) -> dict:
     """Profiles this machine and the agents at ``agents`` (HOST:PORT each) for ``model``; ``progress``
     tells each node's steps.  ``cancel.is_set()`` stops it between steps (and shard chunks) with a FleetError."""
@@ -111,7 +112,7 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
 
 
 def recent_survey(path: Path, model: str, agents: list[str], *, key: bytes, tls=None, local_node: str,
-                  local_devices=("CPU",), weights: str = "int4", context: int = 4096, streams: int = 1,
+                  local_devices=("CPU",), weights: str = DEFAULT_WEIGHTS, context: int = 4096, streams: int = 1,
                   max_age_s: float = FRESH_S) -> dict | None:
     """The survey document at ``path`` if ``survey`` would take the same one now: the same model,
     weights, context, streams and devices of this machine, less than ``max_age_s`` old, and the same

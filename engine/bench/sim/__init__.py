@@ -31,6 +31,7 @@ from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import write_report
 from engine.bench.sim import big, draft, layout, links, office, ranks, slow
 from engine.bench.sim.shared import Sim, need_gguf, pin_process
+from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.netns import require_root
@@ -78,7 +79,7 @@ def balanced_boundary(folders: list[Path], shape: ModelShape, core: int) -> int:
     return balanced_split(shape, device_profile("pc", measured), 2)[0]
 
 
-def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, weights: str = "int4",
+def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, weights: str = DEFAULT_WEIGHTS,
             runs: int = 2, parts: tuple[str, ...] = tuple(PARTS), memory_mb: int = 1000,
             draft: str = "qwen2.5-coder-0.5b", out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
     """``users``: the user counts of every part that takes them (default: each part's own; the

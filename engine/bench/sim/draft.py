@@ -22,7 +22,7 @@ from engine.fleet.sim import NodeSpec, Office
 from engine.launch import fleet_command
 from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.service import ChatService
-from engine.runtime.decode.speculative import draft_head
+from engine.runtime.decode.speculative import draft_format
 from engine.runtime.stages.chain import LocalChain
 from engine.session import drafter_factory
 
@@ -72,7 +72,7 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
     ratio of the drafting PC to the best configuration of PC 1 alone."""
     pc2 = next(iter(office.nodes))
     target = export_model(model, stages=1, weights=weights).folders
-    draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
+    draft = export_model(draft_model, stages=1, **draft_format(weights)).folders
     with on_pc1(core, log) as opened:
         def service(factory) -> ChatService:
             chain = LocalChain(target)

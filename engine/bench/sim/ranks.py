@@ -35,7 +35,7 @@ from engine.fleet.survey import readable, survey
 from engine.launch import fleet_command
 from engine.manifest import load_manifest
 from engine.runtime.decode.service import ChatService
-from engine.runtime.decode.speculative import draft_head
+from engine.runtime.decode.speculative import draft_format
 from engine.runtime.decode.tokenizer import ChatTokenizer
 from engine.runtime.relay.ranks import RankChain
 from engine.runtime.stages.chain import LocalChain
@@ -81,7 +81,7 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
     manifest = load_manifest(whole[0])
     whole_format, same_format = manifest.weights, ranks_format(manifest.spec, manifest.weights)
     ranks = export_model(model, weights=same_format, ranks=2).out
-    draft = export_model(draft_model, stages=1, weights=weights, head=draft_head(weights)).folders
+    draft = export_model(draft_model, stages=1, **draft_format(weights)).folders
     alike = f"ours, one PC, no speculation, {same_format}"
     with on_pc1(core, log) as opened:
         def service(chain, factory) -> ChatService:

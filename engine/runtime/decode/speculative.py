@@ -47,6 +47,14 @@ def draft_head(weights: str) -> str:
     return "int4" if int4_layers(weights) else "int8"
 
 
+def draft_format(weights: str) -> dict:
+    """How a draft model beside a target in ``weights`` is exported: ``export_model``'s ``weights``
+    and ``head`` (``draft_weights``, ``draft_head``), the same for the app, a deployment and the
+    benchmarks."""
+    weights = draft_weights(weights)
+    return {"weights": weights, "head": draft_head(weights)}
+
+
 def smooth(average: float, sample: float) -> float:
     """A running cost estimate: the first sample, then an exponential average."""
     return sample if not average else 0.8 * average + 0.2 * sample
