@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from engine.fleet.deploy import LOCAL, Deployment, StagePlacement, deploy
-from engine.fleet.local import start_local_agent, stop_local_agent
+from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain

@@ -18,7 +18,7 @@ from fleet_support import fleet_up, greedy, greedy_in_process
 from engine.errors import FleetError
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL
-from engine.fleet.local import start_local_agent, stop_local_agent
+from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleet.node import SimulatedDevice, agent_node_id, node_id
 from engine.fleetkey import create_key, load_key
 from engine.runtime.stages.stage import core

@@ -26,7 +26,7 @@ from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import MAX_NODES, demo_profile, demo_up
 from engine.fleet.deploy import Deployment, deploy_draft, deploy_layout
 from engine.fleet.discovery import Browser, browse, prover
-from engine.fleet.local import local_up, stop_local_agent
+from engine.fleet.local_agent import local_up, stop_local_agent
 from engine.fleet.netns import require_root
 from engine.fleet.node import KERNEL_PATHS, SimulatedDevice, node_id, runs_slowly
 from engine.fleet.layout import fastest_for_one, price_layout, solve_layout

@@ -2,7 +2,7 @@
 node with a simulated device, so the whole flow (nodes, profiles, layer ranges placed by hand, a
 deployment, a chat, a node lost and its layers moved) can be tried without a second PC.
 
-Each demo node is a ``fleet agent`` on loopback (``engine.fleet.local.start_local_agent``) with its
+Each demo node is a ``fleet agent`` on loopback (``engine.fleet.local_agent.start_local_agent``) with its
 own name (so its own node id), shard store and ``--simulate`` device: it reports that device and its
 memory and scales its measured costs by the device's speed, while its stages really run on this
 PC's CPU.  Whatever shows a demo node marks it simulated.  ``demo_up`` brings a model up over this
@@ -25,7 +25,7 @@ from engine.errors import FleetError
 from engine.files import write_json
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, StagePlacement, deploy
-from engine.fleet.local import start_local_agent
+from engine.fleet.local_agent import start_local_agent
 from engine.fleet.node import SimulatedDevice, node_id
 from engine.fleet.survey import survey
 from engine.fleetkey import key_file, load_key, load_tls

@@ -1,4 +1,6 @@
-"""This PC's own fleet: a node agent process on loopback, and a model deployed over it.
+"""A local agent: a node agent process this process starts on loopback, with the workers it starts
+for a model deployed over it (this PC's own fleet).  Not to be confused with
+``engine.runtime.relay.local_workers`` (workers this process starts itself, no agent between).
 
 ``local_up`` is the embedded default that ``fleet up``, ``fleet serve`` and the app run: stage 0 in
 this process, the later stages in the local agent's workers, so failover and deployment work the

@@ -1,6 +1,7 @@
-"""The local fleet: stages 1.. of a model as ``fleet worker`` processes on loopback.
+"""Local workers: stages 1.. of a model as ``fleet worker`` processes this process starts on loopback.
 
-This is what ``fleet generate --local-workers`` (and the app's default) runs: the same processes,
+Not to be confused with ``engine.fleet.local_agent`` (a node agent on this PC that starts the
+workers it is asked for).  This is what ``fleet generate --local-workers`` runs: the same processes,
 sockets and handshake as a multi-machine fleet, all on this computer.  Each worker's log goes to
 a file; a worker that fails to start is reported with the end of its log.  The workers exit with
 their parent: each watches its stdin, which only the parent holds open.
@@ -41,8 +42,9 @@ def _keep(entries: list, i: int, value) -> None:
         entries.append(value)
 
 
-class LocalFleet:
-    """Stages 1.. of a model served on this computer, for a coordinator here (the module's docstring)."""
+class LocalWorkers:
+    """Stages 1.. of a model served on this computer by workers this process starts, for a coordinator
+    here (the module's docstring)."""
 
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
@@ -128,7 +130,7 @@ class LocalFleet:
         _keep(self.workers, i, worker)
         _keep(self._log_files, i, out)
 
-    def start(self, timeout_s: float = 120.0) -> "LocalFleet":
+    def start(self, timeout_s: float = 120.0) -> "LocalWorkers":
         for i in range(len(self.shard_dirs)):
             self.start_worker(i)
         for i in range(len(self.shard_dirs)):
@@ -154,7 +156,7 @@ class LocalFleet:
             out.close()
         self.workers, self._log_files = [], []
 
-    def __enter__(self) -> "LocalFleet":
+    def __enter__(self) -> "LocalWorkers":
         return self.start()
 
     def __exit__(self, *exc) -> None:
