@@ -1,5 +1,5 @@
 """What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home,
-a simulated office of such agents in network namespaces (``engine.fleet.sim``),
+a simulated office of such agents in network namespaces (``engine.fleet.sim.office``),
 another process holding a computer's compute turn, and greedy decoding through a deployment
 compared with its stages in one process."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.fleet.deploy import deploy
-from engine.fleet.sim import Office
+from engine.fleet.sim.office import Office
 from engine.launch import await_ready
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.chain import LocalChain
@@ -70,7 +70,7 @@ def fleet_up(args: list[str], log: Path, env: dict | None = None):
 
 @contextlib.contextmanager
 def simulated_office(specs, key_file: Path, root: Path):
-    """An ``engine.fleet.sim.Office`` of ``specs`` whose agents answer inside the block; every namespace,
+    """An ``engine.fleet.sim.office.Office`` of ``specs`` whose agents answer inside the block; every namespace,
     link and cgroup it made is gone after it, also after a failure.  Needs root."""
     with Office(specs, key_file=key_file, root=root) as office:
         yield office

@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.bench.sim.shared import pin_process
 from engine.export.exporter import export_model, rank_folder
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.fleetkey import create_key, load_key
 from engine.launch import fleet_command
 from engine.runtime.relay.ranks import RankChain

@@ -27,13 +27,13 @@ from engine.fleet.demo import MAX_NODES, demo_profile, demo_up
 from engine.fleet.deploy import Deployment, deploy_draft, deploy_layout
 from engine.fleet.discovery import Browser, browse, prover
 from engine.fleet.local_agent import local_up, stop_local_agent
-from engine.fleet.netns import require_root
+from engine.fleet.sim.netns import require_root
 from engine.fleet.node import KERNEL_PATHS, SimulatedDevice, node_id, runs_slowly
 from engine.fleet.layout import fastest_for_one, price_layout, solve_layout
 from engine.fleet.placement import Pin, PlacementError, left_out, solve
 from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
-from engine.fleet.sim import NodeSpec, Office, clean_leftovers
+from engine.fleet.sim.office import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import load_survey, readable, recent_survey, survey
 from engine.fleetkey import fleet_id, key_file, load_key, load_tls
 from engine.hostcpu import SLOW
@@ -459,7 +459,7 @@ def cpu_quotas(text: str) -> list[float]:
 
 
 def cmd_sim(args) -> int:
-    """``fleet sim``: an office of simulated PCs on this Linux machine (``engine.fleet.sim``), up until
+    """``fleet sim``: an office of simulated PCs on this Linux machine (``engine.fleet.sim.office``), up until
     Ctrl-C; or, with --clean, only the removal of what a crashed one left."""
     require_root("fleet sim")
     if args.clean:

@@ -10,7 +10,7 @@ clean departure.
 Every agent is its own node (``engine.fleet.node.agent_node_id``), several on one PC too.  An
 agent given a ``SimulatedDevice`` (a demo node, ``engine.fleet.demo``) reports that device, profiles
 it on the device it really runs on with the costs scaled by its speed, and runs its workers there.
-An agent given a link delay (a simulated PC's slow cable, ``engine.fleet.sim``) has every worker it
+An agent given a link delay (a simulated PC's slow cable, ``engine.fleet.sim.office``) has every worker it
 starts hold each frame it takes and sends by that much (the relay's own delay, on top of any a
 deployment asks for).
 """

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import FleetError
-from engine.fleet import netns
+from engine.fleet.sim import netns
 from engine.launch import await_ready, end_processes, fleet_command
 
 PREFIX = "fsim"
