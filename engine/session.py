@@ -158,11 +158,11 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
         if _cancelled(cancel):
             return None
         progress(Progress("Starting the local fleet"))
-        deployment, chain, proc = local_up(
+        deployment, chain, agent = local_up(
             settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights,
             mode=settings.mode, device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
             progress=progress, tls=settings.tls)  # the TLS the chat and failover reach it with
-        return Opened(chain, kind, [LocalAgent(proc)], deployment)
+        return Opened(chain, kind, [LocalAgent(agent)], deployment)
     if launch.shards is not None:
         folders = expand_shard_dirs(launch.shards)
     else:

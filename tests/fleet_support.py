@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.fleet.deploy import deploy
 from engine.fleet.sim.office import Office
-from engine.launch import await_ready
+from engine.launch import FleetProcess
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.chain import LocalChain
 
@@ -29,21 +29,13 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
     """A ``fleet agent`` process with its own home (its own node id and shard store) and ``env`` on
     top of this one's; yields (process, HOST:PORT of its control API)."""
     home.mkdir(parents=True, exist_ok=True)
-    log = home / "agent.log"
-    cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", listen, "--lifeline",
-           "--fleet-key-file", str(key_file), "--name", name] + ([] if mdns else ["--no-mdns"])
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, **(env or {}), "FLEETSHARD_HOME": str(home)})
+    args = ["agent", "--listen", listen, "--fleet-key-file", str(key_file), "--name", name] + \
+        ([] if mdns else ["--no-mdns"])
+    agent = FleetProcess(args, home / "agent.log", env={**os.environ, **(env or {}), "FLEETSHARD_HOME": str(home)})
     try:
-        address = await_ready(proc, log, 60)
-        yield proc, address
+        yield agent.start().proc, agent.wait_ready(60)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=15)
-        proc.stdin.close()
-        proc.stdout.close()
+        agent.stop(timeout_s=15)
 
 
 @contextlib.contextmanager

@@ -42,10 +42,10 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
     monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
     key_path = create_key(tmp_path / "fleet.key")
     key = load_key(key_path)
-    agent, address = start_local_agent(key_path, options=("--link-delay-ms", "10"))  # a reply of a few seconds
+    agent = start_local_agent(key_path, options=("--link-delay-ms", "10"))  # a reply of a few seconds
     chat = None
     try:
-        stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(address, "CPU", 2, 4)]
+        stages = [StagePlacement(LOCAL, "CPU", 0, 2), StagePlacement(agent.address, "CPU", 2, 4)]
         deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", mode="exact")
         chain.close()
         record = deployment.save(tmp_path / "deployment.json")

@@ -311,14 +311,14 @@ def cmd_up(args) -> int:
     if peers:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
             "the local default; `fleet up --nodes all` places the model on them")
-    deployment, chain, proc = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
-                                       mode=settings.mode, device=settings.device, progress=progress_printer(),
-                                       deadline_s=settings.deadline_s, tls=settings.tls)
+    deployment, chain, agent = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
+                                        mode=settings.mode, device=settings.device, progress=progress_printer(),
+                                        deadline_s=settings.deadline_s, tls=settings.tls)
     chain.close()
     try:
         return _serve(args, model, deployment, settings.tls)
     finally:
-        stop_local_agent(proc)
+        stop_local_agent(agent)
 
 
 def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
@@ -363,7 +363,7 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
     try:
         for node in fleet.nodes:
             d = node.device
-            say(f"demo node {node.name} (pid {node.proc.pid}) at {node.address}: SIMULATED {d.name} ({d.full_name}, "
+            say(f"demo node {node.name} (pid {node.process.pid}) at {node.address}: SIMULATED {d.name} ({d.full_name}, "
                 f"{d.memory_mb / 1024:.0f} GB, profiled at {d.speed:g}x), running on this PC's CPU")
         names = {info.get("address"): info.get("name") for info in doc["nodes"].values()}
         say("placed by hand, evenly: " + "; ".join(

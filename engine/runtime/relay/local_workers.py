@@ -21,7 +21,7 @@ from pathlib import Path
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleetkey import TLS, load_key, tls_file
-from engine.launch import await_ready, end_processes, start_fleet
+from engine.launch import FleetProcess, stop_all
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
 
@@ -66,7 +66,7 @@ class LocalWorkers:
         self.log_dir = log_dir or paths().data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.hosting = hosting
-        self.procs: list[subprocess.Popen] = []  # hosting "processes"
+        self.processes: list[FleetProcess] = []  # hosting "processes"
         self.workers: list = []  # hosting "threads": engine.runtime.relay.worker.Worker
         self._log_files: list = []  # their logs, open
         self.logs: list[Path] = []
@@ -80,7 +80,7 @@ class LocalWorkers:
     def arguments(self, i: int) -> list[str]:
         """The ``fleet`` arguments of worker ``i``."""
         cmd = ["worker", "--shard", str(self.shard_dirs[i]), "--listen", self.addresses[i], "--device", self.devices[i],
-               "--fleet-key-file", str(self.key_file), "--lifeline", "--deadline", str(self.deadline_s),
+               "--fleet-key-file", str(self.key_file), "--deadline", str(self.deadline_s),
                "--mode", self.mode]
         if self.link_workers and i + 1 < len(self.shard_dirs):
             cmd += ["--next", self.addresses[i + 1]]
@@ -104,9 +104,9 @@ class LocalWorkers:
         if self.hosting == "threads":
             self._start_thread(i, log)
             return None
-        proc = start_fleet(self.arguments(i), log)
-        _keep(self.procs, i, proc)
-        return proc
+        process = FleetProcess(self.arguments(i), log).start()
+        _keep(self.processes, i, process)
+        return process.proc
 
     def _start_thread(self, i: int, log: Path) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -130,6 +130,11 @@ class LocalWorkers:
         _keep(self.workers, i, worker)
         _keep(self._log_files, i, out)
 
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """The worker processes (hosting "processes")."""
+        return [p.proc for p in self.processes]
+
     def start(self, timeout_s: float = 120.0) -> "LocalWorkers":
         for i in range(len(self.shard_dirs)):
             self.start_worker(i)
@@ -143,14 +148,14 @@ class LocalWorkers:
         if self.hosting == "threads":
             return
         try:
-            await_ready(self.procs[i], self.logs[i], timeout_s)
+            self.processes[i].wait_ready(timeout_s)
         except FleetError as exc:
             self.close()
             raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from None
 
     def close(self) -> None:
-        end_processes(self.procs)
-        self.procs = []
+        stop_all(self.processes)
+        self.processes = []
         for worker, out in zip(self.workers, self._log_files):
             worker.stop()
             out.close()
