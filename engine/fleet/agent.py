@@ -37,6 +37,7 @@ from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
 from engine.launch import FleetProcess, stop_all
 from engine.manifest import read_manifest
+from engine.runtime.relay.worker import TOKENS
 from engine.runtime.stages.stage import core
 from engine.runtime.stages.turns import machine_turns_file
 from engine.transport import wire
@@ -58,10 +59,12 @@ class _Worker:
         return self.process.running
 
     def to_json(self) -> dict:
+        """``tokens``: the positions it ran for its upstream, as it last reported them (every few
+        seconds while it serves, and as its upstream leaves)."""
         proc = self.process.proc
         return {"id": self.id, "hash": self.hash, "address": self.address, "port": self.port,
                 "pid": proc.pid, "state": "running" if self.running else f"exited ({proc.returncode})",
-                **self.info}
+                "tokens": self.process.reported.get(TOKENS, 0), **self.info}
 
 
 class Agent:
