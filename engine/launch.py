@@ -1,6 +1,8 @@
-"""Starting this installation's ``fleet`` CLI in a new process (a node agent's stage workers, a
-local fleet's workers, the app's local agent), waiting for its ready line, tying it to its parent
-(``lifeline``) and ending it.
+"""Starting this installation's ``fleet`` CLI in a new process: the one lifecycle every fleet process
+shares (a node agent's stage workers, local workers, a local agent, demo agents, a simulated PC's
+agent).  ``FleetProcess`` is such a process seen from its parent: ``start`` it, wait until it is
+``ready`` (its ``address``), it ends when we do (its ``lifeline``), ``stop`` it, read its ``log``, and
+the counts it ``report``s while it runs.
 
 From a Python environment the command is ``python -m engine.cli``; in the bundled app
 (``installer/``, PyInstaller) ``sys.executable`` is the app itself and the ``fleet`` executable sits
@@ -13,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from engine.errors import FleetError
@@ -28,16 +31,8 @@ def fleet_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "engine.cli", *args]
 
 
-def start_fleet(args: list[str], log: Path) -> subprocess.Popen:
-    """``fleet ARGS`` with its stderr in ``log``, its stdin a pipe (the ``--lifeline`` it watches) and
-    its stdout a pipe (the ready line ``engine.launch.await_ready`` reads)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as err:
-        return subprocess.Popen(fleet_command(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                text=True, creationflags=_NO_WINDOW)
-
-
 READY = "ready"
+LOG_TAIL = 5  # lines of its log a process that did not start is reported with
 
 
 def lifeline(on_close=lambda: os._exit(0)) -> None:
@@ -52,33 +47,100 @@ def lifeline(on_close=lambda: os._exit(0)) -> None:
     threading.Thread(target=watch, daemon=True, name="lifeline").start()
 
 
-def await_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
-    """Waits for a ``fleet worker`` process's ready line and returns the address it printed; a worker
-    that exits or stays silent past ``timeout_s`` is ended and reported with the end of its log."""
-    found: list[str] = []
+def report(name: str, value: int) -> None:
+    """The child's side: tells the parent that holds our stdout a count (after the ready line; the
+    latest of each is ``FleetProcess.reported``)."""
+    print(f"{name} {value}", flush=True)
 
-    def read():
-        for line in proc.stdout:
-            if line.startswith(READY):
-                found.append(line.split()[1])
-                return
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout_s)
-    if found:
-        return found[0]
-    reason = f"it exited with code {proc.poll()}" if proc.poll() is not None else f"no ready line in {timeout_s:.0f} s"
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=5)
-    tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
-    raise FleetError(reason + ":\n  " + "\n  ".join(tail))
+class FleetProcess:
+    """A ``fleet ARGS`` process this process starts (the module's docstring): its stderr in ``log``, its
+    stdin a pipe (the ``--lifeline`` it watches, added to ``args``), its stdout a pipe (the ready line,
+    then its reports).  ``prefix``: a command it runs under (``nsenter`` into a namespace); ``env``, ``preexec_fn``:
+    as ``subprocess.Popen`` takes them."""
+
+    def __init__(self, args: list[str], log: Path, *, prefix: list[str] | tuple[str, ...] = (),
+                 env: dict | None = None, preexec_fn=None):
+        self.args, self.log, self.prefix = list(args), Path(log), list(prefix)
+        self.env, self.preexec_fn = env, preexec_fn
+        self.proc: subprocess.Popen | None = None
+        self.address: str | None = None  # what its ready line says: HOST:PORT
+        self.reported: dict[str, int] = {}
+        self._ready = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> "FleetProcess":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen([*self.prefix, *fleet_command(*self.args, "--lifeline")],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         env=self.env, preexec_fn=self.preexec_fn, creationflags=_NO_WINDOW)
+        self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True, name="fleet stdout")
+        self._reader.start()
+        return self
+
+    def _read(self, stdout) -> None:
+        try:
+            for line in stdout:
+                if not self._ready.is_set():
+                    if line.startswith(READY):
+                        self.address = line.split()[1]
+                        self._ready.set()
+                    continue
+                name, _, value = line.strip().partition(" ")
+                if value.isdigit():
+                    self.reported[name] = int(value)
+        except (OSError, ValueError):  # our end closed by ``stop``
+            pass
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Waits for its ready line and returns the address it printed; a process that exits or stays
+        silent past ``timeout_s`` is ended and reported with the end of its log."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.05) and self.proc.poll() is None and time.monotonic() < deadline:
+            pass
+        if self.proc.poll() is not None:
+            self._reader.join(1.0)  # a ready line still in the pipe counts
+        if self._ready.is_set():
+            return self.address
+        reason = (f"it exited with code {self.proc.returncode}" if self.proc.poll() is not None
+                  else f"no ready line in {timeout_s:.0f} s")
+        self.stop()
+        raise FleetError(reason + ":\n  " + "\n  ".join(self.tail()))
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tail(self, lines: int = LOG_TAIL) -> list[str]:
+        """The last ``lines`` lines of its log."""
+        return self.log.read_text(errors="replace").strip().splitlines()[-lines:] if self.log.exists() else []
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        stop_all([self], timeout_s)
+
+
+def stop_all(processes: list[FleetProcess], timeout_s: float = 5.0) -> None:
+    """Stops fleet processes: all at once, then waits (``end_processes``)."""
+    started = [p for p in processes if p.proc is not None]
+    _terminate([p.proc for p in started], timeout_s)
+    for p in started:
+        p._reader.join(1.0)  # its reports to the last
+    _close_pipes([p.proc for p in started])
 
 
 def end_processes(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
     """Terminates child processes (all at once, then waits; kills what does not exit in time) and
     closes our ends of their pipes."""
+    _terminate(procs, timeout_s)
+    _close_pipes(procs)
+
+
+def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
@@ -88,6 +150,10 @@ def end_processes(procs: list[subprocess.Popen], timeout_s: float = 5.0) -> None
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _close_pipes(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 try:

@@ -2,9 +2,9 @@
 
 ``open_chain`` gives the chain the settings and a ``Launch`` ask for, one of ``CHAIN_KINDS``:
 
-- ``local-fleet``: the embedded default (``engine.fleet.local``): stage 0 here, the later stages in
+- ``local-fleet``: the embedded default (``engine.fleet.local_agent``): stage 0 here, the later stages in
   the workers of a node agent process on loopback, with failover;
-- ``workers``: an exported shard set's stages 1.. as ``fleet worker`` processes (``LocalFleet``);
+- ``workers``: an exported shard set's stages 1.. as ``fleet worker`` processes (``LocalWorkers``);
 - ``remote``: stage 0 here, the rest at workers' addresses;
 - ``deployment``: a recorded ``fleet deploy`` / ``fleet up`` deployment, with failover (each of its
   copies its own, when it holds replicas);
@@ -27,7 +27,7 @@ from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
 from engine.fleet.deploy import Deployment, LiveRecord
 from engine.fleet.failover import Failover
-from engine.fleet.local import LocalAgent, local_up
+from engine.fleet.local_agent import LocalAgent, local_up
 from engine.fleetkey import key_file, load_key, load_tls
 from engine.manifest import expand_shard_dirs, is_shard_set, load_manifest
 from engine.models.architectures import architecture
@@ -37,7 +37,7 @@ from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import draft_format, open_draft_chain, stream_drafters
-from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
@@ -57,7 +57,7 @@ class Launch:
     remote: list[str] = dataclasses.field(default_factory=list)  # workers of stages 1.. (stage 0 here)
     deployment: Deployment | None = None  # a recorded deployment to connect to
     record: Path | None = None  # the file it was loaded from, kept true when a failover moves its workers
-    workers: str | None = None  # "processes" (LocalFleet) or "none" (in process); None: as the settings say
+    workers: str | None = None  # "processes" (LocalWorkers) or "none" (in process); None: as the settings say
     precision: str | None = None  # the inference precision hint (f32, bf16, f16)
     isolate: bool = False  # one compiled model per stream
     delay_ms: float = 0.0  # injected one-way delay per hop (local worker processes)
@@ -158,11 +158,11 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
         if _cancelled(cancel):
             return None
         progress(Progress("Starting the local fleet"))
-        deployment, chain, proc = local_up(
+        deployment, chain, agent = local_up(
             settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights,
             mode=settings.mode, device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
             progress=progress, tls=settings.tls)  # the TLS the chat and failover reach it with
-        return Opened(chain, kind, [LocalAgent(proc)], deployment)
+        return Opened(chain, kind, [LocalAgent(agent)], deployment)
     if launch.shards is not None:
         folders = expand_shard_dirs(launch.shards)
     else:
@@ -194,10 +194,10 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
             raise FleetError("local workers need a model split into at least 2 stages")
         progress(Progress("Starting the local fleet"))
         devices = parse_devices(settings.device, len(folders))
-        fleet = LocalFleet(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:], mode=settings.mode,
-                           precision=launch.precision, delay_ms=launch.delay_ms, tls=settings.tls,
-                           deadline_s=settings.deadline_s, isolate=launch.isolate, cpu_sets=launch.cpu_sets,
-                           take_turns=launch.take_turns, log_dir=launch.log_dir).start()
+        fleet = LocalWorkers(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:],
+                             mode=settings.mode, precision=launch.precision, delay_ms=launch.delay_ms,
+                             tls=settings.tls, deadline_s=settings.deadline_s, isolate=launch.isolate,
+                             cpu_sets=launch.cpu_sets, take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses
     try:
         chain = RemoteChain(folders[0], remotes, key=key, device=devices[0], mode=settings.mode,

@@ -23,7 +23,7 @@ from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
 from engine.fleet.deploy import LOCAL, default_record, deploy_layout
-from engine.fleet.local import own_agents
+from engine.fleet.local_agent import own_agents
 from engine.fleet.node import local_node_info, node_id
 from engine.fleet.survey import survey
 from engine.progress import Progress, Report, quiet
@@ -125,7 +125,7 @@ class EngineBackend:
 
     @staticmethod
     def own_agents() -> list:
-        """The node agents this app started that still run (``engine.fleet.local.own_agents``)."""
+        """The node agents this app started that still run (``engine.fleet.local_agent.own_agents``)."""
         return own_agents()
 
     def start_demo(self, settings, count: int, progress: Report = quiet):

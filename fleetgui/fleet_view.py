@@ -11,7 +11,7 @@ While this app's placement view deploys, a node whose stage is still being expor
 is set here too (``fleetgui.keystore``).
 
 This machine (the coordinator: stage 0 of every chain runs in the app) has a row of its own, and so
-has every node agent this app started (``engine.fleet.local.own_agents``): the local fleet's worker
+has every node agent this app started (``engine.fleet.local_agent.own_agents``): the local fleet's worker
 agent and a demo fleet's nodes.  "Try a demo fleet" starts such demo nodes (``engine.fleet.demo``:
 separate agent processes on this PC, simulated devices, each row marked "demo" and "simulated"), so
 profiling, placing, deploying and losing a node can be tried on one PC; "Remove node" on a demo
@@ -46,7 +46,7 @@ COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Fo
 POLL_MS = 3000
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
 THIS_MACHINE = "this machine"
-LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local.start_local_agent``)
+LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local_agent.start_local_agent``)
 DEMO_NODES = 3  # how many "Try a demo fleet" starts
 STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "exporting": "#1f618d"}
 
@@ -254,7 +254,7 @@ class NodesModel(QAbstractTableModel):
         return row
 
     def own_agents(self, agents: list) -> None:
-        """The node agents this app runs (``engine.fleet.local.own_agents``): a row each while it runs."""
+        """The node agents this app runs (``engine.fleet.local_agent.own_agents``): a row each while it runs."""
         live = {a.address: a for a in agents}
         for row in [r for r in self.rows if r.role not in ("", THIS_MACHINE) and r.address not in live]:
             self._drop(row)

@@ -9,14 +9,14 @@ Calls that block (pausing stops workers, quitting stops the agent) run off the G
 
 Activity is live: the agent's own log (shards received, workers started, refused connections), each
 stage worker's log as it grows (upstream connections, next-stage links, errors), and the stages it
-starts and stops serving; ``WorkerController.counts`` tallies connections, stages served, tokens served (each worker
-logs them every few seconds while it serves, and as its upstream leaves) and errors.
+starts and stops serving; ``WorkerController.counts`` tallies connections, stages served, tokens served (the
+agent's status of each worker: it reports them every few seconds while it serves, and as its upstream leaves)
+and errors.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from pathlib import Path
 
@@ -49,7 +49,7 @@ def describe_state(agent) -> tuple[str, str]:
     """(status, what it serves) of an agent, in words."""
     if agent is None:
         return "stopped", ""
-    serving = [w for w in list(agent.workers.values()) if w.proc.poll() is None]
+    serving = [w for w in list(agent.workers.values()) if w.running]
     if agent.paused:
         status = "paused: takes no work"
     elif serving:
@@ -89,6 +89,7 @@ class WorkerController(QObject):
         self.tasks = TaskRunner(self)
         self._last = None
         self._tails: dict[str, tuple[Path, int, str]] = {}  # worker id -> (its log, bytes read, stage label)
+        self._tokens: dict[str, int] = {}  # worker id -> tokens it served, as the agent last said
         self.counts = {"connections": 0, "stages": 0, "tokens": 0, "errors": 0}
         self.timer = QTimer(self)
         self.timer.setInterval(poll_ms)
@@ -124,9 +125,12 @@ class WorkerController(QObject):
             self.counts["stages"] += 1
         if is_failure(text):
             self.counts["errors"] += 1
-        served = re.search(r"served (\d+) tokens", text)  # a worker's count since its last one
-        if served:
-            self.counts["tokens"] += int(served.group(1))
+
+    def _count_tokens(self) -> None:
+        """Tokens served: each worker's count in the agent's status, those of stopped workers kept."""
+        for worker in self.agent.worker_status() if self.agent is not None else []:
+            self._tokens[worker["id"]] = worker["tokens"]
+        self.counts["tokens"] = sum(self._tokens.values())
 
     def _read_worker_logs(self) -> None:
         """Emits the lines each stage worker wrote to its log since the last poll."""
@@ -186,6 +190,7 @@ class WorkerController(QObject):
 
     def _poll(self) -> None:
         self._read_worker_logs()
+        self._count_tokens()
         now = (self.state(), self.paused, len(self.shards()), tuple(self.counts.values()))
         if now != self._last:
             self._last = now

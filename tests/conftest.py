@@ -217,6 +217,6 @@ def qwen15_gguf(request) -> Path:
 
 @pytest.fixture(params=["threads", "processes"])
 def hosting(request) -> str:
-    """How a local fleet's workers run (``LocalFleet(hosting=...)``): threads in the fast tier,
+    """How a local fleet's workers run (``LocalWorkers(hosting=...)``): threads in the fast tier,
     processes in the slow one."""
     return request.param

@@ -1,5 +1,5 @@
 """What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home,
-a simulated office of such agents in network namespaces (``engine.fleet.sim``),
+a simulated office of such agents in network namespaces (``engine.fleet.sim.office``),
 another process holding a computer's compute turn, and greedy decoding through a deployment
 compared with its stages in one process."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.fleet.deploy import deploy
-from engine.fleet.sim import Office
-from engine.launch import await_ready
+from engine.fleet.sim.office import Office
+from engine.launch import FleetProcess
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.chain import LocalChain
 
@@ -29,21 +29,13 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
     """A ``fleet agent`` process with its own home (its own node id and shard store) and ``env`` on
     top of this one's; yields (process, HOST:PORT of its control API)."""
     home.mkdir(parents=True, exist_ok=True)
-    log = home / "agent.log"
-    cmd = [sys.executable, "-m", "engine.cli", "agent", "--listen", listen, "--lifeline",
-           "--fleet-key-file", str(key_file), "--name", name] + ([] if mdns else ["--no-mdns"])
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, **(env or {}), "FLEETSHARD_HOME": str(home)})
+    args = ["agent", "--listen", listen, "--fleet-key-file", str(key_file), "--name", name] + \
+        ([] if mdns else ["--no-mdns"])
+    agent = FleetProcess(args, home / "agent.log", env={**os.environ, **(env or {}), "FLEETSHARD_HOME": str(home)})
     try:
-        address = await_ready(proc, log, 60)
-        yield proc, address
+        yield agent.start().proc, agent.wait_ready(60)
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=15)
-        proc.stdin.close()
-        proc.stdout.close()
+        agent.stop(timeout_s=15)
 
 
 @contextlib.contextmanager
@@ -70,7 +62,7 @@ def fleet_up(args: list[str], log: Path, env: dict | None = None):
 
 @contextlib.contextmanager
 def simulated_office(specs, key_file: Path, root: Path):
-    """An ``engine.fleet.sim.Office`` of ``specs`` whose agents answer inside the block; every namespace,
+    """An ``engine.fleet.sim.office.Office`` of ``specs`` whose agents answer inside the block; every namespace,
     link and cgroup it made is gone after it, also after a failure.  Needs root."""
     with Office(specs, key_file=key_file, root=root) as office:
         yield office

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 
 from engine.fleet.deploy import LOCAL, Deployment, deploy
+from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleet.span import StageSpan
-from engine.fleet.local import start_local_agent, stop_local_agent
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
@@ -43,10 +43,10 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
     monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
     key_path = create_key(tmp_path / "fleet.key")
     key = load_key(key_path)
-    agent, address = start_local_agent(key_path, options=("--link-delay-ms", "10"))  # a reply of a few seconds
+    agent = start_local_agent(key_path, options=("--link-delay-ms", "10"))  # a reply of a few seconds
     chat = None
     try:
-        stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)]
+        stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(agent.address, "CPU", 2, 4)]
         deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", mode="exact")
         chain.close()
         record = deployment.save(tmp_path / "deployment.json")

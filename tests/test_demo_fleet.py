@@ -18,7 +18,7 @@ from fleet_support import fleet_up, greedy, greedy_in_process
 from engine.errors import FleetError
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL
-from engine.fleet.local import start_local_agent, stop_local_agent
+from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleet.node import SimulatedDevice, agent_node_id, node_id
 from engine.fleetkey import create_key, load_key
 from engine.runtime.stages.stage import core
@@ -51,18 +51,18 @@ def test_agents_on_one_machine_are_each_a_node_listed_stably(home, tmp_path):
     key = load_key(key_path)
     started = {name: start_local_agent(key_path, name=name, mdns=True) for name in ("alpha", "beta")}
     try:
-        ids = {name: _status(address, key)["node"]["node_id"] for name, (_, address) in started.items()}
+        ids = {name: _status(agent.address, key)["node"]["node_id"] for name, agent in started.items()}
         assert ids == {"alpha": agent_node_id("alpha"), "beta": agent_node_id("beta")}
         assert len(set(ids.values())) == 2 and node_id() not in ids.values()  # nor the machine's own
         for _ in range(2):  # the same two nodes at every listing
             heard = {n["name"]: n["node_id"] for n in _fleet_nodes(key_path) if n.get("source") == "mdns"}
             assert heard == ids, heard
-        stop_local_agent(started.pop("beta")[0])  # started again, beta is the same node
+        stop_local_agent(started.pop("beta"))  # started again, beta is the same node
         started["beta"] = start_local_agent(key_path, name="beta")
-        assert _status(started["beta"][1], key)["node"]["node_id"] == ids["beta"]
+        assert _status(started["beta"].address, key)["node"]["node_id"] == ids["beta"]
     finally:
-        for proc, _ in started.values():
-            stop_local_agent(proc)
+        for agent in started.values():
+            stop_local_agent(agent)
 
 
 def test_a_simulated_device_is_checked_and_says_so():

@@ -12,7 +12,7 @@ from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.speculative import PromptLookup
 from engine.runtime.decode.tokenizer import ChatTokenizer
-from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
@@ -56,7 +56,7 @@ def test_smollm2_over_loopback_workers(smollm2_gguf, tmp_path):
     assert ops and all(op.get_attributes()["float_x"] == 1 for op in ops)
     want = in_process(stages.folders)
     key = create_key(tmp_path / "fleet.key")
-    with LocalFleet(stages.folders[1:], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
+    with LocalWorkers(stages.folders[1:], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
         chain = RemoteChain(stages.folders[0], fleet.addresses, key=load_key(key), mode="exact")
         try:
             assert exact_replies(chain, stages.folders[0]) == want
@@ -69,7 +69,7 @@ def test_qwen_over_two_tensor_parallel_ranks(qwen15_gguf, tmp_path):
     rank order)."""
     ranks = export_model("qwen2.5-coder-1.5b", ranks=2, weights="gguf")
     key = create_key(tmp_path / "fleet.key")
-    with LocalFleet([rank_folder(ranks.out, 1)], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
+    with LocalWorkers([rank_folder(ranks.out, 1)], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
         chain = RankChain(rank_folder(ranks.out, 0), fleet.addresses, key=load_key(key), mode="exact")
         try:
             got = exact_replies(chain, rank_folder(ranks.out, 0))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.fleet import limits, netns, node
+from engine.fleet import limits, node
+from engine.fleet.sim import netns
 
 MB = 1 << 20
 

@@ -21,7 +21,7 @@ import pytest
 from engine.errors import StageError
 from engine.fleetkey import create_certificate, create_key, load_key, tls_file
 from engine.runtime.decode.generate import Generator
-from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.transport import wire
@@ -41,7 +41,7 @@ def key_file(tmp_path_factory):
 def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, fed=False, **fleet_args):
     """Stages 1.. as worker processes, stage 0 in this process (``fed``: every stage a worker, this
     process feeding the first its token ids)."""
-    fleet = LocalFleet(folders if fed else folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
+    fleet = LocalWorkers(folders if fed else folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
     chain = None
     try:
         chain = RemoteChain(folders[0], fleet.addresses, key=coordinator_key or load_key(key_file),
@@ -286,7 +286,7 @@ def test_breakdown_and_injected_delay(tiny_exports, key_file, tmp_path, hosting)
 def test_wrong_key_is_refused_on_both_sides(tiny_exports, key_file, tmp_path, hosting):
     folders = tiny_exports["llama", "2"].folders
     other = load_key(create_key(tmp_path / "other.key"))
-    with LocalFleet(folders[1:], key_file, log_dir=tmp_path, hosting=hosting) as fleet:
+    with LocalWorkers(folders[1:], key_file, log_dir=tmp_path, hosting=hosting) as fleet:
         with pytest.raises(StageError, match="stage 1 at 127.0.0.1:\\d+: handshake failed: .*fleet key"):
             RemoteChain(folders[0], fleet.addresses, key=other, connect_timeout_s=10)
         assert _wait_for_log(fleet.logs[0], "refused connection from 127.0.0.1")
@@ -304,13 +304,13 @@ def _wait_for_log(path, text, timeout=5.0):
 
 def test_foreign_shards_are_refused(tiny_exports, key_file, tmp_path, hosting):
     llama, qwen = tiny_exports["llama", "2"].folders, tiny_exports["qwen2", "2"].folders
-    fleet = LocalFleet(qwen[1:], key_file, log_dir=tmp_path, hosting=hosting).start()
+    fleet = LocalWorkers(qwen[1:], key_file, log_dir=tmp_path, hosting=hosting).start()
     try:
         with pytest.raises(StageError, match="fingerprint mismatch"):
             RemoteChain(llama[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=10)
         # Same model, but the worker's stage of the 3-stage split starts at layer 1, not at layer 2.
         three = tiny_exports["llama", "3"].folders
-        fleet2 = LocalFleet(three[1:2], key_file, log_dir=tmp_path, hosting=hosting).start()
+        fleet2 = LocalWorkers(three[1:2], key_file, log_dir=tmp_path, hosting=hosting).start()
         try:
             with pytest.raises(StageError, match="first_layer mismatch"):
                 RemoteChain(llama[0], fleet2.addresses, key=load_key(key_file), connect_timeout_s=10)
@@ -383,7 +383,7 @@ def test_fuzzed_worker_keeps_serving(tiny_exports, key_file, tmp_path):
     hidden = manifest.spec.hidden_size
     good = wire.encode(Frame(Msg.FORWARD, 0, 1, [np.ones((1, 1, hidden), np.float32), np.ones((1, 1), np.uint8),
                                                   np.zeros((1, 1), np.int64), np.zeros(1, np.float32)]))
-    fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path).start()
+    fleet = LocalWorkers(folders[1:], key_file, log_dir=tmp_path).start()
     address = fleet.addresses[0]
     sent = 0
     try:
@@ -463,7 +463,7 @@ def test_dead_or_stalled_worker_is_reported_within_the_deadline(victim, how, tin
 def test_coordinator_routes_workers_started_without_next(tiny_exports, key_file, tmp_path, hosting):
     """``fleet generate --remote A,B``: the workers learn their successor from the coordinator."""
     folders = tiny_exports["qwen2", "3"].folders
-    fleet = LocalFleet(folders[1:], key_file, log_dir=tmp_path, hosting=hosting, link_workers=False).start()
+    fleet = LocalWorkers(folders[1:], key_file, log_dir=tmp_path, hosting=hosting, link_workers=False).start()
     try:
         out = tmp_path / "gen.json"
         proc = subprocess.run(
@@ -494,7 +494,7 @@ def test_worker_reports_a_port_in_use(tiny_exports, key_file, tmp_path, hosting)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        fleet = LocalFleet(tiny_exports["llama", "2"].folders[1:], key_file, log_dir=tmp_path, hosting=hosting)
+        fleet = LocalWorkers(tiny_exports["llama", "2"].folders[1:], key_file, log_dir=tmp_path, hosting=hosting)
         fleet.addresses = ["127.0.0.1:%d" % busy.getsockname()[1]]
         with pytest.raises(Exception, match="did not start(.|\n)*Address already in use"):
             fleet.start()

@@ -10,7 +10,7 @@ import pytest
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
-from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
@@ -66,7 +66,7 @@ def test_next_turns_reuse_the_cache_and_equal_a_cold_start_in_process(tiny_expor
 def test_next_turns_reuse_the_cache_over_a_worker_process(tiny_exports, tmp_path):
     folders = tiny_exports["llama", "2"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalFleet(folders[1:], key, mode="exact", log_dir=tmp_path) as fleet:
+    with LocalWorkers(folders[1:], key, mode="exact", log_dir=tmp_path) as fleet:
         chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact")
         try:
             _warm_equals_cold(chain, drafts=True)

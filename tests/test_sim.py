@@ -1,4 +1,4 @@
-"""The fleet on a simulated office (``engine.fleet.sim``): PCs that are network namespaces on a
+"""The fleet on a simulated office (``engine.fleet.sim.office``): PCs that are network namespaces on a
 bridge, each with its own address, node agent, memory cap and CPU set.  Discovery across the bridge
 finds every PC at its own address and no further (a PC on the routed subnet is reached by address);
 a PC whose cable is cut mid-reply (link down: packets vanish, no reset) has its layers moved and the
@@ -21,7 +21,7 @@ import psutil
 import pytest
 from fleet_support import IDS, deployed_equals_in_process, simulated_office
 
-from engine.fleet import netns
+from engine.fleet.sim import netns
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
@@ -30,7 +30,7 @@ from engine.fleet.failover import Failover
 from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
 from engine.fleet.profile import model_shape
 from engine.fleet.shardstore import content_hash
-from engine.fleet.sim import PREFIX, NodeSpec, clean_leftovers
+from engine.fleet.sim.office import PREFIX, NodeSpec, clean_leftovers
 from engine.fleetkey import create_key, fleet_id, load_key
 from engine.manifest import load_manifest
 from engine.runtime.decode.generate import Generator

@@ -10,7 +10,7 @@ import pytest
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
-from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import MODES
@@ -56,7 +56,7 @@ def test_loopback_workers_equal_in_process_chain(stages, smol_exports, tmp_path)
     folders = smol_exports[stages].folders
     want, _ = _generate(folders, QUESTION, 32, ignore_eos=True)
     key = create_key(tmp_path / "fleet.key")
-    with LocalFleet(folders[1:], key, log_dir=tmp_path) as fleet:
+    with LocalWorkers(folders[1:], key, log_dir=tmp_path) as fleet:
         chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key))
         try:
             got, text = _generate(folders, QUESTION, 32, ignore_eos=True, chain=chain)
@@ -112,7 +112,7 @@ def test_fleet_up_then_generate_on_the_deployment(tmp_path):
     import subprocess
     import sys
 
-    from engine.launch import await_ready
+    from engine.launch import FleetProcess
 
     from engine.config import paths
 
@@ -121,23 +121,16 @@ def test_fleet_up_then_generate_on_the_deployment(tmp_path):
     home.mkdir()
     os.symlink(paths().cache, home / "cache")
     env = {**os.environ, "FLEETSHARD_HOME": str(home)}
-    log = tmp_path / "up.log"
-    with open(log, "w") as err:
-        up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--local", "--no-chat", "--lifeline",
-                               "--fleet-key-file", str(key)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=err, text=True, env=env)
+    up = FleetProcess(["up", "--local", "--no-chat", "--fleet-key-file", str(key)], tmp_path / "up.log", env=env)
     try:
-        record = await_ready(up, log, 300)
+        record = up.start().wait_ready(300)
         out = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--deployment", record,
                               "--fleet-key-file", str(key), "--prompt", QUESTION, "--max-new-tokens", "24",
                               "--json", str(tmp_path / "gen.json")], capture_output=True, text=True, env=env,
                              timeout=300)
         assert out.returncode == 0, out.stderr
     finally:
-        up.terminate()
-        up.wait(timeout=30)
-        up.stdin.close()
-        up.stdout.close()
+        up.stop(timeout_s=30)
     got = json.loads((tmp_path / "gen.json").read_text())[0]
     default = export_model(MODEL, stages=2, weights="auto")  # what `fleet up` deployed: a GGUF's own weights
     assert load_manifest(default.folders[0]).weights == "gguf"

@@ -18,7 +18,7 @@ from engine.runtime.decode.generate import Decoding, Generator, generate_streams
 from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.speculative import (AutoK, Drafter, DraftModel, Hybrid, PromptLookup, RoundCost,
                                                check_draft_tokenizer)
-from engine.runtime.relay.localfleet import LocalFleet
+from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.output import Output
@@ -483,7 +483,7 @@ def test_micro_batched_streams_are_isolated_in_process(isolate, tiny_exports):
 def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports, tmp_path):
     folders = tiny_exports["qwen2", "3"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalFleet(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
+    with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
         assert fleet.turns is not None  # the stages and the coordinator take compute turns
         chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact", isolate=isolate,
                             turns=compute_turns(fleet.turns))

@@ -117,7 +117,7 @@ def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
 @contextlib.contextmanager
 def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", isolate: bool = False,
              cpu_sets: str = "", turns: bool = True, device: str = "CPU"):
-    """Yields (chain, LocalFleet) as ``session.open_chain`` opens a shard set with local workers:
+    """Yields (chain, LocalWorkers) as ``session.open_chain`` opens a shard set with local workers:
     stage 0 here, ``folders[1:]`` in worker processes on loopback under a throwaway fleet key, their
     logs in a temporary folder.  One folder is a whole model: it yields (LocalChain, None).
     ``cpu_sets``: one CPU set per stage, stage 0 this process; ``turns``: the workers take compute

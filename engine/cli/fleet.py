@@ -26,14 +26,14 @@ from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import MAX_NODES, demo_profile, demo_up
 from engine.fleet.deploy import Deployment, deploy_draft, deploy_layout
 from engine.fleet.discovery import Browser, browse, prover
-from engine.fleet.local import local_up, stop_local_agent
-from engine.fleet.netns import require_root
+from engine.fleet.local_agent import local_up, stop_local_agent
+from engine.fleet.sim.netns import require_root
 from engine.fleet.node import KERNEL_PATHS, SimulatedDevice, node_id, runs_slowly
 from engine.fleet.layout import fastest_for_one, price_layout, solve_layout
 from engine.fleet.placement import Pin, PlacementError, left_out, solve
 from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
-from engine.fleet.sim import NodeSpec, Office, clean_leftovers
+from engine.fleet.sim.office import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import load_survey, readable, recent_survey, survey
 from engine.fleetkey import fleet_id, key_file, load_key, load_tls
 from engine.hostcpu import SLOW
@@ -315,14 +315,14 @@ def cmd_up(args) -> int:
     if peers:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
             "the local default; `fleet up --nodes all` places the model on them")
-    deployment, chain, proc = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
-                                       mode=settings.mode, device=settings.device, progress=progress_printer(),
-                                       deadline_s=settings.deadline_s, tls=settings.tls)
+    deployment, chain, agent = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
+                                        mode=settings.mode, device=settings.device, progress=progress_printer(),
+                                        deadline_s=settings.deadline_s, tls=settings.tls)
     chain.close()
     try:
         return _serve(args, model, deployment, settings.tls)
     finally:
-        stop_local_agent(proc)
+        stop_local_agent(agent)
 
 
 def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
@@ -367,7 +367,7 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
     try:
         for node in fleet.nodes:
             d = node.device
-            say(f"demo node {node.name} (pid {node.proc.pid}) at {node.address}: SIMULATED {d.name} ({d.full_name}, "
+            say(f"demo node {node.name} (pid {node.process.pid}) at {node.address}: SIMULATED {d.name} ({d.full_name}, "
                 f"{d.memory_mb / 1024:.0f} GB, profiled at {d.speed:g}x), running on this PC's CPU")
         names = {info.get("address"): info.get("name") for info in doc["nodes"].values()}
         say("placed by hand, evenly: " + "; ".join(
@@ -463,7 +463,7 @@ def cpu_quotas(text: str) -> list[float]:
 
 
 def cmd_sim(args) -> int:
-    """``fleet sim``: an office of simulated PCs on this Linux machine (``engine.fleet.sim``), up until
+    """``fleet sim``: an office of simulated PCs on this Linux machine (``engine.fleet.sim.office``), up until
     Ctrl-C; or, with --clean, only the removal of what a crashed one left."""
     require_root("fleet sim")
     if args.clean:

@@ -7,11 +7,11 @@ import sys
 
 from engine.cli.args import connection_args, duration, settings_of
 from engine.fleetkey import load_key, load_tls
-from engine.launch import lifeline
+from engine.launch import lifeline, report
 from engine.manifest import expand_shard_dirs, layer_span
 from engine.runtime.relay.affinity import pin
 from engine.runtime.decode.draftserver import DraftServer
-from engine.runtime.relay.worker import Worker
+from engine.runtime.relay.worker import TOKENS, Worker
 from engine.runtime.stages.turns import compute_turns
 
 
@@ -24,8 +24,8 @@ def cmd_worker(args) -> int:
         return _draft_server(args, settings, key, tls)
     worker = Worker(args.shard, args.listen, args.next, key=key, device=settings.device, mode=settings.mode,
                     precision=args.precision, delay_ms=args.delay_ms, deadline_s=settings.deadline_s, tls=tls,
-                    isolate=args.isolate_streams,
-                    turns=compute_turns(args.compute_turns))
+                    isolate=args.isolate_streams, turns=compute_turns(args.compute_turns),
+                    counted=(lambda tokens: report(TOKENS, tokens)) if args.lifeline else None)  # to the parent
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         lifeline()
     m = worker.manifest

@@ -10,7 +10,7 @@ clean departure.
 Every agent is its own node (``engine.fleet.node.agent_node_id``), several on one PC too.  An
 agent given a ``SimulatedDevice`` (a demo node, ``engine.fleet.demo``) reports that device, profiles
 it on the device it really runs on with the costs scaled by its speed, and runs its workers there.
-An agent given a link delay (a simulated PC's slow cable, ``engine.fleet.sim``) has every worker it
+An agent given a link delay (a simulated PC's slow cable, ``engine.fleet.sim.office``) has every worker it
 starts hold each frame it takes and sends by that much (the relay's own delay, on top of any a
 deployment asks for).
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-import subprocess
 import sys
 import threading
 import uuid
@@ -36,8 +35,9 @@ from engine.fleet.node import SimulatedDevice, agent_node_id, local_node_info
 from engine.fleet.profile import profile_shards
 from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
-from engine.launch import await_ready, end_processes, start_fleet
+from engine.launch import FleetProcess, stop_all
 from engine.manifest import read_manifest
+from engine.runtime.relay.worker import TOKENS
 from engine.runtime.stages.stage import core
 from engine.runtime.stages.turns import machine_turns_file
 from engine.transport import wire
@@ -49,16 +49,22 @@ UNFINISHED_S = 600.0  # a transfer no chunk reached for this long is dropped by 
 
 
 class _Worker:
-    def __init__(self, wid: str, digest: str, proc: subprocess.Popen, address: str, port: int, info: dict,
-                 log: Path):
-        self.id, self.hash, self.proc, self.address, self.port, self.info, self.log = (
-            wid, digest, proc, address, port, info, log)
+    def __init__(self, wid: str, digest: str, process: FleetProcess, info: dict):
+        self.id, self.hash, self.process, self.info = wid, digest, process, info
+        self.address, self.log = process.address, process.log
+        self.port = int(self.address.rpartition(":")[2])
+
+    @property
+    def running(self) -> bool:
+        return self.process.running
 
     def to_json(self) -> dict:
-        alive = self.proc.poll() is None
+        """``tokens``: the positions it ran for its upstream, as it last reported them (every few
+        seconds while it serves, and as its upstream leaves)."""
+        proc = self.process.proc
         return {"id": self.id, "hash": self.hash, "address": self.address, "port": self.port,
-                "pid": self.proc.pid, "state": "running" if alive else f"exited ({self.proc.returncode})",
-                **self.info}
+                "pid": proc.pid, "state": "running" if self.running else f"exited ({proc.returncode})",
+                "tokens": self.process.reported.get(TOKENS, 0), **self.info}
 
 
 class Agent:
@@ -107,7 +113,7 @@ class Agent:
     def state(self) -> str:
         if self.paused:
             return "paused"
-        serving = [w for w in self.workers.values() if w.proc.poll() is None]
+        serving = [w for w in self.workers.values() if w.running]
         if serving:
             return "serving " + ",".join(f"stage {w.info.get('stage')}" for w in serving)
         return self.activity
@@ -223,8 +229,13 @@ class Agent:
 
     def op_status(self, doc, data) -> dict:
         return {"node": dataclasses.asdict(self.info()), "state": self.state(), "paused": self.paused,
-                "link_delay_ms": self.link_delay_ms, "shards": self.store.listing(),
-                "workers": [w.to_json() for w in self.workers.values()]}
+                "link_delay_ms": self.link_delay_ms, "shards": self.store.listing(), "workers": self.worker_status()}
+
+    def worker_status(self) -> list[dict]:
+        """The status of each worker it runs (``_Worker.to_json``: its stage, state and tokens served)."""
+        with self._lock:
+            workers = list(self.workers.values())
+        return [w.to_json() for w in workers]
 
     def op_has_shard(self, doc, data) -> dict:
         return {"present": self.store.has(doc["hash"])}
@@ -250,7 +261,7 @@ class Agent:
 
     def _served(self) -> set[str]:
         with self._lock:
-            return {w.hash for w in self.workers.values() if w.proc.poll() is None}
+            return {w.hash for w in self.workers.values() if w.running}
 
     def op_drop_shard(self, doc, data) -> dict:
         digest = check_hash(doc["hash"])
@@ -283,7 +294,7 @@ class Agent:
         if not self.store.has(digest):
             raise FleetError(f"this node does not hold shard {digest[:12]}; send it first")
         with self._lock:
-            live = [w for w in self.workers.values() if w.proc.poll() is None]
+            live = [w for w in self.workers.values() if w.running]
             if len(live) >= MAX_WORKERS:
                 raise FleetError(f"node {self.name} already runs {len(live)} workers")
         folder = self.store.path(digest)
@@ -294,7 +305,7 @@ class Agent:
         host = self.host if self.host not in ("::",) else "0.0.0.0"
         cmd = ["worker", "--role", role, "--shard", str(folder), "--listen", f"{host}:0",
                "--device", self._real_device(str(doc.get("device") or "CPU")), "--mode", str(doc.get("mode") or "fast"),
-               "--fleet-key-file", str(self.key_file), "--lifeline"]
+               "--fleet-key-file", str(self.key_file)]
         if doc.get("precision"):
             cmd += ["--precision", str(doc["precision"])]
         delay_ms = float(doc.get("delay_ms") or 0) + self.link_delay_ms  # the deployment's, over this PC's link
@@ -305,19 +316,18 @@ class Agent:
         cmd += ["--compute-turns", str(machine_turns_file())]
         wid = uuid.uuid4().hex[:8]
         log = paths().data / "logs" / f"agent-worker-{wid}.log"
-        proc = start_fleet(cmd, log)
+        process = FleetProcess(cmd, log).start()
         try:
-            printed = await_ready(proc, log, float(doc.get("wait_s") or 180))
+            process.wait_ready(float(doc.get("wait_s") or 180))
         except FleetError as exc:
             raise FleetError(f"worker for stage {manifest.stage_index} did not start ({exc})") from None
-        port = int(printed.rpartition(":")[2])
         info = {"stage": manifest.stage_index, "layers": list(manifest.layers), "model": manifest.model_name,
                 "device": doc.get("device") or "CPU", "delay_ms": delay_ms, "role": role}
-        worker = _Worker(wid, digest, proc, printed, port, info, log)
+        worker = _Worker(wid, digest, process, info)
         with self._lock:
             self.workers[wid] = worker
         self.log(f"started worker {wid}: " + (f"stage {manifest.stage_index}" if role == "stage" else
-                                              f"draft server for {manifest.model_name}") + f" on port {port}")
+                                              f"draft server for {manifest.model_name}") + f" on port {worker.port}")
         self._changed()
         return worker.to_json()
 
@@ -332,7 +342,7 @@ class Agent:
                 raise FleetError(f"no worker {wid} on node {self.name}")
             for w in chosen:
                 del self.workers[w.id]
-        end_processes([w.proc for w in chosen])
+        stop_all([w.process for w in chosen])
         if chosen:
             self._changed()
         return [w.id for w in chosen]

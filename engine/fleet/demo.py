@@ -2,7 +2,7 @@
 node with a simulated device, so the whole flow (nodes, profiles, layer ranges placed by hand, a
 deployment, a chat, a node lost and its layers moved) can be tried without a second PC.
 
-Each demo node is a ``fleet agent`` on loopback (``engine.fleet.local.start_local_agent``) with its
+Each demo node is a ``fleet agent`` on loopback (``engine.fleet.local_agent.start_local_agent``) with its
 own name (so its own node id), shard store and ``--simulate`` device: it reports that device and its
 memory and scales its measured costs by the device's speed, while its stages really run on this
 PC's CPU.  Whatever shows a demo node marks it simulated.  ``demo_up`` brings a model up over this
@@ -16,7 +16,6 @@ reaches them speak TLS as the caller's settings say (``tls``), as the local flee
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -25,12 +24,12 @@ from engine.errors import FleetError
 from engine.files import write_json
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, deploy
-from engine.fleet.local import start_local_agent
+from engine.fleet.local_agent import start_local_agent
 from engine.fleet.node import SimulatedDevice, node_id
 from engine.fleet.span import StageSpan
 from engine.fleet.survey import survey
 from engine.fleetkey import key_file, load_key, load_tls
-from engine.launch import end_processes
+from engine.launch import FleetProcess, stop_all
 from engine.progress import Report, quiet
 
 # (name, device): the first ``count`` of these are started
@@ -47,12 +46,20 @@ PROFILE_NAME = "demo-profile.json"
 class DemoNode:
     name: str
     device: SimulatedDevice
-    address: str  # its agent's HOST:PORT
-    proc: subprocess.Popen
+    process: FleetProcess  # its agent
+
+    @property
+    def address(self) -> str:
+        """Its agent's HOST:PORT."""
+        return self.process.address
+
+    @property
+    def proc(self):
+        return self.process.proc
 
     @property
     def running(self) -> bool:
-        return self.proc.poll() is None
+        return self.process.running
 
 
 class DemoFleet:
@@ -75,11 +82,11 @@ class DemoFleet:
     def stop(self, which: str) -> DemoNode:
         """Stops one demo node's agent and its workers, as if that PC were switched off."""
         node = self.node(which)
-        end_processes([node.proc], timeout_s=10)
+        node.process.stop(timeout_s=10)
         return node
 
     def close(self) -> None:
-        end_processes([n.proc for n in self.nodes], timeout_s=10)
+        stop_all([n.process for n in self.nodes], timeout_s=10)
 
     def __enter__(self) -> "DemoFleet":
         return self
@@ -104,11 +111,11 @@ def start_demo_fleet(key: str | Path | None = None, count: int = 2, *, tls: bool
             log(f"starting demo node {name} ({i + 1} of {count}): a simulated {device.full_name}, "
                 f"{device.memory_mb / 1024:.0f} GB, running on this PC's CPU")
             store = paths().data / "demo" / name
-            proc, address = start_local_agent(path, name=name, mdns=mdns, role="demo", tls=tls,
-                                              options=("--store", str(store), "--simulate", device.to_json()))
-            nodes.append(DemoNode(name, device, address, proc))
+            agent = start_local_agent(path, name=name, mdns=mdns, role="demo", tls=tls,
+                                      options=("--store", str(store), "--simulate", device.to_json()))
+            nodes.append(DemoNode(name, device, agent))
     except BaseException:
-        end_processes([n.proc for n in nodes], timeout_s=10)
+        stop_all([n.process for n in nodes], timeout_s=10)
         raise
     return DemoFleet(nodes)
 

@@ -1,4 +1,4 @@
-"""``fleet bench sim``: what loopback cannot measure, on a simulated office (``engine.fleet.sim``;
+"""``fleet bench sim``: what loopback cannot measure, on a simulated office (``engine.fleet.sim.office``;
 Linux, root): PCs of one core or less each, this machine the coordinator.
 
 The run is made of parts, each in the module named after it, run in this order (``parts`` picks any):
@@ -34,7 +34,7 @@ from engine.bench.sim.shared import Sim, need_gguf, pin_process
 from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.fleet.netns import require_root
+from engine.fleet.sim.netns import require_root
 from engine.fleet.placement import ModelShape, balanced_split, even_split
 from engine.fleet.profile import model_shape, profile_shards
 from engine.fleet.survey import device_profile

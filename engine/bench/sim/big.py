@@ -37,11 +37,11 @@ from engine.bench.serve import user_wave
 from engine.bench.sim.shared import RpcServer, Sim, medians
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.fleet import netns
+from engine.fleet.sim import netns
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import worker_address
 from engine.fleet.placement import DeviceProfile, Fleet, Infeasible, ModelShape, Plan, solve
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.launch import end_processes, fleet_command
 
 USERS = (1, 4)

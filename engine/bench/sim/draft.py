@@ -18,7 +18,7 @@ from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import Sim, chat_wave, on_pc1, wave_rows
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.launch import fleet_command
 from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.decode.service import ChatService

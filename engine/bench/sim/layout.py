@@ -20,12 +20,12 @@ from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.errors import FleetError
 from engine.export.exporter import export_model
-from engine.fleet import netns
+from engine.fleet.sim import netns
 from engine.fleet.deploy import deploy_layout, rank_count
 from engine.fleet.layout import solve_layout
 from engine.fleet.placement import Fleet, ModelShape
 from engine.fleet.plans import layout_stages
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService

@@ -21,7 +21,7 @@ from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.failover import Failover
 from engine.fleet.placement import DeviceProfile, Fleet
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.fleet.span import StageSpan
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain

@@ -31,7 +31,7 @@ from engine.bench.llamacpp import LlamaServer
 from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
                                      on_pc1, wave_rows)
 from engine.fleet.deploy import LOCAL, deploy
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.fleet.span import StageSpan
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService

@@ -30,7 +30,7 @@ from engine.fleet.deploy import deploy_layout
 from engine.fleet.layout import fastest_for_one
 from engine.fleet.placement import Fleet, ModelShape, solve
 from engine.fleet.plans import layout_stages
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.launch import fleet_command
 from engine.manifest import load_manifest

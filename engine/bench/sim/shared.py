@@ -18,7 +18,7 @@ from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, interleave
 from engine.bench.llamacpp import LlamaServer, binary
 from engine.errors import FleetError
 from engine.fleet.placement import ModelShape
-from engine.fleet.sim import Office
+from engine.fleet.sim.office import Office
 from engine.launch import end_processes
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService

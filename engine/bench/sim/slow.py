@@ -19,11 +19,11 @@ import os
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.export.exporter import export_model
-from engine.fleet import netns
+from engine.fleet.sim import netns
 from engine.fleet.deploy import deploy
 from engine.fleet.placement import Fleet, ModelShape, left_out, one_layer_on, solve
 from engine.fleet.plans import placement_stages
-from engine.fleet.sim import NodeSpec, Office
+from engine.fleet.sim.office import NodeSpec, Office
 from engine.fleet.survey import readable, survey
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain

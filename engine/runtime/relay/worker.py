@@ -36,7 +36,8 @@ from engine.transport.mesh import Mesh, MeshError
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
-TOKEN_COUNT_S = 5.0  # how often a serving worker logs the tokens it served (the tray's live tally)
+TOKEN_COUNT_S = 5.0  # how often a serving worker counts the tokens it served (the tray's live tally)
+TOKENS = "tokens"  # the name its count is reported under (``engine.launch.report``)
 
 
 class RequestError(FleetError):
@@ -69,8 +70,10 @@ class Worker(Listening):
     def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
                  device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
                  deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
-                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None):
-        """A tensor-parallel rank (``engine.transport.mesh``) other than 0 also listens, on a port of
+                 max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None,
+                 counted: Callable[[int], None] | None = None):
+        """``counted``: told the tokens served so far, whenever they are counted (``_count_tokens``).
+        A tensor-parallel rank (``engine.transport.mesh``) other than 0 also listens, on a port of
         its own beside ``listen``'s host, for rank 0's connection."""
         manifest = load_manifest(Path(shard))  # its files hashed once, for the mesh and the stage
         if manifest.rank == 0 and manifest.ranks > 1:
@@ -121,6 +124,7 @@ class Worker(Listening):
         self._kv_length: dict[int, int] = {}
         self.tokens = 0  # positions (tokens) this stage has run for its upstream
         self._counted = (0, time.monotonic())  # tokens already logged ("served N tokens"), and when
+        self.counted = counted or (lambda tokens: None)
 
     # --- life cycle --------------------------------------------------------------------------------
 
@@ -185,13 +189,15 @@ class Worker(Listening):
             self._count_tokens(force=True)
 
     def _count_tokens(self, force: bool = False) -> None:
-        """Logs the tokens served since the last count, at most every ``TOKEN_COUNT_S`` (the tray
-        worker adds these lines up into its live tally)."""
+        """Logs the tokens served since the last count, at most every ``TOKEN_COUNT_S``, and tells
+        ``counted`` the total (a ``fleet worker`` process reports it to its agent, whose status the
+        tray worker adds up into its live tally)."""
         counted, when = self._counted
         now = time.monotonic()
         if self.tokens > counted and (force or now - when >= TOKEN_COUNT_S):
             self._counted = (self.tokens, now)
             self.log(f"served {self.tokens - counted} tokens")
+            self.counted(self.tokens)
 
     def _reply(self, link: Link, frame: Frame) -> None:
         with self._lock:

@@ -1,4 +1,6 @@
-"""This PC's own fleet: a node agent process on loopback, and a model deployed over it.
+"""A local agent: a node agent process this process starts on loopback, with the workers it starts
+for a model deployed over it (this PC's own fleet).  Not to be confused with
+``engine.runtime.relay.local_workers`` (workers this process starts itself, no agent between).
 
 ``local_up`` is the embedded default that ``fleet up``, ``fleet serve`` and the app run: stage 0 in
 this process, the later stages in the local agent's workers, so failover and deployment work the
@@ -11,7 +13,6 @@ that still run (the local fleet's, a demo fleet's): the app shows them as nodes.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 import threading
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
 from engine.fleetkey import key_file, load_key, load_tls
-from engine.launch import await_ready, end_processes, start_fleet
+from engine.launch import FleetProcess
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
 from engine.progress import Report, quiet
@@ -34,7 +35,11 @@ class OwnAgent:
     name: str
     address: str  # its control API's HOST:PORT
     role: str  # what it is for: "local fleet", "demo"
-    proc: subprocess.Popen
+    process: FleetProcess
+
+    @property
+    def proc(self):
+        return self.process.proc
 
 
 _own: list[OwnAgent] = []
@@ -44,41 +49,45 @@ _own_lock = threading.Lock()
 def own_agents() -> list[OwnAgent]:
     """The node agents this process started (``start_local_agent``) that still run, oldest first."""
     with _own_lock:
-        _own[:] = [a for a in _own if a.proc.poll() is None]
+        _own[:] = [a for a in _own if a.process.running]
         return list(_own)
 
 
 def start_local_agent(key_file: Path, timeout_s: float = 60.0, *, name: str = "local", mdns: bool = False,
                       options: tuple[str, ...] = (), role: str = "local fleet",
-                      tls: bool = False) -> tuple[subprocess.Popen, str]:
+                      tls: bool = False) -> FleetProcess:
     """A node agent process on loopback named ``name`` (its own node), tied to this process (it exits
-    when we do); ``options``: more ``fleet agent`` options (a demo node's store and simulated device);
-    ``role``: what ``own_agents`` says it is for; ``tls``: it and its workers speak TLS."""
+    when we do), ready (its control API at ``address``); ``options``: more ``fleet agent`` options (a
+    demo node's store and simulated device); ``role``: what ``own_agents`` says it is for; ``tls``: it
+    and its workers speak TLS."""
     log = paths().data / "logs" / f"{name}-agent.log"
-    proc = start_fleet(["agent", "--listen", "127.0.0.1:0", "--lifeline", "--fleet-key-file", str(key_file),
-                        "--name", name, "--tls" if tls else "--no-tls", *([] if mdns else ["--no-mdns"]),
-                        *options], log)
+    process = FleetProcess(["agent", "--listen", "127.0.0.1:0", "--fleet-key-file", str(key_file), "--name", name,
+                            "--tls" if tls else "--no-tls", *([] if mdns else ["--no-mdns"]), *options], log).start()
     try:
-        address = await_ready(proc, log, timeout_s)
+        address = process.wait_ready(timeout_s)
     except FleetError as exc:
         raise FleetError(f"the {name} node agent did not start ({exc})") from None
     with _own_lock:
-        _own.append(OwnAgent(name, address, role, proc))
-    return proc, address
+        _own.append(OwnAgent(name, address, role, process))
+    return process
 
 
-def stop_local_agent(proc: subprocess.Popen) -> None:
-    end_processes([proc], timeout_s=10)
+def stop_local_agent(process: FleetProcess) -> None:
+    process.stop(timeout_s=10)
 
 
 class LocalAgent:
     """A local node agent process (``start_local_agent``), closed with the chat service that owns it."""
 
-    def __init__(self, proc: subprocess.Popen):
-        self.proc = proc
+    def __init__(self, process: FleetProcess):
+        self.process = process
+
+    @property
+    def proc(self):
+        return self.process.proc
 
     def close(self) -> None:
-        stop_local_agent(self.proc)
+        stop_local_agent(self.process)
 
 
 def local_up(model: str, stages: int, key: str | Path | None = None, *, weights: str = DEFAULT_WEIGHTS,
@@ -88,17 +97,17 @@ def local_up(model: str, stages: int, key: str | Path | None = None, *, weights:
     workers; ``key`` is the fleet key file (None: the default one, made if missing: a local fleet
     needs no setup); ``tls``: the settings' TLS, for the agent, its workers and the deployment
     (then the chat and failover open the deployment with ``load_tls(tls, key)``).  Returns
-    (deployment, chain, agent process)."""
+    (deployment, chain, agent process: a ``FleetProcess``)."""
     secret = load_key(key, create=not key)
     contexts = load_tls(tls, key)  # a missing fleet certificate is refused before the agent starts
     resolved = resolve_source(model)
     ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
-    proc, address = start_local_agent(key_file(key), tls=tls)
+    agent = start_local_agent(key_file(key), tls=tls)
     try:
-        placement = [StageSpan(LOCAL if i == 0 else address, device, a, b) for i, (a, b) in enumerate(ranges)]
+        placement = [StageSpan(LOCAL if i == 0 else agent.address, device, a, b) for i, (a, b) in enumerate(ranges)]
         deployment, chain = deploy(model, placement, key=secret, tls=contexts, weights=weights, mode=mode,
                                    progress=progress, deadline_s=deadline_s, cancel=cancel)
     except BaseException:
-        stop_local_agent(proc)
+        stop_local_agent(agent)
         raise
-    return deployment, chain, proc
+    return deployment, chain, agent

@@ -1,4 +1,4 @@
-"""Linux plumbing for the simulated office (``engine.fleet.sim``): network namespaces, a bridge,
+"""Linux plumbing for the simulated office (``engine.fleet.sim.office``): network namespaces, a bridge,
 veth pairs, tc tbf shaping, and cgroups (v1 and v2) for a memory cap and a CPU set, each made
 through ``ip``, ``tc`` and the cgroup filesystem, and each removable again by name.
 

@@ -1,6 +1,7 @@
-"""The local fleet: stages 1.. of a model as ``fleet worker`` processes on loopback.
+"""Local workers: stages 1.. of a model as ``fleet worker`` processes this process starts on loopback.
 
-This is what ``fleet generate --local-workers`` (and the app's default) runs: the same processes,
+Not to be confused with ``engine.fleet.local_agent`` (a node agent on this PC that starts the
+workers it is asked for).  This is what ``fleet generate --local-workers`` runs: the same processes,
 sockets and handshake as a multi-machine fleet, all on this computer.  Each worker's log goes to
 a file; a worker that fails to start is reported with the end of its log.  The workers exit with
 their parent: each watches its stdin, which only the parent holds open.
@@ -20,7 +21,7 @@ from pathlib import Path
 from engine.config import paths
 from engine.errors import FleetError
 from engine.fleetkey import TLS, load_key, tls_file
-from engine.launch import await_ready, end_processes, start_fleet
+from engine.launch import FleetProcess, stop_all
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
 
@@ -41,8 +42,9 @@ def _keep(entries: list, i: int, value) -> None:
         entries.append(value)
 
 
-class LocalFleet:
-    """Stages 1.. of a model served on this computer, for a coordinator here (the module's docstring)."""
+class LocalWorkers:
+    """Stages 1.. of a model served on this computer by workers this process starts, for a coordinator
+    here (the module's docstring)."""
 
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
                  mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
@@ -64,7 +66,7 @@ class LocalFleet:
         self.log_dir = log_dir or paths().data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.hosting = hosting
-        self.procs: list[subprocess.Popen] = []  # hosting "processes"
+        self.processes: list[FleetProcess] = []  # hosting "processes"
         self.workers: list = []  # hosting "threads": engine.runtime.relay.worker.Worker
         self._log_files: list = []  # their logs, open
         self.logs: list[Path] = []
@@ -78,7 +80,7 @@ class LocalFleet:
     def arguments(self, i: int) -> list[str]:
         """The ``fleet`` arguments of worker ``i``."""
         cmd = ["worker", "--shard", str(self.shard_dirs[i]), "--listen", self.addresses[i], "--device", self.devices[i],
-               "--fleet-key-file", str(self.key_file), "--lifeline", "--deadline", str(self.deadline_s),
+               "--fleet-key-file", str(self.key_file), "--deadline", str(self.deadline_s),
                "--mode", self.mode]
         if self.link_workers and i + 1 < len(self.shard_dirs):
             cmd += ["--next", self.addresses[i + 1]]
@@ -102,9 +104,9 @@ class LocalFleet:
         if self.hosting == "threads":
             self._start_thread(i, log)
             return None
-        proc = start_fleet(self.arguments(i), log)
-        _keep(self.procs, i, proc)
-        return proc
+        process = FleetProcess(self.arguments(i), log).start()
+        _keep(self.processes, i, process)
+        return process.proc
 
     def _start_thread(self, i: int, log: Path) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,12 @@ class LocalFleet:
         _keep(self.workers, i, worker)
         _keep(self._log_files, i, out)
 
-    def start(self, timeout_s: float = 120.0) -> "LocalFleet":
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """The worker processes (hosting "processes")."""
+        return [p.proc for p in self.processes]
+
+    def start(self, timeout_s: float = 120.0) -> "LocalWorkers":
         for i in range(len(self.shard_dirs)):
             self.start_worker(i)
         for i in range(len(self.shard_dirs)):
@@ -141,20 +148,20 @@ class LocalFleet:
         if self.hosting == "threads":
             return
         try:
-            await_ready(self.procs[i], self.logs[i], timeout_s)
+            self.processes[i].wait_ready(timeout_s)
         except FleetError as exc:
             self.close()
             raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from None
 
     def close(self) -> None:
-        end_processes(self.procs)
-        self.procs = []
+        stop_all(self.processes)
+        self.processes = []
         for worker, out in zip(self.workers, self._log_files):
             worker.stop()
             out.close()
         self.workers, self._log_files = [], []
 
-    def __enter__(self) -> "LocalFleet":
+    def __enter__(self) -> "LocalWorkers":
         return self.start()
 
     def __exit__(self, *exc) -> None:

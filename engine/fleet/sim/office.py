@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import FleetError
-from engine.fleet import netns
-from engine.launch import await_ready, end_processes, fleet_command
+from engine.fleet.sim import netns
+from engine.launch import FleetProcess, end_processes, stop_all
 
 PREFIX = "fsim"
 AGENT_PORT = 7390  # every simulated PC has its own ports, so each agent takes the default one
@@ -59,7 +59,7 @@ class SimNode:
     port: int
     home: Path
     cgroup: list[Path]  # its folders (one per controller on cgroups v1)
-    proc: subprocess.Popen | None = None
+    process: FleetProcess | None = None  # its agent
     spawned: list[subprocess.Popen] = dataclasses.field(default_factory=list)  # further processes run on it
 
     @property
@@ -69,6 +69,11 @@ class SimNode:
     @property
     def agent(self) -> str:
         return f"{self.ip}:{self.port}"
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """Its agent's process."""
+        return self.process.proc if self.process is not None else None
 
 
 def owner_alive(name: str) -> bool:
@@ -177,20 +182,17 @@ class Office:
     def start_agent(self, name: str, wait_s: float = 90.0) -> SimNode:
         """Starts (or starts again) the PC's node agent inside its namespace and cgroups."""
         node = self.nodes[name]
-        if node.proc is not None and node.proc.poll() is None:
+        if node.process is not None and node.process.running:
             raise FleetError(f"simulated PC {name}'s agent is running already")
         node.home.mkdir(parents=True, exist_ok=True)
         log = node.home / "agent.log"
         # its own home: its own node id, shard store and compute turns, as on its own PC
         env = {**os.environ, "FLEETSHARD_HOME": str(node.home)}
-        cmd = [*netns.enter(node.namespace), *fleet_command(
-            "agent", "--listen", f"0.0.0.0:{node.port}", "--name", name, "--fleet-key-file", str(self.key_file),
-            "--lifeline", *self.agent_args,
-            *(["--link-delay-ms", str(node.spec.delay_ms)] if node.spec.delay_ms else []))]
-        with open(log, "w") as err:
-            node.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         env=env, preexec_fn=netns.joiner(node.cgroup))
-        await_ready(node.proc, log, wait_s)
+        args = ["agent", "--listen", f"0.0.0.0:{node.port}", "--name", name, "--fleet-key-file", str(self.key_file),
+                *self.agent_args, *(["--link-delay-ms", str(node.spec.delay_ms)] if node.spec.delay_ms else [])]
+        node.process = FleetProcess(args, log, prefix=netns.enter(node.namespace), env=env,
+                                    preexec_fn=netns.joiner(node.cgroup)).start()
+        node.process.wait_ready(wait_s)
         self.log(f"{name}: {node.agent} in namespace {node.namespace}")
         return node
 
@@ -209,19 +211,19 @@ class Office:
 
     def stop_agent(self, name: str) -> None:
         node = self.nodes[name]
-        if node.proc is not None:
-            end_processes([node.proc], timeout_s=15)
-            node.proc = None
+        if node.process is not None:
+            node.process.stop(timeout_s=15)
+            node.process = None
 
     def close(self) -> None:
         """Stops every agent and removes every namespace, link, route and cgroup the office made."""
         if not self._made:
             return
         self._made = False
-        end_processes([n.proc for n in self.nodes.values() if n.proc is not None], timeout_s=15)
+        stop_all([n.process for n in self.nodes.values() if n.process is not None], timeout_s=15)
         end_processes([p for n in self.nodes.values() for p in n.spawned], timeout_s=15)
         for node in self.nodes.values():
-            node.proc = None
+            node.process = None
             node.spawned.clear()
         for name in [n for n in netns.namespaces() if n.startswith(self.tag + "-")]:
             netns.delete_namespace(name)
