@@ -94,6 +94,17 @@ class McpTools(QObject):
     def find(self, call_name: str) -> McpTool | None:
         return next((t for t in self.tools if t.call_name == call_name), None)
 
+    def allowed(self, tool: McpTool) -> bool:
+        """Whether the user chose "Always allow" for ``tool``."""
+        return tool.key in self.always
+
+    def remember(self, tool: McpTool, settings) -> None:
+        """"Always allow" for ``tool``: in ``settings`` (the window's) and the saved settings; a save that
+        fails raises (``FleetError``, ``OSError``) with the tool allowed for this session."""
+        self.always.add(tool.key)
+        settings.mcp_always_allowed = sorted(set(settings.mcp_always_allowed) | {tool.key})
+        allow_tool(tool.key)
+
     def describe(self) -> str:
         """The servers' state in a line (the tools button's tooltip)."""
         if not self.servers:
@@ -223,7 +234,7 @@ class ToolLoop(QObject):
             return
         call = self.pending[0]
         tool = self.mcp.find(call["function"]["name"])
-        if tool is not None and tool.key in self.mcp.always:
+        if tool is not None and self.mcp.allowed(tool):
             self._run(call, tool)
             return
         where = f" (MCP server {tool.server})" if tool is not None else ""
@@ -245,11 +256,8 @@ class ToolLoop(QObject):
             self._result(call, f"No tool named {call['function']['name']} is connected.", error=True)
             return
         if answer == "always":
-            self.mcp.always.add(tool.key)
-            settings = self.tab.view.settings
-            settings.mcp_always_allowed = sorted(set(settings.mcp_always_allowed) | {tool.key})
             try:
-                allow_tool(tool.key)
+                self.mcp.remember(tool, self.tab.view.settings)
             except (FleetError, OSError) as exc:
                 self.tab.view.banner.error(f"“Always allow” could not be saved: {exc}")
         self._run(call, tool)
