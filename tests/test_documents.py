@@ -1,7 +1,8 @@
 """Document collections (engine.documents): txt, md, pdf and docx read into passages that keep their
 file, page and offset; an index that persists, reads only new and changed files and drops deleted
 ones; indexing that reports progress and stops when cancelled; a folder of 1,000 files; the shipped
-question set's recall; and clear errors for what cannot be read."""
+question set's recall; clear errors for what cannot be read; and links, pipes, devices and oversize
+files skipped by name without reading them."""
 
 from __future__ import annotations
 
@@ -115,6 +116,44 @@ def test_unreadable_files_are_refused_by_name(tmp_path):
     assert report.files == 5 and report.passages == 1
     assert sorted(s.split(":")[0] for s in report.skipped) == ["broken.docx", "broken.pdf", "empty.md", "locked.pdf"]
     assert collection.search("fridge")[0].passage.file == str(tmp_path / "fine.txt")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="named pipes, /dev/zero and links as POSIX has them")
+def test_links_pipes_devices_and_oversize_files_are_skipped_by_name_without_being_read(tmp_path):
+    from engine.documents.readers import MAX_FILE_MB
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "fine.txt").write_text("The fridge is emptied on Fridays.")
+    (docs / "zero.txt").symlink_to("/dev/zero")  # read, it never ends: the memory goes
+    os.mkfifo(docs / "pipe.md")  # opened, it waits for a writer that never comes
+    (tmp_path / "private.md").write_text("Another user's notes.")
+    (docs / "elsewhere.md").symlink_to(tmp_path / "private.md")  # a link out of the folder
+    with open(docs / "big.txt", "wb") as big:  # sparse: larger than the cap, without the disk space
+        big.truncate(MAX_FILE_MB * 2**20 + 1)
+    collection = Library(tmp_path / "lib").create("Odd")
+    collection.add(docs)
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(report=collection.update()), daemon=True)
+    started = time.perf_counter()
+    worker.start()
+    worker.join(10)
+    took = time.perf_counter() - started
+    if worker.is_alive():  # stuck on the pipe: let it go (without /dev/zero to read next) and fail
+        (docs / "zero.txt").unlink()
+        os.close(os.open(docs / "pipe.md", os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+    assert took < 5, f"indexing took {took:.1f} s"
+    report = outcome["report"]
+    assert (report.files, report.passages) == (5, 1)
+    assert sorted(report.skipped) == [
+        f"big.txt: larger than {MAX_FILE_MB} MB, skipped",
+        "elsewhere.md: a link to another file, not followed (add the file itself)",
+        "pipe.md: a named pipe, not a regular file",
+        "zero.txt: a link to another file, not followed (add the file itself)"]
+    assert collection.search("notes") == [] and collection.search("fridge")
+    with pytest.raises(DocumentError, match=r"pipe\.md: neither a file nor a folder \(a pipe or a device\)"):
+        collection.add(docs / "pipe.md")  # given on its own
 
 
 def test_the_index_persists_and_reads_only_new_and_changed_files(tmp_path, monkeypatch):

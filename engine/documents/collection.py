@@ -182,6 +182,8 @@ class Collection:
             path = Path(path).expanduser().resolve()
             if not path.exists():
                 raise DocumentError(f"{path}: no such file or folder")
+            if not path.is_file() and not path.is_dir():
+                raise DocumentError(f"{path.name}: neither a file nor a folder (a pipe or a device), not added")
             if path.is_file() and not supported(path):
                 raise DocumentError(f"{path.name}: not a document this app reads (txt, md, pdf, docx)")
             if str(path) not in self.sources:
@@ -195,12 +197,14 @@ class Collection:
         self.save()
 
     def listed_files(self) -> dict[str, os.stat_result]:
-        """The supported files under the sources now, with their stat (hidden files and folders skipped)."""
+        """The supported files under the sources now, with their own stat, not that of what a link points
+        to (hidden files and folders skipped; links, pipes and devices listed, for the reader to refuse by
+        name)."""
         found = {}
         for source in self.sources:
             root = Path(source)
             if root.is_file():
-                found[str(root)] = root.stat()
+                found[str(root)] = root.lstat()
                 continue
             for folder, dirs, names in os.walk(root):  # never follows links to folders: no loops
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -208,7 +212,7 @@ class Collection:
                     path = Path(folder, name)
                     if supported(path):
                         try:
-                            found[str(path)] = path.stat()
+                            found[str(path)] = path.lstat()
                         except OSError:
                             continue  # gone between listing and stat
         return found
