@@ -1,8 +1,8 @@
 """Document collections (engine.documents): txt, md, pdf and docx read into passages that keep their
 file, page and offset; an index that persists, reads only new and changed files and drops deleted
 ones; indexing that reports progress and stops when cancelled; a folder of 1,000 files; the shipped
-question set's recall; clear errors for what cannot be read; and links, pipes, devices and oversize
-files skipped by name without reading them."""
+question set's recall; clear errors for what cannot be read; and links, pipes, devices, oversize files
+and zip bombs skipped by name without reading them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import time
+import zipfile
 
 import pytest
 
@@ -154,6 +155,46 @@ def test_links_pipes_devices_and_oversize_files_are_skipped_by_name_without_bein
     assert collection.search("notes") == [] and collection.search("fridge")
     with pytest.raises(DocumentError, match=r"pipe\.md: neither a file nor a folder \(a pipe or a device\)"):
         collection.add(docs / "pipe.md")  # given on its own
+
+
+def test_a_word_file_that_unpacks_to_too_much_is_refused_before_it_is_unpacked(tmp_path, monkeypatch):
+    import engine.documents.readers as readers
+
+    plain = make_docx(tmp_path / "plain.docx", ["Meals are covered up to 45 euros."])
+    paragraph = b"<w:p><w:r><w:t>Meals are covered up to 45 euros.</w:t></w:r></w:p>"
+    grown = (readers.MAX_XML_MB + 1) * 2**20 // len(paragraph)
+
+    def docx_with(name: str, body: bytes = b"", picture: bytes = b""):
+        """``plain`` with ``body`` at the start of its body and ``picture`` as word/media/image1.png"""
+        path = tmp_path / name
+        with zipfile.ZipFile(plain) as source, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
+            for member in source.infolist():
+                data = source.read(member)
+                if member.filename == "word/document.xml":
+                    data = data.replace(b"<w:body>", b"<w:body>" + body)
+                out.writestr(member.filename, data)
+            if picture:
+                out.writestr("word/media/image1.png", picture)
+        return path
+
+    # a few hundred kB each: a body of one paragraph over and over, and that markup (or zeros) named a picture
+    text = docx_with("text.docx", body=paragraph * grown)
+    disguised = docx_with("disguised.docx", picture=paragraph * grown)
+    zeros = docx_with("zeros.docx", picture=bytes((readers.MAX_XML_MB + 1) * 2**20))
+    for path in (text, disguised, zeros):
+        assert path.stat().st_size < 2**20
+        started = time.perf_counter()
+        with pytest.raises(DocumentError, match=rf"{path.name}: its text and markup unpack to \d+ MB, more than "
+                                                rf"{readers.MAX_XML_MB} MB, skipped \(a damaged file, or one made "
+                                                rf"to fill memory\)"):
+            read_pages(path)
+        assert time.perf_counter() - started < 1  # refused from the zip's directory, nothing unpacked
+    assert "45 euros" in read_pages(docx_with("long.docx", body=paragraph * 2**14))[0][1]  # a long one reads
+
+    # pictures (that do not pack) count towards the whole's cap: lowered here to keep the file small
+    monkeypatch.setattr(readers, "MAX_UNZIPPED_MB", 1)
+    with pytest.raises(DocumentError, match=r"photos\.docx: it unpacks to \d+ MB, more than 1 MB, skipped"):
+        read_pages(docx_with("photos.docx", picture=os.urandom(2**21)))
 
 
 def test_the_index_persists_and_reads_only_new_and_changed_files(tmp_path, monkeypatch):

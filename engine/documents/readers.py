@@ -2,9 +2,10 @@
 page), docx through python-docx (paragraphs and tables, one page: a docx has no pages of its own).
 
 Only a regular file is read, never through a link and never a named pipe or a device (whose reads
-may never end, or never start), and at most ``MAX_FILE_MB`` of it.  A file that cannot be read raises
-``DocumentError`` naming the file and why (a link, not a regular file, damaged, encrypted, no text to
-extract, too large).
+may never end, or never start), and at most ``MAX_FILE_MB`` of it; a Word file (a zip) is read only
+when its parts unpack to at most ``MAX_UNZIPPED_MB``, of which at most ``MAX_XML_MB`` of XML.  A file
+that cannot be read raises ``DocumentError`` naming the file and why (a link, not a regular file,
+damaged, encrypted, no text to extract, too large).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import errno
 import io
 import os
 import stat
+import zipfile
 from pathlib import Path
 
 from engine.errors import FleetError
@@ -20,6 +22,13 @@ from engine.errors import FleetError
 TEXT_SUFFIXES = (".txt", ".md", ".markdown")
 SUFFIXES = (*TEXT_SUFFIXES, ".pdf", ".docx")
 MAX_FILE_MB = 64  # a bigger file is far more than a chat's context can use; it is skipped by name
+# what a Word file's parts may unpack to, checked from the zip's directory before any part is unpacked:
+# python-docx holds the parts in memory (all of them: MAX_UNZIPPED_MB) and parses the XML ones into trees
+# about 12 times their size (16 MB of XML measured ~200 MB), so a small file that unpacks to much (a zip
+# bomb) would take the app's memory; a long document's text is a few MB of XML
+MAX_UNZIPPED_MB = 64
+MAX_XML_MB = 16
+MARKUP_RATIO = 4  # a part that unpacks to more than this many times its packed size counts as XML
 # opened without following a link or waiting for a pipe's writer (flags a platform lacks count as none)
 OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
@@ -111,9 +120,30 @@ def _pdf(path: Path, raw: bytes) -> list[tuple[int | None, str]]:
         raise DocumentError(f"{path.name}: not a readable PDF ({type(exc).__name__}: {exc})") from None
 
 
+def _check_unzipped(path: Path, raw: bytes) -> None:
+    """Refuses a Word file whose parts unpack to more than the caps, as its zip's directory declares
+    them (unpacking a part stops at its declared size); a file that is no zip is left to the parser,
+    which says it is damaged."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, EOFError):
+        return
+    total = sum(m.file_size for m in members)
+    # XML by its name, or by how it packs: a picture barely packs, while markup (whatever its name says:
+    # the content types decide what is parsed) and a bomb's filler pack several times over
+    xml = sum(m.file_size for m in members
+              if m.filename.lower().endswith((".xml", ".rels")) or m.file_size > MARKUP_RATIO * m.compress_size)
+    for size, cap, what in ((xml, MAX_XML_MB, "its text and markup unpack"), (total, MAX_UNZIPPED_MB, "it unpacks")):
+        if size > cap * 2**20:
+            raise DocumentError(f"{path.name}: {what} to {size / 2**20:.0f} MB, more than {cap} MB, skipped "
+                                "(a damaged file, or one made to fill memory)")
+
+
 def _docx(path: Path, raw: bytes) -> list[tuple[int | None, str]]:
     import docx  # deferred: only a collection with Word files pays for loading the parser
 
+    _check_unzipped(path, raw)
     try:
         document = docx.Document(io.BytesIO(raw))
     except Exception as exc:  # a damaged or renamed file fails in the zip or XML layers alike
