@@ -118,8 +118,9 @@ class Settings:
                       if name in defaults and _same_kind(value, defaults[name])})
 
     def save(self, path: Path | None = None) -> None:
-        """Writes the engine's fields (an extension's own fields are its to keep)."""
-        write_json(path or paths().settings_file, dataclasses.asdict(self.engine()))
+        """Writes the engine's fields (an extension's own fields are its to keep), readable by the user
+        alone: the MCP servers' entries may hold their tokens."""
+        write_json(path or paths().settings_file, dataclasses.asdict(self.engine()), private=True)
 
     def engine(self) -> "Settings":
         """The engine's part alone (an extension's own fields dropped)."""

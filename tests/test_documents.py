@@ -1,8 +1,8 @@
 """Document collections (engine.documents): txt, md, pdf and docx read into passages that keep their
 file, page and offset; an index that persists, reads only new and changed files and drops deleted
 ones; indexing that reports progress and stops when cancelled; a folder of 1,000 files; the shipped
-question set's recall; clear errors for what cannot be read; and links, pipes, devices, oversize files
-and zip bombs skipped by name without reading them."""
+question set's recall; clear errors for what cannot be read; links, pipes, devices, oversize files
+and zip bombs skipped by name without reading them; and an index only its owner can read."""
 
 from __future__ import annotations
 
@@ -195,6 +195,23 @@ def test_a_word_file_that_unpacks_to_too_much_is_refused_before_it_is_unpacked(t
     monkeypatch.setattr(readers, "MAX_UNZIPPED_MB", 1)
     with pytest.raises(DocumentError, match=r"photos\.docx: it unpacks to \d+ MB, more than 1 MB, skipped"):
         read_pages(docx_with("photos.docx", picture=os.urandom(2**21)))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+def test_the_index_is_private_to_its_owner(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "salaries.txt").write_text("The salaries are reviewed in March.")
+    root = tmp_path / "lib"
+    root.mkdir(mode=0o755)  # as an older version left it
+    collection = Library(root).create("HR")
+    collection.add(docs)
+    collection.update()
+    assert collection.search("salaries")
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+             for p in [root, *root.rglob("*")] if not p.name.endswith(".lock")}
+    assert any("bm25-1/" in name for name in modes) and any("passages-1.json" in name for name in modes)
+    assert modes == {name: "0o700" if (tmp_path / name).is_dir() else "0o600" for name in modes}
 
 
 def test_the_index_persists_and_reads_only_new_and_changed_files(tmp_path, monkeypatch):
