@@ -98,7 +98,8 @@ class Settings:
     api_streams: int = 4  # concurrent replies `fleet serve` makes (more requests queue)
     api_max_body_mb: float = 4.0  # the largest request body the API reads (larger: 413)
     # MCP servers whose tools the chat offers (``engine.serve.mcp.McpServer.to_json``: name, command, args,
-    # env or url, enabled), and the tools ("server/tool") it calls without asking first
+    # env or url, enabled), and the tools it calls without asking first ("server/tool#identity",
+    # ``engine.serve.mcp.McpTool.consent``: a server replaced under the same name is asked about again)
     mcp_servers: list[dict] = dataclasses.field(default_factory=list)
     mcp_always_allowed: list[str] = dataclasses.field(default_factory=list)
 
@@ -181,7 +182,7 @@ def parse_devices(device: str, count: int) -> list[str]:
 
 
 def allow_tool(key: str) -> list[str]:
-    """Adds an MCP tool (``server/tool``) to those the chat calls without asking, in the saved
+    """Adds an MCP tool (its ``McpTool.consent``) to those the chat calls without asking, in the saved
     settings; returns the list."""
     with lock(paths().settings_file):  # the app's Settings view may save meanwhile
         settings = Settings.load()

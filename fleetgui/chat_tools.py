@@ -4,9 +4,10 @@ connections (opened off the GUI thread when the settings list servers) and the t
 
 A reply that calls a tool (through the grammar-held calls of ``engine.serve.tools``) is shown with
 its arguments as plain text, and the bar under the transcript asks: Allow once, Always allow this
-tool (kept in the settings), or Deny.  An allowed call runs off the GUI thread; its result (or the
-error of a server that crashed or timed out) becomes a ``tool`` message and the model is asked
-again, until it answers without a call (at most ``MAX_ROUNDS`` rounds per question).
+tool (kept in the settings, for the server as it is: one replaced under its name asks again), or
+Deny.  An allowed call runs off the GUI thread; its result (or the error of a server that crashed or
+timed out) becomes a ``tool`` message and the model is asked again, until it answers without a call
+(at most ``MAX_ROUNDS`` rounds per question).
 """
 
 from __future__ import annotations
@@ -95,15 +96,15 @@ class McpTools(QObject):
         return next((t for t in self.tools if t.call_name == call_name), None)
 
     def allowed(self, tool: McpTool) -> bool:
-        """Whether the user chose "Always allow" for ``tool``."""
-        return tool.key in self.always
+        """Whether the user chose "Always allow" for ``tool`` of its server as it is now."""
+        return tool.consent in self.always
 
     def remember(self, tool: McpTool, settings) -> None:
         """"Always allow" for ``tool``: in ``settings`` (the window's) and the saved settings; a save that
         fails raises (``FleetError``, ``OSError``) with the tool allowed for this session."""
-        self.always.add(tool.key)
-        settings.mcp_always_allowed = sorted(set(settings.mcp_always_allowed) | {tool.key})
-        allow_tool(tool.key)
+        self.always.add(tool.consent)
+        settings.mcp_always_allowed = sorted(set(settings.mcp_always_allowed) | {tool.consent})
+        allow_tool(tool.consent)
 
     def describe(self) -> str:
         """The servers' state in a line (the tools button's tooltip)."""
