@@ -35,6 +35,24 @@ def handbook(folder):
     return folder
 
 
+def hold_file(monkeypatch, name: str, timeout_s: float) -> tuple[threading.Event, threading.Event]:
+    """The indexer's read of file ``name`` waits for the second event (at most ``timeout_s``) once it
+    has set the first: (reached, release)."""
+    import engine.documents.collection as collection_module
+
+    reached, release = threading.Event(), threading.Event()
+    real = collection_module.read_pages
+
+    def read(path):
+        if path.endswith(name):
+            reached.set()
+            release.wait(timeout_s)
+        return real(path)
+
+    monkeypatch.setattr(collection_module, "read_pages", read)
+    return reached, release
+
+
 def anchor_point(browser, href: str) -> QPoint:
     """Where on the browser's viewport the link ``href`` is (scrolled into view)."""
     document = browser.document()
@@ -145,8 +163,6 @@ def test_files_dropped_on_a_chat_become_its_collection(qtbot, gui_home, tmp_path
 
 
 def test_the_window_handles_events_and_cancel_while_1000_files_index(qtbot, gui_home, tmp_path, monkeypatch):
-    import engine.documents.collection as collection_module
-
     folder = tmp_path / "many"
     folder.mkdir()
     for i in range(1000):
@@ -157,16 +173,7 @@ def test_the_window_handles_events_and_cancel_while_1000_files_index(qtbot, gui_
 
     # the indexer waits at file 100 until the GUI thread has run a timer: were indexing on the GUI
     # thread, the timer could not run, the wait would time out and Cancel would come too late
-    gate, at_gate = threading.Event(), threading.Event()
-    real = collection_module.read_pages
-
-    def read(path):
-        if path.endswith("note0100.txt"):
-            at_gate.set()
-            gate.wait(30)
-        return real(path)
-
-    monkeypatch.setattr(collection_module, "read_pages", read)
+    at_gate, gate = hold_file(monkeypatch, "note0100.txt", 30)
     seen = {}
 
     def tick():
@@ -195,8 +202,6 @@ def test_the_window_handles_events_and_cancel_while_1000_files_index(qtbot, gui_
 
 
 def test_removing_a_collection_while_a_slow_file_is_read_returns_at_once(qtbot, gui_home, tmp_path, monkeypatch):
-    import engine.documents.collection as collection_module
-
     folder = tmp_path / "docs"
     folder.mkdir()
     for name in ("a.txt", "b.txt", "c.txt"):
@@ -206,16 +211,7 @@ def test_removing_a_collection_while_a_slow_file_is_read_returns_at_once(qtbot, 
     panel.create("Notes")
 
     # b.txt reads slowly (a large PDF, a file on a share that stalls): at most 5 s, the pipe before the fix
-    slow, release = threading.Event(), threading.Event()
-    real = collection_module.read_pages
-
-    def read(path):
-        if path.endswith("b.txt"):
-            slow.set()
-            release.wait(5)
-        return real(path)
-
-    monkeypatch.setattr(collection_module, "read_pages", read)
+    slow, release = hold_file(monkeypatch, "b.txt", 5)
     panel.add("Notes", [folder])
     qtbot.waitUntil(slow.is_set, timeout=10000)
     started = time.perf_counter()
