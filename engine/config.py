@@ -101,7 +101,8 @@ class Settings:
     api_streams: int = 4  # concurrent replies `fleet serve` makes (more requests queue)
     api_max_body_mb: float = 4.0  # the largest request body the API reads (larger: 413)
     # MCP servers whose tools the chat offers (``engine.serve.mcp.McpServer.to_json``: name, command, args,
-    # env or url, enabled), and the tools ("server/tool") it calls without asking first
+    # env or url, enabled), and the tools it calls without asking first ("server/tool#identity",
+    # ``engine.serve.mcp.McpTool.consent``: a server replaced under the same name is asked about again)
     mcp_servers: list[dict] = dataclasses.field(default_factory=list)
     mcp_always_allowed: list[str] = dataclasses.field(default_factory=list)
 
@@ -121,8 +122,9 @@ class Settings:
                       if name in defaults and _same_kind(value, defaults[name])})
 
     def save(self, path: Path | None = None) -> None:
-        """Writes the engine's fields (an extension's own fields are its to keep)."""
-        write_json(path or paths().settings_file, dataclasses.asdict(self.engine()))
+        """Writes the engine's fields (an extension's own fields are its to keep), readable by the user
+        alone: the MCP servers' entries may hold their tokens."""
+        write_json(path or paths().settings_file, dataclasses.asdict(self.engine()), private=True)
 
     def engine(self) -> "Settings":
         """The engine's part alone (an extension's own fields dropped)."""
@@ -183,7 +185,7 @@ def parse_devices(device: str, count: int) -> list[str]:
 
 
 def allow_tool(key: str) -> list[str]:
-    """Adds an MCP tool (``server/tool``) to those the chat calls without asking, in the saved
+    """Adds an MCP tool (its ``McpTool.consent``) to those the chat calls without asking, in the saved
     settings; returns the list."""
     with lock(paths().settings_file):  # the app's Settings view may save meanwhile
         settings = Settings.load()

@@ -6,6 +6,10 @@ over the target (``os.replace``), so a reader sees the old file or the new one, 
 a crash mid-write leaves the old file as it was.  Writers serialise on ``lock(path)``, a ``filelock``
 lock file beside the target that every process of the app and the CLI takes; a read-modify-write
 (``engine.config.set_node``) holds it across the read too.
+
+A file that holds secrets or the user's own text (the settings with MCP servers' tokens, a document
+index) is written ``private``: readable by its owner only, in a folder only its owner can open
+(``private_folder``), whatever mode an older version left it with.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ if TYPE_CHECKING:
 
 LOCK_TIMEOUT_S = 30.0  # a write takes milliseconds; a holder this slow is stuck
 NEW_FILE_MODE = 0o644  # what a new file gets (an existing one keeps its own mode)
+PRIVATE_FILE_MODE = 0o600  # a private file: its owner's alone
+PRIVATE_FOLDER_MODE = 0o700
 
 _locks: dict[str, filelock.FileLock] = {}
 _locks_guard = threading.Lock()
@@ -44,28 +50,44 @@ def lock(path: Path | str) -> filelock.FileLock:
         return found
 
 
-def write_atomic(path: Path | str, data: str | bytes) -> Path:
-    """Replaces ``path`` with ``data`` whole, under ``lock(path)``; returns the path."""
+def private_folder(path: Path | str) -> Path:
+    """``path`` made if missing (with its parents) and closed to other users (POSIX modes; elsewhere
+    the user's profile folders are theirs already)."""
+    path = Path(path).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    if os.name == "posix":
+        os.chmod(path, PRIVATE_FOLDER_MODE)
+    return path
+
+
+def write_atomic(path: Path | str, data: str | bytes, private: bool = False) -> Path:
+    """Replaces ``path`` with ``data`` whole, under ``lock(path)``; returns the path.  ``private``: the
+    file and its folder are closed to other users (see the module's docstring)."""
     path = Path(path).expanduser()
     raw = data.encode() if isinstance(data, str) else data
+    if private:
+        private_folder(path.parent)
     try:
         with lock(path):
-            _replace(path, raw)
+            _replace(path, raw, PRIVATE_FILE_MODE if private else None)
     except TimeoutError:  # filelock.Timeout
         raise FleetError(f"cannot save {path}: another fleetshard process has held {path}.lock for "
                          f"{LOCK_TIMEOUT_S:.0f} s") from None
     return path
 
 
-def write_json(path: Path | str, doc, indent: int | None = 2) -> Path:
-    return write_atomic(path, json.dumps(doc, indent=indent))
+def write_json(path: Path | str, doc, indent: int | None = 2, private: bool = False) -> Path:
+    return write_atomic(path, json.dumps(doc, indent=indent), private)
 
 
-def _replace(path: Path, raw: bytes) -> None:
-    try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-    except FileNotFoundError:
-        mode = NEW_FILE_MODE
+def _replace(path: Path, raw: bytes, mode: int | None) -> None:
+    """Replaces ``path`` by ``raw`` through a temporary file (``mode`` None: the old file's, or
+    ``NEW_FILE_MODE``)."""
+    if mode is None:
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+        except FileNotFoundError:
+            mode = NEW_FILE_MODE
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

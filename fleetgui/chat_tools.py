@@ -4,12 +4,12 @@ connections (opened off the GUI thread when the settings list servers) and the t
 
 A reply that calls a tool (through the grammar-held calls of ``engine.serve.tools``) is shown with
 its arguments as plain text, and the bar under the transcript asks: Allow once, Always allow this
-tool (kept in the settings), or Deny.  Only a click answers, and only once the buttons are armed
-(``CONSENT_DELAY_MS``): they never take the keyboard's focus, which stays where the user types, so
-a keystroke meant for the next message cannot run a tool.  An allowed call runs off the GUI
-thread; its result (or the error of a server that crashed or timed out) becomes a ``tool`` message
-and the model is asked again, until it answers without a call (at most ``MAX_ROUNDS`` rounds per
-question).
+tool (kept in the settings, for the server as it is: one replaced under its name asks again), or
+Deny.  Only a click answers, and only once the buttons are armed (``CONSENT_DELAY_MS``): they never
+take the keyboard's focus, which stays where the user types, so a keystroke meant for the next
+message cannot run a tool.  An allowed call runs off the GUI thread; its result (or the error of a
+server that crashed or timed out) becomes a ``tool`` message and the model is asked again, until it
+answers without a call (at most ``MAX_ROUNDS`` rounds per question).
 """
 
 from __future__ import annotations
@@ -100,6 +100,17 @@ class McpTools(QObject):
 
     def find(self, call_name: str) -> McpTool | None:
         return next((t for t in self.tools if t.call_name == call_name), None)
+
+    def allowed(self, tool: McpTool) -> bool:
+        """Whether the user chose "Always allow" for ``tool`` of its server as it is now."""
+        return tool.consent in self.always
+
+    def remember(self, tool: McpTool, settings) -> None:
+        """"Always allow" for ``tool``: in ``settings`` (the window's) and the saved settings; a save that
+        fails raises (``FleetError``, ``OSError``) with the tool allowed for this session."""
+        self.always.add(tool.consent)
+        settings.mcp_always_allowed = sorted(set(settings.mcp_always_allowed) | {tool.consent})
+        allow_tool(tool.consent)
 
     def describe(self) -> str:
         """The servers' state in a line (the tools button's tooltip)."""
@@ -237,7 +248,7 @@ class ToolLoop(QObject):
             return
         call = self.pending[0]
         tool = self.mcp.find(call["function"]["name"])
-        if tool is not None and tool.key in self.mcp.always:
+        if tool is not None and self.mcp.allowed(tool):
             self._run(call, tool)
             return
         where = f" (MCP server {tool.server})" if tool is not None else ""
@@ -264,11 +275,8 @@ class ToolLoop(QObject):
             self._result(call, f"No tool named {call['function']['name']} is connected.", error=True)
             return
         if answer == "always":
-            self.mcp.always.add(tool.key)
-            settings = self.tab.view.settings
-            settings.mcp_always_allowed = sorted(set(settings.mcp_always_allowed) | {tool.key})
             try:
-                allow_tool(tool.key)
+                self.mcp.remember(tool, self.tab.view.settings)
             except (FleetError, OSError) as exc:
                 self.tab.view.banner.error(f"“Always allow” could not be saved: {exc}")
         self._run(call, tool)

@@ -2,10 +2,12 @@
 replies in a collection (``engine.documents``).
 
 ``DocumentsPanel`` lists the named collections (New; Add files or a folder; Re-index, Remove) and
-indexes off the GUI thread with a progress bar and Cancel.  ``attach(tab)`` gives a chat tab its
-collection picker, beside its system prompt (the choice is kept in the conversation's options, so a
-reopened chat keeps it), and takes files or folders dropped on the tab into that collection (a new
-one named after them when the chat has none).  ``sources_for`` finds the passages for the chat's
+indexes off the GUI thread with a progress bar and Cancel.  Removing a collection while it indexes
+cancels the indexing and returns at once: the collection leaves the list, and its index is deleted
+when the indexing has stopped (the window never waits for a file being read).  ``attach(tab)`` gives
+a chat tab its collection picker, beside its system prompt (the choice is kept in the conversation's
+options, so a reopened chat keeps it), and takes files or folders dropped on the tab into that
+collection (a new one named after them when the chat has none).  ``sources_for`` finds the passages for the chat's
 last question; ``with_sources`` puts them in the prompt as numbered sources; ``sources_html`` writes
 the "Sources" line under the reply: links of our own (``source:MESSAGE:N``) made from what was
 retrieved, never from the reply's text (whose links ``fleetgui.markdown`` wraps in ``reply:``).  A
@@ -124,6 +126,7 @@ class DocumentsPanel(QWidget):
         self._open: dict[str, Collection] = {}  # for searching; dropped when an update rewrites the index
         self._running: dict[str, object] = {}  # name -> the Task indexing it
         self._queued: dict[str, list[str]] = {}  # paths to add once the running update ends
+        self._removing: set[str] = set()  # removed while indexing: deleted once the indexing stops
         self._tabs: list = []
 
         title = QLabel("Documents")
@@ -167,7 +170,7 @@ class DocumentsPanel(QWidget):
     # --- collections ---------------------------------------------------------------------------------
 
     def names(self) -> list[str]:
-        return self.library.names()
+        return [n for n in self.library.names() if n not in self._removing]
 
     def selected(self) -> str | None:
         item = self.list.currentItem()
@@ -200,19 +203,34 @@ class DocumentsPanel(QWidget):
         return self._open[name]
 
     def create(self, name: str) -> str:
+        if " ".join(name.split()) in self._removing:
+            raise DocumentError(f"the collection {name!r} is still being removed: try again in a moment")
         name = self.library.create(name).name
         self.refresh()
         self.select(name)
         return name
 
     def remove(self, name: str) -> None:
+        """Deletes the collection's index (the files stay); while it indexes, once the indexing stops."""
         task = self._running.get(name)
         if task is not None:
+            self._removing.add(name)
             task.cancel()
-            task.wait()
-        self.library.remove(name)
+        else:
+            self.library.remove(name)
+        self._queued.pop(name, None)
         self._open.pop(name, None)
         self.refresh()
+
+    def _removed(self, name: str) -> bool:
+        """Deletes a collection whose removal waited for its indexing to stop; whether it did."""
+        if name not in self._removing:
+            return False
+        self.library.remove(name)
+        self._removing.discard(name)
+        self.status.setText(f"{name}: removed")
+        self.refresh()
+        return True
 
     def add(self, name: str, paths: list[str | Path]) -> None:
         """Adds files or folders to collection ``name`` and indexes it (after its running update, if any)."""
@@ -250,6 +268,8 @@ class DocumentsPanel(QWidget):
         self._running.pop(name, None)
         self._open.pop(name, None)  # the next search reads the new index
         self.progress.done()
+        if self._removed(name):
+            return
         self.status.setText(f"{name}: {report.describe()}")
         self.status.setToolTip(plain_tip("\n".join(report.skipped)))
         self.indexed.emit(name, report)
@@ -261,6 +281,8 @@ class DocumentsPanel(QWidget):
     def _failed(self, name: str, message: str) -> None:
         self._running.pop(name, None)
         self.progress.done()
+        if self._removed(name):
+            return
         self.status.setText(f"{name}: indexing failed: {message}")
         self.index_failed.emit(name, message)
 

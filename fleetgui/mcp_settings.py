@@ -40,7 +40,7 @@ class McpServersDialog(QDialog):
     def __init__(self, entries: list[dict], always: list[str] = (), parent: QWidget | None = None):
         super().__init__(parent)
         self.setWindowTitle("MCP servers")
-        self.always = list(always)  # the tools the chat calls without asking ("server/tool")
+        self.always = list(always)  # the tools the chat calls without asking ("server/tool#identity")
         try:
             servers = servers_from_settings(entries)
         except McpError:
@@ -95,8 +95,8 @@ class McpServersDialog(QDialog):
         layout.addWidget(buttons)
 
     def _show_always(self) -> None:
-        self.always_label.setText("Always allowed: " + (", ".join(self.always) or "none (the chat asks before "
-                                                        "every call)"))
+        names = dict.fromkeys(key.rsplit("#", 1)[0] for key in self.always)  # "server/tool", the identity aside
+        self.always_label.setText("Always allowed: " + (", ".join(names) or "none (the chat asks before every call)"))
         self.forget.setEnabled(bool(self.always))
 
     def forget_always(self) -> None:

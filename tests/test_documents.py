@@ -1,7 +1,8 @@
 """Document collections (engine.documents): txt, md, pdf and docx read into passages that keep their
 file, page and offset; an index that persists, reads only new and changed files and drops deleted
 ones; indexing that reports progress and stops when cancelled; a folder of 1,000 files; the shipped
-question set's recall; and clear errors for what cannot be read."""
+question set's recall; clear errors for what cannot be read; links, pipes, devices, oversize files
+and zip bombs skipped by name without reading them; and an index only its owner can read."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import threading
 import time
+import zipfile
 
 import pytest
 
@@ -115,6 +117,101 @@ def test_unreadable_files_are_refused_by_name(tmp_path):
     assert report.files == 5 and report.passages == 1
     assert sorted(s.split(":")[0] for s in report.skipped) == ["broken.docx", "broken.pdf", "empty.md", "locked.pdf"]
     assert collection.search("fridge")[0].passage.file == str(tmp_path / "fine.txt")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="named pipes, /dev/zero and links as POSIX has them")
+def test_links_pipes_devices_and_oversize_files_are_skipped_by_name_without_being_read(tmp_path):
+    from engine.documents.readers import MAX_FILE_MB
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "fine.txt").write_text("The fridge is emptied on Fridays.")
+    (docs / "zero.txt").symlink_to("/dev/zero")  # read, it never ends: the memory goes
+    os.mkfifo(docs / "pipe.md")  # opened, it waits for a writer that never comes
+    (tmp_path / "private.md").write_text("Another user's notes.")
+    (docs / "elsewhere.md").symlink_to(tmp_path / "private.md")  # a link out of the folder
+    with open(docs / "big.txt", "wb") as big:  # sparse: larger than the cap, without the disk space
+        big.truncate(MAX_FILE_MB * 2**20 + 1)
+    collection = Library(tmp_path / "lib").create("Odd")
+    collection.add(docs)
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(report=collection.update()), daemon=True)
+    started = time.perf_counter()
+    worker.start()
+    worker.join(10)
+    took = time.perf_counter() - started
+    if worker.is_alive():  # stuck on the pipe: let it go (without /dev/zero to read next) and fail
+        (docs / "zero.txt").unlink()
+        os.close(os.open(docs / "pipe.md", os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+    assert took < 5, f"indexing took {took:.1f} s"
+    report = outcome["report"]
+    assert (report.files, report.passages) == (5, 1)
+    assert sorted(report.skipped) == [
+        f"big.txt: larger than {MAX_FILE_MB} MB, skipped",
+        "elsewhere.md: a link to another file, not followed (add the file itself)",
+        "pipe.md: a named pipe, not a regular file",
+        "zero.txt: a link to another file, not followed (add the file itself)"]
+    assert collection.search("notes") == [] and collection.search("fridge")
+    with pytest.raises(DocumentError, match=r"pipe\.md: neither a file nor a folder \(a pipe or a device\)"):
+        collection.add(docs / "pipe.md")  # given on its own
+
+
+def test_a_word_file_that_unpacks_to_too_much_is_refused_before_it_is_unpacked(tmp_path, monkeypatch):
+    import engine.documents.readers as readers
+
+    plain = make_docx(tmp_path / "plain.docx", ["Meals are covered up to 45 euros."])
+    paragraph = b"<w:p><w:r><w:t>Meals are covered up to 45 euros.</w:t></w:r></w:p>"
+    grown = (readers.MAX_XML_MB + 1) * 2**20 // len(paragraph)
+
+    def docx_with(name: str, body: bytes = b"", picture: bytes = b""):
+        """``plain`` with ``body`` at the start of its body and ``picture`` as word/media/image1.png"""
+        path = tmp_path / name
+        with zipfile.ZipFile(plain) as source, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as out:
+            for member in source.infolist():
+                data = source.read(member)
+                if member.filename == "word/document.xml":
+                    data = data.replace(b"<w:body>", b"<w:body>" + body)
+                out.writestr(member.filename, data)
+            if picture:
+                out.writestr("word/media/image1.png", picture)
+        return path
+
+    # a few hundred kB each: a body of one paragraph over and over, and that markup (or zeros) named a picture
+    text = docx_with("text.docx", body=paragraph * grown)
+    disguised = docx_with("disguised.docx", picture=paragraph * grown)
+    zeros = docx_with("zeros.docx", picture=bytes((readers.MAX_XML_MB + 1) * 2**20))
+    for path in (text, disguised, zeros):
+        assert path.stat().st_size < 2**20
+        started = time.perf_counter()
+        with pytest.raises(DocumentError, match=rf"{path.name}: its text and markup unpack to \d+ MB, more than "
+                                                rf"{readers.MAX_XML_MB} MB, skipped \(a damaged file, or one made "
+                                                rf"to fill memory\)"):
+            read_pages(path)
+        assert time.perf_counter() - started < 1  # refused from the zip's directory, nothing unpacked
+    assert "45 euros" in read_pages(docx_with("long.docx", body=paragraph * 2**14))[0][1]  # a long one reads
+
+    # pictures (that do not pack) count towards the whole's cap: lowered here to keep the file small
+    monkeypatch.setattr(readers, "MAX_UNZIPPED_MB", 1)
+    with pytest.raises(DocumentError, match=r"photos\.docx: it unpacks to \d+ MB, more than 1 MB, skipped"):
+        read_pages(docx_with("photos.docx", picture=os.urandom(2**21)))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
+def test_the_index_is_private_to_its_owner(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "salaries.txt").write_text("The salaries are reviewed in March.")
+    root = tmp_path / "lib"
+    root.mkdir(mode=0o755)  # as an older version left it
+    collection = Library(root).create("HR")
+    collection.add(docs)
+    collection.update()
+    assert collection.search("salaries")
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+             for p in [root, *root.rglob("*")] if not p.name.endswith(".lock")}
+    assert any("bm25-1/" in name for name in modes) and any("passages-1.json" in name for name in modes)
+    assert modes == {name: "0o700" if (tmp_path / name).is_dir() else "0o600" for name in modes}
 
 
 def test_the_index_persists_and_reads_only_new_and_changed_files(tmp_path, monkeypatch):

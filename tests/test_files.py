@@ -1,5 +1,5 @@
-"""Shared files are saved whole and one writer at a time (``engine.files``); secrets and the chat history
-are private to their owner."""
+"""Shared files are saved whole and one writer at a time (``engine.files``); secrets, the settings (with
+their MCP servers' tokens) and the chat history are private to their owner."""
 
 from __future__ import annotations
 
@@ -101,3 +101,19 @@ def test_the_chat_history_and_its_journal_are_private(tmp_path):
     HistoryStore(tmp_path / "history.sqlite").close()
     assert (tmp_path / "history.sqlite").stat().st_mode & 0o777 == 0o600
 
+
+
+@posix_only
+def test_the_settings_with_mcp_tokens_are_private(tmp_path):
+    folder = tmp_path / "config"
+    folder.mkdir(mode=0o755)
+    path = folder / "settings.json"
+    path.write_text("{}")
+    path.chmod(0o644)  # as an older version left them
+    server = {"name": "tickets", "command": "tickets-mcp", "args": [], "env": {"TOKEN": "s3cret"}, "enabled": True}
+    Settings(mcp_servers=[server]).save(path)
+    assert Settings.load(path).mcp_servers[0]["env"] == {"TOKEN": "s3cret"}
+    assert (oct(path.stat().st_mode & 0o777), oct(folder.stat().st_mode & 0o777)) == ("0o600", "0o700")
+    path.unlink()
+    Settings().save(path)  # a new file too
+    assert oct(path.stat().st_mode & 0o777) == "0o600"

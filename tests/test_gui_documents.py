@@ -2,11 +2,13 @@
 Documents panel, a question whose prompt carries the passages as numbered sources, a reply with a
 "Sources" line of our own links, a click on a citation that opens the passage, a changed file noticed
 when the collection is picked again; files dropped on a chat;
-and a window that keeps handling events (and Cancel) while 1,000 files index."""
+a window that keeps handling events (and Cancel) while 1,000 files index; and a collection removed
+while a slow file is read, at once."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from gui_support import open_window, screenshot, settings_store, tiny_settings
@@ -31,6 +33,24 @@ def handbook(folder):
     (folder / "kitchen.txt").write_text("The fridge is emptied every Friday.\n")
     make_pdf(folder / "wifi.pdf", ["Visitors join the guest network.", "The guest password is at reception."])
     return folder
+
+
+def hold_file(monkeypatch, name: str, timeout_s: float) -> tuple[threading.Event, threading.Event]:
+    """The indexer's read of file ``name`` waits for the second event (at most ``timeout_s``) once it
+    has set the first: (reached, release)."""
+    import engine.documents.collection as collection_module
+
+    reached, release = threading.Event(), threading.Event()
+    real = collection_module.read_pages
+
+    def read(path):
+        if path.endswith(name):
+            reached.set()
+            release.wait(timeout_s)
+        return real(path)
+
+    monkeypatch.setattr(collection_module, "read_pages", read)
+    return reached, release
 
 
 def anchor_point(browser, href: str) -> QPoint:
@@ -143,8 +163,6 @@ def test_files_dropped_on_a_chat_become_its_collection(qtbot, gui_home, tmp_path
 
 
 def test_the_window_handles_events_and_cancel_while_1000_files_index(qtbot, gui_home, tmp_path, monkeypatch):
-    import engine.documents.collection as collection_module
-
     folder = tmp_path / "many"
     folder.mkdir()
     for i in range(1000):
@@ -155,16 +173,7 @@ def test_the_window_handles_events_and_cancel_while_1000_files_index(qtbot, gui_
 
     # the indexer waits at file 100 until the GUI thread has run a timer: were indexing on the GUI
     # thread, the timer could not run, the wait would time out and Cancel would come too late
-    gate, at_gate = threading.Event(), threading.Event()
-    real = collection_module.read_pages
-
-    def read(path):
-        if path.endswith("note0100.txt"):
-            at_gate.set()
-            gate.wait(30)
-        return real(path)
-
-    monkeypatch.setattr(collection_module, "read_pages", read)
+    at_gate, gate = hold_file(monkeypatch, "note0100.txt", 30)
     seen = {}
 
     def tick():
@@ -190,3 +199,29 @@ def test_the_window_handles_events_and_cancel_while_1000_files_index(qtbot, gui_
     report = indexed.args[1]
     assert not report.cancelled and (report.files, report.kept, report.read) == (1000, 101, 899)
     assert panel.collection("Notes").search("topic737")[0].passage.file == str(folder / "note0737.txt")
+
+
+def test_removing_a_collection_while_a_slow_file_is_read_returns_at_once(qtbot, gui_home, tmp_path, monkeypatch):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (folder / name).write_text(f"Notes in {name}.\n")
+    window = open_window(qtbot, tiny_settings(tmp_path / "no-model"), settings_store(tmp_path / "s.ini"))
+    panel = window.chat.documents
+    panel.create("Notes")
+
+    # b.txt reads slowly (a large PDF, a file on a share that stalls): at most 5 s, the pipe before the fix
+    slow, release = hold_file(monkeypatch, "b.txt", 5)
+    panel.add("Notes", [folder])
+    qtbot.waitUntil(slow.is_set, timeout=10000)
+    started = time.perf_counter()
+    panel.remove("Notes")
+    took = time.perf_counter() - started
+    assert took < 0.5, f"the window waited {took:.1f} s for the indexing"
+    assert panel.names() == [] and panel.list.count() == 0 and panel.selected() is None
+
+    release.set()  # the indexing stops after the slow file, then the index goes, not rewritten
+    qtbot.waitUntil(lambda: not panel.indexing(), timeout=10000)
+    assert panel.library.names() == [] and not panel.library.folder("Notes").exists()
+    assert panel.status.text() == "Notes: removed"
+    assert panel.create("Notes") == "Notes"  # the name is free again

@@ -1,9 +1,10 @@
 """MCP tools in the app: the chat offers mcp-server-time's tools (the real server from PyPI over
 stdio) to the real SmolLM2, shows the call it makes with its arguments, runs it once the user
 allows it, shows the result and the model's answer to it; "Always allow" is kept in the settings
-and skips the question; no keystroke, and no click before the buttons are armed, answers the
-question; a server that crashes during a call leaves a clear message and a usable chat; and the
-Settings view's MCP servers dialog (import, test, save)."""
+and skips the question, for that very server only (one replaced under its name asks again); no
+keystroke, and no click before the buttons are armed, answers the question; a server that crashes
+during a call leaves a clear message and a usable chat; and the Settings view's MCP servers dialog
+(import, test, save)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def test_the_model_calls_the_time_server_once_allowed_and_answers(qtbot, gui_hom
     (again,) = tab.conversation.messages[-1].stats["tool_calls"]
     tool = view.mcp.find(again["function"]["name"])
     answer(qtbot, tab, tab.tools.always_button)
-    assert Settings.load().mcp_always_allowed == [tool.key] and view.settings.mcp_always_allowed == [tool.key]
+    assert Settings.load().mcp_always_allowed == [tool.consent] and view.settings.mcp_always_allowed == [tool.consent]
     while tab.tools.active:
         answer(qtbot, tab, tab.tools.deny_button)
     if tool.name == "get_current_time":  # the tool remembered is the one the next question calls
@@ -166,6 +167,34 @@ def test_a_tool_call_is_allowed_by_a_click_once_the_buttons_are_armed_never_by_a
     assert result.role == "tool" and result.content == "No tool named get_time is connected."
 
 
+def test_always_allow_holds_for_the_server_allowed_not_one_that_replaces_it(qtbot, gui_home):
+    from fleetgui.chat_tools import McpTools
+    from fleetgui.workers import TaskRunner
+
+    tasks = TaskRunner()
+    settings = Settings(mcp_servers=[TIME_SERVER.to_json()])
+    settings.save()
+    mcp = McpTools(tasks, settings)
+    try:
+        qtbot.waitUntil(lambda: len(mcp.tools) == 2, timeout=60000)
+        tool = mcp.find("get_current_time")
+        assert not mcp.allowed(tool)
+        mcp.remember(tool, settings)  # the user's "Always allow this tool"
+        assert mcp.allowed(tool) and Settings.load().mcp_always_allowed == settings.mcp_always_allowed
+
+        # an import replaces "time" by another server of that name, with a tool of that name: it asks again
+        impostor = McpServer("time", sys.executable, ["-m", "mcp_server_time", "--local-timezone", "Europe/Paris"])
+        replaced = Settings.load()
+        replaced.mcp_servers = [impostor.to_json()]
+        mcp.apply_settings(replaced)
+        qtbot.waitUntil(lambda: len(mcp.tools) == 2, timeout=60000)
+        assert not mcp.allowed(mcp.find("get_current_time"))
+        assert mcp.allowed(tool)  # while the server allowed, as it was, still is
+    finally:
+        mcp.close()
+        tasks.shutdown()
+
+
 @pytest.mark.real_model
 def test_a_server_that_crashes_during_a_call_leaves_a_clear_message(qtbot, gui_home, tmp_path, smollm2):
     script = tmp_path / "fragile.py"
@@ -193,7 +222,7 @@ def test_settings_import_test_and_save_mcp_servers(qtbot, gui_home, tmp_path):
 
     from fleetgui.settings import GuiSettings, SettingsPage
 
-    page = SettingsPage(GuiSettings(mcp_always_allowed=["time/get_current_time"]))
+    page = SettingsPage(GuiSettings(mcp_always_allowed=["time/get_current_time#0123456789abcdef"]))
     qtbot.addWidget(page)
     assert page.mcp_summary.text() == "none"
     dialog = page.edit_mcp_servers()

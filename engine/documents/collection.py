@@ -11,7 +11,8 @@ it read by then is kept, the rest is read by the next update.  When no file chan
 On disk, a collection is a folder: ``collection.json`` (name, sources, the files with their size, time
 and passage count) names the generation of ``passages-N.json`` and ``bm25-N/`` it goes with, and is
 replaced last and whole (``engine.files.write_json``), so a crash mid-update leaves the last complete
-index.
+index.  The library's folder, each collection's, and every file in them are their owner's alone (0700
+and 0600): the passages are the user's own text.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 from engine.config import paths
 from engine.documents.passages import Passage, split_pages, terms
 from engine.documents.readers import DocumentError, read_pages, supported
-from engine.files import write_json
+from engine.files import PRIVATE_FILE_MODE, private_folder, write_json
 from engine.progress import Progress, Report, quiet
 
 MAX_NAME = 80
@@ -149,8 +150,9 @@ class Collection:
         return collection
 
     def save(self) -> None:
+        private_folder(self.folder.parent)  # the library's folder: the collections' names are the user's too
         write_json(self.folder / INDEX_FILE, {"name": self.name, "sources": self.sources, "files": self.files,
-                                              "generation": self.generation})
+                                              "generation": self.generation}, private=True)
 
     def _commit(self, passages: list[Passage]) -> None:
         """Writes a new generation of passages and index, then the collection file that names it, then
@@ -158,14 +160,19 @@ class Collection:
         import bm25s  # deferred: the index library loads only when a collection is indexed or searched
 
         generation = self.generation + 1
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"passages-{generation}.json").write_text(
-            json.dumps([dataclasses.astuple(p) for p in passages], ensure_ascii=False), encoding="utf-8")
+        private_folder(self.folder)
+        fd = os.open(self.folder / f"passages-{generation}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                     PRIVATE_FILE_MODE)
+        with open(fd, "w", encoding="utf-8") as rows:
+            json.dump([dataclasses.astuple(p) for p in passages], rows, ensure_ascii=False)
         bm25 = None
         if passages:
             bm25 = bm25s.BM25()
             bm25.index([terms(p.text) or [""] for p in passages], show_progress=False)
-            bm25.save(str(self.folder / f"bm25-{generation}"), show_progress=False)
+            index = private_folder(self.folder / f"bm25-{generation}")
+            bm25.save(str(index), show_progress=False)
+            for file in index.iterdir():  # bm25s writes them with the process's default mode
+                file.chmod(PRIVATE_FILE_MODE)
         self.generation, self.passages, self._bm25 = generation, passages, bm25
         self.save()
         for old in self.folder.iterdir():
@@ -182,6 +189,8 @@ class Collection:
             path = Path(path).expanduser().resolve()
             if not path.exists():
                 raise DocumentError(f"{path}: no such file or folder")
+            if not path.is_file() and not path.is_dir():
+                raise DocumentError(f"{path.name}: neither a file nor a folder (a pipe or a device), not added")
             if path.is_file() and not supported(path):
                 raise DocumentError(f"{path.name}: not a document this app reads (txt, md, pdf, docx)")
             if str(path) not in self.sources:
@@ -195,12 +204,14 @@ class Collection:
         self.save()
 
     def listed_files(self) -> dict[str, os.stat_result]:
-        """The supported files under the sources now, with their stat (hidden files and folders skipped)."""
+        """The supported files under the sources now, with their own stat, not that of what a link points
+        to (hidden files and folders skipped; links, pipes and devices listed, for the reader to refuse by
+        name)."""
         found = {}
         for source in self.sources:
             root = Path(source)
             if root.is_file():
-                found[str(root)] = root.stat()
+                found[str(root)] = root.lstat()
                 continue
             for folder, dirs, names in os.walk(root):  # never follows links to folders: no loops
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
@@ -208,7 +219,7 @@ class Collection:
                     path = Path(folder, name)
                     if supported(path):
                         try:
-                            found[str(path)] = path.stat()
+                            found[str(path)] = path.lstat()
                         except OSError:
                             continue  # gone between listing and stat
         return found

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import re
 import tempfile
@@ -77,6 +78,13 @@ class McpServer:
     def describe(self) -> str:
         return self.url or " ".join([self.command, *self.args])
 
+    def identity(self) -> str:
+        """The server as it is reached, in 16 hex digits: a hash of its command, arguments and
+        environment, or of its URL.  An "always allow" holds for this identity, so a server replaced
+        under the same name (an import, an edit) is asked about again."""
+        launch = json.dumps([self.command, self.args, self.env, self.url], sort_keys=True)
+        return hashlib.sha256(launch.encode()).hexdigest()[:16]
+
 
 def servers_from_settings(entries: list) -> list[McpServer]:
     """The servers of ``Settings.mcp_servers``; an entry that no longer reads is an ``McpError``."""
@@ -107,11 +115,17 @@ class McpTool:
     description: str
     schema: dict  # its input's JSON schema
     call_name: str = ""  # the function name offered to the model (``offer`` sets it)
+    server_identity: str = ""  # its server's ``McpServer.identity``
 
     @property
     def key(self) -> str:
-        """What an "always allow" is remembered by: ``server/tool``."""
+        """The tool in words: ``server/tool``."""
         return f"{self.server}/{self.name}"
+
+    @property
+    def consent(self) -> str:
+        """What an "always allow" is remembered by: ``server/tool#identity`` (see ``McpServer.identity``)."""
+        return f"{self.key}#{self.server_identity}"
 
     def openai(self) -> dict:
         return {"type": "function", "function": {"name": self.call_name or self.name,
@@ -220,8 +234,10 @@ class _Connection:
                     cursor = getattr(page, "next_cursor", None)
                     if not cursor or len(listed) > 10000:
                         break
+                identity = self.server.identity()
                 self.ready.set_result([McpTool(self.server.name, t.name, t.description or "",
-                                               _schema(getattr(t, "input_schema", None))) for t in listed])
+                                               _schema(getattr(t, "input_schema", None)), server_identity=identity)
+                                       for t in listed])
                 while True:
                     job = await self.jobs.get()
                     if job is None:
