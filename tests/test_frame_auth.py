@@ -1,15 +1,17 @@
-"""Frames after the handshake are authenticated, and listeners bound their handshakes.
+"""Frames after the handshake are authenticated, and both sides bound their handshakes.
 
 A keyless relay in the middle of a real agent's control connection and of a real worker's relay
 link passes the handshake through, then injects, alters, drops, reorders or replays a frame: each
 time the receiving side refuses the connection with a line naming the frame and the peer, and an
-injected CALL is not obeyed.  A client trickling its HELLO is cut off at the handshake deadline;
-a listener holding its cap of unauthenticated connections closes one more at once and serves a
-real client afterwards; a failed thread start costs one connection, not the listener; with TLS on,
-a client without the fleet certificate is refused."""
+injected CALL is not obeyed.  A client trickling its HELLO is cut off at the handshake deadline, and
+so is a dial (relay, control, draft) whose listener trickles its answer.  A listener holding its cap
+of unauthenticated connections closes one more at once and serves a real client afterwards; a failed
+thread start costs one connection, not the listener; with TLS on, a client without the fleet
+certificate is refused."""
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -17,12 +19,14 @@ import time
 
 import numpy as np
 import pytest
+from fleet_support import Trickler
 
-from engine.errors import StageError
+from engine.errors import FleetError, StageError
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient, call_frame
 from engine.fleetkey import TLS, create_certificate, create_key, load_key, tls_file
 from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.stage import core
@@ -289,6 +293,34 @@ def test_a_replayed_forward_is_refused_by_the_worker(worker_behind_relay):
     with pytest.raises(StageError):
         _generate(chain)
     assert _wait_for(lambda: any("closing upstream" in line and AUTH_FAILED in line for line in logs)), logs
+
+
+# --- dial bounds --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("client", ["relay", "control", "draft"])
+def test_a_dial_whose_peer_trickles_its_answer_ends_at_the_deadline(client, monkeypatch):
+    monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 1.0)
+    key = os.urandom(32)
+    dials = {"relay": lambda address: link_module.connect_peer(address, key, {"role": "stage"}),
+             "control": lambda address: ControlClient(address, key, timeout_s=30),
+             "draft": lambda address: DraftLink(address, key)}
+    outcome: dict = {}
+
+    def dial(address: str) -> None:
+        start = time.monotonic()
+        try:
+            dials[client](address)
+        except FleetError as exc:
+            outcome["error"] = str(exc)
+        outcome["seconds"] = time.monotonic() - start
+
+    with Trickler() as trickler:  # a byte every 0.1 s, for 6 s
+        thread = threading.Thread(target=dial, args=(trickler.address,), daemon=True)
+        thread.start()
+        thread.join(3.0)
+        assert not thread.is_alive(), "the dial outlived its deadline"
+    assert outcome["seconds"] < 2.0, outcome
+    assert "the handshake did not finish within 1 s" in outcome.get("error", ""), outcome
 
 
 # --- listener bounds ----------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 sealed framed send/receive with timeouts, and the optional injected one-way delay (WAN simulation
 on one machine).
 
-A listener lets each connection take at most ``HANDSHAKE_DEADLINE_S`` for its whole handshake (TLS
-included), however it paces its bytes, and holds at most ``MAX_PENDING`` connections that have not
-finished it; one more is closed at once.
+Either side of a new connection gives its whole handshake (the dial and TLS included) at most
+``HANDSHAKE_DEADLINE_S``, however the other side paces its bytes.  A listener holds at most
+``MAX_PENDING`` connections that have not finished it; one more is closed at once.
 
 The delay models latency, not a slow link: each frame is held for ``delay`` after it arrives (or
 before it leaves) on its own clock, so frames of different streams overlap in flight the way they
@@ -27,8 +27,8 @@ from engine.transport import wire
 from engine.transport.wire import Frame, PeerClosed, ProtocolError
 
 FRAME_STALL_S = 10.0  # once a frame has started arriving, the rest must follow within this
-HANDSHAKE_TIMEOUT_S = 5.0  # per receive, on the dialing side
-HANDSHAKE_DEADLINE_S = 5.0  # for the whole handshake, on the listening side
+HANDSHAKE_TIMEOUT_S = 5.0  # per receive, on the listening side (and for a mesh rank's acknowledgement)
+HANDSHAKE_DEADLINE_S = 5.0  # for the whole handshake, on either side
 MAX_PENDING = 64  # connections of one listener still in their handshake
 
 
@@ -100,7 +100,7 @@ def _serve(conn: socket.socket, peer: str, authenticate, session, pending, log) 
 
 class _Deadlines:
     """Cuts off handshakes that outlive their deadline (shuts their socket down, which wakes the
-    thread blocked on it): one thread for every listener of the process."""
+    thread blocked on it): one thread for every handshake of the process."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -150,6 +150,35 @@ class _Deadlines:
 _DEADLINES = _Deadlines()
 
 
+class _Within:
+    """One handshake under its deadline: ``with _Within(sock, seconds) as within:`` runs it, TLS
+    through ``within.tls``.  On the way out, whatever failed, the socket is closed; a handshake the
+    deadline cut off (or a read that timed out) raises ProtocolError naming the deadline."""
+
+    def __init__(self, sock: socket.socket, seconds: float, nominal: float | None = None):
+        self.sock = sock
+        self._nominal = nominal or seconds  # the deadline named in the error
+        self._token = _DEADLINES.watch(sock, seconds)
+        sock.settimeout(max(seconds, 0.001))  # no read may outlast it either
+
+    def tls(self, context: ssl.SSLContext, server_side: bool) -> socket.socket:
+        self.sock = context.wrap_socket(self.sock, server_side=server_side, do_handshake_on_connect=False)
+        _DEADLINES.follow(self._token, self.sock)
+        self.sock.do_handshake()
+        return self.sock
+
+    def __enter__(self) -> "_Within":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        cut = _DEADLINES.release(self._token) or isinstance(exc, socket.timeout)
+        if kind is not None or cut:
+            _drop(self.sock)
+        if cut:
+            raise ProtocolError(f"the handshake did not finish within {self._nominal:.3g} s: cut off") from None
+        return False
+
+
 def authenticate_peer(conn: socket.socket, key: bytes, identity: dict, tls=None,
                       deadline_s: float | None = None) -> tuple[socket.socket, wire.Seal]:
     """The listening side of a new connection: TLS when the fleet uses it, then the fleet-key
@@ -157,24 +186,33 @@ def authenticate_peer(conn: socket.socket, key: bytes, identity: dict, tls=None,
     its seal (raises ProtocolError, AuthError, OSError; the socket is then closed)."""
     deadline_s = deadline_s or HANDSHAKE_DEADLINE_S
     tune(conn)
-    conn.settimeout(min(HANDSHAKE_TIMEOUT_S, deadline_s))
-    token = _DEADLINES.watch(conn, deadline_s)
-    try:
+    with _Within(conn, deadline_s) as within:
+        conn.settimeout(min(HANDSHAKE_TIMEOUT_S, deadline_s))
         if tls is not None:
-            conn = tls.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-            _DEADLINES.follow(token, conn)
-            conn.do_handshake()
+            conn = within.tls(tls.server, server_side=True)
         _, seal = wire.server_handshake(conn, key, identity)
-    except BaseException:
-        cut = _DEADLINES.release(token)
-        _drop(conn)
-        if cut:
-            raise ProtocolError(f"the handshake did not finish within {deadline_s:g} s: cut off") from None
-        raise
-    if _DEADLINES.release(token):
-        _drop(conn)
-        raise ProtocolError(f"the handshake did not finish within {deadline_s:g} s: cut off")
     return conn, seal
+
+
+def handshake(address: str, key: bytes, identity: dict, tls=None,
+              deadline_s: float | None = None) -> tuple[socket.socket, dict, wire.Seal]:
+    """Dials ``address`` and runs the fleet-key handshake with the peer, which must match ``identity``
+    (TLS first when the fleet uses it), the whole of it within ``deadline_s`` (at most, and by default,
+    ``HANDSHAKE_DEADLINE_S``) however the peer paces its bytes.  Returns the socket, the peer's WELCOME
+    and the connection's seal.  Raises OSError when nothing answers at ``address`` (not up yet),
+    AuthError when the peer refused us or the connection broke, ProtocolError when the peer broke off
+    or stalled the handshake."""
+    seconds = min(deadline_s, HANDSHAKE_DEADLINE_S) if deadline_s else HANDSHAKE_DEADLINE_S
+    end = time.monotonic() + seconds
+    sock = dial(address, timeout=seconds)
+    try:
+        with _Within(sock, end - time.monotonic(), seconds) as within:
+            if tls is not None:
+                within.tls(tls.client, server_side=False)
+            welcome, seal = wire.client_handshake(within.sock, key, identity)
+    except OSError as exc:
+        raise wire.AuthError(f"the connection broke during the handshake ({exc})") from None
+    return within.sock, welcome, seal
 
 
 def tune(sock: socket.socket) -> None:
@@ -183,12 +221,10 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
-def dial(address: str, tls=None, timeout: float = 5.0) -> socket.socket:
-    """One connection attempt (raises OSError); the caller retries."""
+def dial(address: str, timeout: float = 5.0) -> socket.socket:
+    """One connection attempt, nothing sent yet (raises OSError); ``handshake`` runs the handshake on it."""
     sock = socket.create_connection(parse_address(address), timeout=timeout)
     tune(sock)
-    if tls is not None:
-        sock = tls.client.wrap_socket(sock, server_hostname=None)
     return sock
 
 
@@ -200,19 +236,10 @@ def successor_identity(manifest: Manifest, mode: str) -> dict:
 
 def connect_peer(address: str, key: bytes, identity: dict, tls=None,
                  max_frame: int = wire.DEFAULT_MAX_FRAME) -> tuple["Link", dict]:
-    """Dials and authenticates a peer that must match ``identity``; returns the link and the peer's
-    WELCOME.  Raises OSError when it is not up (yet), AuthError/ProtocolError when it answered but
-    refused or broke off the handshake (a plain peer against TLS drops it)."""
-    sock = dial(address, tls)
-    try:
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        welcome, seal = wire.client_handshake(sock, key, identity)
-    except OSError as exc:
-        sock.close()
-        raise wire.AuthError(f"the connection broke during the handshake ({exc})") from None
-    except BaseException:
-        sock.close()
-        raise
+    """Dials and authenticates a peer that must match ``identity`` (``handshake``); returns the link
+    and the peer's WELCOME.  Raises OSError when it is not up (yet), AuthError/ProtocolError when it
+    answered but refused, broke off or stalled the handshake (a plain peer against TLS drops it)."""
+    sock, welcome, seal = handshake(address, key, identity, tls)
     return Link(sock, address, seal, 0.0, max_frame), welcome
 
 
