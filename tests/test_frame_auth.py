@@ -9,11 +9,13 @@ listener drops its handshake unanswered.  A listener holding its cap of unauthen
 closes one more at once and serves a real client afterwards; the cap is counted per peer address,
 so one address's idle sockets leave another's handshake free; a connection that sends nothing is
 dropped at the first-byte deadline; a burst of refusals is logged as one line with their count; a
-failed thread start costs one connection, not the listener; with TLS on, a client without the fleet
-certificate is refused."""
+failed thread start costs one connection, not the listener; before the peer proves the key, a
+listener names nothing it serves; with TLS on, a client without the fleet certificate is refused."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import socket
@@ -508,6 +510,47 @@ def test_a_burst_of_refusals_is_logged_as_one_line_with_their_count(agent, monke
     assert re.fullmatch(rf"refused {closed - 1} more connections to the control port in the last 0\.5 s, the latest "
                         r"from 127\.0\.0\.1:\d+: \d+ connections from 127\.0\.0\.1 are already in their handshake",
                         lines[1]), lines
+
+
+SERVED = {"role": "stage", "fingerprint": "model-fp-4f2a", "stage": 7, "first_layer": 11, "mode": "exact"}
+
+
+@contextlib.contextmanager
+def _listening(key: bytes, identity: dict):
+    """A real listener (``accept_loop``, ``authenticate_peer``) serving ``identity``; yields its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    threading.Thread(target=link_module.accept_loop, daemon=True,
+                     args=(listener, stop, lambda conn: link_module.authenticate_peer(conn, key, identity),
+                           lambda conn, seal, peer: conn.close(), "stage", lambda line: None)).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+
+
+def test_before_the_proof_a_listener_names_nothing_it_serves():
+    key = os.urandom(32)
+    wanted = {"role": "stage", "fingerprint": "another-model", "stage": 3, "first_layer": 5, "mode": "fast"}
+    with _listening(key, SERVED) as port:
+        said = []  # every document the listener sends a peer without the key
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            wire.send_frame(sock, wire.control(Msg.HELLO, {**wanted, "version": wire.VERSION, "nonce": "00" * 32}))
+            with contextlib.suppress(wire.PeerClosed, OSError):
+                while True:
+                    frame = wire.recv_frame(sock, max_frame=1 << 16)
+                    said.append(frame.json())
+                    if frame.type == Msg.CHALLENGE:  # without the key, a proof is a guess
+                        wire.send_frame(sock, wire.control(Msg.PROOF, {"proof": "00" * 32}))
+        assert said and said[-1] == {"reason": "the peer does not know the fleet key"}, said
+        assert all(set(doc) <= {"nonce", "proof", "reason"} for doc in said), said
+        assert "model-fp-4f2a" not in json.dumps(said) and "mismatch" not in json.dumps(said), said
+        # a peer that proves the key still learns why it is refused
+        with pytest.raises(wire.AuthError, match="fingerprint mismatch: .* this node serves 'model-fp-4f2a'"):
+            link_module.connect_peer(f"127.0.0.1:{port}", key, wanted)
 
 
 # --- mutual TLS ---------------------------------------------------------------------------------------
