@@ -1,14 +1,16 @@
 """What the fleet tests share: real ``fleet agent`` processes on loopback, each with its own home,
 a simulated office of such agents in network namespaces (``engine.fleet.sim.office``),
-another process holding a computer's compute turn, and greedy decoding through a deployment
-compared with its stages in one process."""
+another process holding a computer's compute turn, a listener that trickles its answers, and greedy
+decoding through a deployment compared with its stages in one process."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from engine.fleet.sim.office import Office
 from engine.launch import FleetProcess
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.chain import LocalChain
+from engine.transport import wire
 
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 
@@ -136,3 +139,48 @@ def deployed_equals_in_process(source: str, stages, key: bytes) -> None:
         chain.close()
         deployment.stop(key)
     assert got == greedy_in_process(deployment)
+
+
+class Trickler:
+    """A listener on loopback (a keyless host) that answers each connection with the start of a
+    CHALLENGE, a byte every ``gap`` seconds (well inside any per-read timeout), ``count`` bytes, then
+    closes it.  ``accepted`` is set once a connection came."""
+
+    def __init__(self, gap: float = 0.1, count: int = 60):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.accepted = threading.Event()
+        self._stop = threading.Event()
+        self._reply = wire.encode(wire.control(wire.Msg.CHALLENGE, {"nonce": "00" * 32, "proof": "00" * 32}))[:count]
+        self._gap = gap
+        threading.Thread(target=self._accept, daemon=True, name="trickler").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.accepted.set()
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True, name="trickle").start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn:
+            for byte in self._reply:
+                if self._stop.wait(self._gap):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+    def __enter__(self) -> "Trickler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

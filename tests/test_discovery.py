@@ -1,5 +1,6 @@
-"""Node facts and mDNS discovery: TXT encoding and its hostile inputs, the fleet id, and real zeroconf
-traffic between processes and between network namespaces."""
+"""Node facts and mDNS discovery: TXT encoding and its hostile inputs, the fleet id, real zeroconf
+traffic between processes and between network namespaces, and the checks of records against agents
+that do not prove the key, or stall."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from zeroconf import IPVersion, ServiceInfo, Zeroconf
+from zeroconf import DNSOutgoing, IPVersion, ServiceInfo, Zeroconf
+from zeroconf.const import _FLAGS_AA, _FLAGS_QR_RESPONSE
 
 from engine.errors import FleetError
 from engine.fleet import discovery
@@ -481,8 +483,58 @@ def announce(zc: Zeroconf, info: NodeInfo, tag: str) -> str:
     return name
 
 
+def send_record(zc: Zeroconf, service: ServiceInfo) -> None:
+    """Sends ``service``'s records unasked, at once (no probing first), as anyone on the LAN can."""
+    out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+    for answer in (service.dns_pointer(), service.dns_service(), service.dns_text(), *service.dns_addresses()):
+        out.add_answer_at_time(answer, 0)
+    zc.send(out)
+
+
+def shout(zc: Zeroconf, info: NodeInfo, tag: str) -> str:
+    """``info`` as a record at 127.0.0.1 of its own, sent at once (``send_record``); returns its name."""
+    name = f"{tag} ({secrets.token_hex(3)}).{SERVICE}"
+    send_record(zc, ServiceInfo(SERVICE, name, port=info.port, properties=info.to_txt(),
+                                server=f"{tag}-{secrets.token_hex(3)}.local.", parsed_addresses=["127.0.0.1"]))
+    return name
+
+
 def port_of(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
+
+
+def test_a_record_whose_agent_trickles_its_answer_holds_up_no_other_record():
+    """A keyless host answers a record's check a byte at a time (issue 82, finding 1): the check runs off
+    zeroconf's thread, so a record heard meanwhile is handled at once; the slow check ends at its
+    deadline with the reason; the browser closes at once while another such check is under way."""
+    from fleet_support import Trickler
+
+    key = secrets.token_bytes(32)
+    fid = fleet_id(key)
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        with Trickler() as trickler:  # a byte every 0.1 s, for 6 s
+            browser = Browser(fid, addresses=["127.0.0.1"], verify=discovery.prover(key, timeout_s=2.0)).start()
+            try:
+                slow = shout(zc, sample(fid, name="slow", port=trickler.port), "slow")
+                assert trickler.accepted.wait(WAIT), browser.rejected()  # its check is under way
+                gone = shout(zc, sample(fid, name="gone", port=closed_port()), "gone")
+                reason = wait_for(lambda: browser.rejected().get(gone), 1.5)
+                assert reason and "not reachable" in reason, browser.rejected()
+                assert slow not in browser.rejected()
+                reason = wait_for(lambda: browser.rejected().get(slow), 3.0)
+                assert reason and "the handshake did not finish within 2 s" in reason, browser.rejected()
+                trickler.accepted.clear()
+                shout(zc, sample(fid, name="slow again", port=trickler.port), "again")
+                assert trickler.accepted.wait(WAIT)
+            finally:
+                start = time.monotonic()
+                browser.close()
+                closing = time.monotonic() - start
+            assert closing < 1.0, f"closing the browser took {closing:.1f} s"
+            assert not browser.nodes()
+    finally:
+        zc.close()
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="agent processes are stopped by SIGTERM (POSIX only)")
@@ -549,9 +601,6 @@ def test_nodes_all_leaves_out_a_bogus_record_and_keeps_the_real_nodes(tmp_path, 
 
 
 def test_a_flood_of_records_keeps_a_bounded_store():
-    from zeroconf import DNSOutgoing
-    from zeroconf.const import _FLAGS_AA, _FLAGS_QR_RESPONSE
-
     fid = fleet_id(secrets.token_bytes(32))
     flood = {}
     for i in range(1000):
@@ -573,11 +622,7 @@ def test_a_flood_of_records_keeps_a_bounded_store():
                 with lock:
                     missing = [s for node, s in flood.items() if node not in added]
                 for service in missing:
-                    out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
-                    for answer in (service.dns_pointer(), service.dns_service(), service.dns_text(),
-                                   *service.dns_addresses()):
-                        out.add_answer_at_time(answer, 0)
-                    zc.send(out)
+                    send_record(zc, service)
                     time.sleep(0.002)
                 if wait_for(lambda: len(added) == len(flood), 20):
                     break

@@ -1,28 +1,39 @@
-"""Frames after the handshake are authenticated, and listeners bound their handshakes.
+"""Frames after the handshake are authenticated, and both sides bound their handshakes.
 
 A keyless relay in the middle of a real agent's control connection and of a real worker's relay
 link passes the handshake through, then injects, alters, drops, reorders or replays a frame: each
 time the receiving side refuses the connection with a line naming the frame and the peer, and an
-injected CALL is not obeyed.  A client trickling its HELLO is cut off at the handshake deadline;
-a listener holding its cap of unauthenticated connections closes one more at once and serves a
-real client afterwards; a failed thread start costs one connection, not the listener; with TLS on,
-a client without the fleet certificate is refused."""
+injected CALL is not obeyed.  A client trickling its HELLO is cut off at the handshake deadline, and
+so is a dial (relay, control, draft) whose listener trickles its answer; a dialer tries again when a
+listener drops its handshake unanswered.  A listener holding its cap of unauthenticated connections
+closes one more at once and serves a real client afterwards; the cap is counted per peer address,
+so one address's idle sockets leave another's handshake free; a connection that sends nothing is
+dropped at the first-byte deadline; a burst of refusals is logged as one line with their count; a
+failed thread start costs one connection, not the listener; before the peer proves the key, a
+listener names nothing it serves; with TLS on, a client without the fleet certificate is refused."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import re
 import socket
 import ssl
+import sys
 import threading
 import time
 
 import numpy as np
 import pytest
+from fleet_support import Trickler
 
-from engine.errors import StageError
+from engine.errors import FleetError, StageError
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient, call_frame
 from engine.fleetkey import TLS, create_certificate, create_key, load_key, tls_file
 from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.stage import core
@@ -33,6 +44,9 @@ from engine.transport.wire import HEADER, TAG_BYTES, Msg
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
 
 AUTH_FAILED = "failed its authentication: altered, replayed or not from the fleet"
+IDLE = 70  # idle sockets from one address: more than every peer together could hold before (64)
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="dials from 127.0.0.2, a second loopback address (Linux)")
 FAKE_TAG = b"\0" * TAG_BYTES  # what a peer without the key can put where a frame's tag goes
 
 
@@ -135,6 +149,24 @@ def agent(tmp_path, key_file):
 
 def _address(agent: Agent) -> str:
     return f"127.0.0.1:{agent.port}"
+
+
+def _idle(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` connections from ``host`` to the loopback ``port`` that send nothing (non-blocking)."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(host, 0)) for _ in range(count)]
+    for sock in socks:
+        sock.setblocking(False)
+    return socks
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the other end closed ``sock``, a non-blocking socket."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
 
 
 def _refused_for_auth(agent: Agent) -> bool:
@@ -291,6 +323,60 @@ def test_a_replayed_forward_is_refused_by_the_worker(worker_behind_relay):
     assert _wait_for(lambda: any("closing upstream" in line and AUTH_FAILED in line for line in logs)), logs
 
 
+# --- dial bounds --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("client", ["relay", "control", "draft"])
+def test_a_dial_whose_peer_trickles_its_answer_ends_at_the_deadline(client, monkeypatch):
+    monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 1.0)
+    key = os.urandom(32)
+    dials = {"relay": lambda address: link_module.connect_peer(address, key, {"role": "stage"}),
+             "control": lambda address: ControlClient(address, key, timeout_s=30),
+             "draft": lambda address: DraftLink(address, key)}
+    outcome: dict = {}
+
+    def dial(address: str) -> None:
+        start = time.monotonic()
+        try:
+            dials[client](address)
+        except FleetError as exc:
+            outcome["error"] = str(exc)
+        outcome["seconds"] = time.monotonic() - start
+
+    with Trickler() as trickler:  # a byte every 0.1 s, for 6 s
+        thread = threading.Thread(target=dial, args=(trickler.address,), daemon=True)
+        thread.start()
+        thread.join(3.0)
+        assert not thread.is_alive(), "the dial outlived its deadline"
+    assert outcome["seconds"] < 2.0, outcome
+    assert "the handshake did not finish within 1 s" in outcome.get("error", ""), outcome
+
+
+def test_a_dialer_tries_again_when_the_listener_drops_its_handshake_unanswered():
+    key = os.urandom(32)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            conn, _ = listener.accept()
+            accepted.append(conn)
+            if len(accepted) <= 2:
+                conn.close()  # what a listener at its cap of pending handshakes does
+                continue
+            link_module.authenticate_peer(conn, key, {"role": "agent", "node": {"id": "n1"}})
+            return
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        link, welcome = link_module.connect_peer("127.0.0.1:%d" % listener.getsockname()[1], key, {"role": "agent"})
+        link.close()
+    finally:
+        listener.close()
+        for conn in accepted:
+            conn.close()
+    assert welcome["node"] == {"id": "n1"} and len(accepted) == 3
+
+
 # --- listener bounds ----------------------------------------------------------------------------------
 
 def test_a_trickling_handshake_is_cut_off_at_the_deadline(agent, monkeypatch):
@@ -328,7 +414,7 @@ def test_the_cap_on_unauthenticated_connections_holds_and_the_listener_keeps_ser
             except ConnectionResetError:
                 closed = True
             assert closed
-        assert any("4 connections to the control port are already in their handshake" in line for line in logs), logs
+        assert any("4 connections are already in their handshake" in line for line in logs), logs
         for sock in idle:
             sock.close()
         idle = []
@@ -357,12 +443,114 @@ def test_a_failed_thread_start_does_not_stop_the_listener(agent, key_file, monke
         return real_start(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    with pytest.raises(AgentError):
-        ControlClient(_address(agent), load_key(key_file), timeout_s=5)
-    assert failed
-    with ControlClient(_address(agent), load_key(key_file), timeout_s=10) as client:
+    with ControlClient(_address(agent), load_key(key_file), timeout_s=10) as client:  # its second try gets through
         assert client.call("ping") == {}
+    assert failed
     assert any("cannot start a thread" in line for line in agent.logs), agent.logs
+
+
+@linux_only
+def test_idle_sockets_from_one_address_leave_another_peers_handshake_free(agent, key_file, monkeypatch):
+    monkeypatch.setattr(link_module, "FIRST_BYTE_S", 30.0)
+    monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 30.0)
+    idle = _idle("127.0.0.2", agent.port, IDLE)
+    try:
+        with ControlClient(_address(agent), load_key(key_file), timeout_s=5) as client:
+            assert client.call("ping") == {}
+        cap = link_module.MAX_PENDING_PER_PEER
+        assert _wait_for(lambda: sum(map(_closed, idle)) == IDLE - cap), "the ones over the cap are closed at once"
+        time.sleep(0.2)
+        assert sum(map(_closed, idle)) == IDLE - cap, "the ones within the cap wait for their first byte"
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_connection_that_sends_nothing_is_dropped_at_the_first_byte_deadline(agent, monkeypatch):
+    monkeypatch.setattr(link_module, "FIRST_BYTE_S", 0.5)
+    monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 30.0)
+    with socket.create_connection(("127.0.0.1", agent.port), timeout=5) as sock:
+        start = time.monotonic()
+        sock.settimeout(3.0)
+        try:
+            got = sock.recv(1)
+        except ConnectionResetError:
+            got = b""
+        except socket.timeout:
+            got = None
+        waited = time.monotonic() - start
+    assert got == b"" and 0.4 <= waited < 2.0, (got, waited)
+    assert _wait_for(lambda: any("sent nothing within 0.5 s" in line for line in agent.logs)), agent.logs
+
+
+def test_a_burst_of_refusals_is_logged_as_one_line_with_their_count(agent, monkeypatch):
+    monkeypatch.setattr(link_module, "REFUSAL_LOG_S", 0.5)
+    monkeypatch.setattr(link_module, "FIRST_BYTE_S", 30.0)
+    monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 30.0)
+
+    def counted() -> int:  # refusals the log accounts for
+        found = [re.match(r"refused (\d+) more", line) for line in refusals()]
+        return sum(int(match.group(1)) if match else 1 for match in found)
+
+    def refusals() -> list[str]:
+        return [line for line in agent.logs if line.startswith("refused")]
+
+    idle = _idle("127.0.0.1", agent.port, IDLE)
+    try:
+        assert _wait_for(lambda: any(map(_closed, idle)))
+        time.sleep(0.2)  # every connection is accepted, and each over the cap closed
+        closed = sum(map(_closed, idle))
+        assert _wait_for(lambda: counted() == closed), (closed, refusals())
+        lines = refusals()
+    finally:
+        for sock in idle:
+            sock.close()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("refused connection from 127.0.0.1:"), lines
+    assert re.fullmatch(rf"refused {closed - 1} more connections to the control port in the last 0\.5 s, the latest "
+                        r"from 127\.0\.0\.1:\d+: \d+ connections from 127\.0\.0\.1 are already in their handshake",
+                        lines[1]), lines
+
+
+SERVED = {"role": "stage", "fingerprint": "model-fp-4f2a", "stage": 7, "first_layer": 11, "mode": "exact"}
+
+
+@contextlib.contextmanager
+def _listening(key: bytes, identity: dict):
+    """A real listener (``accept_loop``, ``authenticate_peer``) serving ``identity``; yields its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    threading.Thread(target=link_module.accept_loop, daemon=True,
+                     args=(listener, stop, lambda conn: link_module.authenticate_peer(conn, key, identity),
+                           lambda conn, seal, peer: conn.close(), "stage", lambda line: None)).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+
+
+def test_before_the_proof_a_listener_names_nothing_it_serves():
+    key = os.urandom(32)
+    wanted = {"role": "stage", "fingerprint": "another-model", "stage": 3, "first_layer": 5, "mode": "fast"}
+    with _listening(key, SERVED) as port:
+        said = []  # every document the listener sends a peer without the key
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            wire.send_frame(sock, wire.control(Msg.HELLO, {**wanted, "version": wire.VERSION, "nonce": "00" * 32}))
+            with contextlib.suppress(wire.PeerClosed, OSError):
+                while True:
+                    frame = wire.recv_frame(sock, max_frame=1 << 16)
+                    said.append(frame.json())
+                    if frame.type == Msg.CHALLENGE:  # without the key, a proof is a guess
+                        wire.send_frame(sock, wire.control(Msg.PROOF, {"proof": "00" * 32}))
+        assert said and said[-1] == {"reason": "the peer does not know the fleet key"}, said
+        assert all(set(doc) <= {"nonce", "proof", "reason"} for doc in said), said
+        assert "model-fp-4f2a" not in json.dumps(said) and "mismatch" not in json.dumps(said), said
+        # a peer that proves the key still learns why it is refused
+        with pytest.raises(wire.AuthError, match="fingerprint mismatch: .* this node serves 'model-fp-4f2a'"):
+            link_module.connect_peer(f"127.0.0.1:{port}", key, wanted)
 
 
 # --- mutual TLS ---------------------------------------------------------------------------------------

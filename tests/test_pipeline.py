@@ -1,6 +1,6 @@
 """The distributed pipeline on loopback with real workers: the same tokens as in-process, refusal of
-strangers and foreign shards, a fuzzed worker that keeps serving, and dead or stalled workers reported
-by stage and address within the deadline.  ``hosting``: most tests run their workers as threads of
+strangers and foreign shards, a fuzzed worker that keeps serving, and dead, stalled or malformed workers
+reported by stage and address within the deadline.  ``hosting``: most tests run their workers as threads of
 this process (the fast tier) and as processes (the slow tier); a worker's death is a process's."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -20,12 +21,14 @@ import pytest
 
 from engine.errors import StageError
 from engine.fleetkey import create_certificate, create_key, load_key, tls_file
+from engine.manifest import load_manifest
 from engine.runtime.decode.generate import Generator
 from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
+from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.chain import LocalChain
 from engine.transport import wire
-from engine.transport.link import dial
+from engine.transport.link import Link, accept_loop, authenticate_peer, dial, successor_identity
 from engine.transport.wire import Flag, Frame, Msg
 
 IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
@@ -458,6 +461,58 @@ def test_dead_or_stalled_worker_is_reported_within_the_deadline(victim, how, tin
             fleet.start_worker(victim - 1)
             fleet.wait_ready(victim - 1)
         assert _greedy(chain, 24) == want
+
+
+@pytest.mark.parametrize("pong", [
+    lambda ping: wire.control(Msg.PONG, {"stages": 5}, ping.stream, ping.seq),
+    lambda ping: Frame(Msg.PONG, ping.stream, ping.seq, [np.zeros(3, np.float32)]),
+], ids=["stages not a list", "no JSON"])
+def test_a_malformed_pong_from_the_next_stage_fails_the_request_instead_of_hanging(pong, tiny_exports, key_file):
+    """The next stage proves the key, then answers PING with a malformed PONG (issue 82): the worker
+    takes it as a lost link, so the coordinator hears an error naming that stage within its deadline,
+    not heartbeats for ever."""
+    folders = tiny_exports["qwen2", "3"].folders
+    key = load_key(key_file)
+    identity = {"role": "stage", "delay_ms": 0.0, **successor_identity(load_manifest(folders[1]), "fast")}
+
+    def session(conn, seal, peer: str) -> None:
+        link = Link(conn, peer, seal)
+        try:
+            while (frame := link.recv()).type != Msg.BYE:
+                if frame.type == Msg.PING:
+                    link.send(pong(frame))
+        except (ConnectionError, wire.ProtocolError):
+            pass
+        finally:
+            link.close()
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    last = "127.0.0.1:%d" % listener.getsockname()[1]
+    worker = Worker(folders[1], "127.0.0.1:0", last, key=key, deadline_s=1.0, log=lambda line: None)  # before threads
+    stop = threading.Event()
+    threading.Thread(target=accept_loop, daemon=True,
+                     args=(listener, stop, lambda conn: authenticate_peer(conn, key, identity), session, "stage 2",
+                           lambda line: None)).start()
+    worker.start()
+    outcome: dict = {}
+
+    def connect() -> None:
+        try:
+            RemoteChain(folders[0], [worker.address, last], key=key, deadline_s=1.0, connect_timeout_s=2.0).close()
+        except StageError as exc:
+            outcome["error"] = exc
+
+    coordinator = threading.Thread(target=connect, daemon=True)
+    try:
+        coordinator.start()
+        coordinator.join(10)
+        assert not coordinator.is_alive(), "the coordinator still waits for its PONG"
+    finally:
+        worker.stop()
+        stop.set()
+        listener.close()
+    err = outcome.get("error")
+    assert err is not None and (err.stage, err.address) == (2, last) and "malformed" in err.reason, err
 
 
 def test_coordinator_routes_workers_started_without_next(tiny_exports, key_file, tmp_path, hosting):

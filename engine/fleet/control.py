@@ -19,7 +19,7 @@ from engine.fleet.shardstore import content_hash
 from engine.manifest import MANIFEST, read_manifest
 from engine.progress import Progress, Report, byte_count, quiet
 from engine.transport import wire
-from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, dial
+from engine.transport.link import Link, handshake
 from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
 
 CHUNK_BYTES = 4 << 20
@@ -53,14 +53,10 @@ class ControlClient:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         try:
-            sock = dial(address, tls, timeout=timeout_s)
+            sock, self.welcome, seal = handshake(address, key, ROLE, tls, deadline_s=timeout_s)
         except OSError as exc:
             raise AgentError(f"node agent at {address} is not reachable ({exc.strerror or exc})") from None
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            self.welcome, seal = wire.client_handshake(sock, key, ROLE)
-        except (AuthError, ProtocolError, OSError) as exc:
-            sock.close()
+        except (AuthError, ProtocolError) as exc:
             raise AgentError(f"node agent at {address}: {exc}") from None
         self.node = self.welcome.get("node", {})
         self._link = Link(sock, address, seal, max_frame=CONTROL_MAX_FRAME)

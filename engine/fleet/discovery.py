@@ -9,7 +9,9 @@ starts before its Wi-Fi connects, or that moves to another network).
 Anyone on the LAN can send a record, so a browser given the fleet key (``prover``) believes a record
 only once the agent at its address proves the key and answers as the node the record names; the same
 check guards a record that would move a node it already knows to another address or port.  A record
-that fails it is skipped with a warning and the node stays where it was.  At most ``MAX_RECORDS``
+that fails it is skipped with a warning and the node stays where it was.  The checks run on a few
+threads of their own (``CHECKS``), never on zeroconf's: an agent that stalls its answer holds up one
+check until its deadline, not every other record, nor closing the browser.  At most ``MAX_RECORDS``
 records are kept, the oldest heard dropped first.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import queue
 import re
 import socket
 import threading
@@ -40,8 +43,10 @@ TTL = 120
 RESOLVE_MS = 3000
 MAX_REJECTED = 64  # reasons kept for inspection; a flood of bad records must not grow memory
 MAX_RECORDS = 256  # service records kept; a flood of records (even of valid form) must not grow memory either
-PROVE_S = 3.0  # how long a record's agent may take to answer the check of ``prover``
-PROVE_ADDRESSES = 4  # addresses of a record ``prover`` tries: one listing hundreds must not stall the browser
+PROVE_S = 3.0  # how long the check of ``prover`` may take, every address the record lists included
+PROVE_ADDRESSES = 4  # addresses of a record ``prover`` tries: one listing hundreds must not stall its check
+CHECKS = 4  # records checked at once: each check holds a thread until its agent answers or its deadline
+MAX_CHECKS = 64  # records waiting for their check or under it; more are skipped (heard again when re-announced)
 WATCH_S = 3.0  # how often the interfaces are checked for changes
 SETTLE_S = 3.0  # a change must hold this long before mDNS moves: a flapping link does not re-announce
 RECONFIRM_S = 10.0  # after a change, a node not heard again within this is dropped
@@ -81,14 +86,18 @@ def _open(addresses: list[str]) -> Zeroconf:
 
 def prover(key: bytes, tls=None, timeout_s: float = PROVE_S) -> Callable[[NodeInfo], str]:
     """A ``Browser``'s check of a record: dials the record's addresses in turn and returns the first
-    whose agent proves the fleet key and answers as the record's node (``control.prove_node``);
-    raises FleetError with every address's reason when none does."""
+    whose agent proves the fleet key and answers as the record's node (``control.prove_node``), all
+    within ``timeout_s`` (an address gets an even share of the time left); raises FleetError with
+    every address's reason when none does."""
 
     def prove(info: NodeInfo) -> str:
         reasons = []
-        for address in info.addresses[:PROVE_ADDRESSES]:
+        addresses = info.addresses[:PROVE_ADDRESSES]
+        end = time.monotonic() + timeout_s
+        for i, address in enumerate(addresses):
+            share = (end - time.monotonic()) / (len(addresses) - i)
             try:
-                prove_node(f"{address}:{info.port}", key, info.node_id, tls=tls, timeout_s=timeout_s)
+                prove_node(f"{address}:{info.port}", key, info.node_id, tls=tls, timeout_s=share)
                 return address
             except FleetError as exc:
                 reasons.append(str(exc))
@@ -235,15 +244,17 @@ def _goodbye(zc: Zeroconf, service: ServiceInfo | None) -> None:
 class Browser(_Follower):
     """Keeps the nodes currently advertised, optionally of one fleet only.
 
-    ``on_event(kind, info)`` runs on zeroconf's browser thread with kind "added", "updated" or
-    "removed"; it must not call ``close()``.  A record that cannot be decoded is skipped, and its reason
+    ``on_event(kind, info)`` runs on zeroconf's browser thread, or a check's, with kind "added",
+    "updated" or "removed"; it must not call ``close()``.  A record that cannot be decoded is skipped, and its reason
     kept in ``rejected()``.  Given no addresses it listens on every local IPv4 address and moves as
     interfaces come and go; after a move, the nodes not heard again within ``RECONFIRM_S`` are removed.
 
     ``verify`` (``prover(key)``) checks a record naming a node at addresses or a port it is not known
     at (a new node, or a known one moving) before it is believed, and returns the address that
     passed, listed first from then on; a record that fails is skipped, its reason in ``rejected()``,
-    and a known node keeps its place.  Without it, records are believed as heard.
+    and a known node keeps its place.  Checks run on ``CHECKS`` threads of their own; a record heard
+    again, or removed, while its check runs makes that check's outcome moot.  Without ``verify``,
+    records are believed as heard.
     """
 
     def __init__(self, fleet_id: str | None = None, on_event: Callable[[str, NodeInfo], None] | None = None,
@@ -257,6 +268,10 @@ class Browser(_Follower):
         self._names: dict[str, str] = {}  # service name -> node id, the least recently heard first
         self._rejected: dict[str, str] = {}  # service name -> reason
         self._unconfirmed: set[str] = set()  # service names known from before the last move
+        self._checks: dict[str, int] = {}  # service name -> its check waiting or under way (a ticket)
+        self._tickets = 0
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (name, info, known, ticket), None: stop
+        self._checkers = 0
         self._moves = 0
         self._zc: Zeroconf | None = None
         self._browser: ServiceBrowser | None = None
@@ -305,9 +320,14 @@ class Browser(_Follower):
             return dict(self._rejected)
 
     def close(self) -> None:
+        """Stops browsing at once: a check under way is left to end by itself, its outcome dropped."""
         self._halt()
         with self._lock:
             zc, browser, self._zc, self._browser = self._zc, self._browser, None, None
+            self._checks.clear()
+            checkers, self._checkers = self._checkers, 0
+        for _ in range(checkers):
+            self._queue.put(None)
         if browser is not None:
             browser.cancel()
         if zc is not None:
@@ -323,7 +343,8 @@ class Browser(_Follower):
         if state_change is ServiceStateChange.Removed:
             self._forget(name)
             return
-        # Blocking here is fine: this is the browser's own thread, not zeroconf's event loop.
+        # Blocking here for a resolve (RESOLVE_MS at most) is fine: this is the browser's own thread,
+        # not zeroconf's event loop.  A check (which dials an agent) goes to a checker thread.
         service = ServiceInfo(service_type, name)
         if not service.request(zeroconf, RESOLVE_MS):
             self._reject(name, f"no answer resolving {name!r} within {RESOLVE_MS} ms")
@@ -342,19 +363,56 @@ class Browser(_Follower):
             with self._lock:
                 known = self._nodes.get(info.node_id)
             if known is None or _endpoint(known) != _endpoint(info):
-                # Blocking again, on this thread: the agent is dialled before the record is believed.
-                try:
-                    proven = self._verify(info)
-                except FleetError as exc:
-                    where = f"{','.join(info.addresses) or '?'} port {info.port}"
-                    self._refuse(name, f"it names node {info.node_id} at {where}, which does not answer as "
-                                       f"that node with the fleet key ({exc})", known)
-                    return
-                info.addresses = [proven] + [a for a in info.addresses if a != proven]
-            else:  # new facts at the same place: the address that passed stays first
-                info.addresses = list(known.addresses)
+                self._check(name, info, known)  # the agent is dialled before the record is believed
+                return
+            info.addresses = list(known.addresses)  # new facts at the same place: the address that passed stays first
+        self._believe(name, info)
+
+    def _check(self, name: str, info: NodeInfo, known: NodeInfo | None) -> None:
+        """Queues ``verify``'s check of a record for the checker threads (started as needed, ``CHECKS``)."""
+        with self._lock:
+            if self._zc is None:
+                return
+            if name not in self._checks and len(self._checks) >= MAX_CHECKS:
+                full = True
+            else:
+                full = False
+                self._tickets += 1
+                self._checks[name] = ticket = self._tickets
+                start = self._checkers < CHECKS
+                self._checkers += int(start)
+        if full:
+            self._refuse(name, f"{MAX_CHECKS} records are already waiting for their check", known)
+            return
+        if start:
+            threading.Thread(target=self._checker, daemon=True, name="mdns check").start()
+        self._queue.put((name, info, known, ticket))
+
+    def _checker(self) -> None:
+        while (item := self._queue.get()) is not None:
+            name, info, known, ticket = item
+            with self._lock:
+                if self._checks.get(name) != ticket:  # heard again, removed, or closed meanwhile
+                    continue
+            try:
+                proven = self._verify(info)
+            except FleetError as exc:
+                where = f"{','.join(info.addresses) or '?'} port {info.port}"
+                self._refuse(name, f"it names node {info.node_id} at {where}, which does not answer as "
+                                   f"that node with the fleet key ({exc})", known, ticket)
+                continue
+            except Exception:  # a checker thread must outlive a broken check
+                log.exception("checking mDNS service %s failed", name)
+                continue
+            info.addresses = [proven] + [a for a in info.addresses if a != proven]
+            self._believe(name, info, ticket)
+
+    def _believe(self, name: str, info: NodeInfo, ticket: int | None = None) -> None:
+        """Takes a record as heard (``ticket``: as its check passed, unless moot since)."""
         events = []
         with self._lock:
+            if not self._settle(name, ticket):
+                return
             self._rejected.pop(name, None)
             self._unconfirmed.discard(name)
             before = self._names.get(name)
@@ -372,21 +430,35 @@ class Browser(_Follower):
                 events += self._unlink(oldest)
         self._emit(events)
 
-    def _refuse(self, name: str, reason: str, known: NodeInfo | None) -> None:
+    def _settle(self, name: str, ticket: int | None) -> bool:
+        """Whether a record's outcome still counts: always for one heard now (a check of the record under
+        way becomes moot), only while current for a check's (``ticket``).  Lock held."""
+        if ticket is None:
+            self._checks.pop(name, None)
+            return True
+        if self._checks.get(name) != ticket:
+            return False
+        del self._checks[name]
+        return True
+
+    def _refuse(self, name: str, reason: str, known: NodeInfo | None, ticket: int | None = None) -> None:
         """Skips a record that failed ``verify``; unlike a malformed one, it does not take the node it
         names away (a record cannot unseat a node that proved itself)."""
         if known is not None:
             reason += f"; the node stays at {','.join(known.addresses)} port {known.port}"
-        log.warning("skipping mDNS service %s: %s", name, reason)
         with self._lock:
+            if not self._settle(name, ticket):
+                return
             self._rejected.pop(name, None)
             self._rejected[name] = reason
             while len(self._rejected) > MAX_REJECTED:
                 del self._rejected[next(iter(self._rejected))]
+        log.warning("skipping mDNS service %s: %s", name, reason)
 
     def _reject(self, name: str, reason: str) -> None:
         log.warning("skipping mDNS service %s: %s", name, reason)
         with self._lock:
+            self._checks.pop(name, None)
             self._rejected[name] = reason
             while len(self._rejected) > MAX_REJECTED:
                 del self._rejected[next(iter(self._rejected))]
@@ -395,6 +467,7 @@ class Browser(_Follower):
 
     def _forget(self, name: str) -> None:
         with self._lock:
+            self._checks.pop(name, None)
             self._rejected.pop(name, None)
             events = self._unlink(name)
         self._emit(events)

@@ -488,9 +488,10 @@ def client_handshake(sock: socket.socket, key: bytes, identity: dict) -> tuple[d
 
 
 def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> tuple[dict, Seal]:
-    """Listening side: checks version and model, proves the key, verifies the client's proof.
-    Returns the client's HELLO document and the connection's ``Seal`` (WELCOME already went out
-    under it); refuses (and raises AuthError) otherwise."""
+    """Listening side: checks the version, proves the key, verifies the client's proof, then checks
+    that the client wants what this node serves (model, stage, ...): only a peer that proved the key
+    learns what that is.  Returns the client's HELLO document and the connection's ``Seal`` (WELCOME
+    already went out under it); refuses (and raises AuthError) otherwise."""
     hello = recv_frame(sock, max_frame=1 << 16)
     if hello.type != Msg.HELLO:
         raise AuthError(f"expected HELLO, got {hello.type.name}")
@@ -502,9 +503,6 @@ def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> tuple[d
 
     if doc.get("version") != VERSION:
         refuse(f"protocol version {doc.get('version')} is not {VERSION}")
-    for field in ("role", "fingerprint", "stage", "first_layer", "mode"):
-        if field in doc and field in identity and doc[field] != identity[field]:
-            refuse(f"{field} mismatch: peer expects {doc[field]!r}, this node serves {identity[field]!r}")
     try:
         client_nonce = bytes.fromhex(doc["nonce"])
     except (KeyError, ValueError, TypeError):
@@ -522,6 +520,9 @@ def server_handshake(sock: socket.socket, key: bytes, identity: dict) -> tuple[d
         given = b""
     if not hmac.compare_digest(given, _mac(key, b"client", nonce, client_nonce, fp)):
         refuse("the peer does not know the fleet key")
+    for field in ("role", "fingerprint", "stage", "first_layer", "mode"):
+        if field in doc and field in identity and doc[field] != identity[field]:
+            refuse(f"{field} mismatch: peer expects {doc[field]!r}, this node serves {identity[field]!r}")
     to_server, to_client = _frame_keys(key, client_nonce, nonce, hello.tensors[0].tobytes())
     seal = Seal(to_client, to_server)
     send_frame(sock, control(Msg.WELCOME, identity), seal)

@@ -24,7 +24,7 @@ from engine.manifest import Manifest
 from engine.runtime.decode.speculative import TOKENIZER_FILES, Drafter, PromptLookup, smooth
 from engine.runtime.decode.draftserver import MAX_STREAMS, common_prefix
 from engine.transport import wire
-from engine.transport.link import HANDSHAKE_TIMEOUT_S, Link, dial
+from engine.transport.link import Link, handshake
 from engine.transport.wire import AuthError, Msg, ProtocolError
 
 
@@ -43,14 +43,10 @@ class DraftLink:
     def __init__(self, address: str, key: bytes, target: Manifest | None = None, *, tls=None):
         self.address = address
         try:
-            sock = dial(address, tls)
+            sock, welcome, seal = handshake(address, key, {"role": "draft"}, tls)
         except OSError as exc:
             raise FleetError(f"cannot reach the draft server at {address}: {exc.strerror or exc}") from None
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            welcome, seal = wire.client_handshake(sock, key, {"role": "draft"})
-        except (OSError, AuthError, ProtocolError) as exc:
-            sock.close()
+        except (AuthError, ProtocolError) as exc:
             raise FleetError(f"the draft server at {address} refused us: {exc}") from None
         self.model = str(welcome.get("model", "?"))
         self.context = welcome.get("context")  # the draft model's: a longer text is never told

@@ -464,18 +464,25 @@ class Worker(Listening):
             self._down_last_rx = now
             if frame.type == Msg.ALIVE:
                 continue
-            key = (frame.stream, frame.seq)
-            with self._lock:
-                self._outstanding.discard(key)
             if frame.type == Msg.PONG:
-                doc = frame.json()
-                frame = wire.control(Msg.PONG, {"stages": [self.describe(), *doc.get("stages", [])]},
-                                     frame.stream, frame.seq)
+                try:
+                    frame = self._pong(frame)
+                except ProtocolError as exc:  # as a lost link: what it owes us fails, and it is redialed
+                    return f"sent a malformed frame ({exc})"
+            with self._lock:
+                self._outstanding.discard((frame.stream, frame.seq))
             if frame.type in (Msg.RESULT, Msg.ERROR, Msg.PONG):
                 up = self._upstream
                 if up is not None:
                     self._reply(up, frame)
         return "stopped"
+
+    def _pong(self, frame: Frame) -> Frame:
+        """The successor's PONG with this stage's description put first (raises ProtocolError for a malformed one)."""
+        stages = frame.json().get("stages", [])
+        if not isinstance(stages, list):
+            raise ProtocolError("a PONG whose stages are not a list")
+        return wire.control(Msg.PONG, {"stages": [self.describe(), *stages]}, frame.stream, frame.seq)
 
     def _heartbeat_loop(self) -> None:
         tick = heartbeat_interval(self.deadline_s)
