@@ -20,37 +20,31 @@ from engine.progress import Progress, Report
 from engine.session import Launch
 
 
+def _number(text: str, kind, within, wanted: str):
+    """``text`` as a ``kind`` (int or float) for which ``within(value)`` holds, else argparse's error
+    saying what the option takes (``wanted``)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not within(value):  # a float's test also refuses nan
+        raise argparse.ArgumentTypeError(f"takes {wanted}, not {text!r}")
+    return value
+
+
 def count(text: str) -> int:
     """Stages, streams, tokens, runs, users...: a whole number, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, not {text!r}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "a whole number of at least 1")
 
 
 def duration(text: str) -> float:
     """Seconds or milliseconds: a number, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"takes a number of 0 or more, not {text!r}")
-    return value
+    return _number(text, float, lambda v: v >= 0, "a number of 0 or more")
 
 
 def port(text: str) -> int:
     """A TCP port to listen on: 0 (any free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"takes a port number from 0 to 65535, not {text!r}")
-    return value
+    return _number(text, int, lambda v: 0 <= v <= 65535, "a port number from 0 to 65535")
 
 
 def draft_tokens(text: str):
