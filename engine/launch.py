@@ -1,6 +1,7 @@
 """Starting this installation's ``fleet`` CLI in a new process (a node agent's stage workers, a
 local fleet's workers, the app's local agent), waiting for its ready line, tying it to its parent
-(``lifeline``) and ending it.
+(``lifeline``) and ending it.  Its stderr goes through a pipe into its log, a rotated file
+(``LOG_MAX_BYTES``), so that a node agent or a worker that runs for weeks does not fill the disk.
 
 From a Python environment the command is ``python -m engine.cli``; in the bundled app
 (``installer/``, PyInstaller) ``sys.executable`` is the app itself and the ``fleet`` executable sits
@@ -9,6 +10,8 @@ beside it.
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import subprocess
 import sys
@@ -28,13 +31,35 @@ def fleet_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "engine.cli", *args]
 
 
-def start_fleet(args: list[str], log: Path) -> subprocess.Popen:
-    """``fleet ARGS`` with its stderr in ``log``, its stdin a pipe (the ``--lifeline`` it watches) and
-    its stdout a pipe (the ready line ``engine.launch.await_ready`` reads)."""
+LOG_MAX_BYTES = 4 << 20  # a child's log is rotated at this size: the last 8 MB of it are kept, in two files
+LOG_BACKUPS = 1  # ``log`` and ``log.1``
+
+
+def start_fleet(args: list[str], log: Path, max_bytes: int = LOG_MAX_BYTES) -> subprocess.Popen:
+    """``fleet ARGS`` with its stderr in ``log`` (rotated at ``max_bytes``: ``log_stderr``), its
+    stdin a pipe (the ``--lifeline`` it watches) and its stdout a pipe (the ready line
+    ``engine.launch.await_ready`` reads)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as err:
-        return subprocess.Popen(fleet_command(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                text=True, creationflags=_NO_WINDOW)
+    log.write_bytes(b"")  # each start's log begins empty, as it did when the child wrote the file itself
+    proc = subprocess.Popen(fleet_command(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, encoding="utf-8", errors="replace", creationflags=_NO_WINDOW)
+    proc.log_writer = threading.Thread(target=log_stderr, args=(proc.stderr, log, max_bytes), daemon=True,
+                                       name=f"log {log.name}")
+    proc.log_writer.start()
+    return proc
+
+
+def log_stderr(stream, log: Path, max_bytes: int) -> None:
+    """Copies a child's stderr, line by line, into ``log``, rotated at ``max_bytes`` (to ``log.1``);
+    returns when the child closes it (it exits)."""
+    handler = logging.handlers.RotatingFileHandler(log, maxBytes=max_bytes, backupCount=LOG_BACKUPS,
+                                                   encoding="utf-8")
+    try:
+        for line in stream:
+            handler.emit(logging.makeLogRecord({"msg": line.rstrip("\n")}))
+    finally:
+        handler.close()
+        stream.close()
 
 
 READY = "ready"
@@ -72,6 +97,9 @@ def await_ready(proc: subprocess.Popen, log: Path, timeout_s: float) -> str:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=5)
+    writer = getattr(proc, "log_writer", None)
+    if writer is not None:
+        writer.join(5)  # the child's last words reach its log
     tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.exists() else []
     raise FleetError(reason + ":\n  " + "\n  ".join(tail))
 

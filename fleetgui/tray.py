@@ -16,6 +16,7 @@ logs them every few seconds while it serves, and as its upstream leaves) and err
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -137,6 +138,8 @@ class WorkerController(QObject):
             path, offset, label = self._tails[wid]
             try:
                 with path.open("rb") as f:
+                    if os.fstat(f.fileno()).st_size < offset:
+                        offset = 0  # the log was rotated (``engine.launch.log_stderr``): a new file
                     f.seek(offset)
                     data = f.read()
             except OSError:
