@@ -77,6 +77,16 @@ def _chat(**extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
 
 
+ASK = [{"role": "user", "content": "hi"}]
+BODIES = {  # a small request to each API
+    "/v1/chat/completions": {"model": MODEL, "messages": ASK, "max_tokens": 2},
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL, "messages": ASK, "max_tokens": 2},
+    "/api/chat": {"model": MODEL, "messages": ASK, "stream": False, "options": {"num_predict": 2}},
+}
+
+
 def _schema_format(value) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
 
@@ -230,3 +240,31 @@ def test_a_deep_json_body_is_a_400(server):
     status, doc = _request(server, "POST", "/v1/chat/completions",
                            json.dumps(_chat(messages=[{"role": "user", "content": "[" * 1000}])))
     assert status != 400 or doc["error"]["code"] != "body_too_deep"
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_a_body_not_sent_as_json_is_415(server, path, content_type):
+    """A web page may post a body of these types (or of none) to a loopback API without the
+    browser asking the API first (CORS's simple requests): refused before it is read."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S)
+    try:
+        conn.putrequest("POST", path)
+        body = json.dumps(BODIES[path]).encode()
+        conn.putheader("Content-Length", str(len(body)))
+        if content_type:
+            conn.putheader("Content-Type", content_type)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        doc = json.loads(response.read())
+    finally:
+        conn.close()
+    assert response.status == 415, doc
+    message = doc["error"] if path.startswith("/api/") else doc["error"]["message"]
+    assert "Content-Type: application/json" in message
+    assert (repr(content_type) if content_type else "no Content-Type") in message
+    # the same body as JSON is served
+    status, _ = _request(server, "POST", path, json.dumps(BODIES[path]),
+                         {"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200
