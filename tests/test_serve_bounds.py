@@ -268,3 +268,38 @@ def test_a_body_not_sent_as_json_is_415(server, path, content_type):
     status, _ = _request(server, "POST", path, json.dumps(BODIES[path]),
                          {"Content-Type": "application/json; charset=utf-8"})
     assert status == 200
+
+
+def test_more_requests_waiting_than_the_limit_are_429_with_retry_after(tiny_exports):
+    """One stream, held by a reply whose text callback waits (the scheduler waits with it), and one
+    request queued behind it: with ``max_waiting`` 1 the next API request is refused at once."""
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=1, max_length=64)
+    server = ApiServer(service, port=0, model_id=MODEL, max_waiting=1).start()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(_piece, _tokens):
+        holding.set()
+        release.wait(WAIT_S)
+
+    ask = [{"role": "user", "content": "hi"}]
+    handles = [service.submit(ask, 32, on_text=hold, ignore_eos=True)]
+    try:
+        assert holding.wait(WAIT_S)
+        handles.append(service.submit(ask, 2))
+        assert service.queued == 1
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat"):
+            conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S)
+            conn.request("POST", path, json.dumps(BODIES[path]), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            doc = json.loads(response.read())
+            conn.close()
+            assert response.status == 429, (path, doc)
+            assert response.getheader("Retry-After") == "2"
+            assert "requests waiting for one: 1, at most 1 (the setting api_max_waiting)" in json.dumps(doc), doc
+        assert service.queued == 1  # nothing refused was queued
+    finally:
+        release.set()
+        for handle in handles:
+            handle.cancel()
+        server.stop()
+        service.close()

@@ -28,11 +28,12 @@ log = logging.getLogger(__name__)
 
 class ApiServer:
     """The OpenAI-compatible API over ``service`` on ``host:port`` (port 0: any free port), taking
-    request bodies up to ``max_body_mb``."""
+    request bodies up to ``max_body_mb``, with at most ``max_waiting`` requests waiting for a stream
+    (more: 429)."""
 
     def __init__(self, service: ChatService, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, model_id: str | None = None,
-                 max_body_mb: float = Settings.api_max_body_mb):
+                 max_body_mb: float = Settings.api_max_body_mb, max_waiting: int = Settings.api_max_waiting):
         if not is_loopback(host) and not api_key:
             raise FleetError(f"serving on {host} opens the model to the network: that needs an API key "
                              "(`fleet serve` creates one; clients send it as a bearer token)")
@@ -48,7 +49,7 @@ class ApiServer:
             raise FleetError(f"cannot serve the API on {host}:{port}: {exc.strerror}") from None
         self._sock.listen(2048)  # connections wait in the backlog until uvicorn runs: none is refused
         self.host, self.port = host, self._sock.getsockname()[1]
-        app = create_app(service, self.model_id, api_key, max_body_mb, local=is_loopback(host))
+        app = create_app(service, self.model_id, api_key, max_body_mb, local=is_loopback(host), max_waiting=max_waiting)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
