@@ -242,6 +242,69 @@ def test_a_deep_json_body_is_a_400(server):
     assert status != 400 or doc["error"]["code"] != "body_too_deep"
 
 
+def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before it closed the connection, or None when it is still open after ``seconds``."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_half_sent_requests_cannot_take_the_server_from_others(service):
+    """The security review's case: 220 half-sent requests left /health unanswered (its process had
+    200 file descriptors).  Here one client (127.0.0.2) opens more than its cap: the extra ones are
+    refused at once, /health answers another client at once, and the half-sent heads are cut at the
+    head deadline."""
+    cap, deadline = 4, 0.5
+    server = ApiServer(service, port=0, model_id=MODEL, head_deadline_s=deadline,
+                       max_connections_per_client=cap).start()
+    socks = []
+    try:
+        for _ in range(cap + 3):
+            sock = socket.create_connection((server.host, server.port), timeout=WAIT_S, source_address=("127.0.0.2", 0))
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n".encode())  # no blank line
+            socks.append(sock)
+        refused = [_closed_within(sock, 0.2) for sock in socks[cap:]]
+        assert all(r is not None and r.startswith(b"HTTP/1.1 429") for r in refused), refused
+        assert b"at most 4" in refused[0] and b"Retry-After: 1" in refused[0]
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=1.0)  # from 127.0.0.1
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+        for sock in socks[:cap]:
+            answer = _closed_within(sock, deadline + 2.0)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+        # the cut connections no longer count: the client's next request is answered
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S, source_address=("127.0.0.2", 0))
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+
+
+def test_a_head_sent_in_time_is_served_on_a_kept_connection(service):
+    server = ApiServer(service, port=0, model_id=MODEL, head_deadline_s=0.3).start()
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S)
+        for _ in range(2):  # the second request on the same connection, after longer than the head deadline
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read())["status"] == "ok"
+            threading.Event().wait(0.5)
+        conn.close()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=x"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
