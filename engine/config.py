@@ -100,6 +100,7 @@ class Settings:
     api_port: int = 8000
     api_streams: int = 4  # concurrent replies `fleet serve` makes (more requests queue)
     api_max_body_mb: float = 4.0  # the largest request body the API reads (larger: 413)
+    api_max_waiting: int = 64  # requests the API lets wait for a stream; more are answered 429 with Retry-After
     # MCP servers whose tools the chat offers (``engine.serve.mcp.McpServer.to_json``: name, command, args,
     # env or url, enabled), and the tools it calls without asking first ("server/tool#identity",
     # ``engine.serve.mcp.McpTool.consent``: a server replaced under the same name is asked about again)
@@ -160,6 +161,8 @@ class Settings:
             return f"the API port must be between 0 and 65535, not {self.api_port}"
         if not self.api_max_body_mb > 0:
             return f"the API's largest request body must be more than 0 MB, not {self.api_max_body_mb}"
+        if self.api_max_waiting < 0:
+            return f"the API's waiting requests must be 0 or more, not {self.api_max_waiting}"
         return None
 
 

@@ -2,7 +2,8 @@
 shares (a node agent's stage workers, local workers, a local agent, demo agents, a simulated PC's
 agent).  ``FleetProcess`` is such a process seen from its parent: ``start`` it, wait until it is
 ``ready`` (its ``address``), it ends when we do (its ``lifeline``), ``stop`` it, read its ``log``, and
-the counts it ``report``s while it runs.
+the counts it ``report``s while it runs.  Its stderr goes through a pipe into its log, a rotated file
+(``LOG_MAX_BYTES``), so that a node agent or a worker that runs for weeks does not fill the disk.
 
 From a Python environment the command is ``python -m engine.cli``; in the bundled app
 (``installer/``, PyInstaller) ``sys.executable`` is the app itself and the ``fleet`` executable sits
@@ -11,6 +12,8 @@ beside it.
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import subprocess
 import sys
@@ -29,6 +32,23 @@ def fleet_command(*args: str) -> list[str]:
     if getattr(sys, "frozen", False):
         return [str(Path(sys.executable).with_name(CLI_NAME)), *args]
     return [sys.executable, "-m", "engine.cli", *args]
+
+
+LOG_MAX_BYTES = 4 << 20  # a child's log is rotated at this size: the last 8 MB of it are kept, in two files
+LOG_BACKUPS = 1  # ``log`` and ``log.1``
+
+
+def log_stderr(stream, log: Path, max_bytes: int) -> None:
+    """Copies a child's stderr, line by line, into ``log``, rotated at ``max_bytes`` (to ``log.1``);
+    returns when the child closes it (it exits)."""
+    handler = logging.handlers.RotatingFileHandler(log, maxBytes=max_bytes, backupCount=LOG_BACKUPS,
+                                                   encoding="utf-8")
+    try:
+        for line in stream:
+            handler.emit(logging.makeLogRecord({"msg": line.rstrip("\n")}))
+    finally:
+        handler.close()
+        stream.close()
 
 
 READY = "ready"
@@ -57,26 +77,31 @@ class FleetProcess:
     """A ``fleet ARGS`` process this process starts (the module's docstring): its stderr in ``log``, its
     stdin a pipe (the ``--lifeline`` it watches, added to ``args``), its stdout a pipe (the ready line,
     then its reports).  ``prefix``: a command it runs under (``nsenter`` into a namespace); ``env``, ``preexec_fn``:
-    as ``subprocess.Popen`` takes them."""
+    as ``subprocess.Popen`` takes them; ``max_bytes``: where its log is rotated (``log_stderr``)."""
 
     def __init__(self, args: list[str], log: Path, *, prefix: list[str] | tuple[str, ...] = (),
-                 env: dict | None = None, preexec_fn=None):
+                 env: dict | None = None, preexec_fn=None, max_bytes: int = LOG_MAX_BYTES):
         self.args, self.log, self.prefix = list(args), Path(log), list(prefix)
-        self.env, self.preexec_fn = env, preexec_fn
+        self.env, self.preexec_fn, self.max_bytes = env, preexec_fn, max_bytes
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None  # what its ready line says: HOST:PORT
         self.reported: dict[str, int] = {}
         self._ready = threading.Event()
         self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
 
     def start(self) -> "FleetProcess":
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "w") as err:
-            self.proc = subprocess.Popen([*self.prefix, *fleet_command(*self.args, "--lifeline")],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         env=self.env, preexec_fn=self.preexec_fn, creationflags=_NO_WINDOW)
+        self.log.write_bytes(b"")  # each start's log begins empty
+        self.proc = subprocess.Popen([*self.prefix, *fleet_command(*self.args, "--lifeline")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     encoding="utf-8", errors="replace", env=self.env, preexec_fn=self.preexec_fn,
+                                     creationflags=_NO_WINDOW)
         self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True, name="fleet stdout")
+        self._writer = threading.Thread(target=log_stderr, args=(self.proc.stderr, self.log, self.max_bytes),
+                                        daemon=True, name=f"log {self.log.name}")
         self._reader.start()
+        self._writer.start()
         return self
 
     def _read(self, stdout) -> None:
@@ -130,6 +155,7 @@ def stop_all(processes: list[FleetProcess], timeout_s: float = 5.0) -> None:
     _terminate([p.proc for p in started], timeout_s)
     for p in started:
         p._reader.join(1.0)  # its reports to the last
+        p._writer.join(5.0)  # and its last words in its log
     _close_pipes([p.proc for p in started])
 
 

@@ -64,7 +64,8 @@ class ApiController(QObject):
         host, port = self.settings.api_host, self.settings.api_port
         try:
             key = None if is_loopback(host) else load_api_key(create=True)
-            self.server = ApiServer(service, host, port, key, max_body_mb=self.settings.api_max_body_mb).start()
+            self.server = ApiServer(service, host, port, key, max_body_mb=self.settings.api_max_body_mb,
+                                    max_waiting=self.settings.api_max_waiting).start()
         except (FleetError, OSError) as exc:
             self._say(f"API: could not start: {exc}")
             return

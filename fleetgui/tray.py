@@ -17,6 +17,7 @@ and errors.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -141,6 +142,8 @@ class WorkerController(QObject):
             path, offset, label = self._tails[wid]
             try:
                 with path.open("rb") as f:
+                    if os.fstat(f.fileno()).st_size < offset:
+                        offset = 0  # the log was rotated (``engine.launch.log_stderr``): a new file
                     f.seek(offset)
                     data = f.read()
             except OSError:

@@ -5,6 +5,8 @@ mid-reply, a foreign tokenizer, a peer without the fleet key and hostile frames 
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from argparse import Namespace
 
@@ -15,7 +17,7 @@ from engine.cli.args import settings_of
 from engine.config import Settings
 from engine.errors import FleetError, ShardError
 from engine.fleetkey import create_key, load_key
-from engine.runtime.decode.draftserver import DraftServer, DraftText, draft_identity
+from engine.runtime.decode.draftserver import MAX_LEAD, DraftServer, DraftText, draft_identity
 from engine.runtime.decode.generate import Generator, generate_streams
 from engine.runtime.decode.remotedraft import DraftLink, RemoteDraft
 from engine.runtime.decode.speculative import open_draft_chain
@@ -191,6 +193,51 @@ def test_a_hostile_frame_costs_its_sender_the_connection_only(tiny_exports, serv
         assert link.ahead(0, PROMPT, 1, 10.0)
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("kind", ["beyond its lead", "outside the vocabulary"])
+def test_a_draft_server_with_the_key_cannot_grow_the_coordinator_or_propose_foreign_ids(target, key, kind):
+    """The security review's case: a draft server holding the fleet key sent DRAFTS on and on (the
+    coordinator's mirror of its text grew without bound) and token ids the target has not.  Here a
+    real connection, from a server that answers the first SYNC so: the link breaks, saying why, and
+    nothing of it is proposed."""
+    vocab = target.spec.vocab_size
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        try:
+            _, seal = wire.server_handshake(conn, key, draft_identity(target.manifest))
+            sync = wire.recv_frame(conn, seal=seal)
+            told = len(wire.unpack_tokens(sync, 3, 1 << 16)[1])
+            if kind == "outside the vocabulary":
+                frames = [wire.drafts_frame(0, sync.seq, told, [5, vocab + 7])]
+            else:  # a lead's worth at a time (each frame within bounds alone), on and on
+                frames = [wire.drafts_frame(0, sync.seq, told + i * MAX_LEAD, [5] * MAX_LEAD) for i in range(1000)]
+            for frame in frames:
+                wire.send_frame(conn, frame, seal)
+        except OSError:
+            pass  # the coordinator hung up
+        done.wait(10)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    link = DraftLink(f"127.0.0.1:{listener.getsockname()[1]}", key, target.manifest)
+    try:
+        link.drafter(0).prime(PROMPT)
+        deadline = time.monotonic() + 5
+        while link.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.error is not None and ("vocabulary" if kind == "outside the vocabulary" else "ahead") in link.error
+        assert len(link._mirrors[0].tokens) <= len(PROMPT) + MAX_LEAD + 1
+        assert all(0 <= t < vocab for t in link.ahead(0, PROMPT, 2, 0.1))
+    finally:
+        done.set()
+        link.close()
+        listener.close()
+        thread.join(5)
 
 
 def test_a_stage_worker_is_not_taken_for_a_draft_server(tiny_exports, key):

@@ -196,6 +196,18 @@ def test_bad_requests_get_openai_errors_naming_the_field(served, body, param, st
     assert param.split("[")[0].split(".")[0] in doc["error"]["message"] or "Unrecognized" in doc["error"]["message"]
 
 
+def test_a_tool_schema_that_is_not_an_object_is_a_400(served):
+    """A call's arguments are an object: a schema of another type (a string here, whose call would
+    carry arguments that are not JSON) is refused, naming the field."""
+    _, _, client = served
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "string", "enum": ["go"]}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go?"}], tools=tools,
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=50)
+    assert caught.value.body["param"] == "tools[0].function.parameters"
+    assert 'schema\'s type is "object", not "string"' in caught.value.body["message"]
+
+
 def test_bad_requests_through_the_client_and_malformed_bodies(served):
     service, server, client = served
     with pytest.raises(openai.BadRequestError) as caught:

@@ -89,6 +89,19 @@ def test_any_tool_choice_gives_a_valid_tool_use_and_its_result_is_answered(serve
     assert answer.stop_reason == "max_tokens" and [b.type for b in answer.content] == ["text"]
 
 
+def test_a_tool_schema_that_is_not_an_object_is_a_400(served):
+    """A tool's input is an object: a schema of another type (a string here) gave a 500 once its
+    call was made (its input parsed as JSON); it is refused, naming the field as this API does."""
+    _, _, client = served
+    tools = [{"name": "pick", "input_schema": {"type": "string", "enum": ["go"]}}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=MODEL, max_tokens=120, messages=ASK, tools=tools, extra_body=GREEDY,
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    error = caught.value.body["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith('tools[0].input_schema: a tool\'s arguments are a JSON object'), error
+
+
 def test_output_config_holds_the_reply_to_a_schema(served):
     _, _, client = served
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},

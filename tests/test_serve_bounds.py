@@ -77,6 +77,16 @@ def _chat(**extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
 
 
+ASK = [{"role": "user", "content": "hi"}]
+BODIES = {  # a small request to each API
+    "/v1/chat/completions": {"model": MODEL, "messages": ASK, "max_tokens": 2},
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 2},
+    "/v1/messages": {"model": MODEL, "messages": ASK, "max_tokens": 2},
+    "/api/chat": {"model": MODEL, "messages": ASK, "stream": False, "options": {"num_predict": 2}},
+}
+
+
 def _schema_format(value) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": value}}
 
@@ -230,3 +240,129 @@ def test_a_deep_json_body_is_a_400(server):
     status, doc = _request(server, "POST", "/v1/chat/completions",
                            json.dumps(_chat(messages=[{"role": "user", "content": "[" * 1000}])))
     assert status != 400 or doc["error"]["code"] != "body_too_deep"
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before it closed the connection, or None when it is still open after ``seconds``."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_half_sent_requests_cannot_take_the_server_from_others(service):
+    """The security review's case: 220 half-sent requests left /health unanswered (its process had
+    200 file descriptors).  Here one client (127.0.0.2) opens more than its cap: the extra ones are
+    refused at once, /health answers another client at once, and the half-sent heads are cut at the
+    head deadline."""
+    cap, deadline = 4, 0.5
+    server = ApiServer(service, port=0, model_id=MODEL, head_deadline_s=deadline,
+                       max_connections_per_client=cap).start()
+    socks = []
+    try:
+        for _ in range(cap + 3):
+            sock = socket.create_connection((server.host, server.port), timeout=WAIT_S, source_address=("127.0.0.2", 0))
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n".encode())  # no blank line
+            socks.append(sock)
+        refused = [_closed_within(sock, 0.2) for sock in socks[cap:]]
+        assert all(r is not None and r.startswith(b"HTTP/1.1 429") for r in refused), refused
+        assert b"at most 4" in refused[0] and b"Retry-After: 1" in refused[0]
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=1.0)  # from 127.0.0.1
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+        for sock in socks[:cap]:
+            answer = _closed_within(sock, deadline + 2.0)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+        # the cut connections no longer count: the client's next request is answered
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S, source_address=("127.0.0.2", 0))
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        for sock in socks:
+            sock.close()
+        server.stop()
+
+
+def test_a_head_sent_in_time_is_served_on_a_kept_connection(service):
+    server = ApiServer(service, port=0, model_id=MODEL, head_deadline_s=0.3).start()
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S)
+        for _ in range(2):  # the second request on the same connection, after longer than the head deadline
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read())["status"] == "ok"
+            threading.Event().wait(0.5)
+        conn.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+def test_a_body_not_sent_as_json_is_415(server, path, content_type):
+    """A web page may post a body of these types (or of none) to a loopback API without the
+    browser asking the API first (CORS's simple requests): refused before it is read."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S)
+    try:
+        conn.putrequest("POST", path)
+        body = json.dumps(BODIES[path]).encode()
+        conn.putheader("Content-Length", str(len(body)))
+        if content_type:
+            conn.putheader("Content-Type", content_type)
+        conn.endheaders(body)
+        response = conn.getresponse()
+        doc = json.loads(response.read())
+    finally:
+        conn.close()
+    assert response.status == 415, doc
+    message = doc["error"] if path.startswith("/api/") else doc["error"]["message"]
+    assert "Content-Type: application/json" in message
+    assert (repr(content_type) if content_type else "no Content-Type") in message
+    # the same body as JSON is served
+    status, _ = _request(server, "POST", path, json.dumps(BODIES[path]),
+                         {"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200
+
+
+def test_more_requests_waiting_than_the_limit_are_429_with_retry_after(tiny_exports):
+    """One stream, held by a reply whose text callback waits (the scheduler waits with it), and one
+    request queued behind it: with ``max_waiting`` 1 the next API request is refused at once."""
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=1, max_length=64)
+    server = ApiServer(service, port=0, model_id=MODEL, max_waiting=1).start()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(_piece, _tokens):
+        holding.set()
+        release.wait(WAIT_S)
+
+    ask = [{"role": "user", "content": "hi"}]
+    handles = [service.submit(ask, 32, on_text=hold, ignore_eos=True)]
+    try:
+        assert holding.wait(WAIT_S)
+        handles.append(service.submit(ask, 2))
+        assert service.queued == 1
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/api/chat"):
+            conn = http.client.HTTPConnection(server.host, server.port, timeout=WAIT_S)
+            conn.request("POST", path, json.dumps(BODIES[path]), {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            doc = json.loads(response.read())
+            conn.close()
+            assert response.status == 429, (path, doc)
+            assert response.getheader("Retry-After") == "2"
+            assert "requests waiting for one: 1, at most 1 (the setting api_max_waiting)" in json.dumps(doc), doc
+        assert service.queued == 1  # nothing refused was queued
+    finally:
+        release.set()
+        for handle in handles:
+            handle.cancel()
+        server.stop()
+        service.close()

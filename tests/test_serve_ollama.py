@@ -164,3 +164,16 @@ def test_a_forced_tool_call_and_its_result(served):
     history = ASK + [reply.message, {"role": "tool", "content": "3", "tool_name": "add"}]
     answer = client.chat(model=MODEL, messages=history, tools=TOOLS, options=GREEDY)
     assert answer.done and answer.eval_count == 8 and not answer.message.tool_calls
+
+
+def test_a_tool_schema_that_is_not_an_object_is_a_400(served):
+    """A call's arguments are an object (Ollama's messages carry them as one): a schema of another
+    type (a string here) gave a 500 once its call was made; it is refused, naming the field."""
+    _, _, client = served
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "string", "enum": ["go"]}}}]
+    body = {"model": MODEL, "messages": ASK, "tools": tools, "tool_choice": "required", "stream": False,
+            "options": {"temperature": 0, "num_predict": 120}}
+    with pytest.raises(ollama.ResponseError) as caught:
+        client._request(ollama.ChatResponse, "POST", "/api/chat", json=body, stream=False)
+    assert caught.value.status_code == 400
+    assert caught.value.error.startswith('tools[0].function.parameters: a tool\'s arguments are a JSON object')

@@ -69,8 +69,11 @@ class GenaiService:
         self._thread.start()
 
     @property
-    def busy(self) -> int:
+    def queued(self) -> int:
+        """Requests waiting (the API refuses more than its limit: ``engine.serve.chat.admit``)."""
         return self._queue.qsize()
+
+    busy = queued
 
     def submit(self, messages, max_new_tokens, on_text=None, on_done=None, *, chat=True, ignore_eos=False, **_):
         handle = Handle(self, next(self._ids))

@@ -29,7 +29,8 @@ def cmd_serve(args) -> int:
                            on_event=lambda text: say(f"fleet: {text}"))
     try:
         model_id = args.model_id or (args.model if args.model and not args.shards else None)
-        server = ApiServer(service, host, port_, api_key, model_id=model_id, max_body_mb=settings.api_max_body_mb)
+        server = ApiServer(service, host, port_, api_key, model_id=model_id, max_body_mb=settings.api_max_body_mb,
+                           max_waiting=settings.api_max_waiting)
         say(f"serving {server.model_id} ({service.description}) at {server.url}")
         print(f"ready {server.url}", flush=True)
         # uvicorn shuts down gracefully on SIGTERM, then raises it again: let that end us cleanly

@@ -126,7 +126,8 @@ def router(service: ChatService, model_id: str) -> APIRouter:
     @api.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         check_model(body.model, model_id)
-        call = await call_of(to_chat(body), FIELDS)
+        schemas = {f"tools[{i}].function.parameters": f"tools[{i}].input_schema" for i in range(len(body.tools or []))}
+        call = await call_of(to_chat(body), {**FIELDS, **schemas})
         pipe, handle = await submit(service, call, request)
         shape = _Message(model_id, call.tools.names if call.tools else None)
         return await answer(pipe, handle, request, call.stream, lambda: shape.events(pipe, handle), shape.whole)

@@ -24,7 +24,7 @@ from engine.config import Settings
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService, ContextExceeded, Reply
 from engine.serve import anthropic, ollama
-from engine.serve.chat import (DISCONNECT_POLL_S, Pipe, answer, call_of, check_model, error_for, raise_for,
+from engine.serve.chat import (DISCONNECT_POLL_S, Pipe, admit, answer, call_of, check_model, error_for, raise_for,
                                submit)
 from engine.serve.guard import RequestGuard
 from engine.serve.metrics import CONTENT_TYPE, Metrics
@@ -36,19 +36,22 @@ MB = 1 << 20
 
 
 def create_app(service: ChatService, model_id: str, api_key: str | None = None,
-               max_body_mb: float = Settings.api_max_body_mb, local: bool = False) -> FastAPI:
+               max_body_mb: float = Settings.api_max_body_mb, local: bool = False,
+               max_waiting: int = Settings.api_max_waiting) -> FastAPI:
     """The API for ``service``, serving it as ``model_id``; with ``api_key`` every ``/v1`` and ``/api``
     request must carry it (``guard``); bodies up to ``max_body_mb``; ``local``: it listens on
-    loopback, and answers only to loopback Host names (``guard``)."""
+    loopback, and answers only to loopback Host names (``guard``); with ``max_waiting`` requests
+    waiting for a stream, the next is answered 429 (``chat.admit``)."""
     app = FastAPI(title="fleetshard", version="1", docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = app.state.metrics = Metrics(service)
+    app.state.max_waiting = max_waiting
     app.add_middleware(RequestGuard, api_key=api_key, max_body=int(max_body_mb * MB), local=local)
     app.add_middleware(_CountStatus, metrics=metrics)  # added last, outermost: it counts the guard's refusals
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status)
+        return JSONResponse(exc.body_for(request.url.path), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -184,6 +187,7 @@ async def _complete_many(service: ChatService, call: Call, request: Request, mod
                 dataclasses.replace(call.sampling, seed=seed + j)
             jobs.append((i, messages, sampling))
     alone = call.max_tokens == 0  # the echoed prompt alone: one token is made, and left out
+    admit(service, request)
     try:
         echo_logprobs = call.echo and call.logprobs is not None
         for index, (i, messages, sampling) in enumerate(jobs):
@@ -239,6 +243,7 @@ async def _complete_many(service: ChatService, call: Call, request: Request, mod
 
 async def _respond(service: ChatService, call: Call, body, request: Request, model_id: str):
     """A Responses API reply: text in, one output message of text out (streamed as its events)."""
+    admit(service, request)
     pipe = Pipe(request.app.state.metrics)
     try:
         handle = await asyncio.to_thread(service.submit, call.messages, call.max_tokens,

@@ -21,6 +21,7 @@ from engine.serve.schema import ApiError, Call, ChatRequest, to_call, validation
 from engine.serve.tools import prepare
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks that its client is still there
+RETRY_AFTER_S = 2  # a 429's Retry-After: about a short reply's time, after which a stream has likely come free
 # Schemas (response_format, tools) compile here, off the event loop: a large one takes seconds.  A
 # pool of their own, so that hostile schemas queue behind each other, not before other requests'
 # work in the loop's default executor.
@@ -66,9 +67,22 @@ class Pipe:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, reply)
 
 
+def admit(service: ChatService, request: Request) -> None:
+    """Refuses a request with 429 while the app's ``max_waiting`` requests (or more) wait for a
+    stream, rather than queueing without bound.  Requests checked before the ones ahead reach the
+    queue may pass together: at most the event loop's executor's threads, which submit them."""
+    limit = request.app.state.max_waiting
+    waiting = service.queued
+    if waiting >= limit:
+        raise ApiError(429, f"the server is busy: every stream is taken, and requests waiting for one: {waiting}, at "
+                            f"most {limit} (the setting api_max_waiting); try again in a few seconds",
+                       kind="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 async def submit(service: ChatService, call: Call, request: Request, chat: bool = True) -> tuple[Pipe, Handle]:
     """Submits a single-choice ``call`` (a chat's tools rendered into its conversation): its text
     comes through the pipe when it streams, its reply always."""
+    admit(service, request)
     pipe = Pipe(request.app.state.metrics)
     messages, template_tools = prepare(call.messages, call.tools, service.tokenizer) if chat else (call.messages, None)
     try:  # tokenizing a long conversation takes a while: off the event loop, which keeps serving

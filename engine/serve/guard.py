@@ -5,9 +5,12 @@ request costs the server as little as it can:
    421 (a web page's DNS rebinding reaches a loopback API under its own host name);
 2. the API key (``/v1`` and Ollama's ``/api``, when the server has one), as a bearer token or
    Anthropic's ``x-api-key`` header: 401 before a byte of the body is read;
-3. the body's size: a ``Content-Length`` over the limit is 413 at once, and a chunked body is
+3. the body's type: a POST's ``Content-Type`` must be ``application/json``, else 415 (a web page may
+   send a body of another type, or of none, to a loopback API without the browser asking first,
+   as it does before a JSON body: CORS's "simple requests");
+4. the body's size: a ``Content-Length`` over the limit is 413 at once, and a chunked body is
    counted as it comes and refused with 413 once it passes the limit;
-4. the body's nesting (JSON arrays and objects): past ``MAX_BODY_DEPTH``, 400 before it is parsed
+5. the body's nesting (JSON arrays and objects): past ``MAX_BODY_DEPTH``, 400 before it is parsed
    (Python's parser and every walk over the parsed body recurse).
 
 A plain ASGI middleware (Starlette's ``BaseHTTPMiddleware`` would hide a client's disconnect from
@@ -25,6 +28,7 @@ from fastapi.responses import JSONResponse
 
 from engine.serve.schema import ApiError
 
+JSON = "application/json"
 KEYED = ("/v1", "/api")  # the paths that need the API key (OpenAI's and Anthropic's, Ollama's)
 DRAIN = 64 * 1024  # the most of a refused body read (and dropped) before the answer
 MAX_BODY_DEPTH = 128  # nested arrays and objects in a request body (a schema in it: up to 64 more)
@@ -90,7 +94,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        error = self._refusal(scope["path"], headers)
+        error = self._refusal(scope["method"], scope["path"], headers)
         body, size, more = [], 0, True
         if error is None:
             while more:
@@ -126,7 +130,7 @@ class RequestGuard:
 
         await self.app(scope, replay, send)
 
-    def _refusal(self, path: str, headers: dict[str, str]) -> ApiError | None:
+    def _refusal(self, method: str, path: str, headers: dict[str, str]) -> ApiError | None:
         """What the request's line and headers alone refuse it for, or None."""
         if self.local and not is_loopback(host_name(headers.get("host", ""))):
             return ApiError(421, f"this server listens on loopback and answers only to localhost, 127.0.0.1 or "
@@ -139,6 +143,11 @@ class RequestGuard:
                 why = "a wrong API key" if token else "no API key"
                 return ApiError(401, f"this server needs its API key as a bearer token (or an x-api-key header); "
                                      f"the request carries {why}", code="invalid_api_key")
+        given = headers.get("content-type")
+        if method == "POST" and (given or "").split(";")[0].strip().lower() != JSON:
+            sent = f"the Content-Type {given!r}" if given else "no Content-Type"
+            return ApiError(415, f"the request body must be JSON sent with the header Content-Type: {JSON}; this "
+                                 f"request has {sent}", code="unsupported_media_type")
         length = headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body:
             return self._too_large(f"the request body is {int(length)} bytes")

@@ -23,12 +23,14 @@ MAX_PROMPTS = 32  # prompts in one completions request
 
 
 class ApiError(Exception):
-    """An error response: HTTP status, OpenAI's error type and code, the field it is about."""
+    """An error response: HTTP status, OpenAI's error type and code, the field it is about, and
+    headers to send with it (a 429's ``Retry-After``)."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -51,7 +53,7 @@ class ApiError(Exception):
                 message = self.message
                 if message.startswith(self.param):
                     message = param + message[len(self.param):]
-                return ApiError(self.status, message, param, self.kind, self.code)
+                return ApiError(self.status, message, param, self.kind, self.code, self.headers)
         return self
 
 

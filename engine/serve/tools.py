@@ -64,6 +64,11 @@ def plan_tools(tools: list[dict], choice: str | None, parallel: bool = True) -> 
     if choice not in CHOICES and choice not in names:
         raise GrammarError(f"tool_choice: no tool is named {choice!r} (the tools are {', '.join(names)})",
                            "tool_choice")
+    for i, tool in enumerate(tools):  # a call's arguments are an object (the APIs parse them as one)
+        kind = (tool["function"].get("parameters") or {}).get("type", "object")
+        if kind != "object":
+            raise GrammarError(f"tools[{i}].function.parameters: a tool's arguments are a JSON object, so its schema's "
+                               f"type is \"object\", not {json.dumps(kind)}", f"tools[{i}].function.parameters")
     sizes = [check_schema(t["function"]["parameters"], f"tools[{i}].function.parameters")
              for i, t in enumerate(tools) if t["function"].get("parameters") is not None]
     if sum(sizes) > MAX_SCHEMA_CHARS:

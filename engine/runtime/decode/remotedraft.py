@@ -22,10 +22,12 @@ import time
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
 from engine.runtime.decode.speculative import TOKENIZER_FILES, Drafter, PromptLookup, smooth
-from engine.runtime.decode.draftserver import MAX_STREAMS, common_prefix
+from engine.runtime.decode.draftserver import MAX_LEAD, MAX_STREAMS, common_prefix
 from engine.transport import wire
 from engine.transport.link import Link, handshake
 from engine.transport.wire import AuthError, Msg, ProtocolError
+
+AHEAD = MAX_LEAD + 1  # the most a draft server holds beyond the text: its lead, and a step's second draft
 
 
 class _Mirror:
@@ -38,10 +40,14 @@ class _Mirror:
 
 
 class DraftLink:
-    """One authenticated connection to a draft server (``DraftServer``), for ``RemoteDraft``s."""
+    """One authenticated connection to a draft server (``DraftServer``), for ``RemoteDraft``s.  The
+    server holds the fleet key but is trusted no further: DRAFTS beyond the lead it may draft (the
+    mirror's memory), or with token ids outside the ``target``'s vocabulary, break the link (the
+    rounds go plain)."""
 
     def __init__(self, address: str, key: bytes, target: Manifest | None = None, *, tls=None):
         self.address = address
+        self.vocab = target.spec.vocab_size if target is not None else None
         try:
             sock, welcome, seal = handshake(address, key, {"role": "draft"}, tls)
         except OSError as exc:
@@ -86,13 +92,18 @@ class DraftLink:
                 frame = self.link.recv()
                 if frame.type != Msg.DRAFTS:
                     raise ProtocolError(f"a draft server sent {frame.type.name}")
-                (position,), tokens = wire.unpack_tokens(frame, 1, 1 << 16)
+                (position,), tokens = wire.unpack_tokens(frame, 1, AHEAD)
+                if self.vocab is not None and any(not 0 <= t < self.vocab for t in tokens):
+                    raise ProtocolError(f"DRAFTS carry a token outside the vocabulary of {self.vocab}")
                 with self._cond:
                     mirror = self._mirrors.get(frame.stream)
                     if mirror is None or frame.seq < mirror.valid:
                         continue
                     if position > len(mirror.tokens):
                         raise ProtocolError(f"DRAFTS at {position} leave a gap after {len(mirror.tokens)} tokens")
+                    if position + len(tokens) > len(mirror.told) + AHEAD:
+                        raise ProtocolError(f"DRAFTS reach {position + len(tokens) - len(mirror.told)} tokens beyond "
+                                            f"the text; a draft server drafts at most {AHEAD} ahead")
                     mirror.tokens[position:] = tokens
                     self._cond.notify_all()
         except (OSError, ProtocolError) as exc:  # OSError: ConnectionError, or our own close under the read
