@@ -583,7 +583,7 @@ class PlacementView(QWidget):
             return deployment
 
         self.deployment = None
-        self.deploying = [s.agent for s in stages]
+        self.deploying = [s.node for s in stages]
         self._reset_bars(stages)
         self._set_busy(f"Deploying {model} ({weights}) on {len(stages)} "
                        f"{'tensor-parallel ranks' if self.model.ranks else 'stages'}…")

@@ -201,7 +201,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
         assert back == ["pc1"] and any(e.startswith("node pc1 is back") for e in events), events
         again = service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120)
         assert again.tokens == want and again.rerouted == 0  # not pulled into the conversation
-        assert all(s.agent != office.nodes["pc1"].agent for s in failover.deployment.placement)
+        assert all(s.node != office.nodes["pc1"].agent for s in failover.deployment.placement)
     finally:
         office.reconnect("pc1")
         service.close()
