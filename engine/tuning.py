@@ -1,4 +1,4 @@
-"""Tuned constants: the factors whose values were chosen from measurements, each with where its value
+"""The calibration file: the constants tuned from measurements, each with where its value
 came from.
 
 Only this module cites measurement files (``bench-results/``) or the benchmarks page; the code that
@@ -18,7 +18,7 @@ from __future__ import annotations
 # 1.10-1.17 times the slower rank's compute on one host (bench-results/2026-11-28/
 # sim-ranks-qwen1.5b-avx2.json) and 1.10-1.46 on another (sim-ranks-split-, -split4- and
 # -gather-qwen1.5b-zen3.json, the same folder); 0.25 is the middle, within 15% of every run
-# (docs/benchmarks.md, "The ranks part in four runs after the split", 2026-11-28).
+# (docs/benchmarks.md, "The ranks part in four runs after the split").
 EXCHANGE_WAIT = 0.25
 
 # How much more a layout with a chain split over several nodes must predict than whole copies to be
@@ -52,8 +52,13 @@ CALIBRATE_BELOW = 1_000_000_000
 # MatMul over the activations' group sums (``gguf_weights.carry_matmul``); a smaller one keeps a
 # float zero point, where the extra ops cost more than they save: SmolLM2-135M's small matrices
 # decoded faster with float zero points, Qwen2.5-Coder-1.5B's large ones faster with offsets
-# (docs/benchmarks.md, "Faithful by default", 2026-11-27).
+# (docs/benchmarks.md, "Faithful by default").
 OFFSETS_FROM = 2**21
+
+# The ratios a carried head's INT8 group ranges are shrunk by, the one that leaves the least squared
+# error taken (``compress.vocab_table``): closer to the GGUF's table than the plain range, and than
+# symmetric codes, on a real head (docs/benchmarks.md, "Parity with llama.cpp").
+HEAD_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 # ---- compiled stages (engine.runtime.stages) ----
 
@@ -61,20 +66,19 @@ OFFSETS_FROM = 2**21
 # paged stage packing many streams sees a new input shape almost every round, and the defaults
 # (5,000 and 1,024) grew the coordinator without bound; 64 each kept its memory flat at the same
 # speed, where 0 cost 3 times the time (docs/benchmarks.md, "Soak" and "Smaller measurements behind
-# the code's choices", 2026-11-25).
+# the code's choices").
 SHAPE_CACHE = 64
 
 # Rows (tokens) a packed forward carries at most (``packing.packs_of``): a compiled model keeps the
 # working memory of the largest forward it ran, and a failover's re-prefill of every reply at once
 # left stage 0 tens of MB larger for good (docs/benchmarks.md, "Soak" and "Smaller measurements
-# behind the code's choices", 2026-11-25).
+# behind the code's choices").
 PACK_ROWS = 256
 
 # The band of MatMul depths (input columns) the CPU plugin's float path for compressed weights (a
 # CPU without int8 dot products) runs at about half speed from a few rows up; ``rewrite`` splits
 # such a MatMul into chunks of at most the lower bound (bench-results/2026-11-28/
-# deep-matmul-depths-avx2.log; docs/benchmarks.md, "A rank's prefill at the CPU's full speed",
-# 2026-11-28).
+# deep-matmul-depths-avx2.log; docs/benchmarks.md, "A rank's prefill at the CPU's full speed").
 SLOW_DEPTH = (4096, 8192)
 
 # ---- speculative decoding (engine.runtime.decode) ----
@@ -82,19 +86,18 @@ SLOW_DEPTH = (4096, 8192)
 # What one more verify position adds to a speculative round, as a share of the round
 # (``speculative.DraftModel``: a draft that would bring less than that is not made); a position
 # costs a few ms of a round of about 100 on Qwen2.5-Coder-1.5B (docs/speculative-history.md, the
-# verify's cost by width, and "Draft steps at a steady width", 2026-11-22).
+# verify's cost by width, and "Draft steps at a steady width").
 DRAFT_POSITION_SHARE = 0.04
 
 # The cap on a draft model's confidence scale (accepted drafts per unit of its top-1 probability,
 # which sets how far it drafts under K auto): the 0.5B draft is under-confident in ``fast`` mode, and
 # capped at 1 it stopped drafting where its drafts were still being accepted; 1.5 served better than
-# 1 side by side in both modes (docs/benchmarks.md, "Speculative decoding", 2026-11-23;
-# docs/speculative-history.md, 2026-11-23, which has a cap of 2 in ``exact`` too).
+# 1 side by side in both modes (docs/benchmarks.md, "Speculative decoding"; docs/speculative-history.md,
+# which has a cap of 2 in ``exact`` too).
 DRAFT_MAX_TRUST = 1.5
 
 # What the hybrid drafter takes a prompt-lookup draft position's record to be, [right, tried], before
 # that position was ever scored (``speculative.Hybrid``): the first draft after a match right half the
 # time, a draft after right drafts three times in four.  The lookup's drafts measured about that in
-# prose and in reasoning text (docs/benchmarks.md, "Smaller measurements behind the code's choices",
-# 2026-11-22).
+# prose and in reasoning text (docs/benchmarks.md, "Smaller measurements behind the code's choices").
 LOOKUP_PRIOR = ((1.0, 2.0), (1.5, 2.0))

@@ -25,7 +25,7 @@ from engine.errors import ExportError
 from engine.export.gguf_weights import carries
 from engine.manifest import INT4_GROUP
 from engine.models.quantized import ROW_BLOCK, int8_rows
-from engine.tuning import CALIBRATE_BELOW
+from engine.tuning import CALIBRATE_BELOW, HEAD_SHRINK
 
 # Data-aware INT4: the same symmetric INT4 group-128 codes as ``int4``, with
 # scales (and for AWQ a per-channel smoothing folded into the preceding weights) chosen to fit what
@@ -134,11 +134,6 @@ HEAD_NOTES = {
             "(perplexity +2%); for INT4 layers only.",
 }
 
-
-# Each group's range is shrunk by the ratio, of these, that leaves the least squared error: closer to
-# the table than the plain range, and than symmetric codes (the int4 layers' kind), on a real head
-# (docs/benchmarks.md, "Parity with llama.cpp", 2026-11-26, later).
-HEAD_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
 def int4_head_codes(table: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

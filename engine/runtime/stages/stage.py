@@ -64,7 +64,7 @@ def shard_defaults(device: str, manifest: Manifest | None) -> dict:
     matrix is INT4 in groups of 128, activation groups of 128 line up with the weight groups, which
     makes decode and the first token faster; where the groups do not line up (SmolLM2's 576 columns
     take groups of 64; a GGUF's groups of 32) larger activation groups are slower, so those keep the
-    default (docs/benchmarks.md, "Parity with llama.cpp", 2026-11-25)."""
+    default."""
     if manifest is None or family(device) != "CPU" or manifest.weights.split("-")[0] != "int4":
         return {}
     spec = manifest.spec
@@ -75,9 +75,8 @@ def shard_defaults(device: str, manifest: Manifest | None) -> dict:
 
 
 # At the f32 hint the CPU keeps its KV cache in u8 unless told otherwise.  f16 decodes a little faster
-# at short and long contexts alike (docs/benchmarks.md, "Parity with llama.cpp", 2026-11-26, later)
-# and keeps answers the u8 cache changes (paged, SmolLM2-135M: "Le Grand-Est" for "Paris",
-# LLMPipeline's too on the same export).
+# at short and long contexts alike, and keeps answers the u8 cache changes (a paged SmolLM2-135M's
+# "Paris" among them, LLMPipeline's too on the same export).
 CPU_F32_CACHE = {"KV_CACHE_PRECISION": "f16"}
 CACHE_KEYS = ("KV_CACHE_PRECISION", "KEY_CACHE_PRECISION", "VALUE_CACHE_PRECISION")
 
