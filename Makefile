@@ -40,7 +40,7 @@ screenshots: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q -p no:cacheprovider tests/test_gui_*.py --screenshots docs/screenshots
 
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/mkdocs build --strict
 
 installer: $(STAMP)
 	$(BIN)/pyinstaller --noconfirm --distpath dist --workpath build/pyinstaller installer/fleetshard.spec

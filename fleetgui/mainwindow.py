@@ -18,6 +18,7 @@ from fleetgui.bench_panel import BenchPanel
 from fleetgui.chat import ChatController, ChatView
 from fleetgui.export_wizard import ExportWizard
 from fleetgui.fleet_view import FleetView
+from fleetgui.help_menu import HelpMenu
 from fleetgui.history import HistoryStore
 from fleetgui.placement_view import PlacementView
 from fleetgui.settings import GuiSettings, SettingsPage
@@ -135,6 +136,7 @@ class MainWindow(QMainWindow):
             group.addAction(action)
             view_menu.addAction(action)
             self.theme_actions[name] = action
+        self.help_menu = HelpMenu(self)  # About, Documentation, Report a problem
 
     # --- views ---------------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,12 @@ import pytest
 
 def fleet(*args):
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def fleet_in(home, *args):
+    """``fleet`` with its files under ``home`` (FLEETSHARD_HOME)."""
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FLEETSHARD_HOME": str(home)})
 
 
 def test_generate_streams_text_and_reports_speed(tiny_exports, tmp_path):
@@ -50,6 +57,28 @@ def test_models_list_names_the_catalog():
     assert proc.returncode == 0
     for name in ("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"):
         assert name in proc.stdout
+
+
+def test_help_starts_where_a_new_user_starts():
+    for args in (["--help"], []):  # a bare `fleet` shows the same help
+        proc = fleet(*args)
+        assert proc.returncode == 0, proc.stderr
+        first = proc.stdout.splitlines()[0]
+        assert first.startswith("Start here: fleet up (or fleet up --demo)"), proc.stdout[:300]
+    up = fleet("up", "--help").stdout
+    assert "--demo" in up and "--nodes" in up  # the options the first line names are real
+
+
+def test_bare_models_lists_the_catalog_and_the_exported_models(tiny_exports, tmp_path):
+    home = tmp_path / "home"
+    shutil.copytree(tiny_exports["llama", "2"].out, home / "cache" / "shards" / "tiny-llama-2")
+    proc = fleet_in(home, "models")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "gemma3-270m"):
+        assert name in proc.stdout
+    (line,) = [x for x in proc.stdout.splitlines() if "tiny-llama-2" in x]
+    assert "f32" in line and " 2 parts " in line, line
+    assert proc.stdout == fleet_in(home, "models", "list").stdout  # `list` says the same
 
 
 def test_gui_placeholder_window_builds(qtbot):

@@ -1,6 +1,7 @@
 """The documentation: every `fleet` subcommand has a summary and an example that parses, the CLI
-reference is generated from the parser and lists every command, the README stays short and its links
-resolve, and the site builds with mkdocs in strict mode (broken links fail it)."""
+reference is generated from the parser and lists every command, the README stays short, no table cell
+of the README or the docs runs past 200 characters, every link stays inside the repository and
+resolves, and the site builds with mkdocs in strict mode (broken links fail it)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,33 @@ from engine.cli.docs import EXAMPLES, commands, reference
 from engine.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
+CELL_CHARS = 200  # a longer cell is a paragraph: it belongs in the text, not in a table
+
+
+def pages() -> list[Path]:
+    """The Markdown a reader meets: the README and the docs site's pages."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def prose(text: str) -> str:
+    """The text without its fenced code blocks (a block shows commands and output, not links)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def cells(line: str) -> list[str]:
+    """The cells of one Markdown table row (an escaped ``\\|`` stays inside its cell)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+
+
+def links(text: str) -> list[str]:
+    """What the text links to: Markdown links and images, HTML ``src`` and ``href`` (not inside code)."""
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"\]\(<?([^)\s>]+)", text) + re.findall(r"(?:src|href)=\"([^\"]+)\"", text)
+
+
+def climbs(text: str) -> list[str]:
+    """Paths quoted as code that climb out of their folder (``../``): a reader follows those too."""
+    return re.findall(r"`((?:\.\./)+[^`\s]*)`", text)
 
 
 def test_every_command_has_a_summary_and_an_example_that_parses():
@@ -50,12 +78,32 @@ def test_the_readme_is_short_and_its_links_resolve():
                                       "open the app chatting through a 2-stage local fleet",
                                       "make test   # same set-up, then the test suite's fast tier (about 15 minutes; "
                                       "`make test-all`: both tiers)"]
-    for link in re.findall(r"\]\(([^)#]+)", text):
-        assert (ROOT / link).exists(), link
+
+
+def test_no_table_cell_is_a_paragraph():
+    long = [f"{page.relative_to(ROOT)}:{n}: {len(cell)} characters: {cell[:60]}..."
+            for page in pages() for n, line in enumerate(page.read_text().splitlines(), 1)
+            if line.lstrip().startswith("|") for cell in cells(line) if len(cell) > CELL_CHARS]
+    assert not long, "\n".join(long)
+
+
+def test_every_link_stays_in_the_repository_and_resolves():
+    bad = []
+    for page in pages():
+        text = prose(page.read_text())
+        for target in links(text) + climbs(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
+                continue  # a web address (a public project's site) or an anchor on the same page
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.is_relative_to(ROOT):
+                bad.append(f"{page.relative_to(ROOT)}: {target} leaves the repository")
+            elif target in links(text) and not path.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {target} does not exist")
+    assert not bad, "\n".join(bad)
 
 
 def test_the_site_builds_strictly(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     cli = (tmp_path / "cli" / "index.html").read_text()

@@ -1,14 +1,18 @@
 """The published comparison with llama.cpp (``resources/highlights.json``): it is what its reports
-say, the README shows it, and the Benchmarks view shows it in plain text."""
+say, the README's five highlights are its figures, the results page shows the whole table, and the
+Benchmarks view shows it in plain text."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from engine.bench.highlights import PUBLISHED, USERS, collect, markdown
 
 ROOT = Path(__file__).resolve().parent.parent
+# the README's highlights, in order: the published row (PCs, users) each one's number comes from
+HIGHLIGHTS = ((1, 1), (1, 4), (2, 1), (2, 4), (2, 8))
 
 
 def published() -> dict:
@@ -23,8 +27,16 @@ def test_the_published_figures_are_those_of_the_reports_they_name():
     assert all(r["ratio"] == round(r["ours_tok_s"] / r["peer_tok_s"], 2) for r in doc["rows"])
 
 
-def test_the_readme_shows_the_published_table():
-    assert markdown(published()) in (ROOT / "README.md").read_text()
+def test_the_results_page_shows_the_published_table():
+    assert markdown(published()) in (ROOT / "docs" / "results.md").read_text()
+
+
+def test_the_readmes_highlights_are_the_published_figures():
+    section = (ROOT / "README.md").read_text().split("\n## Highlights\n")[1].split("\n## ")[0]
+    bullets = re.findall(r"^- (.*)$", section, re.M)
+    ratios = {(r["pcs"], r["users"]): r["ratio"] for r in published()["rows"]}
+    assert [re.findall(r"\*\*([\d.]+)×\*\*", b) for b in bullets] == [[f"{ratios[k]:.2f}"] for k in HIGHLIGHTS]
+    assert all("](docs/benchmarks.md" in b for b in bullets)  # each number links to where it was measured
 
 
 def test_the_benchmarks_view_shows_the_published_table(qtbot, tmp_path):

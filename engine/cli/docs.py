@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 EXAMPLES = {
-    "models": "fleet models list",
+    "models": "fleet models",
     "models list": "fleet models list",
     "models pull": "fleet models pull qwen2.5-coder-1.5b",
     "export": "fleet export --model smollm2-135m --stages 2 --weights int4",

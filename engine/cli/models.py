@@ -1,16 +1,17 @@
-"""``fleet models`` (the catalog) and ``fleet export`` (a model into per-stage shards)."""
+"""``fleet models`` (the catalog and the models exported on this PC) and ``fleet export`` (a model
+into per-stage shards)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from engine.cli.args import count, progress_printer
-from engine.config import DEFAULT_WEIGHTS
+from engine.config import DEFAULT_WEIGHTS, paths
 from engine.errors import FleetError
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 from engine.export.choices import choice_of, describe, other_than
 from engine.export.gguf_weights import carried_text
-from engine.manifest import layer_numbers, load_manifest
+from engine.manifest import MANIFEST, layer_numbers, load_manifest, read_manifest
 from engine.models import catalog
 from engine.session import export
 
@@ -21,11 +22,43 @@ def cmd_models(args) -> int:
         print(path)
         return 0
     rows = catalog.list_models()
+    print("Catalog models (`fleet models pull NAME` downloads one, `fleet export --model NAME` cuts it into parts):")
     print(f"{'name':<22}{'arch':<8}{'size':>10}  {'cached':<7}description")
     for r in rows:
         print(f"{r.name:<22}{r.architecture:<8}{r.size / 2**20:>8.0f}MB  "
               f"{'yes' if r.cached else 'no':<7}{r.description}")
+    sets, partial = exported()
+    print(f"\nExported on this PC ({paths().shards}):" if sets else "\nNothing exported on this PC yet.")
+    for folder, model, weights, parts, size in sets:
+        print(f"  {model:<22}{weights:<11}{parts:>3} part{'s' if parts != 1 else ' '} {size / 2**20:>8.0f}MB  "
+              f"{folder.name}")
+    if partial:
+        print(f"  (and {partial} incomplete set{'s' if partial != 1 else ''}: parts the fleet's profiling measured)")
     return 0
+
+
+def exported() -> tuple[list[tuple[Path, str, str, int, int]], int]:
+    """The complete shard sets in the cache, newest first, as (folder, model, weights, parts, bytes), and
+    how many sets hold only some of their parts (profiling exports one part of each split).  Only their
+    manifests are read (no hashing); a set whose manifest does not read is left out."""
+    found, partial = [], 0
+    try:
+        folders = sorted(paths().shards.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return [], 0
+    for folder in folders:
+        try:
+            held = [read_manifest(p) for p in sorted(folder.iterdir()) if (p / MANIFEST).exists()]
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        except (FleetError, OSError, ValueError):
+            continue
+        if not held:
+            continue
+        if len(held) != held[0].stage_count * held[0].ranks:
+            partial += 1
+            continue
+        found.append((folder, held[0].model_name, held[0].weights, len(held), size))
+    return found, partial
 
 
 def parse_split(text: str | None) -> list[int] | None:
@@ -62,9 +95,9 @@ def cmd_export(args) -> int:
 
 
 def add_commands(sub) -> None:
-    models = sub.add_parser("models", help="the model catalog")
-    msub = models.add_subparsers(dest="models_cmd", required=True)
-    msub.add_parser("list", help="list catalog models and whether they are cached")
+    models = sub.add_parser("models", help="the model catalog and the models on this PC (bare: list them)")
+    msub = models.add_subparsers(dest="models_cmd")  # none: list
+    msub.add_parser("list", help="list catalog models, whether they are cached, and the models exported on this PC")
     pull = msub.add_parser("pull", help="download, assemble and verify a catalog model")
     pull.add_argument("name")
     models.set_defaults(func=cmd_models)
