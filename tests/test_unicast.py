@@ -110,7 +110,8 @@ def _code(key: bytes, address: str, port: int) -> str:
     import struct
     import zlib
 
-    body = struct.pack("!B6sHB", unicast.CODE_VERSION, bytes.fromhex(fleet_id(key)), port, 1) + socket.inet_aton(address)
+    body = struct.pack("!B6sHB", unicast.CODE_VERSION, bytes.fromhex(fleet_id(key)), port, 1)
+    body += socket.inet_aton(address)
     body += struct.pack("!I", zlib.crc32(body))
     return "FS-" + base64.b32encode(body).decode().rstrip("=")
 

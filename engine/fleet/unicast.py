@@ -448,10 +448,11 @@ def listen_multicast(seconds: float = LISTEN_S, addresses: list[str] | None = No
 class Diagnosis:
     """Why discovery finds what it finds: a code per finding ("no-multicast-here", "no-multicast",
     "isolation", "firewall", "not-running", "other-key", "stalled", "mdns-off", "bad-records",
-    "none-running") and the same in plain words, one sentence each."""
+    "none-running") and the same in plain words, one sentence each; ``found``: the nodes found meanwhile."""
 
     codes: list[str]
     lines: list[str]
+    found: int = 0
 
     @property
     def text(self) -> str:
@@ -508,7 +509,7 @@ def diagnose(*, found: int, multicast: Multicast | None, reaches: list[Reach] = 
             "answers: start the tray worker or `fleet agent`, with this fleet's key, on the other PCs.")
     if not found and (no_multicast or mdns_error):
         lines.append("Paste this fleet's join code on the other PCs, or scan this PC's subnet.")
-    return Diagnosis(codes, lines)
+    return Diagnosis(codes, lines, found)
 
 
 # --- every way together -------------------------------------------------------------------------------
