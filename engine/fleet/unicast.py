@@ -591,9 +591,12 @@ class Discovery:
         self.dialer.wait_round(PROVE_S * 2)
 
     def diagnose(self, listen_s: float = LISTEN_S) -> Diagnosis:
-        """Why this discovery finds what it finds (listens ``listen_s`` for multicast: blocks)."""
+        """Why this discovery finds what it finds, counting the nodes of other PCs only (this PC's own
+        agent is found even where nothing passes); listens ``listen_s`` for multicast: blocks."""
         multicast = listen_multicast(listen_s)
-        return diagnose(found=len(self.nodes()), multicast=multicast, reaches=self.dialer.reaches(),
+        own = set(local_addresses())
+        others = [n for n in self.nodes().values() if not own.intersection(n.addresses)]
+        return diagnose(found=len(others), multicast=multicast, reaches=self.dialer.reaches(),
                         mdns_error=self.mdns_error, rejected=self.rejected())
 
 
