@@ -204,11 +204,13 @@ def allow_tool(key: str) -> list[str]:
 MAX_KNOWN_NODES = 256  # a scan of a /24 adds at most 254; older entries go first past this
 
 
-def add_known_nodes(addresses: list[str]) -> list[str]:
-    """Adds addresses (HOST:PORT) to those discovery dials, in the saved settings; returns the list."""
+def add_known_nodes(addresses: list[str], added: bool = True) -> list[str]:
+    """Adds (or removes) addresses (HOST:PORT) of those discovery dials, in the saved settings; returns
+    the list."""
     with lock(paths().settings_file):  # the app may save the settings meanwhile
         settings = Settings.load()
-        known = [a for a in settings.known_nodes if a not in addresses] + list(dict.fromkeys(addresses))
+        known = [a for a in settings.known_nodes if a not in addresses] + (list(dict.fromkeys(addresses)) if added
+                                                                          else [])
         settings.known_nodes = known[-MAX_KNOWN_NODES:]
         settings.save()
     return settings.known_nodes

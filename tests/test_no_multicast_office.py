@@ -1,11 +1,12 @@
-"""An office whose network drops multicast (as Wi-Fi with client isolation, or a switch, does): two PCs,
-each a network namespace, the desk (where the admin runs ``fleet``) and pc1 (running its node agent), on a bridge whose ports flood no multicast (``bridge
-link set ... mcast_flood off``).  This machine is not on that bridge, so nothing it sends reaches them.
-mDNS, which finds the other PC before the drop, finds nothing after it; the join code and the subnet
-scan (``fleet nodes join``, ``fleet nodes scan``, run on the PC as its user would) both find it, and
-``fleet nodes why`` says no multicast is seen from other PCs.  Needs root; everything it makes is named
-like a simulated office's (``fsim<pid>…``) and removed afterwards, also after a failure (or by the next
-office, were this process killed)."""
+"""An office whose network drops multicast (as Wi-Fi with client isolation, or a switch, does): two
+PCs, each a network namespace, the desk (where the admin runs ``fleet``) and pc1 (running its node
+agent), on a bridge whose ports flood no multicast (``bridge link set ... mcast_flood off``).  This
+machine is not on that bridge, so nothing it sends reaches them.  mDNS, which finds the other PC
+before the drop, finds nothing after it; the join code and the subnet scan (``fleet nodes join``,
+``fleet nodes scan``, run on the desk as its user would) both find it, and ``fleet nodes why`` says
+no multicast is seen from other PCs.  Needs root; everything it makes is named like a simulated
+office's (``fsim<pid>…``) and removed afterwards, also after a failure (or by the next office, were
+this process killed)."""
 
 from __future__ import annotations
 

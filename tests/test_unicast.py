@@ -206,3 +206,13 @@ def test_mdns_that_cannot_start_is_said():
 def test_listening_hears_this_pcs_own_query():
     heard = unicast.listen_multicast(1.0)
     assert heard.error == "" and heard.own, heard
+
+
+def test_known_nodes_are_kept_once_and_fleet_nodes_remove_forgets_one(home):
+    from engine.cli.main import main
+    from engine.config import add_known_nodes
+
+    add_known_nodes(["10.0.0.5:7390", "10.0.0.6:7390"])
+    assert add_known_nodes(["10.0.0.5:7390"]) == ["10.0.0.6:7390", "10.0.0.5:7390"]  # once, the latest last
+    assert main(["nodes", "remove", "10.0.0.5:7390"]) == 0
+    assert Settings.load().known_nodes == ["10.0.0.6:7390"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
-from engine.config import DEFAULT_WEIGHTS, Settings, paths, set_node
+from engine.config import DEFAULT_WEIGHTS, Settings, add_known_nodes, paths, set_node
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.files import write_json
@@ -106,6 +106,8 @@ def cmd_nodes(args) -> int:
     if args.nodes_cmd in ("add", "remove"):
         parse_address(args.address)
         nodes = set_node(args.address, added=args.nodes_cmd == "add")
+        if args.nodes_cmd == "remove" and args.address in settings.known_nodes:  # from a join code or a scan
+            add_known_nodes([args.address], added=False)
         say(f"{'added' if args.nodes_cmd == 'add' else 'removed'} {args.address}; nodes by address: "
             f"{', '.join(nodes) or 'none'}")
         return 0
@@ -185,11 +187,10 @@ def _unicast(args, settings) -> int:
     with Discovery(key, tls) as browser:
         browser.wait(args.seconds)
         why = browser.diagnose()
-        found = len(browser.nodes())
     if args.json:
-        print(json.dumps({"found": found, "codes": why.codes, "lines": why.lines}, indent=2))
+        print(json.dumps({"found": why.found, "codes": why.codes, "lines": why.lines}, indent=2))
     else:
-        say(f"{found} node(s) found. " + (" ".join(printable(line) for line in why.lines) or
+        say(f"{why.found} node(s) of other PCs found. " + (" ".join(printable(line) for line in why.lines) or
                                           "Nothing stands in the way of discovery."))
     return 0
 
@@ -561,7 +562,8 @@ def add_commands(sub) -> None:
     nodes.add_argument("--seconds", type=duration, default=3.0, help="how long to listen (default 3)")
     nsub = nodes.add_subparsers(dest="nodes_cmd")
     for verb in ("add", "remove"):
-        p = nsub.add_parser(verb, help=f"{verb} a node by address (networks where multicast does not pass)")
+        p = nsub.add_parser(verb, help=f"{verb} a node by address (networks where multicast does not pass)"
+                            + ("; also forgets it as a known node (join codes, scans)" if verb == "remove" else ""))
         p.add_argument("address", help="HOST:PORT of its agent")
     nsub.add_parser("join-code", help="print this fleet's join code: this PC's addresses, for the other PCs",
                     argument_default=argparse.SUPPRESS).add_argument(
