@@ -33,14 +33,22 @@ class DiscoveryStatus(QLabel):
         if discovery is None or self._task is not None or (not force and time.monotonic() - self._last < EVERY_S):
             return
         self._last = time.monotonic()
-        self._task = tasks.start(lambda report, cancel: discovery.diagnose(), "why no nodes",
-                                 succeeded=self.show_diagnosis, failed=self._failed)
+
+        def diagnose(report, cancel):
+            said = discovery.diagnose(cancel=cancel.is_set)
+            return None if cancel.is_set() else said  # cancelled (the app quits): half a listen says nothing
+
+        self._task = tasks.start(diagnose, "why no nodes", succeeded=self.show_diagnosis, failed=self._failed,
+                                 cancelled=self._cancelled)
 
     def show_diagnosis(self, diagnosis) -> None:
         self._task = None
         self.diagnosis = diagnosis
         self.setText(diagnosis.text)
         self.setVisible(bool(diagnosis.lines) and not diagnosis.found)  # found meanwhile: nothing to explain
+
+    def _cancelled(self) -> None:
+        self._task = None
 
     def _failed(self, message: str) -> None:
         self._task = None

@@ -55,6 +55,7 @@ SCAN_DEADLINE_S = 30.0  # the whole scan
 DIAL_EVERY_S = 10.0  # how often the known nodes are dialled
 MAX_DIALLED = 64  # known addresses dialled in a round (the most recently added)
 LISTEN_S = 3.0  # how long the diagnosis listens for multicast after its query
+LISTEN_STEP_S = 0.2  # how often listening checks whether it is cancelled
 MDNS_GROUP, MDNS_PORT = "224.0.0.251", 5353
 
 
@@ -396,9 +397,10 @@ def _query() -> bytes:
     return struct.pack("!6H", 0, 0, 1, 0, 0, 0) + name + struct.pack("!2H", 12, 1)
 
 
-def listen_multicast(seconds: float = LISTEN_S, addresses: list[str] | None = None) -> Multicast:
-    """Sends one mDNS query on each of this PC's interfaces and listens ``seconds`` for mDNS traffic.
-    Blocks: run it off any GUI thread."""
+def listen_multicast(seconds: float = LISTEN_S, addresses: list[str] | None = None,
+                     cancel: Callable[[], bool] = lambda: False) -> Multicast:
+    """Sends one mDNS query on each of this PC's interfaces and listens ``seconds`` for mDNS traffic
+    (or until ``cancel()``, checked every ``LISTEN_STEP_S``).  Blocks: run it off any GUI thread."""
     addresses = shared_addresses(addresses) if addresses is not None else shared_addresses()
     if not addresses:
         return Multicast(error="this PC has no network address")
@@ -429,9 +431,9 @@ def listen_multicast(seconds: float = LISTEN_S, addresses: list[str] | None = No
                 continue
         seen_own, others = False, set()
         end = time.monotonic() + seconds
-        while (left := end - time.monotonic()) > 0:
-            if not select.select([sock], [], [], left)[0]:
-                break
+        while (left := end - time.monotonic()) > 0 and not cancel():
+            if not select.select([sock], [], [], min(left, LISTEN_STEP_S))[0]:
+                continue
             _, (source, _) = sock.recvfrom(9000)
             if source in own:
                 seen_own = True
@@ -590,10 +592,11 @@ class Discovery:
         time.sleep(seconds)
         self.dialer.wait_round(PROVE_S * 2)
 
-    def diagnose(self, listen_s: float = LISTEN_S) -> Diagnosis:
+    def diagnose(self, listen_s: float = LISTEN_S, cancel: Callable[[], bool] = lambda: False) -> Diagnosis:
         """Why this discovery finds what it finds, counting the nodes of other PCs only (this PC's own
-        agent is found even where nothing passes); listens ``listen_s`` for multicast: blocks."""
-        multicast = listen_multicast(listen_s)
+        agent is found even where nothing passes); listens ``listen_s`` for multicast (or until
+        ``cancel()``): blocks."""
+        multicast = listen_multicast(listen_s, cancel=cancel)
         own = set(local_addresses())
         others = [n for n in self.nodes().values() if not own.intersection(n.addresses)]
         return diagnose(found=len(others), multicast=multicast, reaches=self.dialer.reaches(),
