@@ -95,6 +95,9 @@ class Settings:
     draft_at: str = ""  # HOST:PORT of the draft server (``fleet worker --role draft``) for "remote"; empty:
     # the deployment's (``fleet deploy --draft-on``)
     nodes: list[str] = dataclasses.field(default_factory=list)  # agents added by address (no multicast there)
+    # HOST:PORT where discovery also dials for agents (``engine.fleet.unicast``): from join codes and subnet
+    # scans; unlike ``nodes``, one counts only while its agent there proves the fleet key
+    known_nodes: list[str] = dataclasses.field(default_factory=list)
     api_enabled: bool = False  # the app serves the OpenAI-compatible API while its chat is up
     api_host: str = "127.0.0.1"  # any other address needs the API key (``fleet key api``)
     api_port: int = 8000
@@ -196,6 +199,21 @@ def allow_tool(key: str) -> list[str]:
             settings.mcp_always_allowed = [*settings.mcp_always_allowed, key]
             settings.save()
     return settings.mcp_always_allowed
+
+
+MAX_KNOWN_NODES = 256  # a scan of a /24 adds at most 254; older entries go first past this
+
+
+def add_known_nodes(addresses: list[str], added: bool = True) -> list[str]:
+    """Adds (or removes) addresses (HOST:PORT) of those discovery dials, in the saved settings; returns
+    the list."""
+    with lock(paths().settings_file):  # the app may save the settings meanwhile
+        settings = Settings.load()
+        known = [a for a in settings.known_nodes if a not in addresses] + (list(dict.fromkeys(addresses)) if added
+                                                                          else [])
+        settings.known_nodes = known[-MAX_KNOWN_NODES:]
+        settings.save()
+    return settings.known_nodes
 
 
 def set_node(address: str, added: bool) -> list[str]:

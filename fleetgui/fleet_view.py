@@ -33,12 +33,14 @@ from PySide6.QtWidgets import (QAbstractItemView, QApplication, QDialog, QDialog
 
 from engine.config import Settings, set_node
 from engine.errors import FleetError
-from engine.fleet.discovery import Browser, prover
+from engine.fleet.unicast import Discovery
 from engine.fleet.node import KERNEL_PATHS, runs_slowly
 from engine.fleet.shardstore import pruned_text, shard_text
 from engine.hostcpu import INT8_NOTE
 from engine.manifest import layer_span
 from fleetgui import keystore
+from fleetgui.discovery_status import DiscoveryStatus
+from fleetgui.join_code import JoinCodeDialog
 from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter
 from fleetgui.workers import TaskRunner
 
@@ -442,9 +444,9 @@ class RoundTripTable(QTableWidget):
 
 
 class _Discovery(QObject):
-    """A fleet's mDNS browser whose events reach the GUI thread (queued signal).  Given the fleet key
-    (``prover``), a record reaches the view only once its agent proved the key and its node id, so a
-    record cannot move a node the view knows to another address."""
+    """A fleet's discovery (``engine.fleet.unicast.Discovery``: mDNS and the known nodes) whose events reach
+    the GUI thread (queued signal).  A record or a known address reaches the view only once its agent
+    proved the key and its node id, so a record cannot move a node the view knows to another address."""
 
     event = Signal(str, object)  # kind, NodeInfo
 
@@ -452,9 +454,9 @@ class _Discovery(QObject):
         super().__init__(parent)
         self.browser = None
 
-    def start(self, fleet_id: str, verify=None) -> None:
+    def start(self, key: bytes, tls=None) -> None:
         self.stop()
-        self.browser = Browser(fleet_id, on_event=self.event.emit, verify=verify).start()
+        self.browser = Discovery(key, tls, on_event=self.event.emit).start()
 
     def stop(self) -> None:
         browser, self.browser = self.browser, None
@@ -515,6 +517,9 @@ class FleetView(QWidget):
                 header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
         self.add_button = QPushButton("Add node…")
         self.add_button.clicked.connect(self._ask_add_node)
+        self.join_button = QPushButton("Join code…")  # for networks that drop multicast (fleetgui.join_code)
+        self.join_button.clicked.connect(self._ask_join_code)
+        self.discovery_status = DiscoveryStatus()  # why no node is found
         self.remove_button = QPushButton("Remove node")
         self.remove_button.setToolTip("forget a node added by address, or switch a demo node off")
         self.remove_button.clicked.connect(self.remove_selected)
@@ -531,8 +536,8 @@ class FleetView(QWidget):
         self.summary.setObjectName("hint")
         self.summary.setWordWrap(True)
         # the buttons wrap onto a second line in a narrow window instead of widening it
-        tools_bar, tools = flow_bar(self.add_button, self.remove_button, self.prune_button, self.refresh_button,
-                                    self.rtt_button)
+        tools_bar, tools = flow_bar(self.add_button, self.join_button, self.remove_button, self.prune_button,
+                                    self.refresh_button, self.rtt_button)
         self.demo = None  # the demo fleet this view started (``engine.fleet.demo.DemoFleet``)
         self._demo_task = None
         self.demo_button = QPushButton("Try a demo fleet")
@@ -561,6 +566,7 @@ class FleetView(QWidget):
         nodes_layout.setContentsMargins(0, 0, 0, 0)
         nodes_layout.addWidget(tools_bar)
         nodes_layout.addWidget(self.summary)
+        nodes_layout.addWidget(self.discovery_status)
         nodes_layout.addWidget(self.demo_note)
         nodes_layout.addWidget(self.table, 1)
         split = splitter(Qt.Orientation.Vertical, (nodes, 3), (rtt_box, 1))
@@ -617,7 +623,7 @@ class FleetView(QWidget):
         if not (self.discover and self.key and self.key.usable):
             return
         try:
-            self.discovery.start(self.key.fleet_id, prover(keystore.load(self.settings), keystore.tls(self.settings)))
+            self.discovery.start(keystore.load(self.settings), keystore.tls(self.settings))
         except FleetError as exc:
             self.banner.info(f"Nodes cannot be discovered on this network ({exc}). Add them by address.")
 
@@ -750,6 +756,14 @@ class FleetView(QWidget):
         dialog.open()
         return dialog
 
+    def _ask_join_code(self) -> JoinCodeDialog:
+        dialog = JoinCodeDialog(lambda: (keystore.load(self.settings), keystore.tls(self.settings)), self.tasks,
+                                parent=self)
+        dialog.known_changed.connect(lambda: self.discovery.browser and self.discovery.browser.dialer.poke())
+        dialog.finished.connect(dialog.deleteLater)
+        dialog.open()
+        return dialog
+
     def agent_addresses(self) -> list[str]:
         """The agents that answered their last status request (what a survey can profile), but the
         chat's local fleet agent: it ends with that chat, which a deployment replaces."""
@@ -767,6 +781,8 @@ class FleetView(QWidget):
     def refresh(self) -> None:
         """Asks every node's agent for its status, off the GUI thread (one request round at a time)."""
         self.model.own_agents(self.backend.own_agents())
+        if not self.model.node_rows() and self.key and self.key.usable:
+            self.discovery_status.check(self.discovery.browser, self.tasks)
         addresses = self.model.addresses()
         if self._poll is not None or not addresses or not (self.key and self.key.usable):
             return
@@ -817,6 +833,7 @@ class FleetView(QWidget):
             text = ("Looking for nodes over mDNS… Start `fleet agent` (or `fleetgui --worker`) on the other PCs, "
                     "add them by address, or, with no second PC at hand, try a demo fleet.")
         else:
+            self.discovery_status.clear()
             up = sum(1 for r in rows if not r.error and r.node_id)
             text = f"{len(rows)} node{'s' if len(rows) != 1 else ''}, {up} answering"
         self.summary.setText(text)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
-from engine.config import DEFAULT_WEIGHTS, Settings, paths, set_node
+from engine.config import DEFAULT_WEIGHTS, Settings, add_known_nodes, paths, set_node
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.files import write_json
@@ -25,7 +25,8 @@ from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import MAX_NODES, demo_profile, demo_up
 from engine.fleet.deploy import Deployment, deploy_draft, deploy_layout
-from engine.fleet.discovery import Browser, browse, prover
+from engine.fleet.discovery import browse
+from engine.fleet.unicast import AGENT_PORT, Discovery, join, join_code, scan
 from engine.fleet.local_agent import local_up, stop_local_agent
 from engine.fleet.sim.netns import require_root
 from engine.fleet.node import KERNEL_PATHS, SimulatedDevice, node_id, runs_slowly
@@ -100,9 +101,13 @@ NODES_HEADER = f"{'name':<20} {'agent':<22} {'status':<16} {'OS':<14} {'devices'
 
 def cmd_nodes(args) -> int:
     settings = settings_of(args)
+    if args.nodes_cmd in ("join-code", "join", "scan", "why"):
+        return _unicast(args, settings)
     if args.nodes_cmd in ("add", "remove"):
         parse_address(args.address)
         nodes = set_node(args.address, added=args.nodes_cmd == "add")
+        if args.nodes_cmd == "remove" and args.address in settings.known_nodes:  # from a join code or a scan
+            add_known_nodes([args.address], added=False)
         say(f"{'added' if args.nodes_cmd == 'add' else 'removed'} {args.address}; nodes by address: "
             f"{', '.join(nodes) or 'none'}")
         return 0
@@ -121,7 +126,7 @@ def cmd_nodes(args) -> int:
         else:
             print(f"{kind:<8} {_row({**dataclasses.asdict(info), 'source': 'mdns'})}", flush=True)
 
-    with Browser(fleet_id(key), on_event=show if args.watch else None, verify=prover(key, tls)) as browser:
+    with Discovery(key, tls, on_event=show if args.watch else None) as browser:
         found = [_static_status(a, key, tls) for a in settings.nodes]
         if args.watch:
             if not args.json:
@@ -133,19 +138,60 @@ def cmd_nodes(args) -> int:
                     time.sleep(1)
             except KeyboardInterrupt:
                 return 0
-        time.sleep(args.seconds)
-        heard = [{**dataclasses.asdict(n), "source": "mdns"} for n in browser.nodes().values()]
-    known = {n.get("node_id") for n in heard}
-    nodes = heard + [n for n in found if n.get("node_id") not in known or not n.get("node_id")]
+        browser.wait(args.seconds)
+        sources = browser.sources()
+        heard = [{**dataclasses.asdict(n), "source": "+".join(sources.get(n.node_id, ["mdns"]))}
+                 for n in browser.nodes().values()]
+        known = {n.get("node_id") for n in heard}
+        nodes = heard + [n for n in found if n.get("node_id") not in known or not n.get("node_id")]
+        why = browser.diagnose() if not nodes and not args.json else None
     if args.json:
         print(json.dumps(nodes, indent=2))
     elif not nodes:
-        say("no nodes found (start `fleet agent` on the other PCs; where multicast does not pass, "
-             "add them with `fleet nodes add HOST:PORT`)")
+        say("no nodes found. " + " ".join(printable(line) for line in why.lines) if why and why.lines else
+            "no nodes found (start `fleet agent` on the other PCs; where multicast does not pass, paste this "
+            "fleet's join code there (`fleet nodes join-code`), or add them with `fleet nodes add HOST:PORT`)")
     else:
         print(NODES_HEADER)
         for node in nodes:
             print(_row(node))
+    return 0
+
+
+def _unicast(args, settings) -> int:
+    """``fleet nodes join-code``, ``join CODE``, ``scan`` and ``why``: the ways that need no multicast."""
+    key = load_key(args.fleet_key_file)
+    tls = load_tls(settings.tls, args.fleet_key_file)
+    if args.nodes_cmd == "join-code":
+        print(join_code(key, port=args.port))
+        say("paste it on the other PCs of the fleet: the Fleet view's \"Join code…\", or `fleet nodes join CODE`")
+        return 0
+    if args.nodes_cmd == "join":
+        code, reached = join(args.code, key, tls)
+        for r in reached:
+            said = f"{printable(r.name)} ({r.node_id}) proved the fleet key" if r.proved else \
+                f"{r.outcome}: {printable(r.reason)}"
+            say(f"{r.address}: {said}")
+        say(f"added {', '.join(code.agents)} to the known nodes; "
+            + ("the node counts from now on" if any(r.proved for r in reached) else
+               "none answers now; the node counts once its agent answers and proves the fleet key"))
+        return 0 if any(r.proved for r in reached) else 1
+    if args.nodes_cmd == "scan":
+        done = scan(key, tls, port=args.port, deadline_s=args.seconds)
+        for r in done.found:
+            say(f"{r.address}: {printable(r.name)} ({r.node_id}) proved the fleet key")
+        note = f"; ran out of time after {done.dialled} of {done.planned} addresses" if done.cut_short else ""
+        say(f"scanned {', '.join(done.networks) or 'no network'} on port {args.port}: {len(done.found)} node(s) "
+            f"found{', added to the known nodes' if done.found else ''}{note}")
+        return 0
+    with Discovery(key, tls) as browser:
+        browser.wait(args.seconds)
+        why = browser.diagnose()
+    if args.json:
+        print(json.dumps({"found": why.found, "codes": why.codes, "lines": why.lines}, indent=2))
+    else:
+        say(f"{why.found} node(s) of other PCs found. " + (" ".join(printable(line) for line in why.lines) or
+                                          "Nothing stands in the way of discovery."))
     return 0
 
 
@@ -155,8 +201,8 @@ def _agent_addresses(args, key: bytes, tls) -> list[str]:
     comma-separated HOST:PORT list (each must answer)."""
     if args.nodes and args.nodes != "all":
         return [a.strip() for a in args.nodes.split(",") if a.strip()]
-    with Browser(fleet_id(key), verify=prover(key, tls)) as browser:
-        time.sleep(args.seconds)
+    with Discovery(key, tls) as browser:
+        browser.wait(args.seconds)
         heard, skipped = browser.nodes().values(), browser.rejected()
     for name, reason in skipped.items():
         say(f"left out mDNS record {name.split('._', 1)[0]!r}: {reason}")
@@ -516,8 +562,23 @@ def add_commands(sub) -> None:
     nodes.add_argument("--seconds", type=duration, default=3.0, help="how long to listen (default 3)")
     nsub = nodes.add_subparsers(dest="nodes_cmd")
     for verb in ("add", "remove"):
-        p = nsub.add_parser(verb, help=f"{verb} a node by address (networks where multicast does not pass)")
+        p = nsub.add_parser(verb, help=f"{verb} a node by address (networks where multicast does not pass)"
+                            + ("; also forgets it as a known node (join codes, scans)" if verb == "remove" else ""))
         p.add_argument("address", help="HOST:PORT of its agent")
+    nsub.add_parser("join-code", help="print this fleet's join code: this PC's addresses, for the other PCs",
+                    argument_default=argparse.SUPPRESS).add_argument(
+        "--port", type=int, default=AGENT_PORT, help=f"this PC's agent port (default {AGENT_PORT})")
+    p = nsub.add_parser("join", help="dial the PC a join code names, and keep its addresses as known nodes",
+                        argument_default=argparse.SUPPRESS)
+    p.add_argument("code", help="the join code (FS-...) copied on a PC of the fleet")
+    p = nsub.add_parser("scan", help="dial the agent port on every address of this PC's subnet (a /24 at most); "
+                                     "the nodes that prove the fleet key become known nodes",
+                        argument_default=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=AGENT_PORT, help=f"the agents' port (default {AGENT_PORT})")
+    p.add_argument("--seconds", type=duration, default=30.0, help="the whole scan's time limit (default 30)")
+    p = nsub.add_parser("why", help="say why discovery finds no node (or only some): multicast, firewalls",
+                        argument_default=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true")
     # (options left out here keep the values given before "prune")
     prune = nsub.add_parser("prune", help="remove the shards a node's workers do not serve, for its disk space",
                             argument_default=argparse.SUPPRESS)
