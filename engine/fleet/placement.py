@@ -493,15 +493,15 @@ def _left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, tuple[st
         if not devices:
             reasons[node] = ("it cannot run this model", "none of its devices can run a stage")
             continue
-        if plan.ranks:
-            reasons[node] = ("two PCs sharing every step were faster, and the pair with this one was predicted "
-                             "slower", "tensor-parallel ranks pair this machine with one other PC, and the pair "
-                             "with it was predicted slower")
-            continue
         if all(d.memory_bytes < one_layer for d in devices):
             reasons[node] = ("it has too little free memory for any part of the model",
                              f"it cannot hold one layer ({gb(one_layer)} with the runtime; "
                              f"{gb(max(d.memory_bytes for d in devices))} free)")
+            continue
+        if plan.ranks:
+            reasons[node] = ("two PCs sharing every step were faster, and the pair with this one was predicted "
+                             "slower", "tensor-parallel ranks pair this machine with one other PC, and the pair "
+                             "with it was predicted slower")
             continue
         moved = one_layer_on(model, fleet, plan, node)
         if moved is None:
