@@ -30,7 +30,7 @@ from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.models.facts import facts_of
 from engine.progress import Progress
 from fleetgui.model_cards import ModelCards, carried
-from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, plain, plain_tip, spin_box
+from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, flow_bar, plain, plain_tip, spin_box
 from fleetgui.workers import TaskRunner
 
 RESULT_COLUMNS = ("part", "layers", "peak MB", "size MB", "seconds", "folder")
@@ -213,7 +213,7 @@ class ExportWizard(QWidget):
         form.addRow(self.by_count, self.stages)
         form.addRow("Output folder", field_row(self.out, out_browse))
         form.addRow("", self.force)
-        form.addRow("", self.details_button)
+        form.addRow("", flow_bar(self.details_button)[0])
         form.addRow(self.details)
         return page
 

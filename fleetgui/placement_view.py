@@ -529,7 +529,7 @@ class PlacementView(QWidget):
     def load_profile(self, doc: dict) -> None:
         self.model.load(doc)
         self.doc = doc
-        self.best = None
+        self.best, self.copies = None, ([], [])
         if doc.get("source"):
             self.source.setText(str(doc["source"]))
         self._list_pcs()
