@@ -179,7 +179,7 @@ class ExportWizard(QWidget):
             choice_layout.addWidget(radio)
             choice_layout.addWidget(note)
         self.weights.currentTextChanged.connect(self._show_choice)
-        self.by_count = QRadioButton("Number of parts (one per PC; layers split evenly)")
+        self.by_count = QRadioButton("Number of parts (layers split evenly)")
         self.by_split = QRadioButton("Explicit layer boundaries")
         self.by_count.setChecked(True)
         self.stages = spin_box(1, 64, self.settings.stages)
