@@ -329,6 +329,16 @@ def _copy_words(plan) -> str:
     return ", then ".join(f"{layer_span(s.start, s.end)} on {s.node}" for s in plan.stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """The best the solver found, and for what: a plan drawn since is compared with it."""
+
+    objective: str
+    users: int
+    pcs: tuple[str, ...]  # the nodes ticked in "Use these PCs"
+    tok_s: float  # predicted: for one person (latency), or all together (throughput)
+
+
 def best_plan(shape, fleet, objective: str, users: int, pins=()) -> tuple:
     """What the solver finds best for ``users`` by ``objective`` with ``pins`` (off the GUI thread):
     (the plan to draw; why each node it leaves out is left out, as (plain words, with the figures);
@@ -369,7 +379,7 @@ class PlacementView(QWidget):
         self.copies: tuple[list, list] = ([], [])  # the chain the solver drew, and the other copies it chose
         self.banner = Banner()
 
-        self.best = None  # (objective, users, PCs in use, predicted tok/s): the best the solver found
+        self.best: Best | None = None  # the best the solver found
         self.deployed_at: float | None = None  # when this view's deployment started (its measured speed is later)
         self.deployed_prediction = 0.0  # its predicted tok/s for one person
         self._deploy_when_solved = False  # "Deploy the best layout": the solve ends in a deployment
@@ -670,7 +680,7 @@ class PlacementView(QWidget):
         if not pins:
             value = (layout.aggregate_tok_s if layout is not None else
                      plan.tok_s if plan.objective == "latency" else plan.aggregate_tok_s)
-            self.best = (self.objective.currentText(), self.users.value(), tuple(self.pcs_in_use()), value)
+            self.best = Best(self.objective.currentText(), self.users.value(), tuple(self.pcs_in_use()), value)
         self.model.set_plan(plan, pins)
         self.copies = (self.model.chain(), [self.model.placement_of(p) for p in others])
         self.left_out.setText("\n".join(self.model.readable(f"{node} is left out: {words}.")
@@ -890,16 +900,17 @@ class PlacementView(QWidget):
         drawn, others = self.copies
         with_copies = bool(others) and drawn == m.chain()  # deployed with the copies the solver chose
         value = (plan.tok_s if self.objective.currentText() == "latency" else
-                 self.best[3] if with_copies and self.best else plan.aggregate_tok_s)
+                 self.best.tok_s if with_copies and self.best else plan.aggregate_tok_s)
         who = "for one person" if users == 1 else f"for {users} people at once, all together"
         pcs = list(dict.fromkeys(m.lanes[s.lane].name for s in m.stages))
         text = f"This layout: {value:.1f} tok/s predicted {who}, on {', '.join(pcs)}"
         if with_copies:
             text += f" and {len(others)} more cop{'y' if len(others) == 1 else 'ies'} of the model"
         best = self.best
-        if best is not None and best[:3] == (self.objective.currentText(), users, tuple(self.pcs_in_use())):
-            text += (". It is the best layout found." if value >= best[3] * 0.995 else
-                     f"; the best found: {best[3]:.1f}.")
+        if best is not None and (best.objective, best.users, best.pcs) == \
+                (self.objective.currentText(), users, tuple(self.pcs_in_use())):
+            text += (". It is the best layout found." if value >= best.tok_s * 0.995 else
+                     f"; the best found: {best.tok_s:.1f}.")
         else:
             text += ". Deploy the best layout finds the fastest for these people and PCs."
         simulated = sorted({m.lanes[s.lane].name for s in m.stages if m.lanes[s.lane].simulated})

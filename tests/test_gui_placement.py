@@ -504,7 +504,7 @@ def test_an_admin_picks_pcs_and_people_and_reads_the_plan_in_plain_words(qtbot, 
 
     # a hand-made plan says how it compares with the best, and that it rests on a simulated PC
     view.model.move_range(12, 24, view.model.lane_of("a1b2c3d4e5f60002", "CPU"))
-    best = view.best[3]
+    best = view.best.tok_s
     assert f"; the best found: {best:.1f}." in view.prediction.text()
     assert f"This layout: {view.model.evaluation.plan.tok_s:.1f} tok/s predicted" in view.prediction.text()
     assert "rests on simulated PCs (laptop-2)" in view.prediction.text()
