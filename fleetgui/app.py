@@ -25,6 +25,7 @@ from fleetgui.history import HistoryStore
 from fleetgui.platform_check import xcb_problem
 from fleetgui.settings import GuiSettings, default_store
 from fleetgui.tray import DEFAULT_LISTEN, run_worker
+from fleetgui.widgets import guard_wheel
 from fleetgui.workers import on_signals
 
 
@@ -39,6 +40,7 @@ def build_window(settings=None, *, store=None, backend=None, history=None):
     store = store if store is not None else default_store()
     settings = settings or GuiSettings.load(store)
     theme.apply(settings.theme)
+    guard_wheel()
     return MainWindow(settings, store, backend or EngineBackend(), history or HistoryStore())
 
 
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setOrganizationName("fleetshard")
     app.setApplicationName("fleetgui")
     app.setWindowIcon(theme.icon())
+    guard_wheel()  # the tray worker's forms too
     if args.worker:
         return run_worker(args)
     window = build_window()

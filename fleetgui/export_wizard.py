@@ -2,10 +2,11 @@
 
 1. Model: a catalog model, a Hugging Face folder or a GGUF file, each shown as a card
    (``fleetgui.model_cards``: its facts, whether it fits this PC and the fleet, its predicted speed).
-2. Split and format: for a GGUF, Faithful or Fast (``engine.export.choices``, with what each was
-   measured to cost), the weight format behind them, a stage count or explicit layer boundaries, the
-   output folder.
-3. Export: the catalog pull's progress (when the model is not cached yet), a progress bar per stage,
+2. Split and format: for a GGUF, the same answers as the GGUF or faster, slightly different ones
+   (``engine.export.choices``' Faithful and Fast, with what each was measured to cost; the KL in the
+   note's tooltip), a part count, the output folder; behind "Details" the weight format behind the
+   choice, the head's and explicit layer boundaries.
+3. Export: the catalog pull's progress (when the model is not cached yet), a progress bar per part,
    a Cancel that ends the running stage's process, and at the end the shard folders with their
    sizes and each stage's peak memory.
 """
@@ -29,10 +30,10 @@ from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.models.facts import facts_of
 from engine.progress import Progress
 from fleetgui.model_cards import ModelCards, carried
-from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, plain, spin_box
+from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, flow_bar, plain, plain_tip, spin_box
 from fleetgui.workers import TaskRunner
 
-RESULT_COLUMNS = ("stage", "layers", "peak MB", "size MB", "seconds", "folder")
+RESULT_COLUMNS = ("part", "layers", "peak MB", "size MB", "seconds", "folder")
 
 
 def parse_split(text: str) -> list[int]:
@@ -139,7 +140,7 @@ class ExportWizard(QWidget):
         self.choices.setExclusive(False)
         for radio in self.choices.buttons():
             radio.blockSignals(True)  # showing the format is not choosing one: "auto" stays "auto"
-            radio.setChecked(choice is not None and radio.text() == choice.name)
+            radio.setChecked(choice is not None and radio.text() == choice.label)
             radio.blockSignals(False)
         self.choices.setExclusive(True)
 
@@ -150,7 +151,9 @@ class ExportWizard(QWidget):
         source = self.source()
         self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked() and carried(source)))
         for choice in CHOICES:
-            self.choice_notes[choice.weights].setText(describe(choice, source if source in CATALOG else None))
+            measured_on = source if source in CATALOG else None
+            self.choice_notes[choice.weights].setText(describe(choice, measured_on, kl=False))
+            self.choice_notes[choice.weights].setToolTip(plain_tip(describe(choice, measured_on)))  # with its KL
         self._show_choice(self.weights.currentText())
 
     def _split_page(self) -> QWidget:
@@ -165,7 +168,7 @@ class ExportWizard(QWidget):
         choice_layout.setContentsMargins(0, 0, 0, 0)
         self.choice_notes: dict[str, QLabel] = {}
         for choice in CHOICES:
-            radio = QRadioButton(choice.name)
+            radio = QRadioButton(choice.label)
             radio.setObjectName(f"choice-{choice.weights}")
             radio.toggled.connect(lambda on, c=choice: on and self.weights.setCurrentText(c.weights))
             self.choices.addButton(radio)
@@ -176,7 +179,7 @@ class ExportWizard(QWidget):
             choice_layout.addWidget(radio)
             choice_layout.addWidget(note)
         self.weights.currentTextChanged.connect(self._show_choice)
-        self.by_count = QRadioButton("Number of stages (layers split evenly)")
+        self.by_count = QRadioButton("Number of parts (layers split evenly)")
         self.by_split = QRadioButton("Explicit layer boundaries")
         self.by_count.setChecked(True)
         self.stages = spin_box(1, 64, self.settings.stages)
@@ -192,14 +195,26 @@ class ExportWizard(QWidget):
         out_browse = QPushButton("Browse…")
         out_browse.clicked.connect(self._browse_out)
         self.force = QCheckBox("export again even if this export is cached")
+        # the weight format, the head's and explicit boundaries are for experts: behind "Details"
+        self.details = QWidget()
+        details = QFormLayout(self.details)
+        details.setContentsMargins(0, 0, 0, 0)
+        details.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
+        details.addRow("LM head", explained_choice(self.head, HEAD_NOTES))
+        details.addRow(self.by_split, field_row(self.split, plan_button))
+        self.details.hide()
+        self.details_button = QPushButton("Details")
+        self.details_button.setCheckable(True)
+        self.details_button.setToolTip("the weight format, the output layer's format and explicit layer boundaries")
+        self.details_button.toggled.connect(self.details.setVisible)
+        self.by_split.toggled.connect(lambda on: on and self.details_button.setChecked(True))
         form = QFormLayout(page)
         form.addRow("Answers", self.choice_box)
-        form.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
-        form.addRow("LM head", explained_choice(self.head, HEAD_NOTES))
         form.addRow(self.by_count, self.stages)
-        form.addRow(self.by_split, field_row(self.split, plan_button))
         form.addRow("Output folder", field_row(self.out, out_browse))
         form.addRow("", self.force)
+        form.addRow("", flow_bar(self.details_button)[0])
+        form.addRow(self.details)
         return page
 
     def _run_page(self) -> QWidget:
@@ -359,7 +374,7 @@ class ExportWizard(QWidget):
         force = self.force.isChecked()
         self.result = None
         self._prepare(count, source)
-        self.summary.setText(f"Exporting {source} as {count} stage{'s' if count > 1 else ''} "
+        self.summary.setText(f"Exporting {source} in {count} part{'s' if count > 1 else ''} "
                              f"({weights}{', INT4 head' if head == 'int4' else ''})"
                              f"{' into ' + str(out) if out else ''}.")
         backend = self.backend
@@ -382,7 +397,7 @@ class ExportWizard(QWidget):
             w.deleteLater()
         self.stage_bars, self.stage_labels = [], []
         for i in range(count):
-            label, bar = QLabel(f"stage {i}: waiting"), QProgressBar()
+            label, bar = QLabel(f"part {i + 1}: waiting"), QProgressBar()
             bar.setRange(0, 100)
             self.stage_grid.addWidget(label, i, 0)
             self.stage_grid.addWidget(bar, i, 1)
@@ -404,7 +419,7 @@ class ExportWizard(QWidget):
             self.pull_bar.setValue(100 if progress.fraction is None else round(progress.fraction * 100))
         elif 0 <= progress.stage < len(self.stage_bars):
             self.stage_bars[progress.stage].setValue(round(progress.fraction * 100))
-            self.stage_labels[progress.stage].setText(f"stage {progress.stage}: {progress.step}")
+            self.stage_labels[progress.stage].setText(f"part {progress.stage + 1}: {progress.step}")
 
     def _finish(self) -> None:
         self.task = None
@@ -416,10 +431,11 @@ class ExportWizard(QWidget):
         for report in result.stages:
             if report.index < len(self.stage_bars):
                 self.stage_bars[report.index].setValue(100)
-                self.stage_labels[report.index].setText(f"stage {report.index}: done, peak {report.peak_rss_mb:.0f} MB")
+                self.stage_labels[report.index].setText(
+                    f"part {report.index + 1}: done, peak {report.peak_rss_mb:.0f} MB")
         self.table.setRowCount(len(result.stages))
         for row, s in enumerate(result.stages):
-            cells = (str(s.index), layer_numbers(*s.layers), f"{s.peak_rss_mb:.0f}", f"{s.size_mb:.2f}",
+            cells = (str(s.index + 1), layer_numbers(*s.layers), f"{s.peak_rss_mb:.0f}", f"{s.size_mb:.2f}",
                      f"{s.seconds:.1f}", str(s.folder))
             for col, text in enumerate(cells):
                 self.table.setItem(row, col, QTableWidgetItem(text))

@@ -10,6 +10,7 @@ it is done.
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine.fleet.fit import NO_PROFILE, USERS, Fit, load_profile, measured_key,
 from engine.manifest import is_shard_set
 from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
 from engine.models.facts import ModelFacts, catalog_facts, facts_of
+from fleetgui.placement_model import default_profile
 from fleetgui.widgets import plain_tip
 
 SOURCE = Qt.ItemDataRole.UserRole
@@ -63,10 +65,14 @@ def fit_line(fit: Fit) -> str:
     return f"{here} · {fleet}"
 
 
-def speed_line(fit: Fit, measured: float | None) -> str:
+def speed_line(fit: Fit, measured: float | None, simulated: bool = False) -> str:
+    """The predicted speeds and the last measured one; ``simulated``: the prediction rests on
+    simulated PCs (the demo fleet's), which the line says."""
     if fit.tok_s_1 is not None:
         text = (f"Predicted {fit.tok_s_1:.1f} tok/s for 1 user, {fit.tok_s_users:.1f} tok/s for {USERS} users"
                 if fit.tok_s_users is not None else f"Predicted {fit.tok_s_1:.1f} tok/s for 1 user")
+        if simulated:
+            text += " (on simulated PCs: real ones will differ)"
     elif fit.fleet_pcs:
         text = "No prediction: the fleet cannot run it"
     else:
@@ -84,26 +90,39 @@ def carried(path: str) -> bool:
 
 
 def export_line(facts: ModelFacts, weights: str, carries_weights: bool = True) -> str | None:
-    """How a GGUF exports with ``weights``: Faithful or Fast, what that keeps and what it costs.
-    ``carries_weights``: whether Faithful can carry the file's weight types (else ``auto`` gives Fast)."""
+    """How a GGUF exports with ``weights``, in words: the same answers as the GGUF, or faster and
+    slightly different ones (its KL is in ``export_details``).  ``carries_weights``: whether the
+    GGUF's own weights can be kept (else ``auto`` gives the faster choice)."""
     choice = choice_of(weights)
     if facts.kind == "hf" or choice is None:
         return None
     if not carries_weights and choice is FAITHFUL:
         fast = weights == AUTO_WEIGHTS
-        return (f"Exports {FAST.name if fast else FAITHFUL.name}"
+        return (f"Exports with {_inline(FAST.label if fast else FAITHFUL.label)}"
                 + (f" — {FAST.what}" if fast else ": it will fail")
-                + " (Faithful cannot carry this file's weight types: float, Q2_K, Q3_K or IQ)")
+                + " (this file's weight types cannot be kept as they are: float, Q2_K, Q3_K or IQ)")
+    return f"Exports with {_inline(choice.label)} ({_inline(other_than(choice).label)}: in the Export wizard)"
+
+
+def _inline(label: str) -> str:
+    """A choice's label inside a sentence."""
+    return label[0].lower() + label[1:]
+
+
+def export_details(facts: ModelFacts, weights: str) -> str:
+    """The export's choice in technical terms, for the card's details: its format and the KL measured
+    against the other one."""
+    choice = choice_of(weights)
+    if facts.kind == "hf" or choice is None:
+        return ""
     other = other_than(choice)
     measured, on = measured_on(facts.source)
-    kl = f"KL {measured[choice.weights].kl:g} against {other.name}'s {measured[other.weights].kl:g}"
-    if on != facts.source:
-        kl += f" on {on}"
-    return f"Exports {choice.name} — {choice.what} ({kl}; {other.name} in the Export wizard)"
+    kl = f"KL {measured[choice.weights].kl:g} nats against {other.name}'s {measured[other.weights].kl:g}"
+    return f"{choice.name} ({choice.weights}): {choice.what}; {kl}" + (f" on {on}" if on != facts.source else "") + "."
 
 
 def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weights: str = DEFAULT_WEIGHTS,
-               carries_weights: bool = True) -> list[str]:
+               carries_weights: bool = True, simulated: bool = False) -> list[str]:
     lines = [facts_line(facts)]
     if facts.description:
         lines.append(facts.description)
@@ -113,15 +132,16 @@ def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weigh
         if measured:
             lines.append(f"Measured {measured:.1f} tok/s")
     else:
-        lines += [fit_line(fit), speed_line(fit, measured)]
+        lines += [fit_line(fit), speed_line(fit, measured, simulated)]
     export = export_line(facts, weights, carries_weights)
     return lines + ([export] if export else [])
 
 
-def card_tooltip(fit: Fit | None) -> str:
+def card_tooltip(fit: Fit | None, export: str = "") -> str:
+    """A card's details: how its figures were made, and its export in technical terms."""
+    notes = [export] if export else []
     if fit is None:
-        return ""
-    notes = []
+        return "\n".join(notes)
     if fit.estimated_shape:
         notes.append("Memory estimated from the model's layers, sizes and the export's weight format.")
     if fit.tok_s_1 is not None:
@@ -132,10 +152,20 @@ def card_tooltip(fit: Fit | None) -> str:
     return "\n".join(notes)
 
 
-def price(facts: list[ModelFacts], weights: str) -> dict[str, Fit]:
-    """Every card's fit over the last fleet profile (runs off the GUI thread)."""
+def price(facts: list[ModelFacts], weights: str) -> tuple[dict[str, Fit], bool]:
+    """Every card's fit over the last fleet profile (runs off the GUI thread), and whether that
+    profile has simulated PCs in it (the demo fleet's)."""
     profile = load_profile()
-    return {f.source: predict(f, profile, weights=weights) for f in facts if f.has_shape}
+    return {f.source: predict(f, profile, weights=weights) for f in facts if f.has_shape}, simulated_profile()
+
+
+def simulated_profile() -> bool:
+    """Whether the last fleet profile measured simulated PCs (``engine.fleet.demo``'s nodes)."""
+    try:
+        nodes = json.loads(default_profile().read_text()).get("nodes", {})
+        return any(isinstance(info, dict) and info.get("simulated") for info in nodes.values())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 class ModelCards(QListWidget):
@@ -150,6 +180,7 @@ class ModelCards(QListWidget):
         self.weights = weights
         self.facts: list[ModelFacts] = []
         self.fits: dict[str, Fit] = {}
+        self.simulated = False  # the predictions rest on simulated PCs
         self.can_carry: dict[str, bool] = {}  # a user's own GGUF: whether Faithful can carry it (read once)
         self._task = None
         self._again = False
@@ -188,8 +219,8 @@ class ModelCards(QListWidget):
             item = self.item(i)
             fit = self.fits.get(f.source)
             item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)), self.weights,
-                                               self.can_carry.get(f.source, True))))
-            item.setToolTip(plain_tip(card_tooltip(fit)))
+                                               self.can_carry.get(f.source, True), self.simulated)))
+            item.setToolTip(plain_tip(card_tooltip(fit, export_details(f, self.weights))))
 
     def refresh(self) -> None:
         """Prices every card again (the profile or the measured speeds may have changed)."""
@@ -200,9 +231,9 @@ class ModelCards(QListWidget):
         self._task = self.tasks.start(lambda report, cancel: price(facts, weights), "model cards",
                                       succeeded=self._priced, failed=self._unpriced)
 
-    def _priced(self, fits: dict) -> None:
+    def _priced(self, result: tuple[dict, bool]) -> None:
         self._task = None
-        self.fits = fits
+        self.fits, self.simulated = result
         self.render()
         self.priced.emit()
         if self._again:

@@ -12,34 +12,44 @@ device; ``fleetgui.placement_model.PlanModel`` holds the plan over it and prices
 - The tree beside it shows the same model (checkboxes pin; its drag and drop is Qt's own, ending in
   the same ``dropMimeData``).
 
-"Optimise" runs ``solve`` with the pinned ranges off the GUI thread (for several users without pins,
-``solve_layout``, which may choose copies of the model: the one with most stages is drawn, the
-others are named and deployed with it unless the drawn chain is changed by hand); a plan that
-cannot work shows why (``evaluate``'s problems, or ``Infeasible``'s reason).  "Deploy" ships and starts the plan with
-a progress bar per stage and Cancel, then hands the deployment to the chat; ``preparing`` tells the
-fleet view which node's stage is being exported here.
+An admin's path: "Use these PCs" (a box per machine), "For N people at once" and one "Deploy
+the best layout" button, which runs the solver over the PCs ticked (``best_plan``) and deploys what
+it finds.  "Profile fleet" ends on that best plan too.  The prediction says, in words, how the plan
+drawn compares with the best found, whether it rests on simulated PCs, and after a deployment the
+speed the chat measured stands beside it; a PC left out says why in plain words.
+
+The expert's controls sit behind "Details for experts": the solver's objective, "Optimise" (``solve``
+with the pinned ranges; for several users without pins ``solve_layout``, which may choose copies
+of the model: the one with most stages is drawn, the others are named and deployed with it unless
+the drawn chain is changed by hand), "Deploy as drawn", the tree, the plan's timings and the
+left-out reasons with their figures.  A plan that cannot work shows why (``evaluate``'s problems,
+or ``Infeasible``'s reason).  Deploying ships and starts the plan with a progress bar per part and
+Cancel, then hands the deployment to the chat; ``preparing`` tells the fleet view which node's
+stage is being exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Callable
 
 from PySide6.QtCore import QPoint, QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QColor, QPainter, QPen
-from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
+from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
                                QHeaderView, QLabel, QLineEdit, QMenu, QProgressBar, QPushButton, QScrollArea,
                                QSizePolicy, QTreeView, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.deploy import Deployment
+from engine.fleet.fit import measured_key, measured_speeds
 from engine.fleet.layout import fastest_for_one, solve_layout
-from engine.fleet.placement import Infeasible, left_out, solve
+from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly, solve
 from engine.manifest import layer_numbers, layer_span
-from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile
+from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
 from fleetgui.theme import SERIES
 from engine.progress import Progress, byte_count
 from fleetgui.widgets import Banner, combo_box, flow_bar, plain, spin_box, splitter
@@ -226,12 +236,17 @@ class PlanCanvas(QWidget):
             p.setPen(QPen(QColor("#1d2733"), 3))
             p.drawRect(r)
         p.setPen(QColor("#ffffff"))
-        pinned = " · pinned" if s.pinned else ""
-        what = f"rank {i}: 1/{len(self.model.stages)} of" if self.model.ranks else f"stage {i}:"
-        label = f"{what} {layer_numbers(s.start, s.end)} · {self.model.stage_ms(i):.2f} ms{pinned}"
+        label = self.block_label(i)
         if self.fontMetrics().horizontalAdvance(label) > r.width() - 4:
             label = layer_numbers(s.start, s.end) + (" ⚑" if s.pinned else "")
         p.drawText(r, Qt.AlignmentFlag.AlignCenter, label)
+
+    def block_label(self, i: int) -> str:
+        """What a range's block says (in full, where it has the room)."""
+        s = self.model.stages[i]
+        pinned = " · held in place" if s.pinned else ""
+        what = f"part {i + 1}: 1/{len(self.model.stages)} of" if self.model.ranks else f"part {i + 1}:"
+        return f"{what} {layer_numbers(s.start, s.end)} · {self.model.stage_ms(i):.2f} ms{pinned}"
 
     def _paint_memory(self, p: QPainter, lane: int, r: QRectF) -> None:
         used, limit = self.model.lane_memory(lane), self.model.lanes[lane].memory_bytes
@@ -314,6 +329,36 @@ def _copy_words(plan) -> str:
     return ", then ".join(f"{layer_span(s.start, s.end)} on {s.node}" for s in plan.stages)
 
 
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """The best the solver found, and for what: a plan drawn since is compared with it."""
+
+    objective: str
+    users: int
+    pcs: tuple[str, ...]  # the nodes ticked in "Use these PCs"
+    tok_s: float  # predicted: for one person (latency), or all together (throughput)
+
+
+def best_plan(shape, fleet, objective: str, users: int, pins=()) -> tuple:
+    """What the solver finds best for ``users`` by ``objective`` with ``pins`` (off the GUI thread):
+    (the plan to draw; why each node it leaves out is left out, as (plain words, with the figures);
+    the other copies of the model; the Layout or None).  Raises Infeasible.  For several users
+    without pins ``solve_layout`` may choose copies: the one with most stages is drawn (else one on
+    another PC: one whole here is not a deployment of its own); for one user two PCs as
+    tensor-parallel ranks may beat a chain."""
+    if objective == "throughput" and not pins:
+        layout = solve_layout(shape, fleet, users=users)
+        plan, *others = sorted(layout.plans, key=lambda p: (-len(p.stages), p.stages[0].node == fleet.coordinator))
+    else:
+        plan, others, layout = solve(shape, fleet, objective=objective, users=users, pins=list(pins)), [], None
+        if objective == "latency" and not pins:
+            plan = fastest_for_one(shape, fleet, plan)
+    used = {s.node for p in others for s in p.stages}
+    words = left_out_plainly(shape, fleet, plan)
+    left = {node: (words[node], why) for node, why in left_out(shape, fleet, plan).items() if node not in used}
+    return plan, left, others, layout
+
+
 class PlacementView(QWidget):
     deployed = Signal(object)  # engine.fleet.deploy.Deployment, running and saved
     preparing = Signal(str, str)  # an agent's address, and what this view is doing for it ("" when done)
@@ -334,43 +379,66 @@ class PlacementView(QWidget):
         self.copies: tuple[list, list] = ([], [])  # the chain the solver drew, and the other copies it chose
         self.banner = Banner()
 
+        self.best: Best | None = None  # the best the solver found
+        self.deployed_at: float | None = None  # when this view's deployment started (its measured speed is later)
+        self.deployed_prediction = 0.0  # its predicted tok/s for one person
+        self._deploy_when_solved = False  # "Deploy the best layout": the solve ends in a deployment
+
         self.source = QLineEdit(settings.default_model)
         self.source.setToolTip("the model to place: a catalog name, a GGUF file or a Hugging Face folder")
         self.profile_button = QPushButton("Profile fleet")
-        self.profile_button.setToolTip("measure this machine and every node the Fleet view reaches for this model")
+        self.profile_button.setToolTip("measure this machine and every node the Fleet view reaches for this model, "
+                                       "then find the best layout")
         self.profile_button.clicked.connect(self.profile_fleet)
         self.open_button = QPushButton("Open profile…")
         self.open_button.clicked.connect(self._ask_open_profile)
-        self.objective = combo_box(["latency", "throughput"])
+
+        # the admin's controls: which PCs, for how many people, and one button
+        self.pcs_box = QWidget()
+        self.pcs_bar, self.pcs_layout = flow_bar()
+        self.pc_checks: dict[str, QCheckBox] = {}  # node id: "use this PC"
         self.users = spin_box(1, 64, 1)
-        self.users.setToolTip("concurrent users (micro-batched streams) the prediction and the throughput objective "
-                              "assume")
+        self.users.setToolTip("how many people chat (or programs call the API) at the same time")
         self.users.valueChanged.connect(self.model.set_users)
-        self.optimise_button = QPushButton("Optimise")
-        self.optimise_button.setToolTip("let the solver choose the ranges; pinned ranges stay where they are")
-        self.optimise_button.clicked.connect(self.optimise)
-        self.deploy_button = QPushButton("Deploy")
-        self.deploy_button.setObjectName("primary")
-        self.deploy_button.clicked.connect(self.deploy)
+        self.users.valueChanged.connect(self._users_changed)
+        self.best_button = QPushButton("Deploy the best layout")
+        self.best_button.setObjectName("primary")
+        self.best_button.setToolTip("find the fastest layout over the PCs ticked, for that many people, and start it")
+        self.best_button.clicked.connect(self.deploy_best)
         self.cancel_button = QPushButton("Cancel")
         self.cancel_button.clicked.connect(self.cancel)
         self.stop_button = QPushButton("Stop deployment")
         self.stop_button.clicked.connect(self.stop_deployment)
+
+        # the expert's: the solver's objective, Optimise, deploying the plan as drawn, a recorded deployment
+        self.objective = combo_box(["latency", "throughput"])
+        self.optimise_button = QPushButton("Optimise")
+        self.optimise_button.setToolTip("let the solver choose the ranges; pinned ranges stay where they are")
+        self.optimise_button.clicked.connect(self.optimise)
+        self.deploy_button = QPushButton("Deploy as drawn")
+        self.deploy_button.setToolTip("deploy the plan drawn below, edits and all")
+        self.deploy_button.clicked.connect(self.deploy)
         self.record_button = QPushButton("Use recorded deployment")
         self.record_button.setToolTip("chat on the chain `fleet deploy` or `fleet up --no-chat` left running "
                                       "(deployment.json in the data folder)")
         self.record_button.clicked.connect(lambda: self.use_recorded())
+        self.details_button = QPushButton("Details for experts")
+        self.details_button.setCheckable(True)
+        self.details_button.setToolTip("the solver's objective, the stages as a list, pins and the plan's timings")
+        self.details_button.toggled.connect(self._show_details)
 
         # rows that wrap in a narrow window rather than widen it: the model field keeps the line's room
         top = QHBoxLayout()
         top.addWidget(QLabel("Model"))
         top.addWidget(self.source, 1)
         top.addWidget(flow_bar(self.profile_button, self.open_button, align_right=True)[0])
+        pcs_row = QHBoxLayout(self.pcs_box)
+        pcs_row.setContentsMargins(0, 0, 0, 0)
+        pcs_row.addWidget(QLabel("Use these PCs:"))
+        pcs_row.addWidget(self.pcs_bar, 1)
         plan_row = QHBoxLayout()
-        settings_bar = flow_bar(QLabel("Objective"), self.objective, QLabel("Users"), self.users,
-                                self.optimise_button)[0]
-        plan_row.addWidget(settings_bar, 1)
-        plan_row.addWidget(flow_bar(self.record_button, self.cancel_button, self.stop_button, self.deploy_button,
+        plan_row.addWidget(flow_bar(QLabel("For"), self.users, QLabel("people at once"))[0], 1)
+        plan_row.addWidget(flow_bar(self.details_button, self.cancel_button, self.stop_button, self.best_button,
                                     align_right=True)[0], 1)
 
         self.activity = plain(QLabel())  # paths, nodes' names and progress
@@ -382,12 +450,16 @@ class PlacementView(QWidget):
         busy_row = QHBoxLayout()
         busy_row.addWidget(self.activity, 1)
         busy_row.addWidget(self.busy)
-        self.prediction = plain(QLabel())
+        self.prediction = plain(QLabel())  # the plan's speed, how it compares with the best, what it rests on
         self.prediction.setObjectName("prediction")
         font = self.prediction.font()
         font.setBold(True)
         self.prediction.setFont(font)
         self.prediction.setWordWrap(True)
+        self.measured = plain(QLabel())  # the deployment's speed in the chat, beside the prediction
+        self.measured.setWordWrap(True)
+        self.left_out = plain(QLabel())  # why a PC is not used, in plain words
+        self.left_out.setWordWrap(True)
         self.problems = plain(QLabel())
         self.problems.setObjectName("problems")
         self.problems.setWordWrap(True)
@@ -417,19 +489,39 @@ class PlacementView(QWidget):
         self.deploy_bars: list[tuple[QLabel, QProgressBar]] = []
         self.deploy_box.hide()
 
+        self.details = QWidget()  # what only an expert needs, behind "Details for experts"
+        self.technical = plain(QLabel())  # the plan's timings in the solver's terms
+        self.technical.setObjectName("hint")
+        self.technical.setWordWrap(True)
+        self.reasons = plain(QLabel())  # the left-out PCs' reasons with their figures
+        self.reasons.setObjectName("hint")
+        self.reasons.setWordWrap(True)
         hint = QLabel("Drag a range onto another lane to move those layers there; drag the handles between ranges "
                       "to move a boundary; right click a range (or tick it in the list) to pin it.")
         hint.setObjectName("hint")
         hint.setWordWrap(True)
+        details = QVBoxLayout(self.details)
+        details.setContentsMargins(0, 0, 0, 0)
+        details.addWidget(flow_bar(QLabel("Objective"), self.objective, self.optimise_button, self.deploy_button,
+                                   self.record_button)[0])
+        details.addWidget(self.technical)
+        details.addWidget(self.reasons)
+        details.addWidget(hint)
+        self.details.hide()
+        self.tree.hide()
+
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
         layout.addLayout(top)
+        layout.addWidget(self.pcs_box)
         layout.addLayout(plan_row)
         layout.addLayout(busy_row)
         layout.addWidget(self.prediction)
+        layout.addWidget(self.measured)
+        layout.addWidget(self.left_out)
         layout.addWidget(self.problems)
+        layout.addWidget(self.details)
         layout.addWidget(split, 1)
-        layout.addWidget(hint)
         layout.addWidget(self.deploy_box)
         self.model.planChanged.connect(self._show_evaluation)
         self._set_busy(None)
@@ -447,9 +539,47 @@ class PlacementView(QWidget):
     def load_profile(self, doc: dict) -> None:
         self.model.load(doc)
         self.doc = doc
+        self.best, self.copies = None, ([], [])
         if doc.get("source"):
             self.source.setText(str(doc["source"]))
+        self._list_pcs()
         self._set_busy(None if self.task is None else self.activity.text())
+        self._show_evaluation()
+
+    def _list_pcs(self) -> None:
+        """A "use this PC" box per machine of the profile, all ticked; this PC's always (it runs the chat)."""
+        for box in self.pc_checks.values():
+            self.pcs_layout.removeWidget(box)
+            box.deleteLater()
+        self.pc_checks = {}
+        for node in dict.fromkeys(lane.node for lane in self.model.lanes):
+            lane = next(lane for lane in self.model.lanes if lane.node == node)
+            box = QCheckBox(lane.name + (" (simulated)" if lane.simulated else ""))
+            box.setChecked(True)
+            if node == self.model.fleet.coordinator:
+                box.setEnabled(False)
+                box.setToolTip("this PC always takes part: it runs the chat")
+            box.toggled.connect(self._show_evaluation)
+            self.pcs_layout.addWidget(box)
+            self.pc_checks[node] = box
+
+    def pcs_in_use(self) -> list[str]:
+        return [node for node, box in self.pc_checks.items() if box.isChecked()]
+
+    def _fleet_in_use(self):
+        """The profile's fleet without the PCs not ticked in "Use these PCs"."""
+        fleet, used = self.model.fleet, set(self.pcs_in_use())
+        return Fleet(devices=[d for d in fleet.devices if d.node in used], rtt_ms=fleet.rtt_ms,
+                     coordinator=fleet.coordinator)
+
+    def _users_changed(self, users: int) -> None:
+        """One person is served best by the quickest answer, several by the most words in all."""
+        self.objective.setCurrentText("latency" if users == 1 else "throughput")
+
+    def _show_details(self, shown: bool) -> None:
+        self.details.setVisible(shown)
+        self.tree.setVisible(shown)
+        self.details_button.setText("Hide details" if shown else "Details for experts")
 
     def _ask_open_profile(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Fleet profile", str(default_profile()), "JSON (*.json)")
@@ -473,10 +603,17 @@ class PlacementView(QWidget):
             self.banner.error("Name the model to place first.")
             return
 
+        objective, users = self.objective.currentText(), self.users.value()
+
         def run(report, cancel):
             doc = backend.survey(model, agents, settings, report, cancel)
             write_json(default_profile(), doc)
-            return doc
+            report(Progress("Finding the best layout"))
+            shape, _, fleet = parse_profile(doc)
+            try:
+                return doc, best_plan(shape, fleet, objective, users)
+            except Infeasible as exc:
+                return doc, str(exc)
 
         where = f"this machine and {len(agents)} node{'s' if len(agents) != 1 else ''}" if agents else \
             "this machine only (no node answers in the Fleet view)"
@@ -485,7 +622,9 @@ class PlacementView(QWidget):
                                      failed=lambda m: self._failed("Profiling the fleet failed", m),
                                      cancelled=self._task_cancelled)
 
-    def _profiled(self, doc: dict) -> None:
+    def _profiled(self, result) -> None:
+        """Shows the profile with the best plan the solver found on it (what Optimise would find)."""
+        doc, solved = result
         self.task = None
         self._set_busy(None)
         try:
@@ -493,43 +632,43 @@ class PlacementView(QWidget):
         except FleetError as exc:
             self.banner.error(str(exc))
             return
+        self._optimised((solved, []) if not isinstance(solved, str) else (None, solved))
         self.activity.setText(f"Fleet profiled: {len(self.model.lanes)} devices on {len(doc['nodes'])} machines; "
-                              f"saved to {default_profile()}")
+                              f"saved to {default_profile()}. " + self.activity.text())
 
     # --- optimise ------------------------------------------------------------------------------------
 
     def optimise(self) -> None:
         if self.task is not None or not self.model.loaded:
             return
-        shape, fleet, pins = self.model.shape, self.model.fleet, self.model.pins()
+        shape, fleet, pins = self.model.shape, self._fleet_in_use(), self.model.pins()
         objective, users = self.objective.currentText(), self.users.value()
 
         def run(report, cancel):
             try:
-                if objective == "throughput" and not pins:  # several users may be served best by copies
-                    layout = solve_layout(shape, fleet, users=users)
-                    # the copy with the most stages is drawn, else one on another PC (one whole here is
-                    # not a deployment of its own)
-                    plan, *others = sorted(layout.plans, key=lambda p: (-len(p.stages),
-                                                                        p.stages[0].node == fleet.coordinator))
-                else:
-                    plan, others, layout = solve(shape, fleet, objective=objective, users=users, pins=pins), [], None
-                    if objective == "latency" and not pins:  # one user may be served best by ranks
-                        plan = fastest_for_one(shape, fleet, plan)
+                return best_plan(shape, fleet, objective, users, pins), pins
             except Infeasible as exc:
                 return None, str(exc)
-            used = {s.node for p in others for s in p.stages}
-            left = {node: why for node, why in left_out(shape, fleet, plan).items() if node not in used}
-            return (plan, left, others, layout), pins
 
-        self._set_busy(f"Optimising for {objective}" + (f" with {len(pins)} pinned range(s)…" if pins else "…"))
+        self._set_busy(f"Finding the best layout for {users} {'person' if users == 1 else 'people'}"
+                       + (f" with {len(pins)} pinned range(s)…" if pins else "…"))
         self.task = self.tasks.start(run, "solve", succeeded=self._optimised,
                                      failed=lambda m: self._failed("Optimising failed", m),
                                      cancelled=self._task_cancelled)
 
+    def deploy_best(self) -> None:
+        """"Deploy the best layout": the solver's best over the PCs ticked, for that many people, started."""
+        if self.task is not None or not self.model.loaded:
+            return
+        for s in self.model.stages:  # the admin asks for the best: nothing held in place by hand
+            s.pinned = False
+        self._deploy_when_solved = True
+        self.optimise()
+
     def _optimised(self, result) -> None:
         self.task = None
         self._set_busy(None)
+        deploy, self._deploy_when_solved = self._deploy_when_solved, False
         solved, pins = result
         if solved is None:
             self.infeasible = self.model.readable(pins)
@@ -538,8 +677,17 @@ class PlacementView(QWidget):
             return
         self.infeasible = None
         plan, left, others, layout = solved
+        if not pins:
+            value = (layout.aggregate_tok_s if layout is not None else
+                     plan.tok_s if plan.objective == "latency" else plan.aggregate_tok_s)
+            self.best = Best(self.objective.currentText(), self.users.value(), tuple(self.pcs_in_use()), value)
         self.model.set_plan(plan, pins)
         self.copies = (self.model.chain(), [self.model.placement_of(p) for p in others])
+        self.left_out.setText("\n".join(self.model.readable(f"{node} is left out: {words}.")
+                                        for node, (words, _) in left.items()))
+        self.reasons.setText("\n".join(self.model.readable(f"Left out {node}: {detail}.")
+                                       for node, (_, detail) in left.items()))
+        self._show_evaluation()
         said = [f"Optimised in {plan.solve_ms:.0f} ms."]
         if plan.ranks:
             said.append(f"{len(plan.stages)} PCs as tensor-parallel ranks serve {plan.users} user(s) best: each "
@@ -549,8 +697,9 @@ class PlacementView(QWidget):
             said.append(self.model.readable(
                 f"{len(others) + 1} copies of the model serve {layout.users} users best: the chain drawn, and {where} "
                 f"({layout.aggregate_tok_s:.1f} tok/s aggregate predicted). Deploy starts them all."))
-        said.extend(self.model.readable(f"Left out {node}: {reason}.") for node, reason in left.items())
         self.activity.setText(" ".join(said))
+        if deploy:
+            self.deploy()
 
     # --- deploy --------------------------------------------------------------------------------------
 
@@ -582,11 +731,13 @@ class PlacementView(QWidget):
                 return None
             return deployment
 
-        self.deployment = None
+        self.deployment, self.deployed_at = None, None
+        self.deployed_prediction = self.tok_s
+        self.show_measured()
         self.deploying = [s.node for s in stages]
         self._reset_bars(stages)
-        self._set_busy(f"Deploying {model} ({weights}) on {len(stages)} "
-                       f"{'tensor-parallel ranks' if self.model.ranks else 'stages'}…")
+        self._set_busy(f"Deploying {model} ({weights}) in {len(stages)} "
+                       f"{'shares of every step' if self.model.ranks else 'parts'}…")
         self.task = self.tasks.start(run, "deploy", progressed=self._progress, succeeded=self._deployed,
                                      failed=lambda m: self._failed("Deployment failed", m),
                                      cancelled=self._task_cancelled)
@@ -599,8 +750,9 @@ class PlacementView(QWidget):
         self.deploy_bars = []
         for i, s in enumerate(stages):
             lane = self.model.lanes[self.model.stages[i].lane]
-            name = plain(QLabel(f"{'stage' if s.rank is None else 'rank'} {i}: {lane.label}, "
-                                f"{layer_span(s.start, s.end)}"))
+            name = plain(QLabel(f"part {i + 1}: {lane.label}, "
+                                + (f"1/{len(stages)} of every layer" if s.rank is not None else
+                                   layer_span(s.start, s.end))))
             phase = plain(QLabel("waiting"))
             phase.setObjectName("hint")
             bar = QProgressBar()
@@ -642,10 +794,11 @@ class PlacementView(QWidget):
         except FleetError as exc:
             self.banner.error(str(exc))
             return False
-        self.deployment, self.owns_deployment = deployment, False
+        self.deployment, self.owns_deployment, self.deployed_at = deployment, False, None
         self._set_busy(None)
-        self.activity.setText(f"The chat now uses the recorded deployment of {deployment.model}: stage 0 in this "
-                              f"app, stages 1.. at {', '.join(deployment.remotes)}.")
+        self.show_measured()
+        self.activity.setText(f"The chat now uses the recorded deployment of {deployment.model}: the first part in "
+                              f"this app, the others at {', '.join(deployment.remotes)}.")
         self.deployed.emit(deployment)
         return True
 
@@ -653,19 +806,22 @@ class PlacementView(QWidget):
         self.task = None
         self._set_busy(None)
         self.deployment, self.owns_deployment = deployment, True
+        self.deployed_at = time.time()
         for label, bar in self.deploy_bars:
             bar.setValue(1000)
             label.setText("running")
         copies = f" and {len(deployment.replicas)} more copies of the model" if deployment.replicas else ""
-        self.activity.setText(f"Deployed {deployment.model}: stage 0 in this app, stages 1.. at "
-                              f"{', '.join(deployment.remotes)}{copies}. The chat now uses this chain.")
+        self.activity.setText(f"Deployed {deployment.model}: the first part in this app, the others at "
+                              f"{', '.join(deployment.remotes)}{copies}. The chat now uses this deployment.")
+        self.show_measured()
         self.deployed.emit(deployment)
 
     def stop_deployment(self) -> None:
         deployment, settings, backend = self.deployment, self.settings, self.backend
         if deployment is None or self.task is not None:
             return
-        self.deployment = None
+        self.deployment, self.deployed_at = None, None
+        self.show_measured()
         self.deployed.emit(None)
         self._set_busy("Stopping the deployment's workers…")
         self.task = self.tasks.start(lambda report, cancel: backend.stop_deployment(deployment, settings),
@@ -712,27 +868,76 @@ class PlacementView(QWidget):
         self.busy.setRange(0, 0)
         self.busy.setVisible(running)
         self.cancel_button.setEnabled(running)
-        for b in (self.profile_button, self.open_button, self.optimise_button, self.deploy_button,
-                  self.record_button):
+        for b in (self.profile_button, self.open_button, self.record_button):
             b.setEnabled(not running)
         self.stop_button.setEnabled(not running and self.deployment is not None)
-        self.optimise_button.setEnabled(not running and self.model.loaded)
-        self.deploy_button.setEnabled(not running and self.model.loaded)
+        for b in (self.optimise_button, self.deploy_button, self.best_button):
+            b.setEnabled(not running and self.model.loaded)
 
     def _show_evaluation(self) -> None:
         m = self.model
         self.infeasible = None
         if not m.loaded or m.evaluation is None:
             self.prediction.setText("No plan yet.")
+            self.technical.setText("")
             self.problems.setText("")
             return
         plan = m.evaluation.plan
-        self.prediction.setText(
+        self.technical.setText(
             f"Predicted {plan.tok_s:.1f} tok/s for one user · {plan.aggregate_tok_s:.1f} tok/s aggregate for "
             f"{m.users} user{'s' if m.users != 1 else ''} · {plan.token_ms:.2f} ms per token "
             f"({plan.network_ms:.2f} ms network, {len(m.stages)} "
             + ("tensor-parallel ranks)" if m.ranks else f"stage{'s' if len(m.stages) != 1 else ''})"))
+        self.prediction.setText(self.in_words())
         self.problems.setText("Not deployable: " + "; ".join(m.problems) if m.problems else "")
+
+    def in_words(self) -> str:
+        """The plan's predicted speed as an admin reads it: for how many people, on which PCs, how it
+        compares with the best the solver found for the same people and PCs, and whether it rests
+        on simulated PCs."""
+        m = self.model
+        plan, users = m.evaluation.plan, m.users
+        drawn, others = self.copies
+        with_copies = bool(others) and drawn == m.chain()  # deployed with the copies the solver chose
+        value = (plan.tok_s if self.objective.currentText() == "latency" else
+                 self.best.tok_s if with_copies and self.best else plan.aggregate_tok_s)
+        who = "for one person" if users == 1 else f"for {users} people at once, all together"
+        pcs = list(dict.fromkeys(m.lanes[s.lane].name for s in m.stages))
+        text = f"This layout: {value:.1f} tok/s predicted {who}, on {', '.join(pcs)}"
+        if with_copies:
+            text += f" and {len(others)} more cop{'y' if len(others) == 1 else 'ies'} of the model"
+        best = self.best
+        if best is not None and (best.objective, best.users, best.pcs) == \
+                (self.objective.currentText(), users, tuple(self.pcs_in_use())):
+            text += (". It is the best layout found." if value >= best.tok_s * 0.995 else
+                     f"; the best found: {best.tok_s:.1f}.")
+        else:
+            text += ". Deploy the best layout finds the fastest for these people and PCs."
+        simulated = sorted({m.lanes[s.lane].name for s in m.stages if m.lanes[s.lane].simulated})
+        if simulated:
+            text += (f" The prediction rests on simulated PCs ({', '.join(simulated)}): real PCs will be "
+                     f"faster or slower.")
+        return text
+
+    def show_measured(self) -> None:
+        """The deployment's speed as the chat measured it since it started, beside its prediction."""
+        deployment = self.deployment
+        if deployment is None or self.deployed_at is None:
+            self.measured.setText("")
+            return
+        key = measured_key(deployment.stage0)
+        if key == deployment.stage0:  # as the chat keeps it (``ChatTab._record_speed``)
+            key = deployment.model
+        entry = measured_speeds().get(key)
+        predicted = f"predicted {self.deployed_prediction:.1f} tok/s for one person"
+        if isinstance(entry, dict) and entry.get("at", 0) >= self.deployed_at and entry.get("decode_tok_s"):
+            self.measured.setText(f"Measured in the chat: {entry['decode_tok_s']:.1f} tok/s ({predicted}).")
+        else:
+            self.measured.setText(f"Measured speed: shown here after the first answer in the chat ({predicted}).")
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self.show_measured()
 
     @property
     def tok_s(self) -> float:

@@ -1,4 +1,4 @@
-"""The app's preferences and the Settings view (a page of the sidebar, each field explained).
+"""The app's preferences and the Settings view (a page of the sidebar in sections, each field explained).
 
 ``GuiSettings`` is the engine's ``Settings`` (model, stages, device, drafts, streams, the API... kept
 in ``settings.json``, shared with the ``fleet`` command) plus what is the app's alone (the theme),
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from PySide6.QtCore import QSettings, Signal
-from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFormLayout, QLabel, QLineEdit, QPushButton, QScrollArea,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import QSettings, Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QFileDialog, QFormLayout, QGroupBox, QLabel, QLineEdit, QPushButton,
+                               QScrollArea, QVBoxLayout, QWidget)
 
 from engine.config import DRAFTS, Settings, paths
 from engine.errors import FleetError
@@ -61,87 +61,115 @@ def default_store() -> QSettings:
 HELP = {  # one line under each field, in words a new user understands
     "key": "The shared secret every machine of your fleet uses; copy this file to each of them.",
     "model": "What the chat runs: a catalog name, a GGUF file, a Hugging Face folder or an exported shard set.",
-    "stages": "How many pieces the model is split into (one per machine or worker process).",
-    "devices": "Where each stage runs: CPU, GPU or NPU, one for all stages or one per stage (CPU,GPU.1).",
+    "stages": "How many parts the model is split into, one for each PC (or process) that runs a part.",
+    "devices": "Where each part runs: CPU, GPU or NPU, one for all parts or one per part (CPU,GPU.1).",
     "mode": "fast: the quickest exchange between machines; exact: bit-identical to one machine.",
-    "local": "Run the later stages as separate processes on this PC, as a real fleet would.",
-    "streams": "How many chats can generate at the same time.",
+    "local": "Run the model's later parts as separate processes on this PC, as a fleet of PCs would.",
+    "streams": "How many chats can write their answers at the same time.",
     "k": "Speculative decoding: tokens guessed ahead per step (auto picks; 0 turns guessing off).",
     "draft": "How the guesses are made: lookup copies from the conversation, a model drafts with a small model, "
              "remote has another PC draft with it while this one checks.",
     "draft_model": "The small model for model and hybrid drafts.",
     "draft_at": "For a remote draft: HOST:PORT of the PC that drafts for this one (it runs `fleet worker --role "
                 "draft`). Empty: the draft server of the deployment, if it has one.",
-    "max_new_tokens": "The longest reply a new chat allows, in tokens (each chat can change it).",
-    "chat_preset": "The sampling a new chat starts with (Balanced stops small models repeating themselves).",
+    "max_new_tokens": "The longest answer a new chat allows, in tokens (about ¾ of a word each; each chat can "
+                      "change it).",
+    "chat_preset": "How a new chat picks its words (Balanced stops small models repeating themselves).",
     "theme": "Light or dark colours.",
     "api": "Let other programs use the chat's model through an OpenAI-compatible address.",
     "api_address": "127.0.0.1 keeps the API on this PC; another address needs the API key the app creates.",
     "mcp": "Tools the chat can use: MCP servers (a command or a URL); the chat asks before each call.",
 }
+GROUPS = ("Chat", "Models", "Fleet", "API and tools", "Advanced")  # the page's sections, in order
+
+
+def _section(title: str) -> tuple[QGroupBox, QFormLayout]:
+    box = QGroupBox(title)
+    form = QFormLayout(box)
+    form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
+    form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+    return box, form
 
 
 class SettingsPage(QWidget):
-    """The Settings view: edits a copy of the settings, each field with a line saying what it does;
-    Save checks them and emits ``saved`` with the new settings, Revert shows the current ones."""
+    """The Settings view: edits a copy of the settings in sections (``GROUPS``), each field with a
+    line saying what it does; the technical ones (speculative decoding, weights, mode, devices) are
+    under Advanced, shown on request.  Save checks them and emits ``saved`` with the new settings,
+    Revert shows the current ones."""
 
     saved = Signal(object)  # GuiSettings
 
     def __init__(self, settings: GuiSettings, parent: QWidget | None = None):
         super().__init__(parent)
         self._settings = settings
-        form = QFormLayout()
-        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
-        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        self.sections: dict[str, QGroupBox] = {}
+        forms = {}
+        for title in GROUPS:
+            self.sections[title], forms[title] = _section(title)
+        chat, models, fleet, api, advanced = (forms[t] for t in GROUPS)
+
+        self.chat_preset = combo_box(PRESETS)
+        chat.addRow("Answer style", explained(self.chat_preset, HELP["chat_preset"]))
+        self.max_new_tokens = spin_box(1, 32768, 256)
+        chat.addRow("Longest answer", explained(self.max_new_tokens, HELP["max_new_tokens"]))
+        self.streams = spin_box(1, 16, 2)
+        chat.addRow("Chats at once", explained(self.streams, HELP["streams"]))
+        self.theme = combo_box(THEMES)
+        chat.addRow("Theme", explained(self.theme, HELP["theme"]))
+
+        self.model = combo_box(CATALOG, editable=True)
+        models.addRow("Default model", explained(self.model, HELP["model"]))
 
         self.key_file = QLineEdit()
         self.key_file.setPlaceholderText("default: fleet.key in the config folder")
         browse = QPushButton("Browse…")
         browse.clicked.connect(self._browse_key)
-        form.addRow("Fleet key file", explained(field_row(self.key_file, browse), HELP["key"]))
-        self.model = combo_box(CATALOG, editable=True)
-        form.addRow("Default model", explained(self.model, HELP["model"]))
+        fleet.addRow("Fleet key file", explained(field_row(self.key_file, browse), HELP["key"]))
         self.stages = spin_box(1, 64, 2)
-        form.addRow("Stages", explained(self.stages, HELP["stages"]))
-        self.weights = combo_box(WEIGHT_FORMATS)
-        form.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
-        self.devices = QLineEdit()
-        form.addRow("Devices", explained(self.devices, HELP["devices"]))
-        self.mode = combo_box(["fast", "exact"])
-        form.addRow("Mode", explained(self.mode, HELP["mode"]))
-        self.local_workers = QCheckBox("run stages 1.. as worker processes on this machine")
-        form.addRow("Local fleet", explained(self.local_workers, HELP["local"]))
-        self.streams = spin_box(1, 16, 2)
-        form.addRow("Streams", explained(self.streams, HELP["streams"]))
-        self.k = combo_box(["auto", *map(str, range(0, 11))], editable=True)
-        form.addRow("Guess ahead (K)", explained(self.k, HELP["k"]))
-        self.draft = combo_box(DRAFTS)
-        form.addRow("Draft", explained(self.draft, HELP["draft"]))
-        self.draft_model = QLineEdit()
-        self.draft_model.setPlaceholderText("e.g. qwen2.5-coder-0.5b")
-        form.addRow("Draft model", explained(self.draft_model, HELP["draft_model"]))
-        self.draft_at = QLineEdit()
-        self.draft_at.setPlaceholderText("e.g. 192.168.1.20:7311")
-        form.addRow("Draft server", explained(self.draft_at, HELP["draft_at"]))
-        self.max_new_tokens = spin_box(1, 32768, 256)
-        form.addRow("Max new tokens", explained(self.max_new_tokens, HELP["max_new_tokens"]))
-        self.chat_preset = combo_box(PRESETS)
-        form.addRow("Chat sampling", explained(self.chat_preset, HELP["chat_preset"]))
-        self.theme = combo_box(THEMES)
-        form.addRow("Theme", explained(self.theme, HELP["theme"]))
+        fleet.addRow("Parts", explained(self.stages, HELP["stages"]))
+        self.local_workers = QCheckBox("run the later parts as separate processes on this PC")
+        fleet.addRow("Fleet on this PC", explained(self.local_workers, HELP["local"]))
+
         self.api_enabled = QCheckBox("serve the chat's model as an OpenAI-compatible API")
-        form.addRow("API", explained(self.api_enabled, HELP["api"]))
+        api.addRow("API", explained(self.api_enabled, HELP["api"]))
         self.api_host = QLineEdit()
         self.api_port = spin_box(0, 65535, 8000)
-        form.addRow("API address", explained(field_row(self.api_host, self.api_port), HELP["api_address"]))
+        api.addRow("API address", explained(field_row(self.api_host, self.api_port), HELP["api_address"]))
         self.mcp_summary = plain(QLabel())  # the servers' names, as imported
         self.mcp_summary.setWordWrap(True)
         mcp_button = QPushButton("MCP servers…")
         mcp_button.clicked.connect(lambda: self.edit_mcp_servers())
-        form.addRow("Tools", explained(field_row(self.mcp_summary, mcp_button), HELP["mcp"]))
+        api.addRow("Tools", explained(field_row(self.mcp_summary, mcp_button), HELP["mcp"]))
+
+        self.k = combo_box(["auto", *map(str, range(0, 11))], editable=True)
+        advanced.addRow("Tokens guessed ahead", explained(self.k, HELP["k"]))
+        self.draft = combo_box(DRAFTS)
+        advanced.addRow("Draft", explained(self.draft, HELP["draft"]))
+        self.draft_model = QLineEdit()
+        self.draft_model.setPlaceholderText("e.g. qwen2.5-coder-0.5b")
+        advanced.addRow("Draft model", explained(self.draft_model, HELP["draft_model"]))
+        self.draft_at = QLineEdit()
+        self.draft_at.setPlaceholderText("e.g. 192.168.1.20:7311")
+        advanced.addRow("Draft server", explained(self.draft_at, HELP["draft_at"]))
+        self.weights = combo_box(WEIGHT_FORMATS)
+        advanced.addRow("Weights", explained_choice(self.weights, WEIGHT_NOTES))
+        self.mode = combo_box(["fast", "exact"])
+        advanced.addRow("Mode", explained(self.mode, HELP["mode"]))
+        self.devices = QLineEdit()
+        advanced.addRow("Devices", explained(self.devices, HELP["devices"]))
+        self.show_advanced = QPushButton("Show advanced settings")
+        self.show_advanced.setCheckable(True)
+        self.show_advanced.setToolTip("speculative decoding, weight format, exchange mode and devices")
+        self.show_advanced.toggled.connect(self._toggle_advanced)
+        self.sections["Advanced"].hide()
 
         inner = QWidget()
-        inner.setLayout(form)
+        sections = QVBoxLayout(inner)
+        for title in GROUPS[:-1]:
+            sections.addWidget(self.sections[title])
+        sections.addWidget(self.show_advanced, 0, Qt.AlignmentFlag.AlignLeft)
+        sections.addWidget(self.sections["Advanced"])
+        sections.addStretch(1)
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QScrollArea.Shape.NoFrame)
@@ -164,6 +192,10 @@ class SettingsPage(QWidget):
         layout.addWidget(self.error)
         layout.addWidget(flow_bar(revert, self.save_button, align_right=True)[0])
         self.load(settings)
+
+    def _toggle_advanced(self, shown: bool) -> None:
+        self.sections["Advanced"].setVisible(shown)
+        self.show_advanced.setText("Hide advanced settings" if shown else "Show advanced settings")
 
     def load(self, settings: GuiSettings) -> None:
         """Shows ``settings`` in the fields."""
@@ -234,6 +266,9 @@ class SettingsPage(QWidget):
         if problem:
             self.error.setText(problem)
             self.error.show()
+            advanced = ("k", "draft", "draft_model", "draft_at", "weights", "mode", "device")
+            if any(getattr(result, f) != getattr(self._settings, f) for f in advanced):
+                self.show_advanced.setChecked(True)  # the field at fault may be among them
             return False
         self.error.hide()
         self.saved.emit(result)

@@ -1,15 +1,16 @@
 """Small widgets the views share: plain text for labels and tooltips, the inline message banner, the
 splitter and field-with-button rows several views lay out, a flow layout for rows of buttons that
-wrap instead of widening the window, the scroll frame every view sits in, and ready-filled spin and
-combo boxes for their forms."""
+wrap instead of widening the window, the scroll frame every view sits in, ready-filled spin and
+combo boxes for their forms, and the wheel guard that keeps a scrolling wheel from changing them."""
 
 from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import QPoint, QRect, QSize, Qt
-from PySide6.QtWidgets import (QComboBox, QFrame, QHBoxLayout, QLabel, QLayout, QPushButton, QScrollArea,
-                               QSizePolicy, QSpinBox, QSplitter, QStyle, QVBoxLayout, QWidget)
+from PySide6.QtCore import QEvent, QObject, QPoint, QRect, QSize, Qt
+from PySide6.QtWidgets import (QAbstractSpinBox, QApplication, QComboBox, QFrame, QHBoxLayout, QLabel, QLayout,
+                               QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QStyle, QVBoxLayout,
+                               QWidget)
 
 
 def plain(widget):
@@ -120,6 +121,31 @@ def combo_box(items, current: str | None = None, *, editable: bool = False) -> Q
     if current is not None:
         box.setCurrentText(current)
     return box
+
+
+class WheelGuard(QObject):
+    """Combo and spin boxes take the mouse wheel only once clicked into (they have the focus);
+    otherwise the wheel goes on to what holds them, so scrolling a form scrolls it instead of
+    changing whichever choice passes under the pointer.  One for the whole application
+    (``guard_wheel``), so every form of every view and dialog has it."""
+
+    def eventFilter(self, watched, event) -> bool:
+        if not isinstance(watched, (QComboBox, QAbstractSpinBox)):
+            return False
+        if event.type() == QEvent.Type.Polish and watched.focusPolicy() == Qt.FocusPolicy.WheelFocus:
+            # Qt gives a WheelFocus widget the focus before the wheel event reaches any filter
+            watched.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
+        elif event.type() == QEvent.Type.Wheel and not watched.hasFocus():
+            event.ignore()  # Qt hands an ignored wheel event on to the parent: the page scrolls
+            return True
+        return False
+
+
+def guard_wheel() -> None:
+    """Installs the ``WheelGuard`` on the application (once; nothing without one)."""
+    app = QApplication.instance()
+    if app is not None and app.findChild(WheelGuard) is None:
+        app.installEventFilter(WheelGuard(app))
 
 
 class FlowLayout(QLayout):

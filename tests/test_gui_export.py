@@ -105,7 +105,12 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     faithful, fast = (wizard.findChild(QRadioButton, f"choice-{w}") for w in ("gguf", "int4"))
     assert not wizard.choice_box.isHidden() and faithful.isChecked() and not fast.isChecked()
     assert wizard.weights.currentText() == "auto"  # shown as Faithful, still auto
-    assert "KL 0.002" in wizard.choice_notes["gguf"].text() and "KL 0.32" in wizard.choice_notes["int4"].text()
+    assert faithful.text() == "Same answers as the GGUF" and fast.text() == "Faster, slightly different answers"
+    assert "KL" not in wizard.choice_notes["gguf"].text() + wizard.choice_notes["int4"].text()  # the details':
+    assert "KL 0.002" in wizard.choice_notes["gguf"].toolTip() and "KL 0.32" in wizard.choice_notes["int4"].toolTip()
+    assert not wizard.weights.isVisible() and not wizard.head.isVisible()  # behind Details
+    wizard.details_button.click()
+    assert wizard.weights.isVisible() and wizard.head.isVisible()
     fast.click()
     assert wizard.weights.currentText() == "int4" and not faithful.isChecked()
     wizard.weights.setCurrentText("int8")
@@ -124,7 +129,7 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
         wizard.next_button.click()
     assert wizard.pull_bar.isVisible() and values[-1] == 100 and 40 in values
     assert wizard.pull_label.text() == "Model downloaded; preparing it"  # in the words of the chat's panel
-    assert wizard.stage_labels[0].text() == "stage 0: done, peak 812 MB"
+    assert wizard.stage_labels[0].text() == "part 1: done, peak 812 MB"
     assert [wizard.table.item(0, c).text() for c in (1, 2, 3)] == ["0-29", "812", "97.25"]
 
 
@@ -168,7 +173,7 @@ def test_the_engine_reports_bytes_and_stage_counts_the_wizard_follows(qtbot, gui
     wizard.stages.setValue(2)
     with qtbot.waitSignal(wizard.exported, timeout=10000):
         wizard.next_button.click()
-    assert wizard.pull_bar.value() == 100 and wizard.stage_labels[1].text() == "stage 1: done, peak 1 MB"
+    assert wizard.pull_bar.value() == 100 and wizard.stage_labels[1].text() == "part 2: done, peak 1 MB"
 
 
 def test_export_wizard_takes_the_split_of_a_placement_plan(qtbot, gui_home, tmp_path, tiny_models):

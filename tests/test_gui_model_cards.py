@@ -60,7 +60,21 @@ def test_cards_predict_from_the_fleet_profile_and_show_the_measured_speed(qtbot,
     assert smol[3].startswith("Predicted ") and smol[3].endswith(" · measured 23.4 tok/s")
     item = wizard.cards.item(1)
     assert "predictions of the placement solver" in item.toolTip() and "estimated" in item.toolTip()
+    # no KL on the card itself: it stands in the card's details (its tooltip)
+    wizard.cards.weights = "auto"
+    wizard.cards.render()
+    smol_item = wizard.cards.item(list(CATALOG).index("smollm2-135m"))
+    assert "Exports with same answers as the GGUF" in smol_item.text() and "KL" not in smol_item.text()
+    assert "KL 0.002 nats" in smol_item.toolTip()
     screenshot(window, "export-cards")
+
+    # a profile of simulated PCs (the demo fleet's) gives predictions that say so
+    doc = profile_doc()
+    doc["nodes"]["b"]["simulated"] = True
+    (paths().data / fit.PROFILE_NAME).write_text(json.dumps(doc))
+    _priced(qtbot, wizard.cards)
+    assert wizard.cards.card_text("qwen2.5-coder-1.5b").splitlines()[3].endswith(
+        "(on simulated PCs: real ones will differ)")
 
 
 def _drag(window, path) -> QDragEnterEvent:
@@ -92,8 +106,8 @@ def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_h
     # a float GGUF has no codes to carry: auto exports it Fast, and the card says so
     wizard.cards.weights = "auto"
     wizard.cards.render()
-    assert "\nExports Fast — " in wizard.cards.card_text(str(gguf))
-    assert "Faithful cannot carry this file's weight types" in wizard.cards.card_text(str(gguf))
+    assert "\nExports with faster, slightly different answers — " in wizard.cards.card_text(str(gguf))
+    assert "this file's weight types cannot be kept as they are" in wizard.cards.card_text(str(gguf))
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
     assert not wizard.use_path(tmp_path / "broken.gguf") and "corrupt GGUF" in wizard.banner.message
 
@@ -129,19 +143,22 @@ def test_a_chat_reply_becomes_the_cards_measured_speed(qtbot, gui_home, tmp_path
 
 
 def test_a_ggufs_card_says_how_it_exports_and_what_the_other_choice_costs(tmp_path):
-    """Faithful (auto, gguf) or Fast (int4), with the KL measured on the model, or on the reference
-    model for a GGUF of the user's own; a Hugging Face folder and other formats get no such line."""
+    """The same answers as the GGUF (auto, gguf) or faster, slightly different ones (int4), in words
+    on the card; the KL measured on the model (or on the reference model for a GGUF of the user's
+    own) in its details.  A Hugging Face folder and other formats get no such line."""
     import dataclasses
 
-    from fleetgui.model_cards import export_line
+    from fleetgui.model_cards import export_details, export_line
 
     smol = catalog_facts(CATALOG["smollm2-135m"])
-    assert export_line(smol, "auto") == export_line(smol, "gguf")
-    assert export_line(smol, "auto").startswith("Exports Faithful") and "KL 0.002 against Fast's 0.32;" in \
-        export_line(smol, "auto")
-    assert export_line(smol, "int4").startswith("Exports Fast")
+    assert export_line(smol, "auto") == export_line(smol, "gguf") == \
+        "Exports with same answers as the GGUF (faster, slightly different answers: in the Export wizard)"
+    assert export_line(smol, "int4").startswith("Exports with faster, slightly different answers")
+    assert "KL" not in export_line(smol, "auto") + export_line(smol, "int4")
+    assert "KL 0.002 nats against Fast's 0.32." in export_details(smol, "auto")
     own = dataclasses.replace(smol, source=str(tmp_path / "own.gguf"), kind="gguf")
-    assert "KL 0.0006 against Fast's 0.064 on qwen2.5-coder-1.5b" in export_line(own, "auto")
+    assert "KL 0.0006 nats against Fast's 0.064 on qwen2.5-coder-1.5b" in export_details(own, "auto")
     assert export_line(dataclasses.replace(smol, kind="hf"), "auto") is None and export_line(smol, "int8") is None
-    assert export_line(own, "auto", carries_weights=False).startswith("Exports Fast — quantized again")
-    assert "it will fail (Faithful cannot carry" in export_line(own, "gguf", carries_weights=False)
+    assert export_line(own, "auto", carries_weights=False).startswith(
+        "Exports with faster, slightly different answers — quantized again")
+    assert "it will fail (this file's weight types cannot be kept" in export_line(own, "gguf", carries_weights=False)

@@ -100,23 +100,28 @@ def optimised(qtbot, fleet, doc: dict, users: int):
     return window, view
 
 
-def deployed_and_chatted(qtbot, window, view):
-    """Deploys the view's plan and chats one reply through it; the Deployment."""
-    deployed = []
-    view.deployed.connect(deployed.append)
-    view.deploy_button.click()
-    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
-    assert deployed and deployed[0] is not None, view.banner.message
+def deployed_and_chatted(qtbot, window, view, deploy: bool = True):
+    """Deploys the view's plan (unless it is deployed already) and chats one reply through it; the
+    Deployment."""
+    if deploy:
+        deployed = []
+        view.deployed.connect(deployed.append)
+        view.deploy_button.click()
+        qtbot.waitUntil(lambda: view.task is None, timeout=600000)
+        assert deployed and deployed[0] is not None, view.banner.message
+    else:
+        deployed = [view.deployment]
     tab = window.chat.new_chat()
     tab.input.setPlainText("Paris is the capital of")
     with qtbot.waitSignal(tab.finished, timeout=120000) as blocker:
         tab.send()
     assert blocker.args[0].tokens, blocker.args[0].error
+    view.show_measured()  # (what showing the view again does) the chat's speed beside the prediction
+    assert view.measured.text().startswith("Measured in the chat: ") and "predicted" in view.measured.text()
     return deployed[0]
 
 
 def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
-    from engine.export.exporter import plan_split
     from engine.fleet.deploy import LOCAL
     from fleetgui.placement_model import default_profile
 
@@ -132,9 +137,11 @@ def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     assert view.model.loaded, view.banner.message
     assert sorted(lane.label for lane in view.model.lanes) == ["alpha · CPU", "beta · CPU", "this machine · CPU"]
     assert view.model.lanes[0].name == "this machine"  # the coordinator's lane comes first
-    # the starting plan is the engine's even split, one stage per machine, stage 0 on this one
-    layers = view.model.shape.num_layers
-    assert [(s.start, s.end) for s in view.model.stages] == plan_split(layers, 3)
+    # the profile ends on the best plan the solver finds, not on a starting split: Optimise finds no better
+    profiled, predicted = view.model.chain(), view.prediction.text()
+    view.optimise_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert view.model.chain() == profiled and view.prediction.text() == predicted
     assert view.model.placement()[0].node == LOCAL and view.model.stages[0].lane == 0
     said = [p.text for p in seen if not p.step]  # each with the count a person follows
     assert "Node 1 of 3: profiling this machine's CPU" in said, said
@@ -142,7 +149,9 @@ def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     doc = json.loads(default_profile().read_text())
     assert doc["source"] == fleet.model and doc["weights"] == "f32" and len(doc["fleet"]["devices"]) == 3
     assert view.model.rowCount() == 3 and view.tree.model() is view.model
-    assert "Predicted" in view.prediction.text() and "tok/s" in view.prediction.text()
+    assert "tok/s predicted for one person" in view.prediction.text()
+    assert "best layout found" in view.prediction.text()
+    assert "Predicted" in view.technical.text() and "tok/s" in view.technical.text()
     assert view.optimise_button.isEnabled() and view.deploy_button.isEnabled()
     # a new window opens on the last profile of the data folder
     _, _, again = open_app(qtbot, fleet)
@@ -163,23 +172,23 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
 
     def priced():  # the label shows what evaluate() says of the chain on screen
         plan = evaluate(model.shape, model.fleet, model.chain(), users=model.users).plan
-        return f"Predicted {plan.tok_s:.1f} tok/s for one user" in view.prediction.text()
+        return f"Predicted {plan.tok_s:.1f} tok/s for one user" in view.technical.text()
 
     assert priced() and view.problems.text() == ""
-    before, alpha_memory = view.prediction.text(), model.lane_memory(lane["alpha"])
+    before, alpha_memory = view.technical.text(), model.lane_memory(lane["alpha"])
 
     # the boundary between alpha (layers 1-2) and beta (layer 3), dragged with the mouse to layer 2's start
     handle = canvas.boundary_point(1)
     assert canvas.boundary_at(handle) == 1
     drag(canvas, handle, QPoint(round(canvas.layer_x(2)), handle.y()))
     assert names(model) == [("this machine", 0, 1), ("alpha", 1, 2), ("beta", 2, 4)]
-    assert view.prediction.text() != before and priced()
+    assert view.technical.text() != before and priced()
     assert model.lane_memory(lane["alpha"]) < alpha_memory  # the memory bar follows
 
     # beta's range dragged onto alpha's lane: alpha now runs layers 1-3, two stages remain
     drag(canvas, canvas.block_point(2), canvas.lane_point(lane["alpha"]))
     assert names(model) == [("this machine", 0, 1), ("alpha", 1, 4)]
-    assert "2 stages" in view.prediction.text() and priced()
+    assert "2 stages" in view.technical.text() and priced()
 
     # the same drop through the model's own API (what a QTreeView drop calls): layer 3 onto beta
     data = QMimeData()
@@ -247,7 +256,8 @@ def test_infeasible_plans_say_why(qtbot, fleet):
     view.optimise_button.click()  # without the pin the solver routes around beta
     qtbot.waitUntil(lambda: view.task is None, timeout=60000)
     assert "beta" not in [n for n, _, _ in names(view.model)] and "beta" not in view.problems.text()
-    assert "Left out beta: it cannot hold one layer" in view.activity.text()  # and the view says why
+    assert "beta is left out: it has too little free memory" in view.left_out.text()  # and the view says why,
+    assert "Left out beta: it cannot hold one layer" in view.reasons.text()  # with the figures for experts
 
 
 def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
@@ -354,10 +364,21 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
     layout = solve_layout(shape, fleet_model, users=4)
     assert len(layout.plans) >= 2, layout.explain()
     key = load_key(fleet.key_file)
-    window, view = optimised(qtbot, fleet, doc, 4)
-    assert f"{len(layout.plans)} copies of the model serve 4 users best" in view.activity.text(), view.activity.text()
-    assert "alpha" in view.activity.text() or "beta" in view.activity.text()  # nodes by name, not id
-    deployment = deployed_and_chatted(qtbot, window, view)
+    # the admin's way: for 4 people, "Deploy the best layout" (the solver's best, then deployed)
+    window, fleet_view, view = open_app(qtbot, fleet, max_new_tokens=8)
+    wait_for_agents(qtbot, fleet_view, fleet)
+    window.show_view("Placement")
+    view.load_profile(doc)
+    view.users.setValue(4)
+    assert view.objective.currentText() == "throughput"
+    deployed = []
+    view.deployed.connect(deployed.append)
+    view.best_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=600000)
+    assert deployed and deployed[0] is not None, view.banner.message
+    assert "best layout found" in view.prediction.text() and "for 4 people at once" in view.prediction.text()
+    assert f"{len(layout.plans) - 1} more cop" in view.prediction.text()
+    deployment = deployed_and_chatted(qtbot, window, view, deploy=False)
     assert len(deployment.copies) == len(layout.plans) and "more copies of the model" in view.activity.text()
 
     def workers(address):
@@ -439,3 +460,65 @@ def test_embedded_default_chats_on_a_local_fleet_and_stops_with_the_window(qtbot
     assert blocker.args[0].stopped_by in ("eos", "max_tokens") and blocker.args[0].tokens
     window.close()
     assert agent.wait(timeout=15) is not None
+
+
+def office_profile() -> dict:
+    """A profile as the survey writes it, of three PCs: this one, a laptop as fast (simulated, as the
+    demo fleet's are) and an old PC nine times as slow a layer; the model fits this PC alone."""
+    from engine.fleet.deploy import LOCAL
+    from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
+
+    gb = 2**30
+    here, laptop, old = "a1b2c3d4e5f60001", "a1b2c3d4e5f60002", "a1b2c3d4e5f60003"
+    shape = ModelShape("office-model", 24, gb // 20, gb // 5, gb // 5, gb // 250, gb // 5)
+    fleet = Fleet([DeviceProfile(here, "CPU", 8 * gb, 1.0, 8.0, 0.1, 0.5),
+                   DeviceProfile(laptop, "CPU", 8 * gb, 1.0, 8.0, 0.1, 0.5),
+                   DeviceProfile(old, "CPU", 8 * gb, 9.0, 60.0, 0.1, 3.0)],
+                  {(here, laptop): 0.5, (here, old): 0.5, (laptop, old): 0.5}, here)
+    return {"model": shape.to_json(), "fleet": fleet.to_json(), "source": "office-model", "weights": "int4",
+            "nodes": {here: {"name": "this machine", "address": LOCAL},
+                      laptop: {"name": "laptop-2", "address": "127.0.0.1:9", "simulated": True},
+                      old: {"name": "old-pc", "address": "127.0.0.1:8"}}}
+
+
+def test_an_admin_picks_pcs_and_people_and_reads_the_plan_in_plain_words(qtbot, gui_home, tmp_path):
+    """No fleet needed: the admin's controls over a profile, the best layout's words, a hand edit
+    compared with the best, a prediction on simulated PCs said to be one, and plain reasons for a
+    PC left out; the expert's controls stay behind Details."""
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view = window.show_view("Placement")
+    view.load_profile(office_profile())
+    assert [box.text() for box in view.pc_checks.values()] == ["this machine", "laptop-2 (simulated)", "old-pc"]
+    assert not view.pc_checks["a1b2c3d4e5f60001"].isEnabled()  # this PC runs the chat: always in
+    assert view.best_button.isVisible() and view.best_button.text() == "Deploy the best layout"
+    assert not view.objective.isVisible() and not view.tree.isVisible() and not view.optimise_button.isVisible()
+
+    view.optimise()  # what "Deploy the best layout" runs before it deploys
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert names(view.model) == [("this machine", 0, 24)]  # the model whole here: no hop to pay
+    assert "for one person, on this machine. It is the best layout found." in view.prediction.text()
+    left = view.left_out.text().splitlines()
+    assert "laptop-2 is left out: one more network hop costs more than it saves." in left, left
+    assert "old-pc is left out: it is slower than the PCs in use: a part there would slow every answer." in left
+    assert "ms a layer" in view.reasons.text() and not view.reasons.isVisible()  # the figures, for experts
+
+    # a hand-made plan says how it compares with the best, and that it rests on a simulated PC
+    view.model.move_range(12, 24, view.model.lane_of("a1b2c3d4e5f60002", "CPU"))
+    best = view.best.tok_s
+    assert f"; the best found: {best:.1f}." in view.prediction.text()
+    assert f"This layout: {view.model.evaluation.plan.tok_s:.1f} tok/s predicted" in view.prediction.text()
+    assert "rests on simulated PCs (laptop-2)" in view.prediction.text()
+
+    # for several people the solver weighs the most words in all; a PC not ticked is not used
+    view.users.setValue(3)
+    assert view.objective.currentText() == "throughput" and "for 3 people at once" in view.prediction.text()
+    view.pc_checks["a1b2c3d4e5f60002"].setChecked(False)
+    assert "Deploy the best layout finds the fastest" in view.prediction.text()  # the best was for other PCs
+    view.optimise()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert "laptop-2" not in [name for name, _, _ in names(view.model)]
+    assert all(span.node != "127.0.0.1:9" for copy in view.copies[1] for span in copy)
+    assert "best layout found" in view.prediction.text()
+
+    view.details_button.click()
+    assert view.objective.isVisible() and view.tree.isVisible() and view.reasons.isVisible()

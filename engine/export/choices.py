@@ -29,10 +29,13 @@ class Choice:
     name: str
     weights: str
     what: str
+    label: str  # the choice as the app offers it, in a user's words
 
 
-FAITHFUL = Choice("Faithful", "gguf", "the GGUF's own weights: it answers as it does in llama.cpp")
-FAST = Choice("Fast", "int4", "quantized again to INT4: faster, but it no longer answers just as the GGUF does")
+FAITHFUL = Choice("Faithful", "gguf", "the GGUF's own weights: it answers as it does in llama.cpp",
+                  "Same answers as the GGUF")
+FAST = Choice("Fast", "int4", "quantized again to INT4: faster, but it no longer answers just as the GGUF does",
+              "Faster, slightly different answers")
 CHOICES = (FAITHFUL, FAST)
 LLAMACPP = "llama.cpp"
 REFERENCE = "qwen2.5-coder-1.5b"
@@ -71,14 +74,14 @@ def measured_on(model: str | None) -> tuple[dict[str, Measured], str]:
     return MEASURED[REFERENCE], REFERENCE
 
 
-def _figures(m: Measured, peer: Measured | None) -> list[str]:
+def _figures(m: Measured, peer: Measured | None, kl: bool = True) -> list[str]:
     out = []
     if m.humaneval is not None:
         theirs = f" (llama.cpp on the same file {peer.humaneval:.1f}%)" if peer and peer.humaneval is not None else ""
         out.append(f"solves {m.humaneval:.1f}% of {PROBLEMS} HumanEval coding problems{theirs}")
     if m.same_outcome is not None:
         out.append(f"passes or fails {m.same_outcome} of them as llama.cpp does")
-    if m.kl is not None:
+    if m.kl is not None and kl:
         out.append(f"next-word odds {'as' if m.kl < 0.01 else 'off'} the GGUF's (KL {m.kl:g} nats)")
     if m.tok_s_1 is not None and m.tok_s_4 is not None:
         theirs = (f" (llama.cpp {peer.tok_s_1:.0f} and {peer.tok_s_4:.0f})"
@@ -87,10 +90,11 @@ def _figures(m: Measured, peer: Measured | None) -> list[str]:
     return out
 
 
-def describe(choice: Choice, model: str | None = None) -> str:
+def describe(choice: Choice, model: str | None = None, kl: bool = True) -> str:
     """What a choice is and costs, with the figures measured on ``model`` (a catalog name), or on
-    Qwen2.5-Coder-1.5B where ``model`` was not measured."""
+    Qwen2.5-Coder-1.5B where ``model`` was not measured; ``kl`` False leaves the KL out (the app
+    keeps it for its details)."""
     measured, on = measured_on(model)
-    figures = _figures(measured[choice.weights], measured.get(LLAMACPP))
+    figures = _figures(measured[choice.weights], measured.get(LLAMACPP), kl)
     text = f"{choice.what[0].upper()}{choice.what[1:]}."
     return text + (f" Measured on {on}: {'; '.join(figures)}." if figures else "")

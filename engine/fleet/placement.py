@@ -465,10 +465,23 @@ def one_layer_on(model: ModelShape, fleet: Fleet, plan: Plan, node: str) -> tupl
     return best
 
 
+SLOWER = 1.5  # a left-out device this many times the plan's slowest per layer is called slower, not a hop's cost
+
+
 def left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, str]:
     """Why each node the plan does not use is left out, in words, keyed by node: none of its
     devices can run a stage or hold one layer, or its best single layer (``one_layer_on``) would
     make the plan's objective worse by the same cost model."""
+    return {node: detail for node, (_, detail) in _left_out(model, fleet, plan).items()}
+
+
+def left_out_plainly(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, str]:
+    """``left_out``'s reasons in an office admin's words, without the figures."""
+    return {node: words for node, (words, _) in _left_out(model, fleet, plan).items()}
+
+
+def _left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, tuple[str, str]]:
+    """(plain words, the reason with its figures) for each node the plan leaves out."""
     used = {s.node for s in plan.stages}
     one_layer = stage_memory(model).at(1, False, False)
     slowest = max((d.layer_ms for s in plan.stages if (d := fleet.device(s.node, s.device))), default=0.0)
@@ -478,28 +491,33 @@ def left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, str]:
             continue
         devices = [d for d in fleet.devices if d.node == node and d.supported]
         if not devices:
-            reasons[node] = "none of its devices can run a stage"
-            continue
-        if plan.ranks:
-            reasons[node] = ("tensor-parallel ranks pair this machine with one other PC, and the pair with it "
-                             "was predicted slower")
+            reasons[node] = ("it cannot run this model", "none of its devices can run a stage")
             continue
         if all(d.memory_bytes < one_layer for d in devices):
-            reasons[node] = (f"it cannot hold one layer ({gb(one_layer)} with the runtime; "
+            reasons[node] = ("it has too little free memory for any part of the model",
+                             f"it cannot hold one layer ({gb(one_layer)} with the runtime; "
                              f"{gb(max(d.memory_bytes for d in devices))} free)")
+            continue
+        if plan.ranks:
+            reasons[node] = ("two PCs sharing every step were faster, and the pair with this one was predicted "
+                             "slower", "tensor-parallel ranks pair this machine with one other PC, and the pair "
+                             "with it was predicted slower")
             continue
         moved = one_layer_on(model, fleet, plan, node)
         if moved is None:
-            reasons[node] = "no layer of the plan can move there (its memory, or its round trips are not measured)"
+            reasons[node] = ("no part of the model fits there, or its network was not measured",
+                             "no layer of the plan can move there (its memory, or its round trips are not measured)")
             continue
         alt, dev = moved
+        words = ("it is slower than the PCs in use: a part there would slow every answer"
+                 if dev.layer_ms > slowest * SLOWER else "one more network hop costs more than it saves")
         speed = f"its {dev.device} takes {dev.layer_ms:.2f} ms a layer (the plan's slowest {slowest:.2f} ms)"
         if plan.objective == "latency":
-            reasons[node] = (f"{speed}; with one layer there a token would take {alt.token_ms:.2f} ms instead of "
-                             f"{plan.token_ms:.2f}")
+            reasons[node] = (words, f"{speed}; with one layer there a token would take {alt.token_ms:.2f} ms "
+                                    f"instead of {plan.token_ms:.2f}")
         else:
-            reasons[node] = (f"{speed}; with one layer there {plan.users} user(s) would get {alt.aggregate_tok_s:.1f} "
-                             f"tok/s instead of {plan.aggregate_tok_s:.1f}")
+            reasons[node] = (words, f"{speed}; with one layer there {plan.users} user(s) would get "
+                                    f"{alt.aggregate_tok_s:.1f} tok/s instead of {plan.aggregate_tok_s:.1f}")
     return reasons
 
 
