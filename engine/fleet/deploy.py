@@ -357,7 +357,10 @@ def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=
     """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
     or, for a single stage here, the model exported whole for this machine.  Returns the first
     copy's ``Deployment``, holding the others in ``replicas``, and every copy's chain (the caller
-    closes them).  A copy that fails stops the ones already running."""
+    closes them).  A copy that fails stops the ones already running.  Hot standbys (``standbys``) go
+    with a single copy only: the solver's memory for replicas does not count a standby beside them."""
+    if len(copies) > 1:
+        kw["standbys"] = False
     done: list[tuple[Deployment, object]] = []
     try:
         for stages in copies:
