@@ -87,6 +87,7 @@ class Settings:
     tls: bool = False  # wrap every fleet connection in TLS with the shared fleet certificate
     mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
     deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
+    standbys: bool = True  # a deployment keeps a hot standby of each part on another node where one has room
     local_workers: bool = True  # stages 1.. as worker processes on this machine (else all in process)
     streams: int = 2  # chats that generate at the same time (micro-batched streams)
     k: str = "auto"  # draft tokens per round: a number or "auto"; 0 turns speculation off

@@ -177,7 +177,7 @@ class EngineBackend:
         deployment, chains = deploy_layout(model, [stages, *copies], key=keystore.load(settings),
                                            tls=keystore.tls(settings), weights=settings.weights, mode=settings.mode,
                                            cancel=cancel, deadline_s=settings.deadline_s, planned=planned,
-                                           progress=progress)
+                                           progress=progress, standbys=settings.standbys)
         for chain in chains:
             chain.close()
         deployment.save()

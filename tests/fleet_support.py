@@ -41,6 +41,29 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
         agent.stop(timeout_s=15)
 
 
+def fleet_profile(model: str, agents: dict, key: bytes) -> dict:
+    """The fleet profile failover re-plans from and standbys are placed with, for ``agents`` (name ->
+    (process, address)): their real node ids and addresses, every device alike with 8 GB (the
+    survey, which measures them, has its own tests; here what matters is where the layers go)."""
+    from engine.export.exporter import export_model
+    from engine.fleet.control import ControlClient
+    from engine.fleet.deploy import LOCAL
+    from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
+    from engine.fleet.profile import model_shape
+    from engine.manifest import load_manifest
+
+    nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
+    for name, (_, address) in agents.items():
+        with ControlClient(address, key) as client:
+            nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}
+    folder = export_model(model, stages=1, weights="int4").folders[0]
+    shape = ModelShape(**model_shape(load_manifest(folder)))
+    devices = [DeviceProfile(node, "CPU", 8 << 30, layer_ms=0.2, head_ms=1.0) for node in nodes]
+    rtt = {(a, b): 0.3 for a in nodes for b in nodes if a < b}
+    return {"model": shape.to_json(), "nodes": nodes,
+            "fleet": Fleet(devices=devices, rtt_ms=rtt, coordinator="coordinator").to_json()}
+
+
 @contextlib.contextmanager
 def fleet_up(args: list[str], log: Path, env: dict | None = None):
     """``fleet up ARGS --lifeline`` as a process, its stderr in ``log``; yields (process, the lines it

@@ -14,7 +14,7 @@ import threading
 
 import psutil
 import pytest
-from fleet_support import agent_process
+from fleet_support import agent_process, fleet_profile
 
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
@@ -37,28 +37,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _profile(model: str, agents: dict, key: bytes) -> dict:
-    """The fleet profile the solver re-plans from: the agents' real node ids and addresses, every
-    device alike (the survey, which measures them, has its own tests; here what matters is where
-    the layers go)."""
-    from engine.export.exporter import export_model
-    from engine.fleet.control import ControlClient
-    from engine.fleet.placement import DeviceProfile, ModelShape
-    from engine.fleet.profile import model_shape
-    from engine.manifest import load_manifest
-
-    nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
-    for name, (_, address) in agents.items():
-        with ControlClient(address, key) as client:
-            nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}
-    folder = export_model(model, stages=1, weights="int4").folders[0]
-    shape = ModelShape(**model_shape(load_manifest(folder)))
-    devices = [DeviceProfile(node, "CPU", 8 << 30, layer_ms=0.2, head_ms=1.0) for node in nodes]
-    rtt = {(a, b): 0.3 for a in nodes for b in nodes if a < b}
-    return {"model": shape.to_json(), "nodes": nodes,
-            "fleet": Fleet(devices=devices, rtt_ms=rtt, coordinator="coordinator").to_json()}
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     """Three agents (alpha on a fixed port, so it can come back there), the fleet's profile, and the
@@ -73,7 +51,7 @@ def fleet(tmp_path_factory):
                                                           "127.0.0.1:0"))
                   for name in ("alpha", "beta", "gamma")}
         yield {"key": key, "key_file": key_file, "source": MODEL, "agents": agents,
-               "profile": _profile(MODEL, agents, key), "root": root}
+               "profile": fleet_profile(MODEL, agents, key), "root": root}
 
 
 def _reference(deployment) -> list[int]:

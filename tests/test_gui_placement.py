@@ -292,10 +292,12 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert exporting == {(fleet.alpha, "exporting stage 1"), (fleet.beta, "exporting stage 2")}, seen
     assert not any(r.preparing for r in fleet_view.model.rows)
     assert [bar.value() for _, bar in view.deploy_bars] == [1000] * 3
-    for address, stage, layers in ((fleet.alpha, 1, [1, 3]), (fleet.beta, 2, [3, 4])):
+    # each node runs its stage, and the other's hot standby (Settings.standbys, on by default)
+    assert {(s["stage"], s["agent"]) for s in deployment.standbys} == {(1, fleet.beta), (2, fleet.alpha)}
+    for address in (fleet.alpha, fleet.beta):
         with ControlClient(address, key) as agent:
             workers = agent.status()["workers"]
-        assert [(w["stage"], w["layers"]) for w in workers] == [(stage, layers)]
+        assert sorted((w["stage"], w["layers"]) for w in workers) == [(1, [1, 3]), (2, [3, 4])]
 
     tab = window.chat.all_tabs()[0]
     messages = [{"role": "user", "content": "Paris is the capital of"}]

@@ -332,7 +332,7 @@ def cmd_deploy(args) -> int:
         raise FleetError("--draft-on needs the draft model: --draft-model MODEL (one with the target's tokenizer)")
     deployment, chains = deploy_layout(args.model, layout_stages(plan_doc), key=key, tls=tls, weights=args.weights,
                                        mode=settings.mode, progress=progress_printer(), deadline_s=settings.deadline_s,
-                                       planned=planned_by(plan_doc))
+                                       planned=planned_by(plan_doc), standbys=settings.standbys)
     for chain in chains:
         chain.close()
     if args.draft_on:
@@ -392,7 +392,7 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1", tls=settings.tls)
     deployment, chains = deploy_layout(model, copies, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
                                        progress=progress_printer(), deadline_s=settings.deadline_s,
-                                       planned=planned_by(doc))
+                                       planned=planned_by(doc), standbys=settings.standbys)
     for chain in chains:
         chain.close()
     try:

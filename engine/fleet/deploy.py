@@ -23,6 +23,9 @@ from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.span import StageSpan
+from engine.fleet import standby
+from engine.fleet.placement import Fleet, ModelShape
+from engine.fleet.standby import Standby
 from engine.manifest import layer_span, load_manifest
 from engine.progress import Report, deploying, quiet
 from engine.runtime.relay.ranks import RankChain
@@ -51,6 +54,7 @@ class Deployment:
     users: int = 1
     draft: dict | None = None  # a draft server on a node (``deploy_draft``): agent, worker, address, model
     replicas: list[dict] = dataclasses.field(default_factory=list)  # the other copies' records (``deploy_layout``)
+    standbys: list[dict] = dataclasses.field(default_factory=list)  # ``engine.fleet.standby.Standby`` records
     id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)  # kept through failovers (``current``)
 
     def to_json(self) -> dict:
@@ -80,6 +84,10 @@ class Deployment:
         """Each copy of the model on its own: this one (without the replicas and draft server it
         records) and the other replicas deployed with it.  What a copy's failover restarts."""
         return [dataclasses.replace(self, replicas=[], draft=None), *(Deployment.from_json(r) for r in self.replicas)]
+
+    def standby_for(self, stage: int) -> Standby | None:
+        """Stage ``stage``'s hot standby (``engine.fleet.standby``), if it has one."""
+        return next((s for s in map(Standby.from_json, self.standbys) if s.stage == stage), None)
 
     def with_copy(self, index: int, copy: "Deployment") -> "Deployment":
         """This deployment with copy ``index`` (as ``copies`` numbers them) replaced by ``copy``, a
@@ -126,7 +134,7 @@ class Deployment:
     def stop(self, key: bytes, tls=None) -> list[str]:
         """Stops every worker of the deployment (its replicas' and its draft server's too); returns
         the problems met (unreachable agents)."""
-        workers = [w for copy in self.copies for w in copy.workers]
+        workers = [w for copy in self.copies for w in copy.workers + copy.standbys]
         return _stop_workers(workers + ([self.draft] if self.draft else []), key, tls)
 
 
@@ -250,13 +258,15 @@ def placement_problem(stages: list[StageSpan]) -> str | None:
 def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights: str = DEFAULT_WEIGHTS,
            mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
            progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
-           deadline_s: float = 2.0, planned: dict | None = None, local=None, folders: list[Path] | None = None):
+           deadline_s: float = 2.0, planned: dict | None = None, local=None, folders: list[Path] | None = None,
+           standbys: bool = False):
     """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it).
     ``progress`` tells each stage's phases (``engine.progress.deploying``): export, send, start, connect.
     ``planned``: how the placement was chosen (``profile`` path, ``objective``, ``users``), kept in
     the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's;
     ``folders``: this split's exported stages, already at hand (failover redeploying a placement),
-    so the model is not opened again to find them."""
+    so the model is not opened again to find them.  ``standbys``: also start a hot standby of each
+    stage where the fleet profile in ``planned`` has a node with room (``engine.fleet.standby``)."""
     # deferred: only deploying exports; a `fleet worker` process imports this module (engine.cli.args)
     from engine.export.exporter import export_model
 
@@ -308,10 +318,37 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
         progress(deploying(0, "connect", 0.0))
         chain = deployment.chain(key, tls=tls, deadline_s=deadline_s, local=local)  # the whole route answers
         progress(deploying(0, "connect", 1.0))
+        if standbys and ranks == 1:
+            try:
+                deployment.standbys = [s.to_json() for s in _start_standbys(deployment, folders, key=key, tls=tls,
+                                                                            precision=precision, progress=progress)]
+            except BaseException:
+                chain.close()
+                raise
         return deployment, chain
     except BaseException:
         _stop_workers(started, key, tls)
         raise
+
+
+def _start_standbys(deployment: Deployment, folders: list[Path], *, key: bytes, tls, precision: str | None,
+                    progress: Report) -> list[Standby]:
+    """Hot standbys for ``deployment``'s stages, placed from the fleet profile it was planned from
+    (none without one); a standby that does not start is left out."""
+    try:
+        profile = json.loads(Path(deployment.profile).read_text()) if deployment.profile else None
+    except (OSError, ValueError):
+        profile = None
+    if not profile:
+        return []
+    nodes = profile["nodes"]
+    node_of = {info.get("address"): node for node, info in nodes.items()}
+    spans = [s.at(node_of.get(s.node, s.node)) if s.node != LOCAL else s for s in deployment.placement]
+    where = standby.place(ModelShape.from_json(profile["model"]), Fleet.from_json(profile["fleet"]), spans,
+                          standby.dropouts(), local=LOCAL)
+    where = {i: s.at(nodes[s.node]["address"]) for i, s in where.items() if nodes.get(s.node, {}).get("address")}
+    return standby.start(folders, where, key=key, tls=tls, mode=deployment.mode, precision=precision,
+                         progress=progress)
 
 
 def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=None,
@@ -320,7 +357,10 @@ def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=
     """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
     or, for a single stage here, the model exported whole for this machine.  Returns the first
     copy's ``Deployment``, holding the others in ``replicas``, and every copy's chain (the caller
-    closes them).  A copy that fails stops the ones already running."""
+    closes them).  A copy that fails stops the ones already running.  Hot standbys (``standbys``) go
+    with a single copy only: the solver's memory for replicas does not count a standby beside them."""
+    if len(copies) > 1:
+        kw["standbys"] = False
     done: list[tuple[Deployment, object]] = []
     try:
         for stages in copies:

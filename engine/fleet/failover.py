@@ -17,7 +17,9 @@ already emitted) and continues it.  What happens is told to ``on_event`` as it h
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -27,10 +29,13 @@ from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, Deployment, deploy_layout
 from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
 from engine.fleet.span import StageSpan
+from engine.fleet import standby
+from engine.fleet.standby import Standby
 from engine.fleet.survey import readable
 from engine.manifest import layer_span
 
 PROBE_TIMEOUT_S = 3.0  # a node agent silent this long counts as gone
+SWITCH_TIMEOUT_S = 5.0  # a standby's chain not answering within this redeploys instead
 
 
 class Failover:
@@ -73,11 +78,18 @@ class Failover:
     def recover(self, error: StageError):
         """A new chain for the deployment after ``error`` broke it; raises FleetError when the fleet
         cannot carry on."""
+        spare = self.deployment.standby_for(error.stage)
+        if spare is not None:
+            try:
+                return self._switch(error, spare)
+            except FleetError as exc:  # the standby is gone too: redeploy as without one
+                self.on_event(f"the standby for stage {error.stage} did not take over ({exc}); redeploying")
         placement = self.deployment.placement
         gone = [s for s in placement if s.node != LOCAL and not self._answers(s.node)]
         if gone:
             for stage in gone:
                 self.lost[self.node_of(stage.node)] = stage.node
+                standby.count_dropout(self.node_of(stage.node))
                 self.on_event(f"node {self.name(stage.node)} lost ({error.reason})")
             placement = self._replan(placement, gone)
         else:
@@ -102,6 +114,50 @@ class Failover:
         self.on_event("placed: " + "; ".join(f"stage {i} on {node} ({layer_span(s.start, s.end)})"
                                              for i, (node, s) in enumerate(zip(where, placement))))
         return chain
+
+    def _switch(self, error: StageError, standby: Standby):
+        """The chain with stage ``error.stage`` on its hot standby: no probe, no shard, no compile;
+        the stage's old worker is looked after in the background (stopped if its node answers, its
+        node counted lost if not)."""
+        old = self.deployment
+        i = standby.stage
+        first_remote = 0 if old.fed else 1
+        placement = list(old.placement)
+        lost = placement[i]
+        placement[i] = StageSpan(standby.agent, standby.device, lost.start, lost.end, lost.rank)
+        remotes = list(old.remotes)
+        remotes[i - first_remote] = standby.address
+        workers = [w for w in old.workers if w["stage"] != i]
+        workers.insert(i - first_remote, {"agent": standby.agent, "worker": standby.worker, "stage": i})
+        deployment = dataclasses.replace(old, placement=placement, remotes=remotes, workers=workers,
+                                         standbys=[s for s in old.standbys if s["stage"] != i])
+        self.on_event(f"stage {i} stopped answering ({error.reason}); its standby on {self.name(standby.agent)} "
+                      "takes over")
+        chain = deployment.chain(self.key, tls=self.tls, deadline_s=self.deadline_s, connect_timeout_s=SWITCH_TIMEOUT_S,
+                                 local=getattr(self.chain, "local", None))
+        self.deployment, self.chain = deployment, chain
+        self.recoveries += 1
+        self.on_recovered(deployment)
+        self.on_event(f"placed: stage {i} on {self.name(standby.agent)} ({layer_span(lost.start, lost.end)})")
+        gone = [w for w in old.workers if w["stage"] == i]
+        threading.Thread(target=self._after_switch, args=(lost.node, gone), daemon=True,
+                         name="failover-cleanup").start()
+        return chain
+
+    def _after_switch(self, agent: str, workers: list[dict]) -> None:
+        """A switched-out stage's node: counted lost when its agent is silent, else its worker is
+        stopped (it died, or it hangs)."""
+        if not self._answers(agent):
+            self.lost[self.node_of(agent)] = agent
+            standby.count_dropout(self.node_of(agent))
+            self.on_event(f"node {self.name(agent)} lost")
+            return
+        for w in workers:
+            try:
+                with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+                    client.stop_worker(w["worker"])
+            except AgentError:
+                pass  # it died with the stage: nothing left to stop
 
     def _replan(self, placement: list[StageSpan], gone: list[StageSpan]) -> list[StageSpan]:
         names = ", ".join(self.name(s.node) for s in gone)

@@ -7,16 +7,21 @@ cable being cut mid-reply (link down: packets vanish, no reset) to the reply's n
 on by the other PC (the silence deadline, the probe of the lost node, moving its layers: sending the
 shard, starting a worker, prefilling again; when the node was declared lost and when the new chain
 was placed are in the row too), with whether the reply stayed token-identical (greedy, exact mode).
+Then the same with a hot standby of the stage on the other PC (``engine.fleet.standby``), for a
+worker killed (a reset: no deadline to wait) and for the cable cut: a switch, no redeployment.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 from engine.bench.harness import Hooks
 from engine.bench.sim.shared import Sim
 from engine.errors import FleetError
+from engine.files import write_json
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.failover import Failover
@@ -55,11 +60,15 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
 
 
 def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list[int]) -> list[dict]:
-    model, split, shape, key, weights, tokens, log = (sim.model, sim.split, sim.shape, sim.key, sim.weights,
-                                                      sim.tokens, sim.log)
-    pc1, pc2 = office.nodes["pc1"], office.nodes["pc2"]
+    """The deploy row, then three losses of pc1 mid-reply: its cable cut with no standby (its layers
+    move to pc2), and, with a hot standby on pc2, its worker killed (a reset) and its cable cut."""
+    model, split, shape, key, weights, log = sim.model, sim.split, sim.shape, sim.key, sim.weights, sim.log
+    pc1 = office.nodes["pc1"]
     half = split.stages[1].layers[0]
     stages = [StageSpan(LOCAL, "CPU", 0, half), StageSpan(pc1.agent, "CPU", half, shape.num_layers)]
+    profile = _profile(office, shape.to_json(), key)
+    profile_file = sim.root / f"profile-{rate:g}.json"
+    write_json(profile_file, profile)
     sent: list[float] = []
 
     def progress(event) -> None:
@@ -74,6 +83,24 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
              "send_s": round(send_s, 2), "seconds": round(deploy_s, 2),
              "send_mbit_s": round(shard_bytes * 8 / 1e6 / send_s, 1) if send_s else None}]
     log(f"{rate:g} Mbit/s: deployed in {deploy_s:.2f} s (the {shard_bytes / 2**20:.1f} MB shard in {send_s:.2f} s)")
+    rows.append(_lose_pc1(office, sim, deployment, chain, profile, rate, want, "cut", "link loss to next token"))
+    for how, measure in (("kill", "worker killed to next token, standby"), ("cut", "link loss to next token, standby")):
+        deployment, chain = deploy(model, stages, key=key, weights=weights, mode="exact", standbys=True,
+                                   planned={"profile": str(profile_file)})
+        if deployment.standby_for(1) is None:
+            chain.close()
+            deployment.stop(key)
+            raise FleetError("no standby was placed on pc2")
+        rows.append(_lose_pc1(office, sim, deployment, chain, profile, rate, want, how, measure))
+    return rows
+
+
+def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: float, want: list[int], how: str,
+              measure: str) -> dict:
+    """A reply during which pc1, which runs stage 1, is lost (``how``: its cable ``cut``, or its
+    worker ``kill``ed): the time from the loss to the reply's next token, and what failover did."""
+    key, log = sim.key, sim.log
+    pc1, pc2 = office.nodes["pc1"], office.nodes["pc2"]
     events: list[str] = []
     heard: list[tuple[float, str]] = []  # when each failover event came
 
@@ -81,40 +108,48 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
         events.append(text)
         heard.append((time.perf_counter(), text))
 
-    failover = Failover(deployment, _profile(office, shape.to_json(), key), key=key, on_event=on_event, chain=chain)
+    failover = Failover(deployment, profile, key=key, on_event=on_event, chain=chain)
     service = ChatService(chain, streams=1, recover=failover.recover)
-    cut_at: list[float] = []
+    worker = deployment.workers[0]
+    lost_at: list[float] = []
     resumed: list[float] = []
     lock = threading.Lock()
 
+    def lose() -> None:
+        if how == "cut":
+            office.partition("pc1")
+        else:
+            with ControlClient(pc1.agent, key) as agent:
+                pid = next(w["pid"] for w in agent.status()["workers"] if w["id"] == worker["worker"])
+            os.kill(pid, signal.SIGKILL)  # the agent runs in pc1's namespace, but pids are the host's
+
     def on_text(piece, count):
         with lock:
-            if count >= CUT_AFTER and not cut_at:
-                cut_at.append(time.perf_counter())
-                office.partition("pc1")
-            elif cut_at and not resumed and count > CUT_AFTER:
+            if count >= CUT_AFTER and not lost_at:
+                lost_at.append(time.perf_counter())
+                lose()
+            elif lost_at and not resumed and count > CUT_AFTER:
                 resumed.append(time.perf_counter())
 
     try:
-        reply = service.submit(MESSAGES, tokens, on_text=on_text, ignore_eos=True).wait(600)
+        reply = service.submit(MESSAGES, sim.tokens, on_text=on_text, ignore_eos=True).wait(600)
     finally:
         office.reconnect("pc1")
         service.close()
         failover.deployment.stop(key)
         deployment.stop(key)
     if reply.error or not resumed:
-        raise FleetError(f"the reply did not carry on after the cable was cut: {reply.error}; {events}")
-    carry_on = resumed[0] - cut_at[0]
+        raise FleetError(f"the reply did not carry on after pc1 was lost ({how}): {reply.error}; {events}")
+    carry_on = resumed[0] - lost_at[0]
     moved = failover.deployment.placement[1].node == pc2.agent
-    log(f"{rate:g} Mbit/s: link lost to the reply carrying on: {carry_on:.2f} s "
+    log(f"{rate:g} Mbit/s: {measure}: {carry_on:.2f} s "
         f"({'identical' if reply.tokens == want else 'DIFFERENT'}; {events[-1] if events else ''})")
-    lost = next((t for t, e in heard if e.startswith("node pc1 lost")), None)
+    lost = next((t for t, e in heard if e.startswith("node pc1 lost") or "stopped answering" in e), None)
     placed = next((t for t, e in heard if e.startswith("placed:")), None)
-    rows.append({"measure": "link loss to next token", "rate_mbit": rate, "seconds": round(carry_on, 2),
-                 "lost_after_s": round(lost - cut_at[0], 2) if lost else None,
-                 "placed_after_s": round(placed - cut_at[0], 2) if placed else None,
-                 "rerouted": reply.rerouted, "moved_to_other_pc": moved, "identical": reply.tokens == want})
-    return rows
+    return {"measure": measure, "rate_mbit": rate, "seconds": round(carry_on, 2),
+            "lost_after_s": round(lost - lost_at[0], 2) if lost else None,
+            "placed_after_s": round(placed - lost_at[0], 2) if placed else None,
+            "rerouted": reply.rerouted, "moved_to_other_pc": moved, "identical": reply.tokens == want}
 
 
 def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
