@@ -46,6 +46,7 @@ from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.deploy import Deployment
 from engine.fleet.fit import measured_key, measured_speeds
+from engine.fleet.standby import Standby
 from engine.fleet.layout import fastest_for_one, solve_layout
 from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly, solve
 from engine.manifest import layer_numbers, layer_span
@@ -812,9 +813,19 @@ class PlacementView(QWidget):
             label.setText("running")
         copies = f" and {len(deployment.replicas)} more copies of the model" if deployment.replicas else ""
         self.activity.setText(f"Deployed {deployment.model}: the first part in this app, the others at "
-                              f"{', '.join(deployment.remotes)}{copies}. The chat now uses this deployment.")
+                              f"{', '.join(deployment.remotes)}{copies}. The chat now uses this deployment."
+                              f"{self._standbys_text(deployment)}")
         self.show_measured()
         self.deployed.emit(deployment)
+
+    def _standbys_text(self, deployment) -> str:
+        """The deployment's hot standbys in a sentence: which PC keeps a spare of which part."""
+        names = {lane.address: lane.name for lane in self.model.lanes} if self.model.loaded else {}
+        spares = [f"part {s.stage + 1} on {names.get(s.agent, s.agent)}"
+                  for s in map(Standby.from_json, deployment.standbys)]
+        if not spares:
+            return ""
+        return (f" Kept ready as standbys, to take over at once if a PC leaves: {', '.join(spares)}.")
 
     def stop_deployment(self) -> None:
         deployment, settings, backend = self.deployment, self.settings, self.backend

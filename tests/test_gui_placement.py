@@ -294,6 +294,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert [bar.value() for _, bar in view.deploy_bars] == [1000] * 3
     # each node runs its stage, and the other's hot standby (Settings.standbys, on by default)
     assert {(s["stage"], s["agent"]) for s in deployment.standbys} == {(1, fleet.beta), (2, fleet.alpha)}
+    assert "Kept ready as standbys" in view.activity.text() and "part 2 on " in view.activity.text()
     for address in (fleet.alpha, fleet.beta):
         with ControlClient(address, key) as agent:
             workers = agent.status()["workers"]
