@@ -49,6 +49,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatView(self.chat_controller, history, settings, settings.theme)
         self.export = ExportWizard(backend, self.tasks, settings)
         self.bench = BenchPanel(backend, self.tasks, settings)
+        self.bench.current = lambda: (self.chat_controller.service, self.chat_controller.deployment)
         self.fleet = FleetView(settings, backend, self.tasks)
         self.placement = PlacementView(settings, backend, self.tasks, agents=self.fleet.agent_addresses)
         self.settings_page = SettingsPage(settings)
