@@ -179,7 +179,8 @@ class ApiController(QObject):
         return True
 
     def _kept(self, exc: Exception) -> bool:
-        self.error = f"{exc}. The API keeps serving at {self.server.url}."
+        why = str(exc)
+        self.error = f"{why[:1].upper()}{why[1:]}. The API keeps serving at {self.server.url}."
         self._say(f"API: serving {self.server.model_id} at {self.server.url} (the new address failed: {exc})")
         return False
 

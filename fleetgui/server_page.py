@@ -89,7 +89,7 @@ class ServerPage(QWidget):
         self.apply_button.setToolTip("serve on this address (the API moves only once the new address works)")
         self.apply_button.clicked.connect(self.apply_address)
         self.address_error = plain(QLabel())  # why the API could not serve there (it quotes the address)
-        self.address_error.setObjectName("hint")
+        self.address_error.setObjectName("apiError")
         self.address_error.setWordWrap(True)
         self.address_error.hide()
 

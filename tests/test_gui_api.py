@@ -63,6 +63,7 @@ def test_an_address_this_pc_lacks_keeps_the_api_serving_where_it_was(qtbot, gui_
     assert window.api.server is server and not _refused(url)  # the old address keeps serving
     assert window.settings.api_host == "127.0.0.1"  # and stays the one in force
     assert "192.0.2.1" in page.api_error.text() and not page.api_error.isHidden()
+    assert window.server_page.address_error.text() == page.api_error.text()  # and on the API server page
     assert window.statusBar().currentMessage() != "Settings saved"
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == [server.model_id]
