@@ -187,16 +187,38 @@ class EngineBackend:
         # a failover in the chat may have restarted or moved workers since: the record names them
         return deployment.current().stop(keystore.load(settings), keystore.tls(settings))
 
-    def bench(self, name: str, settings, options: dict, hooks, log: Callable[[str], None] = print) -> dict:
+    def bench(self, name: str, settings, options: dict, hooks, log: Callable[[str], None] = print,
+              service=None, deployment=None) -> dict:
         """Runs benchmark ``name`` of the app's (``APP_BENCHES``) on the current shard set; ``options``: the
-        Benchmarks view's (tokens, runs, delays, draft_kind), of which it takes those it has."""
+        Benchmarks view's (tokens, runs, delays, draft_kind, users), of which it takes those it has.  A
+        benchmark of what the chat runs on (``Bench.current``) measures ``service``, the chat's (None:
+        one opened here as the chat would, and closed after), against ``deployment``'s model (None:
+        the settings') on this PC alone."""
         bench = APP_BENCHES.get(name)
         if bench is None:
             raise FleetError(f"unknown benchmark {name!r}; choose one of {', '.join(APP_BENCHES)}")
-        shards = self.resolve_shards(settings, lambda p: None if p.step else log(p.text), hooks.cancel)
-        values = {"model": settings.default_model, "draft": settings.draft_model or None, "weights": settings.weights,
+
+        def said(progress: Progress) -> None:
+            if not progress.step:
+                log(progress.text)
+
+        extra, opened = {}, None
+        if bench.current and deployment is not None:  # this PC alone runs the deployed model whole
+            shards, model, weights = None, deployment.model, deployment.weights
+        else:
+            shards, model, weights = self.resolve_shards(settings, said, hooks.cancel), settings.default_model, \
+                settings.weights
+        if bench.current:
+            if service is None:
+                service = opened = self.open_chat(settings, said, hooks.cancel)
+            extra = {"service": service, "settings": settings.engine()}
+        values = {"model": model, "draft": settings.draft_model or None, "weights": weights,
                   "device": settings.device.split(",")[0], "shards": shards,
                   "k": settings.k_value if settings.k_value != 0 else "auto", **options}
         if options.get("delays"):  # a benchmark with one hop delay takes the first
             values["delay_ms"] = options["delays"][0]
-        return bench.run(**bench.keywords(values), **bench.app, log=log, hooks=hooks)
+        try:
+            return bench.run(**bench.keywords(values), **bench.app, **extra, log=log, hooks=hooks)
+        finally:
+            if opened is not None:
+                opened.close()

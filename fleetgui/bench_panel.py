@@ -1,8 +1,11 @@
 """The Benchmarks view: the published comparison with llama.cpp (``engine.bench.highlights``), and one
 click that runs a ``fleet bench`` benchmark on the current shard set, with progress, Cancel, live tok/s
 per stream, a results plot that grows as rows are measured (for the WAN sweep: throughput against
-injected hop latency; for the simulated office: tok/s against users, one line per server), and the
-results saved as PNG, CSV or JSON."""
+injected hop latency; for the simulated office: tok/s against users, one line per server), the
+results said in sentences (``engine.bench.summary``), and saved as PNG, CSV or JSON.
+
+The first choice, selected from the start, is "How fast is my fleet?" (``engine.bench.fleet``): what
+the chat runs on against this PC alone.  The paper's benchmarks follow under "Research"."""
 
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ from pathlib import Path
 
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtWidgets import (QFileDialog, QFormLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
+from PySide6.QtGui import QStandardItemModel
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
                                QPlainTextEdit, QProgressBar, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.bench.harness import Hooks
+from engine.bench.summary import in_words
 from engine.errors import FleetError
 from engine.progress import Progress
 from fleetgui.backend import APP_BENCHES
@@ -70,6 +75,29 @@ def published_table(path: Path) -> QWidget:
     return box
 
 
+TITLES = {"fleet": "How fast is my fleet?"}  # a benchmark for everyone, by what it answers
+
+
+def bench_choice() -> QComboBox:
+    """The benchmarks to choose from: those for everyone first (by their question), then a "Research"
+    heading over the paper's (by their ``fleet bench`` name).  Each item's data is its name."""
+    combo = QComboBox()
+    everyone = [name for name, bench in APP_BENCHES.items() if not bench.group]
+    for name in everyone:
+        combo.addItem(TITLES.get(name, name), name)
+    groups = dict.fromkeys(bench.group for bench in APP_BENCHES.values() if bench.group)
+    for group in groups:
+        combo.insertSeparator(combo.count())
+        combo.addItem(group, None)
+        heading = combo.model().item(combo.count() - 1) if isinstance(combo.model(), QStandardItemModel) else None
+        if heading is not None:
+            heading.setEnabled(False)  # a heading, not a choice
+        for name, bench in APP_BENCHES.items():
+            if bench.group == group:
+                combo.addItem(TITLES.get(name, name), name)
+    return combo
+
+
 class _Rows(QObject):
     row = Signal(object)  # a result row (dict), emitted on the benchmark's thread, delivered on the GUI thread
 
@@ -91,8 +119,9 @@ class BenchPanel(QWidget):
         self._rows.row.connect(self._add_row)
         self.banner = Banner()
 
-        self.name = combo_box(list(APP_BENCHES))
-        self.name.currentTextChanged.connect(self._chosen)
+        self.current = lambda: (None, None)  # the chat's (service, deployment): the window sets it
+        self.name = bench_choice()
+        self.name.currentIndexChanged.connect(lambda _: self._chosen(self.chosen()))
         self.description = QLabel()
         self.description.setObjectName("hint")
         self.description.setWordWrap(True)
@@ -100,16 +129,18 @@ class BenchPanel(QWidget):
         self.runs = spin_box(1, 20, 1)
         self.delays = QLineEdit("0,10,50")
         self.draft_kind = combo_box(["lookup", "model", "hybrid"])
+        self.users = spin_box(2, 64, 4)
         self.target = plain(QLabel())
         self.target.setObjectName("hint")
         self.target.setWordWrap(True)
         form = QFormLayout()
         form.addRow("Benchmark", self.name)
         form.addRow("", self.description)
-        form.addRow("Tokens per stream", self.tokens)
+        form.addRow("Tokens per reply", self.tokens)
         form.addRow("Runs", self.runs)
         form.addRow("Hop delays (ms)", self.delays)
         form.addRow("Drafts", self.draft_kind)
+        form.addRow("People at once", self.users)
         form.addRow("Runs on", self.target)
         # the form's fields, by the option each gives (a benchmark that takes none of them leaves it off)
         self.fields = {("tokens",): self.tokens, ("runs",): self.runs, ("delays", "delay_ms"): self.delays,
@@ -126,6 +157,13 @@ class BenchPanel(QWidget):
         self.status = plain(QLabel("Idle"))
         self.status.setObjectName("hint")
         self.status.setWordWrap(True)
+        self.summary = plain(QLabel())  # the results in sentences
+        self.summary.setObjectName("summary")
+        bold = self.summary.font()
+        bold.setBold(True)
+        self.summary.setFont(bold)
+        self.summary.setWordWrap(True)
+        self.summary.hide()
         self.log = QPlainTextEdit()
         self.log.setReadOnly(True)
         self.log.setMaximumBlockCount(500)
@@ -145,6 +183,7 @@ class BenchPanel(QWidget):
         left.addLayout(run_row)
         left.addWidget(self.progress)
         left.addWidget(self.status)
+        left.addWidget(self.summary)
         left.addWidget(self.log, 1)
         left.addLayout(save_row)
 
@@ -160,23 +199,35 @@ class BenchPanel(QWidget):
         layout.addWidget(self.banner)
         layout.addWidget(split, 1)
         self.apply_settings(settings)
-        self._chosen(self.name.currentText())
+        self._chosen(self.chosen())
         self._update_buttons()
 
     # --- running -------------------------------------------------------------------------------------
 
+    def chosen(self) -> str:
+        """The chosen benchmark's name."""
+        return self.name.currentData() or ""
+
+    def choose(self, name: str) -> None:
+        self.name.setCurrentIndex(self.name.findData(name))
+
     def _chosen(self, name: str) -> None:
         """Says what the benchmark measures, and turns on the fields it takes."""
-        bench = APP_BENCHES[name]
-        self.description.setText(bench.description)
+        bench = APP_BENCHES.get(name)
+        if bench is None:
+            return
+        self.description.setText(bench.description[:1].upper() + bench.description[1:] + ".")
         for options, widget in self.fields.items():
             widget.setEnabled(any(option in bench.options for option in options))
+        self.users.setEnabled(bench.current)  # the others that take users have their own waves
 
     def options(self) -> dict:
         """The form's options, the hop delays where the chosen benchmark takes them (the backend passes
         each benchmark those it takes)."""
         options = {"tokens": self.tokens.value(), "runs": self.runs.value(),
                    "draft_kind": self.draft_kind.currentText()}
+        if self.users.isEnabled():
+            options["users"] = (self.users.value(),)
         if self.delays.isEnabled():
             options["delays"] = parse_delays(self.delays.text())
         return options
@@ -190,8 +241,11 @@ class BenchPanel(QWidget):
         except FleetError as exc:
             self.banner.error(str(exc))
             return
-        name, settings, backend = self.name.currentText(), self.settings, self.backend
+        name, settings, backend = self.chosen(), self.settings, self.backend
+        current = APP_BENCHES[name].current
+        service, deployment = self.current() if current else (None, None)
         self.report, self.rows = None, []
+        self.summary.hide()
         self.bench_name = name
         self._draw()
         self.live.clear()
@@ -204,7 +258,8 @@ class BenchPanel(QWidget):
         def work(report, cancel):
             hooks = Hooks(progress=report, on_token=lambda stream, _token: meter.add(f"stream {stream}"),
                           on_row=rows.row.emit, cancel=cancel)
-            return backend.bench(name, settings, options, hooks, log=lambda line: report(str(line)))
+            return backend.bench(name, settings, options, hooks, log=lambda line: report(str(line)),
+                                 **({"service": service, "deployment": deployment} if current else {}))
 
         self.task = self.tasks.start(work, f"bench {name}", progressed=self._progress, succeeded=self._done,
                                      failed=self._failed, cancelled=lambda: self._failed("cancelled"))
@@ -234,7 +289,10 @@ class BenchPanel(QWidget):
         self.report = report
         self.rows = list(report.get("rows", []))
         self.progress.setValue(100)
-        self.status.setText("Done: " + ", ".join(f"{k} {v}" for k, v in list(report.get("ratios", {}).items())[:3]))
+        self.status.setText("Done.")
+        sentences = in_words(report)
+        self.summary.setText("\n".join(sentences))
+        self.summary.setVisible(bool(sentences))
         self._fill_table()
         self._draw()
         self._update_buttons()
@@ -274,6 +332,8 @@ class BenchPanel(QWidget):
         """How many data points the results plot shows (bars count one each)."""
         total = 0
         for item in self.plot.getPlotItem().listDataItems():
+            if isinstance(item, pg.BarGraphItem):  # a data item too in newer pyqtgraph: counted below
+                continue
             xs, _ = item.getData()
             total += 0 if xs is None else len(xs)
         for item in self.plot.getPlotItem().items:

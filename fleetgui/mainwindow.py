@@ -21,11 +21,12 @@ from fleetgui.fleet_view import FleetView
 from fleetgui.help_menu import HelpMenu
 from fleetgui.history import HistoryStore
 from fleetgui.placement_view import PlacementView
+from fleetgui.server_page import ServerPage
 from fleetgui.settings import GuiSettings, SettingsPage
 from fleetgui.widgets import ViewFrame, plain
 from fleetgui.workers import TaskRunner
 
-VIEWS = ("Fleet", "Placement", "Chat", "Export", "Benchmarks", "Settings")
+VIEWS = ("Fleet", "Placement", "Chat", "Export", "Benchmarks", "API server", "Settings")
 DEFAULT_SIZE = QSize(1280, 800)
 
 
@@ -49,16 +50,21 @@ class MainWindow(QMainWindow):
         self.chat = ChatView(self.chat_controller, history, settings, settings.theme)
         self.export = ExportWizard(backend, self.tasks, settings)
         self.bench = BenchPanel(backend, self.tasks, settings)
+        self.bench.current = lambda: (self.chat_controller.service, self.chat_controller.deployment)
         self.fleet = FleetView(settings, backend, self.tasks)
         self.placement = PlacementView(settings, backend, self.tasks, agents=self.fleet.agent_addresses)
         self.settings_page = SettingsPage(settings)
         self.settings_page.saved.connect(self.apply_settings)
+        self.api = ApiController(self.chat_controller, settings, self)
+        self.server_page = ServerPage(self.api, settings)
+        self.server_page.saved.connect(self.apply_settings)
         built = {
             "Fleet": self.fleet,
             "Placement": self.placement,
             "Chat": self.chat,
             "Export": self.export,
             "Benchmarks": self.bench,
+            "API server": self.server_page,
             "Settings": self.settings_page,
         }
         for name in VIEWS:
@@ -77,8 +83,8 @@ class MainWindow(QMainWindow):
         row.addWidget(self.stack, 1)
         self.setCentralWidget(central)
 
-        self.api = ApiController(self.chat_controller, settings, self)
         self.api.status.connect(self.fleet.api_label.setText)
+        self.api.changed.connect(lambda: self.settings_page.show_api_error(self.api.error))
         self.api.start()
         self.service_label = plain(QLabel("Chat: not connected"))  # the model, the fleet's nodes
         self.statusBar().addPermanentWidget(self.service_label)
@@ -210,14 +216,16 @@ class MainWindow(QMainWindow):
         return self.settings_page
 
     def apply_settings(self, settings: GuiSettings) -> None:
+        settings = self.api.apply_settings(settings)  # an API address it cannot serve on is not taken (api.error)
         settings.save(self.store)
         self.settings = settings
         theme.apply(settings.theme)
         self.theme_actions[settings.theme if settings.theme in theme.THEMES else "light"].setChecked(True)
-        for view in (self.chat, self.export, self.bench, self.fleet, self.placement, self.settings_page):
+        for view in (self.chat, self.export, self.bench, self.fleet, self.placement, self.settings_page,
+                     self.server_page):
             view.apply_settings(settings)
-        self.api.apply_settings(settings)
-        self.statusBar().showMessage("Settings saved", 5000)
+        self.statusBar().showMessage("Settings saved, but not the API address: the API kept its old one"
+                                     if self.api.error and self.api.server else "Settings saved", 5000)
 
     def set_theme(self, name: str) -> None:
         self.apply_settings(dataclasses.replace(self.settings, theme=name))

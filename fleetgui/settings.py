@@ -134,7 +134,13 @@ class SettingsPage(QWidget):
         api.addRow("API", explained(self.api_enabled, HELP["api"]))
         self.api_host = QLineEdit()
         self.api_port = spin_box(0, 65535, 8000)
-        api.addRow("API address", explained(field_row(self.api_host, self.api_port), HELP["api_address"]))
+        address = explained(field_row(self.api_host, self.api_port), HELP["api_address"])
+        self.api_error = plain(QLabel())  # why the API could not serve on the address (``show_api_error``)
+        self.api_error.setObjectName("apiError")
+        self.api_error.setWordWrap(True)
+        self.api_error.hide()
+        address.layout().addWidget(self.api_error)
+        api.addRow("API address", address)
         self.mcp_summary = plain(QLabel())  # the servers' names, as imported
         self.mcp_summary.setWordWrap(True)
         mcp_button = QPushButton("MCP servers…")
@@ -220,6 +226,11 @@ class SettingsPage(QWidget):
         self.api_port.setValue(settings.api_port)
         self._set_mcp_servers(settings.mcp_servers, None)
         self.error.hide()
+
+    def show_api_error(self, text: str) -> None:
+        """Shows why the API could not serve on its address beside the field ("": hides it)."""
+        self.api_error.setText(text)
+        self.api_error.setHidden(not text)
 
     def _set_mcp_servers(self, entries: list[dict], always: list[str] | None) -> None:
         """``always`` None: the always-allowed tools as they are (the chat adds to them meanwhile)."""

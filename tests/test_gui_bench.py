@@ -150,3 +150,73 @@ def test_a_parts_progress_fills_its_share_of_the_whole_run():
     within.step(10, 10, "wave 10")
     assert seen == [(0.25, "the office"), (0.25, "wave 0"), (0.375, "wave 5"), (0.5, "wave 10")]
     assert Hooks().part(1, 4).progress is None
+
+
+PIPELINE_REPORT = {  # a real run's ratios: the loopback chain ran faster than in process, a "negative cost"
+    "bench": "pipeline", "machine": {}, "settings": {"stages": 2, "runs": 1},
+    "rows": [{"config": "2-stage loopback TCP", "tok_s": 30.1}],
+    "ratios": {"tcp_vs_inprocess": 1.343, "split_vs_whole": 1.045, "loopback_extra_ms_per_hop": -7.574,
+               "network_ms_per_hop": 3.2},
+}
+
+
+def test_the_summary_says_each_ratio_in_words_and_a_negative_cost_is_no_cost():
+    from engine.bench.summary import COST_NOISE_MS, in_words
+
+    said = in_words(PIPELINE_REPORT)
+    assert len(said) == 4 and not any(key in " ".join(said) for key in PIPELINE_REPORT["ratios"])
+    tcp, split, hop, network = said
+    assert tcp.startswith("The split model with its parts talking over the network") and "34% faster" in tcp
+    assert "no measurable difference" in split and f"±{0.05:.2f}x" in split  # 4.5%: inside the stated 5%
+    assert hop.startswith("Each network hop between parts") and "no measurable cost" in hop and "-7.6 ms" in hop
+    assert network == "Waiting on the network costs 3.2 ms per hop and token."
+    assert COST_NOISE_MS < 3.2
+
+    # with repeats, the run's own spread decides: 1.343 moved by ±0.4 between rounds is no difference
+    repeated = {**PIPELINE_REPORT, "spread": {"tcp_vs_inprocess": 0.4, "loopback_extra_ms_per_hop": 9.0}}
+    tcp, _, hop, _ = in_words(repeated)
+    assert "no measurable difference" in tcp and "from the run's repeats" in tcp
+    assert "no measurable cost" in hop and "±9.0 ms" in hop
+    # a ratio the registry does not describe is said from its name
+    assert in_words({"bench": "x", "ratios": {"a_vs_b": 3.0, "extra_ms": 0.2, "best K": 4}}) == [
+        "A is 3.0x faster than b.", "Extra: no measurable cost (measured +0.2 ms, within the noise of ±1.0 ms).",
+        "Best K: 4."]
+
+
+def test_the_benchmarks_view_shows_the_summary_in_words(qtbot, gui_home, tmp_path):
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    panel = window.show_view("Benchmarks")
+    panel.bench_name = "pipeline"
+    panel._done(PIPELINE_REPORT)
+    text = panel.summary.text()
+    assert "no measurable cost" in text and "loopback_extra_ms_per_hop" not in text and "-7.574" not in text
+    assert panel.summary.isVisible() and panel.status.text() == "Done."
+
+
+def test_how_fast_is_my_fleet_is_the_first_choice_and_answers_in_a_sentence(qtbot, gui_home, tmp_path, shards):
+    """The one-click benchmark: the chat's model as parts in worker processes (a local fleet on
+    loopback) against this PC alone, for 1 person and 2 at once; the answer is a sentence."""
+    window = open_window(qtbot, tiny_settings(shards, local_workers=True), settings_store(tmp_path / "s.ini"))
+    panel = window.show_view("Benchmarks")
+    assert panel.chosen() == "fleet" and panel.name.currentText() == "How fast is my fleet?"
+    research = panel.name.findText("Research")
+    assert 0 < research < panel.name.findText("wan") and not panel.name.model().item(research).isEnabled()
+    assert panel.users.isEnabled() and not panel.delays.isEnabled()
+    panel.users.setValue(2)
+    panel.tokens.setValue(4)
+    panel.runs.setValue(2)
+    with qtbot.waitSignal(panel.finished, timeout=300000) as blocker:
+        panel.run_button.click()
+    report = blocker.args[0]
+    assert report is not None, panel.banner.message
+    assert set(report) >= {"bench", "machine", "rows", "ratios"} and report["bench"] == "fleet"
+    assert [(r["who"], r["users"]) for r in report["rows"]] == [
+        ("your fleet", 1), ("this PC alone", 1), ("your fleet", 2), ("this PC alone", 2)]
+    assert all(r["tok_s"] > 0 for r in report["rows"])
+    assert set(report["ratios"]) == {"fleet_vs_alone_1_user", "fleet_vs_alone_n_users"}
+    assert set(report["spread"]) == set(report["ratios"])  # two rounds: the run's own spread
+    assert "local fleet" in report["settings"]["fleet"]
+    first, second = panel.summary.text().split("\n")
+    assert first.startswith("Your fleet is ") and "this PC alone for 1 person" in first
+    assert second.startswith("Your fleet is ") and "this PC alone for 2 people at once" in second
+    assert panel.plotted_points() == 4

@@ -18,7 +18,7 @@ from pathlib import Path
 from statistics import median
 
 from engine.bench.harness import NO_HOOKS, STORY_PROMPT, Hooks, interleave, loopback, split_export
-from engine.bench.report import write_report
+from engine.bench.report import half_range, write_report
 from engine.config import DEFAULT_WEIGHTS
 from engine.export.exporter import export_model
 from engine.runtime.stages.chain import LocalChain
@@ -84,7 +84,20 @@ def run_pipeline(model: str, *, stages: int = 2, tokens: int = 128, warmup: int 
         "network_ms_per_hop": round(tcp["network_ms"] / hops, 3),
         "relay_round_trip_ms_per_hop": round(median(pings) / hops, 3),
     }
+    # each ratio per round (the configurations took turns): how far it moved between the repeats
+    whole_runs, split_runs, tcp_runs = (samples[n] for n in (
+        "1-stage in-process", f"{stages}-stage in-process", f"{stages}-stage loopback TCP"))
+
+    def ms_per_token(result) -> float:
+        return result.breakdown.to_json()["token_ms"]
+
+    spread = {key: round(value, 3) for key, value in {
+        "tcp_vs_inprocess": half_range([t.decode_tok_s / i.decode_tok_s for t, i in zip(tcp_runs, split_runs)]),
+        "split_vs_whole": half_range([i.decode_tok_s / w.decode_tok_s for i, w in zip(split_runs, whole_runs)]),
+        "loopback_extra_ms_per_hop": half_range([(ms_per_token(t) - ms_per_token(i)) / hops
+                                                 for t, i in zip(tcp_runs, split_runs)]),
+    }.items() if value is not None}
     meta = {"model": model, "stages": stages, "weights": weights, "prompt_tokens": int(ids.shape[1]),
             "new_tokens": tokens, "warmup": warmup, "runs": runs, "delay_ms": delay_ms,
             "return_path": "hop by hop"}
-    return write_report("pipeline", rows, ratios, out, settings=meta)
+    return write_report("pipeline", rows, ratios, out, settings=meta, spread=spread)

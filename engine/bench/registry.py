@@ -48,6 +48,19 @@ def single(value) -> tuple:
 
 
 @dataclass(frozen=True)
+class Ratio:
+    """What one ratio of a report compares, for saying it in a sentence (``engine.bench.summary``):
+    ``speed``: ``subject``'s speed over ``against``'s; ``cost``: what ``subject`` costs, in ms;
+    ``value``: a figure said as it is.  ``when`` ends the sentence (" for 4 people at once"); each
+    text may name the report's settings (``{users}``)."""
+
+    kind: str
+    subject: str
+    against: str = ""
+    when: str = ""
+
+
+@dataclass(frozen=True)
 class Bench:
     """One benchmark: ``engine.bench.<name>.run_<name>`` and what its callers need to know of it.
 
@@ -55,7 +68,10 @@ class Bench:
     flag's name (``draft_kind`` for ``--draft-kind``) or a value only the app gives (``shards``: its
     shard set, ``k``: its draft length).  ``notes``: what an option means for this benchmark, where
     that needs saying (the ``--help`` lists them).  ``plot``: how the app draws its rows; a
-    benchmark without one is not in the app.  ``app``: what the app passes beside its options."""
+    benchmark without one is not in the app.  ``app``: what the app passes beside its options.
+    ``ratios``: what its report's ratios compare, said in words (``Ratio``).  ``current``: it
+    measures what the chat runs on: the app passes its deployment (or None) and its settings.
+    ``group``: where the app lists it ("" first, for everyone; "Research": the paper's measurements)."""
 
     name: str
     description: str
@@ -64,6 +80,9 @@ class Bench:
     notes: dict[str, str] = field(default_factory=dict)
     plot: Plot | None = None
     app: dict = field(default_factory=dict)
+    ratios: dict[str, Ratio] = field(default_factory=dict)
+    current: bool = False
+    group: str = "Research"
 
     def keywords(self, values: dict) -> dict:
         """The run function's keyword arguments for the option ``values`` given (None: not given):
@@ -80,6 +99,16 @@ class Bench:
 
 
 BENCHES = {bench.name: bench for bench in (
+    Bench("fleet", "how fast is my fleet: what the chat runs on (a deployment across PCs, or the model's parts as "
+          "processes on this PC) against the whole model on this PC alone, for 1 person and for several people at "
+          "once",
+          takes("model", "tokens", "runs", "weights", "shards", users=("users", max)),
+          notes={"users": "the people at once of the second comparison (default 4)"},
+          plot=Plot("bars", "config", {"tok_s": "tok/s, all people together"}),
+          ratios={"fleet_vs_alone_1_user": Ratio("speed", "your fleet", "this PC alone", " for 1 person"),
+                  "fleet_vs_alone_n_users": Ratio("speed", "your fleet", "this PC alone",
+                                                  " for {users} people at once")},
+          current=True, group=""),
     Bench("wan", "naive decode against micro-batching + speculation as the hop delay grows",
           takes("model", "draft", "stages", "tokens", "runs", "draft_kind", "delays", "weights", "shards", "k",
                 cpus="cpu_sets"),
@@ -103,7 +132,14 @@ BENCHES = {bench.name: bench for bench in (
           TARGET_MODEL, plot=Plot("bars", "config", {"tok_s": "tok/s"})),
     Bench("pipeline", "what the TCP relay costs against in-process stages",
           takes("model", "stages", "tokens", "warmup", "runs", "delay_ms", "weights", "shards"),
-          plot=Plot("bars", "config", {"tok_s": "tok/s"})),
+          plot=Plot("bars", "config", {"tok_s": "tok/s"}),
+          ratios={"tcp_vs_inprocess": Ratio("speed", "the split model with its parts talking over the network "
+                                            "(loopback)", "the same parts in one process"),
+                  "split_vs_whole": Ratio("speed", "the model split into parts", "the whole model, in one process"),
+                  "loopback_extra_ms_per_hop": Ratio("cost", "each network hop between parts", when=" per token"),
+                  "network_ms_per_hop": Ratio("cost", "waiting on the network", when=" per hop and token"),
+                  "relay_round_trip_ms_per_hop": Ratio("cost", "a message down the chain and back",
+                                                       when=" per hop (no compute)")}),
     Bench("parity", "our stage chains against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
           takes("model", "tokens", "warmup", "runs", "device", "weights", "head", "llamacpp"),
           plot=Plot("bars", "config", {"tok_s": "tok/s"})),

@@ -1,6 +1,9 @@
 """The benchmark report format every ``fleet bench`` writes, and the table it prints.
 
-``{"bench": NAME, "machine": {...}, "rows": [...], "ratios": {name: value}}``
+``{"bench": NAME, "machine": {...}, "rows": [...], "ratios": {name: value}}``, and where a run has
+repeats, ``"spread": {name: value}``: how far a ratio moved between them, in its own unit (half the
+range of its per-round values), so that a reader can tell a result from the noise
+(``engine.bench.summary``).
 """
 
 from __future__ import annotations
@@ -40,8 +43,16 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def write_report(name: str, rows: list[dict], ratios: dict, out: Path | None, settings: dict | None = None) -> dict:
+def half_range(values: list[float]) -> float | None:
+    """How far repeated measurements of one figure spread: half their range (None: fewer than 2)."""
+    return (max(values) - min(values)) / 2 if len(values) > 1 else None
+
+
+def write_report(name: str, rows: list[dict], ratios: dict, out: Path | None, settings: dict | None = None,
+                 spread: dict | None = None) -> dict:
     report = {"bench": name, "machine": machine(), "settings": settings or {}, "rows": rows, "ratios": ratios}
+    if spread:
+        report["spread"] = spread
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2))

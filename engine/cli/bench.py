@@ -11,6 +11,7 @@ from pathlib import Path
 
 from engine.bench.registry import BENCHES, DRAFT_MODEL, SMALL_MODEL, TARGET_MODEL
 from engine.bench.report import format_table
+from engine.bench.summary import in_words
 from engine.cli.args import count, duration
 from engine.config import DEFAULT_WEIGHTS
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
@@ -109,6 +110,7 @@ def cmd_bench(args) -> int:
     columns = list(dict.fromkeys(c for row in report["rows"] for c in row if not isinstance(row[c], (dict, list))))
     print(format_table(report["rows"], columns))
     print("\n".join(f"{k}: {v}" for k, v in report["ratios"].items()))
+    print("\n".join(in_words(report)))  # the same, in sentences
     return 0
 
 

@@ -28,6 +28,7 @@ from engine.serve.chat import (DISCONNECT_POLL_S, Pipe, admit, answer, call_of, 
                                submit)
 from engine.serve.guard import RequestGuard
 from engine.serve.metrics import CONTENT_TYPE, Metrics
+from engine.serve.request_log import BODY_CHARS, RequestLog
 from engine.serve.schema import (ApiError, Call, ChatRequest, CompletionRequest, ResponsesRequest, responses_call,
                                  to_call, validation_error)
 from engine.serve.tools import CallStream, parse_reply, prepare
@@ -37,17 +38,18 @@ MB = 1 << 20
 
 def create_app(service: ChatService, model_id: str, api_key: str | None = None,
                max_body_mb: float = Settings.api_max_body_mb, local: bool = False,
-               max_waiting: int = Settings.api_max_waiting) -> FastAPI:
+               max_waiting: int = Settings.api_max_waiting, log: RequestLog | None = None) -> FastAPI:
     """The API for ``service``, serving it as ``model_id``; with ``api_key`` every ``/v1`` and ``/api``
     request must carry it (``guard``); bodies up to ``max_body_mb``; ``local``: it listens on
     loopback, and answers only to loopback Host names (``guard``); with ``max_waiting`` requests
-    waiting for a stream, the next is answered 429 (``chat.admit``)."""
+    waiting for a stream, the next is answered 429 (``chat.admit``); ``log``: every request is
+    logged there once it ends (``request_log``)."""
     app = FastAPI(title="fleetshard", version="1", docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = app.state.metrics = Metrics(service)
     app.state.max_waiting = max_waiting
     app.add_middleware(RequestGuard, api_key=api_key, max_body=int(max_body_mb * MB), local=local)
-    app.add_middleware(_CountStatus, metrics=metrics)  # added last, outermost: it counts the guard's refusals
+    app.add_middleware(_CountStatus, metrics=metrics, log=log)  # added last, outermost: it counts the guard's refusals
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -114,24 +116,39 @@ ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/c
 
 
 class _CountStatus:
-    """Counts every response by endpoint and status (a plain ASGI middleware: it leaves the
-    request's messages, and so a client's disconnect, to the route)."""
+    """Counts every response by endpoint and status, and with a ``log`` logs each request once it
+    ends, with the first of its body (a plain ASGI middleware: it leaves the request's messages, and
+    so a client's disconnect, to the route)."""
 
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: Metrics, log: RequestLog | None = None):
+        self.app, self.metrics, self.log = app, metrics, log
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "/v1/models/{name}" if path.startswith("/v1/models/") else "other"
+        started, status, body = time.perf_counter(), None, bytearray()
 
         async def counted(message):
+            nonlocal status
             if message["type"] == "http.response.start":
-                self.metrics.observe_status(endpoint, message["status"])
+                status = message["status"]
+                self.metrics.observe_status(endpoint, status)
             await send(message)
 
-        await self.app(scope, receive, counted)
+        async def read():
+            message = await receive()
+            if message["type"] == "http.request" and len(body) < BODY_CHARS * 4:
+                body.extend(message.get("body", b"")[: BODY_CHARS * 4 - len(body)])
+            return message
+
+        try:
+            await self.app(scope, receive if self.log is None else read, counted)
+        finally:
+            if self.log is not None:
+                client = scope.get("client") or ("", 0)
+                self.log.add(scope["method"], path, status, started, str(client[0]), bytes(body))
 
 
 async def _complete(service: ChatService, call: Call, request: Request, model_id: str, chat: bool):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import functools
 import http
 import json
@@ -30,6 +31,7 @@ from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService
 from engine.serve.app import create_app
 from engine.serve.guard import is_loopback
+from engine.serve.request_log import RequestLog
 from engine.serve.schema import ApiError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -63,10 +65,14 @@ class ApiServer:
             self._sock.bind((host.strip("[]"), port))
         except OSError as exc:
             self._sock.close()
-            raise FleetError(f"cannot serve the API on {host}:{port}: {exc.strerror}") from None
+            why = {errno.EADDRNOTAVAIL: f"this PC has no address {host}",
+                   errno.EADDRINUSE: f"another program already uses port {port} there"}.get(exc.errno, exc.strerror)
+            raise FleetError(f"cannot serve the API on {host}:{port}: {why}") from None
         self._sock.listen(2048)  # connections wait in the backlog until uvicorn runs: none is refused
         self.host, self.port = host, self._sock.getsockname()[1]
-        app = create_app(service, self.model_id, api_key, max_body_mb, local=is_loopback(host), max_waiting=max_waiting)
+        self.log = RequestLog()  # the recent requests, for a person watching (the app's API server page)
+        app = create_app(service, self.model_id, api_key, max_body_mb, local=is_loopback(host), max_waiting=max_waiting,
+                         log=self.log)
         limits = _ClientLimits(head_deadline_s, max_connections_per_client)
         config = uvicorn.Config(app, http=functools.partial(_LimitedHttp, limits=limits), log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=2)
