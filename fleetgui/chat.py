@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (QApplication, QComboBox, QDialog, QDialogButtonBo
                                QPlainTextEdit, QProgressBar, QPushButton, QTabWidget, QVBoxLayout, QWidget)
 
 from engine.config import paths
+from engine.conversation.sources import with_sources
 from engine.errors import FleetError
 from engine.fleet.fit import measured_key, record_measured
 from engine.models.catalog import CATALOG
@@ -37,8 +38,8 @@ from engine.runtime.decode.service import Reply
 from engine.serve.tools import prepare
 from fleetgui.chat_options import DEFAULT_PRESET, SamplingPanel, preset_options, sampling_params
 from fleetgui.chat_options import describe as describe_options
-from fleetgui.chat_tools import McpTools, ToolLoop, call_html, result_html
-from fleetgui.documents import DocumentsPanel, sources_html, with_sources
+from fleetgui.chat_tools import McpTools, ToolConsent, call_html, result_html
+from fleetgui.documents import DocumentsPanel, sources_html
 from fleetgui.history import Conversation, HistoryStore, Message, to_json, to_markdown
 from fleetgui.markdown import REPLY_LINK, Transcript, code_blocks, message_html
 from fleetgui.model_cards import ModelBrowser
@@ -347,7 +348,7 @@ class ChatTab(QWidget):
         self.regenerate_button.clicked.connect(self.regenerate)
         self.copy_button.clicked.connect(self.copy)
         QShortcut(QKeySequence("Ctrl+Return"), self.input, activated=self.send)
-        self.tools = ToolLoop(self)  # MCP tools: offered to each reply, each call asked about
+        self.tools = ToolConsent(self)  # MCP tools: offered to each reply, each call asked about
 
         layout = QVBoxLayout(self)
         layout.addWidget(self.system)

@@ -8,7 +8,7 @@ when the indexing has stopped (the window never waits for a file being read).  `
 a chat tab its collection picker, beside its system prompt (the choice is kept in the conversation's
 options, so a reopened chat keeps it), and takes files or folders dropped on the tab into that
 collection (a new one named after them when the chat has none).  ``sources_for`` finds the passages for the chat's
-last question; ``with_sources`` puts them in the prompt as numbered sources; ``sources_html`` writes
+last question (``engine.conversation.sources``, which also puts them in the prompt); ``sources_html`` writes
 the "Sources" line under the reply: links of our own (``source:MESSAGE:N``) made from what was
 retrieved, never from the reply's text (whose links ``fleetgui.markdown`` wraps in ``reply:``).  A
 click opens ``PassageDialog`` with the passage.
@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog
                                QLabel, QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QPushButton,
                                QVBoxLayout, QWidget)
 
+from engine.conversation.sources import find_sources, source_where
 from engine.documents.collection import Collection, Library, UpdateReport
 from engine.documents.readers import DocumentError
 from engine.progress import Progress
@@ -33,26 +34,6 @@ from fleetgui.widgets import flow_bar, plain, plain_tip
 
 OPTION = "documents"  # the conversation option that names the chat's collection
 NO_DOCUMENTS = "No documents"
-MAX_SOURCES = 4  # passages put in a prompt
-MAX_SOURCE_CHARS = 4000  # and at most this much of their text (a small model's context is short)
-INSTRUCTION = ("Answer from the numbered sources below when they hold the answer, and cite them by number "
-               "like [1]. If they do not hold it, say so.")
-
-
-def with_sources(prompt: list[dict], sources: list[dict]) -> list[dict]:
-    """``prompt`` with the sources as numbered context in its system message (added when it has none)."""
-    if not sources:
-        return prompt
-    context = INSTRUCTION + "\n\n" + "\n\n".join(f"[{n}] {source_where(s)}\n{s['text']}"
-                                                  for n, s in enumerate(sources, 1))
-    if prompt and prompt[0]["role"] == "system":
-        return [{"role": "system", "content": prompt[0]["content"] + "\n\n" + context}, *prompt[1:]]
-    return [{"role": "system", "content": context}, *prompt]
-
-
-def source_where(source: dict) -> str:
-    name = Path(source["file"]).name
-    return name if source.get("page") is None else f"{name}, page {source['page']}"
 
 
 def sources_html(sources: list[dict] | None, message_index: int) -> str:
@@ -415,20 +396,10 @@ class DocumentsPanel(QWidget):
         if not name or not question.strip():
             return []
         try:
-            hits = self.collection(name).search(question, k=MAX_SOURCES)
+            return find_sources(self.collection(name), question)
         except DocumentError as exc:
             self.status.setText(str(exc))
             return []
-        sources, budget = [], MAX_SOURCE_CHARS
-        for hit in hits:
-            p = hit.passage
-            text = p.text[:budget]
-            if not text:
-                break
-            budget -= len(text)
-            sources.append({"file": p.file, "page": p.page, "start": p.start, "text": text,
-                            "score": round(hit.score, 3)})
-        return sources
 
     def show_source(self, sources: list[dict], number: int) -> PassageDialog | None:
         """Opens source ``number`` (from 0) of a reply in a dialog."""
