@@ -299,8 +299,7 @@ class ToolConsent(QObject):
         model replies again."""
         tab = self.tab
         message = Message("tool", *self.loop.answer(text, error))
-        tab.conversation.messages.append(message)
-        tab.view.history.append(tab.conversation.id, message)
+        tab.model.append(message)
         tab.render()
         if self.pending:
             self.ask()

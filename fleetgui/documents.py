@@ -363,9 +363,7 @@ class DocumentsPanel(QWidget):
             options[OPTION] = name
         else:
             options.pop(OPTION, None)
-        tab.conversation.options = options
-        if tab.conversation.id is not None:
-            tab.view.history.update(tab.conversation)
+        tab.model.set_options(options)
         index = tab.documents_picker.findData(name) if name else 0
         if index >= 0 and tab.documents_picker.currentIndex() != index:
             tab.documents_picker.blockSignals(True)
