@@ -10,13 +10,15 @@ options, so a reopened chat keeps it), and takes files or folders dropped on the
 collection (a new one named after them when the chat has none).  ``sources_for`` finds the passages for the chat's
 last question (``engine.conversation.sources``, which also puts them in the prompt); ``sources_html`` writes
 the "Sources" line under the reply: links of our own (``source:MESSAGE:N``) made from what was
-retrieved, never from the reply's text (whose links ``fleetgui.markdown`` wraps in ``reply:``).  A
+retrieved, never from the reply's text (whose links ``fleetgui.markdown`` wraps in ``reply:``);
+``cite`` makes the reply's markers ([1]) such links too, for the sources the reply has.  A
 click opens ``PassageDialog`` with the passage.
 """
 
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QObject, Qt, QUrl, Signal
@@ -43,6 +45,30 @@ def sources_html(sources: list[dict] | None, message_index: int) -> str:
     links = " · ".join(f"<a href='source:{message_index}:{n}'>[{n + 1}] {html.escape(source_where(s))}</a>"
                        for n, s in enumerate(sources))
     return f"<p><small><b>Sources</b>&nbsp;&nbsp;{links}</small></p>"
+
+
+MARKER = re.compile(r"\[(\d{1,2})\]")  # a citation marker in a reply's text: [1]
+TAG = re.compile(r"(<[^>]*>)")
+
+
+def cite(body: str, message_index: int, count: int) -> str:
+    """A reply's HTML with each citation marker [N] of its text, N one of the reply's ``count``
+    sources, made a link of ours (``source:MESSAGE:N-1``) that opens that passage.  The link is
+    written from the number alone: the reply's text never chooses what opens (a marker in code or
+    inside a link of the reply stays text)."""
+    out, inside = [], 0  # inside a <pre> or an <a> of the reply
+    for part in TAG.split(body):
+        if part.startswith("<"):
+            name = part[1:].lstrip("/").split(None, 1)[0].rstrip(">").lower() if len(part) > 2 else ""
+            if name in ("pre", "a"):
+                inside += -1 if part.startswith("</") else 1
+            out.append(part)
+        elif inside > 0:
+            out.append(part)
+        else:
+            out.append(MARKER.sub(lambda m: f"<a href='source:{message_index}:{int(m.group(1)) - 1}'>{m.group(0)}</a>"
+                                  if 1 <= int(m.group(1)) <= count else m.group(0), part))
+    return "".join(out)
 
 
 class PassageDialog(QDialog):
@@ -369,6 +395,7 @@ class DocumentsPanel(QWidget):
             tab.documents_picker.blockSignals(True)
             tab.documents_picker.setCurrentIndex(index)
             tab.documents_picker.blockSignals(False)
+        tab.view.suggest_larger()
 
     def drop(self, tab, files: list[str]) -> None:
         """Files or folders dropped on a chat: into its collection, or a new one named after them."""

@@ -426,11 +426,14 @@ def test_markdown_code_blocks_saved_chats_and_tabs_come_back(qtbot, gui_home, tm
     # the model picker: exported shard sets and the catalog; picking one is the chat's model from now on
     from engine.models.catalog import CATALOG
 
-    choices = [view.model.itemText(i) for i in range(view.model.count())]
+    choices = [view.model.itemData(i) for i in range(view.model.count())]
     assert choices[0] == window.settings.default_model and set(CATALOG) <= set(choices)
-    view.model.setCurrentText("smollm2-135m")
+    default = window.settings.default_model
+    view.model.setCurrentIndex(view.model.findData("smollm2-135m"))
     view.model.activated.emit(view.model.currentIndex())
-    assert window.settings.default_model == "smollm2-135m" and window.current_view() == "Chat"
+    # the chat's model, not Settings → Default model (issue 81)
+    assert window.chat_controller.current_model == "smollm2-135m" and window.current_view() == "Chat"
+    assert window.settings.default_model == default
 
     view.open_conversation(ids[2])
     view.open_conversation(ids[1])

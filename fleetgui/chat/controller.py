@@ -7,7 +7,9 @@ to the GUI thread through queued signals.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import time
 
 from PySide6.QtCore import QObject, Signal
 
@@ -45,13 +47,16 @@ class ChatController(QObject):
         self.settings = settings
         self.tasks = tasks
         self.service = None
-        self.deployment = None  # a fleet deployment the chat runs on; None: the settings' model
+        self.deployment = None  # a fleet deployment the chat runs on; None: ``current_model``
+        self.model: str | None = None  # the model the Chat view picked; None: the settings' default model
         self._loader = None
         self._closing = False
         self._keys = itertools.count(1)
         self._listeners: dict[int, tuple] = {}
         self._handles: dict = {}
         self._pending: list[tuple[int, list[dict], int]] = []
+        self._queued_at: dict[int, float] = {}  # requests that wait for the model to start: since when
+        self._startup: dict[int, float] = {}  # and, once it started, how long they waited (seconds)
         self._bridge = _Bridge()
         self._bridge.text.connect(self._on_text)
         self._bridge.done.connect(self._on_done)
@@ -68,6 +73,7 @@ class ChatController(QObject):
         self._listeners[key] = (on_text, on_done)
         if self.service is None:
             self._pending.append((key, messages, max_new_tokens, sampling, tools))
+            self._queued_at[key] = time.monotonic()
             self.open()
         else:
             self._send(key, messages, max_new_tokens, sampling, tools)
@@ -110,9 +116,29 @@ class ChatController(QObject):
 
     def _on_done(self, key: int, reply: Reply) -> None:
         self._handles.pop(key, None)
+        self._queued_at.pop(key, None)
         listener = self._listeners.pop(key, None)
         if listener:
             listener[1](reply)
+        self._startup.pop(key, None)
+
+    def startup_wait(self, key: int | None) -> float | None:
+        """How long request ``key`` waited for the model to start, in seconds (None: it did not wait);
+        its reply's own figures (first token) count from when the model took it."""
+        return self._startup.get(key)
+
+    @property
+    def current_model(self) -> str:
+        """The model the chat runs when it is not on a deployment: the Chat view's pick, else the
+        settings' default model (which the pick never changes)."""
+        return self.model or self.settings.default_model
+
+    def use_model(self, source: str) -> None:
+        """Chat with ``source`` from now on (a catalog name, a shard folder, a GGUF file or a Hugging
+        Face folder), leaving any deployment; the current service closes and the next request opens it."""
+        self.model = source
+        self.deployment = None
+        self.close_service()
 
     # --- the service ---------------------------------------------------------------------------------
 
@@ -124,7 +150,7 @@ class ChatController(QObject):
         """Opens the service off the GUI thread unless it is open or opening."""
         if self.service is not None or self._loader is not None or self._closing:
             return
-        settings, backend = self.settings, self.backend
+        settings, backend = dataclasses.replace(self.settings, default_model=self.current_model), self.backend
 
         deployment = self.deployment
 
@@ -162,6 +188,8 @@ class ChatController(QObject):
         self.status.emit(f"Chat: {service.description}")
         self.service_changed.emit(service)
         pending, self._pending = self._pending, []
+        now = time.monotonic()
+        self._startup.update((key, now - self._queued_at.pop(key, now)) for key, *_ in pending)
         for key, messages, max_new_tokens, sampling, tools in pending:
             self._send(key, messages, max_new_tokens, sampling, tools)
         self.ready.emit()
@@ -178,10 +206,14 @@ class ChatController(QObject):
 
     def reconfigure(self, settings) -> None:
         """New settings: a service built on other values is closed (in the background); the next
-        request opens a new one.  Another default model leaves a deployment for that model."""
+        request opens a new one.  Another default model leaves a deployment, and the Chat view's pick,
+        for that model."""
         old, self.settings = self.settings, settings
         if old.default_model != settings.default_model:
             self.deployment = None
+            if self.model is not None:
+                self.model = None
+                self.close_service()
         if any(getattr(old, k) != getattr(settings, k) for k in SERVICE_KEYS):
             self.close_service()
 

@@ -27,7 +27,7 @@ from fleetgui.chat.model import ConversationModel
 from fleetgui.chat_options import DEFAULT_PRESET, SamplingPanel, preset_options, sampling_params
 from fleetgui.chat_options import describe as describe_options
 from fleetgui.chat_tools import ToolConsent, call_html, result_html
-from fleetgui.documents import sources_html
+from fleetgui.documents import cite, sources_html
 from fleetgui.history import Conversation, Message, to_markdown
 from fleetgui.markdown import REPLY_LINK, Transcript, code_blocks, message_html
 from fleetgui.widgets import flow_bar, plain
@@ -57,8 +57,11 @@ def format_stats(stats: dict) -> str:
         return ""
     if stats.get("unfinished"):
         return "interrupted: the app closed before this reply ended"
-    parts = [f"{stats.get('decode_tok_s', 0):.1f} tok/s", f"first token {stats.get('ttft_ms', 0):.0f} ms",
-             f"{stats.get('new_tokens', 0)} tokens"]
+    first = f"first token {stats.get('ttft_ms', 0):.0f} ms"
+    if stats.get("startup_s") is not None:  # the reply waited for the model to start: say so, apart
+        first = (f"first token {stats.get('ttft_ms', 0) / 1000:.1f} s after the model started "
+                 f"(start-up {stats['startup_s']:.0f} s)")
+    parts = [f"{stats.get('decode_tok_s', 0):.1f} tok/s", first, f"{stats.get('new_tokens', 0)} tokens"]
     stopped = stats.get("stopped_by")
     parts.append({"cancelled": "stopped", "eos": "complete", "stop": "complete", "max_tokens": "length limit",
                   "error": "failed"}.get(stopped, stopped or ""))
@@ -383,9 +386,12 @@ class ChatTab(QWidget):
 
     def _on_done(self, reply: Reply) -> None:
         self._render_timer.stop()  # the full render below shows the whole reply
+        startup = self.view.controller.startup_wait(self.key)
         message, self.reply, self.key = self.reply, None, None
         self.last_reply = reply
         stats = reply.to_json()
+        if startup is not None:
+            stats["startup_s"] = round(startup, 1)
         if message is not None:
             message.content = reply.text
             kept = {k: message.stats[k] for k in ("seed", "sources") if message.stats.get(k) is not None}
@@ -450,8 +456,10 @@ class ChatTab(QWidget):
             if not self.busy:
                 links.append(f"<a href='delete:{i}'>Delete</a>")
             parts.append(f"<p style='margin-top:0.8em'><b>{who}</b>&nbsp;&nbsp;<small>{' · '.join(links)}</small></p>")
-            parts.append(message_html(m.content, i, theme) if m.role == "assistant" else
-                         f"<p style='white-space:pre-wrap'>{html.escape(m.content)}</p>")
+            if m.role == "assistant":
+                parts.append(cite(message_html(m.content, i, theme), i, len(m.stats.get("sources") or [])))
+            else:
+                parts.append(f"<p style='white-space:pre-wrap'>{html.escape(m.content)}</p>")
             parts.append(sources_html(m.stats.get("sources"), i) if m.role == "assistant" else "")
             parts.extend(call_html(c) for c in m.stats.get("tool_calls", []))
             stats = format_stats(m.stats) if m.role == "assistant" and i != last_reply else ""

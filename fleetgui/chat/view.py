@@ -14,13 +14,16 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QHBoxLayout, QIn
 
 from engine.config import paths
 from engine.errors import FleetError
+from engine.fleet.deploy import LOCAL
 from engine.fleet.fit import measured_key, record_measured
-from engine.models.catalog import CATALOG
+from engine.manifest import read_manifest
+from engine.models.catalog import CATALOG, is_cached
 from engine.progress import Progress
 from engine.runtime.decode.service import Reply
 from fleetgui.chat.controller import ChatController
-from fleetgui.chat.tab import ChatTab
+from fleetgui.chat.tab import ChatTab, ask
 from fleetgui.chat_tools import McpTools
+from fleetgui.documents import OPTION as DOCUMENTS
 from fleetgui.documents import DocumentsPanel
 from fleetgui.history import Conversation, HistoryStore, to_json, to_markdown
 from fleetgui.model_cards import ModelBrowser
@@ -28,15 +31,88 @@ from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
 from fleetgui.widgets import Banner, flow_bar, plain_tip, splitter
 
-def model_choices(current: str) -> list[str]:
-    """The models the picker offers: the current one, the exported shard sets in the cache (newest
-    first), then the catalog."""
+ON_DEPLOYMENT = "deployment:"  # the picker's entry of the fleet deployment the chat runs on
+# parameters: a smaller model given documents tends to invent its answer where a larger one cites them,
+# so a chat with documents on a smaller one is offered the largest catalog model
+SMALL_MODEL = 1_000_000_000
+
+
+def catalog_name(source: str) -> str:
+    """The model's name: its catalog name where it is a catalog model (a shard folder's from its
+    manifest), else a GGUF file's or folder's own name."""
+    if source in CATALOG:
+        return source
+    path = Path(source)
     try:
-        exported = sorted((p for p in paths().shards.iterdir() if (p / "stage0").is_dir()),
-                          key=lambda p: p.stat().st_mtime, reverse=True)
+        return read_manifest(path / "stage0").model_name if (path / "stage0").is_dir() else path.stem or source
+    except (OSError, ValueError, KeyError, FleetError):
+        return path.name or source
+
+
+def larger_model(source: str) -> str | None:
+    """The catalog model to suggest when ``source`` answers from documents: the largest chat model,
+    when ``source`` is a catalog model under ``SMALL_MODEL`` parameters; None otherwise."""
+    entry = CATALOG.get(catalog_name(source))
+    if entry is None or not entry.parameters or entry.parameters >= SMALL_MODEL:
+        return None
+    chat_models = [e for e in CATALOG.values() if e.has_chat_template and e.draft_for is None]
+    best = max(chat_models, key=lambda e: e.parameters, default=None)
+    return best.name if best is not None and best.parameters >= SMALL_MODEL else None
+
+
+def model_name(source: str) -> str:
+    """A model as people name it ("SmolLM2 135M"), from a catalog name, a shard folder (its
+    manifest's model), a GGUF file or a Hugging Face folder."""
+    name = catalog_name(source)
+    entry = CATALOG.get(name)
+    if entry is None:
+        return name
+    words = entry.description.split(":")[0].split()[0]  # "Qwen2.5-Coder-1.5B-Instruct"
+    return words.removesuffix("-Instruct").replace("-", " ")
+
+
+def nodes_of(deployment) -> str:
+    """The PCs a deployment runs on, in words: "this PC + laptop-2"."""
+    hosts = [("this PC" if span.node == LOCAL else span.node.rsplit(":", 1)[0]) for span in deployment.placement]
+    return " + ".join(dict.fromkeys(hosts)) or "the fleet"
+
+
+def complete_shard_sets() -> list[Path]:
+    """The exported shard sets in the cache that hold every stage (newest first): a profile's
+    intermediate shards (one stage of a split) are left out."""
+    found = []
+    try:
+        folders = list(paths().shards.iterdir())
     except OSError:
-        exported = []
-    return list(dict.fromkeys([current, *map(str, exported), *CATALOG]))
+        return []
+    for folder in folders:
+        try:
+            count = read_manifest(folder / "stage0").stage_count
+        except (OSError, ValueError, KeyError, FleetError):
+            continue
+        if all((folder / f"stage{i}").is_dir() for i in range(count)):
+            found.append(folder)
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def model_choices(current: str, deployment=None) -> list[tuple[str, str]]:
+    """The models the picker offers, as (what it shows, the source it runs): the deployment the chat
+    runs on, the current model, the models exported on this PC, then the catalog; by name and
+    where they run ("Qwen2.5 Coder 1.5B — on this PC"), never by cache path."""
+    choices: dict[str, str] = {}
+    if deployment is not None:
+        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {nodes_of(deployment)}"
+    exported = complete_shard_sets()
+    by_model = {model_name(str(folder)): folder for folder in reversed(exported)}  # the newest of each model
+    catalog = {model_name(name): name for name in CATALOG}
+    for source in (current, *(str(f) for n, f in by_model.items() if n not in catalog), *CATALOG):
+        if source in choices:
+            continue
+        entry = CATALOG.get(source)
+        here = entry is None or is_cached(entry) or model_name(source) in by_model
+        where = "on this PC" if here else f"download ({entry.size / 1e6:.0f} MB)"
+        choices[source] = f"{model_name(source)} — {where}"
+    return [(label, source) for source, label in choices.items()]
 
 
 class ChatView(QWidget):
@@ -57,19 +133,29 @@ class ChatView(QWidget):
         self.progress.cancel_requested.connect(controller.cancel_open)
         controller.progress.connect(self._loading)
 
+        # the row keeps its place while hidden: the controls below never move when it comes and goes
+        policy = self.progress.sizePolicy()
+        policy.setRetainSizeWhenHidden(True)
+        self.progress.setSizePolicy(policy)
+        self.progress.setFixedHeight(self.progress.sizeHint().height())
+
         self.model = QComboBox()
-        self.model.setEditable(True)
         self.model.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.model.setMinimumContentsLength(16)
-        self.model.setToolTip("the model this chat runs: an exported shard set, a catalog model, a GGUF file or a "
-                              "Hugging Face folder")
-        self._fill_models()
+        self.model.setToolTip("the model the chat runs: on this PC, on the fleet, or one to download (Models… "
+                              "opens a GGUF file or a Hugging Face folder too); Settings keep their default model")
+        self.refresh_models()
         self.model.activated.connect(lambda _: self._model_picked())
-        self.model.lineEdit().returnPressed.connect(self._model_picked)
+        controller.service_changed.connect(lambda _: self.refresh_models())
         browse_models = QPushButton("Models…")
         browse_models.setToolTip("the catalog's models with their size, license, whether they fit this PC and the "
                                  "fleet, and their predicted and measured speed")
         browse_models.clicked.connect(lambda: self.browse_models())
+        # shown while the active chat answers from documents on a small model (``suggest_larger``)
+        self.larger = QPushButton()
+        self.larger.setObjectName("primary")
+        self.larger.clicked.connect(lambda: self.choose(self.larger.property("source")))
+        self.larger.hide()
 
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search chats")
@@ -109,6 +195,8 @@ class ChatView(QWidget):
         self.tabs.setUsesScrollButtons(True)
         self.tabs.setElideMode(Qt.TextElideMode.ElideRight)
         self.tabs.tabCloseRequested.connect(self.close_tab)
+        self.tabs.currentChanged.connect(lambda _: self._follow_tab())
+        self.tabs.currentChanged.connect(lambda _: self.suggest_larger())
         plus = QPushButton("+")
         plus.setToolTip("New chat tab")
         plus.setFlat(True)
@@ -120,6 +208,7 @@ class ChatView(QWidget):
         header = QHBoxLayout()
         header.addWidget(QLabel("Model"))
         header.addWidget(self.model, 1)
+        header.addWidget(self.larger)
         header.addWidget(browse_models)
         right = splitter(Qt.Orientation.Vertical, (self.tabs, 4), (self.live, 1))
         split = splitter(Qt.Orientation.Horizontal, (left, 1), (right, 4))
@@ -140,27 +229,68 @@ class ChatView(QWidget):
 
     # --- the model -----------------------------------------------------------------------------------
 
-    def _fill_models(self) -> None:
+    def refresh_models(self) -> None:
+        """Fills the picker anew, on what the chat runs now."""
+        deployment = self.controller.deployment
         self.model.blockSignals(True)
         self.model.clear()
-        self.model.addItems(model_choices(self.settings.default_model))
-        self.model.setCurrentText(self.settings.default_model)
+        for label, source in model_choices(self.controller.current_model, deployment):
+            self.model.addItem(label, source)
+            self.model.setItemData(self.model.count() - 1, plain_tip(label), Qt.ItemDataRole.ToolTipRole)
+        self.model.setCurrentIndex(0)
         self.model.blockSignals(False)
 
     def _model_picked(self) -> None:
-        name = self.model.currentText().strip()
-        if name and name != self.settings.default_model:
-            self.model_chosen.emit(name)
+        source = self.model.currentData()
+        if source:
+            self.choose(source)
+
+    def choose(self, source: str) -> bool:
+        """Makes ``source`` the chat's model (Settings → Default model stays as it is).  When the chat
+        runs on a fleet deployment, asks first: switching stops that deployment's workers."""
+        deployment = self.controller.deployment
+        if source == ON_DEPLOYMENT or (deployment is None and source == self.controller.current_model):
+            return False
+        if deployment is not None:
+            question = (f"The chat runs on {model_name(deployment.model)} on the fleet ({nodes_of(deployment)}). "
+                        f"Switching to {model_name(source)} stops that deployment: its workers on those PCs "
+                        "stop and free their memory.")
+            if not ask(self, "Stop the fleet deployment?", question, "Stop it and switch"):
+                self.refresh_models()
+                return False
+            backend, settings = self.controller.backend, self.settings
+            self.controller.tasks.start(lambda report, cancel: backend.stop_deployment(deployment, settings),
+                                        "stop the deployment", failed=lambda message: self.banner.error(
+                                            f"The deployment's workers could not all be stopped: {message}"))
+        self.controller.use_model(source)
+        self.refresh_models()
+        self.suggest_larger()
+        self.model_chosen.emit(source)
+        return True
+
+    def suggest_larger(self) -> None:
+        """Offers a larger model while the active chat answers from documents on a small one."""
+        tab = self.tabs.currentWidget() if hasattr(self, "tabs") else None
+        documents = tab is not None and bool(tab.conversation.options.get(DOCUMENTS))
+        larger = larger_model(self.controller.current_model) if documents and not self.controller.deployment else None
+        if larger is None:
+            self.larger.hide()
+            return
+        self.larger.setText(f"Use {model_name(larger)} for documents")
+        self.larger.setToolTip(f"{model_name(self.controller.current_model)} is small: given documents it may invent "
+                               f"an answer; {model_name(larger)} answers from them with a citation")
+        self.larger.setProperty("source", larger)
+        self.larger.show()
 
     def browse_models(self, dialog: ModelBrowser | None = None) -> str | None:
         """Opens the model browser; the model chosen there becomes the chat's."""
-        dialog = dialog or ModelBrowser(self.controller.tasks, self.settings.default_model, self.settings.weights, self)
+        dialog = dialog or ModelBrowser(self.controller.tasks, self.controller.current_model, self.settings.weights,
+                                        self)
         if dialog.exec() != QDialog.DialogCode.Accepted:
             return None
         name = dialog.chosen_source()
-        if name and name != self.settings.default_model:
-            self.model.setCurrentText(name)
-            self.model_chosen.emit(name)
+        if name:
+            self.choose(name)
         return name
 
     def _record_speed(self, reply: Reply) -> None:
@@ -168,7 +298,7 @@ class ChatView(QWidget):
         if reply.error or len(reply.tokens) < 2:
             return
         deployment = getattr(self.controller, "deployment", None)
-        source = deployment.stage0 if deployment is not None else self.settings.default_model
+        source = deployment.stage0 if deployment is not None else self.controller.current_model
         key = measured_key(source)
         if deployment is not None and key == source:
             key = deployment.model
@@ -258,15 +388,25 @@ class ChatView(QWidget):
     # --- saved conversations -------------------------------------------------------------------------
 
     def conversations_changed(self) -> None:
-        selected = self.selected_id()
+        self.saved.blockSignals(True)
         self.saved.clear()
         for conv in self.history.conversations(self.search.text()):
             item = QListWidgetItem(conv.title or "(untitled)")
             item.setData(Qt.ItemDataRole.UserRole, conv.id)
             item.setToolTip(plain_tip(conv.title))
             self.saved.addItem(item)
-            if conv.id == selected:
-                self.saved.setCurrentItem(item)
+        self.saved.blockSignals(False)
+        self._follow_tab()
+
+    def _follow_tab(self) -> None:
+        """The saved chat of the active tab is the one highlighted (none for a chat not saved yet)."""
+        current = self.current_id()
+        ids = [self.saved.item(row).data(Qt.ItemDataRole.UserRole) for row in range(self.saved.count())]
+        if current is not None and current in ids:
+            self.saved.setCurrentRow(ids.index(current))
+            return
+        self.saved.setCurrentRow(-1)
+        self.saved.clearSelection()
 
     def selected_id(self) -> int | None:
         item = self.saved.currentItem()
@@ -336,7 +476,7 @@ class ChatView(QWidget):
         self.controller.reconfigure(settings)
         self.mcp.apply_settings(settings)
         self.live.set_theme(settings.theme)
-        self._fill_models()
+        self.refresh_models()
         for tab in self.all_tabs():
             if not tab.busy:
                 tab.render()
