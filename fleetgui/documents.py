@@ -56,14 +56,20 @@ def cite(body: str, message_index: int, count: int) -> str:
     sources, made a link of ours (``source:MESSAGE:N-1``) that opens that passage.  The link is
     written from the number alone: the reply's text never chooses what opens (a marker in code or
     inside a link of the reply stays text)."""
-    out, inside = [], 0  # inside a <pre> or an <a> of the reply
+    out, inside, spans = [], 0, []  # inside a <pre> or an <a> of the reply; the open spans (code: monospace)
     for part in TAG.split(body):
         if part.startswith("<"):
             name = part[1:].lstrip("/").split(None, 1)[0].rstrip(">").lower() if len(part) > 2 else ""
-            if name in ("pre", "a"):
-                inside += -1 if part.startswith("</") else 1
+            closing = part.startswith("</")
+            if name in ("pre", "a", "code"):
+                inside += -1 if closing else 1
+            elif name == "span" and closing:
+                if spans:
+                    spans.pop()
+            elif name == "span":
+                spans.append("monospace" in part)
             out.append(part)
-        elif inside > 0:
+        elif inside > 0 or any(spans):
             out.append(part)
         else:
             out.append(MARKER.sub(lambda m: f"<a href='source:{message_index}:{int(m.group(1)) - 1}'>{m.group(0)}</a>"
