@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QPushButton, QTabWidget, QVBoxLayout, QWidget)
 
@@ -129,15 +129,12 @@ class ChatView(QWidget):
         self.banner = Banner()
         controller.failed.connect(lambda m: self.banner.error(f"The model could not be started: {m}"))
         controller.fleet_event.connect(lambda text: self.banner.info(f"Fleet: {text}"))
-        self.progress = ProgressPanel()
+        # over the bottom of the tabs' column (the live plot), never in the layout: nothing moves when
+        # it comes and goes
+        self.progress = ProgressPanel(self)
+        self.progress.setAutoFillBackground(True)
         self.progress.cancel_requested.connect(controller.cancel_open)
         controller.progress.connect(self._loading)
-
-        # the row keeps its place while hidden: the controls below never move when it comes and goes
-        policy = self.progress.sizePolicy()
-        policy.setRetainSizeWhenHidden(True)
-        self.progress.setSizePolicy(policy)
-        self.progress.setFixedHeight(self.progress.sizeHint().height())
 
         self.model = QComboBox()
         self.model.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
@@ -210,13 +207,14 @@ class ChatView(QWidget):
         header.addWidget(self.model, 1)
         header.addWidget(self.larger)
         header.addWidget(browse_models)
-        right = splitter(Qt.Orientation.Vertical, (self.tabs, 4), (self.live, 1))
+        right = self._right = splitter(Qt.Orientation.Vertical, (self.tabs, 4), (self.live, 1))
         split = splitter(Qt.Orientation.Horizontal, (left, 1), (right, 4))
+        for moved in (right, split):  # the panel over the plot follows the column's bottom
+            moved.splitterMoved.connect(lambda *_: self._place_progress())
         chars = self.fontMetrics().averageCharWidth()
         split.setSizes([chars * 28, chars * 100])
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
-        layout.addWidget(self.progress)
         layout.addLayout(header)
         layout.addWidget(split, 1)
 
@@ -312,6 +310,17 @@ class ChatView(QWidget):
             self.progress.done()
         else:
             self.progress.show_progress(progress)
+            self._place_progress()
+
+    def _place_progress(self) -> None:
+        at = self._right.mapTo(self, QPoint(0, 0))
+        height = self.progress.sizeHint().height()
+        self.progress.setGeometry(at.x(), at.y() + self._right.height() - height, self._right.width(), height)
+        self.progress.raise_()
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        super().resizeEvent(event)
+        self._place_progress()
 
     # --- tabs ----------------------------------------------------------------------------------------
 
