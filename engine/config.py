@@ -105,6 +105,7 @@ class Settings:
     api_streams: int = 4  # concurrent replies `fleet serve` makes (more requests queue)
     api_max_body_mb: float = 4.0  # the largest request body the API reads (larger: 413)
     api_max_waiting: int = 64  # requests the API lets wait for a stream; more are answered 429 with Retry-After
+    api_documents: str = ""  # the document collection whose passages ground the API's chat replies ("": none)
     # MCP servers whose tools the chat offers (``engine.serve.mcp.McpServer.to_json``: name, command, args,
     # env or url, enabled), and the tools it calls without asking first ("server/tool#identity",
     # ``engine.serve.mcp.McpTool.consent``: a server replaced under the same name is asked about again)

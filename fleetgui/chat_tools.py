@@ -1,6 +1,7 @@
 """The chat's tools from MCP servers (``engine.serve.mcp``): ``McpTools`` keeps the window's
 connections (opened off the GUI thread when the settings list servers) and the tools they offer;
-``ToolLoop`` runs one chat's calls.
+``ToolConsent`` is one chat's face of the engine's tool loop (``engine.conversation.tools``): the
+tools mode and the question asked before each call.
 
 A reply that calls a tool (through the grammar-held calls of ``engine.serve.tools``) is shown with
 its arguments as plain text, and the bar under the transcript asks: Allow once, Always allow this
@@ -9,7 +10,7 @@ Deny.  Only a click answers, and only once the buttons are armed (``CONSENT_DELA
 take the keyboard's focus, which stays where the user types, so a keystroke meant for the next
 message cannot run a tool.  An allowed call runs off the GUI thread; its result (or the error of a
 server that crashed or timed out) becomes a ``tool`` message and the model is asked again, until it
-answers without a call (at most ``MAX_ROUNDS`` rounds per question).
+answers without a call (the loop's rounds are the engine's).
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ from PySide6.QtCore import QObject, Qt, QTimer, Signal
 from PySide6.QtWidgets import QComboBox, QFrame, QHBoxLayout, QLabel, QPushButton
 
 from engine.config import allow_tool
+from engine.conversation.tools import ToolLoop, arguments_of
 from engine.errors import FleetError
 from engine.serve.mcp import McpError, McpHub, McpServer, McpTool, offer, servers_from_settings
-from engine.serve.tools import parse, plan_tools
 from fleetgui.history import Message
 from fleetgui.widgets import plain, plain_tip
 
-MAX_ROUNDS = 8  # model replies per question; the last one may not call a tool
 MODES = {"off": "Tools: off", "auto": "Tools: the model decides", "required": "Tools: call one first"}
-RESULT_CHARS = 20000  # a tool result longer than this is cut for the model (and the transcript)
 # the consent buttons take a click only this long after a question shows: a click (or a double
 # click's second half) aimed at what was there a moment before does not answer it
 CONSENT_DELAY_MS = 600
@@ -151,17 +150,15 @@ def result_html(message: Message) -> str:
             f"{note}</small></p><pre style='white-space:pre-wrap'>{html.escape(message.content)}</pre>")
 
 
-class ToolLoop(QObject):
-    """One chat's tool calls: offers the tools to each reply, asks before each call, runs it and
-    asks the model again with its result."""
+class ToolConsent(QObject):
+    """One chat's tool calls (``engine.conversation.tools.ToolLoop``): offers the tools to each reply,
+    asks before each call, runs it off the GUI thread and asks the model again with its result."""
 
     def __init__(self, tab):
         super().__init__(tab)
         self.tab = tab
         self.mcp: McpTools = tab.view.mcp
-        self.rounds = 0  # replies since the user's last message
-        self.plan = None  # the tools the reply in progress may call
-        self.pending: list[dict] = []  # calls of the last reply waiting for the user or running
+        self.loop = ToolLoop()
         self.running = None  # the task of the call that runs
         self._cancelled = False
 
@@ -203,7 +200,16 @@ class ToolLoop(QObject):
     @property
     def active(self) -> bool:
         """Calls are waiting for the user or running: the chat is busy."""
-        return bool(self.pending)
+        return self.loop.active
+
+    @property
+    def pending(self) -> list[dict]:
+        """The last reply's calls waiting for the user or running."""
+        return self.loop.pending
+
+    @pending.setter
+    def pending(self, calls: list[dict]) -> None:
+        self.loop.pending = calls
 
     def _servers_changed(self) -> None:
         self.mode.setVisible(bool(self.mcp.servers))
@@ -212,34 +218,20 @@ class ToolLoop(QObject):
     # --- a reply ---------------------------------------------------------------------------------------
 
     def next_plan(self, new_question: bool):
-        """The tools the next reply may call (None: none), per the chat's mode; the first reply to a
-        question may be made to call one, the last of ``MAX_ROUNDS`` may not."""
-        if new_question:
-            self.rounds = 0
-        self.rounds += 1
-        mode = self.mode.currentData()
-        self.plan = None
-        if mode == "off" or not self.mcp.tools or self.rounds >= MAX_ROUNDS:
-            return None
-        choice = "required" if mode == "required" and self.rounds == 1 else "auto"
+        """The tools the next reply may call (None: none), per the chat's mode."""
         try:
-            self.plan = plan_tools([t.openai() for t in self.mcp.tools], choice, parallel=False)
+            return self.loop.next_plan(self.mcp.tools, self.mode.currentData(), new_question)
         except FleetError as exc:
             self.tab.view.banner.error(f"The MCP tools cannot be offered to the model: {exc}")
-        return self.plan
+            return None
 
     def take_calls(self, message: Message, text: str) -> None:
         """A finished reply: its tool calls (if the reply was offered tools and made any) go to the
         message's stats, its text beside them stays its content, and the calls wait for the user."""
-        plan, self.plan = self.plan, None
-        if plan is None or not text:
+        taken = self.loop.take_calls(text)
+        if taken is None:
             return
-        content, calls = parse(text, plan.names)
-        if not calls:
-            return
-        message.content = content or ""
-        message.stats["tool_calls"] = calls
-        self.pending = list(calls)
+        message.content, message.stats["tool_calls"] = taken
         self._cancelled = False
 
     def ask(self) -> None:
@@ -282,15 +274,11 @@ class ToolLoop(QObject):
         self._run(call, tool)
 
     def _run(self, call: dict, tool: McpTool) -> None:
-        try:
-            arguments = json.loads(call["function"]["arguments"] or "{}")
-        except ValueError as exc:
-            self._result(call, f"The arguments are not valid JSON: {exc}", error=True)
-            return
         hub = self.mcp.hub
-        if hub is None or not isinstance(arguments, dict):
-            self._result(call, "The MCP servers are turned off." if hub is None else
-                         "The arguments must be a JSON object.", error=True)
+        try:
+            arguments = arguments_of(call, hub)
+        except FleetError as exc:
+            self._result(call, str(exc), error=True)
             return
         self.tab._set_stats(f"running {tool.name} on {tool.server}…")
         self.running = self.tab.view.controller.tasks.start(
@@ -310,13 +298,8 @@ class ToolLoop(QObject):
         """The call's result as a tool message; the next call is asked about, or, all answered, the
         model replies again."""
         tab = self.tab
-        if len(text) > RESULT_CHARS:
-            text = text[:RESULT_CHARS] + f"\n[… cut: {len(text) - RESULT_CHARS} more characters]"
-        stats = {"tool_call_id": call["id"], "name": call["function"]["name"], **({"error": True} if error else {})}
-        message = Message("tool", text, stats)
-        tab.conversation.messages.append(message)
-        tab.view.history.append(tab.conversation.id, message)
-        self.pending = self.pending[1:]
+        message = Message("tool", *self.loop.answer(text, error))
+        tab.model.append(message)
         tab.render()
         if self.pending:
             self.ask()
@@ -328,7 +311,7 @@ class ToolLoop(QObject):
         if not self.pending:
             return
         self._cancelled = True
-        self.pending = []
+        self.loop.cancel()
         self.bar.hide()
         self.tab._set_stats("stopped")
         self.tab.render()

@@ -8,15 +8,17 @@ when the indexing has stopped (the window never waits for a file being read).  `
 a chat tab its collection picker, beside its system prompt (the choice is kept in the conversation's
 options, so a reopened chat keeps it), and takes files or folders dropped on the tab into that
 collection (a new one named after them when the chat has none).  ``sources_for`` finds the passages for the chat's
-last question; ``with_sources`` puts them in the prompt as numbered sources; ``sources_html`` writes
+last question (``engine.conversation.sources``, which also puts them in the prompt); ``sources_html`` writes
 the "Sources" line under the reply: links of our own (``source:MESSAGE:N``) made from what was
-retrieved, never from the reply's text (whose links ``fleetgui.markdown`` wraps in ``reply:``).  A
+retrieved, never from the reply's text (whose links ``fleetgui.markdown`` wraps in ``reply:``);
+``cite`` makes the reply's markers ([1]) such links too, for the sources the reply has.  A
 click opens ``PassageDialog`` with the passage.
 """
 
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, QObject, Qt, QUrl, Signal
@@ -25,6 +27,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog
                                QLabel, QListWidget, QListWidgetItem, QMenu, QPlainTextEdit, QPushButton,
                                QVBoxLayout, QWidget)
 
+from engine.conversation.sources import find_sources, source_where
 from engine.documents.collection import Collection, Library, UpdateReport
 from engine.documents.readers import DocumentError
 from engine.progress import Progress
@@ -33,26 +36,6 @@ from fleetgui.widgets import flow_bar, plain, plain_tip
 
 OPTION = "documents"  # the conversation option that names the chat's collection
 NO_DOCUMENTS = "No documents"
-MAX_SOURCES = 4  # passages put in a prompt
-MAX_SOURCE_CHARS = 4000  # and at most this much of their text (a small model's context is short)
-INSTRUCTION = ("Answer from the numbered sources below when they hold the answer, and cite them by number "
-               "like [1]. If they do not hold it, say so.")
-
-
-def with_sources(prompt: list[dict], sources: list[dict]) -> list[dict]:
-    """``prompt`` with the sources as numbered context in its system message (added when it has none)."""
-    if not sources:
-        return prompt
-    context = INSTRUCTION + "\n\n" + "\n\n".join(f"[{n}] {source_where(s)}\n{s['text']}"
-                                                  for n, s in enumerate(sources, 1))
-    if prompt and prompt[0]["role"] == "system":
-        return [{"role": "system", "content": prompt[0]["content"] + "\n\n" + context}, *prompt[1:]]
-    return [{"role": "system", "content": context}, *prompt]
-
-
-def source_where(source: dict) -> str:
-    name = Path(source["file"]).name
-    return name if source.get("page") is None else f"{name}, page {source['page']}"
 
 
 def sources_html(sources: list[dict] | None, message_index: int) -> str:
@@ -62,6 +45,36 @@ def sources_html(sources: list[dict] | None, message_index: int) -> str:
     links = " · ".join(f"<a href='source:{message_index}:{n}'>[{n + 1}] {html.escape(source_where(s))}</a>"
                        for n, s in enumerate(sources))
     return f"<p><small><b>Sources</b>&nbsp;&nbsp;{links}</small></p>"
+
+
+MARKER = re.compile(r"\[(\d{1,2})\]")  # a citation marker in a reply's text: [1]
+TAG = re.compile(r"(<[^>]*>)")
+
+
+def cite(body: str, message_index: int, count: int) -> str:
+    """A reply's HTML with each citation marker [N] of its text, N one of the reply's ``count``
+    sources, made a link of ours (``source:MESSAGE:N-1``) that opens that passage.  The link is
+    written from the number alone: the reply's text never chooses what opens (a marker in code or
+    inside a link of the reply stays text)."""
+    out, inside, spans = [], 0, []  # inside a <pre> or an <a> of the reply; the open spans (code: monospace)
+    for part in TAG.split(body):
+        if part.startswith("<"):
+            name = part[1:].lstrip("/").split(None, 1)[0].rstrip(">").lower() if len(part) > 2 else ""
+            closing = part.startswith("</")
+            if name in ("pre", "a", "code"):
+                inside += -1 if closing else 1
+            elif name == "span" and closing:
+                if spans:
+                    spans.pop()
+            elif name == "span":
+                spans.append("monospace" in part)
+            out.append(part)
+        elif inside > 0 or any(spans):
+            out.append(part)
+        else:
+            out.append(MARKER.sub(lambda m: f"<a href='source:{message_index}:{int(m.group(1)) - 1}'>{m.group(0)}</a>"
+                                  if 1 <= int(m.group(1)) <= count else m.group(0), part))
+    return "".join(out)
 
 
 class PassageDialog(QDialog):
@@ -382,14 +395,13 @@ class DocumentsPanel(QWidget):
             options[OPTION] = name
         else:
             options.pop(OPTION, None)
-        tab.conversation.options = options
-        if tab.conversation.id is not None:
-            tab.view.history.update(tab.conversation)
+        tab.model.set_options(options)
         index = tab.documents_picker.findData(name) if name else 0
         if index >= 0 and tab.documents_picker.currentIndex() != index:
             tab.documents_picker.blockSignals(True)
             tab.documents_picker.setCurrentIndex(index)
             tab.documents_picker.blockSignals(False)
+        tab.view.suggest_larger()
 
     def drop(self, tab, files: list[str]) -> None:
         """Files or folders dropped on a chat: into its collection, or a new one named after them."""
@@ -415,20 +427,10 @@ class DocumentsPanel(QWidget):
         if not name or not question.strip():
             return []
         try:
-            hits = self.collection(name).search(question, k=MAX_SOURCES)
+            return find_sources(self.collection(name), question)
         except DocumentError as exc:
             self.status.setText(str(exc))
             return []
-        sources, budget = [], MAX_SOURCE_CHARS
-        for hit in hits:
-            p = hit.passage
-            text = p.text[:budget]
-            if not text:
-                break
-            budget -= len(text)
-            sources.append({"file": p.file, "page": p.page, "start": p.start, "text": text,
-                            "score": round(hit.score, 3)})
-        return sources
 
     def show_source(self, sources: list[dict], number: int) -> PassageDialog | None:
         """Opens source ``number`` (from 0) of a reply in a dialog."""

@@ -93,7 +93,7 @@ class MainWindow(QMainWindow):
         self.export.exported.connect(
             lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}", 10000))
         self.export.use_as_default.connect(self.use_model)
-        self.chat.model_chosen.connect(self.use_model)
+        self.chat.model_chosen.connect(self.chat_uses)  # the chat's pick: Settings keep their default model
         self.fleet.key_changed.connect(self.use_key)
         self.placement.deployed.connect(self.use_deployment)
         self.placement.preparing.connect(self.fleet.model.prepare)
@@ -234,6 +234,10 @@ class MainWindow(QMainWindow):
         self.apply_settings(dataclasses.replace(self.settings, default_model=folder))
         self.show_view("Chat")
         self.statusBar().showMessage(f"Chat now uses {folder}", 10000)
+
+    def chat_uses(self, source: str) -> None:
+        self.show_view("Chat")
+        self.statusBar().showMessage(f"Chat now uses {self.chat.model.currentText()}", 10000)
 
     def use_key(self, path: str) -> None:
         self.apply_settings(dataclasses.replace(self.settings, fleet_key_file=path))

@@ -133,14 +133,14 @@ def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot
                                                                           monkeypatch):
     from PySide6.QtWidgets import QApplication
 
-    import fleetgui.chat
+    import fleetgui.chat.tab
     from fleetgui.chat_options import preset_options, sampling_params
     from fleetgui.history import Message
 
     # Fresh seeds are random; draw known ones, in exact mode, so no CPU's numerics can sample an
     # empty reply (a quarter of the tiny vocabulary has no text) and drop it from the chat.
     seeds = iter([101, 202, 303])
-    monkeypatch.setattr(fleetgui.chat.random, "randrange", lambda n: next(seeds))
+    monkeypatch.setattr(fleetgui.chat.tab.random, "randrange", lambda n: next(seeds))
     window = open_window(qtbot, tiny_settings(shards, max_new_tokens=24, mode="exact"),
                          settings_store(tmp_path / "s.ini"))
     tab = window.chat.all_tabs()[0]
@@ -174,11 +174,12 @@ def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot
     second = send(qtbot, tab, "A fleet of laptops, edited")
     assert [m.content for m in tab.conversation.messages] == ["A fleet of laptops, edited", second.text]
     asked = []
-    monkeypatch.setattr(fleetgui.chat, "ask", lambda parent, title, question, action: asked.append(question) or False)
+    monkeypatch.setattr(fleetgui.chat.tab, "ask",
+                        lambda parent, title, question, action: asked.append(question) or False)
     tab._link(QUrl("delete:1"))  # asks first: declined, nothing goes
     assert asked == ["Delete this reply from the chat? This cannot be undone."]
     assert [m.role for m in window.history.load(tab.conversation.id).messages] == ["user", "assistant"]
-    monkeypatch.setattr(fleetgui.chat, "ask", lambda *args: True)
+    monkeypatch.setattr(fleetgui.chat.tab, "ask", lambda *args: True)
     tab._link(QUrl("delete:1"))
     assert [m.role for m in window.history.load(tab.conversation.id).messages] == ["user"]
     count = window.chat.tabs.count()
@@ -351,7 +352,7 @@ class ScriptedService:
 def test_a_streaming_reply_renders_as_markdown_before_it_ends(qtbot, gui_home, tmp_path, monkeypatch):
     """Markdown shows while the reply streams (a heading, and an unclosed code fence as a code block
     so far), rendered once per burst of pieces rather than per piece, and once more when it ends."""
-    import fleetgui.chat
+    import fleetgui.chat.tab
     from engine.runtime.decode.service import Reply
 
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
@@ -361,8 +362,8 @@ def test_a_streaming_reply_renders_as_markdown_before_it_ends(qtbot, gui_home, t
     tab.input.setPlainText("Plan a function")
     tab.send()
     renders = []
-    real = fleetgui.chat.message_html
-    monkeypatch.setattr(fleetgui.chat, "message_html", lambda *a: renders.append(a[0]) or real(*a))
+    real = fleetgui.chat.tab.message_html
+    monkeypatch.setattr(fleetgui.chat.tab, "message_html", lambda *a: renders.append(a[0]) or real(*a))
     on_text, on_done = service.calls[0]
     pieces = ["# Pl", "an\n\nFirst, a ", "*function*:\n\n```py", "thon\ndef add(a, b):\n", "    return a + b\n"]
     for n, piece in enumerate(pieces, 1):  # a burst: no event loop turn between the pieces
@@ -425,11 +426,14 @@ def test_markdown_code_blocks_saved_chats_and_tabs_come_back(qtbot, gui_home, tm
     # the model picker: exported shard sets and the catalog; picking one is the chat's model from now on
     from engine.models.catalog import CATALOG
 
-    choices = [view.model.itemText(i) for i in range(view.model.count())]
+    choices = [view.model.itemData(i) for i in range(view.model.count())]
     assert choices[0] == window.settings.default_model and set(CATALOG) <= set(choices)
-    view.model.setCurrentText("smollm2-135m")
+    default = window.settings.default_model
+    view.model.setCurrentIndex(view.model.findData("smollm2-135m"))
     view.model.activated.emit(view.model.currentIndex())
-    assert window.settings.default_model == "smollm2-135m" and window.current_view() == "Chat"
+    # the chat's model, not Settings → Default model (issue 81)
+    assert window.chat_controller.current_model == "smollm2-135m" and window.current_view() == "Chat"
+    assert window.settings.default_model == default
 
     view.open_conversation(ids[2])
     view.open_conversation(ids[1])

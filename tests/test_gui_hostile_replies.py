@@ -78,7 +78,7 @@ def _fragments(document):
 
 
 def test_links_in_a_reply_never_act_and_a_saved_hostile_chat_opens(qtbot, gui_home, tmp_path, monkeypatch):
-    import fleetgui.chat
+    import fleetgui.chat.tab
 
     store = tmp_path / "s.ini"
     first = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(store))
@@ -96,8 +96,9 @@ def test_links_in_a_reply_never_act_and_a_saved_hostile_chat_opens(qtbot, gui_ho
     tab = window.chat.tabs.currentWidget()
     assert tab.conversation.id == cid and "deep" in tab.transcript.toPlainText()
     asked, opened = [], []
-    monkeypatch.setattr(fleetgui.chat, "ask", lambda parent, title, question, action: asked.append(question) or True)
-    monkeypatch.setattr(fleetgui.chat.QDesktopServices, "openUrl", lambda url: opened.append(url.toString()))
+    monkeypatch.setattr(fleetgui.chat.tab, "ask",
+                        lambda parent, title, question, action: asked.append(question) or True)
+    monkeypatch.setattr(fleetgui.chat.tab.QDesktopServices, "openUrl", lambda url: opened.append(url.toString()))
     for href in ("delete:0", "edit:0", "regenerate:", "copy:0", "copycode:0:0", "file:///dev/zero"):
         tab._link(QUrl(REPLY_LINK + QUrl.toPercentEncoding(href).data().decode()))
     assert [m.role for m in tab.conversation.messages] == ["user", "assistant"] and not tab.input.toPlainText()

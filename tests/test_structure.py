@@ -27,7 +27,7 @@ FLOORS = [
     ["engine.runtime.stages"],
     ["engine.runtime.relay", "engine.runtime.decode"],
     ["engine.fleet"],
-    ["engine.session", "engine.serve"],
+    ["engine.session", "engine.serve", "engine.conversation"],
     ["engine.bench"],
     ["engine.cli"],
     ["fleetgui"],

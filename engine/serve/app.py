@@ -5,6 +5,11 @@ Each request is submitted to the service, whose scheduler thread produces text; 
 it to the request's event loop.  A streamed reply is sent as server-sent events as it is made; a
 client that goes away (streamed or not) has its request cancelled, which the service carries out
 at the stream's next round.
+
+With a document collection (the setting ``api_documents``), a chat request is grounded in it as the
+app's chat is (``engine.conversation.sources``): the passages that best match its last question go
+in the prompt as numbered sources, and the reply lists them in a ``sources`` field (a streamed one
+in its first chunk).  A request sends ``"documents": false`` to be answered without them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import Settings
+from engine.conversation.sources import find_sources, last_question, with_sources
+from engine.documents.collection import Collection
+from engine.documents.readers import DocumentError
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService, ContextExceeded, Reply
 from engine.serve import anthropic, ollama
@@ -38,12 +46,14 @@ MB = 1 << 20
 
 def create_app(service: ChatService, model_id: str, api_key: str | None = None,
                max_body_mb: float = Settings.api_max_body_mb, local: bool = False,
-               max_waiting: int = Settings.api_max_waiting, log: RequestLog | None = None) -> FastAPI:
+               max_waiting: int = Settings.api_max_waiting, log: RequestLog | None = None,
+               documents: Collection | None = None) -> FastAPI:
     """The API for ``service``, serving it as ``model_id``; with ``api_key`` every ``/v1`` and ``/api``
     request must carry it (``guard``); bodies up to ``max_body_mb``; ``local``: it listens on
     loopback, and answers only to loopback Host names (``guard``); with ``max_waiting`` requests
     waiting for a stream, the next is answered 429 (``chat.admit``); ``log``: every request is
-    logged there once it ends (``request_log``)."""
+    logged there once it ends (``request_log``); ``documents``: the collection that grounds chat
+    completions (see above)."""
     app = FastAPI(title="fleetshard", version="1", docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = app.state.metrics = Metrics(service)
@@ -89,7 +99,9 @@ def create_app(service: ChatService, model_id: str, api_key: str | None = None,
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body.model, model_id)
-        return await _complete(service, await call_of(body), request, model_id, chat=True)
+        call = await call_of(body)
+        sources = await _ground(call, documents, body.documents)
+        return await _complete(service, call, request, model_id, chat=True, sources=sources)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -151,7 +163,23 @@ class _CountStatus:
                 self.log.add(scope["method"], path, status, started, str(client[0]), bytes(body))
 
 
-async def _complete(service: ChatService, call: Call, request: Request, model_id: str, chat: bool):
+async def _ground(call: Call, documents: Collection | None, wanted: bool | None) -> list[dict]:
+    """The sources of ``documents`` for the call's last question, put in its prompt (none when the
+    server offers no documents or the request declines them)."""
+    if wanted and documents is None:
+        raise ApiError(400, "documents: this server offers no documents (the setting api_documents)", "documents")
+    if documents is None or wanted is False:
+        return []
+    try:  # a search reads the index from disk: off the event loop
+        sources = await asyncio.to_thread(find_sources, documents, last_question(call.messages))
+    except DocumentError as exc:
+        raise ApiError(503, f"the server's documents cannot be read: {exc}", kind="server_error") from None
+    call.messages = with_sources(call.messages, sources)
+    return sources
+
+
+async def _complete(service: ChatService, call: Call, request: Request, model_id: str, chat: bool,
+                    sources: list[dict] = ()):
     if call.sampling.logit_bias:
         vocab = service.chain.spec.vocab_size
         if any(token >= vocab for token, _ in call.sampling.logit_bias):
@@ -162,6 +190,7 @@ async def _complete(service: ChatService, call: Call, request: Request, model_id
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     shape = _Shape(ident, model_id, chat)
     shape.tool_names = call.tools.names if call.tools else None
+    shape.sources = list(sources)
     if call.logprobs is not None:
         shape.decode = service.tokenizer.decode
     return await answer(pipe, handle, request, call.stream, lambda: _events(pipe, handle, shape, call.include_usage),
@@ -408,7 +437,8 @@ async def _many_events(queue: asyncio.Queue, handles: list, shapes: list, jobs: 
 async def _events(pipe: Pipe, handle, shape: "_Shape", include_usage: bool):
     try:
         if shape.chat:
-            yield shape.event(shape.chunk(role=True))
+            first = shape.chunk(role=True)
+            yield shape.event({**first, "sources": shape.sources} if shape.sources else first)
         calls = CallStream(shape.tool_names) if shape.tool_names else None
         sent = 0  # the tokens whose log-probabilities went out (with the first chunk after them)
         while True:
@@ -454,6 +484,7 @@ class _Shape:
         self.created = int(time.time())
         self.tool_names: list[str] | None = None  # the tools a reply may call: its calls are parsed out
         self.decode = None  # the tokenizer's decode, when the request asked for log-probabilities
+        self.sources: list[dict] = []  # the passages of the server's documents the prompt was given
         self._offset = 0  # text offset of the next token (completions' logprobs.text_offset)
 
     def token(self, token: int) -> tuple[str, list[int]]:
@@ -521,7 +552,8 @@ class _Shape:
             choice = {"index": 0, "text": reply.text, "logprobs": None, "finish_reason": reply.finish_reason}
         if reply.logprobs is not None and self.decode is not None:
             choice["logprobs"] = self.logprobs(reply.logprobs)
-        return {**self.head("whole"), "choices": [choice], "usage": _usage(reply)}
+        whole = {**self.head("whole"), "choices": [choice], "usage": _usage(reply)}
+        return {**whole, "sources": self.sources} if self.sources else whole
 
     @staticmethod
     def event(doc: dict) -> str:

@@ -161,6 +161,7 @@ class ChatRequest(_Common):
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    documents: bool | None = None  # extension: false answers without the server's documents (``api_documents``)
 
 
 class CompletionRequest(_Common):

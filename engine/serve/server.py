@@ -27,6 +27,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from engine.config import Settings
+from engine.documents.collection import Collection
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService
 from engine.serve.app import create_app
@@ -46,13 +47,14 @@ log = logging.getLogger(__name__)
 class ApiServer:
     """The OpenAI-compatible API over ``service`` on ``host:port`` (port 0: any free port), taking
     request bodies up to ``max_body_mb``, with at most ``max_waiting`` requests waiting for a stream
-    (more: 429), and the connection limits above."""
+    (more: 429), and the connection limits above; ``documents``: the collection that grounds its chat
+    replies (``engine.serve.app``)."""
 
     def __init__(self, service: ChatService, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, model_id: str | None = None,
                  max_body_mb: float = Settings.api_max_body_mb, max_waiting: int = Settings.api_max_waiting,
                  head_deadline_s: float = HEAD_DEADLINE_S,
-                 max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT):
+                 max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT, documents: Collection | None = None):
         if not is_loopback(host) and not api_key:
             raise FleetError(f"serving on {host} opens the model to the network: that needs an API key "
                              "(`fleet serve` creates one; clients send it as a bearer token)")
@@ -72,7 +74,7 @@ class ApiServer:
         self.host, self.port = host, self._sock.getsockname()[1]
         self.log = RequestLog()  # the recent requests, for a person watching (the app's API server page)
         app = create_app(service, self.model_id, api_key, max_body_mb, local=is_loopback(host), max_waiting=max_waiting,
-                         log=self.log)
+                         log=self.log, documents=documents)
         limits = _ClientLimits(head_deadline_s, max_connections_per_client)
         config = uvicorn.Config(app, http=functools.partial(_LimitedHttp, limits=limits), log_level="warning",
                                 lifespan="off", timeout_graceful_shutdown=2)
