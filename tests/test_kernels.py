@@ -108,6 +108,25 @@ def test_the_operation_multiplies_by_the_gguf_values(nodes, qtype, kernel, float
         assert np.array_equal(got, alone)  # a row's numbers do not depend on its batch
 
 
+ROW_CASES = [(qtype, kernel, float_x) for float_x in (False, True) for kernel in (kernels.OWN, kernels.OWN_AVX2)
+             for qtype in TYPES]
+
+
+@pytest.mark.parametrize("qtype, kernel, float_x", ROW_CASES,
+                         ids=[f"{NAMES[t]} {KERNELS[k]}{', x in float' if f else ''}" for t, k, f in ROW_CASES])
+def test_every_count_of_rows_at_once_gives_a_row_the_same_numbers(nodes, qtype, kernel, float_x):
+    """Each batch of 1 to 8 rows of x (a kernel takes up to 8 at once, and each count is a kernel of
+    its own) gives each row the very numbers it gets alone."""
+    if not kernels.tile_width():
+        pytest.skip("this CPU has no AVX2: our kernels do not run here")
+    rng = np.random.default_rng(300 + qtype)
+    compiled = _compiled(nodes, qtype, random_blocks(qtype, rng), kernel, float_x)
+    x = rng.standard_normal((8, COLUMNS)).astype(np.float32)
+    alone = np.concatenate([compiled(x[i:i + 1])[0] for i in range(8)])
+    for batch in range(2, 9):
+        assert np.array_equal(compiled(x[:batch])[0], alone[:batch]), f"{batch} rows at once"
+
+
 def test_float_activations_run_our_kernels_only(nodes):
     """ggml's kernels take x in the type's int8 partner: x in float is refused for them."""
     raw = random_blocks(Q4_K, np.random.default_rng(0))
