@@ -17,6 +17,7 @@ import openvino.opset13 as ops
 import pytest
 
 from engine import kernels
+from engine.bench import kernels as kernel_bench
 from engine.export.gguf_weights import carry_matmul
 from engine.kernels.swap import swap_in
 from engine.kernels.tiles import TYPES, tiles
@@ -29,13 +30,8 @@ CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 
 
 def random_blocks(qtype: int, rng, rows: int = ROWS, columns: int = COLUMNS) -> np.ndarray:
-    """Random blocks of a type with small finite f16 scales (any decoder must read them alike)."""
-    size, nbytes = BLOCKS[qtype]
-    raw = rng.integers(0, 256, (rows, columns // size, nbytes), dtype=np.uint8)
-    at = {14: [(208, 210)], 12: [(0, 2), (2, 4)], 13: [(0, 2), (2, 4)], 3: [(0, 2), (2, 4)], 7: [(0, 2), (2, 4)]}
-    for start, end in at.get(qtype, [(0, 2)]):
-        raw[..., start:end] = rng.uniform(1e-3, 1e-2, (rows, columns // size, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
+    """Random blocks of a type (the kernel microbench's), ROWS by COLUMNS unless said."""
+    return kernel_bench.random_blocks(qtype, rng, rows, columns)
 
 
 @pytest.fixture(scope="module")
