@@ -246,7 +246,8 @@ namespace avx2 {
 struct V : Ymm {
     static constexpr bool VNNI = false;
     // each row's two pairs of products of codes and x's four values, in int16
-    static I products(I w, const int8_t* x) { return _mm256_maddubs_epi16(w, four(x)); }
+    static I products(I w, const int8_t* x) { return times(w, four(x)); }
+    static I times(I w, I x) { return _mm256_maddubs_epi16(w, x); }  // with x's four values broadcast
     static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
     static I widen(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }  // each row's pairs summed, int32
 };
