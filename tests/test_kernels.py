@@ -17,6 +17,7 @@ import openvino.opset13 as ops
 import pytest
 
 from engine import kernels
+from engine.bench import kernels as kernel_bench
 from engine.export.gguf_weights import carry_matmul
 from engine.kernels.swap import swap_in
 from engine.kernels.tiles import TYPES, tiles
@@ -29,13 +30,8 @@ CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 
 
 def random_blocks(qtype: int, rng, rows: int = ROWS, columns: int = COLUMNS) -> np.ndarray:
-    """Random blocks of a type with small finite f16 scales (any decoder must read them alike)."""
-    size, nbytes = BLOCKS[qtype]
-    raw = rng.integers(0, 256, (rows, columns // size, nbytes), dtype=np.uint8)
-    at = {14: [(208, 210)], 12: [(0, 2), (2, 4)], 13: [(0, 2), (2, 4)], 3: [(0, 2), (2, 4)], 7: [(0, 2), (2, 4)]}
-    for start, end in at.get(qtype, [(0, 2)]):
-        raw[..., start:end] = rng.uniform(1e-3, 1e-2, (rows, columns // size, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
+    """Random blocks of a type (the kernel microbench's), ROWS by COLUMNS unless said."""
+    return kernel_bench.random_blocks(qtype, rng, rows, columns)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +102,25 @@ def test_the_operation_multiplies_by_the_gguf_values(nodes, qtype, kernel, float
         assert got.shape == want.shape and np.abs(got - want).max() <= tolerance * np.abs(want).max()
         alone = np.concatenate([compiled(x[i:i + 1])[0] for i in range(batch)])
         assert np.array_equal(got, alone)  # a row's numbers do not depend on its batch
+
+
+ROW_CASES = [(qtype, kernel, float_x) for float_x in (False, True) for kernel in (kernels.OWN, kernels.OWN_AVX2)
+             for qtype in TYPES]
+
+
+@pytest.mark.parametrize("qtype, kernel, float_x", ROW_CASES,
+                         ids=[f"{NAMES[t]} {KERNELS[k]}{', x in float' if f else ''}" for t, k, f in ROW_CASES])
+def test_every_count_of_rows_at_once_gives_a_row_the_same_numbers(nodes, qtype, kernel, float_x):
+    """Each batch of 1 to 8 rows of x (a kernel takes up to 8 at once, and each count is a kernel of
+    its own) gives each row the very numbers it gets alone."""
+    if not kernels.tile_width():
+        pytest.skip("this CPU has no AVX2: our kernels do not run here")
+    rng = np.random.default_rng(300 + qtype)
+    compiled = _compiled(nodes, qtype, random_blocks(qtype, rng), kernel, float_x)
+    x = rng.standard_normal((8, COLUMNS)).astype(np.float32)
+    alone = np.concatenate([compiled(x[i:i + 1])[0] for i in range(8)])
+    for batch in range(2, 9):
+        assert np.array_equal(compiled(x[:batch])[0], alone[:batch]), f"{batch} rows at once"
 
 
 def test_float_activations_run_our_kernels_only(nodes):

@@ -49,12 +49,15 @@ constexpr int ROWS_AT_ONCE = 8;  // rows of x that share one unpacking of a tile
 static_assert(ROWS_AT_ONCE == 8, "ROWS_TABLE lists 8 kernels");
 
 // A row of x, per 256 values: 256 int8 codes, their scale, the sum of each 32 (Q4_K's minimums)
-// and 32 times the sum of each 16 (Q6_K's codes are 32 above their values)
+// and 32 times the sum of each 16 (Q6_K's codes are 32 above their values); and for AVX2's kernels,
+// which take them two at a time, the sums of each 32 and of each 16 in int16
 struct XBlock {
     int8_t qs[256];
     float d;
     float sum32[8];
     int32_t sum16[16];
+    int16_t pairs32[8];
+    int16_t pairs16[16];
 };
 
 // A row of x, per 32 values (for Q4_0 and Q4_1): 32 int8 codes, their scale, and the scale times their sum
@@ -98,7 +101,11 @@ void quantize_row(const float* x, int64_t K, XBlock* out) {
                 sum += code;
             }
             q.sum16[g] = 32 * sum;
-            if (g % 2) q.sum32[g / 2] = static_cast<float>((q.sum16[g - 1] + q.sum16[g]) / 32);
+            q.pairs16[g] = static_cast<int16_t>(sum);  // within 16 x 127
+            if (g % 2) {
+                q.pairs32[g / 2] = static_cast<int16_t>((q.sum16[g - 1] + q.sum16[g]) / 32);  // within 32 x 127
+                q.sum32[g / 2] = q.pairs32[g / 2];
+            }
         }
     }
 }
@@ -204,9 +211,20 @@ struct Ymm {
         return _mm256_set1_epi32(four);
     }
     static F floats(I a) { return _mm256_cvtepi32_ps(a); }
-    static F u8s(const uint8_t* p) {
-        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    static I u8s_int(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+    static F u8s(const uint8_t* p) { return _mm256_cvtepi32_ps(u8s_int(p)); }
+    // each row's byte of ``low`` and of ``high`` as the two int16 halves of its lane
+    static I u8_pairs(const uint8_t* low, const uint8_t* high) {
+        return _mm256_or_si256(u8s_int(low), _mm256_slli_epi32(u8s_int(high), 16));
     }
+    static I i8s_int(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+    // each row's int8 of ``low`` and of ``high`` as the two int16 halves of its lane
+    static I i8_pairs(const uint8_t* low, const uint8_t* high) {
+        return _mm256_or_si256(_mm256_and_si256(i8s_int(low), _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(i8s_int(high), 16));
+    }
+    static I madd(I a, I b) { return _mm256_madd_epi16(a, b); }  // int16 pairs multiplied and summed, int32
+    static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+    template <int n> static I left32(I a) { return _mm256_slli_epi32(a, n); }
     static F i8s(const uint8_t* p) {
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     }
@@ -228,7 +246,8 @@ namespace avx2 {
 struct V : Ymm {
     static constexpr bool VNNI = false;
     // each row's two pairs of products of codes and x's four values, in int16
-    static I products(I w, const int8_t* x) { return _mm256_maddubs_epi16(w, four(x)); }
+    static I products(I w, const int8_t* x) { return times(w, four(x)); }
+    static I times(I w, I x) { return _mm256_maddubs_epi16(w, x); }  // with x's four values broadcast
     static I add16(I a, I b) { return _mm256_add_epi16(a, b); }
     static I widen(I a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }  // each row's pairs summed, int32
 };
@@ -238,7 +257,8 @@ struct V : Ymm {
 #pragma GCC pop_options
 
 // AVX2 with a tile's 16 rows in two vectors: x's four values broadcast once for both, and a tile read in
-// one pass, not two; more registers a row of x, so it spills where avx2 does not for many rows
+// one pass, not two; more registers a row of x, so it spills where avx2 does not for many rows (the
+// float kernels take it for up to 3 rows of x)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2_wide {
@@ -346,9 +366,10 @@ struct Tiles {
     explicit operator bool() const { return k_quant || legacy; }
 };
 
-// AVX2's Q4_K kernels: avx2_wide's for up to 3 rows of x, avx2's (8 rows a pass) for more, which are
-// faster there; avx2_wide's Q6_K kernels are faster at every count, avx2's Q4_1 kernels a little
-constexpr TileKernel avx2_q4_K[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2_wide::q4_K_rows, avx2::q4_K_rows);
+// AVX2's Q4_K and Q6_K kernels: the scaled ones (tile_kernels.inc), whose sums stay integers over a
+// super-block, for every count of rows of x; avx2's Q4_1 kernels, a little faster than avx2_wide's
+constexpr TileKernel avx2_q4_K[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2::q4_K_scaled, avx2::q4_K_scaled);
+constexpr TileKernel avx2_q6_K[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2::q6_K_scaled, avx2::q6_K_scaled);
 // and with x in float: avx2_wide's for up to 3 rows of x, whose sums then stay in registers, avx2's for more
 constexpr FloatKernel avx2_q4_K_f[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2_wide::q4_K_floats, avx2::q4_K_floats);
 constexpr FloatKernel avx2_q6_K_f[ROWS_AT_ONCE + 1] = ROWS_TABLE(avx2_wide::q6_K_floats, avx2::q6_K_floats);
@@ -371,7 +392,7 @@ Tiles tile_kernels(ggml_type type, Isa isa) {
         case Isa::AVX_VNNI:
             return tile_kernels<ymm::q4_K, ymm::q6_K, ymm::q4_1, ymm::q4_K_f, ymm::q6_K_f, ymm::q4_1_f>(type);
         case Isa::AVX2:
-            return tile_kernels<avx2_q4_K, avx2_wide::q6_K, avx2::q4_1, avx2_q4_K_f, avx2_q6_K_f, avx2_q4_1_f>(type);
+            return tile_kernels<avx2_q4_K, avx2_q6_K, avx2::q4_1, avx2_q4_K_f, avx2_q6_K_f, avx2_q4_1_f>(type);
         default:
             return {};
     }
