@@ -531,26 +531,46 @@ def fuzz_endpoints(cases: int, tally: Tally, service, model_id: str) -> None:
                                        "parameters": st.one_of(_hostile_schemas(st), anything)}), anything)})
     anthropic_tool = st.fixed_dictionaries({"name": st.one_of(st.just("f"), anything),
                                             "input_schema": st.one_of(_hostile_schemas(st), anything)})
-    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 7]),
-                                               "content": st.one_of(st.text(max_size=30), anything)},
-                                              optional={"images": anything, "tool_calls": anything}), max_size=3)
-    small = st.one_of(st.integers(-3, 6), anything)
-    ollama = st.fixed_dictionaries(
-        {"model": st.one_of(st.just(model_id), anything)},
-        optional={"messages": st.one_of(messages, anything), "prompt": st.one_of(st.text(max_size=30), anything),
-                  "stream": st.one_of(st.booleans(), anything), "format": st.one_of(_hostile_schemas(st), anything),
-                  "options": st.one_of(st.dictionaries(st.sampled_from(
-                      ["num_predict", "temperature", "top_p", "top_k", "seed", "stop", "num_ctx"]), small), anything),
-                  "tools": st.one_of(st.lists(tool, max_size=2), anything), "system": anything, "raw": anything,
-                  "keep_alive": anything, "think": anything})
-    anthropic = st.fixed_dictionaries(
-        {"model": st.one_of(st.just(model_id), anything), "max_tokens": small},
-        optional={"messages": st.one_of(messages, anything), "system": anything,
-                  "stream": st.one_of(st.booleans(), anything), "temperature": small, "top_p": small, "top_k": small,
-                  "stop_sequences": anything, "tools": st.one_of(st.lists(anthropic_tool, max_size=2), anything),
-                  "tool_choice": anything, "metadata": anything})
-    requests = st.one_of(st.tuples(st.sampled_from(["/api/chat", "/api/generate"]), ollama),
-                         st.tuples(st.just("/v1/messages"), anthropic),
+    hostile = st.one_of(st.integers(-3, 6), st.floats(), anything, st.lists(tool, max_size=2),
+                        st.lists(anthropic_tool, max_size=2), _hostile_schemas(st))
+    chat = [{"role": "user", "content": "hi"}]
+    # a valid body with one or two fields made hostile, so that most cases get past the first check
+    bases = {"/api/chat": ({"model": model_id, "messages": chat, "stream": False, "options": {"num_predict": 4}},
+                           ["model", "messages", "stream", "format", "options", "options.temperature", "options.top_p",
+                            "options.top_k", "options.seed", "options.num_predict", "options.stop", "tools", "think",
+                            "keep_alive", "messages.0.content", "messages.0.role", "messages.0.images",
+                            "messages.0.tool_calls"]),
+             "/api/generate": ({"model": model_id, "prompt": "hi", "stream": False, "options": {"num_predict": 4}},
+                               ["model", "prompt", "stream", "format", "options", "options.temperature",
+                                "options.top_p", "options.num_predict", "options.stop", "system", "raw", "suffix",
+                                "template", "context", "images"]),
+             "/v1/messages": ({"model": model_id, "max_tokens": 4, "messages": chat},
+                              ["model", "max_tokens", "messages", "system", "stream", "temperature", "top_p", "top_k",
+                               "stop_sequences", "tools", "tool_choice", "metadata", "messages.0.content",
+                               "messages.0.role", "thinking"])}
+
+    def spoil(body: dict, place: str, value) -> dict:
+        body = json.loads(json.dumps(body))
+        *parents, last = place.split(".")
+        node = body
+        for step in [*parents, last][:-1]:
+            node = node[int(step)] if isinstance(node, list) and step.isdigit() and len(node) > int(step) else \
+                node.get(step) if isinstance(node, dict) else None
+        if isinstance(node, dict):  # (unless an earlier change replaced the field's parent)
+            node[last] = value
+        elif isinstance(node, list) and node and last.isdigit():
+            node[0] = value
+        return body
+
+    @st.composite
+    def spoiled(draw):
+        path = draw(st.sampled_from(sorted(bases)))
+        body, places = bases[path]
+        for place in draw(st.lists(st.sampled_from(places), min_size=1, max_size=2, unique=True)):
+            body = spoil(body, place, draw(hostile))
+        return path, body
+
+    requests = st.one_of(spoiled(), spoiled(), spoiled(),
                          st.tuples(st.sampled_from(["/api/chat", "/api/generate", "/v1/messages", "/api/show"]),
                                    st.binary(max_size=64)))
 
@@ -924,6 +944,8 @@ def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS
             log(f"flood: {json.dumps(flood)}")
         elif target == "mcp":  # a connection each case, and a stalling server costs its timeout
             fuzz_mcp(max(cases // 20, 1), tally)
+        elif target == "documents":  # a zip bomb is made and read whole each time it is drawn
+            fuzz_documents(max(cases // 10, 1), tally)
         else:
             globals()[f"fuzz_{target}"](cases, tally)
     # a crash or hang fails its target's property and stops the bench: every row here had none
