@@ -69,6 +69,37 @@ def test_http_api_bounds(tally, tiny_exports):
     assert {outcome.split()[0] for outcome in counts} >= {"oversized", "deep", "schema", "host", "keyless"}
 
 
+def test_ollama_and_anthropic_endpoints(tally, tiny_exports):
+    """Hostile bodies on /api/chat, /api/generate and /v1/messages: a 4xx with a message, or served."""
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2, max_length=48)
+    try:
+        fuzz.fuzz_endpoints(CASES // 3, tally, service, "tiny")
+    finally:
+        service.close()
+    counts = tally.counts["endpoints"]
+    assert tally.cases("endpoints") == CASES // 3
+    assert {outcome.split()[0] for outcome in counts} >= {"/api/chat", "/api/generate", "/v1/messages"}
+    assert any(outcome.endswith(" 400") for outcome in counts), counts
+
+
+def test_document_readers(tally):
+    """Damaged files under every suffix, zip bombs, deep XML, entity expansion, damaged PDFs: read,
+    or refused with DocumentError naming the file."""
+    fuzz.fuzz_documents(CASES // 2, tally)
+    counts = tally.counts["documents"]
+    assert tally.cases("documents") == CASES // 2
+    assert counts[".docx DocumentError"] and counts[".pdf DocumentError"] and counts[".txt read"] + counts[".md read"]
+
+
+def test_mcp_client_against_a_hostile_server(tally):
+    """A hostile MCP server answers the handshake, the tool list or a call with malformed JSON-RPC,
+    wrong ids and types, huge or deep payloads: tools and a result, or McpError, within the timeouts."""
+    fuzz.fuzz_mcp(60, tally)
+    counts = tally.counts["mcp"]
+    assert tally.cases("mcp") == 60
+    assert {outcome.split(":")[0] for outcome in counts} == {"initialize", "tools/list", "tools/call"}, counts
+
+
 def test_a_slow_handshake_flood_is_cut_while_the_chain_serves(tally, tiny_exports):
     """200 connections trickle a HELLO into a worker's listener, a byte a second: the chain through
     that worker keeps making tokens, and past the handshake deadline no trickling connection is open."""

@@ -18,6 +18,16 @@ than the frame limit before the input is validated.  The targets:
   Content-Length and chunked), bodies nested too deep, hostile schemas (huge property counts, deep
   nesting, recursive ``$ref``), a wrong Host on loopback, and bodies of any kind without the key,
   each answered with its own status (413, 400, 421, 401), never a 5xx.
+- ``endpoints``: the Ollama (``/api/chat``, ``/api/generate``) and Anthropic (``/v1/messages``) endpoints
+  with hostile bodies: wrong types in every field, hostile tool schemas, huge and deep values; each
+  answered with a 4xx naming the problem, or served, never a 5xx.
+- ``documents``: the document readers (``engine.documents.readers.read_pages``) with hostile files:
+  damaged and random bytes under every suffix, Word files that are zip bombs or nest their XML deep,
+  damaged PDFs, HTML-like text; each read or refused with ``DocumentError``.
+- ``mcp``: the MCP client (``engine.serve.mcp.McpHub``) against a hostile MCP server over HTTP that
+  answers the handshake, the tool list or the call with malformed JSON-RPC, wrong ids, wrong types,
+  huge or deeply nested payloads, error objects or HTTP errors; each ends in tools and a result, or
+  in ``McpError``, within the hub's timeouts.
 - ``flood``: a slow-handshake flood, measured rather than fuzzed: 200 connections trickle a HELLO
   into a real worker's listener a byte at a time while a real chain through that worker keeps
   serving; it reports the tokens made during the flood and how many trickling connections were
@@ -30,6 +40,8 @@ from __future__ import annotations
 
 import collections
 import http.client
+import http.server
+import io
 import json
 import os
 import select
@@ -37,6 +49,7 @@ import socket
 import tempfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +70,8 @@ from engine.serve.guard import MAX_BODY_DEPTH
 from engine.serve.server import ApiServer
 from engine.transport import link, wire
 
-TARGETS = ("wire", "handshake", "control", "manifest", "http", "http_bounds", "flood")
+TARGETS = ("wire", "handshake", "control", "manifest", "http", "http_bounds", "endpoints", "documents", "mcp",
+           "flood")
 API_KEY = "fs-fuzz-key-0123456789abcdef"
 
 
@@ -504,6 +518,318 @@ def fuzz_http_bounds(cases: int, tally: Tally, service, model_id: str) -> None:
         server.stop()
 
 
+# --- endpoints: Ollama and Anthropic ----------------------------------------------------------------
+
+def fuzz_endpoints(cases: int, tally: Tally, service, model_id: str) -> None:
+    _, st = _hypothesis()
+    server = ApiServer(service, port=0, api_key=API_KEY, model_id=model_id).start()
+    deep = st.integers(MAX_BODY_DEPTH // 2, MAX_BODY_DEPTH - 8).map(lambda n: json.loads("[" * n + "]" * n))
+    anything = st.one_of(_json_values(st), deep, st.integers(5000, 20000).map(lambda n: "\u00e9x" * n))
+    tool = st.fixed_dictionaries({"type": st.one_of(st.just("function"), anything),
+                                  "function": st.one_of(st.fixed_dictionaries(
+                                      {"name": st.one_of(st.just("f"), anything),
+                                       "parameters": st.one_of(_hostile_schemas(st), anything)}), anything)})
+    anthropic_tool = st.fixed_dictionaries({"name": st.one_of(st.just("f"), anything),
+                                            "input_schema": st.one_of(_hostile_schemas(st), anything)})
+    hostile = st.one_of(st.integers(-3, 6), st.floats(), anything, st.lists(tool, max_size=2),
+                        st.lists(anthropic_tool, max_size=2), _hostile_schemas(st))
+    chat = [{"role": "user", "content": "hi"}]
+    # a valid body with one or two fields made hostile, so that most cases get past the first check
+    bases = {"/api/chat": ({"model": model_id, "messages": chat, "stream": False, "options": {"num_predict": 4}},
+                           ["model", "messages", "stream", "format", "options", "options.temperature", "options.top_p",
+                            "options.top_k", "options.seed", "options.num_predict", "options.stop", "tools", "think",
+                            "keep_alive", "messages.0.content", "messages.0.role", "messages.0.images",
+                            "messages.0.tool_calls"]),
+             "/api/generate": ({"model": model_id, "prompt": "hi", "stream": False, "options": {"num_predict": 4}},
+                               ["model", "prompt", "stream", "format", "options", "options.temperature",
+                                "options.top_p", "options.num_predict", "options.stop", "system", "raw", "suffix",
+                                "template", "context", "images"]),
+             "/v1/messages": ({"model": model_id, "max_tokens": 4, "messages": chat},
+                              ["model", "max_tokens", "messages", "system", "stream", "temperature", "top_p", "top_k",
+                               "stop_sequences", "tools", "tool_choice", "metadata", "messages.0.content",
+                               "messages.0.role", "thinking"])}
+
+    def spoil(body: dict, place: str, value) -> dict:
+        body = json.loads(json.dumps(body))
+        *parents, last = place.split(".")
+        node = body
+        for step in [*parents, last][:-1]:
+            node = node[int(step)] if isinstance(node, list) and step.isdigit() and len(node) > int(step) else \
+                node.get(step) if isinstance(node, dict) else None
+        if isinstance(node, dict):  # (unless an earlier change replaced the field's parent)
+            node[last] = value
+        elif isinstance(node, list) and node and last.isdigit():
+            node[0] = value
+        return body
+
+    @st.composite
+    def spoiled(draw):
+        path = draw(st.sampled_from(sorted(bases)))
+        body, places = bases[path]
+        for place in draw(st.lists(st.sampled_from(places), min_size=1, max_size=2, unique=True)):
+            body = spoil(body, place, draw(hostile))
+        return path, body
+
+    requests = st.one_of(spoiled(), spoiled(), spoiled(),
+                         st.tuples(st.sampled_from(["/api/chat", "/api/generate", "/v1/messages", "/api/show"]),
+                                   st.binary(max_size=64)))
+
+    @_settings(cases)
+    @_hypothesis()[0].given(requests)
+    def call(request) -> None:
+        path, body = request
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+        try:
+            conn.request("POST", path, raw, {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}",
+                                             "x-api-key": API_KEY})
+            response = conn.getresponse()
+            payload = response.read()
+        finally:
+            conn.close()
+        assert response.status < 500, (path, response.status, payload[:300])
+        if response.status != 200:
+            assert json.loads(payload).get("error"), (path, response.status, payload[:300])
+        tally.add("endpoints", f"{path} {response.status}")
+
+    try:
+        call()
+    finally:
+        server.stop()
+
+
+# --- documents ------------------------------------------------------------------------------------
+
+def _docx_bytes(document_xml: bytes, *, extra: dict[str, bytes] | None = None) -> bytes:
+    """A Word file (the parts python-docx needs) whose document part is ``document_xml``."""
+    types = (b'<?xml version="1.0" encoding="UTF-8"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/'
+             b'content-types"><Default Extension="rels" ContentType="application/vnd.openxmlformats-package.'
+             b'relationships+xml"/><Default Extension="xml" ContentType="application/xml"/><Override PartName="'
+             b'/word/document.xml" ContentType="application/vnd.openxmlformats-officedocument.wordprocessingml.'
+             b'document.main+xml"/></Types>')
+    rels = (b'<?xml version="1.0" encoding="UTF-8"?><Relationships xmlns="http://schemas.openxmlformats.org/package/'
+            b'2006/relationships"><Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/'
+            b'relationships/officeDocument" Target="word/document.xml"/></Relationships>')
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("[Content_Types].xml", types)
+        archive.writestr("_rels/.rels", rels)
+        archive.writestr("word/document.xml", document_xml)
+        for name, data in (extra or {}).items():
+            archive.writestr(name, data)
+    return out.getvalue()
+
+
+W = b'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+
+
+def _hostile_documents(st):
+    """(file name, bytes) of hostile documents of every kind the readers take."""
+    def paragraphs(text: str) -> bytes:
+        return b"<w:document " + W + b"><w:body><w:p><w:r><w:t>" + text.encode("utf-8", "replace").replace(
+            b"<", b"&lt;").replace(b"&", b"&amp;") + b"</w:t></w:r></w:p></w:body></w:document>"
+
+    def nested(levels: int) -> bytes:  # deep XML: elements inside elements
+        return b"<w:document " + W + b"><w:body>" + b"<w:p>" * levels + b"</w:p>" * levels + b"</w:body></w:document>"
+
+    def bomb(megabytes: int) -> bytes:  # a part that packs to almost nothing and unpacks to much
+        return _docx_bytes(paragraphs("x"), extra={"word/media/filler.bin": b"\0" * (megabytes << 20)})
+
+    def entities(levels: int) -> bytes:  # an entity expansion ("billion laughs")
+        decl = b'<!DOCTYPE w:document [<!ENTITY e0 "laugh">' + b"".join(
+            b'<!ENTITY e%d "%s">' % (i, b"&e%d;" % (i - 1) * 10) for i in range(1, levels)) + b"]>"
+        return decl + b"<w:document " + W + b"><w:body><w:p><w:r><w:t>&e%d;</w:t></w:r></w:p></w:body></w:document>" \
+            % (levels - 1)
+
+    def damaged(data: bytes, at: int, junk: bytes) -> bytes:
+        at = at % max(1, len(data))
+        return data[:at] + junk + data[at + len(junk):]
+
+    pdf = (b"%PDF-1.4\n1 0 obj<</Type/Catalog/Pages 2 0 R>>endobj 2 0 obj<</Type/Pages/Kids[3 0 R]/Count 1>>endobj "
+           b"3 0 obj<</Type/Page/Parent 2 0 R/Contents 4 0 R/Resources<<>>>>endobj 4 0 obj<</Length 20>>stream\n"
+           b"BT (hello) Tj ET\nendstream endobj trailer<</Root 1 0 R>>\n%%EOF")
+    suffix = st.sampled_from([".txt", ".md", ".pdf", ".docx"])
+    text = st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass"))
+    html = st.sampled_from([b"<html><body>" + b"<div>" * 50_000 + b"</div>" * 50_000 + b"</body></html>",
+                            b"<script>alert(1)</script><img src=file:///dev/zero>", b"\xef\xbb\xbf\r\n\r\n<p>x"])
+    return st.one_of(
+        st.tuples(suffix, st.binary(max_size=512)),
+        st.tuples(st.sampled_from([".txt", ".md"]), st.one_of(text, html)),
+        st.tuples(st.just(".docx"), st.one_of(st.text(max_size=80).map(lambda t: _docx_bytes(paragraphs(t))),
+                                              st.integers(100, 5000).map(lambda n: _docx_bytes(nested(n))),
+                                              st.integers(65, 200).map(bomb),
+                                              st.integers(3, 9).map(lambda n: _docx_bytes(entities(n))))),
+        st.tuples(st.just(".docx"), st.builds(damaged, st.just(_docx_bytes(paragraphs("hello"))),
+                                              st.integers(0, 4000), st.binary(min_size=1, max_size=16))),
+        st.tuples(st.just(".pdf"), st.builds(damaged, st.just(pdf), st.integers(0, len(pdf)),
+                                             st.binary(min_size=1, max_size=16))),
+        st.tuples(st.just(".pdf"), st.integers(2, 4000).map(
+            lambda n: pdf.replace(b"/Count 1", b"/Count 1" + b"<<" * n + b">>" * n))))
+
+
+def fuzz_documents(cases: int, tally: Tally) -> None:
+    # deferred: the readers load their parsers (pypdf, python-docx), which only this target needs
+    from engine.documents.readers import DocumentError, read_pages
+
+    _, st = _hypothesis()
+    with tempfile.TemporaryDirectory() as tmp:
+        @_settings(cases)
+        @_hypothesis()[0].given(_hostile_documents(st))
+        def read(case) -> None:
+            suffix, data = case
+            path = Path(tmp) / f"hostile{suffix}"
+            path.write_bytes(data)
+            try:
+                pages = read_pages(path)
+            except DocumentError as exc:
+                assert str(exc).startswith(path.name) or str(exc).startswith(str(path)), exc
+                tally.add("documents", f"{suffix} DocumentError")
+                return
+            assert pages and all(isinstance(text, str) and text.strip() for _, text in pages)
+            tally.add("documents", f"{suffix} read")
+
+        read()
+
+
+# --- mcp ------------------------------------------------------------------------------------------
+
+MCP_TIMEOUT_S = 5.0  # the hub's timeouts in the mcp target: a hostile server that stalls costs this
+
+
+class HostileMcp:
+    """A streamable-HTTP MCP server on loopback that answers well except at one step (``"initialize"``,
+    ``"tools/list"`` or ``"tools/call"``), where it answers ``reply``: (HTTP status, content type,
+    body bytes).  ``{id}`` in the body becomes the request's JSON-RPC id."""
+
+    def __init__(self):
+        self.step, self.reply = "", (200, "application/json", b"")
+        hostile = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, kind: str, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("mcp-session-id", "s1")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._send(405, "text/plain", b"")
+
+            def do_DELETE(self):
+                self._send(200, "text/plain", b"")
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    doc = json.loads(raw)
+                except ValueError:
+                    doc = {}
+                method, ident = (doc.get("method"), doc.get("id")) if isinstance(doc, dict) else (None, None)
+                if ident is None:
+                    return self._send(202, "application/json", b"")
+                if method == hostile.step:
+                    status, kind, body = hostile.reply
+                    return self._send(status, kind, body.replace(b"{id}", json.dumps(ident).encode()))
+                result = {"initialize": {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                                         "serverInfo": {"name": "hostile", "version": "1"}},
+                          "tools/list": {"tools": [{"name": "echo", "description": "echo",
+                                                    "inputSchema": {"type": "object"}}]},
+                          "tools/call": {"content": [{"type": "text", "text": "ok"}]}}.get(method, {})
+                self._send(200, "application/json",
+                           json.dumps({"jsonrpc": "2.0", "id": ident, "result": result}).encode())
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/mcp"
+        threading.Thread(target=self.server.serve_forever, name="hostile mcp", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _hostile_replies(st):
+    """(HTTP status, content type, body) a hostile MCP server answers with."""
+    def rpc(result) -> bytes:
+        return b'{"jsonrpc": "2.0", "id": {id}, "result": ' + json.dumps(result).encode() + b"}"
+
+    def deep(n: int) -> dict:
+        return json.loads('{"a":' * n + "1" + "}" * n)
+
+    values = st.one_of(_json_values(st), st.integers(50, 900).map(deep),
+                       st.integers(1 << 16, 1 << 17).map(lambda n: "\u00e9x" * n))
+    tools = st.lists(st.fixed_dictionaries({"name": st.one_of(st.text(max_size=80), values)},
+                                           optional={"description": values, "inputSchema": st.one_of(
+                                               _hostile_schemas(st), values)}), max_size=4)
+    # well-formed parts of every kind (so that cases get past the SDK's checks to the hub's), and hostile ones
+    formed = st.sampled_from([{"type": "text", "text": "t"}, {"type": "image", "data": "aGk=", "mimeType": "image/png"},
+                              {"type": "audio", "data": "aGk=", "mimeType": "audio/wav"},
+                              {"type": "resource", "resource": {"uri": "file:///x", "text": "t"}},
+                              {"type": "resource", "resource": {"uri": "file:///x", "blob": "aGk="}},
+                              {"type": "resource_link", "uri": "file:///x", "name": "x"}])
+    hostile = st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "resource", "audio", "x"])},
+                                    optional={"text": values, "data": values, "resource": values, "mimeType": values})
+    content = st.lists(st.one_of(formed, formed, hostile), max_size=3)
+    bodies = st.one_of(
+        st.binary(max_size=200),
+        values.map(lambda v: json.dumps(v).encode()),
+        st.builds(lambda t, c: rpc({"tools": t, "content": c, "nextCursor": None}), tools, content),
+        st.builds(lambda c, e: rpc({"content": c, "isError": e}), content, st.one_of(st.booleans(), values)),
+        st.builds(lambda t: rpc({"tools": t, "nextCursor": "again"}), tools),  # a listing that never ends
+        values.map(lambda v: b'{"jsonrpc": "2.0", "id": {id}, "error": ' + json.dumps(v).encode() + b"}"),
+        st.builds(lambda i: json.dumps({"jsonrpc": "2.0", "id": i, "result": {}}).encode(), values),  # a wrong id
+        st.integers(1, 64).map(lambda mb: rpc({"content": [{"type": "text", "text": "x" * (mb << 14)}]})))
+    answered = st.tuples(st.just(200), st.sampled_from(["application/json", "text/event-stream"]), bodies)
+    refused = st.tuples(st.sampled_from([202, 400, 404, 500]), st.sampled_from(["application/json", "text/html", ""]),
+                        bodies)
+    calls = st.tuples(st.just(200), st.just("application/json"), st.builds(lambda c: rpc({"content": c}), content))
+    return st.one_of(answered, answered, refused, calls)
+
+
+def fuzz_mcp(cases: int, tally: Tally) -> None:
+    # deferred: the MCP client (the SDK behind it) only for this target, as in the app
+    from engine.serve.mcp import McpError, McpHub, McpServer, ToolResult
+
+    _, st = _hypothesis()
+    hostile = HostileMcp()
+    hub = McpHub(connect_timeout_s=MCP_TIMEOUT_S, call_timeout_s=MCP_TIMEOUT_S)
+    count = [0]
+
+    @_settings(cases)
+    @_hypothesis()[0].given(st.sampled_from(["initialize", "tools/list", "tools/call"]), _hostile_replies(st))
+    def connect(step, reply) -> None:
+        status, kind, body = reply
+        if kind == "text/event-stream":
+            body = b"event: message\ndata: " + body.replace(b"\n", b" ") + b"\n\n"
+        hostile.step, hostile.reply = step, (status, kind, body)
+        count[0] += 1
+        server = McpServer(f"hostile{count[0]}", url=hostile.url)  # a new server each case: no state carried
+        try:
+            tools = hub.tools(server)
+            assert all(isinstance(t.schema, dict) and isinstance(t.name, str) for t in tools), tools
+            if tools:
+                result = hub.call(tools[0], {})
+                assert isinstance(result, ToolResult) and isinstance(result.text, str), result
+            tally.add("mcp", f"{step}: answered")
+        except McpError:
+            tally.add("mcp", f"{step}: McpError")
+        finally:
+            hub.disconnect(server.name)
+
+    try:
+        connect()
+    finally:
+        hub.close()
+        hostile.close()
+
+
 # --- flood ----------------------------------------------------------------------------------------
 
 TRICKLE_S = 1.0  # a byte this often on each connection: below any per-read timeout, so only an
@@ -606,15 +932,20 @@ def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS
         log(f"fuzzing {target}: {cases} cases")
         if target == "manifest":
             fuzz_manifest(cases, tally, sample)
-        elif target in ("http", "http_bounds"):
+        elif target in ("http", "http_bounds", "endpoints"):
             service = ChatService(LocalChain(folders), streams=2, max_length=48)
             try:
-                globals()[f"fuzz_{target}"](cases if target == "http" else max(cases // 20, 1), tally, service, model)
+                share = {"http": cases, "endpoints": max(cases // 4, 1)}.get(target, max(cases // 20, 1))
+                globals()[f"fuzz_{target}"](share, tally, service, model)
             finally:
                 service.close()
         elif target == "flood":
             flood = fuzz_flood(export_model(model, stages=2, weights=weights).folders, tally, log=log)
             log(f"flood: {json.dumps(flood)}")
+        elif target == "mcp":  # a connection each case, and a stalling server costs its timeout
+            fuzz_mcp(max(cases // 20, 1), tally)
+        elif target == "documents":  # a zip bomb is made and read whole each time it is drawn
+            fuzz_documents(max(cases // 10, 1), tally)
         else:
             globals()[f"fuzz_{target}"](cases, tally)
     # a crash or hang fails its target's property and stops the bench: every row here had none

@@ -186,7 +186,7 @@ BENCHES = {bench.name: bench for bench in (
           notes={"cases": "generated cases per target (default 10000)"}),
     Bench("soak", "users chatting for a long time while the fleet under them loses its worker again and again",
           takes("model", "stages", "tokens", "minutes", "weights", kill_every="kill_every_s", users=("users", max)),
-          notes={"users": "the users (default 8)"}),
+          notes={"users": "the users (default 32)"}),
     Bench("docs", "document search's recall on the shipped question set (no model)", takes(), model=None),
     Bench("kernels", "our kernels alone on one thread, Q4_K and Q6_K matrices of a 1.5B model against 1-8 rows "
           "of x, beside ggml's (no model; needs the kernel extension and AVX2)", takes("runs", "users"), model=None,

@@ -9,6 +9,7 @@ does not match is deleted and the transfer refused; nothing half-received is eve
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from engine.errors import ShardError
 from engine.hashing import sha256_file
 from engine.manifest import MANIFEST, Manifest, layer_span, load_manifest, parse_manifest, read_manifest
+from engine.progress import byte_size
 
 MAX_MANIFEST_BYTES = 1 << 20
 _HEX = frozenset("0123456789abcdef")
@@ -110,10 +112,9 @@ class ShardStore:
             if have[name] > size:  # longer than announced: start that file over
                 part.unlink()
                 have[name] = 0
-        need, free = sum(sizes.values()) - sum(have.values()), shutil.disk_usage(self.incoming).free
-        if need > free:
-            raise ShardError(f"not enough disk space for the shard: it needs {need / 2**20:.0f} MB more, "
-                             f"{self.root} has {free / 2**20:.0f} MB free")
+        need = sum(sizes.values()) - sum(have.values())
+        if need > shutil.disk_usage(self.incoming).free:
+            raise self._no_room(digest, need)
         folder.mkdir(exist_ok=True)
         (folder / MANIFEST).write_bytes(manifest_bytes)
         (folder / "sizes.json").write_text(json.dumps(sizes))
@@ -133,9 +134,28 @@ class ShardStore:
             raise ShardError(f"chunk of {name} at byte {offset}, but {have} bytes are here (resume from {have})")
         if offset + len(data) > sizes[name]:
             raise ShardError(f"chunk runs past the announced size of {name} ({sizes[name]} bytes)")
-        with open(part, "ab") as f:
-            f.write(data)
+        try:
+            with open(part, "ab") as f:
+                f.write(data)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # the disk filled up under the transfer: nothing half-received stays to take the space
+            need = sum(sizes.values()) - offset
+            for other, size in sizes.items():
+                if other != name and (folder / other).exists():
+                    need -= min(size, (folder / other).stat().st_size)
+            shutil.rmtree(folder, ignore_errors=True)
+            raise self._no_room(digest, need, "the disk filled up during the transfer; "
+                                              "the partly received files were removed") from None
         return offset + len(data)
+
+    def _no_room(self, digest: str, need: int, what: str = "") -> ShardError:
+        free = shutil.disk_usage(self.root).free
+        return ShardError(f"not enough disk space for shard {digest[:12]}: it needs {byte_size(need)} more, "
+                          f"and {self.root} has {byte_size(free)} free{f' ({what})' if what else ''}. "
+                          "Free up space on that computer (`fleet nodes prune` removes shards no worker "
+                          "uses) and send it again")
 
     def finish(self, digest: str) -> Path:
         """Verifies every file against the manifest and moves the shard into the store."""
