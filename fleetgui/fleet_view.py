@@ -48,6 +48,11 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-
 THIS_MACHINE = "this machine"
 LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local_agent.start_local_agent``)
 DEMO_NODES = 3  # how many "Try a demo fleet" starts
+NODE_MEANING = "A node is a computer, or a worker on this PC, that runs part of the model."
+ADD_NODE_HELP = ("Add a PC that the fleet does not find by itself (another subnet, or a network that drops "
+                 "multicast). On that PC, start the tray worker: install fleetshard and run `fleetgui --worker` "
+                 "(or `fleetshard --worker` from the worker bundle) with this fleet's key. It listens on port 7390. "
+                 "Without a desktop, `fleet agent` does the same from the command line.")
 STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "exporting": "#1f618d"}
 
 
@@ -376,8 +381,7 @@ class AddNodeDialog(QDialog):
         self.hint = plain(QLabel())  # it quotes the text typed
         self.hint.setObjectName("hint")
         self.hint.setWordWrap(True)
-        explain = QLabel("Add nodes whose agents mDNS cannot find (another subnet, or a network that drops "
-                         "multicast). Run `fleet agent` there; it listens on port 7390 by default.")
+        explain = QLabel(ADD_NODE_HELP)
         explain.setWordWrap(True)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         self.buttons.accepted.connect(self.accept)
@@ -413,10 +417,12 @@ class RoundTripTable(QTableWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(0, 0, parent)
+        self.labels: list[tuple[str, str]] = []  # (key, name) of each row and column shown
         self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
 
     def show_matrix(self, labels: dict[str, str], measured: dict[tuple[str, str], float | None]) -> None:
+        self.labels = list(labels.items())
         keys = list(labels)
         self.setRowCount(len(keys))
         self.setColumnCount(len(keys))
@@ -477,6 +483,7 @@ class FleetView(QWidget):
         self.key: keystore.KeyState | None = None
         self._poll = None
         self._rtt = None
+        self.round_trips: dict | None = None  # the last measurement (``EngineBackend.round_trips``)
         self.banner = Banner()
         self.model = NodesModel(self)
         self.discovery = _Discovery(self)
@@ -755,9 +762,6 @@ class FleetView(QWidget):
         chat's local fleet agent: it ends with that chat, which a deployment replaces."""
         return [r.address for r in self.model.reachable() if r.role != LOCAL_FLEET]
 
-    def node_names(self) -> dict[str, str]:
-        return {r.address: r.name or r.address for r in self.model.rows if r.address}
-
     # --- polling and round trips ---------------------------------------------------------------------
 
     @property
@@ -782,24 +786,28 @@ class FleetView(QWidget):
         self._poll = None
         self.banner.error(f"Asking the nodes for their status failed: {message}")
 
+    def live_nodes(self) -> dict[str, str]:
+        """The listed nodes that answer, by address: their names (the chat's local worker too)."""
+        return {r.address: r.name or r.address for r in self.model.reachable()}
+
     def measure_round_trips(self) -> None:
-        addresses = self.agent_addresses()
+        addresses = list(self.live_nodes())
         if self._rtt is not None:
             return
         if not addresses:
             self.rtt_note.setText("No node answers yet: round trips need at least one reachable agent.")
             return
         settings, backend = self.settings, self.backend
-        labels = {"local": "this machine", **{a: self.node_names().get(a, a) for a in addresses}}
         self.rtt_button.setEnabled(False)
-        self.rtt_note.setText(f"Measuring round trips between {len(addresses) + 1} machines…")
+        self.rtt_note.setText(f"Measuring round trips between {len(addresses) + 1} nodes…")
         self._rtt = self.tasks.start(lambda report, cancel: backend.round_trips(addresses, settings), "round trips",
-                                     succeeded=lambda m: self._measured(labels, m), failed=self._rtt_failed)
+                                     succeeded=self._measured, failed=self._rtt_failed)
 
-    def _measured(self, labels: dict, measured: dict) -> None:
+    def _measured(self, measured: dict) -> None:
         self._rtt = None
         self.rtt_button.setEnabled(True)
-        self.rtt_table.show_matrix(labels, measured)
+        self.round_trips = measured
+        self._follow_nodes()
         self.rtt_note.setText("Round trips between the nodes' control ports, in ms (median of 5): from the row's "
                               "machine to the column's.")
 
@@ -809,16 +817,27 @@ class FleetView(QWidget):
         self.rtt_note.setText("Round trips could not be measured.")
         self.banner.error(f"Measuring round trips failed: {message}")
 
+    def _follow_nodes(self) -> None:
+        """The round-trip matrix lists the nodes that answer now: one that stops leaves it, one that
+        joins has empty cells until the next measurement."""
+        if self.round_trips is None:
+            return
+        labels = {"local": "this machine", **self.live_nodes()}
+        if list(labels.items()) != self.rtt_table.labels:
+            self.rtt_table.show_matrix(labels, self.round_trips)
+
     def _summarise(self, *_) -> None:
-        rows = self.model.node_rows()
+        """The counts above the table, of its rows: this machine and every other node listed."""
+        self._follow_nodes()
+        rows = self.model.rows
         if not (self.key and self.key.usable):
             text = "Set the fleet key to find this fleet's nodes."
-        elif not rows:
-            text = ("Looking for nodes over mDNS… Start `fleet agent` (or `fleetgui --worker`) on the other PCs, "
-                    "add them by address, or, with no second PC at hand, try a demo fleet.")
+        elif not self.model.node_rows():
+            text = ("Looking for other PCs… Start the tray worker (`fleetgui --worker`) on each of them, add them "
+                    "by address, or, with no second PC at hand, try a demo fleet. " + NODE_MEANING)
         else:
-            up = sum(1 for r in rows if not r.error and r.node_id)
-            text = f"{len(rows)} node{'s' if len(rows) != 1 else ''}, {up} answering"
+            up = sum(1 for r in rows if r.role == THIS_MACHINE or (not r.error and r.node_id))
+            text = f"{len(rows)} node{'s' if len(rows) != 1 else ''}, {up} answering. {NODE_MEANING}"
         self.summary.setText(text)
 
     # --- settings and shutdown -----------------------------------------------------------------------
