@@ -141,15 +141,20 @@ class NodeRow:
         return [s for s in self.shards if s.get("hash") not in served]
 
     def shards_text(self) -> str:
-        """The node's shards by model: "qwen2: layers 0-1, layer 3 ×2" (the tooltip has each one)."""
+        """The node's shards by model, one entry each: "qwen2: layers 0-1, layers 2-3 (int4), layers 2-3
+        (f32)"; the weights are named where two shards hold the same layers (the tooltip has each one)."""
         if not self.shards:
             return "none"
-        by_model: dict[str, collections.Counter] = {}
+        by_model: dict[str, list[dict]] = {}
         for s in self.shards:
-            by_model.setdefault(s.get("model", "?"), collections.Counter())[tuple(s["layers"])] += 1
-        return "; ".join(f"{model}: " + ", ".join(layer_span(*layers) + (f" ×{n}" if n > 1 else "")
-                                                  for layers, n in sorted(spans.items()))
-                         for model, spans in by_model.items())
+            by_model.setdefault(s.get("model", "?"), []).append(s)
+        parts = []
+        for model, shards in by_model.items():
+            same = collections.Counter(tuple(s["layers"]) for s in shards)
+            parts.append(f"{model}: " + ", ".join(
+                layer_span(*s["layers"]) + (f" ({s.get('weights')})" if same[tuple(s["layers"])] > 1 else "")
+                for s in sorted(shards, key=lambda s: (tuple(s["layers"]), str(s.get("weights"))))))
+        return "; ".join(parts)
 
     def memory_text(self) -> str:
         if not self.memory_mb:

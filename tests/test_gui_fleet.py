@@ -272,3 +272,13 @@ def test_add_node_names_the_tray_worker(qtbot, gui_home, tmp_path):
     assert "tray worker" in text and "fleetgui --worker" in text
     assert text.index("tray worker") < text.index("fleet agent")  # the command line is the alternative
     dialog.reject()
+
+
+def test_shards_are_listed_once_each():
+    """One entry per shard: two shards of the same layers (other weights) are told apart, never "×2"."""
+    from fleetgui.fleet_view import NodeRow
+
+    row = NodeRow(key="n", shards=[{"model": "qwen2", "layers": [2, 4], "weights": "int4", "hash": "a"},
+                                   {"model": "qwen2", "layers": [0, 2], "weights": "int4", "hash": "b"},
+                                   {"model": "qwen2", "layers": [2, 4], "weights": "f32", "hash": "c"}])
+    assert row.shards_text() == "qwen2: layers 0-1, layers 2-3 (f32), layers 2-3 (int4)"
