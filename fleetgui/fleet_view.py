@@ -39,6 +39,7 @@ from engine.fleet.shardstore import pruned_text, shard_text
 from engine.hostcpu import INT8_NOTE
 from engine.manifest import layer_span
 from fleetgui import keystore
+from fleetgui.running import Node, Running
 from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter
 from fleetgui.workers import TaskRunner
 
@@ -479,9 +480,11 @@ class FleetView(QWidget):
     key_changed = Signal(str)  # the fleet key file the app now uses ("": the default one)
 
     def __init__(self, settings, backend, tasks: TaskRunner, *, poll_ms: int = POLL_MS, discover: bool = True,
-                 parent: QWidget | None = None):
+                 running: Running | None = None, parent: QWidget | None = None):
+        """``running``: the app's running state; this view gives it the nodes and shows its API line."""
         super().__init__(parent)
         self.settings = settings
+        self.running = running or Running(self)
         self.backend = backend
         self.tasks = tasks
         self.discover = discover
@@ -577,7 +580,7 @@ class FleetView(QWidget):
         nodes_layout.addWidget(self.table, 1)
         split = splitter(Qt.Orientation.Vertical, (nodes, 3), (rtt_box, 1))
         # the OpenAI-compatible API's status line (``fleetgui.api``): where tools reach the fleet's model
-        self.api_label = plain(QLabel("API: off"))
+        self.api_label = plain(QLabel(self.running.api_text))
         self.api_label.setObjectName("hint")
         self.api_label.setWordWrap(True)
         self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -595,6 +598,7 @@ class FleetView(QWidget):
         self.model.rowsInserted.connect(self._summarise)
         self.model.rowsRemoved.connect(self._summarise)
         self.model.dataChanged.connect(self._summarise)
+        self.running.changed.connect(lambda: self.api_label.setText(self.running.api_text))
         self.timer = QTimer(self)
         self.timer.setInterval(poll_ms)
         self.timer.timeout.connect(self.refresh)
@@ -831,18 +835,24 @@ class FleetView(QWidget):
         if list(labels.items()) != self.rtt_table.labels:
             self.rtt_table.show_matrix(labels, self.round_trips)
 
+    def nodes(self) -> list[Node]:
+        """Every row as the running state holds it: name, address, whether it answers, what it serves."""
+        return [Node(r.label, r.address, r.role == THIS_MACHINE or (not r.error and bool(r.node_id)),
+                     tuple(f"stage {w.get('stage')}" + (f" ({layer_span(*w['layers'])})" if w.get("layers") else "")
+                           for w in r.running_workers()))
+                for r in self.model.rows]
+
     def _summarise(self, *_) -> None:
         """The counts above the table, of its rows: this machine and every other node listed."""
+        self.running.set_nodes(self.nodes())
         self._follow_nodes()
-        rows = self.model.rows
         if not (self.key and self.key.usable):
             text = "Set the fleet key to find this fleet's nodes."
         elif not self.model.node_rows():
             text = ("Looking for other PCs… Start the tray worker (`fleetgui --worker`) on each of them, add them "
                     "by address, or, with no second PC at hand, try a demo fleet. " + NODE_MEANING)
         else:
-            up = sum(1 for r in rows if r.role == THIS_MACHINE or (not r.error and r.node_id))
-            text = f"{len(rows)} node{'s' if len(rows) != 1 else ''}, {up} answering. {NODE_MEANING}"
+            text = f"{self.running.nodes_text()}. {NODE_MEANING}"
         self.summary.setText(text)
 
     # --- settings and shutdown -----------------------------------------------------------------------
