@@ -30,7 +30,6 @@ from engine.export.gguf_weights import carry, carry_head, fingerprint, lookup_ta
 from engine.export.rankcut import GGUF_UNIT, MLP_UNIT, rank_cuts, ranks_problem
 from engine.export.compress import (CALIBRATED, HEAD_FORMATS, WEIGHT_FORMATS, best_weights, compress,
                                     head_table_int4, save_fp16, staging_dtype, vocab_table)
-from engine.files import write_json
 from engine.manifest import MODEL_XML, Manifest, check_chain, layer_span, load_manifest
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, resolve_source
@@ -440,6 +439,6 @@ def export_stage(job: dict, report: Report) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     run = {"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2)}
-    write_json(_run_file(folder), run)
+    _run_file(folder).write_text(json.dumps(run))
     report(exporting(job["index"], job["count"], "done", 1.0))
     return run
