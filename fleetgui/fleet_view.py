@@ -41,6 +41,7 @@ from engine.manifest import layer_span
 from fleetgui import keystore
 from fleetgui.discovery_status import DiscoveryStatus
 from fleetgui.join_code import JoinCodeDialog
+from fleetgui.running import Node, Running
 from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter
 from fleetgui.workers import TaskRunner
 
@@ -50,6 +51,11 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-
 THIS_MACHINE = "this machine"
 LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local_agent.start_local_agent``)
 DEMO_NODES = 3  # how many "Try a demo fleet" starts
+NODE_MEANING = "A node is a computer, or a worker on this PC, that runs part of the model."
+ADD_NODE_HELP = ("Add a PC that the fleet does not find by itself (another subnet, or a network that drops "
+                 "multicast). On that PC, start the tray worker: install fleetshard and run `fleetgui --worker` "
+                 "(or `fleetshard --worker` from the worker bundle) with this fleet's key. It listens on port 7390. "
+                 "Without a desktop, `fleet agent` does the same from the command line.")
 STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "exporting": "#1f618d"}
 
 
@@ -138,15 +144,20 @@ class NodeRow:
         return [s for s in self.shards if s.get("hash") not in served]
 
     def shards_text(self) -> str:
-        """The node's shards by model: "qwen2: layers 0-1, layer 3 ×2" (the tooltip has each one)."""
+        """The node's shards by model, one entry each: "qwen2: layers 0-1, layers 2-3 (int4), layers 2-3
+        (f32)"; the weights are named where two shards hold the same layers (the tooltip has each one)."""
         if not self.shards:
             return "none"
-        by_model: dict[str, collections.Counter] = {}
+        by_model: dict[str, list[dict]] = {}
         for s in self.shards:
-            by_model.setdefault(s.get("model", "?"), collections.Counter())[tuple(s["layers"])] += 1
-        return "; ".join(f"{model}: " + ", ".join(layer_span(*layers) + (f" ×{n}" if n > 1 else "")
-                                                  for layers, n in sorted(spans.items()))
-                         for model, spans in by_model.items())
+            by_model.setdefault(s.get("model", "?"), []).append(s)
+        parts = []
+        for model, shards in by_model.items():
+            same = collections.Counter(tuple(s["layers"]) for s in shards)
+            parts.append(f"{model}: " + ", ".join(
+                layer_span(*s["layers"]) + (f" ({s.get('weights')})" if same[tuple(s["layers"])] > 1 else "")
+                for s in sorted(shards, key=lambda s: (tuple(s["layers"]), str(s.get("weights"))))))
+        return "; ".join(parts)
 
     def memory_text(self) -> str:
         if not self.memory_mb:
@@ -378,8 +389,7 @@ class AddNodeDialog(QDialog):
         self.hint = plain(QLabel())  # it quotes the text typed
         self.hint.setObjectName("hint")
         self.hint.setWordWrap(True)
-        explain = QLabel("Add nodes whose agents mDNS cannot find (another subnet, or a network that drops "
-                         "multicast). Run `fleet agent` there; it listens on port 7390 by default.")
+        explain = QLabel(ADD_NODE_HELP)
         explain.setWordWrap(True)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         self.buttons.accepted.connect(self.accept)
@@ -415,10 +425,12 @@ class RoundTripTable(QTableWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(0, 0, parent)
+        self.labels: list[tuple[str, str]] = []  # (key, name) of each row and column shown
         self.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
 
     def show_matrix(self, labels: dict[str, str], measured: dict[tuple[str, str], float | None]) -> None:
+        self.labels = list(labels.items())
         keys = list(labels)
         self.setRowCount(len(keys))
         self.setColumnCount(len(keys))
@@ -470,15 +482,18 @@ class FleetView(QWidget):
     key_changed = Signal(str)  # the fleet key file the app now uses ("": the default one)
 
     def __init__(self, settings, backend, tasks: TaskRunner, *, poll_ms: int = POLL_MS, discover: bool = True,
-                 parent: QWidget | None = None):
+                 running: Running | None = None, parent: QWidget | None = None):
+        """``running``: the app's running state; this view gives it the nodes and shows its API line."""
         super().__init__(parent)
         self.settings = settings
+        self.running = running or Running(self)
         self.backend = backend
         self.tasks = tasks
         self.discover = discover
         self.key: keystore.KeyState | None = None
         self._poll = None
         self._rtt = None
+        self.round_trips: dict | None = None  # the last measurement (``EngineBackend.round_trips``)
         self.banner = Banner()
         self.model = NodesModel(self)
         self.discovery = _Discovery(self)
@@ -571,7 +586,7 @@ class FleetView(QWidget):
         nodes_layout.addWidget(self.table, 1)
         split = splitter(Qt.Orientation.Vertical, (nodes, 3), (rtt_box, 1))
         # the OpenAI-compatible API's status line (``fleetgui.api``): where tools reach the fleet's model
-        self.api_label = plain(QLabel("API: off"))
+        self.api_label = plain(QLabel(self.running.api_text))
         self.api_label.setObjectName("hint")
         self.api_label.setWordWrap(True)
         self.api_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -589,6 +604,7 @@ class FleetView(QWidget):
         self.model.rowsInserted.connect(self._summarise)
         self.model.rowsRemoved.connect(self._summarise)
         self.model.dataChanged.connect(self._summarise)
+        self.running.changed.connect(lambda: self.api_label.setText(self.running.api_text))
         self.timer = QTimer(self)
         self.timer.setInterval(poll_ms)
         self.timer.timeout.connect(self.refresh)
@@ -769,9 +785,6 @@ class FleetView(QWidget):
         chat's local fleet agent: it ends with that chat, which a deployment replaces."""
         return [r.address for r in self.model.reachable() if r.role != LOCAL_FLEET]
 
-    def node_names(self) -> dict[str, str]:
-        return {r.address: r.name or r.address for r in self.model.rows if r.address}
-
     # --- polling and round trips ---------------------------------------------------------------------
 
     @property
@@ -798,24 +811,28 @@ class FleetView(QWidget):
         self._poll = None
         self.banner.error(f"Asking the nodes for their status failed: {message}")
 
+    def live_nodes(self) -> dict[str, str]:
+        """The listed nodes that answer, by address: their names (the chat's local worker too)."""
+        return {r.address: r.name or r.address for r in self.model.reachable()}
+
     def measure_round_trips(self) -> None:
-        addresses = self.agent_addresses()
+        addresses = list(self.live_nodes())
         if self._rtt is not None:
             return
         if not addresses:
             self.rtt_note.setText("No node answers yet: round trips need at least one reachable agent.")
             return
         settings, backend = self.settings, self.backend
-        labels = {"local": "this machine", **{a: self.node_names().get(a, a) for a in addresses}}
         self.rtt_button.setEnabled(False)
-        self.rtt_note.setText(f"Measuring round trips between {len(addresses) + 1} machines…")
+        self.rtt_note.setText(f"Measuring round trips between {len(addresses) + 1} nodes…")
         self._rtt = self.tasks.start(lambda report, cancel: backend.round_trips(addresses, settings), "round trips",
-                                     succeeded=lambda m: self._measured(labels, m), failed=self._rtt_failed)
+                                     succeeded=self._measured, failed=self._rtt_failed)
 
-    def _measured(self, labels: dict, measured: dict) -> None:
+    def _measured(self, measured: dict) -> None:
         self._rtt = None
         self.rtt_button.setEnabled(True)
-        self.rtt_table.show_matrix(labels, measured)
+        self.round_trips = measured
+        self._follow_nodes()
         self.rtt_note.setText("Round trips between the nodes' control ports, in ms (median of 5): from the row's "
                               "machine to the column's.")
 
@@ -825,17 +842,34 @@ class FleetView(QWidget):
         self.rtt_note.setText("Round trips could not be measured.")
         self.banner.error(f"Measuring round trips failed: {message}")
 
+    def _follow_nodes(self) -> None:
+        """The round-trip matrix lists the nodes that answer now: one that stops leaves it, one that
+        joins has empty cells until the next measurement."""
+        if self.round_trips is None:
+            return
+        labels = {"local": "this machine", **self.live_nodes()}
+        if list(labels.items()) != self.rtt_table.labels:
+            self.rtt_table.show_matrix(labels, self.round_trips)
+
+    def nodes(self) -> list[Node]:
+        """Every row as the running state holds it: name, address, whether it answers, what it serves."""
+        return [Node(r.label, r.address, r.role == THIS_MACHINE or (not r.error and bool(r.node_id)),
+                     tuple(f"stage {w.get('stage')}" + (f" ({layer_span(*w['layers'])})" if w.get("layers") else "")
+                           for w in r.running_workers()))
+                for r in self.model.rows]
+
     def _summarise(self, *_) -> None:
-        rows = self.model.node_rows()
+        """The counts above the table, of its rows: this machine and every other node listed."""
+        self.running.set_nodes(self.nodes())
+        self._follow_nodes()
         if not (self.key and self.key.usable):
             text = "Set the fleet key to find this fleet's nodes."
-        elif not rows:
-            text = ("Looking for nodes over mDNS… Start `fleet agent` (or `fleetgui --worker`) on the other PCs, "
-                    "add them by address, or, with no second PC at hand, try a demo fleet.")
+        elif not self.model.node_rows():
+            text = ("Looking for other PCs… Start the tray worker (`fleetgui --worker`) on each of them, add them "
+                    "by address, or, with no second PC at hand, try a demo fleet. " + NODE_MEANING)
         else:
             self.discovery_status.clear()
-            up = sum(1 for r in rows if not r.error and r.node_id)
-            text = f"{len(rows)} node{'s' if len(rows) != 1 else ''}, {up} answering"
+            text = f"{self.running.nodes_text()}. {NODE_MEANING}"
         self.summary.setText(text)
 
     # --- settings and shutdown -----------------------------------------------------------------------

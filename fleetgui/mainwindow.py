@@ -1,14 +1,17 @@
 """The main window: a sidebar of views (Fleet, Placement, Chat, Export, Benchmarks, Settings), a
 status bar and the theme.  ``set_view`` swaps another widget in for a view.  A plan the
-Placement view deploys becomes the chain the chat runs on.  A ``.gguf`` file or a Hugging Face
-folder dropped on the window opens the Export view with that model's card selected."""
+Placement view deploys becomes the chain the chat runs on, connected at once.  What runs (the
+deployment, the chat's chain, the API, the nodes) is one ``fleetgui.running.Running``: the window
+feeds it from the controllers owning each fact, the status bar and the views read it.  A
+``.gguf`` file or a Hugging Face folder dropped on the window opens the Export view with that
+model's card selected."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, QSize
+from PySide6.QtCore import QSettings, QSize, QTimer
 from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QMainWindow, QStackedWidget, QWidget
 
@@ -21,6 +24,7 @@ from fleetgui.fleet_view import FleetView
 from fleetgui.help_menu import HelpMenu
 from fleetgui.history import HistoryStore
 from fleetgui.placement_view import PlacementView
+from fleetgui.running import CONNECTED, FAILED, NOT_STARTED, STARTING, Running
 from fleetgui.server_page import ServerPage
 from fleetgui.settings import GuiSettings, SettingsPage
 from fleetgui.widgets import ViewFrame, plain
@@ -46,12 +50,15 @@ class MainWindow(QMainWindow):
         self.sidebar.setObjectName("sidebar")
         self.stack = QStackedWidget()
         self.views: dict[str, QWidget] = {}
+        self.running = Running(self)
+        self._chat_step = ""  # the chat's start-up step now under way
+        self._chat_error = ""  # why the chat's chain did not start, until it starts again
         self.chat_controller = ChatController(backend, settings, self.tasks, self)
         self.chat = ChatView(self.chat_controller, history, settings, settings.theme)
         self.export = ExportWizard(backend, self.tasks, settings)
         self.bench = BenchPanel(backend, self.tasks, settings)
         self.bench.current = lambda: (self.chat_controller.service, self.chat_controller.deployment)
-        self.fleet = FleetView(settings, backend, self.tasks)
+        self.fleet = FleetView(settings, backend, self.tasks, running=self.running)
         self.placement = PlacementView(settings, backend, self.tasks, agents=self.fleet.agent_addresses)
         self.settings_page = SettingsPage(settings)
         self.settings_page.saved.connect(self.apply_settings)
@@ -83,12 +90,21 @@ class MainWindow(QMainWindow):
         row.addWidget(self.stack, 1)
         self.setCentralWidget(central)
 
-        self.api.status.connect(self.fleet.api_label.setText)
+        self.api.status.connect(self._follow_api)
         self.api.changed.connect(lambda: self.settings_page.show_api_error(self.api.error))
-        self.api.start()
-        self.service_label = plain(QLabel("Chat: not connected"))  # the model, the fleet's nodes
+        self.service_label = plain(QLabel())  # the chat's chain: the model, the fleet's nodes
+        self.fleet_label = plain(QLabel())  # the nodes and the API
+        self.fleet_label.setObjectName("hint")
+        self.statusBar().addPermanentWidget(self.fleet_label)
         self.statusBar().addPermanentWidget(self.service_label)
-        self.chat_controller.status.connect(self.service_label.setText)
+        self.running.changed.connect(self._show_running)
+        # the chat's chain, as its controller says (read once the signal's call has finished)
+        self.chat_controller.status.connect(self._chat_changed)
+        self.chat_controller.service_changed.connect(self._chat_changed)
+        self.chat_controller.progress.connect(self._chat_progress)
+        self.chat_controller.failed.connect(self._chat_failed)
+        self._follow_chat()
+        self.api.start()
         self.chat_controller.fleet_event.connect(lambda text: self.statusBar().showMessage(f"Fleet: {text}", 30000))
         self.export.exported.connect(
             lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}", 10000))
@@ -224,6 +240,7 @@ class MainWindow(QMainWindow):
         for view in (self.chat, self.export, self.bench, self.fleet, self.placement, self.settings_page,
                      self.server_page):
             view.apply_settings(settings)
+        self._follow_chat()
         self.statusBar().showMessage("Settings saved, but not the API address: the API kept its old one"
                                      if self.api.error and self.api.server else "Settings saved", 5000)
 
@@ -237,6 +254,7 @@ class MainWindow(QMainWindow):
 
     def chat_uses(self, source: str) -> None:
         self.show_view("Chat")
+        self._follow_chat()
         self.statusBar().showMessage(f"Chat now uses {self.chat.model.currentText()}", 10000)
 
     def use_key(self, path: str) -> None:
@@ -244,10 +262,50 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"Fleet key: {path or 'the default key file'}", 10000)
 
     def use_deployment(self, deployment) -> None:
-        """The chat runs on a deployed chain from now on (None: back to the settings' model)."""
+        """The chat runs on a deployed chain from now on, connected at once, as the Placement view
+        says (None: back to the settings' model)."""
+        self.running.set_deployment(deployment)
         self.chat_controller.use_deployment(deployment)
         if deployment is not None:
+            self.chat_controller.open()
             self.statusBar().showMessage(f"Chat now runs on the deployed {deployment.model}", 10000)
+        self._follow_chat()
+
+    # --- what runs -----------------------------------------------------------------------------------
+
+    def _chat_changed(self, *_) -> None:
+        QTimer.singleShot(0, self._follow_chat)  # the controller's own state is complete once its call returns
+
+    def _chat_progress(self, progress) -> None:
+        self._chat_step = progress.text if progress is not None else ""
+        self._chat_changed()
+
+    def _chat_failed(self, message: str) -> None:
+        self._chat_error = message
+        self._chat_changed()
+
+    def _follow_chat(self) -> None:
+        """The chat's chain into the running state: its model or deployment, and whether it runs."""
+        c = self.chat_controller
+        if c.service is not None:
+            state, detail = CONNECTED, c.service.description
+        elif c.loading:
+            self._chat_error = ""
+            state, detail = STARTING, self._chat_step
+        elif self._chat_error:
+            state, detail = FAILED, self._chat_error
+        else:
+            state, detail = NOT_STARTED, ""
+        self.running.set_chat(c.current_model, c.deployment, state, detail)
+
+    def _follow_api(self, text: str) -> None:
+        server = getattr(self.api, "server", None)
+        self.running.set_api(text, getattr(server, "url", "") if server is not None else "")
+
+    def _show_running(self) -> None:
+        r = self.running
+        self.service_label.setText(r.chat_text())
+        self.fleet_label.setText(r.nodes_text() + (f" · API at {r.api_url}" if r.api_running else ""))
 
     # --- shutdown ------------------------------------------------------------------------------------
 

@@ -161,7 +161,7 @@ def test_engine_errors_read_as_messages_not_tracebacks(qtbot, gui_home, tmp_path
     banner = window.chat.banner.message
     assert "stage 1 at 10.0.0.7:5001: connection lost" in banner
     assert "Traceback" not in banner and "StageError" not in banner
-    assert window.service_label.text() == "Chat: not connected"
+    qtbot.waitUntil(lambda: window.service_label.text() == "Chat: none on this PC did not start", timeout=5000)
     assert not tab.busy and tab.send_button.isEnabled()
 
 

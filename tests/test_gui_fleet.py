@@ -224,3 +224,61 @@ def test_with_an_os_keyring_the_key_is_kept_there_and_written_back(qtbot, gui_ho
     default.unlink()  # the file is only the engine's working copy: the keyring gives it back
     view.reload_key()
     assert view.key.fleet_id == fleet and stat.S_IMODE(default.stat().st_mode) == 0o600
+
+
+def test_counts_and_round_trips_follow_the_listed_nodes(qtbot, gui_home, key_file, tmp_path):
+    """Every row of the table is a node and is counted (this PC, the chat's local worker, a demo
+    node); the round-trip matrix shows the local worker too, and a node that stops leaves it."""
+    from engine.fleet.local_agent import start_local_agent, stop_local_agent
+
+    local = start_local_agent(key_file, name="local")  # what the chat's local fleet starts
+    demo = start_local_agent(key_file, name="demo-one", role="demo",
+                             options=("--store", str(tmp_path / "demo-store")))
+    try:
+        window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),
+                             settings_store(tmp_path / "s.ini"))
+        view = window.show_view("Fleet")
+        view.timer.setInterval(300)
+        qtbot.waitUntil(lambda: len(view.model.reachable()) == 2, timeout=30000)
+        assert view.model.rowCount() == 3
+        assert view.summary.text().startswith("3 nodes, 3 answering"), view.summary.text()
+        assert "A node is" in view.summary.text()  # said plainly, once
+
+        view.measure_round_trips()
+        qtbot.waitUntil(lambda: view._rtt is None, timeout=60000)
+        labels = [view.rtt_table.verticalHeaderItem(i).text() for i in range(view.rtt_table.rowCount())]
+        assert labels == ["this machine", "local", "demo-one (simulated)"] or \
+            labels == ["this machine", "local", "demo-one"], labels
+        assert float(view.rtt_table.value("this machine", "local")) > 0
+
+        stop_local_agent(demo)  # a demo node switched off: its row goes, and so does its place in the matrix
+        qtbot.waitUntil(lambda: view.model.rowCount() == 2, timeout=20000)
+        assert view.summary.text().startswith("2 nodes, 2 answering"), view.summary.text()
+        assert [view.rtt_table.verticalHeaderItem(i).text() for i in range(view.rtt_table.rowCount())] == \
+            ["this machine", "local"]
+    finally:
+        stop_local_agent(demo)
+        stop_local_agent(local)
+
+
+def test_add_node_names_the_tray_worker(qtbot, gui_home, tmp_path):
+    """The dialog gives the README's instruction: the tray worker on the new PC, `fleet agent` as
+    the command-line alternative."""
+    from PySide6.QtWidgets import QLabel
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    dialog = window.show_view("Fleet")._ask_add_node()
+    text = " ".join(label.text() for label in dialog.findChildren(QLabel))
+    assert "tray worker" in text and "fleetgui --worker" in text
+    assert text.index("tray worker") < text.index("fleet agent")  # the command line is the alternative
+    dialog.reject()
+
+
+def test_shards_are_listed_once_each():
+    """One entry per shard: two shards of the same layers (other weights) are told apart, never "×2"."""
+    from fleetgui.fleet_view import NodeRow
+
+    row = NodeRow(key="n", shards=[{"model": "qwen2", "layers": [2, 4], "weights": "int4", "hash": "a"},
+                                   {"model": "qwen2", "layers": [0, 2], "weights": "int4", "hash": "b"},
+                                   {"model": "qwen2", "layers": [2, 4], "weights": "f32", "hash": "c"}])
+    assert row.shards_text() == "qwen2: layers 0-1, layers 2-3 (f32), layers 2-3 (int4)"

@@ -199,3 +199,34 @@ def test_tray_menu_and_live_activity(qtbot, gui_home, key_file, tiny_exports):
     with qtbot.waitSignal(controller.stopped, timeout=30000):
         tray.quit_action.trigger()
     assert controller.agent is None
+
+
+def test_a_stage_exported_twice_is_one_shard_on_the_worker(qtbot, gui_home, key_file, tiny_models, tmp_path):
+    """A profile exports a split's last stage alone, a deployment of that split exports the whole
+    split: the same stage both times, so the same shard, held and listed once (it used to differ by
+    the export's own timing in its manifest, and the worker listed it twice)."""
+    from engine.export.exporter import export_model
+    from engine.fleet.control import ControlClient
+    from engine.fleet.shardstore import content_hash
+    from engine.fleetkey import load_key
+    from fleetgui.tray import WorkerController, WorkerWindow
+
+    out = tmp_path / "export"
+    alone = export_model(str(tiny_models["qwen2"]), split=[3], only=[1], weights="f32", out=out).folders[0]
+    first = content_hash(alone)
+    sent = []
+    controller = WorkerController(key_file, listen="127.0.0.1:0", name="twice", advertise=False,
+                                  store=gui_home / "store", poll_ms=200)
+    window = WorkerWindow(controller)
+    qtbot.addWidget(window)
+    assert controller.start()
+    with ControlClient(controller.agent.address, load_key(key_file)) as agent:
+        sent.append(agent.send_shard(alone)[0])
+        whole = export_model(str(tiny_models["qwen2"]), split=[3], weights="f32", out=out)  # stage 0 is new
+        assert content_hash(whole.folders[1]) == first
+        sent.append(agent.send_shard(whole.folders[1])[0])
+    assert sent == [first, first]
+    window.refresh()
+    assert len(controller.shards()) == 1 and window.shards.text().count("qwen2 stage 1 of 2") == 1, window.shards.text()
+    with qtbot.waitSignal(controller.stopped, timeout=30000):
+        controller.quit()

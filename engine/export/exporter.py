@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -195,11 +196,25 @@ def _reuse(out: Path, fingerprint: str, weights: str, ranges, beam_idx: bool,
            or m.export.get("exporter") != EXPORTER_VERSION
            for m, i in zip(manifests, indices)):
         return None
+    runs = [{**m.export, **_read_run(f)} for f, m in zip(folders, manifests)]  # older exports: in the manifest
     return [
-        StageReport(m.stage_index, tuple(m.layers), f, m.export.get("peak_rss_mb", 0.0),
-                    m.export.get("seconds", 0.0), _size_mb(f))
-        for f, m in zip(folders, manifests)
+        StageReport(m.stage_index, tuple(m.layers), f, run.get("peak_rss_mb", 0.0), run.get("seconds", 0.0),
+                    _size_mb(f))
+        for f, m, run in zip(folders, manifests, runs)
     ]
+
+
+def _run_file(folder: Path) -> Path:
+    """What a stage's export cost (peak memory, seconds), beside its folder: kept out of the manifest,
+    whose hash names the shard, so the same stage exported twice is the same shard."""
+    return Path(folder).with_name(Path(folder).name + ".export.json")
+
+
+def _read_run(folder: Path) -> dict:
+    try:
+        return json.loads(_run_file(folder).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _size_mb(folder: Path) -> float:
@@ -409,7 +424,7 @@ def export_stage(job: dict, report: Report) -> dict:
         stage_index=job["index"], stage_count=job["count"], layers=(job["start"], job["end"]),
         weights=job["weights"], inputs=inputs, outputs=outputs,
         states=[p for p, _ in pairs], eos_token_ids=eos,
-        export={"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2), "source": job["path"],
+        export={"source": job["path"],
                 "beam_idx": job.get("beam_idx", True), "head": job.get("head", "int8"),
                 **({"gguf_weights": carried} if carried is not None else {}),
                 **({"tensor_parallel": {"rank": job["rank"], "ranks": job["ranks"]}}
@@ -423,5 +438,7 @@ def export_stage(job: dict, report: Report) -> dict:
     manifest.write(partial)
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
+    run = {"peak_rss_mb": round(peak, 1), "seconds": round(seconds, 2)}
+    _run_file(folder).write_text(json.dumps(run))
     report(exporting(job["index"], job["count"], "done", 1.0))
-    return {"peak_rss_mb": peak, "seconds": seconds}
+    return run

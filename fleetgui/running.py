@@ -1,0 +1,139 @@
+"""What is running, in one place: the fleet deployment, the chain the chat uses, the API server and
+the nodes.  Every view and the status bar read it, so they tell the same story.
+
+Each fact is fed by what owns it (the main window wires them): the Placement view's deploy gives
+the deployment, the chat controller's connection signals the chat's chain and its state, the API
+controller's status the server, and the Fleet view's polling the nodes and what each one serves.
+``changed`` is emitted whenever any of them changes; the properties are read-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from PySide6.QtCore import QObject, Signal
+
+from engine.fleet.deploy import LOCAL, Deployment
+from engine.manifest import layer_span
+
+# what the chat's chain is doing
+NOT_STARTED, STARTING, CONNECTED, FAILED = "not started", "starting", "connected", "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A node as the Fleet view last saw it: this PC, a worker on it, or another PC."""
+
+    name: str
+    address: str  # its agent's HOST:PORT ("" for this PC itself)
+    answering: bool
+    serving: tuple[str, ...] = ()  # what it runs now, in words ("stage 1 (layers 2-3)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chat:
+    """The chain the chat uses: the settings' model on this PC, or a fleet deployment."""
+
+    model: str = ""
+    deployment: Deployment | None = None
+    state: str = NOT_STARTED
+    detail: str = ""  # connected: the chain's description; starting: the step; failed: why
+
+    @property
+    def where(self) -> str:
+        return "on the fleet" if self.deployment is not None else "on this PC"
+
+
+class Running(QObject):
+    changed = Signal()
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self._deployment: Deployment | None = None
+        self._chat = Chat()
+        self._api_url = ""
+        self._api_text = "API: off"
+        self._nodes: tuple[Node, ...] = ()
+
+    # --- what views read -----------------------------------------------------------------------------
+
+    @property
+    def deployment(self) -> Deployment | None:
+        """The fleet deployment this app runs or uses (None: none)."""
+        return self._deployment
+
+    @property
+    def chat(self) -> Chat:
+        return self._chat
+
+    @property
+    def api_running(self) -> bool:
+        return bool(self._api_url)
+
+    @property
+    def api_url(self) -> str:
+        return self._api_url
+
+    @property
+    def api_text(self) -> str:
+        """The API server's line: what it serves and where, or why it does not."""
+        return self._api_text
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return self._nodes
+
+    def chat_text(self) -> str:
+        """The chat's line for the status bar."""
+        chat = self._chat
+        name = _model_name(chat.deployment.model if chat.deployment is not None else chat.model)
+        if chat.state == CONNECTED:
+            return f"Chat: {chat.detail}"
+        if chat.state == STARTING:
+            return f"Chat: {name} {chat.where}, starting" + (f": {chat.detail}…" if chat.detail else "…")
+        if chat.state == FAILED:
+            return f"Chat: {name} {chat.where} did not start"
+        return f"Chat: {name} {chat.where}, not started yet" if name else "Chat: no model chosen"
+
+    def nodes_text(self) -> str:
+        """The nodes' line: how many there are and how many answer."""
+        if not self._nodes:
+            return "1 node: this PC"
+        up = sum(1 for n in self._nodes if n.answering)
+        return f"{len(self._nodes)} node{'s' if len(self._nodes) != 1 else ''}, {up} answering"
+
+    def deployment_parts(self) -> list[tuple[str, str]]:
+        """(node name, layers) of each part of the deployment, in chain order."""
+        if self._deployment is None:
+            return []
+        names = {n.address: n.name for n in self._nodes if n.address}
+        return [("this PC" if s.node == LOCAL else names.get(s.node, s.node), layer_span(s.start, s.end))
+                for s in self._deployment.placement]
+
+    # --- what the owners of each fact feed -----------------------------------------------------------
+
+    def set_deployment(self, deployment: Deployment | None) -> None:
+        self._deployment = deployment
+        self.changed.emit()
+
+    def set_chat(self, model: str, deployment: Deployment | None, state: str, detail: str = "") -> None:
+        chat = Chat(model, deployment, state, detail)
+        if chat != self._chat:
+            self._chat = chat
+            self.changed.emit()
+
+    def set_api(self, text: str, url: str = "") -> None:
+        if (text, url) != (self._api_text, self._api_url):
+            self._api_text, self._api_url = text, url
+            self.changed.emit()
+
+    def set_nodes(self, nodes: list[Node]) -> None:
+        nodes = tuple(nodes)
+        if nodes != self._nodes:
+            self._nodes = nodes
+            self.changed.emit()
+
+
+def _model_name(model: str) -> str:
+    """A model as people name it: a catalog name as it is, a path by its last part."""
+    return model.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
