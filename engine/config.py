@@ -84,7 +84,7 @@ class Settings:
     stages: int = 2
     max_new_tokens: int = 256
     fleet_key_file: str | None = None  # default: fleet.key in the config folder
-    tls: bool = False  # wrap every fleet connection in TLS with the shared fleet certificate
+    tls: bool = True  # mutual TLS with the fleet certificate (``engine.fleetkey``) on every fleet connection
     mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
     deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
     local_workers: bool = True  # stages 1.. as worker processes on this machine (else all in process)
