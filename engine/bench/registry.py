@@ -104,6 +104,8 @@ BENCHES = {bench.name: bench for bench in (
     Bench("pipeline", "what the TCP relay costs against in-process stages",
           takes("model", "stages", "tokens", "warmup", "runs", "delay_ms", "weights", "shards"),
           plot=Plot("bars", "config", {"tok_s": "tok/s"})),
+    Bench("tls", "what mutual TLS costs: the same loopback fleet with it and without, interleaved (decode and "
+          "prefill tok/s)", takes("model", "stages", "tokens", "warmup", "runs", "weights", "shards")),
     Bench("parity", "our stage chains against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
           takes("model", "tokens", "warmup", "runs", "device", "weights", "head", "llamacpp"),
           plot=Plot("bars", "config", {"tok_s": "tok/s"})),

@@ -34,8 +34,9 @@ def add_commands(sub) -> None:
     ksub = key.add_subparsers(dest="key_cmd", required=True)
     kinit = ksub.add_parser("init", help="create a new fleet key (and with --tls a certificate of the fleet's own)")
     kinit.add_argument("--force", action="store_true", help="replace an existing key")
-    kinit.add_argument("--tls", action="store_true", help="also create a self-signed fleet TLS certificate in place of the one the key "
-                       "gives (copy it to every machine too)")
+    kinit.add_argument("--tls", action="store_true",
+                       help="also create a self-signed fleet TLS certificate in place of the one the key gives "
+                            "(copy it to every machine too)")
     kinit.add_argument("--fleet-key-file", help="where to write the key (default: the config folder)")
     kshow = ksub.add_parser("path", help="print where the fleet key is")
     kshow.add_argument("--fleet-key-file")

@@ -1,0 +1,70 @@
+"""``fleet bench tls``: what mutual TLS costs a fleet, side by side with the same fleet unencrypted.
+
+Two loopback fleets of the same shards, stage 0 here and each later stage in its own worker
+process (``harness.loopback``): one speaking TLS with the fleet certificate (the default), one with
+it turned off.  Each round decodes one long prompt on both, taking turns and alternating which goes
+first, so that the machine's drift (other work sharing its cores) falls on both alike.  Two figures
+per fleet: prefill tok/s (the prompt's tokens over the time to the first new token: the widest
+frames) and decode tok/s (one stream, a frame per token each way).  The ratios are TLS over plain,
+each the median of the rounds' own ratios (a round's two runs are minutes apart at most) and the
+ratio of the medians; 1.0 is no cost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from statistics import median
+
+from engine.bench.harness import NO_HOOKS, Hooks, interleave, loopback, split_export
+from engine.bench.quality import bench_text
+from engine.bench.report import write_report
+from engine.config import DEFAULT_WEIGHTS
+from engine.runtime.decode.generate import Generator
+from engine.runtime.decode.tokenizer import ChatTokenizer
+
+CONFIGS = {"TLS": True, "plain": False}
+
+
+def run_tls(model: str, *, stages: int = 2, tokens: int = 128, prompt: int = 512, warmup: int = 1, runs: int = 7,
+            weights: str = DEFAULT_WEIGHTS, out: Path | None = None, log=print, shards=None,
+            hooks: Hooks = NO_HOOKS) -> dict:
+    """``prompt``: the prompt's tokens (the shipped prose, cut); ``tokens``: new tokens per run;
+    ``shards`` runs an existing split instead of exporting ``model`` into ``stages``."""
+    split = split_export(model, stages, weights, shards, hooks)
+    ids = ChatTokenizer(split[0]).prompt_ids(bench_text(), chat=False)[:, :prompt]
+    length = ids.shape[1] + tokens + 1
+    hooks.step(0, 1, "starting a fleet with TLS and one without")
+    with loopback(split, tls=True) as (secure, _), loopback(split, tls=False) as (plain, _):
+        chains = {"TLS": secure, "plain": plain}
+
+        def run(name: str, _round: int):
+            result = Generator(chains[name], length).generate(ids, tokens, ignore_eos=True, cancel=hooks.cancel)
+            hooks.check()
+            return result
+
+        samples = interleave(run, CONFIGS, runs, warmup=warmup, alternate=True, hooks=hooks, log=log)
+    prefill = {name: [r.prompt_tokens / r.ttft_s for r in results] for name, results in samples.items()}
+    decode = {name: [r.decode_tok_s for r in results] for name, results in samples.items()}
+    rows = []
+    for name, results in samples.items():
+        rows.append({"config": name, "tls": CONFIGS[name],
+                     "decode_tok_s": round(median(decode[name]), 2),
+                     "prefill_tok_s": round(median(prefill[name]), 1),
+                     "decode_runs": [round(v, 2) for v in decode[name]],
+                     "prefill_runs": [round(v, 1) for v in prefill[name]],
+                     "same_tokens": all(r.tokens == samples["plain"][0].tokens for r in results)})
+        hooks.row(rows[-1])
+    hooks.step(1, 1, "done")
+
+    def paired(values: dict) -> float:
+        return round(median(a / b for a, b in zip(values["TLS"], values["plain"])), 4)
+
+    ratios = {
+        "decode_tls_vs_plain": paired(decode),
+        "prefill_tls_vs_plain": paired(prefill),
+        "decode_tls_vs_plain_of_medians": round(rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"], 4),
+        "prefill_tls_vs_plain_of_medians": round(rows[0]["prefill_tok_s"] / rows[1]["prefill_tok_s"], 4),
+    }
+    meta = {"model": model, "stages": len(split), "weights": weights, "prompt_tokens": int(ids.shape[1]),
+            "new_tokens": tokens, "warmup": warmup, "runs": runs, "order": "interleaved, alternating"}
+    return write_report("tls", rows, ratios, out, settings=meta)
