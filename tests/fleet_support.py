@@ -132,15 +132,15 @@ def greedy_in_process(deployment):
     return greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
 
 
-def deployed_equals_in_process(source: str, stages, key: bytes) -> None:
+def deployed_equals_in_process(source: str, stages, key: bytes, tls=None) -> None:
     """Deploys ``stages`` (f32), decodes through the chain, stops it, and compares with the same
-    exported stages in one process."""
-    deployment, chain = deploy(source, stages, key=key, weights="f32")
+    exported stages in one process; ``tls``: the fleet's TLS contexts, when its agents speak it."""
+    deployment, chain = deploy(source, stages, key=key, tls=tls, weights="f32")
     try:
         got = greedy(chain)
     finally:
         chain.close()
-        deployment.stop(key)
+        deployment.stop(key, tls)
     assert got == greedy_in_process(deployment)
 
 
