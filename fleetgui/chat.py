@@ -52,7 +52,7 @@ RENDER_EVERY_MS = 100  # a streaming reply is rendered again at most this often,
 RENDER_SHARE = 0.25  # and a long reply's renders take at most about this share of the GUI thread
 # settings whose change needs a new service (the rest apply per request)
 SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device", "mode", "local_workers",
-                "streams", "k", "draft", "draft_model", "draft_at", "tls", "deadline_s")
+                "streams", "k", "draft", "draft_model", "draft_at", "tls", "deadline_s", "rejoin_check_s")
 
 
 def ask(parent: QWidget, title: str, question: str, action: str) -> bool:
