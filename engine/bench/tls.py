@@ -10,11 +10,17 @@ this process and the fleet's workers together, per new token, which other work s
 disturbs far less than the wall time.  The ratios are TLS over plain, each the median of the rounds'
 own ratios (a round's two runs are minutes apart at most) and, for the speeds, the ratio of the
 medians; 1.0 is no cost (for the CPU time, above 1.0 is the cost).
+
+What TLS adds to one trip down the chain and back is measured alone too: sets of ``PINGS`` pings,
+the two fleets taking turns set by set.  A decode token makes the same trip, so the extra time of a
+ping over the plain fleet's time per token (``tls_share_of_decode_token``) is what TLS costs decode
+with no other work's noise in it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from statistics import median
 
@@ -28,6 +34,7 @@ from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.tokenizer import ChatTokenizer
 
 CONFIGS = {"TLS": True, "plain": False}
+PINGS = 200  # pings a set
 
 
 def run_tls(model: str, *, stages: int = 2, tokens: int = 128, prompt: int = 512, warmup: int = 1, runs: int = 7,
@@ -54,6 +61,14 @@ def run_tls(model: str, *, stages: int = 2, tokens: int = 128, prompt: int = 512
             return result
 
         samples = interleave(run, CONFIGS, runs, warmup=warmup, alternate=True, hooks=hooks, log=log)
+
+        def pings(name: str, _round: int) -> float:
+            start = time.perf_counter()
+            for _ in range(PINGS):
+                chains[name].ping()
+            return (time.perf_counter() - start) * 1e3 / PINGS
+
+        ping_ms = interleave(pings, CONFIGS, runs, warmup=1, alternate=True, hooks=hooks)
     prefill = {name: [r.prompt_tokens / r.ttft_s for r in results] for name, results in samples.items()}
     decode = {name: [r.decode_tok_s for r in results] for name, results in samples.items()}
     rows = []
@@ -62,6 +77,7 @@ def run_tls(model: str, *, stages: int = 2, tokens: int = 128, prompt: int = 512
                      "decode_tok_s": round(median(decode[name]), 2),
                      "prefill_tok_s": round(median(prefill[name]), 1),
                      "cpu_ms_per_token": round(median(cpu_ms[name]), 3),
+                     "ping_ms": round(median(ping_ms[name]), 4),
                      "decode_runs": [round(v, 2) for v in decode[name]],
                      "prefill_runs": [round(v, 1) for v in prefill[name]],
                      "cpu_ms_runs": [round(v, 3) for v in cpu_ms[name]],
@@ -76,11 +92,15 @@ def run_tls(model: str, *, stages: int = 2, tokens: int = 128, prompt: int = 512
         "decode_tls_vs_plain": paired(decode),
         "prefill_tls_vs_plain": paired(prefill),
         "cpu_per_token_tls_vs_plain": paired(cpu_ms),
+        "ping_extra_ms": round(median(a - b for a, b in zip(ping_ms["TLS"], ping_ms["plain"])), 4),
+        "tls_share_of_decode_token": round(median(a - b for a, b in zip(ping_ms["TLS"], ping_ms["plain"]))
+                                           * rows[1]["decode_tok_s"] / 1e3, 4),
         "decode_tls_vs_plain_of_medians": round(rows[0]["decode_tok_s"] / rows[1]["decode_tok_s"], 4),
         "prefill_tls_vs_plain_of_medians": round(rows[0]["prefill_tok_s"] / rows[1]["prefill_tok_s"], 4),
     }
     meta = {"model": model, "stages": len(split), "weights": weights, "prompt_tokens": int(ids.shape[1]),
-            "new_tokens": tokens, "warmup": warmup, "runs": runs, "order": "interleaved, alternating"}
+            "new_tokens": tokens, "warmup": warmup, "runs": runs, "pings_a_set": PINGS,
+            "order": "interleaved, alternating"}
     return write_report("tls", rows, ratios, out, settings=meta)
 
 
