@@ -157,8 +157,7 @@ class TLS:
 
     def __init__(self, pem: Path):
         if not pem.exists():
-            raise FleetError(f"no fleet certificate at {pem}: copy the fleet's fleet.pem beside the key, "
-                             "or delete it on every machine to use the one the key gives")
+            raise FleetError(f"no fleet certificate at {pem}: copy the fleet's fleet.pem there")
         try:
             self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.server.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -184,7 +183,7 @@ def key_certificate(key: bytes) -> bytes:
     """The fleet certificate the key gives, in PEM with its private key: an Ed25519 key pair seeded
     by a keyed hash of the fleet key, self-signed (Ed25519 signs deterministically, and the serial
     and dates are fixed), so every machine holding the key makes the same bytes."""
-    from cryptography import x509  # deferred: only processes that speak TLS need it (~70 ms to import)
+    from cryptography import x509  # deferred: a process that speaks no TLS does without it (~70 ms to import)
     from cryptography.hazmat.primitives import serialization  # deferred, see above
     from cryptography.hazmat.primitives.asymmetric import ed25519  # deferred, see above
     from cryptography.x509.oid import NameOID  # deferred, see above
