@@ -158,7 +158,8 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     left, busy = (next((tmp_path / "a").rglob("incoming")) / content_hash(f) for f in (folders[0], folders[1]))
     for part in left.iterdir():
         os.utime(part, (time.time() - 3600,) * 2)
-    prune = [sys.executable, "-m", "engine.cli", "nodes", "prune", a, "--fleet-key-file", str(key_file)]
+    prune = [sys.executable, "-m", "engine.cli", "nodes", "prune", a, "--fleet-key-file", str(key_file),
+             "--no-tls"]  # as the agents (agent_process)
     out = subprocess.run(prune, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and re.search(rf"^removed 1 shard\(s\) and 1 unfinished transfer\(s\), [0-9.]+ MB, "
                                              rf"from {a}; 1 served shard\(s\) kept$", out.stderr, re.M), out.stderr
