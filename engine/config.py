@@ -84,10 +84,11 @@ class Settings:
     stages: int = 2
     max_new_tokens: int = 256
     fleet_key_file: str | None = None  # default: fleet.key in the config folder
-    tls: bool = False  # wrap every fleet connection in TLS with the shared fleet certificate
+    tls: bool = True  # mutual TLS with the fleet certificate (``engine.fleetkey``) on every fleet connection
     mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
     deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
     standbys: bool = True  # a deployment keeps a hot standby of each part on another node where one has room
+    rejoin_check_s: float = 5.0  # how often failover asks a lost node (a laptop gone to sleep) whether it is back
     local_workers: bool = True  # stages 1.. as worker processes on this machine (else all in process)
     streams: int = 2  # chats that generate at the same time (micro-batched streams)
     k: str = "auto"  # draft tokens per round: a number or "auto"; 0 turns speculation off
@@ -166,6 +167,9 @@ class Settings:
             return f"the API port must be between 0 and 65535, not {self.api_port}"
         if not self.api_max_body_mb > 0:
             return f"the API's largest request body must be more than 0 MB, not {self.api_max_body_mb}"
+        if not self.rejoin_check_s > 0:
+            return f"failover asks a lost node whether it is back every so many seconds, more than 0, not " \
+                   f"{self.rejoin_check_s}"
         if self.api_max_waiting < 0:
             return f"the API's waiting requests must be 0 or more, not {self.api_max_waiting}"
         return None

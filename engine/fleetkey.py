@@ -1,13 +1,17 @@
-"""The fleet's shared secret and optional TLS certificate: where they live, creating and loading them.
+"""The fleet's shared secret and its TLS certificate: where they live, creating and loading them.
 
 Every process that listens or dials proves knowledge of the fleet key (see ``engine.transport.wire``); the key
 itself never crosses the wire.  It is a file of 64 hex digits, readable only by its owner, kept in the
 user config folder unless the settings or ``--fleet-key-file`` name another.  An admin copies the
 same file to every machine of the fleet.
 
-For untrusted networks the fleet can also share one self-signed certificate (``fleet.pem`` beside
-the key, holding certificate and private key): every connection is then TLS, and each side accepts
-only a peer presenting that certificate.
+Every fleet connection is also TLS by default (the ``tls`` setting turns it off), mutual, with one
+fleet certificate: each side presents it and accepts only a peer presenting it.  The certificate is
+derived from the key (an Ed25519 key pair seeded by it, signed the same way on every machine), so a
+machine holding the key holds the certificate too and there is nothing more to copy.  A fleet that
+wants a certificate of its own makes one with ``fleet key init --tls`` (``fleet.pem`` beside the
+key, holding certificate and private key) and copies it to every machine; where that file is, it
+takes the derived one's place.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import hmac
 import os
 import secrets
 import ssl
+import tempfile
 from pathlib import Path
 
 from engine.config import Settings, paths
@@ -111,6 +116,7 @@ def fleet_id(key: bytes) -> str:
 
 
 def tls_file(key_path: Path) -> Path:
+    """Where a fleet's own certificate lives (``fleet key init --tls``); without it the key gives one."""
     return key_path.with_name("fleet.pem")
 
 
@@ -146,12 +152,12 @@ def create_certificate(path: Path, force: bool = False) -> Path:
 
 class TLS:
     """Server and client contexts that accept exactly the fleet certificate, and present it: each
-    side of a connection checks the other's."""
+    side of a connection checks the other's.  ``pem``: a file holding the certificate and its
+    private key (``load_tls`` finds or derives it)."""
 
     def __init__(self, pem: Path):
         if not pem.exists():
-            raise FleetError(f"no fleet certificate at {pem}: run `fleet key init --tls` and copy it to "
-                             "every machine, or run without --tls")
+            raise FleetError(f"no fleet certificate at {pem}: copy the fleet's fleet.pem there")
         try:
             self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.server.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -166,6 +172,43 @@ class TLS:
         except (ssl.SSLError, OSError) as exc:
             raise FleetError(f"cannot use the fleet certificate {pem}: {exc}") from None
 
+    @classmethod
+    def of_key(cls, key: bytes) -> "TLS":
+        """The contexts of the certificate the fleet key gives (``key_certificate``)."""
+        with tempfile.TemporaryDirectory() as folder:  # ssl reads a private key from a file only
+            return cls(_write_secret(Path(folder) / "fleet.pem", key_certificate(key).decode().strip()))
+
+
+def key_certificate(key: bytes) -> bytes:
+    """The fleet certificate the key gives, in PEM with its private key: an Ed25519 key pair seeded
+    by a keyed hash of the fleet key, self-signed (Ed25519 signs deterministically, and the serial
+    and dates are fixed), so every machine holding the key makes the same bytes."""
+    from cryptography import x509  # deferred: a process that speaks no TLS does without it (~70 ms to import)
+    from cryptography.hazmat.primitives import serialization  # deferred, see above
+    from cryptography.hazmat.primitives.asymmetric import ed25519  # deferred, see above
+    from cryptography.x509.oid import NameOID  # deferred, see above
+
+    def derived(label: bytes) -> bytes:
+        return hmac.new(key, b"fleetshard tls " + label, hashlib.sha256).digest()
+
+    private = ed25519.Ed25519PrivateKey.from_private_bytes(derived(b"certificate key"))
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"fleetshard fleet {fleet_id(key)}")])
+    utc = datetime.timezone.utc
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
+            .serial_number(int.from_bytes(derived(b"serial")[:16], "big") >> 1 or 1)
+            .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=utc))
+            .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=utc))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(private, None))
+    return cert.public_bytes(serialization.Encoding.PEM) + private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
 
 def load_tls(enabled: bool, key_override: str | Path | None = None) -> TLS | None:
-    return TLS(tls_file(key_file(key_override))) if enabled else None
+    """The fleet's TLS contexts when ``enabled`` (the settings' ``tls``), else None: the certificate
+    in ``fleet.pem`` beside the key when the fleet made one, else the one the key gives."""
+    if not enabled:
+        return None
+    path = key_file(key_override)
+    pem = tls_file(path)
+    return TLS(pem) if pem.exists() else TLS.of_key(load_key(path))

@@ -255,13 +255,16 @@ def open_draft_link(settings: Settings, chain, deployment: Deployment | None = N
 def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None,
                   on_recovered: Callable[[Deployment], None] | None = None):
     """The ``Failover`` of a deployed chain (``engine.fleet.failover``): a stopped worker starts again,
-    a lost node's layers move; None for a chain that is not a deployment.  ``on_recovered`` is told
-    each new deployment."""
+    a lost node's layers move, and a lost node that comes back (a laptop woken from sleep) rejoins,
+    asked every ``settings.rejoin_check_s``; None for a chain that is not a deployment.
+    ``on_recovered`` is told each new deployment.  It ends with the chain's owner (``opened.owned``)."""
     if opened.deployment is None or not opened.deployment.placement or not opened.deployment.remotes:
         return None
-    return Failover.of(opened.deployment.copies[0], key=load_key(settings.fleet_key_file),
-                       tls=load_tls(settings.tls, settings.fleet_key_file), deadline_s=settings.deadline_s,
-                       on_event=on_event, chain=opened.chain, on_recovered=on_recovered)
+    failover = Failover.of(opened.deployment.copies[0], key=load_key(settings.fleet_key_file),
+                           tls=load_tls(settings.tls, settings.fleet_key_file), deadline_s=settings.deadline_s,
+                           on_event=on_event, chain=opened.chain, on_recovered=on_recovered)
+    opened.owned.append(failover.watch(settings.rejoin_check_s))
+    return failover
 
 
 def open_service(settings: Settings, launch: Launch | None = None, progress: Report = quiet, cancel=None,

@@ -30,7 +30,7 @@ from engine.config import Settings
 from engine.errors import FleetError
 from engine.fleet.agent import Agent
 from engine.fleet.shardstore import shard_text
-from engine.fleetkey import TLS, tls_file
+from engine.fleetkey import load_tls
 from engine.manifest import layer_span
 from fleetgui import autostart, keystore, theme
 from fleetgui.settings import GuiSettings, default_store
@@ -468,6 +468,6 @@ def run_worker(args) -> int:
 def _tls(key_file: Path):
     try:
         enabled = Settings.load().tls
-    except (OSError, ValueError, TypeError):
-        enabled = False
-    return TLS(tls_file(key_file)) if enabled else None
+    except (OSError, ValueError, TypeError, FleetError):  # an unreadable settings file: the default
+        enabled = Settings().tls
+    return load_tls(enabled, key_file)

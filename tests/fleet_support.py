@@ -28,12 +28,14 @@ IDS = np.array([[5, 17, 42, 101, 7, 250, 33, 64, 9]], dtype=np.int64)
 
 @contextlib.contextmanager
 def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str = "node", env: dict | None = None,
-                  listen: str = "127.0.0.1:0"):
+                  listen: str = "127.0.0.1:0", tls: bool = False):
     """A ``fleet agent`` process with its own home (its own node id and shard store) and ``env`` on
-    top of this one's; yields (process, HOST:PORT of its control API)."""
+    top of this one's; yields (process, HOST:PORT of its control API).  ``tls``: it and its workers
+    speak TLS (the fleet's default; off by default here, as the engine's clients are when given no
+    TLS contexts)."""
     home.mkdir(parents=True, exist_ok=True)
-    args = ["agent", "--listen", listen, "--fleet-key-file", str(key_file), "--name", name] + \
-        ([] if mdns else ["--no-mdns"])
+    args = ["agent", "--listen", listen, "--fleet-key-file", str(key_file), "--name", name,
+            "--tls" if tls else "--no-tls"] + ([] if mdns else ["--no-mdns"])
     agent = FleetProcess(args, home / "agent.log", env={**os.environ, **(env or {}), "FLEETSHARD_HOME": str(home)})
     try:
         yield agent.start().proc, agent.wait_ready(60)
@@ -87,10 +89,11 @@ def fleet_up(args: list[str], log: Path, env: dict | None = None):
 
 
 @contextlib.contextmanager
-def simulated_office(specs, key_file: Path, root: Path):
+def simulated_office(specs, key_file: Path, root: Path, *, tls: bool = False):
     """An ``engine.fleet.sim.office.Office`` of ``specs`` whose agents answer inside the block; every namespace,
-    link and cgroup it made is gone after it, also after a failure.  Needs root."""
-    with Office(specs, key_file=key_file, root=root) as office:
+    link and cgroup it made is gone after it, also after a failure.  Needs root.  ``tls``: as
+    ``agent_process``'s."""
+    with Office(specs, key_file=key_file, root=root, tls=tls) as office:
         yield office
 
 
@@ -152,15 +155,15 @@ def greedy_in_process(deployment):
     return greedy(LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))))
 
 
-def deployed_equals_in_process(source: str, stages, key: bytes) -> None:
+def deployed_equals_in_process(source: str, stages, key: bytes, tls=None) -> None:
     """Deploys ``stages`` (f32), decodes through the chain, stops it, and compares with the same
-    exported stages in one process."""
-    deployment, chain = deploy(source, stages, key=key, weights="f32")
+    exported stages in one process; ``tls``: the fleet's TLS contexts, when its agents speak it."""
+    deployment, chain = deploy(source, stages, key=key, tls=tls, weights="f32")
     try:
         got = greedy(chain)
     finally:
         chain.close()
-        deployment.stop(key)
+        deployment.stop(key, tls)
     assert got == greedy_in_process(deployment)
 
 

@@ -2,7 +2,7 @@
 mid-reply, as the API server and the app do: a local node agent runs stage 1 of the tiny Llama over a slow
 link, its worker is killed (kill -9) once the reply has begun to print, and the reply carries on over a
 new worker to the end, token-identical to the model in one process; the saved record then names the
-new worker, so stopping the deployment stops it."""
+new worker, so stopping the deployment stops it.  Everything speaks TLS, the fleet's default."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import psutil
 from engine.fleet.deploy import LOCAL, Deployment, deploy
 from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleet.span import StageSpan
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import create_key, load_key, load_tls
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config, core
@@ -42,12 +42,12 @@ def _in_process(deployment) -> list[int]:
 def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
     key_path = create_key(tmp_path / "fleet.key")
-    key = load_key(key_path)
+    key, tls = load_key(key_path), load_tls(True, key_path)
     agent = start_local_agent(key_path, options=("--link-delay-ms", "10"))  # a reply of a few seconds
     chat = None
     try:
         stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(agent.address, "CPU", 2, 4)]
-        deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", mode="exact")
+        deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, tls=tls, weights="f32", mode="exact")
         chain.close()
         record = deployment.save(tmp_path / "deployment.json")
         want = _in_process(deployment)
@@ -75,7 +75,7 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
         # the record names the worker that runs now, so stopping the deployment stops it
         saved = Deployment.load(record)
         assert saved.id == deployment.id and saved.workers != deployment.workers
-        assert saved.stop(key) == []
+        assert saved.stop(key, tls) == []
         assert psutil.Process(agent.pid).children() == []
     finally:
         if chat is not None and chat.poll() is None:

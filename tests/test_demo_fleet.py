@@ -2,7 +2,7 @@
 each their own node, listed by `fleet nodes` under stable ids; a demo fleet of such agents with
 simulated devices is profiled, deployed over and chatted on with the tiny Llama model, and a
 demo node stopped mid-conversation has its layers moved to the spare one; `fleet up --demo` does
-it in one command."""
+it in one command.  Everything speaks TLS, the fleet's default."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL
 from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleet.node import SimulatedDevice, agent_node_id, node_id
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import create_key, load_key, load_tls
 from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
@@ -33,8 +33,9 @@ def home(tmp_path, monkeypatch) -> Path:
     return tmp_path / "home"
 
 
-def _status(address: str, key: bytes) -> dict:
-    with ControlClient(address, key) as agent:
+def _status(address: str, key_path: Path | None = None) -> dict:
+    """The agent's status, asked over TLS with the key at ``key_path`` (None: the default key)."""
+    with ControlClient(address, load_key(key_path), tls=load_tls(True, key_path)) as agent:
         return agent.status()
 
 
@@ -48,10 +49,9 @@ def _fleet_nodes(key_path: Path) -> list[dict]:
 
 def test_agents_on_one_machine_are_each_a_node_listed_stably(home, tmp_path):
     key_path = create_key(tmp_path / "fleet.key")
-    key = load_key(key_path)
     started = {name: start_local_agent(key_path, name=name, mdns=True) for name in ("alpha", "beta")}
     try:
-        ids = {name: _status(agent.address, key)["node"]["node_id"] for name, agent in started.items()}
+        ids = {name: _status(agent.address, key_path)["node"]["node_id"] for name, agent in started.items()}
         assert ids == {"alpha": agent_node_id("alpha"), "beta": agent_node_id("beta")}
         assert len(set(ids.values())) == 2 and node_id() not in ids.values()  # nor the machine's own
         for _ in range(2):  # the same two nodes at every listing
@@ -59,7 +59,7 @@ def test_agents_on_one_machine_are_each_a_node_listed_stably(home, tmp_path):
             assert heard == ids, heard
         stop_local_agent(started.pop("beta"))  # started again, beta is the same node
         started["beta"] = start_local_agent(key_path, name="beta")
-        assert _status(started["beta"].address, key)["node"]["node_id"] == ids["beta"]
+        assert _status(started["beta"].address, key_path)["node"]["node_id"] == ids["beta"]
     finally:
         for agent in started.values():
             stop_local_agent(agent)
@@ -85,14 +85,14 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
 
     model = str(tiny_models["llama"])
     events: list[str] = []
-    fleet, deployment, chain, doc = demo_up(model, None, 2, weights="f32", tls=False)  # the default key, made here
+    fleet, deployment, chain, doc = demo_up(model, None, 2, weights="f32", tls=True)  # the default key, made here
     try:
-        key = load_key()
+        key, tls = load_key(), load_tls(True)
         laptop, gpu = fleet.nodes
         assert [laptop.name, gpu.name] == [name for name, _ in DEMO_NODES[:2]]
         # each demo node is its own node, reporting its simulated device and memory, marked simulated
         for node in fleet.nodes:
-            reported = _status(node.address, key)["node"]
+            reported = _status(node.address)["node"]
             assert reported["simulated"] and reported["memory_mb"] == node.device.memory_mb
             assert [(d["name"], d["full_name"]) for d in reported["devices"]] == \
                 [(node.device.name, f"simulated {node.device.full_name}")]
@@ -107,7 +107,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
         want = greedy_in_process(deployment)
         assert greedy(chain) == want
 
-        failover = Failover.of(deployment, key=key, on_event=events.append, chain=chain)
+        failover = Failover.of(deployment, key=key, tls=tls, on_event=events.append, chain=chain)
         service = ChatService(chain, streams=1, recover=failover.recover)
         try:
             first = service.submit([{"role": "user", "content": "Paris is"}], 8, ignore_eos=True).wait(120)
@@ -120,8 +120,8 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
         assert any(e.startswith(f"node {laptop.name} lost") for e in events), events
         moved = failover.deployment.placement
         assert [s.node for s in moved] == [LOCAL, gpu.address] and moved[1].device == "GPU", events
-        assert [w["stage"] for w in _status(gpu.address, key)["workers"]] == [1]
-        failover.deployment.stop(key)
+        assert [w["stage"] for w in _status(gpu.address)["workers"]] == [1]
+        failover.deployment.stop(key, tls)
     finally:
         fleet.close()
     assert not any(n.running for n in fleet.nodes)
@@ -142,7 +142,7 @@ def test_fleet_up_demo_brings_up_a_demo_fleet_and_stops_it(home, tiny_models, tm
         pids = [int(p) for p in re.findall(r"demo node demo-\S+ \(pid (\d+)\)", text)]
         assert len(pids) == 2 and "SIMULATED GPU (integrated GPU, 3 GB" in text, text
         assert re.search(r"stage 0 on this machine CPU \(layers 0-1\); stage 1 on demo-laptop CPU", text), text
-        chain = deployment.chain(load_key())
+        chain = deployment.chain(load_key(), tls=load_tls(True))
         try:
             assert greedy(chain) == greedy_in_process(deployment)
         finally:

@@ -161,3 +161,71 @@ def test_survivors_that_cannot_take_the_layers_say_so(fleet):
         os.kill(beta_proc.pid, signal.SIGCONT)
         service.close()
         deployment.stop(fleet["key"])
+
+
+def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_path):
+    """A laptop's lid closes mid-reply (its agent and worker stopped, SIGSTOP) for as long as 30 of the
+    settings' deadlines (60 s at the default): the reply carries on over the other laptop, token-identical.
+    The lid opens (SIGCONT): with no restart of its agent, failover's watch counts it back in and stops
+    the worker it no longer uses; when the other laptop is then lost, the woken one takes the work back."""
+    import time
+
+    from fleet_support import eventually
+
+    from engine.config import Settings
+    from engine.fleet.control import ControlClient
+
+    settings = Settings()  # the deadline and the rejoin watch's pace, as the app and `fleet serve` run them
+    key = fleet["key"]
+    with agent_process(fleet["key_file"], tmp_path / "lid", name="lid") as (lid_proc, lid), \
+            agent_process(fleet["key_file"], tmp_path / "desk", name="desk") as (desk_proc, desk):
+        agents = {"lid": (lid_proc, lid), "desk": (desk_proc, desk)}
+        stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(lid, "CPU", 15, 30)]
+        deployment, chain = deploy(fleet["source"], stages, key=key, weights="int4", mode="exact",
+                                   deadline_s=settings.deadline_s)
+        want = _reference(deployment)
+        events: list[str] = []
+        failover = Failover(deployment, _profile(MODEL, agents, key), key=key, deadline_s=settings.deadline_s,
+                            on_event=events.append, chain=chain).watch(settings.rejoin_check_s)
+        service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+        asleep = [lid_proc.pid, _worker_of(lid_proc).pid]
+        try:
+            closed_at = []
+
+            def close_lid():
+                closed_at.append(time.monotonic())
+                for pid in asleep:
+                    os.kill(pid, signal.SIGSTOP)
+
+            reply = _chat_with(service, 8, close_lid)
+            assert reply.error is None and reply.rerouted == 1 and reply.tokens == want, (reply.error, events)
+            assert any(e.startswith("node lid lost") for e in events), events
+            assert [s.node for s in failover.deployment.placement] == [LOCAL, desk]
+            time.sleep(max(0.0, closed_at[0] + 30 * settings.deadline_s - time.monotonic()))  # the lid stays shut
+            assert "lid" in [failover.name(a) for a in failover.lost.values()]  # asked while asleep: still out
+        finally:
+            for pid in asleep:
+                os.kill(pid, signal.SIGCONT)
+        try:
+            assert eventually(lambda: any(e.startswith("node lid is back") for e in events), 120), events
+            assert not failover.lost
+            assert psutil.Process(lid_proc.pid).is_running() and lid_proc.poll() is None  # the same agent process
+            with ControlClient(lid, key) as agent:
+                status = agent.status()
+            assert status["workers"] == [] and status["state"] == "idle"  # the stale worker stopped
+
+            # the other laptop is lost: the woken one takes the work back
+            events.clear()
+            desk_worker = _worker_of(desk_proc)
+
+            def lose_desk():
+                for proc in (desk_worker, desk_proc):
+                    os.kill(proc.pid, signal.SIGKILL)
+
+            reply = _chat_with(service, 8, lose_desk)
+            assert reply.error is None and reply.rerouted == 1 and reply.tokens == want, (reply.error, events)
+            assert [s.node for s in failover.deployment.placement] == [LOCAL, lid], events
+        finally:
+            service.close()
+            failover.close()
+            failover.deployment.stop(key)

@@ -159,7 +159,8 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     left, busy = (next((tmp_path / "a").rglob("incoming")) / content_hash(f) for f in (folders[0], folders[1]))
     for part in left.iterdir():
         os.utime(part, (time.time() - 3600,) * 2)
-    prune = [sys.executable, "-m", "engine.cli", "nodes", "prune", a, "--fleet-key-file", str(key_file)]
+    prune = [sys.executable, "-m", "engine.cli", "nodes", "prune", a, "--fleet-key-file", str(key_file),
+             "--no-tls"]  # as the agents (agent_process)
     out = subprocess.run(prune, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and re.search(rf"^removed 1 shard\(s\) and 1 unfinished transfer\(s\), [0-9.]+ MB, "
                                              rf"from {a}; 1 served shard\(s\) kept$", out.stderr, re.M), out.stderr
@@ -186,7 +187,7 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
         deployment.draft = deploy_draft(model, b, key=key, weights="f32")
         with ControlClient(b, key) as agent:
             assert [w["role"] for w in agent.status()["workers"]] == ["draft"]
-        link = open_draft_link(Settings(draft="remote", fleet_key_file=str(key_file)), chain, deployment)
+        link = open_draft_link(Settings(draft="remote", fleet_key_file=str(key_file), tls=False), chain, deployment)
         try:
             prompt = [5, 17, 42, 101, 7, 250, 33, 64]
             want = Generator(chain, 64).generate(prompt, 24, ignore_eos=True).tokens
@@ -219,7 +220,7 @@ def test_a_deployments_copies_share_its_draft_server(two_agents, key_file, tiny_
     try:
         deployment.draft = deploy_draft(model, b, key=key, weights="f32")
         record = Deployment.load(deployment.save(tmp_path / "deployment.json"))
-        settings = Settings(fleet_key_file=str(key_file), mode="exact", streams=2, draft="remote", k="3")
+        settings = Settings(fleet_key_file=str(key_file), mode="exact", streams=2, draft="remote", k="3", tls=False)
         service = open_service(settings, Launch(deployment=record))
         try:
             assert isinstance(service, Replicas)
@@ -259,7 +260,7 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     record = Deployment.load(deployment.save(tmp_path / "deployment.json"))
     assert [c.remotes == [] for c in record.copies] == [True, False, False]
     assert [c.fed for c in record.copies] == [False, False, True]
-    settings = Settings(fleet_key_file=str(key_file), mode="exact", streams=2, draft="none", k="0")
+    settings = Settings(fleet_key_file=str(key_file), mode="exact", streams=2, draft="none", k="0", tls=False)
     questions = [[{"role": "user", "content": f"question number {i}"}] for i in range(6)]
     service = open_service(settings, Launch(deployment=record))
     try:
@@ -481,7 +482,7 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
     key = load_key(key_file)
     home = tmp_path / "coordinator"
     (home / "config").mkdir(parents=True)
-    (home / "config" / "settings.json").write_text(json.dumps({"weights": "f32"}))
+    (home / "config" / "settings.json").write_text(json.dumps({"weights": "f32", "tls": False}))  # as the agents
     env = {**os.environ, "FLEETSHARD_HOME": str(home)}
     up_args = ["--model", str(tiny_models["llama"]), "--nodes", a, "--fleet-key-file", str(key_file), "--no-chat"]
     log = tmp_path / "up.log"
@@ -538,8 +539,9 @@ def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
             agent_process(key_file, tmp_path / "added", name="added") as (_, added):
         fleet("nodes", "add", added)
         fleet("nodes", "add", "127.0.0.1:9")
-        nodes = json.loads(fleet("nodes", "--json", "--seconds", "4", "--fleet-key-file", str(key_file)))
-        table = fleet("nodes", "--seconds", "1", "--fleet-key-file", str(key_file)).splitlines()
+        plain = ("--no-tls", "--fleet-key-file", str(key_file))  # as the agents (agent_process)
+        nodes = json.loads(fleet("nodes", "--json", "--seconds", "4", *plain))
+        table = fleet("nodes", "--seconds", "1", *plain).splitlines()
     assert table[0].split() == ["name", "agent", "status", "OS", "devices", "kernels", "memory"], table
     assert any(line.split()[:3] == ["added", added, "idle"] for line in table[1:]), table
     by_name = {n.get("name", n.get("address")): n for n in nodes}

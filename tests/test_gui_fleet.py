@@ -29,12 +29,12 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
     from PySide6.QtWidgets import QDialogButtonBox
 
     from engine.fleet.control import ControlClient
-    from engine.fleetkey import load_key
+    from engine.fleetkey import load_key, load_tls
     from fleetgui.fleet_view import added_nodes
 
-    key = load_key(key_file)
-    with agent_process(key_file, tmp_path / "m", mdns=True, name="mdns-node") as (mdns_proc, mdns_address), \
-            agent_process(key_file, tmp_path / "s", name="static-node") as (static_proc, static_address):
+    key, tls = load_key(key_file), load_tls(True, key_file)  # the agents speak TLS, the app's default
+    with agent_process(key_file, tmp_path / "m", mdns=True, name="mdns-node", tls=True) as (mdns_proc, mdns_address), \
+            agent_process(key_file, tmp_path / "s", name="static-node", tls=True) as (static_proc, static_address):
         window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),
                              settings_store(tmp_path / "s.ini"))
         view = window.show_view("Fleet")
@@ -78,7 +78,7 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
                      ("static-node", "mdns-node")):
             assert 0 < float(view.rtt_table.value(a, b)) < 1000, (a, b)
 
-        with ControlClient(static_address, key) as agent:
+        with ControlClient(static_address, key, tls=tls) as agent:
             agent.call("pause", paused=True)
         qtbot.waitUntil(lambda: status("static-node") == "paused", timeout=10000)
 
@@ -144,7 +144,7 @@ def test_a_record_cannot_move_a_node_the_view_knows(qtbot, gui_home, key_file, t
         closed = sock.getsockname()[1]
     zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
     try:
-        with agent_process(key_file, tmp_path / "m", mdns=True, name="mdns-node") as (_, address):
+        with agent_process(key_file, tmp_path / "m", mdns=True, name="mdns-node", tls=True) as (_, address):
             window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),
                                  settings_store(tmp_path / "s.ini"))
             view = window.show_view("Fleet")

@@ -27,17 +27,17 @@ core()  # before any test starts a thread: creating an OpenVINO Core forks a chi
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_models):
     """The app's home and two agents; every test of the module shares them (and the shard cache)."""
-    from engine.fleetkey import create_key
+    from engine.fleetkey import create_key, load_tls
 
     root = tmp_path_factory.mktemp("placement")
     patch = pytest.MonkeyPatch()
     patch.setenv("FLEETSHARD_HOME", str(root / "home"))
     key_file = create_key(root / "keys" / "fleet.key")
     try:
-        with agent_process(key_file, root / "alpha", mdns=True, name="alpha") as (_, alpha), \
-                agent_process(key_file, root / "beta", name="beta") as (_, beta):
+        with agent_process(key_file, root / "alpha", mdns=True, name="alpha", tls=True) as (_, alpha), \
+                agent_process(key_file, root / "beta", name="beta", tls=True) as (_, beta):  # the app's default
             yield types.SimpleNamespace(root=root, key_file=key_file, alpha=alpha, beta=beta,
-                                        model=str(tiny_models["qwen2"]))
+                                        model=str(tiny_models["qwen2"]), tls=load_tls(True, key_file))
     finally:
         patch.undo()
 
@@ -296,7 +296,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert {(s["stage"], s["agent"]) for s in deployment.standbys} == {(1, fleet.beta), (2, fleet.alpha)}
     assert "Kept ready as standbys" in view.activity.text() and "part 2 on " in view.activity.text()
     for address in (fleet.alpha, fleet.beta):
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, key, tls=fleet.tls) as agent:
             workers = agent.status()["workers"]
         assert sorted((w["stage"], w["layers"]) for w in workers) == [(1, [1, 3]), (2, [3, 4])]
 
@@ -345,7 +345,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     other.close()
 
     def workers(address):
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, key, tls=fleet.tls) as agent:
             return agent.status()["workers"]
 
     assert [len(workers(a)) for a in (fleet.alpha, fleet.beta)] == [1, 1]
@@ -385,7 +385,7 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
     assert len(deployment.copies) == len(layout.plans) and "more copies of the model" in view.activity.text()
 
     def workers(address):
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, key, tls=fleet.tls) as agent:
             return agent.status()["workers"]
 
     assert {w["agent"] for copy in deployment.copies for w in copy.workers} == {fleet.alpha, fleet.beta}
@@ -414,7 +414,7 @@ def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel
     deployment = deployed_and_chatted(qtbot, window, view)
     assert deployment.ranks == 2 and len(deployment.workers) == 1
     window.close()
-    with ControlClient(deployment.workers[0]["agent"], load_key(fleet.key_file)) as agent:
+    with ControlClient(deployment.workers[0]["agent"], load_key(fleet.key_file), tls=fleet.tls) as agent:
         assert agent.status()["workers"] == []
     model.move_range(0, 2, model.lane_of(*next((lane.node, lane.device) for lane in model.lanes
                                                  if lane.name != "this machine")))
@@ -437,7 +437,7 @@ def test_a_cancelled_deployment_leaves_no_workers(qtbot, fleet):
     qtbot.waitUntil(lambda: view.task is None, timeout=120000)
     assert deployed == [] and view.activity.text() == "Cancelled." and view.deployment is None
     for address in (fleet.alpha, fleet.beta):
-        with ControlClient(address, load_key(fleet.key_file)) as agent:
+        with ControlClient(address, load_key(fleet.key_file), tls=fleet.tls) as agent:
             assert agent.status()["workers"] == []
     assert view.deploy_button.isEnabled() and not view.cancel_button.isEnabled()
 

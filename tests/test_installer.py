@@ -21,7 +21,7 @@ from fleet_support import deployed_equals_in_process
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL
 from engine.fleet.span import StageSpan
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import create_key, load_key, load_tls
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,11 +57,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _reach(address: str, key: bytes, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> dict:
+def _reach(address: str, key: bytes, tls, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with ControlClient(address, key) as agent:
+            with ControlClient(address, key, tls=tls) as agent:
                 return agent.status()
         except (AgentError, OSError):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -71,7 +71,7 @@ def _reach(address: str, key: bytes, proc: subprocess.Popen, log: Path, timeout_
 
 def test_the_bundled_tray_worker_takes_a_stage_and_serves_it(bundle, tiny_models, tmp_path):
     key_file = create_key(tmp_path / "fleet.key")
-    key = load_key(key_file)
+    key, tls = load_key(key_file), load_tls(True, key_file)  # the tray worker speaks TLS, the default
     address = f"127.0.0.1:{_free_port()}"
     log = tmp_path / "tray.log"
     with open(log, "w") as err:
@@ -79,10 +79,10 @@ def test_the_bundled_tray_worker_takes_a_stage_and_serves_it(bundle, tiny_models
                                  "--name", "laptop", "--fleet-key-file", str(key_file)],
                                 stdout=err, stderr=subprocess.STDOUT, env=_env(tmp_path / "laptop"))
     try:
-        assert _reach(address, key, proc, log)["node"]["name"] == "laptop"
+        assert _reach(address, key, tls, proc, log)["node"]["name"] == "laptop"
         # the agent in the bundled app starts the stage worker with the bundle's `fleet`
         deployed_equals_in_process(str(tiny_models["llama"]),
-                                   [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)], key)
+                                   [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)], key, tls)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

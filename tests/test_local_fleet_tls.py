@@ -1,7 +1,8 @@
-"""The local fleet speaks TLS as the caller's settings say, not as the saved settings file does: with
-``tls=True`` (the file saying nothing of it) its agent and workers speak TLS and the chat and
-failover reach them with it; with ``tls=False`` (the file saying ``tls: true``) everything stays
-plaintext.  Real agent and worker processes, the tiny Llama model."""
+"""Mutual TLS is on by default, with the certificate the fleet key gives (or the fleet's own
+``fleet.pem``), and the local fleet speaks TLS as the caller's settings say, not as the saved
+settings file does: with ``tls=True`` (the file saying ``tls: false``) its agent and workers speak
+TLS and the chat and failover reach them with it; with ``tls=False`` (the file saying ``tls: true``)
+everything stays plaintext.  Real agent and worker processes, the tiny Llama model."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from engine.config import Settings
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
-from engine.fleetkey import create_certificate, create_key, load_key, load_tls, tls_file
+from engine.fleet.agent import Agent
+from engine.fleetkey import TLS, create_certificate, create_key, key_certificate, load_key, load_tls, tls_file
 from engine.runtime.stages.stage import core
 from engine.session import Launch, open_chain
 
@@ -26,12 +28,10 @@ core()  # before any test starts a thread: creating an OpenVINO Core forks a chi
 
 @pytest.fixture
 def fleet_home(tmp_path, monkeypatch):
-    """A home with a fleet key and its certificate; returns (home, key file)."""
+    """A home with a fleet key (no certificate file: the key gives it); returns (home, key file)."""
     home = tmp_path / "home"
     monkeypatch.setenv("FLEETSHARD_HOME", str(home))
-    key = create_key(home / "config" / "fleet.key")
-    create_certificate(tls_file(key))
-    return home, key
+    return home, create_key(home / "config" / "fleet.key")
 
 
 def _saved(home, **fields) -> None:
@@ -115,3 +115,61 @@ def test_fleet_up_tls_brings_the_local_fleet_up_over_tls(fleet_home, tiny_models
             deployment.chain(key, connect_timeout_s=5).close()
         up.stdin.close()
         assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
+
+
+def test_the_saved_settings_saying_nothing_the_local_fleet_speaks_tls(fleet_home, tiny_models):
+    """Secure by default: a settings file without ``tls`` (and no certificate file) gives a local
+    fleet whose agent and workers answer over TLS only."""
+    home, key_path = fleet_home
+    _saved(home, default_model=str(tiny_models["llama"]), stages=2, weights="f32")
+    settings = Settings.load()
+    assert settings.tls
+    opened = _local_fleet(settings)
+    try:
+        assert len(greedy(opened.chain, 4)) == 4
+        agent = opened.deployment.placement[1].node
+        assert _tls_handshake(agent, key_path)
+        assert not _agent_answers(agent, load_key(key_path), None)  # nor in plaintext
+    finally:
+        opened.close()
+
+
+def _agent(key_path, store, tls) -> Agent:
+    return Agent("127.0.0.1:0", key_file=key_path, store=store, advertise=False, tls=tls).start()
+
+
+def test_every_copy_of_the_key_gives_the_same_certificate(tmp_path):
+    """A machine holding a copy of the key (nothing else copied) reaches an agent over mutual TLS; a
+    certificate from another key is refused in the TLS handshake, before the fleet key's proof."""
+    here = create_key(tmp_path / "here" / "fleet.key")
+    there = tmp_path / "there" / "fleet.key"
+    there.parent.mkdir()
+    there.write_bytes(here.read_bytes())
+    there.chmod(0o600)
+    other = create_key(tmp_path / "other" / "fleet.key")
+    assert key_certificate(load_key(here)) == key_certificate(load_key(there))
+    assert key_certificate(load_key(here)) != key_certificate(load_key(other))
+    node = _agent(here, tmp_path / "store", load_tls(True, here))
+    address = f"127.0.0.1:{node.port}"
+    try:
+        assert _agent_answers(address, load_key(there), load_tls(True, there))
+        assert _tls_handshake(address, there)
+        assert not _tls_handshake(address, other)  # the TLS layer itself refuses another fleet's certificate
+        assert not _agent_answers(address, load_key(here), TLS.of_key(load_key(other)))
+    finally:
+        node.stop()
+
+
+def test_a_certificate_file_of_the_fleets_own_takes_the_keys_place(fleet_home, tmp_path):
+    """`fleet key init --tls`'s ``fleet.pem`` beside the key is the certificate in force: a peer using
+    the one the key gives is refused."""
+    _, key_path = fleet_home
+    derived = TLS.of_key(load_key(key_path))
+    create_certificate(tls_file(key_path))
+    node = _agent(key_path, tmp_path / "store", load_tls(True, key_path))
+    address = f"127.0.0.1:{node.port}"
+    try:
+        assert _agent_answers(address, load_key(key_path), load_tls(True, key_path))
+        assert not _agent_answers(address, load_key(key_path), derived)
+    finally:
+        node.stop()

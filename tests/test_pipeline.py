@@ -523,7 +523,7 @@ def test_coordinator_routes_workers_started_without_next(tiny_exports, key_file,
         out = tmp_path / "gen.json"
         proc = subprocess.run(
             [sys.executable, "-m", "engine.cli", "generate", "--shards", str(folders[0]),
-             "--remote", ",".join(fleet.addresses), "--fleet-key-file", str(key_file), "--no-chat",
+             "--remote", ",".join(fleet.addresses), "--fleet-key-file", str(key_file), "--no-tls", "--no-chat",
              "--prompt", "Paris is", "--max-new-tokens", "8", "--ignore-eos", "--json", str(out)],
             capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr

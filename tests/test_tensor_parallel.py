@@ -16,7 +16,7 @@ import pytest
 from engine.errors import ExportError, ShardError, StageError
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import GGUF_UNIT, rank_cuts, ranks_problem
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import create_key, load_key, load_tls
 from engine.manifest import load_manifest
 from engine.models.architectures import ModelSpec
 from engine.runtime.relay.ranks import RankChain
@@ -328,7 +328,7 @@ def test_a_worker_process_serves_rank_1_for_the_coordinators_rank_0(tp_exports, 
     chain = None
     try:
         chain = RankChain(rank_folder(out, 0), [listen], key=load_key(key_file), mode="exact",
-                          connect_timeout_s=120)
+                          connect_timeout_s=120, tls=load_tls(True, key_file))  # as the worker: the default
 
         assert _greedy(chain, [5, 17, 42, 99], 6) == _greedy(whole, [5, 17, 42, 99], 6)
         assert _greedy(chain, [9, 8, 7], 4) == _greedy(whole, [9, 8, 7], 4)  # a reset between requests

@@ -116,16 +116,17 @@ def draft_export(draft: str, kind: str, weights: str) -> list[Path] | None:
 
 @contextlib.contextmanager
 def loopback(folders: list[Path], *, delay_ms: float = 0.0, mode: str = "fast", isolate: bool = False,
-             cpu_sets: str = "", turns: bool = True, device: str = "CPU"):
+             cpu_sets: str = "", turns: bool = True, device: str = "CPU", tls: bool = True):
     """Yields (chain, LocalWorkers) as ``session.open_chain`` opens a shard set with local workers:
     stage 0 here, ``folders[1:]`` in worker processes on loopback under a throwaway fleet key, their
     logs in a temporary folder.  One folder is a whole model: it yields (LocalChain, None).
     ``cpu_sets``: one CPU set per stage, stage 0 this process; ``turns``: the workers take compute
-    turns (``engine.runtime.stages.turns``)."""
+    turns (``engine.runtime.stages.turns``); ``tls``: the workers and the chain speak TLS (a fleet's
+    default)."""
     sets = parse_cpu_sets(cpu_sets, len(folders))
     pin(sets[0])
     with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(device=device, mode=mode, fleet_key_file=str(create_key(Path(tmp) / "bench.key")))
+        settings = Settings(device=device, mode=mode, fleet_key_file=str(create_key(Path(tmp) / "bench.key")), tls=tls)
         launch = Launch(shards=list(folders), workers="processes" if len(folders) > 1 else "none", delay_ms=delay_ms,
                         isolate=isolate, cpu_sets=sets[1:], take_turns=turns, log_dir=Path(tmp))
         opened = open_chain(settings, launch)

@@ -140,6 +140,11 @@ BENCHES = {bench.name: bench for bench in (
                   "network_ms_per_hop": Ratio("cost", "waiting on the network", when=" per hop and token"),
                   "relay_round_trip_ms_per_hop": Ratio("cost", "a message down the chain and back",
                                                        when=" per hop (no compute)")}),
+    Bench("tls", "what mutual TLS costs: the same loopback fleet with it and without, interleaved (decode and "
+          "prefill tok/s)", takes("model", "stages", "tokens", "warmup", "runs", "weights", "shards"),
+          ratios={"decode_tls_vs_plain": Ratio("speed", "answering over TLS", "the same fleet without it"),
+                  "prefill_tls_vs_plain": Ratio("speed", "reading the prompt over TLS", "the same fleet without it"),
+                  "ping_extra_ms": Ratio("cost", "TLS", when=" a trip down the chain and back")}),
     Bench("parity", "our stage chains against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
           takes("model", "tokens", "warmup", "runs", "device", "weights", "head", "llamacpp"),
           plot=Plot("bars", "config", {"tok_s": "tok/s"})),

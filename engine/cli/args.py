@@ -62,9 +62,10 @@ def draft_tokens(text: str):
 
 def connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet-key-file", help="the shared fleet key (default: from the settings)")
-    # --no-tls too: a caller's "no TLS" must hold against a saved tls: true (the local fleet's agent)
+    # --tls too: a caller's TLS must hold against a saved tls: false (the local fleet's agent)
     parser.add_argument("--tls", action=argparse.BooleanOptionalAction,
-                        help="TLS with the fleet certificate beside the key (default: from the settings)")
+                        help="mutual TLS with the fleet certificate (default: the tls setting, on unless the "
+                             "fleet turned it off)")
     parser.add_argument("--deadline", type=duration, help="seconds of silence before a stage counts as dead")
 
 

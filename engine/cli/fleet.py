@@ -527,7 +527,8 @@ def cmd_sim(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Office(specs, key_file=key_file(args.fleet_key_file), root=paths().data / "sim", log=say) as office:
+    with Office(specs, key_file=key_file(args.fleet_key_file), root=paths().data / "sim", log=say,
+                tls=settings_of(args).tls) as office:
         print("\n".join(office.table()))
         say(f"this machine is {office.coordinator_ip} on the office's bridge: `fleet nodes` lists the PCs, "
             "`fleet up --nodes all` places a model on them (the routed PCs by address, with --nodes HOST:PORT)")

@@ -20,7 +20,8 @@ def cmd_key(args) -> int:
         print(f"fleet key written to {path}; copy it to every machine of the fleet")
         if args.tls:
             pem = create_certificate(tls_file(path), force=args.force)
-            print(f"fleet TLS certificate written to {pem}; copy it beside the key on every machine")
+            print(f"fleet TLS certificate written to {pem}; copy it beside the key on every machine "
+                  "(without it, the key gives the fleet's certificate)")
         return 0
     if not path.exists():
         raise FleetError(f"no fleet key at {path}: run `fleet key init`")
@@ -31,9 +32,11 @@ def cmd_key(args) -> int:
 def add_commands(sub) -> None:
     key = sub.add_parser("key", help="the fleet key every machine shares")
     ksub = key.add_subparsers(dest="key_cmd", required=True)
-    kinit = ksub.add_parser("init", help="create a new fleet key (and with --tls a fleet certificate)")
+    kinit = ksub.add_parser("init", help="create a new fleet key (and with --tls a certificate of the fleet's own)")
     kinit.add_argument("--force", action="store_true", help="replace an existing key")
-    kinit.add_argument("--tls", action="store_true", help="also create a self-signed fleet TLS certificate")
+    kinit.add_argument("--tls", action="store_true",
+                       help="also create a self-signed fleet TLS certificate in place of the one the key gives "
+                            "(copy it to every machine too)")
     kinit.add_argument("--fleet-key-file", help="where to write the key (default: the config folder)")
     kshow = ksub.add_parser("path", help="print where the fleet key is")
     kshow.add_argument("--fleet-key-file")

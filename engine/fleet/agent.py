@@ -13,6 +13,11 @@ it on the device it really runs on with the costs scaled by its speed, and runs 
 An agent given a link delay (a simulated PC's slow cable, ``engine.fleet.sim.office``) has every worker it
 starts hold each frame it takes and sends by that much (the relay's own delay, on top of any a
 deployment asks for).
+
+A laptop that sleeps stops its agent and workers with it; on waking the agent notices the gap in its
+clock (``WAKE_GAP_S``), says so in its log and announces the node over mDNS again, so that browsers
+whose records of it lapsed list it again.  The coordinator's failover, which left the node out,
+stops the workers it no longer uses and counts the node back in (``engine.fleet.failover``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import socket
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -46,6 +52,8 @@ from engine.transport.wire import Frame, Msg, ProtocolError
 
 MAX_WORKERS = 8
 UNFINISHED_S = 600.0  # a transfer no chunk reached for this long is dropped by a prune
+WAKE_TICK_S = 1.0  # how often the agent reads its clocks
+WAKE_GAP_S = 10.0  # a tick this much late means the PC slept (or the agent was stopped): it announces itself again
 
 
 class _Worker:
@@ -122,6 +130,7 @@ class Agent:
 
     def start(self) -> "Agent":
         threading.Thread(target=self._accept_loop, daemon=True, name="agent accept").start()
+        threading.Thread(target=self._wake_watch, daemon=True, name="agent wake").start()
         if self._want_advert:  # registering takes seconds (name probing): the control API is up meanwhile
             self._advert_thread = threading.Thread(target=self._advertise, daemon=True, name="agent mdns")
             self._advert_thread.start()
@@ -139,6 +148,18 @@ class Agent:
             self._advertiser = advertiser
         if advertiser.info.status != self.state():  # it changed while the name was being registered
             self._changed()
+
+    def _wake_watch(self) -> None:
+        """Notices the agent coming back from a sleep: a tick late by ``WAKE_GAP_S`` on either clock
+        (a suspended PC stops the monotonic clock on some systems, a stopped process stops neither)."""
+        last = (time.monotonic(), time.time())
+        while not self._stop.wait(WAKE_TICK_S):
+            now = (time.monotonic(), time.time())
+            slept = max(now[0] - last[0], now[1] - last[1]) - WAKE_TICK_S
+            last = now
+            if slept >= WAKE_GAP_S:
+                self.log(f"awake again after about {slept:.0f} s asleep: announcing node {self.name} again")
+                self._changed()
 
     def stop(self) -> None:
         """Stops workers, says goodbye over mDNS and closes every control connection."""

@@ -7,8 +7,12 @@ is gone or only its worker, move the work, and hand the chat service a new chain
   layers on the surviving nodes, with every surviving stage pinned where it runs (their shards are
   reused; the moved layers are exported if need be and sent).  Where the survivors cannot take
   them, a ``FleetError`` says why (memory, no node left) and what would help.
-- A lost node that answers again is reported by ``returned`` and offered to the next placement; it
-  is never pulled into a running conversation.
+- A lost node that answers again (a laptop woken from sleep: its agent and workers were stopped, not
+  ended) rejoins: ``returned`` stops the workers it still runs for this deployment (they lost their
+  chain while it slept), counts it a node of the fleet again and says so; the next placement, and
+  the next failover, can use it.  It is never pulled into a running conversation.  ``watch`` asks
+  the lost nodes every so often on a thread of its own (``Settings.rejoin_check_s``), so a node
+  rejoins with no restart of the app or of its agent.
 
 ``recover`` is what ``ChatService(recover=...)`` calls with the ``StageError`` that broke the chain;
 the service then prefills every reply in flight again on the new chain (prompt plus the tokens
@@ -57,6 +61,10 @@ class Failover:
         self.objective, self.users, self.deadline_s = objective, users, deadline_s
         self.on_event = on_event or (lambda text: None)
         self.lost: dict[str, str] = {}  # node id -> the address its agent had
+        self.left: dict[str, list[dict]] = {}  # node id -> the workers it ran when lost (``Deployment.workers``)
+        self._lost_lock = threading.Lock()  # ``recover`` and the watch thread both change ``lost``
+        self._closed = threading.Event()
+        self._watch: threading.Thread | None = None
         self.recoveries = 0
         self.chain = chain
         self.on_recovered = on_recovered or (lambda deployment: None)
@@ -88,8 +96,11 @@ class Failover:
         gone = [s for s in placement if s.node != LOCAL and not self._answers(s.node)]
         if gone:
             for stage in gone:
-                self.lost[self.node_of(stage.node)] = stage.node
-                standby.count_dropout(self.node_of(stage.node))
+                node = self.node_of(stage.node)
+                with self._lost_lock:
+                    self.lost[node] = stage.node
+                    self.left[node] = self.left.get(node, []) + self._ran_on(stage.node)
+                standby.count_dropout(node)
                 self.on_event(f"node {self.name(stage.node)} lost ({error.reason})")
             placement = self._replan(placement, gone)
         else:
@@ -148,8 +159,11 @@ class Failover:
         """A switched-out stage's node: counted lost when its agent is silent, else its worker is
         stopped (it died, or it hangs)."""
         if not self._answers(agent):
-            self.lost[self.node_of(agent)] = agent
-            standby.count_dropout(self.node_of(agent))
+            node = self.node_of(agent)
+            with self._lost_lock:
+                self.lost[node] = agent
+                self.left[node] = self.left.get(node, []) + self._ran_on(agent)
+            standby.count_dropout(node)
             self.on_event(f"node {self.name(agent)} lost")
             return
         for w in workers:
@@ -159,6 +173,10 @@ class Failover:
             except AgentError:
                 pass  # it died with the stage: nothing left to stop
 
+    def _ran_on(self, agent: str) -> list[dict]:
+        """The workers ``agent`` runs for this deployment: its stages and its standbys."""
+        return [w for w in [*self.deployment.workers, *self.deployment.standbys] if w["agent"] == agent]
+
     def _replan(self, placement: list[StageSpan], gone: list[StageSpan]) -> list[StageSpan]:
         names = ", ".join(self.name(s.node) for s in gone)
         moving = ", ".join(layer_span(s.start, s.end) for s in gone)
@@ -166,7 +184,8 @@ class Failover:
             raise FleetError(f"node {names} lost, and its {moving} cannot be moved: this deployment was not "
                              "planned from a fleet profile. Bring the fleet up again (`fleet up --nodes all`)")
         shape, full = ModelShape.from_json(self.profile["model"]), Fleet.from_json(self.profile["fleet"])
-        lost = set(self.lost)
+        with self._lost_lock:
+            lost = set(self.lost)
         fleet = Fleet(devices=[d for d in full.devices if d.node not in lost],
                       rtt_ms={k: v for k, v in full.rtt_ms.items() if not lost & set(k)}, coordinator=full.coordinator)
         keep = [s for s in placement if s not in gone]
@@ -199,10 +218,57 @@ class Failover:
                    deadline_s=deadline_s, on_event=on_event, chain=chain, on_recovered=on_recovered)
 
     def returned(self) -> list[str]:
-        """The lost nodes that answer again (they are no longer counted lost): offered to the next
-        placement, never pulled into a running conversation."""
-        back = [node for node, agent in self.lost.items() if self._answers(agent)]
-        for node in back:
-            agent = self.lost.pop(node)
-            self.on_event(f"node {self.name(agent)} is back: the next placement (bring the fleet up again) can use it")
-        return [self.nodes.get(node, {}).get("name", node) for node in back]
+        """The lost nodes that answer again, by name: each rejoins (no longer counted lost, offered to
+        the next placement) once the workers it ran for this deployment are stopped, so that it holds
+        no stale stage; never pulled into a running conversation."""
+        with self._lost_lock:
+            lost = dict(self.lost)
+        back = []
+        for node, agent in lost.items():
+            if not self._answers(agent) or not self._stop_left(node, agent):
+                continue
+            with self._lost_lock:
+                self.lost.pop(node, None)
+                self.left.pop(node, None)
+            back.append(self.nodes.get(node, {}).get("name", node))
+            self.on_event(f"node {self.name(agent)} is back: it is available again, to the next placement "
+                          "and to the next failover")
+        return back
+
+    def _stop_left(self, node: str, agent: str) -> bool:
+        """Stops the workers ``node`` ran when it was lost; whether none is left running."""
+        with self._lost_lock:
+            left = list(self.left.get(node, []))
+        try:
+            with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+                running = {w["id"] for w in client.status()["workers"]}
+                for worker in left:
+                    if worker["worker"] in running:
+                        client.stop_worker(worker["worker"])
+        except AgentError:
+            return False
+        return True
+
+    def watch(self, every_s: float) -> "Failover":
+        """Asks the lost nodes whether they are back (``returned``) every ``every_s`` seconds, on a
+        thread of its own, until ``close``."""
+        def run() -> None:
+            while not self._closed.wait(every_s):
+                with self._lost_lock:
+                    anyone = bool(self.lost)
+                if anyone:
+                    try:
+                        self.returned()
+                    except Exception as exc:  # a watch that dies would leave every lost node out for good
+                        self.on_event(f"warning: asking the lost nodes whether they are back failed: {exc}")
+
+        if self._watch is None:
+            self._watch = threading.Thread(target=run, daemon=True, name="failover rejoin watch")
+            self._watch.start()
+        return self
+
+    def close(self) -> None:
+        """Ends the watch (``watch``); the deployment keeps running."""
+        self._closed.set()
+        if self._watch is not None and self._watch is not threading.current_thread():
+            self._watch.join(timeout=2 * PROBE_TIMEOUT_S + 10)

@@ -55,11 +55,11 @@ def own_agents() -> list[OwnAgent]:
 
 def start_local_agent(key_file: Path, timeout_s: float = 60.0, *, name: str = "local", mdns: bool = False,
                       options: tuple[str, ...] = (), role: str = "local fleet",
-                      tls: bool = False) -> FleetProcess:
+                      tls: bool = True) -> FleetProcess:
     """A node agent process on loopback named ``name`` (its own node), tied to this process (it exits
     when we do), ready (its control API at ``address``); ``options``: more ``fleet agent`` options (a
     demo node's store and simulated device); ``role``: what ``own_agents`` says it is for; ``tls``: it
-    and its workers speak TLS."""
+    and its workers speak TLS (a fleet's default)."""
     log = paths().data / "logs" / f"{name}-agent.log"
     process = FleetProcess(["agent", "--listen", "127.0.0.1:0", "--fleet-key-file", str(key_file), "--name", name,
                             "--tls" if tls else "--no-tls", *([] if mdns else ["--no-mdns"]), *options], log).start()

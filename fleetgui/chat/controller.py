@@ -21,7 +21,7 @@ from fleetgui.workers import TaskRunner
 
 # settings whose change needs a new service (the rest apply per request)
 SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device", "mode", "local_workers",
-                "streams", "k", "draft", "draft_model", "draft_at", "tls", "deadline_s")
+                "streams", "k", "draft", "draft_model", "draft_at", "tls", "deadline_s", "rejoin_check_s")
 
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.serve import user_wave
-from engine.bench.sim.shared import RpcServer, Sim, medians
+from engine.bench.sim.shared import TLS, RpcServer, Sim, medians
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim import netns
@@ -57,7 +57,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """Two PCs of one core and ``sim.memory_mb`` each, at 1 Gbit/s."""
     specs = [NodeSpec(f"pc{i + 1}", memory_mb=sim.memory_mb, cpus=str(sim.cores[i]), rate_mbit=1000.0)
              for i in range(2)]
-    with Office(specs, key_file=sim.key_file, root=sim.root / "big", log=sim.log) as office:
+    with Office(specs, key_file=sim.key_file, root=sim.root / "big", log=sim.log, tls=TLS) as office:
         rows, ratios, plan = compare_big(office, sim.model, sim.gguf, sim.shape, key=sim.key, weights=sim.weights,
                                             runs=sim.runs, log=sim.log, hooks=hooks)
     return rows, ratios, {"big": {"memory_mb": sim.memory_mb, "users": list(USERS), "tokens": TOKENS,
@@ -139,7 +139,7 @@ class _OursServer:
         self.proc = office.spawn(pc1.name, fleet_command(
             "serve", "--shards", str(folders[0]), "--remote", worker_address(pc2.agent, self.worker["port"]),
             "--host", "0.0.0.0", "--port", str(SERVE_PORT), "--streams", str(streams), "--model-id", model,
-            "--fleet-key-file", str(office.key_file)), self.log, home=True)
+            "--fleet-key-file", str(office.key_file), "--tls" if TLS else "--no-tls"), self.log, home=True)
         self.url = f"http://{pc1.ip}:{SERVE_PORT}/v1"
         deadline = time.monotonic() + 300
         while "ready " not in self.log.read_text():

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.sim.shared import Sim, chat_wave, on_pc1, wave_rows
+from engine.bench.sim.shared import TLS, Sim, chat_wave, on_pc1, wave_rows
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim.office import NodeSpec, Office
@@ -37,7 +37,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """PC 2 on the second core at 1 Gbit/s beside this process (PC 1, the first core)."""
     users = tuple(sim.users or USERS)
     spec = NodeSpec("pc2", cpus=str(sim.cores[1]), rate_mbit=1000.0)
-    with Office([spec], key_file=sim.key_file, root=sim.root / "draft", log=sim.log) as office:
+    with Office([spec], key_file=sim.key_file, root=sim.root / "draft", log=sim.log, tls=TLS) as office:
         rows, ratios = compare_draft(office, sim.model, sim.draft, key=sim.key, weights=sim.weights, tokens=sim.tokens,
                                      users=users, runs=sim.runs, core=sim.cores[0], log=sim.log, hooks=hooks)
     return rows, ratios, {"draft": {"draft_model": sim.draft, "users": list(users),
@@ -51,7 +51,7 @@ def open_draft_server(office: Office, pc: str, folder: Path, key: bytes, target,
     node = office.nodes[pc]
     log_file = office.root / f"draft-server-{pc}.log"
     proc = office.spawn(pc, fleet_command("worker", "--role", "draft", "--shard", str(folder), "--listen",
-                                          f"0.0.0.0:{PORT}", "--device", "CPU", "--no-tls",
+                                          f"0.0.0.0:{PORT}", "--device", "CPU", "--tls" if TLS else "--no-tls",
                                           "--fleet-key-file", str(office.key_file)), log_file)
     deadline = time.monotonic() + wait_s
     while True:

@@ -19,7 +19,7 @@ import threading
 import time
 
 from engine.bench.harness import Hooks
-from engine.bench.sim.shared import Sim
+from engine.bench.sim.shared import TLS, Sim
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import ControlClient
@@ -53,7 +53,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     for r, rate in enumerate(sim.rates):
         hooks.step(r, len(sim.rates), f"{rate:g} Mbit/s")
         specs = [NodeSpec(f"pc{i + 1}", cpus=str(sim.cores[i]), rate_mbit=rate) for i in range(2)]
-        with Office(specs, key_file=sim.key_file, root=sim.root / f"office-{r}", log=sim.log) as office:
+        with Office(specs, key_file=sim.key_file, root=sim.root / f"office-{r}", log=sim.log, tls=TLS) as office:
             rows += _measure(office, sim, shard_bytes, rate, want)
     ratios = {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
     return rows, ratios, {"rates_mbit": list(sim.rates), "cut_after_tokens": CUT_AFTER}

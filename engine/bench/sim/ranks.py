@@ -22,7 +22,7 @@ from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.sim.draft import ONE_PC
 from engine.bench.sim.office import LLAMA_ONE, LLAMA_SPLIT
-from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
+from engine.bench.sim.shared import (TLS, DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
                                      on_pc1, wave_rows)
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import ranks_problem
@@ -58,7 +58,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """PC 2 on the second core at 1 Gbit/s beside this process (PC 1, the first core)."""
     users = tuple(sim.users or USERS)
     spec = NodeSpec("pc2", cpus=str(sim.cores[1]), rate_mbit=1000.0)
-    with Office([spec], key_file=sim.key_file, root=sim.root / "ranks", log=sim.log) as office:
+    with Office([spec], key_file=sim.key_file, root=sim.root / "ranks", log=sim.log, tls=TLS) as office:
         rows, ratios, notes = compare_ranks(office, sim.model, sim.draft, key=sim.key, weights=sim.weights,
                                             tokens=sim.tokens, users=users, runs=sim.runs, core=sim.cores[0],
                                             log=sim.log, hooks=hooks, gguf=sim.gguf)
@@ -97,7 +97,7 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
         for i, (name, kind) in enumerate(((RANKS, "none"), (RANKS_HYBRID, "hybrid"))):
             office.spawn(pc2.spec.name, fleet_command(
                 "worker", "--shard", str(rank_folder(ranks, 1)), "--listen", f"0.0.0.0:{PORT + i}",
-                "--device", "CPU", "--no-tls", "--fleet-key-file", str(office.key_file)),
+                "--device", "CPU", "--tls" if TLS else "--no-tls", "--fleet-key-file", str(office.key_file)),
                 office.root / f"rank1-{kind}.log")
             chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:{PORT + i}"], key=key, connect_timeout_s=300)
             opened.append(chain)

@@ -24,6 +24,9 @@ from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
 
 RPC_PORT = 50052
+# the offices' agents and the workers a part starts speak plaintext, as the parts' own clients (given no
+# TLS contexts) do; ``fleet bench tls`` measures what TLS costs
+TLS = False
 
 
 @dataclass

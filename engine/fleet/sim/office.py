@@ -116,17 +116,18 @@ def _free_subnets() -> tuple[ipaddress.IPv4Network, ipaddress.IPv4Network]:
 
 class Office:
     """``Office(specs, key_file=..., root=...)`` as a context manager: the PCs are up and their agents
-    answer inside the block, and everything is removed after it, also after an error."""
+    answer inside the block, and everything is removed after it, also after an error.  ``tls``: the
+    agents and their workers speak TLS (a fleet's default), whatever their homes' settings say."""
 
     def __init__(self, specs: list[NodeSpec], *, key_file: Path, root: Path, port: int = AGENT_PORT,
-                 agent_args: tuple[str, ...] = (), log: Callable[[str], None] = lambda m: None):
+                 agent_args: tuple[str, ...] = (), log: Callable[[str], None] = lambda m: None, tls: bool = True):
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or not all(re.fullmatch(r"[a-z0-9]{1,12}", n) for n in names):
             raise FleetError(f"simulated PCs need distinct names of 1-12 lower-case letters and digits, not {names}")
         if not 1 <= len(specs) <= MAX_PCS:  # a /24 each side, and interface names of 15 characters at most
             raise FleetError(f"a simulated office has 1 to {MAX_PCS} PCs, not {len(specs)}")
         self.specs, self.key_file, self.root, self.port = specs, Path(key_file), Path(root), port
-        self.agent_args, self.log = agent_args, log
+        self.agent_args, self.log, self.tls = agent_args, log, tls
         self.tag = f"{PREFIX}{os.getpid()}{next(_OFFICES)}"  # a letter: several offices in one process
         self.bridge, self.far_bridge, self.router = f"{self.tag}a", f"{self.tag}b", f"{self.tag}-router"
         self.nodes: dict[str, SimNode] = {}
@@ -189,7 +190,8 @@ class Office:
         # its own home: its own node id, shard store and compute turns, as on its own PC
         env = {**os.environ, "FLEETSHARD_HOME": str(node.home)}
         args = ["agent", "--listen", f"0.0.0.0:{node.port}", "--name", name, "--fleet-key-file", str(self.key_file),
-                *self.agent_args, *(["--link-delay-ms", str(node.spec.delay_ms)] if node.spec.delay_ms else [])]
+                "--tls" if self.tls else "--no-tls", *self.agent_args,
+                *(["--link-delay-ms", str(node.spec.delay_ms)] if node.spec.delay_ms else [])]
         node.process = FleetProcess(args, log, prefix=netns.enter(node.namespace), env=env,
                                     preexec_fn=netns.joiner(node.cgroup)).start()
         node.process.wait_ready(wait_s)

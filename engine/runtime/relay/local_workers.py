@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.config import paths
 from engine.errors import FleetError
-from engine.fleetkey import TLS, load_key, tls_file
+from engine.fleetkey import load_key, load_tls
 from engine.launch import FleetProcess, stop_all
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
@@ -120,7 +120,7 @@ class LocalWorkers:
         try:
             worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, key=load_key(self.key_file),
                             device=self.devices[i], mode=self.mode, precision=self.precision, delay_ms=self.delay_ms,
-                            deadline_s=self.deadline_s, tls=TLS(tls_file(self.key_file)) if self.tls else None,
+                            deadline_s=self.deadline_s, tls=load_tls(self.tls, self.key_file),
                             log=write, isolate=self.isolate, turns=compute_turns(self.turns))
         except Exception as exc:
             out.close()
