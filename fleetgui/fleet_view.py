@@ -56,7 +56,8 @@ ADD_NODE_HELP = ("Add a PC that the fleet does not find by itself (another subne
                  "multicast). On that PC, start the tray worker: install fleetshard and run `fleetgui --worker` "
                  "(or `fleetshard --worker` from the worker bundle) with this fleet's key. It listens on port 7390. "
                  "Without a desktop, `fleet agent` does the same from the command line.")
-STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "exporting": "#1f618d"}
+STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "standby": "#1e8449",
+                  "exporting": "#1f618d"}
 
 
 def added_nodes() -> list[str]:
@@ -108,6 +109,7 @@ class NodeRow:
     simulated: bool = False  # a demo node: its devices are simulated
     int8_dot: str = ""  # its CPU's int8 dot-product instructions (engine.hostcpu)
     kernels: str = ""  # which kernels run its matrices (engine.fleet.node.KERNEL_PATHS); "": not said
+    standbys: frozenset = frozenset()  # ids of the running deployment's hot standby workers (any node's)
 
     @property
     def added(self) -> bool:
@@ -119,11 +121,20 @@ class NodeRow:
             return "unreachable"
         if self.preparing:
             return self.preparing
-        serving = self.running_workers()
-        if self.state.startswith("serving") and serving:
-            return "serving " + ", ".join(f"stage {w.get('stage')} ({layer_span(*w['layers'])})"
-                                          if w.get("layers") else f"stage {w.get('stage')}" for w in serving)
+        if self.state.startswith("serving") and self.running_workers():
+            return "; ".join(self.serving())
         return self.state
+
+    def serving(self) -> list[str]:
+        """What its running workers do, in words: "serving stage 1 (layers 1-2)", "standby for stage 2
+        (layer 3)" (a hot standby, ready to take the stage over)."""
+        def stages(workers: list[dict]) -> str:
+            return ", ".join(f"stage {w.get('stage')}" + (f" ({layer_span(*w['layers'])})" if w.get("layers") else "")
+                             for w in workers)
+        workers = self.running_workers()
+        active = [w for w in workers if w.get("id") not in self.standbys]
+        ready = [w for w in workers if w.get("id") in self.standbys]
+        return ([f"serving {stages(active)}"] if active else []) + ([f"standby for {stages(ready)}"] if ready else [])
 
     @property
     def found_by(self) -> str:
@@ -278,6 +289,13 @@ class NodesModel(QAbstractTableModel):
                                      role=agent.role))
             elif row.role != agent.role:
                 row.role = agent.role
+                self._changed(row)
+
+    def mark_standbys(self, workers: frozenset) -> None:
+        """Which running workers are hot standbys (``Deployment.standbys``): their rows say so."""
+        for row in self.rows:
+            if row.standbys != workers:
+                row.standbys = workers
                 self._changed(row)
 
     def reachable(self) -> list[NodeRow]:
@@ -605,6 +623,7 @@ class FleetView(QWidget):
         self.model.rowsRemoved.connect(self._summarise)
         self.model.dataChanged.connect(self._summarise)
         self.running.changed.connect(lambda: self.api_label.setText(self.running.api_text))
+        self.running.changed.connect(self._follow_standbys)
         self.timer = QTimer(self)
         self.timer.setInterval(poll_ms)
         self.timer.timeout.connect(self.refresh)
@@ -854,9 +873,12 @@ class FleetView(QWidget):
     def nodes(self) -> list[Node]:
         """Every row as the running state holds it: name, address, whether it answers, what it serves."""
         return [Node(r.label, r.address, r.role == THIS_MACHINE or (not r.error and bool(r.node_id)),
-                     tuple(f"stage {w.get('stage')}" + (f" ({layer_span(*w['layers'])})" if w.get("layers") else "")
-                           for w in r.running_workers()))
+                     tuple(r.serving()))
                 for r in self.model.rows]
+
+    def _follow_standbys(self) -> None:
+        deployment = self.running.chat.deployment or self.running.deployment
+        self.model.mark_standbys(frozenset(s["worker"] for s in deployment.standbys) if deployment else frozenset())
 
     def _summarise(self, *_) -> None:
         """The counts above the table, of its rows: this machine and every other node listed."""

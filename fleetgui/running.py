@@ -27,7 +27,7 @@ class Node:
     name: str
     address: str  # its agent's HOST:PORT ("" for this PC itself)
     answering: bool
-    serving: tuple[str, ...] = ()  # what it runs now, in words ("stage 1 (layers 2-3)")
+    serving: tuple[str, ...] = ()  # what it runs now, in words ("serving stage 1 (layers 2-3)")
 
 
 @dataclasses.dataclass(frozen=True)

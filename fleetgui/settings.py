@@ -65,6 +65,8 @@ HELP = {  # one line under each field, in words a new user understands
     "devices": "Where each part runs: CPU, GPU or NPU, one for all parts or one per part (CPU,GPU.1).",
     "mode": "fast: the quickest exchange between machines; exact: bit-identical to one machine.",
     "local": "Run the model's later parts as separate processes on this PC, as a fleet of PCs would.",
+    "standbys": "After a deploy, another PC with room keeps each part loaded, so a PC that leaves is replaced "
+                "within seconds; it uses that PC's memory.",
     "streams": "How many chats can write their answers at the same time.",
     "k": "Speculative decoding: tokens guessed ahead per step (auto picks; 0 turns guessing off).",
     "draft": "How the guesses are made: lookup copies from the conversation, a model drafts with a small model, "
@@ -129,6 +131,8 @@ class SettingsPage(QWidget):
         fleet.addRow("Parts", explained(self.stages, HELP["stages"]))
         self.local_workers = QCheckBox("run the later parts as separate processes on this PC")
         fleet.addRow("Fleet on this PC", explained(self.local_workers, HELP["local"]))
+        self.standbys = QCheckBox("keep each part ready on a second PC")
+        fleet.addRow("Standbys", explained(self.standbys, HELP["standbys"]))
 
         self.api_enabled = QCheckBox("serve the chat's model as an OpenAI-compatible API")
         api.addRow("API", explained(self.api_enabled, HELP["api"]))
@@ -213,6 +217,7 @@ class SettingsPage(QWidget):
         self.devices.setText(settings.device)
         self.mode.setCurrentText(settings.mode)
         self.local_workers.setChecked(settings.local_workers)
+        self.standbys.setChecked(settings.standbys)
         self.streams.setValue(settings.streams)
         self.k.setCurrentText(settings.k)
         self.draft.setCurrentText(settings.draft)
@@ -261,7 +266,8 @@ class SettingsPage(QWidget):
             self._settings, fleet_key_file=self.key_file.text().strip() or None,
             default_model=self.model.currentText().strip(),
             stages=self.stages.value(), weights=self.weights.currentText(), device=self.devices.text().strip() or "CPU",
-            mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(), streams=self.streams.value(),
+            mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(),
+            standbys=self.standbys.isChecked(), streams=self.streams.value(),
             k=self.k.currentText().strip() or "auto", draft=self.draft.currentText(),
             draft_model=self.draft_model.text().strip(), draft_at=self.draft_at.text().strip(),
             max_new_tokens=self.max_new_tokens.value(),

@@ -185,7 +185,7 @@ def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_p
                                    deadline_s=settings.deadline_s)
         want = _reference(deployment)
         events: list[str] = []
-        failover = Failover(deployment, _profile(MODEL, agents, key), key=key, deadline_s=settings.deadline_s,
+        failover = Failover(deployment, fleet_profile(MODEL, agents, key), key=key, deadline_s=settings.deadline_s,
                             on_event=events.append, chain=chain).watch(settings.rejoin_check_s)
         service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
         asleep = [lid_proc.pid, _worker_of(lid_proc).pid]

@@ -47,35 +47,31 @@ def test_manifests(tally, tiny_exports):
     assert tally.counts["manifest"]["ShardError"] == CASES  # the damaged copy's files do not match it
 
 
-def test_http_api(tally, tiny_exports):
+@pytest.fixture
+def service(tiny_exports):
+    """A chat service on the tiny one-stage model, for the API's fuzz targets."""
     service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2, max_length=48)
-    try:
-        fuzz.fuzz_http(CASES // 2, tally, service, "tiny")
-    finally:
-        service.close()
+    yield service
+    service.close()
+
+
+def test_http_api(tally, service):
+    fuzz.fuzz_http(CASES // 2, tally, service, "tiny")
     counts = tally.counts["http"]
     assert tally.cases("http") == CASES // 2 and counts["400"] and counts["401"]
 
 
-def test_http_api_bounds(tally, tiny_exports):
+def test_http_api_bounds(tally, service):
     """Oversized, deep and keyless bodies, hostile schemas and wrong Hosts: each its own status."""
-    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2, max_length=48)
-    try:
-        fuzz.fuzz_http_bounds(40, tally, service, "tiny")
-    finally:
-        service.close()
+    fuzz.fuzz_http_bounds(40, tally, service, "tiny")
     counts = tally.counts["http_bounds"]
     assert tally.cases("http_bounds") == 40
     assert {outcome.split()[0] for outcome in counts} >= {"oversized", "deep", "schema", "host", "keyless"}
 
 
-def test_ollama_and_anthropic_endpoints(tally, tiny_exports):
+def test_ollama_and_anthropic_endpoints(tally, service):
     """Hostile bodies on /api/chat, /api/generate and /v1/messages: a 4xx with a message, or served."""
-    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2, max_length=48)
-    try:
-        fuzz.fuzz_endpoints(CASES // 3, tally, service, "tiny")
-    finally:
-        service.close()
+    fuzz.fuzz_endpoints(CASES // 3, tally, service, "tiny")
     counts = tally.counts["endpoints"]
     assert tally.cases("endpoints") == CASES // 3
     assert {outcome.split()[0] for outcome in counts} >= {"/api/chat", "/api/generate", "/v1/messages"}

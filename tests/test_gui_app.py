@@ -74,6 +74,8 @@ def test_settings_persist_across_a_new_qsettings(qtbot, gui_home, tmp_path):
     assert dialog.isVisible() and "3 stages" in dialog.error.text() and window.settings.stages != 3
     dialog.devices.setText("CPU,CPU,GPU.1")
     dialog.theme.setCurrentText("dark")
+    assert dialog.standbys.isChecked()  # on by default
+    dialog.standbys.setChecked(False)
     assert dialog.accept() and dialog.error.isHidden()
 
     loaded = GuiSettings.load(settings_store(path))  # a new QSettings on the same file
@@ -82,7 +84,7 @@ def test_settings_persist_across_a_new_qsettings(qtbot, gui_home, tmp_path):
     assert (loaded.k, loaded.streams, loaded.stages, loaded.device, loaded.theme) == ("5", 3, 3, "CPU,CPU,GPU.1",
                                                                                        "dark")
     assert loaded == window.settings
-    assert loaded.local_workers is False and loaded.max_new_tokens == 64
+    assert loaded.local_workers is False and loaded.max_new_tokens == 64 and loaded.standbys is False
 
 
 def test_settings_is_a_view_of_the_sidebar_with_each_field_explained(qtbot, gui_home, tmp_path):

@@ -85,12 +85,13 @@ def test_a_problem_report_carries_the_facts_and_no_secret(qtbot, gui_home, tmp_p
     log.warning("dialling with fleet key %s and Authorization: Bearer %s", fleet_key, api_key)
     log.warning("MCP server github started with GITHUB_TOKEN=%s", MCP_TOKEN)
 
+    assert window.service_label.text().startswith("Chat: ")
     window.help_menu.report_action.trigger()
     text = QApplication.clipboard().text()
     assert text == window.help_menu.dialog.detailedText()
     assert text.startswith(f"fleetshard {engine.__version__} (Apache-2.0)\n")
     for fact in (f"OS: {platform.platform()}", f"CPU: {cpu_model()}", "OpenVINO: 20", "Python: ",
-                 "Status: Chat: not connected", "stage 1 unreachable", "worker-127.0.0.1-7401.log",
+                 f"Status: {window.service_label.text()}", "stage 1 unreachable", "worker-127.0.0.1-7401.log",
                  "serving upstream 127.0.0.1:50000"):
         assert fact in text, fact
     for secret in (fleet_key, api_key, MCP_TOKEN, MCP_URL_TOKEN):

@@ -115,8 +115,9 @@ def test_remote_text_shows_as_written_in_every_widget(qtbot, gui_home, tmp_path)
     assert panel.status in walk()
 
     # the chat's fleet and status in the status bar, a saved chat's title, a reply's link, a worker's error
+    window.chat_controller.use_model(FILE_NAME)  # the chat's pick, as the Chat view makes it
+    window.chat.model_chosen.emit(FILE_NAME)
     window.chat_controller.fleet_event.emit(HOSTILE)
-    window.chat_controller.status.emit(f"Chat: {HOSTILE}")
     assert window.statusBar().currentMessage() == f"Fleet: {HOSTILE}"  # the status bar paints text
     window.history.create(HOSTILE)
     chat.conversations_changed()

@@ -33,7 +33,7 @@ def test_a_pasted_join_code_brings_its_node_into_the_view(qtbot, gui_home, key_f
     from engine.fleetkey import load_key
 
     key = load_key(key_file)
-    with agent_process(key_file, tmp_path / "a", name="alice", listen="0.0.0.0:0") as (_, address):
+    with agent_process(key_file, tmp_path / "a", name="alice", listen="0.0.0.0:0", tls=True) as (_, address):
         port = int(address.rpartition(":")[2])
         window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),
                              settings_store(tmp_path / "s.ini"))

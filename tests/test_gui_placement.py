@@ -318,7 +318,9 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     fleet_view.measure_round_trips()
     qtbot.waitUntil(lambda: all(r.status.startswith("serving stage") and r.shards for r in fleet_view.model.node_rows())
                     and fleet_view.rtt_table.rowCount() == 3, timeout=60000)
-    assert {"serving stage 1 (layers 1-2)", "serving stage 2 (layer 3)"} <= {r.status for r in fleet_view.model.rows}
+    statuses = {r.address: r.status for r in fleet_view.model.rows}
+    assert statuses[fleet.alpha] == "serving stage 1 (layers 1-2); standby for stage 2 (layer 3)", statuses
+    assert statuses[fleet.beta] == "serving stage 2 (layer 3); standby for stage 1 (layers 1-2)", statuses
     shards = {r.address: r.shards_text() for r in fleet_view.model.rows}[fleet.alpha]
     assert shards.startswith("qwen2: ") and "layers 1-2" in shards, shards  # by model, profiling shards too
     screenshot(window, "fleet")

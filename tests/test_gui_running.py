@@ -25,14 +25,14 @@ def test_after_deploy_placement_and_the_status_bar_agree(qtbot, gui_home, key_fi
     from engine.fleet.deploy import LOCAL
     from engine.fleet.span import StageSpan
 
-    with agent_process(key_file, tmp_path / "pc", name="office-pc") as (_, address):
+    with agent_process(key_file, tmp_path / "pc", name="office-pc", tls=True) as (_, address):
         settings = tiny_settings(tiny_models["qwen2"], fleet_key_file=str(key_file))
         window = open_window(qtbot, settings, settings_store(tmp_path / "s.ini"))
         placement = window.show_view("Placement")
         stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)]
         deployment = window.backend.deploy(str(tiny_models["qwen2"]), stages, window.settings)
         placement._deployed(deployment)  # what Placement runs once its Deploy has finished
-        assert "The chat now uses this chain" in placement.activity.text()
+        assert "The chat now uses this deployment" in placement.activity.text()
         qtbot.waitUntil(lambda: "not connected" not in window.service_label.text(), timeout=5000)
         # connected with no message sent: the chain Placement names is the one the chat runs on
         qtbot.waitUntil(lambda: window.service_label.text() == "Chat: qwen2, 2 stages, deployed on the fleet",
@@ -46,7 +46,7 @@ def test_the_running_state_holds_the_deployment_the_chat_and_the_nodes(qtbot, gu
     from engine.fleet.span import StageSpan
     from fleetgui.running import CONNECTED
 
-    with agent_process(key_file, tmp_path / "pc", name="office-pc") as (_, address):
+    with agent_process(key_file, tmp_path / "pc", name="office-pc", tls=True) as (_, address):
         settings = tiny_settings(tiny_models["qwen2"], fleet_key_file=str(key_file))
         window = open_window(qtbot, settings, settings_store(tmp_path / "s.ini"))
         running, fleet = window.running, window.show_view("Fleet")
@@ -67,7 +67,7 @@ def test_the_running_state_holds_the_deployment_the_chat_and_the_nodes(qtbot, gu
         assert window.service_label.text() == running.chat_text() == f"Chat: {running.chat.detail}"
         # the Fleet view's polling says what the node serves now
         qtbot.waitUntil(lambda: any(n.serving for n in running.nodes if n.name == "office-pc"), timeout=20000)
-        assert next(n for n in running.nodes if n.name == "office-pc").serving == ("stage 1 (layers 2-3)",)
+        assert next(n for n in running.nodes if n.name == "office-pc").serving == ("serving stage 1 (layers 2-3)",)
 
         window.placement.stop_deployment()  # Stop in Placement: the chat goes back to the settings' model
         assert running.deployment is None and running.chat.deployment is None

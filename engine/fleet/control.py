@@ -19,7 +19,7 @@ from engine.fleet.shardstore import content_hash
 from engine.manifest import MANIFEST, read_manifest
 from engine.progress import Progress, Report, byte_count, quiet
 from engine.transport import wire
-from engine.transport.link import Link, handshake
+from engine.transport.link import Link, handshake, parse_address
 from engine.transport.wire import AuthError, Frame, Msg, ProtocolError
 
 CHUNK_BYTES = 4 << 20
@@ -45,6 +45,12 @@ def prove_node(address: str, key: bytes, node_id: str, *, tls=None, timeout_s: f
         said = agent.node.get("id") if isinstance(agent.node, dict) else None
     if said != node_id:
         raise AgentError(f"node agent at {address} is node {said or '(no id given)'}, not {node_id}")
+
+
+def worker_address(agent: str, port: int) -> str:
+    """HOST:PORT of a worker that agent ``agent`` (HOST:PORT) started on ``port``."""
+    host, _ = parse_address(agent)
+    return f"{host}:{port}"
 
 
 class ControlClient:

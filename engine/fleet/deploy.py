@@ -21,7 +21,7 @@ from pathlib import Path
 from engine.config import DEFAULT_WEIGHTS, paths
 from engine.errors import FleetError
 from engine.files import write_json
-from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.control import AgentError, ControlClient, worker_address
 from engine.fleet.span import StageSpan
 from engine.fleet import standby
 from engine.fleet.placement import Fleet, ModelShape
@@ -33,7 +33,6 @@ from engine.runtime.relay.remote import RemoteChain
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
-from engine.transport.link import parse_address
 
 LOCAL = "local"  # the coordinator's own stage in a placement's address list
 AGENT = "agent"  # the key of a stage's node (its agent's address) in a deployment record
@@ -186,11 +185,6 @@ def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights:
 
 def default_record() -> Path:
     return paths().data / "deployment.json"
-
-
-def worker_address(agent: str, port: int) -> str:
-    host, _ = parse_address(agent)
-    return f"{host}:{port}"
 
 
 def _stop_workers(workers: list[dict], key: bytes, tls) -> list[str]:

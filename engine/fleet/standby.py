@@ -19,7 +19,7 @@ from pathlib import Path
 from engine.config import paths
 from engine.errors import FleetError
 from engine.files import write_json
-from engine.fleet.control import AgentError, ControlClient
+from engine.fleet.control import AgentError, ControlClient, worker_address
 from engine.fleet.placement import Fleet, ModelShape, stage_memory
 from engine.fleet.span import StageSpan
 from engine.progress import Report, deploying, quiet
@@ -82,8 +82,6 @@ def start(folders: list[Path], where: dict[int, StageSpan], *, key: bytes, tls=N
     starts a worker there, for each i; returns the standbys started.  One that cannot start is left
     out (the stage then fails over by redeploying) and said through ``progress``'s log of problems:
     raises FleetError only when none could start and some were asked for."""
-    from engine.fleet.deploy import worker_address  # deploy records standbys: imported late to keep one edge
-
     started, problems = [], []
     for i, span in sorted(where.items()):
         try:

@@ -38,8 +38,7 @@ from engine.bench.sim.shared import TLS, RpcServer, Sim, medians
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim import netns
-from engine.fleet.control import ControlClient
-from engine.fleet.deploy import worker_address
+from engine.fleet.control import ControlClient, worker_address
 from engine.fleet.placement import DeviceProfile, Fleet, Infeasible, ModelShape, Plan, solve
 from engine.fleet.sim.office import NodeSpec, Office
 from engine.launch import end_processes, fleet_command
