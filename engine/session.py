@@ -268,10 +268,12 @@ def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], 
 
 
 def open_service(settings: Settings, launch: Launch | None = None, progress: Report = quiet, cancel=None,
-                 on_event: Callable[[str], None] | None = None) -> ChatService | Replicas | None:
+                 on_event: Callable[[str], None] | None = None,
+                 on_recovered: Callable[[Deployment], None] | None = None) -> ChatService | Replicas | None:
     """A chat service over the chain ``open_chain`` gives, with the settings' streams, K and drafts,
-    and failover for a deployed chain (what happens goes to ``on_event``); for a deployment of
-    several copies (``deploy_layout``), one service per copy behind ``Replicas``.  None when cancelled."""
+    and failover for a deployed chain (what happens goes to ``on_event``; ``on_recovered`` is told
+    the whole deployment each time failover changes it); for a deployment of several copies
+    (``deploy_layout``), one service per copy behind ``Replicas``.  None when cancelled."""
     launch = launch or Launch()
     drafts = draft_shards(settings, progress, cancel)
     opened = open_chain(settings, launch, progress, cancel)
@@ -290,7 +292,8 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Rep
                                             deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,
                                             isolate=launch.isolate), "deployment", deployment=copy))
         while pending:
-            recovered = (lambda copy, index=len(services): record.replace(index, copy)) if record else None
+            recovered = (lambda copy, index=len(services): _recovered(record, index, copy, on_recovered)) \
+                if record else None
             services.append(_copy_service(settings, pending[0], drafts, remote, on_event, recovered,
                                           copy=len(services)))
             pending.pop(0)  # its service closes it now
@@ -304,6 +307,14 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Rep
         service.close()
         return None
     return service
+
+
+def _recovered(record: LiveRecord, index: int, copy: Deployment,
+               told: Callable[[Deployment], None] | None) -> None:
+    """Copy ``index`` of ``record`` is now ``copy`` (failover moved a stage): saved, and ``told``."""
+    record.replace(index, copy)
+    if told is not None:
+        told(record.deployment)
 
 
 def _copy_service(settings: Settings, opened: Opened, drafts: list[Path] | None, remote: DraftLink | None,

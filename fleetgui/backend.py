@@ -36,6 +36,7 @@ APP_BENCHES = {name: bench for name, bench in BENCHES.items() if bench.plot}  # 
 class EngineBackend:
     def __init__(self):
         self.on_fleet_event: Callable[[str], None] = lambda text: None  # a chat's fleet lost a node, moved layers...
+        self.on_recovered: Callable[[object], None] = lambda deployment: None  # the deployment failover left
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[bytes, object]] = {}  # agent address -> (key, open ControlClient)
 
@@ -67,7 +68,8 @@ class EngineBackend:
     def _open(self, settings, launch: Launch, progress: Report, cancel):
         keystore.materialise(keystore.key_path(settings), default=not settings.fleet_key_file)
         return session.open_service(settings.engine(), launch, progress, cancel,
-                                    on_event=lambda text: self.on_fleet_event(text))
+                                    on_event=lambda text: self.on_fleet_event(text),
+                                    on_recovered=lambda deployment: self.on_recovered(deployment))
 
     # --- the fleet -----------------------------------------------------------------------------------
 

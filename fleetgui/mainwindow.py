@@ -101,6 +101,7 @@ class MainWindow(QMainWindow):
         # the chat's chain, as its controller says (read once the signal's call has finished)
         self.chat_controller.status.connect(self._chat_changed)
         self.chat_controller.service_changed.connect(self._chat_changed)
+        self.chat_controller.deployment_changed.connect(self._chat_changed)
         self.chat_controller.progress.connect(self._chat_progress)
         self.chat_controller.failed.connect(self._chat_failed)
         self._follow_chat()

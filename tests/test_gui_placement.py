@@ -334,7 +334,9 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert box.text().startswith(f"Remove {len(unused)} shard(s), ") and "from alpha?" in box.text()
     box.accept()
     qtbot.waitUntil(lambda: fleet_view.banner.message.startswith(f"Removed {len(unused)} shard(s)"), timeout=30000)
-    qtbot.waitUntil(lambda: fleet_view.model.rows[alpha_row].shards_text() == "qwen2: layers 1-2", timeout=30000)
+    # alpha keeps the shard it serves and the one it holds as stage 2's standby
+    qtbot.waitUntil(lambda: fleet_view.model.rows[alpha_row].shards_text() == "qwen2: layers 1-2, layer 3",
+                    timeout=30000)
 
     # another app instance chats on the recorded deployment (Deployment.load().chain(key)) and leaves it running
     other, _, other_view = open_app(qtbot, fleet, max_new_tokens=24)
@@ -350,7 +352,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
         with ControlClient(address, key, tls=fleet.tls) as agent:
             return agent.status()["workers"]
 
-    assert [len(workers(a)) for a in (fleet.alpha, fleet.beta)] == [1, 1]
+    assert [len(workers(a)) for a in (fleet.alpha, fleet.beta)] == [2, 2]  # its stage and the other's standby
     window.close()  # the workers this session deployed are stopped
     assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
 

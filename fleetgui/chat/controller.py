@@ -31,6 +31,7 @@ class _Bridge(QObject):
     text = Signal(int, str, int)  # request key, text piece, tokens so far
     done = Signal(int, object)  # request key, Reply
     fleet = Signal(str)  # the chat's fleet lost a node, moved layers, started a worker again
+    recovered = Signal(object)  # the deployment as failover left it
 
 
 class ChatController(QObject):
@@ -38,6 +39,7 @@ class ChatController(QObject):
     failed = Signal(str)  # the service could not be opened
     ready = Signal()
     service_changed = Signal(object)  # the service now open, or None before it closes
+    deployment_changed = Signal(object)  # failover moved a stage: the deployment the same service runs on now
     progress = Signal(object)  # opening the service: a Progress, then None once it is open (or not)
     fleet_event = Signal(str)  # what the chat's fleet does to recover, as it happens
 
@@ -62,6 +64,8 @@ class ChatController(QObject):
         self._bridge.done.connect(self._on_done)
         self._bridge.fleet.connect(self.fleet_event)
         backend.on_fleet_event = self._bridge.fleet.emit  # called on the service's scheduler thread
+        self._bridge.recovered.connect(self._on_recovered)
+        backend.on_recovered = self._bridge.recovered.emit
 
     # --- requests ------------------------------------------------------------------------------------
 
@@ -222,6 +226,13 @@ class ChatController(QObject):
         service closes and the next request, or ``open()``, connects."""
         self.deployment = deployment
         self.close_service()
+
+    def _on_recovered(self, deployment) -> None:
+        """Failover moved a stage (to its standby, or elsewhere): the chat's deployment is the new one,
+        its service unchanged."""
+        if self.deployment is not None:
+            self.deployment = deployment
+            self.deployment_changed.emit(deployment)
 
     def close_service(self) -> None:
         if self._loader is not None:
