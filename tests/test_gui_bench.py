@@ -181,6 +181,11 @@ def test_the_summary_says_each_ratio_in_words_and_a_negative_cost_is_no_cost():
     assert in_words({"bench": "x", "ratios": {"a_vs_b": 3.0, "extra_ms": 0.2, "best K": 4}}) == [
         "A is 3.0x faster than b.", "Extra: no measurable cost (measured +0.2 ms, within the noise of ±1.0 ms).",
         "Best K: 4."]
+    # named as fleet bench serve names them: the measure, the pair, when; a time's lower side is the faster
+    assert in_words({"bench": "x", "ratios": {"tok/s, fleet serve / llama.cpp, 4 user(s)": 2.2,
+                                              "TTFT ours / llama.cpp, 512 tokens": 0.5}}) == [
+        "Fleet serve is 2.2x faster than llama.cpp at 4 user(s).",
+        "Llama.cpp is 50% slower than ours at 512 tokens (0.50x)."]
 
 
 def test_the_benchmarks_view_shows_the_summary_in_words(qtbot, gui_home, tmp_path):

@@ -32,6 +32,17 @@ def in_words(report: dict) -> list[str]:
 def ratio_from_name(key: str) -> Ratio:
     """What a ratio no registry entry describes compares, from its name."""
     words = key.replace("_", " ").strip()
+    pieces = re.split(r",\s+", words)  # "tok/s, ours / theirs, 4 user(s)": the measure, the pair, when
+    pair = next((i for i, p in enumerate(pieces) if re.search(r"\s/\s|\svs\s", p)), None)
+    if pair is not None and len(pieces) > 1:
+        a, b = re.split(r"\s+/\s+|\s+vs\s+", pieces[pair], maxsplit=1)
+        rest = ", ".join(pieces[pair + 1:])
+        when = (f" at {rest}" if rest[:1].isdigit() else f", {rest}") if rest else ""
+        timed = re.match(r"(TTFT|time|latency)\s+(.+)", a)  # "TTFT ours / theirs"
+        a = timed.group(2) if timed else a
+        if timed or re.search(r"\b(TTFT|ms|time|latency)\b", " ".join(pieces[:pair])):  # the lower, the faster
+            a, b = b, a
+        return Ratio("speed", a, b, when)
     parts = re.split(r"\s+vs\s+|\s*/\s*", words, maxsplit=1)
     if len(parts) == 2:
         return Ratio("speed", parts[0], parts[1])
