@@ -43,7 +43,7 @@ def ratio_from_name(key: str) -> Ratio:
         if timed or re.search(r"\b(TTFT|ms|time|latency)\b", " ".join(pieces[:pair])):  # the lower, the faster
             a, b = b, a
         return Ratio("speed", a, b, when)
-    parts = re.split(r"\s+vs\s+|\s*/\s*", words, maxsplit=1)
+    parts = re.split(r"\s+vs\s+|\s+/\s+", words, maxsplit=1)  # not "Mbit/s" or "tok/s"
     if len(parts) == 2:
         return Ratio("speed", parts[0], parts[1])
     if re.search(r"\bms\b", words):
