@@ -91,17 +91,25 @@ class JoinCodeDialog(QDialog):
     def join(self) -> None:
         """Adds the pasted code's addresses to the known nodes and dials them, off the GUI thread."""
         text = self.pasted.text().strip()
-        if self._task is not None or not text:
-            return
+        fleet = self._begin("Dialling the PC the code names…") if text else None
+        if fleet is not None:
+            key, tls = fleet
+            self._task = self.tasks.start(lambda report, cancel: join(text, key, tls), "join code",
+                                          succeeded=self._joined, failed=self._failed)
+
+    def _begin(self, doing: str) -> tuple | None:
+        """The fleet key and TLS for a dial or a scan about to start, with ``doing`` said; None when
+        one is under way already, or the key cannot be read (said instead)."""
+        if self._task is not None:
+            return None
         try:
-            key, tls = self._fleet_key()
+            fleet = self._fleet_key()
         except FleetError as exc:
             self.outcome.setText(str(exc))
-            return
+            return None
         self._busy(True)
-        self.outcome.setText("Dialling the PC the code names…")
-        self._task = self.tasks.start(lambda report, cancel: join(text, key, tls), "join code",
-                                      succeeded=self._joined, failed=self._failed)
+        self.outcome.setText(doing)
+        return fleet
 
     def _joined(self, result) -> None:
         self._task = None
@@ -119,18 +127,12 @@ class JoinCodeDialog(QDialog):
 
     def scan(self) -> None:
         """Scans this PC's subnet, off the GUI thread (30 s at most, cancelled with the app)."""
-        if self._task is not None:
-            return
-        try:
-            key, tls = self._fleet_key()
-        except FleetError as exc:
-            self.outcome.setText(str(exc))
-            return
         port = self.port
-        self._busy(True)
-        self.outcome.setText(f"Scanning this PC's subnet on port {port}…")
-        self._task = self.tasks.start(lambda report, cancel: scan(key, tls, port=port, cancel=cancel.is_set),
-                                      "scan the subnet", succeeded=self._scanned, failed=self._failed)
+        fleet = self._begin(f"Scanning this PC's subnet on port {port}…")
+        if fleet is not None:
+            key, tls = fleet
+            self._task = self.tasks.start(lambda report, cancel: scan(key, tls, port=port, cancel=cancel.is_set),
+                                          "scan the subnet", succeeded=self._scanned, failed=self._failed)
 
     def _scanned(self, done) -> None:
         self._task = None

@@ -737,7 +737,8 @@ class HostileMcp:
                 if method == hostile.step:
                     status, kind, body = hostile.reply
                     return self._send(status, kind, body.replace(b"{id}", json.dumps(ident).encode()))
-                result = {"initialize": {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                asked = (doc.get("params") or {}).get("protocolVersion")  # a server answers with the client's own
+                result = {"initialize": {"protocolVersion": asked, "capabilities": {"tools": {}},
                                          "serverInfo": {"name": "hostile", "version": "1"}},
                           "tools/list": {"tools": [{"name": "echo", "description": "echo",
                                                     "inputSchema": {"type": "object"}}]},
