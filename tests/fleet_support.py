@@ -43,10 +43,10 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
         agent.stop(timeout_s=15)
 
 
-def fleet_profile(model: str, agents: dict, key: bytes) -> dict:
+def fleet_profile(model: str, agents: dict, key: bytes, *, weights: str = "int4", memory: int = 8 << 30) -> dict:
     """The fleet profile failover re-plans from and standbys are placed with, for ``agents`` (name ->
-    (process, address)): their real node ids and addresses, every device alike with 8 GB (the
-    survey, which measures them, has its own tests; here what matters is where the layers go)."""
+    (process, address)): their real node ids and addresses, every device alike with ``memory`` bytes
+    (the survey, which measures them, has its own tests; here what matters is where the layers go)."""
     from engine.export.exporter import export_model
     from engine.fleet.control import ControlClient
     from engine.fleet.deploy import LOCAL
@@ -58,9 +58,9 @@ def fleet_profile(model: str, agents: dict, key: bytes) -> dict:
     for name, (_, address) in agents.items():
         with ControlClient(address, key) as client:
             nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}
-    folder = export_model(model, stages=1, weights="int4").folders[0]
+    folder = export_model(model, stages=1, weights=weights).folders[0]
     shape = ModelShape(**model_shape(load_manifest(folder)))
-    devices = [DeviceProfile(node, "CPU", 8 << 30, layer_ms=0.2, head_ms=1.0) for node in nodes]
+    devices = [DeviceProfile(node, "CPU", memory, layer_ms=0.2, head_ms=1.0) for node in nodes]
     rtt = {(a, b): 0.3 for a in nodes for b in nodes if a < b}
     return {"model": shape.to_json(), "nodes": nodes,
             "fleet": Fleet(devices=devices, rtt_ms=rtt, coordinator="coordinator").to_json()}

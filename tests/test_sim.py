@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fleet_support import IDS, deployed_equals_in_process, simulated_office
+from fleet_support import IDS, deployed_equals_in_process, fleet_profile, simulated_office
 
 from engine.fleet.sim import netns
 from engine.fleet.control import AgentError, ControlClient
@@ -27,7 +27,7 @@ from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
 from engine.fleet.discovery import Browser
 from engine.fleet.failover import Failover
-from engine.fleet.placement import DeviceProfile, Fleet, ModelShape
+from engine.fleet.placement import Fleet, ModelShape
 from engine.fleet.profile import model_shape
 from engine.fleet.shardstore import content_hash
 from engine.fleet.sim.office import PREFIX, NodeSpec, clean_leftovers
@@ -144,27 +144,11 @@ def test_a_pcs_link_delay_holds_the_rounds_through_it_and_no_other_pc(office, ti
     assert _status(office.nodes["pc2"].agent, key)["link_delay_ms"] == 0
 
 
-def _profile(office, source: str, key: bytes) -> dict:
-    """The fleet profile the solver re-plans from: the PCs' real node ids and addresses, every device
-    alike (the survey, which measures them, has its own tests)."""
-    from engine.export.exporter import export_model
-
-    nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
-    for name in ("pc1", "pc2", "pc3"):
-        agent = office.nodes[name].agent
-        nodes[_status(agent, key)["node"]["node_id"]] = {"name": name, "address": agent}
-    folder = export_model(source, stages=1, weights="f32").folders[0]
-    shape = ModelShape(**model_shape(load_manifest(folder)))
-    devices = [DeviceProfile(node, "CPU", 4 << 30, layer_ms=0.2, head_ms=1.0) for node in nodes]
-    rtt = {(a, b): 0.3 for a in nodes for b in nodes if a < b}
-    return {"model": shape.to_json(), "nodes": nodes,
-            "fleet": Fleet(devices=devices, rtt_ms=rtt, coordinator="coordinator").to_json()}
-
-
 def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(office, tiny_models):
     key = _key(office)
     source = str(tiny_models["gemma3"])  # its greedy reply varies (the tiny Llama's repeats one token)
-    profile = _profile(office, source, key)
+    agents = {name: (None, office.nodes[name].agent) for name in ("pc1", "pc2", "pc3")}
+    profile = fleet_profile(source, agents, key, weights="f32", memory=4 << 30)
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(office.nodes["pc1"].agent, "CPU", 2, 4)]
     deployment, chain = deploy(source, stages, key=key, weights="f32", mode="exact")
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
