@@ -88,6 +88,14 @@ class Deployment:
         """Stage ``stage``'s hot standby (``engine.fleet.standby``), if it has one."""
         return next((s for s in map(Standby.from_json, self.standbys) if s.stage == stage), None)
 
+    @property
+    def standby_addresses(self) -> list[str | None]:
+        """Each remote stage's hot standby's worker address (None where it has none), in the order of
+        ``remotes``: where the chain copies each stage's input (``engine.runtime.relay.mirror``)."""
+        first = 0 if self.fed else 1
+        spares = {s.stage: s.address for s in map(Standby.from_json, self.standbys)}
+        return [spares.get(first + i) for i in range(len(self.remotes))]
+
     def with_copy(self, index: int, copy: "Deployment") -> "Deployment":
         """This deployment with copy ``index`` (as ``copies`` numbers them) replaced by ``copy``, a
         copy's failover's new deployment."""
@@ -128,7 +136,8 @@ class Deployment:
             return RankChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
                              deadline_s=deadline_s, connect_timeout_s=connect_timeout_s)
         return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
-                           deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, fed=self.fed, **kw)
+                           deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, fed=self.fed,
+                           standbys=self.standby_addresses, **kw)
 
     def stop(self, key: bytes, tls=None) -> list[str]:
         """Stops every worker of the deployment (its replicas' and its draft server's too); returns

@@ -144,8 +144,12 @@ class Failover:
                                          standbys=[s for s in old.standbys if s["stage"] != i])
         self.on_event(f"stage {i} stopped answering ({error.reason}); its standby on {self.name(standby.agent)} "
                       "takes over")
-        chain = deployment.chain(self.key, tls=self.tls, deadline_s=self.deadline_s, connect_timeout_s=SWITCH_TIMEOUT_S,
-                                 local=getattr(self.chain, "local", None))
+        chain = self.chain
+        if getattr(chain, "reroute", None) is not None:  # the streams' caches stay: the standby mirrored its stage
+            chain.reroute(i, standby.address, timeout_s=SWITCH_TIMEOUT_S)
+        else:
+            chain = deployment.chain(self.key, tls=self.tls, deadline_s=self.deadline_s,
+                                     connect_timeout_s=SWITCH_TIMEOUT_S, local=getattr(self.chain, "local", None))
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         self.on_recovered(deployment)

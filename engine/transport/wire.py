@@ -81,6 +81,11 @@ class Msg(enum.IntEnum):
     SYNC = 22  # to a draft server: a stream's text is now what it was told up to a point, then these tokens
     DRAFTS = 23  # from a draft server: tokens it drafted, from a position of a stream's text on
     SHARE = 24  # between tensor-parallel ranks: a partial sum or vocabulary slice ([x f32]; seq counts them)
+    MIRROR = 25  # opens a stage's hot standby's copy of the stage's input: what follows is applied, never answered
+
+
+# The frames that change a stage's KV caches: a hot standby is sent a copy of each (``MIRROR``)
+MIRRORED = frozenset({Msg.FORWARD, Msg.PACKED, Msg.RESET, Msg.KEEP})
 
 
 class Flag(enum.IntFlag):

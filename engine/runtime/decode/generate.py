@@ -198,6 +198,11 @@ class Decoding:
         self._consulted = False  # whether the drafter was asked for the round in flight
         self._times: dict[str, float] = {}
 
+    def settled(self) -> int:
+        """How many tokens of the prompt and the reply so far every stage's cache holds for sure: all
+        but the round in flight's (a prompt chunk, or the last token with its drafts)."""
+        return self._fed if self._chunk or self._unfed else len(self.history) - 1
+
     def start(self) -> None:
         if self.cached:
             self.seq.truncate(self.cached)

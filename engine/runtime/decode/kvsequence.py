@@ -97,6 +97,20 @@ class KVSequence:
             self.mask[0, live[length:]] = 0
         self.logical = length
 
+    def slots_for(self, length: int) -> int:
+        """How many physical KV slots from the start hold the sequence's first ``length`` tokens."""
+        live = np.flatnonzero(self.mask[0, : self.physical])
+        return int(live[length - 1]) + 1 if 0 < length <= len(live) else 0
+
+    def settle(self, length: int) -> None:
+        """Cuts every stage's cache down to the sequence's first ``length`` tokens, whatever the
+        rewind: after a stage was switched mid-round, stages may hold that round or not."""
+        live = np.flatnonzero(self.mask[0, : self.physical])[:length].astype(np.int32)
+        self.chain.keep(self.stream, live)
+        self.physical = self.logical = len(live)
+        self.mask[0, : self.physical] = 1
+        self.mask[0, self.physical :] = 0
+
     def compact(self) -> None:
         """Squeezes the masked holes out of every stage's cache."""
         keep = np.flatnonzero(self.mask[0, : self.physical]).astype(np.int32)

@@ -203,7 +203,8 @@ class ChatService:
         self.recover = recover
         self._recovering = False
         self.stage_failures: collections.Counter = collections.Counter()  # stage -> forwards that failed there
-        self.failovers: collections.Counter = collections.Counter()  # "recovered" | "failed" -> times
+        # "recovered" | "failed" -> times; "kept": replies carried on from the caches they had (a standby's switch)
+        self.failovers: collections.Counter = collections.Counter()
         self.stages_up: list[bool] = [True] * (manifest.stage_count if manifest else 1)
         self.prefix_cache = prefix_cache
         self.prefill_chunk = prefill_chunk
@@ -361,13 +362,13 @@ class ChatService:
 
         return max(self._free, key=score)
 
-    def _start(self, request: _Request, prompt: list[int] | None = None) -> None:
+    def _start(self, request: _Request, prompt: list[int] | None = None, kept: int = 0) -> None:
         """Starts a request's decoding; ``prompt``: carry on a reply whose chain was replaced (its
-        conversation and the tokens it emitted before)."""
+        conversation and the tokens it emitted before), of which the stream's cache holds ``kept``."""
         stream = request.handle.stream
         try:
             ids = prompt if prompt is not None else request.ids
-            cached = 0
+            cached = kept
             if prompt is None and self.prefix_cache and not request.prompt_logprobs:
                 # one token at least is prefilled: its logits give the reply
                 cached = min(_common_prefix(self._held.get(stream, []), ids), len(ids) - 1)
@@ -478,23 +479,35 @@ class ChatService:
 
     def _replace_chain(self, chain) -> None:
         """Carries every reply in flight on over ``chain``: each one's prompt and the tokens it has
-        emitted are prefilled there, and it continues from the next token."""
+        emitted are prefilled there, and it continues from the next token.  The same chain re-routed
+        (a hot standby took a stage over, ``RemoteChain.reroute``) keeps what every stage's cache
+        holds of a stream: only the round that was lost is fed again."""
+        kept = chain is self.chain
         old, self.chain = self.chain, chain
-        try:
-            old.close()
-        except Exception:
-            log.exception("closing the broken chain failed")
-        self._sequences.clear()
+        if not kept:
+            try:
+                old.close()
+            except Exception:
+                log.exception("closing the broken chain failed")
+            self._sequences.clear()
         with self._lock:
             self._held.clear()
         resumed, self._active = self._active, []
         for request in resumed:
             request.prompt_entries = request.prompt_entries or request.decoding.prompt_entries
             done = request.decoding.result
+            settled = request.decoding.settled() if kept else 0
+            seq = self._sequences.get(request.handle.stream)
+            holds = getattr(chain, "holds", None)
+            if settled and seq is not None and holds is not None and holds(seq.stream, seq.slots_for(settled)):
+                seq.settle(settled)
+                self.failovers["kept"] += 1
+            else:
+                settled = 0
             request.first = request.first or done
             request.earlier += done.tokens
             request.rerouted += 1
-            self._start(request, prompt=request.decoding.prompt + done.tokens)
+            self._start(request, prompt=request.decoding.prompt + done.tokens, kept=settled)
 
     def _token(self, request: _Request, token: int) -> None:
         if request.stop.hit is not None:  # the rest of a round after a stop string

@@ -27,6 +27,11 @@ A copy of the model whole on a node (``fed``) has no stage here: a ``Feeder`` st
 holding no layers, and the token ids themselves travel to the node.  This process then computes
 nothing for that copy, so it never waits for this computer's compute turns (a whole copy beside it
 in this process would hold them for a whole forward each time).
+
+A stage with a hot standby (``standbys``) has its input copied there (``engine.runtime.relay.mirror``):
+by this chain for the first remote stage, by the stage before it for the others (the PING's route
+names them).  ``reroute`` puts a standby in its stage's place and keeps every stream's state: each
+stage's PONG says what its caches hold (``holds``), so a reply carries on from its next token.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span, load_manifest
 from engine.runtime.interfaces import Chain
 from engine.runtime.relay import MAX_GROUPS
+from engine.runtime.relay.mirror import Mirror
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output
 from engine.runtime.stages.packing import Part, as_part, check_parts, packs_of
@@ -153,14 +159,15 @@ class RemoteChain(Chain):
     def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
                  mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
                  connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None,
-                 depth: int | None = None, fed: bool = False):
+                 depth: int | None = None, fed: bool = False, standbys: list[str | None] | None = None):
         """``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
         stream it holds is forgotten, and it is not compiled again.  ``depth``: groups of packed
         streams in flight at once (default: as many as the measured rounds say keep the busiest
         computer busy, one per stage until rounds are measured).  ``fed``: every stage runs on the
         workers, from layer 0 (``Feeder``); ``stage0`` is then only where the model's manifest and
-        tokenizer are read."""
+        tokenizer are read.  ``standbys``: each remote stage's hot standby's address (or None), in
+        the order of ``remotes``."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
         self.mode = mode
@@ -182,6 +189,10 @@ class RemoteChain(Chain):
             raise ShardError(f"{stage0} holds the whole model: there is nothing for remote workers to run")
         self.spec = self.manifest.spec
         self.remotes = list(remotes)
+        self.standbys = list(standbys or [None] * len(self.remotes))
+        if len(self.standbys) != len(self.remotes):
+            raise FleetError(f"{len(self.standbys)} standbys given for {len(self.remotes)} remote stages")
+        self._mirror: Mirror | None = None
         self.key = key
         self.tls = tls
         self.deadline_s = deadline_s
@@ -205,6 +216,7 @@ class RemoteChain(Chain):
         self.most_in_flight = 0  # the most groups that were in flight at once (a pipeline fills up)
         self._seq = random.getrandbits(31)  # a fresh range, so a previous session's late replies never match
         self.connect()
+        self._mirror_first()
 
     @property
     def first_folder(self) -> Path:
@@ -249,9 +261,11 @@ class RemoteChain(Chain):
 
     # --- bring-up ------------------------------------------------------------------------------------
 
-    def connect(self) -> None:
-        """Dials the first worker and waits until the whole chain answers (or the connect timeout)."""
-        deadline = time.monotonic() + self.connect_timeout_s
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Dials the first worker and waits until the whole chain answers (or the connect timeout,
+        or ``timeout_s``)."""
+        timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         stage = self.manifest.stage_index + 1
         while self._link is None:
             try:
@@ -262,16 +276,53 @@ class RemoteChain(Chain):
             except OSError as exc:
                 if time.monotonic() > deadline:
                     raise StageError(stage, self.first_address, f"not reachable ({exc.strerror or exc}) within "
-                                     f"{self.connect_timeout_s:.0f} s") from None
+                                     f"{timeout_s:.0f} s") from None
                 time.sleep(0.2)
                 continue
             self._silence = 0.75 * self.deadline_s + 2 * peer_delay
             self.connections += 1
         self._wait_ready(deadline)
 
+    def _mirror_first(self) -> None:
+        """Copies what this chain sends to the first remote stage to that stage's standby, if any."""
+        if self.standbys[0] is not None and self._mirror is None:
+            self._mirror = Mirror(self.standbys[0], key=self.key, manifest=self.manifest, mode=self.mode, tls=self.tls)
+
+    def reroute(self, stage: int, address: str, timeout_s: float | None = None) -> None:
+        """Puts the worker at ``address`` (the stage's hot standby) in the place of stage ``stage``
+        and waits until the chain answers again; every stage keeps its streams' caches (what each
+        holds: ``holds``).  Raises StageError when the chain does not come up in ``timeout_s`` (by
+        default the connect timeout)."""
+        timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
+        index = stage - self.manifest.stage_index - 1
+        if not 0 <= index < len(self.remotes):
+            raise FleetError(f"stage {stage} is not a remote stage of this chain")
+        self.remotes[index], self.standbys[index] = address, None
+        if index == 0:
+            mirror, self._mirror = self._mirror, None
+            if mirror is not None:
+                mirror.handover()  # before this chain's own connection: the standby applies every copy first
+            if self._link is not None:
+                self._link.close()
+                self._link = None
+        self._abandon(StageError(stage, address, "its round was given up when the chain was re-routed"))
+        self._ready = False
+        if self._link is None:
+            self.connect(timeout_s)
+        else:
+            self._wait_ready(time.monotonic() + timeout_s)
+
+    def holds(self, stream: int, positions: int) -> bool:
+        """Whether every remote stage's cache of ``stream`` holds at least its first ``positions``
+        KV slots, as their PONGs said when the chain last came up (``reroute``)."""
+        return all(int(s.get("streams", {}).get(str(stream), 0)) >= positions for s in self.stages)
+
     def ping(self) -> list[dict]:
         """One trip down the chain and back; returns what every remote stage reports of itself."""
-        frame = wire.control(Msg.PING, {"route": self.remotes[1:]}, 0, self._next_seq())
+        doc = {"route": self.remotes[1:]}
+        if any(self.standbys[1:]):
+            doc["standbys"] = self.standbys[1:]
+        frame = wire.control(Msg.PING, doc, 0, self._next_seq())
         self._send(frame)
         reply = self._await((frame.stream, frame.seq), Msg.PONG)
         stages = reply.json().get("stages", [])
@@ -470,6 +521,8 @@ class RemoteChain(Chain):
             if frame.type != Msg.PING:
                 self._groups.update(dict.fromkeys(sent, group))
                 self.most_in_flight = max(self.most_in_flight, len(set(self._groups.values())))
+        if self._mirror is not None:
+            self._mirror.send(frame)
         try:
             self._link.send(frame)
         except OSError as exc:
@@ -512,6 +565,8 @@ class RemoteChain(Chain):
         return None if reply.type == Msg.ALIVE else reply
 
     def close(self) -> None:
+        if self._mirror is not None:
+            self._mirror.close()
         if self._link is not None:
             try:
                 self._link.send(Frame(Msg.BYE))

@@ -10,6 +10,14 @@ successor owes it one it watches for them.  A successor that dies or goes silent
 the deadline, into an ERROR naming that stage and its address; the worker then redials it, so the
 chain serves the next request once the stage is back.  Anything malformed a peer sends costs that
 peer its connection (before the handshake) or an ERROR reply (after it), never the process.
+
+A hot standby is a worker whose upstream is a mirror (``engine.runtime.relay.mirror``): a session
+opened with MIRROR, whose frames it applies to its caches without answering or passing anything on.
+When the stage's sender connects to it for real (a failover's switch), it first applies what the
+mirror still has queued; a mirror that ends without its BYE leaves no stream behind.  A worker that
+serves an upstream ignores copies.  Each stage's PONG says how many positions each stream's cache
+holds, so that a coordinator knows which streams a switch kept.  A worker mirrors what it sends on
+to the standby of the stage after it when the coordinator's route names one.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import numpy as np
 
 from engine.errors import FleetError, ShardError
 from engine.manifest import load_manifest
+from engine.runtime.relay.mirror import Mirror
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import select
 from engine.runtime.stages.packing import Part
@@ -36,6 +45,7 @@ from engine.transport.mesh import Mesh, MeshError
 from engine.transport.wire import AuthError, Flag, Frame, Msg, ProtocolError, Seal
 
 MAX_STREAMS = 64
+MIRROR_DRAIN_S = 10.0  # how long a standby taking over applies the copies it still has before serving
 TOKEN_COUNT_S = 5.0  # how often a serving worker counts the tokens it served (the tray's live tally)
 TOKENS = "tokens"  # the name its count is reported under (``engine.launch.report``)
 
@@ -120,6 +130,10 @@ class Worker(Listening):
         self._down_reason = "not connected yet"
         self._owed: set[tuple[int, int]] = set()  # requests we still owe upstream a reply for
         self._outstanding: set[tuple[int, int]] = set()  # requests the successor owes us
+        self._mirror_link: Link | None = None  # the copies this standby is sent, while it stands by
+        self._mirror_done = threading.Event()  # no mirror session is being applied
+        self._mirror_done.set()
+        self._mirror: Mirror | None = None  # the copies this worker sends the next stage's standby
         self._masks: dict[int, np.ndarray] = {}
         self._kv_length: dict[int, int] = {}
         self.tokens = 0  # positions (tokens) this stage has run for its upstream
@@ -133,7 +147,8 @@ class Worker(Listening):
         mesh = self._mesh_listener.getsockname()[1] if self._mesh_listener is not None else None
         return {"stage": m.stage_index, "layers": list(m.layers), "rank": m.rank, "mesh": mesh,
                 "address": self.address, "device": self.runner.device, "delay_ms": self.delay_s * 1e3,
-                "host": socket.gethostname(), "packs": self.runner.packs, "turns": turns_identity(self.runner.turns)}
+                "host": socket.gethostname(), "packs": self.runner.packs, "turns": turns_identity(self.runner.turns),
+                "streams": {str(stream): n for stream, n in dict(self._kv_length).items()}}
 
     def start(self) -> "Worker":
         for target, name in ((self._accept_loop, "accept"), (self._heartbeat_loop, "heartbeat"),
@@ -146,7 +161,9 @@ class Worker(Listening):
         if self.mesh is not None:
             self.mesh.close()
             self._mesh_listener.close()
-        for link in (self._upstream, self._downstream):
+        if self._mirror is not None:
+            self._mirror.close()
+        for link in (self._upstream, self._downstream, self._mirror_link):
             if link is not None:
                 link.close()
 
@@ -160,6 +177,19 @@ class Worker(Listening):
 
     def _session(self, conn: socket.socket, seal: Seal, peer: str) -> None:
         link = Link(conn, peer, seal, self.delay_s, self.max_frame)
+        try:
+            frame = link.recv()
+        except (ConnectionError, ProtocolError) as exc:
+            self.log(f"closing upstream {peer}: {exc}")
+            link.close()
+            return
+        if frame.type == Msg.MIRROR:
+            self._mirror_session(link, peer)
+            return
+        if not self._mirror_done.wait(MIRROR_DRAIN_S):
+            self.log(f"the copies from {self._mirror_link.peer if self._mirror_link else '?'} are not all "
+                     f"applied after {MIRROR_DRAIN_S:.0f} s: their streams are not taken over")
+            self._end_mirror(None)
         with self._lock:
             previous, self._upstream = self._upstream, link
             self._owed.clear()
@@ -169,13 +199,13 @@ class Worker(Listening):
         self.log(f"serving upstream {peer}")
         try:
             while not self._stop.is_set():
-                frame = link.recv()
                 if frame.type == Msg.BYE:
                     break
                 with self._serving:
                     if self._upstream is not link:
                         break
                     self._dispatch(link, frame)
+                frame = link.recv()
         except ConnectionError as exc:
             self.log(f"upstream {peer} gone: {exc}")
         except ProtocolError as exc:
@@ -187,6 +217,71 @@ class Worker(Listening):
                     self._upstream = None
             self.log(f"upstream {peer} left")
             self._count_tokens(force=True)
+
+    def _mirror_session(self, link: Link, peer: str) -> None:
+        """A sender's copies of this stage's input, applied to the caches and never answered."""
+        with self._lock:
+            previous, self._mirror_link = self._mirror_link, link
+            self._mirror_done.clear()
+        if previous is not None:
+            previous.close()
+        self.log(f"standing by: {peer} sends copies of this stage's input")
+        handed = False
+        try:
+            while not self._stop.is_set():
+                frame = link.recv()
+                if frame.type == Msg.BYE:
+                    handed = True
+                    break
+                with self._serving:
+                    if self._mirror_link is not link:
+                        break
+                    self._apply_copy(frame)
+        except (ConnectionError, ProtocolError) as exc:
+            self.log(f"copies from {peer} ended: {exc}")
+        finally:
+            self._end_mirror(link, kept=handed)
+
+    def _end_mirror(self, link: Link | None, kept: bool = False) -> None:
+        """Ends mirror session ``link`` (None: whichever runs); unless ``kept`` (its sender handed
+        over), the streams it filled are forgotten: one may lack a copy."""
+        with self._serving:
+            with self._lock:
+                current = self._mirror_link
+                if current is None or (link is not None and current is not link):
+                    return
+                self._mirror_link = None
+            current.close()
+            if not kept and self._upstream is None:
+                for stream in list(self._kv_length):
+                    self._forget(stream)
+            self._mirror_done.set()
+
+    def _forget(self, stream: int) -> None:
+        self.runner.reset(stream)
+        self._kv_length.pop(stream, None)
+        self._masks.pop(stream, None)
+
+    def _apply_copy(self, frame: Frame) -> None:
+        """Applies a mirrored frame to the caches (a worker serving an upstream ignores it); a stream
+        whose copy cannot be applied is forgotten, never taken over half-filled."""
+        if self._upstream is not None:
+            return
+        streams = [frame.stream]
+        try:
+            if frame.type == Msg.FORWARD:
+                self._forward(None, frame, copy=True)
+            elif frame.type == Msg.PACKED:
+                packed = wire.unpack_packed(frame)
+                streams = [h.stream for h in packed[1]]
+                self._forward_packed(None, *packed, copy=True)
+            elif frame.type == Msg.RESET:
+                self._reset(frame.stream, copy=True)
+            elif frame.type == Msg.KEEP:
+                self._keep(frame, copy=True)
+        except (RequestError, ProtocolError, ShardError, RuntimeError, MeshError):
+            for stream in streams:
+                self._forget(stream)
 
     def _count_tokens(self, force: bool = False) -> None:
         """Logs the tokens served since the last count, at most every ``TOKEN_COUNT_S``, and tells
@@ -251,13 +346,14 @@ class Worker(Listening):
             self._error(link, Frame(frame.type, stream, seq), str(failure), failure.stage, failure.address,
                         failure.transient)
 
-    def _reset(self, stream: int) -> None:
+    def _reset(self, stream: int, copy: bool = False) -> None:
         if stream in self._kv_length:
             self.runner.reset(stream)
             self._kv_length[stream] = 0
-        self._send_down(Frame(Msg.RESET, stream), track=False)
+        if not copy:
+            self._send_down(Frame(Msg.RESET, stream), track=False)
 
-    def _keep(self, frame: Frame) -> None:
+    def _keep(self, frame: Frame, copy: bool = False) -> None:
         past = self._kv_length.get(frame.stream, 0)
         slots = frame.tensors[0] if len(frame.tensors) == 1 else None
         if (slots is None or slots.dtype != np.int32 or slots.ndim != 1 or len(slots) > past
@@ -265,7 +361,8 @@ class Worker(Listening):
             raise RequestError(f"KEEP needs increasing slot indices below the {past} cached positions")
         self.runner.keep(frame.stream, slots)
         self._kv_length[frame.stream] = len(slots)
-        self._send_down(Frame(Msg.KEEP, frame.stream, 0, [slots]), track=False)
+        if not copy:
+            self._send_down(Frame(Msg.KEEP, frame.stream, 0, [slots]), track=False)
 
     def _check_forward(self, frame: Frame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """A FORWARD's tensors (``wire.unpack_forward``), checked to fit this stage and the stream's cache."""
@@ -296,7 +393,8 @@ class Worker(Listening):
         if len(set(self._kv_length) | set(streams)) > MAX_STREAMS:
             raise RequestError(f"more than {MAX_STREAMS} streams")
 
-    def _forward(self, link: Link, frame: Frame) -> None:
+    def _forward(self, link: Link | None, frame: Frame, copy: bool = False) -> None:
+        """``copy``: a mirrored frame (a standby's): the caches take it in, nothing is answered or sent on."""
         x, mask, pos, stage_ms = self._check_forward(frame)
         stream = frame.stream
         buf = self._masks.get(stream)
@@ -304,40 +402,44 @@ class Worker(Listening):
             buf = self._masks[stream] = np.zeros((1, self.max_length), np.int64)
         length = mask.shape[1]
         buf[0, :length] = mask[0]
-        if not self.runner.last and not self._down_ready.is_set():
+        if not copy and not self.runner.last and not self._down_ready.is_set():
             raise self._down_missing()
         start = time.perf_counter()
         y = self.runner.forward(x, buf[:, :length], pos, stream, last_only=not frame.flags & Flag.ALL_POSITIONS)
+        self._kv_length[stream] = length
+        if copy:
+            return
         self.tokens += pos.size
         self._count_tokens()
-        self._kv_length[stream] = length
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
         if self.runner.last:
             self._reply(link, answer(y, stream, frame.seq, frame.flags, timings))
         elif not self._send_down(wire.forward_frame(stream, frame.seq, y, mask, pos, timings, frame.flags)):
             self._error(link, frame, "connection lost", self.manifest.stage_index + 1, self._next, True)
 
-    def _forward_packed(self, link: Link, x: np.ndarray, heads: list[wire.PartHeader], pos: np.ndarray,
-                        stage_ms: np.ndarray) -> None:
+    def _forward_packed(self, link: Link | None, x: np.ndarray, heads: list[wire.PartHeader], pos: np.ndarray,
+                        stage_ms: np.ndarray, copy: bool = False) -> None:
         """Every stream's rows in one forward of a paged stage; one PACKED frame on, or one RESULT
-        per stream back."""
+        per stream back (``copy``: neither, as ``_forward``)."""
         if not self.runner.packs:
             raise RequestError(f"stage {self.manifest.stage_index} is stateful: it takes one stream per FORWARD")
         self._check_rows(x, 0, "packed rows")
         if pos.min() < 0 or pos.max() >= self.max_length or any(h.start + h.q > self.max_length for h in heads):
             raise RequestError(f"positions beyond the context of {self.max_length}")
         self._check_streams([h.stream for h in heads])
-        if not self.runner.last and not self._down_ready.is_set():
+        if not copy and not self.runner.last and not self._down_ready.is_set():
             raise self._down_missing()
         begins = np.cumsum([0] + [h.q for h in heads])
         parts = [Part(h.stream, x[a:b], h.start, h.q if h.flags & Flag.ALL_POSITIONS else 1, pos[a:b])
                  for h, a, b in zip(heads, begins, begins[1:])]
         start = time.perf_counter()
         outs = self.runner.forward_parts(parts)
-        self.tokens += len(pos)
-        self._count_tokens()
         for h in heads:
             self._kv_length[h.stream] = h.start + h.q
+        if copy:
+            return
+        self.tokens += len(pos)
+        self._count_tokens()
         timings = np.append(stage_ms, np.float32((time.perf_counter() - start) * 1e3))
         if self.runner.last:
             for h, logits in zip(heads, outs):
@@ -348,10 +450,17 @@ class Worker(Listening):
             raise RequestError("connection lost", self.manifest.stage_index + 1, self._next, True)
 
     def _ping(self, link: Link, frame: Frame) -> None:
-        """Readiness check from the coordinator; its ``route`` names the stages after this one."""
-        route = frame.json().get("route", [])
+        """Readiness check from the coordinator; its ``route`` names the stages after this one, and
+        its ``standbys`` their hot standbys (an address or null each)."""
+        doc = frame.json()
+        route, standbys = doc.get("route", []), doc.get("standbys", [])
         if not isinstance(route, list) or not all(isinstance(a, str) for a in route):
             raise RequestError("malformed route")
+        if (not isinstance(standbys, list) or len(standbys) > len(route)
+                or not all(a is None or isinstance(a, str) for a in standbys)):
+            raise RequestError("malformed standbys")
+        if not self.runner.last:
+            self._mirror_to(standbys[0] if standbys else None, route[0] if route else None)
         if self.runner.last:
             if route:
                 raise RequestError(f"this is the last stage, but the route continues to {route}")
@@ -371,8 +480,23 @@ class Worker(Listening):
                                "coordinator the whole route)")
         if not self._down_ready.wait(min(1.0, self.deadline_s)):
             raise self._down_missing()
-        if not self._send_down(wire.control(Msg.PING, {"route": route[1:]}, frame.stream, frame.seq)):
+        if not self._send_down(wire.control(Msg.PING, {"route": route[1:], "standbys": standbys[1:]}, frame.stream,
+                                            frame.seq)):
             raise self._down_missing()
+
+    def _mirror_to(self, standby: str | None, next_address: str | None) -> None:
+        """Sends copies of what goes to the next stage to its standby at ``standby`` (None: to no
+        one).  A standby that becomes the next stage is handed its copies first."""
+        mirror = self._mirror
+        if mirror is not None and mirror.address != standby:
+            self._mirror = None
+            if mirror.address == next_address:
+                mirror.handover()
+            else:
+                mirror.close()
+        if standby is not None and self._mirror is None:
+            self._mirror = Mirror(standby, key=self.key, manifest=self.manifest, mode=self.identity["mode"],
+                                  tls=self.tls, max_frame=self.max_frame, log=self.log)
 
     def _down_missing(self) -> RequestError:
         return RequestError(f"{self._down_reason} (redialing)", self.manifest.stage_index + 1, self._next, True)
@@ -380,7 +504,11 @@ class Worker(Listening):
     # --- downstream: dial, relay results, watch the deadline ---------------------------------------
 
     def _send_down(self, frame: Frame, track: bool = True, keys: list[tuple[int, int]] | None = None) -> bool:
-        """``keys``: the replies the frame asks for, when not the one its header names."""
+        """``keys``: the replies the frame asks for, when not the one its header names.  The next
+        stage's standby is sent a copy (``_mirror_to``)."""
+        mirror = self._mirror
+        if mirror is not None:
+            mirror.send(frame)
         link = self._downstream
         if link is None or not self._down_ready.is_set():
             return False
