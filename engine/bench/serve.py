@@ -12,7 +12,9 @@ long conversation, warm against cold, alternating) and prompt speed (time to fir
 1-, 2- and 3-stage chains against LLMPipeline's on the same export and settings, at a short and a
 long prompt).  With ``llamacpp`` (a GGUF source), llama.cpp's ``llama-server`` on the very GGUF
 the shards came from joins the user waves (one slot per user) and the prompt-speed part (its time to
-the first token, measured at the client); with ``llamacpp_openvino``, so does llama.cpp's OpenVINO
+the first token, measured at the client), and, where the model has a draft model in the catalog, so does
+llama.cpp with that draft (``-md``, its own speculative decoding) at 1 user: its best configuration
+for one user, the faster of the two the bar; with ``llamacpp_openvino``, so does llama.cpp's OpenVINO
 backend, its layers on our ``device``, as a column of its own.  Every prompt is new to every side:
 LLMPipeline reuses the KV cache of an identical previous prompt, so a repeated prompt would time its
 cache, not its prefill.
@@ -39,6 +41,7 @@ from engine.bench.report import median, write_report
 from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.exporter import export_model
+from engine.models.catalog import draft_of
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.service import ChatService, Handle, Reply
 from engine.runtime.decode.tokenizer import ChatTokenizer
@@ -51,6 +54,10 @@ PARTS = ("users", "prefix", "ttft")
 PROMPT_LENGTHS = (46, 1000)  # the parity run's prompt, and a long paste
 # the llama.cpp peers: run_serve's flag -> the column's name and the llama.cpp build that serves it
 PEERS = {"llamacpp": ("llama.cpp", "cpu"), "llamacpp_openvino": ("llama.cpp OpenVINO", "openvino")}
+# llama.cpp with the model's draft model (the ``llamacpp`` flag, where the catalog has a draft): a
+# column at 1 user only, where speculation is llama.cpp's best configuration
+LLAMA_DRAFT = "llama.cpp + draft"
+ONE_USER = (LLAMA_DRAFT,)
 
 
 class GenaiService:
@@ -178,9 +185,10 @@ def _users_part(folders, one, model, users, tokens, runs, device, peers, hooks, 
                    "LLMPipeline": ApiServer(theirs, port=0, model_id=model).start()}
         urls = {name: server.url for name, server in {**servers, **peers}.items()}
         try:
-            for url in urls.values():  # warm-up: first inferences and the widest wave
+            for name, url in urls.items():  # warm-up: first inferences and the widest wave
                 user_wave(url, model, prompts[:1], tokens)
-                user_wave(url, model, [prompts[i % len(prompts)] for i in range(max(users))], tokens)
+                widest = 1 if name in ONE_USER else max(users)
+                user_wave(url, model, [prompts[i % len(prompts)] for i in range(widest)], tokens)
             def wave(key, run: int):
                 name, n = key
                 # every request new (neither server's cache may serve it), the same ones on both servers
@@ -189,7 +197,8 @@ def _users_part(folders, one, model, users, tokens, runs, device, peers, hooks, 
                 log(f"run {run + 1}: {n} user(s) on {name}: {sum(r['tokens'] for r in got[0]) / got[1]:.1f} tok/s")
                 return got
 
-            waves = interleave(wave, [(name, n) for n in users for name in urls], runs, hooks=hooks,
+            keys = [(name, n) for n in users for name in urls if n == 1 or name not in ONE_USER]
+            waves = interleave(wave, keys, runs, hooks=hooks,
                                label=lambda key: f"{key[1]} user(s) on {key[0]}")
         finally:
             for server in servers.values():
@@ -197,11 +206,15 @@ def _users_part(folders, one, model, users, tokens, runs, device, peers, hooks, 
             ours.close()
             theirs.close()
     for n in users:
-        wave_rows = {name: _wave_row(name, n, waves[name, n]) for name in urls}
+        wave_rows = {name: _wave_row(name, n, waves[name, n]) for name in urls if (name, n) in waves}
         rows += wave_rows.values()
         ours_tok_s = wave_rows["fleet serve"]["tok_s"]
-        for name in list(urls)[1:]:
+        for name in list(wave_rows)[1:]:
             ratios[f"tok/s, fleet serve / {name}, {n} user(s)"] = round(ours_tok_s / wave_rows[name]["tok_s"], 3)
+        if LLAMA_DRAFT in wave_rows and "llama.cpp" in wave_rows:  # llama.cpp's best of one PC: with its draft or not
+            best = max(("llama.cpp", LLAMA_DRAFT), key=lambda name: wave_rows[name]["tok_s"])
+            ratios[f"tok/s, fleet serve / llama.cpp's best of one PC ({best}), {n} user(s)"] = round(
+                ours_tok_s / wave_rows[best]["tok_s"], 3)
         for row in wave_rows.values():
             hooks.row(row)
     return rows, ratios
@@ -262,7 +275,7 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, peers, hooks, l
     # the stateful stages every stage ran before paged attention, side by side
     ours["ours 1-stage, stateful"] = Generator(LocalChain(exports[1], device=device, paged=False),
                                                max_length=max(PROMPT_LENGTHS) + 8)
-    peer_rows = {f"{name} 1-stage": peer for name, peer in peers.items()}
+    peer_rows = {f"{name} 1-stage": peer for name, peer in peers.items() if name not in ONE_USER}
     rows, ratios = [], {}
     for length in PROMPT_LENGTHS:
         base_ids = long_ids.reshape(-1)[-length:]  # the last tokens: the template's ending included
@@ -289,7 +302,7 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, peers, hooks, l
             hooks.row(rows[-1])
             if name != "LLMPipeline 1-stage":
                 ratios[f"TTFT {name} / LLMPipeline, {length} tokens"] = rows[-1]["vs_llmpipeline"]
-        for name in peers:
+        for name in (name for name in peers if name not in ONE_USER):
             ratios[f"TTFT ours 1-stage / {name}, {length} tokens"] = round(
                 median(samples["ours 1-stage"]) / median(samples[f"{name} 1-stage"]), 3)
         measured = rows[-len(samples):]
@@ -298,10 +311,11 @@ def _ttft_part(exports: dict, one: Path, device: str, runs: int, peers, hooks, l
 
 
 def _start_peers(stack: contextlib.ExitStack, model: str, slots: int, device: str, asked: dict[str, bool],
-                 log) -> tuple[dict[str, LlamaServer], dict[str, str]]:
+                 log, one_user: bool = False) -> tuple[dict[str, LlamaServer], dict[str, str]]:
     """The llama.cpp peers asked for (``PEERS``' flags), by column name, each closed with ``stack``, and
     a note per flag for the report: what ran, or why it did not (a peer that cannot be built or
-    started is left out, and the run goes on)."""
+    started is left out, and the run goes on).  ``one_user``: a wave of 1 user is measured, so
+    llama.cpp (asked for) runs with the model's draft too (``llamacpp_draft``'s note)."""
     peers, notes = {}, {}
     for flag, (name, backend) in PEERS.items():
         notes[flag] = "not asked for"
@@ -316,15 +330,34 @@ def _start_peers(stack: contextlib.ExitStack, model: str, slots: int, device: st
         except LlamaCppUnavailable as exc:
             notes[flag] = f"skipped: {exc}"
             log(f"{name} column {notes[flag]}")
+    if asked.get("llamacpp") and one_user:
+        notes["llamacpp_draft"] = _start_draft_peer(stack, model, peers, log)
     return peers, notes
+
+
+def _start_draft_peer(stack: contextlib.ExitStack, model: str, peers: dict[str, LlamaServer], log) -> str:
+    """llama.cpp with ``model``'s catalog draft (one slot: its column is 1 user), added to ``peers``;
+    the report's note on it."""
+    draft = draft_of(model)
+    if draft is None:
+        return f"not run: {model} has no draft model in the catalog"
+    try:
+        peers[LLAMA_DRAFT] = stack.enter_context(LlamaServer(llamacpp_gguf(model), slots=1,
+                                                             draft=llamacpp_gguf(draft), log=log))
+    except LlamaCppUnavailable as exc:
+        log(f"{LLAMA_DRAFT} column skipped: {exc}")
+        return f"skipped: {exc}"
+    return (f"llama-server {LLAMACPP_VERSION} with {draft} drafting (llamacpp.draft_options, the build's "
+            f"draft length), at 1 user")
 
 
 def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, tokens: int = 64, runs: int = 2,
               weights: str = DEFAULT_WEIGHTS, device: str = "CPU", parts: tuple[str, ...] = PARTS,
               llamacpp: bool = False, llamacpp_openvino: bool = False, out: Path | None = None, log=print,
               hooks: Hooks = NO_HOOKS) -> dict:
-    """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure; ``llamacpp``: llama.cpp too;
-    ``llamacpp_openvino``: llama.cpp's OpenVINO backend too, on ``device``."""
+    """``parts``: which of ``users``, ``prefix`` and ``ttft`` to measure; ``llamacpp``: llama.cpp too
+    (and at 1 user, llama.cpp with the model's catalog draft); ``llamacpp_openvino``: llama.cpp's
+    OpenVINO backend too, on ``device``."""
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise FleetError(f"unknown parts {', '.join(sorted(unknown))}: the parts are {', '.join(PARTS)}")
@@ -334,7 +367,8 @@ def run_serve(model: str, *, stages: int = 2, users: tuple[int, ...] = USERS, to
     rows, ratios = [], {}
     with contextlib.ExitStack() as stack:
         peers, notes = _start_peers(stack, model, max(users), device,
-                                    {"llamacpp": llamacpp, "llamacpp_openvino": llamacpp_openvino}, log)
+                                    {"llamacpp": llamacpp, "llamacpp_openvino": llamacpp_openvino}, log,
+                                    one_user="users" in parts and 1 in users)
         measure = {"users": lambda: _users_part(exports[stages], one, model, users, tokens, runs, device, peers,
                                                 hooks, log),
                    "prefix": lambda: _prefix_part(exports[stages], model, runs, hooks, log),

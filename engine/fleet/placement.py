@@ -25,7 +25,7 @@ from engine.errors import FleetError
 from engine.fleet.span import StageSpan, ranked
 from engine.manifest import layer_span
 from engine.runtime.relay import MAX_GROUPS
-from engine.tuning import EXCHANGE_WAIT
+from engine.tuning import EXCHANGE_FIXED_MS, EXCHANGE_WAIT, LINK_MBIT
 
 OBJECTIVES = ("latency", "throughput")
 GB = 2**30
@@ -65,6 +65,7 @@ class ModelShape(Record):
     kv_bytes_per_layer: int  # KV cache of one layer at the planned context and streams
     overhead_bytes: int = 0  # fixed runtime cost of each stage process
     max_ranks: int = 1  # tensor-parallel ranks its export can split it into (``price_ranks``): 2, or 1 for none
+    exchange_bytes: int = 0  # what a rank sends at a layer's exchange for one token: its partial hidden state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,10 +364,28 @@ def exchanges(num_layers: int) -> int:
     return 2 * num_layers + 1
 
 
+def exchange_cost(model: ModelShape, ranks: int, link_ms: float, slowest_ms: float) -> float:
+    """What a token's exchanges cost tensor-parallel ranks beyond the slowest rank's compute, in ms:
+    the ids out and the result back (a round trip, ``link_ms``); at every exchange the part's one way
+    over the link (half a round trip), its bytes at the link's rate (``LINK_MBIT``: the survey
+    measures round trips, not rates), and what the exchange itself costs the ranks in Python (the
+    graph's call into the collective, sealing, the socket's send and receive: ``EXCHANGE_FIXED_MS``);
+    and the waits for the slower rank, whose share of the compute between two exchanges is never
+    quite equal to the other's (the OS, caches, the shares' shapes: ``EXCHANGE_WAIT``).  The
+    vocabulary's gather sends a few bytes a row (each rank's top-1): only its trip and its fixed cost."""
+    # two ranks swap their parts at once, one crossing each way; more send theirs to rank 0 and
+    # take the sum back, one after another over its link
+    crossings = 1 if ranks <= 2 else 2 * (ranks - 1)
+    bytes_ms = crossings * model.exchange_bytes / (LINK_MBIT * 125.0)  # 1 Mbit/s is 125 bytes a ms
+    count = exchanges(model.num_layers)
+    return (link_ms + count * (link_ms / 2 + EXCHANGE_FIXED_MS) + (count - 1) * bytes_ms
+            + slowest_ms * EXCHANGE_WAIT)
+
+
 def price_ranks(model: ModelShape, fleet: Fleet, units: Sequence[tuple[str, str]], *, users: int = 1) -> Evaluation:
     """Prices ``units`` ((node, device), rank 0 first: the coordinator) as tensor-parallel ranks:
     each holds the embedding and 1/R of every layer and of the head, and a token takes the slowest
-    rank's share plus an exchange per ``exchanges`` over the slowest link.  A rank chain runs one
+    rank's share plus its exchanges over the slowest link (``exchange_cost``).  A rank chain runs one
     forward at a time (``engine.runtime.relay.ranks``), so users take turns: the aggregate is one
     user's rate.  Never raises; problems are listed."""
     ranks, L = len(units), model.num_layers
@@ -398,10 +417,7 @@ def price_ranks(model: ModelShape, fleet: Fleet, units: Sequence[tuple[str, str]
                                     memory_limit_bytes=dev.memory_bytes if dev else 0))
     if fleet.coordinator is not None and units and units[0][0] != fleet.coordinator:
         problems.append(f"rank 0 must run on the coordinator {fleet.coordinator}, not {units[0][0]}")
-    # the ids out and the result back, each swap one way, and the waits for the slower rank: at every
-    # exchange the faster rank waits for the slower, whose share of the compute between two exchanges
-    # is never quite equal to its own (the OS, caches, the shares' shapes)
-    network = link + exchanges(L) * link / 2 + slowest * EXCHANGE_WAIT
+    network = exchange_cost(model, ranks, link, slowest)
     token_ms = slowest + network
     tok_s = 1000.0 / token_ms if token_ms > 0 else 0.0
     plan = Plan(model=model.name, stages=planned, objective="throughput", users=max(users, 1), network_ms=network,

@@ -36,6 +36,7 @@ from engine.tuning import STAGE_OVERHEAD_BYTES
 WEIGHT_BYTES = {"int4": 0.5 + 2 / 128, "int8": 1.0 + 2 / 128, "gguf": 0.71, "fp16": 2.0, "f32": 4.0}
 VOCAB_BYTES = 1.0 + 4 / 128  # embedding and head rows are INT8 with a scale per block
 KV_BYTES = 2  # the CPU plugin keeps the KV cache in bf16/f16 by default
+EXCHANGE_DTYPE_BYTES = 4  # tensor-parallel ranks exchange their partial sums in f32 (``engine.transport.mesh``)
 
 
 def weight_bytes(weights: str) -> float:
@@ -175,4 +176,5 @@ def model_shape(manifest: Manifest, context: int = 4096, streams: int = 1) -> di
             "embed_bytes": vocab, "head_bytes": vocab,
             "kv_bytes_per_layer": 2 * s.num_kv_heads * s.head_dim * min(context, s.max_position) * streams * KV_BYTES,
             "overhead_bytes": STAGE_OVERHEAD_BYTES,
-            "max_ranks": 2 if ranks_problem(s, 2, manifest.weights) is None else 1}
+            "max_ranks": 2 if ranks_problem(s, 2, manifest.weights) is None else 1,
+            "exchange_bytes": s.hidden_size * EXCHANGE_DTYPE_BYTES}

@@ -151,6 +151,11 @@ def entry(name: str) -> CatalogEntry:
         raise SourceError(f"unknown catalog model {name!r}; known models: {', '.join(CATALOG)}") from None
 
 
+def draft_of(name: str) -> str | None:
+    """The catalog model that drafts for the catalog model ``name`` (its ``draft_for``), if any."""
+    return next((e.name for e in CATALOG.values() if e.draft_for == name), None)
+
+
 class ModelRow(NamedTuple):
     name: str
     architecture: str

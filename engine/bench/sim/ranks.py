@@ -11,7 +11,9 @@ for one user (``_fleets_choice``: surveyed, placed by the solver, started throug
 plain.  The ranks take the one PC's format where its blocks split (``rankcut``).  All are the chat
 service; they take turns wave by
 wave (64 greedy tokens a user, a different prompt each, no prompt cache) with llama.cpp on the same
-GGUF, whole on PC 1 and split over both PCs by RPC as in the office comparison (``office``).
+GGUF, whole on PC 1 and split over both PCs by RPC as in the office comparison (``office``), and
+whole on PC 1 with the draft model's GGUF drafting (``-md``, llama.cpp's own speculative decoding),
+as ours has its draft: the faster of llama.cpp's two on one PC is its best.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.llamacpp import LlamaServer
+from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
+from engine.bench.parity import llamacpp_gguf
 from engine.bench.sim.draft import ONE_PC
 from engine.bench.sim.office import LLAMA_ONE, LLAMA_SPLIT
 from engine.bench.sim.shared import (TLS, DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
@@ -46,6 +49,7 @@ PORT = 7312  # rank 1's worker for the plain chain; the next port its worker for
 RANKS = "ours, 2 PCs as tensor-parallel ranks"
 RANKS_HYBRID = "ours, 2 PCs as tensor-parallel ranks, hybrid draft"
 FLEET = "ours, the fleet's own choice for one user"
+LLAMA_ONE_DRAFT = "llama.cpp, one PC, its draft model"
 COORDINATOR = "coordinator"
 
 
@@ -110,6 +114,12 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
             layers = load_manifest(whole[0]).spec.num_layers
             opened.append(LlamaServer(gguf, slots=max(users), threads=1, log=log))
             waves[LLAMA_ONE] = lambda u, server=opened[-1]: llama_wave(server, prompts, u, tokens)
+            try:  # on PC 1's core as the one above, its draft on the same thread
+                opened.append(LlamaServer(gguf, slots=max(users), threads=1, draft=llamacpp_gguf(draft_model),
+                                          log=log))
+                waves[LLAMA_ONE_DRAFT] = lambda u, server=opened[-1]: llama_wave(server, prompts, u, tokens)
+            except LlamaCppUnavailable as exc:
+                log(f"the ranks run without {LLAMA_ONE_DRAFT!r}: {exc}")
             rpc = RpcServer(office, pc2.spec.name, office.root)
             opened.append(rpc)
             # the second half of the layers and the output head on PC 2, as the office splits them
@@ -130,6 +140,12 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
         for peer in (LLAMA_SPLIT, LLAMA_ONE):
             if (peer, u) in tok:
                 ratios[f"{u} user(s): {RANKS} / {peer}"] = round(tok[RANKS, u] / tok[peer, u], 3)
+        llama = [peer for peer in (LLAMA_ONE, LLAMA_ONE_DRAFT) if (peer, u) in tok]
+        if len(llama) == 2:  # llama.cpp's best of one PC: with its draft model or without
+            peer = max(llama, key=lambda name: tok[name, u])
+            for name in (RANKS, RANKS_HYBRID, FLEET, best):
+                ratios[f"{u} user(s): {name} / llama.cpp's best of one PC ({peer})"] = round(
+                    tok[name, u] / tok[peer, u], 3)
     notes = {"one_pc_weights": whole_format, "rank_weights": same_format, "fleet_choice": chosen,
              "pcs": "this machine (PC 1, one core) holds rank 0 and runs every one-PC configuration; PC 2 "
                     "(one core, 1 Gbit/s) rank 1"}
