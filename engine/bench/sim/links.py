@@ -8,11 +8,15 @@ on by the other PC (the silence deadline, the probe of the lost node, moving its
 shard, starting a worker, prefilling again; when the node was declared lost and when the new chain
 was placed are in the row too), with whether the reply stayed token-identical (greedy, exact mode).
 Then the same with a hot standby of the stage on the other PC (``engine.fleet.standby``), for a
-worker killed (a reset: no deadline to wait) and for the cable cut: a switch, no redeployment.
+worker killed (a reset: no deadline to wait) and for the cable cut: a switch, no redeployment, and
+no prefill (the standby was sent a copy of the stage's input all along,
+``engine.runtime.relay.mirror``).  What the standby's copies cost while nothing fails is the served
+tok/s of one reply with and without them, over the same deployment, alternated ``runs`` times.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -55,7 +59,9 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
         specs = [NodeSpec(f"pc{i + 1}", cpus=str(sim.cores[i]), rate_mbit=rate) for i in range(2)]
         with Office(specs, key_file=sim.key_file, root=sim.root / f"office-{r}", log=sim.log, tls=TLS) as office:
             rows += _measure(office, sim, shard_bytes, rate, want)
-    ratios = {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows}
+    ratios = {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows if "seconds" in row}
+    ratios.update({f"{row['rate_mbit']:g} Mbit/s decode tok/s, standby copies / none": row["ratio"]
+                   for row in rows if "ratio" in row})
     return rows, ratios, {"rates_mbit": list(sim.rates), "cut_after_tokens": CUT_AFTER}
 
 
@@ -91,8 +97,36 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
             chain.close()
             deployment.stop(key)
             raise FleetError("no standby was placed on pc2")
+        if how == "kill":
+            rows.append(_copies_cost(sim, deployment, chain, rate))
+            chain = deployment.chain(key, local=chain.local)
         rows.append(_lose_pc1(office, sim, deployment, chain, profile, rate, want, how, measure))
     return rows
+
+
+def _copies_cost(sim: Sim, deployment, chain, rate: float) -> dict:
+    """One reply's decode tok/s over ``deployment`` with its standby sent copies and without,
+    alternated ``sim.runs`` times (each on a new chain carrying stage 0 over); closes ``chain``."""
+    plain = dataclasses.replace(deployment, standbys=[])
+    speeds: dict[str, list[float]] = {"copies": [], "none": []}
+    local = chain.local
+    chain.close()
+    for _ in range(sim.runs):
+        for name, record in (("copies", deployment), ("none", plain)):
+            service = ChatService(record.chain(sim.key, local=local), streams=1)
+            try:
+                reply = service.submit(MESSAGES, sim.tokens, ignore_eos=True).wait(600)
+            finally:
+                service.close()
+            if reply.error:
+                raise FleetError(f"a reply over the deployment failed: {reply.error}")
+            speeds[name].append(reply.decode_tok_s)
+    best = {name: max(values) for name, values in speeds.items()}
+    sim.log(f"{rate:g} Mbit/s: decode with the standby's copies {best['copies']:.2f} tok/s, "
+            f"without {best['none']:.2f} (best of {sim.runs})")
+    return {"measure": "decode tok/s, standby copies / none", "rate_mbit": rate,
+            "copies_tok_s": round(best["copies"], 2), "none_tok_s": round(best["none"], 2),
+            "ratio": round(best["copies"] / best["none"], 3)}
 
 
 def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: float, want: list[int], how: str,
