@@ -96,10 +96,11 @@ class Settings:
     draft_model: str = ""  # the draft model source for "model" and "hybrid"
     draft_at: str = ""  # HOST:PORT of the draft server (``fleet worker --role draft``) for "remote"; empty:
     # the deployment's (``fleet deploy --draft-on``)
-    nodes: list[str] = dataclasses.field(default_factory=list)  # agents added by address (no multicast there)
-    # HOST:PORT where discovery also dials for agents (``engine.fleet.unicast``): from join codes and subnet
-    # scans; unlike ``nodes``, one counts only while its agent there proves the fleet key
-    known_nodes: list[str] = dataclasses.field(default_factory=list)
+    # the PCs known by address, where discovery also dials for agents (``engine.fleet.unicast``): entries
+    # {"address": HOST:PORT, "by_hand": bool} (``known_nodes``, ``remember_nodes``, ``forget_nodes``).  One
+    # added by hand (``fleet nodes add``, the Fleet view's "Add node") is listed even while it does not
+    # answer; one from a join code or a scan counts only while its agent there proves the fleet key
+    known_nodes: list[dict] = dataclasses.field(default_factory=list)
     api_enabled: bool = False  # the app serves the OpenAI-compatible API while its chat is up
     api_host: str = "127.0.0.1"  # any other address needs the API key (``fleet key api``)
     api_port: int = 8000
@@ -125,8 +126,9 @@ class Settings:
         if not isinstance(raw, dict):
             raise FleetError(f"the settings in {path} are not a JSON object: fix or delete the file")
         defaults = dataclasses.asdict(Settings())
-        return cls(**{name: value for name, value in raw.items()
-                      if name in defaults and _same_kind(value, defaults[name])})
+        fields = {name: value for name, value in raw.items() if name in defaults and _same_kind(value, defaults[name])}
+        fields["known_nodes"] = _known_entries(raw)
+        return cls(**fields)
 
     def save(self, path: Path | None = None) -> None:
         """Writes the engine's fields (an extension's own fields are its to keep), readable by the user
@@ -207,28 +209,52 @@ def allow_tool(key: str) -> list[str]:
     return settings.mcp_always_allowed
 
 
-MAX_KNOWN_NODES = 256  # a scan of a /24 adds at most 254; older entries go first past this
+MAX_KNOWN_NODES = 256  # a scan of a /24 adds at most 254; past this the oldest not added by hand go first
 
 
-def add_known_nodes(addresses: list[str], added: bool = True) -> list[str]:
-    """Adds (or removes) addresses (HOST:PORT) of those discovery dials, in the saved settings; returns
-    the list."""
+def _known_entries(raw: dict) -> list[dict]:
+    """The saved PCs known by address, one entry per address, from ``known_nodes`` as saved now or as an
+    older file kept them: a list of addresses there, and those added by hand in a list of their own,
+    ``nodes``; an entry of the wrong shape is dropped."""
+    entries: dict[str, bool] = {}
+    old = raw.get("nodes") if isinstance(raw.get("nodes"), list) else []
+    saved = raw.get("known_nodes") if isinstance(raw.get("known_nodes"), list) else []
+    for by_hand, entry in [(True, a) for a in old] + [(False, e) for e in saved]:
+        if isinstance(entry, dict):
+            entry, by_hand = entry.get("address"), entry.get("by_hand") is True
+        if isinstance(entry, str) and entry:
+            entries[entry] = entries.get(entry, False) or by_hand
+    return [{"address": a, "by_hand": h} for a, h in entries.items()]
+
+
+def known_nodes(settings: Settings | None = None, by_hand: bool | None = None) -> list[str]:
+    """The addresses (HOST:PORT) of the PCs known by address, in the order they were added (default: in
+    the saved settings); ``by_hand``: only those added by hand (True) or only the others (False)."""
+    settings = settings or Settings.load()
+    return [e["address"] for e in settings.known_nodes if by_hand is None or e["by_hand"] == by_hand]
+
+
+def remember_nodes(addresses: list[str], by_hand: bool = False) -> list[str]:
+    """Adds PCs known by address to the saved settings, each once and the latest last (``by_hand``: typed
+    in, listed even while silent; an address added by hand stays so); returns all their addresses."""
     with lock(paths().settings_file):  # the app may save the settings meanwhile
         settings = Settings.load()
-        known = [a for a in settings.known_nodes if a not in addresses] + (list(dict.fromkeys(addresses)) if added
-                                                                          else [])
-        settings.known_nodes = known[-MAX_KNOWN_NODES:]
+        hand = {e["address"] for e in settings.known_nodes if e["by_hand"]}
+        added = list(dict.fromkeys(addresses))
+        entries = [e for e in settings.known_nodes if e["address"] not in added] + \
+            [{"address": a, "by_hand": by_hand or a in hand} for a in added]
+        found = [e for e in entries if not e["by_hand"]]
+        dropped = {e["address"] for e in found[:max(0, len(found) - MAX_KNOWN_NODES)]}
+        settings.known_nodes = [e for e in entries if e["address"] not in dropped]
         settings.save()
-    return settings.known_nodes
+    return known_nodes(settings)
 
 
-def set_node(address: str, added: bool) -> list[str]:
-    """Adds (or removes) a node agent known by address, in the saved settings; returns the list."""
+def forget_nodes(addresses: list[str]) -> list[str]:
+    """Removes PCs known by address from the saved settings, however they were added; returns the
+    addresses left."""
     with lock(paths().settings_file):  # the app may save the settings meanwhile
         settings = Settings.load()
-        nodes = [n for n in settings.nodes if n != address]
-        if added:
-            nodes.append(address)
-        settings.nodes = nodes
+        settings.known_nodes = [e for e in settings.known_nodes if e["address"] not in addresses]
         settings.save()
-    return nodes
+    return known_nodes(settings)

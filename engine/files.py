@@ -5,7 +5,7 @@ plan): whole or not at all, one writer at a time.
 over the target (``os.replace``), so a reader sees the old file or the new one, never half of one, and
 a crash mid-write leaves the old file as it was.  Writers serialise on ``lock(path)``, a ``filelock``
 lock file beside the target that every process of the app and the CLI takes; a read-modify-write
-(``engine.config.set_node``) holds it across the read too.
+(``engine.config.remember_nodes``) holds it across the read too.
 
 A file that holds secrets or the user's own text (the settings with MCP servers' tokens, a document
 index) is written ``private``: readable by its owner only, in a folder only its owner can open

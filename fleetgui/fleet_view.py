@@ -28,10 +28,10 @@ from pathlib import Path
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, QTimer, Signal
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QApplication, QDialog, QDialogButtonBox, QFileDialog, QFormLayout,
-                               QGroupBox, QHeaderView, QLabel, QLineEdit, QMessageBox, QPushButton, QStyle,
+                               QGroupBox, QHeaderView, QLabel, QLineEdit, QMenu, QMessageBox, QPushButton, QStyle,
                                QTableView, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from engine.config import Settings, set_node
+from engine.config import forget_nodes, known_nodes, remember_nodes
 from engine.errors import FleetError
 from engine.fleet.unicast import Discovery
 from engine.fleet.node import KERNEL_PATHS, runs_slowly
@@ -61,9 +61,9 @@ STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e
 
 
 def added_nodes() -> list[str]:
-    """The nodes added by address: the engine settings' list, shared with ``fleet nodes add``."""
+    """The nodes added by hand: the engine settings' known nodes, shared with ``fleet nodes add``."""
     try:
-        return list(Settings.load().nodes)
+        return known_nodes(by_hand=True)
     except FleetError:
         return []
 
@@ -540,6 +540,8 @@ class FleetView(QWidget):
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.verticalHeader().hide()
         self.table.setWordWrap(False)
+        self.table.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.table.customContextMenuRequested.connect(self._show_row_menu)
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
         header.setStretchLastSection(False)
@@ -712,14 +714,13 @@ class FleetView(QWidget):
         if problem:
             self.banner.error(problem)
             return problem
-        set_node(address, added=True)
+        remember_nodes([address], by_hand=True)
         self.model.add_address(address)
         self.refresh()
         return None
 
     def remove_node(self, address: str) -> None:
-        set_node(address, added=False)
-        self.model.remove_address(address)
+        self.forget([address])
 
     def remove_selected(self) -> None:
         row = self._selected()
@@ -736,6 +737,60 @@ class FleetView(QWidget):
             self.banner.info(f"{row.name} was found over mDNS; it leaves the list when its agent stops.")
             return
         self.remove_node(row.added_as)
+
+    def known_addresses(self, row: NodeRow) -> list[str]:
+        """The saved known nodes that reach the PC of ``row``: the address it was added by, the one it is
+        polled at, and those where the known nodes' dialler last found its node id."""
+        reaches = self.discovery.browser.dialer.reaches() if self.discovery.browser else []
+        mine = {row.added_as, row.address} | {r.address for r in reaches if row.node_id and r.node_id == row.node_id}
+        try:
+            return [a for a in known_nodes() if a in mine]
+        except FleetError:
+            return []
+
+    def row_menu(self, row: NodeRow) -> QMenu:
+        """The menu a right click on a node's row opens: "Forget this PC…" for a PC known by address (added
+        by hand, from a join code or a scan)."""
+        menu = QMenu(self)
+        forget = menu.addAction("Forget this PC…")
+        forget.setEnabled(not row.role and bool(self.known_addresses(row)))
+        forget.setToolTip("the fleet stops dialling it; a PC that mDNS finds stays while its agent runs")
+        forget.triggered.connect(lambda: self._ask_forget(row))
+        return menu
+
+    def _show_row_menu(self, pos) -> None:
+        index = self.table.indexAt(pos)
+        if index.isValid():
+            menu = self.row_menu(self.model.rows[index.row()])
+            menu.aboutToHide.connect(menu.deleteLater)
+            menu.popup(self.table.viewport().mapToGlobal(pos))
+
+    def _ask_forget(self, row: NodeRow) -> QMessageBox | None:
+        """Asks before forgetting the PC of ``row`` (``forget``); returns the open question."""
+        addresses = self.known_addresses(row)
+        if not addresses:
+            self.banner.info(f"{row.name or row.address} is not known by address; nothing to forget.")
+            return None
+        name = row.name or row.address
+        box = plain(QMessageBox(QMessageBox.Icon.Question, "Forget this PC",
+                                f"Forget {name} ({', '.join(addresses)})? The fleet stops dialling it; a join code "
+                                "or Add node brings it back. A PC that mDNS finds stays in the list while its "
+                                "agent runs.", QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel,
+                                self))
+        box.button(QMessageBox.StandardButton.Ok).setText("Forget")
+        box.accepted.connect(lambda: self.forget(addresses))
+        box.finished.connect(box.deleteLater)
+        box.open()
+        return box
+
+    def forget(self, addresses: list[str]) -> None:
+        """Removes known nodes from the saved settings; their rows leave the list (one the known nodes'
+        dialler found, at its next round, dialled now)."""
+        forget_nodes(addresses)
+        for address in addresses:
+            self.model.remove_address(address)
+        if self.discovery.browser:
+            self.discovery.browser.dialer.poke()
 
     def _selected(self) -> NodeRow | None:
         rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []

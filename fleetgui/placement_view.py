@@ -936,10 +936,7 @@ class PlacementView(QWidget):
         if deployment is None or self.deployed_at is None:
             self.measured.setText("")
             return
-        key = measured_key(deployment.stage0)
-        if key == deployment.stage0:  # as the chat keeps it (``ChatTab._record_speed``)
-            key = deployment.model
-        entry = measured_speeds().get(key)
+        entry = measured_speeds().get(measured_key(deployment.stage0, deployment.model))  # as the chat keeps it
         predicted = f"predicted {self.deployed_prediction:.1f} tok/s for one person"
         if isinstance(entry, dict) and entry.get("at", 0) >= self.deployed_at and entry.get("decode_tok_s"):
             self.measured.setText(f"Measured in the chat: {entry['decode_tok_s']:.1f} tok/s ({predicted}).")

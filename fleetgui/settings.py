@@ -41,14 +41,14 @@ class GuiSettings(Settings):
         return cls(**dataclasses.asdict(engine), **own)
 
     def save(self, store: QSettings) -> None:
-        """The engine's part to ``settings.json`` (keeping the node list as saved there: the Fleet view and
-        ``fleet nodes`` edit it), the app's to ``store``."""
+        """The engine's part to ``settings.json`` (keeping the known nodes as saved there: the Fleet view,
+        join codes, scans and ``fleet nodes`` edit them), the app's to ``store``."""
         with lock(paths().settings_file):  # `fleet nodes` may edit the list meanwhile
             try:
-                nodes = Settings.load().nodes
+                known = Settings.load().known_nodes
             except FleetError:
-                nodes = self.nodes
-            dataclasses.replace(self.engine(), nodes=nodes).save()
+                known = self.known_nodes
+            dataclasses.replace(self.engine(), known_nodes=known).save()
         store.setValue("theme", self.theme)
         store.setValue("chat_preset", self.chat_preset)
         store.sync()

@@ -67,8 +67,32 @@ def test_the_reference_lists_every_command():
 
 
 def test_version():
+    import engine
+
     out = subprocess.run([sys.executable, "-m", "engine.cli", "--version"], capture_output=True, text=True)
-    assert out.returncode == 0 and re.fullmatch(r"fleet \(fleetshard\) \S+\n", out.stdout)
+    assert out.returncode == 0 and out.stdout == f"fleet (fleetshard) {engine.__version__}\n"
+
+
+def test_the_version_is_written_in_the_pyproject_alone(monkeypatch, tmp_path):
+    """The installed package's metadata first; a checkout never installed reads the pyproject beside the
+    package; with neither, ``0+unknown``."""
+    import importlib.metadata
+    import tomllib
+
+    import engine
+
+    written = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert engine.__version__ == written and written not in (ROOT / "engine" / "__init__.py").read_text()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
+    assert engine._version() == "9.9.9"
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert engine._version() == written
+    monkeypatch.setattr(engine, "__file__", str(tmp_path / "engine" / "__init__.py"))
+    assert engine._version() == "0+unknown"
 
 
 def test_the_readme_is_short_and_its_links_resolve():

@@ -4,6 +4,7 @@ this PC and the fleet with its predicted speed (engine.fleet.fit) over a synthet
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
@@ -131,3 +132,16 @@ def test_measured_speeds_are_kept_per_model(monkeypatch, tmp_path):
     assert fit.measured_tok_s("smollm2-135m") == 23.42
     assert fit.measured_key("smollm2-135m") == "smollm2-135m"
     assert fit.measured_key(str(tmp_path)) == str(tmp_path)  # not a shard set: known by its path
+    # a deployment's first stage: its model's name, unless the stage is an export of a catalog model
+    assert fit.measured_key(str(tmp_path), "my-model") == "my-model"
+    assert fit.measured_key("smollm2-135m", "my-model") == "my-model"
+
+
+def test_a_deployed_export_of_a_catalog_model_counts_as_that_model(monkeypatch, tmp_path):
+    entry = next(iter(CATALOG.values()))
+    stage = tmp_path / "stage0"
+    stage.mkdir()
+    monkeypatch.setattr(fit, "is_shard_set", lambda source: True)
+    monkeypatch.setattr(fit, "load_manifest", lambda path: types.SimpleNamespace(fingerprint=entry.sha256))
+    (stage / fit.MANIFEST).write_text("{}")
+    assert fit.measured_key(str(stage), "deployed-name") == entry.name

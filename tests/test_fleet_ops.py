@@ -549,4 +549,4 @@ def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
     assert by_name["added"]["source"] == "address" and by_name["added"]["status"] == "idle"
     assert by_name["127.0.0.1:9"]["status"] == "unreachable" and "not reachable" in by_name["127.0.0.1:9"]["error"]
     fleet("nodes", "remove", "127.0.0.1:9")
-    assert json.loads((home / "config" / "settings.json").read_text())["nodes"] == [added]
+    assert [e["address"] for e in json.loads((home / "config" / "settings.json").read_text())["known_nodes"]] == [added]

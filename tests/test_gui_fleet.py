@@ -97,6 +97,36 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         assert [r.found_by for r in view.model.rows] == ["this machine"]  # always listed
 
 
+def test_forget_this_pc_drops_a_known_pc_from_the_view_and_the_settings(qtbot, gui_home, key_file, tmp_path):
+    """A PC known from a join code or a scan is dialled into the view; its row's menu forgets it, after a
+    confirm: the saved known nodes lose its address and the row leaves the list."""
+    from PySide6.QtWidgets import QMessageBox
+
+    from engine.config import known_nodes, remember_nodes
+
+    with agent_process(key_file, tmp_path / "k", name="known-pc", tls=True) as (_, address):
+        remember_nodes([address])  # as a join code or a scan leaves it
+        window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),
+                             settings_store(tmp_path / "s.ini"))
+        view = window.show_view("Fleet")
+        qtbot.waitUntil(lambda: view.model.row("known-pc") is not None, timeout=30000)
+        row = view.model.row("known-pc")
+        assert not row.added
+        this = view.row_menu(view.model.rows[0]).actions()[0]  # this machine, always first
+        assert this.text() == "Forget this PC…" and not this.isEnabled()  # nothing of it is known by address
+        forget = view.row_menu(row).actions()[0]
+        assert forget.text() == "Forget this PC…" and forget.isEnabled()
+        forget.trigger()
+        box = view.findChild(QMessageBox)
+        assert "known-pc" in box.text() and address in box.text()
+        box.button(QMessageBox.StandardButton.Cancel).click()
+        assert known_nodes() == [address]
+        view.row_menu(row).actions()[0].trigger()
+        next(b for b in view.findChildren(QMessageBox) if b.isVisible()).button(QMessageBox.StandardButton.Ok).click()
+        assert known_nodes() == []  # saved: `fleet nodes` and the next start no longer know it
+        qtbot.waitUntil(lambda: view.model.row("known-pc") is None, timeout=20000)
+
+
 def test_a_cpu_without_int8_dot_products_is_marked_and_its_tooltip_says_why(qtbot):
     """Marked where OpenVINO's own kernels run its matrices, not where ours do; the tooltip names the
     kernels a node runs."""

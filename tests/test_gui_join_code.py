@@ -29,7 +29,7 @@ def key_file(gui_home):
 def test_a_pasted_join_code_brings_its_node_into_the_view(qtbot, gui_home, key_file, tmp_path):
     from PySide6.QtWidgets import QApplication
 
-    from engine.config import Settings
+    from engine.config import known_nodes
     from engine.fleetkey import load_key
 
     key = load_key(key_file)
@@ -47,13 +47,13 @@ def test_a_pasted_join_code_brings_its_node_into_the_view(qtbot, gui_home, key_f
         dialog.pasted.setText(unicast.join_code(secrets.token_bytes(32), port=port))  # a code of another fleet
         dialog.join_button.click()
         qtbot.waitUntil(lambda: "another fleet" in dialog.outcome.text(), timeout=10000)
-        assert Settings.load().known_nodes == [] and view.model.row("alice") is None
+        assert known_nodes() == [] and view.model.row("alice") is None
 
         dialog.pasted.setText(unicast.join_code(key, port=port))  # alice's PC is this one: its code is ours
         dialog.join_button.click()
         qtbot.waitUntil(lambda: "proved the fleet key" in dialog.outcome.text(), timeout=20000)
         assert "alice" in dialog.outcome.text()
-        assert Settings.load().known_nodes == [f"{a}:{port}" for a in unicast.shared_addresses()]
+        assert known_nodes() == [f"{a}:{port}" for a in unicast.shared_addresses()]
         qtbot.waitUntil(lambda: view.model.row("alice") is not None, timeout=20000)  # dialled at once
         assert view.model.row("alice").address.endswith(f":{port}")
         dialog.reject()

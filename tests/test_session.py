@@ -11,7 +11,7 @@ import pytest
 
 from engine.cli.args import chain_args, launch_of, settings_of
 from engine.cli.main import GROUPS, build_parser
-from engine.config import Settings, set_node
+from engine.config import Settings, forget_nodes, known_nodes, remember_nodes
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment
 from engine.session import Launch, chain_kind, open_chain, open_service
@@ -79,14 +79,32 @@ def test_one_settings_file_typed_and_refused_by_name_when_damaged(home):
     path.write_text(json.dumps(raw))
     loaded = Settings.load()
     assert (loaded.default_model, loaded.streams, loaded.stages) == ("qwen2.5-coder-1.5b", 3, Settings().stages)
-    assert set_node("10.0.0.5:7390", added=True) == ["10.0.0.5:7390"]
-    assert Settings.load().nodes == ["10.0.0.5:7390"] and Settings.load().streams == 3
-    assert set_node("10.0.0.5:7390", added=False) == []
+    assert remember_nodes(["10.0.0.5:7390"], by_hand=True) == ["10.0.0.5:7390"]
+    assert known_nodes(by_hand=True) == ["10.0.0.5:7390"] and Settings.load().streams == 3
+    assert forget_nodes(["10.0.0.5:7390"]) == []
     path.write_text("{not json")
     with pytest.raises(FleetError, match="settings.json"):
         Settings.load()
     assert Settings(k="40").validate() == "K must be between 0 and 32, or auto"
     assert "2 devices for 3 stages" in Settings(device="CPU,GPU", stages=3).validate()
+
+
+def test_an_older_settings_file_keeps_its_nodes_added_by_hand_and_its_known_nodes(home):
+    """Older files kept the nodes added by hand in ``nodes`` and those from join codes and scans in
+    ``known_nodes`` (addresses); both load as the one list of known nodes, and save as it."""
+    path = home / "config" / "settings.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"nodes": ["10.0.0.5:7390", "10.0.0.7:7390"], "streams": 3,
+                                "known_nodes": ["10.0.0.6:7390", "10.0.0.7:7390", 42, {"address": 1}]}))
+    loaded = Settings.load()
+    assert known_nodes(loaded) == ["10.0.0.5:7390", "10.0.0.7:7390", "10.0.0.6:7390"] and loaded.streams == 3
+    assert known_nodes(loaded, by_hand=True) == ["10.0.0.5:7390", "10.0.0.7:7390"]  # in both: added by hand
+    assert known_nodes(loaded, by_hand=False) == ["10.0.0.6:7390"]
+    loaded.save()
+    raw = json.loads(path.read_text())
+    assert "nodes" not in raw and Settings.load().known_nodes == loaded.known_nodes
+    assert remember_nodes(["10.0.0.5:7390"]) == ["10.0.0.7:7390", "10.0.0.6:7390", "10.0.0.5:7390"]
+    assert known_nodes(by_hand=True) == ["10.0.0.7:7390", "10.0.0.5:7390"]  # still added by hand
 
 
 def test_every_command_group_is_registered_and_loads_alone():

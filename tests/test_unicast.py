@@ -12,7 +12,7 @@ import sys
 import pytest
 from fleet_support import agent_process
 
-from engine.config import Settings
+from engine.config import known_nodes
 from engine.errors import FleetError
 from engine.fleet import unicast
 from engine.fleet.unicast import Discovery, Multicast, Reach, diagnose, join, join_code, read_join_code, scan
@@ -54,7 +54,7 @@ def test_a_join_code_of_another_fleet_is_refused_in_plain_words(home):
     assert fleet_id(theirs) in str(refused.value) and fleet_id(ours) in str(refused.value)
     with pytest.raises(FleetError, match="another fleet"):
         join(code, ours)
-    assert Settings.load().known_nodes == []  # nothing of it kept
+    assert known_nodes() == []  # nothing of it kept
 
 
 @pytest.mark.parametrize("text, reason", [
@@ -90,7 +90,7 @@ def test_a_join_code_finds_the_agent_and_the_dialler_counts_it_once_it_proves_th
         code, reached = join(_code(key, "127.0.0.2", port), key)
         assert code.agents == [f"127.0.0.2:{port}"]
         assert [(r.outcome, r.name) for r in reached] == [("proved", "alice")]
-        assert Settings.load().known_nodes == [f"127.0.0.2:{port}"]
+        assert known_nodes() == [f"127.0.0.2:{port}"]
         # an agent of another fleet is dialled too but never counts; a dead address neither
         dead = f"127.0.0.1:{_closed_port()}"
         known = [f"127.0.0.2:{port}", f"127.0.0.3:{port}", stranger, dead]
@@ -134,7 +134,7 @@ def test_a_scan_finds_the_agents_that_prove_the_key_and_keeps_them(tmp_path, hom
         done = scan(key, port=port, networks=["127.0.0.8/29"], dials=3)
     assert not done.cut_short and done.planned == done.dialled == 6
     assert [(r.name, r.address) for r in done.found] == [("alice", f"127.0.0.10:{port}")]
-    assert Settings.load().known_nodes == [f"127.0.0.10:{port}"]
+    assert known_nodes() == [f"127.0.0.10:{port}"]
 
 
 def test_a_scan_is_bounded_to_a_24_and_by_its_deadline():
@@ -210,9 +210,9 @@ def test_listening_hears_this_pcs_own_query():
 
 def test_known_nodes_are_kept_once_and_fleet_nodes_remove_forgets_one(home):
     from engine.cli.main import main
-    from engine.config import add_known_nodes
+    from engine.config import known_nodes, remember_nodes
 
-    add_known_nodes(["10.0.0.5:7390", "10.0.0.6:7390"])
-    assert add_known_nodes(["10.0.0.5:7390"]) == ["10.0.0.6:7390", "10.0.0.5:7390"]  # once, the latest last
+    remember_nodes(["10.0.0.5:7390", "10.0.0.6:7390"])
+    assert remember_nodes(["10.0.0.5:7390"]) == ["10.0.0.6:7390", "10.0.0.5:7390"]  # once, the latest last
     assert main(["nodes", "remove", "10.0.0.5:7390"]) == 0
-    assert Settings.load().known_nodes == ["10.0.0.6:7390"]
+    assert known_nodes() == ["10.0.0.6:7390"]

@@ -184,3 +184,39 @@ def test_frames_after_the_handshake_are_sealed_per_direction_and_in_order():
         with pytest.raises(ProtocolError, match="failed its authentication"):
             wire.recv_frame(b, seal=server)
     assert r["client"] == {"fingerprint": "abc"}
+
+
+def test_keep_frames_round_trip_and_refuse_slots_a_stream_does_not_hold():
+    sent = wire.keep_frame(7, [0, 2, 5])
+    got = wire.decode(wire.encode(sent))
+    assert (got.type, got.stream) == (Msg.KEEP, 7)
+    assert wire.unpack_keep(got, past=6).tolist() == [0, 2, 5] and wire.unpack_keep(got, 6).dtype == np.int32
+    assert wire.unpack_keep(wire.decode(wire.encode(wire.keep_frame(7, []))), past=0).tolist() == []
+    for hostile, past in ((wire.keep_frame(7, [0, 2, 5]), 5),  # slot 5 of 5 cached positions
+                          (wire.keep_frame(7, [2, 2]), 6),  # not increasing
+                          (wire.keep_frame(7, [-1, 2]), 6),
+                          (wire.keep_frame(7, [0, 1, 2, 3]), 3),  # more slots than positions
+                          (Frame(Msg.KEEP, 7, 0, [np.array([0, 1], np.int64)]), 6),  # another dtype
+                          (Frame(Msg.KEEP, 7, 0, [np.array([[0, 1]], np.int32)]), 6),
+                          (Frame(Msg.KEEP, 7), 6),  # no slots
+                          (Frame(Msg.RESET, 7, 0, [np.array([0], np.int32)]), 6)):
+        with pytest.raises(ProtocolError, match="KEEP needs increasing slot indices"):
+            wire.unpack_keep(wire.decode(wire.encode(hostile)), past)
+
+
+def test_share_frames_round_trip_and_refuse_parts_out_of_step():
+    part = np.arange(8, dtype=np.float32).reshape(1, 2, 4)
+    got = wire.decode(wire.encode(wire.share_frame(3, part, wire.Flag.PROBS)))
+    assert (got.type, got.seq, got.flags) == (Msg.SHARE, 3, wire.Flag.PROBS)
+    assert np.array_equal(wire.unpack_share(got, 3, (1, 2, 4)), part)
+    for hostile, why in ((wire.share_frame(4, part), "part 3 .* got SHARE 4"),  # another exchange
+                         (wire.share_frame(3, part[:, :1]), r"got SHARE 3 \(1, 1, 4\)"),
+                         (wire.share_frame(3, part.astype(np.float16)), "got SHARE 3"),
+                         (Frame(Msg.SHARE, 0, 3, [part, part]), "got SHARE 3$"),
+                         (Frame(Msg.FORWARD, 0, 3, [part]), "got FORWARD 3$")):
+        with pytest.raises(ProtocolError, match=why):
+            wire.unpack_share(wire.decode(wire.encode(hostile)), 3, (1, 2, 4))
+    data = wire.encode(wire.share_frame(3, part))
+    for cut in (1, wire.HEADER.size, len(data) - 1):  # truncated on its way
+        with pytest.raises(ProtocolError):
+            wire.decode(data[:cut])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
-from engine.config import DEFAULT_WEIGHTS, Settings, add_known_nodes, paths, set_node
+from engine.config import DEFAULT_WEIGHTS, Settings, forget_nodes, known_nodes, paths, remember_nodes
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.files import write_json
@@ -105,9 +105,11 @@ def cmd_nodes(args) -> int:
         return _unicast(args, settings)
     if args.nodes_cmd in ("add", "remove"):
         parse_address(args.address)
-        nodes = set_node(args.address, added=args.nodes_cmd == "add")
-        if args.nodes_cmd == "remove" and args.address in settings.known_nodes:  # from a join code or a scan
-            add_known_nodes([args.address], added=False)
+        if args.nodes_cmd == "add":
+            remember_nodes([args.address], by_hand=True)
+        else:  # however it was added: by hand, from a join code or a scan
+            forget_nodes([args.address])
+        nodes = known_nodes(by_hand=True)
         say(f"{'added' if args.nodes_cmd == 'add' else 'removed'} {args.address}; nodes by address: "
             f"{', '.join(nodes) or 'none'}")
         return 0
@@ -127,7 +129,7 @@ def cmd_nodes(args) -> int:
             print(f"{kind:<8} {_row({**dataclasses.asdict(info), 'source': 'mdns'})}", flush=True)
 
     with Discovery(key, tls, on_event=show if args.watch else None) as browser:
-        found = [_static_status(a, key, tls) for a in settings.nodes]
+        found = [_static_status(a, key, tls) for a in known_nodes(settings, by_hand=True)]
         if args.watch:
             if not args.json:
                 print(f"{'event':<8} {NODES_HEADER}", flush=True)
@@ -207,7 +209,7 @@ def _agent_addresses(args, key: bytes, tls) -> list[str]:
     for name, reason in skipped.items():
         say(f"left out mDNS record {name.split('._', 1)[0]!r}: {reason}")
     found = [f"{n.addresses[0]}:{n.port}" for n in heard if n.addresses]
-    for address in [a for a in Settings.load().nodes if a not in found]:
+    for address in [a for a in known_nodes(by_hand=True) if a not in found]:
         status = _static_status(address, key, tls)
         if "error" in status:
             say(f"left out {address} (added by address): {status['error']}")

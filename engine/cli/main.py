@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from importlib.metadata import PackageNotFoundError, version
 
+import engine
 from engine.cli.docs import add_examples
 from engine.errors import FleetError
 
@@ -40,12 +40,8 @@ class _Fleet(argparse.ArgumentParser):
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole ``fleet`` parser, or (``command``) one with only that command's group: a worker or
     agent process then loads what it runs and not, say, the API server or the placement solver."""
-    try:
-        release = version("fleetshard")
-    except PackageNotFoundError:  # a checkout that was never installed
-        release = "unknown"
     parser = _Fleet(prog="fleet", description="fleetshard: one LLM across a fleet of PCs")
-    parser.add_argument("--version", action="version", version=f"fleet (fleetshard) {release}")
+    parser.add_argument("--version", action="version", version=f"fleet (fleetshard) {engine.__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=argparse.ArgumentParser)
     for group, commands in GROUPS.items():
         if command is None or command in commands:

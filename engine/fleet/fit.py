@@ -169,9 +169,15 @@ def _measured_path() -> Path:
     return paths().data / MEASURED_NAME
 
 
-def measured_key(source: str) -> str:
+def measured_key(source: str, deployed_as: str = "") -> str:
     """The name a measured speed is kept under: an export of a catalog model counts as that model (its
-    manifest's fingerprint is the model's sha256), anything else is known by its path."""
+    manifest's fingerprint is the model's sha256), anything else is known by its path.  ``deployed_as``:
+    ``source`` is a deployment's first stage, and the deployment's model name (``Deployment.model``)
+    stands for it unless it is an export of a catalog model (what the chat records, the Placement view
+    reads)."""
+    if deployed_as:
+        key = measured_key(source)
+        return deployed_as if key == source else key
     if source in CATALOG or not is_shard_set(source):
         return source
     path = Path(source).expanduser()

@@ -33,7 +33,7 @@ from typing import Callable
 
 import psutil
 
-from engine.config import Settings, add_known_nodes
+from engine.config import known_nodes, remember_nodes
 from engine.errors import FleetError
 from engine.fleet.control import ROLE, AgentError, ControlClient
 from engine.fleet.discovery import CHECKS, PROVE_S, Browser, local_addresses, prover
@@ -173,7 +173,7 @@ def join(text: str, key: bytes, tls=None, timeout_s: float = PROVE_S) -> tuple[J
     """Reads a join code, adds its addresses to the known nodes (a PC that is off now counts once it
     answers) and dials each once, off the caller's thread (a few at once): what each gave."""
     code = read_join_code(text, key)
-    add_known_nodes(code.agents)
+    remember_nodes(code.agents)
     return code, _dial_all(code.agents, key, tls, timeout_s)
 
 
@@ -255,16 +255,17 @@ def scan(key: bytes, tls=None, *, port: int = AGENT_PORT, networks: list | None 
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     if keep and found:
-        add_known_nodes([r.address for r in found])
+        remember_nodes([r.address for r in found])
     return Scan(found, dialled, len(targets), [str(n) for n in nets])
 
 
 # --- the known nodes, dialled -------------------------------------------------------------------------
 
 def known_addresses() -> list[str]:
-    """The settings' known nodes, the most recently added first (``MAX_DIALLED`` of them)."""
+    """The settings' known nodes from join codes and scans, the most recently added first (``MAX_DIALLED``
+    of them); those added by hand are polled instead (``fleet nodes``, the Fleet view)."""
     try:
-        return list(reversed(Settings.load().known_nodes))[:MAX_DIALLED]
+        return list(reversed(known_nodes(by_hand=False)))[:MAX_DIALLED]
     except FleetError:
         return []
 
@@ -282,8 +283,8 @@ def _node_info(node: dict, address: str) -> NodeInfo:
 
 
 class Dialer:
-    """Keeps the nodes known by address (``known()``, default the settings' ``known_nodes``) whose agents
-    prove the fleet key: dials them all every ``every_s`` on ``CHECKS`` threads, each within
+    """Keeps the nodes known by address (``known()``, default ``known_addresses``) whose agents prove the
+    fleet key: dials them all every ``every_s`` on ``CHECKS`` threads, each within
     ``timeout_s``.  ``on_event(kind, info)`` as a ``discovery.Browser``'s, from the dialler's thread.  A
     node reached at several known addresses is one node, at the first of them that answers."""
 

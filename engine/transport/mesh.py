@@ -196,7 +196,7 @@ class Mesh:
 
     def _share(self, seq: int, x: np.ndarray) -> Frame:
         """A part for another rank; rank 0's say what its forward needs (``needs``)."""
-        return Frame(Msg.SHARE, 0, seq, [x], self.needs if self.rank == 0 else wire.Flag.NONE)
+        return wire.share_frame(seq, x, self.needs if self.rank == 0 else wire.Flag.NONE)
 
     def _send(self, rank: int, frame: Frame) -> None:
         link = self._link(rank)
@@ -237,11 +237,10 @@ class Mesh:
             raise MeshError(f"tensor-parallel {link.peer} is gone: {exc}") from None
         if frame is None:
             raise MeshError(f"tensor-parallel {link.peer} sent nothing within {self.timeout_s:g} s")
-        part = frame.tensors[0] if frame.type == Msg.SHARE and len(frame.tensors) == 1 else None
-        if part is None or frame.seq != seq or part.dtype != np.float32 or part.shape != tuple(shape):
-            raise MeshError(f"tensor-parallel {link.peer} is out of step: expected its part {seq} "
-                            f"{tuple(shape)}, got {frame.type.name} {frame.seq}"
-                            f"{'' if part is None else ' ' + str(part.shape)}")
+        try:
+            part = wire.unpack_share(frame, seq, shape)
+        except wire.ProtocolError as exc:
+            raise MeshError(f"tensor-parallel {link.peer} is out of step: {exc}") from None
         if self.rank:
             self.needs = frame.flags
         return part

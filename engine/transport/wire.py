@@ -59,7 +59,8 @@ class AuthError(FleetError):
 
 class Msg(enum.IntEnum):
     """Message types.  The relay's frames are built and read only by their functions below:
-    ``forward_frame``, ``packed_frame``, ``result_frame``, ``sync_frame``, ``drafts_frame``."""
+    ``forward_frame``, ``packed_frame``, ``result_frame``, ``keep_frame``, ``sync_frame``, ``drafts_frame``,
+    ``share_frame``."""
 
     HELLO = 1
     CHALLENGE = 2
@@ -74,13 +75,13 @@ class Msg(enum.IntEnum):
     PONG = 15
     BYE = 16
     ALIVE = 17  # heartbeat upstream while a request is outstanding (deadlines, not keep-alive)
-    KEEP = 18  # keep only these physical KV slots of a stream ([slots i32]): rewind and compaction
+    KEEP = 18  # keep only these physical KV slots of a stream (``keep_frame``): rewind and compaction
     PACKED = 19  # FORWARD for many streams in one frame, between paged stages (``packed_frame``)
     CALL = 20  # a node agent's control API: [JSON {"op": ..., ...}] plus an optional raw uint8 payload
     REPLY = 21  # the agent's answer to a CALL: [JSON] plus an optional raw uint8 payload
     SYNC = 22  # to a draft server: a stream's text is now what it was told up to a point, then these tokens
     DRAFTS = 23  # from a draft server: tokens it drafted, from a position of a stream's text on
-    SHARE = 24  # between tensor-parallel ranks: a partial sum or vocabulary slice ([x f32]; seq counts them)
+    SHARE = 24  # between tensor-parallel ranks: a partial sum or vocabulary slice (``share_frame``)
     MIRROR = 25  # opens a stage's hot standby's copy of the stage's input: what follows is applied, never answered
 
 
@@ -214,6 +215,40 @@ def unpack_result(frame: Frame, flags: Flag) -> tuple[np.ndarray, np.ndarray | N
     logits = next(rest) if flags & Flag.LOGITS else None
     candidates = (next(rest), next(rest)) if flags & Flag.CANDIDATES else None
     return tensors[0], probs, logits, candidates, tensors[-1]
+
+
+def keep_frame(stream: int, slots: np.ndarray) -> Frame:
+    """A KEEP: ``[slots (i32 [n])]``, the physical KV slots of ``stream`` every stage keeps (a rewind
+    after rejected draft tokens, a compaction), in increasing order.  It is ordered before the stream's
+    next FORWARD, so nothing answers it."""
+    return Frame(Msg.KEEP, stream, 0, [np.asarray(slots, np.int32)])
+
+
+def unpack_keep(frame: Frame, past: int) -> np.ndarray:
+    """A KEEP's slots, checked to be increasing indices below the ``past`` positions the stream holds."""
+    slots = frame.tensors[0] if frame.type == Msg.KEEP and len(frame.tensors) == 1 else None
+    if (slots is None or slots.dtype != np.int32 or slots.ndim != 1 or len(slots) > past
+            or (len(slots) and (slots.min() < 0 or slots.max() >= past or np.any(np.diff(slots) <= 0)))):
+        raise ProtocolError(f"KEEP needs increasing slot indices below the {past} cached positions")
+    return slots
+
+
+def share_frame(seq: int, part: np.ndarray, needs: Flag = Flag.NONE) -> Frame:
+    """A SHARE, one tensor-parallel rank's part of an exchange for another rank: ``[part (f32)]``, a
+    partial sum, a vocabulary slice, or a slice's top candidates (their logits, then their indices in
+    the slice); ``seq`` counts the exchanges.  Rank 0's carry the flags of the forward under way
+    (``needs``), so the other ranks know what to share back."""
+    return Frame(Msg.SHARE, 0, seq, [part], needs)
+
+
+def unpack_share(frame: Frame, seq: int, shape: tuple) -> np.ndarray:
+    """A SHARE's part, checked to be exchange ``seq``'s and an f32 tensor of ``shape``; what its
+    values mean (a candidate's index within the slice) is the mesh's to check."""
+    part = frame.tensors[0] if frame.type == Msg.SHARE and len(frame.tensors) == 1 else None
+    if part is None or frame.seq != seq or part.dtype != np.float32 or part.shape != tuple(shape):
+        raise ProtocolError(f"expected its part {seq} {tuple(shape)}, got {frame.type.name} {frame.seq}"
+                            f"{'' if part is None else ' ' + str(part.shape)}")
+    return part
 
 
 def sync_frame(stream: int, epoch: int, start: int, lead: int, fresh: bool, tokens: list[int]) -> Frame:

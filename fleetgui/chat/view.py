@@ -296,10 +296,8 @@ class ChatView(QWidget):
         if reply.error or len(reply.tokens) < 2:
             return
         deployment = getattr(self.controller, "deployment", None)
-        source = deployment.stage0 if deployment is not None else self.controller.current_model
-        key = measured_key(source)
-        if deployment is not None and key == source:
-            key = deployment.model
+        key = measured_key(deployment.stage0, deployment.model) if deployment is not None else \
+            measured_key(self.controller.current_model)
         try:
             record_measured(key, reply.decode_tok_s)
         except OSError:

@@ -372,7 +372,7 @@ class RemoteChain(Chain):
         """Every stage keeps only these KV slots; ordered before the next FORWARD, so no reply."""
         self._flush_stream(stream)
         self.local.keep(stream, slots)
-        self._send(Frame(Msg.KEEP, stream, 0, [np.asarray(slots, np.int32)]))
+        self._send(wire.keep_frame(stream, slots))
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 flags: Flag = Flag.NONE, stream: int = 0) -> Output:

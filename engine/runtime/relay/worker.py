@@ -354,15 +354,11 @@ class Worker(Listening):
             self._send_down(Frame(Msg.RESET, stream), track=False)
 
     def _keep(self, frame: Frame, copy: bool = False) -> None:
-        past = self._kv_length.get(frame.stream, 0)
-        slots = frame.tensors[0] if len(frame.tensors) == 1 else None
-        if (slots is None or slots.dtype != np.int32 or slots.ndim != 1 or len(slots) > past
-                or (len(slots) and (slots.min() < 0 or slots.max() >= past or np.any(np.diff(slots) <= 0)))):
-            raise RequestError(f"KEEP needs increasing slot indices below the {past} cached positions")
+        slots = wire.unpack_keep(frame, self._kv_length.get(frame.stream, 0))
         self.runner.keep(frame.stream, slots)
         self._kv_length[frame.stream] = len(slots)
         if not copy:
-            self._send_down(Frame(Msg.KEEP, frame.stream, 0, [slots]), track=False)
+            self._send_down(wire.keep_frame(frame.stream, slots), track=False)
 
     def _check_forward(self, frame: Frame) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """A FORWARD's tensors (``wire.unpack_forward``), checked to fit this stage and the stream's cache."""
