@@ -53,6 +53,15 @@ def test_standbys_go_where_there_is_room_and_never_on_their_own_node():
     assert standby.place(SHAPE, full, stages) == {}  # no room: the stages fail over by redeploying
 
 
+def test_standbys_go_to_idle_nodes_first_since_they_compute_along(tmp_path):
+    stages = [StageSpan(LOCAL, "CPU", 0, 10), StageSpan("a", "CPU", 10, 20), StageSpan("b", "CPU", 20, 30)]
+    fleet = _fleet({"coordinator": 8 * GB, "a": 16 * GB, "b": 16 * GB, "c": 4 * GB})
+    counts = tmp_path / "dropouts.json"
+    standby.count_dropout("c", counts)
+    where = standby.place(SHAPE, fleet, stages, standby.dropouts(counts))
+    assert where[1].node == "c" and where[2].node == "c"  # less room, dropped out once, but idle
+
+
 def test_standbys_prefer_the_nodes_that_drop_out_least(tmp_path):
     stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan("a", "CPU", 15, 30)]
     fleet = _fleet({"coordinator": 8 * GB, "a": 8 * GB, "b": 4 * GB, "c": 8 * GB})

@@ -1,12 +1,14 @@
 """Hot standbys: a second PC for a part of the model, holding that part's shard loaded and compiled,
-so that losing the PC that runs it costs a switch, not a redeployment.
+so that losing the PC that runs it costs a switch, not a redeployment, and no prefill: the stage's
+input is copied to it as it goes (``engine.runtime.relay.mirror``).
 
 ``place`` chooses where standbys go (a pure function of the plan, the fleet's memory and how often
 each PC has dropped out); ``start`` ships each standby its stage's shard and starts its worker,
-which then waits, compiled and idle, for a coordinator to route to it.  Failover
-(``engine.fleet.failover``) switches a broken stage to its standby: the coordinator opens a new
-chain whose route names the standby, the stage before it redials, and the replies in flight are
-prefilled again there.  A standby adds no work while nothing fails: it only holds memory.
+which then applies the copies of its stage's input until a coordinator routes to it.  Failover
+(``engine.fleet.failover``) switches a broken stage to its standby: the coordinator re-routes its
+chain to the standby, the stage before it redials, and the replies in flight are carried on from
+the caches the standby kept.  While nothing fails, a standby holds its stage's
+memory and computes its stage along with it, on its own PC.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def place(model: ModelShape, fleet: Fleet, stages: list[StageSpan], dropouts: di
     """Where each stage run on a node (not ``local``, this machine) keeps its standby: a node of
     ``fleet`` (by node id, as the plan's stages name them) other than the stage's own, with the
     memory left for the stage's shard once its own stage and any standby already given to it are
-    counted.  The nodes that dropped out least often (``dropouts``: node id -> times) go first, then
-    the ones with the most memory left.  A stage without such a node has none (it fails over as a
-    redeployment does)."""
+    counted.  Nodes that run no stage of the plan go first (a standby computes its stage along with
+    it: on a busy node that slows the chain), then those that dropped out least often
+    (``dropouts``: node id -> times), then the ones with the most memory left.  A stage without such
+    a node has none (it fails over as a redeployment does)."""
     dropouts = dropouts or {}
     memory = stage_memory(model)
     last = max((s.end for s in stages), default=0)
@@ -60,17 +63,19 @@ def place(model: ModelShape, fleet: Fleet, stages: list[StageSpan], dropouts: di
         if s.node != local:
             used[(s.node, s.device)] = used.get((s.node, s.device), 0) + memory.at(s.end - s.start, s.start == 0,
                                                                                     s.end == last)
+    busy = {s.node for s in stages} | {fleet.coordinator}
     chosen: dict[int, StageSpan] = {}
     for i, s in enumerate(stages):
         if s.node == local or s.rank is not None:
             continue
         need = memory.at(s.end - s.start, s.start == 0, s.end == last)
-        room = [(dropouts.get(d.node, 0), -(d.memory_bytes - used.get((d.node, d.device), 0)), d.node, d.device)
+        room = [(d.node in busy, dropouts.get(d.node, 0), -(d.memory_bytes - used.get((d.node, d.device), 0)), d.node,
+                 d.device)
                 for d in fleet.devices
                 if d.supported and d.node not in (s.node, fleet.coordinator)
                 and d.memory_bytes - used.get((d.node, d.device), 0) >= need]
         if room:
-            _, _, node, device = min(room)
+            *_, node, device = min(room)
             used[(node, device)] = used.get((node, device), 0) + need
             chosen[i] = StageSpan(node, device, s.start, s.end)
     return chosen
