@@ -147,7 +147,7 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
     launch = launch or Launch()
     kind = chain_kind(settings, launch)
     if kind == "deployment":
-        progress(Progress(f"Connecting to the deployed {launch.deployment.model}"))
+        progress(Progress("Connecting to the deployment's parts"))  # the model is named beside it: no cache path
         chain = launch.deployment.chain(load_key(settings.fleet_key_file),
                                         tls=load_tls(settings.tls, settings.fleet_key_file),
                                         deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,

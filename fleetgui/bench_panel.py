@@ -27,7 +27,7 @@ from engine.progress import Progress
 from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import RESOURCES, SERIES
-from fleetgui.widgets import Banner, combo_box, plain, spin_box, splitter
+from fleetgui.widgets import Banner, ScrollColumn, combo_box, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 
@@ -194,7 +194,8 @@ class BenchPanel(QWidget):
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
         self.published = published_table(RESOURCES / "highlights.json")
         plots = splitter(Qt.Orientation.Vertical, (self.published, 2), (self.plot, 3), (self.live, 2), (self.table, 2))
-        split = splitter(Qt.Orientation.Horizontal, (controls, 1), (plots, 3))
+        # on a short screen (1024x640) the column's wrapped texts and the summary scroll, rather than being cut
+        split = splitter(Qt.Orientation.Horizontal, (ScrollColumn(controls), 1), (plots, 3))
         layout = QVBoxLayout(self)
         layout.addWidget(self.banner)
         layout.addWidget(split, 1)

@@ -51,6 +51,9 @@ _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-
 THIS_MACHINE = "this machine"
 LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local_agent.start_local_agent``)
 DEMO_NODES = 3  # how many "Try a demo fleet" starts
+DEMO_NEXT = ("Demo fleet up. Next: in Placement, click Profile fleet, set how many people at once and click Deploy "
+             "the best layout; then chat. Select a demo node here and click Remove node to switch it off: the chat's "
+             "layers move to the others.")
 NODE_MEANING = "A node is a computer, or a worker on this PC, that runs part of the model."
 ADD_NODE_HELP = ("Add a PC that the fleet does not find by itself (another subnet, or a network that drops "
                  "multicast). On that PC, start the tray worker: install fleetshard and run `fleetgui --worker` "
@@ -990,9 +993,7 @@ class FleetView(QWidget):
             self.demo_note.setText(f"DEMO FLEET: {len(fleet.nodes)} simulated nodes on this PC: {names}. Their "
                                    "devices are simulated; their work runs on this PC's CPU.")
             self.demo_note.show()
-            self.banner.info("Demo fleet up. Next: in Placement, click Profile fleet, drag a layer range onto a demo "
-                             "node's lane and click Deploy; then chat. Select a demo node here and click Remove node "
-                             "to switch it off: the chat's layers move to the others.")
+            self.banner.info(DEMO_NEXT)
             self.refresh()
 
         def failed(message: str) -> None:

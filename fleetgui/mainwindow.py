@@ -19,6 +19,7 @@ from fleetgui import theme
 from fleetgui.api import ApiController
 from fleetgui.bench_panel import BenchPanel
 from fleetgui.chat import ChatController, ChatView
+from fleetgui.chat.view import model_name
 from fleetgui.export_wizard import ExportWizard
 from fleetgui.fleet_view import FleetView
 from fleetgui.help_menu import HelpMenu
@@ -55,6 +56,7 @@ class MainWindow(QMainWindow):
         self._chat_error = ""  # why the chat's chain did not start, until it starts again
         self.chat_controller = ChatController(backend, settings, self.tasks, self)
         self.chat = ChatView(self.chat_controller, history, settings, settings.theme)
+        self.chat.node_names = lambda: {n.address: n.name for n in self.running.nodes if n.address}
         self.export = ExportWizard(backend, self.tasks, settings)
         self.bench = BenchPanel(backend, self.tasks, settings)
         self.bench.current = lambda: (self.chat_controller.service, self.chat_controller.deployment)
@@ -269,7 +271,7 @@ class MainWindow(QMainWindow):
         self.chat_controller.use_deployment(deployment)
         if deployment is not None:
             self.chat_controller.open()
-            self.statusBar().showMessage(f"Chat now runs on the deployed {deployment.model}", 10000)
+            self.statusBar().showMessage(f"The chat now runs {model_name(deployment.model)} on the fleet", 10000)
         self._follow_chat()
 
     # --- what runs -----------------------------------------------------------------------------------

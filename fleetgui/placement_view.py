@@ -59,6 +59,9 @@ from fleetgui.workers import TaskRunner
 # share of a stage's progress bar each deployment phase fills (stage 0 only exports and connects)
 PHASES = {"export": (0.0, 0.3), "send": (0.3, 0.8), "start": (0.8, 1.0)}
 STAGE0_PHASES = {"export": (0.0, 0.6), "connect": (0.6, 1.0)}
+# a plan of the whole model on this PC is how the chat runs without a deployment: said, not refused
+ALONE = ("This PC alone runs this layout: the chat already runs this way, so there is nothing to deploy. "
+         "For several people at once, set how many and click Deploy the best layout.")
 
 
 class PlanCanvas(QWidget):
@@ -704,8 +707,16 @@ class PlacementView(QWidget):
 
     # --- deploy --------------------------------------------------------------------------------------
 
+    def alone_here(self) -> bool:
+        """Whether the plan drawn is the whole model on this PC (no deployment: the chat runs so by itself)."""
+        chain = self.model.chain()
+        return len(chain) == 1 and not self.model.ranks and chain[0][0] == self.model.fleet.coordinator
+
     def deploy(self) -> None:
         if self.task is not None or not self.model.loaded:
+            return
+        if self.alone_here() and not self.model.evaluation.problems:
+            self.banner.info(ALONE)
             return
         if self.model.problems:
             self.banner.error("This plan cannot be deployed: " + "; ".join(self.model.problems))
@@ -899,8 +910,10 @@ class PlacementView(QWidget):
             f"{m.users} user{'s' if m.users != 1 else ''} · {plan.token_ms:.2f} ms per token "
             f"({plan.network_ms:.2f} ms network, {len(m.stages)} "
             + ("tensor-parallel ranks)" if m.ranks else f"stage{'s' if len(m.stages) != 1 else ''})"))
-        self.prediction.setText(self.in_words())
-        self.problems.setText("Not deployable: " + "; ".join(m.problems) if m.problems else "")
+        alone = self.alone_here()
+        self.prediction.setText(self.in_words() + (f" {ALONE}" if alone else ""))
+        problems = [m.readable(p) for p in m.evaluation.problems] if alone else m.problems  # alone: no refusal
+        self.problems.setText("Not deployable: " + "; ".join(problems) if problems else "")
 
     def in_words(self) -> str:
         """The plan's predicted speed as an admin reads it: for how many people, on which PCs, how it

@@ -251,6 +251,27 @@ def flow_bar(*widgets: QWidget, align_right: bool = False) -> tuple[QWidget, Flo
     return bar, layout
 
 
+class ScrollColumn(QScrollArea):
+    """A column of controls that scrolls up and down on a short screen, never across: as wide as its
+    contents need (a plain scroll area's hint is small, so a splitter would cut them at the side)."""
+
+    def __init__(self, contents: QWidget, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setWidget(contents)
+
+    def _widened(self, hint: QSize, contents: QSize) -> QSize:
+        return QSize(contents.width() + self.verticalScrollBar().sizeHint().width(), hint.height())
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
+        return self._widened(super().minimumSizeHint(), self.widget().minimumSizeHint())
+
+    def sizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
+        return self._widened(super().sizeHint(), self.widget().sizeHint())
+
+
 class ViewFrame(QScrollArea):
     """What holds a view in the main window: the view takes the whole area, and were it ever to need
     more than the window has (a huge system font), it scrolls instead of pushing the window past the

@@ -41,6 +41,7 @@ TESTS = {
     "test_demo_fleet.py::test_demo_fleet_profiles": "processes",
     "test_demo_fleet.py::test_fleet_up_demo": "processes",
     "test_gui_demo.py::": "processes",
+    "test_gui_walkthrough.py::": "processes",
     "test_gui_failover.py::": "processes",
     "test_fleet_ops.py::test_a_worker_laptop": "processes",
     "test_fleet_ops.py::test_agents_are_discovered": "processes",

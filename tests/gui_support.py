@@ -36,17 +36,22 @@ def open_window(qtbot, settings, store, **kw):
     return window
 
 
-def screenshot(window, name: str, size: tuple[int, int] = SIZE) -> None:
+def screenshot(window, name: str, size: tuple[int, int] = SIZE, palette: bool = False) -> None:
     """Grabs the window at ``size`` (1366x768, a common laptop screen) and encodes it as PNG: into
     SCREENSHOTS/NAME.png with `--screenshots DIR`, otherwise in memory, so a test run leaves
-    docs/screenshots alone."""
-    from PySide6.QtCore import QBuffer, QIODevice
+    docs/screenshots alone.  ``palette``: in 256 colours, nearest without dithering (a quarter of the
+    bytes, the text as sharp; the walkthrough's pictures are many)."""
+    from PySide6.QtCore import QBuffer, QIODevice, Qt
+    from PySide6.QtGui import QImage
     from PySide6.QtWidgets import QApplication
 
     window.resize(*size)
     QApplication.processEvents()
     image = window.grab()
     assert (image.width(), image.height()) == size
+    if palette:
+        flags = Qt.ImageConversionFlag.ThresholdDither | Qt.ImageConversionFlag.AvoidDither
+        image = image.toImage().convertToFormat(QImage.Format.Format_Indexed8, flags)
     if SCREENSHOTS is None:
         buffer = QBuffer()
         buffer.open(QIODevice.OpenModeFlag.WriteOnly)

@@ -198,6 +198,20 @@ def test_the_benchmarks_view_shows_the_summary_in_words(qtbot, gui_home, tmp_pat
     assert panel.summary.isVisible() and panel.status.text() == "Done."
 
 
+def test_a_summary_on_a_short_screen_scrolls_rather_than_being_cut(qtbot, gui_home, tmp_path):
+    """At 1024x640 (found by the walkthrough) the benchmark's description and the summary's sentences
+    stay whole: the column of controls scrolls."""
+    from test_gui_layout import assert_fits, cut_labels
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    panel = window.show_view("Benchmarks")
+    panel.bench_name = "pipeline"
+    panel._done(PIPELINE_REPORT)
+    window.resize(1024, 640)
+    assert_fits(window, (1024, 640), "Benchmarks with a summary at 1024x640")
+    assert not cut_labels(window), cut_labels(window)
+
+
 def test_how_fast_is_my_fleet_is_the_first_choice_and_answers_in_a_sentence(qtbot, gui_home, tmp_path, shards):
     """The one-click benchmark: the chat's model as parts in worker processes (a local fleet on
     loopback) against this PC alone, for 1 person and 2 at once; the answer is a sentence."""

@@ -90,6 +90,7 @@ def test_the_chat_does_not_jump_when_the_start_up_progress_ends(qtbot, gui_home,
 def test_picking_a_model_keeps_the_default_asks_before_stopping_a_deployment_and_shows_names(
         qtbot, gui_home, tmp_path, shards, monkeypatch):
     import fleetgui.chat.view
+    from fleetgui.running import Node
 
     settings = tiny_settings(shards)
     # a profile's intermediate shard set in the cache: one stage of a split, not a model to chat with
@@ -113,6 +114,9 @@ def test_picking_a_model_keeps_the_default_asks_before_stopping_a_deployment_and
     controller.use_deployment(deployment)
     view.refresh_models()
     assert view.model.itemText(0) == "qwen2 — fleet: this PC + laptop-2"
+    window.running.set_nodes([Node("Anna's laptop", "laptop-2:7000", True)])  # named as the Fleet view knows it
+    view.refresh_models()
+    assert view.model.itemText(0) == "qwen2 — fleet: this PC + Anna's laptop"
     stopped, answers = [], [False, True]
     monkeypatch.setattr(window.backend, "stop_deployment", lambda d, s: stopped.append(d) or [])
     monkeypatch.setattr(fleetgui.chat.view, "ask", lambda parent, title, question, action: answers.pop(0))

@@ -55,6 +55,18 @@ def clipped(widget, root) -> str | None:
     return None
 
 
+def cut_labels(root) -> list[str]:
+    """The visible word-wrapped labels below ``root`` given less height than their text needs at their
+    width (the bottom lines cut off), each with what it needs."""
+    from PySide6.QtWidgets import QApplication, QLabel
+
+    QApplication.processEvents()
+    return [f"label {label.text()[:40]!r}: {label.width()}x{label.height()}, its text needs "
+            f"{label.heightForWidth(label.width())} px" for label in root.findChildren(QLabel)
+            if label.isVisible() and label.wordWrap() and label.text()
+            and label.height() < label.heightForWidth(label.width())]
+
+
 def describe(widget) -> str:
     text = getattr(widget, "text", None)
     label = text() if callable(text) else ""

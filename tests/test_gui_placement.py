@@ -529,3 +529,22 @@ def test_an_admin_picks_pcs_and_people_and_reads_the_plan_in_plain_words(qtbot, 
 
     view.details_button.click()
     assert view.objective.isVisible() and view.tree.isVisible() and view.reasons.isVisible()
+
+
+def test_the_best_layout_on_this_pc_alone_is_said_not_refused(qtbot, gui_home, tmp_path):
+    """For one person the best layout can be the model whole on this PC (found by the walkthrough on the
+    demo fleet): "Deploy the best layout" says the chat already runs so, instead of refusing it in the
+    engine's words, and starts nothing."""
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view = window.show_view("Placement")
+    view.load_profile(office_profile())
+    deployed = []
+    view.deployed.connect(deployed.append)
+    view.best_button.click()
+    qtbot.waitUntil(lambda: view.task is None, timeout=60000)
+    assert names(view.model) == [("this machine", 0, 24)] and not deployed
+    assert "nothing to deploy" in view.banner.message and view.banner.property("level") == "info", view.banner.message
+    assert "node agent" not in view.banner.message and view.problems.text() == ""
+    assert "It is the best layout found. This PC alone runs this layout" in view.prediction.text()
+    view.model.move_range(12, 24, view.model.lane_of("a1b2c3d4e5f60002", "CPU"))  # a chain: deployable again
+    assert "nothing to deploy" not in view.prediction.text() and view.problems.text() == ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Callable
 
 from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit,
@@ -71,9 +72,12 @@ def model_name(source: str) -> str:
     return words.removesuffix("-Instruct").replace("-", " ")
 
 
-def nodes_of(deployment) -> str:
-    """The PCs a deployment runs on, in words: "this PC + laptop-2"."""
-    hosts = [("this PC" if span.node == LOCAL else span.node.rsplit(":", 1)[0]) for span in deployment.placement]
+def nodes_of(deployment, names: dict[str, str] | None = None) -> str:
+    """The PCs a deployment runs on, in words: "this PC + laptop-2"; ``names``: the nodes' names by
+    address, as the Fleet view knows them (a node it does not know goes by its host)."""
+    names = names or {}
+    hosts = [("this PC" if span.node == LOCAL else names.get(span.node) or span.node.rsplit(":", 1)[0])
+             for span in deployment.placement]
     return " + ".join(dict.fromkeys(hosts)) or "the fleet"
 
 
@@ -95,13 +99,13 @@ def complete_shard_sets() -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
-def model_choices(current: str, deployment=None) -> list[tuple[str, str]]:
+def model_choices(current: str, deployment=None, names: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """The models the picker offers, as (what it shows, the source it runs): the deployment the chat
     runs on, the current model, the models exported on this PC, then the catalog; by name and
     where they run ("Qwen2.5 Coder 1.5B — on this PC"), never by cache path."""
     choices: dict[str, str] = {}
     if deployment is not None:
-        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {nodes_of(deployment)}"
+        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {nodes_of(deployment, names)}"
     exported = complete_shard_sets()
     by_model = {model_name(str(folder)): folder for folder in reversed(exported)}  # the newest of each model
     catalog = {model_name(name): name for name in CATALOG}
@@ -141,6 +145,7 @@ class ChatView(QWidget):
         self.model.setMinimumContentsLength(16)
         self.model.setToolTip("the model the chat runs: on this PC, on the fleet, or one to download (Models… "
                               "opens a GGUF file or a Hugging Face folder too); Settings keep their default model")
+        self.node_names: Callable[[], dict[str, str]] = lambda: {}  # address -> name: the window sets it
         self.refresh_models()
         self.model.activated.connect(lambda _: self._model_picked())
         controller.service_changed.connect(lambda _: self.refresh_models())
@@ -232,7 +237,7 @@ class ChatView(QWidget):
         deployment = self.controller.deployment
         self.model.blockSignals(True)
         self.model.clear()
-        for label, source in model_choices(self.controller.current_model, deployment):
+        for label, source in model_choices(self.controller.current_model, deployment, self.node_names()):
             self.model.addItem(label, source)
             self.model.setItemData(self.model.count() - 1, plain_tip(label), Qt.ItemDataRole.ToolTipRole)
         self.model.setCurrentIndex(0)
@@ -250,7 +255,8 @@ class ChatView(QWidget):
         if source == ON_DEPLOYMENT or (deployment is None and source == self.controller.current_model):
             return False
         if deployment is not None:
-            question = (f"The chat runs on {model_name(deployment.model)} on the fleet ({nodes_of(deployment)}). "
+            question = (f"The chat runs on {model_name(deployment.model)} on the fleet "
+                        f"({nodes_of(deployment, self.node_names())}). "
                         f"Switching to {model_name(source)} stops that deployment: its workers on those PCs "
                         "stop and free their memory.")
             if not ask(self, "Stop the fleet deployment?", question, "Stop it and switch"):
