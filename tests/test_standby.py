@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fleet_support import agent_process, fleet_profile
+from fleet_support import agent_process, eventually, fleet_profile
 
 from engine.fleet import standby
 from engine.fleet.deploy import LOCAL, Deployment, deploy
@@ -125,9 +125,76 @@ def test_a_killed_worker_hands_over_to_its_standby(tmp_path):
             assert failover.deployment.placement[1].node == beta and failover.deployment.standbys == []
             assert failover.deployment.remotes == [spare.address]
             assert failover.chain.local is chain.local  # stage 0 not compiled again
+            assert service.failovers["kept"] == 1  # carried on from the caches the standby mirrored
             again = service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120)
             assert again.tokens == want and again.rerouted == 0
         finally:
             service.close()
+            failover.deployment.stop(key)
+            deployment.stop(key)
+
+
+@pytest.mark.real_model
+def test_a_laptop_back_from_sleep_stands_by_again(tmp_path):
+    """The stage's PC sleeps mid-reply (SIGSTOP): its standby takes over.  It wakes: with no restart,
+    it becomes the stage's standby, mirrors the next reply, and takes the stage back when the other
+    PC is lost in turn, the reply carrying on from its caches both times, token-identical."""
+    key_file = create_key(tmp_path / "fleet.key")
+    key = load_key(key_file)
+    with contextlib.ExitStack() as stack:
+        agents = {name: stack.enter_context(agent_process(key_file, tmp_path / name, name=name))
+                  for name in ("lid", "desk")}
+        profile = fleet_profile(MODEL, agents, key)
+        profile_file = tmp_path / "profile.json"
+        profile_file.write_text(json.dumps(profile))
+        (lid_proc, lid), (desk_proc, desk) = agents["lid"], agents["desk"]
+        stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(lid, "CPU", 15, 30)]
+        deployment, chain = deploy(MODEL, stages, key=key, weights="int4", mode="exact", standbys=True,
+                                   planned={"profile": str(profile_file)})
+        events: list[str] = []
+        failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain).watch(0.5)
+        service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+        asleep = [lid_proc.pid, psutil.Process(lid_proc.pid).children()[0].pid]
+        try:
+            folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
+            reference = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1, rewind="trim")
+            try:
+                want = reference.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
+            finally:
+                reference.close()
+
+            def at_token(n, action):
+                fired = threading.Event()
+
+                def on_text(piece, count):
+                    if count >= n and not fired.is_set():
+                        fired.set()
+                        action()
+                return on_text
+
+            def sleep():
+                for pid in asleep:
+                    os.kill(pid, signal.SIGSTOP)
+
+            try:
+                reply = service.submit(MESSAGES, TOKENS, on_text=at_token(8, sleep), ignore_eos=True).wait(300)
+                assert reply.error is None and reply.tokens == want, (reply.error, events)
+                assert failover.deployment.placement[1].node == desk and service.failovers["kept"] == 1, events
+                assert eventually(lambda: any(e.startswith("node lid lost") for e in events), 30), events
+            finally:
+                for pid in asleep:
+                    os.kill(pid, signal.SIGCONT)
+            assert eventually(lambda: "node lid is back: it stands by for stage 1" in events, 120), events
+            assert failover.deployment.standby_for(1).agent == lid
+
+            desk_worker = psutil.Process(desk_proc.pid).children()[0]
+            reply = service.submit(MESSAGES, TOKENS, on_text=at_token(8, lambda: os.kill(desk_worker.pid,
+                                                                                      signal.SIGKILL)),
+                                   ignore_eos=True).wait(300)
+            assert reply.error is None and reply.tokens == want, (reply.error, events)
+            assert failover.deployment.placement[1].node == lid and service.failovers["kept"] == 2, events
+        finally:
+            service.close()
+            failover.close()
             failover.deployment.stop(key)
             deployment.stop(key)

@@ -10,7 +10,9 @@ is gone or only its worker, move the work, and hand the chat service a new chain
 - A lost node that answers again (a laptop woken from sleep: its agent and workers were stopped, not
   ended) rejoins: ``returned`` stops the workers it still runs for this deployment (they lost their
   chain while it slept), counts it a node of the fleet again and says so; the next placement, and
-  the next failover, can use it.  It is never pulled into a running conversation.  ``watch`` asks
+  the next failover, can use it.  In a deployment that keeps hot standbys, it becomes the standby
+  of a stage that has none (its copies start with each stream's next reply), so the next loss of
+  that stage is a switch again.  It is never pulled into a running conversation.  ``watch`` asks
   the lost nodes every so often on a thread of its own (``Settings.rejoin_check_s``), so a node
   rejoins with no restart of the app or of its agent.
 
@@ -68,6 +70,7 @@ class Failover:
         self.recoveries = 0
         self.chain = chain
         self.on_recovered = on_recovered or (lambda deployment: None)
+        self.keeps_standbys = bool(deployment.standbys)  # deployed with hot standbys: a node back stands by
 
     def name(self, agent: str) -> str:
         return self.nodes.get(self.node_of(agent), {}).get("name", agent)
@@ -171,11 +174,14 @@ class Failover:
             self.on_event(f"node {self.name(agent)} lost")
             return
         for w in workers:
-            try:
-                with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
-                    client.stop_worker(w["worker"])
-            except AgentError:
-                pass  # it died with the stage: nothing left to stop
+            self._stop_worker(agent, w["worker"])
+
+    def _stop_worker(self, agent: str, worker: str) -> None:
+        try:
+            with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+                client.stop_worker(worker)
+        except AgentError:
+            pass  # it died with its stage: nothing left to stop
 
     def _ran_on(self, agent: str) -> list[dict]:
         """The workers ``agent`` runs for this deployment: its stages and its standbys."""
@@ -235,9 +241,48 @@ class Failover:
                 self.lost.pop(node, None)
                 self.left.pop(node, None)
             back.append(self.nodes.get(node, {}).get("name", node))
-            self.on_event(f"node {self.name(agent)} is back: it is available again, to the next placement "
-                          "and to the next failover")
+            stage = self._stand_by(node, agent)
+            if stage is None:
+                self.on_event(f"node {self.name(agent)} is back: it is available again, to the next placement "
+                              "and to the next failover")
+            else:
+                self.on_event(f"node {self.name(agent)} is back: it stands by for stage {stage}")
         return back
+
+    def _stand_by(self, node: str, agent: str) -> int | None:
+        """Starts a hot standby on ``agent`` (node ``node``, back) for the first stage on another node
+        that has none, in a deployment that keeps standbys; the stage, or None when there is none to
+        start (or it does not start: the node is then only offered to the next placement)."""
+        deployment = self.deployment
+        if not self.keeps_standbys or deployment.ranks > 1 or not deployment.remotes:
+            return None
+        covered = {s["stage"] for s in deployment.standbys}
+        stage = next((i for i, s in enumerate(deployment.placement)
+                      if s.node not in (LOCAL, agent) and i not in covered), None)
+        if stage is None:
+            return None
+        devices = [d.device for d in Fleet.from_json(self.profile["fleet"]).devices
+                   if d.node == node and d.supported] if self.profile else []
+        span = deployment.placement[stage]
+        folders = {stage: stage_folder(Path(deployment.stage0).parent, stage)}
+        try:
+            started = standby.start(folders, {stage: StageSpan(agent, devices[0] if devices else "CPU", span.start,
+                                                               span.end)},
+                                    key=self.key, tls=self.tls, mode=deployment.mode)
+        except FleetError as exc:
+            self.on_event(f"warning: node {self.name(agent)} could not stand by for stage {stage}: {exc}")
+            return None
+        if self.deployment is not deployment:  # a recovery ran meanwhile: its record is the one to keep
+            for s in started:
+                self._stop_worker(s.agent, s.worker)
+            return None
+        self.deployment = dataclasses.replace(deployment, standbys=[*deployment.standbys,
+                                                                     *(s.to_json() for s in started)])
+        self.on_recovered(self.deployment)
+        if getattr(self.chain, "stand_by", None) is not None:
+            for s in started:
+                self.chain.stand_by(s.stage, s.address)
+        return stage
 
     def _stop_left(self, node: str, agent: str) -> bool:
         """Stops the workers ``node`` ran when it was lost; whether none is left running."""

@@ -193,6 +193,7 @@ class RemoteChain(Chain):
         if len(self.standbys) != len(self.remotes):
             raise FleetError(f"{len(self.standbys)} standbys given for {len(self.remotes)} remote stages")
         self._mirror: Mirror | None = None
+        self._new_standbys: list[tuple[int, str]] = []  # ``stand_by``'s, for the next reset to take up
         self.key = key
         self.tls = tls
         self.deadline_s = deadline_s
@@ -312,6 +313,23 @@ class RemoteChain(Chain):
         else:
             self._wait_ready(time.monotonic() + timeout_s)
 
+    def stand_by(self, stage: int, address: str) -> None:
+        """Names the worker at ``address`` stage ``stage``'s hot standby (a node that came back):
+        the chain takes it up at its next ``reset``, on its own thread, and a stream is mirrored from
+        its next reset on.  May be called from any thread."""
+        self._new_standbys.append((stage, address))
+
+    def _take_up_standbys(self) -> None:
+        while self._new_standbys:
+            stage, address = self._new_standbys.pop(0)
+            index = stage - self.manifest.stage_index - 1
+            if 0 <= index < len(self.remotes) and self.remotes[index] != address:
+                self.standbys[index] = address
+                if index == 0:
+                    self._mirror_first()
+                else:
+                    self._ready = False  # the next ping tells the stage before it
+
     def holds(self, stream: int, positions: int) -> bool:
         """Whether every remote stage's cache of ``stream`` holds at least its first ``positions``
         KV slots, as their PONGs said when the chain last came up (``reroute``)."""
@@ -360,6 +378,7 @@ class RemoteChain(Chain):
 
     def reset(self, stream: int = 0) -> None:
         """Starts a new sequence on every stage; reconnects first if the chain broke since."""
+        self._take_up_standbys()
         if self._link is None:
             self.connect()
         elif not self._ready:

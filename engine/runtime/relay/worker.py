@@ -219,12 +219,14 @@ class Worker(Listening):
             self._count_tokens(force=True)
 
     def _mirror_session(self, link: Link, peer: str) -> None:
-        """A sender's copies of this stage's input, applied to the caches and never answered."""
-        with self._lock:
-            previous, self._mirror_link = self._mirror_link, link
-            self._mirror_done.clear()
-        if previous is not None:
-            previous.close()
+        """A sender's copies of this stage's input, applied to the caches and never answered.  A
+        standby holds only what its current copies gave it: the streams it held before are forgotten."""
+        self._end_mirror(None)
+        with self._serving:
+            self._drop_copies()
+            with self._lock:
+                self._mirror_link = link
+                self._mirror_done.clear()
         self.log(f"standing by: {peer} sends copies of this stage's input")
         handed = False
         try:
@@ -252,10 +254,15 @@ class Worker(Listening):
                     return
                 self._mirror_link = None
             current.close()
-            if not kept and self._upstream is None:
-                for stream in list(self._kv_length):
-                    self._forget(stream)
+            if not kept:
+                self._drop_copies()
             self._mirror_done.set()
+
+    def _drop_copies(self) -> None:
+        """Forgets every stream, unless an upstream is being served: a standby's streams are its copies'."""
+        if self._upstream is None:
+            for stream in list(self._kv_length):
+                self._forget(stream)
 
     def _forget(self, stream: int) -> None:
         self.runner.reset(stream)
