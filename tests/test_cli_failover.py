@@ -69,7 +69,7 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
         assert result["rerouted"] == 1, text  # the worker died under the reply
         assert result["tokens"] == want and result["stopped_by"] == "max_tokens"
         assert (first + rest).decode().strip() == result["text"].strip()
-        assert "fleet: stage 1 stopped answering" in text and "starting its worker again" in text, text
+        assert "fleet: part 2 stopped answering" in text and "starting its worker again" in text, text
         assert "carried on over a new chain 1x" in text
         assert [p.pid for p in psutil.Process(agent.pid).children()] != [worker.pid]  # a new worker serves
         # the record names the worker that runs now, so stopping the deployment stops it
