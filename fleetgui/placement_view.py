@@ -49,7 +49,7 @@ from engine.fleet.fit import measured_key, measured_speeds
 from engine.fleet.standby import Standby
 from engine.fleet.layout import fastest_for_one, solve_layout
 from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly, solve
-from engine.manifest import layer_numbers, layer_span
+from engine.manifest import layer_numbers, layer_span, part_name
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
 from fleetgui.theme import SERIES
 from engine.progress import Progress, byte_count
@@ -786,7 +786,7 @@ class PlacementView(QWidget):
                           if progress.bytes_total is not None else f"{phase} {fraction * 100:.0f}%")
         if 0 < stage < len(self.deploying):
             self.preparing.emit(self.deploying[stage],
-                                f"exporting stage {stage} ({fraction * 100:.0f}%)" if phase == "export" else "")
+                                f"preparing {part_name(stage)} ({fraction * 100:.0f}%)" if phase == "export" else "")
 
     def use_recorded(self, path: Path | None = None) -> bool:
         """Chats on a deployment recorded by the command line (it keeps running when the app exits)."""
