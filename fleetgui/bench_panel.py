@@ -27,7 +27,7 @@ from engine.progress import Progress
 from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import RESOURCES, SERIES
-from fleetgui.widgets import Banner, combo_box, plain, spin_box, splitter
+from fleetgui.widgets import Banner, combo_box, plain, spin_box, splitter, unbidi
 from fleetgui.workers import TaskRunner
 
 
@@ -279,7 +279,7 @@ class BenchPanel(QWidget):
             self.progress.setValue(round(reported.fraction * 100))
             self.status.setText(reported.text)
         else:
-            self.log.appendPlainText(reported)
+            self.log.appendPlainText(unbidi(reported))
 
     def _add_row(self, row: dict) -> None:
         self.rows.append(row)

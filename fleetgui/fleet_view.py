@@ -43,7 +43,7 @@ from fleetgui import keystore
 from fleetgui.discovery_status import DiscoveryStatus
 from fleetgui.join_code import JoinCodeDialog
 from fleetgui.running import Node, Running
-from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter
+from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter, unbidi
 from fleetgui.workers import TaskRunner
 
 COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
@@ -245,11 +245,11 @@ class NodesModel(QAbstractTableModel):
             return None
         row = self.rows[index.row()]
         column = COLUMNS[index.column()]
-        if role == Qt.ItemDataRole.DisplayRole:
-            return {"Name": row.label, "Address": row.address, "OS": row.os,
+        if role == Qt.ItemDataRole.DisplayRole:  # a node's name, OS, devices and shards are its own words
+            return unbidi({"Name": row.label, "Address": row.address, "OS": row.os,
                     "Devices": ", ".join(row.devices), "Memory": row.memory_text(), "Status": row.status,
                     "Shards": row.shards_text() if not row.error and row.role != THIS_MACHINE else "",
-                    "Found by": row.found_by}[column]
+                    "Found by": row.found_by}[column])
         if role == Qt.ItemDataRole.ToolTipRole:
             return plain_tip(_tooltip(row, column)) or None
         if role == Qt.ItemDataRole.DecorationRole and column == "Devices" and row.slow_cpu:

@@ -34,7 +34,7 @@ from engine.fleetkey import load_tls
 from engine.manifest import layer_span, part_name
 from fleetgui import autostart, keystore, theme
 from fleetgui.settings import GuiSettings, default_store
-from fleetgui.widgets import Banner, flow_bar, plain
+from fleetgui.widgets import Banner, flow_bar, plain, plain_line, unbidi
 from fleetgui.workers import TaskRunner, on_signals
 
 log = logging.getLogger(__name__)
@@ -357,7 +357,7 @@ class WorkerWindow(QWidget):
     def log_line(self, line: str) -> None:
         if line.startswith("control connection from") and line.endswith("closed the connection"):
             return  # a client hanging up after its requests: routine, not activity
-        self.activity.appendPlainText(f"{time.strftime('%H:%M:%S')}  {line}")
+        self.activity.appendPlainText(f"{time.strftime('%H:%M:%S')}  {unbidi(line)}")
 
     def _ask_key(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Fleet key file", str(self.controller.key_file))
@@ -432,7 +432,7 @@ class WorkerTray(QObject):
         self.autostart_action.blockSignals(True)
         self.autostart_action.setChecked(c.autostart_enabled())
         self.autostart_action.blockSignals(False)
-        self.icon.setToolTip(f"fleetshard worker: {status}" + (f"\n{stage}" if stage else ""))
+        self.icon.setToolTip(plain_line(f"fleetshard worker: {status}" + (f"\n{stage}" if stage else "")))
 
 
 def build_worker(key_file: Path, *, listen: str = DEFAULT_LISTEN, name: str | None = None, advertise: bool = True,
