@@ -145,7 +145,8 @@ class NodeRow:
     def found_by(self) -> str:
         """Each way the node is found, as it is now: its role (this machine, local fleet, demo), mDNS,
         the join code or subnet scan that made its address known, an address added by hand."""
-        ways = ((self.role, bool(self.role)), ("mDNS", self.mdns), (self.known, bool(self.known)), ("by hand", self.added))
+        ways = ((self.role, bool(self.role)), ("mDNS", self.mdns), (self.known, bool(self.known)),
+                ("by hand", self.added))
         return " + ".join(name for name, on in ways if on)
 
     @property
@@ -963,8 +964,8 @@ class FleetView(QWidget):
                                    "devices are simulated; their work runs on this PC's CPU.")
             self.demo_note.show()
             self.banner.info("Demo fleet up. Next: in Placement, click Profile fleet, then Deploy the best "
-                             "layout (or drag a layer range onto a demo node); then chat. Select a demo node here and click Remove node "
-                             "to switch it off: the chat's layers move to the others.")
+                             "layout (or drag a layer range onto a demo node); then chat. Select a demo node here "
+                             "and click Remove node to switch it off: the chat's layers move to the others.")
             self.refresh()
 
         def failed(message: str) -> None:
