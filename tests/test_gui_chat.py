@@ -298,7 +298,7 @@ def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home,
     controller._loading_progress(pulling("assemble", 135_000_000, 270_000_000))
     assert panel.bar.value() == 50 and panel.text == "Unpacking the model: 135 of 270 MB"  # the count shown
     controller._loading_progress(exporting(0, 2, "compress", 0.5))
-    assert panel.bar.value() == 50 and panel.text == "Exporting stage 1 of 2 (compressing)"
+    assert panel.bar.value() == 50 and panel.text == "Exporting part 1 of 2 (compressing)"
     cancelled = []
     controller.cancel_open = lambda: cancelled.append(True)
     window.chat.progress.cancel_requested.disconnect()

@@ -39,7 +39,7 @@ def test_demo_fleet_drag_a_range_deploy_chat_and_lose_a_node(qtbot, gui_home, ti
     fleet_view = window.show_view("Fleet")
     fleet_view.timer.setInterval(500)
     this = fleet_view.model.rows[0]  # this machine is listed from the start, with its facts
-    assert this.found_by == "this machine" and this.status.startswith("coordinator")
+    assert this.found_by == "this machine" and this.status.startswith("this PC")
     qtbot.waitUntil(lambda: bool(this.os and this.devices), timeout=30000)
     assert this.name.startswith("this machine (") and "CPU" in this.devices
 
