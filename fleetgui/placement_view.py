@@ -691,12 +691,12 @@ class PlacementView(QWidget):
         self._show_evaluation()
         said = [f"Optimised in {plan.solve_ms:.0f} ms."]
         if plan.ranks:
-            said.append(f"{len(plan.stages)} PCs as tensor-parallel ranks serve {plan.users} user(s) best: each "
-                        f"computes its share of every layer of the same token.")
+            said.append(f"{len(plan.stages)} PCs working on each token together serve {plan.users} "
+                        f"{'person' if plan.users == 1 else 'people'} best: each computes its share of every layer.")
         if others:
             where = "; ".join(_copy_words(p) for p in others)
             said.append(self.model.readable(
-                f"{len(others) + 1} copies of the model serve {layout.users} users best: the chain drawn, and {where} "
+                f"{len(others) + 1} copies of the model serve {layout.users} people best: the one drawn, and {where} "
                 f"({layout.aggregate_tok_s:.1f} tok/s aggregate predicted). Deploy starts them all."))
         self.activity.setText(" ".join(said))
         if deploy:
