@@ -44,6 +44,14 @@ def layer_span(start: int, end: int) -> str:
     return f"layer{'s' if end - start != 1 else ''} {layer_numbers(start, end)}"
 
 
+def part_name(stage: int, count: int | None = None) -> str:
+    """Stage ``stage`` (0-based) as a user reads it: "part 2 of 3", or "part 2" when the count is not
+    known.  A node's reply may hold anything: what is not a number is shown as it came."""
+    if not isinstance(stage, int):
+        return f"part {stage}"
+    return f"part {stage + 1}" + (f" of {count}" if isinstance(count, int) and count > 0 else "")
+
+
 @dataclasses.dataclass
 class Manifest:
     model_name: str

@@ -3,7 +3,7 @@
 index of documents, a benchmark's runs) and one callback shape, ``Report``, that takes it.
 
 An event says what is happening in the app's words, with its count ("Downloading the model: 120 of
-270 MB", "Exporting stage 2 of 3 (compressing)", "Sending stage 1: 40 of 547 MB"), so the terminal
+270 MB", "Exporting part 2 of 3 (compressing)", "Sending part 2: 40 of 547 MB"), so the terminal
 and the app's panels show the same; views that lay the work out per stage (Export, Placement) also
 read its ``stage`` and ``step``.  ``pulling``, ``exporting`` and ``deploying`` word those steps.
 
@@ -76,13 +76,13 @@ def pulling(step: str, done: int, total: int) -> Progress:
 
 def exporting(index: int, count: int, step: str, fraction: float) -> Progress:
     """Stage ``index`` of ``count`` exporting (``engine.export.exporter``), at one of its steps."""
-    text = f"Exporting stage {index + 1} of {count} ({EXPORT_STEPS.get(step, step)})"
+    text = f"Exporting part {index + 1} of {count} ({EXPORT_STEPS.get(step, step)})"
     return Progress(text, fraction, stage=index, step=step)
 
 
 def deploying(stage: int, phase: str, fraction: float, done: int | None = None, total: int | None = None) -> Progress:
     """A deployment's ``phase`` of ``stage`` (``engine.fleet.deploy``); sending, ``done`` of ``total`` bytes."""
-    text = f"{DEPLOY_PHASES.get(phase, phase).capitalize()} stage {stage}"
+    text = f"{DEPLOY_PHASES.get(phase, phase).capitalize()} part {stage + 1}"
     if total is not None:
         text += f": {byte_count(done, total)}"
     return Progress(text, fraction, done, total, stage=stage, step=phase)

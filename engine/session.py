@@ -133,7 +133,7 @@ def resolve_shards(source: str | Path, *, stages: int, weights: str, head: str =
     found in the cache) with ``stages`` stages."""
     if is_shard_set(source):
         return expand_shard_dirs([source])
-    progress(Progress(f"Preparing {source} ({stages} stage{'s' if stages > 1 else ''}, {weights})"))
+    progress(Progress(f"Preparing {source} ({stages} part{'s' if stages > 1 else ''}, {weights})"))
     return export(str(source), stages=stages, weights=weights, head=head, progress=progress, cancel=cancel).folders
 
 

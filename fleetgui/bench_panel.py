@@ -27,7 +27,7 @@ from engine.progress import Progress
 from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.theme import RESOURCES, SERIES
-from fleetgui.widgets import Banner, ScrollColumn, combo_box, plain, spin_box, splitter
+from fleetgui.widgets import Banner, ScrollColumn, combo_box, plain, spin_box, splitter, unbidi
 from fleetgui.workers import TaskRunner
 
 
@@ -37,7 +37,7 @@ def parse_delays(text: str) -> tuple[float, ...]:
     except ValueError:
         raise FleetError(f"delays are comma-separated milliseconds, like 0,10,50, not {text!r}") from None
     if not delays or any(d < 0 for d in delays):
-        raise FleetError("give at least one hop delay of 0 ms or more")
+        raise FleetError("give at least one network delay of 0 ms or more")
     return delays
 
 
@@ -138,7 +138,9 @@ class BenchPanel(QWidget):
         form.addRow("", self.description)
         form.addRow("Tokens per reply", self.tokens)
         form.addRow("Runs", self.runs)
-        form.addRow("Hop delays (ms)", self.delays)
+        self.delays.setToolTip("the research benchmarks' sweep: a one-way delay added at each hop between the "
+                               "model's parts, as a slower network would")
+        form.addRow("Network delays (ms)", self.delays)
         form.addRow("Drafts", self.draft_kind)
         form.addRow("People at once", self.users)
         form.addRow("Runs on", self.target)
@@ -187,7 +189,7 @@ class BenchPanel(QWidget):
         left.addWidget(self.log, 1)
         left.addLayout(save_row)
 
-        self.plot = make_plot("Results", "hop delay (ms, one way)", "tok/s", settings.theme)
+        self.plot = make_plot("Results", "", "tok/s", settings.theme)  # the x axis: the benchmark's own, once run
         self.live = LiveRatePlot(self.meter, "Live tokens per second per stream", settings.theme)
         self.table = QTableWidget(0, 0)
         self.table.verticalHeader().hide()
@@ -253,7 +255,7 @@ class BenchPanel(QWidget):
         self.table.setRowCount(0)
         self.log.clear()
         self.progress.setValue(0)
-        self.status.setText(f"Starting {name}…")
+        self.status.setText("Starting the benchmark…")
         meter, rows = self.meter, self._rows
 
         def work(report, cancel):
@@ -278,7 +280,7 @@ class BenchPanel(QWidget):
             self.progress.setValue(round(reported.fraction * 100))
             self.status.setText(reported.text)
         else:
-            self.log.appendPlainText(reported)
+            self.log.appendPlainText(unbidi(reported))
 
     def _add_row(self, row: dict) -> None:
         self.rows.append(row)
@@ -428,6 +430,7 @@ class BenchPanel(QWidget):
         self.settings = settings
         self.target.setText(f"{settings.default_model}"
                             + ("" if Path(settings.default_model).expanduser().is_dir()
-                               else f", {settings.stages} stages, {settings.weights}"))
+                               else f", in {settings.stages} part{'s' if settings.stages != 1 else ''}, "
+                                    f"{settings.weights}"))
         style_plot(self.plot, settings.theme)
         self.live.set_theme(settings.theme)

@@ -26,7 +26,7 @@ from engine.conversation.tools import ToolLoop, arguments_of
 from engine.errors import FleetError
 from engine.serve.mcp import McpError, McpHub, McpServer, McpTool, offer, servers_from_settings
 from fleetgui.history import Message
-from fleetgui.widgets import plain, plain_tip
+from fleetgui.widgets import plain, plain_tip, unbidi
 
 MODES = {"off": "Tools: off", "auto": "Tools: the model decides", "required": "Tools: call one first"}
 # the consent buttons take a click only this long after a question shows: a click (or a double
@@ -140,14 +140,15 @@ def call_html(call: dict) -> str:
         arguments = json.dumps(json.loads(arguments), ensure_ascii=False, indent=1)
     except ValueError:
         pass
-    return (f"<p><small>The model calls <b>{html.escape(call['function']['name'])}</b> with</small></p>"
-            f"<pre>{html.escape(arguments)}</pre>")
+    return (f"<p><small>The model calls <b>{html.escape(unbidi(call['function']['name']))}</b> with"
+            f"</small></p><pre>{html.escape(unbidi(arguments))}</pre>")
 
 
 def result_html(message: Message) -> str:
     note = " (error)" if message.stats.get("error") else ""
-    return (f"<p style='margin-top:0.8em'><b>Tool result</b> <small>{html.escape(message.stats.get('name', ''))}"
-            f"{note}</small></p><pre style='white-space:pre-wrap'>{html.escape(message.content)}</pre>")
+    return (f"<p style='margin-top:0.8em'><b>Tool result</b> <small>"
+            f"{html.escape(unbidi(message.stats.get('name', '')))}{note}</small></p>"
+            f"<pre style='white-space:pre-wrap'>{html.escape(unbidi(message.content))}</pre>")
 
 
 class ToolConsent(QObject):

@@ -32,7 +32,7 @@ from engine.documents.collection import Collection, Library, UpdateReport
 from engine.documents.readers import DocumentError
 from engine.progress import Progress
 from fleetgui.progress import ProgressPanel
-from fleetgui.widgets import flow_bar, plain, plain_tip
+from fleetgui.widgets import flow_bar, plain, plain_tip, unbidi
 
 OPTION = "documents"  # the conversation option that names the chat's collection
 NO_DOCUMENTS = "No documents"
@@ -42,7 +42,7 @@ def sources_html(sources: list[dict] | None, message_index: int) -> str:
     """The reply's "Sources" line: one link per source, written by us from the retrieval."""
     if not sources:
         return ""
-    links = " · ".join(f"<a href='source:{message_index}:{n}'>[{n + 1}] {html.escape(source_where(s))}</a>"
+    links = " · ".join(f"<a href='source:{message_index}:{n}'>[{n + 1}] {html.escape(unbidi(source_where(s)))}</a>"
                        for n, s in enumerate(sources))
     return f"<p><small><b>Sources</b>&nbsp;&nbsp;{links}</small></p>"
 
@@ -83,12 +83,12 @@ class PassageDialog(QDialog):
     def __init__(self, number: int, source: dict, parent: QWidget | None = None):
         super().__init__(parent)
         self.source = source
-        self.setWindowTitle(f"Source [{number}]: {source_where(source)}")
+        self.setWindowTitle(unbidi(f"Source [{number}]: {source_where(source)}"))
         self.file = plain(QLabel(source["file"]))
         self.file.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.file.setWordWrap(True)
         self.page = QLabel("" if source.get("page") is None else f"Page {source['page']}")
-        self.text = QPlainTextEdit(source["text"])
+        self.text = QPlainTextEdit(unbidi(source["text"]))
         self.text.setReadOnly(True)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         open_file = buttons.addButton("Open file", QDialogButtonBox.ButtonRole.ActionRole)
@@ -199,7 +199,7 @@ class DocumentsPanel(QWidget):
         self.list.blockSignals(True)
         self.list.clear()
         for name in self.names():
-            item = QListWidgetItem(name)
+            item = QListWidgetItem(unbidi(name))
             item.setData(Qt.ItemDataRole.UserRole, name)
             self.list.addItem(item)
             if name == selected:

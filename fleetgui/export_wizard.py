@@ -42,7 +42,7 @@ def parse_split(text: str) -> list[int]:
     except ValueError:
         raise FleetError(f"the split takes layer boundaries like 10,20, not {text!r}") from None
     if not split:
-        raise FleetError("give at least one layer boundary, like 10 for two stages")
+        raise FleetError("give at least one layer boundary, like 10 for two parts")
     return split
 
 
@@ -184,7 +184,7 @@ class ExportWizard(QWidget):
         self.by_count.setChecked(True)
         self.stages = spin_box(1, 64, self.settings.stages)
         self.split = QLineEdit()
-        self.split.setPlaceholderText("first layer of each later stage: 10,20 gives layers 0-9, 10-19, 20-…")
+        self.split.setPlaceholderText("first layer of each later part: 10,20 gives layers 0-9, 10-19, 20-…")
         self.split.textEdited.connect(lambda: self.by_split.setChecked(True))
         self.stages.valueChanged.connect(lambda: self.by_count.setChecked(True))
         plan_button = QPushButton("From a placement plan…")

@@ -1,12 +1,13 @@
 """The Fleet view: the fleet's machines, live.
 
-Nodes arrive two ways: over mDNS (a ``Browser`` of this fleet, its events relayed from zeroconf's
-thread to the GUI thread by a queued signal) and by address (kept in the engine settings'
-``nodes``, the list ``fleet nodes add`` writes, so the app and the command line share it).  Every
-few seconds each node's agent is asked for its status off the GUI thread: devices, memory, what it
-does (idle, serving stage k, receiving, profiling, paused, or unreachable) and the shards it holds.
-While this app's placement view deploys, a node whose stage is still being exported here shows
-"exporting stage k" (a node does no exporting of its own: the coordinator exports, then ships).
+Nodes arrive over discovery (``engine.fleet.unicast.Discovery``: mDNS, and the known nodes a join code
+or a subnet scan added, dialled; its events relayed to the GUI thread by a queued signal, with how each
+node is found now) and by address (kept in the engine settings' ``nodes``, the list ``fleet nodes add``
+writes, so the app and the command line share it); "Found by" says which.  Every few seconds each
+node's agent is asked for its status off the GUI thread: devices, memory, what it does (idle, serving
+part k of n, receiving, profiling, paused, or unreachable) and the shards it holds.  While this app's
+placement view deploys, a node whose part is still being exported here shows "preparing part k" (a
+node does no exporting of its own: this PC, the coordinator, exports, then ships).
 "Measure round trips" times this machine to each agent and each agent to the others.  The fleet key
 is set here too (``fleetgui.keystore``).
 
@@ -37,18 +38,20 @@ from engine.fleet.unicast import Discovery
 from engine.fleet.node import KERNEL_PATHS, runs_slowly
 from engine.fleet.shardstore import pruned_text, shard_text
 from engine.hostcpu import INT8_NOTE
-from engine.manifest import layer_span
+from engine.manifest import layer_span, part_name
 from fleetgui import keystore
 from fleetgui.discovery_status import DiscoveryStatus
 from fleetgui.join_code import JoinCodeDialog
 from fleetgui.running import Node, Running
-from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter
+from fleetgui.widgets import Banner, flow_bar, plain, plain_tip, splitter, unbidi
 from fleetgui.workers import TaskRunner
 
 COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
 POLL_MS = 3000
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
 THIS_MACHINE = "this machine"
+THIS_MACHINE_STATE = "this PC: runs the chat and the first part of the model"
+THIS_MACHINE_DETAIL = "the coordinator: it runs stage 0 (the tokenizer and the embedding) of every chain"
 LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local_agent.start_local_agent``)
 DEMO_NODES = 3  # how many "Try a demo fleet" starts
 DEMO_NEXT = ("Demo fleet up. Next: in Placement, click Profile fleet, set how many people at once and click Deploy "
@@ -60,7 +63,7 @@ ADD_NODE_HELP = ("Add a PC that the fleet does not find by itself (another subne
                  "(or `fleetshard --worker` from the worker bundle) with this fleet's key. It listens on port 7390. "
                  "Without a desktop, `fleet agent` does the same from the command line.")
 STATUS_COLOURS = {"unreachable": "#c0392b", "paused": "#b9770e", "serving": "#1e8449", "standby": "#1e8449",
-                  "exporting": "#1f618d"}
+                  "preparing": "#1f618d"}
 
 
 def added_nodes() -> list[str]:
@@ -104,7 +107,8 @@ class NodeRow:
     state: str = "waiting for status"
     workers: list[dict] = dataclasses.field(default_factory=list)
     shards: list[dict] = dataclasses.field(default_factory=list)
-    mdns: bool = False
+    mdns: bool = False  # its mDNS record is seen
+    known: str = ""  # dialled as a known node: how its address became known ("join code", "subnet scan")
     added_as: str = ""  # the address it was added by (it may differ from the mDNS one it is polled at)
     error: str = ""  # why the last status request failed
     preparing: str = ""  # what this app is doing for the node ("exporting stage 2 (40%)")
@@ -129,20 +133,24 @@ class NodeRow:
         return self.state
 
     def serving(self) -> list[str]:
-        """What its running workers do, in words: "serving stage 1 (layers 1-2)", "standby for stage 2
-        (layer 3)" (a hot standby, ready to take the stage over)."""
-        def stages(workers: list[dict]) -> str:
-            return ", ".join(f"stage {w.get('stage')}" + (f" ({layer_span(*w['layers'])})" if w.get("layers") else "")
-                             for w in workers)
+        """What its running workers do, in words: "serving part 2 of 3 (layers 1-2)", "standby for part 3
+        (layer 3)" (a hot standby, ready to take that part over)."""
+        def parts(workers: list[dict], counted: bool) -> str:
+            return ", ".join(part_name(w.get("stage"), w.get("stages") if counted else None)
+                             + (f" ({layer_span(*w['layers'])})" if w.get("layers") else "") for w in workers)
         workers = self.running_workers()
         active = [w for w in workers if w.get("id") not in self.standbys]
         ready = [w for w in workers if w.get("id") in self.standbys]
-        return ([f"serving {stages(active)}"] if active else []) + ([f"standby for {stages(ready)}"] if ready else [])
+        return ([f"serving {parts(active, True)}"] if active else []) + \
+            ([f"standby for {parts(ready, not active)}"] if ready else [])
 
     @property
     def found_by(self) -> str:
-        return " + ".join(n for n, on in ((self.role, bool(self.role)), ("mDNS", self.mdns), ("address", self.added))
-                          if on)
+        """Each way the node is found, as it is now: its role (this machine, local fleet, demo), mDNS,
+        the join code or subnet scan that made its address known, an address added by hand."""
+        ways = ((self.role, bool(self.role)), ("mDNS", self.mdns), (self.known, bool(self.known)),
+                ("by hand", self.added))
+        return " + ".join(name for name, on in ways if on)
 
     @property
     def label(self) -> str:
@@ -201,6 +209,8 @@ def _tooltip(row: NodeRow, column: str) -> str:
     """A cell's tooltip, as text: why the node is unreachable, its shards one by one, its CPU."""
     if column == "Status" and row.error:
         return row.error
+    if column == "Status" and row.role == THIS_MACHINE:
+        return THIS_MACHINE_DETAIL
     if column == "Shards" and row.shards:
         return "\n".join(shard_text(s) for s in row.shards)
     if column in ("Name", "Devices") and row.node_id:
@@ -217,6 +227,7 @@ class NodesModel(QAbstractTableModel):
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
         self.rows: list[NodeRow] = []
+        self.known_by: dict[str, str] = {}  # known node address -> how it became known, this session
         # beside the devices of a CPU that runs OpenVINO slowly (its tooltip says why)
         self.slow_cpu_icon = QApplication.style().standardIcon(QStyle.StandardPixmap.SP_MessageBoxWarning)
 
@@ -238,11 +249,11 @@ class NodesModel(QAbstractTableModel):
             return None
         row = self.rows[index.row()]
         column = COLUMNS[index.column()]
-        if role == Qt.ItemDataRole.DisplayRole:
-            return {"Name": row.label, "Address": row.address, "OS": row.os,
+        if role == Qt.ItemDataRole.DisplayRole:  # a node's name, OS, devices and shards are its own words
+            return unbidi({"Name": row.label, "Address": row.address, "OS": row.os,
                     "Devices": ", ".join(row.devices), "Memory": row.memory_text(), "Status": row.status,
                     "Shards": row.shards_text() if not row.error and row.role != THIS_MACHINE else "",
-                    "Found by": row.found_by}[column]
+                    "Found by": row.found_by}[column])
         if role == Qt.ItemDataRole.ToolTipRole:
             return plain_tip(_tooltip(row, column)) or None
         if role == Qt.ItemDataRole.DecorationRole and column == "Devices" and row.slow_cpu:
@@ -271,7 +282,7 @@ class NodesModel(QAbstractTableModel):
         row = next((r for r in self.rows if r.role == THIS_MACHINE), None)
         if row is None:
             row = NodeRow(key=THIS_MACHINE, name="this machine", role=THIS_MACHINE,
-                          state="coordinator: runs stage 0 of every chain")
+                          state=THIS_MACHINE_STATE)
             self.beginInsertRows(QModelIndex(), 0, 0)
             self.rows.insert(0, row)
             self.endInsertRows()
@@ -319,15 +330,16 @@ class NodesModel(QAbstractTableModel):
         del self.rows[i]
         self.endRemoveRows()
 
-    def discovered(self, kind: str, info) -> None:
-        """An mDNS event (``engine.fleet.discovery.Browser``)."""
+    def discovered(self, kind: str, info, sources: tuple[str, ...] = ("mdns",)) -> None:
+        """A discovery event (``engine.fleet.unicast.Discovery``); ``sources``: how the node is found now,
+        "mdns" (its record) and "known" (its address dialled, known from a join code or a scan)."""
         addresses = [f"{a}:{info.port}" for a in info.addresses]
         row = next((r for r in self.rows if r.node_id == info.node_id), None) or \
             next((r for r in self.rows if r.address in addresses and r.address), None)
         if kind == "removed":
             if row is None:
                 return
-            row.mdns = False
+            row.mdns, row.known = False, ""
             if row.role == THIS_MACHINE:  # this machine's own agent stopped: the machine stays
                 row.address = row.added_as
                 self._changed(row)
@@ -339,13 +351,26 @@ class NodesModel(QAbstractTableModel):
         if row is None:
             row = NodeRow(key=info.node_id)
             self._append(row)
-        row.mdns = True
+        row.mdns = "mdns" in sources
+        row.known = self.known_as(addresses) if "known" in sources else ""
         row.take_node(dataclasses.asdict(info))
         if not row.added and addresses:
             row.address = addresses[0]
         if not row.error:
             row.state = info.status
         self._changed(row)
+
+    def learned(self, how: str, addresses: list[str]) -> None:
+        """``addresses`` became known nodes by ``how`` ("join code", "subnet scan"): rows found at them say so."""
+        self.known_by.update(dict.fromkeys(addresses, how))
+        for row in [r for r in self.rows if r.known and r.address in addresses and r.known != how]:
+            row.known = how
+            self._changed(row)
+
+    def known_as(self, addresses: list[str]) -> str:
+        """How a known node at one of ``addresses`` became known; a node known from before this app
+        started: by one of the two."""
+        return next((self.known_by[a] for a in addresses if a in self.known_by), "join code or scan")
 
     def add_address(self, address: str) -> None:
         row = next((r for r in self.rows if r.address == address), None)
@@ -481,7 +506,7 @@ class _Discovery(QObject):
     the GUI thread (queued signal).  A record or a known address reaches the view only once its agent
     proved the key and its node id, so a record cannot move a node the view knows to another address."""
 
-    event = Signal(str, object)  # kind, NodeInfo
+    event = Signal(str, object, tuple)  # kind, NodeInfo, how it is found now ("mdns", "known")
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -489,7 +514,9 @@ class _Discovery(QObject):
 
     def start(self, key: bytes, tls=None) -> None:
         self.stop()
-        self.browser = Discovery(key, tls, on_event=self.event.emit).start()
+        discovery = Discovery(key, tls, on_event=lambda kind, info: self.event.emit(
+            kind, info, tuple(discovery.sources().get(info.node_id, ()))))
+        self.browser = discovery.start()
 
     def stop(self) -> None:
         browser, self.browser = self.browser, None
@@ -657,7 +684,7 @@ class FleetView(QWidget):
         self._summarise()
 
     def _start_discovery(self) -> None:
-        for row in [r for r in self.model.rows if r.mdns]:  # another fleet: its nodes go
+        for row in [r for r in self.model.rows if r.mdns or r.known]:  # another fleet: its nodes go
             self.model.discovered("removed", _Gone(row.node_id))
         self.discovery.stop()
         if not (self.discover and self.key and self.key.usable):
@@ -852,6 +879,7 @@ class FleetView(QWidget):
     def _ask_join_code(self) -> JoinCodeDialog:
         dialog = JoinCodeDialog(lambda: (keystore.load(self.settings), keystore.tls(self.settings)), self.tasks,
                                 parent=self)
+        dialog.learned.connect(self.model.learned)
         dialog.known_changed.connect(lambda: self.discovery.browser and self.discovery.browser.dialer.poke())
         dialog.finished.connect(dialog.deleteLater)
         dialog.open()

@@ -20,9 +20,11 @@ from fleetgui.workers import TaskRunner
 
 class JoinCodeDialog(QDialog):
     """``fleet_key()`` gives (the fleet key, its TLS contexts or None), raising FleetError when there is
-    none; ``known_changed`` fires when a code or a scan added known nodes."""
+    none; ``known_changed`` fires when a code or a scan added known nodes, after ``learned`` said which
+    and how."""
 
     known_changed = Signal()
+    learned = Signal(str, list)  # how ("join code", "subnet scan"), the addresses it added to the known nodes
 
     def __init__(self, fleet_key: Callable[[], tuple], tasks: TaskRunner, port: int = AGENT_PORT,
                  parent: QWidget | None = None):
@@ -123,6 +125,7 @@ class JoinCodeDialog(QDialog):
         else:
             said = "; ".join(f"{r.address}: {_outcome(r.outcome)}" for r in reached)
             self.outcome.setText(f"Kept {', '.join(code.agents)}; that PC counts once its agent answers ({said}).")
+        self.learned.emit("join code", list(code.agents))
         self.known_changed.emit()
 
     def scan(self) -> None:
@@ -141,6 +144,7 @@ class JoinCodeDialog(QDialog):
         if done.found:
             names = ", ".join(f"{r.name or r.node_id} at {r.address}" for r in done.found)
             self.outcome.setText(f"Scanned {where}: found {names}.")
+            self.learned.emit("subnet scan", [r.address for r in done.found])
             self.known_changed.emit()
         else:
             self.outcome.setText(f"Scanned {where}: no agent there proved the fleet key"

@@ -109,8 +109,8 @@ class MainWindow(QMainWindow):
         self._follow_chat()
         self.api.start()
         self.chat_controller.fleet_event.connect(lambda text: self.statusBar().showMessage(f"Fleet: {text}", 30000))
-        self.export.exported.connect(
-            lambda r: self.statusBar().showMessage(f"Exported {len(r.stages)} stages to {r.out}", 10000))
+        self.export.exported.connect(lambda r: self.statusBar().showMessage(
+            f"Exported {len(r.stages)} part{'s' if len(r.stages) != 1 else ''} to {r.out}", 10000))
         self.export.use_as_default.connect(self.use_model)
         self.chat.model_chosen.connect(self.chat_uses)  # the chat's pick: Settings keep their default model
         self.fleet.key_changed.connect(self.use_key)

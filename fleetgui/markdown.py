@@ -18,6 +18,8 @@ from urllib.parse import quote
 from PySide6.QtGui import QTextDocument
 from PySide6.QtWidgets import QTextBrowser
 
+from fleetgui.widgets import unbidi
+
 FENCE = re.compile(r"^```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)(?:^```[ \t]*$|\Z)", re.S | re.M)
 CODE_BACKGROUND = {"light": "#f1f4f8", "dark": "#0f1318"}
 PYGMENTS_STYLE = {"light": "default", "dark": "monokai"}
@@ -90,7 +92,8 @@ def highlight(code: str, language: str, theme: str) -> str:
 def message_html(text: str, message_index: int, theme: str = "light") -> str:
     """A message's HTML: Markdown between the code blocks; each block highlighted on a tinted
     background with a ``copycode:MESSAGE:BLOCK`` link above it.  Text that fails to render shows as
-    plain text.  A long unbroken run gets break points (``breakable``)."""
+    plain text.  A long unbroken run gets break points (``breakable``); bidi controls go (``unbidi``)."""
+    text = unbidi(text)
     try:
         body = _message_html(text, message_index, theme)
     except Exception:  # any failure of the parsers: the text itself, escaped, is always shown

@@ -49,7 +49,7 @@ from engine.fleet.fit import measured_key, measured_speeds
 from engine.fleet.standby import Standby
 from engine.fleet.layout import fastest_for_one, solve_layout
 from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly, solve
-from engine.manifest import layer_numbers, layer_span
+from engine.manifest import layer_numbers, layer_span, part_name
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
 from fleetgui.theme import SERIES
 from engine.progress import Progress, byte_count
@@ -694,12 +694,12 @@ class PlacementView(QWidget):
         self._show_evaluation()
         said = [f"Optimised in {plan.solve_ms:.0f} ms."]
         if plan.ranks:
-            said.append(f"{len(plan.stages)} PCs as tensor-parallel ranks serve {plan.users} user(s) best: each "
-                        f"computes its share of every layer of the same token.")
+            said.append(f"{len(plan.stages)} PCs working on each token together serve {plan.users} "
+                        f"{'person' if plan.users == 1 else 'people'} best: each computes its share of every layer.")
         if others:
             where = "; ".join(_copy_words(p) for p in others)
             said.append(self.model.readable(
-                f"{len(others) + 1} copies of the model serve {layout.users} users best: the chain drawn, and {where} "
+                f"{len(others) + 1} copies of the model serve {layout.users} people best: the one drawn, and {where} "
                 f"({layout.aggregate_tok_s:.1f} tok/s aggregate predicted). Deploy starts them all."))
         self.activity.setText(" ".join(said))
         if deploy:
@@ -797,7 +797,7 @@ class PlacementView(QWidget):
                           if progress.bytes_total is not None else f"{phase} {fraction * 100:.0f}%")
         if 0 < stage < len(self.deploying):
             self.preparing.emit(self.deploying[stage],
-                                f"exporting stage {stage} ({fraction * 100:.0f}%)" if phase == "export" else "")
+                                f"preparing {part_name(stage)} ({fraction * 100:.0f}%)" if phase == "export" else "")
 
     def use_recorded(self, path: Path | None = None) -> bool:
         """Chats on a deployment recorded by the command line (it keeps running when the app exits)."""

@@ -31,10 +31,10 @@ from engine.errors import FleetError
 from engine.fleet.agent import Agent
 from engine.fleet.shardstore import shard_text
 from engine.fleetkey import load_tls
-from engine.manifest import layer_span
+from engine.manifest import layer_span, part_name
 from fleetgui import autostart, keystore, theme
 from fleetgui.settings import GuiSettings, default_store
-from fleetgui.widgets import Banner, flow_bar, plain
+from fleetgui.widgets import Banner, flow_bar, plain, plain_line, unbidi
 from fleetgui.workers import TaskRunner, on_signals
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,9 @@ def describe_state(agent) -> tuple[str, str]:
     else:
         status = {"idle": "idle: waiting for work", "receiving": "receiving a shard",
                   "profiling": "profiling its devices"}.get(agent.activity, agent.activity)
-    stages = "; ".join(f"stage {w.info.get('stage')} of {w.info.get('model')}, {layer_span(*w.info['layers'])} "
-                       f"on {w.info.get('device')}" for w in serving)
-    return status, stages or "no stage"
+    parts = "; ".join(f"{w.info.get('model')}: {part_name(w.info.get('stage'), w.info.get('stages'))} "
+                      f"({layer_span(*w.info['layers'])}) on {w.info.get('device')}" for w in serving)
+    return status, parts or "nothing"
 
 
 def is_failure(line: str) -> bool:
@@ -91,7 +91,7 @@ class WorkerController(QObject):
         self._last = None
         self._tails: dict[str, tuple[Path, int, str]] = {}  # worker id -> (its log, bytes read, stage label)
         self._tokens: dict[str, int] = {}  # worker id -> tokens it served, as the agent last said
-        self.counts = {"connections": 0, "stages": 0, "tokens": 0, "errors": 0}
+        self.counts = {"connections": 0, "parts": 0, "tokens": 0, "errors": 0}
         self.timer = QTimer(self)
         self.timer.setInterval(poll_ms)
         self.timer.timeout.connect(self._poll)
@@ -123,7 +123,7 @@ class WorkerController(QObject):
         if "serving upstream" in text or text.startswith("control connection from"):
             self.counts["connections"] += 1
         if "started worker" in text:
-            self.counts["stages"] += 1
+            self.counts["parts"] += 1
         if is_failure(text):
             self.counts["errors"] += 1
 
@@ -138,7 +138,7 @@ class WorkerController(QObject):
         workers = dict(self.agent.workers) if self.agent is not None else {}
         for wid, worker in workers.items():
             if wid not in self._tails:
-                self._tails[wid] = (Path(worker.log), 0, f"stage {worker.info.get('stage')}")
+                self._tails[wid] = (Path(worker.log), 0, part_name(worker.info.get("stage"), worker.info.get("stages")))
             path, offset, label = self._tails[wid]
             try:
                 with path.open("rb") as f:
@@ -182,8 +182,8 @@ class WorkerController(QObject):
 
     def tally(self) -> str:
         n = self.counts
-        return (f"{n['connections']} connection{'s' if n['connections'] != 1 else ''} · {n['stages']} stage"
-                f"{'s' if n['stages'] != 1 else ''} started · {n['tokens']} token{'s' if n['tokens'] != 1 else ''} "
+        return (f"{n['connections']} connection{'s' if n['connections'] != 1 else ''} · {n['parts']} part"
+                f"{'s' if n['parts'] != 1 else ''} started · {n['tokens']} token{'s' if n['tokens'] != 1 else ''} "
                 f"served · {n['errors']} error{'s' if n['errors'] != 1 else ''}")
 
     def identity(self) -> str:
@@ -281,8 +281,8 @@ class WorkerWindow(QWidget):
         font.setBold(True)
         font.setPointSizeF(font.pointSizeF() * 1.25)
         title.setFont(font)
-        explain = QLabel("The fleet's coordinator sends this PC a share of the model's layers and runs them "
-                         "here. Pause to take this PC back for a while; Quit to leave the fleet.")
+        explain = QLabel("The PC that runs the fleet's chat sends this PC a part of the model, and this PC runs "
+                         "it. Pause to take this PC back for a while; Quit to leave the fleet.")
         explain.setObjectName("hint")
         explain.setWordWrap(True)
         self.identity = QLabel()
@@ -299,7 +299,7 @@ class WorkerWindow(QWidget):
         self.activity = QPlainTextEdit()
         self.activity.setReadOnly(True)
         self.activity.setMaximumBlockCount(500)
-        self.activity.setPlaceholderText("What the agent does appears here: connections, shards received, stages "
+        self.activity.setPlaceholderText("What the agent does appears here: connections, shards received, parts "
                                          "started, errors.")
         activity_box = QGroupBox("Activity")
         QVBoxLayout(activity_box).addWidget(self.activity)
@@ -357,7 +357,7 @@ class WorkerWindow(QWidget):
     def log_line(self, line: str) -> None:
         if line.startswith("control connection from") and line.endswith("closed the connection"):
             return  # a client hanging up after its requests: routine, not activity
-        self.activity.appendPlainText(f"{time.strftime('%H:%M:%S')}  {line}")
+        self.activity.appendPlainText(f"{time.strftime('%H:%M:%S')}  {unbidi(line)}")
 
     def _ask_key(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Fleet key file", str(self.controller.key_file))
@@ -422,7 +422,7 @@ class WorkerTray(QObject):
         c = self.controller
         status, stage = c.state()
         self.status_action.setText(f"Status: {status}")
-        self.stage_action.setText(f"Stage: {stage}" if stage else "")
+        self.stage_action.setText(f"Serving: {stage}" if stage else "")
         self.stage_action.setVisible(bool(stage))
         self.tally_action.setText(f"Activity: {c.tally()}")
         self.pause_action.setText("Resume serving" if c.paused else "Pause serving")
@@ -432,7 +432,7 @@ class WorkerTray(QObject):
         self.autostart_action.blockSignals(True)
         self.autostart_action.setChecked(c.autostart_enabled())
         self.autostart_action.blockSignals(False)
-        self.icon.setToolTip(f"fleetshard worker: {status}" + (f"\n{stage}" if stage else ""))
+        self.icon.setToolTip(plain_line(f"fleetshard worker: {status}" + (f"\n{stage}" if stage else "")))
 
 
 def build_worker(key_file: Path, *, listen: str = DEFAULT_LISTEN, name: str | None = None, advertise: bool = True,

@@ -1,4 +1,5 @@
-"""Small widgets the views share: plain text for labels and tooltips, the inline message banner, the
+"""Small widgets the views share: plain text for labels and tooltips (bidi controls taken out), the inline
+message banner, the
 splitter and field-with-button rows several views lay out, a flow layout for rows of buttons that
 wrap instead of widening the window, the scroll frame every view sits in, ready-filled spin and
 combo boxes for their forms, and the wheel guard that keeps a scrolling wheel from changing them."""
@@ -13,19 +14,42 @@ from PySide6.QtWidgets import (QAbstractSpinBox, QApplication, QComboBox, QFrame
                                QWidget)
 
 
+# Unicode's bidi embedding, override and isolate controls (U+202A-202E, U+2066-2069): text that holds
+# them shows its characters in another order than they are in (a reply or a node's name that reads
+# backwards, a file name whose extension seems to be another)
+BIDI_CONTROLS = dict.fromkeys([*range(0x202A, 0x202F), *range(0x2066, 0x206A)])
+
+
+def unbidi(text: str) -> str:
+    """``text`` without bidi controls (``BIDI_CONTROLS``), so it shows in the order it is written:
+    every text from a model, a node, a server or a file that the app shows goes through it."""
+    return text.translate(BIDI_CONTROLS)
+
+
 def plain(widget):
-    """``widget`` (a label or a message box) set to show its text as written.  Left to itself, Qt
-    takes text that looks like HTML for rich text, and node names, file names, servers' and workers'
-    errors and model output reach labels: an ``<img src=file:///dev/zero>`` in one loaded that file
-    until the app died.  Returns the widget."""
+    """``widget`` (a label or a message box) set to show its text as written, bidi controls taken out
+    (``unbidi``) of every text given to its ``setText``.  Left to itself, Qt takes text that looks like
+    HTML for rich text, and node names, file names, servers' and workers' errors and model output
+    reach labels: an ``<img src=file:///dev/zero>`` in one loaded that file until the app died.
+    Returns the widget."""
     widget.setTextFormat(Qt.TextFormat.PlainText)
+    set_text = widget.setText
+    widget.setText = lambda text: set_text(unbidi(text))
     return widget
 
 
 def plain_tip(text: str) -> str:
     """``text`` as a tooltip that shows it as written, line breaks kept: a tooltip has no text format
     to set, so the text goes escaped into the rich text Qt would otherwise guess at."""
-    return f"<p style='white-space:pre-wrap'>{html.escape(text, quote=False)}</p>" if text else ""
+    return f"<p style='white-space:pre-wrap'>{html.escape(unbidi(text), quote=False)}</p>" if text else ""
+
+
+def plain_line(text: str) -> str:
+    """``text`` for a place that has no text format and that one platform shows as written while
+    another reads it as markup (the tray icon's tooltip: Windows shows it as it is, Qt's own X11 icon
+    takes text that looks like HTML for rich text): a word joiner, which shows as nothing, after each
+    ``<`` and ``&``, so no tag or entity is read, and bidi controls out (``unbidi``)."""
+    return unbidi(text).replace("<", "<\u2060").replace("&", "&\u2060")
 
 
 class Banner(QFrame):

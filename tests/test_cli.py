@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from engine.cli.args import reply_text
+
 
 def fleet(*args):
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=600)
@@ -31,7 +33,7 @@ def test_generate_streams_text_and_reports_speed(tiny_exports, tmp_path):
     (result,) = json.loads(out.read_text())
     assert result["new_tokens"] == 12 and len(result["tokens"]) == 12
     assert result["stopped_by"] == "max_tokens"
-    assert proc.stdout.strip() == result["text"].strip()
+    assert proc.stdout.strip() == reply_text(result["text"]).strip()  # the JSON keeps the text as generated
 
 
 def test_generate_accepts_an_export_folder(tiny_exports):
@@ -207,3 +209,34 @@ def test_a_nodes_name_with_terminal_escapes_prints_without_them(tmp_path):
     row = next(line for line in proc.stdout.splitlines() if node.address in line)
     assert row.startswith("evil[2J]0;ownednode31m ") and "idle" in row, proc.stdout
     assert not any(c in proc.stdout + proc.stderr for c in "\x1b\x07\x9b")
+
+
+def test_generate_prints_a_clean_reply(capsys):
+    """`fleet generate` shows the reply, not what would act on the terminal: an escape sequence, a bell
+    and a carriage return in the model's text go, its line breaks and tabs stay (it used to print each
+    piece as generated); and the reply's end held back for an incomplete character is printed too."""
+    from types import SimpleNamespace
+
+    from engine.cli.generate import _generator_reply
+
+    pieces = {1: "Hi", 2: "\x1b]0;owned\x07\x1b[2J", 3: " there\tok\r\n", 4: "é"}
+
+    class Tokenizer:
+        def prompt_ids(self, prompt, system=None, chat=True):
+            return [0]
+
+        def decode(self, ids):
+            text = "".join(pieces[i] for i in ids)
+            return text[:-1] + "\ufffd" if ids and ids[-1] == 4 else text  # the last character incomplete
+
+    class Gen:
+        def generate(self, ids, max_new_tokens, *, on_token, **kw):
+            for token in pieces:
+                on_token(token)
+            return SimpleNamespace(tokens=list(pieces), drafted=0, acceptance=0.0, decode_tok_s=1.0, ttft_s=0.1,
+                                   stopped_by="max_tokens", to_json=dict)
+
+    args = SimpleNamespace(system=None, no_chat=False, ignore_eos=False, k=4, sampling=None)
+    reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4), Tokenizer(), Gen(), None)
+    reply("hello")
+    assert capsys.readouterr().out == "Hi]0;owned[2J there\tok\n\ufffd\n"

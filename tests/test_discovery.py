@@ -537,6 +537,47 @@ def test_a_record_whose_agent_trickles_its_answer_holds_up_no_other_record():
         zc.close()
 
 
+def send_name_only(zc: Zeroconf, info: NodeInfo, tag: str) -> str:
+    """A name of ``info``'s without its address and text (a bare PTR: a node half gone, or anyone on the
+    LAN), so a browser must ask the network to resolve it; returns the name."""
+    name = f"{tag} ({secrets.token_hex(3)}).{SERVICE}"
+    service = ServiceInfo(SERVICE, name, port=info.port, properties=info.to_txt(), server=f"{tag}.local.",
+                          parsed_addresses=["127.0.0.1"])
+    out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+    out.add_answer_at_time(service.dns_pointer(), 0)
+    zc.send(out)
+    return name
+
+
+def test_a_name_that_does_not_resolve_holds_up_no_other_record_nor_closing():
+    """A name whose resolve must ask the network is resolved on a checker thread (``RESOLVE_MS`` at most):
+    a whole record heard meanwhile is believed at once, the name is skipped with its reason, and closing
+    the browser does not wait for such a resolve.  The resolve used to run on zeroconf's handler
+    thread, which every later record waits for and closing joins (the Fleet view closes its browser
+    on the GUI thread when the fleet key changes)."""
+    fid = fleet_id(secrets.token_bytes(32))
+    zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    try:
+        browser = Browser(fid, addresses=["127.0.0.1"]).start()
+        try:
+            ghost = send_name_only(zc, sample(fid, name="ghost"), "ghost")
+            time.sleep(0.3)  # its resolve under way
+            shout(zc, sample(fid, name="real"), "real")
+            assert wait_for(lambda: any(i.name == "real" for i in browser.nodes().values()), 1.5), \
+                browser.rejected()
+            reason = wait_for(lambda: browser.rejected().get(ghost), discovery.RESOLVE_MS / 1000 + 2)
+            assert reason and "no answer resolving" in reason, browser.rejected()
+            send_name_only(zc, sample(fid, name="ghost again"), "again")
+            time.sleep(0.3)
+        finally:
+            start = time.monotonic()
+            browser.close()
+            closing = time.monotonic() - start
+        assert closing < 1.0, f"closing the browser took {closing:.1f} s"
+    finally:
+        zc.close()
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="agent processes are stopped by SIGTERM (POSIX only)")
 def test_a_record_moves_a_known_node_only_once_the_agent_there_proves_the_key_and_the_id(tmp_path, caplog):
     from fleet_support import agent_process

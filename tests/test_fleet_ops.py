@@ -142,7 +142,7 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
         with ControlClient(address, key) as agent:
             status = agent.status()
             assert [w["stage"] for w in status["workers"]] == [stage]
-            assert status["state"] == f"serving stage {stage}"
+            assert status["state"] == f"serving part {stage + 1} of 3"
     # a second deployment of the same plan sends nothing: the nodes hold those shards
     assert deployment.stop(key) == []
     again, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
@@ -374,7 +374,7 @@ def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_
             proc_b.kill()
             proc_b.wait()
 
-    with pytest.raises(FleetError, match=r"starting stage 2: node agent at .* (lost|not reachable)"):
+    with pytest.raises(FleetError, match=r"starting part 3 of 3: node agent at .* (lost|not reachable)"):
         deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=lose_b)
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []  # stage 1's worker was stopped again

@@ -71,7 +71,7 @@ def test_a_transfer_onto_a_full_disk_fails_plainly_and_the_old_deployment_serves
                 deploy(str(tiny_models["llama"]), stages, key=key, weights="f32",
                        folders=tiny_exports["llama", "2"].folders)
             text = str(refused.value)
-            assert re.search(NAMED.replace("^", r"while sending stage 1: "), text), text
+            assert re.search(NAMED.replace("^", r"while sending part 2 of 2: "), text), text
             assert "Free up space on that computer" in text, text
             assert not list((store / "incoming").iterdir())
             assert greedy(chain) == before  # the old deployment keeps answering

@@ -74,7 +74,7 @@ def test_reply_streams_over_loopback_workers_and_stop_stops_it(qtbot, gui_home, 
     # the loopback pipeline streamed exactly what the chain decodes greedily, up to the stop
     want = greedy(shards, [{"role": "user", "content": "The quick brown fox"}], 400)
     assert reply.tokens == want[: len(reply.tokens)]
-    assert window.service_label.text().startswith("Chat: qwen2, 2 stages, local fleet")
+    assert window.service_label.text().startswith("Chat: qwen2, 2 parts, local fleet")
     assert window.chat.live.points("chat 1") > 0 or window.chat.meter.snapshot()["chat 1"] == len(reply.tokens)
     stored = window.history.load(tab.conversation.id)
     assert [m.role for m in stored.messages] == ["user", "assistant"]
@@ -255,7 +255,7 @@ def test_the_default_model_answers_on_a_local_fleet(qtbot, gui_home, tmp_path, s
     tab.set_options(preset_options("Greedy", 160))
     reply = send(qtbot, tab, "What is the capital of France?", timeout=300000)
     assert reply.stopped_by in ("eos", "max_tokens") and "Paris" in reply.text, (reply.error, reply.text)
-    assert window.service_label.text().startswith("Chat: smollm2-135m, 2 stages, local fleet")
+    assert window.service_label.text().startswith("Chat: smollm2-135m, 2 parts, local fleet")
     assert "acceptance" not in tab.stats.text() and re.search(r"Speculative decoding: \d+% of the drafted",
                                                                 tab.stats.toolTip()), tab.stats.toolTip()
     longer = send(qtbot, tab, "Tell me three facts about Paris.", timeout=300000)
@@ -276,17 +276,17 @@ def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home,
     assert said(pulling("download", 67_500_000, 270_000_000)) == ("Downloading the model: 68 of 270 MB", 0.25)
     assert said(pulling("assemble", 41_000_000, 102_000_000)) == ("Unpacking the model: 41 of 102 MB", 41 / 102)
     assert said(pulling("verify", 0, 270_000_000)) == ("Checking the downloaded model (270 MB)", None)
-    assert said(exporting(1, 3, "compress", 0.5)) == ("Exporting stage 2 of 3 (compressing)", 0.5)
-    assert said(deploying(1, "send", 0.07, 40_000_000, 547_000_000)) == ("Sending stage 1: 40 of 547 MB", 0.07)
-    assert deploying(1, "send", 0.5, 3_500_000, 7_000_000).text == "Sending stage 1: 3.5 of 7.0 MB"
-    assert said(deploying(2, "start", 0.0)) == ("Starting stage 2", 0.0)
+    assert said(exporting(1, 3, "compress", 0.5)) == ("Exporting part 2 of 3 (compressing)", 0.5)
+    assert said(deploying(1, "send", 0.07, 40_000_000, 547_000_000)) == ("Sending part 2: 40 of 547 MB", 0.07)
+    assert deploying(1, "send", 0.5, 3_500_000, 7_000_000).text == "Sending part 2: 3.5 of 7.0 MB"
+    assert said(deploying(2, "start", 0.0)) == ("Starting part 3", 0.0)
     # an event carries its bytes and its stage beside its words, and crosses processes whole
     import pickle
 
     sent = deploying(1, "send", 40 / 547, 40_000_000, 547_000_000)
     assert (sent.bytes_done, sent.bytes_total, sent.stage, sent.step) == (40_000_000, 547_000_000, 1, "send")
     assert pickle.loads(pickle.dumps(sent)) == sent
-    assert deploying(2, "send", 0.1).text == "Sending stage 2"  # no bytes: no count
+    assert deploying(2, "send", 0.1).text == "Sending part 3"  # no bytes: no count
     for ready in (pulling("ready", 270_000_000, 270_000_000), pulling("download", 270_000_000, 270_000_000)):
         assert ready.fraction is None and "100%" not in ready.text
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
@@ -298,7 +298,7 @@ def test_progress_reads_as_steps_never_ready_while_work_goes_on(qtbot, gui_home,
     controller._loading_progress(pulling("assemble", 135_000_000, 270_000_000))
     assert panel.bar.value() == 50 and panel.text == "Unpacking the model: 135 of 270 MB"  # the count shown
     controller._loading_progress(exporting(0, 2, "compress", 0.5))
-    assert panel.bar.value() == 50 and panel.text == "Exporting stage 1 of 2 (compressing)"
+    assert panel.bar.value() == 50 and panel.text == "Exporting part 1 of 2 (compressing)"
     cancelled = []
     controller.cancel_open = lambda: cancelled.append(True)
     window.chat.progress.cancel_requested.disconnect()

@@ -39,7 +39,7 @@ def test_demo_fleet_drag_a_range_deploy_chat_and_lose_a_node(qtbot, gui_home, ti
     fleet_view = window.show_view("Fleet")
     fleet_view.timer.setInterval(500)
     this = fleet_view.model.rows[0]  # this machine is listed from the start, with its facts
-    assert this.found_by == "this machine" and this.status.startswith("coordinator")
+    assert this.found_by == "this machine" and this.status.startswith("this PC")
     qtbot.waitUntil(lambda: bool(this.os and this.devices), timeout=30000)
     assert this.name.startswith("this machine (") and "CPU" in this.devices
 
@@ -88,7 +88,7 @@ def test_demo_fleet_drag_a_range_deploy_chat_and_lose_a_node(qtbot, gui_home, ti
 
     reply = chat(qtbot, window)
     assert reply.tokens and not reply.error, reply.error
-    assert window.service_label.text() == "Chat: qwen2, 2 stages, deployed on the fleet"
+    assert window.service_label.text() == "Chat: qwen2, 2 parts, deployed on the fleet"
     chain = LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]")))
     want = Generator(chain, chain.spec.max_position, chain.manifest.eos_token_ids).generate(
         ChatTokenizer(chain.first_folder).chat_ids(MESSAGES), TOKENS).tokens
@@ -107,7 +107,7 @@ def test_demo_fleet_drag_a_range_deploy_chat_and_lose_a_node(qtbot, gui_home, ti
     # the laptop held the GPU box's part as a hot standby (Settings.standbys): it takes over, nothing is sent
     assert any(f"its standby on {laptop} takes over" in e for e in events), events
     assert deployment.standby_for(1) is not None and deployment.standby_for(1).agent == demo.node(laptop).address
-    qtbot.waitUntil(lambda: fleet_view.model.row(laptop).status.startswith("serving stage 1"), timeout=30000)
+    qtbot.waitUntil(lambda: fleet_view.model.row(laptop).status.startswith("serving part 2"), timeout=30000)
 
     procs = [node.proc for node in demo.nodes]
     window.close()  # the deployment's workers and the demo nodes end with the app

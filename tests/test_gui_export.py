@@ -163,8 +163,8 @@ def test_the_engine_reports_bytes_and_stage_counts_the_wizard_follows(qtbot, gui
     assert seen == [*pulled, pulling("ready", size, size), exporting(0, 2, "compress", 0.5),
                     exporting(1, 2, "compress", 0.5)]
     assert [(p.bytes_done, p.bytes_total) for p in seen[:3]] == [(0, size), (round(size / 2), size), (size, size)]
-    assert [p.text for p in seen[-2:]] == ["Exporting stage 1 of 2 (compressing)",
-                                           "Exporting stage 2 of 2 (compressing)"]
+    assert [p.text for p in seen[-2:]] == ["Exporting part 1 of 2 (compressing)",
+                                           "Exporting part 2 of 2 (compressing)"]
 
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     wizard = window.show_view("Export")

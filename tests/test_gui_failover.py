@@ -33,6 +33,6 @@ def test_a_killed_worker_is_started_again_and_the_window_says_so(qtbot, gui_home
     again = _send(qtbot, window.chat.new_chat(), "The quick brown fox")  # a new chat: the same conversation
     assert again.error is None and again.rerouted == 1, (again.error, events)
     assert again.tokens == first.tokens  # the same conversation, greedy: the same reply
-    assert any("starting its worker again" in e for e in events) and events[-1].startswith("placed: stage 0")
+    assert any("starting its worker again" in e for e in events) and events[-1].startswith("placed: part 1")
     assert window.statusBar().currentMessage().startswith("Fleet: placed")
     assert window.chat.banner.message.startswith("Fleet: placed")

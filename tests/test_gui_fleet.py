@@ -46,7 +46,7 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
         assert found.mdns and not found.added and found.address == mdns_address
         assert view.model.row("static-node") is None  # not advertised, not added yet
         view.add_node(mdns_address)  # found both ways: one row
-        assert len(view.model.node_rows()) == 1 and view.model.row("mdns-node").found_by == "mDNS + address"
+        assert len(view.model.node_rows()) == 1 and view.model.row("mdns-node").found_by == "mDNS + by hand"
         view.remove_node(mdns_address)
         assert len(view.model.node_rows()) == 1 and view.model.row("mdns-node").found_by == "mDNS"
 
@@ -312,3 +312,51 @@ def test_shards_are_listed_once_each():
                                    {"model": "qwen2", "layers": [0, 2], "weights": "int4", "hash": "b"},
                                    {"model": "qwen2", "layers": [2, 4], "weights": "f32", "hash": "c"}])
     assert row.shards_text() == "qwen2: layers 0-1, layers 2-3 (f32), layers 2-3 (int4)"
+
+
+def test_found_by_tells_how_each_node_is_found(qtbot):
+    """"Found by" names each way a node is found as it is now: mDNS, the join code or subnet scan that
+    made its address known (dialled, no record seen), or an address added by hand; it used to say mDNS
+    for every node discovery reported."""
+    from engine.fleet.node import NodeInfo
+    from fleetgui.fleet_view import NodesModel
+
+    def info(node_id: str, address: str) -> NodeInfo:
+        host, port = address.split(":")
+        return NodeInfo(node_id, node_id, "Linux", "cpu", 4, 8192, 4096, "", [], int(port), "f", [host])
+
+    model = NodesModel()
+    model.learned("join code", ["10.0.0.2:7390"])
+    model.learned("subnet scan", ["10.0.0.3:7390"])
+    model.discovered("added", info("joined", "10.0.0.2:7390"), ("known",))
+    model.discovered("added", info("scanned", "10.0.0.3:7390"), ("known",))
+    model.discovered("added", info("earlier", "10.0.0.4:7390"), ("known",))  # known before this app started
+    model.discovered("added", info("both", "10.0.0.5:7390"), ("known", "mdns"))
+    model.add_address("10.0.0.6:7390")
+    assert [(r.name, r.found_by) for r in model.rows] == [
+        ("joined", "join code"), ("scanned", "subnet scan"), ("earlier", "join code or scan"),
+        ("both", "mDNS + join code or scan"), ("", "by hand")]
+    model.discovered("updated", info("both", "10.0.0.5:7390"), ("known",))  # its record went: dialled still
+    assert model.row("both").found_by == "join code or scan"
+
+
+def test_the_fleet_view_says_parts_and_this_pc(qtbot):
+    """What nodes serve reads in parts counted from 1 ("serving part 2 of 3"), this machine's row says
+    "this PC" and keeps the technical words in its tooltip; a node's own state in parts too."""
+    from PySide6.QtCore import Qt
+    from test_gui_settings import jargon_in
+
+    from fleetgui.fleet_view import COLUMNS, NodeRow, NodesModel
+
+    model = NodesModel()
+    here = model.this_machine()
+    node = NodeRow(key="n", name="office-pc", state="serving part 2 of 3, part 3 of 3", node_id="ab" * 8,
+                   workers=[{"id": "a", "stage": 1, "stages": 3, "layers": [1, 3]},
+                            {"id": "b", "stage": 2, "stages": 3, "layers": [3, 4]}], standbys=frozenset({"b"}))
+    assert node.status == "serving part 2 of 3 (layers 1-2); standby for part 3 (layer 3)"
+    model._append(node)
+    shown = [str(model.index(r, c).data() or "") for r in range(model.rowCount()) for c in range(len(COLUMNS))]
+    assert jargon_in(shown) == [], shown
+    assert here.status.startswith("this PC")
+    tip = model.index(0, COLUMNS.index("Status")).data(Qt.ItemDataRole.ToolTipRole)
+    assert "coordinator" in tip and "stage 0" in tip  # the technical words, behind the tooltip

@@ -139,3 +139,48 @@ def test_remote_text_shows_as_written_in_every_widget(qtbot, gui_home, tmp_path)
     tab._link(QUrl(REPLY_LINK + QUrl.toPercentEncoding("https://example.com/" + HOSTILE).data().decode()))
     assert asked == [(Qt.TextFormat.PlainText, "Open this link from the reply in your browser?\n\n"
                                                "https://example.com/" + HOSTILE)]
+
+
+BIDI = "".join(map(chr, [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]))  # embeddings, overrides, isolates
+BACKWARDS = f"invoice{BIDI}fdp.exe"  # "invoiceexe.pdf" on screen, with U+202E in it
+
+
+def test_bidi_controls_never_reorder_what_is_shown(qtbot, gui_home):
+    """Unicode's bidi embedding, override and isolate controls in a reply, a node's name or a log line
+    are taken out wherever the app shows such text as plain text (``fleetgui.widgets.unbidi``): a label,
+    a tooltip, the Fleet view's table, a reply, a tool's result and the tray worker's activity."""
+    from fleetgui.chat_tools import result_html
+    from fleetgui.fleet_view import NodesModel
+    from fleetgui.history import Message
+    from fleetgui.markdown import message_html
+    from fleetgui.tray import WorkerController, WorkerWindow
+    from fleetgui.widgets import plain, plain_tip, unbidi
+
+    assert unbidi(BACKWARDS) == "invoicefdp.exe" and unbidi("שלום, world \u200f") == "שלום, world \u200f"
+    label = plain(QLabel())
+    label.setText(BACKWARDS)
+    assert label.text() == "invoicefdp.exe"
+    assert not set(BIDI) & set(plain_tip(BACKWARDS) + message_html(BACKWARDS, 0))
+    assert not set(BIDI) & set(result_html(Message("tool", BACKWARDS, stats={"name": BACKWARDS})))
+    model = NodesModel()
+    model._append(NodeRow(key="a", name=BACKWARDS, os=BACKWARDS, error="x"))
+    shown = [model.index(0, c).data() for c in range(model.columnCount())]
+    assert "invoicefdp.exe" in shown and not any(set(BIDI) & set(s or "") for s in shown)
+    worker = WorkerWindow(WorkerController(gui_home / "fleet.key"))
+    qtbot.addWidget(worker)
+    worker.log_line(f"stage 1: {BACKWARDS}")
+    assert "invoicefdp.exe" in worker.activity.toPlainText() and not set(BIDI) & set(worker.activity.toPlainText())
+
+
+def test_the_tray_icon_tooltip_is_plain_text(qtbot, gui_home):
+    """The tray icon's tooltip has no text format to set, and Windows shows it as written while Qt's own
+    icon guesses rich text: what a failed start leaves (or a model's name) shows as written on both."""
+    from fleetgui.tray import WorkerController, WorkerTray
+
+    controller = WorkerController(gui_home / "fleet.key")
+    tray = WorkerTray(controller)
+    controller.error = f"cannot start the node agent: {HOSTILE}{BIDI}"
+    tray.refresh()
+    tip = tray.icon.toolTip()
+    assert not Qt.mightBeRichText(tip) and not set(BIDI) & set(tip)
+    assert tip.replace("\u2060", "") == f"fleetshard worker: not running: cannot start the node agent: {HOSTILE}"

@@ -56,6 +56,7 @@ def test_a_pasted_join_code_brings_its_node_into_the_view(qtbot, gui_home, key_f
         assert known_nodes() == [f"{a}:{port}" for a in unicast.shared_addresses()]
         qtbot.waitUntil(lambda: view.model.row("alice") is not None, timeout=20000)  # dialled at once
         assert view.model.row("alice").address.endswith(f":{port}")
+        assert view.model.row("alice").found_by == "join code"  # dialled, not seen over mDNS
         dialog.reject()
 
 

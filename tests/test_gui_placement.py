@@ -288,8 +288,8 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert deployed and deployed[0] is not None, view.banner.message
     deployment = deployed[0]
     # the fleet view showed each node's stage being exported here, and shows it no more
-    exporting = {(address, status.split(" (")[0]) for address, status in seen if status.startswith("exporting")}
-    assert exporting == {(fleet.alpha, "exporting stage 1"), (fleet.beta, "exporting stage 2")}, seen
+    exporting = {(address, status.split(" (")[0]) for address, status in seen if status.startswith("preparing")}
+    assert exporting == {(fleet.alpha, "preparing part 2"), (fleet.beta, "preparing part 3")}, seen
     assert not any(r.preparing for r in fleet_view.model.rows)
     assert [bar.value() for _, bar in view.deploy_bars] == [1000] * 3
     # each node runs its stage, and the other's hot standby (Settings.standbys, on by default)
@@ -307,7 +307,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
         tab.send()
     reply = blocker.args[0]
     assert reply.stopped_by in ("eos", "max_tokens") and reply.tokens and reply.text, reply.error
-    assert window.service_label.text() == "Chat: qwen2, 3 stages, deployed on the fleet"
+    assert window.service_label.text() == "Chat: qwen2, 3 parts, deployed on the fleet"
     chain = LocalChain(sorted(Path(deployment.stage0).parent.glob("stage*[0-9]")))
     want = Generator(chain, chain.spec.max_position, chain.manifest.eos_token_ids).generate(
         ChatTokenizer(chain.first_folder).chat_ids(messages), 24).tokens
@@ -316,11 +316,11 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     screenshot(window, "placement")
     window.show_view("Fleet")
     fleet_view.measure_round_trips()
-    qtbot.waitUntil(lambda: all(r.status.startswith("serving stage") and r.shards for r in fleet_view.model.node_rows())
+    qtbot.waitUntil(lambda: all(r.status.startswith("serving part") and r.shards for r in fleet_view.model.node_rows())
                     and fleet_view.rtt_table.rowCount() == 3, timeout=60000)
     statuses = {r.address: r.status for r in fleet_view.model.rows}
-    assert statuses[fleet.alpha] == "serving stage 1 (layers 1-2); standby for stage 2 (layer 3)", statuses
-    assert statuses[fleet.beta] == "serving stage 2 (layer 3); standby for stage 1 (layers 1-2)", statuses
+    assert statuses[fleet.alpha] == "serving part 2 of 3 (layers 1-2); standby for part 3 (layer 3)", statuses
+    assert statuses[fleet.beta] == "serving part 3 of 3 (layer 3); standby for part 2 (layers 1-2)", statuses
     shards = {r.address: r.shards_text() for r in fleet_view.model.rows}[fleet.alpha]
     assert shards.startswith("qwen2: ") and "layers 1-2" in shards, shards  # by model, profiling shards too
     screenshot(window, "fleet")
@@ -452,11 +452,11 @@ def test_embedded_default_chats_on_a_local_fleet_and_stops_with_the_window(qtbot
     with qtbot.waitSignal(controller.ready, timeout=600000):
         controller.open()
     service = controller.service
-    assert service.description.endswith("2 stages, local fleet")
+    assert service.description.endswith("2 parts, local fleet")
     agent = service._owned[0].proc
     assert agent.poll() is None
     fleet_view = window.show_view("Fleet")  # the local fleet's agent is listed as a node, not offered to placements
-    qtbot.waitUntil(lambda: any(r.found_by == "local fleet" and r.status.startswith("serving stage 1")
+    qtbot.waitUntil(lambda: any(r.found_by == "local fleet" and r.status.startswith("serving part 2")
                                 for r in fleet_view.model.rows), timeout=30000)
     local = next(r.address for r in fleet_view.model.rows if r.found_by == "local fleet")
     assert local not in fleet_view.agent_addresses()

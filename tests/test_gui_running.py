@@ -35,7 +35,7 @@ def test_after_deploy_placement_and_the_status_bar_agree(qtbot, gui_home, key_fi
         assert "The chat now uses this deployment" in placement.activity.text()
         qtbot.waitUntil(lambda: "not connected" not in window.service_label.text(), timeout=5000)
         # connected with no message sent: the chain Placement names is the one the chat runs on
-        qtbot.waitUntil(lambda: window.service_label.text() == "Chat: qwen2, 2 stages, deployed on the fleet",
+        qtbot.waitUntil(lambda: window.service_label.text() == "Chat: qwen2, 2 parts, deployed on the fleet",
                         timeout=60000)
         window.close()
 
@@ -67,7 +67,7 @@ def test_the_running_state_holds_the_deployment_the_chat_and_the_nodes(qtbot, gu
         assert window.service_label.text() == running.chat_text() == f"Chat: {running.chat.detail}"
         # the Fleet view's polling says what the node serves now
         qtbot.waitUntil(lambda: any(n.serving for n in running.nodes if n.name == "office-pc"), timeout=20000)
-        assert next(n for n in running.nodes if n.name == "office-pc").serving == ("serving stage 1 (layers 2-3)",)
+        assert next(n for n in running.nodes if n.name == "office-pc").serving == ("serving part 2 of 2 (layers 2-3)",)
 
         window.placement.stop_deployment()  # Stop in Placement: the chat goes back to the settings' model
         assert running.deployment is None and running.chat.deployment is None

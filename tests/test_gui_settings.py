@@ -71,8 +71,9 @@ JARGON = {
 
 def visible_texts(root) -> list[str]:
     """Every text ``root`` shows as it stands: labels, buttons, group titles, check boxes, the current
-    choice of combo boxes, placeholders, the headers and cells of item views and the blocks of the
-    plan's picture; only widgets visible within ``root`` (a collapsed details section's are not)."""
+    choice of combo boxes, placeholders, the headers and cells of item views (a table's every column,
+    a list's or tree's first) and the blocks of the plan's picture; only widgets visible within ``root``
+    (a collapsed details section's are not)."""
     from PySide6.QtCore import Qt
     from PySide6.QtWidgets import (QAbstractButton, QAbstractItemView, QComboBox, QGroupBox, QLabel, QLineEdit,
                                    QTableView, QTreeView, QWidget)
@@ -94,7 +95,8 @@ def visible_texts(root) -> list[str]:
             if isinstance(widget, (QTableView, QTreeView)):
                 header = widget.header() if isinstance(widget, QTreeView) else widget.horizontalHeader()
                 texts += [str(model.headerData(c, Qt.Orientation.Horizontal) or "") for c in range(header.count())]
-            texts += [str(model.index(r, 0).data() or "") for r in range(min(model.rowCount(), 50))]
+            columns = range(model.columnCount()) if isinstance(widget, QTableView) else range(1)
+            texts += [str(model.index(r, c).data() or "") for r in range(min(model.rowCount(), 50)) for c in columns]
         if hasattr(widget, "block_label") and getattr(widget, "model", None) is not None:  # the plan's picture
             texts += [widget.block_label(i) for i in range(len(widget.model.stages))]
     return [t for t in texts if t]
@@ -144,3 +146,9 @@ def test_the_main_path_speaks_plain_words(qtbot, gui_home, tmp_path):
     assert jargon_in(visible_texts(wizard)) == []  # page 2: the choice in words
     wizard.details_button.click()
     assert jargon_in(visible_texts(wizard))  # the LM head, behind Details
+
+    fleet = window.show_view("Fleet")  # this PC's row, and what it does
+    qtbot.waitUntil(lambda: fleet.model.rowCount() >= 1)
+    assert jargon_in(visible_texts(fleet)) == []
+    bench = window.show_view("Benchmarks")  # "How fast is my fleet?", chosen from the start
+    assert bench.chosen() == "fleet" and jargon_in(visible_texts(bench)) == []

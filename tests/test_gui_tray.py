@@ -158,18 +158,18 @@ def test_tray_menu_and_live_activity(qtbot, gui_home, key_file, tiny_exports):
     assert controller.start()
     menu = [a.text() for a in tray.menu.actions() if not a.isSeparator()]
     assert menu[0].startswith("Status: idle") and "Pause serving" in menu and "Quit" in menu
-    assert tray.tally_action.text() == "Activity: 0 connections · 0 stages started · 0 tokens served · 0 errors"
+    assert tray.tally_action.text() == "Activity: 0 connections · 0 parts started · 0 tokens served · 0 errors"
 
     key = load_key(key_file)
     with ControlClient(controller.agent.address, key) as agent:
         digest, _ = agent.send_shard(tiny_exports["llama", "2"].folders[1])
         worker = agent.start_worker(digest)
-    qtbot.waitUntil(lambda: "stage 1: stage 1 of 2" in window.activity.toPlainText(), timeout=60000)
+    qtbot.waitUntil(lambda: "part 2 of 2: stage 1 of 2" in window.activity.toPlainText(), timeout=60000)
     assert "started worker" in window.activity.toPlainText()
-    qtbot.waitUntil(lambda: "1 stage started" in tray.tally_action.text(), timeout=10000)
+    qtbot.waitUntil(lambda: "1 part started" in tray.tally_action.text(), timeout=10000)
     chain = RemoteChain(tiny_exports["llama", "2"].folders[0], [worker["address"]], key=key)  # a coordinator
     try:
-        qtbot.waitUntil(lambda: "stage 1: serving upstream" in window.activity.toPlainText(), timeout=30000)
+        qtbot.waitUntil(lambda: "part 2 of 2: serving upstream" in window.activity.toPlainText(), timeout=30000)
         chain.forward(np.array([[3, 5, 7, 9, 11]]), np.ones((1, 5), np.int64), np.arange(5)[None])  # a prompt
         chain.forward(np.array([[13]]), np.ones((1, 6), np.int64), np.array([[5]]))  # and one decode step
     finally:
@@ -189,12 +189,12 @@ def test_tray_menu_and_live_activity(qtbot, gui_home, key_file, tiny_exports):
     controller._log("stage 1: refused connection from 127.0.0.1:7: the peer's proof does not match the fleet key")
     controller._log("stage 1: next stage 127.0.0.1:8: connection lost")
     assert controller.counts["errors"] == 2 and "2 errors" in controller.tally()
-    assert tray.stage_action.isVisible() and "stage 1 of" in tray.stage_action.text()
+    assert tray.stage_action.isVisible() and "part 2 of 2" in tray.stage_action.text()
 
     tray.pause_action.trigger()  # the menu drives the agent
     qtbot.waitUntil(lambda: tray.pause_action.text() == "Resume serving", timeout=20000)
     assert tray.status_action.text().startswith("Status: paused")
-    qtbot.waitUntil(lambda: "stage 1: worker" in window.activity.toPlainText() and
+    qtbot.waitUntil(lambda: "part 2 of 2: worker" in window.activity.toPlainText() and
                     "stopped" in window.activity.toPlainText(), timeout=10000)  # pausing stopped its worker
     with qtbot.waitSignal(controller.stopped, timeout=30000):
         tray.quit_action.trigger()
@@ -227,6 +227,6 @@ def test_a_stage_exported_twice_is_one_shard_on_the_worker(qtbot, gui_home, key_
         sent.append(agent.send_shard(whole.folders[1])[0])
     assert sent == [first, first]
     window.refresh()
-    assert len(controller.shards()) == 1 and window.shards.text().count("qwen2 stage 1 of 2") == 1, window.shards.text()
+    assert len(controller.shards()) == 1 and window.shards.text().count("qwen2 part 2 of 2") == 1, window.shards.text()
     with qtbot.waitSignal(controller.stopped, timeout=30000):
         controller.quit()

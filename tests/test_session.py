@@ -45,7 +45,7 @@ def test_an_in_process_service_over_a_shard_set(tiny_exports):
                         local_workers=False)
     service = open_service(settings)
     try:
-        assert service.description.endswith("2 stages, in process")
+        assert service.description.endswith("2 parts, in process")
         assert service.k == 3 and len(service.drafters) == 3  # one drafter per stream
     finally:
         service.close()

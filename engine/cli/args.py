@@ -179,6 +179,17 @@ def printable(text, *, lines: bool = False) -> str:
     return "\n".join(line.translate(CONTROL) for line in text.split("\n")) if lines else text.translate(CONTROL)
 
 
+# a model's reply keeps its line breaks and tabs (code); its other control characters go, as a node's do
+REPLY_CONTROL = {c: None for c in CONTROL if chr(c) not in "\n\t"}
+
+
+def reply_text(text: str) -> str:
+    """A model's reply (or a piece of one, as it streams) for the terminal: an escape sequence in it
+    ("\x1b[2J", a window title, a cursor move) would act on the terminal, a carriage return overwrite
+    what came before, were it printed as generated."""
+    return text.translate(REPLY_CONTROL)
+
+
 def say(msg: str) -> None:
     print(printable(msg, lines=True), file=sys.stderr, flush=True)
 

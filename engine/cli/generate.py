@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.cli.args import chain_args, count, launch_of, progress_printer, say, settings_of
+from engine.cli.args import chain_args, count, launch_of, progress_printer, reply_text, say, settings_of
 from engine.errors import ContextError, FleetError
 from engine.runtime.decode.generate import Generator, generate_streams
 from engine.runtime.decode.sampling import SamplingParams
@@ -83,7 +83,7 @@ def _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters) 
         for i, (prompt, g) in enumerate(zip(batch, gens)):
             text = tokenizer.decode(g.tokens)
             print(f"--- stream {i} ({len(g.tokens)} tokens, {g.decode_tok_s:.1f} tok/s"
-                  + (f", acceptance {g.acceptance:.2f}" if g.drafted else "") + f")\n{text}")
+                  + (f", acceptance {g.acceptance:.2f}" if g.drafted else "") + f")\n{reply_text(text)}")
             results.append({"stream": i, "prompt": prompt, "text": text, "tokens": g.tokens, **g.to_json()})
         print(f"[{len(batch)} streams, {total} tokens in {wall:.2f} s: {total / wall:.1f} tok/s aggregate]",
               file=sys.stderr)
@@ -110,7 +110,7 @@ def _through_service(args, settings, launch, prompts, streams, progress) -> list
             handles = [_submit(args, settings, service, prompt) for prompt in batch]
             for i, (prompt, handle) in enumerate(zip(batch, handles)):
                 done = handle.wait()
-                print(f"--- stream {i}\n{done.text}")
+                print(f"--- stream {i}\n{reply_text(done.text)}")
                 results.append(_reported(prompt, done))
         return results
     finally:
@@ -125,7 +125,7 @@ def _submit(args, settings, service, prompt: str, echo: bool = False):
     if size >= service.max_length:  # in the Generator's words
         raise ContextError(f"the prompt ({size} tokens) leaves no room in the context of {service.max_length}")
     return service.submit(messages, min(settings.max_new_tokens, service.max_length - size),
-                          (lambda piece, _tokens: print(piece, end="", flush=True)) if echo else None,
+                          (lambda piece, _tokens: print(reply_text(piece), end="", flush=True)) if echo else None,
                           chat=not args.no_chat, ignore_eos=args.ignore_eos, k=args.k, sampling=args.sampling,
                           fit="refuse")
 
@@ -151,10 +151,10 @@ def _generator_reply(args, settings, tokenizer, gen, drafter):
         stream = TextStream(tokenizer)
         result = gen.generate(
             ids, settings.max_new_tokens, ignore_eos=args.ignore_eos,
-            on_token=lambda t: print(stream.push(t), end="", flush=True), drafter=drafter, k=args.k,
+            on_token=lambda t: print(reply_text(stream.push(t)), end="", flush=True), drafter=drafter, k=args.k,
             sampling=args.sampling,
         )
-        print()
+        print(reply_text(stream.flush()))  # the end of the reply, held back while a character was incomplete
         spec = f", acceptance {result.acceptance:.2f}" if result.drafted else ""
         print(f"[{len(result.tokens)} tokens, {result.decode_tok_s:.1f} tok/s, "
               f"first token {result.ttft_s * 1e3:.0f} ms{spec}, stopped by {result.stopped_by}]", file=sys.stderr)

@@ -42,7 +42,7 @@ from engine.fleet.profile import profile_shards
 from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
 from engine.fleetkey import fleet_id, load_key
 from engine.launch import FleetProcess, stop_all
-from engine.manifest import read_manifest
+from engine.manifest import part_name, read_manifest
 from engine.runtime.relay.worker import TOKENS
 from engine.runtime.stages.stage import core
 from engine.runtime.stages.turns import machine_turns_file
@@ -123,7 +123,8 @@ class Agent:
             return "paused"
         serving = [w for w in self.workers.values() if w.running]
         if serving:
-            return "serving " + ",".join(f"stage {w.info.get('stage')}" for w in serving)
+            return "serving " + ", ".join(part_name(w.info.get("stage", 0), w.info.get("stages"))
+                                          for w in serving)
         return self.activity
 
     # --- life cycle ----------------------------------------------------------------------------------
@@ -341,14 +342,17 @@ class Agent:
         try:
             process.wait_ready(float(doc.get("wait_s") or 180))
         except FleetError as exc:
-            raise FleetError(f"worker for stage {manifest.stage_index} did not start ({exc})") from None
-        info = {"stage": manifest.stage_index, "layers": list(manifest.layers), "model": manifest.model_name,
+            raise FleetError(f"the worker for {part_name(manifest.stage_index, manifest.stage_count)} did not start "
+                             f"({exc})") from None
+        info = {"stage": manifest.stage_index, "stages": manifest.stage_count, "layers": list(manifest.layers),
+                "model": manifest.model_name,
                 "device": doc.get("device") or "CPU", "delay_ms": delay_ms, "role": role}
         worker = _Worker(wid, digest, process, info)
         with self._lock:
             self.workers[wid] = worker
-        self.log(f"started worker {wid}: " + (f"stage {manifest.stage_index}" if role == "stage" else
-                                              f"draft server for {manifest.model_name}") + f" on port {worker.port}")
+        what = part_name(manifest.stage_index, manifest.stage_count) if role == "stage" else \
+            f"draft server for {manifest.model_name}"
+        self.log(f"started worker {wid}: {what} on port {worker.port}")
         self._changed()
         return worker.to_json()
 

@@ -26,7 +26,7 @@ from engine.fleet.span import StageSpan
 from engine.fleet import standby
 from engine.fleet.placement import Fleet, ModelShape
 from engine.fleet.standby import Standby
-from engine.manifest import layer_span, load_manifest
+from engine.manifest import layer_span, load_manifest, part_name
 from engine.progress import Report, deploying, quiet
 from engine.runtime.relay.ranks import RankChain
 from engine.runtime.relay.remote import RemoteChain
@@ -298,7 +298,7 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
             with ControlClient(stage.node, key, tls=tls) as agent:
                 digests[i], _ = agent.send_shard(folder, progress=_phase_of(i, "send", progress), cancel=cancel)
         except AgentError as exc:
-            raise FleetError(f"deployment stopped while sending stage {i}: {exc}") from None
+            raise FleetError(f"deployment stopped while sending {part_name(i, len(stages))}: {exc}") from None
     started: list[dict] = []
     remotes: list[str] = []
     try:
@@ -310,7 +310,7 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
                     info = agent.start_worker(digests[i], device=stage.device, mode=mode, delay_ms=delay_ms,
                                               precision=precision, timeout_s=worker_timeout_s)
             except AgentError as exc:
-                raise FleetError(f"deployment stopped while starting stage {i}: {exc}") from None
+                raise FleetError(f"deployment stopped while starting {part_name(i, len(stages))}: {exc}") from None
             started.append({"agent": stage.node, "worker": info["id"], "stage": i})
             remotes.append(worker_address(stage.node, info["port"]))
             progress(deploying(i, "start", 1.0))

@@ -11,12 +11,16 @@ only once the agent at its address proves the key and answers as the node the re
 check guards a record that would move a node it already knows to another address or port.  A record
 that fails it is skipped with a warning and the node stays where it was.  The checks run on a few
 threads of their own (``CHECKS``), never on zeroconf's: an agent that stalls its answer holds up one
-check until its deadline, not every other record, nor closing the browser.  At most ``MAX_RECORDS``
+check until its deadline, not every other record, nor closing the browser.  So does a record whose
+resolve must ask the network (its name heard without its address and text: ``RESOLVE_MS`` at most),
+since closing the browser waits for zeroconf's handler thread.  At most ``MAX_RECORDS``
 records are kept, the oldest heard dropped first.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import ipaddress
 import logging
 import queue
@@ -40,7 +44,7 @@ SERVICE = "_fleetshard._tcp.local."
 # A node that vanishes without a goodbye (power cut, crash) drops out of browsers after this many
 # seconds; zeroconf's default of 75 minutes for the service records would keep it listed far too long.
 TTL = 120
-RESOLVE_MS = 3000
+RESOLVE_MS = 3000  # a resolve that asks the network (on a checker thread): an mDNS answer may take 500 ms
 MAX_REJECTED = 64  # reasons kept for inspection; a flood of bad records must not grow memory
 MAX_RECORDS = 256  # service records kept; a flood of records (even of valid form) must not grow memory either
 PROVE_S = 3.0  # how long the check of ``prover`` may take, every address the record lists included
@@ -244,7 +248,7 @@ def _goodbye(zc: Zeroconf, service: ServiceInfo | None) -> None:
 class Browser(_Follower):
     """Keeps the nodes currently advertised, optionally of one fleet only.
 
-    ``on_event(kind, info)`` runs on zeroconf's browser thread, or a check's, with kind "added",
+    ``on_event(kind, info)`` runs on zeroconf's browser thread, or a checker's, with kind "added",
     "updated" or "removed"; it must not call ``close()``.  A record that cannot be decoded is skipped, and its reason
     kept in ``rejected()``.  Given no addresses it listens on every local IPv4 address and moves as
     interfaces come and go; after a move, the nodes not heard again within ``RECONFIRM_S`` are removed.
@@ -252,9 +256,10 @@ class Browser(_Follower):
     ``verify`` (``prover(key)``) checks a record naming a node at addresses or a port it is not known
     at (a new node, or a known one moving) before it is believed, and returns the address that
     passed, listed first from then on; a record that fails is skipped, its reason in ``rejected()``,
-    and a known node keeps its place.  Checks run on ``CHECKS`` threads of their own; a record heard
-    again, or removed, while its check runs makes that check's outcome moot.  Without ``verify``,
-    records are believed as heard.
+    and a known node keeps its place.  Checks run on ``CHECKS`` threads of their own, and so do the
+    resolves that must ask the network (a record not whole in zeroconf's cache); a record heard
+    again, or removed, while its check or resolve runs makes that one's outcome moot.  Without
+    ``verify``, records are believed as heard.
     """
 
     def __init__(self, fleet_id: str | None = None, on_event: Callable[[str, NodeInfo], None] | None = None,
@@ -272,6 +277,7 @@ class Browser(_Follower):
         self._tickets = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (name, info, known, ticket), None: stop
         self._checkers = 0
+        self._resolving: set[concurrent.futures.Future] = set()  # resolves asking the network, cancelled by close()
         self._moves = 0
         self._zc: Zeroconf | None = None
         self._browser: ServiceBrowser | None = None
@@ -326,8 +332,11 @@ class Browser(_Follower):
             zc, browser, self._zc, self._browser = self._zc, self._browser, None, None
             self._checks.clear()
             checkers, self._checkers = self._checkers, 0
+            resolving, self._resolving = self._resolving, set()
         for _ in range(checkers):
             self._queue.put(None)
+        for future in resolving:  # zeroconf's close would wait for them (a second)
+            future.cancel()
         if browser is not None:
             browser.cancel()
         if zc is not None:
@@ -343,21 +352,26 @@ class Browser(_Follower):
         if state_change is ServiceStateChange.Removed:
             self._forget(name)
             return
-        # Blocking here for a resolve (RESOLVE_MS at most) is fine: this is the browser's own thread,
-        # not zeroconf's event loop.  A check (which dials an agent) goes to a checker thread.
+        # This is zeroconf's browser thread, which closing the browser joins: nothing here waits on the
+        # network.  A record whose answers came whole (the usual announcement) is read from the cache;
+        # one that needs asking, and a check (which dials an agent), go to a checker thread.
         service = ServiceInfo(service_type, name)
-        if not service.request(zeroconf, RESOLVE_MS):
-            self._reject(name, f"no answer resolving {name!r} within {RESOLVE_MS} ms")
+        if not service.load_from_cache(zeroconf):
+            self._queue_work(name, ("resolve", name, service, zeroconf), None)
             return
+        self._heard(name, service)
+
+    def _heard(self, name: str, service: ServiceInfo, ticket: int | None = None) -> None:
+        """A resolved record (``ticket``: resolved on a checker thread, unless moot since)."""
         addresses = sorted(service.parsed_addresses(IPVersion.V4Only), key=_preference)
         try:
             info = NodeInfo.from_txt(name, service.properties, addresses, service.port or 0)
         except BadRecord as exc:
-            self._reject(name, str(exc))
+            self._reject(name, str(exc), ticket)
             return
         if self.fleet_id is not None and info.fleet_id != self.fleet_id:
             log.debug("ignoring %s of fleet %s", name, info.fleet_id)
-            self._forget(name)
+            self._forget(name, ticket)
             return
         if self._verify is not None:
             with self._lock:
@@ -366,10 +380,15 @@ class Browser(_Follower):
                 self._check(name, info, known)  # the agent is dialled before the record is believed
                 return
             info.addresses = list(known.addresses)  # new facts at the same place: the address that passed stays first
-        self._believe(name, info)
+        self._believe(name, info, ticket)
 
     def _check(self, name: str, info: NodeInfo, known: NodeInfo | None) -> None:
-        """Queues ``verify``'s check of a record for the checker threads (started as needed, ``CHECKS``)."""
+        """Queues ``verify``'s check of a record for the checker threads."""
+        self._queue_work(name, ("check", name, info, known), known)
+
+    def _queue_work(self, name: str, work: tuple, known: NodeInfo | None) -> None:
+        """Queues a check or a resolve of a record for the checker threads (started as needed, ``CHECKS``);
+        its ticket makes any earlier one of the same record moot."""
         with self._lock:
             if self._zc is None:
                 return
@@ -386,14 +405,19 @@ class Browser(_Follower):
             return
         if start:
             threading.Thread(target=self._checker, daemon=True, name="mdns check").start()
-        self._queue.put((name, info, known, ticket))
+        self._queue.put((work, ticket))
 
     def _checker(self) -> None:
         while (item := self._queue.get()) is not None:
-            name, info, known, ticket = item
+            work, ticket = item
+            name = work[1]
             with self._lock:
                 if self._checks.get(name) != ticket:  # heard again, removed, or closed meanwhile
                     continue
+            if work[0] == "resolve":
+                self._resolve(*work[1:], ticket)
+                continue
+            _, name, info, known = work
             try:
                 proven = self._verify(info)
             except FleetError as exc:
@@ -406,6 +430,36 @@ class Browser(_Follower):
                 continue
             info.addresses = [proven] + [a for a in info.addresses if a != proven]
             self._believe(name, info, ticket)
+
+    def _resolve(self, name: str, service: ServiceInfo, zeroconf: Zeroconf, ticket: int) -> None:
+        """Asks the network for a record's missing answers (``RESOLVE_MS`` at most), on a checker thread."""
+        try:
+            future = asyncio.run_coroutine_threadsafe(service.async_request(zeroconf, RESOLVE_MS), zeroconf.loop)
+        except Exception as exc:  # the browser moved meanwhile: that zeroconf is gone
+            log.debug("resolving %s failed: %s", name, exc)
+            return
+        with self._lock:
+            if self._zc is None:  # closed meanwhile
+                future.cancel()
+                return
+            self._resolving.add(future)
+        try:
+            resolved = future.result(RESOLVE_MS / 1000 + 1)
+        except concurrent.futures.CancelledError:  # closed
+            return
+        except Exception as exc:  # the browser moved meanwhile, or zeroconf's own deadline
+            log.debug("resolving %s failed: %s", name, exc)
+            resolved = False
+        finally:
+            with self._lock:
+                self._resolving.discard(future)
+        if not resolved:
+            self._reject(name, f"no answer resolving {name!r} within {RESOLVE_MS} ms", ticket)
+            return
+        try:
+            self._heard(name, service, ticket)
+        except Exception:  # a checker thread must outlive a broken record
+            log.exception("reading mDNS service %s failed", name)
 
     def _believe(self, name: str, info: NodeInfo, ticket: int | None = None) -> None:
         """Takes a record as heard (``ticket``: as its check passed, unless moot since)."""
@@ -455,19 +509,22 @@ class Browser(_Follower):
                 del self._rejected[next(iter(self._rejected))]
         log.warning("skipping mDNS service %s: %s", name, reason)
 
-    def _reject(self, name: str, reason: str) -> None:
-        log.warning("skipping mDNS service %s: %s", name, reason)
+    def _reject(self, name: str, reason: str, ticket: int | None = None) -> None:
+        """Skips a malformed record (or one that did not resolve): its node goes (``ticket`` as ``_settle``)."""
         with self._lock:
-            self._checks.pop(name, None)
+            if not self._settle(name, ticket):
+                return
             self._rejected[name] = reason
             while len(self._rejected) > MAX_REJECTED:
                 del self._rejected[next(iter(self._rejected))]
             events = self._unlink(name)
+        log.warning("skipping mDNS service %s: %s", name, reason)
         self._emit(events)
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, name: str, ticket: int | None = None) -> None:
         with self._lock:
-            self._checks.pop(name, None)
+            if not self._settle(name, ticket):
+                return
             self._rejected.pop(name, None)
             events = self._unlink(name)
         self._emit(events)

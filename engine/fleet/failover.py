@@ -38,7 +38,7 @@ from engine.fleet.span import StageSpan
 from engine.fleet import standby
 from engine.fleet.standby import Standby
 from engine.fleet.survey import readable
-from engine.manifest import layer_span
+from engine.manifest import layer_span, part_name
 
 PROBE_TIMEOUT_S = 3.0  # a node agent silent this long counts as gone
 SWITCH_TIMEOUT_S = 5.0  # a standby's chain not answering within this redeploys instead
@@ -94,7 +94,7 @@ class Failover:
             try:
                 return self._switch(error, spare)
             except FleetError as exc:  # the standby is gone too: redeploy as without one
-                self.on_event(f"the standby for stage {error.stage} did not take over ({exc}); redeploying")
+                self.on_event(f"the standby for {part_name(error.stage)} did not take over ({exc}); redeploying")
         placement = self.deployment.placement
         gone = [s for s in placement if s.node != LOCAL and not self._answers(s.node)]
         if gone:
@@ -107,7 +107,7 @@ class Failover:
                 self.on_event(f"node {self.name(stage.node)} lost ({error.reason})")
             placement = self._replan(placement, gone)
         else:
-            self.on_event(f"stage {error.stage} stopped answering ({error.reason}); starting its worker again")
+            self.on_event(f"{part_name(error.stage)} stopped answering ({error.reason}); starting its worker again")
         for problem in self.deployment.stop(self.key, self.tls):  # a hung worker too; the lost node's fail
             if not gone:
                 self.on_event(f"warning: {problem}")
@@ -125,7 +125,7 @@ class Failover:
         self.recoveries += 1
         self.on_recovered(deployment)
         where = [self.name(s.node) if s.node != LOCAL else "this machine" for s in placement]
-        self.on_event("placed: " + "; ".join(f"stage {i} on {node} ({layer_span(s.start, s.end)})"
+        self.on_event("placed: " + "; ".join(f"{part_name(i)} on {node} ({layer_span(s.start, s.end)})"
                                              for i, (node, s) in enumerate(zip(where, placement))))
         return chain
 
@@ -145,7 +145,7 @@ class Failover:
         workers.insert(i - first_remote, {"agent": standby.agent, "worker": standby.worker, "stage": i})
         deployment = dataclasses.replace(old, placement=placement, remotes=remotes, workers=workers,
                                          standbys=[s for s in old.standbys if s["stage"] != i])
-        self.on_event(f"stage {i} stopped answering ({error.reason}); its standby on {self.name(standby.agent)} "
+        self.on_event(f"{part_name(i)} stopped answering ({error.reason}); its standby on {self.name(standby.agent)} "
                       "takes over")
         chain = self.chain
         if getattr(chain, "reroute", None) is not None:  # the streams' caches stay: the standby mirrored its stage
@@ -156,7 +156,7 @@ class Failover:
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         self.on_recovered(deployment)
-        self.on_event(f"placed: stage {i} on {self.name(standby.agent)} ({layer_span(lost.start, lost.end)})")
+        self.on_event(f"placed: {part_name(i)} on {self.name(standby.agent)} ({layer_span(lost.start, lost.end)})")
         gone = [w for w in old.workers if w["stage"] == i]
         threading.Thread(target=self._after_switch, args=(lost.node, gone), daemon=True,
                          name="failover-cleanup").start()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.errors import ShardError
 from engine.hashing import sha256_file
-from engine.manifest import MANIFEST, Manifest, layer_span, load_manifest, parse_manifest, read_manifest
+from engine.manifest import MANIFEST, Manifest, layer_span, load_manifest, part_name, parse_manifest, read_manifest
 from engine.progress import byte_size
 
 MAX_MANIFEST_BYTES = 1 << 20
@@ -33,9 +33,10 @@ def pruned_text(shards: int, unfinished: int) -> str:
 
 
 def shard_text(entry: dict) -> str:
-    """One entry of ``ShardStore.listing`` for people: "qwen2 stage 1 of 2, layers 2-3, f32, 1.2 MB"."""
-    return (f"{entry.get('model')} stage {entry.get('stage')} of {entry.get('count')}, {layer_span(*entry['layers'])}, "
-            f"{entry.get('weights')}, {entry.get('bytes', 0) / 2**20:.1f} MB")
+    """One entry of ``ShardStore.listing`` for people: "qwen2 part 2 of 2, layers 2-3, f32, 1.2 MB"."""
+    part = part_name(entry.get("stage"), entry.get("count"))
+    return (f"{entry.get('model')} {part}, {layer_span(*entry['layers'])}, {entry.get('weights')}, "
+            f"{entry.get('bytes', 0) / 2**20:.1f} MB")
 
 
 def content_hash(folder: Path) -> str:

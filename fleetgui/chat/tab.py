@@ -30,7 +30,7 @@ from fleetgui.chat_tools import ToolConsent, call_html, result_html
 from fleetgui.documents import cite, sources_html
 from fleetgui.history import Conversation, Message, to_markdown
 from fleetgui.markdown import REPLY_LINK, Transcript, code_blocks, message_html
-from fleetgui.widgets import flow_bar, plain
+from fleetgui.widgets import flow_bar, plain, unbidi
 
 if TYPE_CHECKING:
     from fleetgui.chat.view import ChatView
@@ -184,7 +184,7 @@ class ChatTab(QWidget):
         return self.conversation.options
 
     def title(self) -> str:
-        title = self.conversation.title or "New chat"
+        title = unbidi(self.conversation.title or "New chat")
         return title if len(title) <= 24 else title[:23] + "…"
 
     # --- sampling ------------------------------------------------------------------------------------
@@ -459,7 +459,7 @@ class ChatTab(QWidget):
             if m.role == "assistant":
                 parts.append(cite(message_html(m.content, i, theme), i, len(m.stats.get("sources") or [])))
             else:
-                parts.append(f"<p style='white-space:pre-wrap'>{html.escape(m.content)}</p>")
+                parts.append(f"<p style='white-space:pre-wrap'>{html.escape(unbidi(m.content))}</p>")
             parts.append(sources_html(m.stats.get("sources"), i) if m.role == "assistant" else "")
             parts.extend(call_html(c) for c in m.stats.get("tool_calls", []))
             stats = format_stats(m.stats) if m.role == "assistant" and i != last_reply else ""

@@ -30,7 +30,7 @@ from fleetgui.history import Conversation, HistoryStore, to_json, to_markdown
 from fleetgui.model_cards import ModelBrowser
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
-from fleetgui.widgets import Banner, flow_bar, plain_tip, splitter
+from fleetgui.widgets import Banner, flow_bar, plain_tip, splitter, unbidi
 
 ON_DEPLOYMENT = "deployment:"  # the picker's entry of the fleet deployment the chat runs on
 # parameters: a smaller model given documents tends to invent its answer where a larger one cites them,
@@ -404,7 +404,7 @@ class ChatView(QWidget):
         self.saved.blockSignals(True)
         self.saved.clear()
         for conv in self.history.conversations(self.search.text()):
-            item = QListWidgetItem(conv.title or "(untitled)")
+            item = QListWidgetItem(unbidi(conv.title or "(untitled)"))
             item.setData(Qt.ItemDataRole.UserRole, conv.id)
             item.setToolTip(plain_tip(conv.title))
             self.saved.addItem(item)

@@ -215,7 +215,7 @@ class ChatService:
         self._last_used: dict[int, int] = {}
         self._uses = itertools.count()
         m = manifest
-        self.description = f"{m.model_name}, {m.stage_count} stage{'s' if m.stage_count > 1 else ''}" if m else ""
+        self.description = f"{m.model_name}, {m.stage_count} part{'s' if m.stage_count > 1 else ''}" if m else ""
         self._owned = list(owned)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

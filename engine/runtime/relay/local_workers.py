@@ -22,6 +22,7 @@ from engine.config import paths
 from engine.errors import FleetError
 from engine.fleetkey import load_key, load_tls
 from engine.launch import FleetProcess, stop_all
+from engine.manifest import part_name
 from engine.runtime.relay.worker import Worker
 from engine.runtime.stages.turns import compute_turns, machine_turns_file
 
@@ -125,7 +126,7 @@ class LocalWorkers:
         except Exception as exc:
             out.close()
             self.close()
-            raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from exc
+            raise self._not_started(i, exc) from exc
         worker.start()
         _keep(self.workers, i, worker)
         _keep(self._log_files, i, out)
@@ -151,7 +152,11 @@ class LocalWorkers:
             self.processes[i].wait_ready(timeout_s)
         except FleetError as exc:
             self.close()
-            raise FleetError(f"local worker for stage {i + 1} did not start ({exc})") from None
+            raise self._not_started(i, exc) from None
+
+    def _not_started(self, i: int, why: Exception) -> FleetError:
+        """Worker ``i`` (the model's part i + 2: part 1 runs in this process) did not start."""
+        return FleetError(f"the local worker for {part_name(i + 1, len(self.shard_dirs) + 1)} did not start ({why})")
 
     def close(self) -> None:
         stop_all(self.processes)
