@@ -143,3 +143,34 @@ def test_a_serving_worker_ignores_copies(tiny_exports, key):
         finally:
             service.close()
             reference.close()
+
+
+def test_a_standby_named_later_is_taken_up_at_the_next_reply(tiny_exports, key):
+    """A PC back from sleep is named a stage's standby while the chain runs (``RemoteChain.stand_by``,
+    from failover's watch thread): the next reply is mirrored to it, and it takes over without a prefill."""
+    folders = tiny_exports["qwen2", "2"].folders
+    reference = ChatService(LocalChain(folders), streams=1)
+    try:
+        want = reference.submit(MESSAGES, TOKENS, ignore_eos=True).wait(60)
+    finally:
+        reference.close()
+    with _workers([folders[1]] * 2, key) as (first, spare):
+        chain = RemoteChain(folders[0], [first.address], key=key, connect_timeout_s=10)
+        service = ChatService(chain, streams=1,
+                              recover=lambda error: (chain.reroute(1, spare.address, timeout_s=10), chain)[1])
+        try:
+            assert service.submit(MESSAGES, 4, ignore_eos=True).wait(60).tokens == want.tokens[:4]
+            assert spare.describe()["streams"] == {}  # not a standby yet
+            chain.stand_by(1, spare.address)
+            struck = threading.Event()
+
+            def on_text(piece, count):
+                if count >= 6 and not struck.is_set():
+                    struck.set()
+                    first.stop()
+
+            reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(120)
+            assert reply.error is None and reply.tokens == want.tokens and service.failovers["kept"] == 1
+            assert 0 < spare.tokens < want.prompt_tokens
+        finally:
+            service.close()

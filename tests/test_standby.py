@@ -184,7 +184,7 @@ def test_a_laptop_back_from_sleep_stands_by_again(tmp_path):
             finally:
                 for pid in asleep:
                     os.kill(pid, signal.SIGCONT)
-            assert eventually(lambda: "node lid is back: it stands by for stage 1" in events, 120), events
+            assert eventually(lambda: "node lid is back: it stands by for part 2" in events, 120), events
             assert failover.deployment.standby_for(1).agent == lid
 
             desk_worker = psutil.Process(desk_proc.pid).children()[0]

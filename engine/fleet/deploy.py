@@ -328,6 +328,9 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
             except BaseException:
                 chain.close()
                 raise
+            if getattr(chain, "stand_by", None) is not None:  # the chain came up first: it mirrors from its next reply
+                for spare in map(Standby.from_json, deployment.standbys):
+                    chain.stand_by(spare.stage, spare.address)
         return deployment, chain
     except BaseException:
         _stop_workers(started, key, tls)

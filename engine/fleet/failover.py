@@ -246,7 +246,7 @@ class Failover:
                 self.on_event(f"node {self.name(agent)} is back: it is available again, to the next placement "
                               "and to the next failover")
             else:
-                self.on_event(f"node {self.name(agent)} is back: it stands by for stage {stage}")
+                self.on_event(f"node {self.name(agent)} is back: it stands by for {part_name(stage)}")
         return back
 
     def _stand_by(self, node: str, agent: str) -> int | None:
@@ -270,7 +270,7 @@ class Failover:
                                                                span.end)},
                                     key=self.key, tls=self.tls, mode=deployment.mode)
         except FleetError as exc:
-            self.on_event(f"warning: node {self.name(agent)} could not stand by for stage {stage}: {exc}")
+            self.on_event(f"warning: node {self.name(agent)} could not stand by for {part_name(stage)}: {exc}")
             return None
         if self.deployment is not deployment:  # a recovery ran meanwhile: its record is the one to keep
             for s in started:

@@ -185,14 +185,18 @@ def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: 
         raise FleetError(f"the reply did not carry on after pc1 was lost ({how}): {reply.error}; {events}")
     carry_on = resumed[0] - lost_at[0]
     moved = failover.deployment.placement[1].node == pc2.agent
+    kept = service.failovers["kept"] > 0
     log(f"{rate:g} Mbit/s: {measure}: {carry_on:.2f} s "
-        f"({'identical' if reply.tokens == want else 'DIFFERENT'}; {events[-1] if events else ''})")
+        f"({'identical' if reply.tokens == want else 'DIFFERENT'}; "
+        f"{'carried on from the caches' if kept else 'prefilled again'}; "
+        + "; ".join(f"{t - lost_at[0]:.2f} s: {e}" for t, e in heard) + ")")
     lost = next((t for t, e in heard if e.startswith("node pc1 lost") or "stopped answering" in e), None)
     placed = next((t for t, e in heard if e.startswith("placed:")), None)
     return {"measure": measure, "rate_mbit": rate, "seconds": round(carry_on, 2),
             "lost_after_s": round(lost - lost_at[0], 2) if lost else None,
             "placed_after_s": round(placed - lost_at[0], 2) if placed else None,
-            "rerouted": reply.rerouted, "moved_to_other_pc": moved, "identical": reply.tokens == want}
+            "rerouted": reply.rerouted, "moved_to_other_pc": moved, "kept_caches": kept,
+            "identical": reply.tokens == want}
 
 
 def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
