@@ -147,7 +147,8 @@ def test_a_serving_worker_ignores_copies(tiny_exports, key):
 
 def test_a_standby_named_later_is_taken_up_at_the_next_reply(tiny_exports, key):
     """A PC back from sleep is named a stage's standby while the chain runs (``RemoteChain.stand_by``,
-    from failover's watch thread): the next reply is mirrored to it, and it takes over without a prefill."""
+    from failover's watch thread): the next reply starts its stream anew rather than reuse the cache
+    the standby lacks (the prefix cache), is mirrored, and the standby takes over without a prefill."""
     folders = tiny_exports["qwen2", "2"].folders
     reference = ChatService(LocalChain(folders), streams=1)
     try:

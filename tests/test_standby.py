@@ -128,6 +128,14 @@ def test_a_killed_worker_hands_over_to_its_standby(tmp_path):
             assert service.failovers["kept"] == 1  # carried on from the caches the standby mirrored
             again = service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120)
             assert again.tokens == want and again.rerouted == 0
+
+            # the standby is spent: a second loss redeploys, and a standby starts again beside the reply
+            worker = psutil.Process(agents["beta"][0].pid).children()[0]
+            fired.clear()
+            reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
+            assert fired.is_set() and reply.error is None and reply.tokens == want, (reply.error, events)
+            assert eventually(lambda: "part 2 has a standby again, on alpha" in events, 120), events
+            assert failover.deployment.standby_for(1).agent == alpha
         finally:
             service.close()
             failover.deployment.stop(key)

@@ -323,7 +323,7 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
         progress(deploying(0, "connect", 1.0))
         if standbys and ranks == 1:
             try:
-                deployment.standbys = [s.to_json() for s in _start_standbys(deployment, folders, key=key, tls=tls,
+                deployment.standbys = [s.to_json() for s in start_standbys(deployment, folders, key=key, tls=tls,
                                                                             precision=precision, progress=progress)]
             except BaseException:
                 chain.close()
@@ -337,10 +337,11 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
         raise
 
 
-def _start_standbys(deployment: Deployment, folders: list[Path], *, key: bytes, tls, precision: str | None,
-                    progress: Report) -> list[Standby]:
+def start_standbys(deployment: Deployment, folders: list[Path], *, key: bytes, tls, precision: str | None = None,
+                   progress: Report = quiet, leave_out: frozenset[str] = frozenset()) -> list[Standby]:
     """Hot standbys for ``deployment``'s stages, placed from the fleet profile it was planned from
-    (none without one); a standby that does not start is left out."""
+    (none without one), on none of the nodes ``leave_out`` names (node ids: lost ones); a standby
+    that does not start is left out."""
     try:
         profile = json.loads(Path(deployment.profile).read_text()) if deployment.profile else None
     except (OSError, ValueError):
@@ -350,8 +351,9 @@ def _start_standbys(deployment: Deployment, folders: list[Path], *, key: bytes, 
     nodes = profile["nodes"]
     node_of = {info.get("address"): node for node, info in nodes.items()}
     spans = [s.at(node_of.get(s.node, s.node)) if s.node != LOCAL else s for s in deployment.placement]
-    where = standby.place(ModelShape.from_json(profile["model"]), Fleet.from_json(profile["fleet"]), spans,
-                          standby.dropouts(), local=LOCAL)
+    fleet = Fleet.from_json(profile["fleet"])
+    fleet = dataclasses.replace(fleet, devices=[d for d in fleet.devices if d.node not in leave_out])
+    where = standby.place(ModelShape.from_json(profile["model"]), fleet, spans, standby.dropouts(), local=LOCAL)
     where = {i: s.at(nodes[s.node]["address"]) for i, s in where.items() if nodes.get(s.node, {}).get("address")}
     return standby.start(folders, where, key=key, tls=tls, mode=deployment.mode, precision=precision,
                          progress=progress)

@@ -7,6 +7,8 @@ is gone or only its worker, move the work, and hand the chat service a new chain
   layers on the surviving nodes, with every surviving stage pinned where it runs (their shards are
   reused; the moved layers are exported if need be and sent).  Where the survivors cannot take
   them, a ``FleetError`` says why (memory, no node left) and what would help.
+- A deployment that keeps hot standbys gets them again after a redeployment, started in the
+  background on surviving nodes while the reply carries on.
 - A lost node that answers again (a laptop woken from sleep: its agent and workers were stopped, not
   ended) rejoins: ``returned`` stops the workers it still runs for this deployment (they lost their
   chain while it slept), counts it a node of the fleet again and says so; the next placement, and
@@ -32,7 +34,7 @@ from typing import Callable
 from engine.errors import FleetError, StageError
 from engine.export.exporter import rank_folder, stage_folder
 from engine.fleet.control import AgentError, ControlClient
-from engine.fleet.deploy import LOCAL, Deployment, deploy_layout
+from engine.fleet.deploy import LOCAL, Deployment, deploy_layout, start_standbys
 from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
 from engine.fleet.span import StageSpan
 from engine.fleet import standby
@@ -124,6 +126,8 @@ class Failover:
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         self.on_recovered(deployment)
+        if self.keeps_standbys:  # a redeployment starts none: they start beside the reply, not before it
+            threading.Thread(target=self._restock, args=(deployment,), daemon=True, name="failover-standbys").start()
         where = [self.name(s.node) if s.node != LOCAL else "this machine" for s in placement]
         self.on_event("placed: " + "; ".join(f"{part_name(i)} on {node} ({layer_span(s.start, s.end)})"
                                              for i, (node, s) in enumerate(zip(where, placement))))
@@ -272,17 +276,39 @@ class Failover:
         except FleetError as exc:
             self.on_event(f"warning: node {self.name(agent)} could not stand by for {part_name(stage)}: {exc}")
             return None
-        if self.deployment is not deployment:  # a recovery ran meanwhile: its record is the one to keep
+        return stage if self._adopt(deployment, started) else None
+
+    def _restock(self, deployment: Deployment) -> None:
+        """Hot standbys for a deployment a recovery made, placed as a deploy places them, on none of
+        the lost nodes."""
+        folder = rank_folder if deployment.ranks > 1 else stage_folder
+        folders = [folder(Path(deployment.stage0).parent, i) for i in range(len(deployment.placement))]
+        with self._lost_lock:
+            lost = frozenset(self.lost)
+        try:
+            started = start_standbys(deployment, folders, key=self.key, tls=self.tls, leave_out=lost)
+        except FleetError as exc:
+            self.on_event(f"warning: no standby could start after the recovery: {exc}")
+            return
+        if self._adopt(deployment, started):
+            for s in started:
+                self.on_event(f"{part_name(s.stage)} has a standby again, on {self.name(s.agent)}")
+
+    def _adopt(self, deployment: Deployment, started: list[Standby]) -> bool:
+        """Records standbys ``started`` for ``deployment`` and names them to the chain (which mirrors
+        from its next reply); stops them instead, and says False, when a recovery replaced the
+        deployment meanwhile."""
+        if self.deployment is not deployment:
             for s in started:
                 self._stop_worker(s.agent, s.worker)
-            return None
+            return False
         self.deployment = dataclasses.replace(deployment, standbys=[*deployment.standbys,
                                                                      *(s.to_json() for s in started)])
         self.on_recovered(self.deployment)
         if getattr(self.chain, "stand_by", None) is not None:
             for s in started:
                 self.chain.stand_by(s.stage, s.address)
-        return stage
+        return bool(started)
 
     def _stop_left(self, node: str, agent: str) -> bool:
         """Stops the workers ``node`` ran when it was lost; whether none is left running."""

@@ -369,7 +369,9 @@ class ChatService:
         try:
             ids = prompt if prompt is not None else request.ids
             cached = kept
-            if prompt is None and self.prefix_cache and not request.prompt_logprobs:
+            mirrored = getattr(self.chain, "mirrored", None)  # a standby lacking the stream: start it anew
+            if (prompt is None and self.prefix_cache and not request.prompt_logprobs
+                    and (mirrored is None or mirrored(stream))):
                 # one token at least is prefilled: its logits give the reply
                 cached = min(_common_prefix(self._held.get(stream, []), ids), len(ids) - 1)
             k = self.k if request.k is None else request.k

@@ -194,6 +194,8 @@ class RemoteChain(Chain):
             raise FleetError(f"{len(self.standbys)} standbys given for {len(self.remotes)} remote stages")
         self._mirror: Mirror | None = None
         self._new_standbys: list[tuple[int, str]] = []  # ``stand_by``'s, for the next reset to take up
+        self._mirrored: set[int] = set()  # streams reset since the standbys last started taking copies
+        self._drops_seen = 0
         self.key = key
         self.tls = tls
         self.deadline_s = deadline_s
@@ -325,10 +327,24 @@ class RemoteChain(Chain):
             index = stage - self.manifest.stage_index - 1
             if 0 <= index < len(self.remotes) and self.remotes[index] != address:
                 self.standbys[index] = address
+                self._mirrored.clear()
                 if index == 0:
                     self._mirror_first()
                 else:
                     self._ready = False  # the next ping tells the stage before it
+
+    def mirrored(self, stream: int) -> bool:
+        """Whether every standby of the chain has had copies of ``stream`` since it was last reset:
+        only then may a new reply reuse the stream's cache (the prefix cache) and still be one a
+        standby can take over; otherwise the reply starts the stream anew."""
+        self._take_up_standbys()
+        if not any(self.standbys):
+            return True
+        drops = self._mirror.drops if self._mirror is not None else 0
+        if drops != self._drops_seen:  # the copies were cut off since: a stream may lack some
+            self._drops_seen = drops
+            self._mirrored.clear()
+        return stream in self._mirrored
 
     def holds(self, stream: int, positions: int) -> bool:
         """Whether every remote stage's cache of ``stream`` holds at least its first ``positions``
@@ -386,6 +402,7 @@ class RemoteChain(Chain):
         self._flush_stream(stream)
         self.local.reset(stream)
         self._send(Frame(Msg.RESET, stream))
+        self._mirrored.add(stream)
 
     def keep(self, stream: int, slots: np.ndarray) -> None:
         """Every stage keeps only these KV slots; ordered before the next FORWARD, so no reply."""
