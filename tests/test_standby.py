@@ -80,27 +80,25 @@ MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse 
 TOKENS = 40
 
 
-@pytest.mark.real_model
-def test_a_killed_worker_hands_over_to_its_standby(tmp_path):
+@contextlib.contextmanager
+def _deployed(tmp_path, names: tuple[str, str]):
+    """Two node agents named ``names``, the model's second half deployed on the first with a hot
+    standby on the second, a failover of it, its chat service, and the reply an uninterrupted chain
+    gives: (key, agents, deployment, failover, service, the reply's tokens, failover's events)."""
     key_file = create_key(tmp_path / "fleet.key")
     key = load_key(key_file)
     with contextlib.ExitStack() as stack:
-        agents = {name: stack.enter_context(agent_process(key_file, tmp_path / name, name=name))
-                  for name in ("alpha", "beta")}
+        agents = {name: stack.enter_context(agent_process(key_file, tmp_path / name, name=name)) for name in names}
         profile = fleet_profile(MODEL, agents, key)
         profile_file = tmp_path / "profile.json"
         profile_file.write_text(json.dumps(profile))
-        alpha, beta = agents["alpha"][1], agents["beta"][1]
-        stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(alpha, "CPU", 15, 30)]
+        stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(agents[names[0]][1], "CPU", 15, 30)]
         deployment, chain = deploy(MODEL, stages, key=key, weights="int4", mode="exact", standbys=True,
                                    planned={"profile": str(profile_file)})
         events: list[str] = []
         failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain)
         service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
         try:
-            spare = deployment.standby_for(1)
-            assert spare is not None and spare.agent == beta
-            assert Deployment.from_json(deployment.to_json()).standby_for(1) == spare  # recorded
             folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
             reference = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1, rewind="trim")
             try:
@@ -108,38 +106,56 @@ def test_a_killed_worker_hands_over_to_its_standby(tmp_path):
             finally:
                 reference.close()
             assert len(set(want[8:])) > 5  # a reply that varies: carrying on and starting over would differ
-
-            worker = psutil.Process(agents["alpha"][0].pid).children()[0]
-            fired = threading.Event()
-
-            def on_text(piece, count):
-                if count >= 8 and not fired.is_set():
-                    fired.set()
-                    os.kill(worker.pid, signal.SIGKILL)
-
-            reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
-            assert fired.is_set()
-            assert reply.error is None and reply.rerouted == 1 and reply.tokens == want
-            assert any("its standby on beta takes over" in e for e in events), events
-            assert not any("starting its worker again" in e or "moving" in e for e in events), events
-            assert failover.deployment.placement[1].node == beta and failover.deployment.standbys == []
-            assert failover.deployment.remotes == [spare.address]
-            assert failover.chain.local is chain.local  # stage 0 not compiled again
-            assert service.failovers["kept"] == 1  # carried on from the caches the standby mirrored
-            again = service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120)
-            assert again.tokens == want and again.rerouted == 0
-
-            # the standby is spent: a second loss redeploys, and a standby starts again beside the reply
-            worker = psutil.Process(agents["beta"][0].pid).children()[0]
-            fired.clear()
-            reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
-            assert fired.is_set() and reply.error is None and reply.tokens == want, (reply.error, events)
-            assert eventually(lambda: "part 2 has a standby again, on alpha" in events, 120), events
-            assert failover.deployment.standby_for(1).agent == alpha
+            yield key, agents, deployment, failover, service, want, events
         finally:
             service.close()
+            failover.close()
             failover.deployment.stop(key)
             deployment.stop(key)
+
+
+def _at_token(n: int, action) -> tuple:
+    """An ``on_text`` that runs ``action`` once ``n`` tokens have come, and the event it sets then."""
+    fired = threading.Event()
+
+    def on_text(piece, count):
+        if count >= n and not fired.is_set():
+            fired.set()
+            action()
+
+    return on_text, fired
+
+
+@pytest.mark.real_model
+def test_a_killed_worker_hands_over_to_its_standby(tmp_path):
+    with _deployed(tmp_path, ("alpha", "beta")) as (key, agents, deployment, failover, service, want, events):
+        alpha, beta = agents["alpha"][1], agents["beta"][1]
+        chain = failover.chain
+        spare = deployment.standby_for(1)
+        assert spare is not None and spare.agent == beta
+        assert Deployment.from_json(deployment.to_json()).standby_for(1) == spare  # recorded
+
+        worker = psutil.Process(agents["alpha"][0].pid).children()[0]
+        on_text, fired = _at_token(8, lambda: os.kill(worker.pid, signal.SIGKILL))
+        reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
+        assert fired.is_set()
+        assert reply.error is None and reply.rerouted == 1 and reply.tokens == want
+        assert any("its standby on beta takes over" in e for e in events), events
+        assert not any("starting its worker again" in e or "moving" in e for e in events), events
+        assert failover.deployment.placement[1].node == beta and failover.deployment.standbys == []
+        assert failover.deployment.remotes == [spare.address]
+        assert failover.chain is chain  # re-routed: stage 0 not compiled again, every cache kept
+        assert service.failovers["kept"] == 1  # carried on from the caches the standby mirrored
+        again = service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120)
+        assert again.tokens == want and again.rerouted == 0
+
+        # the standby is spent: a second loss redeploys, and a standby starts again beside the reply
+        worker = psutil.Process(agents["beta"][0].pid).children()[0]
+        on_text, fired = _at_token(8, lambda: os.kill(worker.pid, signal.SIGKILL))
+        reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
+        assert fired.is_set() and reply.error is None and reply.tokens == want, (reply.error, events)
+        assert eventually(lambda: "part 2 has a standby again, on alpha" in events, 120), events
+        assert failover.deployment.standby_for(1).agent == alpha
 
 
 @pytest.mark.real_model
@@ -147,62 +163,28 @@ def test_a_laptop_back_from_sleep_stands_by_again(tmp_path):
     """The stage's PC sleeps mid-reply (SIGSTOP): its standby takes over.  It wakes: with no restart,
     it becomes the stage's standby, mirrors the next reply, and takes the stage back when the other
     PC is lost in turn, the reply carrying on from its caches both times, token-identical."""
-    key_file = create_key(tmp_path / "fleet.key")
-    key = load_key(key_file)
-    with contextlib.ExitStack() as stack:
-        agents = {name: stack.enter_context(agent_process(key_file, tmp_path / name, name=name))
-                  for name in ("lid", "desk")}
-        profile = fleet_profile(MODEL, agents, key)
-        profile_file = tmp_path / "profile.json"
-        profile_file.write_text(json.dumps(profile))
+    with _deployed(tmp_path, ("lid", "desk")) as (key, agents, deployment, failover, service, want, events):
         (lid_proc, lid), (desk_proc, desk) = agents["lid"], agents["desk"]
-        stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(lid, "CPU", 15, 30)]
-        deployment, chain = deploy(MODEL, stages, key=key, weights="int4", mode="exact", standbys=True,
-                                   planned={"profile": str(profile_file)})
-        events: list[str] = []
-        failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain).watch(0.5)
-        service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+        failover.watch(0.5)
         asleep = [lid_proc.pid, psutil.Process(lid_proc.pid).children()[0].pid]
+
+        def sleep():
+            for pid in asleep:
+                os.kill(pid, signal.SIGSTOP)
+
         try:
-            folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-            reference = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1, rewind="trim")
-            try:
-                want = reference.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
-            finally:
-                reference.close()
-
-            def at_token(n, action):
-                fired = threading.Event()
-
-                def on_text(piece, count):
-                    if count >= n and not fired.is_set():
-                        fired.set()
-                        action()
-                return on_text
-
-            def sleep():
-                for pid in asleep:
-                    os.kill(pid, signal.SIGSTOP)
-
-            try:
-                reply = service.submit(MESSAGES, TOKENS, on_text=at_token(8, sleep), ignore_eos=True).wait(300)
-                assert reply.error is None and reply.tokens == want, (reply.error, events)
-                assert failover.deployment.placement[1].node == desk and service.failovers["kept"] == 1, events
-                assert eventually(lambda: any(e.startswith("node lid lost") for e in events), 30), events
-            finally:
-                for pid in asleep:
-                    os.kill(pid, signal.SIGCONT)
-            assert eventually(lambda: "node lid is back: it stands by for part 2" in events, 120), events
-            assert failover.deployment.standby_for(1).agent == lid
-
-            desk_worker = psutil.Process(desk_proc.pid).children()[0]
-            reply = service.submit(MESSAGES, TOKENS, on_text=at_token(8, lambda: os.kill(desk_worker.pid,
-                                                                                      signal.SIGKILL)),
-                                   ignore_eos=True).wait(300)
+            reply = service.submit(MESSAGES, TOKENS, on_text=_at_token(8, sleep)[0], ignore_eos=True).wait(300)
             assert reply.error is None and reply.tokens == want, (reply.error, events)
-            assert failover.deployment.placement[1].node == lid and service.failovers["kept"] == 2, events
+            assert failover.deployment.placement[1].node == desk and service.failovers["kept"] == 1, events
+            assert eventually(lambda: any(e.startswith("node lid lost") for e in events), 30), events
         finally:
-            service.close()
-            failover.close()
-            failover.deployment.stop(key)
-            deployment.stop(key)
+            for pid in asleep:
+                os.kill(pid, signal.SIGCONT)
+        assert eventually(lambda: "node lid is back: it stands by for part 2" in events, 120), events
+        assert failover.deployment.standby_for(1).agent == lid
+
+        desk_worker = psutil.Process(desk_proc.pid).children()[0]
+        on_text, _ = _at_token(8, lambda: os.kill(desk_worker.pid, signal.SIGKILL))
+        reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
+        assert reply.error is None and reply.tokens == want, (reply.error, events)
+        assert failover.deployment.placement[1].node == lid and service.failovers["kept"] == 2, events
