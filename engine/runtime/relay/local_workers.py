@@ -114,8 +114,10 @@ class LocalWorkers:
         out = open(log, "a", buffering=1)
 
         def write(message: str) -> None:
-            if not out.closed:
+            try:
                 out.write(message + "\n")
+            except ValueError:  # closed with the fleet while a worker's thread still had a word to log
+                pass
 
         nxt = self.addresses[i + 1] if self.link_workers and i + 1 < len(self.shard_dirs) else None
         try:
