@@ -26,6 +26,7 @@ from engine.errors import FleetError
 from engine.progress import Progress
 from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
+from fleetgui.running import model_name
 from fleetgui.theme import RESOURCES, SERIES
 from fleetgui.widgets import Banner, ScrollColumn, combo_box, plain, spin_box, splitter, unbidi
 from fleetgui.workers import TaskRunner
@@ -428,7 +429,7 @@ class BenchPanel(QWidget):
 
     def apply_settings(self, settings) -> None:
         self.settings = settings
-        self.target.setText(f"{settings.default_model}"
+        self.target.setText(f"{model_name(settings.default_model)}"
                             + ("" if Path(settings.default_model).expanduser().is_dir()
                                else f", in {settings.stages} part{'s' if settings.stages != 1 else ''}, "
                                     f"{settings.weights}"))

@@ -17,15 +17,14 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QMainWindow, QSt
 
 from fleetgui import theme
 from fleetgui.api import ApiController
-from fleetgui.bench_panel import BenchPanel
+from fleetgui.bench_panel import TITLES, BenchPanel
 from fleetgui.chat import ChatController, ChatView
-from fleetgui.chat.view import model_name
 from fleetgui.export_wizard import ExportWizard
 from fleetgui.fleet_view import FleetView
 from fleetgui.help_menu import HelpMenu
 from fleetgui.history import HistoryStore
 from fleetgui.placement_view import PlacementView
-from fleetgui.running import CONNECTED, FAILED, NOT_STARTED, STARTING, Running
+from fleetgui.running import CONNECTED, FAILED, NOT_STARTED, STARTING, Running, model_name
 from fleetgui.server_page import ServerPage
 from fleetgui.settings import GuiSettings, SettingsPage
 from fleetgui.widgets import ViewFrame, plain
@@ -117,13 +116,15 @@ class MainWindow(QMainWindow):
         self.placement.deployed.connect(self.use_deployment)
         self.placement.preparing.connect(self.fleet.model.prepare)
         self.bench.finished.connect(lambda r: self.statusBar().showMessage(
-            f"Benchmark {r['bench']} finished" if r else "Benchmark ended without a result", 10000))
+            f"Benchmark finished: {TITLES.get(r['bench'], r['bench'])}" if r else "Benchmark ended without a result",
+            10000))
         self._menus()
         self.show_view("Chat")
         # every chat tab open at the last exit comes back
         open_tabs = [int(i) for i in str(store.value("chat/open") or "").split(",") if i.strip().isdigit()]
         current = store.value("chat/current")
         self.chat.restore_tabs(open_tabs, int(current) if str(current or "").isdigit() else None)
+        self.chat.speed_plot.setChecked(store.value("chat/speed_plot") != "hidden")
         geometry = store.value("window/geometry")
         if geometry is None or not self.restoreGeometry(geometry):
             self.resize(DEFAULT_SIZE)
@@ -321,6 +322,7 @@ class MainWindow(QMainWindow):
         self.store.setValue("window/geometry", self.saveGeometry())
         self.store.setValue("chat/open", ",".join(map(str, self.chat.open_ids())))
         self.store.setValue("chat/current", self.chat.current_id() or "")
+        self.store.setValue("chat/speed_plot", "shown" if self.chat.speed_plot.isChecked() else "hidden")
         self.store.sync()
         self.fleet.shutdown()
         self.api.stop()

@@ -50,9 +50,10 @@ from engine.fleet.standby import Standby
 from engine.fleet.layout import fastest_for_one, solve_layout
 from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly, solve
 from engine.manifest import layer_numbers, layer_span, part_name
-from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
-from fleetgui.theme import SERIES
 from engine.progress import Progress, byte_count
+from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
+from fleetgui.running import model_name, nodes_of
+from fleetgui.theme import SERIES
 from fleetgui.widgets import Banner, combo_box, flow_bar, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
@@ -809,8 +810,7 @@ class PlacementView(QWidget):
         self.deployment, self.owns_deployment, self.deployed_at = deployment, False, None
         self._set_busy(None)
         self.show_measured()
-        self.activity.setText(f"The chat now uses the recorded deployment of {deployment.model}: the first part in "
-                              f"this app, the others at {', '.join(deployment.remotes)}.")
+        self.activity.setText(f"The chat now uses the recorded deployment: {self._where(deployment)}.")
         self.deployed.emit(deployment)
         return True
 
@@ -822,16 +822,26 @@ class PlacementView(QWidget):
         for label, bar in self.deploy_bars:
             bar.setValue(1000)
             label.setText("running")
-        copies = f" and {len(deployment.replicas)} more copies of the model" if deployment.replicas else ""
-        self.activity.setText(f"Deployed {deployment.model}: the first part in this app, the others at "
-                              f"{', '.join(deployment.remotes)}{copies}. The chat now uses this deployment."
+        self.activity.setText(f"Deployed {self._where(deployment)}. The chat now uses this deployment."
                               f"{self._standbys_text(deployment)}")
         self.show_measured()
         self.deployed.emit(deployment)
 
+    def _names(self) -> dict[str, str]:
+        """The profiled PCs' names by address."""
+        return {lane.address: lane.name for lane in self.model.lanes} if self.model.loaded else {}
+
+    def _where(self, deployment) -> str:
+        """A deployment in words: its model and the PCs each copy runs on ("Qwen2.5 Coder 1.5B on this
+        PC + laptop-2, and a copy on laptop-3")."""
+        names = self._names()
+        copies = [nodes_of(Deployment.from_json(r), names) for r in deployment.replicas]
+        also = "".join(f", and a copy on {where}" for where in copies)
+        return f"{model_name(deployment.model)} on {nodes_of(deployment, names)}{also}"
+
     def _standbys_text(self, deployment) -> str:
         """The deployment's hot standbys in a sentence: which PC keeps a spare of which part."""
-        names = {lane.address: lane.name for lane in self.model.lanes} if self.model.loaded else {}
+        names = self._names()
         spares = [f"part {s.stage + 1} on {names.get(s.agent, s.agent)}"
                   for s in map(Standby.from_json, deployment.standbys)]
         if not spares:

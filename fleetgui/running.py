@@ -10,11 +10,14 @@ controller's status the server, and the Fleet view's polling the nodes and what 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
+from engine.errors import FleetError
 from engine.fleet.deploy import LOCAL, Deployment
-from engine.manifest import layer_span
+from engine.manifest import layer_span, read_manifest
+from engine.models.catalog import CATALOG
 
 # what the chat's chain is doing
 NOT_STARTED, STARTING, CONNECTED, FAILED = "not started", "starting", "connected", "failed"
@@ -86,7 +89,7 @@ class Running(QObject):
     def chat_text(self) -> str:
         """The chat's line for the status bar."""
         chat = self._chat
-        name = _model_name(chat.deployment.model if chat.deployment is not None else chat.model)
+        name = model_name(chat.deployment.model if chat.deployment is not None else chat.model)
         if chat.state == CONNECTED:
             return f"Chat: {chat.detail}"
         if chat.state == STARTING:
@@ -134,6 +137,33 @@ class Running(QObject):
             self.changed.emit()
 
 
-def _model_name(model: str) -> str:
-    """A model as people name it: a catalog name as it is, a path by its last part."""
-    return model.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+def catalog_name(source: str) -> str:
+    """The model's name: its catalog name where it is a catalog model (a shard folder's from its
+    manifest), else a GGUF file's or folder's own name."""
+    if source in CATALOG:
+        return source
+    path = Path(source)
+    try:
+        return read_manifest(path / "stage0").model_name if (path / "stage0").is_dir() else path.stem or source
+    except (OSError, ValueError, KeyError, FleetError):
+        return path.name or source
+
+
+def model_name(source: str) -> str:
+    """A model as people name it ("SmolLM2 135M"), from a catalog name, a shard folder (its
+    manifest's model), a GGUF file or a Hugging Face folder."""
+    name = catalog_name(source)
+    entry = CATALOG.get(name)
+    if entry is None:
+        return name
+    words = entry.description.split(":")[0].split()[0]  # "Qwen2.5-Coder-1.5B-Instruct"
+    return words.removesuffix("-Instruct").replace("-", " ")
+
+
+def nodes_of(deployment, names: dict[str, str] | None = None) -> str:
+    """The PCs a deployment runs on, in words: "this PC + laptop-2"; ``names``: the nodes' names by
+    address, as the Fleet view knows them (a node it does not know goes by its host)."""
+    names = names or {}
+    hosts = [("this PC" if span.node == LOCAL else names.get(span.node) or span.node.rsplit(":", 1)[0])
+             for span in deployment.placement]
+    return " + ".join(dict.fromkeys(hosts)) or "the fleet"

@@ -109,6 +109,19 @@ def test_history_survives_rebuilding_the_window(qtbot, gui_home, tmp_path, shard
     assert third.tokens == want
 
 
+def test_the_speed_plot_folds_away_and_stays_so(qtbot, gui_home, tmp_path, shards):
+    store = tmp_path / "s.ini"
+    window = open_window(qtbot, tiny_settings(shards), settings_store(store))
+    assert window.chat.live.isVisible()
+    window.chat.speed_plot.click()
+    assert not window.chat.live.isVisible()
+    window.close()
+    again = open_window(qtbot, tiny_settings(shards), settings_store(store))
+    assert not again.chat.live.isVisible() and not again.chat.speed_plot.isChecked()
+    again.chat.speed_plot.click()
+    assert again.chat.live.isVisible()
+
+
 def test_two_tabs_generate_at_once_like_each_alone(qtbot, gui_home, tmp_path, shards):
     window = open_window(qtbot, tiny_settings(shards, max_new_tokens=48), settings_store(tmp_path / "s.ini"))
     a = window.chat.all_tabs()[0]
@@ -162,6 +175,15 @@ def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot
                                                    sampling=sampling_params(options, seed)).wait(60)
     assert replay.tokens == again.tokens
     assert "Sampled with seed" in tab.stats.toolTip() and "acceptance" not in tab.stats.text()
+    # the reply it replaced is kept as a version, shown again with a click, and saved
+    reply = tab.conversation.messages[1]
+    assert reply.stats["versions"] == [first.text, again.text] and reply.stats["version"] == 1
+    assert "version:1:0" in tab.transcript.toHtml()
+    tab._link(QUrl("version:1:0"))
+    assert tab.conversation.messages[1].content == first.text
+    assert window.history.load(tab.conversation.id).messages[1].content == first.text
+    tab._link(QUrl("version:1:1"))
+    assert window.history.load(tab.conversation.id).messages[1].stats["version"] == 1
 
     tab.copy_button.click()  # the whole chat, as Markdown
     assert QApplication.clipboard().text().startswith("# A fleet of laptops") and again.text in \
@@ -201,6 +223,7 @@ def test_regenerate_samples_anew_and_messages_can_be_copied_edited_deleted(qtbot
     for messages in (clock.conversation.messages, window.history.load(timed).messages):
         assert [m.role for m in messages] == ["user", "assistant", "tool", "assistant"]
         assert messages[-1].content != "It is noon." and messages[1].stats["tool_calls"] == [call]
+        assert messages[-1].stats["versions"] == ["It is noon.", messages[-1].content]
 
 
 def test_new_chats_sample_with_defaults_that_stop_loops(qtbot, gui_home, tmp_path, shards):

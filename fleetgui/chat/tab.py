@@ -110,6 +110,7 @@ class ChatTab(QWidget):
         self._render_timer.setInterval(RENDER_EVERY_MS)
         self._render_timer.timeout.connect(self._render_reply)
         self._regenerations = 0
+        self._earlier: list[str] = []  # the replies a regeneration replaces, kept as its earlier versions
 
         self.system = QLineEdit(conversation.system)
         self.system.setPlaceholderText("System prompt (optional): how the assistant should behave")
@@ -246,7 +247,8 @@ class ChatTab(QWidget):
         if self.busy or not messages:
             return
         if messages[-1].role == "assistant":
-            self.model.remove(len(messages) - 1)
+            old = self.model.remove(len(messages) - 1)
+            self._earlier = list(old.stats.get("versions") or [old.content])
         if messages and messages[-1].role in ("user", "tool"):
             self._start_reply(fresh=True, question=messages[-1].role == "user")
 
@@ -307,6 +309,20 @@ class ChatTab(QWidget):
             self.view.documents.show_source(self.conversation.messages[parts[0]].stats.get("sources", []), parts[1])
         elif action == "regenerate":
             self.regenerate()
+        elif action == "version" and len(parts) == 2 and parts[0] < len(self.conversation.messages):
+            self.show_version(parts[0], parts[1])
+
+    def show_version(self, index: int, version: int) -> None:
+        """Shows version ``version`` of reply ``index`` (a regenerated reply keeps the ones it
+        replaced): the conversation carries on from the one shown."""
+        message = self.conversation.messages[index]
+        versions = message.stats.get("versions") or []
+        if self.busy or not 0 <= version < len(versions):
+            return
+        message.content = versions[version]
+        message.stats = {**message.stats, "version": version}
+        self.model.write(message)
+        self.render()
 
     def last_text(self) -> str:
         replies = [m for m in self.conversation.messages if m.role == "assistant"]
@@ -330,6 +346,8 @@ class ChatTab(QWidget):
         self.reply = Message("assistant", "", {"seed": seed} if seed is not None else {})
         if sources:
             self.reply.stats["sources"] = sources
+        if self._earlier:
+            self.reply.stats["versions"], self._earlier = self._earlier, []
         self.model.insert(self.reply)
         self._tokens = 0
         self._saved = 0.0
@@ -395,10 +413,15 @@ class ChatTab(QWidget):
         if message is not None:
             message.content = reply.text
             kept = {k: message.stats[k] for k in ("seed", "sources") if message.stats.get(k) is not None}
+            earlier = message.stats.get("versions") or []
             message.stats = {**stats, **kept}
+            if earlier and not reply.text:  # nothing new: the last version stays
+                message.content, message.stats = earlier[-1], {"versions": earlier, "version": len(earlier) - 1}
+            elif earlier:
+                message.stats |= {"versions": [*earlier, reply.text], "version": len(earlier)}
             stats = message.stats
             self.tools.take_calls(message, reply.text)  # its calls (if any) wait for the user
-            if reply.text:
+            if message.content:
                 self.model.write(message)
             else:
                 self.model.remove_message(message)
@@ -453,6 +476,12 @@ class ChatTab(QWidget):
                 links.append(f"<a href='edit:{i}'>Edit</a>")
             elif i == last_reply and not self.busy:
                 links.append("<a href='regenerate:'>Regenerate</a>")
+            versions = (m.stats.get("versions") or []) if m.role == "assistant" and not self.busy else []
+            if len(versions) > 1:
+                shown = m.stats.get("version", len(versions) - 1)
+                links.append("version " + " ".join(f"<b>{k + 1}</b>" if k == shown else
+                                                   f"<a href='version:{i}:{k}'>{k + 1}</a>"
+                                                   for k in range(len(versions))))
             if not self.busy:
                 links.append(f"<a href='delete:{i}'>Delete</a>")
             parts.append(f"<p style='margin-top:0.8em'><b>{who}</b>&nbsp;&nbsp;<small>{' · '.join(links)}</small></p>")

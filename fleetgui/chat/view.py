@@ -15,7 +15,6 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QHBoxLayout, QIn
 
 from engine.config import paths
 from engine.errors import FleetError
-from engine.fleet.deploy import LOCAL
 from engine.fleet.fit import measured_key, record_measured
 from engine.manifest import read_manifest
 from engine.models.catalog import CATALOG, is_cached
@@ -30,24 +29,13 @@ from fleetgui.history import Conversation, HistoryStore, to_json, to_markdown
 from fleetgui.model_cards import ModelBrowser
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
+from fleetgui.running import catalog_name, model_name, nodes_of
 from fleetgui.widgets import Banner, flow_bar, plain_tip, splitter, unbidi
 
 ON_DEPLOYMENT = "deployment:"  # the picker's entry of the fleet deployment the chat runs on
 # parameters: a smaller model given documents tends to invent its answer where a larger one cites them,
 # so a chat with documents on a smaller one is offered the largest catalog model
 SMALL_MODEL = 1_000_000_000
-
-
-def catalog_name(source: str) -> str:
-    """The model's name: its catalog name where it is a catalog model (a shard folder's from its
-    manifest), else a GGUF file's or folder's own name."""
-    if source in CATALOG:
-        return source
-    path = Path(source)
-    try:
-        return read_manifest(path / "stage0").model_name if (path / "stage0").is_dir() else path.stem or source
-    except (OSError, ValueError, KeyError, FleetError):
-        return path.name or source
 
 
 def larger_model(source: str) -> str | None:
@@ -59,26 +47,6 @@ def larger_model(source: str) -> str | None:
     chat_models = [e for e in CATALOG.values() if e.has_chat_template and e.draft_for is None]
     best = max(chat_models, key=lambda e: e.parameters, default=None)
     return best.name if best is not None and best.parameters >= SMALL_MODEL else None
-
-
-def model_name(source: str) -> str:
-    """A model as people name it ("SmolLM2 135M"), from a catalog name, a shard folder (its
-    manifest's model), a GGUF file or a Hugging Face folder."""
-    name = catalog_name(source)
-    entry = CATALOG.get(name)
-    if entry is None:
-        return name
-    words = entry.description.split(":")[0].split()[0]  # "Qwen2.5-Coder-1.5B-Instruct"
-    return words.removesuffix("-Instruct").replace("-", " ")
-
-
-def nodes_of(deployment, names: dict[str, str] | None = None) -> str:
-    """The PCs a deployment runs on, in words: "this PC + laptop-2"; ``names``: the nodes' names by
-    address, as the Fleet view knows them (a node it does not know goes by its host)."""
-    names = names or {}
-    hosts = [("this PC" if span.node == LOCAL else names.get(span.node) or span.node.rsplit(":", 1)[0])
-             for span in deployment.placement]
-    return " + ".join(dict.fromkeys(hosts)) or "the fleet"
 
 
 def complete_shard_sets() -> list[Path]:
@@ -206,12 +174,18 @@ class ChatView(QWidget):
         self.tabs.setCornerWidget(plus, Qt.Corner.TopRightCorner)
         self.live = LiveRatePlot(self.meter, "Live tokens per second per chat", theme,
                                  x_label="seconds since the reply started")
+        self.speed_plot = QPushButton("Speed plot")  # the live plot folds away; the main window keeps the choice
+        self.speed_plot.setCheckable(True)
+        self.speed_plot.setChecked(True)
+        self.speed_plot.setToolTip("Show or hide the live tokens-per-second plot under the chats")
+        self.speed_plot.toggled.connect(self.live.setVisible)
 
         header = QHBoxLayout()
         header.addWidget(QLabel("Model"))
         header.addWidget(self.model, 1)
         header.addWidget(self.larger)
         header.addWidget(browse_models)
+        header.addWidget(self.speed_plot)
         right = self._right = splitter(Qt.Orientation.Vertical, (self.tabs, 4), (self.live, 1))
         split = splitter(Qt.Orientation.Horizontal, (left, 1), (right, 4))
         for moved in (right, split):  # the panel over the plot follows the column's bottom
