@@ -95,9 +95,12 @@ def test_the_walkthrough(qtbot, gui_home, tiny_models, tmp_path, monkeypatch):
     # the fleet: the status bar and Placement agree
     deployed = []
     placement.deployed.connect(deployed.append)
-    placement.users.setValue(2)
-    placement.best_button.click()
-    qtbot.waitUntil(lambda: placement.task is None, timeout=600000)  # the solve, then the deployment
+    for people in (2, 4, 8):  # the profile is measured: on a busy machine this PC alone may win for two
+        placement.users.setValue(people)
+        placement.best_button.click()
+        qtbot.waitUntil(lambda: placement.task is None, timeout=600000)  # the solve, then the deployment
+        if deployed:
+            break
     assert deployed and deployed[0] is not None, (placement.banner.message, placement.activity.text())
     said = window.statusBar().currentMessage() + " " + window.service_label.text()
     assert str(tiny_models["qwen2"]) not in said, said  # the model by its name, not its folder
