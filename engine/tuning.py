@@ -24,10 +24,7 @@ from __future__ import annotations
 # token).  Of the pairs that fit about as well, the one with the larger fixed cost: the measured
 # times alone say a rank token took about 37 ms plus 0.54 times one PC's on that host type over both
 # kernel generations, a fixed 0.6 ms or so an exchange, and the profiles' compute is the noisier
-# part (bench-results/2026-11-28/sim-ranks-split-, -split4-, -gather- and
-# -reversed-qwen1.5b-zen3.json, sim-ranks-rpc-qwen1.5b-avx2-b.json, sim-ranks-fleet-qwen1.5b-avx2.json;
-# bench-results/2026-12-07/sim-ranks-layout-kernelrows-qwen1.5b-zen3.json and
-# sim-ranks-ranksmargin-qwen1.5b-zen3.json; docs/benchmarks.md, "What a rank exchange costs the solver").
+# part (the eight ranks reports that docs/benchmarks.md, "What a rank exchange costs the solver", lists).
 EXCHANGE_FIXED_MS = 0.30
 EXCHANGE_WAIT = 0.15
 

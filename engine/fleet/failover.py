@@ -115,8 +115,7 @@ class Failover:
                 self.on_event(f"warning: {problem}")
         old = self.deployment
         # the same placement runs the shards the deployment already has: the model is not opened again
-        folder = rank_folder if old.ranks > 1 else stage_folder
-        held = None if gone else [folder(Path(old.stage0).parent, i) for i in range(len(placement))]
+        held = None if gone else _shard_folders(old)
         # deploy_layout: a copy that was whole on the lost node may come back whole on this machine
         deployment, (chain,) = deploy_layout(old.model, [placement], key=self.key, tls=self.tls, weights=old.weights,
                                              mode=old.mode, deadline_s=self.deadline_s,
@@ -268,7 +267,7 @@ class Failover:
         devices = [d.device for d in Fleet.from_json(self.profile["fleet"]).devices
                    if d.node == node and d.supported] if self.profile else []
         span = deployment.placement[stage]
-        folders = {stage: stage_folder(Path(deployment.stage0).parent, stage)}
+        folders = _shard_folders(deployment)
         try:
             started = standby.start(folders, {stage: StageSpan(agent, devices[0] if devices else "CPU", span.start,
                                                                span.end)},
@@ -281,8 +280,7 @@ class Failover:
     def _restock(self, deployment: Deployment) -> None:
         """Hot standbys for a deployment a recovery made, placed as a deploy places them, on none of
         the lost nodes."""
-        folder = rank_folder if deployment.ranks > 1 else stage_folder
-        folders = [folder(Path(deployment.stage0).parent, i) for i in range(len(deployment.placement))]
+        folders = _shard_folders(deployment)
         with self._lost_lock:
             lost = frozenset(self.lost)
         try:
@@ -347,3 +345,9 @@ class Failover:
         self._closed.set()
         if self._watch is not None and self._watch is not threading.current_thread():
             self._watch.join(timeout=2 * PROBE_TIMEOUT_S + 10)
+
+
+def _shard_folders(deployment: Deployment) -> list[Path]:
+    """The shard folder of each of the deployment's stages (or ranks) on this machine."""
+    folder = rank_folder if deployment.ranks > 1 else stage_folder
+    return [folder(Path(deployment.stage0).parent, i) for i in range(len(deployment.placement))]

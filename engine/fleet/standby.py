@@ -81,9 +81,8 @@ def place(model: ModelShape, fleet: Fleet, stages: list[StageSpan], dropouts: di
     return chosen
 
 
-def start(folders: list[Path] | dict[int, Path], where: dict[int, StageSpan], *, key: bytes, tls=None,
-          mode: str = "fast", precision: str | None = None, progress: Report = quiet,
-          worker_timeout_s: float = 180.0) -> list[Standby]:
+def start(folders: list[Path], where: dict[int, StageSpan], *, key: bytes, tls=None, mode: str = "fast",
+          precision: str | None = None, progress: Report = quiet, worker_timeout_s: float = 180.0) -> list[Standby]:
     """Ships stage i's shard (``folders[i]``) to the agent of ``where[i].node`` (an address) and
     starts a worker there, for each i; returns the standbys started.  One that cannot start is left
     out (the stage then fails over by redeploying) and said through ``progress``'s log of problems:

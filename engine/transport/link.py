@@ -403,10 +403,13 @@ class Link:
     # --- sending ---------------------------------------------------------------------------------
 
     def send(self, frame: Frame) -> None:
-        parts = wire.encode_parts(frame)
+        self.send_parts(wire.encode_parts(frame))
+
+    def send_parts(self, parts: list[bytes]) -> None:
+        """Sends a frame already encoded (``wire.encode_parts``): one encoding for every link that
+        sends the same frame (a stage's and its standby's, ``engine.runtime.relay.mirror``)."""
         with self._send_lock:  # frames leave in the order of their seal's counter
-            parts.append(self.seal.tag(parts))
-            data = b"".join(parts)
+            data = b"".join([*parts, self.seal.tag(parts)])
             if self.delay_s > 0:
                 self._outbox.put((time.monotonic() + self.delay_s, data))
                 return

@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 
-from engine.bench.harness import Hooks
+from engine.bench.harness import Hooks, interleave
 from engine.bench.sim.shared import TLS, Sim, on_pc1
 from engine.errors import FleetError
 from engine.files import write_json
@@ -112,22 +112,23 @@ def _copies_cost(office: Office, sim: Sim, rate: float, profile_file) -> dict:
     deployment, chain = deploy(sim.model, whole, key=sim.key, weights=sim.weights, mode="exact", standbys=True,
                                planned={"profile": str(profile_file)})
     chain.close()
-    speeds: dict[str, list[float]] = {"copies": [], "none": []}
+    records = {"copies": deployment, "none": dataclasses.replace(deployment, standbys=[])}
+
+    def decode_tok_s(name: str, _round: int) -> float:
+        service = ChatService(records[name].chain(sim.key), streams=1)
+        try:
+            reply = service.submit(MESSAGES, sim.tokens, ignore_eos=True).wait(600)
+        finally:
+            service.close()
+        if reply.error:
+            raise FleetError(f"a reply over the deployment failed: {reply.error}")
+        return reply.decode_tok_s
+
     try:
         if deployment.standby_for(0) is None:
             raise FleetError("no standby was placed on pc2")
-        plain = dataclasses.replace(deployment, standbys=[])
         with on_pc1(sim.cores[0], sim.log):
-            for _ in range(sim.runs):
-                for name, record in (("copies", deployment), ("none", plain)):
-                    service = ChatService(record.chain(sim.key), streams=1)
-                    try:
-                        reply = service.submit(MESSAGES, sim.tokens, ignore_eos=True).wait(600)
-                    finally:
-                        service.close()
-                    if reply.error:
-                        raise FleetError(f"a reply over the deployment failed: {reply.error}")
-                    speeds[name].append(reply.decode_tok_s)
+            speeds = interleave(decode_tok_s, records, sim.runs)
     finally:
         deployment.stop(sim.key)
     best = {name: max(values) for name, values in speeds.items()}

@@ -19,7 +19,6 @@ import queue
 import threading
 from typing import Callable
 
-import numpy as np
 
 from engine.manifest import Manifest
 from engine.transport import wire
@@ -51,14 +50,14 @@ class Mirror:
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"mirror {address}")
         self._thread.start()
 
-    def send(self, frame: Frame) -> None:
-        """Queues a copy of ``frame`` if it changes the stage's caches; never waits.  The copy's
-        tensors are copied: the sender's buffers are reused by its next forward."""
+    def send(self, frame: Frame, parts: list[bytes] | None = None) -> None:
+        """Queues ``frame`` for the standby if it changes the stage's caches; never waits.  ``parts``:
+        the frame as the sender encoded it for the stage (``wire.encode_parts``: bytes of their own,
+        which the sender's next forward does not overwrite)."""
         if frame.type not in wire.MIRRORED or self._broken.is_set() or self._closed.is_set():
             return
-        copy = Frame(frame.type, frame.stream, frame.seq, [np.array(t, copy=True) for t in frame.tensors], frame.flags)
         try:
-            self._queue.put_nowait(copy)
+            self._queue.put_nowait(parts if parts is not None else wire.encode_parts(frame))
         except queue.Full:
             self._give_up("fell behind")
 
@@ -120,10 +119,10 @@ class Mirror:
     def _serve(self, link: Link) -> None:
         """Sends the queued copies until the handover, a close or a failure."""
         while True:
-            frame = self._queue.get()
+            parts = self._queue.get()
             if self._broken.is_set():
                 return
-            if frame is None:
+            if parts is None:
                 if not self._closed.is_set():  # the handover's
                     try:
                         link.send(Frame(Msg.BYE))
@@ -133,7 +132,7 @@ class Mirror:
                     self._closed.set()
                 return
             try:
-                link.send(frame)
+                link.send_parts(parts)
             except OSError as exc:
                 self._give_up(f"lost ({exc})")
                 return
@@ -142,8 +141,8 @@ class Mirror:
         """Drops the copies that were queued for a connection that ended (and the handover's mark)."""
         while True:
             try:
-                frame = self._queue.get_nowait()
+                parts = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if frame is None and not self._closed.is_set():
+            if parts is None and not self._closed.is_set():
                 self._closed.set()  # a handover asked while the standby was out of reach

@@ -557,10 +557,11 @@ class RemoteChain(Chain):
             if frame.type != Msg.PING:
                 self._groups.update(dict.fromkeys(sent, group))
                 self.most_in_flight = max(self.most_in_flight, len(set(self._groups.values())))
+        parts = wire.encode_parts(frame)
         if self._mirror is not None:
-            self._mirror.send(frame)
+            self._mirror.send(frame, parts)
         try:
-            self._link.send(frame)
+            self._link.send_parts(parts)
         except OSError as exc:
             raise self._fail(f"connection lost ({exc})") from None
 

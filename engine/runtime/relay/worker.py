@@ -509,9 +509,10 @@ class Worker(Listening):
     def _send_down(self, frame: Frame, track: bool = True, keys: list[tuple[int, int]] | None = None) -> bool:
         """``keys``: the replies the frame asks for, when not the one its header names.  The next
         stage's standby is sent a copy (``_mirror_to``)."""
+        parts = wire.encode_parts(frame)
         mirror = self._mirror
         if mirror is not None:
-            mirror.send(frame)
+            mirror.send(frame, parts)
         link = self._downstream
         if link is None or not self._down_ready.is_set():
             return False
@@ -521,7 +522,7 @@ class Worker(Listening):
                     self._down_last_rx = time.monotonic()  # the silence clock starts now
                 self._outstanding.update(keys or [(frame.stream, frame.seq)])
         try:
-            link.send(frame)
+            link.send_parts(parts)
         except OSError:
             link.close()
             return False
