@@ -421,7 +421,7 @@ class ChatTab(QWidget):
                 message.stats |= {"versions": [*earlier, reply.text], "version": len(earlier)}
             stats = message.stats
             self.tools.take_calls(message, reply.text)  # its calls (if any) wait for the user
-            if message.content:
+            if message.content or message.stats.get("tool_calls"):
                 self.model.write(message)
             else:
                 self.model.remove_message(message)
