@@ -72,6 +72,33 @@ def test_packed_streams_decode_what_each_decodes_alone(tiny_exports, arch, split
     assert all(stage.pool.free_blocks == stage.pool.capacity for stage in stages), "every block came back"
 
 
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_one_row_runs_on_its_own_graph_with_the_numbers_of_the_dynamic_one(tiny_exports, mode):
+    """A forward of one row in all runs the one-row graph (static shapes), over the same caches: the
+    same logits as the stage without it, and the caches both fill are the same for what follows;
+    a forward of more rows runs the dynamic graph."""
+    folders = tiny_exports["qwen2", "2"].folders
+    config = MODES[mode]
+    with_one, without = ([PagedStage(f, config=config, kv_positions=16, one_row=on) for f in folders]
+                         for on in (True, False))
+    assert all(s._one_row is not None for s in with_one) and all(s._one_row is None for s in without)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 200, size=20)
+    got = {}
+    for name, stages in (("one row", with_one), ("dynamic", without)):
+        logits = [_chain_forward(stages, [Part(1, prompt, 0)])[0][-1]]
+        assert all(s.last_request is s._request for s in stages), "a prompt runs the dynamic graph"
+        for step in range(24):  # past the pools' first blocks: they grow, and both graphs see the new caches
+            token = np.array([int(logits[-1].argmax())])
+            logits.append(_chain_forward(stages, [Part(1, token, len(prompt) + step)])[0][-1])
+            if name == "one row":
+                assert all(s.last_request is s._one_row for s in stages)
+        two = _chain_forward(stages, [Part(1, np.array([7, 8]), len(prompt) + 24, keep=2)])[0]
+        got[name] = np.stack(logits + list(two))
+    np.testing.assert_array_equal(got["one row"].argmax(-1), got["dynamic"].argmax(-1))
+    np.testing.assert_allclose(got["one row"], got["dynamic"], rtol=0, atol=1e-5)
+
+
 def test_a_rewind_is_a_shorter_start(tiny_exports):
     """Continuing from an earlier position drops what followed: the same logits as a stream that
     never saw the dropped tokens."""

@@ -15,6 +15,8 @@ MatMuls) and, where this machine has the kernel extension, the carried GGUF matr
 ``GGMLMatMul`` operation (``engine.kernels``: our kernels for the types they cover, ggml's for the
 rest).  With ``--llamacpp``, llama-server's own per-token time on the same GGUF, one user, sits beside
 them, measured in each run after them.
+A path named with ``-dynamic`` (``ggml-dynamic``) runs without the one-row graph
+(``engine.runtime.stages.paged``): its rounds of one user run on the graph with dynamic shapes.
 Prefill forwards are left out; the rounds are run ``runs`` times and each figure is the median.
 ``mode`` is the correctness mode the stage compiles in: ``exact`` keeps the activations in float,
 in our kernels as in the stock MatMuls.
@@ -54,6 +56,7 @@ KERNEL = "matmuls on "  # and the plugin's name of the kernel
 LLAMACPP_PROMPT = "The capital of France is"
 MEMORY_MB = 400
 MEMORY_COLUMNS = 1536
+DYNAMIC = "-dynamic"  # a path's suffix: its stage without the one-row graph
 
 
 class _Rounds:
@@ -79,7 +82,7 @@ class _Rounds:
         out = self._forward(parts)
         wall = time.perf_counter() - start
         if all(len(p.x) == 1 for p in parts):  # a decode round
-            infos = self.stage._request.profiling_info  # in the order the nodes ran
+            infos = self.stage.last_request.profiling_info  # in the order the nodes ran
             matmuls = [i for i, info in enumerate(infos) if info.node_type.startswith("FullyConnected")
                        or (info.node_type == "Reference" and "MatMul" in info.node_name)]  # GGMLMatMul
             kinds = collections.Counter()
@@ -100,8 +103,9 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
                 users: tuple[int, ...] = USERS, runs: int = 3, llamacpp: bool = False,
                 memory_mb: int = MEMORY_MB, paths: tuple[str, ...] | None = None, mode: str = "fast",
                 out: Path | None = None, log=print) -> dict:
-    """``paths``: the matrices' paths to profile side by side, of ``kernels.STOCK`` and ``kernels.GGML``
-    (default: both where this machine has the kernel extension, else the stock one)."""
+    """``paths``: the matrices' paths to profile side by side, of ``kernels.STOCK`` and ``kernels.GGML``,
+    each also with ``DYNAMIC`` (default: both where this machine has the kernel extension, else the
+    stock one)."""
     export = export_model(model, stages=1, weights=weights)
     folder = export.folders[0]
     config = {**compile_config(mode), "PERF_COUNT": "YES"}
@@ -111,13 +115,16 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
         kernels.use(*before)
     chains, recorders = {}, {}
     for path in paths:  # each chain compiled with its path; the process's choice restored after
-        unknown = path not in (kernels.STOCK, kernels.GGML)
-        before = kernels.use(path == kernels.GGML)
+        matrices = path.removesuffix(DYNAMIC)
+        unknown = matrices not in (kernels.STOCK, kernels.GGML)
+        before = kernels.use(matrices == kernels.GGML)
         try:
-            if unknown or (path == kernels.GGML and kernels.path(core())[0] != kernels.GGML):
-                raise FleetError(f"unknown path {path!r}: the paths are stock and ggml" if unknown else
+            if unknown or (matrices == kernels.GGML and kernels.path(core())[0] != kernels.GGML):
+                raise FleetError(f"unknown path {path!r}: the paths are stock and ggml, each also with "
+                                 f"{DYNAMIC}" if unknown else
                                  f"the ggml kernels cannot run here: {kernels.path(core())[1]}")
-            chains[path] = LocalChain(export.folders, device=device, config=config, paged=True)
+            chains[path] = LocalChain(export.folders, device=device, config=config, paged=True,
+                                      one_row=not path.endswith(DYNAMIC))
         finally:
             kernels.use(*before)
         recorders[path] = _Rounds(chains[path].stages[0])
@@ -138,8 +145,13 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
         for n in users:
             rounds = {path: next(r["ms per round"] for r in rows if r["users"] == n and r.get("path") == path
                                  and r["part"] == "whole round") for path in paths}
-            ratio = rounds[kernels.STOCK] / rounds[kernels.GGML]
-            ratios[f"{n} users: tok/s, ggml kernels over stock"] = round(ratio, 3)
+            if kernels.STOCK in rounds and kernels.GGML in rounds:
+                ratio = rounds[kernels.STOCK] / rounds[kernels.GGML]
+                ratios[f"{n} users: tok/s, ggml kernels over stock"] = round(ratio, 3)
+            for path in rounds:
+                if path + DYNAMIC in rounds:
+                    ratio = rounds[path + DYNAMIC] / rounds[path]
+                    ratios[f"{n} users, {path} path: tok/s, one-row graph over dynamic shapes"] = round(ratio, 3)
     speed = _memory_speed(device, memory_mb, runs)
     rows.append({"users": 0, "part": f"stock int8 matmul reading {memory_mb} MB of weights, GB/s",
                  "ms per round": round(memory_mb * 2**20 / (speed * 1e6), 3), "GB/s": round(speed, 2)})

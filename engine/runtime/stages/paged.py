@@ -10,6 +10,12 @@ mask/trim choice of the stateful path does not arise.
 
 With the ``exact`` settings a stream's greedy tokens are the same decoded alone, packed with others,
 or on the stateful path (``tests/test_paged.py`` checks it).
+
+On a CPU the stage also compiles the graph a second time with its token axis fixed at one row: a
+forward of one row in all (one user's next token) runs that one, over the same caches.  The CPU
+plugin then runs every node but attention on static shapes, skipping the shape inference and
+memory planning that a dynamic shape costs each node at each call, a large share of a small model's
+token (docs/benchmarks.md, "One row, static shapes").
 """
 
 from __future__ import annotations
@@ -38,6 +44,20 @@ def _rename_hidden_input(model: ov.Model) -> None:
         if "hidden_states" in port.get_names():
             port.get_tensor().set_names({HIDDEN_IN})
             port.get_node().set_friendly_name(HIDDEN_IN)
+
+
+def _one_row(model: ov.Model) -> ov.Model:
+    """A copy of the paged graph whose inputs carry exactly one row (one stream's one new token); the
+    block tables, the caches and the context length stay dynamic."""
+    one = model.clone()
+    rows = {"input_ids": 1, HIDDEN_IN: 1, "position_ids": 1, "past_lens": 1, LOGITS_ROWS: 1,
+            "subsequence_begins": 2, "block_indices_begins": 2}  # their first axis
+    shapes = {}
+    for port in one.inputs:
+        if port.get_any_name() in rows:
+            shapes[port] = ov.PartialShape([rows[port.get_any_name()], *list(port.get_partial_shape())[1:]])
+    one.reshape(shapes)
+    return one
 
 
 def _slide_windows(model: ov.Model, manifest: Manifest) -> None:
@@ -126,7 +146,8 @@ class PagedStage(PackingStage):
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None, kv_positions: int = 4096, turns=None,
-                 max_kv_positions: int | None = None):
+                 max_kv_positions: int | None = None, one_row: bool | None = None):
+        """``one_row``: also compile the one-row graph (the module's docstring); None: on a CPU."""
         from openvino._offline_transformations import paged_attention_transformation
 
         self.folder = Path(folder)
@@ -143,6 +164,10 @@ class PagedStage(PackingStage):
             if self.last:
                 _gather_logits_rows(model)
             self.compiled = core().compile_model(model, device, self.config)
+            if one_row is None:
+                one_row = device.upper().startswith("CPU")
+            self._one_row = (core().compile_model(_one_row(model), device, self.config)
+                             .create_infer_request() if one_row else None)
             self._mapped = mapped  # the fused weights it reads
         except RuntimeError as exc:
             raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with paged "
@@ -161,8 +186,14 @@ class PagedStage(PackingStage):
             shape = [self.pool.capacity] + [d.get_length() for d in list(port.get_partial_shape())[1:]]
             self._caches[port.get_any_name()] = ov.Tensor(port.get_element_type(), shape)
         for name, tensor in self._caches.items():
-            self._request.set_tensor(name, tensor)
+            for request in self._requests:
+                request.set_tensor(name, tensor)
+        self.last_request = self._request  # the request of the last forward (its counters, for a profile)
         self._input = "input_ids" if self.first else HIDDEN_IN
+
+    @property
+    def _requests(self) -> list[ov.InferRequest]:
+        return [self._request] + ([self._one_row] if self._one_row is not None else [])
 
     @property
     def kv_bytes(self) -> int:
@@ -175,7 +206,8 @@ class PagedStage(PackingStage):
             bigger = ov.Tensor(tensor.get_element_type(), [blocks, *list(tensor.shape)[1:]])
             bigger.data[:old] = tensor.data
             self._caches[name] = bigger
-            self._request.set_tensor(name, bigger)
+            for request in self._requests:
+                request.set_tensor(name, bigger)
         self.pool.grow(blocks)
 
     @property
@@ -238,9 +270,11 @@ class PagedStage(PackingStage):
         }
         if self.last:
             inputs[LOGITS_ROWS] = np.concatenate([np.arange(end - p.keep, end) for p, end in zip(parts, begins[1:])])
+        request = self._one_row if self._one_row is not None and begins[-1] == 1 else self._request
         with self.turns:
-            self._request.infer(inputs, share_inputs=True)
-        out = self._request.get_output_tensor(0).data.copy()
+            request.infer(inputs, share_inputs=True)
+        self.last_request = request
+        out = request.get_output_tensor(0).data.copy()
         if self.last:
             splits = np.cumsum([p.keep for p in parts])[:-1]
             return [rows[:, 0] for rows in np.split(out, splits)]
