@@ -76,16 +76,13 @@ def published_table(path: Path) -> QWidget:
     return box
 
 
-TITLES = {"fleet": "How fast is my fleet?"}  # a benchmark for everyone, by what it answers
-
-
 def bench_choice() -> QComboBox:
-    """The benchmarks to choose from: those for everyone first (by their question), then a "Research"
-    heading over the paper's (by their ``fleet bench`` name).  Each item's data is its name."""
+    """The benchmarks to choose from: those for everyone first, then a "Research" heading over the
+    paper's, each by ``Bench.shown_name``.  Each item's data is its name."""
     combo = QComboBox()
     everyone = [name for name, bench in APP_BENCHES.items() if not bench.group]
     for name in everyone:
-        combo.addItem(TITLES.get(name, name), name)
+        combo.addItem(APP_BENCHES[name].shown_name, name)
     groups = dict.fromkeys(bench.group for bench in APP_BENCHES.values() if bench.group)
     for group in groups:
         combo.insertSeparator(combo.count())
@@ -95,7 +92,7 @@ def bench_choice() -> QComboBox:
             heading.setEnabled(False)  # a heading, not a choice
         for name, bench in APP_BENCHES.items():
             if bench.group == group:
-                combo.addItem(TITLES.get(name, name), name)
+                combo.addItem(APP_BENCHES[name].shown_name, name)
     return combo
 
 

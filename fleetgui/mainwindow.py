@@ -15,9 +15,10 @@ from PySide6.QtCore import QSettings, QSize, QTimer
 from PySide6.QtGui import QAction, QActionGroup
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QListWidget, QMainWindow, QStackedWidget, QWidget
 
+from engine.bench.registry import BENCHES
 from fleetgui import theme
 from fleetgui.api import ApiController
-from fleetgui.bench_panel import TITLES, BenchPanel
+from fleetgui.bench_panel import BenchPanel
 from fleetgui.chat import ChatController, ChatView
 from fleetgui.export_wizard import ExportWizard
 from fleetgui.fleet_view import FleetView
@@ -116,7 +117,7 @@ class MainWindow(QMainWindow):
         self.placement.deployed.connect(self.use_deployment)
         self.placement.preparing.connect(self.fleet.model.prepare)
         self.bench.finished.connect(lambda r: self.statusBar().showMessage(
-            f"Benchmark finished: {TITLES.get(r['bench'], r['bench'])}" if r else "Benchmark ended without a result",
+            f"Benchmark finished: {BENCHES[r['bench']].shown_name}" if r else "Benchmark ended without a result",
             10000))
         self._menus()
         self.show_view("Chat")

@@ -71,7 +71,8 @@ class Bench:
     benchmark without one is not in the app.  ``app``: what the app passes beside its options.
     ``ratios``: what its report's ratios compare, said in words (``Ratio``).  ``current``: it
     measures what the chat runs on: the app passes its deployment (or None) and its settings.
-    ``group``: where the app lists it ("" first, for everyone; "Research": the paper's measurements)."""
+    ``group``: where the app lists it ("" first, for everyone; "Research": the paper's measurements).
+    ``title``: how the app names it, by the question it answers ("": its name)."""
 
     name: str
     description: str
@@ -83,6 +84,12 @@ class Bench:
     ratios: dict[str, Ratio] = field(default_factory=dict)
     current: bool = False
     group: str = "Research"
+    title: str = ""
+
+    @property
+    def shown_name(self) -> str:
+        """What the app calls this benchmark: its title, or its name."""
+        return self.title or self.name
 
     def keywords(self, values: dict) -> dict:
         """The run function's keyword arguments for the option ``values`` given (None: not given):
@@ -108,7 +115,7 @@ BENCHES = {bench.name: bench for bench in (
           ratios={"fleet_vs_alone_1_user": Ratio("speed", "your fleet", "this PC alone", " for 1 person"),
                   "fleet_vs_alone_n_users": Ratio("speed", "your fleet", "this PC alone",
                                                   " for {users} people at once")},
-          current=True, group=""),
+          current=True, group="", title="How fast is my fleet?"),
     Bench("wan", "naive decode against micro-batching + speculation as the hop delay grows",
           takes("model", "draft", "stages", "tokens", "runs", "draft_kind", "delays", "weights", "shards", "k",
                 cpus="cpu_sets"),
