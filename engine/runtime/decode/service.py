@@ -9,10 +9,11 @@ is collected and resubmitted, exactly as ``generate_streams`` interleaves them. 
 between rounds; a cancelled one stops at its next round.
 
 Prefix cache: after a reply a stream keeps its KV on every stage, and the service remembers the
-tokens it holds.  A request goes to the free stream whose cache serves it best (``_pick``), whose
-cache is rewound to the prefix they share; only the rest is prefilled.  A request submitted
-``after`` another (the API's ``n`` choices of one prompt) waits for it and runs on its stream, so the
-prompt they share is prefilled once (unless another request took that stream in between).
+tokens it holds (``engine.runtime.decode.prefix``).  A request goes to the free stream whose cache
+serves it best, whose cache is rewound to the prefix they share; only the rest is prefilled.  A
+request submitted ``after`` another (the API's ``n`` choices of one prompt) waits for it and runs on
+its stream, so the prompt they share is prefilled once (unless another request took that stream in
+between).
 
 Fitting the context: ``submit`` tokenizes the conversation on the caller's thread (never under the
 scheduler's lock, so a huge conversation stalls neither the scheduler nor whoever asks ``busy``).
@@ -20,11 +21,11 @@ scheduler's lock, so a huge conversation stalls neither the scheduler nor whoeve
 reply do not fit; ``fit="drop"`` (the app) leaves out the oldest messages, found by a binary search
 over how many to drop (a logarithmic number of renders, not one per message).
 
-Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated (incrementally decoded,
-multi-byte characters held back until complete, and text that may begin a stop string held back
-until it is known not to) and the finished reply through ``on_done(Reply)``;
-both are called on the scheduler thread.  The engine knows nothing of any UI: an app wraps these
-callbacks in its own cross-thread signals.
+Text arrives through ``on_text(piece, tokens_so_far)`` as it is generated
+(``engine.runtime.decode.reply.ReplyText``) and the finished reply through ``on_done(Reply)``;
+both are called on the scheduler thread.  When a stage fails, ``engine.runtime.decode.recovery``
+asks failover for a new chain, and the replies in flight carry on over it.  The engine knows
+nothing of any UI: an app wraps these callbacks in its own cross-thread signals.
 """
 
 from __future__ import annotations
@@ -38,16 +39,19 @@ from typing import Callable
 
 import numpy as np
 
-from engine.errors import ContextError, FleetError, StageError
+from engine.errors import ContextError, FleetError
 from engine.runtime.decode.generate import PREFILL_CHUNK, Decoding
 from engine.runtime.decode.kvsequence import KVSequence
+from engine.runtime.decode.prefix import PrefixCache, common_prefix
+from engine.runtime.decode.recovery import Recovery
+from engine.runtime.decode.reply import OnText, Reply, ReplyText, call
 from engine.runtime.decode.sampling import GREEDY, SamplingParams
-from engine.runtime.decode.stops import StopText
-from engine.runtime.decode.tokenizer import ChatTokenizer, TextStream
+from engine.runtime.decode.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
-OnText = Callable[[str, int], None]
+__all__ = ["ChatService", "ContextExceeded", "Handle", "Reply"]
+
 FITS = ("drop", "refuse")
 
 
@@ -66,54 +70,6 @@ class ContextExceeded(ContextError):
                        f" were asked for ({prompt_tokens} in the conversation, {max_new_tokens} for the reply): "
                        f"at most {max_length - prompt_tokens} fit for the reply")
         super().__init__(message)
-
-
-@dataclasses.dataclass
-class Reply:
-    """One finished reply and how it went."""
-
-    text: str
-    tokens: list[int]
-    prompt_tokens: int
-    stopped_by: str  # "eos" | "stop" (a stop string) | "max_tokens" | "cancelled" | "error"
-    ttft_ms: float = 0.0  # prefill submitted -> first new token
-    decode_tok_s: float = 0.0  # tokens after the first over the time they took
-    drafted: int = 0
-    accepted: int = 0
-    error: str | None = None
-    stream: int | None = None
-    dropped: int = 0  # oldest messages left out so the conversation fits the context
-    context_error: bool = False  # the error is the conversation not fitting the context
-    rerouted: int = 0  # times the chain broke under this reply and it carried on over a new one
-    cached_tokens: int = 0  # prompt tokens the stream's cache already held (the prefix cache)
-    stage_ms: list[float] = dataclasses.field(default_factory=list)  # decode rounds' compute per stage, summed
-    rounds: int = 0  # decode rounds (forwards after the first token)
-    logprobs: list | None = None  # per token: (token, logprob, [(alternative, logprob)...]), when asked for
-    prompt_logprobs: list | None = None  # the same for the prompt's tokens (the first one's logprob None)
-    stop_string: str | None = None  # the stop string that ended it (``stopped_by`` "stop")
-
-    @property
-    def finish_reason(self) -> str:
-        """OpenAI's name for why the reply ended: ``stop`` (end of text or a stop string), ``length``."""
-        return {"eos": "stop", "stop": "stop", "max_tokens": "length"}.get(self.stopped_by, self.stopped_by)
-
-    @property
-    def acceptance(self) -> float | None:
-        """Accepted per drafted token; None when nothing was drafted (no speculation)."""
-        return self.accepted / self.drafted if self.drafted else None
-
-    def to_json(self) -> dict:
-        doc = {"new_tokens": len(self.tokens), "prompt_tokens": self.prompt_tokens, "stopped_by": self.stopped_by,
-               "ttft_ms": round(self.ttft_ms, 1), "decode_tok_s": round(self.decode_tok_s, 2)}
-        if self.drafted:
-            doc["acceptance"] = round(self.acceptance, 3)
-        if self.cached_tokens:
-            doc["cached_tokens"] = self.cached_tokens
-        if self.error:
-            doc["error"] = self.error
-        if self.dropped:
-            doc["dropped_messages"] = self.dropped
-        return doc
 
 
 class Handle:
@@ -151,17 +107,14 @@ class _Request:
     handle: Handle
     messages: list[dict]
     max_new_tokens: int
-    on_text: OnText | None
+    text: ReplyText
     on_done: Callable[[Reply], None] | None
     chat: bool
     ignore_eos: bool
     k: int | str | None
     sampling: SamplingParams = GREEDY
-    stop: StopText = dataclasses.field(default_factory=StopText)
     decoding: Decoding | None = None
-    text: TextStream | None = None
     dropped: int = 0
-    pieces: list[str] = dataclasses.field(default_factory=list)
     earlier: list[int] = dataclasses.field(default_factory=list)  # tokens emitted before the chain was replaced
     first: object = None  # the first decoding's result (its TTFT), once the chain was replaced
     rerouted: int = 0
@@ -200,20 +153,10 @@ class ChatService:
         manifest = getattr(chain, "manifest", None)
         self.eos = frozenset(int(i) for i in (eos_ids if eos_ids is not None else manifest.eos_token_ids))
         self.drafters = drafters(streams) if drafters else None
-        self.recover = recover
-        self._recovering = False
-        self.stage_failures: collections.Counter = collections.Counter()  # stage -> forwards that failed there
-        # "recovered" | "failed" -> times; "kept": replies carried on from the caches they had (a standby's switch)
-        self.failovers: collections.Counter = collections.Counter()
-        self.stages_up: list[bool] = [True] * (manifest.stage_count if manifest else 1)
-        self.prefix_cache = prefix_cache
+        self.recovery = Recovery(recover, manifest.stage_count if manifest else 1)
+        self.prefix = PrefixCache(prefix_cache)
         self.prefill_chunk = prefill_chunk
         self.draft_alone = draft_alone
-        # stream -> the token ids its cache holds, in order; the scheduler (its only writer) writes it
-        # under the lock, for ``cached_prefix`` on other threads
-        self._held: dict[int, list[int]] = {}
-        self._last_used: dict[int, int] = {}
-        self._uses = itertools.count()
         m = manifest
         self.description = f"{m.model_name}, {m.stage_count} part{'s' if m.stage_count > 1 else ''}" if m else ""
         self._owned = list(owned)
@@ -268,8 +211,8 @@ class ChatService:
         if max_new_tokens is None:
             max_new_tokens = max(min(quarter, self.max_length - int(ids.size)), 1)
         handle = Handle(self, next(self._ids))
-        request = _Request(handle, messages, max_new_tokens, on_text, on_done, chat, ignore_eos, k,
-                           sampling or GREEDY, StopText(stop), grammar=grammar, dropped=dropped,
+        request = _Request(handle, messages, max_new_tokens, ReplyText(self.tokenizer, stop, on_text), on_done,
+                           chat, ignore_eos, k, sampling or GREEDY, grammar=grammar, dropped=dropped,
                            ids=ids.reshape(-1).tolist(), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                            after=after)
         with self._lock:
@@ -294,11 +237,22 @@ class ChatService:
 
     def cached_prefix(self, ids: list[int]) -> int:
         """The most of ``ids`` (from the start) that a stream's cache holds (0 without the prefix cache)."""
-        if not self.prefix_cache:
-            return 0
-        with self._lock:
-            held = list(self._held.values())
-        return max((_common_prefix(h, ids) for h in held), default=0)
+        return self.prefix.longest(ids)
+
+    @property
+    def stages_up(self) -> list[bool]:
+        """Whether each stage was up when last seen (``Recovery``)."""
+        return self.recovery.stages_up
+
+    @property
+    def stage_failures(self) -> collections.Counter:
+        """Each stage's failed forwards (``Recovery``)."""
+        return self.recovery.stage_failures
+
+    @property
+    def failovers(self) -> collections.Counter:
+        """Failovers by outcome (``Recovery``)."""
+        return self.recovery.failovers
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancels everything, stops the scheduler and closes the chain (and whatever it owns)."""
@@ -337,7 +291,8 @@ class ChatService:
                     elif self._free and (request.after is None or request.after.done):
                         self._queue.remove(request)
                         after = request.after.stream if request.after is not None else None
-                        request.handle.stream = after if after in self._free else self._pick(request)
+                        request.handle.stream = (after if after in self._free else
+                                                 self.prefix.pick(self._free, request.ids))
                         self._free.remove(request.handle.stream)
                         admitted.append(request)
                 if self._closed:
@@ -350,18 +305,6 @@ class ChatService:
             if self._active:
                 self._advance_first()
 
-    def _pick(self, request: _Request) -> int:
-        """The free stream worth most to the request: the tokens of it the stream's cache holds,
-        less half of what the request would evict there (another conversation's turns, which it
-        may still want), so that a shared chat-template prefix does not evict a whole conversation
-        while a stream stands empty; among equals, the least recently used."""
-        def score(stream: int):
-            held = self._held.get(stream, []) if self.prefix_cache and request.ids else []
-            reused = _common_prefix(held, request.ids or [])
-            return reused - (len(held) - reused) / 2, -self._last_used.get(stream, -1)
-
-        return max(self._free, key=score)
-
     def _start(self, request: _Request, prompt: list[int] | None = None, kept: int = 0) -> None:
         """Starts a request's decoding; ``prompt``: carry on a reply whose chain was replaced (its
         conversation and the tokens it emitted before), of which the stream's cache holds ``kept``."""
@@ -370,10 +313,10 @@ class ChatService:
             ids = prompt if prompt is not None else request.ids
             cached = kept
             mirrored = getattr(self.chain, "mirrored", None)  # a standby lacking the stream: start it anew
-            if (prompt is None and self.prefix_cache and not request.prompt_logprobs
+            if (prompt is None and not request.prompt_logprobs
                     and (mirrored is None or mirrored(stream))):
                 # one token at least is prefilled: its logits give the reply
-                cached = min(_common_prefix(self._held.get(stream, []), ids), len(ids) - 1)
+                cached = min(common_prefix(self.prefix.held(stream), ids), len(ids) - 1)
             k = self.k if request.k is None else request.k
             drafter = self.drafters[stream] if self.drafters and k != 0 else None
             if request.grammar is not None and request.constraint is None:
@@ -382,7 +325,7 @@ class ChatService:
             if seq is None:
                 seq = self._sequences[stream] = KVSequence(self.chain, self.max_length, stream, self.rewind)
             if prompt is None:
-                request.text = TextStream(self.tokenizer)
+                request.text.begin()
             request.decoding = Decoding(seq, ids, request.max_new_tokens - len(request.earlier),
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
@@ -449,29 +392,15 @@ class ChatService:
             self._finish(request)
 
     def _chain_failed(self, exc: Exception) -> None:
-        """A forward failed: the chain's state is unknown (a remote chain has dropped its link).  With
-        ``recover`` the replies in flight carry on over the chain it gives; otherwise (or if it cannot)
-        every stream in flight ends with the error, and the next request resets (and reconnects)."""
-        if isinstance(exc, StageError):
-            self.stage_failures[exc.stage] += 1
-            if 0 <= exc.stage < len(self.stages_up):
-                self.stages_up[exc.stage] = False
-        if self.recover is not None and isinstance(exc, StageError) and self._active and not self._recovering:
-            self._recovering = True  # a new chain that fails at once ends the replies instead of looping
-            try:
-                chain = self.recover(exc)
-            except Exception as failed:
-                exc = failed
-                self.failovers["failed"] += 1
-            else:
-                self.failovers["recovered"] += 1
-                self.stages_up = [True] * len(self.stages_up)
-                self._replace_chain(chain)
+        """A forward failed: the chain's state is unknown (a remote chain has dropped its link).  The
+        replies in flight carry on over the chain ``Recovery`` gets; otherwise (or if it cannot) every
+        stream in flight ends with the error, and the next request resets (and reconnects)."""
+        try:
+            if self.recovery.carry_on(exc, bool(self._active), self._replace_chain):
                 return
-            finally:
-                self._recovering = False
-        with self._lock:
-            self._held.clear()
+        except Exception as failed:
+            exc = failed
+        self.prefix.clear()
         message = _describe(exc)
         if not isinstance(exc, FleetError):
             log.error("chain failure", exc_info=exc)
@@ -492,8 +421,7 @@ class ChatService:
             except Exception:
                 log.exception("closing the broken chain failed")
             self._sequences.clear()
-        with self._lock:
-            self._held.clear()
+        self.prefix.clear()
         resumed, self._active = self._active, []
         for request in resumed:
             request.prompt_entries = request.prompt_entries or request.decoding.prompt_entries
@@ -503,7 +431,7 @@ class ChatService:
             holds = getattr(chain, "holds", None)
             if settled and seq is not None and holds is not None and holds(seq.stream, seq.slots_for(settled)):
                 seq.settle(settled)
-                self.failovers["kept"] += 1
+                self.recovery.failovers["kept"] += 1
             else:
                 settled = 0
             request.first = request.first or done
@@ -512,31 +440,20 @@ class ChatService:
             self._start(request, prompt=request.decoding.prompt + done.tokens, kept=settled)
 
     def _token(self, request: _Request, token: int) -> None:
-        if request.stop.hit is not None:  # the rest of a round after a stop string
-            return
-        piece = request.stop.push(request.text.push(token))
-        if request.stop.hit is not None:
+        request.text.push(token, len(request.earlier) + len(request.decoding.result.tokens))
+        if request.text.stopped:
             request.handle._cancel.set()  # no further rounds: the decoding ends at this one
-        if piece:
-            request.pieces.append(piece)
-            if request.on_text:
-                _call(request.on_text, piece, len(request.earlier) + len(request.decoding.result.tokens))
 
     def _finish(self, request: _Request, stopped_by: str | None = None, error: str | None = None,
                 context: bool = False) -> None:
         handle = request.handle
         result = request.decoding.result if request.decoding else None
-        if request.text is not None:
-            tail = request.stop.push(request.text.flush()) + request.stop.flush()
-            if tail:
-                request.pieces.append(tail)
-                if request.on_text:
-                    _call(request.on_text, tail, len(result.tokens) if result else 0)
-        if request.stop.hit is not None and not error:
+        request.text.finish(len(result.tokens) if result else 0)
+        if request.text.stopped and not error:
             stopped_by = "stop"
         if result is not None:
             first = request.first or result
-            reply = Reply("".join(request.pieces), request.earlier + list(result.tokens), first.prompt_tokens,
+            reply = Reply(request.text.text, request.earlier + list(result.tokens), first.prompt_tokens,
                           "error" if error else stopped_by or result.stopped_by, first.ttft_s * 1e3,
                           result.decode_tok_s, result.drafted, result.accepted, error, handle.stream,
                           request.dropped, rerouted=request.rerouted,
@@ -544,47 +461,23 @@ class ChatService:
                           stage_ms=list(result.breakdown.stage_ms), rounds=result.breakdown.rounds,
                           logprobs=list(handle.logprobs) if request.logprobs is not None else None,
                           prompt_logprobs=request.prompt_entries or request.decoding.prompt_entries,
-                          stop_string=request.stop.hit if not error else None)
+                          stop_string=request.text.stop.hit if not error else None)
         else:
             reply = Reply("", [], 0, "error" if error else stopped_by or "cancelled", error=error, stream=handle.stream,
                           context_error=context)
         if handle.stream is not None:
+            decoding = request.decoding
+            self.prefix.remember(handle.stream, None if decoding is None or error or not decoding.result.tokens else
+                                 decoding.prompt + decoding.result.tokens[:-1])  # the last token was never fed
             with self._lock:
-                self._remember(handle.stream, request.decoding, error)
                 self._free.append(handle.stream)
                 self._free.sort()
-        if result is not None and result.tokens and not error and not all(self.stages_up):
-            self.stages_up = [True] * len(self.stages_up)  # a reply went through every stage
+        if result is not None and result.tokens and not error:
+            self.recovery.went_through()
         handle.reply = reply
         handle._done.set()
         if request.on_done:
-            _call(request.on_done, reply)
-
-
-    def _remember(self, stream: int, decoding: Decoding | None, error: str | None) -> None:
-        """What a finished stream's cache holds: its prompt and every token it emitted but the last
-        (which was never fed); after an error, or before a first token, nothing known.  Under the lock."""
-        self._last_used[stream] = next(self._uses)
-        if decoding is None or error or not decoding.result.tokens:
-            self._held.pop(stream, None)
-        else:
-            self._held[stream] = decoding.prompt + decoding.result.tokens[:-1]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    same = np.asarray(a[:n]) == np.asarray(b[:n])
-    return n if same.all() else int(np.argmin(same))
-
-
-def _call(callback, *args) -> None:
-    """A caller's callback failing must not take the scheduler (and every other stream) down."""
-    try:
-        callback(*args)
-    except Exception:
-        log.exception("chat service callback failed")
+            call(request.on_done, reply)
 
 
 def _describe(exc: BaseException) -> str:
