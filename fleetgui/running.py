@@ -16,11 +16,13 @@ from PySide6.QtCore import QObject, Signal
 
 from engine.errors import FleetError
 from engine.fleet.deploy import LOCAL, Deployment
+from engine.config import paths
 from engine.manifest import layer_span, read_manifest
-from engine.models.catalog import CATALOG
+from engine.models.catalog import CATALOG, is_cached
 
 # what the chat's chain is doing
 NOT_STARTED, STARTING, CONNECTED, FAILED = "not started", "starting", "connected", "failed"
+ON_DEPLOYMENT = "deployment:"  # the model pickers' entry of the fleet deployment the chat runs on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +162,12 @@ def model_name(source: str) -> str:
     return words.removesuffix("-Instruct").replace("-", " ")
 
 
+def folder_tip(source: str) -> str:
+    """Where a model's files are, for a tooltip beside its name: a file's or folder's path; "" for a
+    catalog model (its name says it all)."""
+    return "" if not source or source in CATALOG else f"Files: {source}"
+
+
 def nodes_of(deployment, names: dict[str, str] | None = None) -> str:
     """The PCs a deployment runs on, in words: "this PC + laptop-2"; ``names``: the nodes' names by
     address, as the Fleet view knows them (a node it does not know goes by its host)."""
@@ -167,3 +175,41 @@ def nodes_of(deployment, names: dict[str, str] | None = None) -> str:
     hosts = [("this PC" if span.node == LOCAL else names.get(span.node) or span.node.rsplit(":", 1)[0])
              for span in deployment.placement]
     return " + ".join(dict.fromkeys(hosts)) or "the fleet"
+
+
+def complete_shard_sets() -> list[Path]:
+    """The exported shard sets in the cache that hold every stage (newest first): a profile's
+    intermediate shards (one stage of a split) are left out."""
+    found = []
+    try:
+        folders = list(paths().shards.iterdir())
+    except OSError:
+        return []
+    for folder in folders:
+        try:
+            count = read_manifest(folder / "stage0").stage_count
+        except (OSError, ValueError, KeyError, FleetError):
+            continue
+        if all((folder / f"stage{i}").is_dir() for i in range(count)):
+            found.append(folder)
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def model_choices(current: str, deployment=None, names: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The models the picker offers, as (what it shows, the source it runs): the deployment the chat
+    runs on, the current model, the models exported on this PC, then the catalog; by name and
+    where they run ("Qwen2.5 Coder 1.5B — on this PC"), never by cache path."""
+    choices: dict[str, str] = {}
+    if deployment is not None:
+        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {nodes_of(deployment, names)}"
+    exported = complete_shard_sets()
+    by_model = {model_name(str(folder)): folder for folder in reversed(exported)}  # the newest of each model
+    catalog = {model_name(name): name for name in CATALOG}
+    for source in (current, *(str(f) for n, f in by_model.items() if n not in catalog), *CATALOG):
+        if source in choices:
+            continue
+        entry = CATALOG.get(source)
+        here = entry is None or is_cached(entry) or model_name(source) in by_model
+        where = "on this PC" if here else f"download ({entry.size / 1e6:.0f} MB)"
+        choices[source] = f"{model_name(source)} — {where}"
+    return [(label, source) for source, label in choices.items()]
