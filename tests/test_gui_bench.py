@@ -284,3 +284,28 @@ def test_bar_labels_stay_readable_at_1024x640(qtbot, gui_home, tmp_path, bench, 
     assert all(rect.left() >= 0 and rect.right() <= width for rect, _ in labels)
     assert all(name in panel.plot.toolTip() for name in names)
 
+
+def test_the_live_plot_counts_from_a_replys_first_token(qtbot, gui_home, tmp_path):
+    """The chat's live plot leaves out the wait for the model (starting it, reading the prompt): a
+    reply's curve starts at 0 s at its first token, not when it was asked for."""
+    import time
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    live, meter = window.chat.live, window.chat.meter
+    meter.begin("chat 1")
+    live.sample()
+    time.sleep(0.6)  # the model starts
+    live.sample()
+    assert live.points("chat 1") == 0  # nothing plotted while it waits
+    meter.add("chat 1", 3)
+    live.sample()
+    xs, ys = live.series["chat 1"]
+    assert xs[0] < 0.3 and ys[0] > 0, xs
+    meter.begin("chat 1")  # the next reply starts its curve again, at its own first token
+    time.sleep(0.6)
+    live.sample()
+    meter.add("chat 1", 2)
+    time.sleep(0.05)
+    live.sample()
+    xs, _ = live.series["chat 1"]
+    assert len(xs) == 1 and xs[0] < 0.3, xs
