@@ -203,7 +203,7 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
     # a later range on this machine cannot be deployed (it runs stage 0 only): said, not hidden
     drag(canvas, canvas.block_point(2), canvas.lane_point(lane["this machine"]))
     assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("this machine", 3, 4)]
-    assert "stage 2 (layer 3) is on this machine" in view.problems.text()
+    assert "part 3 (layer 3) is on this machine" in view.problems.text()
 
 
 def test_a_pinned_range_survives_optimise(qtbot, fleet):
@@ -243,7 +243,7 @@ def test_infeasible_plans_say_why(qtbot, fleet):
     window.show_view("Placement")
     view.load_profile(doc)
     even_split(view.model)
-    assert "stage 2 on beta CPU needs" in view.problems.text() and "has 0.0 GB" in view.problems.text()
+    assert "part 3 on beta CPU needs" in view.problems.text() and "has 0.0 GB" in view.problems.text()
     view.deploy_button.click()
     assert "cannot be deployed" in view.banner.message and view.task is None
 
