@@ -52,7 +52,7 @@ from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly
 from engine.manifest import layer_numbers, layer_span, part_name
 from engine.progress import Progress, byte_count
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
-from fleetgui.running import model_name, nodes_of
+from fleetgui.running import deployment_where, model_name
 from fleetgui.theme import SERIES
 from fleetgui.widgets import Banner, combo_box, flow_bar, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
@@ -833,11 +833,8 @@ class PlacementView(QWidget):
 
     def _where(self, deployment) -> str:
         """A deployment in words: its model and the PCs each copy runs on ("Qwen2.5 Coder 1.5B on this
-        PC + laptop-2, and a copy on laptop-3")."""
-        names = self._names()
-        copies = [nodes_of(Deployment.from_json(r), names) for r in deployment.replicas]
-        also = "".join(f", and a copy on {where}" for where in copies)
-        return f"{model_name(deployment.model)} on {nodes_of(deployment, names)}{also}"
+        PC + laptop-2, a copy on laptop-3"); its standbys have a sentence of their own."""
+        return f"{model_name(deployment.model)} on {deployment_where(deployment, self._names(), standbys=False)}"
 
     def _standbys_text(self, deployment) -> str:
         """The deployment's hot standbys in a sentence: which PC keeps a spare of which part."""

@@ -168,13 +168,30 @@ def folder_tip(source: str) -> str:
     return "" if not source or source in CATALOG else f"Files: {source}"
 
 
+def pc_name(address: str, names: dict[str, str] | None = None) -> str:
+    """A node's agent address as people name the PC: "this PC", its name in ``names`` (the nodes'
+    names by address, as the Fleet view knows them), else its host."""
+    if address == LOCAL:
+        return "this PC"
+    return (names or {}).get(address) or address.rsplit(":", 1)[0]
+
+
 def nodes_of(deployment, names: dict[str, str] | None = None) -> str:
-    """The PCs a deployment runs on, in words: "this PC + laptop-2"; ``names``: the nodes' names by
-    address, as the Fleet view knows them (a node it does not know goes by its host)."""
-    names = names or {}
-    hosts = [("this PC" if span.node == LOCAL else names.get(span.node) or span.node.rsplit(":", 1)[0])
-             for span in deployment.placement]
-    return " + ".join(dict.fromkeys(hosts)) or "the fleet"
+    """The PCs a deployment's chain runs on, in words: "this PC + laptop-2" (``pc_name``'s names)."""
+    return " + ".join(dict.fromkeys(pc_name(span.node, names) for span in deployment.placement)) or "the fleet"
+
+
+def deployment_where(deployment, names: dict[str, str] | None = None, standbys: bool = True) -> str:
+    """Every PC a deployment runs on, in words: its chain's, each other copy's of the model and (with
+    ``standbys``) the PCs keeping a part ready: "this PC + laptop-2, a copy on laptop-3, a standby on
+    laptop-4"."""
+    places = [nodes_of(deployment, names), *(f"a copy on {nodes_of(Deployment.from_json(r), names)}"
+                                             for r in deployment.replicas)]
+    spares = dict.fromkeys(pc_name(s.get("agent", ""), names) for s in deployment.standbys) if standbys else {}
+    if spares:
+        places.append(f"a standby on {' + '.join(spares)}" if len(spares) == 1 else
+                      f"standbys on {' + '.join(spares)}")
+    return ", ".join(places)
 
 
 def complete_shard_sets() -> list[Path]:
@@ -201,7 +218,7 @@ def model_choices(current: str, deployment=None, names: dict[str, str] | None = 
     where they run ("Qwen2.5 Coder 1.5B — on this PC"), never by cache path."""
     choices: dict[str, str] = {}
     if deployment is not None:
-        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {nodes_of(deployment, names)}"
+        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {deployment_where(deployment, names)}"
     exported = complete_shard_sets()
     by_model = {model_name(str(folder)): folder for folder in reversed(exported)}  # the newest of each model
     catalog = {model_name(name): name for name in CATALOG}

@@ -134,6 +134,35 @@ def test_picking_a_model_keeps_the_default_asks_before_stopping_a_deployment_and
     assert view.model.currentData() == "smollm2-135m"
 
 
+
+def test_the_picker_names_every_pc_a_deployment_runs_on(qtbot, gui_home, tmp_path, monkeypatch):
+    """A deployment with another copy of the model and a standby: the Chat view's picker names the
+    PCs of all of them, as the Fleet view names them, and so does the question before it is stopped."""
+    import fleetgui.chat.view
+    from engine.fleet.standby import Standby
+    from fleetgui.running import Node
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view = window.chat
+    copy = Deployment("qwen2", "", "CPU", ["laptop-3:7001"], [{"agent": "laptop-3:7000", "worker": "w2", "stage": 0}],
+                      placement=[StageSpan("laptop-3:7000", "CPU", 0, 2)])
+    deployment = Deployment("qwen2", "/x/stage0", "CPU", ["10.0.0.7:7001"],
+                            [{"agent": "laptop-2:7000", "worker": "w1", "stage": 1}],
+                            placement=[StageSpan(LOCAL, "CPU", 0, 1), StageSpan("laptop-2:7000", "CPU", 1, 2)],
+                            replicas=[copy.to_json()],
+                            standbys=[Standby(1, "laptop-4:7000", "w3", "laptop-4:7002").to_json()])
+    window.chat_controller.use_deployment(deployment)
+    view.refresh_models()
+    assert view.model.itemText(0) == "qwen2 — fleet: this PC + laptop-2, a copy on laptop-3, a standby on laptop-4"
+    window.running.set_nodes([Node("Anna's laptop", "laptop-3:7000", True)])
+    view.refresh_models()
+    assert view.model.itemText(0) == ("qwen2 — fleet: this PC + laptop-2, a copy on Anna's laptop, "
+                                      "a standby on laptop-4")
+    asked = []
+    monkeypatch.setattr(fleetgui.chat.view, "ask", lambda parent, title, question, action: asked.append(question))
+    view.choose("smollm2-135m")
+    assert "(this PC + laptop-2, a copy on Anna's laptop, a standby on laptop-4)" in asked[0]
+
 def test_a_chat_with_documents_on_a_small_model_is_offered_a_larger_one(qtbot, gui_home, tmp_path):
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     view = window.chat

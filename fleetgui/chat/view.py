@@ -27,7 +27,7 @@ from fleetgui.history import Conversation, HistoryStore, to_json, to_markdown
 from fleetgui.model_cards import ModelBrowser
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
-from fleetgui.running import ON_DEPLOYMENT, catalog_name, model_choices, model_name, nodes_of
+from fleetgui.running import ON_DEPLOYMENT, catalog_name, deployment_where, model_choices, model_name
 from fleetgui.widgets import Banner, flow_bar, plain_tip, splitter, unbidi
 
 # parameters: a smaller model given documents tends to invent its answer where a larger one cites them,
@@ -189,7 +189,7 @@ class ChatView(QWidget):
             return False
         if deployment is not None:
             question = (f"The chat runs on {model_name(deployment.model)} on the fleet "
-                        f"({nodes_of(deployment, self.node_names())}). "
+                        f"({deployment_where(deployment, self.node_names())}). "
                         f"Switching to {model_name(source)} stops that deployment: its workers on those PCs "
                         "stop and free their memory.")
             if not ask(self, "Stop the fleet deployment?", question, "Stop it and switch"):
