@@ -200,3 +200,40 @@ def test_citation_markers_open_only_the_passages_we_indexed(qtbot, gui_home, tmp
     dialog = view.documents.passage_dialog
     assert dialog.text.toPlainText() == source["text"] and dialog.file.text() == source["file"]
     dialog.close()
+
+
+def test_a_click_on_a_citation_marker_in_the_reply_opens_its_passage(qtbot, gui_home, tmp_path):
+    """Clicked with the mouse, the marker [2] in the reply's sentence (not the Sources line below it)
+    opens the second passage."""
+    from PySide6.QtGui import QTextCursor
+    from PySide6.QtTest import QTest
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view, history = window.chat, window.history
+    sources = [{"file": str(tmp_path / name), "page": None, "start": 0, "score": 1.0, "text": text}
+               for name, text in (("travel.md", "Meals on a trip are covered up to 45 euros a day."),
+                                  ("hotels.md", "Hotels are booked by the office, up to 120 euros a night."))]
+    cid = history.create("Trips")
+    history.append(cid, Message("user", "What is covered?"))
+    history.append(cid, Message("assistant", "Meals up to 45 euros [1] and hotels up to 120 euros [2] are covered.",
+                                {"new_tokens": 12, "stopped_by": "eos", "sources": sources}))
+    tab = view.open_conversation(cid)
+    browser = tab.transcript
+    document = browser.document()
+    cursor = QTextCursor(document)
+    point = None
+    for position in range(1, document.characterCount()):
+        cursor.setPosition(position)
+        if cursor.charFormat().anchorHref() == "source:1:1" and "hotels up to" in cursor.block().text():
+            cursor.setPosition(position + 1)
+            browser.setTextCursor(cursor)
+            browser.ensureCursorVisible()
+            point = browser.cursorRect(cursor).center()
+            break
+    assert point is not None, browser.toHtml()  # the marker in the sentence is a link
+    QTest.mouseClick(browser.viewport(), Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, point)
+    qtbot.waitUntil(lambda: view.documents.passage_dialog is not None and view.documents.passage_dialog.isVisible(),
+                    timeout=5000)
+    dialog = view.documents.passage_dialog
+    assert dialog.windowTitle() == "Source [2]: hotels.md" and dialog.text.toPlainText() == sources[1]["text"]
+    dialog.close()
