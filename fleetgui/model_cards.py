@@ -224,7 +224,7 @@ class ModelCards(QListWidget):
             self.item(i).setHidden(hidden)
             shown += not hidden
         current = self.currentItem()
-        if current is None or current.isHidden():
+        if words and (current is None or current.isHidden()):
             first = next((i for i in range(self.count()) if not self.item(i).isHidden()), None)
             if first is not None:
                 self.setCurrentRow(first)

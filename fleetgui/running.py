@@ -14,9 +14,9 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
+from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.deploy import LOCAL, Deployment
-from engine.config import paths
 from engine.manifest import layer_span, read_manifest
 from engine.models.catalog import CATALOG, is_cached
 
@@ -223,7 +223,7 @@ def model_choices(current: str, deployment=None, names: dict[str, str] | None = 
     by_model = {model_name(str(folder)): folder for folder in reversed(exported)}  # the newest of each model
     catalog = {model_name(name): name for name in CATALOG}
     for source in (current, *(str(f) for n, f in by_model.items() if n not in catalog), *CATALOG):
-        if source in choices:
+        if not source or source in choices:
             continue
         entry = CATALOG.get(source)
         here = entry is None or is_cached(entry) or model_name(source) in by_model
