@@ -309,3 +309,4 @@ def test_the_live_plot_counts_from_a_replys_first_token(qtbot, gui_home, tmp_pat
     live.sample()
     xs, _ = live.series["chat 1"]
     assert len(xs) == 1 and xs[0] < 0.3, xs
+    assert live.plot.getAxis("bottom").labelText == "seconds since the first token"

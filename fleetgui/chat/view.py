@@ -132,7 +132,7 @@ class ChatView(QWidget):
         plus.clicked.connect(lambda: self.new_chat())
         self.tabs.setCornerWidget(plus, Qt.Corner.TopRightCorner)
         self.live = LiveRatePlot(self.meter, "Live tokens per second per chat", theme,
-                                 x_label="seconds since the reply started")
+                                 x_label="seconds since the first token")
         self.speed_plot = QPushButton("Speed plot")  # the live plot folds away; the main window keeps the choice
         self.speed_plot.setCheckable(True)
         self.speed_plot.setChecked(True)
