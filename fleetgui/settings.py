@@ -19,9 +19,8 @@ from engine.export.compress import WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.files import lock
 from fleetgui.chat_options import DEFAULT_PRESET, PRESETS
 from fleetgui.mcp_settings import McpServersDialog, summary
-from fleetgui.running import folder_tip, model_choices
 from fleetgui.theme import THEMES
-from fleetgui.widgets import (combo_box, explained, explained_choice, field_row, flow_bar, plain, plain_tip,
+from fleetgui.widgets import (ModelField, combo_box, explained, explained_choice, field_row, flow_bar, plain,
                               spin_box)
 
 
@@ -120,8 +119,7 @@ class SettingsPage(QWidget):
         self.theme = combo_box(THEMES)
         chat.addRow("Theme", explained(self.theme, HELP["theme"]))
 
-        self.model = combo_box([], editable=True)  # the models by name and where they run (``_set_models``)
-        self.model.currentIndexChanged.connect(self._model_tip)
+        self.model = ModelField()
         models.addRow("Default model", explained(self.model, HELP["model"]))
 
         self.key_file = QLineEdit()
@@ -213,7 +211,7 @@ class SettingsPage(QWidget):
         """Shows ``settings`` in the fields."""
         self._settings = settings
         self.key_file.setText(settings.fleet_key_file or "")
-        self._set_models(settings.default_model)
+        self.model.set_source(settings.default_model)
         self.stages.setValue(settings.stages)
         self.weights.setCurrentText(settings.weights)
         self.devices.setText(settings.device)
@@ -233,28 +231,6 @@ class SettingsPage(QWidget):
         self.api_port.setValue(settings.api_port)
         self._set_mcp_servers(settings.mcp_servers, None)
         self.error.hide()
-
-    def _set_models(self, current: str) -> None:
-        """Offers the chat picker's models (``model_choices``: by name and where they run, an exported
-        one's folder in its tooltip), ``current`` chosen."""
-        self.model.blockSignals(True)
-        self.model.clear()
-        for label, source in model_choices(current):
-            self.model.addItem(label, source)
-            self.model.setItemData(self.model.count() - 1, plain_tip(folder_tip(source)), Qt.ItemDataRole.ToolTipRole)
-        self.model.setCurrentIndex(self.model.findData(current))
-        self.model.blockSignals(False)
-        self._model_tip()
-
-    def _model_tip(self) -> None:
-        self.model.setToolTip(plain_tip(folder_tip(self.chosen_model())))
-
-    def chosen_model(self) -> str:
-        """The default model the field names: the source of the choice shown, or what was typed (a
-        catalog name, a GGUF file, a folder)."""
-        text = self.model.currentText().strip()
-        index = self.model.findText(text)
-        return self.model.itemData(index) if index >= 0 else text
 
     def show_api_error(self, text: str) -> None:
         """Shows why the API could not serve on its address beside the field ("": hides it)."""
@@ -288,7 +264,7 @@ class SettingsPage(QWidget):
     def result_settings(self) -> GuiSettings:
         return dataclasses.replace(
             self._settings, fleet_key_file=self.key_file.text().strip() or None,
-            default_model=self.chosen_model(),
+            default_model=self.model.source(),
             stages=self.stages.value(), weights=self.weights.currentText(), device=self.devices.text().strip() or "CPU",
             mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(),
             standbys=self.standbys.isChecked(), streams=self.streams.value(),

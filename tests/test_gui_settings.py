@@ -175,4 +175,4 @@ def test_the_default_model_is_named_with_where_it_runs_its_folder_in_the_tooltip
     assert page.model.currentText().startswith("SmolLM2 135M — ") and page.model.toolTip() == ""
     assert page.accept() and GuiSettings.load(settings_store(path)).default_model == "smollm2-135m"
     page.model.setEditText(str(tmp_path / "model.gguf"))
-    assert page.chosen_model() == str(tmp_path / "model.gguf")
+    assert page.model.source() == str(tmp_path / "model.gguf")
