@@ -92,8 +92,9 @@ class Running(QObject):
         """The chat's line for the status bar."""
         chat = self._chat
         name = model_name(chat.deployment.model if chat.deployment is not None else chat.model)
-        if chat.state == CONNECTED:
-            return f"Chat: {chat.detail}"
+        if chat.state == CONNECTED:  # the chain's own words, its model named as the pickers name it
+            model, comma, rest = chat.detail.partition(", ")
+            return f"Chat: {model_name(model)}{comma}{rest}"
         if chat.state == STARTING:
             return f"Chat: {name} {chat.where}, starting" + (f": {chat.detail}…" if chat.detail else "…")
         if chat.state == FAILED:
