@@ -123,7 +123,7 @@ def test_the_chat_model_browser_picks_a_card(qtbot, gui_home, tmp_path):
     chosen = []
     chat.model_chosen.connect(chosen.append)
     QTimer.singleShot(0, dialog.accept)
-    chat.model_chosen.disconnect(window.use_model)  # the choice itself, without opening that model
+    chat.model_chosen.disconnect(window.chat_uses)  # the choice itself, without opening that model
     assert chat.browse_models(dialog) == "gemma3-270m" and chosen == ["gemma3-270m"]
 
 
