@@ -604,7 +604,7 @@ def add_commands(sub) -> None:
     connection_args(profile)
     profile.set_defaults(func=cmd_profile)
 
-    place = sub.add_parser("place", help="choose stages for the fleet with the placement solver")
+    place = sub.add_parser("place", help="choose the parts for the fleet with the placement solver")
     place.add_argument("--profile", help="a `fleet profile` document (default: the last one)")
     place.add_argument("--objective", default="latency", choices=["latency", "throughput"])
     place.add_argument("--users", type=count, default=1, help="concurrent users (throughput objective)")
@@ -628,10 +628,10 @@ def add_commands(sub) -> None:
     connection_args(dep)
     dep.set_defaults(func=cmd_deploy)
 
-    up = sub.add_parser("up", help="bring up the default model on a local 2-stage fleet (or, with --nodes, "
+    up = sub.add_parser("up", help="bring up the default model on a local 2-part fleet (or, with --nodes, "
                                    "on the fleet's nodes) and chat")
     up.add_argument("--model")
-    up.add_argument("--stages", type=count, help="stages of the local fleet (default: settings)")
+    up.add_argument("--stages", type=count, help="parts of the local fleet (default: settings)")
     up.add_argument("--local", action="store_true", help="do not look for peers")
     up.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents: profile them, "
                                     "place the model with the solver, deploy and chat")
