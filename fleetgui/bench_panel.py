@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, Signal
-from PySide6.QtGui import QStandardItemModel
+from PySide6.QtGui import QFontMetrics, QStandardItemModel
 from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
                                QPlainTextEdit, QProgressBar, QPushButton, QTableWidget,
                                QTableWidgetItem, QVBoxLayout, QWidget)
@@ -28,7 +28,7 @@ from fleetgui.backend import APP_BENCHES
 from fleetgui.plots import LiveRatePlot, RateMeter, make_plot, pad_range, style_plot
 from fleetgui.running import model_name
 from fleetgui.theme import RESOURCES, SERIES
-from fleetgui.widgets import Banner, ScrollColumn, combo_box, plain, spin_box, splitter, unbidi
+from fleetgui.widgets import Banner, ScrollColumn, combo_box, plain, plain_tip, spin_box, splitter, unbidi
 from fleetgui.workers import TaskRunner
 
 
@@ -74,6 +74,9 @@ def published_table(path: Path) -> QWidget:
             table.setItem(i, j, item)
     layout.addWidget(table)
     return box
+
+
+BAR_LABEL_CHARS = 36  # a bar's name is cut to about this many characters (the plot's tooltip has them whole)
 
 
 def bench_choice() -> QComboBox:
@@ -339,7 +342,7 @@ class BenchPanel(QWidget):
             total += 0 if xs is None else len(xs)
         for item in self.plot.getPlotItem().items:
             if isinstance(item, pg.BarGraphItem):
-                total += len(item.opts.get("height", []))
+                total += len(item.opts.get("y", []))
         return total
 
     def _draw(self) -> None:
@@ -349,7 +352,9 @@ class BenchPanel(QWidget):
             item.legend.clear()
         bench = APP_BENCHES.get(self.bench_name)
         plot = bench.plot if bench else None
-        bottom = item.getAxis("bottom")
+        bottom, left = item.getAxis("bottom"), item.getAxis("left")
+        left.setTicks(None)
+        self.plot.setToolTip("")
         if plot is None or not self.rows:
             bottom.setTicks(None)
             return
@@ -382,13 +387,23 @@ class BenchPanel(QWidget):
                     padded = (low, high + (high - low) * 0.12 * (len(lines) + 1))
                 if padded is not None:
                     (item.setXRange if axis == "x" else item.setYRange)(*padded, padding=0)
-        else:
+        else:  # bars, lying: each row's name on a line of its own at the left, however long or many
             (value, label), = plot.ys.items()
-            item.setLabel("left", label)
             rows = [r for r in self.rows if r.get(value) is not None]
-            heights = [float(r[value]) for r in rows]
-            item.addItem(pg.BarGraphItem(x=list(range(len(rows))), height=heights, width=0.6, brush=SERIES[0]))
-            bottom.setTicks([[(i, str(r.get(plot.x, i))) for i, r in enumerate(rows)]])
+            names = [str(r.get(plot.x, i)) for i, r in enumerate(rows)]
+            values = [float(r[value]) for r in rows]
+            ys = list(range(len(rows)))[::-1]  # the first row on top
+            item.setLabel("bottom", label)
+            item.setLabel("left", plot.x_label)
+            item.addItem(pg.BarGraphItem(x0=0, y=ys, width=values, height=0.6, brush=SERIES[0]))
+            metrics = QFontMetrics(self.plot.font())
+            room = metrics.averageCharWidth() * BAR_LABEL_CHARS
+            left.setTicks([[(y, metrics.elidedText(name, Qt.TextElideMode.ElideRight, room))
+                            for y, name in zip(ys, names)]])
+            bottom.setTicks(None)
+            item.setXRange(min(0.0, *values), max(0.0, *values) * 1.05 or 1.0, padding=0.02)
+            item.setYRange(-0.6, len(rows) - 0.4, padding=0)
+            self.plot.setToolTip(plain_tip("\n".join(f"{name}: {v:g} {label}" for name, v in zip(names, values))))
 
     def save_png(self, path: str | Path) -> Path:
         """The results plot as an image (the plot widget grabbed at its on-screen size)."""

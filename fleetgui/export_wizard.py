@@ -30,10 +30,11 @@ from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.models.facts import facts_of
 from engine.progress import Progress
 from fleetgui.model_cards import ModelCards, carried
+from fleetgui.running import folder_tip, model_name
 from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, flow_bar, plain, plain_tip, spin_box
 from fleetgui.workers import TaskRunner
 
-RESULT_COLUMNS = ("part", "layers", "peak MB", "size MB", "seconds", "folder")
+RESULT_COLUMNS = ("part", "layers", "peak MB", "size MB", "seconds")  # each row's folder: its tooltip
 
 
 def parse_split(text: str) -> list[int]:
@@ -374,9 +375,9 @@ class ExportWizard(QWidget):
         force = self.force.isChecked()
         self.result = None
         self._prepare(count, source)
-        self.summary.setText(f"Exporting {source} in {count} part{'s' if count > 1 else ''} "
-                             f"({weights}{', INT4 head' if head == 'int4' else ''})"
-                             f"{' into ' + str(out) if out else ''}.")
+        self.summary.setText(f"Exporting {model_name(source)} in {count} part{'s' if count > 1 else ''} "
+                             f"({weights}{', INT4 head' if head == 'int4' else ''}) on this PC.")
+        self.summary.setToolTip(plain_tip("\n".join(filter(None, (folder_tip(source), out and f"Into: {out}")))))
         backend = self.backend
         self.task = self.tasks.start(
             lambda report, cancel: backend.export(source, stages=stages, split=split, weights=weights, out=out,
@@ -411,6 +412,7 @@ class ExportWizard(QWidget):
         self.pull_bar.setValue(0)
         self.table.setRowCount(0)
         self.total.setText("")
+        self.total.setToolTip("")
         self.cancel_button.setEnabled(True)
 
     def _progress(self, progress: Progress) -> None:
@@ -436,13 +438,17 @@ class ExportWizard(QWidget):
         self.table.setRowCount(len(result.stages))
         for row, s in enumerate(result.stages):
             cells = (str(s.index + 1), layer_numbers(*s.layers), f"{s.peak_rss_mb:.0f}", f"{s.size_mb:.2f}",
-                     f"{s.seconds:.1f}", str(s.folder))
+                     f"{s.seconds:.1f}")
             for col, text in enumerate(cells):
-                self.table.setItem(row, col, QTableWidgetItem(text))
+                item = QTableWidgetItem(text)
+                item.setToolTip(plain_tip(f"Files: {s.folder}"))
+                self.table.setItem(row, col, item)
         size = sum(s.size_mb for s in result.stages)
-        self.total.setText(f"{len(result.stages)} shard folder{'s' if len(result.stages) > 1 else ''}, "
-                           f"{size:.2f} MB in all, in {result.out}"
-                           + (" (already exported: reused the cached shards)" if result.cached else ""))
+        count = len(result.stages)
+        self.total.setText(f"{model_name(self.source())} in {count} part{'s' if count > 1 else ''}, {size:.2f} MB "
+                           "in all, saved on this PC"
+                           + (" (exported before: reused)." if result.cached else "."))
+        self.total.setToolTip(plain_tip(f"Files: {result.out}"))
         self.exported.emit(result)
 
     def _failed(self, message: str) -> None:

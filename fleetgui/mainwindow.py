@@ -110,7 +110,8 @@ class MainWindow(QMainWindow):
         self.api.start()
         self.chat_controller.fleet_event.connect(lambda text: self.statusBar().showMessage(f"Fleet: {text}", 30000))
         self.export.exported.connect(lambda r: self.statusBar().showMessage(
-            f"Exported {len(r.stages)} part{'s' if len(r.stages) != 1 else ''} to {r.out}", 10000))
+            f"Exported {model_name(self.export.source())} in {len(r.stages)} part{'s' if len(r.stages) != 1 else ''}",
+            10000))
         self.export.use_as_default.connect(self.use_model)
         self.chat.model_chosen.connect(self.chat_uses)  # the chat's pick: Settings keep their default model
         self.fleet.key_changed.connect(self.use_key)
@@ -255,7 +256,7 @@ class MainWindow(QMainWindow):
     def use_model(self, folder: str) -> None:
         self.apply_settings(dataclasses.replace(self.settings, default_model=folder))
         self.show_view("Chat")
-        self.statusBar().showMessage(f"Chat now uses {folder}", 10000)
+        self.statusBar().showMessage(f"Chat now uses {model_name(folder)} on this PC", 10000)
 
     def chat_uses(self, source: str) -> None:
         self.show_view("Chat")

@@ -15,8 +15,8 @@ import struct
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLabel, QListWidget, QListWidgetItem,
-                               QVBoxLayout)
+from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QVBoxLayout)
 
 from engine.config import AUTO_WEIGHTS, DEFAULT_WEIGHTS
 from engine.errors import FleetError
@@ -27,7 +27,7 @@ from engine.manifest import is_shard_set
 from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
 from engine.models.facts import ModelFacts, catalog_facts, facts_of
 from fleetgui.placement_model import default_profile
-from fleetgui.widgets import plain_tip
+from fleetgui.widgets import plain, plain_tip
 
 SOURCE = Qt.ItemDataRole.UserRole
 
@@ -184,6 +184,7 @@ class ModelCards(QListWidget):
         self.can_carry: dict[str, bool] = {}  # a user's own GGUF: whether Faithful can carry it (read once)
         self._task = None
         self._again = False
+        self.search = ""  # only the cards with every word of it show (``set_search``)
         self.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setTextElideMode(Qt.TextElideMode.ElideRight)
@@ -207,6 +208,27 @@ class ModelCards(QListWidget):
         self.render()
         if current:
             self.select(current)
+        self.set_search(self.search)
+
+    def set_search(self, text: str) -> int:
+        """Shows only the cards whose model has every word of ``text`` (any case) in its name, file,
+        description, architecture, weight format or licence; the selection moves to the first shown
+        when its card hides.  Returns how many show."""
+        self.search = text
+        words = text.lower().split()
+        shown = 0
+        for i, f in enumerate(self.facts):
+            about = " ".join((f.name, f.source if f.kind == "catalog" else Path(f.source).name, f.description,
+                              f.architecture, f.weight_format, f.license)).lower()
+            hidden = not all(word in about for word in words)
+            self.item(i).setHidden(hidden)
+            shown += not hidden
+        current = self.currentItem()
+        if words and (current is None or current.isHidden()):
+            first = next((i for i in range(self.count()) if not self.item(i).isHidden()), None)
+            if first is not None:
+                self.setCurrentRow(first)
+        return shown
 
     def add_model(self, facts: ModelFacts) -> None:
         """Adds (or replaces) the card of ``facts`` and selects it."""
@@ -282,6 +304,12 @@ class ModelBrowser(QDialog):
                 pass
         self.cards.select(current) or self.cards.select(DEFAULT_MODEL)
         self.cards.itemActivated.connect(lambda _: self.accept())
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search models: a name, a licence, a word of the description")
+        self.search.setClearButtonEnabled(True)
+        self.nothing = plain(QLabel())  # said when no card matches the search (it quotes what was typed)
+        self.nothing.hide()
+        self.search.textChanged.connect(self._search)
         hint = QLabel("Speeds are predictions from the last fleet profile until a model has run here.")
         hint.setObjectName("hint")
         hint.setWordWrap(True)
@@ -289,7 +317,10 @@ class ModelBrowser(QDialog):
         buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Chat with this model")
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
+        self.ok = buttons.button(QDialogButtonBox.StandardButton.Ok)
         layout = QVBoxLayout(self)
+        layout.addWidget(self.search)
+        layout.addWidget(self.nothing)
         layout.addWidget(self.cards, 1)
         layout.addWidget(hint)
         layout.addWidget(buttons)
@@ -297,5 +328,12 @@ class ModelBrowser(QDialog):
         self.resize(chars * 110, self.fontMetrics().lineSpacing() * 28)
         self.cards.refresh()
 
+    def _search(self, text: str) -> None:
+        shown = self.cards.set_search(text)
+        self.nothing.setText(f"No model matches “{text.strip()}”." if not shown else "")
+        self.nothing.setVisible(not shown)
+        self.ok.setEnabled(bool(shown))
+
     def chosen_source(self) -> str | None:
-        return self.cards.current_source()
+        item = self.cards.currentItem()
+        return None if item is None or item.isHidden() else self.cards.current_source()

@@ -39,7 +39,7 @@ from typing import Callable
 from PySide6.QtCore import QPoint, QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QAction, QColor, QPainter, QPen
 from PySide6.QtWidgets import (QAbstractItemView, QCheckBox, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
-                               QHeaderView, QLabel, QLineEdit, QMenu, QProgressBar, QPushButton, QScrollArea,
+                               QHeaderView, QLabel, QMenu, QProgressBar, QPushButton, QScrollArea,
                                QSizePolicy, QTreeView, QVBoxLayout, QWidget)
 
 from engine.errors import FleetError
@@ -52,9 +52,9 @@ from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly
 from engine.manifest import layer_numbers, layer_span, part_name
 from engine.progress import Progress, byte_count
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
-from fleetgui.running import model_name, nodes_of
+from fleetgui.running import deployment_where, model_name
 from fleetgui.theme import SERIES
-from fleetgui.widgets import Banner, combo_box, flow_bar, plain, spin_box, splitter
+from fleetgui.widgets import Banner, ModelField, combo_box, flow_bar, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
 
 # share of a stage's progress bar each deployment phase fills (stage 0 only exports and connects)
@@ -389,8 +389,7 @@ class PlacementView(QWidget):
         self.deployed_prediction = 0.0  # its predicted tok/s for one person
         self._deploy_when_solved = False  # "Deploy the best layout": the solve ends in a deployment
 
-        self.source = QLineEdit(settings.default_model)
-        self.source.setToolTip("the model to place: a catalog name, a GGUF file or a Hugging Face folder")
+        self.source = ModelField(settings.default_model)  # the model to place
         self.profile_button = QPushButton("Profile fleet")
         self.profile_button.setToolTip("measure this machine and every node the Fleet view reaches for this model, "
                                        "then find the best layout")
@@ -546,7 +545,7 @@ class PlacementView(QWidget):
         self.doc = doc
         self.best, self.copies = None, ([], [])
         if doc.get("source"):
-            self.source.setText(str(doc["source"]))
+            self.source.set_source(str(doc["source"]))
         self._list_pcs()
         self._set_busy(None if self.task is None else self.activity.text())
         self._show_evaluation()
@@ -603,7 +602,7 @@ class PlacementView(QWidget):
         """Surveys this machine and the reachable nodes off the GUI thread, then shows the result."""
         if self.task is not None:
             return
-        model, agents, settings, backend = self.source.text().strip(), self.agents(), self.settings, self.backend
+        model, agents, settings, backend = self.source.source(), self.agents(), self.settings, self.backend
         if not model:
             self.banner.error("Name the model to place first.")
             return
@@ -722,7 +721,7 @@ class PlacementView(QWidget):
         if self.model.problems:
             self.banner.error("This plan cannot be deployed: " + "; ".join(self.model.problems))
             return
-        model = str((self.doc or {}).get("source") or self.source.text().strip())
+        model = str((self.doc or {}).get("source") or self.source.source())
         weights = str((self.doc or {}).get("weights") or self.settings.weights)
         settings = dataclasses.replace(self.settings, weights=weights)
         stages, previous, owned, backend = self.model.placement(), self.deployment, self.owns_deployment, self.backend
@@ -833,11 +832,8 @@ class PlacementView(QWidget):
 
     def _where(self, deployment) -> str:
         """A deployment in words: its model and the PCs each copy runs on ("Qwen2.5 Coder 1.5B on this
-        PC + laptop-2, and a copy on laptop-3")."""
-        names = self._names()
-        copies = [nodes_of(Deployment.from_json(r), names) for r in deployment.replicas]
-        also = "".join(f", and a copy on {where}" for where in copies)
-        return f"{model_name(deployment.model)} on {nodes_of(deployment, names)}{also}"
+        PC + laptop-2, a copy on laptop-3"); its standbys have a sentence of their own."""
+        return f"{model_name(deployment.model)} on {deployment_where(deployment, self._names(), standbys=False)}"
 
     def _standbys_text(self, deployment) -> str:
         """The deployment's hot standbys in a sentence: which PC keeps a spare of which part."""
@@ -976,7 +972,7 @@ class PlacementView(QWidget):
 
     def apply_settings(self, settings) -> None:
         if settings.default_model != self.settings.default_model and not self.doc:
-            self.source.setText(settings.default_model)
+            self.source.set_source(settings.default_model)
         self.settings = settings
 
     def shutdown(self) -> None:

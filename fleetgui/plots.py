@@ -2,7 +2,7 @@
 
 ``RateMeter`` is the only piece other threads touch: engine callbacks add token counts under a
 lock, and the plot samples it on a GUI-thread timer, so a fast stream costs no signal per token.
-A stream that ``begin``s (a chat reply) is plotted against the seconds since it began; the live
+A stream that ``begin``s (a chat reply) is plotted against the seconds since its first token; the live
 plot's key names each stream (a chat tab's title) above the plot, off the data.
 """
 
@@ -26,25 +26,37 @@ class RateMeter:
     def __init__(self):
         self._lock = threading.Lock()
         self._counts: dict[str, int] = collections.defaultdict(int)
-        self.started: dict[str, float] = {}  # stream -> monotonic time its current run began
+        self.started: dict[str, float] = {}  # stream -> monotonic time of its current run's first token
+        self.waiting: set[str] = set()  # streams whose run has begun and has had no token yet
 
     def begin(self, stream: str) -> None:
-        """A new run of ``stream`` (a reply) starts now: the plot's time axis restarts at 0 for it."""
+        """A new run of ``stream`` (a reply) begins: the plot's time axis restarts at 0 for it at its
+        first token, so the wait for the model before it (starting, reading the prompt) is not plotted."""
         with self._lock:
-            self.started[stream] = time.monotonic()
+            self.started.pop(stream, None)
+            self.waiting.add(stream)
 
     def add(self, stream: str, tokens: int = 1) -> None:
         with self._lock:
+            if stream in self.waiting:
+                self.waiting.discard(stream)
+                self.started[stream] = time.monotonic()
             self._counts[stream] += tokens
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
 
+    def runs(self) -> tuple[dict[str, float], set[str]]:
+        """When each stream's current run had its first token, and the streams still waiting for one."""
+        with self._lock:
+            return dict(self.started), set(self.waiting)
+
     def clear(self) -> None:
         with self._lock:
             self._counts.clear()
             self.started.clear()
+            self.waiting.clear()
 
 
 def make_plot(title: str, x_label: str, y_label: str, theme: str = "light", legend: bool = True) -> pg.PlotWidget:
@@ -130,19 +142,24 @@ class LiveRatePlot(QWidget):
         clock = time.monotonic()
         now = clock - self._start
         counts = self.meter.snapshot()
-        started = dict(self.meter.started)
+        started, waiting = self.meter.runs()
         self._samples.append((now, counts))
         del self._samples[: -(self.WINDOW + 1)]
         if len(self._samples) < 2:
             return
         then, before = self._samples[0]
         for stream, count in counts.items():
+            if stream in waiting:  # a new reply that has not begun to come: its curve starts at its first token
+                if self.points(stream):
+                    self.series[stream] = ([], [])
+                    self._curves[stream].setData([], [])
+                continue
             rate = (count - before.get(stream, 0)) / max(now - then, 1e-6)
             xs, ys = self.series.setdefault(stream, ([], []))
             if rate == 0 and (not ys or ys[-1] == 0):
                 continue  # an idle stream adds no points until it runs again
             began = started.get(stream)
-            x = now if began is None else clock - began  # seconds since its reply began
+            x = now if began is None else clock - began  # seconds since its reply's first token
             if xs and x < xs[-1]:  # a new reply of this stream: its curve starts again at 0
                 xs.clear()
                 ys.clear()

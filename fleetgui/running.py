@@ -14,13 +14,15 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
+from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.deploy import LOCAL, Deployment
 from engine.manifest import layer_span, read_manifest
-from engine.models.catalog import CATALOG
+from engine.models.catalog import CATALOG, is_cached
 
 # what the chat's chain is doing
 NOT_STARTED, STARTING, CONNECTED, FAILED = "not started", "starting", "connected", "failed"
+ON_DEPLOYMENT = "deployment:"  # the model pickers' entry of the fleet deployment the chat runs on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +92,9 @@ class Running(QObject):
         """The chat's line for the status bar."""
         chat = self._chat
         name = model_name(chat.deployment.model if chat.deployment is not None else chat.model)
-        if chat.state == CONNECTED:
-            return f"Chat: {chat.detail}"
+        if chat.state == CONNECTED:  # the chain's own words, its model named as the pickers name it
+            model, comma, rest = chat.detail.partition(", ")
+            return f"Chat: {model_name(model)}{comma}{rest}"
         if chat.state == STARTING:
             return f"Chat: {name} {chat.where}, starting" + (f": {chat.detail}…" if chat.detail else "…")
         if chat.state == FAILED:
@@ -160,10 +163,71 @@ def model_name(source: str) -> str:
     return words.removesuffix("-Instruct").replace("-", " ")
 
 
+def folder_tip(source: str) -> str:
+    """Where a model's files are, for a tooltip beside its name: a file's or folder's path; "" for a
+    catalog model (its name says it all)."""
+    return "" if not source or source in CATALOG else f"Files: {source}"
+
+
+def pc_name(address: str, names: dict[str, str] | None = None) -> str:
+    """A node's agent address as people name the PC: "this PC", its name in ``names`` (the nodes'
+    names by address, as the Fleet view knows them), else its host."""
+    if address == LOCAL:
+        return "this PC"
+    return (names or {}).get(address) or address.rsplit(":", 1)[0]
+
+
 def nodes_of(deployment, names: dict[str, str] | None = None) -> str:
-    """The PCs a deployment runs on, in words: "this PC + laptop-2"; ``names``: the nodes' names by
-    address, as the Fleet view knows them (a node it does not know goes by its host)."""
-    names = names or {}
-    hosts = [("this PC" if span.node == LOCAL else names.get(span.node) or span.node.rsplit(":", 1)[0])
-             for span in deployment.placement]
-    return " + ".join(dict.fromkeys(hosts)) or "the fleet"
+    """The PCs a deployment's chain runs on, in words: "this PC + laptop-2" (``pc_name``'s names)."""
+    return " + ".join(dict.fromkeys(pc_name(span.node, names) for span in deployment.placement)) or "the fleet"
+
+
+def deployment_where(deployment, names: dict[str, str] | None = None, standbys: bool = True) -> str:
+    """Every PC a deployment runs on, in words: its chain's, each other copy's of the model and (with
+    ``standbys``) the PCs keeping a part ready: "this PC + laptop-2, a copy on laptop-3, a standby on
+    laptop-4"."""
+    places = [nodes_of(deployment, names), *(f"a copy on {nodes_of(Deployment.from_json(r), names)}"
+                                             for r in deployment.replicas)]
+    spares = dict.fromkeys(pc_name(s.get("agent", ""), names) for s in deployment.standbys) if standbys else {}
+    if spares:
+        places.append(f"a standby on {' + '.join(spares)}" if len(spares) == 1 else
+                      f"standbys on {' + '.join(spares)}")
+    return ", ".join(places)
+
+
+def complete_shard_sets() -> list[Path]:
+    """The exported shard sets in the cache that hold every stage (newest first): a profile's
+    intermediate shards (one stage of a split) are left out."""
+    found = []
+    try:
+        folders = list(paths().shards.iterdir())
+    except OSError:
+        return []
+    for folder in folders:
+        try:
+            count = read_manifest(folder / "stage0").stage_count
+        except (OSError, ValueError, KeyError, FleetError):
+            continue
+        if all((folder / f"stage{i}").is_dir() for i in range(count)):
+            found.append(folder)
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def model_choices(current: str, deployment=None, names: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The models the picker offers, as (what it shows, the source it runs): the deployment the chat
+    runs on, the current model, the models exported on this PC, then the catalog; by name and
+    where they run ("Qwen2.5 Coder 1.5B — on this PC"), never by cache path."""
+    choices: dict[str, str] = {}
+    if deployment is not None:
+        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {deployment_where(deployment, names)}"
+    exported = complete_shard_sets()
+    by_model = {model_name(str(folder)): folder for folder in reversed(exported)}  # the newest of each model
+    catalog = {model_name(name): name for name in CATALOG}
+    for source in (current, *(str(f) for n, f in by_model.items() if n not in catalog), *CATALOG):
+        if not source or source in choices:
+            continue
+        entry = CATALOG.get(source)
+        here = entry is None or is_cached(entry) or model_name(source) in by_model
+        where = "on this PC" if here else f"download ({entry.size / 1e6:.0f} MB)"
+        choices[source] = f"{model_name(source)} — {where}"
+    return [(label, source) for source, label in choices.items()]

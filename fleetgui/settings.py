@@ -17,11 +17,11 @@ from engine.config import DRAFTS, Settings, paths
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.files import lock
-from engine.models.catalog import CATALOG
 from fleetgui.chat_options import DEFAULT_PRESET, PRESETS
 from fleetgui.mcp_settings import McpServersDialog, summary
 from fleetgui.theme import THEMES
-from fleetgui.widgets import combo_box, explained, explained_choice, field_row, flow_bar, plain, spin_box
+from fleetgui.widgets import (ModelField, combo_box, explained, explained_choice, field_row, flow_bar, plain,
+                              spin_box)
 
 
 @dataclasses.dataclass
@@ -119,7 +119,7 @@ class SettingsPage(QWidget):
         self.theme = combo_box(THEMES)
         chat.addRow("Theme", explained(self.theme, HELP["theme"]))
 
-        self.model = combo_box(CATALOG, editable=True)
+        self.model = ModelField()
         models.addRow("Default model", explained(self.model, HELP["model"]))
 
         self.key_file = QLineEdit()
@@ -211,7 +211,7 @@ class SettingsPage(QWidget):
         """Shows ``settings`` in the fields."""
         self._settings = settings
         self.key_file.setText(settings.fleet_key_file or "")
-        self.model.setCurrentText(settings.default_model)
+        self.model.set_source(settings.default_model)
         self.stages.setValue(settings.stages)
         self.weights.setCurrentText(settings.weights)
         self.devices.setText(settings.device)
@@ -264,7 +264,7 @@ class SettingsPage(QWidget):
     def result_settings(self) -> GuiSettings:
         return dataclasses.replace(
             self._settings, fleet_key_file=self.key_file.text().strip() or None,
-            default_model=self.model.currentText().strip(),
+            default_model=self.model.source(),
             stages=self.stages.value(), weights=self.weights.currentText(), device=self.devices.text().strip() or "CPU",
             mode=self.mode.currentText(), local_workers=self.local_workers.isChecked(),
             standbys=self.standbys.isChecked(), streams=self.streams.value(),

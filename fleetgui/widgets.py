@@ -2,7 +2,8 @@
 message banner, the
 splitter and field-with-button rows several views lay out, a flow layout for rows of buttons that
 wrap instead of widening the window, the scroll frame every view sits in, ready-filled spin and
-combo boxes for their forms, and the wheel guard that keeps a scrolling wheel from changing them."""
+combo boxes for their forms, the model field (``ModelField``) and the wheel guard that keeps a scrolling
+wheel from changing them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from PySide6.QtCore import QEvent, QObject, QPoint, QRect, QSize, Qt
 from PySide6.QtWidgets import (QAbstractSpinBox, QApplication, QComboBox, QFrame, QHBoxLayout, QLabel, QLayout,
                                QPushButton, QScrollArea, QSizePolicy, QSpinBox, QSplitter, QStyle, QVBoxLayout,
                                QWidget)
+
+from fleetgui.running import folder_tip, model_choices
 
 
 # Unicode's bidi embedding, override and isolate controls (U+202A-202E, U+2066-2069): text that holds
@@ -136,6 +139,38 @@ def spin_box(low: int, high: int, value: int) -> QSpinBox:
     box.setRange(low, high)
     box.setValue(value)
     return box
+
+
+class ModelField(QComboBox):
+    """Where a form names a model: the models the chat's picker offers (``model_choices``), by name and
+    where they run, a file's or folder's path in the tooltip only; a catalog name, a GGUF file or a
+    folder may be typed instead.  ``source`` is what the field names."""
+
+    def __init__(self, current: str = "", parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setEditable(True)
+        self.currentIndexChanged.connect(self._tip)
+        self.set_source(current)
+
+    def set_source(self, current: str) -> None:
+        """Offers the models anew, ``current`` chosen."""
+        self.blockSignals(True)
+        self.clear()
+        for label, source in model_choices(current):
+            self.addItem(label, source)
+            self.setItemData(self.count() - 1, plain_tip(folder_tip(source)), Qt.ItemDataRole.ToolTipRole)
+        self.setCurrentIndex(self.findData(current))
+        self.blockSignals(False)
+        self._tip()
+
+    def source(self) -> str:
+        """The model the field names: the source of the choice shown, or what was typed."""
+        text = self.currentText().strip()
+        index = self.findText(text)
+        return self.itemData(index) if index >= 0 else text
+
+    def _tip(self) -> None:
+        self.setToolTip(plain_tip(folder_tip(self.source())))
 
 
 def combo_box(items, current: str | None = None, *, editable: bool = False) -> QComboBox:

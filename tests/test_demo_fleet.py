@@ -141,7 +141,7 @@ def test_fleet_up_demo_brings_up_a_demo_fleet_and_stops_it(home, tiny_models, tm
         text = log.read_text()
         pids = [int(p) for p in re.findall(r"demo node demo-\S+ \(pid (\d+)\)", text)]
         assert len(pids) == 2 and "SIMULATED GPU (integrated GPU, 3 GB" in text, text
-        assert re.search(r"stage 0 on this machine CPU \(layers 0-1\); stage 1 on demo-laptop CPU", text), text
+        assert re.search(r"part 1 on this machine CPU \(layers 0-1\); part 2 on demo-laptop CPU", text), text
         chain = deployment.chain(load_key(), tls=load_tls(True))
         try:
             assert greedy(chain) == greedy_in_process(deployment)

@@ -494,7 +494,7 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
     local = subprocess.run([sys.executable, "-m", "engine.cli", "up", *up_args, "--pin", "this machine:0-3"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert local.returncode == 0, local.stderr
-    assert "1 stage(s)" in local.stdout and "keeps every layer" in local.stderr
+    assert "1 part(s)" in local.stdout and "keeps every layer" in local.stderr
     assert "using the fleet profile" in local.stderr
     assert re.search(r"^alpha +CPU +layer [0-9.]+ ms", local.stdout, re.M), local.stdout  # the profile, shown
     with ControlClient(a, key) as agent:

@@ -239,3 +239,74 @@ def test_how_fast_is_my_fleet_is_the_first_choice_and_answers_in_a_sentence(qtbo
     assert first.startswith("Your fleet is ") and "this PC alone for 1 person" in first
     assert second.startswith("Your fleet is ") and "this PC alone for 2 people at once" in second
     assert panel.plotted_points() == 4
+
+
+def axis_labels(axis) -> list[tuple]:
+    """(rect in the plot's scene, text) of each label ``axis`` draws now, as pyqtgraph lays them out
+    (a label that would not fit the axis is left out there)."""
+    from PySide6.QtGui import QImage, QPainter
+
+    image = QImage(8, 8, QImage.Format.Format_ARGB32)
+    painter = QPainter(image)
+    try:
+        _, _, texts = axis.generateDrawSpecs(painter)
+    finally:
+        painter.end()
+    return [(axis.mapRectToScene(rect), text) for rect, _, text in texts]
+
+
+@pytest.mark.parametrize("bench, names", [
+    ("fleet", [f"{who}, {people}" for who in ("your fleet", "this PC alone") for people in ("1 person",
+                                                                                          "4 people at once")]),
+    ("progression", ["the whole model on one PC", "split in 3 parts, one person", "+ several people at once",
+                     "+ guessing ahead with a small model drafting for the large one on another PC",
+                     "+ everything above, with the network delay of an office", "the end"])])
+def test_bar_labels_stay_readable_at_1024x640(qtbot, gui_home, tmp_path, bench, names):
+    """The bar charts' names (found overlapping at 1024x640): every name is drawn, none over another
+    and all within the plot; one too long for its place is cut short, whole in the plot's tooltip."""
+    from PySide6.QtWidgets import QApplication
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    window.resize(1024, 640)
+    panel = window.show_view("Benchmarks")
+    panel.bench_name, panel.rows = bench, [{"config": n, "tok_s": 10.0 + i} for i, n in enumerate(names)]
+    panel._draw()
+    for _ in range(3):
+        QApplication.processEvents()
+    labels = [label for axis in ("left", "bottom") for label in axis_labels(panel.plot.getAxis(axis))]
+    shown = [text for _, text in axis_labels(panel.plot.getAxis("left"))]
+    assert len(shown) == len(names) and panel.plotted_points() == len(names)
+    assert all(text == name or (text.endswith("…") and name.startswith(text[:-1])) for text, name in
+               zip(shown, names)), shown
+    for i, (rect, text) in enumerate(labels):
+        assert not any(rect.intersects(other) for other, _ in labels[i + 1:]), text
+    width = panel.plot.width()
+    assert all(rect.left() >= 0 and rect.right() <= width for rect, _ in labels)
+    assert all(name in panel.plot.toolTip() for name in names)
+
+
+def test_the_live_plot_counts_from_a_replys_first_token(qtbot, gui_home, tmp_path):
+    """The chat's live plot leaves out the wait for the model (starting it, reading the prompt): a
+    reply's curve starts at 0 s at its first token, not when it was asked for."""
+    import time
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    live, meter = window.chat.live, window.chat.meter
+    meter.begin("chat 1")
+    live.sample()
+    time.sleep(0.6)  # the model starts
+    live.sample()
+    assert live.points("chat 1") == 0  # nothing plotted while it waits
+    meter.add("chat 1", 3)
+    live.sample()
+    xs, ys = live.series["chat 1"]
+    assert xs[0] < 0.3 and ys[0] > 0, xs
+    meter.begin("chat 1")  # the next reply starts its curve again, at its own first token
+    time.sleep(0.6)
+    live.sample()
+    meter.add("chat 1", 2)
+    time.sleep(0.05)
+    live.sample()
+    xs, _ = live.series["chat 1"]
+    assert len(xs) == 1 and xs[0] < 0.3, xs
+    assert live.plot.getAxis("bottom").labelText == "seconds since the first token"

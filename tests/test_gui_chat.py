@@ -278,7 +278,7 @@ def test_the_default_model_answers_on_a_local_fleet(qtbot, gui_home, tmp_path, s
     tab.set_options(preset_options("Greedy", 160))
     reply = send(qtbot, tab, "What is the capital of France?", timeout=300000)
     assert reply.stopped_by in ("eos", "max_tokens") and "Paris" in reply.text, (reply.error, reply.text)
-    assert window.service_label.text().startswith("Chat: smollm2-135m, 2 parts, local fleet")
+    assert window.service_label.text().startswith("Chat: SmolLM2 135M, 2 parts, local fleet")
     assert "acceptance" not in tab.stats.text() and re.search(r"Speculative decoding: \d+% of the drafted",
                                                                 tab.stats.toolTip()), tab.stats.toolTip()
     longer = send(qtbot, tab, "Tell me three facts about Paris.", timeout=300000)

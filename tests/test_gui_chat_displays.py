@@ -134,6 +134,35 @@ def test_picking_a_model_keeps_the_default_asks_before_stopping_a_deployment_and
     assert view.model.currentData() == "smollm2-135m"
 
 
+
+def test_the_picker_names_every_pc_a_deployment_runs_on(qtbot, gui_home, tmp_path, monkeypatch):
+    """A deployment with another copy of the model and a standby: the Chat view's picker names the
+    PCs of all of them, as the Fleet view names them, and so does the question before it is stopped."""
+    import fleetgui.chat.view
+    from engine.fleet.standby import Standby
+    from fleetgui.running import Node
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view = window.chat
+    copy = Deployment("qwen2", "", "CPU", ["laptop-3:7001"], [{"agent": "laptop-3:7000", "worker": "w2", "stage": 0}],
+                      placement=[StageSpan("laptop-3:7000", "CPU", 0, 2)])
+    deployment = Deployment("qwen2", "/x/stage0", "CPU", ["10.0.0.7:7001"],
+                            [{"agent": "laptop-2:7000", "worker": "w1", "stage": 1}],
+                            placement=[StageSpan(LOCAL, "CPU", 0, 1), StageSpan("laptop-2:7000", "CPU", 1, 2)],
+                            replicas=[copy.to_json()],
+                            standbys=[Standby(1, "laptop-4:7000", "w3", "laptop-4:7002").to_json()])
+    window.chat_controller.use_deployment(deployment)
+    view.refresh_models()
+    assert view.model.itemText(0) == "qwen2 — fleet: this PC + laptop-2, a copy on laptop-3, a standby on laptop-4"
+    window.running.set_nodes([Node("Anna's laptop", "laptop-3:7000", True)])
+    view.refresh_models()
+    assert view.model.itemText(0) == ("qwen2 — fleet: this PC + laptop-2, a copy on Anna's laptop, "
+                                      "a standby on laptop-4")
+    asked = []
+    monkeypatch.setattr(fleetgui.chat.view, "ask", lambda parent, title, question, action: asked.append(question))
+    view.choose("smollm2-135m")
+    assert "(this PC + laptop-2, a copy on Anna's laptop, a standby on laptop-4)" in asked[0]
+
 def test_a_chat_with_documents_on_a_small_model_is_offered_a_larger_one(qtbot, gui_home, tmp_path):
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     view = window.chat
@@ -170,4 +199,41 @@ def test_citation_markers_open_only_the_passages_we_indexed(qtbot, gui_home, tmp
     tab._link(QUrl("source:1:0"))
     dialog = view.documents.passage_dialog
     assert dialog.text.toPlainText() == source["text"] and dialog.file.text() == source["file"]
+    dialog.close()
+
+
+def test_a_click_on_a_citation_marker_in_the_reply_opens_its_passage(qtbot, gui_home, tmp_path):
+    """Clicked with the mouse, the marker [2] in the reply's sentence (not the Sources line below it)
+    opens the second passage."""
+    from PySide6.QtGui import QTextCursor
+    from PySide6.QtTest import QTest
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view, history = window.chat, window.history
+    sources = [{"file": str(tmp_path / name), "page": None, "start": 0, "score": 1.0, "text": text}
+               for name, text in (("travel.md", "Meals on a trip are covered up to 45 euros a day."),
+                                  ("hotels.md", "Hotels are booked by the office, up to 120 euros a night."))]
+    cid = history.create("Trips")
+    history.append(cid, Message("user", "What is covered?"))
+    history.append(cid, Message("assistant", "Meals up to 45 euros [1] and hotels up to 120 euros [2] are covered.",
+                                {"new_tokens": 12, "stopped_by": "eos", "sources": sources}))
+    tab = view.open_conversation(cid)
+    browser = tab.transcript
+    document = browser.document()
+    cursor = QTextCursor(document)
+    point = None
+    for position in range(1, document.characterCount()):
+        cursor.setPosition(position)
+        if cursor.charFormat().anchorHref() == "source:1:1" and "hotels up to" in cursor.block().text():
+            cursor.setPosition(position + 1)
+            browser.setTextCursor(cursor)
+            browser.ensureCursorVisible()
+            point = browser.cursorRect(cursor).center()
+            break
+    assert point is not None, browser.toHtml()  # the marker in the sentence is a link
+    QTest.mouseClick(browser.viewport(), Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, point)
+    qtbot.waitUntil(lambda: view.documents.passage_dialog is not None and view.documents.passage_dialog.isVisible(),
+                    timeout=5000)
+    dialog = view.documents.passage_dialog
+    assert dialog.windowTitle() == "Source [2]: hotels.md" and dialog.text.toPlainText() == sources[1]["text"]
     dialog.close()

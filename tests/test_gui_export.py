@@ -51,16 +51,18 @@ def test_export_wizard_exports_the_tiny_model(qtbot, gui_home, tmp_path, tiny_mo
     for s in result.stages:
         assert load_manifest(s.folder).layers == tuple(s.layers)
         assert wizard.table.item(s.index, 3).text() == f"{s.size_mb:.2f}"
-        assert wizard.table.item(s.index, 5).text() == str(s.folder)
+        assert str(s.folder) in wizard.table.item(s.index, 0).toolTip()  # the folder: in the tooltip
         assert int(wizard.table.item(s.index, 2).text()) > 0  # peak memory of the stage's process
     assert wizard.table.rowCount() == 2
     assert f"{sum(s.size_mb for s in result.stages):.2f} MB" in wizard.total.text()
+    assert str(out) not in wizard.total.text() + wizard.summary.text() and str(out) in wizard.total.toolTip()
     assert not wizard.cancel_button.isVisible() and wizard.again_button.isVisible()
     screenshot(window, "export")
 
     # the export can become the chat's model in one click
     wizard.default_button.click()
     assert window.settings.default_model == str(out) and window.current_view() == "Chat"
+    assert window.statusBar().currentMessage() == "Chat now uses llama on this PC"  # its manifest's name
 
 
 def test_cancel_really_cancels_the_export(qtbot, gui_home, tmp_path, tiny_models):
@@ -131,6 +133,11 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     assert wizard.pull_label.text() == "Model downloaded; preparing it"  # in the words of the chat's panel
     assert wizard.stage_labels[0].text() == "part 1: done, peak 812 MB"
     assert [wizard.table.item(0, c).text() for c in (1, 2, 3)] == ["0-29", "812", "97.25"]
+    # the status lines name the model, never its cache folder (that is in a tooltip)
+    assert wizard.summary.text() == "Exporting SmolLM2 135M in 1 part (int8) on this PC."
+    assert wizard.total.text() == "SmolLM2 135M in 1 part, 97.25 MB in all, saved on this PC."
+    assert wizard.total.toolTip() and str(tmp_path) in wizard.total.toolTip()
+    assert window.statusBar().currentMessage() == "Exported SmolLM2 135M in 1 part"
 
 
 def test_the_engine_reports_bytes_and_stage_counts_the_wizard_follows(qtbot, gui_home, tmp_path, monkeypatch):

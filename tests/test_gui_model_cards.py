@@ -123,9 +123,40 @@ def test_the_chat_model_browser_picks_a_card(qtbot, gui_home, tmp_path):
     chosen = []
     chat.model_chosen.connect(chosen.append)
     QTimer.singleShot(0, dialog.accept)
-    chat.model_chosen.disconnect(window.use_model)  # the choice itself, without opening that model
+    chat.model_chosen.disconnect(window.chat_uses)  # the choice itself, without opening that model
     assert chat.browse_models(dialog) == "gemma3-270m" and chosen == ["gemma3-270m"]
 
+
+
+def test_the_model_browsers_search_field_filters_the_models(qtbot, gui_home, tmp_path):
+    """Typing in the browser's search field (as a user types, key by key) leaves the cards of the
+    models that match every word; the selection follows to a shown card; nothing matching says so
+    and picks nothing; clearing it shows every model again."""
+    from PySide6.QtTest import QTest
+
+    from fleetgui.model_cards import ModelBrowser
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    dialog = ModelBrowser(window.chat.controller.tasks, "smollm2-135m", parent=window.chat)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    cards = dialog.cards
+
+    def shown():
+        return [cards.facts[i].source for i in range(cards.count()) if not cards.item(i).isHidden()]
+
+    assert dialog.search.isVisible() and len(shown()) == len(CATALOG)
+    QTest.keyClicks(dialog.search, "QWEN coder")
+    assert shown() == [n for n in CATALOG if n.startswith("qwen2.5-coder")] and len(shown()) == 2
+    assert dialog.chosen_source() in shown() and not dialog.nothing.isVisible()  # smollm2 hid: the first shown
+    dialog.search.setText("gemma")
+    assert shown() == ["gemma3-270m"] and dialog.chosen_source() == "gemma3-270m"
+    dialog.search.setText("no such model")
+    assert shown() == [] and dialog.nothing.isVisible() and "no such model" in dialog.nothing.text()
+    assert dialog.chosen_source() is None and not dialog.ok.isEnabled()
+    dialog.search.clear()
+    assert len(shown()) == len(CATALOG) and dialog.ok.isEnabled() and not dialog.nothing.isVisible()
 
 def test_a_chat_reply_becomes_the_cards_measured_speed(qtbot, gui_home, tmp_path):
     from engine.runtime.decode.service import Reply

@@ -203,7 +203,7 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
     # a later range on this machine cannot be deployed (it runs stage 0 only): said, not hidden
     drag(canvas, canvas.block_point(2), canvas.lane_point(lane["this machine"]))
     assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("this machine", 3, 4)]
-    assert "stage 2 (layer 3) is on this machine" in view.problems.text()
+    assert "part 3 (layer 3) is on this machine" in view.problems.text()
 
 
 def test_a_pinned_range_survives_optimise(qtbot, fleet):
@@ -243,7 +243,7 @@ def test_infeasible_plans_say_why(qtbot, fleet):
     window.show_view("Placement")
     view.load_profile(doc)
     even_split(view.model)
-    assert "stage 2 on beta CPU needs" in view.problems.text() and "has 0.0 GB" in view.problems.text()
+    assert "part 3 on beta CPU needs" in view.problems.text() and "has 0.0 GB" in view.problems.text()
     view.deploy_button.click()
     assert "cannot be deployed" in view.banner.message and view.task is None
 
@@ -550,3 +550,19 @@ def test_the_best_layout_on_this_pc_alone_is_said_not_refused(qtbot, gui_home, t
     assert "It is the best layout found. This PC alone runs this layout" in view.prediction.text()
     view.model.move_range(12, 24, view.model.lane_of("a1b2c3d4e5f60002", "CPU"))  # a chain: deployable again
     assert "nothing to deploy" not in view.prediction.text() and view.problems.text() == ""
+
+
+def test_the_model_to_place_is_named_not_given_by_its_path(qtbot, gui_home, tmp_path, tiny_exports):
+    """Placement's model field, as Settings' default model: the exported model by its name and where it
+    runs, the folder in the tooltip; a profile's own source shown so too; a typed name taken as typed."""
+    shards = tiny_exports["qwen2", "2"].out
+    window = open_window(qtbot, tiny_settings(shards), settings_store(tmp_path / "s.ini"))
+    view = window.show_view("Placement")
+    assert view.source.currentText() == "qwen2 — on this PC" and str(shards) in view.source.toolTip()
+    assert view.source.source() == str(shards)
+    folder = tmp_path / "office-model"
+    view.load_profile({**office_profile(), "source": str(folder)})
+    assert view.source.currentText() == "office-model — on this PC" and view.source.source() == str(folder)
+    assert str(folder) not in view.source.currentText() and str(folder) in view.source.toolTip()
+    view.source.setEditText("smollm2-135m")
+    assert view.source.source() == "smollm2-135m"

@@ -73,3 +73,15 @@ def test_the_running_state_holds_the_deployment_the_chat_and_the_nodes(qtbot, gu
         assert running.deployment is None and running.chat.deployment is None
         qtbot.waitUntil(lambda: window.placement.task is None, timeout=30000)
         window.close()
+
+
+def test_the_status_bar_names_a_catalog_model_as_the_pickers_do(qapp):
+    """A connected chain's line names its model as the Chat view's picker does ("SmolLM2 135M"), not
+    by the catalog's file name; a model that is not the catalog's keeps its own name."""
+    from fleetgui.running import CONNECTED, Running
+
+    running = Running()
+    running.set_chat("smollm2-135m", None, CONNECTED, "smollm2-135m, 2 parts, local fleet")
+    assert running.chat_text() == "Chat: SmolLM2 135M, 2 parts, local fleet"
+    running.set_chat("qwen2", None, CONNECTED, "qwen2, 1 part, in process")
+    assert running.chat_text() == "Chat: qwen2, 1 part, in process"

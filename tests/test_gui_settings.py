@@ -152,3 +152,27 @@ def test_the_main_path_speaks_plain_words(qtbot, gui_home, tmp_path):
     assert jargon_in(visible_texts(fleet)) == []
     bench = window.show_view("Benchmarks")  # "How fast is my fleet?", chosen from the start
     assert bench.chosen() == "fleet" and jargon_in(visible_texts(bench)) == []
+
+
+def test_the_default_model_is_named_with_where_it_runs_its_folder_in_the_tooltip(qtbot, gui_home, tmp_path,
+                                                                                   tiny_exports):
+    """Settings › Default model shows an exported model by its name and where it runs, never by its
+    cache path (that is in the tooltip); saving keeps the folder, a catalog choice saves its name
+    and a typed path is taken as typed."""
+    from fleetgui.settings import GuiSettings
+
+    shards = tiny_exports["qwen2", "2"].out
+    path = tmp_path / "s.ini"
+    window = open_window(qtbot, tiny_settings(shards), settings_store(path))
+    page = window.open_settings()
+    assert page.model.currentText() == "qwen2 — on this PC"
+    texts = visible_texts(page.sections["Models"])
+    assert not any(str(shards) in t or "/" in t for t in texts), texts
+    assert str(shards) in page.model.toolTip()
+    assert page.accept() and window.settings.default_model == str(shards)  # the folder, as it was
+
+    page.model.setCurrentIndex(page.model.findData("smollm2-135m"))
+    assert page.model.currentText().startswith("SmolLM2 135M — ") and page.model.toolTip() == ""
+    assert page.accept() and GuiSettings.load(settings_store(path)).default_model == "smollm2-135m"
+    page.model.setEditText(str(tmp_path / "model.gguf"))
+    assert page.model.source() == str(tmp_path / "model.gguf")

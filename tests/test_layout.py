@@ -94,7 +94,7 @@ def test_layouts_round_trip_and_explain_each_copy():
     layout = solve_layout(MODEL, office(2, 4), users=4)
     assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
     text = layout.explain()
-    assert text.startswith("2 replicas, 4 user(s) spread over them") and "replica 2:" in text
+    assert text.startswith("2 copies of the model, 4 user(s) spread over them") and "copy 2:" in text
 
 
 def test_fleet_place_writes_the_copies_that_deploy_reads(tmp_path):
@@ -113,7 +113,7 @@ def test_fleet_place_writes_the_copies_that_deploy_reads(tmp_path):
         return json.loads(out.read_text()) | {"stdout": run.stdout}
 
     doc = place()
-    assert "2 replicas, 4 user(s)" in doc["stdout"] and "beta" in doc["stdout"]
+    assert "2 copies of the model, 4 user(s)" in doc["stdout"] and "beta" in doc["stdout"]
     copies = layout_stages(doc)
     assert [[(s.node, s.start, s.end) for s in c] for c in copies] == [[("local", 0, 28)], [("10.0.0.2:7420", 0, 28)]]
     one = place("--one-chain")

@@ -83,7 +83,7 @@ def test_pin_argument_names_layers_inclusively():
     ([Pin("a", 5, 5)], "a pin on node a holds no layers"),
     ([Pin("zz", 0, 4)], "pin of layers 0-3 on node zz: unknown node"),
     ([Pin("a", 0, 4, "NPU")], "pin of layers 0-3 on node a: the node has no device NPU"),
-    ([Pin("c", 0, 4, "GPU.0")], "pin of layers 0-3 on node c: its GPU.0 cannot run a stage"),
+    ([Pin("c", 0, 4, "GPU.0")], "pin of layers 0-3 on node c: its GPU.0 cannot run a part"),
     ([Pin("a", 0, 2), Pin("a", 4, 6)], "node a is pinned twice"),
     ([Pin("a", 1, 2), Pin("b", 3, 4)],
      r"the pins leave 3 unpinned range\(s\) \(layer 0; layer 2; layers 4-7\) but only 1 other"),
@@ -96,7 +96,7 @@ def test_bad_pins_are_refused_before_solving(pins, reason):
 
 def test_pins_and_max_stages():
     f = fleet(dev("a"), dev("b"), dev("c"))
-    with pytest.raises(Infeasible, match="the pins need at least 3 stages but max_stages is 2"):
+    with pytest.raises(Infeasible, match="the pins need at least 3 parts but at most 2 are allowed"):
         solve(model(8), f, pins=[Pin("a", 3, 5)], max_stages=2)
 
 
@@ -105,7 +105,7 @@ def test_no_supported_device_and_unknown_coordinator():
         solve(model(8), fleet(dev("a", supported=False)))
     with pytest.raises(Infeasible, match="coordinator zz is not in the fleet"):
         solve(model(8), fleet(dev("a"), coordinator="zz"))
-    with pytest.raises(Infeasible, match=r"coordinator a must run stage 0 \(embedding and at least one layer, "
+    with pytest.raises(Infeasible, match=r"coordinator a must run part 1 \(embedding and at least one layer, "
                                          r"3\.0 GB\) but its CPU has 2\.0 GB"):
         solve(model(8, embed_gb=2), fleet(dev("a", mem_gb=2), dev("b"), coordinator="a"))
 
@@ -163,7 +163,7 @@ def test_coordinator_runs_stage_zero():
     assert plan.stages[0].node == "a" and evaluate(model(8), f, chain(plan)).problems == []
     assert plan.token_ms > free.token_ms
     problems = evaluate(model(8), f, chain(free)).problems
-    assert problems == [f"stage 0 must run on the coordinator a, not {free.stages[0].node}"]
+    assert problems == [f"part 1 must run on the coordinator a, not {free.stages[0].node}"]
 
 
 def test_throughput_splits_where_latency_does_not():
@@ -190,7 +190,7 @@ def test_a_slow_pc_gets_fewer_layers_or_none_and_the_reason_says_what_a_layer_th
     assert {s.node for s in plan.stages} == {"pc1", "pc2"}, plan.explain()
     reasons = left_out(shape, f, plan)
     assert set(reasons) == {"slow", "tiny", "npu"}
-    assert reasons["npu"] == "none of its devices can run a stage"
+    assert reasons["npu"] == "none of its devices can run a part"
     assert reasons["tiny"].startswith("it cannot hold one layer")
     assert "its CPU takes 5.00 ms a layer (the plan's slowest 1.10 ms)" in reasons["slow"]
     worse, now = (float(x) for x in re.search(r"would take ([\d.]+) ms instead of ([\d.]+)", reasons["slow"]).groups())
@@ -235,7 +235,7 @@ def test_max_stages():
     f = fleet(dev("a", mem_gb=5), dev("b", mem_gb=5), dev("c", mem_gb=5), rtt=0.5)
     assert len(solve(model(9), f, objective="throughput", users=3).stages) == 3
     assert len(solve(model(9), f, objective="throughput", users=3, max_stages=2).stages) == 2
-    with pytest.raises(Infeasible, match="in at most 1 stages"):
+    with pytest.raises(Infeasible, match="in at most 1 part$"):
         solve(model(9), f, max_stages=1)
 
 
@@ -349,16 +349,16 @@ def test_random_cases_include_infeasible_ones():
 def test_evaluate_reports_memory_gaps_overlaps_and_unknowns():
     f = fleet(dev("a", mem_gb=4), dev("b", mem_gb=4))
     problems = evaluate(model(10), f, [("a", "CPU", 0, 3), ("b", "CPU", 3, 8)]).problems
-    assert problems == ["stage 1 on b CPU needs 5.0 GB but has 4.0 GB: 1.0 GB over",
-                        "gap: layers 8-9 in no stage"]
+    assert problems == ["part 2 on b CPU needs 5.0 GB but has 4.0 GB: 1.0 GB over",
+                        "gap: layers 8-9 in no part"]
     problems = evaluate(model(10), f, [("a", "CPU", 0, 3), ("b", "CPU", 4, 8), ("a", "CPU", 7, 10)]).problems
-    assert problems == ["gap: layer 3 in no stage",
-                        "overlap: layer 7 of stage 2 already in an earlier stage"]
+    assert problems == ["gap: layer 3 in no part",
+                        "overlap: layer 7 of part 3 already in an earlier part"]
     problems = evaluate(model(10), f, [("zz", "CPU", 0, 5), ("a", "NPU", 5, 10)]).problems
-    assert "stage 0: unknown node zz" in problems and "stage 1: node a has no device NPU" in problems
-    assert evaluate(model(10), f, []).problems == ["the plan has no stages"]
+    assert "part 1: unknown node zz" in problems and "part 2: node a has no device NPU" in problems
+    assert evaluate(model(10), f, []).problems == ["the plan has no parts"]
     problems = evaluate(model(8), f, [("a", "CPU", 1, 4), ("b", "CPU", 4, 8)]).problems
-    assert problems == ["gap: layer 0 in no stage"]
+    assert problems == ["gap: layer 0 in no part"]
 
 
 def test_evaluate_allows_one_node_in_several_stages():
@@ -436,19 +436,19 @@ def test_check_placement_refuses_what_deploy_cannot_run():
         check_placement(good)  # stage 0 here, or every stage on a node (this machine feeds them)
         assert placement_problem(good) is None
     for bad, message in [
-        ([], "a placement needs at least one stage"),
-        (stages((a, 0, 2), (LOCAL, 2, 4)), "stage 1 (layers 2-3) is on this machine: only stage 0 runs in the "
+        ([], "a placement needs at least one part"),
+        (stages((a, 0, 2), (LOCAL, 2, 4)), "part 2 (layers 2-3) is on this machine: only part 1 runs in the "
                                             "coordinator"),
-        (stages((LOCAL, 0, 4)), "a deployment needs at least one stage on a node agent"),
+        (stages((LOCAL, 0, 4)), "a deployment needs at least one part on a node agent"),
         (stages((LOCAL, 0, 1), (a, 1, 3), (LOCAL, 3, 4)),
-         "stage 2 (layer 3) is on this machine: only stage 0 runs in the coordinator, later stages need a node "
+         "part 3 (layer 3) is on this machine: only part 1 runs in the coordinator, later parts need a node "
          "agent's address"),
-        (stages((LOCAL, 0, 1), (LOCAL, 1, 3), (LOCAL, 3, 4)), "stage 1 (layers 1-2), stage 2 (layer 3) are on this "
+        (stages((LOCAL, 0, 1), (LOCAL, 1, 3), (LOCAL, 3, 4)), "part 2 (layers 1-2), part 3 (layer 3) are on this "
                                                                "machine"),
-        (stages((LOCAL, 1, 2), (a, 2, 4)), "the first stage starts at layer 1, not 0"),
-        (stages((LOCAL, 0, 2), (a, 2, 2), (b, 2, 4)), "the stage from layer 2 holds no layers"),
-        (stages((LOCAL, 0, 2), (a, 3, 4)), "the stages of layers 0-1 and layer 3 are not contiguous"),
-        (stages((LOCAL, 0, 3), (a, 2, 4)), "the stages of layers 0-2 and layers 2-3 are not contiguous"),
+        (stages((LOCAL, 1, 2), (a, 2, 4)), "the first part starts at layer 1, not 0"),
+        (stages((LOCAL, 0, 2), (a, 2, 2), (b, 2, 4)), "the part from layer 2 holds no layers"),
+        (stages((LOCAL, 0, 2), (a, 3, 4)), "the parts of layers 0-1 and layer 3 are not contiguous"),
+        (stages((LOCAL, 0, 3), (a, 2, 4)), "the parts of layers 0-2 and layers 2-3 are not contiguous"),
     ]:
         with pytest.raises(FleetError) as raised:
             check_placement(bad)
@@ -482,5 +482,5 @@ def test_a_balanced_split_gives_each_stage_the_same_measured_time():
     assert balanced_split(qwen, avx2, 3) == [11, 22]  # 11, 11 and 6 layers with the head: 127, 127, 128 ms
     heavy = ModelShape("heavy", 3, layer_bytes=1, embed_bytes=0, head_bytes=1000, kv_bytes_per_layer=1)
     assert balanced_split(heavy, DeviceProfile("pc", "CPU", GB, layer_ms=1.0, head_ms=1000.0), 3) == [1, 2]
-    with pytest.raises(PlacementError, match="4 stages cannot split 3 layers"):
+    with pytest.raises(PlacementError, match="3 layers cannot be split into 4 parts"):
         balanced_split(heavy, avx2, 4)

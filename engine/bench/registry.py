@@ -14,7 +14,7 @@ from typing import Callable
 SMALL_MODEL = "smollm2-135m"
 TARGET_MODEL = "qwen2.5-coder-1.5b"  # the speculation and fleet benchmarks' target: it has a 0.5B draft
 DRAFT_MODEL = "qwen2.5-coder-0.5b"
-DELAY_AXIS = "hop delay (ms, one way)"
+DELAY_AXIS = "network delay between parts (ms, one way)"
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,13 @@ BENCHES = {bench.name: bench for bench in (
                   "fleet_vs_alone_n_users": Ratio("speed", "your fleet", "this PC alone",
                                                   " for {users} people at once")},
           current=True, group="", title="How fast is my fleet?"),
-    Bench("wan", "naive decode against micro-batching + speculation as the hop delay grows",
+    Bench("wan", "naive decode against micro-batching + speculation as the network delay grows",
           takes("model", "draft", "stages", "tokens", "runs", "draft_kind", "delays", "weights", "shards", "k",
                 cpus="cpu_sets"),
           TARGET_MODEL,
           plot=Plot("lines", "delay_ms", {"naive_tok_s": "naive: 1 stream",
                                           "full_tok_s": "full stack: 2 streams + speculation"}, x_label=DELAY_AXIS)),
-    Bench("ksweep", "which draft length K wins at which hop delay",
+    Bench("ksweep", "which draft length K wins at which network delay",
           takes("model", "draft", "stages", "tokens", "draft_kind", "delays", "weights", "shards", cpus="cpu_sets"),
           TARGET_MODEL, notes={"stages": "default 3"},
           plot=Plot("lines", "delay_ms", {"tok_s": "tok/s"}, "K={k}", DELAY_AXIS)),
@@ -130,14 +130,14 @@ BENCHES = {bench.name: bench for bench in (
           takes("model", "tokens", "runs", "delays", "weights", "shards", cpus="cpu_sets",
                 stages=("stage_counts", single)),
           TARGET_MODEL, notes={"stages": "default 2 and 3"},
-          plot=Plot("lines", "delay_ms", {"tok_s": "tok/s"}, "{stages} stages, {streams} streams", DELAY_AXIS,
+          plot=Plot("lines", "delay_ms", {"tok_s": "tok/s"}, "{stages} parts, {streams} streams", DELAY_AXIS,
                     skip=("isolation", "turns")),  # microbatch.COMPARISONS' rows
           app={"isolation": False, "turns": False}),
     Bench("progression", "monolithic → pipeline → + micro-batching → + speculation",
           takes("model", "draft", "stages", "tokens", "runs", "draft_kind", "delay_ms", "weights", "shards",
                 cpus="cpu_sets"),
           TARGET_MODEL, plot=Plot("bars", "config", {"tok_s": "tok/s"})),
-    Bench("pipeline", "what the TCP relay costs against in-process stages",
+    Bench("pipeline", "what the network between parts costs against the same parts in one process",
           takes("model", "stages", "tokens", "warmup", "runs", "delay_ms", "weights", "shards"),
           plot=Plot("bars", "config", {"tok_s": "tok/s"}),
           ratios={"tcp_vs_inprocess": Ratio("speed", "the split model with its parts talking over the network "
@@ -152,7 +152,7 @@ BENCHES = {bench.name: bench for bench in (
           ratios={"decode_tls_vs_plain": Ratio("speed", "answering over TLS", "the same fleet without it"),
                   "prefill_tls_vs_plain": Ratio("speed", "reading the prompt over TLS", "the same fleet without it"),
                   "ping_extra_ms": Ratio("cost", "TLS", when=" a trip down the chain and back")}),
-    Bench("parity", "our stage chains against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
+    Bench("parity", "our chains of parts against OpenVINO GenAI's LLMPipeline (needs a catalog or model source)",
           takes("model", "tokens", "warmup", "runs", "device", "weights", "head", "llamacpp"),
           plot=Plot("bars", "config", {"tok_s": "tok/s"})),
     Bench("spec", "speculative decoding against the target alone (needs a draft model)",
@@ -177,7 +177,7 @@ BENCHES = {bench.name: bench for bench in (
           TARGET_MODEL,
           notes={"users": "the concurrent users of each wave (default 1,2,4,8)",
                  "parts": "users,prefix,ttft (default all)"}),
-    Bench("batch", "many users on one stage: one forward per stream against packed paged attention and "
+    Bench("batch", "many users on one part: one forward per stream against packed paged attention and "
           "OpenVINO's ContinuousBatchingPipeline",
           takes("model", "tokens", "runs", "device", "weights", stages=("stage_counts", single), users="streams"),
           TARGET_MODEL, notes={"stages": "default 1 and 2", "users": "the stream counts (default 1,2,4,8)"}),

@@ -66,31 +66,31 @@ def connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action=argparse.BooleanOptionalAction,
                         help="mutual TLS with the fleet certificate (default: the tls setting, on unless the "
                              "fleet turned it off)")
-    parser.add_argument("--deadline", type=duration, help="seconds of silence before a stage counts as dead")
+    parser.add_argument("--deadline", type=duration, help="seconds of silence before a part counts as dead")
 
 
 def chain_args(parser: argparse.ArgumentParser) -> None:
     """Where the model runs and how it decodes: what `generate` and `serve` open (``engine.session``)."""
-    parser.add_argument("--shards", nargs="+", help="shard folders in stage order (or one export folder)")
+    parser.add_argument("--shards", nargs="+", help="shard folders in the parts' order (or one export folder)")
     parser.add_argument("--model", help="export (or reuse) this model instead of giving --shards")
-    parser.add_argument("--stages", type=count, help="with --model: number of stages")
+    parser.add_argument("--stages", type=count, help="with --model: number of parts")
     parser.add_argument("--draft", help="speculative decoding: 'lookup' (prompt lookup, no model), a draft "
                         "model (shard folder or model source with the target's tokenizer), hybrid:MODEL, or "
                         "remote:HOST:PORT (a draft server, `fleet worker --role draft`, drafting ahead on another "
                         "computer)")
     parser.add_argument("--isolate-streams", action="store_true",
-                        help="compile each stage once per stream instead of sharing one compiled model")
+                        help="compile each part once per stream instead of sharing one compiled model")
     parser.add_argument("--k", type=draft_tokens, default=4, help="draft tokens per round, or 'auto' (default 4)")
     parser.add_argument("--mode", choices=["fast", "exact"],
                         help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
-    parser.add_argument("--device", help="OpenVINO device for every stage (CPU, GPU, NPU, GPU.1...), "
-                        "or one per stage separated by commas (CPU,GPU.1)")
+    parser.add_argument("--device", help="OpenVINO device for every part (CPU, GPU, NPU, GPU.1...), "
+                        "or one per part separated by commas (CPU,GPU.1)")
     parser.add_argument("--precision", help="the target's inference precision hint (f32, bf16, f16); "
                         "a draft keeps its device's default")
-    parser.add_argument("--remote", help="run stage 0 here and the rest on workers: HOST:PORT of stage 1 "
-                        "(and optionally of the later stages, comma-separated)")
+    parser.add_argument("--remote", help="run part 1 here and the rest on workers: HOST:PORT of part 2 "
+                        "(and optionally of the later parts, comma-separated)")
     parser.add_argument("--local-workers", action="store_true",
-                        help="run stages 1.. as worker processes on this machine (the local fleet)")
+                        help="run the parts after the first as worker processes on this machine (the local fleet)")
     parser.add_argument("--deployment", nargs="?", const="last",
                         help="use the chain `fleet deploy`/`fleet up` started (default: the last one recorded)")
     parser.add_argument("--delay-ms", type=duration,

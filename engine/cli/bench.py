@@ -43,13 +43,13 @@ OPTIONS = {
     "--weights": {"default": DEFAULT_WEIGHTS, "choices": WEIGHT_FORMATS,
                   "help": f"the shards' weight format (default {DEFAULT_WEIGHTS}, as the app exports)"},
     "--device": {"default": "CPU", "help": "the OpenVINO device"},
-    "--stages": {"type": count, "help": "number of pipeline stages (default 2)"},
+    "--stages": {"type": count, "help": "number of parts (default 2)"},
     "--draft": {"help": f"the draft model (default {DRAFT_MODEL})"},
     "--draft-kind": {"default": "model", "choices": ["model", "lookup", "hybrid"], "help": "what drafts"},
     "--spec-k": {"type": count, "default": 3, "help": "the fixed K to compare with auto"},
-    "--delay-ms": {"type": duration, "default": 0.0, "help": "one-way delay per hop"},
-    "--delays": {"type": delays, "help": "the hop delays to sweep (ms, comma-separated)"},
-    "--cpus": {"help": "pin each stage's process to a CPU set: '0-1;2-3' (stage 0 = this process)"},
+    "--delay-ms": {"type": duration, "default": 0.0, "help": "the network delay between parts (ms, one way)"},
+    "--delays": {"type": delays, "help": "the network delays between parts to sweep (ms, one way, comma-separated)"},
+    "--cpus": {"help": "pin each part's process to a CPU set: '0-1;2-3' (part 1 = this process)"},
     "--users": {"type": counts, "help": "user counts, comma-separated"},
     "--parts": {"type": names, "help": "the parts to measure, comma-separated"},
     "--memory": {"type": count, "help": "a size in MB"},
@@ -62,7 +62,7 @@ OPTIONS = {
                "help": "int4 adds a row whose LM head is INT4 (fleet export --head int4)"},
     "--text": {"type": Path, "help": "a text file to measure on (default: the shipped prose and code)"},
     "--mode": {"default": "fast", "choices": ("fast", "exact"),
-               "help": "the correctness mode the stage compiles in (exact: activations in float)"},
+               "help": "the correctness mode the parts compile in (exact: activations in float)"},
     "--kernels": {"type": names, "help": "the matrices' paths to compare, comma-separated, of stock (the CPU "
                                          "plugin's MatMuls) and ggml (the GGUF's blocks in the graph, on our "
                                          "kernels), each also as PATH-dynamic (without the one-row graph); default: "

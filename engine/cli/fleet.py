@@ -39,7 +39,7 @@ from engine.fleet.survey import load_survey, readable, recent_survey, survey
 from engine.fleetkey import fleet_id, key_file, load_key, load_tls
 from engine.hostcpu import SLOW
 from engine.launch import lifeline
-from engine.manifest import layer_span
+from engine.manifest import layer_span, part_name
 from engine.transport.link import parse_address
 
 PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
@@ -419,7 +419,7 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
                 f"{d.memory_mb / 1024:.0f} GB, profiled at {d.speed:g}x), running on this PC's CPU")
         names = {info.get("address"): info.get("name") for info in doc["nodes"].values()}
         say("placed by hand, evenly: " + "; ".join(
-            f"stage {i} on {names.get(s.node, s.node)} {s.device} ({layer_span(s.start, s.end)})"
+            f"{part_name(i)} on {names.get(s.node, s.node)} {s.device} ({layer_span(s.start, s.end)})"
             for i, s in enumerate(deployment.placement)) + f". Profile in {demo_profile()}. Chatting through "
             "`fleet serve --deployment` or the app, stop a demo node (kill its pid) to watch its layers move to the "
             "spare one")
@@ -437,9 +437,10 @@ def _interrupt(*_) -> None:
 def _where(deployment: Deployment) -> str:
     """Where a deployment's copies run, in words."""
     places = [(f"tensor-parallel rank 0 here, the other ranks at {', '.join(c.remotes)}" if c.ranks > 1 else
-               f"stage 0 here, workers at {', '.join(c.remotes)}") if c.remotes else "whole on this machine"
-              for c in deployment.copies]
-    return places[0] if len(places) == 1 else f"{len(places)} replicas: " + "; ".join(places)
+               f"every part on other PCs, at {', '.join(c.remotes)}" if c.fed else
+               f"{part_name(0)} here, the other parts at {', '.join(c.remotes)}") if c.remotes
+              else "whole on this machine" for c in deployment.copies]
+    return places[0] if len(places) == 1 else f"{len(places)} copies of the model: " + "; ".join(places)
 
 
 def _serve(args, model: str, deployment, tls: bool) -> int:
@@ -603,7 +604,7 @@ def add_commands(sub) -> None:
     connection_args(profile)
     profile.set_defaults(func=cmd_profile)
 
-    place = sub.add_parser("place", help="choose stages for the fleet with the placement solver")
+    place = sub.add_parser("place", help="choose the parts for the fleet with the placement solver")
     place.add_argument("--profile", help="a `fleet profile` document (default: the last one)")
     place.add_argument("--objective", default="latency", choices=["latency", "throughput"])
     place.add_argument("--users", type=count, default=1, help="concurrent users (throughput objective)")
@@ -627,10 +628,10 @@ def add_commands(sub) -> None:
     connection_args(dep)
     dep.set_defaults(func=cmd_deploy)
 
-    up = sub.add_parser("up", help="bring up the default model on a local 2-stage fleet (or, with --nodes, "
+    up = sub.add_parser("up", help="bring up the default model on a local 2-part fleet (or, with --nodes, "
                                    "on the fleet's nodes) and chat")
     up.add_argument("--model")
-    up.add_argument("--stages", type=count, help="stages of the local fleet (default: settings)")
+    up.add_argument("--stages", type=count, help="parts of the local fleet (default: settings)")
     up.add_argument("--local", action="store_true", help="do not look for peers")
     up.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents: profile them, "
                                     "place the model with the solver, deploy and chat")

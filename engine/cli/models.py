@@ -1,5 +1,5 @@
 """``fleet models`` (the catalog and the models exported on this PC) and ``fleet export`` (a model
-into per-stage shards)."""
+into shards, one per part)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from engine.errors import FleetError
 from engine.export.compress import HEAD_FORMATS, WEIGHT_FORMATS
 from engine.export.choices import choice_of, describe, other_than
 from engine.export.gguf_weights import carried_text
-from engine.manifest import MANIFEST, layer_numbers, load_manifest, read_manifest
+from engine.manifest import MANIFEST, layer_numbers, load_manifest, part_name, read_manifest
 from engine.models import catalog
 from engine.session import export
 
@@ -81,14 +81,14 @@ def cmd_export(args) -> int:
         if choice:
             other = other_than(choice)
             print(f"  {other.name}, --weights {other.weights}: {describe(other, args.model)}")
-    print(f"{'stage':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
+    print(f"{'part':<7}{'layers':<10}{'peak MB':>9}{'size MB':>9}{'seconds':>9}  folder")
     for s in result.stages:
-        print(f"{s.index:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}"
+        print(f"{s.index + 1:<7}{layer_numbers(*s.layers):<10}{s.peak_rss_mb:>9.0f}{s.size_mb:>9.1f}"
               f"{s.seconds:>9.1f}  {s.folder}")
     for s in result.stages:
         carried = load_manifest(s.folder).export.get("gguf_weights")
         if carried:
-            print(f"stage {s.index}: {carried_text(carried)}")
+            print(f"{part_name(s.index)}: {carried_text(carried)}")
     if result.cached:
         print("(already exported: reused the cached shards; --force exports again)")
     return 0
@@ -102,11 +102,11 @@ def add_commands(sub) -> None:
     pull.add_argument("name")
     models.set_defaults(func=cmd_models)
 
-    export = sub.add_parser("export", help="export a model into per-stage OpenVINO shards")
+    export = sub.add_parser("export", help="export a model into OpenVINO shards, one per part")
     export.add_argument("--model", required=True, help="catalog name, GGUF file or Hugging Face folder")
     how = export.add_mutually_exclusive_group()
-    how.add_argument("--stages", type=count, help="number of stages (layers split evenly)")
-    how.add_argument("--split", help="the first layer of each later stage, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
+    how.add_argument("--stages", type=count, help="number of parts (layers split evenly)")
+    how.add_argument("--split", help="the first layer of each later part, e.g. 10,20 for layers 0-9, 10-19 and 20 on")
     export.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_FORMATS,
                         help="auto (default): a GGUF's own weights (gguf, Faithful) where they all carry over; "
                              "int4-gptq for a float checkpoint under 1B parameters; int4 otherwise")
@@ -114,7 +114,7 @@ def add_commands(sub) -> None:
                         help="LM head format with --weights int4 (int4: smaller and faster, for draft models)")
     export.add_argument("--ranks", type=int, default=1,
                         help="split every layer into this many tensor-parallel ranks (one PC each) instead of "
-                             "stages: rank0/, rank1/... (run rank 0 with the coordinator, the others with "
+                             "parts: rank0/, rank1/... (run rank 0 with the coordinator, the others with "
                              "`fleet worker`)")
     export.add_argument("--out", help="output folder (default: the shard cache)")
     export.add_argument("--force", action="store_true", help="export again even if cached")

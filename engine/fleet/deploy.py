@@ -213,24 +213,25 @@ def check_placement(stages: list[StageSpan]) -> None:
     a node agent (this machine feeds them); the stages covering the layers from 0 once, in order (the
     model's layer count is checked at export)."""
     if not stages:
-        raise FleetError("a placement needs at least one stage")
+        raise FleetError("a placement needs at least one part")
     if any(s.rank is not None for s in stages):
         _check_ranks(stages)
         return
     if len(stages) < 2 and stages[0].node == LOCAL:
-        raise FleetError("a deployment needs at least one stage on a node agent")
-    here = [f"stage {i} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1) if s.node == LOCAL]
+        raise FleetError("a deployment needs at least one part on a node agent")
+    here = [f"{part_name(i)} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1)
+            if s.node == LOCAL]
     if here:
-        raise FleetError(f"{', '.join(here)} {'is' if len(here) == 1 else 'are'} on this machine: only stage 0 runs "
-                         f"in the coordinator, later stages need a node agent's address")
+        raise FleetError(f"{', '.join(here)} {'is' if len(here) == 1 else 'are'} on this machine: only {part_name(0)} "
+                         f"runs in the coordinator, later parts need a node agent's address")
     if stages[0].start != 0:
-        raise FleetError(f"the first stage starts at layer {stages[0].start}, not 0")
+        raise FleetError(f"the first part starts at layer {stages[0].start}, not 0")
     for s in stages:
         if s.end <= s.start:
-            raise FleetError(f"the stage from layer {s.start} holds no layers")
+            raise FleetError(f"the part from layer {s.start} holds no layers")
     for a, b in zip(stages, stages[1:]):
         if b.start != a.end:
-            raise FleetError(f"the stages of {layer_span(a.start, a.end)} and {layer_span(b.start, b.end)} "
+            raise FleetError(f"the parts of {layer_span(a.start, a.end)} and {layer_span(b.start, b.end)} "
                              f"are not contiguous")
 
 

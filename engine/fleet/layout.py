@@ -36,11 +36,11 @@ class Layout(Record):
     def explain(self) -> str:
         if len(self.plans) == 1:
             return self.plans[0].explain()
-        lines = [f"{len(self.plans)} replicas, {self.users} user(s) spread over them: "
+        lines = [f"{len(self.plans)} copies of the model, {self.users} user(s) spread over them: "
                  f"{self.aggregate_tok_s:.1f} tok/s aggregate predicted (a copy on another PC holds the whole "
                  f"model there; this PC only feeds it token ids)"]
         for i, plan in enumerate(self.plans):
-            lines.append(f"replica {i + 1}:")
+            lines.append(f"copy {i + 1}:")
             lines.extend("  " + line for line in plan.explain().splitlines())
         return "\n".join(lines)
 

@@ -23,7 +23,7 @@ from scipy.sparse import csr_array, vstack
 
 from engine.errors import FleetError
 from engine.fleet.span import StageSpan, ranked
-from engine.manifest import layer_span
+from engine.manifest import layer_span, part_name
 from engine.runtime.relay import MAX_GROUPS
 from engine.tuning import EXCHANGE_FIXED_MS, EXCHANGE_WAIT, LINK_MBIT
 
@@ -162,12 +162,12 @@ class Plan(Record):
             lines = [f"{self.model}: {len(self.stages)} PCs as tensor-parallel ranks, each computing its share "
                      f"of every layer of the same token"]
         else:
-            lines = [f"{self.model}: {len(self.stages)} stage(s), objective {self.objective}"
+            lines = [f"{self.model}: {len(self.stages)} part(s), objective {self.objective}"
                      + (", fed its token ids by this machine" if self.fed else "")]
         for i, s in enumerate(self.stages):
             share = f"{100 * s.memory_bytes / s.memory_limit_bytes:.0f}%" if s.memory_limit_bytes else "no limit known"
             what, layers = ((f"rank {i}", f"1/{len(self.stages)} of each of {layer_span(s.start, s.end)}")
-                            if self.ranks else (f"stage {i}", layer_span(s.start, s.end)))
+                            if self.ranks else (part_name(i), layer_span(s.start, s.end)))
             lines.append(f"  {what}: {s.node} {s.device}, {layers}, {s.ms:.2f} ms, "
                          f"{gb(s.memory_bytes)} of {gb(s.memory_limit_bytes)} ({share})")
         hops = max(len(self.stages) - 1 + self.fed, 0)
@@ -254,7 +254,7 @@ def balanced_split(model: ModelShape, dev: DeviceProfile, stages: int) -> list[i
     ``even_split``."""
     cost, layers = stage_time(dev), model.num_layers
     if not 1 <= stages <= layers:
-        raise PlacementError(f"{stages} stages cannot split {layers} layers")
+        raise PlacementError(f"{layers} layers cannot be split into {stages} parts")
 
     @functools.cache
     def best(start: int, stage: int) -> tuple[float, tuple[int, ...]]:
@@ -325,33 +325,33 @@ def evaluate(model: ModelShape, fleet: Fleet, stages: Sequence[tuple[str, str, i
         problems.append("users must be at least 1 (priced for 1)")
     known = set(fleet.nodes)
     if not stages:
-        problems.append("the plan has no stages")
+        problems.append("the plan has no parts")
     expected = 0
     for i, ((node, device, start, end), planned) in enumerate(zip(stages, plan.stages)):
         dev = fleet.device(node, device)
         if node not in known:
-            problems.append(f"stage {i}: unknown node {node}")
+            problems.append(f"{part_name(i)}: unknown node {node}")
         elif dev is None:
-            problems.append(f"stage {i}: node {node} has no device {device}")
+            problems.append(f"{part_name(i)}: node {node} has no device {device}")
         elif not dev.supported:
-            problems.append(f"stage {i}: {device} on {node} cannot run a stage")
+            problems.append(f"{part_name(i)}: {device} on {node} cannot run a part")
         elif planned.memory_bytes > dev.memory_bytes:
-            problems.append(f"stage {i} on {node} {device} needs {gb(planned.memory_bytes)} but has "
+            problems.append(f"{part_name(i)} on {node} {device} needs {gb(planned.memory_bytes)} but has "
                             f"{gb(dev.memory_bytes)}: {gb(planned.memory_bytes - dev.memory_bytes)} over")
         if end <= start:
-            problems.append(f"stage {i} has no layers")
+            problems.append(f"{part_name(i)} has no layers")
         if start > expected:
-            problems.append(f"gap: {layer_span(expected, start)} in no stage")
+            problems.append(f"gap: {layer_span(expected, start)} in no part")
         elif start < expected:
-            problems.append(f"overlap: {layer_span(start, min(expected, end))} of stage {i} already in an "
-                            f"earlier stage")
+            problems.append(f"overlap: {layer_span(start, min(expected, end))} of {part_name(i)} already in an "
+                            f"earlier part")
         expected = max(expected, end)
     if stages and expected < model.num_layers:
-        problems.append(f"gap: {layer_span(expected, model.num_layers)} in no stage")
+        problems.append(f"gap: {layer_span(expected, model.num_layers)} in no part")
     elif expected > model.num_layers:
         problems.append(f"{layer_span(model.num_layers, expected)} past the model's {model.num_layers} layers")
     if stages and fleet.coordinator is not None and not fed and stages[0][0] != fleet.coordinator:
-        problems.append(f"stage 0 must run on the coordinator {fleet.coordinator}, not {stages[0][0]}")
+        problems.append(f"{part_name(0)} must run on the coordinator {fleet.coordinator}, not {stages[0][0]}")
     return Evaluation(plan=plan, problems=problems)
 
 
@@ -404,7 +404,7 @@ def price_ranks(model: ModelShape, fleet: Fleet, units: Sequence[tuple[str, str]
             cost = stage_time(dev)
             ms = (cost.per_layer * L + cost.last) / ranks + cost.first + cost.fixed
             if not dev.supported:
-                problems.append(f"rank {i}: {device} on {node} cannot run a stage")
+                problems.append(f"rank {i}: {device} on {node} cannot run a part")
             if need > dev.memory_bytes:
                 problems.append(f"rank {i} on {node} {device} needs {gb(need)} but has {gb(dev.memory_bytes)}")
         if i:
@@ -507,7 +507,7 @@ def _left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, tuple[st
             continue
         devices = [d for d in fleet.devices if d.node == node and d.supported]
         if not devices:
-            reasons[node] = ("it cannot run this model", "none of its devices can run a stage")
+            reasons[node] = ("it cannot run this model", "none of its devices can run a part")
             continue
         if all(d.memory_bytes < one_layer for d in devices):
             reasons[node] = ("it has too little free memory for any part of the model",
@@ -565,7 +565,7 @@ def _usable_units(model: ModelShape, fleet: Fleet) -> list[DeviceProfile]:
         need = stage_memory(model).at(1, True, model.num_layers == 1)
         best = max(mine, key=lambda d: d.memory_bytes)
         if need > best.memory_bytes:
-            raise Infeasible(f"coordinator {c} must run stage 0 (embedding and at least one layer, "
+            raise Infeasible(f"coordinator {c} must run {part_name(0)} (embedding and at least one layer, "
                              f"{gb(need)}) but its {best.device} has {gb(best.memory_bytes)}")
     return units
 
@@ -586,7 +586,7 @@ def _check_pins(model: ModelShape, fleet: Fleet, units: list[DeviceProfile], pin
             if dev is None:
                 raise Infeasible(f"{where}: the node has no device {p.device}")
             if not dev.supported:
-                raise Infeasible(f"{where}: its {p.device} cannot run a stage")
+                raise Infeasible(f"{where}: its {p.device} cannot run a part")
             candidates = [dev]
         else:
             candidates = [d for d in fleet.devices if d.node == p.node and d.supported]
@@ -598,9 +598,9 @@ def _check_pins(model: ModelShape, fleet: Fleet, units: list[DeviceProfile], pin
             which = best.device if len(candidates) == 1 else f"largest device ({best.device})"
             raise Infeasible(f"{where} needs {gb(need)}, its {which} has {gb(best.memory_bytes)}")
         if c is not None and p.node == c and p.start != 0:
-            raise Infeasible(f"{where}: the coordinator must run stage 0, from layer 0")
+            raise Infeasible(f"{where}: the coordinator must run {part_name(0)}, from layer 0")
         if c is not None and p.node != c and p.start == 0:
-            raise Infeasible(f"{where}: stage 0 must run on the coordinator {c}")
+            raise Infeasible(f"{where}: {part_name(0)} must run on the coordinator {c}")
     pins = sorted(pins, key=lambda p: p.start)
     for a, b in zip(pins, pins[1:]):
         if b.start < a.end:
@@ -608,16 +608,16 @@ def _check_pins(model: ModelShape, fleet: Fleet, units: list[DeviceProfile], pin
                              f"{layer_span(b.start, b.end)} on {b.node}")
     for a, b in itertools.combinations(pins, 2):
         if a.node == b.node:
-            raise Infeasible(f"node {a.node} is pinned twice; each node runs at most one stage")
+            raise Infeasible(f"node {a.node} is pinned twice; each node runs at most one part")
     edges = [0, *(x for p in pins for x in (p.start, p.end)), L]
     gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if a < b]
     free = {u.node for u in units} - {p.node for p in pins}
     if len(gaps) > len(free):
         shown = "; ".join(layer_span(a, b) for a, b in gaps)
         raise Infeasible(f"the pins leave {len(gaps)} unpinned range(s) ({shown}) but only {len(free)} other "
-                         f"node(s) can take a stage")
+                         f"node(s) can take a part")
     if max_stages is not None and len(pins) + len(gaps) > max_stages:
-        raise Infeasible(f"the pins need at least {len(pins) + len(gaps)} stages but max_stages is {max_stages}")
+        raise Infeasible(f"the pins need at least {len(pins) + len(gaps)} parts but at most {max_stages} are allowed")
     return pins
 
 
@@ -628,8 +628,8 @@ def _check_memory(model: ModelShape, fleet: Fleet, units: list[DeviceProfile], m
     held = sum(sorted(per_node.values(), reverse=True)[:max_stages])
     need = stage_memory(model).at(model.num_layers, True, True) - model.overhead_bytes
     if need > held:
-        extra = f" after {gb(model.overhead_bytes)} runtime overhead per stage" if model.overhead_bytes else ""
-        limit = f" in at most {max_stages} stages" if max_stages is not None else ""
+        extra = f" after {gb(model.overhead_bytes)} runtime overhead per part" if model.overhead_bytes else ""
+        limit = f" in at most {max_stages} part{'s' if max_stages != 1 else ''}" if max_stages is not None else ""
         raise Infeasible(f"the model needs {gb(need)} (weights + KV) but the fleet's usable devices hold "
                          f"{gb(held)}{extra}{limit}")
 

@@ -13,11 +13,9 @@ from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QHBoxLayout, QInputDialog, QLabel, QLineEdit,
                                QListWidget, QListWidgetItem, QPushButton, QTabWidget, QVBoxLayout, QWidget)
 
-from engine.config import paths
 from engine.errors import FleetError
 from engine.fleet.fit import measured_key, record_measured
-from engine.manifest import read_manifest
-from engine.models.catalog import CATALOG, is_cached
+from engine.models.catalog import CATALOG
 from engine.progress import Progress
 from engine.runtime.decode.service import Reply
 from fleetgui.chat.controller import ChatController
@@ -29,10 +27,9 @@ from fleetgui.history import Conversation, HistoryStore, to_json, to_markdown
 from fleetgui.model_cards import ModelBrowser
 from fleetgui.plots import LiveRatePlot, RateMeter
 from fleetgui.progress import ProgressPanel
-from fleetgui.running import catalog_name, model_name, nodes_of
+from fleetgui.running import ON_DEPLOYMENT, catalog_name, deployment_where, model_choices, model_name
 from fleetgui.widgets import Banner, flow_bar, plain_tip, splitter, unbidi
 
-ON_DEPLOYMENT = "deployment:"  # the picker's entry of the fleet deployment the chat runs on
 # parameters: a smaller model given documents tends to invent its answer where a larger one cites them,
 # so a chat with documents on a smaller one is offered the largest catalog model
 SMALL_MODEL = 1_000_000_000
@@ -47,44 +44,6 @@ def larger_model(source: str) -> str | None:
     chat_models = [e for e in CATALOG.values() if e.has_chat_template and e.draft_for is None]
     best = max(chat_models, key=lambda e: e.parameters, default=None)
     return best.name if best is not None and best.parameters >= SMALL_MODEL else None
-
-
-def complete_shard_sets() -> list[Path]:
-    """The exported shard sets in the cache that hold every stage (newest first): a profile's
-    intermediate shards (one stage of a split) are left out."""
-    found = []
-    try:
-        folders = list(paths().shards.iterdir())
-    except OSError:
-        return []
-    for folder in folders:
-        try:
-            count = read_manifest(folder / "stage0").stage_count
-        except (OSError, ValueError, KeyError, FleetError):
-            continue
-        if all((folder / f"stage{i}").is_dir() for i in range(count)):
-            found.append(folder)
-    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
-
-
-def model_choices(current: str, deployment=None, names: dict[str, str] | None = None) -> list[tuple[str, str]]:
-    """The models the picker offers, as (what it shows, the source it runs): the deployment the chat
-    runs on, the current model, the models exported on this PC, then the catalog; by name and
-    where they run ("Qwen2.5 Coder 1.5B — on this PC"), never by cache path."""
-    choices: dict[str, str] = {}
-    if deployment is not None:
-        choices[ON_DEPLOYMENT] = f"{model_name(deployment.model)} — fleet: {nodes_of(deployment, names)}"
-    exported = complete_shard_sets()
-    by_model = {model_name(str(folder)): folder for folder in reversed(exported)}  # the newest of each model
-    catalog = {model_name(name): name for name in CATALOG}
-    for source in (current, *(str(f) for n, f in by_model.items() if n not in catalog), *CATALOG):
-        if source in choices:
-            continue
-        entry = CATALOG.get(source)
-        here = entry is None or is_cached(entry) or model_name(source) in by_model
-        where = "on this PC" if here else f"download ({entry.size / 1e6:.0f} MB)"
-        choices[source] = f"{model_name(source)} — {where}"
-    return [(label, source) for source, label in choices.items()]
 
 
 class ChatView(QWidget):
@@ -173,7 +132,7 @@ class ChatView(QWidget):
         plus.clicked.connect(lambda: self.new_chat())
         self.tabs.setCornerWidget(plus, Qt.Corner.TopRightCorner)
         self.live = LiveRatePlot(self.meter, "Live tokens per second per chat", theme,
-                                 x_label="seconds since the reply started")
+                                 x_label="seconds since the first token")
         self.speed_plot = QPushButton("Speed plot")  # the live plot folds away; the main window keeps the choice
         self.speed_plot.setCheckable(True)
         self.speed_plot.setChecked(True)
@@ -230,7 +189,7 @@ class ChatView(QWidget):
             return False
         if deployment is not None:
             question = (f"The chat runs on {model_name(deployment.model)} on the fleet "
-                        f"({nodes_of(deployment, self.node_names())}). "
+                        f"({deployment_where(deployment, self.node_names())}). "
                         f"Switching to {model_name(source)} stops that deployment: its workers on those PCs "
                         "stop and free their memory.")
             if not ask(self, "Stop the fleet deployment?", question, "Stop it and switch"):
