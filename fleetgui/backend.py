@@ -176,10 +176,9 @@ class EngineBackend:
         """Ships and starts a placement (``engine.fleet.deploy``), and the other ``copies`` of the
         model the solver chose beside it (``deploy_layout``); returns the saved ``Deployment`` (its
         chains closed: the chat opens its own).  ``planned``: its profile, objective and users."""
-        deployment, chains = deploy_layout(model, [stages, *copies], key=keystore.load(settings),
-                                           tls=keystore.tls(settings), weights=settings.weights, mode=settings.mode,
-                                           cancel=cancel, deadline_s=settings.deadline_s, planned=planned,
-                                           progress=progress, standbys=settings.standbys)
+        deployment, chains = deploy_layout(model, [stages, *copies], access=keystore.access(settings),
+                                           weights=settings.weights, mode=settings.mode, cancel=cancel,
+                                           planned=planned, progress=progress, standbys=settings.standbys)
         for chain in chains:
             chain.close()
         deployment.save()
@@ -187,7 +186,7 @@ class EngineBackend:
 
     def stop_deployment(self, deployment, settings) -> list[str]:
         # a failover in the chat may have restarted or moved workers since: the record names them
-        return deployment.current().stop(keystore.load(settings), keystore.tls(settings))
+        return deployment.current().stop(keystore.access(settings))
 
     def bench(self, name: str, settings, options: dict, hooks, log: Callable[[str], None] = print,
               service=None, deployment=None) -> dict:
