@@ -7,9 +7,10 @@ portable installs use it).
 
 The runtime configuration is a few frozen objects a running model is built with, made once from the
 settings and the launch (``engine.fleetkey.fleet_access``, ``engine.session``) and passed down whole
-instead of loose parameters: ``FleetAccess`` (how every fleet connection is made and watched).  Their
-defaults are the settings'.  ``service_changes`` says which changed settings need a new chat service
-(those ``SERVICE_SETTINGS`` names, which the service is built from); the others apply per request.
+instead of loose parameters: ``FleetAccess`` (how every fleet connection is made and watched) and
+``ShardOptions`` (how the model's shards are exported and compiled).  Their defaults are the
+settings'.  ``service_changes`` says which changed settings need a new chat service (those
+``SERVICE_SETTINGS`` names, which the service is built from); the others apply per request.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def int4_layers(weights: str) -> bool:
 
 DEADLINE_S = 2.0  # a stage silent this long while it owes a reply is reported dead
 MODE = "fast"  # the correctness mode (``engine.runtime.stages.stage.MODES``) unless one is asked for
+DEVICE = "CPU"  # the OpenVINO device unless one is named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,24 @@ class FleetAccess:
         return self.tls is not None
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardOptions:
+    """How a model's shards are exported and compiled: the weight format an export writes, the
+    correctness mode every stage runs, the inference precision hint (None: the device's default) and
+    the OpenVINO device, one for every stage or one per stage (``parse_devices``; a deployment's stages
+    run on their placement's devices instead).  Built from the settings and the launch by ``of``."""
+
+    weights: str = DEFAULT_WEIGHTS
+    mode: str = MODE
+    precision: str | None = None
+    device: str = DEVICE
+
+    @classmethod
+    def of(cls, settings: "Settings", precision: str | None = None) -> "ShardOptions":
+        """The settings' weights, mode and device, with the launch's ``precision``."""
+        return cls(settings.weights, settings.mode, precision, settings.device)
+
+
 # what proposes speculative tokens (``decode.speculative``; ``remote``: a draft server on another
 # computer, ``decode.remotedraft``)
 DRAFTS = ("none", "lookup", "model", "hybrid", "remote")
@@ -107,7 +127,7 @@ class Settings:
     name overrides them.  The app's own preferences (theme, window) extend them in ``fleetgui.settings``."""
 
     default_model: str = "smollm2-135m"  # catalog name, GGUF file, HF folder or an exported shard set
-    device: str = "CPU"  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
+    device: str = DEVICE  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
     weights: str = DEFAULT_WEIGHTS  # a format of engine.export.compress.WEIGHT_FORMATS
     stages: int = 2
     max_new_tokens: int = 256

@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from engine.config import DEFAULT_WEIGHTS, FleetAccess, Settings, parse_devices
+from engine.config import DEFAULT_WEIGHTS, FleetAccess, Settings, ShardOptions, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
 from engine.fleet.deploy import Deployment, LiveRecord
@@ -160,46 +160,46 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
         progress(Progress("Starting the local fleet"))
         access = fleet_access(settings, create=True)  # a missing certificate is refused before the agent starts
         deployment, chain, agent = local_up(settings.default_model, settings.stages, settings.fleet_key_file,
-                                            access=access, weights=settings.weights, mode=settings.mode,
-                                            device=settings.device, cancel=cancel, progress=progress)
+                                            access=access, shard=ShardOptions.of(settings), cancel=cancel,
+                                            progress=progress)
         return Opened(chain, kind, [LocalAgent(agent)], deployment, access)
+    shard = ShardOptions.of(settings, launch.precision)
     if launch.shards is not None:
         folders = expand_shard_dirs(launch.shards)
     else:
-        folders = resolve_shards(settings.default_model, stages=settings.stages, weights=settings.weights,
+        folders = resolve_shards(settings.default_model, stages=settings.stages, weights=shard.weights,
                                  progress=progress, cancel=cancel)
     if _cancelled(cancel):
         return None
-    config = compile_config(settings.mode, launch.precision)
+    config = compile_config(shard.mode, shard.precision)
     if kind == "in-process" or (kind == "workers" and len(folders) < 2 and launch.workers != "processes"):
         progress(Progress("Loading the model"))
-        return Opened(LocalChain(folders, device=settings.device, config=config, isolate=launch.isolate),
-                      "in-process")
+        return Opened(LocalChain(folders, device=shard.device, config=config, isolate=launch.isolate), "in-process")
     access = fleet_access(settings, create=kind == "workers")
     fleet = None
     if kind == "remote":
         if len(folders) != 1:
             raise FleetError("with remote workers, give only the stage-0 shard folder")
-        devices, remotes = [settings.device], launch.remote
+        devices, remotes = [shard.device], launch.remote
         manifest = load_manifest(folders[0])
         if manifest.ranks > 1:
             progress(Progress("Connecting the other tensor-parallel ranks"))
-            chain = RankChain(folders[0], remotes, access=access, device=settings.device, mode=settings.mode,
-                              precision=launch.precision, connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
+            chain = RankChain(folders[0], remotes, access=access, device=shard.device, mode=shard.mode,
+                              precision=shard.precision, connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
             return Opened(chain, "remote", access=access)
     else:
         if len(folders) < 2:
             raise FleetError("local workers need a model split into at least 2 stages")
         progress(Progress("Starting the local fleet"))
-        devices = parse_devices(settings.device, len(folders))
+        devices = parse_devices(shard.device, len(folders))
         fleet = LocalWorkers(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:],
-                             mode=settings.mode, precision=launch.precision, delay_ms=launch.delay_ms,
-                             tls=settings.tls, deadline_s=settings.deadline_s, isolate=launch.isolate,
+                             mode=shard.mode, precision=shard.precision, delay_ms=launch.delay_ms,
+                             tls=access.uses_tls, deadline_s=access.deadline_s, isolate=launch.isolate,
                              cpu_sets=launch.cpu_sets, take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses
     try:
-        chain = RemoteChain(folders[0], remotes, access=access, device=devices[0], mode=settings.mode,
-                            precision=launch.precision, connect_timeout_s=launch.connect_timeout_s,
+        chain = RemoteChain(folders[0], remotes, access=access, device=devices[0], mode=shard.mode,
+                            precision=shard.precision, connect_timeout_s=launch.connect_timeout_s,
                             isolate=launch.isolate, turns=compute_turns(fleet.turns if fleet else None))
     except BaseException:
         if fleet is not None:

@@ -19,6 +19,7 @@ from typing import Callable
 
 from engine import session
 from engine.bench.registry import BENCHES
+from engine.config import ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
@@ -177,8 +178,8 @@ class EngineBackend:
         model the solver chose beside it (``deploy_layout``); returns the saved ``Deployment`` (its
         chains closed: the chat opens its own).  ``planned``: its profile, objective and users."""
         deployment, chains = deploy_layout(model, [stages, *copies], access=keystore.access(settings),
-                                           weights=settings.weights, mode=settings.mode, cancel=cancel,
-                                           planned=planned, progress=progress, standbys=settings.standbys)
+                                           shard=ShardOptions.of(settings), cancel=cancel, planned=planned,
+                                           progress=progress, standbys=settings.standbys)
         for chain in chains:
             chain.close()
         deployment.save()

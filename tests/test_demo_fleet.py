@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fleet_support import fleet_up, greedy, greedy_in_process
 
-from engine.config import FleetAccess, Settings
+from engine.config import FleetAccess, Settings, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL
@@ -87,7 +87,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
     model = str(tiny_models["llama"])
     events: list[str] = []
     access = fleet_access(Settings(tls=True), create=True)  # the default key, made here
-    fleet, deployment, chain, doc = demo_up(model, None, 2, access=access, weights="f32")
+    fleet, deployment, chain, doc = demo_up(model, None, 2, access=access, shard=ShardOptions(weights="f32"))
     try:
         key, tls = load_key(), load_tls(True)
         laptop, gpu = fleet.nodes

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from fleet_support import agent_process, fleet_profile
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
 from engine.fleet.failover import Failover
@@ -69,7 +69,8 @@ def _reference(deployment) -> list[int]:
 def _deployed(fleet, on="alpha"):
     address = fleet["agents"][on][1]
     stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(address, "CPU", 15, 30)]
-    return deploy(fleet["source"], stages, access=FleetAccess(fleet["key"]), weights="int4", mode="exact")
+    return deploy(fleet["source"], stages, access=FleetAccess(fleet["key"]),
+                  shard=ShardOptions(weights="int4", mode="exact"))
 
 
 def _worker_of(agent_proc) -> psutil.Process:
@@ -184,7 +185,8 @@ def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_p
         agents = {"lid": (lid_proc, lid), "desk": (desk_proc, desk)}
         stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(lid, "CPU", 15, 30)]
         access = FleetAccess(key, deadline_s=settings.deadline_s)
-        deployment, chain = deploy(fleet["source"], stages, access=access, weights="int4", mode="exact")
+        deployment, chain = deploy(fleet["source"], stages, access=access,
+                                   shard=ShardOptions(weights="int4", mode="exact"))
         want = _reference(deployment)
         events: list[str] = []
         failover = Failover(deployment, fleet_profile(MODEL, agents, key), access=access, on_event=events.append,

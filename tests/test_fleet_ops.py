@@ -19,7 +19,7 @@ import pytest
 from fleet_support import (agent_process, deployed_equals_in_process, fleet_up, greedy, greedy_in_process, turn_held,
                            waits_for_turn)
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy, deploy_draft
@@ -129,7 +129,8 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     key = load_key(key_file)
     stages = [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(a, "CPU", 1, 3), StageSpan(b, "CPU", 3, 4)]
     phases = []
-    deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key), weights="f32",
+    deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key),
+                               shard=ShardOptions(weights="f32"),
                                progress=lambda p: phases.append((p.stage, p.step)))
     try:
         got = greedy(chain)
@@ -146,7 +147,7 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
             assert status["state"] == f"serving part {stage + 1} of 3"
     # a second deployment of the same plan sends nothing: the nodes hold those shards
     assert deployment.stop(FleetAccess(key)) == []
-    again, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key), weights="f32",
+    again, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key), shard=ShardOptions(weights="f32"),
                           progress=lambda p: phases.append((p.stage, p.step, p.fraction)))
     chain.close()
     # `fleet nodes prune`: alpha keeps the shard its worker serves and gives up another, and a
@@ -183,7 +184,7 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
     key = load_key(key_file)
     model = str(tiny_models["qwen2"])
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(a, "CPU", 2, 4)]
-    deployment, chain = deploy(model, stages, access=FleetAccess(key), weights="f32", mode="exact")
+    deployment, chain = deploy(model, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     try:
         deployment.draft = deploy_draft(model, b, access=FleetAccess(key), weights="f32")
         with ControlClient(b, key) as agent:
@@ -215,7 +216,7 @@ def test_a_deployments_copies_share_its_draft_server(two_agents, key_file, tiny_
     key = load_key(key_file)
     model = str(tiny_models["qwen2"])
     deployment, chains = deploy_layout(model, [[StageSpan(LOCAL, "CPU", 0, 4)], [StageSpan(a, "CPU", 0, 4)]],
-                                       access=FleetAccess(key), weights="f32", mode="exact")
+                                       access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     for chain in chains:
         chain.close()
     try:
@@ -255,7 +256,8 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     copies = [[StageSpan(LOCAL, "CPU", 0, 4)],
               [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(a, "CPU", 1, 4)],
               [StageSpan(b, "CPU", 0, 4)]]
-    deployment, chains = deploy_layout(model, copies, access=FleetAccess(key), weights="f32", mode="exact")
+    deployment, chains = deploy_layout(model, copies, access=FleetAccess(key),
+                                       shard=ShardOptions(weights="f32", mode="exact"))
     for chain in chains:
         chain.close()
     record = Deployment.load(deployment.save(tmp_path / "deployment.json"))
@@ -305,7 +307,8 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
     (_, a), _ = two_agents
     key = load_key(key_file)
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(a, "CPU", 2, 4)]
-    deployment, chain = deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key), weights="f32")
+    deployment, chain = deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key),
+                               shard=ShardOptions(weights="f32"))
     chain.close()
 
     def blocked_until_released(chain, turns_file) -> None:
@@ -376,13 +379,15 @@ def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_
             proc_b.wait()
 
     with pytest.raises(FleetError, match=r"starting part 3 of 3: node agent at .* (lost|not reachable)"):
-        deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key), weights="f32", progress=lose_b)
+        deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key),
+               shard=ShardOptions(weights="f32"), progress=lose_b)
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []  # stage 1's worker was stopped again
     # a node already gone is found before anything is exported
     phases = []
     with pytest.raises(FleetError, match=r"^deployment not started: node agent at .* not reachable"):
-        deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key), weights="f32", progress=phases.append)
+        deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key),
+               shard=ShardOptions(weights="f32"), progress=phases.append)
     assert phases == []
 
 

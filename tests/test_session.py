@@ -150,7 +150,8 @@ def _settings_read(path: Path, function: str | None = None) -> set[str]:
 
 def test_the_settings_a_service_is_built_from_are_those_whose_change_needs_a_new_one():
     engine = Path(__file__).resolve().parent.parent / "engine"
-    read = _settings_read(engine / "session.py") | _settings_read(engine / "fleetkey.py", "fleet_access")
+    read = _settings_read(engine / "session.py") | _settings_read(engine / "fleetkey.py", "fleet_access") | \
+        _settings_read(engine / "config.py", "of")  # ShardOptions.of
     read = {"k" if name == "k_value" else name for name in read}  # K as a number: the ``k`` field
     assert read == set(SERVICE_SETTINGS)
     before = Settings()

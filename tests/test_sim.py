@@ -21,7 +21,7 @@ import psutil
 import pytest
 from fleet_support import IDS, deployed_equals_in_process, fleet_profile, simulated_office
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.fleet.sim import netns
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy
@@ -102,7 +102,7 @@ def test_a_routed_pc_serves_a_stage(office, tiny_models):
     far = office.nodes["far"].agent
     deployment, chain = deploy(str(tiny_models["llama"]), [StageSpan(LOCAL, "CPU", 0, 2),
                                                            StageSpan(far, "CPU", 2, 4)],
-                               access=FleetAccess(key), weights="f32", mode="exact")
+                               access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     try:
         got = ChatService(chain, streams=1).submit(MESSAGES, 8, ignore_eos=True).wait(120)
         assert got.error is None and len(got.tokens) == 8
@@ -127,7 +127,7 @@ def test_a_pcs_link_delay_holds_the_rounds_through_it_and_no_other_pc(office, ti
         deployment, chain = deploy(str(tiny_models["llama"]), [StageSpan(LOCAL, "CPU", 0, 2),
                                                                StageSpan(office.nodes["pc1"].agent, "CPU", 2, 3),
                                                                StageSpan(office.nodes["pc2"].agent, "CPU", 3, 4)],
-                                   access=FleetAccess(key), weights="f32", mode="exact")
+                                   access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
         try:
             held = {name: [w["delay_ms"] for w in _status(office.nodes[name].agent, key)["workers"]]
                     for name in ("pc1", "pc2")}
@@ -151,7 +151,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
     agents = {name: (None, office.nodes[name].agent) for name in ("pc1", "pc2", "pc3")}
     profile = fleet_profile(source, agents, key, weights="f32", memory=4 << 30)
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(office.nodes["pc1"].agent, "CPU", 2, 4)]
-    deployment, chain = deploy(source, stages, access=FleetAccess(key), weights="f32", mode="exact")
+    deployment, chain = deploy(source, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
     alone = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1)
     try:
@@ -423,7 +423,7 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
         alone.close()
     stages = [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(office.nodes["pc1"].agent, "CPU", 1, 3),
               StageSpan(office.nodes["pc2"].agent, "CPU", 3, 4)]
-    deployment, chain = deploy(source, stages, access=FleetAccess(key), weights="f32", mode="exact")
+    deployment, chain = deploy(source, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     service = ChatService(chain, streams=len(asks), prefix_cache=False)
     in_flight = {1: set(), None: set()}  # the most groups in flight of each run, by depth
     try:

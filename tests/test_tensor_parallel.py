@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import ExportError, ShardError, StageError
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import GGUF_UNIT, rank_cuts, ranks_problem
@@ -404,8 +404,8 @@ def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a
     layers = load_manifest(tiny_exports["qwen2", "1"].folders[0]).spec.num_layers
     with agent_process(key_file, tmp_path / "a", name="alpha") as (_, agent):
         stages = [StageSpan(LOCAL, "CPU", 0, layers, rank=0), StageSpan(agent, "CPU", 0, layers, rank=1)]
-        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key), weights="f32",
-                                   mode="exact")
+        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights="f32", mode="exact"))
         try:
             assert isinstance(chain, RankChain) and deployment.ranks == 2
             assert _greedy(chain) == _greedy(whole)
@@ -477,8 +477,8 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
                    "fleet": Fleet(devices=devices, rtt_ms={(a, b): 0.3 for a in nodes for b in nodes if a < b},
                                   coordinator="coordinator").to_json()}
         stages = [StageSpan(LOCAL, "CPU", 0, layers, rank=0), StageSpan(alpha, "CPU", 0, layers, rank=1)]
-        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key), weights="f32",
-                                   mode="exact")
+        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights="f32", mode="exact"))
         events: list[str] = []
         failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
         service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)

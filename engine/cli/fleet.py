@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
-from engine.config import DEFAULT_WEIGHTS, Settings, forget_nodes, known_nodes, paths, remember_nodes
+from engine.config import DEFAULT_WEIGHTS, Settings, ShardOptions, forget_nodes, known_nodes, paths, remember_nodes
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.files import write_json
@@ -331,8 +331,9 @@ def cmd_deploy(args) -> int:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
     if args.draft_on and not (args.draft_model or settings.draft_model):
         raise FleetError("--draft-on needs the draft model: --draft-model MODEL (one with the target's tokenizer)")
-    deployment, chains = deploy_layout(args.model, layout_stages(plan_doc), access=access, weights=args.weights,
-                                       mode=settings.mode, progress=progress_printer(), planned=planned_by(plan_doc),
+    deployment, chains = deploy_layout(args.model, layout_stages(plan_doc), access=access,
+                                       shard=ShardOptions(weights=args.weights, mode=settings.mode),
+                                       progress=progress_printer(), planned=planned_by(plan_doc),
                                        standbys=settings.standbys)
     for chain in chains:
         chain.close()
@@ -363,8 +364,7 @@ def cmd_up(args) -> int:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
             "the local default; `fleet up --nodes all` places the model on them")
     deployment, chain, agent = local_up(model, settings.stages, args.fleet_key_file, access=fleet_access(settings),
-                                        weights=settings.weights, mode=settings.mode, device=settings.device,
-                                        progress=progress_printer())
+                                        shard=ShardOptions.of(settings), progress=progress_printer())
     chain.close()
     try:
         return _serve(args, model, deployment, settings.tls)
@@ -391,7 +391,7 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
                "the only node agent found runs on this machine")
         say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1", tls=settings.tls)
-    deployment, chains = deploy_layout(model, copies, access=access, weights=settings.weights, mode=settings.mode,
+    deployment, chains = deploy_layout(model, copies, access=access, shard=ShardOptions.of(settings),
                                        progress=progress_printer(), planned=planned_by(doc), standbys=settings.standbys)
     for chain in chains:
         chain.close()
@@ -407,8 +407,7 @@ def _demo_up(args, settings: Settings, model: str) -> int:
     model split over this machine and them, deployed and chatted on; everything stops with ``fleet up``."""
     access = fleet_access(settings)
     fleet, deployment, chain, doc = demo_up(model, args.fleet_key_file, args.demo, access=access,
-                                            weights=settings.weights, mode=settings.mode,
-                                            device=settings.device.split(",")[0], progress=progress_printer(), log=say)
+                                            shard=ShardOptions.of(settings), progress=progress_printer(), log=say)
     chain.close()
     try:
         for node in fleet.nodes:

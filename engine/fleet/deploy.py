@@ -18,7 +18,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from engine.config import DEFAULT_WEIGHTS, MODE, FleetAccess, paths
+from engine.config import DEFAULT_WEIGHTS, FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient, worker_address
@@ -259,13 +259,13 @@ def placement_problem(stages: list[StageSpan]) -> str | None:
     return None
 
 
-def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, weights: str = DEFAULT_WEIGHTS,
-           mode: str = MODE, precision: str | None = None, delay_ms: float = 0.0,
-           progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
+def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: ShardOptions = ShardOptions(),
+           delay_ms: float = 0.0, progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
            planned: dict | None = None, local=None, folders: list[Path] | None = None,
            standbys: bool = False):
     """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it); every
-    connection to the agents and the workers goes with ``access``.
+    connection to the agents and the workers goes with ``access``, every stage is exported and runs as
+    ``shard`` says (its weights, mode and precision; each stage on its span's device).
     ``progress`` tells each stage's phases (``engine.progress.deploying``): export, send, start, connect.
     ``planned``: how the placement was chosen (``profile`` path, ``objective``, ``users``), kept in
     the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's;
@@ -287,7 +287,7 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, weights:
             raise FleetError(f"deployment not started: {exc}") from None
 
     if folders is None:
-        export = export_model(model, split=split, weights=weights, ranks=ranks, cancel=cancel,
+        export = export_model(model, split=split, weights=shard.weights, ranks=ranks, cancel=cancel,
                               progress=lambda p: progress(deploying(p.stage, "export", p.fraction)))
         if stages[-1].end != export.stages[-1].layers[1]:
             raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
@@ -309,15 +309,15 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, weights:
             progress(deploying(i, "start", 0.0))
             try:
                 with ControlClient(stage.node, access.key, tls=access.tls) as agent:
-                    info = agent.start_worker(digests[i], device=stage.device, mode=mode, delay_ms=delay_ms,
-                                              precision=precision, timeout_s=worker_timeout_s)
+                    info = agent.start_worker(digests[i], device=stage.device, mode=shard.mode, delay_ms=delay_ms,
+                                              precision=shard.precision, timeout_s=worker_timeout_s)
             except AgentError as exc:
                 raise FleetError(f"deployment stopped while starting {part_name(i, len(stages))}: {exc}") from None
             started.append({"agent": stage.node, "worker": info["id"], "stage": i})
             remotes.append(worker_address(stage.node, info["port"]))
             progress(deploying(i, "start", 1.0))
         deployment = Deployment(model=model, stage0=str(folders[0]), device=stages[0].device,
-                                remotes=remotes, workers=started, mode=mode,
+                                remotes=remotes, workers=started, mode=shard.mode,
                                 weights=load_manifest(folders[0]).weights,  # "auto" as exported
                                 placement=list(stages), **(planned or {}))
         progress(deploying(0, "connect", 0.0))
@@ -326,7 +326,8 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, weights:
         if standbys and ranks == 1:
             try:
                 deployment.standbys = [s.to_json() for s in start_standbys(deployment, folders, access=access,
-                                                                            precision=precision, progress=progress)]
+                                                                            precision=shard.precision,
+                                                                            progress=progress)]
             except BaseException:
                 chain.close()
                 raise
@@ -362,7 +363,7 @@ def start_standbys(deployment: Deployment, folders: list[Path], *, access: Fleet
 
 
 def deploy_layout(model: str, copies: list[list[StageSpan]], *, access: FleetAccess,
-                  weights: str = DEFAULT_WEIGHTS, mode: str = MODE, progress: Report = quiet,
+                  shard: ShardOptions = ShardOptions(), progress: Report = quiet,
                   planned: dict | None = None, cancel=None, **kw):
     """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
     or, for a single stage here, the model exported whole for this machine.  Returns the first
@@ -375,12 +376,12 @@ def deploy_layout(model: str, copies: list[list[StageSpan]], *, access: FleetAcc
     try:
         for stages in copies:
             if len(stages) == 1 and stages[0].node == LOCAL:
-                copy = _whole_here(model, stages[0], weights=weights, mode=mode, progress=progress, planned=planned,
-                                   cancel=cancel)
+                copy = _whole_here(model, stages[0], weights=shard.weights, mode=shard.mode, progress=progress,
+                                   planned=planned, cancel=cancel)
                 done.append((copy, copy.chain(access)))
             else:
-                done.append(deploy(model, stages, access=access, weights=weights, mode=mode, progress=progress,
-                                   planned=planned, cancel=cancel, **kw))
+                done.append(deploy(model, stages, access=access, shard=shard, progress=progress, planned=planned,
+                                   cancel=cancel, **kw))
     except BaseException:
         for copy, chain in done:
             chain.close()

@@ -31,7 +31,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import FleetError, StageError
 from engine.export.exporter import rank_folder, stage_folder
 from engine.fleet.control import AgentError, ControlClient
@@ -118,8 +118,8 @@ class Failover:
         # the same placement runs the shards the deployment already has: the model is not opened again
         held = None if gone else _shard_folders(old)
         # deploy_layout: a copy that was whole on the lost node may come back whole on this machine
-        deployment, (chain,) = deploy_layout(old.model, [placement], access=self.access, weights=old.weights,
-                                             mode=old.mode,
+        deployment, (chain,) = deploy_layout(old.model, [placement], access=self.access,
+                                             shard=ShardOptions(weights=old.weights, mode=old.mode),
                                              planned={"profile": old.profile, "objective": old.objective,
                                                       "users": old.users},
                                              local=getattr(self.chain, "local", None), folders=held)

@@ -16,7 +16,7 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from engine.config import DEFAULT_WEIGHTS, MODE, FleetAccess, paths
+from engine.config import FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, deploy
@@ -91,20 +91,20 @@ class LocalAgent:
 
 
 def local_up(model: str, stages: int, key: str | Path | None = None, *, access: FleetAccess,
-             weights: str = DEFAULT_WEIGHTS, mode: str = MODE, device: str = "CPU", progress: Report = quiet,
-             cancel=None):
+             shard: ShardOptions = ShardOptions(), progress: Report = quiet, cancel=None):
     """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
     workers; ``key`` is the fleet key file (None: the default one) and ``access`` what it gives
     (``fleet_access(settings, create=True)``: a local fleet needs no setup), for the agent, its
-    workers and the deployment, speaking TLS when it does.  Returns (deployment, chain, agent
+    workers and the deployment, speaking TLS when it does; ``shard``: how the stages are exported and
+    run, every stage on its device.  Returns (deployment, chain, agent
     process: a ``FleetProcess``)."""
     resolved = resolve_source(model)
     ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
     agent = start_local_agent(key_file(key), tls=access.uses_tls)
     try:
-        placement = [StageSpan(LOCAL if i == 0 else agent.address, device, a, b) for i, (a, b) in enumerate(ranges)]
-        deployment, chain = deploy(model, placement, access=access, weights=weights, mode=mode,
-                                   progress=progress, cancel=cancel)
+        placement = [StageSpan(LOCAL if i == 0 else agent.address, shard.device, a, b)
+                     for i, (a, b) in enumerate(ranges)]
+        deployment, chain = deploy(model, placement, access=access, shard=shard, progress=progress, cancel=cancel)
     except BaseException:
         stop_local_agent(agent)
         raise

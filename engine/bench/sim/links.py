@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.bench.harness import Hooks, interleave
 from engine.bench.sim.shared import TLS, Sim, on_pc1
 from engine.errors import FleetError
@@ -85,7 +85,8 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
             sent.append(time.perf_counter())
 
     started = time.perf_counter()
-    deployment, chain = deploy(model, stages, access=FleetAccess(key), weights=weights, mode="exact", progress=progress)
+    deployment, chain = deploy(model, stages, access=FleetAccess(key),
+                               shard=ShardOptions(weights=weights, mode="exact"), progress=progress)
     deploy_s = time.perf_counter() - started
     send_s = sent[-1] - sent[0] if len(sent) > 1 else 0.0
     rows = [{"measure": "deploy", "rate_mbit": rate, "shard_mb": round(shard_bytes / 2**20, 1),
@@ -94,7 +95,8 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
     log(f"{rate:g} Mbit/s: deployed in {deploy_s:.2f} s (the {shard_bytes / 2**20:.1f} MB shard in {send_s:.2f} s)")
     rows.append(_lose_pc1(office, sim, deployment, chain, profile, rate, want, "cut", "link loss to next token"))
     for how, measure in (("kill", "worker killed to next token, standby"), ("cut", "link loss to next token, standby")):
-        deployment, chain = deploy(model, stages, access=FleetAccess(key), weights=weights, mode="exact", standbys=True,
+        deployment, chain = deploy(model, stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights=weights, mode="exact"), standbys=True,
                                    planned={"profile": str(profile_file)})
         if deployment.standby_for(1) is None:
             chain.close()
@@ -110,7 +112,8 @@ def _copies_cost(office: Office, sim: Sim, rate: float, profile_file) -> dict:
     """One reply's decode tok/s over the model whole on pc1, with its standby on pc2 sent copies and
     without, alternated ``sim.runs`` times (the module's docstring)."""
     whole = [StageSpan(office.nodes["pc1"].agent, "CPU", 0, sim.shape.num_layers)]
-    deployment, chain = deploy(sim.model, whole, access=FleetAccess(sim.key), weights=sim.weights, mode="exact",
+    deployment, chain = deploy(sim.model, whole, access=FleetAccess(sim.key),
+                               shard=ShardOptions(weights=sim.weights, mode="exact"),
                                standbys=True, planned={"profile": str(profile_file)})
     chain.close()
     records = {"copies": deployment, "none": dataclasses.replace(deployment, standbys=[])}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.parity import llamacpp_gguf
@@ -167,7 +167,7 @@ def _fleets_choice(office: Office, model: str, *, key: bytes, weights: str, open
     for line in chosen:
         log(line)
     deployment, (chain,) = deploy_layout(model, layout_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
-                                         access=FleetAccess(key), weights=weights)
+                                         access=FleetAccess(key), shard=ShardOptions(weights=weights))
     opened.extend([DeployedWorkers(deployment, key), chain])
     return chain, chosen
 
