@@ -1,8 +1,16 @@
-"""The one configuration model: where fleetshard keeps its cache and settings, and the user's defaults.
+"""The one configuration model: where fleetshard keeps its cache and settings, the user's defaults, and
+the runtime configuration built from them.
 
 Settings live in ``settings.json`` in the user config directory.  ``FLEETSHARD_HOME`` is the single
 environment override: when set, cache, data and config all live below that folder (tests and
 portable installs use it).
+
+The runtime configuration is a few frozen objects a running model is built with, made once from the
+settings and the launch (``engine.fleetkey.fleet_access``, ``engine.session``) and passed down whole
+instead of loose parameters: ``FleetAccess`` (how every fleet connection is made and watched) and
+``ShardOptions`` (how the model's shards are exported and compiled).  Their defaults are the
+settings'.  ``service_changes`` says which changed settings need a new chat service (those
+``SERVICE_SETTINGS`` names, which the service is built from); the others apply per request.
 """
 
 from __future__ import annotations
@@ -68,6 +76,46 @@ def int4_layers(weights: str) -> bool:
     """Whether a weight format stores the layers in INT4 (``auto`` may not: a GGUF's is ``gguf``)."""
     return weights.split("-")[0] == "int4"
 
+DEADLINE_S = 2.0  # a stage silent this long while it owes a reply is reported dead
+MODE = "fast"  # the correctness mode (``engine.runtime.stages.stage.MODES``) unless one is asked for
+DEVICE = "CPU"  # the OpenVINO device unless one is named
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetAccess:
+    """What every fleet connection of a chain, a worker, a deployment or a failover goes with: the fleet
+    key it proves, the TLS contexts it speaks (``engine.fleetkey.TLS``; None: plain TCP) and how long a
+    stage may stay silent while it owes a reply before it counts as dead.  Built from the settings by
+    ``engine.fleetkey.fleet_access``; the key and the contexts are kept out of its repr."""
+
+    key: bytes = dataclasses.field(repr=False)
+    tls: object | None = dataclasses.field(default=None, repr=False)
+    deadline_s: float = DEADLINE_S
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether the fleet speaks TLS (what a process started for it is told: ``--tls``)."""
+        return self.tls is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardOptions:
+    """How a model's shards are exported and compiled: the weight format an export writes, the
+    correctness mode every stage runs, the inference precision hint (None: the device's default) and
+    the OpenVINO device, one for every stage or one per stage (``parse_devices``; a deployment's stages
+    run on their placement's devices instead).  Built from the settings and the launch by ``of``."""
+
+    weights: str = DEFAULT_WEIGHTS
+    mode: str = MODE
+    precision: str | None = None
+    device: str = DEVICE
+
+    @classmethod
+    def of(cls, settings: "Settings", precision: str | None = None) -> "ShardOptions":
+        """The settings' weights, mode and device, with the launch's ``precision``."""
+        return cls(settings.weights, settings.mode, precision, settings.device)
+
+
 # what proposes speculative tokens (``decode.speculative``; ``remote``: a draft server on another
 # computer, ``decode.remotedraft``)
 DRAFTS = ("none", "lookup", "model", "hybrid", "remote")
@@ -79,14 +127,14 @@ class Settings:
     name overrides them.  The app's own preferences (theme, window) extend them in ``fleetgui.settings``."""
 
     default_model: str = "smollm2-135m"  # catalog name, GGUF file, HF folder or an exported shard set
-    device: str = "CPU"  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
+    device: str = DEVICE  # one OpenVINO device for every stage, or one per stage: "CPU,GPU.1"
     weights: str = DEFAULT_WEIGHTS  # a format of engine.export.compress.WEIGHT_FORMATS
     stages: int = 2
     max_new_tokens: int = 256
     fleet_key_file: str | None = None  # default: fleet.key in the config folder
     tls: bool = True  # mutual TLS with the fleet certificate (``engine.fleetkey``) on every fleet connection
-    mode: str = "fast"  # "exact": speculative output token-identical to plain greedy (slower compile settings)
-    deadline_s: float = 2.0  # a stage silent this long while it owes a reply is reported dead
+    mode: str = MODE  # "exact": speculative output token-identical to plain greedy (slower compile settings)
+    deadline_s: float = DEADLINE_S  # a stage silent this long while it owes a reply is reported dead
     standbys: bool = True  # a deployment keeps a hot standby of each part on another node where one has room
     rejoin_check_s: float = 5.0  # how often failover asks a lost node (a laptop gone to sleep) whether it is back
     local_workers: bool = True  # stages 1.. as worker processes on this machine (else all in process)
@@ -175,6 +223,20 @@ class Settings:
         if self.api_max_waiting < 0:
             return f"the API's waiting requests must be 0 or more, not {self.api_max_waiting}"
         return None
+
+
+# the settings a chat service is built from (``engine.session.open_service``, ``engine.fleetkey.fleet_access``):
+# a change to one of them needs a new service; the others apply per request, or are not the service's
+SERVICE_SETTINGS = ("fleet_key_file", "tls", "deadline_s",  # the fleet access
+                    "default_model", "stages", "weights", "device", "mode", "local_workers",  # the chain
+                    "streams", "k", "draft", "draft_model", "draft_at",  # the scheduler and its drafts
+                    "rejoin_check_s")  # failover
+
+
+def service_changes(old: Settings, new: Settings) -> list[str]:
+    """The settings changed from ``old`` to ``new`` that need a new chat service, by name (none: the
+    service open carries on)."""
+    return [name for name in SERVICE_SETTINGS if getattr(old, name) != getattr(new, name)]
 
 
 def _same_kind(value, default) -> bool:

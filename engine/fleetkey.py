@@ -25,7 +25,7 @@ import ssl
 import tempfile
 from pathlib import Path
 
-from engine.config import Settings, paths
+from engine.config import FleetAccess, Settings, paths
 from engine.errors import FleetError
 
 KEY_BYTES = 32
@@ -212,3 +212,12 @@ def load_tls(enabled: bool, key_override: str | Path | None = None) -> TLS | Non
     path = key_file(key_override)
     pem = tls_file(path)
     return TLS(pem) if pem.exists() else TLS.of_key(load_key(path))
+
+
+def fleet_access(settings: Settings, create: bool = False) -> FleetAccess:
+    """The fleet access the settings give (their key file, TLS and deadline): the key and the TLS
+    contexts loaded once, for every connection of a chain, a worker, a deployment or a failover.
+    ``create``: a missing default key is made (a local fleet needs no setup); a key file the
+    settings name is never made."""
+    key = load_key(settings.fleet_key_file, create=create and not settings.fleet_key_file)
+    return FleetAccess(key, load_tls(settings.tls, settings.fleet_key_file), settings.deadline_s)

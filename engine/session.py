@@ -22,13 +22,13 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from engine.config import DEFAULT_WEIGHTS, Settings, parse_devices
+from engine.config import DEFAULT_WEIGHTS, FleetAccess, Settings, ShardOptions, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
 from engine.fleet.deploy import Deployment, LiveRecord
 from engine.fleet.failover import Failover
 from engine.fleet.local_agent import LocalAgent, local_up
-from engine.fleetkey import key_file, load_key, load_tls
+from engine.fleetkey import fleet_access, key_file
 from engine.manifest import expand_shard_dirs, is_shard_set, load_manifest
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, pull
@@ -69,12 +69,14 @@ class Launch:
 
 @dataclasses.dataclass
 class Opened:
-    """An open chain and what must be closed with it (a local fleet's processes)."""
+    """An open chain and what must be closed with it (a local fleet's processes); ``access``: what its
+    fleet connections went with (None for a chain all in this process), for its failover and copies."""
 
     chain: object
     kind: str
     owned: list = dataclasses.field(default_factory=list)
     deployment: Deployment | None = None
+    access: FleetAccess | None = None
 
     def close(self) -> None:
         self.chain.close()
@@ -148,67 +150,62 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
     kind = chain_kind(settings, launch)
     if kind == "deployment":
         progress(Progress("Connecting to the deployment's parts"))  # the model is named beside it: no cache path
-        chain = launch.deployment.chain(load_key(settings.fleet_key_file),
-                                        tls=load_tls(settings.tls, settings.fleet_key_file),
-                                        deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,
-                                        isolate=launch.isolate)
-        return Opened(chain, kind, deployment=launch.deployment)
+        access = fleet_access(settings)
+        chain = launch.deployment.chain(access, connect_timeout_s=launch.connect_timeout_s, isolate=launch.isolate)
+        return Opened(chain, kind, deployment=launch.deployment, access=access)
     if kind == "local-fleet":
         pull_model(settings.default_model, progress, cancel)
         if _cancelled(cancel):
             return None
         progress(Progress("Starting the local fleet"))
-        deployment, chain, agent = local_up(
-            settings.default_model, settings.stages, settings.fleet_key_file, weights=settings.weights,
-            mode=settings.mode, device=settings.device, deadline_s=settings.deadline_s, cancel=cancel,
-            progress=progress, tls=settings.tls)  # the TLS the chat and failover reach it with
-        return Opened(chain, kind, [LocalAgent(agent)], deployment)
+        access = fleet_access(settings, create=True)  # a missing certificate is refused before the agent starts
+        deployment, chain, agent = local_up(settings.default_model, settings.stages, settings.fleet_key_file,
+                                            access=access, shard=ShardOptions.of(settings), cancel=cancel,
+                                            progress=progress)
+        return Opened(chain, kind, [LocalAgent(agent)], deployment, access)
+    shard = ShardOptions.of(settings, launch.precision)
     if launch.shards is not None:
         folders = expand_shard_dirs(launch.shards)
     else:
-        folders = resolve_shards(settings.default_model, stages=settings.stages, weights=settings.weights,
+        folders = resolve_shards(settings.default_model, stages=settings.stages, weights=shard.weights,
                                  progress=progress, cancel=cancel)
     if _cancelled(cancel):
         return None
-    config = compile_config(settings.mode, launch.precision)
+    config = compile_config(shard.mode, shard.precision)
     if kind == "in-process" or (kind == "workers" and len(folders) < 2 and launch.workers != "processes"):
         progress(Progress("Loading the model"))
-        return Opened(LocalChain(folders, device=settings.device, config=config, isolate=launch.isolate),
-                      "in-process")
-    key = load_key(settings.fleet_key_file, create=kind == "workers" and not settings.fleet_key_file)
-    tls = load_tls(settings.tls, settings.fleet_key_file)
+        return Opened(LocalChain(folders, device=shard.device, config=config, isolate=launch.isolate), "in-process")
+    access = fleet_access(settings, create=kind == "workers")
     fleet = None
     if kind == "remote":
         if len(folders) != 1:
             raise FleetError("with remote workers, give only the stage-0 shard folder")
-        devices, remotes = [settings.device], launch.remote
+        devices, remotes = [shard.device], launch.remote
         manifest = load_manifest(folders[0])
         if manifest.ranks > 1:
             progress(Progress("Connecting the other tensor-parallel ranks"))
-            chain = RankChain(folders[0], remotes, key=key, device=settings.device, mode=settings.mode,
-                              precision=launch.precision, tls=tls, deadline_s=settings.deadline_s,
-                              connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
-            return Opened(chain, "remote")
+            chain = RankChain(folders[0], remotes, access=access, device=shard.device, mode=shard.mode,
+                              precision=shard.precision, connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
+            return Opened(chain, "remote", access=access)
     else:
         if len(folders) < 2:
             raise FleetError("local workers need a model split into at least 2 stages")
         progress(Progress("Starting the local fleet"))
-        devices = parse_devices(settings.device, len(folders))
+        devices = parse_devices(shard.device, len(folders))
         fleet = LocalWorkers(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:],
-                             mode=settings.mode, precision=launch.precision, delay_ms=launch.delay_ms,
-                             tls=settings.tls, deadline_s=settings.deadline_s, isolate=launch.isolate,
+                             mode=shard.mode, precision=shard.precision, delay_ms=launch.delay_ms,
+                             tls=access.uses_tls, deadline_s=access.deadline_s, isolate=launch.isolate,
                              cpu_sets=launch.cpu_sets, take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses
     try:
-        chain = RemoteChain(folders[0], remotes, key=key, device=devices[0], mode=settings.mode,
-                            precision=launch.precision, tls=tls, deadline_s=settings.deadline_s,
-                            connect_timeout_s=launch.connect_timeout_s, isolate=launch.isolate,
-                            turns=compute_turns(fleet.turns if fleet else None))
+        chain = RemoteChain(folders[0], remotes, access=access, device=devices[0], mode=shard.mode,
+                            precision=shard.precision, connect_timeout_s=launch.connect_timeout_s,
+                            isolate=launch.isolate, turns=compute_turns(fleet.turns if fleet else None))
     except BaseException:
         if fleet is not None:
             fleet.close()
         raise
-    return Opened(chain, kind, [fleet] if fleet else [])
+    return Opened(chain, kind, [fleet] if fleet else [], access=access)
 
 
 def draft_shards(settings: Settings, progress: Report = quiet, cancel=None) -> list[Path] | None:
@@ -248,8 +245,8 @@ def open_draft_link(settings: Settings, chain, deployment: Deployment | None = N
     if not address:
         raise FleetError("a remote draft needs its draft server: --draft remote:HOST:PORT (a `fleet worker "
                          "--role draft`), or a deployment with one (`fleet deploy --draft-on NODE`)")
-    return DraftLink(address, load_key(settings.fleet_key_file), chain.manifest,
-                     tls=load_tls(settings.tls, settings.fleet_key_file))
+    access = fleet_access(settings)
+    return DraftLink(address, access.key, chain.manifest, tls=access.tls)
 
 
 def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None,
@@ -260,9 +257,8 @@ def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], 
     ``on_recovered`` is told each new deployment.  It ends with the chain's owner (``opened.owned``)."""
     if opened.deployment is None or not opened.deployment.placement or not opened.deployment.remotes:
         return None
-    failover = Failover.of(opened.deployment.copies[0], key=load_key(settings.fleet_key_file),
-                           tls=load_tls(settings.tls, settings.fleet_key_file), deadline_s=settings.deadline_s,
-                           on_event=on_event, chain=opened.chain, on_recovered=on_recovered)
+    failover = Failover.of(opened.deployment.copies[0], access=opened.access, on_event=on_event, chain=opened.chain,
+                           on_recovered=on_recovered)
     opened.owned.append(failover.watch(settings.rejoin_check_s))
     return failover
 
@@ -287,10 +283,8 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Rep
         if remote is not None:
             opened.owned.append(remote)
         for copy in opened.deployment.copies[1:] if opened.deployment else []:
-            pending.append(Opened(copy.chain(load_key(settings.fleet_key_file),
-                                            tls=load_tls(settings.tls, settings.fleet_key_file),
-                                            deadline_s=settings.deadline_s, connect_timeout_s=launch.connect_timeout_s,
-                                            isolate=launch.isolate), "deployment", deployment=copy))
+            chain = copy.chain(opened.access, connect_timeout_s=launch.connect_timeout_s, isolate=launch.isolate)
+            pending.append(Opened(chain, "deployment", deployment=copy, access=opened.access))
         while pending:
             recovered = (lambda copy, index=len(services): _recovered(record, index, copy, on_recovered)) \
                 if record else None

@@ -19,6 +19,7 @@ from typing import Callable
 
 from engine import session
 from engine.bench.registry import BENCHES
+from engine.config import ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
@@ -176,9 +177,8 @@ class EngineBackend:
         """Ships and starts a placement (``engine.fleet.deploy``), and the other ``copies`` of the
         model the solver chose beside it (``deploy_layout``); returns the saved ``Deployment`` (its
         chains closed: the chat opens its own).  ``planned``: its profile, objective and users."""
-        deployment, chains = deploy_layout(model, [stages, *copies], key=keystore.load(settings),
-                                           tls=keystore.tls(settings), weights=settings.weights, mode=settings.mode,
-                                           cancel=cancel, deadline_s=settings.deadline_s, planned=planned,
+        deployment, chains = deploy_layout(model, [stages, *copies], access=keystore.access(settings),
+                                           shard=ShardOptions.of(settings), cancel=cancel, planned=planned,
                                            progress=progress, standbys=settings.standbys)
         for chain in chains:
             chain.close()
@@ -187,7 +187,7 @@ class EngineBackend:
 
     def stop_deployment(self, deployment, settings) -> list[str]:
         # a failover in the chat may have restarted or moved workers since: the record names them
-        return deployment.current().stop(keystore.load(settings), keystore.tls(settings))
+        return deployment.current().stop(keystore.access(settings))
 
     def bench(self, name: str, settings, options: dict, hooks, log: Callable[[str], None] = print,
               service=None, deployment=None) -> dict:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import FleetError
-from engine.fleetkey import create_key, fleet_id, key_file, load_key, load_tls
+from engine.config import FleetAccess
+from engine.fleetkey import create_key, fleet_access, fleet_id, key_file, load_key, load_tls
 
 KEYRING_SERVICE = "fleetshard"
 KEYRING_ENTRY = "fleet-key"
@@ -91,6 +92,13 @@ def load(settings) -> bytes:
 def tls(settings):
     """The fleet TLS contexts when the settings turn TLS on, else None."""
     return load_tls(settings.tls, key_path(settings))
+
+
+def access(settings) -> FleetAccess:
+    """What the app's deployments and their chains reach the fleet with (``engine.fleetkey.fleet_access``),
+    or FleetError saying why there is no key."""
+    materialise(key_path(settings), default=not settings.fleet_key_file)
+    return fleet_access(settings)
 
 
 def _in_keyring(key: bytes) -> bool:

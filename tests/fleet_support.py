@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.config import FleetAccess, ShardOptions
 from engine.fleet.deploy import deploy
 from engine.fleet.sim.office import Office
 from engine.launch import FleetProcess
@@ -158,12 +159,12 @@ def greedy_in_process(deployment):
 def deployed_equals_in_process(source: str, stages, key: bytes, tls=None) -> None:
     """Deploys ``stages`` (f32), decodes through the chain, stops it, and compares with the same
     exported stages in one process; ``tls``: the fleet's TLS contexts, when its agents speak it."""
-    deployment, chain = deploy(source, stages, key=key, tls=tls, weights="f32")
+    deployment, chain = deploy(source, stages, access=FleetAccess(key, tls), shard=ShardOptions(weights="f32"))
     try:
         got = greedy(chain)
     finally:
         chain.close()
-        deployment.stop(key, tls)
+        deployment.stop(FleetAccess(key, tls))
     assert got == greedy_in_process(deployment)
 
 

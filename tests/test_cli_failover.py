@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+from engine.config import FleetAccess, ShardOptions
 from engine.cli.args import reply_text
 from engine.fleet.deploy import LOCAL, Deployment, deploy
 from engine.fleet.local_agent import start_local_agent, stop_local_agent
@@ -48,7 +49,8 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
     chat = None
     try:
         stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(agent.address, "CPU", 2, 4)]
-        deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, tls=tls, weights="f32", mode="exact")
+        deployment, chain = deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key, tls),
+                                   shard=ShardOptions(weights="f32", mode="exact"))
         chain.close()
         record = deployment.save(tmp_path / "deployment.json")
         want = _in_process(deployment)
@@ -76,7 +78,7 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
         # the record names the worker that runs now, so stopping the deployment stops it
         saved = Deployment.load(record)
         assert saved.id == deployment.id and saved.workers != deployment.workers
-        assert saved.stop(key, tls) == []
+        assert saved.stop(FleetAccess(key, tls)) == []
         assert psutil.Process(agent.pid).children() == []
     finally:
         if chat is not None and chat.poll() is None:

@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 from fleet_support import fleet_up, greedy, greedy_in_process
 
+from engine.config import FleetAccess, Settings, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL
 from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleet.node import SimulatedDevice, agent_node_id, node_id
-from engine.fleetkey import create_key, load_key, load_tls
+from engine.fleetkey import create_key, fleet_access, load_key, load_tls
 from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
@@ -85,7 +86,8 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
 
     model = str(tiny_models["llama"])
     events: list[str] = []
-    fleet, deployment, chain, doc = demo_up(model, None, 2, weights="f32", tls=True)  # the default key, made here
+    access = fleet_access(Settings(tls=True), create=True)  # the default key, made here
+    fleet, deployment, chain, doc = demo_up(model, None, 2, access=access, shard=ShardOptions(weights="f32"))
     try:
         key, tls = load_key(), load_tls(True)
         laptop, gpu = fleet.nodes
@@ -107,7 +109,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
         want = greedy_in_process(deployment)
         assert greedy(chain) == want
 
-        failover = Failover.of(deployment, key=key, tls=tls, on_event=events.append, chain=chain)
+        failover = Failover.of(deployment, access=FleetAccess(key, tls), on_event=events.append, chain=chain)
         service = ChatService(chain, streams=1, recover=failover.recover)
         try:
             first = service.submit([{"role": "user", "content": "Paris is"}], 8, ignore_eos=True).wait(120)
@@ -121,7 +123,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
         moved = failover.deployment.placement
         assert [s.node for s in moved] == [LOCAL, gpu.address] and moved[1].device == "GPU", events
         assert [w["stage"] for w in _status(gpu.address)["workers"]] == [1]
-        failover.deployment.stop(key, tls)
+        failover.deployment.stop(FleetAccess(key, tls))
     finally:
         fleet.close()
     assert not any(n.running for n in fleet.nodes)
@@ -142,7 +144,7 @@ def test_fleet_up_demo_brings_up_a_demo_fleet_and_stops_it(home, tiny_models, tm
         pids = [int(p) for p in re.findall(r"demo node demo-\S+ \(pid (\d+)\)", text)]
         assert len(pids) == 2 and "SIMULATED GPU (integrated GPU, 3 GB" in text, text
         assert re.search(r"part 1 on this machine CPU \(layers 0-1\); part 2 on demo-laptop CPU", text), text
-        chain = deployment.chain(load_key(), tls=load_tls(True))
+        chain = deployment.chain(FleetAccess(load_key(), load_tls(True)))
         try:
             assert greedy(chain) == greedy_in_process(deployment)
         finally:

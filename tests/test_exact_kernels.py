@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import kernels
+from engine.config import FleetAccess
 from engine.export.exporter import export_model, rank_folder
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.generate import Generator
@@ -57,7 +58,7 @@ def test_smollm2_over_loopback_workers(smollm2_gguf, tmp_path):
     want = in_process(stages.folders)
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(stages.folders[1:], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
-        chain = RemoteChain(stages.folders[0], fleet.addresses, key=load_key(key), mode="exact")
+        chain = RemoteChain(stages.folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact")
         try:
             assert exact_replies(chain, stages.folders[0]) == want
         finally:
@@ -70,7 +71,7 @@ def test_qwen_over_two_tensor_parallel_ranks(qwen15_gguf, tmp_path):
     ranks = export_model("qwen2.5-coder-1.5b", ranks=2, weights="gguf")
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers([rank_folder(ranks.out, 1)], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
-        chain = RankChain(rank_folder(ranks.out, 0), fleet.addresses, key=load_key(key), mode="exact")
+        chain = RankChain(rank_folder(ranks.out, 0), fleet.addresses, access=FleetAccess(load_key(key)), mode="exact")
         try:
             got = exact_replies(chain, rank_folder(ranks.out, 0))
         finally:

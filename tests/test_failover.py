@@ -16,6 +16,7 @@ import psutil
 import pytest
 from fleet_support import agent_process, fleet_profile
 
+from engine.config import FleetAccess, ShardOptions
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
 from engine.fleet.failover import Failover
@@ -68,7 +69,8 @@ def _reference(deployment) -> list[int]:
 def _deployed(fleet, on="alpha"):
     address = fleet["agents"][on][1]
     stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(address, "CPU", 15, 30)]
-    return deploy(fleet["source"], stages, key=fleet["key"], weights="int4", mode="exact")
+    return deploy(fleet["source"], stages, access=FleetAccess(fleet["key"]),
+                  shard=ShardOptions(weights="int4", mode="exact"))
 
 
 def _worker_of(agent_proc) -> psutil.Process:
@@ -96,7 +98,8 @@ def test_a_node_killed_mid_reply_and_a_hung_worker(fleet):
     deployment, chain = _deployed(fleet)
     want = _reference(deployment)
     assert len(set(want[8:])) > 5  # a reply that varies: carrying on and starting over would differ
-    failover = Failover(deployment, fleet["profile"], key=fleet["key"], on_event=events.append, chain=chain)
+    failover = Failover(deployment, fleet["profile"], access=FleetAccess(fleet["key"]), on_event=events.append,
+                        chain=chain)
     service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
     try:
         alpha_proc, _ = fleet["agents"]["alpha"]
@@ -135,7 +138,7 @@ def test_a_node_killed_mid_reply_and_a_hung_worker(fleet):
             assert all(s.node != fleet["agents"]["alpha"][1] for s in failover.deployment.placement)
     finally:
         service.close()
-        failover.deployment.stop(fleet["key"])
+        failover.deployment.stop(FleetAccess(fleet["key"]))
 
 
 def test_survivors_that_cannot_take_the_layers_say_so(fleet):
@@ -146,7 +149,7 @@ def test_survivors_that_cannot_take_the_layers_say_so(fleet):
     profile["fleet"] = {**profile["fleet"], "devices": tiny_memory}
     assert Fleet.from_json(profile["fleet"]).devices
     events: list[str] = []
-    failover = Failover(deployment, profile, key=fleet["key"], on_event=events.append)
+    failover = Failover(deployment, profile, access=FleetAccess(fleet["key"]), on_event=events.append)
     service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
     try:
         beta_proc, _ = fleet["agents"]["beta"]
@@ -160,7 +163,7 @@ def test_survivors_that_cannot_take_the_layers_say_so(fleet):
     finally:
         os.kill(beta_proc.pid, signal.SIGCONT)
         service.close()
-        deployment.stop(fleet["key"])
+        deployment.stop(FleetAccess(fleet["key"]))
 
 
 def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_path):
@@ -181,12 +184,13 @@ def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_p
             agent_process(fleet["key_file"], tmp_path / "desk", name="desk") as (desk_proc, desk):
         agents = {"lid": (lid_proc, lid), "desk": (desk_proc, desk)}
         stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(lid, "CPU", 15, 30)]
-        deployment, chain = deploy(fleet["source"], stages, key=key, weights="int4", mode="exact",
-                                   deadline_s=settings.deadline_s)
+        access = FleetAccess(key, deadline_s=settings.deadline_s)
+        deployment, chain = deploy(fleet["source"], stages, access=access,
+                                   shard=ShardOptions(weights="int4", mode="exact"))
         want = _reference(deployment)
         events: list[str] = []
-        failover = Failover(deployment, fleet_profile(MODEL, agents, key), key=key, deadline_s=settings.deadline_s,
-                            on_event=events.append, chain=chain).watch(settings.rejoin_check_s)
+        failover = Failover(deployment, fleet_profile(MODEL, agents, key), access=access, on_event=events.append,
+                            chain=chain).watch(settings.rejoin_check_s)
         service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
         asleep = [lid_proc.pid, _worker_of(lid_proc).pid]
         try:
@@ -228,4 +232,4 @@ def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_p
         finally:
             service.close()
             failover.close()
-            failover.deployment.stop(key)
+            failover.deployment.stop(FleetAccess(key))

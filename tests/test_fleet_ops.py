@@ -19,6 +19,7 @@ import pytest
 from fleet_support import (agent_process, deployed_equals_in_process, fleet_up, greedy, greedy_in_process, turn_held,
                            waits_for_turn)
 
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy, deploy_draft
@@ -128,7 +129,8 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     key = load_key(key_file)
     stages = [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(a, "CPU", 1, 3), StageSpan(b, "CPU", 3, 4)]
     phases = []
-    deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
+    deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key),
+                               shard=ShardOptions(weights="f32"),
                                progress=lambda p: phases.append((p.stage, p.step)))
     try:
         got = greedy(chain)
@@ -144,8 +146,8 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
             assert [w["stage"] for w in status["workers"]] == [stage]
             assert status["state"] == f"serving part {stage + 1} of 3"
     # a second deployment of the same plan sends nothing: the nodes hold those shards
-    assert deployment.stop(key) == []
-    again, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
+    assert deployment.stop(FleetAccess(key)) == []
+    again, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key), shard=ShardOptions(weights="f32"),
                           progress=lambda p: phases.append((p.stage, p.step, p.fraction)))
     chain.close()
     # `fleet nodes prune`: alpha keeps the shard its worker serves and gives up another, and a
@@ -167,7 +169,7 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     assert not left.exists() and busy.exists()
     with ControlClient(a, key) as agent:
         assert [s["hash"] for s in agent.status()["shards"]] == served
-    again.stop(key)
+    again.stop(FleetAccess(key))
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []
         assert len(agent.call("prune")["dropped"]) == 1 and agent.status()["shards"] == []
@@ -182,9 +184,9 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
     key = load_key(key_file)
     model = str(tiny_models["qwen2"])
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(a, "CPU", 2, 4)]
-    deployment, chain = deploy(model, stages, key=key, weights="f32", mode="exact")
+    deployment, chain = deploy(model, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     try:
-        deployment.draft = deploy_draft(model, b, key=key, weights="f32")
+        deployment.draft = deploy_draft(model, b, access=FleetAccess(key), weights="f32")
         with ControlClient(b, key) as agent:
             assert [w["role"] for w in agent.status()["workers"]] == ["draft"]
         link = open_draft_link(Settings(draft="remote", fleet_key_file=str(key_file), tls=False), chain, deployment)
@@ -196,7 +198,7 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
             link.close()
     finally:
         chain.close()
-        assert deployment.stop(key) == []
+        assert deployment.stop(FleetAccess(key)) == []
     assert got.tokens == want and got.drafted > 0  # exact mode: the same tokens, however many drafts held
     with ControlClient(b, key) as agent:
         assert agent.status()["workers"] == []
@@ -214,11 +216,11 @@ def test_a_deployments_copies_share_its_draft_server(two_agents, key_file, tiny_
     key = load_key(key_file)
     model = str(tiny_models["qwen2"])
     deployment, chains = deploy_layout(model, [[StageSpan(LOCAL, "CPU", 0, 4)], [StageSpan(a, "CPU", 0, 4)]],
-                                       key=key, weights="f32", mode="exact")
+                                       access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     for chain in chains:
         chain.close()
     try:
-        deployment.draft = deploy_draft(model, b, key=key, weights="f32")
+        deployment.draft = deploy_draft(model, b, access=FleetAccess(key), weights="f32")
         record = Deployment.load(deployment.save(tmp_path / "deployment.json"))
         settings = Settings(fleet_key_file=str(key_file), mode="exact", streams=2, draft="remote", k="3", tls=False)
         service = open_service(settings, Launch(deployment=record))
@@ -230,7 +232,7 @@ def test_a_deployments_copies_share_its_draft_server(two_agents, key_file, tiny_
         finally:
             service.close()
     finally:
-        assert deployment.stop(key) == []
+        assert deployment.stop(FleetAccess(key)) == []
     assert routed == [1, 1] and all(r.error is None for r in got)
     assert all(r.drafted > 0 for r in got), [(r.drafted, r.accepted) for r in got]
 
@@ -254,7 +256,8 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     copies = [[StageSpan(LOCAL, "CPU", 0, 4)],
               [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(a, "CPU", 1, 4)],
               [StageSpan(b, "CPU", 0, 4)]]
-    deployment, chains = deploy_layout(model, copies, key=key, weights="f32", mode="exact")
+    deployment, chains = deploy_layout(model, copies, access=FleetAccess(key),
+                                       shard=ShardOptions(weights="f32", mode="exact"))
     for chain in chains:
         chain.close()
     record = Deployment.load(deployment.save(tmp_path / "deployment.json"))
@@ -285,7 +288,7 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
         whole.close()
     assert [r.tokens for r in got] == [r.tokens for r in want] and all(len(r.tokens) == 10 for r in got)
     # the record names the first workers; the ones the failovers started are the only ones left
-    assert [p for p in record.stop(key) if "no worker" not in p] == []
+    assert [p for p in record.stop(FleetAccess(key)) if "no worker" not in p] == []
     for address in (a, b):
         with ControlClient(address, key) as agent:
             (restarted,) = agent.status()["workers"]
@@ -304,7 +307,8 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
     (_, a), _ = two_agents
     key = load_key(key_file)
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(a, "CPU", 2, 4)]
-    deployment, chain = deploy(str(tiny_models["llama"]), stages, key=key, weights="f32")
+    deployment, chain = deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key),
+                               shard=ShardOptions(weights="f32"))
     chain.close()
 
     def blocked_until_released(chain, turns_file) -> None:
@@ -317,17 +321,17 @@ def test_stages_take_the_compute_turns_of_the_computer_they_run_on(two_agents, k
             assert done.wait(30), "the forward did not finish once the turn was let go"
 
     try:
-        worker_only = deployment.chain(key, turns=None)  # only alpha's worker may wait
+        worker_only = deployment.chain(FleetAccess(key), turns=None)  # only alpha's worker may wait
         greedy(worker_only, 2)  # compiled and warm
         blocked_until_released(worker_only, tmp_path / "a" / "data" / "compute.turns")
         worker_only.close()
         monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "coordinator"))
-        coordinator = deployment.chain(key)
+        coordinator = deployment.chain(FleetAccess(key))
         greedy(coordinator, 2)
         blocked_until_released(coordinator, machine_turns_file())
         coordinator.close()
     finally:
-        deployment.stop(key)
+        deployment.stop(FleetAccess(key))
 
 
 # What a worker laptop does not install: refused at import in every process started with it.
@@ -375,13 +379,15 @@ def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_
             proc_b.wait()
 
     with pytest.raises(FleetError, match=r"starting part 3 of 3: node agent at .* (lost|not reachable)"):
-        deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=lose_b)
+        deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key),
+               shard=ShardOptions(weights="f32"), progress=lose_b)
     with ControlClient(a, key) as agent:
         assert agent.status()["workers"] == []  # stage 1's worker was stopped again
     # a node already gone is found before anything is exported
     phases = []
     with pytest.raises(FleetError, match=r"^deployment not started: node agent at .* not reachable"):
-        deploy(str(tiny_models["llama"]), stages, key=key, weights="f32", progress=phases.append)
+        deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key),
+               shard=ShardOptions(weights="f32"), progress=phases.append)
     assert phases == []
 
 
@@ -504,7 +510,7 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
 def _up_serves_then_stops(up, lines, deployment, ending: str, log: Path, a: str, key: bytes) -> None:
     assert any(": alpha CPU, layer 3," in line for line in lines), lines  # the plan, explained, by node name
     assert [w["agent"] for w in deployment.workers] == [a]
-    chain = deployment.chain(key)
+    chain = deployment.chain(FleetAccess(key))
     try:
         got = greedy(chain)
     finally:

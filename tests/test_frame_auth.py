@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from fleet_support import Trickler
 
+from engine.config import FleetAccess
 from engine.errors import FleetError, StageError
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient, call_frame
@@ -288,9 +289,9 @@ def worker_behind_relay(tiny_exports):
     folders = tiny_exports["llama", "2"].folders
     key = b"k" * 32
     logs: list[str] = []
-    worker = Worker(folders[1], "127.0.0.1:0", key=key, log=logs.append).start()
+    worker = Worker(folders[1], "127.0.0.1:0", access=FleetAccess(key), log=logs.append).start()
     relay = Relay(worker.address)
-    chain = RemoteChain(folders[0], [relay.address], key=key, connect_timeout_s=30)
+    chain = RemoteChain(folders[0], [relay.address], access=FleetAccess(key), connect_timeout_s=30)
     yield chain, relay, logs
     chain.close()
     relay.close()

@@ -14,6 +14,7 @@ import subprocess
 import pytest
 from fleet_support import agent_process, greedy
 
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy
@@ -60,7 +61,8 @@ def test_a_transfer_onto_a_full_disk_fails_plainly_and_the_old_deployment_serves
     with small_filesystem(home / "data" / "agent", room) as store, \
             agent_process(key_file, home, name="office-pc") as (_, address):
         stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)]
-        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32",
+        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights="f32"),
                                    folders=tiny_exports["qwen2", "2"].folders)
         try:
             before = greedy(chain)
@@ -68,7 +70,7 @@ def test_a_transfer_onto_a_full_disk_fails_plainly_and_the_old_deployment_serves
             # 1. less free space than the shard needs: refused before a byte is sent
             _fill(store, _folder_bytes(incoming) // 2)
             with pytest.raises(FleetError) as refused:
-                deploy(str(tiny_models["llama"]), stages, key=key, weights="f32",
+                deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key), shard=ShardOptions(weights="f32"),
                        folders=tiny_exports["llama", "2"].folders)
             text = str(refused.value)
             assert re.search(NAMED.replace("^", r"while sending part 2 of 2: "), text), text
@@ -101,4 +103,4 @@ def test_a_transfer_onto_a_full_disk_fails_plainly_and_the_old_deployment_serves
             assert greedy(chain) == before
         finally:
             chain.close()
-            deployment.stop(key)
+            deployment.stop(FleetAccess(key))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gui_support import screenshot
 
+from engine.config import FleetAccess
 from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
@@ -167,7 +168,8 @@ def test_tray_menu_and_live_activity(qtbot, gui_home, key_file, tiny_exports):
     qtbot.waitUntil(lambda: "part 2 of 2: stage 1 of 2" in window.activity.toPlainText(), timeout=60000)
     assert "started worker" in window.activity.toPlainText()
     qtbot.waitUntil(lambda: "1 part started" in tray.tally_action.text(), timeout=10000)
-    chain = RemoteChain(tiny_exports["llama", "2"].folders[0], [worker["address"]], key=key)  # a coordinator
+    chain = RemoteChain(tiny_exports["llama", "2"].folders[0], [worker["address"]],
+                        access=FleetAccess(key))  # a coordinator
     try:
         qtbot.waitUntil(lambda: "part 2 of 2: serving upstream" in window.activity.toPlainText(), timeout=30000)
         chain.forward(np.array([[3, 5, 7, 9, 11]]), np.ones((1, 5), np.int64), np.arange(5)[None])  # a prompt

@@ -14,7 +14,7 @@ import ssl
 import pytest
 from fleet_support import fleet_up, greedy
 
-from engine.config import Settings
+from engine.config import FleetAccess, Settings
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
@@ -78,7 +78,7 @@ def test_the_local_fleet_speaks_tls_as_the_callers_settings_say(fleet_home, tiny
         assert _agent_answers(agent, key, contexts)  # as failover probes it
         assert not _agent_answers(agent, key, load_tls(not tls, key_path))
         # the worker too: the chat reopens the deployment with the same setting, and decodes the same
-        again = opened.deployment.chain(key, tls=contexts, connect_timeout_s=30)
+        again = opened.deployment.chain(FleetAccess(key, contexts), connect_timeout_s=30)
         try:
             assert greedy(again, 4) == tokens
         finally:
@@ -106,13 +106,13 @@ def test_fleet_up_tls_brings_the_local_fleet_up_over_tls(fleet_home, tiny_models
     with fleet_up(["--model", str(tiny_models["llama"]), "--local", "--no-chat", "--tls"], log) as (up, _, deployment):
         key = load_key(key_path)
         assert _tls_handshake(deployment.placement[1].node, key_path)
-        chain = deployment.chain(key, tls=load_tls(True, key_path), connect_timeout_s=30)
+        chain = deployment.chain(FleetAccess(key, load_tls(True, key_path)), connect_timeout_s=30)
         try:
             assert len(greedy(chain, 4)) == 4
         finally:
             chain.close()
         with pytest.raises(FleetError):  # nor in plaintext
-            deployment.chain(key, connect_timeout_s=5).close()
+            deployment.chain(FleetAccess(key), connect_timeout_s=5).close()
         up.stdin.close()
         assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
 

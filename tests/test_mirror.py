@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from engine.config import FleetAccess
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.decode.service import ChatService
@@ -39,7 +40,7 @@ def _workers(folders, key):
     started = []
     try:
         for folder in folders:
-            started.append(Worker(folder, "127.0.0.1:0", key=key, log=lambda line: None).start())
+            started.append(Worker(folder, "127.0.0.1:0", access=FleetAccess(key), log=lambda line: None).start())
         yield started
     finally:
         for worker in started:
@@ -65,7 +66,7 @@ def test_a_lost_stage_hands_over_to_its_mirrored_standby_without_a_prefill(victi
         reference.close()
     with _workers(folders[1:] * 2, key) as (first, second, spare1, spare2):
         spares = {1: spare1, 2: spare2}
-        chain = RemoteChain(folders[0], [first.address, second.address], key=key, connect_timeout_s=10,
+        chain = RemoteChain(folders[0], [first.address, second.address], access=FleetAccess(key), connect_timeout_s=10,
                             standbys=[spare1.address, spare2.address])
         victims = {1: first, 2: second}
 
@@ -126,7 +127,7 @@ def test_a_serving_worker_ignores_copies(tiny_exports, key):
     folders = tiny_exports["qwen2", "2"].folders
     want = LocalChain(folders)
     with _workers([folders[1]], key) as (worker,):
-        chain = RemoteChain(folders[0], [worker.address], key=key, connect_timeout_s=10)
+        chain = RemoteChain(folders[0], [worker.address], access=FleetAccess(key), connect_timeout_s=10)
         service = ChatService(chain, streams=1)
         reference = ChatService(want, streams=1)
         try:
@@ -156,7 +157,7 @@ def test_a_standby_named_later_is_taken_up_at_the_next_reply(tiny_exports, key):
     finally:
         reference.close()
     with _workers([folders[1]] * 2, key) as (first, spare):
-        chain = RemoteChain(folders[0], [first.address], key=key, connect_timeout_s=10)
+        chain = RemoteChain(folders[0], [first.address], access=FleetAccess(key), connect_timeout_s=10)
         service = ChatService(chain, streams=1,
                               recover=lambda error: (chain.reroute(1, spare.address, timeout_s=10), chain)[1])
         try:

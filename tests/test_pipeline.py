@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from engine.config import FleetAccess
 from engine.errors import StageError
 from engine.fleetkey import create_certificate, create_key, load_key, tls_file
 from engine.manifest import load_manifest
@@ -47,8 +48,8 @@ def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, f
     fleet = LocalWorkers(folders if fed else folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
     chain = None
     try:
-        chain = RemoteChain(folders[0], fleet.addresses, key=coordinator_key or load_key(key_file),
-                            connect_timeout_s=30, tls=fleet_args.get("tls") and _tls(key_file),
+        access = FleetAccess(coordinator_key or load_key(key_file), fleet_args.get("tls") and _tls(key_file))
+        chain = RemoteChain(folders[0], fleet.addresses, access=access, connect_timeout_s=30,
                             mode=fleet_args.get("mode", "fast"), depth=depth, fed=fed)
         yield fleet, chain
     finally:
@@ -291,7 +292,7 @@ def test_wrong_key_is_refused_on_both_sides(tiny_exports, key_file, tmp_path, ho
     other = load_key(create_key(tmp_path / "other.key"))
     with LocalWorkers(folders[1:], key_file, log_dir=tmp_path, hosting=hosting) as fleet:
         with pytest.raises(StageError, match="stage 1 at 127.0.0.1:\\d+: handshake failed: .*fleet key"):
-            RemoteChain(folders[0], fleet.addresses, key=other, connect_timeout_s=10)
+            RemoteChain(folders[0], fleet.addresses, access=FleetAccess(other), connect_timeout_s=10)
         assert _wait_for_log(fleet.logs[0], "refused connection from 127.0.0.1")
     assert "fleet key" in fleet.logs[0].read_text()
 
@@ -310,13 +311,13 @@ def test_foreign_shards_are_refused(tiny_exports, key_file, tmp_path, hosting):
     fleet = LocalWorkers(qwen[1:], key_file, log_dir=tmp_path, hosting=hosting).start()
     try:
         with pytest.raises(StageError, match="fingerprint mismatch"):
-            RemoteChain(llama[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=10)
+            RemoteChain(llama[0], fleet.addresses, access=FleetAccess(load_key(key_file)), connect_timeout_s=10)
         # Same model, but the worker's stage of the 3-stage split starts at layer 1, not at layer 2.
         three = tiny_exports["llama", "3"].folders
         fleet2 = LocalWorkers(three[1:2], key_file, log_dir=tmp_path, hosting=hosting).start()
         try:
             with pytest.raises(StageError, match="first_layer mismatch"):
-                RemoteChain(llama[0], fleet2.addresses, key=load_key(key_file), connect_timeout_s=10)
+                RemoteChain(llama[0], fleet2.addresses, access=FleetAccess(load_key(key_file)), connect_timeout_s=10)
         finally:
             fleet2.close()
     finally:
@@ -414,7 +415,7 @@ def test_fuzzed_worker_keeps_serving(tiny_exports, key_file, tmp_path):
                 sent += 1
         assert sent >= 1000
         assert fleet.procs[0].poll() is None, "the worker died"
-        chain = RemoteChain(folders[0], fleet.addresses, key=key, connect_timeout_s=10)
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(key), connect_timeout_s=10)
         try:
             assert _greedy(chain) == want
         finally:
@@ -488,7 +489,8 @@ def test_a_malformed_pong_from_the_next_stage_fails_the_request_instead_of_hangi
 
     listener = socket.create_server(("127.0.0.1", 0))
     last = "127.0.0.1:%d" % listener.getsockname()[1]
-    worker = Worker(folders[1], "127.0.0.1:0", last, key=key, deadline_s=1.0, log=lambda line: None)  # before threads
+    access = FleetAccess(key, deadline_s=1.0)
+    worker = Worker(folders[1], "127.0.0.1:0", last, access=access, log=lambda line: None)  # before threads
     stop = threading.Event()
     threading.Thread(target=accept_loop, daemon=True,
                      args=(listener, stop, lambda conn: authenticate_peer(conn, key, identity), session, "stage 2",
@@ -498,7 +500,7 @@ def test_a_malformed_pong_from_the_next_stage_fails_the_request_instead_of_hangi
 
     def connect() -> None:
         try:
-            RemoteChain(folders[0], [worker.address, last], key=key, deadline_s=1.0, connect_timeout_s=2.0).close()
+            RemoteChain(folders[0], [worker.address, last], access=access, connect_timeout_s=2.0).close()
         except StageError as exc:
             outcome["error"] = exc
 
@@ -542,7 +544,7 @@ def test_tls_fleet_serves_and_refuses_plain_peers(tiny_exports, tmp_path, hostin
     with pipeline(folders, key_file, tmp_path, tls=True, hosting=hosting) as (fleet, chain):
         assert _greedy(chain, 8) == want
         with pytest.raises(StageError, match="handshake failed"):
-            RemoteChain(folders[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=5)
+            RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key_file)), connect_timeout_s=5)
 
 
 def test_worker_reports_a_port_in_use(tiny_exports, key_file, tmp_path, hosting):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.cli.args import settings_of
-from engine.config import Settings
+from engine.config import FleetAccess, Settings
 from engine.errors import FleetError, ShardError
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.draftserver import MAX_LEAD, DraftServer, DraftText, draft_identity
@@ -243,7 +243,8 @@ def test_a_draft_server_with_the_key_cannot_grow_the_coordinator_or_propose_fore
 def test_a_stage_worker_is_not_taken_for_a_draft_server(tiny_exports, key):
     from engine.runtime.relay.worker import Worker
 
-    worker = Worker(tiny_exports["qwen2", "2"].folders[1], "127.0.0.1:0", key=key, log=lambda m: None).start()
+    worker = Worker(tiny_exports["qwen2", "2"].folders[1], "127.0.0.1:0", access=FleetAccess(key),
+                    log=lambda m: None).start()
     try:
         with pytest.raises(FleetError, match="role mismatch"):
             DraftLink(worker.address, key)

@@ -4,16 +4,20 @@ command line becomes settings (``engine.cli.args``), and the one settings file t
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 
 from engine.cli.args import chain_args, launch_of, settings_of
 from engine.cli.main import GROUPS, build_parser
-from engine.config import Settings, forget_nodes, known_nodes, remember_nodes
+from engine.config import SERVICE_SETTINGS, Settings, forget_nodes, known_nodes, remember_nodes, service_changes
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment
+from engine.fleetkey import create_key, fleet_access
 from engine.session import Launch, chain_kind, open_chain, open_service
 
 
@@ -133,3 +137,36 @@ def test_the_stage_runners_and_the_chains_implement_their_declared_interfaces():
                     or isinstance(member, property)}
         missing = [name for name, member in declared.items() if inspect.getattr_static(cls, name) is member]
         assert not missing, f"{cls.__name__} inherits {missing} from {interface.__name__} instead of implementing it"
+
+
+def _settings_read(path: Path, function: str | None = None) -> set[str]:
+    """The fields of ``settings`` a module (or one function of it) reads, from its source."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if function is not None:
+        tree = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {n.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "settings"}
+
+
+def test_the_settings_a_service_is_built_from_are_those_whose_change_needs_a_new_one():
+    engine = Path(__file__).resolve().parent.parent / "engine"
+    read = _settings_read(engine / "session.py") | _settings_read(engine / "fleetkey.py", "fleet_access") | \
+        _settings_read(engine / "config.py", "of")  # ShardOptions.of
+    read = {"k" if name == "k_value" else name for name in read}  # K as a number: the ``k`` field
+    assert read == set(SERVICE_SETTINGS)
+    before = Settings()
+    assert service_changes(before, dataclasses.replace(before, streams=3, k="4")) == ["streams", "k"]
+    assert service_changes(before, dataclasses.replace(before, deadline_s=5.0)) == ["deadline_s"]
+    # per request (the reply's length), the API's own, or the deployment's (standbys): the service carries on
+    assert service_changes(before, dataclasses.replace(before, max_new_tokens=9, api_port=9000, standbys=False)) == []
+
+
+def test_the_fleet_access_is_built_once_from_the_settings(home, tmp_path):
+    key_path = create_key(tmp_path / "fleet.key")
+    access = fleet_access(Settings(fleet_key_file=str(key_path), tls=False, deadline_s=3.5))
+    assert access.key == bytes.fromhex(key_path.read_text().strip())
+    assert (access.tls, access.uses_tls, access.deadline_s) == (None, False, 3.5)
+    assert fleet_access(Settings(fleet_key_file=str(key_path))).uses_tls  # TLS unless the settings say not
+    assert access.key.hex() not in repr(access)  # a log line never shows the key
+    with pytest.raises(FleetError, match="no fleet key"):  # a key file the settings name is never made
+        fleet_access(Settings(fleet_key_file=str(tmp_path / "missing.key"), tls=False), create=True)

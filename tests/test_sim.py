@@ -21,6 +21,7 @@ import psutil
 import pytest
 from fleet_support import IDS, deployed_equals_in_process, fleet_profile, simulated_office
 
+from engine.config import FleetAccess, ShardOptions
 from engine.fleet.sim import netns
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy
@@ -101,14 +102,14 @@ def test_a_routed_pc_serves_a_stage(office, tiny_models):
     far = office.nodes["far"].agent
     deployment, chain = deploy(str(tiny_models["llama"]), [StageSpan(LOCAL, "CPU", 0, 2),
                                                            StageSpan(far, "CPU", 2, 4)],
-                               key=key, weights="f32", mode="exact")
+                               access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     try:
         got = ChatService(chain, streams=1).submit(MESSAGES, 8, ignore_eos=True).wait(120)
         assert got.error is None and len(got.tokens) == 8
         assert deployment.remotes[0].startswith(office.nodes["far"].ip + ":")
     finally:
         chain.close()
-        deployment.stop(key)
+        deployment.stop(FleetAccess(key))
 
 
 DELAY_MS = 40.0
@@ -126,7 +127,7 @@ def test_a_pcs_link_delay_holds_the_rounds_through_it_and_no_other_pc(office, ti
         deployment, chain = deploy(str(tiny_models["llama"]), [StageSpan(LOCAL, "CPU", 0, 2),
                                                                StageSpan(office.nodes["pc1"].agent, "CPU", 2, 3),
                                                                StageSpan(office.nodes["pc2"].agent, "CPU", 3, 4)],
-                                   key=key, weights="f32", mode="exact")
+                                   access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
         try:
             held = {name: [w["delay_ms"] for w in _status(office.nodes[name].agent, key)["workers"]]
                     for name in ("pc1", "pc2")}
@@ -138,7 +139,7 @@ def test_a_pcs_link_delay_holds_the_rounds_through_it_and_no_other_pc(office, ti
             assert got.breakdown.network_ms >= rounds * 2 * DELAY_MS, (got.breakdown.network_ms, rounds)
         finally:
             chain.close()
-            deployment.stop(key)
+            deployment.stop(FleetAccess(key))
     finally:
         office.set_delay("pc2", None)
     assert _status(office.nodes["pc2"].agent, key)["link_delay_ms"] == 0
@@ -150,7 +151,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
     agents = {name: (None, office.nodes[name].agent) for name in ("pc1", "pc2", "pc3")}
     profile = fleet_profile(source, agents, key, weights="f32", memory=4 << 30)
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(office.nodes["pc1"].agent, "CPU", 2, 4)]
-    deployment, chain = deploy(source, stages, key=key, weights="f32", mode="exact")
+    deployment, chain = deploy(source, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
     alone = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1)
     try:
@@ -159,7 +160,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
         alone.close()
     assert len(set(want[4:])) > 3  # a reply that varies: carrying on and starting over would differ
     events: list[str] = []
-    failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain)
+    failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
     service = ChatService(chain, streams=1, recover=failover.recover)
     cut = threading.Event()
     try:
@@ -189,8 +190,8 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
     finally:
         office.reconnect("pc1")
         service.close()
-        failover.deployment.stop(key)
-        deployment.stop(key)
+        failover.deployment.stop(FleetAccess(key))
+        deployment.stop(FleetAccess(key))
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +423,7 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
         alone.close()
     stages = [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(office.nodes["pc1"].agent, "CPU", 1, 3),
               StageSpan(office.nodes["pc2"].agent, "CPU", 3, 4)]
-    deployment, chain = deploy(source, stages, key=key, weights="f32", mode="exact")
+    deployment, chain = deploy(source, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     service = ChatService(chain, streams=len(asks), prefix_cache=False)
     in_flight = {1: set(), None: set()}  # the most groups in flight of each run, by depth
     try:
@@ -436,7 +437,7 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
             in_flight[depth].add(chain.most_in_flight)
     finally:
         service.close()
-        deployment.stop(key)
+        deployment.stop(FleetAccess(key))
     assert in_flight[1] == {1} and min(in_flight[None]) >= 2, in_flight
 
 
@@ -459,7 +460,7 @@ def test_two_pcs_as_tensor_parallel_ranks_decode_what_the_whole_model_does(offic
     chain = None
     try:
         want = [alone.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]
-        chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:7420"], key=_key(office), mode="exact",
+        chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:7420"], access=FleetAccess(_key(office)), mode="exact",
                           connect_timeout_s=120)
         service = ChatService(chain, streams=1, prefix_cache=False)
         try:

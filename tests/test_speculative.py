@@ -10,7 +10,7 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from engine.config import Settings
+from engine.config import FleetAccess, Settings
 from engine.errors import ShardError
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
@@ -485,8 +485,8 @@ def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports,
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
         assert fleet.turns is not None  # the stages and the coordinator take compute turns
-        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact", isolate=isolate,
-                            turns=compute_turns(fleet.turns))
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact",
+                            isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             _isolation(chain)
             # speculation with physical trim over the wire (KEEP frames) is still exact

@@ -15,6 +15,7 @@ import psutil
 import pytest
 from fleet_support import agent_process, eventually, fleet_profile
 
+from engine.config import FleetAccess, ShardOptions
 from engine.fleet import standby
 from engine.fleet.deploy import LOCAL, Deployment, deploy
 from engine.fleet.failover import Failover
@@ -93,10 +94,11 @@ def _deployed(tmp_path, names: tuple[str, str]):
         profile_file = tmp_path / "profile.json"
         profile_file.write_text(json.dumps(profile))
         stages = [StageSpan(LOCAL, "CPU", 0, 15), StageSpan(agents[names[0]][1], "CPU", 15, 30)]
-        deployment, chain = deploy(MODEL, stages, key=key, weights="int4", mode="exact", standbys=True,
+        deployment, chain = deploy(MODEL, stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights="int4", mode="exact"), standbys=True,
                                    planned={"profile": str(profile_file)})
         events: list[str] = []
-        failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain)
+        failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
         service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
         try:
             folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
@@ -110,8 +112,8 @@ def _deployed(tmp_path, names: tuple[str, str]):
         finally:
             service.close()
             failover.close()
-            failover.deployment.stop(key)
-            deployment.stop(key)
+            failover.deployment.stop(FleetAccess(key))
+            deployment.stop(FleetAccess(key))
 
 
 def _at_token(n: int, action) -> tuple:

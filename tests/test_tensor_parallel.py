@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import ExportError, ShardError, StageError
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import GGUF_UNIT, rank_cuts, ranks_problem
@@ -128,7 +129,7 @@ def test_a_rank_needs_its_mesh(tp_exports):
     with pytest.raises(ShardError, match="tensor-parallel rank 1 of 2"):
         StageRunner(rank_folder(tp_exports["qwen2"].out, 1), config=EXACT)
     with pytest.raises(ShardError, match="rank 0 of 2: it runs in the coordinator"):
-        Worker(rank_folder(tp_exports["qwen2"].out, 0), "127.0.0.1:0", key=KEY)
+        Worker(rank_folder(tp_exports["qwen2"].out, 0), "127.0.0.1:0", access=FleetAccess(KEY))
 
 
 def test_a_rank_0_without_the_fleet_key_is_refused_and_the_next_coordinator_is_taken(tp_exports):
@@ -327,8 +328,8 @@ def test_a_worker_process_serves_rank_1_for_the_coordinators_rank_0(tp_exports, 
     whole = LocalChain(tiny_exports["llama", "1"].folders, config=EXACT)
     chain = None
     try:
-        chain = RankChain(rank_folder(out, 0), [listen], key=load_key(key_file), mode="exact",
-                          connect_timeout_s=120, tls=load_tls(True, key_file))  # as the worker: the default
+        access = FleetAccess(load_key(key_file), load_tls(True, key_file))  # as the worker: the default
+        chain = RankChain(rank_folder(out, 0), [listen], access=access, mode="exact", connect_timeout_s=120)
 
         assert _greedy(chain, [5, 17, 42, 99], 6) == _greedy(whole, [5, 17, 42, 99], 6)
         assert _greedy(chain, [9, 8, 7], 4) == _greedy(whole, [9, 8, 7], 4)  # a reset between requests
@@ -403,12 +404,13 @@ def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a
     layers = load_manifest(tiny_exports["qwen2", "1"].folders[0]).spec.num_layers
     with agent_process(key_file, tmp_path / "a", name="alpha") as (_, agent):
         stages = [StageSpan(LOCAL, "CPU", 0, layers, rank=0), StageSpan(agent, "CPU", 0, layers, rank=1)]
-        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32", mode="exact")
+        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights="f32", mode="exact"))
         try:
             assert isinstance(chain, RankChain) and deployment.ranks == 2
             assert _greedy(chain) == _greedy(whole)
             chain.close()
-            chain = deployment.chain(key)  # the next coordinator session, the same worker
+            chain = deployment.chain(FleetAccess(key))  # the next coordinator session, the same worker
             assert _greedy(chain) == _greedy(whole)
             with ControlClient(agent, key) as client:
                 client.stop_worker(deployment.workers[0]["worker"])
@@ -416,7 +418,7 @@ def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a
                 _greedy(chain)
         finally:
             chain.close()
-            deployment.stop(key)
+            deployment.stop(FleetAccess(key))
 
 
 def _greedy(chain, prompt=(5, 17, 42, 99), n: int = 5) -> list[int]:
@@ -475,9 +477,10 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
                    "fleet": Fleet(devices=devices, rtt_ms={(a, b): 0.3 for a in nodes for b in nodes if a < b},
                                   coordinator="coordinator").to_json()}
         stages = [StageSpan(LOCAL, "CPU", 0, layers, rank=0), StageSpan(alpha, "CPU", 0, layers, rank=1)]
-        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, key=key, weights="f32", mode="exact")
+        deployment, chain = deploy(str(tiny_models["qwen2"]), stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights="f32", mode="exact"))
         events: list[str] = []
-        failover = Failover(deployment, profile, key=key, on_event=events.append, chain=chain)
+        failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
         service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
         try:
             assert isinstance(chain, RankChain)
@@ -499,4 +502,4 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
             assert again.tokens == want and again.rerouted == 0
         finally:
             service.close()
-            failover.deployment.stop(key)
+            failover.deployment.stop(FleetAccess(key))

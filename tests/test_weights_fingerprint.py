@@ -12,6 +12,7 @@ import pytest
 from test_catalog import write_gguf
 
 from engine import hashing
+from engine.config import FleetAccess
 from engine.errors import StageError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key, load_key
@@ -90,12 +91,13 @@ def test_weights_retrained_in_place_export_again_and_old_stages_are_refused(home
     fleet = LocalWorkers([old_stage1], key_file, log_dir=tmp_path).start()
     try:
         with pytest.raises(StageError, match="fingerprint mismatch"):
-            RemoteChain(again.folders[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=10)
+            RemoteChain(again.folders[0], fleet.addresses, access=FleetAccess(load_key(key_file)), connect_timeout_s=10)
     finally:
         fleet.close()
     # The new stage 1 goes with the new stage 0.
     fleet = LocalWorkers([again.folders[1]], key_file, log_dir=tmp_path).start()
     try:
-        RemoteChain(again.folders[0], fleet.addresses, key=load_key(key_file), connect_timeout_s=10).close()
+        RemoteChain(again.folders[0], fleet.addresses, access=FleetAccess(load_key(key_file)),
+                    connect_timeout_s=10).close()
     finally:
         fleet.close()

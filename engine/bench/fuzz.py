@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.bench.report import write_report
-from engine.config import DEFAULT_WEIGHTS
+from engine.config import DEFAULT_WEIGHTS, FleetAccess
 from engine.errors import FleetError, ShardError
 from engine.export.exporter import export_model
 from engine.fleet.agent import Agent
@@ -848,13 +848,13 @@ def fuzz_flood(folders: list[Path], tally: Tally, connections: int = 200, log=la
     """``connections`` trickle a HELLO a byte at a time into the listener of the worker that serves
     ``folders[1]`` while a chain through it keeps serving replies; returns what was measured.  A
     connection counts as cut once the worker closed it (a read gives end of file, or a send fails)."""
-    key = os.urandom(32)
-    worker = Worker(folders[1], "127.0.0.1:0", key=key, log=lambda text: None).start()
+    access = FleetAccess(os.urandom(32))
+    worker = Worker(folders[1], "127.0.0.1:0", access=access, log=lambda text: None).start()
     port = int(worker.address.rsplit(":", 1)[1])
     chain = service = None
     socks: list[socket.socket] = []
     try:
-        chain = RemoteChain(folders[0], [worker.address], key=key, connect_timeout_s=30)
+        chain = RemoteChain(folders[0], [worker.address], access=access, connect_timeout_s=30)
         service = ChatService(chain, streams=1, max_length=64)
         service.submit([{"role": "user", "content": "warm up"}], 2).wait(120)
         hello = wire.encode(wire.control(wire.Msg.HELLO, {"role": "stage", "version": wire.VERSION,

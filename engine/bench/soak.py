@@ -31,7 +31,7 @@ import psutil
 from engine.bench.harness import PROMPTS, rss_mb
 from engine.bench.report import write_report
 from engine.config import DEFAULT_WEIGHTS, Settings
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import create_key
 from engine.runtime.decode.service import ChatService
 from engine.serve.server import ApiServer
 from engine.session import Launch, open_chain, open_failover
@@ -178,7 +178,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 32, minutes: float = 1
             stop.set()
             server.stop()
             service.close()
-            failover.deployment.stop(load_key(key_file))
+            failover.deployment.stop(failover.access)
             opened.owned[0].close()
     seconds = np.array(latencies or [0.0])
     summary = {**stats, "statuses": dict(statuses), "kills": kills, "sleeps": sleeps, "recoveries": recoveries,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
-from engine.config import DEFAULT_WEIGHTS, Settings, forget_nodes, known_nodes, paths, remember_nodes
+from engine.config import DEFAULT_WEIGHTS, Settings, ShardOptions, forget_nodes, known_nodes, paths, remember_nodes
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.files import write_json
@@ -36,7 +36,7 @@ from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim.office import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import load_survey, readable, recent_survey, survey
-from engine.fleetkey import fleet_id, key_file, load_key, load_tls
+from engine.fleetkey import fleet_access, fleet_id, key_file, load_key, load_tls
 from engine.hostcpu import SLOW
 from engine.launch import lifeline
 from engine.manifest import layer_span, part_name
@@ -314,11 +314,10 @@ def _resolve_pin(pin, names: dict):
 
 def cmd_deploy(args) -> int:
     settings = settings_of(args)
-    key = load_key(args.fleet_key_file)
-    tls = load_tls(settings.tls, args.fleet_key_file)
+    access = fleet_access(settings)
     if args.stop:
         record = Deployment.load(Path(args.record) if args.record else None)
-        problems = record.stop(key, tls)
+        problems = record.stop(access)
         for p in problems:
             say(f"warning: {p}")
         workers = sum(len(copy.workers) for copy in record.copies)
@@ -332,17 +331,18 @@ def cmd_deploy(args) -> int:
         raise FleetError(f"cannot read the plan {args.plan}: {exc}") from None
     if args.draft_on and not (args.draft_model or settings.draft_model):
         raise FleetError("--draft-on needs the draft model: --draft-model MODEL (one with the target's tokenizer)")
-    deployment, chains = deploy_layout(args.model, layout_stages(plan_doc), key=key, tls=tls, weights=args.weights,
-                                       mode=settings.mode, progress=progress_printer(), deadline_s=settings.deadline_s,
-                                       planned=planned_by(plan_doc), standbys=settings.standbys)
+    deployment, chains = deploy_layout(args.model, layout_stages(plan_doc), access=access,
+                                       shard=ShardOptions(weights=args.weights, mode=settings.mode),
+                                       progress=progress_printer(), planned=planned_by(plan_doc),
+                                       standbys=settings.standbys)
     for chain in chains:
         chain.close()
     if args.draft_on:
         try:
-            deployment.draft = deploy_draft(args.draft_model or settings.draft_model, args.draft_on, key=key, tls=tls,
+            deployment.draft = deploy_draft(args.draft_model or settings.draft_model, args.draft_on, access=access,
                                             weights=args.weights, progress=progress_printer())
         except BaseException:
-            deployment.stop(key, tls)
+            deployment.stop(access)
             raise
         say(f"draft server at {deployment.draft['address']}: chat with --draft remote: to draft there")
     path = deployment.save(Path(args.record) if args.record else None)
@@ -356,16 +356,15 @@ def cmd_up(args) -> int:
     key = load_key(args.fleet_key_file, create=True)
     model = settings.default_model
     if args.demo:
-        return _demo_up(args, settings, key, model)
+        return _demo_up(args, settings, model)
     if args.nodes:
         return _fleet_up(args, settings, key, model)
     peers = [] if args.local else browse(args.seconds, fleet_id(key))
     if peers:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
             "the local default; `fleet up --nodes all` places the model on them")
-    deployment, chain, agent = local_up(model, settings.stages, args.fleet_key_file, weights=settings.weights,
-                                        mode=settings.mode, device=settings.device, progress=progress_printer(),
-                                        deadline_s=settings.deadline_s, tls=settings.tls)
+    deployment, chain, agent = local_up(model, settings.stages, args.fleet_key_file, access=fleet_access(settings),
+                                        shard=ShardOptions.of(settings), progress=progress_printer())
     chain.close()
     try:
         return _serve(args, model, deployment, settings.tls)
@@ -376,12 +375,12 @@ def cmd_up(args) -> int:
 def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
     """``fleet up --nodes``: profile this machine and the nodes, solve the placement, deploy it and
     chat; the workers are stopped again when ``fleet up`` ends."""
-    tls = load_tls(settings.tls, args.fleet_key_file)
-    agents = _agent_addresses(args, key, tls)
+    access = fleet_access(settings)
+    agents = _agent_addresses(args, key, access.tls)
     if not agents:
         raise FleetError("no node of this fleet was found: start `fleet agent` (or the tray worker) on the other "
                          "PCs, or name them with --nodes HOST:PORT,...")
-    profile = _survey(model, agents, key=key, tls=tls, devices=settings.device, weights=settings.weights,
+    profile = _survey(model, agents, key=key, tls=access.tls, devices=settings.device, weights=settings.weights,
                       context=PLAN_CONTEXT, streams=args.users, reuse=not args.resurvey)
     doc, _ = _place(profile, objective=args.objective, users=args.users, pins=args.pin or [],
                     replicas=not args.one_chain)
@@ -392,25 +391,23 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
                "the only node agent found runs on this machine")
         say(f"the plan keeps every layer of {model} on this machine: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1", tls=settings.tls)
-    deployment, chains = deploy_layout(model, copies, key=key, tls=tls, weights=settings.weights, mode=settings.mode,
-                                       progress=progress_printer(), deadline_s=settings.deadline_s,
-                                       planned=planned_by(doc), standbys=settings.standbys)
+    deployment, chains = deploy_layout(model, copies, access=access, shard=ShardOptions.of(settings),
+                                       progress=progress_printer(), planned=planned_by(doc), standbys=settings.standbys)
     for chain in chains:
         chain.close()
     try:
         return _serve(args, model, deployment, settings.tls)
     finally:  # the chat's failover may have moved workers: the saved record names those that run now
-        for problem in deployment.current().stop(key, tls):
+        for problem in deployment.current().stop(access):
             say(f"warning: {problem}")
 
 
-def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
+def _demo_up(args, settings: Settings, model: str) -> int:
     """``fleet up --demo``: demo nodes on this PC (simulated devices, real processes), profiled, the
     model split over this machine and them, deployed and chatted on; everything stops with ``fleet up``."""
-    fleet, deployment, chain, doc = demo_up(model, args.fleet_key_file, args.demo, weights=settings.weights,
-                                            mode=settings.mode, device=settings.device.split(",")[0],
-                                            deadline_s=settings.deadline_s, progress=progress_printer(), log=say,
-                                            tls=settings.tls)
+    access = fleet_access(settings)
+    fleet, deployment, chain, doc = demo_up(model, args.fleet_key_file, args.demo, access=access,
+                                            shard=ShardOptions.of(settings), progress=progress_printer(), log=say)
     chain.close()
     try:
         for node in fleet.nodes:
@@ -425,7 +422,7 @@ def _demo_up(args, settings: Settings, key: bytes, model: str) -> int:
             "spare one")
         return _serve(args, model, deployment, settings.tls)
     finally:
-        for problem in deployment.current().stop(key, load_tls(settings.tls, args.fleet_key_file)):
+        for problem in deployment.current().stop(access):
             say(f"warning: {problem}")
         fleet.close()
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine.cli.args import connection_args, duration, settings_of
-from engine.fleetkey import load_key, load_tls
+from engine.fleetkey import fleet_access
 from engine.launch import lifeline, report
 from engine.manifest import expand_shard_dirs, layer_span
 from engine.runtime.relay.affinity import pin
@@ -18,13 +18,12 @@ from engine.runtime.stages.turns import compute_turns
 def cmd_worker(args) -> int:
     pin(args.cpus)
     settings = settings_of(args)
-    key = load_key(settings.fleet_key_file)
-    tls = load_tls(settings.tls, settings.fleet_key_file)
+    access = fleet_access(settings)
     if args.role == "draft":
-        return _draft_server(args, settings, key, tls)
-    worker = Worker(args.shard, args.listen, args.next, key=key, device=settings.device, mode=settings.mode,
-                    precision=args.precision, delay_ms=args.delay_ms, deadline_s=settings.deadline_s, tls=tls,
-                    isolate=args.isolate_streams, turns=compute_turns(args.compute_turns),
+        return _draft_server(args, settings, access.key, access.tls)
+    worker = Worker(args.shard, args.listen, args.next, access=access, device=settings.device, mode=settings.mode,
+                    precision=args.precision, delay_ms=args.delay_ms, isolate=args.isolate_streams,
+                    turns=compute_turns(args.compute_turns),
                     counted=(lambda tokens: report(TOKENS, tokens)) if args.lifeline else None)  # to the parent
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         lifeline()

@@ -19,7 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from engine.config import DEFAULT_WEIGHTS, paths
+from engine.config import FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.export.exporter import plan_split
@@ -134,25 +134,26 @@ def demo_profile() -> Path:
     return paths().data / PROFILE_NAME
 
 
-def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, weights: str = DEFAULT_WEIGHTS,
-            mode: str = "fast", device: str = "CPU", deadline_s: float = 2.0, progress: Report = quiet,
-            log: Callable[[str], None] = lambda line: None, cancel=None, tls: bool):
+def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, access: FleetAccess,
+            shard: ShardOptions = ShardOptions(), progress: Report = quiet,
+            log: Callable[[str], None] = lambda line: None, cancel=None):
     """``model`` over this machine and ``count`` new demo nodes: survey, even split, deployment
     (planned from the survey, saved in ``demo_profile()``); ``progress`` tells the survey's and the
-    deployment's steps, ``log`` the demo nodes' lines; ``tls``: the settings' TLS, for the demo
-    nodes and every connection to them (the caller reaches them with ``load_tls(tls, key)``).
-    Returns (DemoFleet, deployment, chain, survey document); the caller closes the chain and the fleet."""
-    fleet = start_demo_fleet(key, count, tls=tls, log=log)
+    deployment's steps, ``log`` the demo nodes' lines; ``key``: the fleet key file (None: the
+    default one) and ``access`` what it gives (``fleet_access(settings, create=True)``), for the demo
+    nodes, speaking TLS when it does, and every connection to them; ``shard``: how the stages are
+    exported and run (this machine's on the first of its devices).  Returns (DemoFleet, deployment,
+    chain, survey document); the caller closes the chain and the fleet."""
+    device = shard.device.split(",")[0].strip()
+    fleet = start_demo_fleet(key, count, tls=access.uses_tls, log=log)
     try:
-        secret, contexts = load_key(key), load_tls(tls, key)
         log(f"profiling this machine and the demo nodes for {model} (its three profiling shards are exported "
             "first, once)")
-        doc = survey(model, fleet.addresses, key=secret, tls=contexts, local_node=node_id(), local_devices=[device],
-                     weights=weights, progress=progress, cancel=cancel)
+        doc = survey(model, fleet.addresses, key=access.key, tls=access.tls, local_node=node_id(),
+                     local_devices=[device], weights=shard.weights, progress=progress, cancel=cancel)
         path = write_json(demo_profile(), doc)
         stages = even_placement(int(doc["model"]["num_layers"]), fleet, device)
-        deployment, chain = deploy(model, stages, key=secret, tls=contexts, weights=weights, mode=mode,
-                                   progress=progress, deadline_s=deadline_s, cancel=cancel,
+        deployment, chain = deploy(model, stages, access=access, shard=shard, progress=progress, cancel=cancel,
                                    planned={"profile": str(path), "objective": "latency", "users": 1})
     except BaseException:
         fleet.close()

@@ -18,7 +18,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from engine.config import DEFAULT_WEIGHTS, paths
+from engine.config import DEFAULT_WEIGHTS, FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient, worker_address
@@ -125,25 +125,26 @@ class Deployment:
         except (KeyError, TypeError, ValueError) as exc:
             raise FleetError(f"{path} is not a deployment record ({exc})") from None
 
-    def chain(self, key: bytes, *, tls=None, deadline_s: float = 2.0, connect_timeout_s: float = 30.0, **kw):
-        """The coordinator's chain; its stage 0 (and a draft model beside it) takes this computer's
-        compute turns, with any stage worker a node agent runs here (``engine.runtime.stages.turns``)."""
+    def chain(self, access: FleetAccess, *, connect_timeout_s: float = 30.0, **kw):
+        """The coordinator's chain, reaching the workers with ``access``; its stage 0 (and a draft model
+        beside it) takes this computer's compute turns, with any stage worker a node agent runs here
+        (``engine.runtime.stages.turns``)."""
         kw.setdefault("turns", compute_turns(machine_turns_file()))
         if not self.remotes:  # a copy whole on this machine (``deploy_layout``)
             return LocalChain([self.stage0], device=self.device, config=compile_config(self.mode),
                               isolate=kw.get("isolate", False), turns=kw["turns"])
         if self.ranks > 1:
-            return RankChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
-                             deadline_s=deadline_s, connect_timeout_s=connect_timeout_s)
-        return RemoteChain(self.stage0, self.remotes, key=key, device=self.device, mode=self.mode, tls=tls,
-                           deadline_s=deadline_s, connect_timeout_s=connect_timeout_s, fed=self.fed,
+            return RankChain(self.stage0, self.remotes, access=access, device=self.device, mode=self.mode,
+                             connect_timeout_s=connect_timeout_s)
+        return RemoteChain(self.stage0, self.remotes, access=access, device=self.device, mode=self.mode,
+                           connect_timeout_s=connect_timeout_s, fed=self.fed,
                            standbys=self.standby_addresses, **kw)
 
-    def stop(self, key: bytes, tls=None) -> list[str]:
+    def stop(self, access: FleetAccess) -> list[str]:
         """Stops every worker of the deployment (its replicas' and its draft server's too); returns
         the problems met (unreachable agents)."""
         workers = [w for copy in self.copies for w in copy.workers + copy.standbys]
-        return _stop_workers(workers + ([self.draft] if self.draft else []), key, tls)
+        return _stop_workers(workers + ([self.draft] if self.draft else []), access)
 
 
 class LiveRecord:
@@ -168,7 +169,7 @@ def _phase_of(stage: int, phase: str, progress: Report) -> Report:
     return lambda p: progress(deploying(stage, phase, p.fraction, p.bytes_done, p.bytes_total))
 
 
-def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights: str = DEFAULT_WEIGHTS,
+def deploy_draft(draft_model: str, agent: str, *, access: FleetAccess, weights: str = DEFAULT_WEIGHTS,
                  device: str = "CPU", delay_ms: float = 0.0, progress: Report = quiet, cancel=None,
                  worker_timeout_s: float = 180.0) -> dict:
     """Exports the draft model whole, sends it to the node ``agent`` and starts a draft server there
@@ -180,7 +181,7 @@ def deploy_draft(draft_model: str, agent: str, *, key: bytes, tls=None, weights:
     folder = export_model(draft_model, stages=1, **draft_format(weights), cancel=cancel,
                           progress=_phase_of(0, "export", progress)).folders[0]
     try:
-        with ControlClient(agent, key, tls=tls) as client:
+        with ControlClient(agent, access.key, tls=access.tls) as client:
             digest, _ = client.send_shard(folder, progress=_phase_of(0, "send", progress), cancel=cancel)
             progress(deploying(0, "start", 0.0))
             info = client.start_worker(digest, device=device, delay_ms=delay_ms, timeout_s=worker_timeout_s,
@@ -196,11 +197,11 @@ def default_record() -> Path:
     return paths().data / "deployment.json"
 
 
-def _stop_workers(workers: list[dict], key: bytes, tls) -> list[str]:
+def _stop_workers(workers: list[dict], access: FleetAccess) -> list[str]:
     problems = []
     for w in reversed(workers):
         try:
-            with ControlClient(w["agent"], key, tls=tls, timeout_s=10) as agent:
+            with ControlClient(w["agent"], access.key, tls=access.tls, timeout_s=10) as agent:
                 agent.stop_worker(w["worker"])
         except AgentError as exc:
             problems.append(str(exc))
@@ -259,12 +260,13 @@ def placement_problem(stages: list[StageSpan]) -> str | None:
     return None
 
 
-def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights: str = DEFAULT_WEIGHTS,
-           mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
-           progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
-           deadline_s: float = 2.0, planned: dict | None = None, local=None, folders: list[Path] | None = None,
+def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: ShardOptions = ShardOptions(),
+           delay_ms: float = 0.0, progress: Report = quiet, cancel=None, worker_timeout_s: float = 180.0,
+           planned: dict | None = None, local=None, folders: list[Path] | None = None,
            standbys: bool = False):
-    """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it).
+    """Returns the ``Deployment`` and its connected chain (a ``RemoteChain``; the caller closes it); every
+    connection to the agents and the workers goes with ``access``, every stage is exported and runs as
+    ``shard`` says (its weights, mode and precision; each stage on its span's device).
     ``progress`` tells each stage's phases (``engine.progress.deploying``): export, send, start, connect.
     ``planned``: how the placement was chosen (``profile`` path, ``objective``, ``users``), kept in
     the record for failover; ``local``: a compiled stage 0 to reuse if it is still this placement's;
@@ -280,13 +282,13 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
     on_nodes = [i for i, s in enumerate(stages) if s.node != LOCAL]  # all but a stage 0 run here
     for address in dict.fromkeys(stages[i].node for i in on_nodes):  # all up before minutes of export
         try:
-            with ControlClient(address, key, tls=tls) as agent:
+            with ControlClient(address, access.key, tls=access.tls) as agent:
                 agent.status()
         except AgentError as exc:
             raise FleetError(f"deployment not started: {exc}") from None
 
     if folders is None:
-        export = export_model(model, split=split, weights=weights, ranks=ranks, cancel=cancel,
+        export = export_model(model, split=split, weights=shard.weights, ranks=ranks, cancel=cancel,
                               progress=lambda p: progress(deploying(p.stage, "export", p.fraction)))
         if stages[-1].end != export.stages[-1].layers[1]:
             raise FleetError(f"the placement holds {layer_span(0, stages[-1].end)}, the model has "
@@ -296,7 +298,7 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
     for i in on_nodes:
         stage, folder = stages[i], folders[i]
         try:
-            with ControlClient(stage.node, key, tls=tls) as agent:
+            with ControlClient(stage.node, access.key, tls=access.tls) as agent:
                 digests[i], _ = agent.send_shard(folder, progress=_phase_of(i, "send", progress), cancel=cancel)
         except AgentError as exc:
             raise FleetError(f"deployment stopped while sending {part_name(i, len(stages))}: {exc}") from None
@@ -307,25 +309,26 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
             stage = stages[i]
             progress(deploying(i, "start", 0.0))
             try:
-                with ControlClient(stage.node, key, tls=tls) as agent:
-                    info = agent.start_worker(digests[i], device=stage.device, mode=mode, delay_ms=delay_ms,
-                                              precision=precision, timeout_s=worker_timeout_s)
+                with ControlClient(stage.node, access.key, tls=access.tls) as agent:
+                    info = agent.start_worker(digests[i], device=stage.device, mode=shard.mode, delay_ms=delay_ms,
+                                              precision=shard.precision, timeout_s=worker_timeout_s)
             except AgentError as exc:
                 raise FleetError(f"deployment stopped while starting {part_name(i, len(stages))}: {exc}") from None
             started.append({"agent": stage.node, "worker": info["id"], "stage": i})
             remotes.append(worker_address(stage.node, info["port"]))
             progress(deploying(i, "start", 1.0))
         deployment = Deployment(model=model, stage0=str(folders[0]), device=stages[0].device,
-                                remotes=remotes, workers=started, mode=mode,
+                                remotes=remotes, workers=started, mode=shard.mode,
                                 weights=load_manifest(folders[0]).weights,  # "auto" as exported
                                 placement=list(stages), **(planned or {}))
         progress(deploying(0, "connect", 0.0))
-        chain = deployment.chain(key, tls=tls, deadline_s=deadline_s, local=local)  # the whole route answers
+        chain = deployment.chain(access, local=local)  # the whole route answers
         progress(deploying(0, "connect", 1.0))
         if standbys and ranks == 1:
             try:
-                deployment.standbys = [s.to_json() for s in start_standbys(deployment, folders, key=key, tls=tls,
-                                                                            precision=precision, progress=progress)]
+                deployment.standbys = [s.to_json() for s in start_standbys(deployment, folders, access=access,
+                                                                            precision=shard.precision,
+                                                                            progress=progress)]
             except BaseException:
                 chain.close()
                 raise
@@ -334,11 +337,11 @@ def deploy(model: str, stages: list[StageSpan], *, key: bytes, tls=None, weights
                     chain.stand_by(spare.stage, spare.address)
         return deployment, chain
     except BaseException:
-        _stop_workers(started, key, tls)
+        _stop_workers(started, access)
         raise
 
 
-def start_standbys(deployment: Deployment, folders: list[Path], *, key: bytes, tls, precision: str | None = None,
+def start_standbys(deployment: Deployment, folders: list[Path], *, access: FleetAccess, precision: str | None = None,
                    progress: Report = quiet, leave_out: frozenset[str] = frozenset()) -> list[Standby]:
     """Hot standbys for ``deployment``'s stages, placed from the fleet profile it was planned from
     (none without one), on none of the nodes ``leave_out`` names (node ids: lost ones); a standby
@@ -356,12 +359,12 @@ def start_standbys(deployment: Deployment, folders: list[Path], *, key: bytes, t
     fleet = dataclasses.replace(fleet, devices=[d for d in fleet.devices if d.node not in leave_out])
     where = standby.place(ModelShape.from_json(profile["model"]), fleet, spans, standby.dropouts(), local=LOCAL)
     where = {i: s.at(nodes[s.node]["address"]) for i, s in where.items() if nodes.get(s.node, {}).get("address")}
-    return standby.start(folders, where, key=key, tls=tls, mode=deployment.mode, precision=precision,
+    return standby.start(folders, where, access=access, mode=deployment.mode, precision=precision,
                          progress=progress)
 
 
-def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=None,
-                  weights: str = DEFAULT_WEIGHTS, mode: str = "fast", deadline_s: float = 2.0, progress: Report = quiet,
+def deploy_layout(model: str, copies: list[list[StageSpan]], *, access: FleetAccess,
+                  shard: ShardOptions = ShardOptions(), progress: Report = quiet,
                   planned: dict | None = None, cancel=None, **kw):
     """Deploys replicas (``engine.fleet.layout``): each placement of ``copies`` as ``deploy`` does,
     or, for a single stage here, the model exported whole for this machine.  Returns the first
@@ -374,16 +377,16 @@ def deploy_layout(model: str, copies: list[list[StageSpan]], *, key: bytes, tls=
     try:
         for stages in copies:
             if len(stages) == 1 and stages[0].node == LOCAL:
-                copy = _whole_here(model, stages[0], weights=weights, mode=mode, progress=progress, planned=planned,
-                                   cancel=cancel)
-                done.append((copy, copy.chain(key, tls=tls, deadline_s=deadline_s)))
+                copy = _whole_here(model, stages[0], weights=shard.weights, mode=shard.mode, progress=progress,
+                                   planned=planned, cancel=cancel)
+                done.append((copy, copy.chain(access)))
             else:
-                done.append(deploy(model, stages, key=key, tls=tls, weights=weights, mode=mode, deadline_s=deadline_s,
-                                   progress=progress, planned=planned, cancel=cancel, **kw))
+                done.append(deploy(model, stages, access=access, shard=shard, progress=progress, planned=planned,
+                                   cancel=cancel, **kw))
     except BaseException:
         for copy, chain in done:
             chain.close()
-            copy.stop(key, tls)
+            copy.stop(access)
         raise
     first = done[0][0]
     first.replicas = [copy.to_json() for copy, _ in done[1:]]

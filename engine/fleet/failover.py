@@ -31,6 +31,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import FleetError, StageError
 from engine.export.exporter import rank_folder, stage_folder
 from engine.fleet.control import AgentError, ControlClient
@@ -47,11 +48,11 @@ SWITCH_TIMEOUT_S = 5.0  # a standby's chain not answering within this redeploys 
 
 
 class Failover:
-    def __init__(self, deployment: Deployment, profile: dict | None = None, *, key: bytes, tls=None,
-                 objective: str = "latency", users: int = 1, deadline_s: float = 2.0,
-                 on_event: Callable[[str], None] | None = None, chain=None,
+    def __init__(self, deployment: Deployment, profile: dict | None = None, *, access: FleetAccess,
+                 objective: str = "latency", users: int = 1, on_event: Callable[[str], None] | None = None, chain=None,
                  on_recovered: Callable[[Deployment], None] | None = None):
-        """``profile``: the ``fleet profile`` document the deployment was planned from (its nodes, their
+        """``access``: what every connection to the deployment's agents and workers goes with.
+        ``profile``: the ``fleet profile`` document the deployment was planned from (its nodes, their
         measured devices and round trips); without one a stopped worker is still started again, but
         a lost node's layers cannot be moved.  ``chain``: the deployment's running chain, whose
         compiled stage 0 each recovery carries over (compiling it anew costs 10-25 MB of RSS a time).
@@ -61,8 +62,8 @@ class Failover:
         self.deployment = deployment
         self.profile = profile
         self.nodes: dict = profile["nodes"] if profile else {}
-        self.key, self.tls = key, tls
-        self.objective, self.users, self.deadline_s = objective, users, deadline_s
+        self.access = access
+        self.objective, self.users = objective, users
         self.on_event = on_event or (lambda text: None)
         self.lost: dict[str, str] = {}  # node id -> the address its agent had
         self.left: dict[str, list[dict]] = {}  # node id -> the workers it ran when lost (``Deployment.workers``)
@@ -82,7 +83,7 @@ class Failover:
 
     def _answers(self, agent: str) -> bool:
         try:
-            with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+            with ControlClient(agent, self.access.key, tls=self.access.tls, timeout_s=PROBE_TIMEOUT_S) as client:
                 client.status()
             return True
         except AgentError:
@@ -110,15 +111,15 @@ class Failover:
             placement = self._replan(placement, gone)
         else:
             self.on_event(f"{part_name(error.stage)} stopped answering ({error.reason}); starting its worker again")
-        for problem in self.deployment.stop(self.key, self.tls):  # a hung worker too; the lost node's fail
+        for problem in self.deployment.stop(self.access):  # a hung worker too; the lost node's fail
             if not gone:
                 self.on_event(f"warning: {problem}")
         old = self.deployment
         # the same placement runs the shards the deployment already has: the model is not opened again
         held = None if gone else _shard_folders(old)
         # deploy_layout: a copy that was whole on the lost node may come back whole on this machine
-        deployment, (chain,) = deploy_layout(old.model, [placement], key=self.key, tls=self.tls, weights=old.weights,
-                                             mode=old.mode, deadline_s=self.deadline_s,
+        deployment, (chain,) = deploy_layout(old.model, [placement], access=self.access,
+                                             shard=ShardOptions(weights=old.weights, mode=old.mode),
                                              planned={"profile": old.profile, "objective": old.objective,
                                                       "users": old.users},
                                              local=getattr(self.chain, "local", None), folders=held)
@@ -154,8 +155,8 @@ class Failover:
         if getattr(chain, "reroute", None) is not None:  # the streams' caches stay: the standby mirrored its stage
             chain.reroute(i, standby.address, timeout_s=SWITCH_TIMEOUT_S)
         else:
-            chain = deployment.chain(self.key, tls=self.tls, deadline_s=self.deadline_s,
-                                     connect_timeout_s=SWITCH_TIMEOUT_S, local=getattr(self.chain, "local", None))
+            chain = deployment.chain(self.access, connect_timeout_s=SWITCH_TIMEOUT_S,
+                                     local=getattr(self.chain, "local", None))
         self.deployment, self.chain = deployment, chain
         self.recoveries += 1
         self.on_recovered(deployment)
@@ -181,7 +182,7 @@ class Failover:
 
     def _stop_worker(self, agent: str, worker: str) -> None:
         try:
-            with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+            with ControlClient(agent, self.access.key, tls=self.access.tls, timeout_s=PROBE_TIMEOUT_S) as client:
                 client.stop_worker(worker)
         except AgentError:
             pass  # it died with its stage: nothing left to stop
@@ -217,7 +218,7 @@ class Failover:
         return stages
 
     @classmethod
-    def of(cls, deployment: Deployment, *, key: bytes, tls=None, deadline_s: float = 2.0, on_event=None,
+    def of(cls, deployment: Deployment, *, access: FleetAccess, on_event=None,
            chain=None, on_recovered=None) -> "Failover":
         """The failover of a deployment record, re-planning from the profile it was planned from (if any);
         ``chain`` and ``on_recovered`` as in the constructor."""
@@ -227,8 +228,8 @@ class Failover:
                 profile = json.loads(Path(deployment.profile).read_text())
             except (OSError, ValueError):
                 profile = None  # moved or damaged: stopped workers still start again
-        return cls(deployment, profile, key=key, tls=tls, objective=deployment.objective, users=deployment.users,
-                   deadline_s=deadline_s, on_event=on_event, chain=chain, on_recovered=on_recovered)
+        return cls(deployment, profile, access=access, objective=deployment.objective, users=deployment.users,
+                   on_event=on_event, chain=chain, on_recovered=on_recovered)
 
     def returned(self) -> list[str]:
         """The lost nodes that answer again, by name: each rejoins (no longer counted lost, offered to
@@ -271,7 +272,7 @@ class Failover:
         try:
             started = standby.start(folders, {stage: StageSpan(agent, devices[0] if devices else "CPU", span.start,
                                                                span.end)},
-                                    key=self.key, tls=self.tls, mode=deployment.mode)
+                                    access=self.access, mode=deployment.mode)
         except FleetError as exc:
             self.on_event(f"warning: node {self.name(agent)} could not stand by for {part_name(stage)}: {exc}")
             return None
@@ -284,7 +285,7 @@ class Failover:
         with self._lost_lock:
             lost = frozenset(self.lost)
         try:
-            started = start_standbys(deployment, folders, key=self.key, tls=self.tls, leave_out=lost)
+            started = start_standbys(deployment, folders, access=self.access, leave_out=lost)
         except FleetError as exc:
             self.on_event(f"warning: no standby could start after the recovery: {exc}")
             return
@@ -313,7 +314,7 @@ class Failover:
         with self._lost_lock:
             left = list(self.left.get(node, []))
         try:
-            with ControlClient(agent, self.key, tls=self.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+            with ControlClient(agent, self.access.key, tls=self.access.tls, timeout_s=PROBE_TIMEOUT_S) as client:
                 running = {w["id"] for w in client.status()["workers"]}
                 for worker in left:
                     if worker["worker"] in running:

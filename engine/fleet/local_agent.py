@@ -16,12 +16,12 @@ import dataclasses
 import threading
 from pathlib import Path
 
-from engine.config import DEFAULT_WEIGHTS, paths
+from engine.config import FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
-from engine.fleetkey import key_file, load_key, load_tls
+from engine.fleetkey import key_file
 from engine.launch import FleetProcess
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
@@ -90,23 +90,21 @@ class LocalAgent:
         stop_local_agent(self.process)
 
 
-def local_up(model: str, stages: int, key: str | Path | None = None, *, weights: str = DEFAULT_WEIGHTS,
-             mode: str = "fast", device: str = "CPU", progress: Report = quiet, deadline_s: float = 2.0, cancel=None,
-             tls: bool):
+def local_up(model: str, stages: int, key: str | Path | None = None, *, access: FleetAccess,
+             shard: ShardOptions = ShardOptions(), progress: Report = quiet, cancel=None):
     """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
-    workers; ``key`` is the fleet key file (None: the default one, made if missing: a local fleet
-    needs no setup); ``tls``: the settings' TLS, for the agent, its workers and the deployment
-    (then the chat and failover open the deployment with ``load_tls(tls, key)``).  Returns
-    (deployment, chain, agent process: a ``FleetProcess``)."""
-    secret = load_key(key, create=not key)
-    contexts = load_tls(tls, key)  # a missing fleet certificate is refused before the agent starts
+    workers; ``key`` is the fleet key file (None: the default one) and ``access`` what it gives
+    (``fleet_access(settings, create=True)``: a local fleet needs no setup), for the agent, its
+    workers and the deployment, speaking TLS when it does; ``shard``: how the stages are exported and
+    run, every stage on its device.  Returns (deployment, chain, agent
+    process: a ``FleetProcess``)."""
     resolved = resolve_source(model)
     ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
-    agent = start_local_agent(key_file(key), tls=tls)
+    agent = start_local_agent(key_file(key), tls=access.uses_tls)
     try:
-        placement = [StageSpan(LOCAL if i == 0 else agent.address, device, a, b) for i, (a, b) in enumerate(ranges)]
-        deployment, chain = deploy(model, placement, key=secret, tls=contexts, weights=weights, mode=mode,
-                                   progress=progress, deadline_s=deadline_s, cancel=cancel)
+        placement = [StageSpan(LOCAL if i == 0 else agent.address, shard.device, a, b)
+                     for i, (a, b) in enumerate(ranges)]
+        deployment, chain = deploy(model, placement, access=access, shard=shard, progress=progress, cancel=cancel)
     except BaseException:
         stop_local_agent(agent)
         raise

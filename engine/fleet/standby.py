@@ -18,7 +18,7 @@ import json
 import threading
 from pathlib import Path
 
-from engine.config import paths
+from engine.config import MODE, FleetAccess, paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient, worker_address
@@ -81,7 +81,7 @@ def place(model: ModelShape, fleet: Fleet, stages: list[StageSpan], dropouts: di
     return chosen
 
 
-def start(folders: list[Path], where: dict[int, StageSpan], *, key: bytes, tls=None, mode: str = "fast",
+def start(folders: list[Path], where: dict[int, StageSpan], *, access: FleetAccess, mode: str = MODE,
           precision: str | None = None, progress: Report = quiet, worker_timeout_s: float = 180.0) -> list[Standby]:
     """Ships stage i's shard (``folders[i]``) to the agent of ``where[i].node`` (an address) and
     starts a worker there, for each i; returns the standbys started.  One that cannot start is left
@@ -90,7 +90,7 @@ def start(folders: list[Path], where: dict[int, StageSpan], *, key: bytes, tls=N
     started, problems = [], []
     for i, span in sorted(where.items()):
         try:
-            with ControlClient(span.node, key, tls=tls) as agent:
+            with ControlClient(span.node, access.key, tls=access.tls) as agent:
                 digest, _ = agent.send_shard(folders[i])
                 progress(deploying(i, "start", 0.0))
                 info = agent.start_worker(digest, device=span.device, mode=mode, precision=precision,

@@ -8,10 +8,10 @@
 - ``view``: ``ChatView``, the model picker, the tabs, the saved chats, the documents and the live plot.
 """
 
-from fleetgui.chat.controller import SERVICE_KEYS, ChatController
+from fleetgui.chat.controller import ChatController
 from fleetgui.chat.model import ConversationModel
 from fleetgui.chat.tab import ChatTab, format_stats, stats_tooltip
 from fleetgui.chat.view import ChatView, model_choices
 
-__all__ = ["SERVICE_KEYS", "ChatController", "ChatTab", "ChatView", "ConversationModel", "format_stats",
+__all__ = ["ChatController", "ChatTab", "ChatView", "ConversationModel", "format_stats",
            "model_choices", "stats_tooltip"]

@@ -13,16 +13,12 @@ import time
 
 from PySide6.QtCore import QObject, Signal
 
+from engine.config import service_changes
 from engine.errors import FleetError
 from engine.progress import Progress
 from engine.runtime.decode.service import Reply
 from engine.serve.tools import prepare
 from fleetgui.workers import TaskRunner
-
-# settings whose change needs a new service (the rest apply per request)
-SERVICE_KEYS = ("fleet_key_file", "default_model", "stages", "weights", "device", "mode", "local_workers",
-                "streams", "k", "draft", "draft_model", "draft_at", "tls", "deadline_s", "rejoin_check_s")
-
 
 
 class _Bridge(QObject):
@@ -218,7 +214,7 @@ class ChatController(QObject):
             if self.model is not None:
                 self.model = None
                 self.close_service()
-        if any(getattr(old, k) != getattr(settings, k) for k in SERVICE_KEYS):
+        if service_changes(old, settings):
             self.close_service()
 
     def use_deployment(self, deployment) -> None:

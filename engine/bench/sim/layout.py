@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from engine.config import FleetAccess, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import TLS, DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.errors import FleetError
@@ -130,7 +131,7 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
 
 def _serve(model: str, copies, *, key: bytes, weights: str, streams: int, opened: list):
     """The chat service the app would open over a deployed layout (its closing queued in ``opened``)."""
-    deployment, chains = deploy_layout(model, copies, key=key, weights=weights)
+    deployment, chains = deploy_layout(model, copies, access=FleetAccess(key), shard=ShardOptions(weights=weights))
     opened.append(DeployedWorkers(deployment, key))
     services = [ChatService(chain, streams=streams, prefix_cache=False) for chain in chains]
     service = services[0] if len(services) == 1 else Replicas(services)

@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 
+from engine.config import FleetAccess, ShardOptions
 from engine.bench.harness import Hooks, interleave
 from engine.bench.sim.shared import TLS, Sim, on_pc1
 from engine.errors import FleetError
@@ -84,7 +85,8 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
             sent.append(time.perf_counter())
 
     started = time.perf_counter()
-    deployment, chain = deploy(model, stages, key=key, weights=weights, mode="exact", progress=progress)
+    deployment, chain = deploy(model, stages, access=FleetAccess(key),
+                               shard=ShardOptions(weights=weights, mode="exact"), progress=progress)
     deploy_s = time.perf_counter() - started
     send_s = sent[-1] - sent[0] if len(sent) > 1 else 0.0
     rows = [{"measure": "deploy", "rate_mbit": rate, "shard_mb": round(shard_bytes / 2**20, 1),
@@ -93,11 +95,12 @@ def _measure(office: Office, sim: Sim, shard_bytes: int, rate: float, want: list
     log(f"{rate:g} Mbit/s: deployed in {deploy_s:.2f} s (the {shard_bytes / 2**20:.1f} MB shard in {send_s:.2f} s)")
     rows.append(_lose_pc1(office, sim, deployment, chain, profile, rate, want, "cut", "link loss to next token"))
     for how, measure in (("kill", "worker killed to next token, standby"), ("cut", "link loss to next token, standby")):
-        deployment, chain = deploy(model, stages, key=key, weights=weights, mode="exact", standbys=True,
+        deployment, chain = deploy(model, stages, access=FleetAccess(key),
+                                   shard=ShardOptions(weights=weights, mode="exact"), standbys=True,
                                    planned={"profile": str(profile_file)})
         if deployment.standby_for(1) is None:
             chain.close()
-            deployment.stop(key)
+            deployment.stop(FleetAccess(key))
             raise FleetError("no standby was placed on pc2")
         rows.append(_lose_pc1(office, sim, deployment, chain, profile, rate, want, how, measure))
     if rate == max(sim.rates):
@@ -109,13 +112,14 @@ def _copies_cost(office: Office, sim: Sim, rate: float, profile_file) -> dict:
     """One reply's decode tok/s over the model whole on pc1, with its standby on pc2 sent copies and
     without, alternated ``sim.runs`` times (the module's docstring)."""
     whole = [StageSpan(office.nodes["pc1"].agent, "CPU", 0, sim.shape.num_layers)]
-    deployment, chain = deploy(sim.model, whole, key=sim.key, weights=sim.weights, mode="exact", standbys=True,
-                               planned={"profile": str(profile_file)})
+    deployment, chain = deploy(sim.model, whole, access=FleetAccess(sim.key),
+                               shard=ShardOptions(weights=sim.weights, mode="exact"),
+                               standbys=True, planned={"profile": str(profile_file)})
     chain.close()
     records = {"copies": deployment, "none": dataclasses.replace(deployment, standbys=[])}
 
     def decode_tok_s(name: str, _round: int) -> float:
-        service = ChatService(records[name].chain(sim.key), streams=1)
+        service = ChatService(records[name].chain(FleetAccess(sim.key)), streams=1)
         try:
             reply = service.submit(MESSAGES, sim.tokens, ignore_eos=True).wait(600)
         finally:
@@ -130,7 +134,7 @@ def _copies_cost(office: Office, sim: Sim, rate: float, profile_file) -> dict:
         with on_pc1(sim.cores[0], sim.log):
             speeds = interleave(decode_tok_s, records, sim.runs)
     finally:
-        deployment.stop(sim.key)
+        deployment.stop(FleetAccess(sim.key))
     best = {name: max(values) for name, values in speeds.items()}
     sim.log(f"{rate:g} Mbit/s: decode with the standby's copies {best['copies']:.2f} tok/s, "
             f"without {best['none']:.2f} (best of {sim.runs})")
@@ -152,7 +156,7 @@ def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: 
         events.append(text)
         heard.append((time.perf_counter(), text))
 
-    failover = Failover(deployment, profile, key=key, on_event=on_event, chain=chain)
+    failover = Failover(deployment, profile, access=FleetAccess(key), on_event=on_event, chain=chain)
     service = ChatService(chain, streams=1, recover=failover.recover)
     worker = deployment.workers[0]
     lost_at: list[float] = []
@@ -180,8 +184,8 @@ def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: 
     finally:
         office.reconnect("pc1")
         service.close()
-        failover.deployment.stop(key)
-        deployment.stop(key)
+        failover.deployment.stop(FleetAccess(key))
+        deployment.stop(FleetAccess(key))
     if reply.error or not resumed:
         raise FleetError(f"the reply did not carry on after pc1 was lost ({how}): {reply.error}; {events}")
     carry_on = resumed[0] - lost_at[0]

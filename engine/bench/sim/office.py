@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.config import FleetAccess, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.sim.shared import (TLS, DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
@@ -75,7 +76,7 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
             """Layers from ``start`` on PC 2, those before here (none: the copy on PC 2 is fed from here)."""
             here = [StageSpan(LOCAL, "CPU", 0, start)] if start else []
             stages = [*here, StageSpan(pc2.agent, "CPU", start, layers)]
-            deployment, chain = deploy(model, stages, key=key, weights=weights)
+            deployment, chain = deploy(model, stages, access=FleetAccess(key), shard=ShardOptions(weights=weights))
             opened.append(DeployedWorkers(deployment, key))
             return chain
 

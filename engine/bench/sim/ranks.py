@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.config import FleetAccess, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.parity import llamacpp_gguf
@@ -103,7 +104,8 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
                 "worker", "--shard", str(rank_folder(ranks, 1)), "--listen", f"0.0.0.0:{PORT + i}",
                 "--device", "CPU", "--tls" if TLS else "--no-tls", "--fleet-key-file", str(office.key_file)),
                 office.root / f"rank1-{kind}.log")
-            chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:{PORT + i}"], key=key, connect_timeout_s=300)
+            chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:{PORT + i}"], access=FleetAccess(key),
+                              connect_timeout_s=300)
             opened.append(chain)
             services[name] = service(chain, lambda c, kind=kind: drafter_factory(kind, c, draft))
         chain, chosen = _fleets_choice(office, model, key=key, weights=weights, opened=opened, log=log)
@@ -165,7 +167,7 @@ def _fleets_choice(office: Office, model: str, *, key: bytes, weights: str, open
     for line in chosen:
         log(line)
     deployment, (chain,) = deploy_layout(model, layout_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
-                                         key=key, weights=weights)
+                                         access=FleetAccess(key), shard=ShardOptions(weights=weights))
     opened.extend([DeployedWorkers(deployment, key), chain])
     return chain, chosen
 

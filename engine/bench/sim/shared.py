@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from engine.config import FleetAccess
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, interleave
 from engine.bench.llamacpp import LlamaServer, binary
 from engine.errors import FleetError
@@ -194,7 +195,7 @@ class DeployedWorkers:
         self.deployment, self.key = deployment, key
 
     def close(self) -> None:
-        self.deployment.stop(self.key)
+        self.deployment.stop(FleetAccess(self.key))
 
 
 def need_gguf(sim: Sim) -> None:

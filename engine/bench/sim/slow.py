@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from engine.config import FleetAccess, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import TLS, DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.export.exporter import export_model
@@ -90,7 +91,7 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
                 chain = LocalChain(export_model(model, stages=1, weights=weights).folders)
             else:
                 deployment, chain = deploy(model, placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
-                                           key=key, weights=weights)
+                                           access=FleetAccess(key), shard=ShardOptions(weights=weights))
                 opened.append(DeployedWorkers(deployment, key))
             services[placement(plan)] = ChatService(chain, streams=max(USERS), prefix_cache=False)
             opened.append(services[placement(plan)])

@@ -18,7 +18,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from engine.config import paths
+from engine.config import DEADLINE_S, MODE, FleetAccess, paths
 from engine.errors import FleetError
 from engine.fleetkey import load_key, load_tls
 from engine.launch import FleetProcess, stop_all
@@ -48,8 +48,8 @@ class LocalWorkers:
     here (the module's docstring)."""
 
     def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
-                 mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
-                 deadline_s: float = 2.0, log_dir: Path | None = None, link_workers: bool = True,
+                 mode: str = MODE, precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
+                 deadline_s: float = DEADLINE_S, log_dir: Path | None = None, link_workers: bool = True,
                  isolate: bool = False, cpu_sets: list[str | None] | None = None, take_turns: bool = True,
                  hosting: str = "processes"):
         """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
@@ -121,10 +121,10 @@ class LocalWorkers:
 
         nxt = self.addresses[i + 1] if self.link_workers and i + 1 < len(self.shard_dirs) else None
         try:
-            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, key=load_key(self.key_file),
-                            device=self.devices[i], mode=self.mode, precision=self.precision, delay_ms=self.delay_ms,
-                            deadline_s=self.deadline_s, tls=load_tls(self.tls, self.key_file),
-                            log=write, isolate=self.isolate, turns=compute_turns(self.turns))
+            access = FleetAccess(load_key(self.key_file), load_tls(self.tls, self.key_file), self.deadline_s)
+            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, access=access, device=self.devices[i],
+                            mode=self.mode, precision=self.precision, delay_ms=self.delay_ms, log=write,
+                            isolate=self.isolate, turns=compute_turns(self.turns))
         except Exception as exc:
             out.close()
             self.close()

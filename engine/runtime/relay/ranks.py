@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.config import MODE, FleetAccess
 from engine.errors import ShardError, StageError
 from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import Chain
@@ -30,9 +31,9 @@ class RankChain(Chain):
     paged = False
     packs = False  # every rank must run the same forwards: one round at a time
 
-    def __init__(self, rank0: Path | str, workers: list[str], *, key: bytes, device: str = "CPU",
-                 mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
-                 connect_timeout_s: float = 60.0, manifest: Manifest | None = None):
+    def __init__(self, rank0: Path | str, workers: list[str], *, access: FleetAccess, device: str = "CPU",
+                 mode: str = MODE, precision: str | None = None, connect_timeout_s: float = 60.0,
+                 manifest: Manifest | None = None):
         """``rank0``: rank 0's shard folder (``manifest``: its manifest, when already loaded);
         ``workers``: rank 1's worker address, then rank 2's...  Each worker names its mesh port in
         its PONG; rank 0 dials it there."""
@@ -44,13 +45,13 @@ class RankChain(Chain):
         self.mesh = None
         self.manifest = manifest
         self.spec = manifest.spec
-        self._key, self._tls, self._connect_timeout_s = key, tls, connect_timeout_s
+        self.access, self._connect_timeout_s = access, connect_timeout_s
         try:
             for address in workers:
-                self.remotes.append(RemoteChain(rank0, [address], key=key, mode=mode, tls=tls, deadline_s=deadline_s,
+                self.remotes.append(RemoteChain(rank0, [address], access=access, mode=mode,
                                                 connect_timeout_s=connect_timeout_s, fed=True))
-            self.mesh = Mesh.dial(self._mesh_addresses(), key, manifest.fingerprint, manifest.ranks,
-                                  timeout_s=connect_timeout_s, tls=tls)
+            self.mesh = Mesh.dial(self._mesh_addresses(), access.key, manifest.fingerprint, manifest.ranks,
+                                  timeout_s=connect_timeout_s, tls=access.tls)
             self._meshed = [remote.connections for remote in self.remotes]  # the connections the mesh went with
             self.local = LocalChain([rank0], device, compile_config(mode, precision), paged=False, mesh=self.mesh)
         except BaseException:
@@ -78,8 +79,8 @@ class RankChain(Chain):
             remote.reset(stream)  # reconnects a worker that broke off
         connections = [remote.connections for remote in self.remotes]
         if self.mesh.failure is not None or connections != self._meshed:  # the ranks meet on new links
-            self.mesh.redial(self._mesh_addresses(), self._key, self.manifest.fingerprint,
-                             timeout_s=self._connect_timeout_s, tls=self._tls)
+            self.mesh.redial(self._mesh_addresses(), self.access.key, self.manifest.fingerprint,
+                             timeout_s=self._connect_timeout_s, tls=self.access.tls)
             self._meshed = connections
         self.local.reset(stream)
 

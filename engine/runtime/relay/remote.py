@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.config import MODE, FleetAccess
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span, load_manifest
 from engine.runtime.interfaces import Chain
@@ -156,11 +157,12 @@ class RemoteChain(Chain):
 
     prompt_rows = PROMPT_ROWS  # a chain (a test) may raise its own
 
-    def __init__(self, stage0: Path | str, remotes: list[str], *, key: bytes, device: str = "CPU",
-                 mode: str = "fast", precision: str | None = None, tls=None, deadline_s: float = 2.0,
-                 connect_timeout_s: float = 60.0, isolate: bool = False, turns=None, local=None,
-                 depth: int | None = None, fed: bool = False, standbys: list[str | None] | None = None):
-        """``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
+    def __init__(self, stage0: Path | str, remotes: list[str], *, access: FleetAccess, device: str = "CPU",
+                 mode: str = MODE, precision: str | None = None, connect_timeout_s: float = 60.0,
+                 isolate: bool = False, turns=None, local=None, depth: int | None = None, fed: bool = False,
+                 standbys: list[str | None] | None = None):
+        """``access``: the fleet key, TLS and deadline every link of the chain goes with.
+        ``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
         stream it holds is forgotten, and it is not compiled again.  ``depth``: groups of packed
         streams in flight at once (default: as many as the measured rounds say keep the busiest
@@ -196,14 +198,12 @@ class RemoteChain(Chain):
         self._new_standbys: list[tuple[int, str]] = []  # ``stand_by``'s, for the next reset to take up
         self._mirrored: set[int] = set()  # streams reset since the standbys last started taking copies
         self._drops_seen = 0
-        self.key = key
-        self.tls = tls
-        self.deadline_s = deadline_s
+        self.access = access
         self.connect_timeout_s = connect_timeout_s
         self.stages: list[dict] = []  # what each remote stage reported when the chain came up
         self._link: Link | None = None
         self.connections = 0  # links made so far: a new one reaches a worker that may have restarted
-        self._silence = deadline_s
+        self._silence = access.deadline_s
         self._ready = False
         self._in_flight: set[tuple[int, int]] = set()
         self._early: dict[tuple[int, int], Frame] = {}
@@ -272,8 +272,8 @@ class RemoteChain(Chain):
         stage = self.manifest.stage_index + 1
         while self._link is None:
             try:
-                self._link, peer_delay = connect_successor(self.first_address, self.key, self.manifest, self.mode,
-                                                           self.tls)
+                self._link, peer_delay = connect_successor(self.first_address, self.access.key, self.manifest,
+                                                           self.mode, self.access.tls)
             except (AuthError, ProtocolError) as exc:
                 raise StageError(stage, self.first_address, f"handshake failed: {exc}") from None
             except OSError as exc:
@@ -282,14 +282,15 @@ class RemoteChain(Chain):
                                      f"{timeout_s:.0f} s") from None
                 time.sleep(0.2)
                 continue
-            self._silence = 0.75 * self.deadline_s + 2 * peer_delay
+            self._silence = 0.75 * self.access.deadline_s + 2 * peer_delay
             self.connections += 1
         self._wait_ready(deadline)
 
     def _mirror_first(self) -> None:
         """Copies what this chain sends to the first remote stage to that stage's standby, if any."""
         if self.standbys[0] is not None and self._mirror is None:
-            self._mirror = Mirror(self.standbys[0], key=self.key, manifest=self.manifest, mode=self.mode, tls=self.tls)
+            self._mirror = Mirror(self.standbys[0], key=self.access.key, manifest=self.manifest, mode=self.mode,
+                                  tls=self.access.tls)
 
     def reroute(self, stage: int, address: str, timeout_s: float | None = None) -> None:
         """Puts the worker at ``address`` (the stage's hot standby) in the place of stage ``stage``

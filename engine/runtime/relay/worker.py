@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.config import MODE, FleetAccess
 from engine.errors import FleetError, ShardError
 from engine.manifest import load_manifest
 from engine.runtime.relay.mirror import Mirror
@@ -77,12 +78,13 @@ def answer(logits: np.ndarray, stream: int, seq: int, flags: Flag, stage_ms: np.
 class Worker(Listening):
     """One stage of a chain served on a TCP port (the module's docstring)."""
 
-    def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *, key: bytes,
-                 device: str = "CPU", mode: str = "fast", precision: str | None = None, delay_ms: float = 0.0,
-                 deadline_s: float = 2.0, tls=None, log: Callable[[str], None] | None = None,
+    def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *,
+                 access: FleetAccess, device: str = "CPU", mode: str = MODE, precision: str | None = None,
+                 delay_ms: float = 0.0, log: Callable[[str], None] | None = None,
                  max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None,
                  counted: Callable[[int], None] | None = None):
-        """``counted``: told the tokens served so far, whenever they are counted (``_count_tokens``).
+        """``access``: the fleet key, TLS and deadline every link of the worker goes with.  ``counted``:
+        told the tokens served so far, whenever they are counted (``_count_tokens``).
         A tensor-parallel rank (``engine.transport.mesh``) other than 0 also listens, on a port of
         its own beside ``listen``'s host, for rank 0's connection."""
         manifest = load_manifest(Path(shard))  # its files hashed once, for the mesh and the stage
@@ -93,10 +95,8 @@ class Worker(Listening):
         self.runner = open_stage(Path(shard), device, compile_config(mode, precision), manifest, isolate=isolate,
                                  turns=turns, mesh=self.mesh)
         m = self.manifest = self.runner.manifest
-        self.key = key
-        self.tls = tls
+        self.access = access
         self.delay_s = delay_ms / 1e3
-        self.deadline_s = deadline_s
         self.max_frame = max_frame
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.identity = {"role": "stage", "fingerprint": m.fingerprint, "stage": m.stage_index,
@@ -112,7 +112,7 @@ class Worker(Listening):
         self._mesh_listener = None
         if self.mesh is not None:
             self._mesh_listener = socket.create_server((host, 0))
-            self.mesh.listen(self._mesh_listener, key, m.fingerprint, tls=tls, log=self.log)
+            self.mesh.listen(self._mesh_listener, access.key, m.fingerprint, tls=access.tls, log=self.log)
         # what peers and error messages call this worker: a wildcard bind is shown as the host name
         self.address = f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
         self._fixed_next = next_address is not None
@@ -173,7 +173,7 @@ class Worker(Listening):
         accept_loop(self._listener, self._stop, self._authenticate, self._session, "upstream", self.log)
 
     def _authenticate(self, conn: socket.socket) -> tuple[socket.socket, Seal]:
-        return authenticate_peer(conn, self.key, self.identity, self.tls)
+        return authenticate_peer(conn, self.access.key, self.identity, self.access.tls)
 
     def _session(self, conn: socket.socket, seal: Seal, peer: str) -> None:
         link = Link(conn, peer, seal, self.delay_s, self.max_frame)
@@ -481,7 +481,7 @@ class Worker(Listening):
         if self._next is None:
             raise RequestError("no next stage configured (start the worker with --next, or give the "
                                "coordinator the whole route)")
-        if not self._down_ready.wait(min(1.0, self.deadline_s)):
+        if not self._down_ready.wait(min(1.0, self.access.deadline_s)):
             raise self._down_missing()
         if not self._send_down(wire.control(Msg.PING, {"route": route[1:], "standbys": standbys[1:]}, frame.stream,
                                             frame.seq)):
@@ -498,8 +498,8 @@ class Worker(Listening):
             else:
                 mirror.close()
         if standby is not None and self._mirror is None:
-            self._mirror = Mirror(standby, key=self.key, manifest=self.manifest, mode=self.identity["mode"],
-                                  tls=self.tls, max_frame=self.max_frame, log=self.log)
+            self._mirror = Mirror(standby, key=self.access.key, manifest=self.manifest, mode=self.identity["mode"],
+                                  tls=self.access.tls, max_frame=self.max_frame, log=self.log)
 
     def _down_missing(self) -> RequestError:
         return RequestError(f"{self._down_reason} (redialing)", self.manifest.stage_index + 1, self._next, True)
@@ -557,15 +557,15 @@ class Worker(Listening):
 
     def _connect_down(self, target: str) -> Link | None:
         try:
-            link, peer_delay = connect_successor(target, self.key, self.manifest, self.identity["mode"], self.tls,
-                                                 self.max_frame)
+            link, peer_delay = connect_successor(target, self.access.key, self.manifest, self.identity["mode"],
+                                                 self.access.tls, self.max_frame)
         except (AuthError, ProtocolError) as exc:
             self.log(f"next stage {target} refused: {exc}")
             self._stop.wait(2.0)  # a misconfiguration: do not hammer the peer
             return None
         except OSError:
             return None
-        self._down_silence = self.deadline_s / 2 + 2 * peer_delay
+        self._down_silence = self.access.deadline_s / 2 + 2 * peer_delay
         with self._lock:
             if target != self._next:  # re-routed while we dialed
                 link.close()
@@ -577,7 +577,7 @@ class Worker(Listening):
 
     def _relay_from(self, link: Link) -> str:
         """Relays everything the successor sends back upstream; returns why the link ended."""
-        tick = heartbeat_interval(self.deadline_s)
+        tick = heartbeat_interval(self.access.deadline_s)
         self._down_last_rx = time.monotonic()
         while not self._stop.is_set():
             try:
@@ -617,7 +617,7 @@ class Worker(Listening):
         return wire.control(Msg.PONG, {"stages": [self.describe(), *stages]}, frame.stream, frame.seq)
 
     def _heartbeat_loop(self) -> None:
-        tick = heartbeat_interval(self.deadline_s)
+        tick = heartbeat_interval(self.access.deadline_s)
         while not self._stop.wait(tick):
             up = self._upstream
             if up is not None and self._owed:
