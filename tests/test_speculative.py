@@ -522,3 +522,86 @@ def test_spec_bench_repeats_each_prompt_and_averages_the_paired_ratios(tiny_mode
     aa = [row["A/A"] for row in report["rows"] if row["mode"] == "fast"]
     assert (report["ratios"]["fast A/A: model K=auto vs itself (min)"],
             report["ratios"]["fast A/A: model K=auto vs itself (max)"]) == (min(aa), max(aa))
+
+
+class _Oracle(Drafter):
+    """Drafts the target's own greedy continuation (``want`` after ``prompt``), but spoils every
+    ``spoil``-th proposal's last token: rounds sent ahead are kept, and now and then discarded."""
+
+    def __init__(self, prompt: list[int], want: list[int], spoil: int = 3):
+        self.text, self.spoil, self.calls = list(prompt) + list(want), spoil, 0
+
+    def propose(self, history, k):
+        self.calls += 1
+        if self.text[:len(history)] != list(history):  # after a spoiled draft: a guess, wrong
+            return [int(history[-1]) % 200 + 3] * k
+        follow = self.text[len(history):len(history) + k]
+        if follow and self.calls % self.spoil == 0:
+            follow[-1] = (follow[-1] + 1) % 200 + 3
+        return follow
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["paged-trim", "stateful-mask"])
+def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, tmp_path, hosting):
+    # One stream, two rounds in flight: stage 0 computes the round sent ahead while stage 1 verifies
+    # the one before it; a wrong assumption is rewound on both stages (KEEP frames, or masks).
+    folders = tiny_exports["qwen2", "2"].folders
+    key = create_key(tmp_path / "fleet.key")
+    with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate, hosting=hosting) as fleet:
+        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact", isolate=isolate,
+                            turns=compute_turns(fleet.turns))
+        try:
+            assert chain.packs != isolate
+            rewind = "mask" if isolate else "trim"
+            want = Generator(chain, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+            model = DraftModel(LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT))  # the target itself
+            for drafter in (_Oracle(PROMPT, want), PromptLookup(), _Oracle(PROMPT, want, spoil=1), model):
+                plain = Generator(chain, 128, rewind=rewind)
+                plain_gen = plain.generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k=3)
+                chain.most_in_flight = 0
+                ahead = Generator(chain, 128, rewind=rewind)
+                gen = ahead.generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k=3, speculate_ahead=True)
+                assert plain_gen.tokens == gen.tokens == want, drafter.name
+                assert gen.ahead > 0 and plain_gen.ahead == 0
+                assert chain.most_in_flight >= 2  # the round sent ahead travelled beside the one verified
+                assert ahead.seq.logical == plain.seq.logical  # what was sent ahead and not kept is gone
+                if isinstance(drafter, _Oracle) and drafter.spoil > 1:
+                    assert 0 < gen.ahead_kept < gen.ahead
+                elif drafter is model:  # it drafts what the target decodes: its guesses hold
+                    assert gen.ahead_kept > gen.ahead // 2
+                else:  # every proposal spoiled, or lookup's guesses: few kept, the output still greedy's
+                    assert gen.ahead_kept < gen.ahead
+            assert not chain._in_flight and not chain._groups  # every discarded round was collected
+        finally:
+            chain.close()
+
+
+def test_speculating_ahead_stops_at_the_end_of_text_like_plain_speculation(tiny_exports):
+    # An end of text inside a kept round: the round sent ahead after it is rewound, as a reject is.
+    chain = LocalChain(tiny_exports["qwen2", "2"].folders, config=EXACT)
+    want = Generator(chain, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+    eos = [want[17]]
+    ends = {}
+    for ahead in (False, True):
+        gen = Generator(chain, 128, eos_ids=eos, rewind="trim")
+        result = gen.generate(PROMPT, 40, drafter=_Oracle(PROMPT, want, spoil=4), k=4, speculate_ahead=ahead)
+        assert result.stopped_by == "eos" and result.tokens == want[:want.index(eos[0]) + 1]
+        ends[ahead] = gen.seq.logical, result.ahead
+    assert ends[True][0] == ends[False][0] and ends[True][1] > 0 and ends[False][1] == 0
+
+
+def test_speculating_ahead_is_off_by_default_and_only_on_the_greedy_path():
+    from argparse import Namespace
+
+    from engine.cli.args import settings_of
+    from engine.runtime.decode.sampling import SamplingParams
+
+    assert Settings().speculate_ahead is False
+    assert settings_of(Namespace(speculate_ahead=True), Settings()).speculate_ahead is True
+    assert settings_of(Namespace(speculate_ahead=None), Settings(speculate_ahead=True)).speculate_ahead is True
+    seq = KVSequence(LocalChain.__new__(LocalChain), 64)
+    assert Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup(), speculate_ahead=True).speculate_ahead
+    assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=None, speculate_ahead=True).speculate_ahead
+    sampled = SamplingParams(temperature=0.8)
+    assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup(), sampling=sampled,
+                        speculate_ahead=True).speculate_ahead
