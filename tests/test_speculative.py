@@ -605,3 +605,27 @@ def test_speculating_ahead_is_off_by_default_and_only_on_the_greedy_path():
     sampled = SamplingParams(temperature=0.8)
     assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup(), sampling=sampled,
                         speculate_ahead=True).speculate_ahead
+
+
+def test_the_ahead_bench_compares_a_round_at_a_time_with_speculating_ahead(tiny_models, tmp_path):
+    import json
+
+    from engine.bench.ahead import run_ahead
+    from engine.bench.registry import BENCHES
+
+    folder = str(tiny_models["qwen2"])  # its own draft: same tokenizer
+    report = run_ahead(folder, folder, draft_kind="model", tokens=12, runs=2, mode="exact", weights="f32",
+                       out=tmp_path / "ahead.json", log=lambda m: None)
+    assert json.loads((tmp_path / "ahead.json").read_text()) == report
+    rows = {row["config"]: row for row in report["rows"]}
+    assert list(rows) == ["whole model", "whole model + speculation", "2 parts", "2 parts + speculation",
+                          "2 parts + speculation ahead"]
+    for row in rows.values():  # exact: every speculative output is greedy's, sixteen of sixteen
+        assert row["same_as_greedy"] == row["of"] == 16 and row["tok_s"] > 0, row
+    ahead = rows["2 parts + speculation ahead"]
+    assert 0 < ahead["ahead_kept"] <= ahead["ahead"] and "ahead" not in rows["2 parts + speculation"]
+    assert ahead["acceptance"] > 0.9  # the model drafts itself
+    key = "2 parts + speculation ahead vs 2 parts + speculation"
+    assert report["ratios"][key] > 0 and key in report["spread"]
+    assert BENCHES["ahead"].keywords({"spec_k": 2, "cpus": "0;1"}) | {"model": folder} == {
+        "model": folder, "draft": BENCHES["ahead"].keywords({})["draft"], "k": 2, "cpu_sets": "0;1"}
