@@ -16,7 +16,7 @@ from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.decode.generate import Decoding, Generator, generate_streams
 from engine.runtime.decode.kvsequence import KVSequence
-from engine.runtime.decode.speculative import (AutoK, Drafter, DraftModel, Hybrid, PromptLookup, RoundCost,
+from engine.runtime.decode.speculative import (AheadGate, AutoK, Drafter, DraftModel, Hybrid, PromptLookup, RoundCost,
                                                check_draft_tokenizer)
 from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
@@ -542,9 +542,10 @@ class _Oracle(Drafter):
 
 
 @pytest.mark.parametrize("isolate", [False, True], ids=["paged-trim", "stateful-mask"])
-def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, tmp_path, hosting):
+def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, tmp_path, hosting, monkeypatch):
     # One stream, two rounds in flight: stage 0 computes the round sent ahead while stage 1 verifies
     # the one before it; a wrong assumption is rewound on both stages (KEEP frames, or masks).
+    monkeypatch.setattr(AheadGate, "opens", lambda self, *args: True)  # every round goes ahead
     folders = tiny_exports["qwen2", "2"].folders
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate, hosting=hosting) as fleet:
@@ -576,8 +577,9 @@ def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, 
             chain.close()
 
 
-def test_speculating_ahead_stops_at_the_end_of_text_like_plain_speculation(tiny_exports):
+def test_speculating_ahead_stops_at_the_end_of_text_like_plain_speculation(tiny_exports, monkeypatch):
     # An end of text inside a kept round: the round sent ahead after it is rewound, as a reject is.
+    monkeypatch.setattr(AheadGate, "opens", lambda self, *args: True)
     chain = LocalChain(tiny_exports["qwen2", "2"].folders, config=EXACT)
     want = Generator(chain, 128).generate(PROMPT, 40, ignore_eos=True).tokens
     eos = [want[17]]
@@ -629,3 +631,17 @@ def test_the_ahead_bench_compares_a_round_at_a_time_with_speculating_ahead(tiny_
     assert report["ratios"][key] > 0 and key in report["spread"]
     assert BENCHES["ahead"].keywords({"spec_k": 2, "cpus": "0;1"}) | {"model": folder} == {
         "model": folder, "draft": BENCHES["ahead"].keywords({})["draft"], "k": 2, "cpu_sets": "0;1"}
+
+
+def test_a_round_goes_ahead_where_its_chance_pays_for_a_discarded_one():
+    gate = AheadGate()
+    assert gate.opens(False, [10.0, 10.0])  # equal stages: a discarded round costs nothing
+    assert not gate.opens(False, [10.0])  # one stage: nothing to hide a round behind
+    for _ in range(20):  # kept after a full acceptance, discarded after a partial one
+        gate.learn(True, True)
+        gate.learn(False, False)
+    assert gate.chance(True) > 0.9 > 0.1 > gate.chance(False)
+    assert gate.opens(True, [5.0, 20.0])  # the later stage costs 15 ms more, but the round is nearly always kept
+    held = [gate.opens(False, [5.0, 20.0]) for _ in range(AheadGate.EXPLORE + 1)]
+    assert held == [False] * AheadGate.EXPLORE + [True]  # held back, but tried now and then
+    assert gate.opens(False, [5.0, 3.0], network_ms=4.0)  # a slow stage 0: a discarded round costs nothing

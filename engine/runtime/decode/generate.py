@@ -17,7 +17,8 @@ is verified, the next is already on its way, drafted as if the round in flight a
 and its own next token is the drafter's guess.  Over a pipeline, stage 0 computes it while the later
 stages verify the first, so the computers of a split work at once for one user.  It is kept when the
 round gives exactly those tokens; otherwise it is discarded and every stage's cache rewound past it,
-as a rejected draft is, so greedy output is the same either way.
+as a rejected draft is, so greedy output is the same either way.  A round goes ahead where the chance
+it is kept pays for what a discarded one costs the later stages (``speculative.AheadGate``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from engine.errors import ContextError
 from engine.runtime.decode.grammar import Constraint
 from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.sampling import Sampler, SamplingParams, token_logprobs
-from engine.runtime.decode.speculative import AutoK, Drafter
+from engine.runtime.decode.speculative import AheadGate, AutoK, Drafter
 from engine.runtime.interfaces import Chain
 from engine.runtime.stages.output import Output, top_candidates
 from engine.transport.wire import Flag
@@ -149,6 +150,7 @@ class _Ahead:
     ticket: object
     draft_ms: float
     sent: float
+    full: bool  # the round before the one in flight accepted every draft (``AheadGate``)
 
 
 class Decoding:
@@ -224,6 +226,9 @@ class Decoding:
         self._times: dict[str, float] = {}
         self.speculate_ahead = speculate_ahead and drafter is not None and self._flags == Flag.NONE
         self._ahead: _Ahead | None = None  # the round on its way after the one in flight
+        self._gate = AheadGate()
+        self._full = False  # the last round collected accepted every draft it had (and had some)
+        self._last: Output | None = None  # the last round collected (its stage times price the gate)
         self._discarded = None  # the ticket of a round sent ahead and discarded, to collect
 
     def settled(self) -> int:
@@ -275,7 +280,7 @@ class Decoding:
         """Sends the round after the one in flight, which assumes that round gives its drafts and
         then the drafter's guess at the token after them; ``room``: the tokens left to emit after
         that round if so."""
-        if room < 1:
+        if room < 1 or not self._gate.opens(self._full, self._last.stage_ms, self._last.network_ms):
             return
         chain = self.seq.chain
         chain.flush()  # the round in flight goes first: the later stages start on it while this one is drafted
@@ -286,7 +291,7 @@ class Decoding:
             return
         ticket = self.seq.submit(tokens, Flag.ALL_POSITIONS if len(tokens) > 1 else Flag.NONE)
         chain.flush()
-        self._ahead = _Ahead(tokens, ticket, draft_ms, time.perf_counter())
+        self._ahead = _Ahead(tokens, ticket, draft_ms, time.perf_counter(), self._full)
         self.result.ahead += 1
 
     def _take_ahead(self, ahead: _Ahead) -> None:
@@ -323,6 +328,9 @@ class Decoding:
             emitted, accepted = _verify_greedy(out.tokens[-(len(drafts) + 1):].tolist(), drafts)
         ahead, self._ahead = self._ahead, None
         kept = ahead is not None and emitted == [*drafts, ahead.tokens[0]]
+        if ahead is not None:
+            self._gate.learn(ahead.full, kept)
+        self._full, self._last = bool(drafts) and accepted == len(drafts), out
         # a round sent ahead holds the slots after this round's: a discarded one goes with its rejected drafts
         self.seq.reject(len(drafts) - accepted + (len(ahead.tokens) if ahead is not None and not kept else 0))
         first = not result.tokens
