@@ -645,3 +645,9 @@ def test_a_round_goes_ahead_where_its_chance_pays_for_a_discarded_one():
     held = [gate.opens(False, [5.0, 20.0]) for _ in range(AheadGate.EXPLORE + 1)]
     assert held == [False] * AheadGate.EXPLORE + [True]  # held back, but tried now and then
     assert gate.opens(False, [5.0, 3.0], network_ms=4.0)  # a slow stage 0: a discarded round costs nothing
+    fresh = AheadGate()
+    assert fresh.opens(False, [10.0, 10.0], draft_ms=1.0)
+    assert not fresh.opens(False, [10.0, 10.0], draft_ms=12.0)  # drafting ahead takes longer than stage 1
+    for _ in range(20):
+        fresh.learn(False, False)
+    assert not fresh.opens(False, [10.0, 10.0], draft_ms=3.0)  # a discarded round costs its drafting

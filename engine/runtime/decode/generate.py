@@ -33,7 +33,7 @@ from engine.errors import ContextError
 from engine.runtime.decode.grammar import Constraint
 from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.sampling import Sampler, SamplingParams, token_logprobs
-from engine.runtime.decode.speculative import AheadGate, AutoK, Drafter
+from engine.runtime.decode.speculative import AheadGate, AutoK, Drafter, smooth
 from engine.runtime.interfaces import Chain
 from engine.runtime.stages.output import Output, top_candidates
 from engine.transport.wire import Flag
@@ -227,6 +227,7 @@ class Decoding:
         self.speculate_ahead = speculate_ahead and drafter is not None and self._flags == Flag.NONE
         self._ahead: _Ahead | None = None  # the round on its way after the one in flight
         self._gate = AheadGate()
+        self._ahead_draft_ms = 0.0  # drafting a round ahead (smoothed)
         self._full = False  # the last round collected accepted every draft it had (and had some)
         self._last: Output | None = None  # the last round collected (its stage times price the gate)
         self._discarded = None  # the ticket of a round sent ahead and discarded, to collect
@@ -280,13 +281,15 @@ class Decoding:
         """Sends the round after the one in flight, which assumes that round gives its drafts and
         then the drafter's guess at the token after them; ``room``: the tokens left to emit after
         that round if so."""
-        if room < 1 or not self._gate.opens(self._full, self._last.stage_ms, self._last.network_ms):
+        if room < 1 or not self._gate.opens(self._full, self._last.stage_ms, self._last.network_ms,
+                                            self._ahead_draft_ms):
             return
         chain = self.seq.chain
         chain.flush()  # the round in flight goes first: the later stages start on it while this one is drafted
         t = time.perf_counter()
         tokens = self.drafter.propose(self.history + self._drafts, min(self.k, room - 1) + 1)
         draft_ms = (time.perf_counter() - t) * 1e3
+        self._ahead_draft_ms = smooth(self._ahead_draft_ms, draft_ms)
         if not tokens:
             return
         ticket = self.seq.submit(tokens, Flag.ALL_POSITIONS if len(tokens) > 1 else Flag.NONE)

@@ -597,10 +597,11 @@ class AheadGate:
     """Whether a round goes ahead of the one in flight (``Decoding(speculate_ahead=True)``): the chance
     it is kept against what keeping it saves and discarding it costs, from the last round's stage times.
 
-    Kept, stage 0's compute of it was hidden behind the later stages' compute of the round before: it
-    saves the lesser of the two.  Discarded, the later stages compute it before the round that
-    replaces it, whose stage 0 computes meanwhile: it costs what they take beyond stage 0.  On stages
-    of equal cost a discarded round costs nothing and every round goes ahead.  The chance is kept
+    This process drafts the round and runs its stage 0 while the round before is away (the later
+    stages' compute and the network).  Kept, that time was hidden: it saves stage 0's compute, less
+    what drafting and stage 0 took beyond the time away.  Discarded, the round that replaces it waits
+    for that overrun here and for the later stages to compute the discarded one: on equal stages it
+    costs only the drafting.  The chance is kept
     apart after a round that accepted every draft and after one that did not (a copied stretch of
     text runs on), decayed.  After ``EXPLORE`` rounds held back one goes anyway, so the chance keeps
     up with the text."""
@@ -616,12 +617,15 @@ class AheadGate:
         kept, sent = self.odds[full]
         return kept / sent
 
-    def opens(self, full: bool, stage_ms: list[float], network_ms: float = 0.0) -> bool:
-        """Whether a round goes ahead now; ``full``: the last round accepted every draft."""
+    def opens(self, full: bool, stage_ms: list[float], network_ms: float = 0.0, draft_ms: float = 0.0) -> bool:
+        """Whether a round goes ahead now; ``full``: the last round accepted every draft; ``draft_ms``:
+        what drafting a round ahead takes."""
         first, later = (stage_ms[0], sum(stage_ms[1:])) if stage_ms else (0.0, 0.0)
-        saved, lost = min(first, later + network_ms), max(0.0, later - first)
+        away = later + network_ms
+        saved = min(first, away - draft_ms)
+        lost = max(0.0, draft_ms + first - away) + max(0.0, later - first)
         chance = self.chance(full)
-        if saved <= 0:  # nothing computes beside stage 0
+        if saved <= 0:  # nothing computes beside stage 0, or drafting takes the time away
             return False
         if chance * saved >= (1 - chance) * lost or self._held >= self.EXPLORE:
             self._held = 0
