@@ -141,6 +141,10 @@ class Settings:
     streams: int = 2  # chats that generate at the same time (micro-batched streams)
     k: str = "auto"  # draft tokens per round: a number or "auto"; 0 turns speculation off
     draft: str = "lookup"  # one of DRAFTS
+    # one user on a pipeline: the next speculative round goes while one is verified, drafted as if it
+    # accepts every draft, and is discarded if not (``engine.runtime.decode.generate``); off until it
+    # measures better
+    speculate_ahead: bool = False
     draft_model: str = ""  # the draft model source for "model" and "hybrid"
     draft_at: str = ""  # HOST:PORT of the draft server (``fleet worker --role draft``) for "remote"; empty:
     # the deployment's (``fleet deploy --draft-on``)

@@ -318,5 +318,5 @@ def _copy_service(settings: Settings, opened: Opened, drafts: list[Path] | None,
     drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device, remote=remote,
                                first_stream=copy * settings.streams)
     return ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
-                       rewind=REWIND[settings.mode], owned=opened.owned,
+                       rewind=REWIND[settings.mode], owned=opened.owned, speculate_ahead=settings.speculate_ahead,
                        recover=failover.recover if failover else None)

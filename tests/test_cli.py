@@ -237,6 +237,6 @@ def test_generate_prints_a_clean_reply(capsys):
                                    stopped_by="max_tokens", to_json=dict)
 
     args = SimpleNamespace(system=None, no_chat=False, ignore_eos=False, k=4, sampling=None)
-    reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4), Tokenizer(), Gen(), None)
+    reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4, speculate_ahead=False), Tokenizer(), Gen(), None)
     reply("hello")
     assert capsys.readouterr().out == "Hi]0;owned[2J there\tok\n\ufffd\n"

@@ -31,9 +31,10 @@ def _conversation(service, turns, tokens=12):
     return replies
 
 
-def _service(chain, drafts: bool, prefix_cache: bool = True, streams: int = 1):
+def _service(chain, drafts: bool, prefix_cache: bool = True, streams: int = 1, speculate_ahead: bool = False):
     return ChatService(chain, streams=streams, rewind="trim", k=3, prefix_cache=prefix_cache,
-                       drafters=(lambda n: stream_drafters("lookup", n)) if drafts else None)
+                       drafters=(lambda n: stream_drafters("lookup", n)) if drafts else None,
+                       speculate_ahead=speculate_ahead)
 
 
 def _warm_equals_cold(chain, drafts):
@@ -73,6 +74,27 @@ def test_next_turns_reuse_the_cache_over_a_worker_process(tiny_exports, tmp_path
             _warm_equals_cold(chain, drafts=True)
         finally:
             chain.close()
+
+
+def test_speculating_ahead_keeps_a_conversation_and_its_cache(tiny_exports, monkeypatch):
+    # Each reply ends with a round sent ahead in flight (or discarded): the stream's cache must hold
+    # the conversation and nothing of it, for the next turn to reuse.
+    from engine.runtime.decode.generate import Decoding
+
+    sent, send = [], Decoding._send_ahead
+    monkeypatch.setattr(Decoding, "_send_ahead", lambda self, room: (sent.append(room), send(self, room))[1])
+    chain = LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact"))
+    ahead, plain = _service(chain, True, speculate_ahead=True), _service(chain, True)
+    try:
+        got = _conversation(ahead, TURNS, tokens=24)
+        want = _conversation(plain, TURNS, tokens=24)
+    finally:
+        ahead.chain = plain.chain = _Kept()
+        ahead.close()
+        plain.close()
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.cached_tokens for r in got] == [r.cached_tokens for r in want] and got[-1].cached_tokens > 0
+    assert sent  # the service sent rounds ahead
 
 
 def test_requests_go_to_the_stream_holding_their_prefix(tiny_exports):

@@ -16,7 +16,7 @@ from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.decode.generate import Decoding, Generator, generate_streams
 from engine.runtime.decode.kvsequence import KVSequence
-from engine.runtime.decode.speculative import (AutoK, Drafter, DraftModel, Hybrid, PromptLookup, RoundCost,
+from engine.runtime.decode.speculative import (AheadGate, AutoK, Drafter, DraftModel, Hybrid, PromptLookup, RoundCost,
                                                check_draft_tokenizer)
 from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
@@ -522,3 +522,132 @@ def test_spec_bench_repeats_each_prompt_and_averages_the_paired_ratios(tiny_mode
     aa = [row["A/A"] for row in report["rows"] if row["mode"] == "fast"]
     assert (report["ratios"]["fast A/A: model K=auto vs itself (min)"],
             report["ratios"]["fast A/A: model K=auto vs itself (max)"]) == (min(aa), max(aa))
+
+
+class _Oracle(Drafter):
+    """Drafts the target's own greedy continuation (``want`` after ``prompt``), but spoils every
+    ``spoil``-th proposal's last token: rounds sent ahead are kept, and now and then discarded."""
+
+    def __init__(self, prompt: list[int], want: list[int], spoil: int = 3):
+        self.text, self.spoil, self.calls = list(prompt) + list(want), spoil, 0
+
+    def propose(self, history, k):
+        self.calls += 1
+        if self.text[:len(history)] != list(history):  # after a spoiled draft: a guess, wrong
+            return [int(history[-1]) % 200 + 3] * k
+        follow = self.text[len(history):len(history) + k]
+        if follow and self.calls % self.spoil == 0:
+            follow[-1] = (follow[-1] + 1) % 200 + 3
+        return follow
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["paged-trim", "stateful-mask"])
+def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, tmp_path, hosting, monkeypatch):
+    # One stream, two rounds in flight: stage 0 computes the round sent ahead while stage 1 verifies
+    # the one before it; a wrong assumption is rewound on both stages (KEEP frames, or masks).
+    monkeypatch.setattr(AheadGate, "opens", lambda self, *args: True)  # every round goes ahead
+    folders = tiny_exports["qwen2", "2"].folders
+    key = create_key(tmp_path / "fleet.key")
+    with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate, hosting=hosting) as fleet:
+        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact", isolate=isolate,
+                            turns=compute_turns(fleet.turns))
+        try:
+            assert chain.packs != isolate
+            rewind = "mask" if isolate else "trim"
+            want = Generator(chain, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+            model = DraftModel(LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT))  # the target itself
+            for drafter in (_Oracle(PROMPT, want), PromptLookup(), _Oracle(PROMPT, want, spoil=1), model):
+                plain = Generator(chain, 128, rewind=rewind)
+                plain_gen = plain.generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k=3)
+                chain.most_in_flight = 0
+                ahead = Generator(chain, 128, rewind=rewind)
+                gen = ahead.generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k=3, speculate_ahead=True)
+                assert plain_gen.tokens == gen.tokens == want, drafter.name
+                assert gen.ahead > 0 and plain_gen.ahead == 0
+                assert chain.most_in_flight >= 2  # the round sent ahead travelled beside the one verified
+                assert ahead.seq.logical == plain.seq.logical  # what was sent ahead and not kept is gone
+                if isinstance(drafter, _Oracle) and drafter.spoil > 1:
+                    assert 0 < gen.ahead_kept < gen.ahead
+                elif drafter is model:  # it drafts what the target decodes: its guesses hold
+                    assert gen.ahead_kept > gen.ahead // 2
+                else:  # every proposal spoiled, or lookup's guesses: few kept, the output still greedy's
+                    assert gen.ahead_kept < gen.ahead
+            assert not chain._in_flight and not chain._groups  # every discarded round was collected
+        finally:
+            chain.close()
+
+
+def test_speculating_ahead_stops_at_the_end_of_text_like_plain_speculation(tiny_exports, monkeypatch):
+    # An end of text inside a kept round: the round sent ahead after it is rewound, as a reject is.
+    monkeypatch.setattr(AheadGate, "opens", lambda self, *args: True)
+    chain = LocalChain(tiny_exports["qwen2", "2"].folders, config=EXACT)
+    want = Generator(chain, 128).generate(PROMPT, 40, ignore_eos=True).tokens
+    eos = [want[17]]
+    ends = {}
+    for ahead in (False, True):
+        gen = Generator(chain, 128, eos_ids=eos, rewind="trim")
+        result = gen.generate(PROMPT, 40, drafter=_Oracle(PROMPT, want, spoil=4), k=4, speculate_ahead=ahead)
+        assert result.stopped_by == "eos" and result.tokens == want[:want.index(eos[0]) + 1]
+        ends[ahead] = gen.seq.logical, result.ahead
+    assert ends[True][0] == ends[False][0] and ends[True][1] > 0 and ends[False][1] == 0
+
+
+def test_speculating_ahead_is_off_by_default_and_only_on_the_greedy_path():
+    from argparse import Namespace
+
+    from engine.cli.args import settings_of
+    from engine.runtime.decode.sampling import SamplingParams
+
+    assert Settings().speculate_ahead is False
+    assert settings_of(Namespace(speculate_ahead=True), Settings()).speculate_ahead is True
+    assert settings_of(Namespace(speculate_ahead=None), Settings(speculate_ahead=True)).speculate_ahead is True
+    seq = KVSequence(LocalChain.__new__(LocalChain), 64)
+    assert Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup(), speculate_ahead=True).speculate_ahead
+    assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=None, speculate_ahead=True).speculate_ahead
+    sampled = SamplingParams(temperature=0.8)
+    assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup(), sampling=sampled,
+                        speculate_ahead=True).speculate_ahead
+
+
+def test_the_ahead_bench_compares_a_round_at_a_time_with_speculating_ahead(tiny_models, tmp_path):
+    import json
+
+    from engine.bench.ahead import run_ahead
+    from engine.bench.registry import BENCHES
+
+    folder = str(tiny_models["qwen2"])  # its own draft: same tokenizer
+    report = run_ahead(folder, folder, draft_kind="model", tokens=12, runs=2, mode="exact", weights="f32",
+                       out=tmp_path / "ahead.json", log=lambda m: None)
+    assert json.loads((tmp_path / "ahead.json").read_text()) == report
+    rows = {row["config"]: row for row in report["rows"]}
+    assert list(rows) == ["whole model", "whole model + speculation", "2 parts", "2 parts + speculation",
+                          "2 parts + speculation ahead"]
+    for row in rows.values():  # exact: every speculative output is greedy's, sixteen of sixteen
+        assert row["same_as_greedy"] == row["of"] == 16 and row["tok_s"] > 0, row
+    ahead = rows["2 parts + speculation ahead"]
+    assert 0 < ahead["ahead_kept"] <= ahead["ahead"] and "ahead" not in rows["2 parts + speculation"]
+    assert ahead["acceptance"] > 0.9  # the model drafts itself
+    key = "2 parts + speculation ahead vs 2 parts + speculation"
+    assert report["ratios"][key] > 0 and key in report["spread"]
+    assert BENCHES["ahead"].keywords({"spec_k": 2, "cpus": "0;1"}) | {"model": folder} == {
+        "model": folder, "draft": BENCHES["ahead"].keywords({})["draft"], "k": 2, "cpu_sets": "0;1"}
+
+
+def test_a_round_goes_ahead_where_its_chance_pays_for_a_discarded_one():
+    gate = AheadGate()
+    assert gate.opens(False, [10.0, 10.0])  # equal stages: a discarded round costs nothing
+    assert not gate.opens(False, [10.0])  # one stage: nothing to hide a round behind
+    for _ in range(20):  # kept after a full acceptance, discarded after a partial one
+        gate.learn(True, True)
+        gate.learn(False, False)
+    assert gate.chance(True) > 0.9 > 0.1 > gate.chance(False)
+    assert gate.opens(True, [5.0, 20.0])  # the later stage costs 15 ms more, but the round is nearly always kept
+    held = [gate.opens(False, [5.0, 20.0]) for _ in range(AheadGate.EXPLORE + 1)]
+    assert held == [False] * AheadGate.EXPLORE + [True]  # held back, but tried now and then
+    assert gate.opens(False, [5.0, 3.0], network_ms=4.0)  # a slow stage 0: a discarded round costs nothing
+    fresh = AheadGate()
+    assert fresh.opens(False, [10.0, 10.0], draft_ms=1.0)
+    assert not fresh.opens(False, [10.0, 10.0], draft_ms=12.0)  # drafting ahead takes longer than stage 1
+    for _ in range(20):
+        fresh.learn(False, False)
+    assert not fresh.opens(False, [10.0, 10.0], draft_ms=3.0)  # a discarded round costs its drafting

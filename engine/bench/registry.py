@@ -147,6 +147,13 @@ BENCHES = {bench.name: bench for bench in (
                   "network_ms_per_hop": Ratio("cost", "waiting on the network", when=" per hop and token"),
                   "relay_round_trip_ms_per_hop": Ratio("cost", "a message down the chain and back",
                                                        when=" per hop (no compute)")}),
+    Bench("ahead", "one user on a pipeline: speculation that sends the next round while one is verified "
+          "(speculating ahead, PipeInfer's early speculation) against a round at a time and the whole model",
+          takes("model", "draft", "stages", "tokens", "runs", "draft_kind", "mode", "delay_ms", "weights", "shards",
+                spec_k="k", cpus="cpu_sets"),
+          notes={"draft_kind": "lookup for a model no smaller one shares a tokenizer with",
+                 "spec_k": "the drafts per round (default 3)",
+                 "cpus": "one CPU set per part, as if each had its own PC: '0;1' (unpinned, the parts take turns)"}),
     Bench("tls", "what mutual TLS costs: the same loopback fleet with it and without, interleaved (decode and "
           "prefill tok/s)", takes("model", "stages", "tokens", "warmup", "runs", "weights", "shards"),
           ratios={"decode_tls_vs_plain": Ratio("speed", "answering over TLS", "the same fleet without it"),

@@ -81,6 +81,9 @@ def chain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--isolate-streams", action="store_true",
                         help="compile each part once per stream instead of sharing one compiled model")
     parser.add_argument("--k", type=draft_tokens, default=4, help="draft tokens per round, or 'auto' (default 4)")
+    parser.add_argument("--speculate-ahead", action=argparse.BooleanOptionalAction,
+                        help="one user on a pipeline: send the next speculative round while one is verified, "
+                             "drafted as if every draft is accepted (default: the speculate_ahead setting)")
     parser.add_argument("--mode", choices=["fast", "exact"],
                         help="exact: speculative output token-identical to plain greedy decoding (f32 compute)")
     parser.add_argument("--device", help="OpenVINO device for every part (CPU, GPU, NPU, GPU.1...), "
@@ -109,8 +112,9 @@ def settings_of(args: argparse.Namespace, settings: Settings | None = None) -> S
     """The saved settings with what the command line says instead (options it has and was given)."""
     settings = settings or Settings.load()
     changes = {field: getattr(args, option) for option, field in OVERRIDES.items() if getattr(args, option, None)}
-    if getattr(args, "tls", None) is not None:
-        changes["tls"] = args.tls
+    for flag in ("tls", "speculate_ahead"):
+        if getattr(args, flag, None) is not None:
+            changes[flag] = getattr(args, flag)
     if hasattr(args, "draft"):
         changes.update(_draft(args.draft))
     if getattr(args, "k", None) is not None:

@@ -152,7 +152,7 @@ def _generator_reply(args, settings, tokenizer, gen, drafter):
         result = gen.generate(
             ids, settings.max_new_tokens, ignore_eos=args.ignore_eos,
             on_token=lambda t: print(reply_text(stream.push(t)), end="", flush=True), drafter=drafter, k=args.k,
-            sampling=args.sampling,
+            sampling=args.sampling, speculate_ahead=settings.speculate_ahead,
         )
         print(reply_text(stream.flush()))  # the end of the reply, held back while a character was incomplete
         spec = f", acceptance {result.acceptance:.2f}" if result.drafted else ""

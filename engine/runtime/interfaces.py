@@ -82,6 +82,11 @@ class Chain(Protocol):
     def collect(self, ticket) -> Output:
         """The forward's output (waits for it)."""
 
+    def flush(self) -> None:
+        """Starts every submitted round still waiting to be packed now, instead of at the next
+        ``collect``: a stream that keeps two rounds in flight (``Decoding(ahead=True)``) has stage 0
+        compute the second while the later stages compute the first."""
+
     def first_ready(self, tickets: list) -> int:
         """The index of a ticket whose output is (or will be first) ready."""
 

@@ -11,6 +11,14 @@ accepted by rejection sampling, ``engine.runtime.decode.sampling``, so the text 
 target's own samples).  Rejected positions
 are masked out (``rewind="mask"``, the paper's mask-based rewind: nothing is copied, position ids
 follow the logical length) or cut from every stage's cache (``"trim"``).
+
+Speculating ahead (``speculate_ahead``, PipeInfer's early speculation for one stream): while a round
+is verified, the next is already on its way, drafted as if the round in flight accepts every draft
+and its own next token is the drafter's guess.  Over a pipeline, stage 0 computes it while the later
+stages verify the first, so the computers of a split work at once for one user.  It is kept when the
+round gives exactly those tokens; otherwise it is discarded and every stage's cache rewound past it,
+as a rejected draft is, so greedy output is the same either way.  A round goes ahead where the chance
+it is kept pays for what a discarded one costs the later stages (``speculative.AheadGate``).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from engine.errors import ContextError
 from engine.runtime.decode.grammar import Constraint
 from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.sampling import Sampler, SamplingParams, token_logprobs
-from engine.runtime.decode.speculative import AutoK, Drafter
+from engine.runtime.decode.speculative import AheadGate, AutoK, Drafter, smooth
 from engine.runtime.interfaces import Chain
 from engine.runtime.stages.output import Output, top_candidates
 from engine.transport.wire import Flag
@@ -87,6 +95,8 @@ class Generation:
     compactions: int = 0
     trim_ms: float = 0.0
     prefill_compute_ms: float = 0.0  # the prefill's compute, all stages
+    ahead: int = 0  # rounds sent ahead of the round in flight (``speculate_ahead``)
+    ahead_kept: int = 0  # of them, the rounds whose assumption held
 
     @property
     def decode_tok_s(self) -> float:
@@ -117,6 +127,8 @@ class Generation:
                 "kv_bloat": round(self.bloat, 3), "compactions": self.compactions,
                 "trim_ms": round(self.trim_ms, 2),
             }
+            if self.ahead:
+                doc["speculative"].update(ahead=self.ahead, ahead_kept=self.ahead_kept)
         return doc
 
 
@@ -129,6 +141,18 @@ def _verify_greedy(targets: list[int], drafts: list[int]) -> tuple[list[int], in
     return targets[: accepted + 1], accepted
 
 
+@dataclasses.dataclass
+class _Ahead:
+    """A round sent ahead of the one in flight: its tokens (the guess at the round in flight's own
+    next token, then drafts), its ticket, drafting time and when it went."""
+
+    tokens: list[int]
+    ticket: object
+    draft_ms: float
+    sent: float
+    full: bool  # the round before the one in flight accepted every draft (``AheadGate``)
+
+
 class Decoding:
     """One stream's generation as a state machine: ``start`` submits the prefill, each ``advance``
     collects the round in flight, emits its tokens and submits the next.  ``Generator`` drives one;
@@ -138,14 +162,17 @@ class Decoding:
                  drafter: Drafter | None = None, k: int | str = 4,
                  on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None,
                  cached: int = 0, prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
-                 logprobs: int | None = None, prompt_logprobs: bool = False, alone: Callable[[], bool] | None = None):
+                 logprobs: int | None = None, prompt_logprobs: bool = False, alone: Callable[[], bool] | None = None,
+                 speculate_ahead: bool = False):
         """``cached``: the stream's cache already holds the prompt's first ``cached`` tokens (the
         prefix cache): only the rest is prefilled, ``prefill_chunk`` tokens a forward.
         ``constraint``: every token (greedy, sampled or a draft) must be one its grammar allows; the
         stream asks for full logits (``Flag.LOGITS``), since the top candidates the last stage
         returns may hold no legal token, and ends once the grammar is complete.  ``alone``: whether
         this stream is the only one generating, asked each round: the drafter is consulted only then,
-        the other rounds are plain (``ChatService(draft_alone=True)``)."""
+        the other rounds are plain (``ChatService(draft_alone=True)``).  ``speculate_ahead``: each
+        drafted round is followed at once by the next, drafted as if it accepts every draft (the
+        module's docstring); only on the plain greedy path (no sampling, constraint or logprobs)."""
         self.seq = seq
         self.alone = alone
         self.cached = cached
@@ -197,6 +224,13 @@ class Decoding:
         self._draft_ms = 0.0
         self._consulted = False  # whether the drafter was asked for the round in flight
         self._times: dict[str, float] = {}
+        self.speculate_ahead = speculate_ahead and drafter is not None and self._flags == Flag.NONE
+        self._ahead: _Ahead | None = None  # the round on its way after the one in flight
+        self._gate = AheadGate()
+        self._ahead_draft_ms = 0.0  # drafting a round ahead (smoothed)
+        self._full = False  # the last round collected accepted every draft it had (and had some)
+        self._last: Output | None = None  # the last round collected (its stage times price the gate)
+        self._discarded = None  # the ticket of a round sent ahead and discarded, to collect
 
     def settled(self) -> int:
         """How many tokens of the prompt and the reply so far every stage's cache holds for sure: all
@@ -240,9 +274,43 @@ class Decoding:
         self.ticket = self.seq.submit([self.result.tokens[-1], *self._drafts], flags)
         if self.constraint is not None:
             self.constraint.allowed()  # computed while the round runs (over a remote chain)
+        if self.speculate_ahead and self._consulted:
+            self._send_ahead(room - len(self._drafts) - 1)
+
+    def _send_ahead(self, room: int) -> None:
+        """Sends the round after the one in flight, which assumes that round gives its drafts and
+        then the drafter's guess at the token after them; ``room``: the tokens left to emit after
+        that round if so."""
+        if room < 1 or not self._gate.opens(self._full, self._last.stage_ms, self._last.network_ms,
+                                            self._ahead_draft_ms):
+            return
+        chain = self.seq.chain
+        chain.flush()  # the round in flight goes first: the later stages start on it while this one is drafted
+        t = time.perf_counter()
+        tokens = self.drafter.propose(self.history + self._drafts, min(self.k, room - 1) + 1)
+        draft_ms = (time.perf_counter() - t) * 1e3
+        self._ahead_draft_ms = smooth(self._ahead_draft_ms, draft_ms)
+        if not tokens:
+            return
+        ticket = self.seq.submit(tokens, Flag.ALL_POSITIONS if len(tokens) > 1 else Flag.NONE)
+        chain.flush()
+        self._ahead = _Ahead(tokens, ticket, draft_ms, time.perf_counter(), self._full)
+        self.result.ahead += 1
+
+    def _take_ahead(self, ahead: _Ahead) -> None:
+        """The round sent ahead assumed what the round just collected gave: it becomes the round in
+        flight, and the next goes ahead of it."""
+        self.ticket, self._drafts, self._draft_ms = ahead.ticket, ahead.tokens[1:], ahead.draft_ms
+        self._consulted = True
+        self._times["verify"] = ahead.sent
+        self.result.ahead_kept += 1
+        self._send_ahead(self.max_new_tokens - len(self.result.tokens) - len(self._drafts) - 1)
 
     def advance(self) -> bool:
         """Collects the round in flight and submits the next; False once the stream has finished."""
+        if self._discarded is not None:  # its output comes before the round in flight's
+            discarded, self._discarded = self._discarded, None
+            self.seq.chain.collect(discarded)
         out = self.seq.chain.collect(self.ticket)
         if self._chunk:  # a prompt chunk came back
             start, self._fed, self._chunk = self._fed, self._fed + len(self._chunk), []
@@ -261,7 +329,13 @@ class Decoding:
             emitted, accepted = self.sampler.choose(*self.sampler.candidates(out), self.history, drafts)
         else:
             emitted, accepted = _verify_greedy(out.tokens[-(len(drafts) + 1):].tolist(), drafts)
-        self.seq.reject(len(drafts) - accepted)
+        ahead, self._ahead = self._ahead, None
+        kept = ahead is not None and emitted == [*drafts, ahead.tokens[0]]
+        if ahead is not None:
+            self._gate.learn(ahead.full, kept)
+        self._full, self._last = bool(drafts) and accepted == len(drafts), out
+        # a round sent ahead holds the slots after this round's: a discarded one goes with its rejected drafts
+        self.seq.reject(len(drafts) - accepted + (len(ahead.tokens) if ahead is not None and not kept else 0))
         first = not result.tokens
         if drafts:
             result.drafted += len(drafts)
@@ -301,8 +375,17 @@ class Decoding:
         if result.stopped_by == "max_tokens" and self.cancel is not None and self.cancel.is_set():
             result.stopped_by = "cancelled"
         if result.stopped_by != "max_tokens" or len(result.tokens) >= self.max_new_tokens:
+            if ahead is not None:  # nothing follows: the round sent ahead is rewound and its output dropped
+                if kept:
+                    self.seq.reject(len(ahead.tokens))
+                self.seq.chain.collect(ahead.ticket)
             self._finish(now)
             return False
+        if kept:
+            self._take_ahead(ahead)
+            return True
+        if ahead is not None:
+            self._discarded = ahead.ticket
         self._submit_round()
         return True
 
@@ -338,10 +421,12 @@ class Generator:
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int, *, ignore_eos: bool = False,
                  on_token: Callable[[int], None] | None = None, cancel=None, drafter: Drafter | None = None,
-                 k: int | str = 4, sampling: SamplingParams | None = None) -> Generation:
+                 k: int | str = 4, sampling: SamplingParams | None = None,
+                 speculate_ahead: bool = False) -> Generation:
         prompt = [int(t) for t in np.asarray(input_ids).reshape(-1)]
         decoding = Decoding(self.seq, prompt, max_new_tokens, frozenset() if ignore_eos else self.eos_ids,
-                            drafter=drafter, k=k, on_token=on_token, cancel=cancel, sampling=sampling)
+                            drafter=drafter, k=k, on_token=on_token, cancel=cancel, sampling=sampling,
+                            speculate_ahead=speculate_ahead)
         decoding.start()
         while decoding.advance():
             pass

@@ -131,7 +131,7 @@ class ChatService:
     def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
                  drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
                  max_length: int | None = None, eos_ids=None, owned=(), recover=None, prefix_cache: bool = True,
-                 prefill_chunk: int = PREFILL_CHUNK, draft_alone: bool = True):
+                 prefill_chunk: int = PREFILL_CHUNK, draft_alone: bool = True, speculate_ahead: bool = False):
         """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
         ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
         ``owned`` are further objects to ``close()`` with the service (a local fleet);
@@ -141,7 +141,8 @@ class ChatService:
         ``prefill_chunk``: prompt tokens a forward (other streams' rounds run between chunks);
         ``draft_alone``: a stream drafts only while it is the only one generating, its other rounds
         are plain.  With several streams the verify's extra rows cost more than the drafts give,
-        whichever the drafter (docs/benchmarks.md, "A second PC that drafts")."""
+        whichever the drafter (docs/benchmarks.md, "A second PC that drafts").  ``speculate_ahead``: a
+        stream drafting alone sends its next round while one is verified (``Decoding``)."""
         if streams < 1:
             raise FleetError("the chat service needs at least one stream")
         self.chain = chain
@@ -157,6 +158,7 @@ class ChatService:
         self.prefix = PrefixCache(prefix_cache)
         self.prefill_chunk = prefill_chunk
         self.draft_alone = draft_alone
+        self.speculate_ahead = speculate_ahead
         m = manifest
         self.description = f"{m.model_name}, {m.stage_count} part{'s' if m.stage_count > 1 else ''}" if m else ""
         self._owned = list(owned)
@@ -333,7 +335,8 @@ class ChatService:
                                         cached=max(cached, 0), prefill_chunk=self.prefill_chunk,
                                         constraint=request.constraint, logprobs=request.logprobs,
                                         prompt_logprobs=request.prompt_logprobs and prompt is None,
-                                        alone=(lambda: len(self._active) == 1) if self.draft_alone else None)
+                                        alone=(lambda: len(self._active) == 1) if self.draft_alone else None,
+                                        speculate_ahead=self.speculate_ahead)
             if request.logprobs is not None:  # filled in as tokens come (after those of a replaced chain)
                 del request.handle.logprobs[len(request.earlier):]
                 request.decoding.token_logprobs = request.handle.logprobs

@@ -591,3 +591,50 @@ class AutoK:
         if self._seen % 8 in (6, 7):
             best_k = max(1, min(self.k_max, best_k + (1 if self._seen % 16 in (6, 7) else -1)))
         return best_k
+
+
+class AheadGate:
+    """Whether a round goes ahead of the one in flight (``Decoding(speculate_ahead=True)``): the chance
+    it is kept against what keeping it saves and discarding it costs, from the last round's stage times.
+
+    This process drafts the round and runs its stage 0 while the round before is away (the later
+    stages' compute and the network).  Kept, that time was hidden: it saves stage 0's compute, less
+    what drafting and stage 0 took beyond the time away.  Discarded, the round that replaces it waits
+    for that overrun here and for the later stages to compute the discarded one: on equal stages it
+    costs only the drafting.  The chance is kept
+    apart after a round that accepted every draft and after one that did not (a copied stretch of
+    text runs on), decayed.  After ``EXPLORE`` rounds held back one goes anyway, so the chance keeps
+    up with the text."""
+
+    DECAY = 0.9
+    EXPLORE = 8
+
+    def __init__(self):
+        self.odds = {True: [1.0, 2.0], False: [1.0, 2.0]}  # after a full acceptance or not: decayed kept, sent
+        self._held = 0  # rounds held back since one went
+
+    def chance(self, full: bool) -> float:
+        kept, sent = self.odds[full]
+        return kept / sent
+
+    def opens(self, full: bool, stage_ms: list[float], network_ms: float = 0.0, draft_ms: float = 0.0) -> bool:
+        """Whether a round goes ahead now; ``full``: the last round accepted every draft; ``draft_ms``:
+        what drafting a round ahead takes."""
+        first, later = (stage_ms[0], sum(stage_ms[1:])) if stage_ms else (0.0, 0.0)
+        away = later + network_ms
+        saved = min(first, away - draft_ms)
+        lost = max(0.0, draft_ms + first - away) + max(0.0, later - first)
+        chance = self.chance(full)
+        if saved <= 0:  # nothing computes beside stage 0, or drafting takes the time away
+            return False
+        if chance * saved >= (1 - chance) * lost or self._held >= self.EXPLORE:
+            self._held = 0
+            return True
+        self._held += 1
+        return False
+
+    def learn(self, full: bool, kept: bool) -> None:
+        """A round sent ahead after a round that accepted every draft (``full``) or not was kept or not."""
+        row = self.odds[full]
+        row[0] = row[0] * self.DECAY + kept
+        row[1] = row[1] * self.DECAY + 1

@@ -113,6 +113,9 @@ class RankChain(Chain):
     def collect(self, ticket: Output) -> Output:
         return ticket
 
+    def flush(self) -> None:
+        """Nothing waits: ``submit`` runs the forward."""
+
     def first_ready(self, tickets: list) -> int:
         return 0
 

@@ -436,6 +436,11 @@ class RemoteChain(Chain):
         round_.sent = time.perf_counter()
         return round_
 
+    def flush(self) -> None:
+        """Stage 0 runs every waiting round now and sends it on, one group, whatever ``depth`` says."""
+        if self._pending:
+            self._flush()
+
     def _flush_stream(self, stream: int) -> None:
         """Sends what waits if a round of ``stream`` does: its next step must come after it."""
         if any(r.stream == stream for r in self._pending):

@@ -110,6 +110,9 @@ class LocalChain(Chain):
             raise ticket.error
         return ticket.output
 
+    def flush(self) -> None:
+        self._run_pending()
+
     def _run_pending(self, stream: int | None = None) -> None:
         """Runs every waiting round, at most ``PACK_ROWS`` rows a forward (``stream``: only if one of
         them is that stream's, whose next step must come after it)."""
