@@ -233,7 +233,7 @@ class Settings:
 # a change to one of them needs a new service; the others apply per request, or are not the service's
 SERVICE_SETTINGS = ("fleet_key_file", "tls", "deadline_s",  # the fleet access
                     "default_model", "stages", "weights", "device", "mode", "local_workers",  # the chain
-                    "streams", "k", "draft", "draft_model", "draft_at",  # the scheduler and its drafts
+                    "streams", "k", "draft", "draft_model", "draft_at", "speculate_ahead",  # the scheduler, its drafts
                     "rejoin_check_s")  # failover
 
 
