@@ -191,7 +191,8 @@ class BenchPanel(QWidget):
         left.addLayout(save_row)
 
         self.plot = make_plot("Results", "", "tok/s", settings.theme)  # the x axis: the benchmark's own, once run
-        self.live = LiveRatePlot(self.meter, "Live tokens per second per stream", settings.theme)
+        self.live = LiveRatePlot(self.meter, "Live tokens per second per stream", settings.theme,
+                                 x_label="seconds since the benchmark started")
         self.table = QTableWidget(0, 0)
         self.table.verticalHeader().hide()
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)

@@ -221,6 +221,7 @@ class ExportWizard(QWidget):
     def _run_page(self) -> QWidget:
         page = QGroupBox("3. Export")
         self.summary = plain(QLabel())
+        self._what = ""  # the export under way, in words ("SmolLM2 135M in 2 parts (auto) on this PC")
         self.summary.setWordWrap(True)
         self.pull_label = plain(QLabel("Pulling the model"))
         self.pull_bar = QProgressBar()
@@ -375,8 +376,9 @@ class ExportWizard(QWidget):
         force = self.force.isChecked()
         self.result = None
         self._prepare(count, source)
-        self.summary.setText(f"Exporting {model_name(source)} in {count} part{'s' if count > 1 else ''} "
-                             f"({weights}{', INT4 head' if head == 'int4' else ''}) on this PC.")
+        self._what = (f"{model_name(source)} in {count} part{'s' if count > 1 else ''} "
+                      f"({weights}{', INT4 head' if head == 'int4' else ''}) on this PC")
+        self.summary.setText(f"Exporting {self._what}.")
         self.summary.setToolTip(plain_tip("\n".join(filter(None, (folder_tip(source), out and f"Into: {out}")))))
         backend = self.backend
         self.task = self.tasks.start(
@@ -430,6 +432,7 @@ class ExportWizard(QWidget):
     def _done(self, result) -> None:
         self.result = result
         self._finish()
+        self.summary.setText(f"Exported {self._what}.")
         for report in result.stages:
             if report.index < len(self.stage_bars):
                 self.stage_bars[report.index].setValue(100)
@@ -453,6 +456,8 @@ class ExportWizard(QWidget):
 
     def _failed(self, message: str) -> None:
         self._finish()
+        cancelled = message == "export cancelled"
+        self.summary.setText(f"{'Cancelled' if cancelled else 'Failed'}: exporting {self._what}.")
         self.total.setText("Export cancelled." if message == "export cancelled" else "Export failed.")
         if message != "export cancelled":
             self.banner.error(f"The export failed: {message}")

@@ -179,6 +179,8 @@ class LiveRatePlot(QWidget):
         return len(self.series.get(stream, ([], []))[0])
 
     def clear(self) -> None:
+        """Forgets every stream; a stream that never ``begin``s (a benchmark's) counts its seconds from now."""
+        self._start = time.monotonic()
         self.meter.clear()
         self._samples.clear()
         self.series.clear()

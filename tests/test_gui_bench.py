@@ -310,3 +310,21 @@ def test_the_live_plot_counts_from_a_replys_first_token(qtbot, gui_home, tmp_pat
     xs, _ = live.series["chat 1"]
     assert len(xs) == 1 and xs[0] < 0.3, xs
     assert live.plot.getAxis("bottom").labelText == "seconds since the first token"
+
+
+def test_the_benchmarks_live_plot_counts_from_the_benchmarks_start(qtbot, gui_home, tmp_path):
+    """A benchmark's streams count their seconds from when it started (its plot is cleared then),
+    not from when the app opened."""
+    import time
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    panel = window.bench
+    time.sleep(0.8)  # the app has been open a while
+    panel.live.clear()  # what starting a benchmark does
+    panel.live.sample()
+    panel.meter.add("stream 0", 4)
+    time.sleep(0.05)
+    panel.live.sample()
+    xs, ys = panel.live.series["stream 0"]
+    assert xs[0] < 0.5 and ys[0] > 0, xs
+    assert panel.live.plot.getAxis("bottom").labelText == "seconds since the benchmark started"

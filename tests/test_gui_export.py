@@ -134,7 +134,7 @@ def test_catalog_models_show_their_pull_progress(qtbot, gui_home, tmp_path):
     assert wizard.stage_labels[0].text() == "part 1: done, peak 812 MB"
     assert [wizard.table.item(0, c).text() for c in (1, 2, 3)] == ["0-29", "812", "97.25"]
     # the status lines name the model, never its cache folder (that is in a tooltip)
-    assert wizard.summary.text() == "Exporting SmolLM2 135M in 1 part (int8) on this PC."
+    assert wizard.summary.text() == "Exported SmolLM2 135M in 1 part (int8) on this PC."  # past tense once done
     assert wizard.total.text() == "SmolLM2 135M in 1 part, 97.25 MB in all, saved on this PC."
     assert wizard.total.toolTip() and str(tmp_path) in wizard.total.toolTip()
     assert window.statusBar().currentMessage() == "Exported SmolLM2 135M in 1 part"
