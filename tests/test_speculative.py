@@ -549,8 +549,8 @@ def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, 
     folders = tiny_exports["qwen2", "2"].folders
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate, hosting=hosting) as fleet:
-        chain = RemoteChain(folders[0], fleet.addresses, key=load_key(key), mode="exact", isolate=isolate,
-                            turns=compute_turns(fleet.turns))
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact",
+                            isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             assert chain.packs != isolate
             rewind = "mask" if isolate else "trim"
