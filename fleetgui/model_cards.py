@@ -30,6 +30,8 @@ from fleetgui.placement_model import default_profile
 from fleetgui.widgets import plain, plain_tip
 
 SOURCE = Qt.ItemDataRole.UserRole
+READING_TOK_S = 8.0  # a reply at least this fast reads as it comes, for one person (the "best" card's bar)
+BEST_LINE = f"Best for your fleet: the largest model it runs at reading speed ({READING_TOK_S:g} tok/s or more)"
 
 
 def _bytes(n: int) -> str:
@@ -121,8 +123,17 @@ def export_details(facts: ModelFacts, weights: str) -> str:
     return f"{choice.name} ({choice.weights}): {choice.what}; {kl}" + (f" on {on}" if on != facts.source else "") + "."
 
 
+def best_for_fleet(facts: list[ModelFacts], fits: dict[str, Fit]) -> str | None:
+    """The model to suggest: the largest (most parameters) that the fleet is predicted to run for one
+    person at ``READING_TOK_S`` or faster, draft models left out; None without predictions."""
+    fast = [f for f in facts if (fit := fits.get(f.source)) is not None and fit.tok_s_1 is not None
+            and fit.tok_s_1 >= READING_TOK_S and not (f.source in CATALOG and CATALOG[f.source].draft_for)]
+    return max(fast, key=lambda f: (f.parameters, fits[f.source].tok_s_1)).source if fast else None
+
+
 def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weights: str = DEFAULT_WEIGHTS,
-               carries_weights: bool = True, simulated: bool = False) -> list[str]:
+               carries_weights: bool = True, simulated: bool = False, best: bool = False) -> list[str]:
+    """A card's lines; ``best``: it is the model ``best_for_fleet`` suggests, which its last line says."""
     lines = [facts_line(facts)]
     if facts.description:
         lines.append(facts.description)
@@ -134,7 +145,7 @@ def card_lines(facts: ModelFacts, fit: Fit | None, measured: float | None, weigh
     else:
         lines += [fit_line(fit), speed_line(fit, measured, simulated)]
     export = export_line(facts, weights, carries_weights)
-    return lines + ([export] if export else [])
+    return lines + ([export] if export else []) + ([BEST_LINE] if best else [])
 
 
 def card_tooltip(fit: Fit | None, export: str = "") -> str:
@@ -237,11 +248,13 @@ class ModelCards(QListWidget):
         self.refresh()
 
     def render(self) -> None:
+        best = best_for_fleet(self.facts, self.fits)
         for i, f in enumerate(self.facts):
             item = self.item(i)
             fit = self.fits.get(f.source)
             item.setText("\n".join(card_lines(f, fit, measured_tok_s(measured_key(f.source)), self.weights,
-                                               self.can_carry.get(f.source, True), self.simulated)))
+                                               self.can_carry.get(f.source, True), self.simulated,
+                                               best=f.source == best)))
             item.setToolTip(plain_tip(card_tooltip(fit, export_details(f, self.weights))))
 
     def refresh(self) -> None:

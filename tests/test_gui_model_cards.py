@@ -193,3 +193,28 @@ def test_a_ggufs_card_says_how_it_exports_and_what_the_other_choice_costs(tmp_pa
     assert export_line(own, "auto", carries_weights=False).startswith(
         "Exports with faster, slightly different answers — quantized again")
     assert "it will fail (this file's weight types cannot be kept" in export_line(own, "gguf", carries_weights=False)
+
+
+def test_the_card_of_the_largest_model_the_fleet_runs_at_reading_speed_says_it_is_the_best(qtbot, gui_home,
+                                                                                             tmp_path):
+    """"Best for your fleet" goes to the largest model predicted at reading speed for one person; a
+    draft model is never suggested, and a faster fleet moves the suggestion to a larger model."""
+    from engine.fleet.fit import Fit
+    from fleetgui.model_cards import BEST_LINE, READING_TOK_S
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    cards = window.show_view("Export").cards
+
+    def priced(speeds: dict[str, float]) -> list[str]:
+        fits = {name: Fit(name, 1, 2, True, 2, 1, tok_s, None, "", False) for name, tok_s in speeds.items()}
+        cards._priced((fits, False))
+        return [name for name in CATALOG if cards.card_text(name).splitlines()[-1] == BEST_LINE]
+
+    slow = READING_TOK_S / 2
+    # the 1.5B too slow to read, its 0.5B draft fast (never suggested): Gemma 3 270M, larger than SmolLM2
+    assert priced({"smollm2-135m": 60.0, "gemma3-270m": 30.0, "qwen2.5-coder-0.5b": 20.0,
+                   "qwen2.5-coder-1.5b": slow}) == ["gemma3-270m"]
+    assert priced({"smollm2-135m": 60.0, "gemma3-270m": 30.0, "qwen2.5-coder-0.5b": 20.0,
+                   "qwen2.5-coder-1.5b": READING_TOK_S * 1.5}) == ["qwen2.5-coder-1.5b"]
+    assert priced({name: slow for name in CATALOG}) == []  # nothing at reading speed: no suggestion
+    assert priced({}) == []  # no profile: no suggestion
