@@ -14,18 +14,18 @@ import json
 import struct
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QStandardPaths, Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QVBoxLayout)
 
-from engine.config import AUTO_WEIGHTS, DEFAULT_WEIGHTS
+from engine.config import AUTO_WEIGHTS, DEFAULT_WEIGHTS, paths
 from engine.errors import FleetError
 from engine.export.choices import FAITHFUL, FAST, choice_of, measured_on, other_than
 from engine.export.gguf_weights import carries
 from engine.fleet.fit import NO_PROFILE, USERS, Fit, load_profile, measured_key, measured_tok_s, predict
 from engine.manifest import is_shard_set
 from engine.models.catalog import CATALOG, DEFAULT_MODEL, is_cached
-from engine.models.facts import ModelFacts, catalog_facts, facts_of
+from engine.models.facts import ModelFacts, catalog_facts, facts_of, found_models
 from fleetgui.placement_model import default_profile
 from fleetgui.widgets import plain, plain_tip
 
@@ -302,23 +302,35 @@ class ModelCards(QListWidget):
         raise KeyError(source)
 
 
+def model_folders() -> list[Path]:
+    """Where the model browser looks for a user's own models: the desktop's downloads folder and the
+    app's models folder (``engine.models.facts.found_models``)."""
+    downloads = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DownloadLocation)
+    return [Path(downloads)] * bool(downloads) + [paths().models]
+
+
 class ModelBrowser(QDialog):
-    """The chat's model browser: the catalog's cards (and the current model's, where it is a GGUF file
-    or a Hugging Face folder); accepting it picks the selected model."""
+    """The chat's model browser: the catalog's cards, the GGUF files and Hugging Face folders found in
+    ``model_folders``, and the current model's where it is one of those; accepting it picks the
+    selected model."""
 
     def __init__(self, tasks, current: str, weights: str = DEFAULT_WEIGHTS, parent=None):
         super().__init__(parent)
         self.setWindowTitle("Choose a model")
         self.cards = ModelCards(tasks, weights)
-        if current and current not in CATALOG and Path(current).expanduser().exists() and not is_shard_set(current):
+        own = found_models(model_folders())
+        if (current and current not in CATALOG and Path(current).expanduser().exists() and not is_shard_set(current)
+                and all(Path(f.source) != Path(current).expanduser() for f in own)):
             try:
-                self.cards.set_models([*self.cards.facts, facts_of(current)])
+                own.append(facts_of(current))
             except FleetError:
                 pass
+        self.cards.set_models([*self.cards.facts, *own])
         self.cards.select(current) or self.cards.select(DEFAULT_MODEL)
         self.cards.itemActivated.connect(lambda _: self.accept())
         self.search = QLineEdit()
-        self.search.setPlaceholderText("Search models: a name, a licence, a word of the description")
+        self.search.setPlaceholderText("Search models (the catalog, your GGUF files and Hugging Face folders): "
+                                       "a name, a licence, a word of the description")
         self.search.setClearButtonEnabled(True)
         self.nothing = plain(QLabel())  # said when no card matches the search (it quotes what was typed)
         self.nothing.hide()

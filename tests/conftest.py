@@ -149,9 +149,14 @@ def qapp(qapp):
 
 @pytest.fixture
 def gui_home(tmp_path, monkeypatch) -> Path:
-    """FLEETSHARD_HOME below the test's tmp folder: history, keys and caches stay in it."""
+    """FLEETSHARD_HOME below the test's tmp folder: history, keys and caches stay in it; the desktop's
+    downloads folder (where the model browser looks for the user's models) is ``home/Downloads``."""
     home = tmp_path / "home"
     monkeypatch.setenv("FLEETSHARD_HOME", str(home))
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    (xdg / "user-dirs.dirs").write_text(f'XDG_DOWNLOAD_DIR="{home / "Downloads"}"\n')
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(xdg))
     return home
 
 

@@ -218,3 +218,27 @@ def test_the_card_of_the_largest_model_the_fleet_runs_at_reading_speed_says_it_i
                    "qwen2.5-coder-1.5b": READING_TOK_S * 1.5}) == ["qwen2.5-coder-1.5b"]
     assert priced({name: slow for name in CATALOG}) == []  # nothing at reading speed: no suggestion
     assert priced({}) == []  # no profile: no suggestion
+
+
+def test_the_model_browser_finds_the_users_own_models_and_searches_them(qtbot, gui_home, tmp_path):
+    """GGUF files in the downloads folder and the app's models folder get cards beside the catalog's
+    (a file that is not a GGUF inside, or the catalog's own file, does not); the search finds them."""
+    from fleetgui.model_cards import ModelBrowser, model_folders
+
+    downloads = gui_home / "Downloads"
+    assert model_folders() == [downloads, paths().models]
+    downloads.mkdir(parents=True)
+    paths().models.mkdir(parents=True, exist_ok=True)
+    write_gguf(downloads / "my-tiny-chat.gguf", license="mit")
+    write_gguf(paths().models / "shelved.gguf")
+    (downloads / "broken.gguf").write_bytes(b"not a gguf")
+    write_gguf(paths().models / CATALOG["smollm2-135m"].filename)  # the catalog's own: its card is the catalog's
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    dialog = ModelBrowser(window.chat.controller.tasks, "smollm2-135m", parent=window.chat)
+    qtbot.addWidget(dialog)
+    sources = [f.source for f in dialog.cards.facts]
+    assert sources[:len(CATALOG)] == list(CATALOG) and len(sources) == len(CATALOG) + 2
+    assert {str(downloads / "my-tiny-chat.gguf"), str(paths().models / "shelved.gguf")} == set(sources[len(CATALOG):])
+    dialog.search.setText("my-tiny")
+    shown = [dialog.cards.facts[i].source for i in range(dialog.cards.count()) if not dialog.cards.item(i).isHidden()]
+    assert shown == [str(downloads / "my-tiny-chat.gguf")] and dialog.chosen_source() == shown[0]

@@ -145,3 +145,36 @@ def facts_of(source: str | Path) -> ModelFacts:
     if path.is_file():
         return gguf_facts(path)
     raise SourceError(f"{source!r} is neither a catalog model ({', '.join(CATALOG)}) nor an existing file or folder")
+
+
+def found_models(folders: list[Path], most: int = 24) -> list[ModelFacts]:
+    """The models a user keeps in ``folders`` (a downloads folder, a models folder): the ``.gguf`` files
+    in each and the Hugging Face folders (a ``config.json`` beside ``.safetensors`` weights) one level
+    below, at most ``most`` of them, newest first.  The catalog's own files, and files or folders
+    whose headers cannot be read, are left out."""
+    catalog_files = {e.filename for e in CATALOG.values()}
+    candidates = []
+    for folder in folders:
+        try:
+            entries = list(Path(folder).expanduser().iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_file() and entry.suffix.lower() == ".gguf" and entry.name not in catalog_files:
+                    candidates.append(entry)
+                elif (entry.is_dir() and (entry / "config.json").is_file()
+                      and any(entry.glob("*.safetensors"))):
+                    candidates.append(entry)
+            except OSError:
+                continue
+    candidates.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    found = []
+    for path in candidates:
+        if len(found) == most:
+            break
+        try:
+            found.append(facts_of(path))
+        except (SourceError, OSError, ValueError, KeyError, struct.error):
+            continue
+    return found
