@@ -387,7 +387,7 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
     assert f"{len(layout.plans) - 1} more cop" in view.prediction.text()
     deployment = deployed_and_chatted(qtbot, window, view, deploy=False)
     assert len(deployment.copies) == len(layout.plans)
-    assert view.activity.text().count(", and a copy on ") == len(layout.plans) - 1, view.activity.text()
+    assert view.activity.text().count(", a copy on ") == len(layout.plans) - 1, view.activity.text()
     assert "127.0.0.1" not in view.activity.text()  # the PCs by name
 
     def workers(address):
