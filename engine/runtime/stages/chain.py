@@ -45,7 +45,7 @@ class LocalChain(Chain):
         per stream; None: wherever they are supported; ``static``: static-shape stages
         (``engine.runtime.stages.static``; None: on an NPU); ``mesh``: this process's tensor-parallel
         rank (``engine.transport.mesh``) for a shard split into ranks; ``one_row``: paged stages' one-row
-        graph (``engine.runtime.stages.paged``; None: on a CPU)."""
+        graph (``engine.runtime.stages.paged``; None: on a CPU where our kernels run the matrices)."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)

@@ -30,7 +30,7 @@ def open_stage(folder: Path, device: str = "CPU", config: dict | None = None, ma
                mesh=None, one_row: bool | None = None):
     """The stage runner ``stage_kind`` picks for a shard on ``device``; ``mesh`` for a
     tensor-parallel rank (``engine.transport.mesh``); ``one_row``: a paged stage's one-row graph
-    (``engine.runtime.stages.paged``; None: on a CPU)."""
+    (``engine.runtime.stages.paged``; None: on a CPU where our kernels run the matrices)."""
     manifest = manifest or load_manifest(Path(folder))
     kind = stage_kind(manifest, device, paged=paged, static=static, isolate=isolate)
     if kind == "static":

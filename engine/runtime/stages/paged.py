@@ -11,8 +11,10 @@ mask/trim choice of the stateful path does not arise.
 With the ``exact`` settings a stream's greedy tokens are the same decoded alone, packed with others,
 or on the stateful path (``tests/test_paged.py`` checks it).
 
-On a CPU the stage also compiles the graph a second time with its token axis fixed at one row: a
-forward of one row in all (one user's next token) runs that one, over the same caches.  The CPU
+On a CPU, where the matrices run in our kernels (``engine.kernels``: constants both compiles share;
+the plugin's own matrices it would repack a second time), the stage also compiles the graph a
+second time with its token axis fixed at one row: a forward of one row in all (one user's next
+token) runs that one, over the same caches.  The CPU
 plugin then runs every node but attention on static shapes, skipping the shape inference and
 memory planning that a dynamic shape costs each node at each call, a large share of a small model's
 token (docs/benchmarks.md, "One row, static shapes").
@@ -28,6 +30,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from engine.errors import ShardError
+from engine.kernels import OP
 from engine.kernels.swap import head_of
 from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import PackingStage
@@ -147,7 +150,8 @@ class PagedStage(PackingStage):
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None, kv_positions: int = 4096, turns=None,
                  max_kv_positions: int | None = None, one_row: bool | None = None):
-        """``one_row``: also compile the one-row graph (the module's docstring); None: on a CPU."""
+        """``one_row``: also compile the one-row graph (the module's docstring); None: on a CPU where our
+        kernels run the matrices."""
         from openvino._offline_transformations import paged_attention_transformation
 
         self.folder = Path(folder)
@@ -164,8 +168,8 @@ class PagedStage(PackingStage):
             if self.last:
                 _gather_logits_rows(model)
             self.compiled = core().compile_model(model, device, self.config)
-            if one_row is None:
-                one_row = device.upper().startswith("CPU")
+            if one_row is None:  # where the matrices are our kernels' constants, which both compiles share
+                one_row = device.upper().startswith("CPU") and any(op.get_type_name() == OP for op in model.get_ops())
             self._one_row = (core().compile_model(_one_row(model), device, self.config)
                              .create_infer_request() if one_row else None)
             self._mapped = mapped  # the fused weights it reads
