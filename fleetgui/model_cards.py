@@ -306,7 +306,7 @@ def model_folders() -> list[Path]:
     """Where the model browser looks for a user's own models: the desktop's downloads folder and the
     app's models folder (``engine.models.facts.found_models``)."""
     downloads = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DownloadLocation)
-    return [Path(downloads)] * bool(downloads) + [paths().models]
+    return ([Path(downloads)] if downloads else []) + [paths().models]
 
 
 class ModelBrowser(QDialog):

@@ -153,7 +153,7 @@ def found_models(folders: list[Path], most: int = 24) -> list[ModelFacts]:
     below, at most ``most`` of them, newest first.  The catalog's own files, and files or folders
     whose headers cannot be read, are left out."""
     catalog_files = {e.filename for e in CATALOG.values()}
-    candidates = []
+    candidates = []  # (modified, path)
     for folder in folders:
         try:
             entries = list(Path(folder).expanduser().iterdir())
@@ -161,16 +161,14 @@ def found_models(folders: list[Path], most: int = 24) -> list[ModelFacts]:
             continue
         for entry in entries:
             try:
-                if entry.is_file() and entry.suffix.lower() == ".gguf" and entry.name not in catalog_files:
-                    candidates.append(entry)
-                elif (entry.is_dir() and (entry / "config.json").is_file()
-                      and any(entry.glob("*.safetensors"))):
-                    candidates.append(entry)
-            except OSError:
+                gguf = entry.is_file() and entry.suffix.lower() == ".gguf" and entry.name not in catalog_files
+                hf = entry.is_dir() and (entry / "config.json").is_file() and any(entry.glob("*.safetensors"))
+                if gguf or hf:
+                    candidates.append((entry.stat().st_mtime, entry))
+            except OSError:  # gone, or unreadable, while we looked
                 continue
-    candidates.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     found = []
-    for path in candidates:
+    for _, path in sorted(candidates, key=lambda c: c[0], reverse=True):
         if len(found) == most:
             break
         try:

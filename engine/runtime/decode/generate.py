@@ -226,7 +226,7 @@ class Decoding:
         self._times: dict[str, float] = {}
         self.speculate_ahead = speculate_ahead and drafter is not None and self._flags == Flag.NONE
         self._ahead: _Ahead | None = None  # the round on its way after the one in flight
-        self._gate = AheadGate()
+        self._gate = AheadGate() if self.speculate_ahead else None
         self._ahead_draft_ms = 0.0  # drafting a round ahead (smoothed)
         self._full = False  # the last round collected accepted every draft it had (and had some)
         self._last: Output | None = None  # the last round collected (its stage times price the gate)
@@ -331,7 +331,7 @@ class Decoding:
             emitted, accepted = _verify_greedy(out.tokens[-(len(drafts) + 1):].tolist(), drafts)
         ahead, self._ahead = self._ahead, None
         kept = ahead is not None and emitted == [*drafts, ahead.tokens[0]]
-        if ahead is not None:
+        if ahead is not None:  # only a stream that speculates ahead sends one
             self._gate.learn(ahead.full, kept)
         self._full, self._last = bool(drafts) and accepted == len(drafts), out
         # a round sent ahead holds the slots after this round's: a discarded one goes with its rejected drafts
