@@ -80,6 +80,17 @@ HEAD_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 # the code's choices").
 SHAPE_CACHE = 64
 
+# The graphs with a fixed token axis a paged stage compiles besides its dynamic one
+# (``engine.runtime.stages.paged``): for counts of rows up to FIXED_ROWS, each once FIXED_ROWS_AFTER
+# forwards of its count ran on the dynamic graph (a count that recurs is a steady number of users, or
+# of speculative rows), at most FIXED_GRAPHS with the one-row graph.  A fixed graph skipped 2.5-3.5 ms
+# of a SmolLM2 forward's 11-15 ms at 1 and at 4 rows, and costs its own working memory and the CPU
+# plugin's copy of a matrix it repacks (an INT8 head): 40-75 MB a graph on SmolLM2, about 100 MB on
+# Qwen2.5-Coder-1.5B (docs/benchmarks.md, "One row, static shapes").
+FIXED_ROWS = 8
+FIXED_ROWS_AFTER = 8
+FIXED_GRAPHS = 3
+
 # Rows (tokens) a packed forward carries at most (``packing.packs_of``): a compiled model keeps the
 # working memory of the largest forward it ran, and a failover's re-prefill of every reply at once
 # left stage 0 tens of MB larger for good (docs/benchmarks.md, "Soak" and "Smaller measurements

@@ -18,6 +18,7 @@ from engine.runtime.stages.factory import stage_kind
 from engine.runtime.stages.stage import MODES
 from engine.runtime.stages.static import StaticStage
 from engine.transport.wire import Flag
+from engine.tuning import FIXED_ROWS_AFTER
 from engine.runtime.decode.tokenizer import ChatTokenizer
 
 EXACT = MODES["exact"]
@@ -73,30 +74,48 @@ def test_packed_streams_decode_what_each_decodes_alone(tiny_exports, arch, split
 
 
 @pytest.mark.parametrize("mode", ["fast", "exact"])
-def test_one_row_runs_on_its_own_graph_with_the_numbers_of_the_dynamic_one(tiny_exports, mode):
-    """A forward of one row in all runs the one-row graph (static shapes), over the same caches: the
-    same logits as the stage without it, and the caches both fill are the same for what follows;
-    a forward of more rows runs the dynamic graph."""
+def test_fixed_row_graphs_run_with_the_numbers_of_the_dynamic_one(tiny_exports, mode):
+    """A forward of one row in all runs the one-row graph (static shapes) from the start; a count of
+    rows that recurs gets a graph of its own, compiled in the background, which any streams' rows of
+    that count then run.  All over the same caches, with the same logits as the stage without them,
+    and the caches both fill are the same for what follows; other counts run the dynamic graph."""
     folders = tiny_exports["qwen2", "2"].folders
     config = MODES[mode]
-    with_one, without = ([PagedStage(f, config=config, kv_positions=16, one_row=on) for f in folders]
-                         for on in (True, False))
-    assert all(s._one_row is not None for s in with_one) and all(s._one_row is None for s in without)
+    fixed, dynamic = ([PagedStage(f, config=config, kv_positions=16, fixed_rows=on) for f in folders]
+                      for on in (True, False))
+    assert all(s.fixed_rows == [1] for s in fixed) and all(s.fixed_rows == [] for s in dynamic)
     rng = np.random.default_rng(5)
-    prompt = rng.integers(3, 200, size=20)
+    prompts = {1: rng.integers(3, 200, size=20), 2: rng.integers(3, 200, size=9)}
     got = {}
-    for name, stages in (("one row", with_one), ("dynamic", without)):
-        logits = [_chain_forward(stages, [Part(1, prompt, 0)])[0][-1]]
+    for name, stages in (("fixed", fixed), ("dynamic", dynamic)):
+        logits = [_chain_forward(stages, [Part(1, prompts[1], 0)])[0][-1]]
         assert all(s.last_request is s._request for s in stages), "a prompt runs the dynamic graph"
-        for step in range(24):  # past the pools' first blocks: they grow, and both graphs see the new caches
-            token = np.array([int(logits[-1].argmax())])
-            logits.append(_chain_forward(stages, [Part(1, token, len(prompt) + step)])[0][-1])
-            if name == "one row":
-                assert all(s.last_request is s._one_row for s in stages)
-        two = _chain_forward(stages, [Part(1, np.array([7, 8]), len(prompt) + 24, keep=2)])[0]
-        got[name] = np.stack(logits + list(two))
-    np.testing.assert_array_equal(got["one row"].argmax(-1), got["dynamic"].argmax(-1))
-    np.testing.assert_allclose(got["one row"], got["dynamic"], rtol=0, atol=1e-5)
+        at = len(prompts[1])
+        for _ in range(24):  # past the pools' first blocks: they grow, and every graph sees the new caches
+            logits.append(_chain_forward(stages, [Part(1, np.array([int(logits[-1].argmax())]), at)])[0][-1])
+            at += 1
+            if name == "fixed":
+                assert all(s.last_request is s._fixed[1] for s in stages)
+        for step in range(FIXED_ROWS_AFTER + 2):  # two rows a forward: a speculative round's
+            if name == "fixed" and step == FIXED_ROWS_AFTER:
+                assert all(2 in s._compiling for s in stages), "its compile started at the last count"
+                for s in stages:
+                    s.fix_rows(2)  # waits for the background compile
+                assert all(s.fixed_rows == [1, 2] for s in stages)
+            two = _chain_forward(stages, [Part(1, np.array([int(logits[-1].argmax()), 9]), at, keep=2)])[0]
+            logits += list(two)
+            at += 2
+            ran = [s.last_request is s._fixed.get(2) for s in stages]
+            assert all(ran) if name == "fixed" and step >= FIXED_ROWS_AFTER else not any(ran)
+        other = _chain_forward(stages, [Part(2, prompts[2], 0)])[0][-1]  # 9 rows: the dynamic graph
+        assert all(s.last_request is s._request for s in stages)
+        pair = _chain_forward(stages, [Part(1, np.array([int(logits[-1].argmax())]), at),
+                                       Part(2, np.array([int(other.argmax())]), len(prompts[2]))])
+        if name == "fixed":  # two streams' one row each: the graph of two rows too
+            assert all(s.last_request is s._fixed[2] for s in stages)
+        got[name] = np.stack(logits + [other] + [rows[-1] for rows in pair])
+    np.testing.assert_array_equal(got["fixed"].argmax(-1), got["dynamic"].argmax(-1))
+    np.testing.assert_allclose(got["fixed"], got["dynamic"], rtol=0, atol=1e-5)
 
 
 def test_a_rewind_is_a_shorter_start(tiny_exports):

@@ -15,8 +15,9 @@ MatMuls) and, where this machine has the kernel extension, the carried GGUF matr
 ``GGMLMatMul`` operation (``engine.kernels``: our kernels for the types they cover, ggml's for the
 rest).  With ``--llamacpp``, llama-server's own per-token time on the same GGUF, one user, sits beside
 them, measured in each run after them.
-A path named with ``-dynamic`` (``ggml-dynamic``) runs without the one-row graph
-(``engine.runtime.stages.paged``): its rounds of one user run on the graph with dynamic shapes.
+A path named with ``-dynamic`` (``ggml-dynamic``) runs without the graphs with a fixed token axis
+(``engine.runtime.stages.paged``): its rounds run on the graph with dynamic shapes; the others have
+the fixed graph of each user count compiled before they start.
 Prefill forwards are left out; the rounds are run ``runs`` times and each figure is the median.
 ``mode`` is the correctness mode the stage compiles in: ``exact`` keeps the activations in float,
 in our kernels as in the stock MatMuls.
@@ -56,7 +57,7 @@ KERNEL = "matmuls on "  # and the plugin's name of the kernel
 LLAMACPP_PROMPT = "The capital of France is"
 MEMORY_MB = 400
 MEMORY_COLUMNS = 1536
-DYNAMIC = "-dynamic"  # a path's suffix: its stage without the one-row graph
+DYNAMIC = "-dynamic"  # a path's suffix: its stage without the graphs with a fixed token axis
 
 
 class _Rounds:
@@ -124,7 +125,9 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
                                  f"{DYNAMIC}" if unknown else
                                  f"the ggml kernels cannot run here: {kernels.path(core())[1]}")
             chains[path] = LocalChain(export.folders, device=device, config=config, paged=True,
-                                      one_row=not path.endswith(DYNAMIC))
+                                      fixed_rows=not path.endswith(DYNAMIC))
+            for n in users:  # one round of n users is n rows
+                chains[path].stages[0].fix_rows(n)
         finally:
             kernels.use(*before)
         recorders[path] = _Rounds(chains[path].stages[0])
@@ -151,7 +154,7 @@ def run_profile(model: str, tokens: int = 64, device: str = "CPU", weights: str 
             for path in rounds:
                 if path + DYNAMIC in rounds:
                     ratio = rounds[path + DYNAMIC] / rounds[path]
-                    ratios[f"{n} users, {path} path: tok/s, one-row graph over dynamic shapes"] = round(ratio, 3)
+                    ratios[f"{n} users, {path} path: tok/s, fixed token axis over dynamic shapes"] = round(ratio, 3)
     speed = _memory_speed(device, memory_mb, runs)
     rows.append({"users": 0, "part": f"stock int8 matmul reading {memory_mb} MB of weights, GB/s",
                  "ms per round": round(memory_mb * 2**20 / (speed * 1e6), 3), "GB/s": round(speed, 2)})

@@ -65,7 +65,7 @@ OPTIONS = {
                "help": "the correctness mode the parts compile in (exact: activations in float)"},
     "--kernels": {"type": names, "help": "the matrices' paths to compare, comma-separated, of stock (the CPU "
                                          "plugin's MatMuls) and ggml (the GGUF's blocks in the graph, on our "
-                                         "kernels), each also as PATH-dynamic (without the one-row graph); default: "
+                                         "kernels), each also as PATH-dynamic (without the fixed-row graphs); default: "
                                          "stock and ggml where the kernel extension runs here"},
     "--llamacpp": {"action": "store_true",
                    "help": "add llama.cpp's llama-server on the same GGUF as a column, and at 1 user with the "

@@ -37,22 +37,23 @@ class LocalChain(Chain):
 
     def __init__(self, shard_dirs: list[Path | str], device: str = "CPU", config: dict | None = None,
                  isolate: bool = False, turns=None, paged: bool | None = None, static: bool | None = None,
-                 mesh=None, one_row: bool | None = None):
+                 mesh=None, fixed_rows: bool | None = None):
         """``device`` is one OpenVINO device for every stage, or one per stage: ``"CPU,GPU.1"``;
         ``isolate`` compiles each stage once per stream instead of sharing one compiled model;
         ``turns``: the compute turns this computer's stages share (``engine.runtime.stages.turns``);
         ``paged``: paged-attention stages (``engine.runtime.stages.paged``) instead of one stateful request
         per stream; None: wherever they are supported; ``static``: static-shape stages
         (``engine.runtime.stages.static``; None: on an NPU); ``mesh``: this process's tensor-parallel
-        rank (``engine.transport.mesh``) for a shard split into ranks; ``one_row``: paged stages' one-row
-        graph (``engine.runtime.stages.paged``; None: on a CPU where our kernels run the matrices)."""
+        rank (``engine.transport.mesh``) for a shard split into ranks; ``fixed_rows``: paged stages'
+        graphs with a fixed token axis (``engine.runtime.stages.paged``; None: on a CPU where our
+        kernels run the matrices)."""
         folders = expand_shard_dirs(shard_dirs)
         manifests = [load_manifest(f) for f in folders]
         check_chain(manifests)
         devices = parse_devices(device, len(folders))
         self.turns = turns or NO_TURNS
         self.stages = [open_stage(f, dev, config, m, paged=paged, static=static, isolate=isolate, turns=self.turns,
-                                  mesh=mesh, one_row=one_row)
+                                  mesh=mesh, fixed_rows=fixed_rows)
                        for f, dev, m in zip(folders, devices, manifests)]
         # one paged (or static) stage is enough for the whole chain to rewind by trimming: it has no
         # holes to mask

@@ -27,14 +27,14 @@ def stage_kind(manifest: Manifest, device: str, *, paged: bool | None = None, st
 
 def open_stage(folder: Path, device: str = "CPU", config: dict | None = None, manifest: Manifest | None = None,
                *, paged: bool | None = None, static: bool | None = None, isolate: bool = False, turns=None,
-               mesh=None, one_row: bool | None = None):
+               mesh=None, fixed_rows: bool | None = None):
     """The stage runner ``stage_kind`` picks for a shard on ``device``; ``mesh`` for a
-    tensor-parallel rank (``engine.transport.mesh``); ``one_row``: a paged stage's one-row graph
+    tensor-parallel rank (``engine.transport.mesh``); ``fixed_rows``: a paged stage's graphs with a fixed token axis
     (``engine.runtime.stages.paged``; None: on a CPU where our kernels run the matrices)."""
     manifest = manifest or load_manifest(Path(folder))
     kind = stage_kind(manifest, device, paged=paged, static=static, isolate=isolate)
     if kind == "static":
         return StaticStage(folder, device, config, manifest, turns=turns)
     if kind == "paged":
-        return PagedStage(folder, device, config, manifest, turns=turns, one_row=one_row)
+        return PagedStage(folder, device, config, manifest, turns=turns, fixed_rows=fixed_rows)
     return StageRunner(folder, device, config, manifest, isolate, turns, mesh)

@@ -11,18 +11,22 @@ mask/trim choice of the stateful path does not arise.
 With the ``exact`` settings a stream's greedy tokens are the same decoded alone, packed with others,
 or on the stateful path (``tests/test_paged.py`` checks it).
 
-On a CPU, where the matrices run in our kernels (``engine.kernels``: constants both compiles share;
-the plugin's own matrices it would repack a second time), the stage also compiles the graph a
-second time with its token axis fixed at one row: a forward of one row in all (one user's next
-token) runs that one, over the same caches.  The CPU
-plugin then runs every node but attention on static shapes, skipping the shape inference and
-memory planning that a dynamic shape costs each node at each call, a large share of a small model's
-token (docs/benchmarks.md, "One row, static shapes").
+On a CPU, where the matrices run in our kernels (``engine.kernels``: constants every compile shares;
+the plugin's own matrices it would repack each time), the stage also compiles the graph with its
+token axis fixed: at one row (one user's next token, one stream) at once, and at a count of rows up
+to ``FIXED_ROWS`` once forwards of that many rows recur (several users' next tokens, a speculative
+round), in the background while the dynamic graph runs them, up to ``FIXED_GRAPHS`` graphs.  A
+forward of such a count runs its fixed graph over the same caches.  The CPU plugin then runs every node but attention on
+static shapes, skipping the shape inference and memory planning that a dynamic shape costs each node
+at each call, a large share of a small model's token (docs/benchmarks.md, "One row, static shapes").
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +41,12 @@ from engine.runtime.interfaces import PackingStage
 from engine.runtime.stages.packing import Part, as_part, check_parts
 from engine.runtime.stages.stage import core, device_config, missing_device, read_for
 from engine.runtime.stages.turns import NO_TURNS
+from engine.tuning import FIXED_GRAPHS, FIXED_ROWS, FIXED_ROWS_AFTER
 
 HIDDEN_IN = "inputs_embeds"  # the name the transformation expects for a stage's non-token input
 LOGITS_ROWS = "logits_rows"
+
+log = logging.getLogger(__name__)
 
 
 def _rename_hidden_input(model: ov.Model) -> None:
@@ -49,18 +56,30 @@ def _rename_hidden_input(model: ov.Model) -> None:
             port.get_node().set_friendly_name(HIDDEN_IN)
 
 
-def _one_row(model: ov.Model) -> ov.Model:
-    """A copy of the paged graph whose inputs carry exactly one row (one stream's one new token); the
+def _fixed(model: ov.Model, rows: int) -> ov.Model:
+    """A copy of the paged graph whose token axis is fixed at ``rows``: with one row, one stream's one new
+    token (its stream inputs fixed too); with more, any streams' (their inputs stay dynamic).  The
     block tables, the caches and the context length stay dynamic."""
-    one = model.clone()
-    rows = {"input_ids": 1, HIDDEN_IN: 1, "position_ids": 1, "past_lens": 1, LOGITS_ROWS: 1,
-            "subsequence_begins": 2, "block_indices_begins": 2}  # their first axis
+    fixed = model.clone()
+    first = {"input_ids": rows, HIDDEN_IN: rows, "position_ids": rows}  # their first axis
+    if rows == 1:
+        first.update({"past_lens": 1, LOGITS_ROWS: 1, "subsequence_begins": 2, "block_indices_begins": 2})
     shapes = {}
-    for port in one.inputs:
-        if port.get_any_name() in rows:
-            shapes[port] = ov.PartialShape([rows[port.get_any_name()], *list(port.get_partial_shape())[1:]])
-    one.reshape(shapes)
-    return one
+    for port in fixed.inputs:
+        if port.get_any_name() in first:
+            shapes[port] = ov.PartialShape([first[port.get_any_name()], *list(port.get_partial_shape())[1:]])
+    fixed.reshape(shapes)
+    return fixed
+
+
+def _join_compiles() -> None:
+    """Waits for the fixed graphs still compiling in the background: a process does not exit under them."""
+    for thread in list(_COMPILING):
+        thread.join()
+
+
+_COMPILING: set[threading.Thread] = set()
+atexit.register(_join_compiles)
 
 
 def _slide_windows(model: ov.Model, manifest: Manifest) -> None:
@@ -149,9 +168,9 @@ class PagedStage(PackingStage):
 
     def __init__(self, folder: Path, device: str = "CPU", config: dict | None = None,
                  manifest: Manifest | None = None, kv_positions: int = 4096, turns=None,
-                 max_kv_positions: int | None = None, one_row: bool | None = None):
-        """``one_row``: also compile the one-row graph (the module's docstring); None: on a CPU where our
-        kernels run the matrices."""
+                 max_kv_positions: int | None = None, fixed_rows: bool | None = None):
+        """``fixed_rows``: also compile graphs with a fixed token axis (the module's docstring); None: on a
+        CPU where our kernels run the matrices."""
         from openvino._offline_transformations import paged_attention_transformation
 
         self.folder = Path(folder)
@@ -168,15 +187,19 @@ class PagedStage(PackingStage):
             if self.last:
                 _gather_logits_rows(model)
             self.compiled = core().compile_model(model, device, self.config)
-            if one_row is None:  # where the matrices are our kernels' constants, which both compiles share
-                one_row = device.upper().startswith("CPU") and any(op.get_type_name() == OP for op in model.get_ops())
-            self._one_row = (core().compile_model(_one_row(model), device, self.config)
-                             .create_infer_request() if one_row else None)
+            if fixed_rows is None:  # where the matrices are our kernels' constants, which every compile shares
+                fixed_rows = (device.upper().startswith("CPU")
+                              and any(op.get_type_name() == OP for op in model.get_ops()))
+            # the graphs with a fixed token axis, by rows: one row's compiled now, others once they recur
+            self._fixed = {1: self._compile(_fixed(model, 1))} if fixed_rows else {}
+            self._model = model if fixed_rows else None  # what a later fixed graph is compiled from
             self._mapped = mapped  # the fused weights it reads
         except RuntimeError as exc:
             raise ShardError(missing_device(device) or f"cannot compile shard {self.folder} with paged "
                              f"attention on {device}: {exc}") from exc
         self.compiles = 1  # one compiled model serves every stream
+        self._seen: Counter[int] = Counter()  # forwards of each count of rows without a fixed graph yet
+        self._compiling: dict[int, threading.Thread] = {}
         self._request = self.compiled.create_infer_request()
         self._lock = threading.Lock()  # one request and one pool for all streams
         caches = [port for port in self.compiled.inputs if "_cache." in port.get_any_name()]
@@ -197,7 +220,43 @@ class PagedStage(PackingStage):
 
     @property
     def _requests(self) -> list[ov.InferRequest]:
-        return [self._request] + ([self._one_row] if self._one_row is not None else [])
+        return [self._request, *self._fixed.values()]
+
+    def _compile(self, model: ov.Model) -> ov.InferRequest:
+        return core().compile_model(model, self.device, self.config).create_infer_request()
+
+    @property
+    def fixed_rows(self) -> list[int]:
+        """The counts of rows that run a graph of their own (the module's docstring)."""
+        return sorted(self._fixed)
+
+    def fix_rows(self, rows: int, wait: bool = True) -> None:
+        """Compiles the graph whose token axis is fixed at ``rows`` (in the background unless ``wait``);
+        a forward of that many rows runs it from when it is ready.  Only where the stage has fixed graphs."""
+        if self._model is None or rows in self._fixed:
+            return
+        thread = self._compiling.get(rows)
+        if thread is None:
+            thread = threading.Thread(target=self._add_fixed, args=(rows,), name=f"fixed graph of {rows} rows",
+                                      daemon=True)
+            self._compiling[rows] = thread
+            _COMPILING.add(thread)
+            thread.start()
+        if wait:
+            thread.join()
+
+    def _add_fixed(self, rows: int) -> None:
+        try:
+            request = self._compile(_fixed(self._model, rows))
+        except RuntimeError as exc:  # the dynamic graph keeps running this count
+            log.warning("stage %s: the graph of %d rows did not compile: %s", self.folder, rows, exc)
+            return
+        finally:
+            _COMPILING.discard(threading.current_thread())
+        with self._lock:  # between forwards: the caches are the ones they use now
+            for name, tensor in self._caches.items():
+                request.set_tensor(name, tensor)
+            self._fixed[rows] = request
 
     @property
     def kv_bytes(self) -> int:
@@ -246,6 +305,17 @@ class PagedStage(PackingStage):
         with self._lock:
             return self._forward_parts(parts)
 
+    def _count(self, rows: int) -> None:
+        """Counts a forward of ``rows`` run by the dynamic graph; compiles its fixed graph once they recur,
+        while the stage has fewer than ``FIXED_GRAPHS`` (each holds its own working memory, and the
+        CPU plugin's own copy of any matrix it repacks, such as an INT8 head)."""
+        started = self._fixed.keys() | self._compiling.keys()
+        if self._model is None or rows > FIXED_ROWS or len(started) >= FIXED_GRAPHS:
+            return
+        self._seen[rows] += 1
+        if self._seen[rows] == FIXED_ROWS_AFTER:
+            self.fix_rows(rows, wait=False)
+
     def _forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
         check_parts(parts, self.length)
         # checked before any stream changes, so a refused forward leaves every stream as it was
@@ -274,7 +344,10 @@ class PagedStage(PackingStage):
         }
         if self.last:
             inputs[LOGITS_ROWS] = np.concatenate([np.arange(end - p.keep, end) for p, end in zip(parts, begins[1:])])
-        request = self._one_row if self._one_row is not None and begins[-1] == 1 else self._request
+        request = self._fixed.get(int(begins[-1]))
+        if request is None:
+            request = self._request
+            self._count(int(begins[-1]))
         with self.turns:
             request.infer(inputs, share_inputs=True)
         self.last_request = request
