@@ -140,18 +140,18 @@ def test_the_stage_runners_and_the_chains_implement_their_declared_interfaces():
 
 
 def _settings_read(path: Path, function: str | None = None) -> set[str]:
-    """The fields of ``settings`` a module (or one function of it) reads, from its source."""
+    """The fields of ``settings`` a module (or the functions of it of one name) reads, from its source."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    if function is not None:
-        tree = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
-    return {n.attr for n in ast.walk(tree)
+    trees = [tree] if function is None else \
+        [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+    return {n.attr for t in trees for n in ast.walk(t)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "settings"}
 
 
 def test_the_settings_a_service_is_built_from_are_those_whose_change_needs_a_new_one():
     engine = Path(__file__).resolve().parent.parent / "engine"
     read = _settings_read(engine / "session.py") | _settings_read(engine / "fleetkey.py", "fleet_access") | \
-        _settings_read(engine / "config.py", "of")  # ShardOptions.of
+        _settings_read(engine / "config.py", "of")  # ShardOptions.of, Scheduling.of
     read = {"k" if name == "k_value" else name for name in read}  # K as a number: the ``k`` field
     assert read == set(SERVICE_SETTINGS)
     before = Settings()
