@@ -14,7 +14,8 @@ import pytest
 
 from engine.cli.args import chain_args, launch_of, settings_of
 from engine.cli.main import GROUPS, build_parser
-from engine.config import SERVICE_SETTINGS, Settings, forget_nodes, known_nodes, remember_nodes, service_changes
+from engine.config import (PREFILL_CHUNK, SERVICE_SETTINGS, Scheduling, Settings, forget_nodes, known_nodes,
+                           remember_nodes, service_changes)
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment
 from engine.fleetkey import create_key, fleet_access
@@ -159,6 +160,13 @@ def test_the_settings_a_service_is_built_from_are_those_whose_change_needs_a_new
     assert service_changes(before, dataclasses.replace(before, deadline_s=5.0)) == ["deadline_s"]
     # per request (the reply's length), the API's own, or the deployment's (standbys): the service carries on
     assert service_changes(before, dataclasses.replace(before, max_new_tokens=9, api_port=9000, standbys=False)) == []
+
+
+def test_the_scheduling_is_built_from_the_settings_with_their_defaults():
+    assert Scheduling.of(Settings()) == Scheduling()  # one set of defaults
+    scheduling = Scheduling.of(Settings(streams=3, k="5", draft="none", speculate_ahead=True))
+    assert scheduling == Scheduling(streams=3, k=5, draft="none", speculate_ahead=True, prefill_chunk=PREFILL_CHUNK)
+    assert Scheduling.of(Settings(k="auto")).k == "auto"
 
 
 def test_the_fleet_access_is_built_once_from_the_settings(home, tmp_path):
