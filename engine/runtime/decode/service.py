@@ -136,7 +136,7 @@ class ChatService:
         """``scheduling``: the streams, the default draft length ``k`` (an int, or ``"auto"``; 0 turns
         speculation off), whether a stream drafting alone speculates ahead (sends its next round while
         one is verified, ``Decoding``) and the prompt tokens a prefill forward takes (other streams'
-        rounds run between chunks);
+        rounds run between chunks); its draft kind is what the ``drafters`` are made for;
         ``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
         ``owned`` are further objects to ``close()`` with the service (a local fleet);
         ``recover(StageError)`` gives a new chain when a stage fails (``engine.fleet.failover``),
