@@ -7,10 +7,11 @@ portable installs use it).
 
 The runtime configuration is a few frozen objects a running model is built with, made once from the
 settings and the launch (``engine.fleetkey.fleet_access``, ``engine.session``) and passed down whole
-instead of loose parameters: ``FleetAccess`` (how every fleet connection is made and watched) and
-``ShardOptions`` (how the model's shards are exported and compiled).  Their defaults are the
-settings'.  ``service_changes`` says which changed settings need a new chat service (those
-``SERVICE_SETTINGS`` names, which the service is built from); the others apply per request.
+instead of loose parameters: ``FleetAccess`` (how every fleet connection is made and watched),
+``ShardOptions`` (how the model's shards are exported and compiled) and ``Scheduling`` (how a chat
+service schedules its conversations).  Their defaults are the settings'.  ``service_changes`` says
+which changed settings need a new chat service (those ``SERVICE_SETTINGS`` names, which the service is
+built from); the others apply per request.
 """
 
 from __future__ import annotations
@@ -120,6 +121,37 @@ class ShardOptions:
 # computer, ``decode.remotedraft``)
 DRAFTS = ("none", "lookup", "model", "hybrid", "remote")
 
+# the scheduler's defaults, the settings' and a chat service's (``Scheduling``)
+STREAMS = 2  # chats that generate at the same time
+K = "auto"  # draft tokens a round: a number or "auto"; 0 turns speculation off
+DRAFT = "lookup"  # what proposes the drafts, one of DRAFTS
+SPECULATE_AHEAD = False  # one user's next round goes while one is verified (``Settings.speculate_ahead``)
+# A prompt is prefilled this many tokens a forward: between two chunks of one user's long paste, the
+# other streams' rounds run (the chat service advances whichever stream's forward is back first).
+PREFILL_CHUNK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduling:
+    """How a chat service schedules its conversations (``engine.runtime.decode.service.ChatService``):
+    how many generate at once (its streams), the draft length (``k``, an int or ``"auto"``; 0 turns
+    speculation off) and the draft kind (one of ``DRAFTS``) its drafters are made for
+    (``engine.session.drafter_factory``: the service drafts with the drafters it is given, none without
+    them), whether one stream drafting alone sends its next round while one is verified
+    (``speculate_ahead``) and how many prompt tokens a prefill forward takes (``prefill_chunk``).  Built
+    from the settings by ``of``."""
+
+    streams: int = STREAMS
+    k: int | str = K
+    draft: str = DRAFT
+    speculate_ahead: bool = SPECULATE_AHEAD
+    prefill_chunk: int = PREFILL_CHUNK
+
+    @classmethod
+    def of(cls, settings: "Settings") -> "Scheduling":
+        """The settings' streams, K (as a number, or ``"auto"``), draft kind and speculating ahead."""
+        return cls(settings.streams, settings.k_value, settings.draft, settings.speculate_ahead)
+
 
 @dataclasses.dataclass
 class Settings:
@@ -138,13 +170,13 @@ class Settings:
     standbys: bool = True  # a deployment keeps a hot standby of each part on another node where one has room
     rejoin_check_s: float = 5.0  # how often failover asks a lost node (a laptop gone to sleep) whether it is back
     local_workers: bool = True  # stages 1.. as worker processes on this machine (else all in process)
-    streams: int = 2  # chats that generate at the same time (micro-batched streams)
-    k: str = "auto"  # draft tokens per round: a number or "auto"; 0 turns speculation off
-    draft: str = "lookup"  # one of DRAFTS
+    streams: int = STREAMS  # chats that generate at the same time (micro-batched streams)
+    k: str = K  # draft tokens per round: a number or "auto"; 0 turns speculation off
+    draft: str = DRAFT  # one of DRAFTS
     # one user on a pipeline: the next speculative round goes while one is verified, drafted as if it
     # accepts every draft, and is discarded if not (``engine.runtime.decode.generate``); off until it
     # measures better
-    speculate_ahead: bool = False
+    speculate_ahead: bool = SPECULATE_AHEAD
     draft_model: str = ""  # the draft model source for "model" and "hybrid"
     draft_at: str = ""  # HOST:PORT of the draft server (``fleet worker --role draft``) for "remote"; empty:
     # the deployment's (``fleet deploy --draft-on``)

@@ -22,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from engine.config import DEFAULT_WEIGHTS, FleetAccess, Settings, ShardOptions, parse_devices
+from engine.config import DEFAULT_WEIGHTS, FleetAccess, Scheduling, Settings, ShardOptions, parse_devices
 from engine.errors import ExportError, FleetError
 from engine.export.exporter import export_model
 from engine.fleet.deploy import Deployment, LiveRecord
@@ -266,11 +266,13 @@ def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], 
 def open_service(settings: Settings, launch: Launch | None = None, progress: Report = quiet, cancel=None,
                  on_event: Callable[[str], None] | None = None,
                  on_recovered: Callable[[Deployment], None] | None = None) -> ChatService | Replicas | None:
-    """A chat service over the chain ``open_chain`` gives, with the settings' streams, K and drafts,
-    and failover for a deployed chain (what happens goes to ``on_event``; ``on_recovered`` is told
-    the whole deployment each time failover changes it); for a deployment of several copies
-    (``deploy_layout``), one service per copy behind ``Replicas``.  None when cancelled."""
+    """A chat service over the chain ``open_chain`` gives, scheduled as the settings say (``Scheduling``,
+    built once here), with their drafts, and failover for a deployed chain (what happens goes to
+    ``on_event``; ``on_recovered`` is told the whole deployment each time failover changes it); for a
+    deployment of several copies (``deploy_layout``), one service per copy behind ``Replicas``.  None
+    when cancelled."""
     launch = launch or Launch()
+    scheduling = Scheduling.of(settings)
     drafts = draft_shards(settings, progress, cancel)
     opened = open_chain(settings, launch, progress, cancel)
     if opened is None:
@@ -288,7 +290,7 @@ def open_service(settings: Settings, launch: Launch | None = None, progress: Rep
         while pending:
             recovered = (lambda copy, index=len(services): _recovered(record, index, copy, on_recovered)) \
                 if record else None
-            services.append(_copy_service(settings, pending[0], drafts, remote, on_event, recovered,
+            services.append(_copy_service(settings, scheduling, pending[0], drafts, remote, on_event, recovered,
                                           copy=len(services)))
             pending.pop(0)  # its service closes it now
     except BaseException:
@@ -311,12 +313,13 @@ def _recovered(record: LiveRecord, index: int, copy: Deployment,
         told(record.deployment)
 
 
-def _copy_service(settings: Settings, opened: Opened, drafts: list[Path] | None, remote: DraftLink | None,
-                  on_event: Callable[[str], None] | None, on_recovered=None, copy: int = 0) -> ChatService:
-    """The chat service of copy ``copy`` (its chain); it closes the chain and what it owns."""
+def _copy_service(settings: Settings, scheduling: Scheduling, opened: Opened, drafts: list[Path] | None,
+                  remote: DraftLink | None, on_event: Callable[[str], None] | None, on_recovered=None,
+                  copy: int = 0) -> ChatService:
+    """The chat service of copy ``copy`` (its chain), scheduled by ``scheduling``; it closes the chain
+    and what it owns."""
     failover = open_failover(opened, settings, on_event, on_recovered)
-    drafters = drafter_factory(settings.draft, opened.chain, drafts, settings.device, remote=remote,
-                               first_stream=copy * settings.streams)
-    return ChatService(opened.chain, streams=settings.streams, drafters=drafters, k=settings.k_value,
-                       rewind=REWIND[settings.mode], owned=opened.owned, speculate_ahead=settings.speculate_ahead,
-                       recover=failover.recover if failover else None)
+    drafters = drafter_factory(scheduling.draft, opened.chain, drafts, settings.device, remote=remote,
+                               first_stream=copy * scheduling.streams)
+    return ChatService(opened.chain, scheduling=scheduling, drafters=drafters, rewind=REWIND[settings.mode],
+                       owned=opened.owned, recover=failover.recover if failover else None)

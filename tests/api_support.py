@@ -7,6 +7,7 @@ import contextlib
 
 import openai
 
+from engine.config import Scheduling
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
@@ -19,7 +20,7 @@ MODEL = "tiny"
 def served_tiny(tiny_exports, streams: int):
     """(service, client) over the tiny 2-stage Qwen2 export in `exact` mode, stopped on exit."""
     service = ChatService(LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact")),
-                          streams=streams)
+                          scheduling=Scheduling(streams=streams))
     server = ApiServer(service, port=0, model_id=MODEL).start()
     try:
         yield service, openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.cli.args import reply_text
 from engine.fleet.deploy import LOCAL, Deployment, deploy
 from engine.fleet.local_agent import start_local_agent, stop_local_agent
@@ -33,7 +33,8 @@ TOKENS = 60
 
 def _in_process(deployment) -> list[int]:
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-    service = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1, rewind="trim")
+    service = ChatService(LocalChain(folders, config=compile_config("exact")), scheduling=Scheduling(streams=1),
+                          rewind="trim")
     try:
         return service.submit([{"role": "user", "content": PROMPT}], TOKENS, chat=False,
                               ignore_eos=True).wait(120).tokens

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fleet_support import fleet_up, greedy, greedy_in_process
 
-from engine.config import FleetAccess, Settings, ShardOptions
+from engine.config import FleetAccess, Scheduling, Settings, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL
@@ -110,7 +110,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
         assert greedy(chain) == want
 
         failover = Failover.of(deployment, access=FleetAccess(key, tls), on_event=events.append, chain=chain)
-        service = ChatService(chain, streams=1, recover=failover.recover)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), recover=failover.recover)
         try:
             first = service.submit([{"role": "user", "content": "Paris is"}], 8, ignore_eos=True).wait(120)
             assert first.tokens and not first.error

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from fleet_support import agent_process, fleet_profile
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
 from engine.fleet.failover import Failover
@@ -59,7 +59,8 @@ def _reference(deployment) -> list[int]:
     from pathlib import Path
 
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-    service = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1, rewind="trim")
+    service = ChatService(LocalChain(folders, config=compile_config("exact")), scheduling=Scheduling(streams=1),
+                          rewind="trim")
     try:
         return service.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
     finally:
@@ -100,7 +101,7 @@ def test_a_node_killed_mid_reply_and_a_hung_worker(fleet):
     assert len(set(want[8:])) > 5  # a reply that varies: carrying on and starting over would differ
     failover = Failover(deployment, fleet["profile"], access=FleetAccess(fleet["key"]), on_event=events.append,
                         chain=chain)
-    service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+    service = ChatService(chain, scheduling=Scheduling(streams=1), rewind="trim", recover=failover.recover)
     try:
         alpha_proc, _ = fleet["agents"]["alpha"]
         worker = _worker_of(alpha_proc)
@@ -150,7 +151,7 @@ def test_survivors_that_cannot_take_the_layers_say_so(fleet):
     assert Fleet.from_json(profile["fleet"]).devices
     events: list[str] = []
     failover = Failover(deployment, profile, access=FleetAccess(fleet["key"]), on_event=events.append)
-    service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+    service = ChatService(chain, scheduling=Scheduling(streams=1), rewind="trim", recover=failover.recover)
     try:
         beta_proc, _ = fleet["agents"]["beta"]
         worker = _worker_of(beta_proc)
@@ -191,7 +192,7 @@ def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_p
         events: list[str] = []
         failover = Failover(deployment, fleet_profile(MODEL, agents, key), access=access, on_event=events.append,
                             chain=chain).watch(settings.rejoin_check_s)
-        service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), rewind="trim", recover=failover.recover)
         asleep = [lid_proc.pid, _worker_of(lid_proc).pid]
         try:
             closed_at = []

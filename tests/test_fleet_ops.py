@@ -19,7 +19,7 @@ import pytest
 from fleet_support import (agent_process, deployed_equals_in_process, fleet_up, greedy, greedy_in_process, turn_held,
                            waits_for_turn)
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy, deploy_draft
@@ -281,7 +281,7 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     assert sum(routed) == 6 and min(routed) >= 1  # users arriving together go to idle copies first
     assert [r.tokens for r in again] == [r.tokens for r in got] and all(r.error is None for r in again)
     assert sum(r.rerouted for r in again) >= 2  # the ones on alpha's and beta's copies went through failover
-    whole = ChatService(LocalChain([record.stage0], config=compile_config("exact")), streams=1)
+    whole = ChatService(LocalChain([record.stage0], config=compile_config("exact")), scheduling=Scheduling(streams=1))
     try:
         want = [whole.submit(q, 10, ignore_eos=True).wait(120) for q in questions]
     finally:

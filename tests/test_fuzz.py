@@ -11,6 +11,7 @@ import json
 import pytest
 
 from engine.bench import fuzz
+from engine.config import Scheduling
 from engine.manifest import MANIFEST
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
@@ -50,7 +51,8 @@ def test_manifests(tally, tiny_exports):
 @pytest.fixture
 def service(tiny_exports):
     """A chat service on the tiny one-stage model, for the API's fuzz targets."""
-    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2, max_length=48)
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), scheduling=Scheduling(streams=2),
+                          max_length=48)
     yield service
     service.close()
 
@@ -141,7 +143,7 @@ def api(tiny_exports):
 
     from engine.serve.server import ApiServer
 
-    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2)
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), scheduling=Scheduling(streams=2))
     server = ApiServer(service, port=0, model_id="tiny").start()
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     yield service, server, client

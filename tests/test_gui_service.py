@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from engine.config import Scheduling
 from engine.errors import StageError
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
@@ -40,8 +41,8 @@ def test_text_stream_pieces_add_up_to_the_full_decode(chain):
 
 def test_streams_run_concurrently_and_match_running_alone(chain):
     # drafting in every round, beside another stream too
-    service = ChatService(chain, streams=2, drafters=lambda n: stream_drafters("lookup", n), k=3, rewind="trim",
-                          draft_alone=False)
+    service = ChatService(chain, scheduling=Scheduling(streams=2, k=3), drafters=lambda n: stream_drafters("lookup", n),
+                          rewind="trim", draft_alone=False)
     try:
         prompts = [[{"role": "user", "content": p}] for p in ("The quick brown fox", "def add(a, b):", "Paris")]
         alone = [service.submit(m, 24, ignore_eos=True).wait(60) for m in prompts]
@@ -59,7 +60,7 @@ def test_streams_run_concurrently_and_match_running_alone(chain):
 
 
 def test_cancel_stops_running_and_queued_requests(chain):
-    service = ChatService(chain, streams=1)
+    service = ChatService(chain, scheduling=Scheduling(streams=1))
     try:
         started = threading.Event()
         running = service.submit([{"role": "user", "content": "A fleet"}], 400, ignore_eos=True,
@@ -78,7 +79,7 @@ def test_cancel_stops_running_and_queued_requests(chain):
 
 
 def test_a_long_conversation_drops_its_oldest_turns_to_fit(chain):
-    service = ChatService(chain, streams=1)
+    service = ChatService(chain, scheduling=Scheduling(streams=1))
     try:
         long = "the quick brown fox " * 60
         messages = [{"role": "system", "content": "Be brief."}]
@@ -124,7 +125,7 @@ class Breaking:
 
 
 def test_a_failing_chain_ends_every_stream_with_the_error(chain):
-    service = ChatService(Breaking(chain, 10), streams=2)
+    service = ChatService(Breaking(chain, 10), scheduling=Scheduling(streams=2))
     try:
         handles = [service.submit([{"role": "user", "content": p}], 100, ignore_eos=True) for p in ("a", "b")]
         replies = [h.wait(60) for h in handles]

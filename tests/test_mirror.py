@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, Scheduling
 from engine.fleetkey import create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.decode.service import ChatService
@@ -59,7 +59,7 @@ def _until(condition, timeout=10.0):
 @pytest.mark.parametrize("victim", [1, 2])
 def test_a_lost_stage_hands_over_to_its_mirrored_standby_without_a_prefill(victim, rewind, tiny_exports, key):
     folders = tiny_exports["qwen2", "3"].folders
-    reference = ChatService(LocalChain(folders), streams=1, rewind=rewind)
+    reference = ChatService(LocalChain(folders), scheduling=Scheduling(streams=1), rewind=rewind)
     try:
         want = reference.submit(MESSAGES, TOKENS, ignore_eos=True).wait(60)
     finally:
@@ -75,7 +75,7 @@ def test_a_lost_stage_hands_over_to_its_mirrored_standby_without_a_prefill(victi
             chain.reroute(error.stage, spares[error.stage].address, timeout_s=10)
             return chain
 
-        service = ChatService(chain, streams=1, rewind=rewind, recover=recover)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), rewind=rewind, recover=recover)
         struck = threading.Event()
 
         def on_text(piece, count):
@@ -128,8 +128,8 @@ def test_a_serving_worker_ignores_copies(tiny_exports, key):
     want = LocalChain(folders)
     with _workers([folders[1]], key) as (worker,):
         chain = RemoteChain(folders[0], [worker.address], access=FleetAccess(key), connect_timeout_s=10)
-        service = ChatService(chain, streams=1)
-        reference = ChatService(want, streams=1)
+        service = ChatService(chain, scheduling=Scheduling(streams=1))
+        reference = ChatService(want, scheduling=Scheduling(streams=1))
         try:
             first = service.submit(MESSAGES, 8, ignore_eos=True).wait(60)
             held = dict(worker.describe()["streams"])
@@ -151,14 +151,14 @@ def test_a_standby_named_later_is_taken_up_at_the_next_reply(tiny_exports, key):
     from failover's watch thread): the next reply starts its stream anew rather than reuse the cache
     the standby lacks (the prefix cache), is mirrored, and the standby takes over without a prefill."""
     folders = tiny_exports["qwen2", "2"].folders
-    reference = ChatService(LocalChain(folders), streams=1)
+    reference = ChatService(LocalChain(folders), scheduling=Scheduling(streams=1))
     try:
         want = reference.submit(MESSAGES, TOKENS, ignore_eos=True).wait(60)
     finally:
         reference.close()
     with _workers([folders[1]] * 2, key) as (first, spare):
         chain = RemoteChain(folders[0], [first.address], access=FleetAccess(key), connect_timeout_s=10)
-        service = ChatService(chain, streams=1,
+        service = ChatService(chain, scheduling=Scheduling(streams=1),
                               recover=lambda error: (chain.reroute(1, spare.address, timeout_s=10), chain)[1])
         try:
             assert service.submit(MESSAGES, 4, ignore_eos=True).wait(60).tokens == want.tokens[:4]

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, Scheduling
 from engine.errors import StageError
 from engine.fleetkey import create_certificate, create_key, load_key, tls_file
 from engine.manifest import load_manifest
@@ -234,7 +234,7 @@ def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, ke
     folders = tiny_exports["llama", "2"].folders
     asks = [[{"role": "user", "content": text}] for text in ("The quick brown fox", "Hello there",
                                                             "Count to ten, slowly please", "Why?")]
-    alone = ChatService(LocalChain(folders, config=MODES["exact"], paged=False), streams=1)
+    alone = ChatService(LocalChain(folders, config=MODES["exact"], paged=False), scheduling=Scheduling(streams=1))
     try:
         want = [alone.submit(ask, 12, ignore_eos=True).wait(60).text for ask in asks]
     finally:
@@ -242,7 +242,7 @@ def test_the_chat_service_packs_concurrent_users_over_the_relay(tiny_exports, ke
     with pipeline(folders, key_file, tmp_path, mode="exact", delay_ms=10, hosting=hosting) as (fleet, chain):
         sent, send = [], chain._send
         chain._send = lambda frame, keys=None, group=None: (sent.append(frame), send(frame, keys, group))[1]
-        service = ChatService(chain, streams=4)
+        service = ChatService(chain, scheduling=Scheduling(streams=4))
         try:
             handles = [service.submit(ask, 12, ignore_eos=True) for ask in asks]
             got = [h.wait(60).text for h in handles]

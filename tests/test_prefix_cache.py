@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, Scheduling
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
@@ -32,9 +32,9 @@ def _conversation(service, turns, tokens=12):
 
 
 def _service(chain, drafts: bool, prefix_cache: bool = True, streams: int = 1, speculate_ahead: bool = False):
-    return ChatService(chain, streams=streams, rewind="trim", k=3, prefix_cache=prefix_cache,
-                       drafters=(lambda n: stream_drafters("lookup", n)) if drafts else None,
-                       speculate_ahead=speculate_ahead)
+    return ChatService(chain, scheduling=Scheduling(streams=streams, k=3, speculate_ahead=speculate_ahead),
+                       rewind="trim", prefix_cache=prefix_cache,
+                       drafters=(lambda n: stream_drafters("lookup", n)) if drafts else None)
 
 
 def _warm_equals_cold(chain, drafts):
@@ -133,13 +133,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_other_streams_rounds(tiny_
     chain = Recording(LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact")))
     long_paste = [{"role": "user", "content": " ".join(TURNS * 6)}]
     short = [{"role": "user", "content": TURNS[1]}]
-    whole = ChatService(chain, streams=1, rewind="trim", prefix_cache=False, prefill_chunk=4096)
+    whole = ChatService(chain, scheduling=Scheduling(streams=1, prefill_chunk=4096), rewind="trim", prefix_cache=False)
     want = whole.submit(long_paste, 8, ignore_eos=True).wait(60)
     whole.chain = _Kept()
     whole.close()
     assert want.prompt_tokens > 200
     chain.calls.clear()
-    service = ChatService(chain, streams=2, rewind="trim", prefix_cache=False, prefill_chunk=48)
+    service = ChatService(chain, scheduling=Scheduling(streams=2, prefill_chunk=48), rewind="trim", prefix_cache=False)
     try:
         chatting = service.submit(short, 60, ignore_eos=True)  # decoding when the paste arrives
         got = service.submit(long_paste, 8, ignore_eos=True).wait(60)

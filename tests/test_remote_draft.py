@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.cli.args import settings_of
-from engine.config import FleetAccess, Settings
+from engine.config import FleetAccess, Scheduling, Settings
 from engine.errors import FleetError, ShardError
 from engine.fleetkey import create_key, load_key
 from engine.runtime.decode.draftserver import MAX_LEAD, DraftServer, DraftText, draft_identity
@@ -271,8 +271,8 @@ def test_a_stream_drafts_only_while_it_is_alone(target, server, key):
     from engine.runtime.decode.service import ChatService
 
     link = DraftLink(server.address, key, target.manifest)
-    service = ChatService(target, streams=2, drafters=lambda n: [link.drafter(i) for i in range(n)], k="auto",
-                          prefix_cache=False, owned=[link])
+    service = ChatService(target, scheduling=Scheduling(streams=2, k="auto"),
+                          drafters=lambda n: [link.drafter(i) for i in range(n)], prefix_cache=False, owned=[link])
     try:
         long, short = ([{"role": "user", "content": text}] for text in ("a long reply", "a short one"))
         alone = service.submit(long, 40, ignore_eos=True).wait(120)

@@ -3,6 +3,7 @@ one a single copy gives, and a conversation's next turn goes to the copy that ho
 
 from __future__ import annotations
 
+from engine.config import Scheduling
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
@@ -14,13 +15,13 @@ ASKS = [[{"role": "user", "content": text}] for text in ("The quick brown fox", 
 
 def test_users_spread_over_the_copies_and_a_next_turn_finds_its_cache(tiny_exports):
     whole, split = tiny_exports["llama", "1"].folders, tiny_exports["llama", "2"].folders
-    alone = ChatService(LocalChain(whole, config=MODES["exact"]), streams=1)
+    alone = ChatService(LocalChain(whole, config=MODES["exact"]), scheduling=Scheduling(streams=1))
     try:
         want = [alone.submit(ask, 10, ignore_eos=True).wait(60).text for ask in ASKS]
     finally:
         alone.close()
-    replicas = Replicas([ChatService(LocalChain(whole, config=MODES["exact"]), streams=2),
-                         ChatService(LocalChain(split, config=MODES["exact"]), streams=2)])
+    replicas = Replicas([ChatService(LocalChain(whole, config=MODES["exact"]), scheduling=Scheduling(streams=2)),
+                         ChatService(LocalChain(split, config=MODES["exact"]), scheduling=Scheduling(streams=2))])
     try:
         assert replicas.streams == 4 and replicas.max_length == replicas.services[0].max_length
         handles = [replicas.submit(ask, 10, ignore_eos=True) for ask in ASKS]

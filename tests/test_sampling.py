@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from engine.config import Scheduling
 from engine.errors import FleetError
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.kvsequence import KVSequence
@@ -144,7 +145,7 @@ def test_a_broken_residual_step_is_caught(chain, monkeypatch):
 
 
 def test_the_same_seed_gives_the_same_text(chain):
-    service = ChatService(chain, streams=2)
+    service = ChatService(chain, scheduling=Scheduling(streams=2))
     try:
         messages = [{"role": "user", "content": "The quick brown fox"}]
 

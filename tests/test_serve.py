@@ -15,6 +15,7 @@ import pytest
 
 from api_support import reply_text
 
+from engine.config import Scheduling
 from engine.errors import FleetError
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
@@ -48,7 +49,8 @@ def chain(tiny_exports):
 
 @pytest.fixture(scope="module")
 def served(chain):
-    service = ChatService(chain, streams=4, drafters=lambda n: stream_drafters("lookup", n), k=3, rewind="trim")
+    service = ChatService(chain, scheduling=Scheduling(streams=4, k=3), drafters=lambda n: stream_drafters("lookup", n),
+                          rewind="trim")
     server = ApiServer(service, port=0, model_id=MODEL).start()
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     yield service, server, client
@@ -237,7 +239,7 @@ def _recording(service):
 
 
 def test_a_client_that_goes_away_cancels_its_reply(chain, monkeypatch):
-    service = ChatService(SlowChain(chain, 0.02), streams=2)
+    service = ChatService(SlowChain(chain, 0.02), scheduling=Scheduling(streams=2))
     server = ApiServer(service, port=0, model_id=MODEL).start()
     handles, record = _recording(service)
     monkeypatch.setattr(service, "submit", record)
@@ -266,7 +268,7 @@ def test_a_client_that_goes_away_cancels_its_reply(chain, monkeypatch):
 
 
 def test_api_key_is_required_off_loopback_and_checked(chain):
-    service = ChatService(chain, streams=1)
+    service = ChatService(chain, scheduling=Scheduling(streams=1))
     try:
         with pytest.raises(FleetError, match="API key"):
             ApiServer(service, host="0.0.0.0", port=0, model_id=MODEL)
@@ -326,7 +328,7 @@ def _ends_cleanly(proc) -> None:
 
 def test_fleet_serve_over_a_local_worker_process(tiny_exports, tmp_path):
     folders = tiny_exports["llama", "2"].folders
-    want = ChatService(LocalChain(folders), streams=1)
+    want = ChatService(LocalChain(folders), scheduling=Scheduling(streams=1))
     try:
         alone = want.submit([{"role": "user", "content": "The quick brown fox"}], 12).wait(60)
     finally:

@@ -13,6 +13,7 @@ import threading
 
 import pytest
 
+from engine.config import Scheduling
 from engine.runtime.decode import grammar
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
@@ -26,7 +27,8 @@ WAIT_S = 60  # a hang guard only: every exchange below answers at once when the 
 
 @pytest.fixture(scope="module")
 def service(tiny_exports):
-    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2, max_length=64)
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), scheduling=Scheduling(streams=2),
+                          max_length=64)
     yield service
     service.close()
 
@@ -336,7 +338,8 @@ def test_a_body_not_sent_as_json_is_415(server, path, content_type):
 def test_more_requests_waiting_than_the_limit_are_429_with_retry_after(tiny_exports):
     """One stream, held by a reply whose text callback waits (the scheduler waits with it), and one
     request queued behind it: with ``max_waiting`` 1 the next API request is refused at once."""
-    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=1, max_length=64)
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), scheduling=Scheduling(streams=1),
+                          max_length=64)
     server = ApiServer(service, port=0, model_id=MODEL, max_waiting=1).start()
     holding, release = threading.Event(), threading.Event()
 

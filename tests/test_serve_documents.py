@@ -10,6 +10,7 @@ import json
 import openai
 import pytest
 
+from engine.config import Scheduling
 from engine.conversation.sources import INSTRUCTION, find_sources, with_sources
 from engine.documents.collection import Library
 from engine.runtime.decode.service import ChatService
@@ -35,7 +36,8 @@ def handbook(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(tiny_exports):
-    service = ChatService(LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact")), streams=2)
+    service = ChatService(LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact")),
+                          scheduling=Scheduling(streams=2))
     yield service
     service.close()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import openai
 
+from engine.config import Scheduling
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
 from engine.serve.server import ApiServer
@@ -24,7 +25,7 @@ def test_lm_eval_harness_through_the_completions_api(tiny_models, tiny_exports, 
     from lm_eval.tasks import TaskManager
 
     monkeypatch.chdir(ROOT)  # the task files name their data relative to the repository
-    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), streams=2)
+    service = ChatService(LocalChain(tiny_exports["qwen2", "1"].folders), scheduling=Scheduling(streams=2))
     server = ApiServer(service, port=0, model_id="tiny").start()
     try:
         results = simple_evaluate(

@@ -10,6 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.config import Scheduling
 from engine.errors import StageError
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
@@ -58,7 +59,7 @@ def _scrape(server) -> dict:
 
 
 def test_metrics_add_up_to_what_the_requests_got(chain):
-    service = ChatService(chain, streams=2)
+    service = ChatService(chain, scheduling=Scheduling(streams=2))
     server = ApiServer(service, port=0, model_id=MODEL).start()
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
@@ -97,7 +98,8 @@ def test_metrics_add_up_to_what_the_requests_got(chain):
 
 
 def test_a_failover_and_the_stage_that_failed_are_counted(chain):
-    service = ChatService(FlakyChain(chain, fail_at=4), streams=1, recover=lambda error: FlakyChain(chain))
+    service = ChatService(FlakyChain(chain, fail_at=4), scheduling=Scheduling(streams=1),
+                          recover=lambda error: FlakyChain(chain))
     server = ApiServer(service, port=0, model_id=MODEL).start()
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)

@@ -12,6 +12,7 @@ import jsonschema
 import ollama
 import pytest
 
+from engine.config import Scheduling
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
@@ -29,8 +30,9 @@ GREEDY = {"temperature": 0, "num_predict": 8}
 
 @pytest.fixture(scope="module")
 def served(tiny_exports):
-    service = ChatService(LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact")), streams=2,
-                           max_length=1024)  # the tools prompt alone is 641 of the tiny tokenizer's tokens
+    # the tools prompt alone is 641 of the tiny tokenizer's tokens
+    service = ChatService(LocalChain(tiny_exports["qwen2", "2"].folders, config=compile_config("exact")),
+                          scheduling=Scheduling(streams=2), max_length=1024)
     server = ApiServer(service, port=0, api_key=KEY, model_id=MODEL).start()
     client = ollama.Client(host=f"http://127.0.0.1:{server.port}", headers={"Authorization": f"Bearer {KEY}"},
                            timeout=60)

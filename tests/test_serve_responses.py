@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from engine.config import Scheduling
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
 from engine.serve.server import ApiServer
@@ -16,7 +17,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def client(tiny_exports):
-    service = ChatService(LocalChain(tiny_exports["llama", "1"].folders), streams=2)
+    service = ChatService(LocalChain(tiny_exports["llama", "1"].folders), scheduling=Scheduling(streams=2))
     server = ApiServer(service, port=0, model_id=MODEL).start()
     yield openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     server.stop()

@@ -10,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 
+from engine.config import Scheduling
 from engine.runtime.decode.sampling import Sampler, SamplingParams
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
@@ -58,9 +59,10 @@ def _conversation(service: ChatService) -> list:
 def test_a_seeded_conversation_is_the_same_cold_warm_and_speculative(chain):
     def lookup(n):
         return stream_drafters("lookup", n)
-    services = {"cold": ChatService(chain, streams=1, prefix_cache=False),
-                "warm": ChatService(chain, streams=1),
-                "warm, speculative": ChatService(chain, streams=1, drafters=lookup, k=3, rewind="trim")}
+    services = {"cold": ChatService(chain, scheduling=Scheduling(streams=1), prefix_cache=False),
+                "warm": ChatService(chain, scheduling=Scheduling(streams=1)),
+                "warm, speculative": ChatService(chain, scheduling=Scheduling(streams=1, k=3), drafters=lookup,
+                                                 rewind="trim")}
     try:
         got = {name: _conversation(service) for name, service in services.items()}
     finally:
@@ -74,7 +76,7 @@ def test_a_seeded_conversation_is_the_same_cold_warm_and_speculative(chain):
 
 
 def test_the_same_seeded_request_through_the_api_cold_and_cached(chain):
-    service = ChatService(chain, streams=2)
+    service = ChatService(chain, scheduling=Scheduling(streams=2))
     server = ApiServer(service, port=0, model_id=MODEL).start()
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)

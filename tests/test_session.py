@@ -14,7 +14,8 @@ import pytest
 
 from engine.cli.args import chain_args, launch_of, settings_of
 from engine.cli.main import GROUPS, build_parser
-from engine.config import SERVICE_SETTINGS, Settings, forget_nodes, known_nodes, remember_nodes, service_changes
+from engine.config import (PREFILL_CHUNK, SERVICE_SETTINGS, Scheduling, Settings, forget_nodes, known_nodes,
+                           remember_nodes, service_changes)
 from engine.errors import FleetError
 from engine.fleet.deploy import Deployment
 from engine.fleetkey import create_key, fleet_access
@@ -140,18 +141,18 @@ def test_the_stage_runners_and_the_chains_implement_their_declared_interfaces():
 
 
 def _settings_read(path: Path, function: str | None = None) -> set[str]:
-    """The fields of ``settings`` a module (or one function of it) reads, from its source."""
+    """The fields of ``settings`` a module (or the functions of it of one name) reads, from its source."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    if function is not None:
-        tree = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function)
-    return {n.attr for n in ast.walk(tree)
+    trees = [tree] if function is None else \
+        [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == function]
+    return {n.attr for t in trees for n in ast.walk(t)
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "settings"}
 
 
 def test_the_settings_a_service_is_built_from_are_those_whose_change_needs_a_new_one():
     engine = Path(__file__).resolve().parent.parent / "engine"
     read = _settings_read(engine / "session.py") | _settings_read(engine / "fleetkey.py", "fleet_access") | \
-        _settings_read(engine / "config.py", "of")  # ShardOptions.of
+        _settings_read(engine / "config.py", "of")  # ShardOptions.of, Scheduling.of
     read = {"k" if name == "k_value" else name for name in read}  # K as a number: the ``k`` field
     assert read == set(SERVICE_SETTINGS)
     before = Settings()
@@ -159,6 +160,13 @@ def test_the_settings_a_service_is_built_from_are_those_whose_change_needs_a_new
     assert service_changes(before, dataclasses.replace(before, deadline_s=5.0)) == ["deadline_s"]
     # per request (the reply's length), the API's own, or the deployment's (standbys): the service carries on
     assert service_changes(before, dataclasses.replace(before, max_new_tokens=9, api_port=9000, standbys=False)) == []
+
+
+def test_the_scheduling_is_built_from_the_settings_with_their_defaults():
+    assert Scheduling.of(Settings()) == Scheduling()  # one set of defaults
+    scheduling = Scheduling.of(Settings(streams=3, k="5", draft="none", speculate_ahead=True))
+    assert scheduling == Scheduling(streams=3, k=5, draft="none", speculate_ahead=True, prefill_chunk=PREFILL_CHUNK)
+    assert Scheduling.of(Settings(k="auto")).k == "auto"
 
 
 def test_the_fleet_access_is_built_once_from_the_settings(home, tmp_path):

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from fleet_support import IDS, deployed_equals_in_process, fleet_profile, simulated_office
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.fleet.sim import netns
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL, deploy
@@ -104,7 +104,7 @@ def test_a_routed_pc_serves_a_stage(office, tiny_models):
                                                            StageSpan(far, "CPU", 2, 4)],
                                access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     try:
-        got = ChatService(chain, streams=1).submit(MESSAGES, 8, ignore_eos=True).wait(120)
+        got = ChatService(chain, scheduling=Scheduling(streams=1)).submit(MESSAGES, 8, ignore_eos=True).wait(120)
         assert got.error is None and len(got.tokens) == 8
         assert deployment.remotes[0].startswith(office.nodes["far"].ip + ":")
     finally:
@@ -153,7 +153,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(office.nodes["pc1"].agent, "CPU", 2, 4)]
     deployment, chain = deploy(source, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-    alone = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1)
+    alone = ChatService(LocalChain(folders, config=compile_config("exact")), scheduling=Scheduling(streams=1))
     try:
         want = alone.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
     finally:
@@ -161,7 +161,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
     assert len(set(want[4:])) > 3  # a reply that varies: carrying on and starting over would differ
     events: list[str] = []
     failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
-    service = ChatService(chain, streams=1, recover=failover.recover)
+    service = ChatService(chain, scheduling=Scheduling(streams=1), recover=failover.recover)
     cut = threading.Event()
     try:
         def on_text(piece, tokens):
@@ -416,7 +416,8 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
     source = str(wide_model)
     # long prompts: their prefill makes the PCs' compute, not this process's bookkeeping, the work
     asks = [[{"role": "user", "content": f"Count from {n}, one number a line."}] for n in range(6)]
-    alone = ChatService(LocalChain(_folders(source, [1, 3]), config=compile_config("exact")), streams=1)
+    alone = ChatService(LocalChain(_folders(source, [1, 3]), config=compile_config("exact")),
+                        scheduling=Scheduling(streams=1))
     try:
         want = [alone.submit(ask, 24, ignore_eos=True).wait(300).tokens for ask in asks]
     finally:
@@ -424,7 +425,7 @@ def test_two_pcs_compute_at_once_and_streams_in_flight_decode_what_each_does_alo
     stages = [StageSpan(LOCAL, "CPU", 0, 1), StageSpan(office.nodes["pc1"].agent, "CPU", 1, 3),
               StageSpan(office.nodes["pc2"].agent, "CPU", 3, 4)]
     deployment, chain = deploy(source, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
-    service = ChatService(chain, streams=len(asks), prefix_cache=False)
+    service = ChatService(chain, scheduling=Scheduling(streams=len(asks)), prefix_cache=False)
     in_flight = {1: set(), None: set()}  # the most groups in flight of each run, by depth
     try:
         assert chain.packs and chain.depth == 3
@@ -456,13 +457,13 @@ def test_two_pcs_as_tensor_parallel_ranks_decode_what_the_whole_model_does(offic
                                                "--fleet-key-file", str(office.key_file)), tmp_path / "rank1.log")
     asks = (MESSAGES, [{"role": "user", "content": "Count to ten."}])
     whole = export_model(source, stages=1, weights="f32").folders
-    alone = ChatService(LocalChain(whole, config=compile_config("exact")), streams=1)
+    alone = ChatService(LocalChain(whole, config=compile_config("exact")), scheduling=Scheduling(streams=1))
     chain = None
     try:
         want = [alone.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]
         chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:7420"], access=FleetAccess(_key(office)), mode="exact",
                           connect_timeout_s=120)
-        service = ChatService(chain, streams=1, prefix_cache=False)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), prefix_cache=False)
         try:
             got = [service.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]
         finally:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from fleet_support import agent_process, eventually, fleet_profile
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.fleet import standby
 from engine.fleet.deploy import LOCAL, Deployment, deploy
 from engine.fleet.failover import Failover
@@ -99,10 +99,11 @@ def _deployed(tmp_path, names: tuple[str, str]):
                                    planned={"profile": str(profile_file)})
         events: list[str] = []
         failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
-        service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), rewind="trim", recover=failover.recover)
         try:
             folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-            reference = ChatService(LocalChain(folders, config=compile_config("exact")), streams=1, rewind="trim")
+            reference = ChatService(LocalChain(folders, config=compile_config("exact")),
+                                    scheduling=Scheduling(streams=1), rewind="trim")
             try:
                 want = reference.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
             finally:

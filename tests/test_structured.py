@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from api_support import reply_text
 
+from engine.config import Scheduling
 from engine.runtime.decode.generate import Decoding
 from engine.runtime.decode.grammar import GrammarError, compile_grammar
 from engine.runtime.decode.sampling import SamplingParams
@@ -37,7 +38,7 @@ def chain(tiny_exports):
 
 @pytest.fixture(scope="module")
 def service(chain):
-    service = ChatService(chain, streams=4, drafters=lambda n: stream_drafters("lookup", n), k=3)
+    service = ChatService(chain, scheduling=Scheduling(streams=4, k=3), drafters=lambda n: stream_drafters("lookup", n))
     yield service
     service.close()
 

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.errors import ExportError, ShardError, StageError
 from engine.export.exporter import export_model, rank_folder
 from engine.export.rankcut import GGUF_UNIT, rank_cuts, ranks_problem
@@ -461,7 +461,7 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
         return service.submit([{"role": "user", "content": "Paris is"}], 24, chat=False, ignore_eos=True,
                               on_text=on_text).wait(300)
 
-    alone = ChatService(LocalChain(whole, config=EXACT), streams=1, rewind="trim")
+    alone = ChatService(LocalChain(whole, config=EXACT), scheduling=Scheduling(streams=1), rewind="trim")
     try:
         want = reply(alone).tokens
     finally:
@@ -481,7 +481,7 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
                                    shard=ShardOptions(weights="f32", mode="exact"))
         events: list[str] = []
         failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
-        service = ChatService(chain, streams=1, rewind="trim", recover=failover.recover)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), rewind="trim", recover=failover.recover)
         try:
             assert isinstance(chain, RankChain)
             (worker,) = psutil.Process(alpha_proc.pid).children()

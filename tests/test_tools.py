@@ -13,6 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from engine.config import Scheduling
 from engine.export.exporter import export_model
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
@@ -36,7 +37,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 @pytest.fixture(scope="module")
 def served():
     chain = LocalChain(export_model(MODEL, stages=1, weights="int4").folders)
-    service = ChatService(chain, streams=2, drafters=lambda n: stream_drafters("lookup", n), k=3)
+    service = ChatService(chain, scheduling=Scheduling(streams=2, k=3), drafters=lambda n: stream_drafters("lookup", n))
     server = ApiServer(service, port=0, model_id=MODEL).start()
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
     yield service, server, client

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.bench.report import write_report
-from engine.config import DEFAULT_WEIGHTS, FleetAccess
+from engine.config import DEFAULT_WEIGHTS, FleetAccess, Scheduling
 from engine.errors import FleetError, ShardError
 from engine.export.exporter import export_model
 from engine.fleet.agent import Agent
@@ -855,7 +855,7 @@ def fuzz_flood(folders: list[Path], tally: Tally, connections: int = 200, log=la
     socks: list[socket.socket] = []
     try:
         chain = RemoteChain(folders[0], [worker.address], access=access, connect_timeout_s=30)
-        service = ChatService(chain, streams=1, max_length=64)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), max_length=64)
         service.submit([{"role": "user", "content": "warm up"}], 2).wait(120)
         hello = wire.encode(wire.control(wire.Msg.HELLO, {"role": "stage", "version": wire.VERSION,
                                                           "nonce": "00" * 32, "fingerprint": "f" * 16}))
@@ -934,7 +934,7 @@ def run_fuzz(model: str = "smollm2-135m", *, cases: int = 10000, targets=TARGETS
         if target == "manifest":
             fuzz_manifest(cases, tally, sample)
         elif target in ("http", "http_bounds", "endpoints"):
-            service = ChatService(LocalChain(folders), streams=2, max_length=48)
+            service = ChatService(LocalChain(folders), scheduling=Scheduling(streams=2), max_length=48)
             try:
                 share = {"http": cases, "endpoints": max(cases // 4, 1)}.get(target, max(cases // 20, 1))
                 globals()[f"fuzz_{target}"](share, tally, service, model)

@@ -30,6 +30,7 @@ from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import write_report
 from engine.bench.sandbox import TIME_LIMIT_S, isolation
 from engine.bench.tasks import INSTRUCTION, TOKENS, humaneval
+from engine.config import Scheduling
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.runtime.decode.service import ChatService
@@ -197,7 +198,8 @@ def _task_part(model, weights, stages, device, cases, llamacpp, kl_rows, log, ho
     kl = {(r["weights"], r["stages"]): r["kl_nats"] for r in kl_rows if r["precision"] == "fast"}
     for fmt in weights:
         export = _export(model, fmt, stages, hooks)
-        service = ChatService(LocalChain(export.folders, device=device, config=compile_config("fast")), streams=1)
+        service = ChatService(LocalChain(export.folders, device=device, config=compile_config("fast")),
+                              scheduling=Scheduling(streams=1))
         server = ApiServer(service, port=0, model_id=model).start()
         try:
             score = humaneval(server.url, model, cases=cases, log=log, hooks=hooks, label=f"fleet serve {fmt}")

@@ -38,7 +38,7 @@ from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import median, write_report
-from engine.config import DEFAULT_WEIGHTS
+from engine.config import DEFAULT_WEIGHTS, Scheduling
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.models.catalog import draft_of
@@ -179,7 +179,7 @@ def _users_part(folders, one, model, users, tokens, runs, device, peers, hooks, 
     prompts = list(PROMPTS.values())
     rows, ratios = [], {}
     with loopback(folders) as (chain, _fleet):
-        ours = ChatService(chain, streams=max(users))
+        ours = ChatService(chain, scheduling=Scheduling(streams=max(users)))
         theirs = GenaiService(one, device, device_config(device))
         servers = {"fleet serve": ApiServer(ours, port=0, model_id=model).start(),
                    "LLMPipeline": ApiServer(theirs, port=0, model_id=model).start()}
@@ -233,8 +233,8 @@ def _prefix_part(folders, model, runs, hooks, log) -> tuple[list[dict], dict]:
     against cold (a service with the prefix cache off, on its own fleet), alternating."""
     rows, ratios = [], {}
     with loopback(folders) as (cold_chain, _), loopback(folders) as (warm_chain, _):
-        services = {"cold": ChatService(cold_chain, streams=1, prefix_cache=False),
-                    "warm": ChatService(warm_chain, streams=1, prefix_cache=True)}
+        services = {"cold": ChatService(cold_chain, scheduling=Scheduling(streams=1), prefix_cache=False),
+                    "warm": ChatService(warm_chain, scheduling=Scheduling(streams=1), prefix_cache=True)}
         try:
             tokenizer = ChatTokenizer(cold_chain.first_folder)
             text = _long_text(tokenizer, 1000)

@@ -30,7 +30,7 @@ import psutil
 
 from engine.bench.harness import PROMPTS, rss_mb
 from engine.bench.report import write_report
-from engine.config import DEFAULT_WEIGHTS, Settings
+from engine.config import DEFAULT_WEIGHTS, Scheduling, Settings
 from engine.fleetkey import create_key
 from engine.runtime.decode.service import ChatService
 from engine.serve.server import ApiServer
@@ -65,7 +65,7 @@ def run_soak(model: str = "smollm2-135m", *, users: int = 32, minutes: float = 1
         opened = open_chain(settings, Launch())  # the local fleet, as `fleet up` and the app run it
         agent = opened.owned[0].proc
         failover = open_failover(opened, settings, on_event=lambda text: (events.append(text), log(f"fleet: {text}")))
-        service = ChatService(opened.chain, streams=users, recover=failover.recover)
+        service = ChatService(opened.chain, scheduling=Scheduling(streams=users), recover=failover.recover)
         server = ApiServer(service, port=0, model_id=model).start()
         stats = {"completed": 0, "refused": 0, "lost": 0, "hung": 0, "retried_ok": 0, "retry_refused": 0}
         statuses: collections.Counter = collections.Counter()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import TLS, Sim, chat_wave, on_pc1, wave_rows
+from engine.config import Scheduling
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim.office import NodeSpec, Office
@@ -76,8 +77,8 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
     with on_pc1(core, log) as opened:
         def service(factory) -> ChatService:
             chain = LocalChain(target)
-            opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
-                                      prefix_cache=False))
+            opened.append(ChatService(chain, scheduling=Scheduling(streams=max(users), k="auto"),
+                                      drafters=factory(chain), prefix_cache=False))
             return opened[-1]
 
         link = open_draft_server(office, pc2, draft[0], key, LocalChain(target).manifest, log)

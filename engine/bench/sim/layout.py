@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import TLS, DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.errors import FleetError
@@ -101,8 +101,8 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
             serving[u] = services[placed]
         for line in (line for lines in notes.values() for line in lines):
             log(line)
-        one = ChatService(LocalChain(export_model(model, stages=1, weights=weights).folders), streams=max(users),
-                          prefix_cache=False)
+        one = ChatService(LocalChain(export_model(model, stages=1, weights=weights).folders),
+                          scheduling=Scheduling(streams=max(users)), prefix_cache=False)
         opened.append(one)
         for service in [one, *services.values()]:  # warm every copy: first compiles, first pages of the weights
             chat_wave(service, max(2, len(getattr(service, "services", ()))), tokens)
@@ -133,7 +133,7 @@ def _serve(model: str, copies, *, key: bytes, weights: str, streams: int, opened
     """The chat service the app would open over a deployed layout (its closing queued in ``opened``)."""
     deployment, chains = deploy_layout(model, copies, access=FleetAccess(key), shard=ShardOptions(weights=weights))
     opened.append(DeployedWorkers(deployment, key))
-    services = [ChatService(chain, streams=streams, prefix_cache=False) for chain in chains]
+    services = [ChatService(chain, scheduling=Scheduling(streams=streams), prefix_cache=False) for chain in chains]
     service = services[0] if len(services) == 1 else Replicas(services)
     opened.append(service)
     return service

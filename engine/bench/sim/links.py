@@ -24,7 +24,7 @@ import signal
 import threading
 import time
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import Hooks, interleave
 from engine.bench.sim.shared import TLS, Sim, on_pc1
 from engine.errors import FleetError
@@ -50,7 +50,7 @@ def check(sim: Sim) -> None:
 
 def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """Per link rate: deploying onto an empty PC, and a cable cut mid-reply carried on by the other PC."""
-    alone = ChatService(LocalChain(sim.split.folders, config=compile_config("exact")), streams=1)
+    alone = ChatService(LocalChain(sim.split.folders, config=compile_config("exact")), scheduling=Scheduling(streams=1))
     try:
         want = alone.submit(MESSAGES, sim.tokens, ignore_eos=True).wait(600).tokens
     finally:
@@ -119,7 +119,7 @@ def _copies_cost(office: Office, sim: Sim, rate: float, profile_file) -> dict:
     records = {"copies": deployment, "none": dataclasses.replace(deployment, standbys=[])}
 
     def decode_tok_s(name: str, _round: int) -> float:
-        service = ChatService(records[name].chain(FleetAccess(sim.key)), streams=1)
+        service = ChatService(records[name].chain(FleetAccess(sim.key)), scheduling=Scheduling(streams=1))
         try:
             reply = service.submit(MESSAGES, sim.tokens, ignore_eos=True).wait(600)
         finally:
@@ -157,7 +157,7 @@ def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: 
         heard.append((time.perf_counter(), text))
 
     failover = Failover(deployment, profile, access=FleetAccess(key), on_event=on_event, chain=chain)
-    service = ChatService(chain, streams=1, recover=failover.recover)
+    service = ChatService(chain, scheduling=Scheduling(streams=1), recover=failover.recover)
     worker = deployment.workers[0]
     lost_at: list[float] = []
     resumed: list[float] = []

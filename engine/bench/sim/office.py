@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.sim.shared import (TLS, DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
@@ -69,7 +69,7 @@ def compare(office: Office, model: str, gguf: Path, whole: list[Path], split, *,
     prompts = [ChatTokenizer(whole[0]).chat_ids(m).reshape(-1).tolist() for m in messages(max(users))]
     with on_pc1(core, log) as opened:
         def service(chain) -> ChatService:
-            opened.append(ChatService(chain, streams=max(users), prefix_cache=False))
+            opened.append(ChatService(chain, scheduling=Scheduling(streams=max(users)), prefix_cache=False))
             return opened[-1]
 
         def deployed(start: int):

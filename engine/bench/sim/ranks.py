@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
 from engine.bench.parity import llamacpp_gguf
@@ -90,8 +90,8 @@ def compare_ranks(office: Office, model: str, draft_model: str, *, key: bytes, w
     alike = f"ours, one PC, no speculation, {same_format}"
     with on_pc1(core, log) as opened:
         def service(chain, factory) -> ChatService:
-            opened.append(ChatService(chain, streams=max(users), drafters=factory(chain), k="auto",
-                                      prefix_cache=False))
+            opened.append(ChatService(chain, scheduling=Scheduling(streams=max(users), k="auto"),
+                                      drafters=factory(chain), prefix_cache=False))
             return opened[-1]
 
         services = {name: service(LocalChain(whole), lambda chain, kind=kind: drafter_factory(kind, chain, draft))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from engine.config import FleetAccess, ShardOptions
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.sim.shared import TLS, DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.export.exporter import export_model
@@ -93,7 +93,8 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
                 deployment, chain = deploy(model, placement_stages({"plan": plan.to_json(), "nodes": doc["nodes"]}),
                                            access=FleetAccess(key), shard=ShardOptions(weights=weights))
                 opened.append(DeployedWorkers(deployment, key))
-            services[placement(plan)] = ChatService(chain, streams=max(USERS), prefix_cache=False)
+            services[placement(plan)] = ChatService(chain, scheduling=Scheduling(streams=max(USERS)),
+                                                    prefix_cache=False)
             opened.append(services[placement(plan)])
         serving = {k: services[placement(plan)] for k, plan in plans.items()}
         for service in services.values():  # warm: first compiles, first pages of the weights

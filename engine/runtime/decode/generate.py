@@ -29,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.config import PREFILL_CHUNK
 from engine.errors import ContextError
 from engine.runtime.decode.grammar import Constraint
 from engine.runtime.decode.kvsequence import KVSequence
@@ -37,10 +38,6 @@ from engine.runtime.decode.speculative import AheadGate, AutoK, Drafter, smooth
 from engine.runtime.interfaces import Chain
 from engine.runtime.stages.output import Output, top_candidates
 from engine.transport.wire import Flag
-
-# A prompt is prefilled this many tokens a forward: between two chunks of one user's long paste, the
-# other streams' rounds run (the chat service advances whichever stream's forward is back first).
-PREFILL_CHUNK = 512
 
 
 class Breakdown:

@@ -39,8 +39,9 @@ from typing import Callable
 
 import numpy as np
 
+from engine.config import Scheduling
 from engine.errors import ContextError, FleetError
-from engine.runtime.decode.generate import PREFILL_CHUNK, Decoding
+from engine.runtime.decode.generate import Decoding
 from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.decode.prefix import PrefixCache, common_prefix
 from engine.runtime.decode.recovery import Recovery
@@ -128,37 +129,35 @@ class _Request:
 
 
 class ChatService:
-    def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, streams: int = 2,
-                 drafters: Callable[[int], list | None] | None = None, k: int | str = 4, rewind: str = "mask",
+    def __init__(self, chain, tokenizer: ChatTokenizer | None = None, *, scheduling: Scheduling = Scheduling(),
+                 drafters: Callable[[int], list | None] | None = None, rewind: str = "mask",
                  max_length: int | None = None, eos_ids=None, owned=(), recover=None, prefix_cache: bool = True,
-                 prefill_chunk: int = PREFILL_CHUNK, draft_alone: bool = True, speculate_ahead: bool = False):
-        """``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
-        ``k`` is the default draft length (an int, or ``"auto"``; 0 turns speculation off);
+                 draft_alone: bool = True):
+        """``scheduling``: the streams, the default draft length ``k`` (an int, or ``"auto"``; 0 turns
+        speculation off), whether a stream drafting alone speculates ahead (sends its next round while
+        one is verified, ``Decoding``) and the prompt tokens a prefill forward takes (other streams'
+        rounds run between chunks); its draft kind is what the ``drafters`` are made for;
+        ``drafters(n)`` gives one drafter per stream (``speculative.stream_drafters``) or None;
         ``owned`` are further objects to ``close()`` with the service (a local fleet);
         ``recover(StageError)`` gives a new chain when a stage fails (``engine.fleet.failover``),
         on which the replies in flight carry on; without it they end with the error;
         ``prefix_cache=False`` prefills every conversation whole (a benchmark's cold side);
-        ``prefill_chunk``: prompt tokens a forward (other streams' rounds run between chunks);
         ``draft_alone``: a stream drafts only while it is the only one generating, its other rounds
         are plain.  With several streams the verify's extra rows cost more than the drafts give,
-        whichever the drafter (docs/benchmarks.md, "A second PC that drafts").  ``speculate_ahead``: a
-        stream drafting alone sends its next round while one is verified (``Decoding``)."""
-        if streams < 1:
+        whichever the drafter (docs/benchmarks.md, "A second PC that drafts")."""
+        if scheduling.streams < 1:
             raise FleetError("the chat service needs at least one stream")
         self.chain = chain
+        self.scheduling = scheduling
         self.tokenizer = tokenizer or ChatTokenizer(chain.first_folder)
-        self.streams = streams
-        self.k = k
         self.rewind = rewind
         self.max_length = max_length or chain.spec.max_position
         manifest = getattr(chain, "manifest", None)
         self.eos = frozenset(int(i) for i in (eos_ids if eos_ids is not None else manifest.eos_token_ids))
-        self.drafters = drafters(streams) if drafters else None
+        self.drafters = drafters(scheduling.streams) if drafters else None
         self.recovery = Recovery(recover, manifest.stage_count if manifest else 1)
         self.prefix = PrefixCache(prefix_cache)
-        self.prefill_chunk = prefill_chunk
         self.draft_alone = draft_alone
-        self.speculate_ahead = speculate_ahead
         m = manifest
         self.description = f"{m.model_name}, {m.stage_count} part{'s' if m.stage_count > 1 else ''}" if m else ""
         self._owned = list(owned)
@@ -166,7 +165,7 @@ class ChatService:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Request] = collections.deque()
-        self._free = list(range(streams))
+        self._free = list(range(scheduling.streams))
         self._active: list[_Request] = []
         self._sequences: dict[int, KVSequence] = {}
         self._closed = False
@@ -223,6 +222,16 @@ class ChatService:
             self._queue.append(request)
             self._wake.notify()
         return handle
+
+    @property
+    def streams(self) -> int:
+        """Requests that can generate at once (``Scheduling.streams``)."""
+        return self.scheduling.streams
+
+    @property
+    def k(self) -> int | str:
+        """The draft length of a request that names none (``Scheduling.k``)."""
+        return self.scheduling.k
 
     @property
     def queued(self) -> int:
@@ -319,7 +328,7 @@ class ChatService:
                     and (mirrored is None or mirrored(stream))):
                 # one token at least is prefilled: its logits give the reply
                 cached = min(common_prefix(self.prefix.held(stream), ids), len(ids) - 1)
-            k = self.k if request.k is None else request.k
+            k = self.scheduling.k if request.k is None else request.k
             drafter = self.drafters[stream] if self.drafters and k != 0 else None
             if request.grammar is not None and request.constraint is None:
                 request.constraint = self.tokenizer.constraint(request.grammar, self.eos)
@@ -332,11 +341,11 @@ class ChatService:
                                         frozenset() if request.ignore_eos else self.eos, drafter=drafter,
                                         k=k if drafter else 0, on_token=lambda t: self._token(request, t),
                                         cancel=request.handle._cancel, sampling=request.sampling,
-                                        cached=max(cached, 0), prefill_chunk=self.prefill_chunk,
+                                        cached=max(cached, 0), prefill_chunk=self.scheduling.prefill_chunk,
                                         constraint=request.constraint, logprobs=request.logprobs,
                                         prompt_logprobs=request.prompt_logprobs and prompt is None,
                                         alone=(lambda: len(self._active) == 1) if self.draft_alone else None,
-                                        speculate_ahead=self.speculate_ahead)
+                                        speculate_ahead=self.scheduling.speculate_ahead)
             if request.logprobs is not None:  # filled in as tokens come (after those of a replaced chain)
                 del request.handle.logprobs[len(request.earlier):]
                 request.decoding.token_logprobs = request.handle.logprobs
