@@ -267,7 +267,7 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     questions = [[{"role": "user", "content": f"question number {i}"}] for i in range(6)]
     service = open_service(settings, Launch(deployment=record))
     try:
-        assert isinstance(service, Replicas) and service.streams == 6 and "3 replicas" in service.description
+        assert isinstance(service, Replicas) and service.streams == 6 and "3 copies" in service.description
         handles = [service.submit(q, 10, ignore_eos=True) for q in questions]
         got = [h.wait(120) for h in handles]
         routed = list(service.routed)

@@ -396,7 +396,7 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
 
     assert {w["agent"] for copy in deployment.copies for w in copy.workers} == {fleet.alpha, fleet.beta}
     assert sum(len(workers(a)) for a in (fleet.alpha, fleet.beta)) == sum(len(c.workers) for c in deployment.copies)
-    assert f"{len(layout.plans)} replicas" in window.service_label.text()  # the chat serves from every copy
+    assert f"{len(layout.plans)} copies" in window.service_label.text()  # the chat serves from every copy
     window.close()  # every copy's workers are stopped with the window
     assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
 
