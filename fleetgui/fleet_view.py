@@ -8,7 +8,7 @@ node's agent is asked for its status off the GUI thread: devices, memory, what i
 part k of n, receiving, profiling, paused, or unreachable) and the shards it holds.  While this app's
 placement view deploys, a node whose part is still being exported here shows "preparing part k" (a
 node does no exporting of its own: this PC, the coordinator, exports, then ships).
-"Measure round trips" times this machine to each agent and each agent to the others.  The fleet key
+"Measure round trips" times this PC to each agent and each agent to the others.  The fleet key
 is set here too (``fleetgui.keystore``).
 
 This machine (the coordinator: stage 0 of every chain runs in the app) has a row of its own, and so
@@ -49,9 +49,9 @@ from fleetgui.workers import TaskRunner
 COLUMNS = ("Name", "Address", "OS", "Devices", "Memory", "Status", "Shards", "Found by")
 POLL_MS = 3000
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.\-]{0,251}[A-Za-z0-9])?|\[?[0-9A-Fa-f:.]+\]?")
-THIS_MACHINE = "this machine"
-THIS_MACHINE_STATE = "this PC: runs the chat and the first part of the model"
-THIS_MACHINE_DETAIL = "the coordinator: it runs stage 0 (the tokenizer and the embedding) of every chain"
+THIS_PC = "this PC"  # this PC's row: its role, shown in Found by, and its key
+THIS_PC_STATE = "this PC: runs the chat and the first part of the model"
+THIS_PC_DETAIL = "the coordinator: it runs stage 0 (the tokenizer and the embedding) of every chain"
 LOCAL_FLEET = "local fleet"  # the role of the chat's local fleet agent (``engine.fleet.local_agent.start_local_agent``)
 DEMO_NODES = 3  # how many "Try a demo fleet" starts
 DEMO_NEXT = ("Demo fleet up. Next: in Placement, click Profile fleet, set how many people at once and click Deploy "
@@ -112,7 +112,7 @@ class NodeRow:
     added_as: str = ""  # the address it was added by (it may differ from the mDNS one it is polled at)
     error: str = ""  # why the last status request failed
     preparing: str = ""  # what this app is doing for the node ("exporting stage 2 (40%)")
-    role: str = ""  # THIS_MACHINE, or an own agent's role ("local fleet", "demo"); "" for the fleet's nodes
+    role: str = ""  # THIS_PC, or an own agent's role ("local fleet", "demo"); "" for the fleet's nodes
     simulated: bool = False  # a demo node: its devices are simulated
     int8_dot: str = ""  # its CPU's int8 dot-product instructions (engine.hostcpu)
     kernels: str = ""  # which kernels run its matrices (engine.fleet.node.KERNEL_PATHS); "": not said
@@ -146,7 +146,7 @@ class NodeRow:
 
     @property
     def found_by(self) -> str:
-        """Each way the node is found, as it is now: its role (this machine, local fleet, demo), mDNS,
+        """Each way the node is found, as it is now: its role (this PC, local fleet, demo), mDNS,
         the join code or subnet scan that made its address known, an address added by hand."""
         ways = ((self.role, bool(self.role)), ("mDNS", self.mdns), (self.known, bool(self.known)),
                 ("by hand", self.added))
@@ -209,8 +209,8 @@ def _tooltip(row: NodeRow, column: str) -> str:
     """A cell's tooltip, as text: why the node is unreachable, its shards one by one, its CPU."""
     if column == "Status" and row.error:
         return row.error
-    if column == "Status" and row.role == THIS_MACHINE:
-        return THIS_MACHINE_DETAIL
+    if column == "Status" and row.role == THIS_PC:
+        return THIS_PC_DETAIL
     if column == "Shards" and row.shards:
         return "\n".join(shard_text(s) for s in row.shards)
     if column in ("Name", "Devices") and row.node_id:
@@ -252,7 +252,7 @@ class NodesModel(QAbstractTableModel):
         if role == Qt.ItemDataRole.DisplayRole:  # a node's name, OS, devices and shards are its own words
             return unbidi({"Name": row.label, "Address": row.address, "OS": row.os,
                     "Devices": ", ".join(row.devices), "Memory": row.memory_text(), "Status": row.status,
-                    "Shards": row.shards_text() if not row.error and row.role != THIS_MACHINE else "",
+                    "Shards": row.shards_text() if not row.error and row.role != THIS_PC else "",
                     "Found by": row.found_by}[column])
         if role == Qt.ItemDataRole.ToolTipRole:
             return plain_tip(_tooltip(row, column)) or None
@@ -275,26 +275,26 @@ class NodesModel(QAbstractTableModel):
 
     def node_rows(self) -> list[NodeRow]:
         """Every row but this machine's own."""
-        return [r for r in self.rows if r.role != THIS_MACHINE]
+        return [r for r in self.rows if r.role != THIS_PC]
 
     def this_machine(self, node: dict | None = None) -> NodeRow:
         """This machine's row (made first, at the top), with ``node``'s facts (``local_node_info``)."""
-        row = next((r for r in self.rows if r.role == THIS_MACHINE), None)
+        row = next((r for r in self.rows if r.role == THIS_PC), None)
         if row is None:
-            row = NodeRow(key=THIS_MACHINE, name="this machine", role=THIS_MACHINE,
-                          state=THIS_MACHINE_STATE)
+            row = NodeRow(key=THIS_PC, name=THIS_PC, role=THIS_PC,
+                          state=THIS_PC_STATE)
             self.beginInsertRows(QModelIndex(), 0, 0)
             self.rows.insert(0, row)
             self.endInsertRows()
         if node:
-            row.take_node({**node, "name": f"this machine ({node.get('name')})"})
+            row.take_node({**node, "name": f"this PC ({node.get('name')})"})
             self._changed(row)
         return row
 
     def own_agents(self, agents: list) -> None:
         """The node agents this app runs (``engine.fleet.local_agent.own_agents``): a row each while it runs."""
         live = {a.address: a for a in agents}
-        for row in [r for r in self.rows if r.role not in ("", THIS_MACHINE) and r.address not in live]:
+        for row in [r for r in self.rows if r.role not in ("", THIS_PC) and r.address not in live]:
             self._drop(row)
         for agent in agents:
             row = next((r for r in self.rows if r.address == agent.address), None)
@@ -340,7 +340,7 @@ class NodesModel(QAbstractTableModel):
             if row is None:
                 return
             row.mdns, row.known = False, ""
-            if row.role == THIS_MACHINE:  # this machine's own agent stopped: the machine stays
+            if row.role == THIS_PC:  # this machine's own agent stopped: the machine stays
                 row.address = row.added_as
                 self._changed(row)
             elif row.added or row.role:
@@ -647,7 +647,7 @@ class FleetView(QWidget):
         layout.addWidget(split, 1)
 
         self.model.this_machine()
-        self.tasks.start(lambda report, cancel: backend.this_machine(), "this machine",
+        self.tasks.start(lambda report, cancel: backend.this_machine(), "this PC",
                          succeeded=self.model.this_machine)
         for address in added_nodes():
             self.model.add_address(address)
@@ -760,7 +760,7 @@ class FleetView(QWidget):
             self.stop_demo_node(row.name)
             return
         if row.role:
-            self.banner.info(f"{row.name} is {'this machine' if row.role == THIS_MACHINE else 'run by this app'}; "
+            self.banner.info(f"{row.name} is {'this PC' if row.role == THIS_PC else 'run by this app'}; "
                              "it is not removed from the list.")
             return
         if not row.added:
@@ -952,13 +952,13 @@ class FleetView(QWidget):
         joins has empty cells until the next measurement."""
         if self.round_trips is None:
             return
-        labels = {"local": "this machine", **self.live_nodes()}
+        labels = {"local": THIS_PC, **self.live_nodes()}
         if list(labels.items()) != self.rtt_table.labels:
             self.rtt_table.show_matrix(labels, self.round_trips)
 
     def nodes(self) -> list[Node]:
         """Every row as the running state holds it: name, address, whether it answers, what it serves."""
-        return [Node(r.label, r.address, r.role == THIS_MACHINE or (not r.error and bool(r.node_id)),
+        return [Node(r.label, r.address, r.role == THIS_PC or (not r.error and bool(r.node_id)),
                      tuple(r.serving()))
                 for r in self.model.rows]
 

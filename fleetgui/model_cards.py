@@ -309,24 +309,36 @@ def model_folders() -> list[Path]:
     return ([Path(downloads)] if downloads else []) + [paths().models]
 
 
+def own_models(folders: list[Path], current: str) -> tuple[list[ModelFacts], dict[str, bool]]:
+    """The model browser's cards of the user's own models, read off the GUI thread (each file's
+    header is read): those ``found_models`` finds in ``folders``, and ``current`` where it is a model
+    file or folder of the user's not among them; with whether Faithful can carry each GGUF (``carried``)."""
+    own = found_models(folders)
+    if (current and current not in CATALOG and Path(current).expanduser().exists() and not is_shard_set(current)
+            and all(Path(f.source) != Path(current).expanduser() for f in own)):
+        try:
+            own.append(facts_of(current))
+        except FleetError:
+            pass
+    return own, {f.source: carried(f.source) for f in own if f.kind == "gguf"}
+
+
 class ModelBrowser(QDialog):
     """The chat's model browser: the catalog's cards, the GGUF files and Hugging Face folders found in
     ``model_folders``, and the current model's where it is one of those; accepting it picks the
-    selected model."""
+    selected model.  The catalog's cards show at once; the user's own join them when a worker has
+    read them (``own_models``), and ``found`` is emitted then."""
+
+    found = Signal()  # the user's own models are read and their cards added (``looking`` is False)
 
     def __init__(self, tasks, current: str, weights: str = DEFAULT_WEIGHTS, parent=None):
         super().__init__(parent)
         self.setWindowTitle("Choose a model")
+        self.current = current
         self.cards = ModelCards(tasks, weights)
-        own = found_models(model_folders())
-        if (current and current not in CATALOG and Path(current).expanduser().exists() and not is_shard_set(current)
-                and all(Path(f.source) != Path(current).expanduser() for f in own)):
-            try:
-                own.append(facts_of(current))
-            except FleetError:
-                pass
-        self.cards.set_models([*self.cards.facts, *own])
         self.cards.select(current) or self.cards.select(DEFAULT_MODEL)
+        self._shown_first = self.cards.current_source()  # the selection until the user moves it
+        self.looking = True  # the user's own models are being read
         self.cards.itemActivated.connect(lambda _: self.accept())
         self.search = QLineEdit()
         self.search.setPlaceholderText("Search models (the catalog, your GGUF files and Hugging Face folders): "
@@ -352,6 +364,28 @@ class ModelBrowser(QDialog):
         chars = self.fontMetrics().averageCharWidth()
         self.resize(chars * 110, self.fontMetrics().lineSpacing() * 28)
         self.cards.refresh()
+        folders = model_folders()
+        tasks.start(lambda report, cancel: own_models(folders, current), "model browser",
+                    succeeded=self._found, failed=self._not_found)
+
+    def _found(self, result: tuple[list[ModelFacts], dict[str, bool]]) -> None:
+        """The user's own models read (``own_models``): their cards join the catalog's and are priced;
+        the current model's is selected unless the user has chosen another meanwhile."""
+        own, can_carry = result
+        self.looking = False
+        if own:
+            self.cards.can_carry.update(can_carry)
+            self.cards.set_models([*self.cards.facts, *own])
+            if self.cards.current_source() == self._shown_first:
+                self.cards.select(self.current)
+            self._search(self.search.text())
+            self.cards.refresh()
+        self.found.emit()
+
+    def _not_found(self, message: str) -> None:
+        """Reading the user's own models failed (``found_models`` skips what it cannot read, so rarely):
+        the catalog's cards stay."""
+        self._found(([], {}))
 
     def _search(self, text: str) -> None:
         shown = self.cards.set_search(text)

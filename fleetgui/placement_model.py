@@ -40,9 +40,9 @@ def default_profile() -> Path:
 
 
 def parse_profile(doc: dict):
-    """(ModelShape, nodes, Fleet) of a survey document."""
+    """(ModelShape, nodes, Fleet) of a survey document (an older one's name for this PC read as today's)."""
     try:
-        return ModelShape.from_json(doc["model"]), doc["nodes"], Fleet.from_json(doc["fleet"])
+        return ModelShape.from_json(doc["model"]), survey.current_names(doc["nodes"]), Fleet.from_json(doc["fleet"])
     except (KeyError, TypeError, ValueError) as exc:
         raise FleetError(f"not a fleet profile written by `fleet profile` or the app ({exc})") from None
 

@@ -47,6 +47,7 @@ from engine.files import write_json
 from engine.fleet.deploy import Deployment
 from engine.fleet.fit import measured_key, measured_speeds
 from engine.fleet.standby import Standby
+from engine.fleet.survey import read_names
 from engine.fleet.layout import fastest_for_one, solve_layout
 from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly, solve
 from engine.manifest import layer_numbers, layer_span, part_name
@@ -181,7 +182,7 @@ class PlanCanvas(QWidget):
             p.setPen(text)
             p.drawText(self.rect().adjusted(self.line, self.line, -self.line, -self.line),
                        Qt.AlignmentFlag.AlignCenter | Qt.TextFlag.TextWordWrap,
-                       "No fleet profile yet. Click Profile fleet to measure this machine and the nodes the Fleet "
+                       "No fleet profile yet. Click Profile fleet to measure this PC and the nodes the Fleet "
                        "view lists, or open a profile written by `fleet profile`.")
             return
         m, line = self.model, self.line
@@ -391,7 +392,7 @@ class PlacementView(QWidget):
 
         self.source = ModelField(settings.default_model)  # the model to place
         self.profile_button = QPushButton("Profile fleet")
-        self.profile_button.setToolTip("measure this machine and every node the Fleet view reaches for this model, "
+        self.profile_button.setToolTip("measure this PC and every node the Fleet view reaches for this model, "
                                        "then find the best layout")
         self.profile_button.clicked.connect(self.profile_fleet)
         self.open_button = QPushButton("Open profile…")
@@ -541,6 +542,7 @@ class PlacementView(QWidget):
     # --- the profile ---------------------------------------------------------------------------------
 
     def load_profile(self, doc: dict) -> None:
+        doc = read_names(doc)  # an older profile's name for this PC, as the app says it now
         self.model.load(doc)
         self.doc = doc
         self.best, self.copies = None, ([], [])
@@ -599,7 +601,7 @@ class PlacementView(QWidget):
             self.banner.error(f"{path}: {exc}")
 
     def profile_fleet(self) -> None:
-        """Surveys this machine and the reachable nodes off the GUI thread, then shows the result."""
+        """Surveys this PC and the reachable nodes off the GUI thread, then shows the result."""
         if self.task is not None:
             return
         model, agents, settings, backend = self.source.source(), self.agents(), self.settings, self.backend
@@ -619,8 +621,8 @@ class PlacementView(QWidget):
             except Infeasible as exc:
                 return doc, str(exc)
 
-        where = f"this machine and {len(agents)} node{'s' if len(agents) != 1 else ''}" if agents else \
-            "this machine only (no node answers in the Fleet view)"
+        where = f"this PC and {len(agents)} node{'s' if len(agents) != 1 else ''}" if agents else \
+            "this PC only (no node answers in the Fleet view)"
         self._set_busy(f"Profiling {model} on {where}…")
         self.task = self.tasks.start(run, "survey", progressed=self._progress, succeeded=self._profiled,
                                      failed=lambda m: self._failed("Profiling the fleet failed", m),

@@ -68,7 +68,7 @@ def describe_missing(missing: Sequence[str]) -> str:
     unknown = [m for m in missing if m not in PACKAGES]
     debian = list(dict.fromkeys(PACKAGES[m][0] for m in known))
     fedora = list(dict.fromkeys(PACKAGES[m][1] for m in known))
-    lines = ["fleetgui cannot start: Qt's X11 (xcb) platform plugin needs system libraries this machine lacks:",
+    lines = ["fleetgui cannot start: Qt's X11 (xcb) platform plugin needs system libraries this PC lacks:",
              *(f"  {m}" + (f"  (Debian/Ubuntu: {PACKAGES[m][0]}, Fedora: {PACKAGES[m][1]})" if m in PACKAGES else "")
                for m in missing)]
     if known:

@@ -55,7 +55,7 @@ def fleet_profile(model: str, agents: dict, key: bytes, *, weights: str = "int4"
     from engine.fleet.profile import model_shape
     from engine.manifest import load_manifest
 
-    nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
+    nodes = {"coordinator": {"name": "this PC", "address": LOCAL}}
     for name, (_, address) in agents.items():
         with ControlClient(address, key) as client:
             nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}

@@ -135,7 +135,7 @@ def test_device_list_must_match_the_stages_and_this_machine(tiny_exports):
     proc = fleet("generate", "--shards", str(tiny_exports["llama", "2"].out), "--prompt", "hi", "--no-chat",
                  "--device", "CPU,XPU")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert re.search(r"^error: this machine has no OpenVINO device XPU: it has .*CPU", proc.stderr, re.M), proc.stderr
+    assert re.search(r"^error: this PC has no OpenVINO device XPU: it has .*CPU", proc.stderr, re.M), proc.stderr
 
 
 def test_local_workers_generate_the_in_process_tokens(tiny_exports, tmp_path):

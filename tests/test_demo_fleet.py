@@ -99,7 +99,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
             assert [(d["name"], d["full_name"]) for d in reported["devices"]] == \
                 [(node.device.name, f"simulated {node.device.full_name}")]
         ids = {info["name"]: n for n, info in doc["nodes"].items()}
-        assert set(ids) == {"this machine", laptop.name, gpu.name} and len(set(ids.values())) == 3
+        assert set(ids) == {"this PC", laptop.name, gpu.name} and len(set(ids.values())) == 3
         assert all(doc["nodes"][ids[n.name]].get("simulated") for n in fleet.nodes)
         profiled = {(d["node"], d["device"]): d for d in doc["fleet"]["devices"]}
         assert profiled[ids[gpu.name], "GPU"]["memory_bytes"] == gpu.device.memory_mb << 20
@@ -143,7 +143,7 @@ def test_fleet_up_demo_brings_up_a_demo_fleet_and_stops_it(home, tiny_models, tm
         text = log.read_text()
         pids = [int(p) for p in re.findall(r"demo node demo-\S+ \(pid (\d+)\)", text)]
         assert len(pids) == 2 and "SIMULATED GPU (integrated GPU, 3 GB" in text, text
-        assert re.search(r"part 1 on this machine CPU \(layers 0-1\); part 2 on demo-laptop CPU", text), text
+        assert re.search(r"part 1 on this PC CPU \(layers 0-1\); part 2 on demo-laptop CPU", text), text
         chain = deployment.chain(FleetAccess(load_key(), load_tls(True)))
         try:
             assert greedy(chain) == greedy_in_process(deployment)

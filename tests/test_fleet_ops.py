@@ -267,7 +267,7 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     questions = [[{"role": "user", "content": f"question number {i}"}] for i in range(6)]
     service = open_service(settings, Launch(deployment=record))
     try:
-        assert isinstance(service, Replicas) and service.streams == 6 and "3 replicas" in service.description
+        assert isinstance(service, Replicas) and service.streams == 6 and "3 copies" in service.description
         handles = [service.submit(q, 10, ignore_eos=True) for q in questions]
         got = [h.wait(120) for h in handles]
         routed = list(service.routed)
@@ -431,7 +431,7 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     # a node under two addresses is profiled once
     doc = survey(source, [a, b, a], key=key, local_node="coordinator", weights="f32")
     names = {n: info["name"] for n, info in doc["nodes"].items()}
-    assert set(names.values()) == {"this machine", "alpha", "beta"}
+    assert set(names.values()) == {"this PC", "alpha", "beta"}
     devices = doc["fleet"]["devices"]
     # a tiny model's layer costs microseconds, so only the sum is sure to be above the noise
     assert len(devices) == 3 and all(d["call_ms"] + d["layer_ms"] > 0 and min(d["layer_ms"], d["head_ms"]) >= 0
@@ -497,7 +497,7 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
             _up_serves_then_stops(up, lines, deployment, ending, log, a, key)
         # the first run profiles the fleet, the next ones reuse its profile
         assert ("using the fleet profile" in log.read_text()) == (ending != "SIGTERM"), log.read_text()
-    local = subprocess.run([sys.executable, "-m", "engine.cli", "up", *up_args, "--pin", "this machine:0-3"],
+    local = subprocess.run([sys.executable, "-m", "engine.cli", "up", *up_args, "--pin", "this PC:0-3"],
                            capture_output=True, text=True, env=env, timeout=300)
     assert local.returncode == 0, local.stderr
     assert "1 part(s)" in local.stdout and "keeps every layer" in local.stderr

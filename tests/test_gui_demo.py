@@ -38,10 +38,10 @@ def test_demo_fleet_drag_a_range_deploy_chat_and_lose_a_node(qtbot, gui_home, ti
     window = open_window(qtbot, settings, settings_store(tmp_path / "s.ini"))
     fleet_view = window.show_view("Fleet")
     fleet_view.timer.setInterval(500)
-    this = fleet_view.model.rows[0]  # this machine is listed from the start, with its facts
-    assert this.found_by == "this machine" and this.status.startswith("this PC")
+    this = fleet_view.model.rows[0]  # this PC is listed from the start, with its facts
+    assert this.found_by == "this PC" and this.status.startswith("this PC")
     qtbot.waitUntil(lambda: bool(this.os and this.devices), timeout=30000)
-    assert this.name.startswith("this machine (") and "CPU" in this.devices
+    assert this.name.startswith("this PC (") and "CPU" in this.devices
 
     fleet_view.start_demo(2)
     assert not fleet_view.demo_button.isEnabled()
@@ -64,18 +64,18 @@ def test_demo_fleet_drag_a_range_deploy_chat_and_lose_a_node(qtbot, gui_home, ti
     assert view.model.loaded, view.banner.message
     model, canvas = view.model, view.canvas
     assert [lane.label for lane in model.lanes] == \
-        ["this machine · CPU", f"{laptop} (simulated) · CPU", f"{gpu} (simulated) · GPU"]
+        ["this PC · CPU", f"{laptop} (simulated) · CPU", f"{gpu} (simulated) · GPU"]
     lane = {model.lanes[i].name: i for i in range(len(model.lanes))}
     # the profile ends on the solver's best plan, said to rest on the demo's nodes where it uses them
     simulated = any(model.lanes[s.lane].simulated for s in model.stages)
     assert ("rests on simulated PCs" in view.prediction.text()) == simulated, view.prediction.text()
     spans = plan_split(model.shape.num_layers, 3)  # from here, an expert's plan by hand: the even split
-    model.set_stages([StageRange(lane[name], a, b) for name, (a, b) in zip(["this machine", laptop, gpu], spans)])
+    model.set_stages([StageRange(lane[name], a, b) for name, (a, b) in zip(["this PC", laptop, gpu], spans)])
 
     # the laptop's range dragged with the mouse onto the GPU box's lane: it runs every layer after stage 0
     drag(canvas, canvas.block_point(1), canvas.lane_point(lane[gpu]))
     assert [(model.lanes[s.lane].name, s.start, s.end) for s in model.stages] == \
-        [("this machine", 0, spans[0][1]), (gpu, spans[0][1], model.shape.num_layers)]
+        [("this PC", 0, spans[0][1]), (gpu, spans[0][1], model.shape.num_layers)]
     assert "2 stages" in view.technical.text() and view.problems.text() == ""
 
     deployed = []

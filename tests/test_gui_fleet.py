@@ -74,7 +74,7 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
 
         view.measure_round_trips()
         qtbot.waitUntil(lambda: view.rtt_table.rowCount() == 3, timeout=60000)
-        for a, b in (("this machine", "mdns-node"), ("this machine", "static-node"), ("mdns-node", "static-node"),
+        for a, b in (("this PC", "mdns-node"), ("this PC", "static-node"), ("mdns-node", "static-node"),
                      ("static-node", "mdns-node")):
             assert 0 < float(view.rtt_table.value(a, b)) < 1000, (a, b)
 
@@ -94,7 +94,7 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
 
         view.remove_node(static_address)
         assert added_nodes() == [] and view.model.node_rows() == []
-        assert [r.found_by for r in view.model.rows] == ["this machine"]  # always listed
+        assert [r.found_by for r in view.model.rows] == ["this PC"]  # always listed
 
 
 def test_forget_this_pc_drops_a_known_pc_from_the_view_and_the_settings(qtbot, gui_home, key_file, tmp_path):
@@ -112,7 +112,7 @@ def test_forget_this_pc_drops_a_known_pc_from_the_view_and_the_settings(qtbot, g
         qtbot.waitUntil(lambda: view.model.row("known-pc") is not None, timeout=30000)
         row = view.model.row("known-pc")
         assert not row.added
-        this = view.row_menu(view.model.rows[0]).actions()[0]  # this machine, always first
+        this = view.row_menu(view.model.rows[0]).actions()[0]  # this PC, always first
         assert this.text() == "Forget this PC…" and not this.isEnabled()  # nothing of it is known by address
         forget = view.row_menu(row).actions()[0]
         assert forget.text() == "Forget this PC…" and forget.isEnabled()
@@ -277,15 +277,15 @@ def test_counts_and_round_trips_follow_the_listed_nodes(qtbot, gui_home, key_fil
         view.measure_round_trips()
         qtbot.waitUntil(lambda: view._rtt is None, timeout=60000)
         labels = [view.rtt_table.verticalHeaderItem(i).text() for i in range(view.rtt_table.rowCount())]
-        assert labels == ["this machine", "local", "demo-one (simulated)"] or \
-            labels == ["this machine", "local", "demo-one"], labels
-        assert float(view.rtt_table.value("this machine", "local")) > 0
+        assert labels == ["this PC", "local", "demo-one (simulated)"] or \
+            labels == ["this PC", "local", "demo-one"], labels
+        assert float(view.rtt_table.value("this PC", "local")) > 0
 
         stop_local_agent(demo)  # a demo node switched off: its row goes, and so does its place in the matrix
         qtbot.waitUntil(lambda: view.model.rowCount() == 2, timeout=20000)
         assert view.summary.text().startswith("2 nodes, 2 answering"), view.summary.text()
         assert [view.rtt_table.verticalHeaderItem(i).text() for i in range(view.rtt_table.rowCount())] == \
-            ["this machine", "local"]
+            ["this PC", "local"]
     finally:
         stop_local_agent(demo)
         stop_local_agent(local)
@@ -341,7 +341,7 @@ def test_found_by_tells_how_each_node_is_found(qtbot):
 
 
 def test_the_fleet_view_says_parts_and_this_pc(qtbot):
-    """What nodes serve reads in parts counted from 1 ("serving part 2 of 3"), this machine's row says
+    """What nodes serve reads in parts counted from 1 ("serving part 2 of 3"), this PC's row says
     "this PC" and keeps the technical words in its tooltip; a node's own state in parts too."""
     from PySide6.QtCore import Qt
     from test_gui_settings import jargon_in

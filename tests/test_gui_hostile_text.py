@@ -97,9 +97,9 @@ def test_remote_text_shows_as_written_in_every_widget(qtbot, gui_home, tmp_path)
                                 shards=[{"hash": "h", "layers": [0, 2], "model": HOSTILE, "bytes": 1}]))
     fleet.table.selectRow(len(fleet.model.rows) - 1)
     box = fleet._ask_prune()  # "Remove 1 shard(s) … from NAME?"
-    fleet.rtt_table.show_matrix({"local": "this machine", "b": HOSTILE}, {("local", "b"): 1.5})
+    fleet.rtt_table.show_matrix({"local": "this PC", "b": HOSTILE}, {("local", "b"): 1.5})
     assert fleet.rtt_table.horizontalHeaderItem(1).text() == HOSTILE  # a table's items are text
-    assert fleet.rtt_table.value(HOSTILE, "this machine") == "1.50"
+    assert fleet.rtt_table.value(HOSTILE, "this PC") == "1.50"
 
     # documents: a file named in markup, and one that cannot be read (named in the status line)
     readable, unreadable = tmp_path / FILE_NAME, tmp_path / FILE_NAME.replace(".txt", ".pdf")

@@ -236,9 +236,35 @@ def test_the_model_browser_finds_the_users_own_models_and_searches_them(qtbot, g
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     dialog = ModelBrowser(window.chat.controller.tasks, "smollm2-135m", parent=window.chat)
     qtbot.addWidget(dialog)
+    qtbot.waitUntil(lambda: not dialog.looking, timeout=30000)  # read off the GUI thread
     sources = [f.source for f in dialog.cards.facts]
     assert sources[:len(CATALOG)] == list(CATALOG) and len(sources) == len(CATALOG) + 2
     assert {str(downloads / "my-tiny-chat.gguf"), str(paths().models / "shelved.gguf")} == set(sources[len(CATALOG):])
     dialog.search.setText("my-tiny")
     shown = [dialog.cards.facts[i].source for i in range(dialog.cards.count()) if not dialog.cards.item(i).isHidden()]
     assert shown == [str(downloads / "my-tiny-chat.gguf")] and dialog.chosen_source() == shown[0]
+
+
+def test_the_model_browser_reads_the_users_own_models_off_the_gui_thread(qtbot, gui_home, tmp_path, monkeypatch):
+    """The browser opens on the catalog's cards at once; the user's own models (their headers read,
+    which a slow disk or a large folder makes take long) are read on a worker thread and join them."""
+    import threading
+
+    from fleetgui import model_cards
+    from fleetgui.model_cards import ModelBrowser
+
+    (gui_home / "Downloads").mkdir(parents=True)
+    write_gguf(gui_home / "Downloads" / "my-tiny-chat.gguf")
+    read_on = []
+    found_models = model_cards.found_models
+    monkeypatch.setattr(model_cards, "found_models",
+                        lambda folders: read_on.append(threading.current_thread()) or found_models(folders))
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    dialog = ModelBrowser(window.chat.controller.tasks, "smollm2-135m", parent=window.chat)
+    qtbot.addWidget(dialog)
+    assert [f.source for f in dialog.cards.facts] == list(CATALOG) and dialog.cards.current_source() == "smollm2-135m"
+    with qtbot.waitSignal(dialog.found, timeout=30000):
+        pass
+    assert not dialog.looking and read_on and threading.main_thread() not in read_on
+    assert [f.source for f in dialog.cards.facts] == [*CATALOG, str(gui_home / "Downloads" / "my-tiny-chat.gguf")]
+    assert dialog.cards.current_source() == "smollm2-135m"  # the selection stays where it was

@@ -81,7 +81,7 @@ def even_split(model):
     from fleetgui.placement_model import StageRange
 
     lane = {model.lanes[i].name: i for i in range(len(model.lanes))}
-    model.set_stages([StageRange(lane["this machine"], 0, 1), StageRange(lane["alpha"], 1, 3),
+    model.set_stages([StageRange(lane["this PC"], 0, 1), StageRange(lane["alpha"], 1, 3),
                       StageRange(lane["beta"], 3, 4)])
     return lane
 
@@ -135,8 +135,8 @@ def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     view.task.progressed.connect(seen.append)
     qtbot.waitUntil(lambda: view.task is None, timeout=600000)
     assert view.model.loaded, view.banner.message
-    assert sorted(lane.label for lane in view.model.lanes) == ["alpha · CPU", "beta · CPU", "this machine · CPU"]
-    assert view.model.lanes[0].name == "this machine"  # the coordinator's lane comes first
+    assert sorted(lane.label for lane in view.model.lanes) == ["alpha · CPU", "beta · CPU", "this PC · CPU"]
+    assert view.model.lanes[0].name == "this PC"  # the coordinator's lane comes first
     # the profile ends on the best plan the solver finds, not on a starting split: Optimise finds no better
     profiled, predicted = view.model.chain(), view.prediction.text()
     view.optimise_button.click()
@@ -144,7 +144,7 @@ def test_profile_fleet_shows_a_lane_per_device(qtbot, fleet):
     assert view.model.chain() == profiled and view.prediction.text() == predicted
     assert view.model.placement()[0].node == LOCAL and view.model.stages[0].lane == 0
     said = [p.text for p in seen if not p.step]  # each with the count a person follows
-    assert "Node 1 of 3: profiling this machine's CPU" in said, said
+    assert "Node 1 of 3: profiling this PC's CPU" in said, said
     assert any(line.startswith("Node 3 of 3: profiling") for line in said), said
     doc = json.loads(default_profile().read_text())
     assert doc["source"] == fleet.model and doc["weights"] == "f32" and len(doc["fleet"]["devices"]) == 3
@@ -181,13 +181,13 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
     handle = canvas.boundary_point(1)
     assert canvas.boundary_at(handle) == 1
     drag(canvas, handle, QPoint(round(canvas.layer_x(2)), handle.y()))
-    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 2), ("beta", 2, 4)]
+    assert names(model) == [("this PC", 0, 1), ("alpha", 1, 2), ("beta", 2, 4)]
     assert view.technical.text() != before and priced()
     assert model.lane_memory(lane["alpha"]) < alpha_memory  # the memory bar follows
 
     # beta's range dragged onto alpha's lane: alpha now runs layers 1-3, two stages remain
     drag(canvas, canvas.block_point(2), canvas.lane_point(lane["alpha"]))
-    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 4)]
+    assert names(model) == [("this PC", 0, 1), ("alpha", 1, 4)]
     assert "2 stages" in view.technical.text() and priced()
 
     # the same drop through the model's own API (what a QTreeView drop calls): layer 3 onto beta
@@ -195,15 +195,15 @@ def test_dragging_ranges_and_boundaries_reprices_the_plan(qtbot, fleet):
     data.setData(MIME, json.dumps({"start": 3, "end": 4}).encode())
     assert model.canDropMimeData(data, Qt.DropAction.MoveAction, -1, 0, model.lane_index(lane["beta"]))
     assert model.dropMimeData(data, Qt.DropAction.MoveAction, -1, 0, model.lane_index(lane["beta"]))
-    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)] and priced()
+    assert names(model) == [("this PC", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)] and priced()
     assert [model.data(model.range_index(i)) for i in range(3)] == ["layer 0", "layers 1-2", "layer 3"]
     dragged = model.mimeData([model.range_index(1)])
     assert json.loads(bytes(dragged.data(MIME)).decode()) == {"start": 1, "end": 3}
 
     # a later range on this machine cannot be deployed (it runs stage 0 only): said, not hidden
-    drag(canvas, canvas.block_point(2), canvas.lane_point(lane["this machine"]))
-    assert names(model) == [("this machine", 0, 1), ("alpha", 1, 3), ("this machine", 3, 4)]
-    assert "part 3 (layer 3) is on this machine" in view.problems.text()
+    drag(canvas, canvas.block_point(2), canvas.lane_point(lane["this PC"]))
+    assert names(model) == [("this PC", 0, 1), ("alpha", 1, 3), ("this PC", 3, 4)]
+    assert "part 3 (layer 3) is on this PC" in view.problems.text()
 
 
 def test_a_pinned_range_survives_optimise(qtbot, fleet):
@@ -251,7 +251,7 @@ def test_infeasible_plans_say_why(qtbot, fleet):
     view.optimise_button.click()
     qtbot.waitUntil(lambda: view.task is None, timeout=60000)
     assert view.problems.text().startswith("Infeasible: pin of layer 3 on node beta needs")
-    assert names(view.model) == [("this machine", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)]  # left as drawn
+    assert names(view.model) == [("this PC", 0, 1), ("alpha", 1, 3), ("beta", 3, 4)]  # left as drawn
     view.model.setData(view.model.range_index(2), Qt.CheckState.Unchecked, Qt.ItemDataRole.CheckStateRole)
     view.optimise_button.click()  # without the pin the solver routes around beta
     qtbot.waitUntil(lambda: view.task is None, timeout=60000)
@@ -396,7 +396,7 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
 
     assert {w["agent"] for copy in deployment.copies for w in copy.workers} == {fleet.alpha, fleet.beta}
     assert sum(len(workers(a)) for a in (fleet.alpha, fleet.beta)) == sum(len(c.workers) for c in deployment.copies)
-    assert f"{len(layout.plans)} replicas" in window.service_label.text()  # the chat serves from every copy
+    assert f"{len(layout.plans)} copies" in window.service_label.text()  # the chat serves from every copy
     window.close()  # every copy's workers are stopped with the window
     assert workers(fleet.alpha) == [] and workers(fleet.beta) == []
 
@@ -413,7 +413,7 @@ def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel
     window, view = optimised(qtbot, fleet, doc, 1)
     model = view.model
     assert model.ranks and [(start, end) for _, start, end in names(model)] == [(0, 4), (0, 4)], names(model)
-    assert names(model)[0][0] == "this machine" and not model.problems, model.problems
+    assert names(model)[0][0] == "this PC" and not model.problems, model.problems
     assert [s.rank for s in model.placement()] == [0, 1]
     assert not model.move_boundary(0, 2)  # ranks have no boundary to drag
     screenshot(window, "placement-ranks")
@@ -423,7 +423,7 @@ def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel
     with ControlClient(deployment.workers[0]["agent"], load_key(fleet.key_file), tls=fleet.tls) as agent:
         assert agent.status()["workers"] == []
     model.move_range(0, 2, model.lane_of(*next((lane.node, lane.device) for lane in model.lanes
-                                                 if lane.name != "this machine")))
+                                                 if lane.name != "this PC")))
     assert not model.ranks and [(a, b) for _, a, b in names(model)] == [(0, 2), (2, 4)]  # a chain by hand again
 
 
@@ -485,9 +485,24 @@ def office_profile() -> dict:
                    DeviceProfile(old, "CPU", 8 * gb, 9.0, 60.0, 0.1, 3.0)],
                   {(here, laptop): 0.5, (here, old): 0.5, (laptop, old): 0.5}, here)
     return {"model": shape.to_json(), "fleet": fleet.to_json(), "source": "office-model", "weights": "int4",
-            "nodes": {here: {"name": "this machine", "address": LOCAL},
+            "nodes": {here: {"name": "this PC", "address": LOCAL},
                       laptop: {"name": "laptop-2", "address": "127.0.0.1:9", "simulated": True},
                       old: {"name": "old-pc", "address": "127.0.0.1:8"}}}
+
+
+def test_a_profile_saved_when_this_pc_was_this_machine_shows_this_pc(qtbot, gui_home, tmp_path):
+    """A profile saved when the app called the coordinator "this machine" opens with this PC named
+    as the app names it now, in the PC boxes and the lanes, and is kept (for the deployment) so."""
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    view = window.show_view("Placement")
+    doc = office_profile()
+    doc["nodes"]["a1b2c3d4e5f60001"]["name"] = "this machine"
+    path = tmp_path / "old-profile.json"
+    path.write_text(json.dumps(doc))
+    view.open_profile(path)
+    assert view.banner.isHidden()  # read, not refused
+    assert [box.text() for box in view.pc_checks.values()] == ["this PC", "laptop-2 (simulated)", "old-pc"]
+    assert view.model.lanes[0].label == "this PC · CPU" and view.doc["nodes"]["a1b2c3d4e5f60001"]["name"] == "this PC"
 
 
 def test_an_admin_picks_pcs_and_people_and_reads_the_plan_in_plain_words(qtbot, gui_home, tmp_path):
@@ -497,15 +512,15 @@ def test_an_admin_picks_pcs_and_people_and_reads_the_plan_in_plain_words(qtbot, 
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     view = window.show_view("Placement")
     view.load_profile(office_profile())
-    assert [box.text() for box in view.pc_checks.values()] == ["this machine", "laptop-2 (simulated)", "old-pc"]
+    assert [box.text() for box in view.pc_checks.values()] == ["this PC", "laptop-2 (simulated)", "old-pc"]
     assert not view.pc_checks["a1b2c3d4e5f60001"].isEnabled()  # this PC runs the chat: always in
     assert view.best_button.isVisible() and view.best_button.text() == "Deploy the best layout"
     assert not view.objective.isVisible() and not view.tree.isVisible() and not view.optimise_button.isVisible()
 
     view.optimise()  # what "Deploy the best layout" runs before it deploys
     qtbot.waitUntil(lambda: view.task is None, timeout=60000)
-    assert names(view.model) == [("this machine", 0, 24)]  # the model whole here: no hop to pay
-    assert "for one person, on this machine. It is the best layout found." in view.prediction.text()
+    assert names(view.model) == [("this PC", 0, 24)]  # the model whole here: no hop to pay
+    assert "for one person, on this PC. It is the best layout found." in view.prediction.text()
     left = view.left_out.text().splitlines()
     assert "laptop-2 is left out: one more network hop costs more than it saves." in left, left
     assert "old-pc is left out: it is slower than the PCs in use: a part there would slow every answer." in left
@@ -544,7 +559,7 @@ def test_the_best_layout_on_this_pc_alone_is_said_not_refused(qtbot, gui_home, t
     view.deployed.connect(deployed.append)
     view.best_button.click()
     qtbot.waitUntil(lambda: view.task is None, timeout=60000)
-    assert names(view.model) == [("this machine", 0, 24)] and not deployed
+    assert names(view.model) == [("this PC", 0, 24)] and not deployed
     assert "nothing to deploy" in view.banner.message and view.banner.property("level") == "info", view.banner.message
     assert "node agent" not in view.banner.message and view.problems.text() == ""
     assert "It is the best layout found. This PC alone runs this layout" in view.prediction.text()

@@ -100,7 +100,7 @@ def test_layouts_round_trip_and_explain_each_copy():
 def test_fleet_place_writes_the_copies_that_deploy_reads(tmp_path):
     fleet = office(2, 4)
     profile = {"model": MODEL.to_json(), "fleet": fleet.to_json(),
-               "nodes": {"pc1": {"name": "this machine", "address": "local"},
+               "nodes": {"pc1": {"name": "this PC", "address": "local"},
                          "pc2": {"name": "beta", "address": "10.0.0.2:7420"}}}
     (tmp_path / "profile.json").write_text(json.dumps(profile))
 

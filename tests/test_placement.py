@@ -72,7 +72,7 @@ def test_pin_argument_names_layers_inclusively():
     from engine.cli.fleet import _pin
 
     assert _pin("alpha:0-14") == Pin("alpha", 0, 15)
-    assert _pin("this machine:3:GPU.1") == Pin("this machine", 3, 4, "GPU.1")
+    assert _pin("this PC:3:GPU.1") == Pin("this PC", 3, 4, "GPU.1")
     for bad in ("alpha:5-3", "alpha", "alpha:x-3", "alpha:1-2:GPU:NPU"):
         with pytest.raises(argparse.ArgumentTypeError, match="both included"):
             _pin(bad)
@@ -437,14 +437,14 @@ def test_check_placement_refuses_what_deploy_cannot_run():
         assert placement_problem(good) is None
     for bad, message in [
         ([], "a placement needs at least one part"),
-        (stages((a, 0, 2), (LOCAL, 2, 4)), "part 2 (layers 2-3) is on this machine: only part 1 runs in the "
+        (stages((a, 0, 2), (LOCAL, 2, 4)), "part 2 (layers 2-3) is on this PC: only part 1 runs in the "
                                             "coordinator"),
         (stages((LOCAL, 0, 4)), "a deployment needs at least one part on a node agent"),
         (stages((LOCAL, 0, 1), (a, 1, 3), (LOCAL, 3, 4)),
-         "part 3 (layer 3) is on this machine: only part 1 runs in the coordinator, later parts need a node "
+         "part 3 (layer 3) is on this PC: only part 1 runs in the coordinator, later parts need a node "
          "agent's address"),
         (stages((LOCAL, 0, 1), (LOCAL, 1, 3), (LOCAL, 3, 4)), "part 2 (layers 1-2), part 3 (layer 3) are on this "
-                                                               "machine"),
+                                                               "PC"),
         (stages((LOCAL, 1, 2), (a, 2, 4)), "the first part starts at layer 1, not 0"),
         (stages((LOCAL, 0, 2), (a, 2, 2), (b, 2, 4)), "the part from layer 2 holds no layers"),
         (stages((LOCAL, 0, 2), (a, 3, 4)), "the parts of layers 0-1 and layer 3 are not contiguous"),
@@ -484,3 +484,32 @@ def test_a_balanced_split_gives_each_stage_the_same_measured_time():
     assert balanced_split(heavy, DeviceProfile("pc", "CPU", GB, layer_ms=1.0, head_ms=1000.0), 3) == [1, 2]
     with pytest.raises(PlacementError, match="3 layers cannot be split into 4 parts"):
         balanced_split(heavy, avx2, 4)
+
+
+# ---- the coordinator's name in saved profiles and plans ----
+
+def test_a_profile_saved_before_this_pc_was_its_name_still_loads_and_pins(tmp_path):
+    """Profiles (and the plans made from them) saved when the app called the coordinator "this
+    machine" read as "this PC": the name the app and the CLI show, the one a plan is written with,
+    and the one --pin matches (the former name too, for scripts)."""
+    from engine.cli.fleet import _place
+    from engine.fleet.deploy import LOCAL
+    from engine.fleet.survey import current_names, load_survey, read_names
+
+    f = fleet(dev("here", mem_gb=8), dev("b", mem_gb=8), coordinator="here")
+    old = {"model": model(8).to_json(), "fleet": f.to_json(), "source": "m", "weights": "int4",
+           "nodes": {"here": {"name": "this machine", "address": LOCAL},
+                     "b": {"name": "alpha", "address": "127.0.0.1:9"}}}
+    path = tmp_path / "fleet-profile.json"
+    path.write_text(json.dumps(old))
+    _, nodes, _ = load_survey(path)
+    assert nodes == {"here": {"name": "this PC", "address": LOCAL}, "b": {"name": "alpha", "address": "127.0.0.1:9"}}
+    assert read_names(old)["nodes"] == nodes and old["nodes"]["here"]["name"] == "this machine"  # not changed in place
+    assert current_names(nodes) == nodes
+    named = {"b": {"name": "this machine", "address": "127.0.0.1:9"}}  # a PC its owner named so keeps its name
+    assert current_names(named) == named
+    for pinned in ("this PC", "this machine"):
+        doc, _ = _place(path, objective="latency", users=1, pins=[Pin(pinned, 0, 3), Pin("alpha", 3, 8)],
+                        out=str(tmp_path / "plan.json"))
+        assert [(s["node"], s["start"], s["end"]) for s in doc["plan"]["stages"]] == [("here", 0, 3), ("b", 3, 8)]
+        assert json.loads((tmp_path / "plan.json").read_text())["nodes"]["here"]["name"] == "this PC"

@@ -3,6 +3,8 @@ one a single copy gives, and a conversation's next turn goes to the copy that ho
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from engine.config import Scheduling
 from engine.runtime.decode.replicas import Replicas
 from engine.runtime.decode.service import ChatService
@@ -44,3 +46,12 @@ def test_users_spread_over_the_copies_and_a_next_turn_finds_its_cache(tiny_expor
 
 def _handles(service: ChatService, handles) -> list:
     return [h for h in handles if h._service is service]
+
+
+def test_the_description_counts_copies():
+    """The status bar shows the service's description: the copies in the app's word, not "replicas"."""
+    def copy():
+        return SimpleNamespace(tokenizer=None, chain=None, max_length=64, streams=1, description="qwen2, 1 part")
+
+    assert Replicas([copy(), copy()]).description == "qwen2, 1 part, 2 copies"
+    assert Replicas([copy()]).description == "qwen2, 1 part, 1 copy"

@@ -468,7 +468,7 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
         alone.close()
     with agent_process(key_file, tmp_path / "alpha", name="alpha") as (alpha_proc, alpha), \
             agent_process(key_file, tmp_path / "beta", name="beta") as (_, beta):
-        nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
+        nodes = {"coordinator": {"name": "this PC", "address": LOCAL}}
         for name, address in (("alpha", alpha), ("beta", beta)):
             with ControlClient(address, key) as client:
                 nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}

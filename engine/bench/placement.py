@@ -42,7 +42,7 @@ def candidates(n: int) -> dict[str, list[int]]:
 
 def run_placement(model: str, *, tokens: int = 64, warmup: int = 1, runs: int = 3, weights: str = DEFAULT_WEIGHTS,
                   sizes=(4, 8, 16), out: Path | None = None, log=print, hooks: Hooks = NO_HOOKS) -> dict:
-    hooks.step(0, 1, "profiling this machine")
+    hooks.step(0, 1, "profiling this PC")
     measured = profile_shards(export_profile_shards(model, weights, cancel=hooks.cancel), "CPU")
     log(f"profile: call {measured['call_ms']:.3f} ms, layer {measured['layer_ms']:.3f} ms, "
         f"head {measured['head_ms']:.3f} ms")

@@ -93,7 +93,7 @@ def chain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote", help="run part 1 here and the rest on workers: HOST:PORT of part 2 "
                         "(and optionally of the later parts, comma-separated)")
     parser.add_argument("--local-workers", action="store_true",
-                        help="run the parts after the first as worker processes on this machine (the local fleet)")
+                        help="run the parts after the first as worker processes on this PC (the local fleet)")
     parser.add_argument("--deployment", nargs="?", const="last",
                         help="use the chain `fleet deploy`/`fleet up` started (default: the last one recorded)")
     parser.add_argument("--delay-ms", type=duration,

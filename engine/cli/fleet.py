@@ -35,7 +35,7 @@ from engine.fleet.placement import Pin, PlacementError, left_out, solve
 from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim.office import NodeSpec, Office, clean_leftovers
-from engine.fleet.survey import load_survey, readable, recent_survey, survey
+from engine.fleet.survey import FORMER_HERE, HERE, load_survey, readable, recent_survey, survey
 from engine.fleetkey import fleet_access, fleet_id, key_file, load_key, load_tls
 from engine.hostcpu import SLOW
 from engine.launch import lifeline
@@ -304,8 +304,11 @@ def cmd_place(args) -> int:
 
 
 def _resolve_pin(pin, names: dict):
-    """A pin may name a node by its display name."""
+    """A pin may name a node by its display name (the coordinator by its former name too, where no
+    node has that name)."""
     matches = [n for n, name in names.items() if name == pin.node]
+    if not matches and pin.node in FORMER_HERE:
+        matches = [n for n, name in names.items() if name == HERE]
     if len(matches) != 1:
         raise FleetError(f"--pin names {pin.node!r}, which is not one node of the profile "
                          f"({', '.join(names.values())})")
@@ -388,8 +391,8 @@ def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
     if len(copies) == 1 and len(copies[0]) == 1:
         why = ("the nodes would not make it faster (--objective throughput --users N weighs several users; "
                "--pin NODE:FIRST-LAST places layers by hand)" if len(doc["nodes"]) > 1 else
-               "the only node agent found runs on this machine")
-        say(f"the plan keeps every layer of {model} on this machine: {why}")
+               "the only node agent found runs on this PC")
+        say(f"the plan keeps every layer of {model} on this PC: {why}")
         return 0 if args.no_chat else _chat(args, "--model", model, "--stages", "1", tls=settings.tls)
     deployment, chains = deploy_layout(model, copies, access=access, shard=ShardOptions.of(settings),
                                        progress=progress_printer(), planned=planned_by(doc), standbys=settings.standbys)
@@ -436,7 +439,7 @@ def _where(deployment: Deployment) -> str:
     places = [(f"tensor-parallel rank 0 here, the other ranks at {', '.join(c.remotes)}" if c.ranks > 1 else
                f"every part on other PCs, at {', '.join(c.remotes)}" if c.fed else
                f"{part_name(0)} here, the other parts at {', '.join(c.remotes)}") if c.remotes
-              else "whole on this machine" for c in deployment.copies]
+              else "whole on this PC" for c in deployment.copies]
     return places[0] if len(places) == 1 else f"{len(places)} copies of the model: " + "; ".join(places)
 
 
@@ -530,7 +533,7 @@ def cmd_sim(args) -> int:
     with Office(specs, key_file=key_file(args.fleet_key_file), root=paths().data / "sim", log=say,
                 tls=settings_of(args).tls) as office:
         print("\n".join(office.table()))
-        say(f"this machine is {office.coordinator_ip} on the office's bridge: `fleet nodes` lists the PCs, "
+        say(f"this PC is {office.coordinator_ip} on the office's bridge: `fleet nodes` lists the PCs, "
             "`fleet up --nodes all` places a model on them (the routed PCs by address, with --nodes HOST:PORT)")
         print(f"ready {office.coordinator_ip}", flush=True)
         if args.lifeline:
@@ -588,10 +591,10 @@ def add_commands(sub) -> None:
     connection_args(nodes)
     nodes.set_defaults(func=cmd_nodes)
 
-    profile = sub.add_parser("profile", help="measure this machine (and nodes) for the placement solver")
+    profile = sub.add_parser("profile", help="measure this PC (and nodes) for the placement solver")
     profile.add_argument("--model", help="the model to profile (default: the settings' model)")
     profile.add_argument("--nodes", help="'all' (discovered and added nodes) or HOST:PORT,... of agents")
-    profile.add_argument("--device", help="this machine's devices to profile, comma-separated (default: settings)")
+    profile.add_argument("--device", help="this PC's devices to profile, comma-separated (default: settings)")
     profile.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_FORMATS)
     profile.add_argument("--context", type=count, default=PLAN_CONTEXT,
                          help="context length the KV cache is planned for")
@@ -639,7 +642,7 @@ def add_commands(sub) -> None:
                     help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--demo", nargs="?", type=count, const=MAX_NODES, metavar="N",
                     help=f"try the fleet on this PC alone: start N (1 to {MAX_NODES}, default {MAX_NODES}) demo nodes "
-                         "with simulated devices, profile them, split the model over this machine and them (the "
+                         "with simulated devices, profile them, split the model over this PC and them (the "
                          "last kept spare for failover), deploy and chat")
     up.add_argument("--resurvey", action="store_true", help="with --nodes: profile the fleet even if it was "
                                                             "profiled in the last day")

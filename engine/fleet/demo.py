@@ -147,7 +147,7 @@ def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, access
     device = shard.device.split(",")[0].strip()
     fleet = start_demo_fleet(key, count, tls=access.uses_tls, log=log)
     try:
-        log(f"profiling this machine and the demo nodes for {model} (its three profiling shards are exported "
+        log(f"profiling this PC and the demo nodes for {model} (its three profiling shards are exported "
             "first, once)")
         doc = survey(model, fleet.addresses, key=access.key, tls=access.tls, local_node=node_id(),
                      local_devices=[device], weights=shard.weights, progress=progress, cancel=cancel)

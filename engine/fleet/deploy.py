@@ -223,7 +223,7 @@ def check_placement(stages: list[StageSpan]) -> None:
     here = [f"{part_name(i)} ({layer_span(s.start, s.end)})" for i, s in enumerate(stages[1:], start=1)
             if s.node == LOCAL]
     if here:
-        raise FleetError(f"{', '.join(here)} {'is' if len(here) == 1 else 'are'} on this machine: only {part_name(0)} "
+        raise FleetError(f"{', '.join(here)} {'is' if len(here) == 1 else 'are'} on this PC: only {part_name(0)} "
                          f"runs in the coordinator, later parts need a node agent's address")
     if stages[0].start != 0:
         raise FleetError(f"the first part starts at layer {stages[0].start}, not 0")
@@ -402,7 +402,7 @@ def _whole_here(model: str, stage: StageSpan, *, weights: str, mode: str, progre
                           progress=_phase_of(0, "export", progress)).folders[0]
     manifest = load_manifest(folder)
     if (stage.start, stage.end) != tuple(manifest.layers):
-        raise FleetError(f"a copy on this machine holds the whole model, {layer_span(*manifest.layers)}, not "
+        raise FleetError(f"a copy on this PC holds the whole model, {layer_span(*manifest.layers)}, not "
                          f"{layer_span(stage.start, stage.end)}")
     return Deployment(model=model, stage0=str(folder), device=stage.device, remotes=[], workers=[], mode=mode,
                       weights=manifest.weights, placement=[stage], **(planned or {}))

@@ -40,7 +40,7 @@ from engine.fleet.placement import Fleet, ModelShape, PlacementError, Pin, solve
 from engine.fleet.span import StageSpan
 from engine.fleet import standby
 from engine.fleet.standby import Standby
-from engine.fleet.survey import readable
+from engine.fleet.survey import HERE, current_names, readable
 from engine.manifest import layer_span, part_name
 
 PROBE_TIMEOUT_S = 3.0  # a node agent silent this long counts as gone
@@ -61,7 +61,7 @@ class Failover:
             raise FleetError("this deployment record predates failover (it lacks its placement): deploy it again")
         self.deployment = deployment
         self.profile = profile
-        self.nodes: dict = profile["nodes"] if profile else {}
+        self.nodes: dict = current_names(profile["nodes"]) if profile else {}
         self.access = access
         self.objective, self.users = objective, users
         self.on_event = on_event or (lambda text: None)
@@ -128,7 +128,7 @@ class Failover:
         self.on_recovered(deployment)
         if self.keeps_standbys:  # a redeployment starts none: they start beside the reply, not before it
             threading.Thread(target=self._restock, args=(deployment,), daemon=True, name="failover-standbys").start()
-        where = [self.name(s.node) if s.node != LOCAL else "this machine" for s in placement]
+        where = [self.name(s.node) if s.node != LOCAL else HERE for s in placement]
         self.on_event("placed: " + "; ".join(f"{part_name(i)} on {node} ({layer_span(s.start, s.end)})"
                                              for i, (node, s) in enumerate(zip(where, placement))))
         return chain

@@ -163,7 +163,7 @@ class Plan(Record):
                      f"of every layer of the same token"]
         else:
             lines = [f"{self.model}: {len(self.stages)} part(s), objective {self.objective}"
-                     + (", fed its token ids by this machine" if self.fed else "")]
+                     + (", fed its token ids by this PC" if self.fed else "")]
         for i, s in enumerate(self.stages):
             share = f"{100 * s.memory_bytes / s.memory_limit_bytes:.0f}%" if s.memory_limit_bytes else "no limit known"
             what, layers = ((f"rank {i}", f"1/{len(self.stages)} of each of {layer_span(s.start, s.end)}")
@@ -516,7 +516,7 @@ def _left_out(model: ModelShape, fleet: Fleet, plan: Plan) -> dict[str, tuple[st
             continue
         if plan.ranks:
             reasons[node] = ("two PCs sharing every step were faster, and the pair with this one was predicted "
-                             "slower", "tensor-parallel ranks pair this machine with one other PC, and the pair "
+                             "slower", "tensor-parallel ranks pair this PC with one other PC, and the pair "
                              "with it was predicted slower")
             continue
         moved = one_layer_on(model, fleet, plan, node)

@@ -24,6 +24,8 @@ from engine.manifest import load_manifest
 from engine.progress import Progress, Report, quiet
 
 FRESH_S = 24 * 3600  # how long `fleet up --nodes` reuses a survey of the same fleet
+HERE = "this PC"  # the coordinator's name among a survey's nodes, as the app and the CLI show it
+FORMER_HERE = ("this machine",)  # what older surveys and plans call the coordinator: read as HERE
 
 
 def device_profile(node: str, measured: dict) -> DeviceProfile:
@@ -62,9 +64,9 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
     of = f"of {1 + len(statuses)}"  # the machines to profile: this one, then each node (in the progress lines)
     for device in local_devices:
         check()
-        progress(Progress(f"Node 1 {of}: profiling this machine's {device}"))
+        progress(Progress(f"Node 1 {of}: profiling {HERE}'s {device}"))
         devices.append(device_profile(local_node, profile_shards(folders, device)))
-    nodes = {local_node: {"name": "this machine", "address": LOCAL}}
+    nodes = {local_node: {"name": HERE, "address": LOCAL}}
     rtt: dict[tuple[str, str], float] = {}
     ids: dict[str, str] = {}  # the agents profiled, by address
     answered = {address: status["node"]["node_id"] for address, status in statuses.items()}
@@ -111,6 +113,22 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
             "weights": weights, "taken": taken}
 
 
+def current_names(nodes: dict) -> dict:
+    """A survey's (or plan's) ``nodes`` with the coordinator named ``HERE`` where an older document
+    gave it a former name: the names the app and the CLI show, and the ones ``--pin`` matches."""
+    if not isinstance(nodes, dict):
+        return nodes
+    return {node: {**info, "name": HERE} if isinstance(info, dict) and info.get("address") == LOCAL
+            and info.get("name") in FORMER_HERE else info for node, info in nodes.items()}
+
+
+def read_names(doc: dict) -> dict:
+    """``doc`` (a survey or plan document, as saved) with its nodes' names as ``current_names`` gives them."""
+    if isinstance(doc, dict) and isinstance(doc.get("nodes"), dict):
+        return {**doc, "nodes": current_names(doc["nodes"])}
+    return doc
+
+
 def recent_survey(path: Path, model: str, agents: list[str], *, key: bytes, tls=None, local_node: str,
                   local_devices=("CPU",), weights: str = DEFAULT_WEIGHTS, context: int = 4096, streams: int = 1,
                   max_age_s: float = FRESH_S) -> dict | None:
@@ -131,7 +149,7 @@ def recent_survey(path: Path, model: str, agents: list[str], *, key: bytes, tls=
                     return None
     except (OSError, ValueError, KeyError, TypeError, AgentError):
         return None
-    return doc
+    return read_names(doc)
 
 
 def readable(text: str, nodes: dict) -> str:
@@ -145,7 +163,7 @@ def readable(text: str, nodes: dict) -> str:
 def load_survey(path: Path) -> tuple[ModelShape, dict, Fleet]:
     try:
         raw = json.loads(Path(path).read_text())
-        return ModelShape.from_json(raw["model"]), raw["nodes"], Fleet.from_json(raw["fleet"])
+        return ModelShape.from_json(raw["model"]), current_names(raw["nodes"]), Fleet.from_json(raw["fleet"])
     except FileNotFoundError:
         raise FleetError(f"no fleet profile at {path}: make one with `fleet profile --nodes all` "
                          f"(or HOST:PORT,...)") from None

@@ -87,7 +87,7 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, 
     require_root("fleet bench sim")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
-        raise FleetError("fleet bench sim needs two CPUs: one for this machine, one for a simulated PC")
+        raise FleetError("fleet bench sim needs two CPUs: one for this PC, one for a simulated PC")
     if unknown := set(parts) - set(PARTS):
         raise FleetError(f"fleet bench sim measures {', '.join(PARTS)}, not {', '.join(sorted(unknown))}")
     chosen = [name for name in PARTS if name in parts]

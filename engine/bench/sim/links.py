@@ -35,6 +35,7 @@ from engine.fleet.failover import Failover
 from engine.fleet.placement import DeviceProfile, Fleet
 from engine.fleet.sim.office import NodeSpec, Office
 from engine.fleet.span import StageSpan
+from engine.fleet.survey import HERE
 from engine.runtime.decode.service import ChatService
 from engine.runtime.stages.chain import LocalChain
 from engine.runtime.stages.stage import compile_config
@@ -207,7 +208,7 @@ def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: 
 def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
     """The profile failover re-plans from: the PCs' node ids and addresses, their devices alike (where
     the layers go is what is measured here, not the solver)."""
-    nodes = {"coordinator": {"name": "this machine", "address": LOCAL}}
+    nodes = {"coordinator": {"name": HERE, "address": LOCAL}}
     for node in office.nodes.values():
         with ControlClient(node.agent, key) as client:
             nodes[client.status()["node"]["node_id"]] = {"name": node.name, "address": node.agent}

@@ -27,7 +27,8 @@ class Replicas:
         self.chain = first.chain  # the model's manifest and spec; every copy serves the same model
         self.max_length = min(s.max_length for s in self.services)
         self.streams = sum(s.streams for s in self.services)
-        self.description = f"{first.description}, {len(self.services)} replicas"
+        count = len(self.services)
+        self.description = f"{first.description}, {count} {'copy' if count == 1 else 'copies'}"  # as the app says
         self.routed = [0] * len(self.services)  # requests sent to each copy
         self._lock = threading.Lock()
 

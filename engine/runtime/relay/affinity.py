@@ -54,5 +54,5 @@ def pin(text: str | None) -> None:
         got = set()
     if got != cpus:
         os.sched_setaffinity(0, before)
-        raise FleetError(f"CPUs {sorted(cpus - got)} are not available here (this machine has "
+        raise FleetError(f"CPUs {sorted(cpus - got)} are not available here (this PC has "
                          f"{os.cpu_count()} CPUs; a cpuset may allow fewer)")

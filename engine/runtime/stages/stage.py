@@ -166,7 +166,7 @@ def missing_device(device: str) -> str | None:
     if ":" in name or name == "AUTO" or name in available or name in {a.split(".")[0] for a in available} \
             or (name.endswith(".0") and name[:-2] in available):
         return None
-    return f"this machine has no OpenVINO device {device}: it has {', '.join(available) or 'none'}"
+    return f"this PC has no OpenVINO device {device}: it has {', '.join(available) or 'none'}"
 
 
 class StageRunner(Stage):
