@@ -88,9 +88,9 @@ class FleetAccess:
     """What every fleet connection of a chain, a worker, a deployment or a failover goes with: the fleet
     key it proves, the TLS contexts it speaks (``engine.fleetkey.TLS``; None: plain TCP) and how long a
     stage may stay silent while it owes a reply before it counts as dead.  ``key_file``: where the key
-was read (None: it was given), what a process started for the fleet is told (``--fleet-key-file``:
-the key itself never goes on a command line or into an environment).  Built from the settings by
-``engine.fleetkey.fleet_access``; the key, the contexts and the file are kept out of its repr."""
+    was read (None: it was given), what a process started for the fleet is told (``--fleet-key-file``:
+    the key itself never goes on a command line or into an environment).  Built from the settings by
+    ``engine.fleetkey.fleet_access``; the key, the contexts and the file are kept out of its repr."""
 
     key: bytes = dataclasses.field(repr=False)
     tls: object | None = dataclasses.field(default=None, repr=False)
