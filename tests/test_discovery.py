@@ -635,7 +635,7 @@ def test_nodes_all_leaves_out_a_bogus_record_and_keeps_the_real_nodes(tmp_path, 
                 Browser(fleet_id(key)) as everyone:
             announce(zc, bogus, "mallory")
             assert wait_for(lambda: len(everyone.nodes()) == 2, 30), everyone.nodes()  # both are on the air
-            agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=3.0), key, None)
+            agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=3.0), FleetAccess(key))
         assert agents == [address]
         err = capsys.readouterr().err
         assert "left out mDNS record 'mallory (" in err and "not reachable" in err, err

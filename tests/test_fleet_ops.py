@@ -471,7 +471,7 @@ def test_all_nodes_leaves_out_added_nodes_that_do_not_answer(two_agents, key_fil
     (home / "config").mkdir(parents=True)
     (home / "config" / "settings.json").write_text(json.dumps({"nodes": [a, "127.0.0.1:9"]}))
     monkeypatch.setenv("FLEETSHARD_HOME", str(home))
-    agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=0.5), load_key(key_file), None)
+    agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=0.5), FleetAccess(load_key(key_file)))
     assert a in agents and "127.0.0.1:9" not in agents
     assert "left out 127.0.0.1:9 (added by address): node agent at 127.0.0.1:9 is not reachable" in \
         capsys.readouterr().err

@@ -51,7 +51,7 @@ def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, f
                          **fleet_args).start()
     chain = None
     try:
-        access = FleetAccess(coordinator_key or load_key(key_file), tls and _tls(key_file))
+        access = FleetAccess(coordinator_key or load_key(key_file), _tls(key_file) if tls else None)
         chain = RemoteChain(folders[0], fleet.addresses, access=access, connect_timeout_s=30,
                             mode=fleet_args.get("mode", "fast"), depth=depth, fed=fed, relay=relay)
         yield fleet, chain
