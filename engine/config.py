@@ -8,10 +8,11 @@ portable installs use it).
 The runtime configuration is a few frozen objects a running model is built with, made once from the
 settings and the launch (``engine.fleetkey.fleet_access``, ``engine.session``) and passed down whole
 instead of loose parameters: ``FleetAccess`` (how every fleet connection is made and watched),
-``ShardOptions`` (how the model's shards are exported and compiled) and ``Scheduling`` (how a chat
-service schedules its conversations).  Their defaults are the settings'.  ``service_changes`` says
-which changed settings need a new chat service (those ``SERVICE_SETTINGS`` names, which the service is
-built from); the others apply per request.
+``ShardOptions`` (how the model's shards are exported and compiled), ``Scheduling`` (how a chat
+service schedules its conversations) and ``RelayOptions`` (how a pipeline relay paces its groups and
+heartbeats).  Their defaults are the settings', and the relay's are its own (no setting changes
+them).  ``service_changes`` says which changed settings need a new chat service (those
+``SERVICE_SETTINGS`` names, which the service is built from); the others apply per request.
 """
 
 from __future__ import annotations
@@ -86,12 +87,15 @@ DEVICE = "CPU"  # the OpenVINO device unless one is named
 class FleetAccess:
     """What every fleet connection of a chain, a worker, a deployment or a failover goes with: the fleet
     key it proves, the TLS contexts it speaks (``engine.fleetkey.TLS``; None: plain TCP) and how long a
-    stage may stay silent while it owes a reply before it counts as dead.  Built from the settings by
-    ``engine.fleetkey.fleet_access``; the key and the contexts are kept out of its repr."""
+    stage may stay silent while it owes a reply before it counts as dead.  ``key_file``: where the key
+    was read (None: it was given), what a process started for the fleet is told (``--fleet-key-file``:
+    the key itself never goes on a command line or into an environment).  Built from the settings by
+    ``engine.fleetkey.fleet_access``; the key, the contexts and the file are kept out of its repr."""
 
     key: bytes = dataclasses.field(repr=False)
     tls: object | None = dataclasses.field(default=None, repr=False)
     deadline_s: float = DEADLINE_S
+    key_file: Path | None = dataclasses.field(default=None, repr=False)
 
     @property
     def uses_tls(self) -> bool:
@@ -115,6 +119,25 @@ class ShardOptions:
     def of(cls, settings: "Settings", precision: str | None = None) -> "ShardOptions":
         """The settings' weights, mode and device, with the launch's ``precision``."""
         return cls(settings.weights, settings.mode, precision, settings.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class RelayOptions:
+    """What a pipeline relay (``engine.runtime.relay``) runs with: the groups of packed streams a
+    remote chain keeps in flight at most (the placement solver prices a relay with the same bound),
+    the rows from which a round (a prompt's chunk) fills a forward by itself and goes as a group of
+    its own, and how often at most a worker sends ALIVE while it owes a reply and checks its
+    successor's silence (``heartbeat``).  The defaults are the relay's; a test may ask for others."""
+
+    max_groups: int = 8
+    # a round of this many rows (a prompt's chunk; a speculative round has at most AutoK.K_MAX + 1)
+    # computes about as efficiently alone as packed with others
+    prompt_rows: int = 16
+    heartbeat_s: float = 0.25
+
+    def heartbeat(self, deadline_s: float) -> float:
+        """The heartbeat interval under a ``deadline_s``: ``heartbeat_s``, or a tenth of a shorter deadline."""
+        return min(self.heartbeat_s, deadline_s / 10)
 
 
 # what proposes speculative tokens (``decode.speculative``; ``remote``: a draft server on another

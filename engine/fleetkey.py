@@ -25,7 +25,7 @@ import ssl
 import tempfile
 from pathlib import Path
 
-from engine.config import FleetAccess, Settings, paths
+from engine.config import DEADLINE_S, FleetAccess, Settings, paths
 from engine.errors import FleetError
 
 KEY_BYTES = 32
@@ -219,5 +219,15 @@ def fleet_access(settings: Settings, create: bool = False) -> FleetAccess:
     contexts loaded once, for every connection of a chain, a worker, a deployment or a failover.
     ``create``: a missing default key is made (a local fleet needs no setup); a key file the
     settings name is never made."""
-    key = load_key(settings.fleet_key_file, create=create and not settings.fleet_key_file)
-    return FleetAccess(key, load_tls(settings.tls, settings.fleet_key_file), settings.deadline_s)
+    return access_of(settings.fleet_key_file, tls=settings.tls, deadline_s=settings.deadline_s,
+                     create=create and not settings.fleet_key_file)
+
+
+def access_of(override: str | Path | None = None, *, tls: bool = False, deadline_s: float = DEADLINE_S,
+              create: bool = False) -> FleetAccess:
+    """The fleet access of the key file in force (``key_file``: ``override``, else the settings'), with
+    its TLS contexts when ``tls`` and the ``deadline_s`` given; it keeps the file's path for the
+    processes started for the fleet.  ``create``: as ``load_key``'s."""
+    path = key_file(override)
+    key = load_key(override, create=create)
+    return FleetAccess(key, load_tls(tls, override), deadline_s, key_file=path)

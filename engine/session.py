@@ -28,7 +28,7 @@ from engine.export.exporter import export_model
 from engine.fleet.deploy import Deployment, LiveRecord
 from engine.fleet.failover import Failover
 from engine.fleet.local_agent import LocalAgent, local_up
-from engine.fleetkey import fleet_access, key_file
+from engine.fleetkey import fleet_access
 from engine.manifest import expand_shard_dirs, is_shard_set, load_manifest
 from engine.models.architectures import architecture
 from engine.models.catalog import CATALOG, pull
@@ -192,10 +192,9 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
             raise FleetError("local workers need a model split into at least 2 stages")
         progress(Progress("Starting the local fleet"))
         devices = parse_devices(shard.device, len(folders))
-        fleet = LocalWorkers(folders[1:], key_file(settings.fleet_key_file), devices=devices[1:],
-                             mode=shard.mode, precision=shard.precision, delay_ms=launch.delay_ms,
-                             tls=access.uses_tls, deadline_s=access.deadline_s, isolate=launch.isolate,
-                             cpu_sets=launch.cpu_sets, take_turns=launch.take_turns, log_dir=launch.log_dir).start()
+        fleet = LocalWorkers(folders[1:], access, devices=devices[1:], mode=shard.mode, precision=shard.precision,
+                             delay_ms=launch.delay_ms, isolate=launch.isolate, cpu_sets=launch.cpu_sets,
+                             take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses
     try:
         chain = RemoteChain(folders[0], remotes, access=access, device=devices[0], mode=shard.mode,

@@ -19,7 +19,7 @@ from typing import Callable
 
 from engine import session
 from engine.bench.registry import BENCHES
-from engine.config import ShardOptions
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
@@ -86,17 +86,17 @@ class EngineBackend:
         """Each agent's status (``ControlClient.status``), or ``{"error": reason}``; asked in parallel.
         The connections stay open between calls (a poll every few seconds would otherwise cost a
         handshake each time); a broken one is replaced once before the node counts as unreachable."""
-        key, tls = keystore.load(settings), keystore.tls(settings)
+        access = keystore.access(settings)
 
         def ask(address: str) -> dict:
             with self._lock:
                 kept = self._clients.pop(address, None)
-            if kept is not None and kept[0] != key:
+            if kept is not None and kept[0] != access.key:
                 kept[1].close()
                 kept = None
             for attempt in range(2):
                 try:
-                    client = kept[1] if kept is not None else ControlClient(address, key, tls=tls, timeout_s=timeout_s)
+                    client = kept[1] if kept is not None else ControlClient(address, access, timeout_s=timeout_s)
                     status = client.status()
                 except AgentError as exc:
                     if kept is not None:
@@ -105,7 +105,7 @@ class EngineBackend:
                         continue
                     return {"error": str(exc)}
                 with self._lock:
-                    self._clients[address] = (key, client)
+                    self._clients[address] = (access.key, client)
                 return status
             return {"error": f"node agent at {address} is not reachable"}
 
@@ -140,18 +140,18 @@ class EngineBackend:
 
     def prune(self, address: str, settings) -> dict:
         """Removes the shards the node's workers do not serve (its agent's "prune")."""
-        with ControlClient(address, keystore.load(settings), tls=keystore.tls(settings)) as agent:
+        with ControlClient(address, keystore.access(settings)) as agent:
             return agent.call("prune")
 
     def round_trips(self, addresses: list[str], settings) -> dict[tuple[str, str], float | None]:
         """Measured round trips in ms: this machine (``"local"``) to each agent, and each agent to the
         others (its "rtt" operation); None where a pair could not reach each other."""
-        key, tls = keystore.load(settings), keystore.tls(settings)
+        access = keystore.access(settings)
         out: dict[tuple[str, str], float | None] = {}
         for address in addresses:
             peers = [a for a in addresses if a != address]
             try:
-                with ControlClient(address, key, tls=tls, timeout_s=10) as agent:
+                with ControlClient(address, access, timeout_s=10) as agent:
                     out[LOCAL, address] = agent.round_trip_ms()
                     measured = agent.call("rtt", timeout_s=60, peers=peers)["rtt_ms"] if peers else {}
             except AgentError:
@@ -166,9 +166,10 @@ class EngineBackend:
         """Profiles this machine and ``agents`` for ``model`` (``engine.fleet.survey``); the document
         records the model source and weights, so a plan made from it can be deployed."""
         self.pull(model, progress, cancel)
-        key = keystore.load(settings) if agents else b""  # no agents: no connection needs the key
+        # no agents: no connection needs the key
+        access = keystore.access(settings) if agents else FleetAccess(b"")
         devices = [d.strip() for d in settings.device.split(",") if d.strip()]
-        return survey(model, agents, key=key, tls=keystore.tls(settings) if agents else None, local_node=node_id(),
+        return survey(model, agents, access=access, local_node=node_id(),
                       local_devices=list(dict.fromkeys(devices)) or ["CPU"], weights=settings.weights,
                       progress=progress, cancel=cancel)
 

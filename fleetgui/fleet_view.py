@@ -32,7 +32,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QApplication, QDialog, QDialog
                                QGroupBox, QHeaderView, QLabel, QLineEdit, QMenu, QMessageBox, QPushButton, QStyle,
                                QTableView, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from engine.config import forget_nodes, known_nodes, remember_nodes
+from engine.config import FleetAccess, forget_nodes, known_nodes, remember_nodes
 from engine.errors import FleetError
 from engine.fleet.unicast import Discovery
 from engine.fleet.node import KERNEL_PATHS, runs_slowly
@@ -512,9 +512,9 @@ class _Discovery(QObject):
         super().__init__(parent)
         self.browser = None
 
-    def start(self, key: bytes, tls=None) -> None:
+    def start(self, access: FleetAccess) -> None:
         self.stop()
-        discovery = Discovery(key, tls, on_event=lambda kind, info: self.event.emit(
+        discovery = Discovery(access, on_event=lambda kind, info: self.event.emit(
             kind, info, tuple(discovery.sources().get(info.node_id, ()))))
         self.browser = discovery.start()
 
@@ -690,7 +690,7 @@ class FleetView(QWidget):
         if not (self.discover and self.key and self.key.usable):
             return
         try:
-            self.discovery.start(keystore.load(self.settings), keystore.tls(self.settings))
+            self.discovery.start(keystore.access(self.settings))
         except FleetError as exc:
             self.banner.info(f"Nodes cannot be discovered on this network ({exc}). Add them by address.")
 
@@ -877,8 +877,7 @@ class FleetView(QWidget):
         return dialog
 
     def _ask_join_code(self) -> JoinCodeDialog:
-        dialog = JoinCodeDialog(lambda: (keystore.load(self.settings), keystore.tls(self.settings)), self.tasks,
-                                parent=self)
+        dialog = JoinCodeDialog(lambda: keystore.access(self.settings), self.tasks, parent=self)
         dialog.learned.connect(self.model.learned)
         dialog.known_changed.connect(lambda: self.discovery.browser and self.discovery.browser.dialer.poke())
         dialog.finished.connect(dialog.deleteLater)

@@ -12,6 +12,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (QApplication, QDialog, QDialogButtonBox, QGroupBox, QLabel, QLineEdit, QPushButton,
                                QVBoxLayout, QWidget)
 
+from engine.config import FleetAccess
 from engine.errors import FleetError
 from engine.fleet.unicast import AGENT_PORT, join, join_code, scan
 from fleetgui.widgets import field_row, plain
@@ -19,18 +20,18 @@ from fleetgui.workers import TaskRunner
 
 
 class JoinCodeDialog(QDialog):
-    """``fleet_key()`` gives (the fleet key, its TLS contexts or None), raising FleetError when there is
-    none; ``known_changed`` fires when a code or a scan added known nodes, after ``learned`` said which
-    and how."""
+    """``fleet_access()`` gives the fleet access (``engine.config.FleetAccess``: the key and its TLS
+    contexts), raising FleetError when there is no key; ``known_changed`` fires when a code or a scan
+    added known nodes, after ``learned`` said which and how."""
 
     known_changed = Signal()
     learned = Signal(str, list)  # how ("join code", "subnet scan"), the addresses it added to the known nodes
 
-    def __init__(self, fleet_key: Callable[[], tuple], tasks: TaskRunner, port: int = AGENT_PORT,
+    def __init__(self, fleet_access: Callable[[], FleetAccess], tasks: TaskRunner, port: int = AGENT_PORT,
                  parent: QWidget | None = None):
         super().__init__(parent)
         self.setWindowTitle("Join code")
-        self._fleet_key, self.tasks, self.port = fleet_key, tasks, port
+        self._fleet_access, self.tasks, self.port = fleet_access, tasks, port
         self._task = None
 
         self.code = QLineEdit()
@@ -74,8 +75,7 @@ class JoinCodeDialog(QDialog):
 
     def _show_code(self) -> None:
         try:
-            key, _ = self._fleet_key()
-            self.code.setText(join_code(key, port=self.port))
+            self.code.setText(join_code(self._fleet_access().key, port=self.port))
             self.copy_button.setEnabled(True)
         except FleetError as exc:
             self.code.setText("")
@@ -93,25 +93,24 @@ class JoinCodeDialog(QDialog):
     def join(self) -> None:
         """Adds the pasted code's addresses to the known nodes and dials them, off the GUI thread."""
         text = self.pasted.text().strip()
-        fleet = self._begin("Dialling the PC the code names…") if text else None
-        if fleet is not None:
-            key, tls = fleet
-            self._task = self.tasks.start(lambda report, cancel: join(text, key, tls), "join code",
+        access = self._begin("Dialling the PC the code names…") if text else None
+        if access is not None:
+            self._task = self.tasks.start(lambda report, cancel: join(text, access), "join code",
                                           succeeded=self._joined, failed=self._failed)
 
-    def _begin(self, doing: str) -> tuple | None:
-        """The fleet key and TLS for a dial or a scan about to start, with ``doing`` said; None when
-        one is under way already, or the key cannot be read (said instead)."""
+    def _begin(self, doing: str) -> FleetAccess | None:
+        """The fleet access for a dial or a scan about to start, with ``doing`` said; None when one is
+        under way already, or the key cannot be read (said instead)."""
         if self._task is not None:
             return None
         try:
-            fleet = self._fleet_key()
+            access = self._fleet_access()
         except FleetError as exc:
             self.outcome.setText(str(exc))
             return None
         self._busy(True)
         self.outcome.setText(doing)
-        return fleet
+        return access
 
     def _joined(self, result) -> None:
         self._task = None
@@ -131,10 +130,9 @@ class JoinCodeDialog(QDialog):
     def scan(self) -> None:
         """Scans this PC's subnet, off the GUI thread (30 s at most, cancelled with the app)."""
         port = self.port
-        fleet = self._begin(f"Scanning this PC's subnet on port {port}…")
-        if fleet is not None:
-            key, tls = fleet
-            self._task = self.tasks.start(lambda report, cancel: scan(key, tls, port=port, cancel=cancel.is_set),
+        access = self._begin(f"Scanning this PC's subnet on port {port}…")
+        if access is not None:
+            self._task = self.tasks.start(lambda report, cancel: scan(access, port=port, cancel=cancel.is_set),
                                           "scan the subnet", succeeded=self._scanned, failed=self._failed)
 
     def _scanned(self, done) -> None:

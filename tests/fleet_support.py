@@ -57,7 +57,7 @@ def fleet_profile(model: str, agents: dict, key: bytes, *, weights: str = "int4"
 
     nodes = {"coordinator": {"name": "this PC", "address": LOCAL}}
     for name, (_, address) in agents.items():
-        with ControlClient(address, key) as client:
+        with ControlClient(address, FleetAccess(key)) as client:
             nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}
     folder = export_model(model, stages=1, weights=weights).folders[0]
     shape = ModelShape(**model_shape(load_manifest(folder)))

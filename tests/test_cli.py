@@ -177,6 +177,7 @@ def test_worker_errors_are_specific(tiny_exports, tmp_path):
 def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
     """What ``fleet bench --cpus`` does for each stage.  (OpenVINO 2026.4 dies with SIGFPE when pinned
     to a single CPU on this 2-vCPU VM, so the pinned process here does not load OpenVINO.)"""
+    from engine.config import FleetAccess
     from engine.runtime.relay.local_workers import LocalWorkers
 
     cpu = max(os.sched_getaffinity(0))
@@ -184,7 +185,8 @@ def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
                             f"pin('{cpu}'); print(sorted(os.sched_getaffinity(0)))"],
                            capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == f"[{cpu}]", probe.stderr
-    local = LocalWorkers(tiny_exports["llama", "2"].folders[1:], tmp_path / "k", log_dir=tmp_path, cpu_sets=["0-1"])
+    access = FleetAccess(bytes(16), key_file=tmp_path / "k")
+    local = LocalWorkers(tiny_exports["llama", "2"].folders[1:], access, log_dir=tmp_path, cpu_sets=["0-1"])
     assert local.arguments(0)[-2:] == ["--cpus", "0-1"]
 
 

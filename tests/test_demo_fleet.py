@@ -36,7 +36,7 @@ def home(tmp_path, monkeypatch) -> Path:
 
 def _status(address: str, key_path: Path | None = None) -> dict:
     """The agent's status, asked over TLS with the key at ``key_path`` (None: the default key)."""
-    with ControlClient(address, load_key(key_path), tls=load_tls(True, key_path)) as agent:
+    with ControlClient(address, FleetAccess(load_key(key_path), load_tls(True, key_path))) as agent:
         return agent.status()
 
 

@@ -21,6 +21,7 @@ import pytest
 from zeroconf import DNSOutgoing, IPVersion, ServiceInfo, Zeroconf
 from zeroconf.const import _FLAGS_AA, _FLAGS_QR_RESPONSE
 
+from engine.config import FleetAccess
 from engine.errors import FleetError
 from engine.fleet import discovery
 from engine.fleet.discovery import SERVICE, Advertiser, Browser
@@ -514,7 +515,8 @@ def test_a_record_whose_agent_trickles_its_answer_holds_up_no_other_record():
     zc = Zeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
     try:
         with Trickler() as trickler:  # a byte every 0.1 s, for 6 s
-            browser = Browser(fid, addresses=["127.0.0.1"], verify=discovery.prover(key, timeout_s=2.0)).start()
+            browser = Browser(fid, addresses=["127.0.0.1"],
+                              verify=discovery.prover(FleetAccess(key), timeout_s=2.0)).start()
             try:
                 slow = shout(zc, sample(fid, name="slow", port=trickler.port), "slow")
                 assert trickler.accepted.wait(WAIT), browser.rejected()  # its check is under way
@@ -591,7 +593,7 @@ def test_a_record_moves_a_known_node_only_once_the_agent_there_proves_the_key_an
     try:
         with agent_process(key_file, tmp_path / "a", mdns=True, name="alice") as (_, address), \
                 agent_process(other_key, tmp_path / "x", name="alice") as (_, keyless), \
-                Browser(fleet_id(key), verify=discovery.prover(key)) as browser:
+                Browser(fleet_id(key), verify=discovery.prover(FleetAccess(key))) as browser:
             node = wait_for(lambda: next(iter(browser.nodes().values()), None), 30)
             assert node and (node.addresses[0], node.port) == ("127.0.0.1", port_of(address)), browser.rejected()
 
@@ -633,7 +635,7 @@ def test_nodes_all_leaves_out_a_bogus_record_and_keeps_the_real_nodes(tmp_path, 
                 Browser(fleet_id(key)) as everyone:
             announce(zc, bogus, "mallory")
             assert wait_for(lambda: len(everyone.nodes()) == 2, 30), everyone.nodes()  # both are on the air
-            agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=3.0), key, None)
+            agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=3.0), FleetAccess(key))
         assert agents == [address]
         err = capsys.readouterr().err
         assert "left out mDNS record 'mallory (" in err and "not reachable" in err, err

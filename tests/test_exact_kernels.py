@@ -9,7 +9,7 @@ import pytest
 from engine import kernels
 from engine.config import FleetAccess
 from engine.export.exporter import export_model, rank_folder
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import access_of, create_key, load_key
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.speculative import PromptLookup
 from engine.runtime.decode.tokenizer import ChatTokenizer
@@ -57,7 +57,7 @@ def test_smollm2_over_loopback_workers(smollm2_gguf, tmp_path):
     assert ops and all(op.get_attributes()["float_x"] == 1 for op in ops)
     want = in_process(stages.folders)
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(stages.folders[1:], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
+    with LocalWorkers(stages.folders[1:], access_of(key), mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
         chain = RemoteChain(stages.folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact")
         try:
             assert exact_replies(chain, stages.folders[0]) == want
@@ -70,7 +70,8 @@ def test_qwen_over_two_tensor_parallel_ranks(qwen15_gguf, tmp_path):
     rank order)."""
     ranks = export_model("qwen2.5-coder-1.5b", ranks=2, weights="gguf")
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers([rank_folder(ranks.out, 1)], key, mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
+    with LocalWorkers([rank_folder(ranks.out, 1)], access_of(key), mode="exact", hosting="threads",
+                      log_dir=tmp_path) as fleet:
         chain = RankChain(rank_folder(ranks.out, 0), fleet.addresses, access=FleetAccess(load_key(key)), mode="exact")
         try:
             got = exact_replies(chain, rank_folder(ranks.out, 0))

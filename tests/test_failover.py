@@ -215,7 +215,7 @@ def test_a_laptop_that_sleeps_is_left_out_and_rejoins_when_it_wakes(fleet, tmp_p
             assert eventually(lambda: any(e.startswith("node lid is back") for e in events), 120), events
             assert not failover.lost
             assert psutil.Process(lid_proc.pid).is_running() and lid_proc.poll() is None  # the same agent process
-            with ControlClient(lid, key) as agent:
+            with ControlClient(lid, FleetAccess(key)) as agent:
                 status = agent.status()
             assert status["workers"] == [] and status["state"] == "idle"  # the stale worker stopped
 

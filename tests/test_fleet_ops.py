@@ -44,8 +44,8 @@ def test_agent_refuses_without_the_fleet_key(two_agents, key_file, tmp_path):
     (_, address), _ = two_agents
     stranger = create_key(tmp_path / "other.key")
     with pytest.raises(AgentError, match="fleet key"):
-        ControlClient(address, load_key(stranger))
-    with ControlClient(address, load_key(key_file)) as agent:  # the agent kept serving
+        ControlClient(address, FleetAccess(load_key(stranger)))
+    with ControlClient(address, FleetAccess(load_key(key_file))) as agent:  # the agent kept serving
         status = agent.status()
     assert status["node"]["name"] == "alpha" and status["node"]["fleet_id"] == fleet_id(load_key(key_file))
     assert "key" not in str(status["node"]).lower().replace("fleet_id", "")
@@ -53,7 +53,7 @@ def test_agent_refuses_without_the_fleet_key(two_agents, key_file, tmp_path):
 
 def test_agent_answers_bad_requests_with_errors(two_agents, key_file):
     (_, address), _ = two_agents
-    with ControlClient(address, load_key(key_file)) as agent:
+    with ControlClient(address, FleetAccess(load_key(key_file))) as agent:
         with pytest.raises(AgentError, match="unknown operation"):
             agent.call("format_disk")
         with pytest.raises(AgentError, match="not a shard content hash"):
@@ -68,7 +68,7 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
     folder = tiny_exports["llama", "2"].folders[1]
     digest = content_hash(folder)
     key = load_key(key_file)
-    with ControlClient(address, key) as agent:
+    with ControlClient(address, FleetAccess(key)) as agent:
         cancel, seen = threading.Event(), []
 
         def stop_after_two(progress):
@@ -91,7 +91,7 @@ def test_transfer_resumes_skips_and_refuses_corruption(two_agents, key_file, tin
 
     corrupt = tiny_exports["llama", "3"].folders[1]
     cdigest = content_hash(corrupt)
-    with ControlClient(address, key) as agent:
+    with ControlClient(address, FleetAccess(key)) as agent:
         names = sorted(p.name for p in corrupt.iterdir() if p.name != "manifest.json")
         sizes = {n: (corrupt / n).stat().st_size for n in names}
         agent.call("put_begin", (corrupt / "manifest.json").read_bytes(), hash=cdigest, sizes=sizes)
@@ -141,7 +141,7 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     assert greedy(LocalChain(folders)) == got
     assert {(1, "send"), (2, "send"), (1, "start"), (2, "start"), (0, "connect")} <= set(phases)
     for address, stage in ((a, 1), (b, 2)):
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, FleetAccess(key)) as agent:
             status = agent.status()
             assert [w["stage"] for w in status["workers"]] == [stage]
             assert status["state"] == f"serving part {stage + 1} of 3"
@@ -152,7 +152,7 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     chain.close()
     # `fleet nodes prune`: alpha keeps the shard its worker serves and gives up another, and a
     # transfer left unfinished (one too recent to count as left stays)
-    with ControlClient(a, key) as agent:
+    with ControlClient(a, FleetAccess(key)) as agent:
         agent.send_shard(folders[2])
         served = [s["hash"] for s in agent.status()["shards"] if s["stage"] == 1]
         for folder in folders[:2]:  # two transfers begun: stage 0's is left for an hour below
@@ -167,10 +167,10 @@ def test_deploy_to_two_agents_equals_in_process_chain(two_agents, key_file, tiny
     assert out.returncode == 0 and re.search(rf"^removed 1 shard\(s\) and 1 unfinished transfer\(s\), [0-9.]+ MB, "
                                              rf"from {a}; 1 served shard\(s\) kept$", out.stderr, re.M), out.stderr
     assert not left.exists() and busy.exists()
-    with ControlClient(a, key) as agent:
+    with ControlClient(a, FleetAccess(key)) as agent:
         assert [s["hash"] for s in agent.status()["shards"]] == served
     again.stop(FleetAccess(key))
-    with ControlClient(a, key) as agent:
+    with ControlClient(a, FleetAccess(key)) as agent:
         assert agent.status()["workers"] == []
         assert len(agent.call("prune")["dropped"]) == 1 and agent.status()["shards"] == []
 
@@ -187,7 +187,7 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
     deployment, chain = deploy(model, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
     try:
         deployment.draft = deploy_draft(model, b, access=FleetAccess(key), weights="f32")
-        with ControlClient(b, key) as agent:
+        with ControlClient(b, FleetAccess(key)) as agent:
             assert [w["role"] for w in agent.status()["workers"]] == ["draft"]
         link = open_draft_link(Settings(draft="remote", fleet_key_file=str(key_file), tls=False), chain, deployment)
         try:
@@ -200,7 +200,7 @@ def test_a_deployment_drafts_on_another_node(two_agents, key_file, tiny_models):
         chain.close()
         assert deployment.stop(FleetAccess(key)) == []
     assert got.tokens == want and got.drafted > 0  # exact mode: the same tokens, however many drafts held
-    with ControlClient(b, key) as agent:
+    with ControlClient(b, FleetAccess(key)) as agent:
         assert agent.status()["workers"] == []
 
 
@@ -290,11 +290,11 @@ def test_replicas_deploy_each_serve_users_of_their_own_and_stop_together(two_age
     # the record names the first workers; the ones the failovers started are the only ones left
     assert [p for p in record.stop(FleetAccess(key)) if "no worker" not in p] == []
     for address in (a, b):
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, FleetAccess(key)) as agent:
             (restarted,) = agent.status()["workers"]
             agent.stop_worker(restarted["id"])
     for address in (a, b):
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, FleetAccess(key)) as agent:
             assert agent.status()["workers"] == []
 
 
@@ -362,7 +362,7 @@ def test_a_worker_laptop_serves_with_openvino_numpy_and_the_tokenizer_only(key_f
     key = load_key(key_file)
     source = str(tiny_models["llama"])
     with agent_process(key_file, tmp_path / "laptop", name="laptop", env=env) as (_, laptop):
-        doc = survey(source, [laptop], key=key, local_node="coordinator", weights="f32")
+        doc = survey(source, [laptop], access=FleetAccess(key), local_node="coordinator", weights="f32")
         assert {d["node"] for d in doc["fleet"]["devices"]} == {"coordinator", *doc["taken"]["agents"].values()}
         deployed_equals_in_process(source, [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(laptop, "CPU", 2, 4)],
                                     key)
@@ -381,7 +381,7 @@ def test_node_lost_during_deployment_leaves_no_chain(two_agents, key_file, tiny_
     with pytest.raises(FleetError, match=r"starting part 3 of 3: node agent at .* (lost|not reachable)"):
         deploy(str(tiny_models["llama"]), stages, access=FleetAccess(key),
                shard=ShardOptions(weights="f32"), progress=lose_b)
-    with ControlClient(a, key) as agent:
+    with ControlClient(a, FleetAccess(key)) as agent:
         assert agent.status()["workers"] == []  # stage 1's worker was stopped again
     # a node already gone is found before anything is exported
     phases = []
@@ -426,10 +426,11 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     # an agent that does not answer fails the survey before anything is exported or profiled
     said = []
     with pytest.raises(FleetError, match="survey of the node at 127.0.0.1:9 failed: .*not reachable"):
-        survey(source, [a, "127.0.0.1:9"], key=key, local_node="coordinator", weights="f32", progress=said.append)
+        survey(source, [a, "127.0.0.1:9"], access=FleetAccess(key), local_node="coordinator", weights="f32",
+               progress=said.append)
     assert said == []
     # a node under two addresses is profiled once
-    doc = survey(source, [a, b, a], key=key, local_node="coordinator", weights="f32")
+    doc = survey(source, [a, b, a], access=FleetAccess(key), local_node="coordinator", weights="f32")
     names = {n: info["name"] for n, info in doc["nodes"].items()}
     assert set(names.values()) == {"this PC", "alpha", "beta"}
     devices = doc["fleet"]["devices"]
@@ -439,12 +440,12 @@ def test_survey_solve_and_deploy(two_agents, key_file, tiny_models, tmp_path, mo
     assert len(doc["fleet"]["rtt"]) == 3  # coordinator-alpha, coordinator-beta, alpha-beta
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(doc))
-    asked = dict(key=key, local_node="coordinator", weights="f32")
+    asked = dict(access=FleetAccess(key), local_node="coordinator", weights="f32")
     assert recent_survey(path, source, [b, a], **asked)["nodes"] == doc["nodes"]  # what `fleet up` reuses
     assert recent_survey(path, source, [a], **asked) is None  # other agents
     assert recent_survey(path, source, [a, b], **asked, streams=2) is None  # planned for other users
     assert recent_survey(path, source, [a, b], **asked, max_age_s=0) is None  # too old
-    assert recent_survey(path, source, [a, b], local_node="another", key=key, weights="f32") is None
+    assert recent_survey(path, source, [a, b], local_node="another", access=FleetAccess(key), weights="f32") is None
     swapped = {a: doc["taken"]["agents"][b], b: doc["taken"]["agents"][a]}  # the addresses changed hands
     path.write_text(json.dumps({**doc, "taken": {**doc["taken"], "agents": swapped}}))
     assert recent_survey(path, source, [a, b], **asked) is None
@@ -470,7 +471,7 @@ def test_all_nodes_leaves_out_added_nodes_that_do_not_answer(two_agents, key_fil
     (home / "config").mkdir(parents=True)
     (home / "config" / "settings.json").write_text(json.dumps({"nodes": [a, "127.0.0.1:9"]}))
     monkeypatch.setenv("FLEETSHARD_HOME", str(home))
-    agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=0.5), load_key(key_file), None)
+    agents = _agent_addresses(argparse.Namespace(nodes="all", seconds=0.5), FleetAccess(load_key(key_file)))
     assert a in agents and "127.0.0.1:9" not in agents
     assert "left out 127.0.0.1:9 (added by address): node agent at 127.0.0.1:9 is not reachable" in \
         capsys.readouterr().err
@@ -503,7 +504,7 @@ def test_fleet_up_on_nodes_profiles_places_deploys_and_stops(two_agents, key_fil
     assert "1 part(s)" in local.stdout and "keeps every layer" in local.stderr
     assert "using the fleet profile" in local.stderr
     assert re.search(r"^alpha +CPU +layer [0-9.]+ ms", local.stdout, re.M), local.stdout  # the profile, shown
-    with ControlClient(a, key) as agent:
+    with ControlClient(a, FleetAccess(key)) as agent:
         assert agent.status()["workers"] == []
 
 
@@ -516,14 +517,14 @@ def _up_serves_then_stops(up, lines, deployment, ending: str, log: Path, a: str,
     finally:
         chain.close()
     assert got == greedy_in_process(deployment)
-    with ControlClient(a, key) as agent:
+    with ControlClient(a, FleetAccess(key)) as agent:
         assert [w["stage"] for w in agent.status()["workers"]] == [1]
     if ending == "SIGTERM":
         up.terminate()
     else:
         up.stdin.close()
     assert up.wait(timeout=60) == 0, log.read_text()[-2000:]
-    with ControlClient(a, key) as agent:
+    with ControlClient(a, FleetAccess(key)) as agent:
         assert agent.status()["workers"] == [], ending
 
 

@@ -181,7 +181,8 @@ def test_an_injected_call_is_refused_and_not_obeyed(agent, key_file):
     injected = wire.encode(call_frame("prune")) + FAKE_TAG
     relay.tamper["up"] = lambda i, raw: [injected, raw] if i == 2 else [raw]  # before the client's first CALL
     try:
-        client = ControlClient(relay.address, load_key(key_file), timeout_s=10)  # the relayed handshake succeeds
+        # the relayed handshake succeeds
+        client = ControlClient(relay.address, FleetAccess(load_key(key_file)), timeout_s=10)
         with pytest.raises(AgentError):
             client.status()
         client.close()
@@ -197,7 +198,7 @@ def test_an_altered_call_is_refused_and_not_obeyed(agent, key_file):
     # the same length, the tag kept: {"op": "status"} becomes {"op": "prune" }
     relay.tamper["up"] = lambda i, raw: [raw.replace(b'"status"', b'"prune" ')]
     try:
-        client = ControlClient(relay.address, load_key(key_file), timeout_s=10)
+        client = ControlClient(relay.address, FleetAccess(load_key(key_file)), timeout_s=10)
         with pytest.raises(AgentError):
             client.status()
         client.close()
@@ -211,7 +212,7 @@ def test_a_replayed_call_is_refused_and_not_obeyed_again(agent, key_file):
     relay = Relay(_address(agent))
     relay.tamper["up"] = lambda i, raw: [relay.seen["up"][2]] if i == 3 else [raw]  # the prune again, for the ping
     try:
-        client = ControlClient(relay.address, load_key(key_file), timeout_s=10)
+        client = ControlClient(relay.address, FleetAccess(load_key(key_file)), timeout_s=10)
         client.call("prune")
         assert agent.pruned == [1]
         with pytest.raises(AgentError):
@@ -236,7 +237,7 @@ def test_a_dropped_or_reordered_call_is_refused(agent, key_file, attack):
 
     relay.tamper["up"] = tamper
     try:
-        client = ControlClient(relay.address, load_key(key_file), timeout_s=10)
+        client = ControlClient(relay.address, FleetAccess(load_key(key_file)), timeout_s=10)
         client._link.send(call_frame("pause", {"paused": True}))
         client._link.send(call_frame("ping"))
         assert _refused_for_auth(agent), agent.logs
@@ -250,7 +251,7 @@ def test_an_altered_reply_is_refused_by_the_client(agent, key_file):
     relay = Relay(_address(agent))
     relay.tamper["down"] = lambda i, raw: [_flip(raw, -TAG_BYTES - 2)] if i >= 2 else [raw]  # in the JSON
     try:
-        client = ControlClient(relay.address, load_key(key_file), timeout_s=10)
+        client = ControlClient(relay.address, FleetAccess(load_key(key_file)), timeout_s=10)
         with pytest.raises(AgentError, match=AUTH_FAILED):
             client.status()
         client.close()
@@ -266,7 +267,7 @@ def test_an_altered_hello_fails_the_handshake(agent, key_file):
                                          ] if i == 0 else [raw]
     try:
         with pytest.raises(AgentError, match="altered"):
-            ControlClient(relay.address, load_key(key_file), timeout_s=10)
+            ControlClient(relay.address, FleetAccess(load_key(key_file)), timeout_s=10)
     finally:
         relay.close()
 
@@ -331,7 +332,7 @@ def test_a_dial_whose_peer_trickles_its_answer_ends_at_the_deadline(client, monk
     monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 1.0)
     key = os.urandom(32)
     dials = {"relay": lambda address: link_module.connect_peer(address, key, {"role": "stage"}),
-             "control": lambda address: ControlClient(address, key, timeout_s=30),
+             "control": lambda address: ControlClient(address, FleetAccess(key), timeout_s=30),
              "draft": lambda address: DraftLink(address, key)}
     outcome: dict = {}
 
@@ -422,7 +423,7 @@ def test_the_cap_on_unauthenticated_connections_holds_and_the_listener_keeps_ser
 
         def serves() -> bool:
             try:
-                with ControlClient(_address(node), load_key(key_file), timeout_s=5) as client:
+                with ControlClient(_address(node), FleetAccess(load_key(key_file)), timeout_s=5) as client:
                     return client.call("ping") == {}
             except AgentError:
                 return False
@@ -444,7 +445,8 @@ def test_a_failed_thread_start_does_not_stop_the_listener(agent, key_file, monke
         return real_start(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    with ControlClient(_address(agent), load_key(key_file), timeout_s=10) as client:  # its second try gets through
+    # its second try gets through
+    with ControlClient(_address(agent), FleetAccess(load_key(key_file)), timeout_s=10) as client:
         assert client.call("ping") == {}
     assert failed
     assert any("cannot start a thread" in line for line in agent.logs), agent.logs
@@ -456,7 +458,7 @@ def test_idle_sockets_from_one_address_leave_another_peers_handshake_free(agent,
     monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 30.0)
     idle = _idle("127.0.0.2", agent.port, IDLE)
     try:
-        with ControlClient(_address(agent), load_key(key_file), timeout_s=5) as client:
+        with ControlClient(_address(agent), FleetAccess(load_key(key_file)), timeout_s=5) as client:
             assert client.call("ping") == {}
         cap = link_module.MAX_PENDING_PER_PEER
         assert _wait_for(lambda: sum(map(_closed, idle)) == IDLE - cap), "the ones over the cap are closed at once"
@@ -562,7 +564,7 @@ def test_tls_refuses_a_client_without_the_fleet_certificate(tmp_path, key_file):
     node = Agent("127.0.0.1:0", key_file=key_file, store=tmp_path / "store", advertise=False, log=logs.append,
                  tls=TLS(pem)).start()
     try:
-        with ControlClient(_address(node), load_key(key_file), tls=TLS(pem), timeout_s=10) as client:
+        with ControlClient(_address(node), FleetAccess(load_key(key_file), TLS(pem)), timeout_s=10) as client:
             assert client.call("ping") == {}
         anonymous = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # trusts the server's certificate, presents none
         anonymous.check_hostname = False

@@ -81,7 +81,7 @@ def test_a_transfer_onto_a_full_disk_fails_plainly_and_the_old_deployment_serves
             # 2. room when the transfer starts, filled by something else while it runs: ENOSPC
             # mid-transfer ends it, the partial files are removed, and the message says so
             (store / "filler").unlink()
-            with ControlClient(address, key) as agent:
+            with ControlClient(address, FleetAccess(key)) as agent:
                 def fill_once(progress):
                     if 0 < progress.bytes_done and not (store / "filler").exists():
                         _fill(store, 4096)
@@ -98,7 +98,7 @@ def test_a_transfer_onto_a_full_disk_fails_plainly_and_the_old_deployment_serves
 
             # 3. with the space back, the same transfer goes through
             (store / "filler").unlink()
-            with ControlClient(address, key) as agent:
+            with ControlClient(address, FleetAccess(key)) as agent:
                 assert agent.send_shard(incoming)[1] is True
             assert greedy(chain) == before
         finally:

@@ -28,6 +28,7 @@ def key_file(gui_home):
 def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home, key_file, tmp_path):
     from PySide6.QtWidgets import QDialogButtonBox
 
+    from engine.config import FleetAccess
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key, load_tls
     from fleetgui.fleet_view import added_nodes
@@ -78,7 +79,7 @@ def test_discovered_and_added_nodes_with_status_and_round_trips(qtbot, gui_home,
                      ("static-node", "mdns-node")):
             assert 0 < float(view.rtt_table.value(a, b)) < 1000, (a, b)
 
-        with ControlClient(static_address, key, tls=tls) as agent:
+        with ControlClient(static_address, FleetAccess(key, tls)) as agent:
             agent.call("pause", paused=True)
         qtbot.waitUntil(lambda: status("static-node") == "paused", timeout=10000)
 

@@ -263,6 +263,7 @@ def test_infeasible_plans_say_why(qtbot, fleet):
 def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     from pathlib import Path
 
+    from engine.config import FleetAccess
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key
     from engine.runtime.decode.generate import Generator
@@ -296,7 +297,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     assert {(s["stage"], s["agent"]) for s in deployment.standbys} == {(1, fleet.beta), (2, fleet.alpha)}
     assert "Kept ready as standbys" in view.activity.text() and "part 2 on " in view.activity.text()
     for address in (fleet.alpha, fleet.beta):
-        with ControlClient(address, key, tls=fleet.tls) as agent:
+        with ControlClient(address, FleetAccess(key, fleet.tls)) as agent:
             workers = agent.status()["workers"]
         assert sorted((w["stage"], w["layers"]) for w in workers) == [(1, [1, 3]), (2, [3, 4])]
 
@@ -349,7 +350,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
     other.close()
 
     def workers(address):
-        with ControlClient(address, key, tls=fleet.tls) as agent:
+        with ControlClient(address, FleetAccess(key, fleet.tls)) as agent:
             return agent.status()["workers"]
 
     assert [len(workers(a)) for a in (fleet.alpha, fleet.beta)] == [2, 2]  # its stage and the other's standby
@@ -358,6 +359,7 @@ def test_deploy_then_chat_through_the_deployed_chain(qtbot, fleet):
 
 
 def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, fleet):
+    from engine.config import FleetAccess
     from engine.fleet.control import ControlClient
     from engine.fleet.layout import solve_layout
     from engine.fleetkey import load_key
@@ -391,7 +393,7 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
     assert "127.0.0.1" not in view.activity.text()  # the PCs by name
 
     def workers(address):
-        with ControlClient(address, key, tls=fleet.tls) as agent:
+        with ControlClient(address, FleetAccess(key, fleet.tls)) as agent:
             return agent.status()["workers"]
 
     assert {w["agent"] for copy in deployment.copies for w in copy.workers} == {fleet.alpha, fleet.beta}
@@ -402,6 +404,7 @@ def test_optimise_for_several_users_deploys_the_copies_the_solver_chose(qtbot, f
 
 
 def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel_ranks(qtbot, fleet):
+    from engine.config import FleetAccess
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key
 
@@ -420,7 +423,7 @@ def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel
     deployment = deployed_and_chatted(qtbot, window, view)
     assert deployment.ranks == 2 and len(deployment.workers) == 1
     window.close()
-    with ControlClient(deployment.workers[0]["agent"], load_key(fleet.key_file), tls=fleet.tls) as agent:
+    with ControlClient(deployment.workers[0]["agent"], FleetAccess(load_key(fleet.key_file), fleet.tls)) as agent:
         assert agent.status()["workers"] == []
     model.move_range(0, 2, model.lane_of(*next((lane.node, lane.device) for lane in model.lanes
                                                  if lane.name != "this PC")))
@@ -428,6 +431,7 @@ def test_optimise_for_one_user_on_slow_pcs_draws_and_deploys_two_tensor_parallel
 
 
 def test_a_cancelled_deployment_leaves_no_workers(qtbot, fleet):
+    from engine.config import FleetAccess
     from engine.fleet.control import ControlClient
     from engine.fleetkey import load_key
 
@@ -443,7 +447,7 @@ def test_a_cancelled_deployment_leaves_no_workers(qtbot, fleet):
     qtbot.waitUntil(lambda: view.task is None, timeout=120000)
     assert deployed == [] and view.activity.text() == "Cancelled." and view.deployment is None
     for address in (fleet.alpha, fleet.beta):
-        with ControlClient(address, load_key(fleet.key_file), tls=fleet.tls) as agent:
+        with ControlClient(address, FleetAccess(load_key(fleet.key_file), fleet.tls)) as agent:
             assert agent.status()["workers"] == []
     assert view.deploy_button.isEnabled() and not view.cancel_button.isEnabled()
 

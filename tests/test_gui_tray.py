@@ -60,12 +60,12 @@ def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_fil
 
         window.pause_button.click()
         qtbot.waitUntil(lambda: window.pause_button.text() == "Resume serving", timeout=10000)
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, FleetAccess(key)) as agent:
             status = agent.status()
         assert status["paused"] is True and status["state"] == "paused"
         assert window.status.text().startswith("paused") and "paused" in window.activity.toPlainText()
         qtbot.waitUntil(lambda: ("updated", "paused") in kinds(), timeout=15000)  # the advertisement follows
-        with ControlClient(address, key) as agent, pytest.raises(AgentError, match="paused"):
+        with ControlClient(address, FleetAccess(key)) as agent, pytest.raises(AgentError, match="paused"):
             agent.start_worker("0" * 64)
         theme.apply("light")
         screenshot(window, "tray")
@@ -80,19 +80,19 @@ def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_fil
 
         window.pause_button.click()  # resume
         qtbot.waitUntil(lambda: window.pause_button.text() == "Pause serving", timeout=10000)
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, FleetAccess(key)) as agent:
             assert agent.status()["paused"] is False
 
         # Remove unused shards: a shard sent but not served goes, and the window says so
         assert not window.prune_button.isEnabled()  # nothing to remove
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, FleetAccess(key)) as agent:
             agent.send_shard(tiny_exports["llama", "2"].folders[1])
         qtbot.waitUntil(lambda: window.prune_button.isEnabled() and "layers 2-3" in window.shards.text(),
                         timeout=10000)
         window.prune_button.click()
         qtbot.waitUntil(lambda: window.shards.text() == "none", timeout=10000)
         assert "removed 1 shard(s) not in use" in window.activity.toPlainText()
-        with ControlClient(address, key) as agent:
+        with ControlClient(address, FleetAccess(key)) as agent:
             assert agent.status()["shards"] == []
 
         with qtbot.waitSignal(controller.stopped, timeout=30000):
@@ -100,7 +100,7 @@ def test_worker_window_serves_pauses_and_leaves_cleanly(qtbot, gui_home, key_fil
         qtbot.waitUntil(lambda: kinds() and kinds()[-1][0] == "removed", timeout=15000)
         assert not window.isVisible()
         with pytest.raises(AgentError, match="not reachable"):
-            ControlClient(address, key, timeout_s=2)
+            ControlClient(address, FleetAccess(key), timeout_s=2)
 
 
 def test_worker_without_a_key_says_so_and_starts_once_given_one(qtbot, gui_home, key_file):
@@ -162,7 +162,7 @@ def test_tray_menu_and_live_activity(qtbot, gui_home, key_file, tiny_exports):
     assert tray.tally_action.text() == "Activity: 0 connections · 0 parts started · 0 tokens served · 0 errors"
 
     key = load_key(key_file)
-    with ControlClient(controller.agent.address, key) as agent:
+    with ControlClient(controller.agent.address, FleetAccess(key)) as agent:
         digest, _ = agent.send_shard(tiny_exports["llama", "2"].folders[1])
         worker = agent.start_worker(digest)
     qtbot.waitUntil(lambda: "part 2 of 2: stage 1 of 2" in window.activity.toPlainText(), timeout=60000)
@@ -222,7 +222,7 @@ def test_a_stage_exported_twice_is_one_shard_on_the_worker(qtbot, gui_home, key_
     window = WorkerWindow(controller)
     qtbot.addWidget(window)
     assert controller.start()
-    with ControlClient(controller.agent.address, load_key(key_file)) as agent:
+    with ControlClient(controller.agent.address, FleetAccess(load_key(key_file))) as agent:
         sent.append(agent.send_shard(alone)[0])
         whole = export_model(str(tiny_models["qwen2"]), split=[3], weights="f32", out=out)  # stage 0 is new
         assert content_hash(whole.folders[1]) == first

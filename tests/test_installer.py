@@ -18,6 +18,7 @@ import pytest
 from build_cache import cached, digest
 from fleet_support import deployed_equals_in_process
 
+from engine.config import FleetAccess
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL
 from engine.fleet.span import StageSpan
@@ -61,7 +62,7 @@ def _reach(address: str, key: bytes, tls, proc: subprocess.Popen, log: Path, tim
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with ControlClient(address, key, tls=tls) as agent:
+            with ControlClient(address, FleetAccess(key, tls)) as agent:
                 return agent.status()
         except (AgentError, OSError):
             if proc.poll() is not None or time.monotonic() > deadline:

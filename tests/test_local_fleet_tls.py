@@ -50,7 +50,7 @@ def _tls_handshake(address: str, key_path) -> bool:
 
 def _agent_answers(address: str, key: bytes, tls) -> bool:
     try:
-        with ControlClient(address, key, tls=tls, timeout_s=10) as agent:
+        with ControlClient(address, FleetAccess(key, tls), timeout_s=10) as agent:
             return bool(agent.status()["node"])
     except AgentError:
         return False

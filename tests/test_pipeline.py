@@ -19,9 +19,9 @@ import time
 import numpy as np
 import pytest
 
-from engine.config import FleetAccess, Scheduling
+from engine.config import FleetAccess, RelayOptions, Scheduling
 from engine.errors import StageError
-from engine.fleetkey import create_certificate, create_key, load_key, tls_file
+from engine.fleetkey import access_of, create_certificate, create_key, load_key, tls_file
 from engine.manifest import load_manifest
 from engine.runtime.decode.generate import Generator
 from engine.runtime.relay.local_workers import LocalWorkers
@@ -42,15 +42,18 @@ def key_file(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, fed=False, **fleet_args):
+def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, fed=False, relay=RelayOptions(),
+             **fleet_args):
     """Stages 1.. as worker processes, stage 0 in this process (``fed``: every stage a worker, this
     process feeding the first its token ids)."""
-    fleet = LocalWorkers(folders if fed else folders[1:], key_file, log_dir=tmp_path, **fleet_args).start()
+    tls = fleet_args.pop("tls", False)
+    fleet = LocalWorkers(folders if fed else folders[1:], access_of(key_file, tls=tls), log_dir=tmp_path,
+                         **fleet_args).start()
     chain = None
     try:
-        access = FleetAccess(coordinator_key or load_key(key_file), fleet_args.get("tls") and _tls(key_file))
+        access = FleetAccess(coordinator_key or load_key(key_file), _tls(key_file) if tls else None)
         chain = RemoteChain(folders[0], fleet.addresses, access=access, connect_timeout_s=30,
-                            mode=fleet_args.get("mode", "fast"), depth=depth, fed=fed)
+                            mode=fleet_args.get("mode", "fast"), depth=depth, fed=fed, relay=relay)
         yield fleet, chain
     finally:
         if chain is not None:
@@ -173,10 +176,10 @@ def test_prompts_go_at_once_and_a_group_over_several_frames_counts_once(tiny_exp
     folders = tiny_exports["qwen2", "2"].folders
     rng = np.random.default_rng(5)
     alone = Generator(LocalChain(folders, config=MODES["exact"], paged=False), 256)
-    with pipeline(folders, key_file, tmp_path, mode="exact", depth=2, hosting=hosting) as (fleet, chain):
-        # alone: prompts of 40 rows (two would share a frame); packed: of PACK_ROWS / 2 + 10 rows
-        for prompt_rows, size in ((chain.prompt_rows, 40), (10**6, PACK_ROWS // 2 + 10)):
-            chain.prompt_rows = prompt_rows
+    # alone: prompts of 40 rows (two would share a frame); packed: of PACK_ROWS / 2 + 10 rows
+    for relay, size in ((RelayOptions(), 40), (RelayOptions(prompt_rows=10**6), PACK_ROWS // 2 + 10)):
+        with pipeline(folders, key_file, tmp_path, mode="exact", depth=2, relay=relay,
+                      hosting=hosting) as (fleet, chain):
             prompts = [rng.integers(3, 200, size=size).tolist() for _ in range(4)]
             want = [alone.generate(np.array([p]), 3, ignore_eos=True).tokens for p in prompts]
             events, send, receive = [], chain._send, chain._receive
@@ -200,7 +203,6 @@ def test_prompts_go_at_once_and_a_group_over_several_frames_counts_once(tiny_exp
 
 def test_groups_in_flight_follow_the_measured_trip():
     """How many groups of streams a chain keeps in flight: enough to keep its slowest stage busy."""
-    from engine.runtime.relay import MAX_GROUPS
     from engine.runtime.relay.remote import _Trip
 
     def groups(rounds):
@@ -215,7 +217,7 @@ def test_groups_in_flight_follow_the_measured_trip():
     assert groups([([40.0, 40.0], 200.0)] * 5) == 7  # a slow link: more groups hide its time
     # a round that queued behind another group does not count as network time
     assert groups([([40.0, 40.0], 1.0), ([40.0, 40.0], 120.0)]) == 2
-    assert groups([([1.0, 1.0], 500.0)]) == MAX_GROUPS
+    assert groups([([1.0, 1.0], 500.0)]) == RelayOptions().max_groups
     # stages that take one computer's turns never compute at once: they are one stage of the pipeline
     trip = _Trip()
     trip.observe([40.0, 40.0, 40.0], 1.0)
@@ -290,7 +292,7 @@ def test_breakdown_and_injected_delay(tiny_exports, key_file, tmp_path, hosting)
 def test_wrong_key_is_refused_on_both_sides(tiny_exports, key_file, tmp_path, hosting):
     folders = tiny_exports["llama", "2"].folders
     other = load_key(create_key(tmp_path / "other.key"))
-    with LocalWorkers(folders[1:], key_file, log_dir=tmp_path, hosting=hosting) as fleet:
+    with LocalWorkers(folders[1:], access_of(key_file), log_dir=tmp_path, hosting=hosting) as fleet:
         with pytest.raises(StageError, match="stage 1 at 127.0.0.1:\\d+: handshake failed: .*fleet key"):
             RemoteChain(folders[0], fleet.addresses, access=FleetAccess(other), connect_timeout_s=10)
         assert _wait_for_log(fleet.logs[0], "refused connection from 127.0.0.1")
@@ -308,13 +310,13 @@ def _wait_for_log(path, text, timeout=5.0):
 
 def test_foreign_shards_are_refused(tiny_exports, key_file, tmp_path, hosting):
     llama, qwen = tiny_exports["llama", "2"].folders, tiny_exports["qwen2", "2"].folders
-    fleet = LocalWorkers(qwen[1:], key_file, log_dir=tmp_path, hosting=hosting).start()
+    fleet = LocalWorkers(qwen[1:], access_of(key_file), log_dir=tmp_path, hosting=hosting).start()
     try:
         with pytest.raises(StageError, match="fingerprint mismatch"):
             RemoteChain(llama[0], fleet.addresses, access=FleetAccess(load_key(key_file)), connect_timeout_s=10)
         # Same model, but the worker's stage of the 3-stage split starts at layer 1, not at layer 2.
         three = tiny_exports["llama", "3"].folders
-        fleet2 = LocalWorkers(three[1:2], key_file, log_dir=tmp_path, hosting=hosting).start()
+        fleet2 = LocalWorkers(three[1:2], access_of(key_file), log_dir=tmp_path, hosting=hosting).start()
         try:
             with pytest.raises(StageError, match="first_layer mismatch"):
                 RemoteChain(llama[0], fleet2.addresses, access=FleetAccess(load_key(key_file)), connect_timeout_s=10)
@@ -387,7 +389,7 @@ def test_fuzzed_worker_keeps_serving(tiny_exports, key_file, tmp_path):
     hidden = manifest.spec.hidden_size
     good = wire.encode(Frame(Msg.FORWARD, 0, 1, [np.ones((1, 1, hidden), np.float32), np.ones((1, 1), np.uint8),
                                                   np.zeros((1, 1), np.int64), np.zeros(1, np.float32)]))
-    fleet = LocalWorkers(folders[1:], key_file, log_dir=tmp_path).start()
+    fleet = LocalWorkers(folders[1:], access_of(key_file), log_dir=tmp_path).start()
     address = fleet.addresses[0]
     sent = 0
     try:
@@ -520,7 +522,8 @@ def test_a_malformed_pong_from_the_next_stage_fails_the_request_instead_of_hangi
 def test_coordinator_routes_workers_started_without_next(tiny_exports, key_file, tmp_path, hosting):
     """``fleet generate --remote A,B``: the workers learn their successor from the coordinator."""
     folders = tiny_exports["qwen2", "3"].folders
-    fleet = LocalWorkers(folders[1:], key_file, log_dir=tmp_path, hosting=hosting, link_workers=False).start()
+    fleet = LocalWorkers(folders[1:], access_of(key_file), log_dir=tmp_path, hosting=hosting,
+                         link_workers=False).start()
     try:
         out = tmp_path / "gen.json"
         proc = subprocess.run(
@@ -551,7 +554,8 @@ def test_worker_reports_a_port_in_use(tiny_exports, key_file, tmp_path, hosting)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        fleet = LocalWorkers(tiny_exports["llama", "2"].folders[1:], key_file, log_dir=tmp_path, hosting=hosting)
+        fleet = LocalWorkers(tiny_exports["llama", "2"].folders[1:], access_of(key_file), log_dir=tmp_path,
+                             hosting=hosting)
         fleet.addresses = ["127.0.0.1:%d" % busy.getsockname()[1]]
         with pytest.raises(Exception, match="did not start(.|\n)*Address already in use"):
             fleet.start()

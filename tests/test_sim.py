@@ -63,7 +63,7 @@ def _key(office) -> bytes:
 
 
 def _status(agent: str, key: bytes) -> dict:
-    with ControlClient(agent, key) as client:
+    with ControlClient(agent, FleetAccess(key)) as client:
         return client.status()
 
 
@@ -176,7 +176,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
         moved = failover.deployment.placement[1].node
         assert moved in (office.nodes["pc2"].agent, office.nodes["pc3"].agent), events
         with pytest.raises(AgentError, match="not reachable"):  # still cut off
-            ControlClient(office.nodes["pc1"].agent, key, timeout_s=2)
+            ControlClient(office.nodes["pc1"].agent, FleetAccess(key), timeout_s=2)
         assert failover.returned() == []
         office.reconnect("pc1")
         deadline = time.monotonic() + 30
@@ -232,11 +232,11 @@ def test_a_model_no_pc_can_hold_is_placed_over_several_and_chats(office, wide_mo
     whole, part = memory.at(3, False, True), memory.at(2, False, True)  # layers 1-3; two of them
     try:
         for name in names:  # the survey's shards first (receiving them grows an agent some 20 MB)
-            with ControlClient(office.nodes[name].agent, key) as agent:
+            with ControlClient(office.nodes[name].agent, FleetAccess(key)) as agent:
                 for folder in shards:
                     agent.send_shard(folder)
             office.set_memory(name, (office.memory_used(name) + (whole + part) // 2) >> 20)  # 2.5 layers' room
-        doc = survey(source, [office.nodes[n].agent for n in names], key=key, local_node="coordinator",
+        doc = survey(source, [office.nodes[n].agent for n in names], access=FleetAccess(key), local_node="coordinator",
                      weights="f32")
         held = {doc["nodes"][d["node"]]["name"]: d["memory_bytes"] for d in doc["fleet"]["devices"]}
         assert all(part < held[n] < whole for n in names), (held, part, whole)  # the caps, as measured
@@ -265,7 +265,7 @@ def test_shards_cross_a_capped_link_and_a_cut_transfer_resumes(office, tiny_expo
     folder = tiny_exports["qwen2", "2"].folders[1]
     size = sum(p.stat().st_size for p in folder.iterdir())
     before = _qdisc_stats(office, "pc3")
-    with ControlClient(office.nodes["pc3"].agent, key, timeout_s=30) as agent:
+    with ControlClient(office.nodes["pc3"].agent, FleetAccess(key), timeout_s=30) as agent:
         cancel, seen = threading.Event(), []
 
         def cut_after_three(progress):

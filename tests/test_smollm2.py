@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import FleetAccess
 from engine.export.exporter import export_model
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import access_of, create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
@@ -57,7 +57,7 @@ def test_loopback_workers_equal_in_process_chain(stages, smol_exports, tmp_path)
     folders = smol_exports[stages].folders
     want, _ = _generate(folders, QUESTION, 32, ignore_eos=True)
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], key, log_dir=tmp_path) as fleet:
+    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path) as fleet:
         chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)))
         try:
             got, text = _generate(folders, QUESTION, 32, ignore_eos=True, chain=chain)

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import FleetAccess, Settings
 from engine.errors import ShardError
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import access_of, create_key, load_key
 from engine.manifest import load_manifest
 from engine.runtime.decode.generate import Decoding, Generator, generate_streams
 from engine.runtime.decode.kvsequence import KVSequence
@@ -483,7 +483,7 @@ def test_micro_batched_streams_are_isolated_in_process(isolate, tiny_exports):
 def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports, tmp_path):
     folders = tiny_exports["qwen2", "3"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
+    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
         assert fleet.turns is not None  # the stages and the coordinator take compute turns
         chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact",
                             isolate=isolate, turns=compute_turns(fleet.turns))
@@ -548,7 +548,8 @@ def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, 
     monkeypatch.setattr(AheadGate, "opens", lambda self, *args: True)  # every round goes ahead
     folders = tiny_exports["qwen2", "2"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], key, log_dir=tmp_path, mode="exact", isolate=isolate, hosting=hosting) as fleet:
+    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate,
+                      hosting=hosting) as fleet:
         chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact",
                             isolate=isolate, turns=compute_turns(fleet.turns))
         try:

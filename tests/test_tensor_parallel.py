@@ -412,7 +412,7 @@ def test_ranks_deploy_through_an_agent_serve_coordinator_after_coordinator_and_a
             chain.close()
             chain = deployment.chain(FleetAccess(key))  # the next coordinator session, the same worker
             assert _greedy(chain) == _greedy(whole)
-            with ControlClient(agent, key) as client:
+            with ControlClient(agent, FleetAccess(key)) as client:
                 client.stop_worker(deployment.workers[0]["worker"])
             with pytest.raises(StageError):
                 _greedy(chain)
@@ -470,7 +470,7 @@ def test_a_ranks_pc_killed_mid_reply_the_reply_carries_on_token_identical(tiny_m
             agent_process(key_file, tmp_path / "beta", name="beta") as (_, beta):
         nodes = {"coordinator": {"name": "this PC", "address": LOCAL}}
         for name, address in (("alpha", alpha), ("beta", beta)):
-            with ControlClient(address, key) as client:
+            with ControlClient(address, FleetAccess(key)) as client:
                 nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}
         devices = [DeviceProfile(node, "CPU", 8 << 30, layer_ms=0.2, head_ms=1.0) for node in nodes]
         profile = {"model": ModelShape(**model_shape(load_manifest(whole[0]))).to_json(), "nodes": nodes,

@@ -12,7 +12,7 @@ import sys
 import pytest
 from fleet_support import agent_process
 
-from engine.config import known_nodes
+from engine.config import FleetAccess, known_nodes
 from engine.errors import FleetError
 from engine.fleet import unicast
 from engine.fleet.unicast import Discovery, Multicast, Reach, diagnose, join, join_code, read_join_code, scan
@@ -53,7 +53,7 @@ def test_a_join_code_of_another_fleet_is_refused_in_plain_words(home):
         read_join_code(code, ours)
     assert fleet_id(theirs) in str(refused.value) and fleet_id(ours) in str(refused.value)
     with pytest.raises(FleetError, match="another fleet"):
-        join(code, ours)
+        join(code, FleetAccess(ours))
     assert known_nodes() == []  # nothing of it kept
 
 
@@ -87,14 +87,14 @@ def test_a_join_code_finds_the_agent_and_the_dialler_counts_it_once_it_proves_th
             agent_process(other_key, tmp_path / "b", name="mallory") as (_, stranger):
         port = int(address.rpartition(":")[2])
         # the agent listens on every address: 127.0.0.2 is this PC's too, so a code may name it
-        code, reached = join(_code(key, "127.0.0.2", port), key)
+        code, reached = join(_code(key, "127.0.0.2", port), FleetAccess(key))
         assert code.agents == [f"127.0.0.2:{port}"]
         assert [(r.outcome, r.name) for r in reached] == [("proved", "alice")]
         assert known_nodes() == [f"127.0.0.2:{port}"]
         # an agent of another fleet is dialled too but never counts; a dead address neither
         dead = f"127.0.0.1:{_closed_port()}"
         known = [f"127.0.0.2:{port}", f"127.0.0.3:{port}", stranger, dead]
-        with Discovery(key, known=lambda: known, addresses=["127.0.0.1"]) as found:
+        with Discovery(FleetAccess(key), known=lambda: known, addresses=["127.0.0.1"]) as found:
             assert found.dialer.wait_round(30)
             nodes = found.nodes()
             outcomes = {r.address: r.outcome for r in found.dialer.reaches()}
@@ -131,7 +131,7 @@ def test_a_scan_finds_the_agents_that_prove_the_key_and_keeps_them(tmp_path, hom
                           listen=f"127.0.0.9:{address.rpartition(':')[2]}"):
         port = int(address.rpartition(":")[2])
         # 127.0.0.8/29, every address this PC's: .9 is the other fleet's agent, .10 alice, .11 to .14 nobody
-        done = scan(key, port=port, networks=["127.0.0.8/29"], dials=3)
+        done = scan(FleetAccess(key), port=port, networks=["127.0.0.8/29"], dials=3)
     assert not done.cut_short and done.planned == done.dialled == 6
     assert [(r.name, r.address) for r in done.found] == [("alice", f"127.0.0.10:{port}")]
     assert known_nodes() == [f"127.0.0.10:{port}"]
@@ -140,13 +140,13 @@ def test_a_scan_finds_the_agents_that_prove_the_key_and_keeps_them(tmp_path, hom
 def test_a_scan_is_bounded_to_a_24_and_by_its_deadline():
     key = secrets.token_bytes(32)
     # a /16 is not scanned at all (subnets() cuts wider ones to a /24 around this PC's address)
-    assert scan(key, networks=["10.99.0.0/16"], keep=False).planned == 0
+    assert scan(FleetAccess(key), networks=["10.99.0.0/16"], keep=False).planned == 0
     # every address of 127.0.1.0/24 reaches a listener that takes the connection and never answers:
     # each dial holds its place until its own bound, and the scan's deadline ends it
     with socket.socket() as silent:
         silent.bind(("0.0.0.0", 0))
         silent.listen(512)
-        done = scan(key, port=silent.getsockname()[1], networks=["127.0.1.0/24"], deadline_s=0.5, dials=4,
+        done = scan(FleetAccess(key), port=silent.getsockname()[1], networks=["127.0.1.0/24"], deadline_s=0.5, dials=4,
                     dial_s=0.2, keep=False)
     assert done.planned == 254 and done.cut_short and done.dialled < 254 and not done.found
 

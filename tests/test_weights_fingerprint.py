@@ -15,7 +15,7 @@ from engine import hashing
 from engine.config import FleetAccess
 from engine.errors import StageError
 from engine.export.exporter import export_model
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import access_of, create_key, load_key
 from engine.models.catalog import resolve_source
 from engine.runtime.relay.local_workers import LocalWorkers
 from engine.runtime.relay.remote import RemoteChain
@@ -88,14 +88,14 @@ def test_weights_retrained_in_place_export_again_and_old_stages_are_refused(home
     again = export_model(str(folder), stages=2, weights="f32", out=out)
     assert not again.cached
     key_file = create_key(tmp_path / "fleet.key")
-    fleet = LocalWorkers([old_stage1], key_file, log_dir=tmp_path).start()
+    fleet = LocalWorkers([old_stage1], access_of(key_file), log_dir=tmp_path).start()
     try:
         with pytest.raises(StageError, match="fingerprint mismatch"):
             RemoteChain(again.folders[0], fleet.addresses, access=FleetAccess(load_key(key_file)), connect_timeout_s=10)
     finally:
         fleet.close()
     # The new stage 1 goes with the new stage 0.
-    fleet = LocalWorkers([again.folders[1]], key_file, log_dir=tmp_path).start()
+    fleet = LocalWorkers([again.folders[1]], access_of(key_file), log_dir=tmp_path).start()
     try:
         RemoteChain(again.folders[0], fleet.addresses, access=FleetAccess(load_key(key_file)),
                     connect_timeout_s=10).close()

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from engine.cli.args import connection_args, count, duration, printable, progress_printer, say, settings_of
 from engine.cli.generate import chat
-from engine.config import DEFAULT_WEIGHTS, Settings, ShardOptions, forget_nodes, known_nodes, paths, remember_nodes
+from engine.config import (DEFAULT_WEIGHTS, FleetAccess, Settings, ShardOptions, forget_nodes, known_nodes, paths,
+                           remember_nodes)
 from engine.errors import FleetError
 from engine.export.compress import WEIGHT_FORMATS
 from engine.files import write_json
@@ -73,9 +74,9 @@ def cmd_agent(args) -> int:
     os._exit(0)
 
 
-def _static_status(address: str, key: bytes, tls) -> dict:
+def _static_status(address: str, access: FleetAccess) -> dict:
     try:
-        with ControlClient(address, key, tls=tls, timeout_s=5) as agent:
+        with ControlClient(address, access, timeout_s=5) as agent:
             status = agent.status()
             return {**status["node"], "addresses": [address.rpartition(":")[0]], "status": status["state"],
                     "source": "address", "address": address}
@@ -113,10 +114,9 @@ def cmd_nodes(args) -> int:
         say(f"{'added' if args.nodes_cmd == 'add' else 'removed'} {args.address}; nodes by address: "
             f"{', '.join(nodes) or 'none'}")
         return 0
-    key = load_key(args.fleet_key_file)
-    tls = load_tls(settings.tls, args.fleet_key_file)
+    access = fleet_access(settings)
     if args.nodes_cmd == "prune":
-        with ControlClient(args.address, key, tls=tls) as agent:
+        with ControlClient(args.address, access) as agent:
             done = agent.call("prune")
         say(f"removed {pruned_text(len(done['dropped']), done['unfinished'])}, {done['bytes'] / 2**20:.1f} MB, "
             f"from {args.address}; {done['kept']} served shard(s) kept")
@@ -128,8 +128,8 @@ def cmd_nodes(args) -> int:
         else:
             print(f"{kind:<8} {_row({**dataclasses.asdict(info), 'source': 'mdns'})}", flush=True)
 
-    with Discovery(key, tls, on_event=show if args.watch else None) as browser:
-        found = [_static_status(a, key, tls) for a in known_nodes(settings, by_hand=True)]
+    with Discovery(access, on_event=show if args.watch else None) as browser:
+        found = [_static_status(a, access) for a in known_nodes(settings, by_hand=True)]
         if args.watch:
             if not args.json:
                 print(f"{'event':<8} {NODES_HEADER}", flush=True)
@@ -162,14 +162,13 @@ def cmd_nodes(args) -> int:
 
 def _unicast(args, settings) -> int:
     """``fleet nodes join-code``, ``join CODE``, ``scan`` and ``why``: the ways that need no multicast."""
-    key = load_key(args.fleet_key_file)
-    tls = load_tls(settings.tls, args.fleet_key_file)
+    access = fleet_access(settings)
     if args.nodes_cmd == "join-code":
-        print(join_code(key, port=args.port))
+        print(join_code(access.key, port=args.port))
         say("paste it on the other PCs of the fleet: the Fleet view's \"Join code…\", or `fleet nodes join CODE`")
         return 0
     if args.nodes_cmd == "join":
-        code, reached = join(args.code, key, tls)
+        code, reached = join(args.code, access)
         for r in reached:
             said = f"{printable(r.name)} ({r.node_id}) proved the fleet key" if r.proved else \
                 f"{r.outcome}: {printable(r.reason)}"
@@ -179,14 +178,14 @@ def _unicast(args, settings) -> int:
                "none answers now; the node counts once its agent answers and proves the fleet key"))
         return 0 if any(r.proved for r in reached) else 1
     if args.nodes_cmd == "scan":
-        done = scan(key, tls, port=args.port, deadline_s=args.seconds)
+        done = scan(access, port=args.port, deadline_s=args.seconds)
         for r in done.found:
             say(f"{r.address}: {printable(r.name)} ({r.node_id}) proved the fleet key")
         note = f"; ran out of time after {done.dialled} of {done.planned} addresses" if done.cut_short else ""
         say(f"scanned {', '.join(done.networks) or 'no network'} on port {args.port}: {len(done.found)} node(s) "
             f"found{', added to the known nodes' if done.found else ''}{note}")
         return 0
-    with Discovery(key, tls) as browser:
+    with Discovery(access) as browser:
         browser.wait(args.seconds)
         why = browser.diagnose()
     if args.json:
@@ -197,20 +196,20 @@ def _unicast(args, settings) -> int:
     return 0
 
 
-def _agent_addresses(args, key: bytes, tls) -> list[str]:
+def _agent_addresses(args, access: FleetAccess) -> list[str]:
     """--nodes: 'all' (the mDNS records whose agents prove the fleet key and their node id, plus the
     nodes added by address that answer: a PC switched off or a bogus record is left out, said) or a
     comma-separated HOST:PORT list (each must answer)."""
     if args.nodes and args.nodes != "all":
         return [a.strip() for a in args.nodes.split(",") if a.strip()]
-    with Discovery(key, tls) as browser:
+    with Discovery(access) as browser:
         browser.wait(args.seconds)
         heard, skipped = browser.nodes().values(), browser.rejected()
     for name, reason in skipped.items():
         say(f"left out mDNS record {name.split('._', 1)[0]!r}: {reason}")
     found = [f"{n.addresses[0]}:{n.port}" for n in heard if n.addresses]
     for address in [a for a in known_nodes(by_hand=True) if a not in found]:
-        status = _static_status(address, key, tls)
+        status = _static_status(address, access)
         if "error" in status:
             say(f"left out {address} (added by address): {status['error']}")
         else:
@@ -218,11 +217,11 @@ def _agent_addresses(args, key: bytes, tls) -> list[str]:
     return found
 
 
-def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, weights: str, context: int,
+def _survey(model: str, agents: list[str], *, access: FleetAccess, devices: str, weights: str, context: int,
             streams: int, out: str | None = None, reuse: bool = False) -> Path:
     """Profiles this machine and ``agents`` (``engine.fleet.survey``) and writes the profile; with
     ``reuse``, a recent profile of the same fleet at the same path stands instead."""
-    asked = dict(model=model, agents=agents, key=key, tls=tls, local_node=node_id(),
+    asked = dict(model=model, agents=agents, access=access, local_node=node_id(),
                  local_devices=[d.strip() for d in devices.split(",")], weights=weights, context=context,
                  streams=streams)
     path = Path(out) if out else paths().data / "fleet-profile.json"
@@ -244,10 +243,9 @@ def _survey(model: str, agents: list[str], *, key: bytes, tls, devices: str, wei
 
 def cmd_profile(args) -> int:
     settings = settings_of(args)
-    key = load_key(args.fleet_key_file, create=not args.nodes)
-    tls = load_tls(settings.tls, args.fleet_key_file)
-    _survey(settings.default_model, _agent_addresses(args, key, tls) if args.nodes else [], key=key,
-            tls=tls, devices=settings.device, weights=args.weights, context=args.context,
+    access = fleet_access(settings, create=not args.nodes)
+    _survey(settings.default_model, _agent_addresses(args, access) if args.nodes else [], access=access,
+            devices=settings.device, weights=args.weights, context=args.context,
             streams=args.streams, out=args.out)
     return 0
 
@@ -361,7 +359,7 @@ def cmd_up(args) -> int:
     if args.demo:
         return _demo_up(args, settings, model)
     if args.nodes:
-        return _fleet_up(args, settings, key, model)
+        return _fleet_up(args, settings, model)
     peers = [] if args.local else browse(args.seconds, fleet_id(key))
     if peers:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
@@ -375,15 +373,15 @@ def cmd_up(args) -> int:
         stop_local_agent(agent)
 
 
-def _fleet_up(args, settings: Settings, key: bytes, model: str) -> int:
+def _fleet_up(args, settings: Settings, model: str) -> int:
     """``fleet up --nodes``: profile this machine and the nodes, solve the placement, deploy it and
     chat; the workers are stopped again when ``fleet up`` ends."""
     access = fleet_access(settings)
-    agents = _agent_addresses(args, key, access.tls)
+    agents = _agent_addresses(args, access)
     if not agents:
         raise FleetError("no node of this fleet was found: start `fleet agent` (or the tray worker) on the other "
                          "PCs, or name them with --nodes HOST:PORT,...")
-    profile = _survey(model, agents, key=key, tls=access.tls, devices=settings.device, weights=settings.weights,
+    profile = _survey(model, agents, access=access, devices=settings.device, weights=settings.weights,
                       context=PLAN_CONTEXT, streams=args.users, reuse=not args.resurvey)
     doc, _ = _place(profile, objective=args.objective, users=args.users, pins=args.pin or [],
                     replicas=not args.one_chain)

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.config import paths
+from engine.config import FleetAccess, paths
 from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
 from engine.fleet.discovery import Advertiser
@@ -87,6 +87,7 @@ class Agent:
         self.key = load_key(self.key_file)
         self.fleet_id = fleet_id(self.key)
         self.tls = tls
+        self.access = FleetAccess(self.key, tls, key_file=self.key_file)  # what its own calls to peers go with
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.store = ShardStore(store or paths().data / "agent")
         host, port = parse_address(listen, "0.0.0.0")
@@ -406,7 +407,7 @@ class Agent:
         out = {}
         for address in doc["peers"][:64]:
             try:
-                with ControlClient(str(address), self.key, tls=self.tls, timeout_s=5) as peer:
+                with ControlClient(str(address), self.access, timeout_s=5) as peer:
                     out[address] = peer.round_trip_ms(int(doc.get("count", 5)))
             except AgentError as exc:
                 out[address] = None

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.config import FleetAccess
 from engine.errors import FleetError
 from engine.fleet.shardstore import content_hash
 from engine.manifest import MANIFEST, read_manifest
@@ -38,10 +39,10 @@ def call_frame(op: str, doc: dict | None = None, data: bytes | None = None) -> F
     return frame
 
 
-def prove_node(address: str, key: bytes, node_id: str, *, tls=None, timeout_s: float = 3.0) -> None:
+def prove_node(address: str, access: FleetAccess, node_id: str, *, timeout_s: float = 3.0) -> None:
     """Checks that the agent at ``address`` proves the fleet key and is node ``node_id`` (its WELCOME
     names it): what an mDNS record must pass before it is believed.  Raises AgentError saying why not."""
-    with ControlClient(address, key, tls=tls, timeout_s=timeout_s) as agent:
+    with ControlClient(address, access, timeout_s=timeout_s) as agent:
         said = agent.node.get("id") if isinstance(agent.node, dict) else None
     if said != node_id:
         raise AgentError(f"node agent at {address} is node {said or '(no id given)'}, not {node_id}")
@@ -54,12 +55,16 @@ def worker_address(agent: str, port: int) -> str:
 
 
 class ControlClient:
-    def __init__(self, address: str, key: bytes, *, tls=None, timeout_s: float = 10.0):
+    """A connection to the node agent at ``address`` (HOST:PORT), for its calls (the module's docstring)."""
+
+    def __init__(self, address: str, access: FleetAccess, *, timeout_s: float = 10.0):
+        """``access``: the fleet key and TLS the connection goes with; ``timeout_s``: the handshake's
+        deadline and each call's unless it names its own."""
         self.address = address
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         try:
-            sock, self.welcome, seal = handshake(address, key, ROLE, tls, deadline_s=timeout_s)
+            sock, self.welcome, seal = handshake(address, access.key, ROLE, access.tls, deadline_s=timeout_s)
         except OSError as exc:
             raise AgentError(f"node agent at {address} is not reachable ({exc.strerror or exc})") from None
         except (AuthError, ProtocolError) as exc:

@@ -149,7 +149,7 @@ def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, access
     try:
         log(f"profiling this PC and the demo nodes for {model} (its three profiling shards are exported "
             "first, once)")
-        doc = survey(model, fleet.addresses, key=access.key, tls=access.tls, local_node=node_id(),
+        doc = survey(model, fleet.addresses, access=access, local_node=node_id(),
                      local_devices=[device], weights=shard.weights, progress=progress, cancel=cancel)
         path = write_json(demo_profile(), doc)
         stages = even_placement(int(doc["model"]["num_layers"]), fleet, device)

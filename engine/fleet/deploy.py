@@ -181,7 +181,7 @@ def deploy_draft(draft_model: str, agent: str, *, access: FleetAccess, weights: 
     folder = export_model(draft_model, stages=1, **draft_format(weights), cancel=cancel,
                           progress=_phase_of(0, "export", progress)).folders[0]
     try:
-        with ControlClient(agent, access.key, tls=access.tls) as client:
+        with ControlClient(agent, access) as client:
             digest, _ = client.send_shard(folder, progress=_phase_of(0, "send", progress), cancel=cancel)
             progress(deploying(0, "start", 0.0))
             info = client.start_worker(digest, device=device, delay_ms=delay_ms, timeout_s=worker_timeout_s,
@@ -201,7 +201,7 @@ def _stop_workers(workers: list[dict], access: FleetAccess) -> list[str]:
     problems = []
     for w in reversed(workers):
         try:
-            with ControlClient(w["agent"], access.key, tls=access.tls, timeout_s=10) as agent:
+            with ControlClient(w["agent"], access, timeout_s=10) as agent:
                 agent.stop_worker(w["worker"])
         except AgentError as exc:
             problems.append(str(exc))
@@ -282,7 +282,7 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: S
     on_nodes = [i for i, s in enumerate(stages) if s.node != LOCAL]  # all but a stage 0 run here
     for address in dict.fromkeys(stages[i].node for i in on_nodes):  # all up before minutes of export
         try:
-            with ControlClient(address, access.key, tls=access.tls) as agent:
+            with ControlClient(address, access) as agent:
                 agent.status()
         except AgentError as exc:
             raise FleetError(f"deployment not started: {exc}") from None
@@ -298,7 +298,7 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: S
     for i in on_nodes:
         stage, folder = stages[i], folders[i]
         try:
-            with ControlClient(stage.node, access.key, tls=access.tls) as agent:
+            with ControlClient(stage.node, access) as agent:
                 digests[i], _ = agent.send_shard(folder, progress=_phase_of(i, "send", progress), cancel=cancel)
         except AgentError as exc:
             raise FleetError(f"deployment stopped while sending {part_name(i, len(stages))}: {exc}") from None
@@ -309,7 +309,7 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: S
             stage = stages[i]
             progress(deploying(i, "start", 0.0))
             try:
-                with ControlClient(stage.node, access.key, tls=access.tls) as agent:
+                with ControlClient(stage.node, access) as agent:
                     info = agent.start_worker(digests[i], device=stage.device, mode=shard.mode, delay_ms=delay_ms,
                                               precision=shard.precision, timeout_s=worker_timeout_s)
             except AgentError as exc:

@@ -34,6 +34,7 @@ from typing import Callable
 import psutil
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
 
+from engine.config import FleetAccess
 from engine.errors import FleetError
 from engine.fleet.control import prove_node
 from engine.fleet.node import BadRecord, NodeInfo
@@ -88,11 +89,11 @@ def _open(addresses: list[str]) -> Zeroconf:
     return zc
 
 
-def prover(key: bytes, tls=None, timeout_s: float = PROVE_S) -> Callable[[NodeInfo], str]:
+def prover(access: FleetAccess, timeout_s: float = PROVE_S) -> Callable[[NodeInfo], str]:
     """A ``Browser``'s check of a record: dials the record's addresses in turn and returns the first
-    whose agent proves the fleet key and answers as the record's node (``control.prove_node``), all
-    within ``timeout_s`` (an address gets an even share of the time left); raises FleetError with
-    every address's reason when none does."""
+    whose agent proves the fleet key (``access``'s, over its TLS) and answers as the record's node
+    (``control.prove_node``), all within ``timeout_s`` (an address gets an even share of the time
+    left); raises FleetError with every address's reason when none does."""
 
     def prove(info: NodeInfo) -> str:
         reasons = []
@@ -101,7 +102,7 @@ def prover(key: bytes, tls=None, timeout_s: float = PROVE_S) -> Callable[[NodeIn
         for i, address in enumerate(addresses):
             share = (end - time.monotonic()) / (len(addresses) - i)
             try:
-                prove_node(f"{address}:{info.port}", key, info.node_id, tls=tls, timeout_s=share)
+                prove_node(f"{address}:{info.port}", access, info.node_id, timeout_s=share)
                 return address
             except FleetError as exc:
                 reasons.append(str(exc))
@@ -253,7 +254,7 @@ class Browser(_Follower):
     kept in ``rejected()``.  Given no addresses it listens on every local IPv4 address and moves as
     interfaces come and go; after a move, the nodes not heard again within ``RECONFIRM_S`` are removed.
 
-    ``verify`` (``prover(key)``) checks a record naming a node at addresses or a port it is not known
+    ``verify`` (``prover(access)``) checks a record naming a node at addresses or a port it is not known
     at (a new node, or a known one moving) before it is believed, and returns the address that
     passed, listed first from then on; a record that fails is skipped, its reason in ``rejected()``,
     and a known node keeps its place.  Checks run on ``CHECKS`` threads of their own, and so do the

@@ -83,7 +83,7 @@ class Failover:
 
     def _answers(self, agent: str) -> bool:
         try:
-            with ControlClient(agent, self.access.key, tls=self.access.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+            with ControlClient(agent, self.access, timeout_s=PROBE_TIMEOUT_S) as client:
                 client.status()
             return True
         except AgentError:
@@ -182,7 +182,7 @@ class Failover:
 
     def _stop_worker(self, agent: str, worker: str) -> None:
         try:
-            with ControlClient(agent, self.access.key, tls=self.access.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+            with ControlClient(agent, self.access, timeout_s=PROBE_TIMEOUT_S) as client:
                 client.stop_worker(worker)
         except AgentError:
             pass  # it died with its stage: nothing left to stop
@@ -314,7 +314,7 @@ class Failover:
         with self._lost_lock:
             left = list(self.left.get(node, []))
         try:
-            with ControlClient(agent, self.access.key, tls=self.access.tls, timeout_s=PROBE_TIMEOUT_S) as client:
+            with ControlClient(agent, self.access, timeout_s=PROBE_TIMEOUT_S) as client:
                 running = {w["id"] for w in client.status()["workers"]}
                 for worker in left:
                     if worker["worker"] in running:

@@ -21,10 +21,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array, vstack
 
+from engine.config import RelayOptions
 from engine.errors import FleetError
 from engine.fleet.span import StageSpan, ranked
 from engine.manifest import layer_span, part_name
-from engine.runtime.relay import MAX_GROUPS
 from engine.tuning import EXCHANGE_FIXED_MS, EXCHANGE_WAIT, LINK_MBIT
 
 OBJECTIVES = ("latency", "throughput")
@@ -276,7 +276,7 @@ def aggregate_tok_s(steps: Sequence[tuple[DeviceProfile, int, bool, bool]], netw
     token takes the longer of one group's trip (every stage's packed step, and the network) and the
     busiest stage's G steps.  ``steps``: each stage's (device, layers, first, last)."""
     best = 0.0
-    for groups in range(1, min(users, MAX_GROUPS) + 1):
+    for groups in range(1, min(users, RelayOptions.max_groups) + 1):
         ms = [stage_time(dev, users / groups).at(layers, first, last) for dev, layers, first, last in steps]
         cycle = max(sum(ms) + network_ms, groups * max(ms, default=0.0))
         if cycle > 0:
@@ -450,7 +450,7 @@ def solve(model: ModelShape, fleet: Fleet, *, objective: str = "latency", users:
     rtt = {(a, b): fleet.rtt(a, b) for a in nodes for b in nodes if a != b}
     _check_memory(model, fleet, units, max_stages)
     # throughput: a program for each number of groups in flight, the best of their chains kept
-    counts = range(1, min(users, MAX_GROUPS) + 1) if objective == "throughput" else [1]
+    counts = range(1, min(users, RelayOptions.max_groups) + 1) if objective == "throughput" else [1]
     chains = [chain for groups in counts for chain in _Program.placement(
         model, fleet, units, nodes, rtt, objective, users, pins, max_stages, groups).run(time_limit_s / len(counts))]
     solve_ms = (time.perf_counter() - began) * 1000

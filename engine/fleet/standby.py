@@ -90,7 +90,7 @@ def start(folders: list[Path], where: dict[int, StageSpan], *, access: FleetAcce
     started, problems = [], []
     for i, span in sorted(where.items()):
         try:
-            with ControlClient(span.node, access.key, tls=access.tls) as agent:
+            with ControlClient(span.node, access) as agent:
                 digest, _ = agent.send_shard(folders[i])
                 progress(deploying(i, "start", 0.0))
                 info = agent.start_worker(digest, device=span.device, mode=mode, precision=precision,

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from engine.config import DEFAULT_WEIGHTS
+from engine.config import DEFAULT_WEIGHTS, FleetAccess
 from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.deploy import LOCAL
@@ -40,11 +40,12 @@ def node_devices(status: dict) -> list[str]:
     return [n for n in names if isinstance(n, str) and n] or ["CPU"]
 
 
-def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: str, local_devices=("CPU",),
+def survey(model: str, agents: list[str], *, access: FleetAccess, local_node: str, local_devices=("CPU",),
            weights: str = DEFAULT_WEIGHTS, context: int = 4096, streams: int = 1, progress: Report = quiet,
            cancel=None) -> dict:
-    """Profiles this machine and the agents at ``agents`` (HOST:PORT each) for ``model``; ``progress``
-    tells each node's steps.  ``cancel.is_set()`` stops it between steps (and shard chunks) with a FleetError."""
+    """Profiles this machine and the agents at ``agents`` (HOST:PORT each, reached with ``access``) for
+    ``model``; ``progress`` tells each node's steps.  ``cancel.is_set()`` stops it between steps (and
+    shard chunks) with a FleetError."""
 
     def check() -> None:
         if cancel is not None and cancel.is_set():
@@ -54,7 +55,7 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
     for address in agents:
         check()
         try:
-            with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
+            with ControlClient(address, access, timeout_s=30) as agent:
                 statuses[address] = agent.status()
         except AgentError as exc:
             raise FleetError(f"survey of the node at {address} failed: {exc}") from None
@@ -81,7 +82,7 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
                        **({"simulated": True} if status["node"].get("simulated") else {})}
         check()
         try:
-            with ControlClient(address, key, tls=tls, timeout_s=30) as agent:
+            with ControlClient(address, access, timeout_s=30) as agent:
                 rtt[(local_node, node)] = agent.round_trip_ms()
                 digests = []
                 for i, folder in enumerate(folders):
@@ -99,7 +100,7 @@ def survey(model: str, agents: list[str], *, key: bytes, tls=None, local_node: s
         peers = [a for a in ids if a != address]
         if not peers:
             continue
-        with ControlClient(address, key, tls=tls, timeout_s=60) as agent:
+        with ControlClient(address, access, timeout_s=60) as agent:
             measured = agent.call("rtt", timeout_s=120, peers=peers)["rtt_ms"]
         for peer, ms in measured.items():
             if ms is None:
@@ -129,7 +130,7 @@ def read_names(doc: dict) -> dict:
     return doc
 
 
-def recent_survey(path: Path, model: str, agents: list[str], *, key: bytes, tls=None, local_node: str,
+def recent_survey(path: Path, model: str, agents: list[str], *, access: FleetAccess, local_node: str,
                   local_devices=("CPU",), weights: str = DEFAULT_WEIGHTS, context: int = 4096, streams: int = 1,
                   max_age_s: float = FRESH_S) -> dict | None:
     """The survey document at ``path`` if ``survey`` would take the same one now: the same model,
@@ -144,7 +145,7 @@ def recent_survey(path: Path, model: str, agents: list[str], *, key: bytes, tls=
         if not same or not 0 <= time.time() - float(taken["at"]) < max_age_s:
             return None
         for address, node in taken["agents"].items():
-            with ControlClient(address, key, tls=tls, timeout_s=10) as agent:
+            with ControlClient(address, access, timeout_s=10) as agent:
                 if agent.status()["node"]["node_id"] != node:
                     return None
     except (OSError, ValueError, KeyError, TypeError, AgentError):

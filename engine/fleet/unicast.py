@@ -33,7 +33,7 @@ from typing import Callable
 
 import psutil
 
-from engine.config import known_nodes, remember_nodes
+from engine.config import FleetAccess, known_nodes, remember_nodes
 from engine.errors import FleetError
 from engine.fleet.control import ROLE, AgentError, ControlClient
 from engine.fleet.discovery import CHECKS, PROVE_S, Browser, local_addresses, prover
@@ -146,10 +146,11 @@ class Reach:
         return self.outcome == "proved"
 
 
-def reach(address: str, key: bytes, tls=None, timeout_s: float = PROVE_S) -> Reach:
-    """Dials ``address`` and runs the fleet-key handshake, all within ``timeout_s``."""
+def reach(address: str, access: FleetAccess, timeout_s: float = PROVE_S) -> Reach:
+    """Dials ``address`` and runs the fleet-key handshake (``access``'s key, over its TLS), all within
+    ``timeout_s``."""
     try:
-        sock, welcome, _ = handshake(address, key, ROLE, tls, deadline_s=timeout_s)
+        sock, welcome, _ = handshake(address, access.key, ROLE, access.tls, deadline_s=timeout_s)
     except ConnectionRefusedError as exc:
         return Reach(address, "refused", str(exc.strerror or exc))
     except (socket.timeout, TimeoutError) as exc:
@@ -169,19 +170,19 @@ def reach(address: str, key: bytes, tls=None, timeout_s: float = PROVE_S) -> Rea
     return Reach(address, "proved", node_id=str(node.get("id", ""))[:64], name=str(node.get("name", ""))[:64])
 
 
-def join(text: str, key: bytes, tls=None, timeout_s: float = PROVE_S) -> tuple[JoinCode, list[Reach]]:
+def join(text: str, access: FleetAccess, timeout_s: float = PROVE_S) -> tuple[JoinCode, list[Reach]]:
     """Reads a join code, adds its addresses to the known nodes (a PC that is off now counts once it
     answers) and dials each once, off the caller's thread (a few at once): what each gave."""
-    code = read_join_code(text, key)
+    code = read_join_code(text, access.key)
     remember_nodes(code.agents)
-    return code, _dial_all(code.agents, key, tls, timeout_s)
+    return code, _dial_all(code.agents, access, timeout_s)
 
 
-def _dial_all(addresses: list[str], key: bytes, tls, timeout_s: float, workers: int = CHECKS) -> list[Reach]:
+def _dial_all(addresses: list[str], access: FleetAccess, timeout_s: float, workers: int = CHECKS) -> list[Reach]:
     if not addresses:
         return []
     with concurrent.futures.ThreadPoolExecutor(min(workers, len(addresses)), thread_name_prefix="dial") as pool:
-        return list(pool.map(lambda a: reach(a, key, tls, timeout_s), addresses))
+        return list(pool.map(lambda a: reach(a, access, timeout_s), addresses))
 
 
 # --- scanning the subnet ------------------------------------------------------------------------------
@@ -218,7 +219,7 @@ class Scan:
         return self.dialled < self.planned
 
 
-def scan(key: bytes, tls=None, *, port: int = AGENT_PORT, networks: list | None = None,
+def scan(access: FleetAccess, *, port: int = AGENT_PORT, networks: list | None = None,
          deadline_s: float = SCAN_DEADLINE_S, dials: int = SCAN_DIALS, dial_s: float = SCAN_DIAL_S,
          cancel: Callable[[], bool] = lambda: False, keep: bool = True) -> Scan:
     """Dials ``port`` on every address of ``networks`` (default: ``subnets()``) but this PC's own, at
@@ -240,7 +241,7 @@ def scan(key: bytes, tls=None, *, port: int = AGENT_PORT, networks: list | None 
                 if address is None:
                     break
                 left = end - time.monotonic()
-                pending.add(pool.submit(reach, address, key, tls, max(0.05, min(dial_s, left))))
+                pending.add(pool.submit(reach, address, access, max(0.05, min(dial_s, left))))
             if not pending:
                 break
             done, pending = concurrent.futures.wait(pending, timeout=max(0.0, end - time.monotonic()) + dial_s,
@@ -288,10 +289,10 @@ class Dialer:
     ``timeout_s``.  ``on_event(kind, info)`` as a ``discovery.Browser``'s, from the dialler's thread.  A
     node reached at several known addresses is one node, at the first of them that answers."""
 
-    def __init__(self, key: bytes, tls=None, on_event: Callable[[str, NodeInfo], None] | None = None,
+    def __init__(self, access: FleetAccess, on_event: Callable[[str, NodeInfo], None] | None = None,
                  known: Callable[[], list[str]] = known_addresses, every_s: float = DIAL_EVERY_S,
                  timeout_s: float = PROVE_S):
-        self.key, self.tls, self._on_event, self._known = key, tls, on_event, known
+        self.access, self._on_event, self._known = access, on_event, known
         self.every_s, self.timeout_s = every_s, timeout_s
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeInfo] = {}
@@ -341,7 +342,7 @@ class Dialer:
 
     def _round(self) -> None:
         addresses = list(dict.fromkeys(self._known()))
-        got = _dial_all(addresses, self.key, self.tls, self.timeout_s)
+        got = _dial_all(addresses, self.access, self.timeout_s)
         nodes: dict[str, NodeInfo] = {}
         for r in got:
             if self._stop.is_set():
@@ -349,7 +350,7 @@ class Dialer:
             if not r.proved or r.node_id in nodes:
                 continue
             try:
-                with ControlClient(r.address, self.key, tls=self.tls, timeout_s=self.timeout_s) as agent:
+                with ControlClient(r.address, self.access, timeout_s=self.timeout_s) as agent:
                     info = _node_info(agent.status().get("node", {}), r.address)
             except (AgentError, BadRecord) as exc:
                 r.outcome, r.reason = "stalled", str(exc)
@@ -523,17 +524,17 @@ class Discovery:
     facts first).  ``on_event`` as a ``Browser``'s.  mDNS that cannot start (no multicast interface) is
     not an error here: the known nodes are still dialled, and ``diagnose`` says why."""
 
-    def __init__(self, key: bytes, tls=None, on_event: Callable[[str, NodeInfo], None] | None = None,
+    def __init__(self, access: FleetAccess, on_event: Callable[[str, NodeInfo], None] | None = None,
                  addresses: list[str] | None = None, known: Callable[[], list[str]] = known_addresses,
                  every_s: float = DIAL_EVERY_S):
-        self.key, self.tls, self.fleet_id = key, tls, fleet_id(key)
+        self.access, self.fleet_id = access, fleet_id(access.key)
         self._on_event = on_event
         self._lock = threading.Lock()
         self._found: dict[str, dict[str, NodeInfo]] = {}  # node id -> source ("mdns", "known") -> facts
         self.mdns_error = ""
         self.browser = Browser(self.fleet_id, on_event=lambda k, i: self._event("mdns", k, i), addresses=addresses,
-                               verify=prover(key, tls))
-        self.dialer = Dialer(key, tls, on_event=lambda k, i: self._event("known", k, i), known=known,
+                               verify=prover(access))
+        self.dialer = Dialer(access, on_event=lambda k, i: self._event("known", k, i), known=known,
                              every_s=every_s)
 
     def start(self) -> "Discovery":

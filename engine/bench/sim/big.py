@@ -35,6 +35,7 @@ from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks
 from engine.bench.llamacpp import LlamaServer
 from engine.bench.serve import user_wave
 from engine.bench.sim.shared import TLS, RpcServer, Sim, medians
+from engine.config import FleetAccess
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim import netns
@@ -71,7 +72,7 @@ def place(office: Office, shape: ModelShape, users: int, key: bytes) -> Plan:
     holds the whole model: then the comparison would not be about a model too big for one."""
     devices = []
     for node in office.nodes.values():
-        with ControlClient(node.agent, key) as agent:
+        with ControlClient(node.agent, FleetAccess(key)) as agent:
             free = agent.status()["node"]["available_mb"] << 20
         devices.append(DeviceProfile(node.name, "CPU", free, layer_ms=1.0,
                                      head_ms=shape.head_bytes / shape.layer_bytes))
@@ -130,7 +131,7 @@ class _OursServer:
     def __init__(self, office: Office, folders: list[Path], model: str, key: bytes, streams: int):
         pc1, pc2 = office.nodes.values()
         self.key, self.agent = key, pc2.agent
-        with ControlClient(pc2.agent, key) as agent:
+        with ControlClient(pc2.agent, FleetAccess(key)) as agent:
             digest, _ = agent.send_shard(folders[1])
             self.worker = agent.start_worker(digest)
         _uncache([folders[0]])
@@ -150,7 +151,7 @@ class _OursServer:
 
     def close(self) -> None:
         end_processes([self.proc], timeout_s=15)
-        with contextlib.suppress(Exception), ControlClient(self.agent, self.key) as agent:
+        with contextlib.suppress(Exception), ControlClient(self.agent, FleetAccess(self.key)) as agent:
             agent.stop_worker(self.worker["id"])
 
 

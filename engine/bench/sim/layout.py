@@ -83,8 +83,8 @@ def compare_layout(office: Office, model: str, *, key: bytes, weights: str, toke
     notes: dict[str, list[str]] = {}
     try:
         netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
-        doc = survey(model, [node.agent for node in office.nodes.values()], key=key, local_node=COORDINATOR,
-                     weights=weights, progress=lambda p: log(p.text))
+        doc = survey(model, [node.agent for node in office.nodes.values()], access=FleetAccess(key),
+                     local_node=COORDINATOR, weights=weights, progress=lambda p: log(p.text))
         shape, fleet = ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"])
         layouts = {u: solve_layout(shape, fleet, users=u) for u in users}
         services: dict[tuple, object] = {}  # one deployment per distinct layout

@@ -168,7 +168,7 @@ def _lose_pc1(office: Office, sim: Sim, deployment, chain, profile: dict, rate: 
         if how == "cut":
             office.partition("pc1")
         else:
-            with ControlClient(pc1.agent, key) as agent:
+            with ControlClient(pc1.agent, FleetAccess(key)) as agent:
                 pid = next(w["pid"] for w in agent.status()["workers"] if w["id"] == worker["worker"])
             os.kill(pid, signal.SIGKILL)  # the agent runs in pc1's namespace, but pids are the host's
 
@@ -210,7 +210,7 @@ def _profile(office: Office, model_doc: dict, key: bytes) -> dict:
     the layers go is what is measured here, not the solver)."""
     nodes = {"coordinator": {"name": HERE, "address": LOCAL}}
     for node in office.nodes.values():
-        with ControlClient(node.agent, key) as client:
+        with ControlClient(node.agent, FleetAccess(key)) as client:
             nodes[client.status()["node"]["node_id"]] = {"name": node.name, "address": node.agent}
     devices = [DeviceProfile(n, "CPU", 4 << 30, layer_ms=1.0, head_ms=2.0) for n in nodes]
     rtt = {(a, b): 0.3 for a in nodes for b in nodes if a < b}

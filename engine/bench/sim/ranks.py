@@ -159,7 +159,7 @@ def _fleets_choice(office: Office, model: str, *, key: bytes, weights: str, open
     surveyed, the solver's fastest plan for one user (``layout.fastest_for_one``: a chain, the model
     whole here, or two ranks), deployed through PC 2's agent.  Its chain (closed with ``opened``),
     and the plan in words."""
-    doc = survey(model, [node.agent for node in office.nodes.values()], key=key, local_node=COORDINATOR,
+    doc = survey(model, [node.agent for node in office.nodes.values()], access=FleetAccess(key), local_node=COORDINATOR,
                  weights=weights, progress=lambda p: log(p.text))
     shape, fleet = ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"])
     plan = fastest_for_one(shape, fleet, solve(shape, fleet, objective="latency"))

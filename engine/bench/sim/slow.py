@@ -58,7 +58,7 @@ def compare_slow(office: Office, model: str, *, key: bytes, weights: str, tokens
     opened: list = []
     try:
         netns.move_into(here, os.getpid())  # before anything compiles: OpenVINO sizes its threads then
-        doc = survey(model, [fast.agent, slow.agent], key=key, local_node=COORDINATOR, weights=weights,
+        doc = survey(model, [fast.agent, slow.agent], access=FleetAccess(key), local_node=COORDINATOR, weights=weights,
                      progress=lambda p: log(p.text))
         shape, fleet = ModelShape.from_json(doc["model"]), Fleet.from_json(doc["fleet"])
         slow_id = next(n for n, info in doc["nodes"].items() if info.get("address") == slow.agent)

@@ -1,6 +1,3 @@
 """The activation relay: stage workers serving a shard over TCP, the coordinator's remote chain,
-and the local fleet of worker processes on this computer."""
-
-# Groups of packed streams a remote chain keeps in flight at most; placement prices the relay with
-# it too, and imports it from here, where nothing heavy comes along.
-MAX_GROUPS = 8
+and the local fleet of worker processes on this computer.  What a relay runs with (groups in flight,
+a prompt's rows, the heartbeat) is ``engine.config.RelayOptions``."""

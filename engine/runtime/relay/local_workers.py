@@ -18,9 +18,8 @@ import socket
 import subprocess
 from pathlib import Path
 
-from engine.config import DEADLINE_S, MODE, FleetAccess, paths
+from engine.config import MODE, FleetAccess, paths
 from engine.errors import FleetError
-from engine.fleetkey import load_key, load_tls
 from engine.launch import FleetProcess, stop_all
 from engine.manifest import part_name
 from engine.runtime.relay.worker import Worker
@@ -47,20 +46,25 @@ class LocalWorkers:
     """Stages 1.. of a model served on this computer by workers this process starts, for a coordinator
     here (the module's docstring)."""
 
-    def __init__(self, shard_dirs: list[Path], key_file: Path, *, devices: list[str] | None = None,
-                 mode: str = MODE, precision: str | None = None, delay_ms: float = 0.0, tls: bool = False,
-                 deadline_s: float = DEADLINE_S, log_dir: Path | None = None, link_workers: bool = True,
+    def __init__(self, shard_dirs: list[Path], access: FleetAccess, *, devices: list[str] | None = None,
+                 mode: str = MODE, precision: str | None = None, delay_ms: float = 0.0,
+                 log_dir: Path | None = None, link_workers: bool = True,
                  isolate: bool = False, cpu_sets: list[str | None] | None = None, take_turns: bool = True,
                  hosting: str = "processes"):
-        """``link_workers``: pass each worker its successor (``--next``); without it the coordinator's
-        route tells them.  ``isolate``: one compiled model per stream; ``cpu_sets``: a CPU list per
-        worker to pin it to (``engine.runtime.relay.affinity``).  ``take_turns``: unless the workers are
-        pinned, they compute one at a time (``engine.runtime.stages.turns``); the coordinator joins them
-        through ``turns``.  ``hosting``: "processes" or "threads" (the module's docstring)."""
+        """``access``: the fleet key, TLS and deadline the workers go with; a worker process is told
+        its key file (``access.key_file``), whether it speaks TLS and the deadline.  ``link_workers``:
+        pass each worker its successor (``--next``); without it the coordinator's route tells them.
+        ``isolate``: one compiled model per stream; ``cpu_sets``: a CPU list per worker to pin it to
+        (``engine.runtime.relay.affinity``).  ``take_turns``: unless the workers are pinned, they compute
+        one at a time (``engine.runtime.stages.turns``); the coordinator joins them through ``turns``.
+        ``hosting``: "processes" or "threads" (the module's docstring)."""
         if hosting not in HOSTINGS:
             raise FleetError(f"unknown hosting {hosting!r}; choose one of {', '.join(HOSTINGS)}")
         if hosting == "threads" and any(cpu_sets or []):
             raise FleetError("workers hosted in threads cannot be pinned to CPUs of their own")
+        if hosting == "processes" and access.key_file is None:
+            raise FleetError("worker processes need the fleet key's file: a fleet access read from one "
+                             "(engine.fleetkey.access_of)")
         self.shard_dirs = [Path(d) for d in shard_dirs]
         self.devices = devices or ["CPU"] * len(self.shard_dirs)
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in self.shard_dirs]
@@ -71,9 +75,9 @@ class LocalWorkers:
         self.workers: list = []  # hosting "threads": engine.runtime.relay.worker.Worker
         self._log_files: list = []  # their logs, open
         self.logs: list[Path] = []
-        self.key_file = key_file
+        self.access = access
         self.link_workers = link_workers
-        self.mode, self.precision, self.delay_ms, self.tls, self.deadline_s = mode, precision, delay_ms, tls, deadline_s
+        self.mode, self.precision, self.delay_ms = mode, precision, delay_ms
         self.isolate = isolate
         self.cpu_sets = cpu_sets or [None] * len(self.shard_dirs)
         self.turns = machine_turns_file() if take_turns and not any(self.cpu_sets) else None
@@ -81,7 +85,7 @@ class LocalWorkers:
     def arguments(self, i: int) -> list[str]:
         """The ``fleet`` arguments of worker ``i``."""
         cmd = ["worker", "--shard", str(self.shard_dirs[i]), "--listen", self.addresses[i], "--device", self.devices[i],
-               "--fleet-key-file", str(self.key_file), "--deadline", str(self.deadline_s),
+               "--fleet-key-file", str(self.access.key_file), "--deadline", str(self.access.deadline_s),
                "--mode", self.mode]
         if self.link_workers and i + 1 < len(self.shard_dirs):
             cmd += ["--next", self.addresses[i + 1]]
@@ -89,7 +93,7 @@ class LocalWorkers:
             cmd += ["--precision", self.precision]
         if self.delay_ms:
             cmd += ["--delay-ms", str(self.delay_ms)]
-        cmd += ["--tls" if self.tls else "--no-tls"]  # the caller's setting, never the saved file's
+        cmd += ["--tls" if self.access.uses_tls else "--no-tls"]  # the caller's access, never the saved settings
         if self.isolate:
             cmd += ["--isolate-streams"]
         if self.cpu_sets[i]:
@@ -121,8 +125,7 @@ class LocalWorkers:
 
         nxt = self.addresses[i + 1] if self.link_workers and i + 1 < len(self.shard_dirs) else None
         try:
-            access = FleetAccess(load_key(self.key_file), load_tls(self.tls, self.key_file), self.deadline_s)
-            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, access=access, device=self.devices[i],
+            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, access=self.access, device=self.devices[i],
                             mode=self.mode, precision=self.precision, delay_ms=self.delay_ms, log=write,
                             isolate=self.isolate, turns=compute_turns(self.turns))
         except Exception as exc:

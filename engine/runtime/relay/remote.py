@@ -13,7 +13,7 @@ streams' rows down the chain, so a hop costs one trip for all of them.  The stre
 up to ``depth`` groups that are in flight at once: while stage 1 computes one group, stage 0
 computes the next, so the PCs of a split work at the same time instead of taking turns.  A group
 goes as soon as fewer than ``depth`` are in flight; its size is the active streams' fair share,
-which rebalances the groups as users come and go.  A prompt's chunk (``PROMPT_ROWS`` rows or more)
+which rebalances the groups as users come and go.  A prompt's chunk (``prompt_rows`` rows or more)
 fills a forward by itself: in a pipeline it goes at once as a group of its own, not counted against
 ``depth``, so that stage 1 starts on the first prompt while stage 0 computes the next ones instead
 of waiting for half of them.  Unless fixed, ``depth`` follows the rounds: a
@@ -46,11 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import MODE, FleetAccess
+from engine.config import MODE, FleetAccess, RelayOptions
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span, load_manifest
 from engine.runtime.interfaces import Chain
-from engine.runtime.relay import MAX_GROUPS
 from engine.runtime.relay.mirror import Mirror
 from engine.runtime.stages.factory import open_stage
 from engine.runtime.stages.output import Output
@@ -60,11 +59,6 @@ from engine.runtime.stages.turns import turns_identity
 from engine.transport import wire
 from engine.transport.link import Link, connect_successor
 from engine.transport.wire import AuthError, Flag, Frame, Msg, PartHeader, ProtocolError
-
-
-# A round of this many rows (a prompt's chunk; a speculative round has at most AutoK.K_MAX + 1)
-# computes about as efficiently alone as packed with others
-PROMPT_ROWS = 16
 
 
 @dataclasses.dataclass
@@ -121,11 +115,13 @@ class _Trip:
     """What a round's trip costs, from the rounds collected: each stage's compute (smoothed), and the
     network's share, the least of the recent rounds' (a round that queued behind another group
     waited longer than the network made it).  Stages that take one computer's compute turns never
-    compute at once: together they are one stage of the pipeline."""
+    compute at once: together they are one stage of the pipeline.  ``max_groups``: the most it ever
+    says (``RelayOptions.max_groups``)."""
 
     WINDOW = 64
 
-    def __init__(self):
+    def __init__(self, max_groups: int = RelayOptions.max_groups):
+        self.max_groups = max_groups
         self.stage_ms: list[float] = []
         self.network_ms: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
 
@@ -149,19 +145,18 @@ class _Trip:
         for computer, ms in zip(computers, self.stage_ms):
             busy[computer] = busy.get(computer, 0.0) + ms
         trip = sum(self.stage_ms) + min(self.network_ms)
-        return int(min(max(round(trip / max(busy.values())), 1), MAX_GROUPS))
+        return int(min(max(round(trip / max(busy.values())), 1), self.max_groups))
 
 
 class RemoteChain(Chain):
     """A chain whose stage 0 runs here and whose other stages run on workers (the module's docstring)."""
 
-    prompt_rows = PROMPT_ROWS  # a chain (a test) may raise its own
-
     def __init__(self, stage0: Path | str, remotes: list[str], *, access: FleetAccess, device: str = "CPU",
                  mode: str = MODE, precision: str | None = None, connect_timeout_s: float = 60.0,
                  isolate: bool = False, turns=None, local=None, depth: int | None = None, fed: bool = False,
-                 standbys: list[str | None] | None = None):
-        """``access``: the fleet key, TLS and deadline every link of the chain goes with.
+                 standbys: list[str | None] | None = None, relay: RelayOptions = RelayOptions()):
+        """``access``: the fleet key, TLS and deadline every link of the chain goes with; ``relay``: the
+        groups it keeps in flight at most and the rows from which a prompt's chunk goes alone.
         ``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
         stream it holds is forgotten, and it is not compiled again.  ``depth``: groups of packed
@@ -199,6 +194,7 @@ class RemoteChain(Chain):
         self._mirrored: set[int] = set()  # streams reset since the standbys last started taking copies
         self._drops_seen = 0
         self.access = access
+        self.relay = relay
         self.connect_timeout_s = connect_timeout_s
         self.stages: list[dict] = []  # what each remote stage reported when the chain came up
         self._link: Link | None = None
@@ -214,7 +210,7 @@ class RemoteChain(Chain):
         if depth is not None and depth < 1:
             raise FleetError(f"a chain keeps at least one group of streams in flight, not {depth}")
         self._depth = depth
-        self._trip = _Trip()
+        self._trip = _Trip(relay.max_groups)
         self._turns: list[str | None] = []  # each stage's compute turns, once the chain is up
         self.most_in_flight = 0  # the most groups that were in flight at once (a pipeline fills up)
         self._seq = random.getrandbits(31)  # a fresh range, so a previous session's late replies never match
@@ -536,7 +532,7 @@ class RemoteChain(Chain):
     def _waiting_prompt(self) -> int | None:
         """Where the first waiting round of ``prompt_rows`` rows or more is, if groups are pipelined."""
         if self._pending and self.depth > 1:
-            return next((i for i, r in enumerate(self._pending) if len(r.part.x) >= self.prompt_rows), None)
+            return next((i for i, r in enumerate(self._pending) if len(r.part.x) >= self.relay.prompt_rows), None)
         return None
 
     def _share(self) -> int:

@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.config import MODE, FleetAccess
+from engine.config import MODE, FleetAccess, RelayOptions
 from engine.errors import FleetError, ShardError
 from engine.manifest import load_manifest
 from engine.runtime.relay.mirror import Mirror
@@ -63,11 +63,6 @@ class RequestError(FleetError):
         self.transient = transient
 
 
-def heartbeat_interval(deadline_s: float) -> float:
-    """How often a worker sends ALIVE while it owes a reply, and checks its successor's silence."""
-    return min(0.25, deadline_s / 10)
-
-
 def answer(logits: np.ndarray, stream: int, seq: int, flags: Flag, stage_ms: np.ndarray) -> Frame:
     """The RESULT a last stage sends back for one stream: what ``flags`` ask of its ``logits``
     ``[1, q, vocab]``, and no more."""
@@ -82,8 +77,9 @@ class Worker(Listening):
                  access: FleetAccess, device: str = "CPU", mode: str = MODE, precision: str | None = None,
                  delay_ms: float = 0.0, log: Callable[[str], None] | None = None,
                  max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None,
-                 counted: Callable[[int], None] | None = None):
-        """``access``: the fleet key, TLS and deadline every link of the worker goes with.  ``counted``:
+                 counted: Callable[[int], None] | None = None, relay: RelayOptions = RelayOptions()):
+        """``access``: the fleet key, TLS and deadline every link of the worker goes with; ``relay``: how
+        often it sends ALIVE while it owes a reply and checks its successor's silence.  ``counted``:
         told the tokens served so far, whenever they are counted (``_count_tokens``).
         A tensor-parallel rank (``engine.transport.mesh``) other than 0 also listens, on a port of
         its own beside ``listen``'s host, for rank 0's connection."""
@@ -96,6 +92,7 @@ class Worker(Listening):
                                  turns=turns, mesh=self.mesh)
         m = self.manifest = self.runner.manifest
         self.access = access
+        self.relay = relay
         self.delay_s = delay_ms / 1e3
         self.max_frame = max_frame
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -577,7 +574,7 @@ class Worker(Listening):
 
     def _relay_from(self, link: Link) -> str:
         """Relays everything the successor sends back upstream; returns why the link ended."""
-        tick = heartbeat_interval(self.access.deadline_s)
+        tick = self.relay.heartbeat(self.access.deadline_s)
         self._down_last_rx = time.monotonic()
         while not self._stop.is_set():
             try:
@@ -617,7 +614,7 @@ class Worker(Listening):
         return wire.control(Msg.PONG, {"stages": [self.describe(), *stages]}, frame.stream, frame.seq)
 
     def _heartbeat_loop(self) -> None:
-        tick = heartbeat_interval(self.access.deadline_s)
+        tick = self.relay.heartbeat(self.access.deadline_s)
         while not self._stop.wait(tick):
             up = self._upstream
             if up is not None and self._owed:
