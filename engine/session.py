@@ -159,9 +159,8 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
             return None
         progress(Progress("Starting the local fleet"))
         access = fleet_access(settings, create=True)  # a missing certificate is refused before the agent starts
-        deployment, chain, agent = local_up(settings.default_model, settings.stages, settings.fleet_key_file,
-                                            access=access, shard=ShardOptions.of(settings), cancel=cancel,
-                                            progress=progress)
+        deployment, chain, agent = local_up(settings.default_model, settings.stages, access=access,
+                                            shard=ShardOptions.of(settings), cancel=cancel, progress=progress)
         return Opened(chain, kind, [LocalAgent(agent)], deployment, access)
     shard = ShardOptions.of(settings, launch.precision)
     if launch.shards is not None:

@@ -134,9 +134,8 @@ class EngineBackend:
     def start_demo(self, settings, count: int, progress: Report = quiet):
         """``count`` demo nodes on this PC (``engine.fleet.demo``) under the fleet key in force (the
         default one made if missing); returns the ``DemoFleet``."""
-        path = self.key_file(settings, create=True)
-        keystore.materialise(path, default=not settings.fleet_key_file)
-        return start_demo_fleet(path, count, tls=settings.tls, log=lambda line: progress(Progress(line)))
+        self.key_file(settings, create=True)
+        return start_demo_fleet(keystore.access(settings), count, log=lambda line: progress(Progress(line)))
 
     def prune(self, address: str, settings) -> dict:
         """Removes the shards the node's workers do not serve (its agent's "prune")."""

@@ -30,7 +30,7 @@ from engine.config import Settings
 from engine.errors import FleetError
 from engine.fleet.agent import Agent
 from engine.fleet.shardstore import shard_text
-from engine.fleetkey import load_tls
+from engine.fleetkey import access_of
 from engine.manifest import layer_span, part_name
 from fleetgui import autostart, keystore, theme
 from fleetgui.settings import GuiSettings, default_store
@@ -71,7 +71,9 @@ def is_failure(line: str) -> bool:
 
 
 class WorkerController(QObject):
-    """The in-process agent and the controls both front ends share."""
+    """The in-process agent and the controls both front ends share.  It keeps the fleet key file and
+    whether the fleet speaks TLS rather than a ``FleetAccess``: the file may be missing and another
+    chosen (``use_key``), so the access its agent takes whole is built each time the agent starts."""
 
     changed = Signal()  # status, stage, shards, paused or autostart changed
     stopped = Signal()  # the agent has stopped (after Quit)
@@ -79,7 +81,7 @@ class WorkerController(QObject):
     logged = Signal(str)  # a line of the agent's log (emitted on its threads, delivered queued)
 
     def __init__(self, key_file: Path, *, listen: str = DEFAULT_LISTEN, name: str | None = None,
-                 advertise: bool = True, store: Path | None = None, tls=None, poll_ms: int = 1000,
+                 advertise: bool = True, store: Path | None = None, tls: bool = False, poll_ms: int = 1000,
                  parent: QObject | None = None):
         super().__init__(parent)
         self.key_file = Path(key_file)
@@ -100,8 +102,8 @@ class WorkerController(QObject):
         if self.agent is not None:
             return True
         try:
-            self.agent = Agent(self.listen, key_file=self.key_file, name=self.name, tls=self.tls, store=self.store,
-                               advertise=self.advertise, log=self._log).start()
+            self.agent = Agent(self.listen, access=access_of(self.key_file, tls=self.tls), name=self.name,
+                               store=self.store, advertise=self.advertise, log=self._log).start()
         except (FleetError, OSError) as exc:
             self.error = str(exc) if isinstance(exc, FleetError) else f"cannot start the node agent: {exc}"
             self.failed.emit(self.error)
@@ -436,9 +438,9 @@ class WorkerTray(QObject):
 
 
 def build_worker(key_file: Path, *, listen: str = DEFAULT_LISTEN, name: str | None = None, advertise: bool = True,
-                 store: Path | None = None, tls=None, poll_ms: int = 1000, tray: bool | None = None):
+                 store: Path | None = None, tls: bool = False, poll_ms: int = 1000, tray: bool | None = None):
     """Starts the agent and its front end: the tray icon when a system tray exists (or ``tray``
-    says so), else the window.  Returns (controller, front end)."""
+    says so), else the window; ``tls``: the fleet speaks TLS.  Returns (controller, front end)."""
     controller = WorkerController(key_file, listen=listen, name=name, advertise=advertise, store=store, tls=tls,
                                   poll_ms=poll_ms)
     use_tray = QSystemTrayIcon.isSystemTrayAvailable() if tray is None else tray
@@ -457,7 +459,7 @@ def run_worker(args) -> int:
     key_file = Path(args.fleet_key_file).expanduser() if args.fleet_key_file else keystore.key_path(settings)
     keystore.materialise(key_file, default=not (args.fleet_key_file or settings.fleet_key_file))
     controller, front = build_worker(key_file, listen=args.listen, name=args.name, advertise=not args.no_mdns,
-                                     tls=_tls(key_file))
+                                     tls=_tls_enabled())
     app.setQuitOnLastWindowClosed(isinstance(front, WorkerWindow))
     controller.stopped.connect(app.quit)
     app.aboutToQuit.connect(lambda: controller.agent and controller.agent.stop())
@@ -465,9 +467,9 @@ def run_worker(args) -> int:
     return app.exec()
 
 
-def _tls(key_file: Path):
+def _tls_enabled() -> bool:
+    """Whether the saved settings turn TLS on (an unreadable settings file: the default)."""
     try:
-        enabled = Settings.load().tls
-    except (OSError, ValueError, TypeError, FleetError):  # an unreadable settings file: the default
-        enabled = Settings().tls
-    return load_tls(enabled, key_file)
+        return Settings.load().tls
+    except (OSError, ValueError, TypeError, FleetError):
+        return Settings().tls

@@ -192,11 +192,11 @@ def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
 
 def test_a_nodes_name_with_terminal_escapes_prints_without_them(tmp_path):
     from engine.fleet.agent import Agent
-    from engine.fleetkey import create_key
+    from engine.fleetkey import access_of, create_key
 
     name = "evil\x1b[2J\x1b]0;owned\x07node\x9b31m"  # clear the screen, retitle the terminal, a C1 CSI
     key_file = create_key(tmp_path / "fleet.key")
-    node = Agent("127.0.0.1:0", key_file=key_file, name=name, store=tmp_path / "store", advertise=False,
+    node = Agent("127.0.0.1:0", access=access_of(key_file), name=name, store=tmp_path / "store", advertise=False,
                  log=lambda line: None).start()
     home = tmp_path / "home"
     (home / "config").mkdir(parents=True)

@@ -46,7 +46,8 @@ def test_the_terminal_chat_carries_on_over_a_worker_killed_mid_reply(tiny_models
     monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
     key_path = create_key(tmp_path / "fleet.key")
     key, tls = load_key(key_path), load_tls(True, key_path)
-    agent = start_local_agent(key_path, options=("--link-delay-ms", "10"))  # a reply of a few seconds
+    # a reply of a few seconds
+    agent = start_local_agent(FleetAccess(key, tls, key_file=key_path), options=("--link-delay-ms", "10"))
     chat = None
     try:
         stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(agent.address, "CPU", 2, 4)]

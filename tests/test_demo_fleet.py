@@ -21,7 +21,7 @@ from engine.fleet.control import ControlClient
 from engine.fleet.deploy import LOCAL
 from engine.fleet.local_agent import start_local_agent, stop_local_agent
 from engine.fleet.node import SimulatedDevice, agent_node_id, node_id
-from engine.fleetkey import create_key, fleet_access, load_key, load_tls
+from engine.fleetkey import access_of, create_key, fleet_access, load_key, load_tls
 from engine.runtime.stages.stage import core
 
 core()  # before any test starts a thread: creating an OpenVINO Core forks a child that hangs if threads run
@@ -50,7 +50,8 @@ def _fleet_nodes(key_path: Path) -> list[dict]:
 
 def test_agents_on_one_machine_are_each_a_node_listed_stably(home, tmp_path):
     key_path = create_key(tmp_path / "fleet.key")
-    started = {name: start_local_agent(key_path, name=name, mdns=True) for name in ("alpha", "beta")}
+    access = access_of(key_path, tls=True)
+    started = {name: start_local_agent(access, name=name, mdns=True) for name in ("alpha", "beta")}
     try:
         ids = {name: _status(agent.address, key_path)["node"]["node_id"] for name, agent in started.items()}
         assert ids == {"alpha": agent_node_id("alpha"), "beta": agent_node_id("beta")}
@@ -59,7 +60,7 @@ def test_agents_on_one_machine_are_each_a_node_listed_stably(home, tmp_path):
             heard = {n["name"]: n["node_id"] for n in _fleet_nodes(key_path) if n.get("source") == "mdns"}
             assert heard == ids, heard
         stop_local_agent(started.pop("beta"))  # started again, beta is the same node
-        started["beta"] = start_local_agent(key_path, name="beta")
+        started["beta"] = start_local_agent(access, name="beta")
         assert _status(started["beta"].address, key_path)["node"]["node_id"] == ids["beta"]
     finally:
         for agent in started.values():
@@ -87,7 +88,7 @@ def test_demo_fleet_profiles_deploys_chats_and_moves_a_stopped_nodes_layers(home
     model = str(tiny_models["llama"])
     events: list[str] = []
     access = fleet_access(Settings(tls=True), create=True)  # the default key, made here
-    fleet, deployment, chain, doc = demo_up(model, None, 2, access=access, shard=ShardOptions(weights="f32"))
+    fleet, deployment, chain, doc = demo_up(model, 2, access=access, shard=ShardOptions(weights="f32"))
     try:
         key, tls = load_key(), load_tls(True)
         laptop, gpu = fleet.nodes

@@ -32,7 +32,7 @@ from engine.config import FleetAccess
 from engine.errors import FleetError, StageError
 from engine.fleet.agent import Agent
 from engine.fleet.control import AgentError, ControlClient, call_frame
-from engine.fleetkey import TLS, create_certificate, create_key, load_key, tls_file
+from engine.fleetkey import TLS, access_of, create_certificate, create_key, load_key, tls_file
 from engine.runtime.decode.generate import Generator
 from engine.runtime.decode.remotedraft import DraftLink
 from engine.runtime.relay.remote import RemoteChain
@@ -139,7 +139,7 @@ def key_file(tmp_path):
 def agent(tmp_path, key_file):
     """A real agent in this process, whose prune is counted rather than done."""
     logs: list[str] = []
-    node = Agent("127.0.0.1:0", key_file=key_file, store=tmp_path / "store", advertise=False, log=logs.append)
+    node = Agent("127.0.0.1:0", access=access_of(key_file), store=tmp_path / "store", advertise=False, log=logs.append)
     node.pruned = []
     node.prune = lambda: node.pruned.append(1) or {"dropped": []}
     node.logs = logs
@@ -407,7 +407,8 @@ def test_the_cap_on_unauthenticated_connections_holds_and_the_listener_keeps_ser
     monkeypatch.setattr(link_module, "MAX_PENDING", 4)
     monkeypatch.setattr(link_module, "HANDSHAKE_DEADLINE_S", 60.0)
     logs: list[str] = []
-    node = Agent("127.0.0.1:0", key_file=key_file, store=tmp_path / "store", advertise=False, log=logs.append).start()
+    node = Agent("127.0.0.1:0", access=access_of(key_file), store=tmp_path / "store", advertise=False,
+                 log=logs.append).start()
     idle = [socket.create_connection(("127.0.0.1", node.port), timeout=10) for _ in range(4)]
     try:
         with socket.create_connection(("127.0.0.1", node.port), timeout=10) as extra:
@@ -561,8 +562,8 @@ def test_before_the_proof_a_listener_names_nothing_it_serves():
 def test_tls_refuses_a_client_without_the_fleet_certificate(tmp_path, key_file):
     pem = create_certificate(tls_file(key_file))
     logs: list[str] = []
-    node = Agent("127.0.0.1:0", key_file=key_file, store=tmp_path / "store", advertise=False, log=logs.append,
-                 tls=TLS(pem)).start()
+    node = Agent("127.0.0.1:0", access=FleetAccess(load_key(key_file), TLS(pem), key_file=key_file),
+                 store=tmp_path / "store", advertise=False, log=logs.append).start()
     try:
         with ControlClient(_address(node), FleetAccess(load_key(key_file), TLS(pem)), timeout_s=10) as client:
             assert client.call("ping") == {}

@@ -261,9 +261,11 @@ def test_counts_and_round_trips_follow_the_listed_nodes(qtbot, gui_home, key_fil
     """Every row of the table is a node and is counted (this PC, the chat's local worker, a demo
     node); the round-trip matrix shows the local worker too, and a node that stops leaves it."""
     from engine.fleet.local_agent import start_local_agent, stop_local_agent
+    from engine.fleetkey import access_of
 
-    local = start_local_agent(key_file, name="local")  # what the chat's local fleet starts
-    demo = start_local_agent(key_file, name="demo-one", role="demo",
+    access = access_of(key_file, tls=True)  # the app's default
+    local = start_local_agent(access, name="local")  # what the chat's local fleet starts
+    demo = start_local_agent(access, name="demo-one", role="demo",
                              options=("--store", str(tmp_path / "demo-store")))
     try:
         window = open_window(qtbot, tiny_settings(tmp_path / "none", fleet_key_file=str(key_file)),

@@ -19,7 +19,8 @@ from engine.errors import FleetError
 from engine.fleet.control import AgentError, ControlClient
 from engine.fleet.demo import start_demo_fleet
 from engine.fleet.agent import Agent
-from engine.fleetkey import TLS, create_certificate, create_key, key_certificate, load_key, load_tls, tls_file
+from engine.fleetkey import (TLS, access_of, create_certificate, create_key, key_certificate, load_key, load_tls,
+                             tls_file)
 from engine.runtime.stages.stage import core
 from engine.session import Launch, open_chain
 
@@ -91,7 +92,7 @@ def test_the_local_fleet_speaks_tls_as_the_callers_settings_say(fleet_home, tiny
 def test_demo_nodes_speak_tls_as_the_callers_settings_say(fleet_home, tls):
     home, key_path = fleet_home
     _saved(home, tls=not tls)
-    with start_demo_fleet(key_path, 1, tls=tls) as fleet:
+    with start_demo_fleet(access_of(key_path, tls=tls), 1) as fleet:
         (address,) = fleet.addresses
         assert _tls_handshake(address, key_path) is tls
         assert _agent_answers(address, load_key(key_path), load_tls(tls, key_path))
@@ -135,7 +136,8 @@ def test_the_saved_settings_saying_nothing_the_local_fleet_speaks_tls(fleet_home
 
 
 def _agent(key_path, store, tls) -> Agent:
-    return Agent("127.0.0.1:0", key_file=key_path, store=store, advertise=False, tls=tls).start()
+    return Agent("127.0.0.1:0", access=FleetAccess(load_key(key_path), tls, key_file=key_path), store=store,
+                 advertise=False).start()
 
 
 def test_every_copy_of_the_key_gives_the_same_certificate(tmp_path):

@@ -48,8 +48,8 @@ def _greedy(target, tokens: int, prompt=PROMPT) -> list[int]:
 def server(tiny_exports, key):
     # compiled as the target is: a tiny random model's argmax differs between bf16 and f32, so a draft
     # compiled with a draft's own settings would rarely be right
-    drafts = DraftServer(tiny_exports["qwen2", "1"].folders, "127.0.0.1:0", key=key, log=lambda m: None,
-                         config=EXACT).start()
+    drafts = DraftServer(tiny_exports["qwen2", "1"].folders, "127.0.0.1:0", access=FleetAccess(key),
+                         log=lambda m: None, config=EXACT).start()
     yield drafts
     drafts.stop()
 

@@ -59,7 +59,7 @@ from engine.config import DEFAULT_WEIGHTS, FleetAccess, Scheduling
 from engine.errors import FleetError, ShardError
 from engine.export.exporter import export_model
 from engine.fleet.agent import Agent
-from engine.fleetkey import create_key
+from engine.fleetkey import access_of, create_key
 from engine.manifest import MANIFEST, load_manifest
 from engine.runtime.decode.grammar import MAX_OPTIONAL_PROPERTIES, MAX_SCHEMA_DEPTH
 from engine.runtime.decode.service import ChatService
@@ -271,8 +271,8 @@ OPS = ("ping", "status", "has_shard", "put_begin", "put_chunk", "put_end", "drop
 def fuzz_control(cases: int, tally: Tally) -> None:
     _, st = _hypothesis()
     with tempfile.TemporaryDirectory() as tmp:
-        agent = Agent("127.0.0.1:0", key_file=create_key(Path(tmp) / "fleet.key"), store=Path(tmp) / "store",
-                      advertise=False, log=lambda message: None)
+        agent = Agent("127.0.0.1:0", access=access_of(create_key(Path(tmp) / "fleet.key")),
+                      store=Path(tmp) / "store", advertise=False, log=lambda message: None)
         keys = st.sampled_from(["op", "hash", "sizes", "file", "offset", "worker", "device", "mode", "wait_s",
                                 "delay_ms", "precision", "paused"])
         hashes = st.one_of(st.text(max_size=70), st.from_regex(r"[0-9a-f]{64}", fullmatch=True),

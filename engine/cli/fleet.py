@@ -37,7 +37,7 @@ from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim.office import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import FORMER_HERE, HERE, load_survey, readable, recent_survey, survey
-from engine.fleetkey import fleet_access, fleet_id, key_file, load_key, load_tls
+from engine.fleetkey import fleet_access, fleet_id, key_file, load_key
 from engine.hostcpu import SLOW
 from engine.launch import lifeline
 from engine.manifest import layer_span, part_name
@@ -48,8 +48,7 @@ PLAN_CONTEXT = 4096  # the context a profile plans the KV cache for, unless told
 
 def cmd_agent(args) -> int:
     settings = settings_of(args)
-    agent = Agent(args.listen, key_file=key_file(args.fleet_key_file), name=args.name,
-                  tls=load_tls(settings.tls, args.fleet_key_file),
+    agent = Agent(args.listen, access=fleet_access(settings), name=args.name,
                   store=Path(args.store) if args.store else None, advertise=not args.no_mdns, log=say,
                   simulate=SimulatedDevice.from_json(args.simulate) if args.simulate else None,
                   link_delay_ms=args.link_delay_ms)
@@ -364,7 +363,7 @@ def cmd_up(args) -> int:
     if peers:
         say(f"found {len(peers)} node(s) of this fleet: {', '.join(p.name for p in peers)}. `fleet up` runs "
             "the local default; `fleet up --nodes all` places the model on them")
-    deployment, chain, agent = local_up(model, settings.stages, args.fleet_key_file, access=fleet_access(settings),
+    deployment, chain, agent = local_up(model, settings.stages, access=fleet_access(settings),
                                         shard=ShardOptions.of(settings), progress=progress_printer())
     chain.close()
     try:
@@ -407,7 +406,7 @@ def _demo_up(args, settings: Settings, model: str) -> int:
     """``fleet up --demo``: demo nodes on this PC (simulated devices, real processes), profiled, the
     model split over this machine and them, deployed and chatted on; everything stops with ``fleet up``."""
     access = fleet_access(settings)
-    fleet, deployment, chain, doc = demo_up(model, args.fleet_key_file, args.demo, access=access,
+    fleet, deployment, chain, doc = demo_up(model, args.demo, access=access,
                                             shard=ShardOptions.of(settings), progress=progress_printer(), log=say)
     chain.close()
     try:

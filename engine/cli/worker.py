@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from engine.cli.args import connection_args, duration, settings_of
+from engine.config import FleetAccess
 from engine.fleetkey import fleet_access
 from engine.launch import lifeline, report
 from engine.manifest import expand_shard_dirs, layer_span
@@ -20,7 +21,7 @@ def cmd_worker(args) -> int:
     settings = settings_of(args)
     access = fleet_access(settings)
     if args.role == "draft":
-        return _draft_server(args, settings, access.key, access.tls)
+        return _draft_server(args, settings, access)
     worker = Worker(args.shard, args.listen, args.next, access=access, device=settings.device, mode=settings.mode,
                     precision=args.precision, delay_ms=args.delay_ms, isolate=args.isolate_streams,
                     turns=compute_turns(args.compute_turns),
@@ -38,8 +39,8 @@ def cmd_worker(args) -> int:
     return 0
 
 
-def _draft_server(args, settings, key: bytes, tls) -> int:
-    server = DraftServer(expand_shard_dirs([args.shard]), args.listen, key=key, device=settings.device, tls=tls,
+def _draft_server(args, settings, access: FleetAccess) -> int:
+    server = DraftServer(expand_shard_dirs([args.shard]), args.listen, access=access, device=settings.device,
                          delay_ms=args.delay_ms)
     if args.lifeline:
         lifeline()

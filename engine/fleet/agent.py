@@ -40,7 +40,7 @@ from engine.fleet.discovery import Advertiser
 from engine.fleet.node import SimulatedDevice, agent_node_id, local_node_info
 from engine.fleet.profile import profile_shards
 from engine.fleet.shardstore import ShardStore, check_hash, pruned_text
-from engine.fleetkey import fleet_id, load_key
+from engine.fleetkey import fleet_id
 from engine.launch import FleetProcess, stop_all
 from engine.manifest import part_name, read_manifest
 from engine.runtime.relay.worker import TOKENS
@@ -76,18 +76,20 @@ class _Worker:
 
 
 class Agent:
-    def __init__(self, listen: str = "0.0.0.0:0", *, key_file: Path, name: str | None = None, tls=None,
+    def __init__(self, listen: str = "0.0.0.0:0", *, access: FleetAccess, name: str | None = None,
                  store: Path | None = None, advertise: bool = True, log: Callable[[str], None] | None = None,
                  simulate: SimulatedDevice | None = None, link_delay_ms: float = 0.0):
+        """``access``: the fleet key it checks and proves, the TLS it speaks (its workers speak it too)
+        and the key file its workers are told (``--fleet-key-file``), which it must have; its own calls
+        to peers go with it too."""
         if not 0 <= link_delay_ms < 60_000:
             raise FleetError(f"a link delay is 0 to 60000 ms, not {link_delay_ms:g}")
+        if access.key_file is None:
+            raise FleetError("a node agent needs the fleet key's file: the workers it starts read it")
         self.link_delay_ms = float(link_delay_ms)
         core()  # before any thread starts: OpenVINO forks a short-lived child when a Core is created
-        self.key_file = Path(key_file)
-        self.key = load_key(self.key_file)
-        self.fleet_id = fleet_id(self.key)
-        self.tls = tls
-        self.access = FleetAccess(self.key, tls, key_file=self.key_file)  # what its own calls to peers go with
+        self.access = access
+        self.fleet_id = fleet_id(access.key)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.store = ShardStore(store or paths().data / "agent")
         host, port = parse_address(listen, "0.0.0.0")
@@ -206,7 +208,7 @@ class Agent:
     def _authenticate(self, conn: socket.socket) -> tuple[socket.socket, wire.Seal]:
         # the node's id in WELCOME lets a browser check that an mDNS record naming this node leads here
         identity = {**ROLE, "node": {"name": self.name, "fleet": self.fleet_id, "id": self.node_id}}
-        return authenticate_peer(conn, self.key, identity, self.tls)
+        return authenticate_peer(conn, self.access.key, identity, self.access.tls)
 
     def _session(self, conn: socket.socket, seal: wire.Seal, peer: str) -> None:
         link = Link(conn, peer, seal, max_frame=CONTROL_MAX_FRAME)
@@ -328,13 +330,13 @@ class Agent:
         host = self.host if self.host not in ("::",) else "0.0.0.0"
         cmd = ["worker", "--role", role, "--shard", str(folder), "--listen", f"{host}:0",
                "--device", self._real_device(str(doc.get("device") or "CPU")), "--mode", str(doc.get("mode") or "fast"),
-               "--fleet-key-file", str(self.key_file)]
+               "--fleet-key-file", str(self.access.key_file)]
         if doc.get("precision"):
             cmd += ["--precision", str(doc["precision"])]
         delay_ms = float(doc.get("delay_ms") or 0) + self.link_delay_ms  # the deployment's, over this PC's link
         if delay_ms:
             cmd += ["--delay-ms", str(delay_ms)]
-        cmd += ["--tls" if self.tls is not None else "--no-tls"]  # as this agent, whatever the saved settings say
+        cmd += ["--tls" if self.access.uses_tls else "--no-tls"]  # as this agent, whatever the saved settings say
         # workers of this computer's cores take turns with each other and with a coordinator here
         cmd += ["--compute-turns", str(machine_turns_file())]
         wid = uuid.uuid4().hex[:8]

@@ -10,7 +10,8 @@ machine and the demo nodes (``fleet up --demo``): the survey, the layers split e
 machine and every demo node but the last (the placement a user then redraws), the deployment with
 its profile.  The last node is kept spare: failover keeps every surviving stage where it runs, so a
 stopped demo node's layers move to the spare one.  The demo nodes, their workers and whatever
-reaches them speak TLS as the caller's settings say (``tls``), as the local fleet does.
+reaches them join the fleet of the caller's ``FleetAccess`` and speak TLS when it does, as the local
+fleet does.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from engine.fleet.local_agent import start_local_agent
 from engine.fleet.node import SimulatedDevice, node_id
 from engine.fleet.span import StageSpan
 from engine.fleet.survey import survey
-from engine.fleetkey import key_file, load_key, load_tls
 from engine.launch import FleetProcess, stop_all
 from engine.progress import Report, quiet
 
@@ -95,23 +95,21 @@ class DemoFleet:
         self.close()
 
 
-def start_demo_fleet(key: str | Path | None = None, count: int = 2, *, tls: bool, mdns: bool = False,
+def start_demo_fleet(access: FleetAccess, count: int = 2, *, mdns: bool = False,
                      log: Callable[[str], None] = lambda line: None) -> DemoFleet:
-    """``count`` demo nodes (2 or 3) on loopback; ``key``: the fleet key file (None: the default one,
-    made if missing, as for the local fleet); ``tls``: the settings' TLS, which they speak; ``mdns``:
-    advertise them too (to this machine only: they listen on loopback)."""
+    """``count`` demo nodes (2 or 3) on loopback; ``access``: the fleet they join, told by its key file
+    (``fleet_access(settings, create=True)``: the default key made if missing, as for the local
+    fleet), speaking TLS when it does; ``mdns``: advertise them too (to this machine only: they listen
+    on loopback)."""
     if not 1 <= count <= MAX_NODES:
         raise FleetError(f"a demo fleet has 1 to {MAX_NODES} nodes, not {count}")
-    load_key(key, create=not key)
-    load_tls(tls, key)  # a missing fleet certificate is refused before any node starts
-    path = key_file(key)
     nodes: list[DemoNode] = []
     try:
         for i, (name, device) in enumerate(DEMO_NODES[:count]):
             log(f"starting demo node {name} ({i + 1} of {count}): a simulated {device.full_name}, "
                 f"{device.memory_mb / 1024:.0f} GB, running on this PC's CPU")
             store = paths().data / "demo" / name
-            agent = start_local_agent(path, name=name, mdns=mdns, role="demo", tls=tls,
+            agent = start_local_agent(access, name=name, mdns=mdns, role="demo",
                                       options=("--store", str(store), "--simulate", device.to_json()))
             nodes.append(DemoNode(name, device, agent))
     except BaseException:
@@ -134,18 +132,17 @@ def demo_profile() -> Path:
     return paths().data / PROFILE_NAME
 
 
-def demo_up(model: str, key: str | Path | None = None, count: int = 2, *, access: FleetAccess,
-            shard: ShardOptions = ShardOptions(), progress: Report = quiet,
-            log: Callable[[str], None] = lambda line: None, cancel=None):
+def demo_up(model: str, count: int = 2, *, access: FleetAccess, shard: ShardOptions = ShardOptions(),
+            progress: Report = quiet, log: Callable[[str], None] = lambda line: None, cancel=None):
     """``model`` over this machine and ``count`` new demo nodes: survey, even split, deployment
     (planned from the survey, saved in ``demo_profile()``); ``progress`` tells the survey's and the
-    deployment's steps, ``log`` the demo nodes' lines; ``key``: the fleet key file (None: the
-    default one) and ``access`` what it gives (``fleet_access(settings, create=True)``), for the demo
-    nodes, speaking TLS when it does, and every connection to them; ``shard``: how the stages are
-    exported and run (this machine's on the first of its devices).  Returns (DemoFleet, deployment,
-    chain, survey document); the caller closes the chain and the fleet."""
+    deployment's steps, ``log`` the demo nodes' lines; ``access``: the fleet they join
+    (``fleet_access(settings, create=True)``), for the demo nodes (told its key file), speaking TLS
+    when it does, and every connection to them; ``shard``: how the stages are exported and run (this
+    machine's on the first of its devices).  Returns (DemoFleet, deployment, chain, survey
+    document); the caller closes the chain and the fleet."""
     device = shard.device.split(",")[0].strip()
-    fleet = start_demo_fleet(key, count, tls=access.uses_tls, log=log)
+    fleet = start_demo_fleet(access, count, log=log)
     try:
         log(f"profiling this PC and the demo nodes for {model} (its three profiling shards are exported "
             "first, once)")

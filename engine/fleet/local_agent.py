@@ -4,24 +4,23 @@ for a model deployed over it (this PC's own fleet).  Not to be confused with
 
 ``local_up`` is the embedded default that ``fleet up``, ``fleet serve`` and the app run: stage 0 in
 this process, the later stages in the local agent's workers, so failover and deployment work the
-same as across PCs.  Whether they speak TLS is the caller's setting, passed to the agent as ``--tls``
-or ``--no-tls`` (never the saved settings the agent would read): the chat and failover that reach
-them use that same setting.  ``own_agents`` lists the agent processes this process started and
-that still run (the local fleet's, a demo fleet's): the app shows them as nodes.
+same as across PCs.  The fleet they join is the caller's ``FleetAccess``: the agent is told its key
+file (``--fleet-key-file``) and whether it speaks TLS (``--tls`` or ``--no-tls``, never the saved
+settings the agent would read), and the chat and failover that reach them use that same access.
+``own_agents`` lists the agent processes this process started and that still run (the local fleet's,
+a demo fleet's): the app shows them as nodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from pathlib import Path
 
 from engine.config import FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.export.exporter import plan_split
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.span import StageSpan
-from engine.fleetkey import key_file
 from engine.launch import FleetProcess
 from engine.models.catalog import resolve_source
 from engine.models.checkpoint import open_checkpoint
@@ -53,16 +52,19 @@ def own_agents() -> list[OwnAgent]:
         return list(_own)
 
 
-def start_local_agent(key_file: Path, timeout_s: float = 60.0, *, name: str = "local", mdns: bool = False,
-                      options: tuple[str, ...] = (), role: str = "local fleet",
-                      tls: bool = True) -> FleetProcess:
+def start_local_agent(access: FleetAccess, timeout_s: float = 60.0, *, name: str = "local", mdns: bool = False,
+                      options: tuple[str, ...] = (), role: str = "local fleet") -> FleetProcess:
     """A node agent process on loopback named ``name`` (its own node), tied to this process (it exits
-    when we do), ready (its control API at ``address``); ``options``: more ``fleet agent`` options (a
-    demo node's store and simulated device); ``role``: what ``own_agents`` says it is for; ``tls``: it
-    and its workers speak TLS (a fleet's default)."""
+    when we do), ready (its control API at ``address``); ``access``: the fleet it joins, told by its
+    key file (``--fleet-key-file``), which it must have, speaking TLS when the access does (a fleet's
+    default), it and its workers; ``options``: more ``fleet agent`` options (a demo node's store and
+    simulated device); ``role``: what ``own_agents`` says it is for."""
+    if access.key_file is None:
+        raise FleetError("a node agent process needs the fleet key's file: the key itself is never passed on")
     log = paths().data / "logs" / f"{name}-agent.log"
-    process = FleetProcess(["agent", "--listen", "127.0.0.1:0", "--fleet-key-file", str(key_file), "--name", name,
-                            "--tls" if tls else "--no-tls", *([] if mdns else ["--no-mdns"]), *options], log).start()
+    process = FleetProcess(["agent", "--listen", "127.0.0.1:0", "--fleet-key-file", str(access.key_file),
+                            "--name", name, "--tls" if access.uses_tls else "--no-tls",
+                            *([] if mdns else ["--no-mdns"]), *options], log).start()
     try:
         address = process.wait_ready(timeout_s)
     except FleetError as exc:
@@ -90,17 +92,16 @@ class LocalAgent:
         stop_local_agent(self.process)
 
 
-def local_up(model: str, stages: int, key: str | Path | None = None, *, access: FleetAccess,
-             shard: ShardOptions = ShardOptions(), progress: Report = quiet, cancel=None):
+def local_up(model: str, stages: int, *, access: FleetAccess, shard: ShardOptions = ShardOptions(),
+             progress: Report = quiet, cancel=None):
     """``model`` as a local fleet, stage 0 in this process and the rest in a local node agent's
-    workers; ``key`` is the fleet key file (None: the default one) and ``access`` what it gives
-    (``fleet_access(settings, create=True)``: a local fleet needs no setup), for the agent, its
-    workers and the deployment, speaking TLS when it does; ``shard``: how the stages are exported and
-    run, every stage on its device.  Returns (deployment, chain, agent
-    process: a ``FleetProcess``)."""
+    workers; ``access``: the fleet they join (``fleet_access(settings, create=True)``: a local fleet
+    needs no setup), for the agent (told its key file), its workers and the deployment, speaking TLS
+    when it does; ``shard``: how the stages are exported and run, every stage on its device.  Returns
+    (deployment, chain, agent process: a ``FleetProcess``)."""
     resolved = resolve_source(model)
     ranges = plan_split(open_checkpoint(resolved.kind, resolved.path).spec.num_layers, max(2, stages))
-    agent = start_local_agent(key_file(key), tls=access.uses_tls)
+    agent = start_local_agent(access)
     try:
         placement = [StageSpan(LOCAL if i == 0 else agent.address, shard.device, a, b)
                      for i, (a, b) in enumerate(ranges)]

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from engine.config import FleetAccess
 from engine.errors import FleetError
 from engine.runtime.decode.kvsequence import KVSequence
 from engine.runtime.stages.chain import LocalChain
@@ -121,16 +122,17 @@ class DraftText:
 class DraftServer(Listening):
     """Serves a draft model's 1-stage shard on a TCP port (``fleet worker --draft``)."""
 
-    def __init__(self, folders: list[Path], listen: str, *, key: bytes, device: str = "CPU", tls=None,
+    def __init__(self, folders: list[Path], listen: str, *, access: FleetAccess, device: str = "CPU",
                  log: Callable[[str], None] | None = None, config: dict | None = None, delay_ms: float = 0.0):
-        """``config``: compile settings other than a draft's own (``open_draft_chain``); ``delay_ms``:
-        a one-way delay on every frame (WAN simulation, as a stage worker's)."""
+        """``access``: the fleet key a coordinator must prove and the TLS it speaks; ``config``: compile
+        settings other than a draft's own (``open_draft_chain``); ``delay_ms``: a one-way delay on every
+        frame (WAN simulation, as a stage worker's)."""
         self.chain = open_draft_chain(folders, device) if config is None else LocalChain(folders, device, config=config)
         self.manifest = self.chain.manifest
         if self.manifest.stage_count != 1:
             raise FleetError(f"a draft server needs the whole draft model in one shard, not stage "
                              f"{self.manifest.stage_index} of {self.manifest.stage_count}")
-        self.key, self.tls, self.delay_s = key, tls, delay_ms / 1e3
+        self.access, self.delay_s = access, delay_ms / 1e3
         self.identity = draft_identity(self.manifest)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         try:
@@ -159,7 +161,7 @@ class DraftServer(Listening):
             self._serving.release()
 
     def _authenticate(self, conn: socket.socket) -> tuple[socket.socket, wire.Seal]:
-        return authenticate_peer(conn, self.key, self.identity, self.tls)
+        return authenticate_peer(conn, self.access.key, self.identity, self.access.tls)
 
     def _session(self, conn: socket.socket, seal: wire.Seal, peer: str) -> None:
         link = Link(conn, peer, seal, self.delay_s)
