@@ -16,9 +16,11 @@ the plugin's own matrices it would repack each time), the stage also compiles th
 token axis fixed: at one row (one user's next token, one stream) at once, and at a count of rows up
 to ``FIXED_ROWS`` once forwards of that many rows recur (several users' next tokens, a speculative
 round), in the background while the dynamic graph runs them, up to ``FIXED_GRAPHS`` graphs.  A
-forward of such a count runs its fixed graph over the same caches.  The CPU plugin then runs every node but attention on
-static shapes, skipping the shape inference and memory planning that a dynamic shape costs each node
-at each call, a large share of a small model's token (docs/benchmarks.md, "One row, static shapes").
+forward of such a count runs its fixed graph over the same caches.  The CPU plugin then runs every
+node but attention on static shapes, skipping the shape inference and memory planning that a dynamic
+shape costs each node at each call (for our kernels' nodes, a copy of the node made and validated),
+a large share of a small model's token (docs/benchmarks.md, "One row, static shapes" and "Fixed
+graphs for recurring row counts").
 """
 
 from __future__ import annotations
