@@ -554,7 +554,7 @@ class FleetView(QWidget):
         self.key_note.setObjectName("hint")
         self.key_note.setWordWrap(True)
         create = QPushButton("New key…")
-        create.setToolTip("make a new fleet key; copy the file to every machine of the fleet")
+        create.setToolTip("make a new fleet key; copy the file to every PC of the fleet")
         create.clicked.connect(self._ask_create_key)
         choose = QPushButton("Choose key file…")
         choose.clicked.connect(self._ask_choose_key)
@@ -671,14 +671,14 @@ class FleetView(QWidget):
         self.key = keystore.state(self.settings)
         if self.key.usable:
             self.key_label.setText(f"{self.key.path}  ·  fleet {self.key.fleet_id}")
-            self.key_note.setText(_sentence(self.key.storage()) + ". Copy the file to every machine of the fleet.")
+            self.key_note.setText(_sentence(self.key.storage()) + ". Copy the file to every PC of the fleet.")
         else:
             missing = not self.key.path.exists()
             self.key_label.setText(f"No fleet key yet at {self.key.path}" if missing else
                                    f"The fleet key at {self.key.path} cannot be used")
             self.key_note.setText(("" if missing else _sentence(self.key.problem) + ". ") +
-                                  "Make a new key on one machine and copy the file to the others, or choose the "
-                                  "file another machine of the fleet uses.")
+                                  "Make a new key on one PC and copy the file to the others, or choose the "
+                                  "file another PC of the fleet uses.")
         if self.key.fleet_id != before or (self.discover and self.discovery.browser is None and self.key.usable):
             self._start_discovery()
         self._summarise()
@@ -701,7 +701,7 @@ class FleetView(QWidget):
             self.banner.error(f"Could not create the fleet key: {exc}")
             return
         self._use_key(str(path))
-        self.banner.info(f"New fleet key in {path}. Copy this file to every machine of the fleet.")
+        self.banner.info(f"New fleet key in {path}. Copy this file to every PC of the fleet.")
 
     def choose_key(self, path) -> None:
         try:
@@ -938,7 +938,7 @@ class FleetView(QWidget):
         self.round_trips = measured
         self._follow_nodes()
         self.rtt_note.setText("Round trips between the nodes' control ports, in ms (median of 5): from the row's "
-                              "machine to the column's.")
+                              "PC to the column's.")
 
     def _rtt_failed(self, message: str) -> None:
         self._rtt = None

@@ -639,7 +639,7 @@ class PlacementView(QWidget):
             self.banner.error(str(exc))
             return
         self._optimised((solved, []) if not isinstance(solved, str) else (None, solved))
-        self.activity.setText(f"Fleet profiled: {len(self.model.lanes)} devices on {len(doc['nodes'])} machines; "
+        self.activity.setText(f"Fleet profiled: {len(self.model.lanes)} devices on {len(doc['nodes'])} PCs; "
                               f"saved to {default_profile()}. " + self.activity.text())
 
     # --- optimise ------------------------------------------------------------------------------------

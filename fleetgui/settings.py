@@ -59,11 +59,11 @@ def default_store() -> QSettings:
 
 
 HELP = {  # one line under each field, in words a new user understands
-    "key": "The shared secret every machine of your fleet uses; copy this file to each of them.",
+    "key": "The shared secret every PC of your fleet uses; copy this file to each of them.",
     "model": "What the chat runs: a catalog name, a GGUF file, a Hugging Face folder or an exported shard set.",
     "stages": "How many parts the model is split into, one for each PC (or process) that runs a part.",
     "devices": "Where each part runs: CPU, GPU or NPU, one for all parts or one per part (CPU,GPU.1).",
-    "mode": "fast: the quickest exchange between machines; exact: bit-identical to one machine.",
+    "mode": "fast: the quickest exchange between PCs; exact: bit-identical to one PC.",
     "local": "Run the model's later parts as separate processes on this PC, as a fleet of PCs would.",
     "standbys": "After a deploy, another PC with room keeps each part loaded, so a PC that leaves is replaced "
                 "within seconds; it uses that PC's memory.",
