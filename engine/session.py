@@ -196,9 +196,9 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
                              take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses
     try:
-        chain = RemoteChain(folders[0], remotes, access=access, device=devices[0], mode=shard.mode,
-                            precision=shard.precision, connect_timeout_s=launch.connect_timeout_s,
-                            isolate=launch.isolate, turns=compute_turns(fleet.turns if fleet else None))
+        chain = RemoteChain(folders[0], remotes, access=access, shard=dataclasses.replace(shard, device=devices[0]),
+                            connect_timeout_s=launch.connect_timeout_s, isolate=launch.isolate,
+                            turns=compute_turns(fleet.turns if fleet else None))
     except BaseException:
         if fleet is not None:
             fleet.close()
@@ -243,8 +243,7 @@ def open_draft_link(settings: Settings, chain, deployment: Deployment | None = N
     if not address:
         raise FleetError("a remote draft needs its draft server: --draft remote:HOST:PORT (a `fleet worker "
                          "--role draft`), or a deployment with one (`fleet deploy --draft-on NODE`)")
-    access = fleet_access(settings)
-    return DraftLink(address, access.key, chain.manifest, tls=access.tls)
+    return DraftLink(address, fleet_access(settings), chain.manifest)
 
 
 def open_failover(opened: Opened, settings: Settings, on_event: Callable[[str], None] | None = None,

@@ -19,6 +19,7 @@ import numpy as np
 from engine.config import FleetAccess, ShardOptions
 from engine.fleet.deploy import deploy
 from engine.fleet.sim.office import Office
+from engine.fleetkey import access_of
 from engine.launch import FleetProcess
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.chain import LocalChain
@@ -94,7 +95,7 @@ def simulated_office(specs, key_file: Path, root: Path, *, tls: bool = False):
     """An ``engine.fleet.sim.office.Office`` of ``specs`` whose agents answer inside the block; every namespace,
     link and cgroup it made is gone after it, also after a failure.  Needs root.  ``tls``: as
     ``agent_process``'s."""
-    with Office(specs, key_file=key_file, root=root, tls=tls) as office:
+    with Office(specs, access=access_of(key_file, tls=tls), root=root) as office:
         yield office
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import kernels
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.export.exporter import export_model, rank_folder
 from engine.fleetkey import access_of, create_key, load_key
 from engine.runtime.decode.generate import Generator
@@ -58,7 +58,8 @@ def test_smollm2_over_loopback_workers(smollm2_gguf, tmp_path):
     want = in_process(stages.folders)
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(stages.folders[1:], access_of(key), mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
-        chain = RemoteChain(stages.folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact")
+        chain = RemoteChain(stages.folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
+                            shard=ShardOptions(mode="exact"))
         try:
             assert exact_replies(chain, stages.folders[0]) == want
         finally:

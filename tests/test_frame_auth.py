@@ -333,7 +333,7 @@ def test_a_dial_whose_peer_trickles_its_answer_ends_at_the_deadline(client, monk
     key = os.urandom(32)
     dials = {"relay": lambda address: link_module.connect_peer(address, key, {"role": "stage"}),
              "control": lambda address: ControlClient(address, FleetAccess(key), timeout_s=30),
-             "draft": lambda address: DraftLink(address, key)}
+             "draft": lambda address: DraftLink(address, FleetAccess(key))}
     outcome: dict = {}
 
     def dial(address: str) -> None:

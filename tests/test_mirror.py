@@ -100,7 +100,7 @@ def test_a_lost_stage_hands_over_to_its_mirrored_standby_without_a_prefill(victi
 def _copies(folder, key, spare, *, hand_over: bool):
     """A stream's RESET and prefill copied to ``spare`` (stage 1), then the copies handed over or cut."""
     manifest = load_manifest(folder)
-    mirror = Mirror(spare.address, key=key, manifest=manifest, mode="fast")
+    mirror = Mirror(spare.address, access=FleetAccess(key), manifest=manifest, mode="fast")
     x = np.random.default_rng(0).standard_normal((1, 5, spare.hidden)).astype(np.float32)
     mirror.send(Frame(Msg.RESET, 3))
     mirror.send(wire.forward_frame(3, 1, x, np.ones((1, 5), np.uint8), np.arange(5)[None], np.zeros(1, np.float32)))
@@ -134,7 +134,8 @@ def test_a_serving_worker_ignores_copies(tiny_exports, key):
             first = service.submit(MESSAGES, 8, ignore_eos=True).wait(60)
             held = dict(worker.describe()["streams"])
             # someone else's copies of a stream the worker serves: applied, they would corrupt its cache
-            mirror = Mirror(worker.address, key=key, manifest=load_manifest(folders[0]), mode="fast")
+            mirror = Mirror(worker.address, access=FleetAccess(key), manifest=load_manifest(folders[0]),
+                            mode="fast")
             mirror.send(Frame(Msg.RESET, 0))
             time.sleep(0.5)
             mirror.close()

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.config import FleetAccess, RelayOptions, Scheduling
+from engine.config import FleetAccess, RelayOptions, Scheduling, ShardOptions
 from engine.errors import StageError
 from engine.fleetkey import access_of, create_certificate, create_key, load_key, tls_file
 from engine.manifest import load_manifest
@@ -53,7 +53,8 @@ def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, f
     try:
         access = FleetAccess(coordinator_key or load_key(key_file), _tls(key_file) if tls else None)
         chain = RemoteChain(folders[0], fleet.addresses, access=access, connect_timeout_s=30,
-                            mode=fleet_args.get("mode", "fast"), depth=depth, fed=fed, relay=relay)
+                            shard=ShardOptions(mode=fleet_args.get("mode", "fast")), depth=depth, fed=fed,
+                            relay=relay)
         yield fleet, chain
     finally:
         if chain is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import FleetAccess, Scheduling
+from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.fleetkey import access_of, create_key, load_key
 from engine.runtime.decode.service import ChatService
 from engine.runtime.decode.speculative import stream_drafters
@@ -69,7 +69,8 @@ def test_next_turns_reuse_the_cache_over_a_worker_process(tiny_exports, tmp_path
     folders = tiny_exports["llama", "2"].folders
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(folders[1:], access_of(key), mode="exact", log_dir=tmp_path) as fleet:
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact")
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
+                            shard=ShardOptions(mode="exact"))
         try:
             _warm_equals_cold(chain, drafts=True)
         finally:

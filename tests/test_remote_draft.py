@@ -57,7 +57,7 @@ def server(tiny_exports, key):
 def test_exact_mode_is_token_identical_with_drafts_from_another_process_of_streams(target, server, key):
     prompts = [PROMPT, PROMPT[::-1], [3, 1, 4, 1, 5, 9, 2, 6]]
     want = [_greedy(target, 40, p) for p in prompts]
-    link = DraftLink(server.address, key, target.manifest)
+    link = DraftLink(server.address, FleetAccess(key), target.manifest)
 
     def steep(drafter):  # as on an AVX2 core, where a padded verify costs more than a plain one
         drafter.plain_s, drafter.padded_s = 1e-4, 1.0
@@ -102,7 +102,7 @@ def test_the_servers_rewind_leaves_its_cache_as_a_fresh_one_fed_the_same_text(ti
 
 
 def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_before(target, server, key):
-    link = DraftLink(server.address, key, target.manifest)
+    link = DraftLink(server.address, FleetAccess(key), target.manifest)
     try:
         link.drafter(0).prime(PROMPT)
         fresh = link.drafter(0)  # as the next request on stream 0 does, before it primes
@@ -123,7 +123,7 @@ def test_a_streams_new_drafter_ignores_the_drafts_still_on_their_way_to_the_one_
 
 def test_a_text_outgrowing_the_drafts_context_goes_plain_and_keeps_the_link(target, server, key):
     want = _greedy(target, 40)
-    link = DraftLink(server.address, key, target.manifest)
+    link = DraftLink(server.address, FleetAccess(key), target.manifest)
     assert link.context == server.chain.spec.max_position
     link.context = len(PROMPT) + 20  # as a draft model of a shorter context than the target's would say
     try:
@@ -136,7 +136,7 @@ def test_a_text_outgrowing_the_drafts_context_goes_plain_and_keeps_the_link(targ
 
 def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(target, server, key):
     want = _greedy(target, 40)
-    link = DraftLink(server.address, key, target.manifest)
+    link = DraftLink(server.address, FleetAccess(key), target.manifest)
     drafter = link.drafter(0)
     seen = []
 
@@ -156,7 +156,7 @@ def test_a_draft_server_that_dies_mid_reply_leaves_plain_rounds(target, server, 
 
 def test_a_send_that_fails_before_the_reader_hears_leaves_plain_rounds(target, server, key):
     want = _greedy(target, 20)
-    link = DraftLink(server.address, key, target.manifest)
+    link = DraftLink(server.address, FleetAccess(key), target.manifest)
     drafter = link.drafter(0)
     link.link.close()  # every send fails now, whatever the reader has heard yet
     gen = Generator(target, 128).generate(PROMPT, 20, ignore_eos=True, drafter=drafter, k=3)
@@ -166,9 +166,9 @@ def test_a_send_that_fails_before_the_reader_hears_leaves_plain_rounds(target, s
 def test_a_foreign_tokenizer_and_a_wrong_key_are_refused(tiny_exports, server, key):
     llama = LocalChain(tiny_exports["llama", "1"].folders)
     with pytest.raises(ShardError, match="does not share the target .*tokenizer"):
-        DraftLink(server.address, key, llama.manifest)
+        DraftLink(server.address, FleetAccess(key), llama.manifest)
     with pytest.raises(FleetError, match="refused"):
-        DraftLink(server.address, b"x" * 32)
+        DraftLink(server.address, FleetAccess(b"x" * 32))
 
 
 @pytest.mark.parametrize("frame", [
@@ -186,7 +186,7 @@ def test_a_hostile_frame_costs_its_sender_the_connection_only(tiny_exports, serv
         wire.recv_frame(sock, seal=seal)
     sock.close()
     target = LocalChain(tiny_exports["qwen2", "1"].folders)  # the server still serves the next coordinator
-    link = DraftLink(server.address, key, target.manifest)
+    link = DraftLink(server.address, FleetAccess(key), target.manifest)
     try:
         drafter = link.drafter(0)
         drafter.prime(PROMPT)
@@ -224,7 +224,7 @@ def test_a_draft_server_with_the_key_cannot_grow_the_coordinator_or_propose_fore
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    link = DraftLink(f"127.0.0.1:{listener.getsockname()[1]}", key, target.manifest)
+    link = DraftLink(f"127.0.0.1:{listener.getsockname()[1]}", FleetAccess(key), target.manifest)
     try:
         link.drafter(0).prime(PROMPT)
         deadline = time.monotonic() + 5
@@ -247,7 +247,7 @@ def test_a_stage_worker_is_not_taken_for_a_draft_server(tiny_exports, key):
                     log=lambda m: None).start()
     try:
         with pytest.raises(FleetError, match="role mismatch"):
-            DraftLink(worker.address, key)
+            DraftLink(worker.address, FleetAccess(key))
     finally:
         worker.stop()
 
@@ -270,7 +270,7 @@ def test_a_stream_drafts_only_while_it_is_alone(target, server, key):
     # with several streams the verify's extra rows cost more than drafts give (``draft_alone``)
     from engine.runtime.decode.service import ChatService
 
-    link = DraftLink(server.address, key, target.manifest)
+    link = DraftLink(server.address, FleetAccess(key), target.manifest)
     service = ChatService(target, scheduling=Scheduling(streams=2, k="auto"),
                           drafters=lambda n: [link.drafter(i) for i in range(n)], prefix_cache=False, owned=[link])
     try:

@@ -10,7 +10,7 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from engine.config import FleetAccess, Settings
+from engine.config import FleetAccess, Settings, ShardOptions
 from engine.errors import ShardError
 from engine.fleetkey import access_of, create_key, load_key
 from engine.manifest import load_manifest
@@ -485,7 +485,8 @@ def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports,
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
         assert fleet.turns is not None  # the stages and the coordinator take compute turns
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact",
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
+                            shard=ShardOptions(mode="exact"),
                             isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             _isolation(chain)
@@ -550,7 +551,8 @@ def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, 
     key = create_key(tmp_path / "fleet.key")
     with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate,
                       hosting=hosting) as fleet:
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), mode="exact",
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
+                            shard=ShardOptions(mode="exact"),
                             isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             assert chain.packs != isolate

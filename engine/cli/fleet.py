@@ -37,7 +37,7 @@ from engine.fleet.plans import layout_stages, planned_by
 from engine.fleet.shardstore import pruned_text
 from engine.fleet.sim.office import NodeSpec, Office, clean_leftovers
 from engine.fleet.survey import FORMER_HERE, HERE, load_survey, readable, recent_survey, survey
-from engine.fleetkey import fleet_access, fleet_id, key_file, load_key
+from engine.fleetkey import access_of, fleet_access, fleet_id, load_key
 from engine.hostcpu import SLOW
 from engine.launch import lifeline
 from engine.manifest import layer_span, part_name
@@ -523,12 +523,11 @@ def cmd_sim(args) -> int:
     specs = [NodeSpec(name, memory_mb=args.memory, cpus=cpus[i % len(cpus)], cpu_quota=quotas[i % len(quotas)],
                       rate_mbit=args.rate, remote=i >= args.pcs, delay_ms=delays.get(name))
              for i, name in enumerate(names)]
-    load_key(args.fleet_key_file, create=True)
+    access = access_of(args.fleet_key_file, tls=settings_of(args).tls, create=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with Office(specs, key_file=key_file(args.fleet_key_file), root=paths().data / "sim", log=say,
-                tls=settings_of(args).tls) as office:
+    with Office(specs, access=access, root=paths().data / "sim", log=say) as office:
         print("\n".join(office.table()))
         say(f"this PC is {office.coordinator_ip} on the office's bridge: `fleet nodes` lists the PCs, "
             "`fleet up --nodes all` places a model on them (the routed PCs by address, with --nodes HOST:PORT)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine.cli.args import connection_args, duration, settings_of
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.fleetkey import fleet_access
 from engine.launch import lifeline, report
 from engine.manifest import expand_shard_dirs, layer_span
@@ -22,8 +22,8 @@ def cmd_worker(args) -> int:
     access = fleet_access(settings)
     if args.role == "draft":
         return _draft_server(args, settings, access)
-    worker = Worker(args.shard, args.listen, args.next, access=access, device=settings.device, mode=settings.mode,
-                    precision=args.precision, delay_ms=args.delay_ms, isolate=args.isolate_streams,
+    worker = Worker(args.shard, args.listen, args.next, access=access, shard=ShardOptions.of(settings, args.precision),
+                    delay_ms=args.delay_ms, isolate=args.isolate_streams,
                     turns=compute_turns(args.compute_turns),
                     counted=(lambda tokens: report(TOKENS, tokens)) if args.lifeline else None)  # to the parent
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks

@@ -136,7 +136,8 @@ class Deployment:
         if self.ranks > 1:
             return RankChain(self.stage0, self.remotes, access=access, device=self.device, mode=self.mode,
                              connect_timeout_s=connect_timeout_s)
-        return RemoteChain(self.stage0, self.remotes, access=access, device=self.device, mode=self.mode,
+        return RemoteChain(self.stage0, self.remotes, access=access,
+                           shard=ShardOptions(self.weights, self.mode, device=self.device),
                            connect_timeout_s=connect_timeout_s, fed=self.fed,
                            standbys=self.standby_addresses, **kw)
 

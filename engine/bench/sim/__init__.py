@@ -30,7 +30,7 @@ from engine.bench.llamacpp import LlamaCppUnavailable
 from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import write_report
 from engine.bench.sim import big, draft, layout, links, office, ranks, slow
-from engine.bench.sim.shared import Sim, need_gguf, pin_process
+from engine.bench.sim.shared import TLS, Sim, need_gguf, pin_process
 from engine.config import DEFAULT_WEIGHTS
 from engine.errors import FleetError
 from engine.export.exporter import export_model
@@ -38,7 +38,7 @@ from engine.fleet.sim.netns import require_root
 from engine.fleet.placement import ModelShape, balanced_split, even_split
 from engine.fleet.profile import model_shape, profile_shards
 from engine.fleet.survey import device_profile
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import access_of, create_key
 from engine.manifest import load_manifest
 
 
@@ -117,8 +117,8 @@ def run_sim(model: str, *, rates=(100.0, 1000.0), tokens: int = 64, users=None, 
                                    f"(placement.balanced_split; by weight bytes: {by_bytes[0]})"}
     with tempfile.TemporaryDirectory(prefix="fleet-bench-sim-") as tmp:
         sim.root = Path(tmp)
-        sim.key_file = create_key(sim.root / "fleet.key")
-        sim.key = load_key(sim.key_file)
+        sim.access = access_of(create_key(sim.root / "fleet.key"), tls=TLS)
+        sim.key = sim.access.key
         for index, name in enumerate(chosen, start=1):
             hooks.step(index, steps, PARTS[name].what)
             part_rows, part_ratios, part_settings = PARTS[name].measure(sim, hooks.part(index, steps))

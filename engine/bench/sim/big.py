@@ -57,7 +57,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """Two PCs of one core and ``sim.memory_mb`` each, at 1 Gbit/s."""
     specs = [NodeSpec(f"pc{i + 1}", memory_mb=sim.memory_mb, cpus=str(sim.cores[i]), rate_mbit=1000.0)
              for i in range(2)]
-    with Office(specs, key_file=sim.key_file, root=sim.root / "big", log=sim.log, tls=TLS) as office:
+    with Office(specs, access=sim.access, root=sim.root / "big", log=sim.log) as office:
         rows, ratios, plan = compare_big(office, sim.model, sim.gguf, sim.shape, key=sim.key, weights=sim.weights,
                                             runs=sim.runs, log=sim.log, hooks=hooks)
     return rows, ratios, {"big": {"memory_mb": sim.memory_mb, "users": list(USERS), "tokens": TOKENS,

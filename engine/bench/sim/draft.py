@@ -38,15 +38,15 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """PC 2 on the second core at 1 Gbit/s beside this process (PC 1, the first core)."""
     users = tuple(sim.users or USERS)
     spec = NodeSpec("pc2", cpus=str(sim.cores[1]), rate_mbit=1000.0)
-    with Office([spec], key_file=sim.key_file, root=sim.root / "draft", log=sim.log, tls=TLS) as office:
-        rows, ratios = compare_draft(office, sim.model, sim.draft, key=sim.key, weights=sim.weights, tokens=sim.tokens,
+    with Office([spec], access=sim.access, root=sim.root / "draft", log=sim.log) as office:
+        rows, ratios = compare_draft(office, sim.model, sim.draft, weights=sim.weights, tokens=sim.tokens,
                                      users=users, runs=sim.runs, core=sim.cores[0], log=sim.log, hooks=hooks)
     return rows, ratios, {"draft": {"draft_model": sim.draft, "users": list(users),
                                     "pcs": "this machine (PC 1, one core) holds the target; PC 2 (one core, "
                                            "1 Gbit/s) the draft model"}}
 
 
-def open_draft_server(office: Office, pc: str, folder: Path, key: bytes, target, log,
+def open_draft_server(office: Office, pc: str, folder: Path, target, log,
                       wait_s: float = 120.0) -> DraftLink:
     """Starts a draft server for ``folder`` on the simulated PC ``pc``; the link to it, once it answers."""
     node = office.nodes[pc]
@@ -59,14 +59,14 @@ def open_draft_server(office: Office, pc: str, folder: Path, key: bytes, target,
         if proc.poll() is not None:
             raise FleetError(f"the draft server on {pc} exited (code {proc.returncode}): {log_file.read_text()[-500:]}")
         try:
-            return DraftLink(f"{node.ip}:{PORT}", key, target)
+            return DraftLink(f"{node.ip}:{PORT}", office.access, target)
         except FleetError as exc:
             if time.monotonic() > deadline:
                 raise FleetError(f"the draft server on {pc} did not answer in {wait_s:.0f} s: {exc}") from None
             time.sleep(0.5)
 
 
-def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, weights: str, tokens: int,
+def compare_draft(office: Office, model: str, draft_model: str, *, weights: str, tokens: int,
                   users: tuple[int, ...] = USERS, runs: int, core: int, log, hooks: Hooks = NO_HOOKS
                   ) -> tuple[list[dict], dict]:
     """Rows per configuration and user count (medians over ``runs`` waves), and each user count's
@@ -81,7 +81,7 @@ def compare_draft(office: Office, model: str, draft_model: str, *, key: bytes, w
                                       drafters=factory(chain), prefix_cache=False))
             return opened[-1]
 
-        link = open_draft_server(office, pc2, draft[0], key, LocalChain(target).manifest, log)
+        link = open_draft_server(office, pc2, draft[0], LocalChain(target).manifest, log)
         opened.append(link)
         services = {name: service(lambda chain, kind=kind: drafter_factory(kind, chain, draft))
                     for kind, name in ONE_PC.items()}

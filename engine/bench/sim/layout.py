@@ -18,7 +18,7 @@ import os
 
 from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.sim.shared import TLS, DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleet.sim import netns
@@ -54,7 +54,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
             continue
         specs = [NodeSpec(f"pc{i + 2}", cpus=str(cores[1]) if i == 0 else f"{cores[0]},{cores[1]}",
                           cpu_quota=quota, rate_mbit=1000.0) for i in range(pcs - 1)]
-        with Office(specs, key_file=sim.key_file, root=sim.root / f"layout{pcs}", log=sim.log, tls=TLS) as office:
+        with Office(specs, access=sim.access, root=sim.root / f"layout{pcs}", log=sim.log) as office:
             layout_rows, layout_ratios, notes = compare_layout(
                 office, sim.model, key=sim.key, weights=sim.weights, tokens=sim.tokens, users=counts, runs=sim.runs,
                 core=cores[0], quota=quota, log=sim.log, hooks=hooks)

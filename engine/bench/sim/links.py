@@ -26,7 +26,7 @@ import time
 
 from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import Hooks, interleave
-from engine.bench.sim.shared import TLS, Sim, on_pc1
+from engine.bench.sim.shared import Sim, on_pc1
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import ControlClient
@@ -61,7 +61,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     for r, rate in enumerate(sim.rates):
         hooks.step(r, len(sim.rates), f"{rate:g} Mbit/s")
         specs = [NodeSpec(f"pc{i + 1}", cpus=str(sim.cores[i]), rate_mbit=rate) for i in range(2)]
-        with Office(specs, key_file=sim.key_file, root=sim.root / f"office-{r}", log=sim.log, tls=TLS) as office:
+        with Office(specs, access=sim.access, root=sim.root / f"office-{r}", log=sim.log) as office:
             rows += _measure(office, sim, shard_bytes, rate, want)
     ratios = {f"{row['rate_mbit']:g} Mbit/s {row['measure']} s": row["seconds"] for row in rows if "seconds" in row}
     ratios.update({f"{row['rate_mbit']:g} Mbit/s decode tok/s, standby copies / none": row["ratio"]

@@ -29,7 +29,7 @@ from pathlib import Path
 from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
 from engine.bench.llamacpp import LlamaServer
-from engine.bench.sim.shared import (TLS, DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
+from engine.bench.sim.shared import (DeployedWorkers, RpcServer, Sim, chat_wave, llama_wave, messages,
                                      on_pc1, wave_rows)
 from engine.fleet.deploy import LOCAL, deploy
 from engine.fleet.sim.office import NodeSpec, Office
@@ -49,7 +49,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """PC 2 on the second core at 1 Gbit/s beside this process (PC 1, the first core)."""
     users = tuple(sim.users or USERS)
     spec = NodeSpec("pc2", cpus=str(sim.cores[1]), rate_mbit=1000.0)
-    with Office([spec], key_file=sim.key_file, root=sim.root / "office", log=sim.log, tls=TLS) as office:
+    with Office([spec], access=sim.access, root=sim.root / "office", log=sim.log) as office:
         rows, ratios = compare(office, sim.model, sim.gguf, sim.whole.folders, sim.split, key=sim.key,
                                weights=sim.weights, tokens=sim.tokens, users=users, runs=sim.runs, core=sim.cores[0],
                                log=sim.log, hooks=hooks)

@@ -63,7 +63,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     """PC 2 on the second core at 1 Gbit/s beside this process (PC 1, the first core)."""
     users = tuple(sim.users or USERS)
     spec = NodeSpec("pc2", cpus=str(sim.cores[1]), rate_mbit=1000.0)
-    with Office([spec], key_file=sim.key_file, root=sim.root / "ranks", log=sim.log, tls=TLS) as office:
+    with Office([spec], access=sim.access, root=sim.root / "ranks", log=sim.log) as office:
         rows, ratios, notes = compare_ranks(office, sim.model, sim.draft, key=sim.key, weights=sim.weights,
                                             tokens=sim.tokens, users=users, runs=sim.runs, core=sim.cores[0],
                                             log=sim.log, hooks=hooks, gguf=sim.gguf)

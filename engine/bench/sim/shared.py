@@ -52,7 +52,7 @@ class Sim:
     whole: object = None  # the export whole (``ExportResult``)
     shape: ModelShape | None = None
     split: object = None  # the 2-stage export (``ExportResult``), for the parts that run it
-    key_file: Path | None = None
+    access: FleetAccess | None = None  # the shared key's, read from its file; TLS as the offices speak it
     key: bytes = b""
     root: Path | None = None  # a temporary folder: each office's logs and homes, in a folder of its own
 

@@ -18,7 +18,7 @@ import os
 
 from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.bench.harness import NO_HOOKS, Hooks
-from engine.bench.sim.shared import TLS, DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
+from engine.bench.sim.shared import DeployedWorkers, Sim, chat_wave, close_all, medians, take_turns
 from engine.export.exporter import export_model
 from engine.fleet.sim import netns
 from engine.fleet.deploy import deploy
@@ -41,7 +41,7 @@ def run(sim: Sim, hooks: Hooks) -> tuple[list[dict], dict, dict]:
     cores = sim.cores
     specs = [NodeSpec("pc2", cpus=str(cores[1]), cpu_quota=QUOTA, rate_mbit=1000.0),
              NodeSpec("pc3", cpus=f"{cores[0]},{cores[1]}", cpu_quota=SLOW_QUOTA, rate_mbit=1000.0)]
-    with Office(specs, key_file=sim.key_file, root=sim.root / "slow", log=sim.log, tls=TLS) as office:
+    with Office(specs, access=sim.access, root=sim.root / "slow", log=sim.log) as office:
         rows, ratios, notes = compare_slow(office, sim.model, key=sim.key, weights=sim.weights, tokens=sim.tokens,
                                            runs=sim.runs, core=cores[0], log=sim.log, hooks=hooks)
     return rows, ratios, {"slow": {"users": list(USERS), "pcs": "this machine (PC 1) and PC 2 at 0.9 of a core "

@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 from typing import Callable
 
+from engine.config import FleetAccess
 from engine.errors import FleetError
 from engine.fleet.sim import netns
 from engine.launch import FleetProcess, end_processes, stop_all
@@ -115,19 +116,24 @@ def _free_subnets() -> tuple[ipaddress.IPv4Network, ipaddress.IPv4Network]:
 
 
 class Office:
-    """``Office(specs, key_file=..., root=...)`` as a context manager: the PCs are up and their agents
-    answer inside the block, and everything is removed after it, also after an error.  ``tls``: the
-    agents and their workers speak TLS (a fleet's default), whatever their homes' settings say."""
+    """``Office(specs, access=..., root=...)`` as a context manager: the PCs are up and their agents
+    answer inside the block, and everything is removed after it, also after an error.  ``access``: the
+    fleet's, read from its key file (``engine.fleetkey.access_of``): every agent is told that file, and
+    the agents and their workers speak TLS when it does, whatever their homes' settings say."""
 
-    def __init__(self, specs: list[NodeSpec], *, key_file: Path, root: Path, port: int = AGENT_PORT,
-                 agent_args: tuple[str, ...] = (), log: Callable[[str], None] = lambda m: None, tls: bool = True):
+    def __init__(self, specs: list[NodeSpec], *, access: FleetAccess, root: Path, port: int = AGENT_PORT,
+                 agent_args: tuple[str, ...] = (), log: Callable[[str], None] = lambda m: None):
         names = [s.name for s in specs]
         if len(set(names)) != len(names) or not all(re.fullmatch(r"[a-z0-9]{1,12}", n) for n in names):
             raise FleetError(f"simulated PCs need distinct names of 1-12 lower-case letters and digits, not {names}")
         if not 1 <= len(specs) <= MAX_PCS:  # a /24 each side, and interface names of 15 characters at most
             raise FleetError(f"a simulated office has 1 to {MAX_PCS} PCs, not {len(specs)}")
-        self.specs, self.key_file, self.root, self.port = specs, Path(key_file), Path(root), port
-        self.agent_args, self.log, self.tls = agent_args, log, tls
+        if access.key_file is None:
+            raise FleetError("a simulated office's agents need the fleet key's file: a fleet access read from one "
+                             "(engine.fleetkey.access_of)")
+        self.specs, self.access, self.root, self.port = specs, access, Path(root), port
+        self.key_file = Path(access.key_file)  # what its agents, and the processes started on its PCs, are told
+        self.agent_args, self.log = agent_args, log
         self.tag = f"{PREFIX}{os.getpid()}{next(_OFFICES)}"  # a letter: several offices in one process
         self.bridge, self.far_bridge, self.router = f"{self.tag}a", f"{self.tag}b", f"{self.tag}-router"
         self.nodes: dict[str, SimNode] = {}
@@ -190,7 +196,7 @@ class Office:
         # its own home: its own node id, shard store and compute turns, as on its own PC
         env = {**os.environ, "FLEETSHARD_HOME": str(node.home)}
         args = ["agent", "--listen", f"0.0.0.0:{node.port}", "--name", name, "--fleet-key-file", str(self.key_file),
-                "--tls" if self.tls else "--no-tls", *self.agent_args,
+                "--tls" if self.access.uses_tls else "--no-tls", *self.agent_args,
                 *(["--link-delay-ms", str(node.spec.delay_ms)] if node.spec.delay_ms else [])]
         node.process = FleetProcess(args, log, prefix=netns.enter(node.namespace), env=env,
                                     preexec_fn=netns.joiner(node.cgroup)).start()

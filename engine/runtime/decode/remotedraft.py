@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 
+from engine.config import FleetAccess
 from engine.errors import FleetError, ShardError
 from engine.manifest import Manifest
 from engine.runtime.decode.speculative import TOKENIZER_FILES, Drafter, PromptLookup, smooth
@@ -45,11 +46,12 @@ class DraftLink:
     mirror's memory), or with token ids outside the ``target``'s vocabulary, break the link (the
     rounds go plain)."""
 
-    def __init__(self, address: str, key: bytes, target: Manifest | None = None, *, tls=None):
+    def __init__(self, address: str, access: FleetAccess, target: Manifest | None = None):
+        """``access``: the fleet key and TLS the connection goes with."""
         self.address = address
         self.vocab = target.spec.vocab_size if target is not None else None
         try:
-            sock, welcome, seal = handshake(address, key, {"role": "draft"}, tls)
+            sock, welcome, seal = handshake(address, access.key, {"role": "draft"}, access.tls)
         except OSError as exc:
             raise FleetError(f"cannot reach the draft server at {address}: {exc.strerror or exc}") from None
         except (AuthError, ProtocolError) as exc:

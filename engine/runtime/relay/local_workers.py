@@ -18,7 +18,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from engine.config import MODE, FleetAccess, paths
+from engine.config import MODE, FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.launch import FleetProcess, stop_all
 from engine.manifest import part_name
@@ -125,9 +125,9 @@ class LocalWorkers:
 
         nxt = self.addresses[i + 1] if self.link_workers and i + 1 < len(self.shard_dirs) else None
         try:
-            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, access=self.access, device=self.devices[i],
-                            mode=self.mode, precision=self.precision, delay_ms=self.delay_ms, log=write,
-                            isolate=self.isolate, turns=compute_turns(self.turns))
+            shard = ShardOptions(mode=self.mode, precision=self.precision, device=self.devices[i])
+            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, access=self.access, shard=shard,
+                            delay_ms=self.delay_ms, log=write, isolate=self.isolate, turns=compute_turns(self.turns))
         except Exception as exc:
             out.close()
             self.close()

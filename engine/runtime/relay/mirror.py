@@ -20,6 +20,7 @@ import threading
 from typing import Callable
 
 
+from engine.config import FleetAccess
 from engine.manifest import Manifest
 from engine.transport import wire
 from engine.transport.link import Link, connect_successor
@@ -33,12 +34,13 @@ HANDOVER_S = 2.0  # how long a handover waits for the copies still queued to lea
 class Mirror:
     """Copies of the frames sent to a stage, for its hot standby at ``address`` (the module's docstring)."""
 
-    def __init__(self, address: str, *, key: bytes, manifest: Manifest, mode: str, tls=None,
+    def __init__(self, address: str, *, access: FleetAccess, manifest: Manifest, mode: str,
                  max_frame: int = wire.DEFAULT_MAX_FRAME, log: Callable[[str], None] | None = None):
-        """``manifest``: the sender's own stage's (the standby is checked to be its successor, as the
+        """``access``: the fleet key and TLS the copies' connection goes with (the sender's own);
+        ``manifest``: the sender's own stage's (the standby is checked to be its successor, as the
         stage itself is)."""
         self.address = address
-        self._dial = lambda: connect_successor(address, key, manifest, mode, tls, max_frame)[0]
+        self._dial = lambda: connect_successor(address, access.key, manifest, mode, access.tls, max_frame)[0]
         self.log = log or (lambda text: None)
         self._queue: queue.Queue = queue.Queue(QUEUE_FRAMES)
         self._closed = threading.Event()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import MODE, FleetAccess
+from engine.config import MODE, FleetAccess, ShardOptions
 from engine.errors import ShardError, StageError
 from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import Chain
@@ -48,7 +48,7 @@ class RankChain(Chain):
         self.access, self._connect_timeout_s = access, connect_timeout_s
         try:
             for address in workers:
-                self.remotes.append(RemoteChain(rank0, [address], access=access, mode=mode,
+                self.remotes.append(RemoteChain(rank0, [address], access=access, shard=ShardOptions(mode=mode),
                                                 connect_timeout_s=connect_timeout_s, fed=True))
             self.mesh = Mesh.dial(self._mesh_addresses(), access.key, manifest.fingerprint, manifest.ranks,
                                   timeout_s=connect_timeout_s, tls=access.tls)

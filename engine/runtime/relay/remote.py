@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import MODE, FleetAccess, RelayOptions
+from engine.config import FleetAccess, RelayOptions, ShardOptions
 from engine.errors import FleetError, ShardError, StageError
 from engine.manifest import layer_span, load_manifest
 from engine.runtime.interfaces import Chain
@@ -151,13 +151,14 @@ class _Trip:
 class RemoteChain(Chain):
     """A chain whose stage 0 runs here and whose other stages run on workers (the module's docstring)."""
 
-    def __init__(self, stage0: Path | str, remotes: list[str], *, access: FleetAccess, device: str = "CPU",
-                 mode: str = MODE, precision: str | None = None, connect_timeout_s: float = 60.0,
-                 isolate: bool = False, turns=None, local=None, depth: int | None = None, fed: bool = False,
+    def __init__(self, stage0: Path | str, remotes: list[str], *, access: FleetAccess,
+                 shard: ShardOptions = ShardOptions(), connect_timeout_s: float = 60.0, isolate: bool = False,
+                 turns=None, local=None, depth: int | None = None, fed: bool = False,
                  standbys: list[str | None] | None = None, relay: RelayOptions = RelayOptions()):
         """``access``: the fleet key, TLS and deadline every link of the chain goes with; ``relay``: the
         groups it keeps in flight at most and the rows from which a prompt's chunk goes alone.
-        ``mode``: the correctness mode (``engine.runtime.stages.stage.MODES``); every stage must run the same.
+        ``shard``: how stage 0 is compiled (its device, the correctness mode every stage must run, the
+        precision hint; its weights go unused here).
         ``local``: stage 0 already compiled (a broken chain's, which failover carries over): every
         stream it holds is forgotten, and it is not compiled again.  ``depth``: groups of packed
         streams in flight at once (default: as many as the measured rounds say keep the busiest
@@ -167,17 +168,17 @@ class RemoteChain(Chain):
         the order of ``remotes``."""
         if not remotes:
             raise FleetError("a remote chain needs the address of at least one worker")
-        self.mode = mode
+        self.shard = shard
         if fed:
             self.local = Feeder(stage0)
         elif (local is not None and not isinstance(local, Feeder) and Path(local.folder) == Path(stage0)
-              and local.device == device):
+              and local.device == shard.device):
             for stream in local.streams:
                 local.reset(stream)
             self.local = local
         else:
-            self.local = open_stage(Path(stage0), device, compile_config(mode, precision), isolate=isolate,
-                                    turns=turns)
+            self.local = open_stage(Path(stage0), shard.device, compile_config(shard.mode, shard.precision),
+                                    isolate=isolate, turns=turns)
         self.turns = self.local.turns
         self.manifest = self.local.manifest
         if not self.manifest.first:
@@ -269,7 +270,7 @@ class RemoteChain(Chain):
         while self._link is None:
             try:
                 self._link, peer_delay = connect_successor(self.first_address, self.access.key, self.manifest,
-                                                           self.mode, self.access.tls)
+                                                           self.shard.mode, self.access.tls)
             except (AuthError, ProtocolError) as exc:
                 raise StageError(stage, self.first_address, f"handshake failed: {exc}") from None
             except OSError as exc:
@@ -285,8 +286,8 @@ class RemoteChain(Chain):
     def _mirror_first(self) -> None:
         """Copies what this chain sends to the first remote stage to that stage's standby, if any."""
         if self.standbys[0] is not None and self._mirror is None:
-            self._mirror = Mirror(self.standbys[0], key=self.access.key, manifest=self.manifest, mode=self.mode,
-                                  tls=self.access.tls)
+            self._mirror = Mirror(self.standbys[0], access=self.access, manifest=self.manifest,
+                                  mode=self.shard.mode)
 
     def reroute(self, stage: int, address: str, timeout_s: float | None = None) -> None:
         """Puts the worker at ``address`` (the stage's hot standby) in the place of stage ``stage``

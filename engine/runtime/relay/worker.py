@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.config import MODE, FleetAccess, RelayOptions
+from engine.config import FleetAccess, RelayOptions, ShardOptions
 from engine.errors import FleetError, ShardError
 from engine.manifest import load_manifest
 from engine.runtime.relay.mirror import Mirror
@@ -73,23 +73,25 @@ def answer(logits: np.ndarray, stream: int, seq: int, flags: Flag, stage_ms: np.
 class Worker(Listening):
     """One stage of a chain served on a TCP port (the module's docstring)."""
 
-    def __init__(self, shard: Path | str, listen: str, next_address: str | None = None, *,
-                 access: FleetAccess, device: str = "CPU", mode: str = MODE, precision: str | None = None,
-                 delay_ms: float = 0.0, log: Callable[[str], None] | None = None,
+    def __init__(self, folder: Path | str, listen: str, next_address: str | None = None, *,
+                 access: FleetAccess, shard: ShardOptions = ShardOptions(), delay_ms: float = 0.0,
+                 log: Callable[[str], None] | None = None,
                  max_frame: int = wire.DEFAULT_MAX_FRAME, isolate: bool = False, turns=None,
                  counted: Callable[[int], None] | None = None, relay: RelayOptions = RelayOptions()):
-        """``access``: the fleet key, TLS and deadline every link of the worker goes with; ``relay``: how
-        often it sends ALIVE while it owes a reply and checks its successor's silence.  ``counted``:
+        """``folder``: the shard it serves.  ``access``: the fleet key, TLS and deadline every link of the
+        worker goes with; ``shard``: how the shard is compiled (this stage's device, the correctness mode
+        every stage must run, the precision hint; its weights go unused here).  ``relay``: how often it
+        sends ALIVE while it owes a reply and checks its successor's silence.  ``counted``:
         told the tokens served so far, whenever they are counted (``_count_tokens``).
         A tensor-parallel rank (``engine.transport.mesh``) other than 0 also listens, on a port of
         its own beside ``listen``'s host, for rank 0's connection."""
-        manifest = load_manifest(Path(shard))  # its files hashed once, for the mesh and the stage
+        manifest = load_manifest(Path(folder))  # its files hashed once, for the mesh and the stage
         if manifest.rank == 0 and manifest.ranks > 1:
-            raise ShardError(f"{shard} is tensor-parallel rank 0 of {manifest.ranks}: it runs in the coordinator "
+            raise ShardError(f"{folder} is tensor-parallel rank 0 of {manifest.ranks}: it runs in the coordinator "
                              f"(`fleet generate --shards` it, with --remote naming the other ranks' workers)")
         self.mesh = Mesh(manifest.rank, manifest.ranks) if manifest.ranks > 1 else None
-        self.runner = open_stage(Path(shard), device, compile_config(mode, precision), manifest, isolate=isolate,
-                                 turns=turns, mesh=self.mesh)
+        self.runner = open_stage(Path(folder), shard.device, compile_config(shard.mode, shard.precision), manifest,
+                                 isolate=isolate, turns=turns, mesh=self.mesh)
         m = self.manifest = self.runner.manifest
         self.access = access
         self.relay = relay
@@ -97,7 +99,7 @@ class Worker(Listening):
         self.max_frame = max_frame
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.identity = {"role": "stage", "fingerprint": m.fingerprint, "stage": m.stage_index,
-                         "first_layer": m.layers[0], "mode": mode, "delay_ms": delay_ms}
+                         "first_layer": m.layers[0], "mode": shard.mode, "delay_ms": delay_ms}
         self.max_length = m.spec.max_position
         self.hidden = m.spec.hidden_size
 
@@ -495,8 +497,8 @@ class Worker(Listening):
             else:
                 mirror.close()
         if standby is not None and self._mirror is None:
-            self._mirror = Mirror(standby, key=self.access.key, manifest=self.manifest, mode=self.identity["mode"],
-                                  tls=self.access.tls, max_frame=self.max_frame, log=self.log)
+            self._mirror = Mirror(standby, access=self.access, manifest=self.manifest, mode=self.identity["mode"],
+                                  max_frame=self.max_frame, log=self.log)
 
     def _down_missing(self) -> RequestError:
         return RequestError(f"{self._down_reason} (redialing)", self.manifest.stage_index + 1, self._next, True)
