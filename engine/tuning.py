@@ -84,10 +84,9 @@ SHAPE_CACHE = 64
 # (``engine.runtime.stages.paged``): for counts of rows up to FIXED_ROWS, each once FIXED_ROWS_AFTER
 # forwards of its count ran on the dynamic graph (a count that recurs is a steady number of users, or
 # of speculative rows), at most FIXED_GRAPHS with the one-row graph.  A fixed graph took 2.5-4 ms
-# off a SmolLM2 round of 13-17 ms at 1, 2 and 4 rows (bench-results/2026-12-07/
-# profile-fixedrows-smollm2-zen3.json), and costs its own working memory and the CPU plugin's copy of
-# a matrix it repacks (an INT8 head): 55-75 MB a graph on SmolLM2, about 100 MB on Qwen2.5-Coder-1.5B
-# (docs/benchmarks.md, "Fixed graphs for recurring row counts").
+# off a SmolLM2 round of 13-17 ms at 1, 2 and 4 rows, and costs its own working memory and the CPU
+# plugin's copy of a matrix it repacks (an INT8 head): 55-75 MB a graph on SmolLM2, about 100 MB on
+# Qwen2.5-Coder-1.5B (docs/benchmarks.md, "Fixed graphs for recurring row counts").
 FIXED_ROWS = 8
 FIXED_ROWS_AFTER = 8
 FIXED_GRAPHS = 3

@@ -311,8 +311,8 @@ class PagedStage(PackingStage):
         """Counts a forward of ``rows`` run by the dynamic graph; compiles its fixed graph once they recur,
         while the stage has fewer than ``FIXED_GRAPHS`` (each holds its own working memory, and the
         CPU plugin's own copy of any matrix it repacks, such as an INT8 head)."""
-        started = self._fixed.keys() | self._compiling.keys()
-        if self._model is None or rows > FIXED_ROWS or len(started) >= FIXED_GRAPHS:
+        # the one-row graph is compiled at once; every other one has its compile thread
+        if self._model is None or rows > FIXED_ROWS or 1 + len(self._compiling) >= FIXED_GRAPHS:
             return
         self._seen[rows] += 1
         if self._seen[rows] == FIXED_ROWS_AFTER:
