@@ -20,13 +20,27 @@ def test_no_cmake_is_named(tmp_path, monkeypatch):
         llamacpp.server_binary(log=lambda _m: None)
 
 
-def test_openvino_build_links_the_openvino_wheel():
+def test_openvino_build_links_the_openvino_wheel(monkeypatch):
     import openvino
 
+    monkeypatch.setattr(llamacpp, "without_amx", lambda: False)
     wheel = Path(openvino.__file__).parent / "cmake"
     assert llamacpp.backend_flags("cpu") == ()
     assert llamacpp.backend_flags("openvino") == ("-DGGML_OPENVINO=ON", f"-DOpenVINO_DIR={wheel}")
     assert llamacpp.build_folder("openvino") != llamacpp.build_folder("cpu") == llamacpp.build_dir() / "build"
+
+
+def test_a_cpu_with_amx_builds_without_it_in_folders_of_its_own(monkeypatch):
+    """llama.cpp's AMX kernels crash it on such a CPU: both builds leave them out, in their own folders."""
+    monkeypatch.setattr(llamacpp.hostcpu, "int8_dot", lambda: "AMX")
+    amx_off = ("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+               "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+    assert llamacpp.backend_flags("cpu") == amx_off
+    assert llamacpp.backend_flags("openvino")[-2:] == amx_off
+    assert llamacpp.build_folder("cpu") == llamacpp.build_dir() / "build-noamx"
+    assert llamacpp.build_folder("openvino") == llamacpp.build_dir() / "build-openvino-noamx"
+    monkeypatch.setattr(llamacpp.hostcpu, "int8_dot", lambda: "AVX-512 VNNI")
+    assert llamacpp.backend_flags("cpu") == () and llamacpp.build_folder("cpu") == llamacpp.build_dir() / "build"
 
 
 def test_missing_opencl_is_named(tmp_path, monkeypatch):
@@ -141,7 +155,7 @@ def test_pinned_sdist_is_listed_on_pypi(package_index):
 
 @pytest.mark.real_model
 def test_cached_server_decodes_the_gguf(tmp_path):
-    binary = llamacpp.build_dir() / "build" / "bin" / "llama-server"
+    binary = llamacpp.build_folder() / "bin" / "llama-server"
     if not binary.is_file():
         pytest.skip("llama-server is not built here (`fleet bench parity --llamacpp` builds it once)")
     with llamacpp.LlamaServer(llamacpp_gguf("smollm2-135m"), log=lambda _m: None) as server:
@@ -152,7 +166,7 @@ def test_cached_server_decodes_the_gguf(tmp_path):
 @pytest.mark.real_model
 def test_cached_server_decodes_with_a_draft(tmp_path):
     """The draft configuration answers (SmolLM2 drafting for itself: every draft is accepted)."""
-    binary = llamacpp.build_dir() / "build" / "bin" / "llama-server"
+    binary = llamacpp.build_folder() / "bin" / "llama-server"
     if not binary.is_file():
         pytest.skip("llama-server is not built here (`fleet bench parity --llamacpp` builds it once)")
     gguf = llamacpp_gguf("smollm2-135m")

