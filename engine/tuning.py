@@ -90,6 +90,10 @@ SHAPE_CACHE = 64
 FIXED_ROWS = 8
 FIXED_ROWS_AFTER = 8
 FIXED_GRAPHS = 3
+# A fixed graph is compiled only while this process may still take this much more memory (its
+# machine's, within its cgroup's limits: ``engine.limits``), several times one graph's cost, so that a
+# PC near its limit keeps the dynamic graph rather than be stopped for want of memory.
+FIXED_HEADROOM_MB = 512
 
 # Rows (tokens) a packed forward carries at most (``packing.packs_of``): a compiled model keeps the
 # working memory of the largest forward it ran, and a failover's re-prefill of every reply at once

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.fleet import limits, node
+from engine import limits
+from engine.fleet import node
 from engine.fleet.sim import netns
 
 MB = 1 << 20

@@ -118,6 +118,26 @@ def test_fixed_row_graphs_run_with_the_numbers_of_the_dynamic_one(tiny_exports, 
     np.testing.assert_allclose(got["fixed"], got["dynamic"], rtol=0, atol=1e-5)
 
 
+def test_a_recurring_count_waits_for_memory_to_spare(tiny_exports, monkeypatch):
+    """Short of ``FIXED_HEADROOM_MB`` of memory, a recurring count of rows keeps the dynamic graph, and
+    is asked again after as many forwards: with memory to spare, its graph is compiled then."""
+    from engine.runtime.stages import paged
+    from engine.tuning import FIXED_HEADROOM_MB
+
+    spare = {"bytes": (FIXED_HEADROOM_MB << 20) - 1}
+    monkeypatch.setattr(paged, "process_memory", lambda: (8 << 30, spare["bytes"]))
+    stage = PagedStage(tiny_exports["qwen2", "1"].folders[0], config=EXACT, kv_positions=64, fixed_rows=True)
+    at = 0
+    for forward in range(2 * FIXED_ROWS_AFTER):
+        if forward == FIXED_ROWS_AFTER:
+            assert stage.fixed_rows == [1] and not stage._compiling, "no compile without memory to spare"
+            spare["bytes"] += 1
+        stage.forward_parts([Part(1, np.array([5, 6]), at)])
+        at += 2
+    stage.fix_rows(2)  # waits for the compile the second count started
+    assert stage.fixed_rows == [1, 2]
+
+
 def test_a_rewind_is_a_shorter_start(tiny_exports):
     """Continuing from an earlier position drops what followed: the same logits as a stream that
     never saw the dropped tokens."""

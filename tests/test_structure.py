@@ -20,7 +20,7 @@ PACKAGES = ("engine", "fleetgui")
 # its longest matching prefix (matched on whole dotted components: "engine.cli" does not match "engine.clidoc").
 FLOORS = [
     ["engine", "engine.errors", "engine.hashing", "engine.files", "engine.config", "engine.progress",
-     "engine.pinned", "engine.hostcpu", "engine.tuning"],
+     "engine.pinned", "engine.hostcpu", "engine.limits", "engine.tuning"],
     ["engine.models", "engine.manifest", "engine.fleetkey", "engine.launch", "engine.transport", "engine.documents"],
     ["engine.export", "engine.kernels"],
     ["engine.runtime", "engine.runtime.interfaces"],

@@ -28,7 +28,7 @@ import socket
 
 from engine.config import paths
 from engine.errors import FleetError
-from engine.fleet.limits import process_cores, process_memory
+from engine.limits import process_cores, process_memory
 from engine.hostcpu import NONE, cpu_model, int8_dot
 from engine.kernels import GGML, STOCK
 from engine.transport.wire import VERSION

@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.config import AUTO_WEIGHTS, DEFAULT_WEIGHTS
 from engine.errors import FleetError
-from engine.fleet.limits import process_memory
+from engine.limits import process_memory
 from engine.export.rankcut import ranks_problem
 from engine.manifest import MODEL_XML, Manifest, load_manifest
 from engine.models.catalog import resolve_source

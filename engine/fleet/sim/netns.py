@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from engine.errors import FleetError
-from engine.fleet.limits import CGROUP_ROOT
+from engine.limits import CGROUP_ROOT
 
 V1_CONTROLLERS = ("memory", "cpuset", "cpu")
 CPU_PERIOD_US = 100_000  # the quota's accounting period

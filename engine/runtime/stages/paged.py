@@ -43,7 +43,8 @@ from engine.runtime.interfaces import PackingStage
 from engine.runtime.stages.packing import Part, as_part, check_parts
 from engine.runtime.stages.stage import core, device_config, missing_device, read_for
 from engine.runtime.stages.turns import NO_TURNS
-from engine.tuning import FIXED_GRAPHS, FIXED_ROWS, FIXED_ROWS_AFTER
+from engine.limits import process_memory
+from engine.tuning import FIXED_GRAPHS, FIXED_HEADROOM_MB, FIXED_ROWS, FIXED_ROWS_AFTER
 
 HIDDEN_IN = "inputs_embeds"  # the name the transformation expects for a stage's non-token input
 LOGITS_ROWS = "logits_rows"
@@ -310,13 +311,21 @@ class PagedStage(PackingStage):
     def _count(self, rows: int) -> None:
         """Counts a forward of ``rows`` run by the dynamic graph; compiles its fixed graph once they recur,
         while the stage has fewer than ``FIXED_GRAPHS`` (each holds its own working memory, and the
-        CPU plugin's own copy of any matrix it repacks, such as an INT8 head)."""
+        CPU plugin's own copy of any matrix it repacks, such as an INT8 head) and the process has
+        ``FIXED_HEADROOM_MB`` of memory to spare; short of it, the count is asked again as often."""
         # the one-row graph is compiled at once; every other one has its compile thread
         if self._model is None or rows > FIXED_ROWS or 1 + len(self._compiling) >= FIXED_GRAPHS:
             return
         self._seen[rows] += 1
-        if self._seen[rows] == FIXED_ROWS_AFTER:
+        if self._seen[rows] < FIXED_ROWS_AFTER:
+            return
+        self._seen[rows] = 0
+        available = process_memory()[1]
+        if available >= FIXED_HEADROOM_MB << 20:
             self.fix_rows(rows, wait=False)
+        else:
+            log.info("stage %s: no graph of %d rows yet, %d MB of memory to spare", self.folder, rows,
+                     available >> 20)
 
     def _forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
         check_parts(parts, self.length)

@@ -1,7 +1,8 @@
 """What this process may use of its machine: the memory its cgroup lets it have (Linux cgroups v1
 or v2: a container, a service's slice, a simulated PC of ``engine.fleet.sim.office``) and the CPUs it may
 run on.  A node's facts (``engine.fleet.node``) and a device's profile (``engine.fleet.profile``)
-report these rather than the host's, so a capped PC is planned as the PC it is.
+report these rather than the host's, so a capped PC is planned as the PC it is, and a paged stage
+(``engine.runtime.stages.paged``) compiles a further graph only with memory to spare.
 """
 
 from __future__ import annotations
