@@ -1,6 +1,6 @@
 """What a node is: its stable id, the facts it tells the fleet (OS, CPU, memory, OpenVINO devices),
 and the compact mDNS TXT and JSON forms of those facts.  Its memory and cores are what the agent's
-process may use (``engine.fleet.limits``): a PC simulated by a memory-capped cgroup and a CPU set
+process may use (``engine.limits``): a PC simulated by a memory-capped cgroup and a CPU set
 reports the PC, not the host.
 
 Each node agent is its own node: the machine's id (``node_id``) for an agent of the default name,

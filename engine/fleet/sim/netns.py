@@ -218,7 +218,7 @@ def set_memory_cap(folders: list[Path], memory_mb: int) -> None:
 
 def memory_used(folders: list[Path]) -> int:
     """Bytes the cgroup's processes use, not counting the page cache no process maps (as
-    ``engine.fleet.limits.memory_limits`` counts)."""
+    ``engine.limits.memory_limits`` counts)."""
     usage, cache, mapped = ("memory.current", "file", "file_mapped") if cgroup_v2() else \
         ("memory.usage_in_bytes", "total_cache", "total_mapped_file")
     stat = dict(row.split() for row in (folders[0] / "memory.stat").read_text().splitlines())
