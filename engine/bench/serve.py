@@ -185,10 +185,12 @@ def _users_part(folders, one, model, users, tokens, runs, device, peers, hooks, 
                    "LLMPipeline": ApiServer(theirs, port=0, model_id=model).start()}
         urls = {name: server.url for name, server in {**servers, **peers}.items()}
         try:
-            for name, url in urls.items():  # warm-up: first inferences and the widest wave
-                user_wave(url, model, prompts[:1], tokens)
-                widest = 1 if name in ONE_USER else max(users)
-                user_wave(url, model, [prompts[i % len(prompts)] for i in range(widest)], tokens)
+            # warm-up: a wave of every width measured, as a server that has served such waves is warm
+            # (ours compiles a graph for a count of rows that recurs, llama.cpp sizes its batches)
+            for name, url in urls.items():
+                for n in sorted({1, *users}):
+                    if n == 1 or name not in ONE_USER:
+                        user_wave(url, model, [prompts[i % len(prompts)] for i in range(n)], tokens)
             def wave(key, run: int):
                 name, n = key
                 # every request new (neither server's cache may serve it), the same ones on both servers
