@@ -608,7 +608,7 @@ def add_commands(sub) -> None:
                        help="NODE:FIRST-LAST[:DEVICE]: these layers (both included) on this node, fixed by hand")
     place.add_argument("--out", help="where to write the plan (default: the data folder)")
     place.add_argument("--one-chain", action="store_true",
-                       help="one chain over the nodes, never copies of the model (replicas) for several users")
+                       help="one chain over the nodes, never copies of the model for several users")
     place.set_defaults(func=cmd_place)
 
     dep = sub.add_parser("deploy", help="ship a plan's shards to its nodes and start the chain")
@@ -633,7 +633,7 @@ def add_commands(sub) -> None:
                                     "place the model with the solver, deploy and chat")
     up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
     up.add_argument("--users", type=count, default=1, help="with --nodes: concurrent users planned for")
-    up.add_argument("--one-chain", action="store_true", help="with --nodes: never copies of the model (replicas)")
+    up.add_argument("--one-chain", action="store_true", help="with --nodes: one chain, never copies of the model")
     up.add_argument("--pin", action="append", type=_pin,
                     help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--demo", nargs="?", type=count, const=MAX_NODES, metavar="N",
