@@ -241,8 +241,17 @@ def _survey(model: str, agents: list[str], *, access: FleetAccess, devices: str,
 
 
 def cmd_profile(args) -> int:
+    """``fleet profile``: measures this PC, and with ``--nodes`` the fleet's nodes, for the solver.  This PC
+    alone makes the default key if it is missing, as a local fleet does.  The nodes need the fleet's
+    own key (they refuse any other, so a new one would only fail later, node by node): a missing one
+    is refused at once, by name, and none is made (nor ever a key file the settings name)."""
     settings = settings_of(args)
-    access = fleet_access(settings, create=not args.nodes)
+    try:
+        access = fleet_access(settings, create=not args.nodes)
+    except FleetError as exc:
+        if args.nodes:
+            raise FleetError(f"profiling the fleet's nodes needs the fleet's key: {exc}") from None
+        raise
     _survey(settings.default_model, _agent_addresses(args, access) if args.nodes else [], access=access,
             devices=settings.device, weights=args.weights, context=args.context,
             streams=args.streams, out=args.out)
