@@ -127,6 +127,30 @@ def test_the_chat_model_browser_picks_a_card(qtbot, gui_home, tmp_path):
     assert chat.browse_models(dialog) == "gemma3-270m" and chosen == ["gemma3-270m"]
 
 
+def test_the_model_browser_is_deleted_each_time_it_closes(qtbot, gui_home, tmp_path):
+    """Opening the chat's model browser (its Models… button) and closing it, twice, leaves no dialog
+    behind in the chat view: each is deleted once it closes."""
+    from PySide6.QtWidgets import QDialog
+
+    from fleetgui.model_cards import ModelBrowser
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    chat = window.chat
+    opened = []
+
+    def close_it():
+        (dialog,) = [d for d in chat.findChildren(ModelBrowser) if d.isVisible()]
+        opened.append(dialog)
+        qtbot.waitUntil(lambda: not dialog.looking, timeout=30000)  # its own models read: their task is done
+        dialog.reject()
+
+    for _ in range(2):
+        QTimer.singleShot(0, close_it)
+        assert chat.browse_models() is None
+    assert len(opened) == 2 and opened[0] is not opened[1]
+    qtbot.waitUntil(lambda: not chat.findChildren(QDialog), timeout=5000)
+
+
 
 def test_the_model_browsers_search_field_filters_the_models(qtbot, gui_home, tmp_path):
     """Typing in the browser's search field (as a user types, key by key) leaves the cards of the
