@@ -65,6 +65,10 @@ def load_key(override: str | Path | None = None, create: bool = False, *, allow_
     if not path.exists():
         if create and not override:
             create_key(path)
+        elif path != paths().config / "fleet.key":  # a key file the settings or the command line name
+            raise FleetError(f"no fleet key at {path}, the key file the settings or --fleet-key-file name (a "
+                             "named key file is never made): copy the fleet's key file there from a PC of the "
+                             f"fleet, or make a new fleet's key with `fleet key init --fleet-key-file {path}`")
         else:
             raise FleetError(f"no fleet key at {path}: run `fleet key init` on one machine and copy the "
                              "file to the others, or pass --fleet-key-file PATH")

@@ -27,9 +27,8 @@ from engine.export.choices import CHOICES, choice_of, describe
 from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEIGHT_NOTES
 from engine.manifest import layer_numbers
 from engine.models.catalog import CATALOG, DEFAULT_MODEL
-from engine.models.facts import facts_of
 from engine.progress import Progress
-from fleetgui.model_cards import ModelCards, carried
+from fleetgui.model_cards import ModelCards, carried, read_model
 from fleetgui.running import folder_tip, model_name
 from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, flow_bar, plain, plain_tip, spin_box
 from fleetgui.workers import TaskRunner
@@ -50,6 +49,7 @@ def parse_split(text: str) -> list[int]:
 class ExportWizard(QWidget):
     exported = Signal(object)  # ExportResult
     use_as_default = Signal(str)  # an export folder the user wants to chat with
+    checked = Signal(bool)  # a model given by path (``use_path``) was read: whether it could be
 
     def __init__(self, backend, tasks: TaskRunner, settings, parent: QWidget | None = None):
         super().__init__(parent)
@@ -58,6 +58,7 @@ class ExportWizard(QWidget):
         self.settings = settings
         self.task = None
         self.result = None
+        self.checking = ""  # the model file or folder whose header is being read (``use_path``)
         self.banner = Banner()
         self.pages = QStackedWidget()
         self.pages.addWidget(self._source_page())
@@ -150,7 +151,9 @@ class ExportWizard(QWidget):
         reference model); hidden for a Hugging Face folder, which has no GGUF weights to keep, and for
         a GGUF whose types cannot be carried over."""
         source = self.source()
-        self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked() and carried(source)))
+        can_carry = self.cards.can_carry.get(source)  # read off the GUI thread with the card, else read now
+        self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked() and (
+            can_carry if can_carry is not None else carried(source))))
         for choice in CHOICES:
             measured_on = source if source in CATALOG else None
             self.choice_notes[choice.weights].setText(describe(choice, measured_on, kl=False))
@@ -256,19 +259,46 @@ class ExportWizard(QWidget):
             self.gguf_path.setText(source)
             self.gguf_radio.setChecked(True)
 
-    def use_path(self, path: str | Path) -> bool:
+    def use_path(self, path: str | Path, kind: QRadioButton | None = None) -> None:
         """Shows the card of a GGUF file or a Hugging Face folder (dropped on the window or browsed to)
-        and makes it the export's source."""
+        and makes it the export's source.  Its header is read off the GUI thread (``read_model``): the
+        wizard says it is checking the file meanwhile, and once the card (or what is wrong with the
+        file) shows, ``checked`` says whether it could be read.  ``kind``: the source kind it was
+        browsed for (its path stays in that field even when it cannot be read)."""
+        path = str(path)
+        self.checking = path  # the last given wins: an earlier one read later is dropped
+        self.banner.info(f"Checking {Path(path).name}…")
+        self.next_button.setEnabled(False)
+        self.tasks.start(lambda report, cancel: read_model(path), "model check",
+                         succeeded=lambda result: self._model_read(path, result),
+                         failed=lambda message: self._model_unreadable(path, message, kind))
+
+    def _model_read(self, path: str, result: tuple) -> None:
+        """``use_path``'s model read: its card joins the others, selected (the export's source)."""
+        if path != self.checking:
+            return
+        self._checked()
         self.banner.hide()
-        try:
-            facts = facts_of(str(path))
-        except FleetError as exc:
-            self.banner.error(str(exc))
-            return False
+        facts, can_carry = result
         if self.task is None:
             self._show_page(0)
+        self.cards.can_carry.update(can_carry)  # read with the header: the card reads no file here
         self.cards.add_model(facts)
-        return True
+        self.checked.emit(True)
+
+    def _model_unreadable(self, path: str, message: str, kind: QRadioButton | None) -> None:
+        if path != self.checking:
+            return
+        self._checked()
+        self.banner.error(message)
+        if kind is not None:
+            {self.hf_radio: self.hf_path, self.gguf_radio: self.gguf_path}[kind].setText(path)
+            kind.setChecked(True)
+        self.checked.emit(False)
+
+    def _checked(self) -> None:
+        self.checking = ""
+        self.next_button.setEnabled(True)
 
     def choose_catalog(self, name: str) -> None:
         self.cards.select(name)
@@ -280,15 +310,13 @@ class ExportWizard(QWidget):
 
     def _browse_hf(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Hugging Face model folder", self.hf_path.text())
-        if path and not self.use_path(path):
-            self.hf_path.setText(path)
-            self.hf_radio.setChecked(True)
+        if path:
+            self.use_path(path, self.hf_radio)
 
     def _browse_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "GGUF file", self.gguf_path.text(), "GGUF (*.gguf)")
-        if path and not self.use_path(path):
-            self.gguf_path.setText(path)
-            self.gguf_radio.setChecked(True)
+        if path:
+            self.use_path(path, self.gguf_radio)
 
     def _browse_plan(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Placement plan", str(paths().data), "Plans (*.json)")

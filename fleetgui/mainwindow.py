@@ -61,7 +61,8 @@ class MainWindow(QMainWindow):
         self.bench = BenchPanel(backend, self.tasks, settings)
         self.bench.current = lambda: (self.chat_controller.service, self.chat_controller.deployment)
         self.fleet = FleetView(settings, backend, self.tasks, running=self.running)
-        self.placement = PlacementView(settings, backend, self.tasks, agents=self.fleet.agent_addresses)
+        self.placement = PlacementView(settings, backend, self.tasks, agents=self.fleet.agent_addresses,
+                                       running=self.running)
         self.settings_page = SettingsPage(settings)
         self.settings_page.saved.connect(self.apply_settings)
         self.api = ApiController(self.chat_controller, settings, self)

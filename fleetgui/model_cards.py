@@ -323,6 +323,14 @@ def own_models(folders: list[Path], current: str) -> tuple[list[ModelFacts], dic
     return own, {f.source: carried(f.source) for f in own if f.kind == "gguf"}
 
 
+def read_model(source: str) -> tuple[ModelFacts, dict[str, bool]]:
+    """The card of a model file or folder the user gives (dropped on the window, browsed to), read off
+    the GUI thread (its header is read): its facts, with whether Faithful can carry it for a GGUF
+    (``carried``).  Raises FleetError when it is not a model that can be read."""
+    facts = facts_of(source)
+    return facts, {facts.source: carried(facts.source)} if facts.kind == "gguf" else {}
+
+
 class ModelBrowser(QDialog):
     """The chat's model browser: the catalog's cards, the GGUF files and Hugging Face folders found in
     ``model_folders``, and the current model's where it is one of those; accepting it picks the

@@ -24,8 +24,9 @@ of the model: the one with most stages is drawn, the others are named and deploy
 the drawn chain is changed by hand), "Deploy as drawn", the tree, the plan's timings and the
 left-out reasons with their figures.  A plan that cannot work shows why (``evaluate``'s problems,
 or ``Infeasible``'s reason).  Deploying ships and starts the plan with a progress bar per part and
-Cancel, then hands the deployment to the chat; ``preparing`` tells the fleet view which node's
-stage is being exported here.
+Cancel, then hands the deployment to the chat, whose chain on it its parts follow as the status bar
+does (``fleetgui.running.Running.deployment_state``: starting, then running); ``preparing`` tells
+the fleet view which node's stage is being exported here.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from engine.fleet.placement import Fleet, Infeasible, left_out, left_out_plainly
 from engine.manifest import layer_numbers, layer_span, part_name
 from engine.progress import Progress, byte_count
 from fleetgui.placement_model import GB, PlanModel, StageRange, default_profile, parse_profile
-from fleetgui.running import deployment_where, model_name
+from fleetgui.running import DEPLOYMENT_STATES, FAILED, STARTING, Running, deployment_where, model_name
 from fleetgui.theme import SERIES
 from fleetgui.widgets import Banner, ModelField, combo_box, flow_bar, plain, spin_box, splitter
 from fleetgui.workers import TaskRunner
@@ -370,12 +371,16 @@ class PlacementView(QWidget):
     preparing = Signal(str, str)  # an agent's address, and what this view is doing for it ("" when done)
 
     def __init__(self, settings, backend, tasks: TaskRunner, agents: Callable[[], list[str]] = lambda: [],
-                 parent: QWidget | None = None):
+                 running: Running | None = None, parent: QWidget | None = None):
+        """``running``: the app's running state; once the chat runs on this view's deployment, its
+        parts say what the status bar says (``Running.deployment_state``)."""
         super().__init__(parent)
         self.settings = settings
         self.backend = backend
         self.tasks = tasks
         self.agents = agents
+        self.running = running or Running(self)
+        self.running.changed.connect(self._follow_running)
         self.doc: dict | None = None
         self.deployment = None
         self.owns_deployment = False  # deployed by this session (stopped at exit), or adopted from a record
@@ -811,8 +816,8 @@ class PlacementView(QWidget):
         self.deployment, self.owns_deployment, self.deployed_at = deployment, False, None
         self._set_busy(None)
         self.show_measured()
-        self.activity.setText(f"The chat now uses the recorded deployment: {self._where(deployment)}.")
-        self.deployed.emit(deployment)
+        self._say_deployed(DEPLOYMENT_STATES[STARTING])
+        self.deployed.emit(deployment)  # the chat starts its chain on it: the running state says how it goes
         return True
 
     def _deployed(self, deployment) -> None:
@@ -820,13 +825,30 @@ class PlacementView(QWidget):
         self._set_busy(None)
         self.deployment, self.owns_deployment = deployment, True
         self.deployed_at = time.time()
-        for label, bar in self.deploy_bars:
+        for _, bar in self.deploy_bars:
             bar.setValue(1000)
-            label.setText("running")
-        self.activity.setText(f"Deployed {self._where(deployment)}. The chat now uses this deployment."
-                              f"{self._standbys_text(deployment)}")
+        self._say_deployed(DEPLOYMENT_STATES[STARTING])
         self.show_measured()
-        self.deployed.emit(deployment)
+        self.deployed.emit(deployment)  # the chat starts its chain on it: the running state says how it goes
+
+    def _follow_running(self) -> None:
+        """The deployment's parts and line follow the chat's chain on it, as the status bar does."""
+        state = self.running.deployment_state(self.deployment)
+        if state and self.task is None:
+            self._say_deployed(state)
+
+    def _say_deployed(self, state: str) -> None:
+        """Says the deployment and what it is doing (a ``DEPLOYMENT_STATES`` word) on the activity line
+        and, for the one this view deployed, each part's label."""
+        deployment = self.deployment
+        for label, _ in self.deploy_bars if self.owns_deployment else ():
+            label.setText(state)
+        chat = {DEPLOYMENT_STATES[STARTING]: " The chat is starting on it…",
+                DEPLOYMENT_STATES[FAILED]: " The chat could not start on it: see the Chat view."}.get(
+            state, " The chat now uses this deployment.")
+        what = (f"Deployed {self._where(deployment)}." if self.owns_deployment else
+                f"The recorded deployment: {self._where(deployment)}.")
+        self.activity.setText(what + chat + self._standbys_text(deployment))
 
     def _names(self) -> dict[str, str]:
         """The profiled PCs' names by address."""

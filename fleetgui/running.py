@@ -22,6 +22,8 @@ from engine.models.catalog import CATALOG, is_cached
 
 # what the chat's chain is doing
 NOT_STARTED, STARTING, CONNECTED, FAILED = "not started", "starting", "connected", "failed"
+# what a deployment the chat runs on is doing, as every view words it (``Running.deployment_state``)
+DEPLOYMENT_STATES = {NOT_STARTED: "deployed", STARTING: "starting", CONNECTED: "running", FAILED: "did not start"}
 ON_DEPLOYMENT = "deployment:"  # the model pickers' entry of the fleet deployment the chat runs on
 
 
@@ -100,6 +102,15 @@ class Running(QObject):
         if chat.state == FAILED:
             return f"Chat: {name} {chat.where} did not start"
         return f"Chat: {name} {chat.where}, not started yet" if name else "Chat: no model chosen"
+
+    def deployment_state(self, deployment: Deployment | None) -> str:
+        """What ``deployment`` is doing in words (``DEPLOYMENT_STATES``), from the chat's chain when the
+        chat runs on it: "starting" while that chain starts, "running" once it is connected, "did not
+        start"; "" when the chat does not run on it.  The Placement view's parts say this while the
+        status bar says the chat's line (``chat_text``), so the two never disagree."""
+        if deployment is None or self._chat.deployment is not deployment:
+            return ""
+        return DEPLOYMENT_STATES[self._chat.state]
 
     def nodes_text(self) -> str:
         """The nodes' line: how many there are and how many answer."""

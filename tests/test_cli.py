@@ -174,6 +174,25 @@ def test_worker_errors_are_specific(tiny_exports, tmp_path):
     assert proc.returncode == 2 and "CPUs [4096] are not available here" in proc.stderr
 
 
+def test_profiling_nodes_without_the_fleets_key_says_so_and_makes_none(tmp_path):
+    """`fleet profile --nodes` needs the fleet's own key (its nodes refuse any other): a key file the
+    settings name that does not exist is refused by name before any node is asked, and is not made;
+    without a named file the default key is not made either (a new key would not be the fleet's)."""
+    from engine.config import Settings
+
+    home, missing = tmp_path / "home", tmp_path / "keys" / "fleet.key"
+    Settings(fleet_key_file=str(missing)).save(home / "config" / "settings.json")
+    proc = fleet_in(home, "profile", "--nodes", "127.0.0.1:9")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: profiling the fleet's nodes needs the fleet's key: "), proc.stderr
+    assert f"no fleet key at {missing}, the key file the settings" in proc.stderr
+    assert f"fleet key init --fleet-key-file {missing}" in proc.stderr and not missing.exists()
+    bare = tmp_path / "bare"
+    proc = fleet_in(bare, "profile", "--nodes", "127.0.0.1:9")
+    assert proc.returncode == 2 and "needs the fleet's key: no fleet key at " in proc.stderr, proc.stderr
+    assert not (bare / "config" / "fleet.key").exists()
+
+
 def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
     """What ``fleet bench --cpus`` does for each stage.  (OpenVINO 2026.4 dies with SIGFPE when pinned
     to a single CPU on this 2-vCPU VM, so the pinned process here does not load OpenVINO.)"""

@@ -58,6 +58,16 @@ def test_every_command_has_a_summary_and_an_example_that_parses():
     assert set(EXAMPLES) == {path for path, _, _ in found}  # no example of a command that is gone
 
 
+def test_help_says_copies_of_the_model_as_the_app_does():
+    """The product word is "copies" (the app's Placement view and status bar say it); the solver's
+    internal "replicas" stays out of every command's help, while the flags users type still parse."""
+    parser = build_parser()
+    for path, sub, _ in commands(parser):
+        assert "replica" not in sub.format_help().lower(), f"`fleet {path} --help` says replicas"
+    assert "never copies of the model" in dict((p, s) for p, s, _ in commands(parser))["place"].format_help()
+    assert build_parser().parse_args(["place", "--one-chain"]).one_chain
+
+
 def test_the_reference_lists_every_command():
     parser = build_parser()
     text = reference(parser)

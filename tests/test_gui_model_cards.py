@@ -88,7 +88,17 @@ def _drag(window, path) -> QDragEnterEvent:
     return enter
 
 
-def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_home, tmp_path):
+def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_home, tmp_path, monkeypatch):
+    """The dropped file's header is read on a worker thread (a slow disk must not freeze the window):
+    the wizard says it is checking it meanwhile, and the card (or what is wrong) shows on the GUI thread."""
+    import threading
+
+    from fleetgui import model_cards
+
+    read_on = []
+    facts_of = model_cards.facts_of
+    monkeypatch.setattr(model_cards, "facts_of", lambda source: read_on.append(threading.current_thread())
+                        or facts_of(source))
     window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
     window.show_view("Chat")
     gguf = write_gguf(tmp_path / "tiny.gguf")
@@ -96,9 +106,13 @@ def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_h
     mime = _drag(window, gguf).mimeData()
     drop = QDropEvent(QPointF(50, 50), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
                       Qt.KeyboardModifier.NoModifier)
-    QApplication.sendEvent(window, drop)
-    assert drop.isAccepted() and window.current_view() == "Export"
     wizard = window.export
+    with qtbot.waitSignal(wizard.checked, timeout=30000) as checked:
+        QApplication.sendEvent(window, drop)
+        assert drop.isAccepted() and window.current_view() == "Export"
+        assert wizard.banner.message == "Checking tiny.gguf…" and not wizard.next_button.isEnabled()
+    assert checked.args == [True] and read_on and threading.main_thread() not in read_on
+    assert wizard.banner.message == "" and wizard.next_button.isEnabled() and wizard.checking == ""
     assert wizard.gguf_radio.isChecked() and wizard.source() == str(gguf)
     text = wizard.cards.card_text(str(gguf))
     assert text.startswith("tiny test llama — ") and "2K context" in text and "license mit" in text
@@ -109,7 +123,13 @@ def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_h
     assert "\nExports with faster, slightly different answers — " in wizard.cards.card_text(str(gguf))
     assert "this file's weight types cannot be kept as they are" in wizard.cards.card_text(str(gguf))
     (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
-    assert not wizard.use_path(tmp_path / "broken.gguf") and "corrupt GGUF" in wizard.banner.message
+    with qtbot.waitSignal(wizard.checked, timeout=30000) as checked:
+        wizard.use_path(tmp_path / "broken.gguf")
+    assert checked.args == [False] and "corrupt GGUF" in wizard.banner.message
+    assert wizard.source() == str(gguf)  # a dropped file that cannot be read leaves the source as it was
+    with qtbot.waitSignal(wizard.checked, timeout=30000):  # browsed to: it stays in its field, the error said
+        wizard.use_path(tmp_path / "broken.gguf", wizard.gguf_radio)
+    assert wizard.source() == str(tmp_path / "broken.gguf") and "corrupt GGUF" in wizard.banner.message
 
 
 def test_the_chat_model_browser_picks_a_card(qtbot, gui_home, tmp_path):
@@ -125,6 +145,30 @@ def test_the_chat_model_browser_picks_a_card(qtbot, gui_home, tmp_path):
     QTimer.singleShot(0, dialog.accept)
     chat.model_chosen.disconnect(window.chat_uses)  # the choice itself, without opening that model
     assert chat.browse_models(dialog) == "gemma3-270m" and chosen == ["gemma3-270m"]
+
+
+def test_the_model_browser_is_deleted_each_time_it_closes(qtbot, gui_home, tmp_path):
+    """Opening the chat's model browser (its Models… button) and closing it, twice, leaves no dialog
+    behind in the chat view: each is deleted once it closes."""
+    from PySide6.QtWidgets import QDialog
+
+    from fleetgui.model_cards import ModelBrowser
+
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    chat = window.chat
+    opened = []
+
+    def close_it():
+        (dialog,) = [d for d in chat.findChildren(ModelBrowser) if d.isVisible()]
+        opened.append(dialog)
+        qtbot.waitUntil(lambda: not dialog.looking, timeout=30000)  # its own models read: their task is done
+        dialog.reject()
+
+    for _ in range(2):
+        QTimer.singleShot(0, close_it)
+        assert chat.browse_models() is None
+    assert len(opened) == 2 and opened[0] is not opened[1]
+    qtbot.waitUntil(lambda: not chat.findChildren(QDialog), timeout=5000)
 
 
 

@@ -1,7 +1,8 @@
 """One truth about what runs (``fleetgui.running``): a real deployment on a real agent process,
-made the way the Placement view's Deploy makes it; the moment Placement says the chat uses the new
-chain, the status bar says so too and the chain connects without waiting for a first message; the
-running state holds the deployment, the chat's chain, the nodes and what each one serves."""
+made the way the Placement view's Deploy makes it; Placement and the status bar say the same about
+it (starting while the chat's chain on it starts, running once it connects, which it does without
+waiting for a first message); the running state holds the deployment, the chat's chain, the nodes
+and what each one serves."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def key_file(gui_home):
 
 
 def test_after_deploy_placement_and_the_status_bar_agree(qtbot, gui_home, key_file, tiny_models, tmp_path):
+    from PySide6.QtWidgets import QLabel, QProgressBar
+
     from engine.fleet.deploy import LOCAL
     from engine.fleet.span import StageSpan
 
@@ -31,12 +34,20 @@ def test_after_deploy_placement_and_the_status_bar_agree(qtbot, gui_home, key_fi
         placement = window.show_view("Placement")
         stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(address, "CPU", 2, 4)]
         deployment = window.backend.deploy(str(tiny_models["qwen2"]), stages, window.settings)
+        placement.deploy_bars = [(QLabel("waiting"), QProgressBar()) for _ in stages]  # its Deploy's parts
         placement._deployed(deployment)  # what Placement runs once its Deploy has finished
-        assert "The chat now uses this deployment" in placement.activity.text()
-        qtbot.waitUntil(lambda: "not connected" not in window.service_label.text(), timeout=5000)
+        # at once: the chat's chain on it is starting, and both the status bar and Placement say so
+        assert window.running.deployment_state(deployment) == "starting"
+        assert " on the fleet, starting" in window.service_label.text(), window.service_label.text()
+        assert [label.text() for label, _ in placement.deploy_bars] == ["starting", "starting"]
+        assert "The chat is starting on it" in placement.activity.text()
+        assert "running" not in placement.activity.text() + "".join(lab.text() for lab, _ in placement.deploy_bars)
         # connected with no message sent: the chain Placement names is the one the chat runs on
         qtbot.waitUntil(lambda: window.service_label.text() == "Chat: qwen2, 2 parts, deployed on the fleet",
                         timeout=60000)
+        assert window.running.deployment_state(deployment) == "running"
+        assert [label.text() for label, _ in placement.deploy_bars] == ["running", "running"]
+        assert "The chat now uses this deployment." in placement.activity.text()
         window.close()
 
 

@@ -241,8 +241,17 @@ def _survey(model: str, agents: list[str], *, access: FleetAccess, devices: str,
 
 
 def cmd_profile(args) -> int:
+    """``fleet profile``: measures this PC, and with ``--nodes`` the fleet's nodes, for the solver.  This PC
+    alone makes the default key if it is missing, as a local fleet does.  The nodes need the fleet's
+    own key (they refuse any other, so a new one would only fail later, node by node): a missing one
+    is refused at once, by name, and none is made (nor ever a key file the settings name)."""
     settings = settings_of(args)
-    access = fleet_access(settings, create=not args.nodes)
+    try:
+        access = fleet_access(settings, create=not args.nodes)
+    except FleetError as exc:
+        if args.nodes:
+            raise FleetError(f"profiling the fleet's nodes needs the fleet's key: {exc}") from None
+        raise
     _survey(settings.default_model, _agent_addresses(args, access) if args.nodes else [], access=access,
             devices=settings.device, weights=args.weights, context=args.context,
             streams=args.streams, out=args.out)
@@ -608,7 +617,7 @@ def add_commands(sub) -> None:
                        help="NODE:FIRST-LAST[:DEVICE]: these layers (both included) on this node, fixed by hand")
     place.add_argument("--out", help="where to write the plan (default: the data folder)")
     place.add_argument("--one-chain", action="store_true",
-                       help="one chain over the nodes, never copies of the model (replicas) for several users")
+                       help="one chain over the nodes, never copies of the model for several users")
     place.set_defaults(func=cmd_place)
 
     dep = sub.add_parser("deploy", help="ship a plan's shards to its nodes and start the chain")
@@ -633,7 +642,7 @@ def add_commands(sub) -> None:
                                     "place the model with the solver, deploy and chat")
     up.add_argument("--objective", default="latency", choices=["latency", "throughput"], help="with --nodes")
     up.add_argument("--users", type=count, default=1, help="with --nodes: concurrent users planned for")
-    up.add_argument("--one-chain", action="store_true", help="with --nodes: never copies of the model (replicas)")
+    up.add_argument("--one-chain", action="store_true", help="with --nodes: one chain, never copies of the model")
     up.add_argument("--pin", action="append", type=_pin,
                     help="with --nodes: NODE:FIRST-LAST[:DEVICE], as in `fleet place`")
     up.add_argument("--demo", nargs="?", type=count, const=MAX_NODES, metavar="N",

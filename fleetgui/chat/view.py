@@ -220,12 +220,14 @@ class ChatView(QWidget):
         self.larger.show()
 
     def browse_models(self, dialog: ModelBrowser | None = None) -> str | None:
-        """Opens the model browser; the model chosen there becomes the chat's."""
+        """Opens the model browser; the model chosen there becomes the chat's.  The dialog is deleted
+        once it closes (a child of this view, it would otherwise stay for every time it was opened)."""
         dialog = dialog or ModelBrowser(self.controller.tasks, self.controller.current_model, self.settings.weights,
                                         self)
-        if dialog.exec() != QDialog.DialogCode.Accepted:
-            return None
-        name = dialog.chosen_source()
+        try:
+            name = dialog.chosen_source() if dialog.exec() == QDialog.DialogCode.Accepted else None
+        finally:
+            dialog.deleteLater()
         if name:
             self.choose(name)
         return name
