@@ -193,6 +193,15 @@ def test_profiling_nodes_without_the_fleets_key_says_so_and_makes_none(tmp_path)
     assert not (bare / "config" / "fleet.key").exists()
 
 
+def test_fleet_up_on_nodes_without_the_fleets_key_says_so_and_makes_none(tmp_path):
+    """`fleet up --nodes` needs the fleet's own key too: without one it says so, and makes none."""
+    bare = tmp_path / "bare"
+    proc = fleet_in(bare, "up", "--nodes", "127.0.0.1:9")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: placing the model on the fleet's nodes needs the fleet's key: no fleet key at "), proc.stderr
+    assert not (bare / "config" / "fleet.key").exists()
+
+
 def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
     """What ``fleet bench --cpus`` does for each stage.  (OpenVINO 2026.4 dies with SIGFPE when pinned
     to a single CPU on this 2-vCPU VM, so the pinned process here does not load OpenVINO.)"""

@@ -237,3 +237,26 @@ def test_a_click_on_a_citation_marker_in_the_reply_opens_its_passage(qtbot, gui_
     dialog = view.documents.passage_dialog
     assert dialog.windowTitle() == "Source [2]: hotels.md" and dialog.text.toPlainText() == sources[1]["text"]
     dialog.close()
+
+
+def test_a_question_asked_leaves_no_message_box_behind(qtbot):
+    """``ask`` answers with the button clicked, and deletes its message box once answered: no box is
+    left among its parent's children, one per question."""
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QMessageBox, QWidget
+
+    from fleetgui.chat.tab import ask
+
+    parent = QWidget()
+    qtbot.addWidget(parent)
+
+    def answer(button):
+        def click():
+            (box,) = [b for b in parent.findChildren(QMessageBox) if b.isVisible()]
+            box.button(button).click()
+        return click
+
+    for button, said in ((QMessageBox.StandardButton.Ok, True), (QMessageBox.StandardButton.Cancel, False)):
+        QTimer.singleShot(0, answer(button))
+        assert ask(parent, "Stop?", "Stop the reply?", "Stop") is said
+    qtbot.waitUntil(lambda: not parent.findChildren(QMessageBox), timeout=5000)

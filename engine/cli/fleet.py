@@ -362,7 +362,12 @@ def cmd_deploy(args) -> int:
 
 def cmd_up(args) -> int:
     settings = settings_of(args)
-    key = load_key(args.fleet_key_file, create=True)
+    try:  # the nodes refuse any key but the fleet's: a new one is made for a local fleet only
+        key = load_key(args.fleet_key_file, create=not args.nodes)
+    except FleetError as exc:
+        if args.nodes:
+            raise FleetError(f"placing the model on the fleet's nodes needs the fleet's key: {exc}") from None
+        raise
     model = settings.default_model
     if args.demo:
         return _demo_up(args, settings, model)

@@ -46,7 +46,10 @@ def ask(parent: QWidget, title: str, question: str, action: str) -> bool:
                             QMessageBox.StandardButton.Ok | QMessageBox.StandardButton.Cancel, parent))
     box.button(QMessageBox.StandardButton.Ok).setText(action)
     box.setDefaultButton(QMessageBox.StandardButton.Cancel)
-    return box.exec() == QMessageBox.StandardButton.Ok
+    try:
+        return box.exec() == QMessageBox.StandardButton.Ok
+    finally:
+        box.deleteLater()  # not left among the parent's children, one per question
 
 
 
