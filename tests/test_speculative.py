@@ -483,10 +483,10 @@ def test_micro_batched_streams_are_isolated_in_process(isolate, tiny_exports):
 def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports, tmp_path):
     folders = tiny_exports["qwen2", "3"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
+    exact = ShardOptions(mode="exact")
+    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, shard=exact, isolate=isolate) as fleet:
         assert fleet.turns is not None  # the stages and the coordinator take compute turns
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
-                            shard=ShardOptions(mode="exact"),
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), shard=exact,
                             isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             _isolation(chain)
@@ -549,10 +549,10 @@ def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, 
     monkeypatch.setattr(AheadGate, "opens", lambda self, *args: True)  # every round goes ahead
     folders = tiny_exports["qwen2", "2"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate,
+    exact = ShardOptions(mode="exact")
+    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, shard=exact, isolate=isolate,
                       hosting=hosting) as fleet:
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
-                            shard=ShardOptions(mode="exact"),
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), shard=exact,
                             isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             assert chain.packs != isolate
