@@ -271,7 +271,7 @@ def test_generate_prints_a_clean_reply(capsys):
             return SimpleNamespace(tokens=list(pieces), drafted=0, acceptance=0.0, decode_tok_s=1.0, ttft_s=0.1,
                                    stopped_by="max_tokens", to_json=dict)
 
-    args = SimpleNamespace(system=None, no_chat=False, ignore_eos=False, k=4, sampling=None)
-    reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4, speculate_ahead=False), Tokenizer(), Gen(), None)
+    args = SimpleNamespace(system=None, no_chat=False, ignore_eos=False, sampling=None)
+    reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4), Tokenizer(), Gen(), None)
     reply("hello")
     assert capsys.readouterr().out == "Hi]0;owned[2J there\tok\n\ufffd\n"
