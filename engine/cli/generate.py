@@ -72,7 +72,7 @@ def _through_generator(args, settings, launch, prompts, streams, progress) -> li
 
 
 def _stream_batch(args, settings, scheduling, chain, tokenizer, prompts, drafters) -> list[dict]:
-    """Micro-batching: prompts in rounds of the scheduling's streams, at once."""
+    """Micro-batching: the prompts in rounds of as many concurrent streams as ``scheduling`` has."""
     streams, results = scheduling.streams, []
     for start in range(0, len(prompts), streams):
         batch = prompts[start : start + streams]

@@ -86,9 +86,9 @@ def start(folders: list[Path], where: dict[int, StageSpan], *, access: FleetAcce
           worker_timeout_s: float = 180.0) -> list[Standby]:
     """Ships stage i's shard (``folders[i]``) to the agent of ``where[i].node`` (an address) and
     starts a worker there, for each i, compiled as ``shard`` says on ``where[i]``'s device (its
-    weights go unused: the shards are exported); returns the standbys started.  One that cannot start is left
-    out (the stage then fails over by redeploying) and said through ``progress``'s log of problems:
-    raises FleetError only when none could start and some were asked for."""
+    weights go unused: the shards are exported); returns the standbys started.  One that cannot
+    start is left out (the stage then fails over by redeploying) and said through ``progress``'s
+    log of problems: raises FleetError only when none could start and some were asked for."""
     started, problems = [], []
     for i, span in sorted(where.items()):
         try:
