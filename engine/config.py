@@ -120,6 +120,12 @@ class ShardOptions:
         """The settings' weights, mode and device, with the launch's ``precision``."""
         return cls(settings.weights, settings.mode, precision, settings.device)
 
+    def worker_arguments(self) -> list[str]:
+        """What a ``fleet worker`` process started with these options is told (its ``--device``,
+        ``--mode`` and ``--precision``; it serves a shard exported already, so not the weights)."""
+        precision = ["--precision", self.precision] if self.precision else []
+        return ["--device", self.device, "--mode", self.mode, *precision]
+
 
 @dataclasses.dataclass(frozen=True)
 class RelayOptions:
@@ -138,6 +144,11 @@ class RelayOptions:
     def heartbeat(self, deadline_s: float) -> float:
         """The heartbeat interval under a ``deadline_s``: ``heartbeat_s``, or a tenth of a shorter deadline."""
         return min(self.heartbeat_s, deadline_s / 10)
+
+    def worker_arguments(self) -> list[str]:
+        """What a ``fleet worker`` process started with these options is told: its ``--heartbeat`` (the
+        groups in flight and the prompt rows are the coordinator's, not a worker's)."""
+        return ["--heartbeat", str(self.heartbeat_s)]
 
 
 # what proposes speculative tokens (``decode.speculative``; ``remote``: a draft server on another

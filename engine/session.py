@@ -183,15 +183,15 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
         manifest = load_manifest(folders[0])
         if manifest.ranks > 1:
             progress(Progress("Connecting the other tensor-parallel ranks"))
-            chain = RankChain(folders[0], remotes, access=access, device=shard.device, mode=shard.mode,
-                              precision=shard.precision, connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
+            chain = RankChain(folders[0], remotes, access=access, shard=shard,
+                              connect_timeout_s=launch.connect_timeout_s, manifest=manifest)
             return Opened(chain, "remote", access=access)
     else:
         if len(folders) < 2:
             raise FleetError("local workers need a model split into at least 2 stages")
         progress(Progress("Starting the local fleet"))
         devices = parse_devices(shard.device, len(folders))
-        fleet = LocalWorkers(folders[1:], access, devices=devices[1:], mode=shard.mode, precision=shard.precision,
+        fleet = LocalWorkers(folders[1:], access, shard=dataclasses.replace(shard, device=",".join(devices[1:])),
                              delay_ms=launch.delay_ms, isolate=launch.isolate, cpu_sets=launch.cpu_sets,
                              take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses

@@ -218,6 +218,39 @@ def test_pinning_restricts_the_process_to_the_cpus(tiny_exports, tmp_path):
     assert local.arguments(0)[-2:] == ["--cpus", "0-1"]
 
 
+def test_local_workers_hand_their_workers_the_shard_and_relay_options(tmp_path, monkeypatch):
+    """A local fleet's worker processes are told its shard options, each worker its own device, and its
+    relay's heartbeat; `fleet worker` reads back what it was given."""
+    import argparse
+    import dataclasses
+
+    from engine.cli import worker
+    from engine.cli.args import settings_of
+    from engine.config import DEVICE, MODE, FleetAccess, RelayOptions, ShardOptions
+    from engine.errors import ShardError
+    from engine.runtime.relay.local_workers import LocalWorkers
+
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))  # no saved settings: the defaults
+    parser = argparse.ArgumentParser()
+    worker.add_commands(parser.add_subparsers())
+    access = FleetAccess(bytes(16), key_file=tmp_path / "k")
+    folders = [tmp_path / "stage1", tmp_path / "stage2"]
+    shard, relay = ShardOptions(mode="exact", precision="bf16", device="CPU,GPU.1"), RelayOptions(heartbeat_s=0.05)
+    local = LocalWorkers(folders, access, shard=shard, relay=relay, log_dir=tmp_path)
+    for i, device in enumerate(["CPU", "GPU.1"]):
+        args = parser.parse_args(local.arguments(i))
+        told = ShardOptions.of(settings_of(args), args.precision)
+        assert dataclasses.replace(told, weights=shard.weights) == dataclasses.replace(shard, device=device)
+        assert RelayOptions(heartbeat_s=args.heartbeat) == relay
+    default = parser.parse_args(LocalWorkers(folders, access, log_dir=tmp_path).arguments(0))
+    assert (default.device, default.mode, default.precision, default.heartbeat) == \
+        (DEVICE, MODE, None, RelayOptions().heartbeat_s)
+    with pytest.raises(ShardError, match="names 3 devices for 2 stages"):
+        LocalWorkers(folders, access, shard=ShardOptions(device="CPU,GPU,NPU"), log_dir=tmp_path)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--shard", "s", "--listen", "127.0.0.1:0", "--heartbeat", "0"])
+
+
 def test_a_nodes_name_with_terminal_escapes_prints_without_them(tmp_path):
     from engine.fleet.agent import Agent
     from engine.fleetkey import access_of, create_key
@@ -266,7 +299,7 @@ def test_generate_prints_a_clean_reply(capsys):
             return SimpleNamespace(tokens=list(pieces), drafted=0, acceptance=0.0, decode_tok_s=1.0, ttft_s=0.1,
                                    stopped_by="max_tokens", to_json=dict)
 
-    args = SimpleNamespace(system=None, no_chat=False, ignore_eos=False, k=4, sampling=None)
-    reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4, speculate_ahead=False), Tokenizer(), Gen(), None)
+    args = SimpleNamespace(system=None, no_chat=False, ignore_eos=False, sampling=None)
+    reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4), Tokenizer(), Gen(), None)
     reply("hello")
     assert capsys.readouterr().out == "Hi]0;owned[2J there\tok\n\ufffd\n"

@@ -57,9 +57,9 @@ def test_smollm2_over_loopback_workers(smollm2_gguf, tmp_path):
     assert ops and all(op.get_attributes()["float_x"] == 1 for op in ops)
     want = in_process(stages.folders)
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(stages.folders[1:], access_of(key), mode="exact", hosting="threads", log_dir=tmp_path) as fleet:
-        chain = RemoteChain(stages.folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
-                            shard=ShardOptions(mode="exact"))
+    exact = ShardOptions(mode="exact")
+    with LocalWorkers(stages.folders[1:], access_of(key), shard=exact, hosting="threads", log_dir=tmp_path) as fleet:
+        chain = RemoteChain(stages.folders[0], fleet.addresses, access=FleetAccess(load_key(key)), shard=exact)
         try:
             assert exact_replies(chain, stages.folders[0]) == want
         finally:
@@ -71,9 +71,10 @@ def test_qwen_over_two_tensor_parallel_ranks(qwen15_gguf, tmp_path):
     rank order)."""
     ranks = export_model("qwen2.5-coder-1.5b", ranks=2, weights="gguf")
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers([rank_folder(ranks.out, 1)], access_of(key), mode="exact", hosting="threads",
+    exact = ShardOptions(mode="exact")
+    with LocalWorkers([rank_folder(ranks.out, 1)], access_of(key), shard=exact, hosting="threads",
                       log_dir=tmp_path) as fleet:
-        chain = RankChain(rank_folder(ranks.out, 0), fleet.addresses, access=FleetAccess(load_key(key)), mode="exact")
+        chain = RankChain(rank_folder(ranks.out, 0), fleet.addresses, access=FleetAccess(load_key(key)), shard=exact)
         try:
             got = exact_replies(chain, rank_folder(ranks.out, 0))
         finally:

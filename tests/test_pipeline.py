@@ -43,18 +43,18 @@ def key_file(tmp_path_factory):
 
 @contextlib.contextmanager
 def pipeline(folders, key_file, tmp_path, *, coordinator_key=None, depth=None, fed=False, relay=RelayOptions(),
-             **fleet_args):
+             mode="fast", **fleet_args):
     """Stages 1.. as worker processes, stage 0 in this process (``fed``: every stage a worker, this
-    process feeding the first its token ids)."""
+    process feeding the first its token ids); every stage runs in ``mode``, every relay with ``relay``."""
     tls = fleet_args.pop("tls", False)
+    shard = ShardOptions(mode=mode)
     fleet = LocalWorkers(folders if fed else folders[1:], access_of(key_file, tls=tls), log_dir=tmp_path,
-                         **fleet_args).start()
+                         shard=shard, relay=relay, **fleet_args).start()
     chain = None
     try:
         access = FleetAccess(coordinator_key or load_key(key_file), _tls(key_file) if tls else None)
-        chain = RemoteChain(folders[0], fleet.addresses, access=access, connect_timeout_s=30,
-                            shard=ShardOptions(mode=fleet_args.get("mode", "fast")), depth=depth, fed=fed,
-                            relay=relay)
+        chain = RemoteChain(folders[0], fleet.addresses, access=access, connect_timeout_s=30, shard=shard,
+                            depth=depth, fed=fed, relay=relay)
         yield fleet, chain
     finally:
         if chain is not None:

@@ -68,9 +68,9 @@ def test_next_turns_reuse_the_cache_and_equal_a_cold_start_in_process(tiny_expor
 def test_next_turns_reuse_the_cache_over_a_worker_process(tiny_exports, tmp_path):
     folders = tiny_exports["llama", "2"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], access_of(key), mode="exact", log_dir=tmp_path) as fleet:
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
-                            shard=ShardOptions(mode="exact"))
+    exact = ShardOptions(mode="exact")
+    with LocalWorkers(folders[1:], access_of(key), shard=exact, log_dir=tmp_path) as fleet:
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), shard=exact)
         try:
             _warm_equals_cold(chain, drafts=True)
         finally:

@@ -67,7 +67,8 @@ def test_exact_mode_is_token_identical_with_drafts_from_another_process_of_strea
         for k, costs in (("auto", None), (3, None), ("auto", steep)):
             drafters = [link.drafter(i) for i in range(len(prompts))]
             gens, _ = generate_streams(target, [np.array(p) for p in prompts], 40, max_length=128, ignore_eos=True,
-                                       drafters=[costs(d) for d in drafters] if costs else drafters, k=k)
+                                       drafters=[costs(d) for d in drafters] if costs else drafters,
+                                       scheduling=Scheduling(k=k))
             assert [g.tokens for g in gens] == want
             assert all(g.accepted > 0 for g in gens), (k, [(g.accepted, g.drafted) for g in gens], server.drafted)
             if costs:

@@ -461,8 +461,8 @@ def test_two_pcs_as_tensor_parallel_ranks_decode_what_the_whole_model_does(offic
     chain = None
     try:
         want = [alone.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]
-        chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:7420"], access=FleetAccess(_key(office)), mode="exact",
-                          connect_timeout_s=120)
+        chain = RankChain(rank_folder(ranks, 0), [f"{pc2.ip}:7420"], access=FleetAccess(_key(office)),
+                          shard=ShardOptions(mode="exact"), connect_timeout_s=120)
         service = ChatService(chain, scheduling=Scheduling(streams=1), prefix_cache=False)
         try:
             got = [service.submit(ask, 12, ignore_eos=True).wait(120).tokens for ask in asks]

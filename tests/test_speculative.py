@@ -10,7 +10,7 @@ import numpy as np
 import openvino as ov
 import pytest
 
-from engine.config import FleetAccess, Settings, ShardOptions
+from engine.config import FleetAccess, Scheduling, Settings, ShardOptions
 from engine.errors import ShardError
 from engine.fleetkey import access_of, create_key, load_key
 from engine.manifest import load_manifest
@@ -463,7 +463,8 @@ def _isolation(chain):
     assert _streams(chain, [a, b, c]) == [single["a"], single["b"], single["c"]]
     assert _streams(chain, [c, b, a]) == [single["c"], single["b"], single["a"]]
     # speculation inside micro-batching (each stream its own lookup drafter)
-    assert _streams(chain, [a, c], drafters=[PromptLookup(), PromptLookup()], k=3) == [single["a"], single["c"]]
+    assert _streams(chain, [a, c], drafters=[PromptLookup(), PromptLookup()], scheduling=Scheduling(k=3)) == \
+        [single["a"], single["c"]]
     # a stream cancelled early leaves its neighbours alone
     stop = threading.Event()
     results, _ = generate_streams(chain, [a, b], 24, max_length=128, ignore_eos=True, cancels=[None, stop],
@@ -483,10 +484,10 @@ def test_micro_batched_streams_are_isolated_in_process(isolate, tiny_exports):
 def test_micro_batched_streams_are_isolated_over_loopback(isolate, tiny_exports, tmp_path):
     folders = tiny_exports["qwen2", "3"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate) as fleet:
+    exact = ShardOptions(mode="exact")
+    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, shard=exact, isolate=isolate) as fleet:
         assert fleet.turns is not None  # the stages and the coordinator take compute turns
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
-                            shard=ShardOptions(mode="exact"),
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), shard=exact,
                             isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             _isolation(chain)
@@ -549,10 +550,10 @@ def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, 
     monkeypatch.setattr(AheadGate, "opens", lambda self, *args: True)  # every round goes ahead
     folders = tiny_exports["qwen2", "2"].folders
     key = create_key(tmp_path / "fleet.key")
-    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, mode="exact", isolate=isolate,
+    exact = ShardOptions(mode="exact")
+    with LocalWorkers(folders[1:], access_of(key), log_dir=tmp_path, shard=exact, isolate=isolate,
                       hosting=hosting) as fleet:
-        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)),
-                            shard=ShardOptions(mode="exact"),
+        chain = RemoteChain(folders[0], fleet.addresses, access=FleetAccess(load_key(key)), shard=exact,
                             isolate=isolate, turns=compute_turns(fleet.turns))
         try:
             assert chain.packs != isolate
@@ -560,11 +561,11 @@ def test_speculating_ahead_over_a_pipeline_equals_greedy(isolate, tiny_exports, 
             want = Generator(chain, 128).generate(PROMPT, 40, ignore_eos=True).tokens
             model = DraftModel(LocalChain(tiny_exports["qwen2", "1"].folders, config=EXACT))  # the target itself
             for drafter in (_Oracle(PROMPT, want), PromptLookup(), _Oracle(PROMPT, want, spoil=1), model):
-                plain = Generator(chain, 128, rewind=rewind)
-                plain_gen = plain.generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k=3)
+                plain = Generator(chain, 128, rewind=rewind, scheduling=Scheduling(k=3))
+                plain_gen = plain.generate(PROMPT, 40, ignore_eos=True, drafter=drafter)
                 chain.most_in_flight = 0
-                ahead = Generator(chain, 128, rewind=rewind)
-                gen = ahead.generate(PROMPT, 40, ignore_eos=True, drafter=drafter, k=3, speculate_ahead=True)
+                ahead = Generator(chain, 128, rewind=rewind, scheduling=Scheduling(k=3, speculate_ahead=True))
+                gen = ahead.generate(PROMPT, 40, ignore_eos=True, drafter=drafter)
                 assert plain_gen.tokens == gen.tokens == want, drafter.name
                 assert gen.ahead > 0 and plain_gen.ahead == 0
                 assert chain.most_in_flight >= 2  # the round sent ahead travelled beside the one verified
@@ -588,8 +589,8 @@ def test_speculating_ahead_stops_at_the_end_of_text_like_plain_speculation(tiny_
     eos = [want[17]]
     ends = {}
     for ahead in (False, True):
-        gen = Generator(chain, 128, eos_ids=eos, rewind="trim")
-        result = gen.generate(PROMPT, 40, drafter=_Oracle(PROMPT, want, spoil=4), k=4, speculate_ahead=ahead)
+        gen = Generator(chain, 128, eos_ids=eos, rewind="trim", scheduling=Scheduling(k=4, speculate_ahead=ahead))
+        result = gen.generate(PROMPT, 40, drafter=_Oracle(PROMPT, want, spoil=4))
         assert result.stopped_by == "eos" and result.tokens == want[:want.index(eos[0]) + 1]
         ends[ahead] = gen.seq.logical, result.ahead
     assert ends[True][0] == ends[False][0] and ends[True][1] > 0 and ends[False][1] == 0
@@ -604,12 +605,25 @@ def test_speculating_ahead_is_off_by_default_and_only_on_the_greedy_path():
     assert Settings().speculate_ahead is False
     assert settings_of(Namespace(speculate_ahead=True), Settings()).speculate_ahead is True
     assert settings_of(Namespace(speculate_ahead=None), Settings(speculate_ahead=True)).speculate_ahead is True
+    assert Scheduling().speculate_ahead is False and Scheduling.of(Settings(speculate_ahead=True)).speculate_ahead
     seq = KVSequence(LocalChain.__new__(LocalChain), 64)
-    assert Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup(), speculate_ahead=True).speculate_ahead
-    assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=None, speculate_ahead=True).speculate_ahead
+    ahead = Scheduling(speculate_ahead=True)
+    assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup()).speculate_ahead
+    assert Decoding(seq, PROMPT, 8, frozenset(), scheduling=ahead, drafter=PromptLookup()).speculate_ahead
+    assert not Decoding(seq, PROMPT, 8, frozenset(), scheduling=ahead, drafter=None).speculate_ahead
     sampled = SamplingParams(temperature=0.8)
-    assert not Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup(), sampling=sampled,
-                        speculate_ahead=True).speculate_ahead
+    assert not Decoding(seq, PROMPT, 8, frozenset(), scheduling=ahead, drafter=PromptLookup(),
+                        sampling=sampled).speculate_ahead
+
+
+def test_a_decoding_drafts_as_its_scheduling_says_unless_its_request_names_k():
+    seq = KVSequence(LocalChain.__new__(LocalChain), 64)
+    five = Scheduling(k=5)
+    assert Decoding(seq, PROMPT, 8, frozenset(), scheduling=five, drafter=PromptLookup()).k == 5
+    assert Decoding(seq, PROMPT, 8, frozenset(), scheduling=five, drafter=PromptLookup(), k=2).k == 2
+    auto = Decoding(seq, PROMPT, 8, frozenset(), drafter=PromptLookup())  # Scheduling's K: auto
+    assert auto.auto is not None and auto.k == AutoK().k
+    assert Decoding(seq, PROMPT, 8, frozenset(), scheduling=Scheduling(prefill_chunk=7)).prefill_chunk == 7
 
 
 def test_the_ahead_bench_compares_a_round_at_a_time_with_speculating_ahead(tiny_models, tmp_path):

@@ -329,7 +329,8 @@ def test_a_worker_process_serves_rank_1_for_the_coordinators_rank_0(tp_exports, 
     chain = None
     try:
         access = FleetAccess(load_key(key_file), load_tls(True, key_file))  # as the worker: the default
-        chain = RankChain(rank_folder(out, 0), [listen], access=access, mode="exact", connect_timeout_s=120)
+        chain = RankChain(rank_folder(out, 0), [listen], access=access, shard=ShardOptions(mode="exact"),
+                          connect_timeout_s=120)
 
         assert _greedy(chain, [5, 17, 42, 99], 6) == _greedy(whole, [5, 17, 42, 99], 6)
         assert _greedy(chain, [9, 8, 7], 4) == _greedy(whole, [9, 8, 7], 4)  # a reset between requests

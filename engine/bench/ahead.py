@@ -1,4 +1,4 @@
-"""``fleet bench ahead``: speculating ahead (``Decoding(speculate_ahead=True)``, PipeInfer's early
+"""``fleet bench ahead``: speculating ahead (``Scheduling(speculate_ahead=True)``, PipeInfer's early
 speculation) for one user on a pipeline, against the same speculation one round at a time.
 
 One user, greedy, the end of text ignored, every prompt of the harness in turn.  Five
@@ -16,13 +16,14 @@ rounds of the paired ratios), with their spread over the rounds.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from statistics import geometric_mean, mean, median
 
 from engine.bench.harness import NO_HOOKS, PROMPTS, Hooks, drafters, draft_export, interleave, loopback, \
     prompt_ids, split_export
 from engine.bench.report import half_range, write_report
-from engine.config import DEFAULT_WEIGHTS
+from engine.config import DEFAULT_WEIGHTS, Scheduling
 from engine.export.exporter import export_model
 from engine.runtime.decode.generate import Generator
 from engine.runtime.stages.chain import LocalChain
@@ -53,15 +54,20 @@ def run_ahead(model: str, draft: str = "", *, stages: int = 2, tokens: int = 128
         mono = LocalChain(whole.folders, config=compile_config(mode))  # on stage 0's CPUs
         drafter = {"whole": drafters(draft_kind, mono, draft_folders, 1)[0],
                    "split": drafters(draft_kind, chain, draft_folders, 1)[0]}
-        configs = {  # name -> (chain, drafter, speculate ahead)
-            names[0]: ("whole", False, False), names[1]: ("whole", True, False),
-            names[2]: ("split", False, False), names[3]: ("split", True, False), names[4]: ("split", True, True)}
-        generators = {"whole": Generator(mono, length, rewind=rewind), "split": Generator(chain, length, rewind=rewind)}
+        drafter["ahead"] = drafter["split"]  # the same chain's
+        configs = {  # name -> (its generator, whether it drafts)
+            names[0]: ("whole", False), names[1]: ("whole", True),
+            names[2]: ("split", False), names[3]: ("split", True), names[4]: ("ahead", True)}
+        scheduling = Scheduling(k=k)
+        generators = {"whole": Generator(mono, length, rewind=rewind, scheduling=scheduling),
+                      "split": Generator(chain, length, rewind=rewind, scheduling=scheduling),
+                      "ahead": Generator(chain, length, rewind=rewind,
+                                         scheduling=dataclasses.replace(scheduling, speculate_ahead=True))}
 
         def decode(name: str, ids):
-            where, spec, ahead = configs[name]
-            result = generators[where].generate(ids, tokens, ignore_eos=True, on_token=on_token, cancel=hooks.cancel,
-                                                drafter=drafter[where] if spec else None, k=k, speculate_ahead=ahead)
+            how, spec = configs[name]
+            result = generators[how].generate(ids, tokens, ignore_eos=True, on_token=on_token, cancel=hooks.cancel,
+                                              drafter=drafter[how] if spec else None)
             hooks.check()
             return result
 

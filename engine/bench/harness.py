@@ -24,7 +24,7 @@ import openvino as ov
 import openvino_genai
 import psutil
 
-from engine.config import Settings
+from engine.config import Scheduling, Settings
 from engine.errors import FleetError
 from engine.export.exporter import export_model
 from engine.fleetkey import create_key
@@ -183,7 +183,7 @@ def decode_streams(chain, prompts, tokens: int, *, drafters_=None, k="auto", hoo
     length = max(p.shape[-1] for p in prompts) + tokens + 16
     hooks.check()
     results, wall = generate_streams(chain, prompts, tokens, max_length=length, ignore_eos=True,
-                                     drafters=drafters_, k=k, on_token=hooks.on_token,
+                                     drafters=drafters_, scheduling=Scheduling(k=k), on_token=hooks.on_token,
                                      cancels=[hooks.cancel] * len(prompts) if hooks.cancel is not None else None)
     hooks.check()
     return DecodedStreams(results, wall)

@@ -42,6 +42,11 @@ def duration(text: str) -> float:
     return _number(text, float, lambda v: v >= 0, "a number of 0 or more")
 
 
+def interval(text: str) -> float:
+    """How often something repeats: a number of seconds above 0."""
+    return _number(text, float, lambda v: v > 0, "a number of seconds above 0")
+
+
 def port(text: str) -> int:
     """A TCP port to listen on: 0 (any free one) to 65535."""
     return _number(text, int, lambda v: 0 <= v <= 65535, "a port number from 0 to 65535")

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from engine.cli.args import chain_args, count, launch_of, progress_printer, reply_text, say, settings_of
+from engine.config import Scheduling
 from engine.errors import ContextError, FleetError
 from engine.runtime.decode.generate import Generator, generate_streams
 from engine.runtime.decode.sampling import SamplingParams
@@ -48,7 +49,9 @@ def cmd_generate(args) -> int:
 
 
 def _through_generator(args, settings, launch, prompts, streams, progress) -> list[dict]:
-    """The prompts (``streams`` at a time, micro-batched) or the terminal chat on the chain itself."""
+    """The prompts (``streams`` at a time, micro-batched) or the terminal chat on the chain itself,
+    scheduled as the settings say (``Scheduling``)."""
+    scheduling = dataclasses.replace(Scheduling.of(settings), streams=streams)
     drafts = draft_shards(settings, progress)
     opened = open_chain(settings, launch, progress)
     chain = opened.chain
@@ -60,24 +63,24 @@ def _through_generator(args, settings, launch, prompts, streams, progress) -> li
         factory = drafter_factory(settings.draft, chain, drafts, settings.device, remote=remote)
         drafters = factory(streams) if factory else None
         if streams > 1:
-            return _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters)
+            return _stream_batch(args, settings, scheduling, chain, tokenizer, prompts, drafters)
         gen = Generator(chain, max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids,
-                        rewind=args.rewind)
+                        rewind=args.rewind, scheduling=scheduling)
         return _chat_loop(prompts, _generator_reply(args, settings, tokenizer, gen, drafters[0] if drafters else None))
     finally:
         opened.close()
 
 
-def _stream_batch(args, settings, chain, tokenizer, prompts, streams, drafters) -> list[dict]:
-    """Micro-batching: prompts in rounds of ``streams`` concurrent streams."""
-    results = []
+def _stream_batch(args, settings, scheduling, chain, tokenizer, prompts, drafters) -> list[dict]:
+    """Micro-batching: the prompts in rounds of as many concurrent streams as ``scheduling`` has."""
+    streams, results = scheduling.streams, []
     for start in range(0, len(prompts), streams):
         batch = prompts[start : start + streams]
         ids = [tokenizer.prompt_ids(p, system=args.system, chat=not args.no_chat) for p in batch]
         gens, wall = generate_streams(chain, ids, settings.max_new_tokens,
                                       max_length=chain.spec.max_position, eos_ids=chain.manifest.eos_token_ids,
                                       ignore_eos=args.ignore_eos, rewind=args.rewind,
-                                      drafters=drafters[: len(batch)] if drafters else None, k=args.k,
+                                      drafters=drafters[: len(batch)] if drafters else None, scheduling=scheduling,
                                       sampling=args.sampling)
         total = sum(len(g.tokens) for g in gens)
         for i, (prompt, g) in enumerate(zip(batch, gens)):
@@ -126,8 +129,7 @@ def _submit(args, settings, service, prompt: str, echo: bool = False):
         raise ContextError(f"the prompt ({size} tokens) leaves no room in the context of {service.max_length}")
     return service.submit(messages, min(settings.max_new_tokens, service.max_length - size),
                           (lambda piece, _tokens: print(reply_text(piece), end="", flush=True)) if echo else None,
-                          chat=not args.no_chat, ignore_eos=args.ignore_eos, k=args.k, sampling=args.sampling,
-                          fit="refuse")
+                          chat=not args.no_chat, ignore_eos=args.ignore_eos, sampling=args.sampling, fit="refuse")
 
 
 def _reported(prompt: str, reply) -> dict:
@@ -151,8 +153,8 @@ def _generator_reply(args, settings, tokenizer, gen, drafter):
         stream = TextStream(tokenizer)
         result = gen.generate(
             ids, settings.max_new_tokens, ignore_eos=args.ignore_eos,
-            on_token=lambda t: print(reply_text(stream.push(t)), end="", flush=True), drafter=drafter, k=args.k,
-            sampling=args.sampling, speculate_ahead=settings.speculate_ahead,
+            on_token=lambda t: print(reply_text(stream.push(t)), end="", flush=True), drafter=drafter,
+            sampling=args.sampling,
         )
         print(reply_text(stream.flush()))  # the end of the reply, held back while a character was incomplete
         spec = f", acceptance {result.acceptance:.2f}" if result.drafted else ""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.cli.args import connection_args, duration, settings_of
-from engine.config import FleetAccess, ShardOptions
+from engine.cli.args import connection_args, duration, interval, settings_of
+from engine.config import FleetAccess, RelayOptions, ShardOptions
 from engine.fleetkey import fleet_access
 from engine.launch import lifeline, report
 from engine.manifest import expand_shard_dirs, layer_span
@@ -25,6 +25,7 @@ def cmd_worker(args) -> int:
     worker = Worker(args.shard, args.listen, args.next, access=access, shard=ShardOptions.of(settings, args.precision),
                     delay_ms=args.delay_ms, isolate=args.isolate_streams,
                     turns=compute_turns(args.compute_turns),
+                    relay=RelayOptions(heartbeat_s=args.heartbeat),
                     counted=(lambda tokens: report(TOKENS, tokens)) if args.lifeline else None)  # to the parent
     if args.lifeline:  # only now: a thread running while OpenVINO starts can hang the child it forks
         lifeline()
@@ -61,6 +62,9 @@ def add_commands(sub) -> None:
     worker.add_argument("--mode", choices=["fast", "exact"], help="correctness mode (every stage must agree)")
     worker.add_argument("--delay-ms", type=duration, default=0.0,
                         help="add this one-way delay to every frame received and sent upstream")
+    worker.add_argument("--heartbeat", type=interval, default=RelayOptions.heartbeat_s, metavar="SECONDS",
+                        help="send ALIVE upstream and check the next stage's silence at least this often while a "
+                             "reply is owed (default %(default)s; a tenth of a shorter --deadline)")
     worker.add_argument("--isolate-streams", action="store_true",
                         help="compile the shard once per stream instead of sharing one compiled model")
     worker.add_argument("--cpus", help="pin this worker to these CPUs (Linux; like taskset: 0-3,6)")

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.config import FleetAccess, paths
+from engine.config import DEVICE, MODE, FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.fleet.control import CONTROL_MAX_FRAME, ROLE, AgentError, ControlClient
 from engine.fleet.discovery import Advertiser
@@ -328,11 +328,11 @@ class Agent:
         if role not in ("stage", "draft"):
             raise FleetError(f"a worker is a stage or a draft server, not {role!r}")
         host = self.host if self.host not in ("::",) else "0.0.0.0"
+        precision = str(doc["precision"]) if doc.get("precision") else None
+        shard = ShardOptions(mode=str(doc.get("mode") or MODE), precision=precision,
+                             device=self._real_device(str(doc.get("device") or DEVICE)))
         cmd = ["worker", "--role", role, "--shard", str(folder), "--listen", f"{host}:0",
-               "--device", self._real_device(str(doc.get("device") or "CPU")), "--mode", str(doc.get("mode") or "fast"),
-               "--fleet-key-file", str(self.access.key_file)]
-        if doc.get("precision"):
-            cmd += ["--precision", str(doc["precision"])]
+               "--fleet-key-file", str(self.access.key_file), *shard.worker_arguments()]
         delay_ms = float(doc.get("delay_ms") or 0) + self.link_delay_ms  # the deployment's, over this PC's link
         if delay_ms:
             cmd += ["--delay-ms", str(delay_ms)]
@@ -349,7 +349,7 @@ class Agent:
                              f"({exc})") from None
         info = {"stage": manifest.stage_index, "stages": manifest.stage_count, "layers": list(manifest.layers),
                 "model": manifest.model_name,
-                "device": doc.get("device") or "CPU", "delay_ms": delay_ms, "role": role}
+                "device": doc.get("device") or DEVICE, "delay_ms": delay_ms, "role": role}
         worker = _Worker(wid, digest, process, info)
         with self._lock:
             self.workers[wid] = worker

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import FleetAccess
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import FleetError
 from engine.fleet.shardstore import content_hash
 from engine.manifest import MANIFEST, read_manifest
@@ -143,11 +143,13 @@ class ControlClient:
         self.call("put_end", hash=digest, timeout_s=max(self.timeout_s, 120.0))
         return digest, True
 
-    def start_worker(self, digest: str, *, device: str = "CPU", mode: str = "fast", delay_ms: float = 0.0,
-                     precision: str | None = None, timeout_s: float = 180.0, role: str = "stage") -> dict:
-        """``role``: ``stage`` (a stage of the chain) or ``draft`` (a draft server, ``fleet worker --role draft``)."""
-        return self.call("start_worker", timeout_s=timeout_s + 10, hash=digest, device=device, mode=mode,
-                         delay_ms=delay_ms, precision=precision, wait_s=timeout_s, role=role)
+    def start_worker(self, digest: str, *, shard: ShardOptions = ShardOptions(), delay_ms: float = 0.0,
+                     timeout_s: float = 180.0, role: str = "stage") -> dict:
+        """Starts a worker serving the shard ``digest`` (sent before), compiled as ``shard`` says (its
+        device, the correctness mode, the precision hint; its weights go unused).  ``role``: ``stage``
+        (a stage of the chain) or ``draft`` (a draft server, ``fleet worker --role draft``)."""
+        return self.call("start_worker", timeout_s=timeout_s + 10, hash=digest, device=shard.device, mode=shard.mode,
+                         delay_ms=delay_ms, precision=shard.precision, wait_s=timeout_s, role=role)
 
     def stop_worker(self, worker: str | None = None) -> dict:
         return self.call("stop_worker", worker=worker)

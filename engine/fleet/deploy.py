@@ -69,6 +69,13 @@ class Deployment:
                                                                  if f.name in raw and f.name not in required})
 
     @property
+    def shard(self) -> ShardOptions:
+        """How its shards were exported and are compiled, as far as the record keeps it: the weights, the
+        mode and stage 0's device (each other stage runs on its placement's device; no precision hint
+        is kept)."""
+        return ShardOptions(self.weights, self.mode, device=self.device)
+
+    @property
     def ranks(self) -> int:
         """How many tensor-parallel ranks the stages are (1: a chain of stages)."""
         return rank_count(self.placement)
@@ -134,10 +141,9 @@ class Deployment:
             return LocalChain([self.stage0], device=self.device, config=compile_config(self.mode),
                               isolate=kw.get("isolate", False), turns=kw["turns"])
         if self.ranks > 1:
-            return RankChain(self.stage0, self.remotes, access=access, device=self.device, mode=self.mode,
+            return RankChain(self.stage0, self.remotes, access=access, shard=self.shard,
                              connect_timeout_s=connect_timeout_s)
-        return RemoteChain(self.stage0, self.remotes, access=access,
-                           shard=ShardOptions(self.weights, self.mode, device=self.device),
+        return RemoteChain(self.stage0, self.remotes, access=access, shard=self.shard,
                            connect_timeout_s=connect_timeout_s, fed=self.fed,
                            standbys=self.standby_addresses, **kw)
 
@@ -185,8 +191,8 @@ def deploy_draft(draft_model: str, agent: str, *, access: FleetAccess, weights: 
         with ControlClient(agent, access) as client:
             digest, _ = client.send_shard(folder, progress=_phase_of(0, "send", progress), cancel=cancel)
             progress(deploying(0, "start", 0.0))
-            info = client.start_worker(digest, device=device, delay_ms=delay_ms, timeout_s=worker_timeout_s,
-                                       role="draft")
+            info = client.start_worker(digest, shard=ShardOptions(device=device), delay_ms=delay_ms,
+                                       timeout_s=worker_timeout_s, role="draft")
     except AgentError as exc:
         raise FleetError(f"the draft server was not started on {agent}: {exc}") from None
     progress(deploying(0, "start", 1.0))
@@ -311,8 +317,8 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: S
             progress(deploying(i, "start", 0.0))
             try:
                 with ControlClient(stage.node, access) as agent:
-                    info = agent.start_worker(digests[i], device=stage.device, mode=shard.mode, delay_ms=delay_ms,
-                                              precision=shard.precision, timeout_s=worker_timeout_s)
+                    info = agent.start_worker(digests[i], shard=dataclasses.replace(shard, device=stage.device),
+                                              delay_ms=delay_ms, timeout_s=worker_timeout_s)
             except AgentError as exc:
                 raise FleetError(f"deployment stopped while starting {part_name(i, len(stages))}: {exc}") from None
             started.append({"agent": stage.node, "worker": info["id"], "stage": i})
@@ -328,8 +334,7 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: S
         if standbys and ranks == 1:
             try:
                 deployment.standbys = [s.to_json() for s in start_standbys(deployment, folders, access=access,
-                                                                            precision=shard.precision,
-                                                                            progress=progress)]
+                                                                            shard=shard, progress=progress)]
             except BaseException:
                 chain.close()
                 raise
@@ -342,11 +347,12 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: S
         raise
 
 
-def start_standbys(deployment: Deployment, folders: list[Path], *, access: FleetAccess, precision: str | None = None,
+def start_standbys(deployment: Deployment, folders: list[Path], *, access: FleetAccess, shard: ShardOptions,
                    progress: Report = quiet, leave_out: frozenset[str] = frozenset()) -> list[Standby]:
-    """Hot standbys for ``deployment``'s stages, placed from the fleet profile it was planned from
-    (none without one), on none of the nodes ``leave_out`` names (node ids: lost ones); a standby
-    that does not start is left out."""
+    """Hot standbys for ``deployment``'s stages, compiled as ``shard`` says (the deployment's own
+    options, ``deploy``'s or the record's ``Deployment.shard``) on the devices they are placed on,
+    placed from the fleet profile it was planned from (none without one), on none of the nodes
+    ``leave_out`` names (node ids: lost ones); a standby that does not start is left out."""
     try:
         profile = json.loads(Path(deployment.profile).read_text()) if deployment.profile else None
     except (OSError, ValueError):
@@ -360,8 +366,7 @@ def start_standbys(deployment: Deployment, folders: list[Path], *, access: Fleet
     fleet = dataclasses.replace(fleet, devices=[d for d in fleet.devices if d.node not in leave_out])
     where = standby.place(ModelShape.from_json(profile["model"]), fleet, spans, standby.dropouts(), local=LOCAL)
     where = {i: s.at(nodes[s.node]["address"]) for i, s in where.items() if nodes.get(s.node, {}).get("address")}
-    return standby.start(folders, where, access=access, mode=deployment.mode, precision=precision,
-                         progress=progress)
+    return standby.start(folders, where, access=access, shard=shard, progress=progress)
 
 
 def deploy_layout(model: str, copies: list[list[StageSpan]], *, access: FleetAccess,

@@ -272,7 +272,7 @@ class Failover:
         try:
             started = standby.start(folders, {stage: StageSpan(agent, devices[0] if devices else "CPU", span.start,
                                                                span.end)},
-                                    access=self.access, mode=deployment.mode)
+                                    access=self.access, shard=deployment.shard)
         except FleetError as exc:
             self.on_event(f"warning: node {self.name(agent)} could not stand by for {part_name(stage)}: {exc}")
             return None
@@ -285,7 +285,7 @@ class Failover:
         with self._lost_lock:
             lost = frozenset(self.lost)
         try:
-            started = start_standbys(deployment, folders, access=self.access, leave_out=lost)
+            started = start_standbys(deployment, folders, access=self.access, shard=deployment.shard, leave_out=lost)
         except FleetError as exc:
             self.on_event(f"warning: no standby could start after the recovery: {exc}")
             return

@@ -18,7 +18,7 @@ import json
 import threading
 from pathlib import Path
 
-from engine.config import MODE, FleetAccess, paths
+from engine.config import FleetAccess, ShardOptions, paths
 from engine.errors import FleetError
 from engine.files import write_json
 from engine.fleet.control import AgentError, ControlClient, worker_address
@@ -81,19 +81,21 @@ def place(model: ModelShape, fleet: Fleet, stages: list[StageSpan], dropouts: di
     return chosen
 
 
-def start(folders: list[Path], where: dict[int, StageSpan], *, access: FleetAccess, mode: str = MODE,
-          precision: str | None = None, progress: Report = quiet, worker_timeout_s: float = 180.0) -> list[Standby]:
+def start(folders: list[Path], where: dict[int, StageSpan], *, access: FleetAccess,
+          shard: ShardOptions = ShardOptions(), progress: Report = quiet,
+          worker_timeout_s: float = 180.0) -> list[Standby]:
     """Ships stage i's shard (``folders[i]``) to the agent of ``where[i].node`` (an address) and
-    starts a worker there, for each i; returns the standbys started.  One that cannot start is left
-    out (the stage then fails over by redeploying) and said through ``progress``'s log of problems:
-    raises FleetError only when none could start and some were asked for."""
+    starts a worker there, for each i, compiled as ``shard`` says on ``where[i]``'s device (its
+    weights go unused: the shards are exported); returns the standbys started.  One that cannot
+    start is left out (the stage then fails over by redeploying) and said through ``progress``'s
+    log of problems: raises FleetError only when none could start and some were asked for."""
     started, problems = [], []
     for i, span in sorted(where.items()):
         try:
             with ControlClient(span.node, access) as agent:
                 digest, _ = agent.send_shard(folders[i])
                 progress(deploying(i, "start", 0.0))
-                info = agent.start_worker(digest, device=span.device, mode=mode, precision=precision,
+                info = agent.start_worker(digest, shard=dataclasses.replace(shard, device=span.device),
                                           timeout_s=worker_timeout_s)
         except AgentError as exc:
             problems.append(f"no standby for stage {i} on {span.node}: {exc}")

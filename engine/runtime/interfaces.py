@@ -84,7 +84,7 @@ class Chain(Protocol):
 
     def flush(self) -> None:
         """Starts every submitted round still waiting to be packed now, instead of at the next
-        ``collect``: a stream that keeps two rounds in flight (``Decoding(speculate_ahead=True)``) has stage 0
+        ``collect``: a stream that keeps two rounds in flight (``Scheduling(speculate_ahead=True)``) has stage 0
         compute the second while the later stages compute the first."""
 
     def first_ready(self, tickets: list) -> int:

@@ -12,7 +12,7 @@ target's own samples).  Rejected positions
 are masked out (``rewind="mask"``, the paper's mask-based rewind: nothing is copied, position ids
 follow the logical length) or cut from every stage's cache (``"trim"``).
 
-Speculating ahead (``speculate_ahead``, PipeInfer's early speculation for one stream): while a round
+Speculating ahead (``Scheduling.speculate_ahead``, PipeInfer's early speculation for one stream): while a round
 is verified, the next is already on its way, drafted as if the round in flight accepts every draft
 and its own next token is the drafter's guess.  Over a pipeline, stage 0 computes it while the later
 stages verify the first, so the computers of a split work at once for one user.  It is kept when the
@@ -29,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from engine.config import PREFILL_CHUNK
+from engine.config import Scheduling
 from engine.errors import ContextError
 from engine.runtime.decode.grammar import Constraint
 from engine.runtime.decode.kvsequence import KVSequence
@@ -156,24 +156,26 @@ class Decoding:
     ``generate_streams`` interleaves several through the same chain (micro-batching)."""
 
     def __init__(self, seq: KVSequence, prompt: list[int], max_new_tokens: int, eos: frozenset, *,
-                 drafter: Drafter | None = None, k: int | str = 4,
+                 scheduling: Scheduling = Scheduling(), drafter: Drafter | None = None, k: int | str | None = None,
                  on_token: Callable[[int], None] | None = None, cancel=None, sampling: SamplingParams | None = None,
-                 cached: int = 0, prefill_chunk: int = PREFILL_CHUNK, constraint: Constraint | None = None,
-                 logprobs: int | None = None, prompt_logprobs: bool = False, alone: Callable[[], bool] | None = None,
-                 speculate_ahead: bool = False):
-        """``cached``: the stream's cache already holds the prompt's first ``cached`` tokens (the
-        prefix cache): only the rest is prefilled, ``prefill_chunk`` tokens a forward.
+                 cached: int = 0, constraint: Constraint | None = None,
+                 logprobs: int | None = None, prompt_logprobs: bool = False, alone: Callable[[], bool] | None = None):
+        """``scheduling``: the draft length (``k``), whether each drafted round is followed at once by
+        the next, drafted as if it accepts every draft (``speculate_ahead``, the module's docstring;
+        only on the plain greedy path: no sampling, constraint or logprobs) and the prompt tokens a
+        prefill forward takes (``prefill_chunk``); its streams and draft kind are its caller's.  ``k``:
+        this request's draft length instead of the scheduling's.  ``cached``: the stream's cache
+        already holds the prompt's first ``cached`` tokens (the prefix cache): only the rest is
+        prefilled.
         ``constraint``: every token (greedy, sampled or a draft) must be one its grammar allows; the
         stream asks for full logits (``Flag.LOGITS``), since the top candidates the last stage
         returns may hold no legal token, and ends once the grammar is complete.  ``alone``: whether
         this stream is the only one generating, asked each round: the drafter is consulted only then,
-        the other rounds are plain (``ChatService(draft_alone=True)``).  ``speculate_ahead``: each
-        drafted round is followed at once by the next, drafted as if it accepts every draft (the
-        module's docstring); only on the plain greedy path (no sampling, constraint or logprobs)."""
+        the other rounds are plain (``ChatService(draft_alone=True)``)."""
         self.seq = seq
         self.alone = alone
         self.cached = cached
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = scheduling.prefill_chunk
         self._unfed: list[int] = []  # the prompt's tokens still to prefill after the chunk in flight
         self._prefill_ms = 0.0
         self.sampler = Sampler(sampling) if sampling is not None and not sampling.greedy else None
@@ -204,6 +206,7 @@ class Decoding:
         self.max_new_tokens = min(max_new_tokens, room)
         self.eos = eos
         self.drafter = drafter
+        k = scheduling.k if k is None else k
         auto = k == "auto"
         if drafter is not None and drafter.fits_k:  # it picks its own number of drafts, up to K_MAX
             drafter.pick_k = auto
@@ -221,7 +224,7 @@ class Decoding:
         self._draft_ms = 0.0
         self._consulted = False  # whether the drafter was asked for the round in flight
         self._times: dict[str, float] = {}
-        self.speculate_ahead = speculate_ahead and drafter is not None and self._flags == Flag.NONE
+        self.speculate_ahead = scheduling.speculate_ahead and drafter is not None and self._flags == Flag.NONE
         self._ahead: _Ahead | None = None  # the round on its way after the one in flight
         self._gate = AheadGate() if self.speculate_ahead else None
         self._ahead_draft_ms = 0.0  # drafting a round ahead (smoothed)
@@ -407,23 +410,25 @@ class Decoding:
 
 
 class Generator:
-    """Greedy generation over a chain; with a drafter, speculative (``k`` an int or ``"auto"``)."""
+    """Greedy generation over a chain, one request at a time; with a drafter, speculative, scheduled
+    as ``scheduling`` says (its draft length, speculating ahead and prefill chunk: ``Decoding``)."""
 
     def __init__(self, chain: Chain, max_length: int, eos_ids: list[int] | tuple[int, ...] = (),
-                 rewind: str = "mask", stream: int = 0):
+                 rewind: str = "mask", stream: int = 0, *, scheduling: Scheduling = Scheduling()):
         self.chain = chain
         self.max_length = max_length
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.seq = KVSequence(chain, max_length, stream, rewind)
+        self.scheduling = scheduling
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int, *, ignore_eos: bool = False,
                  on_token: Callable[[int], None] | None = None, cancel=None, drafter: Drafter | None = None,
-                 k: int | str = 4, sampling: SamplingParams | None = None,
-                 speculate_ahead: bool = False) -> Generation:
+                 k: int | str | None = None, sampling: SamplingParams | None = None) -> Generation:
+        """``k``: this request's draft length instead of the scheduling's."""
         prompt = [int(t) for t in np.asarray(input_ids).reshape(-1)]
         decoding = Decoding(self.seq, prompt, max_new_tokens, frozenset() if ignore_eos else self.eos_ids,
-                            drafter=drafter, k=k, on_token=on_token, cancel=cancel, sampling=sampling,
-                            speculate_ahead=speculate_ahead)
+                            scheduling=self.scheduling, drafter=drafter, k=k, on_token=on_token, cancel=cancel,
+                            sampling=sampling)
         decoding.start()
         while decoding.advance():
             pass
@@ -432,11 +437,12 @@ class Generator:
 
 def generate_streams(chain: Chain, prompts: list[np.ndarray], max_new_tokens: int, *, max_length: int,
                      eos_ids=(), ignore_eos: bool = False, rewind: str = "mask", drafters=None,
-                     k: int | str = 4, on_token: Callable[[int, int], None] | None = None,
+                     scheduling: Scheduling = Scheduling(), on_token: Callable[[int, int], None] | None = None,
                      cancels=None, sampling: SamplingParams | None = None) -> tuple[list[Generation], float]:
     """Micro-batching: one stream per prompt (stream ids 0..N-1, each with its own KV state on every
     stage), interleaved so that one stream's round is in flight while another is collected and
-    resubmitted: whichever stream's result comes back first is served first.  Returns the
+    resubmitted: whichever stream's result comes back first is served first; each decoded as
+    ``scheduling`` says (``Decoding``; one stream per prompt, whatever its streams).  Returns the
     generations and the wall time of the whole batch."""
     eos = frozenset() if ignore_eos else frozenset(int(i) for i in eos_ids)
     decodings = []
@@ -444,7 +450,7 @@ def generate_streams(chain: Chain, prompts: list[np.ndarray], max_new_tokens: in
         callback = (lambda t, i=i: on_token(i, t)) if on_token else None
         decodings.append(Decoding(KVSequence(chain, max_length, i, rewind),
                                   [int(t) for t in np.asarray(ids).reshape(-1)], max_new_tokens, eos,
-                                  drafter=drafters[i] if drafters else None, k=k, on_token=callback,
+                                  scheduling=scheduling, drafter=drafters[i] if drafters else None, on_token=callback,
                                   cancel=cancels[i] if cancels else None, sampling=sampling))
     start = time.perf_counter()
     for d in decodings:

@@ -338,14 +338,14 @@ class ChatService:
             if prompt is None:
                 request.text.begin()
             request.decoding = Decoding(seq, ids, request.max_new_tokens - len(request.earlier),
-                                        frozenset() if request.ignore_eos else self.eos, drafter=drafter,
-                                        k=k if drafter else 0, on_token=lambda t: self._token(request, t),
+                                        frozenset() if request.ignore_eos else self.eos,
+                                        scheduling=self.scheduling, drafter=drafter, k=k if drafter else 0,
+                                        on_token=lambda t: self._token(request, t),
                                         cancel=request.handle._cancel, sampling=request.sampling,
-                                        cached=max(cached, 0), prefill_chunk=self.scheduling.prefill_chunk,
-                                        constraint=request.constraint, logprobs=request.logprobs,
+                                        cached=max(cached, 0), constraint=request.constraint,
+                                        logprobs=request.logprobs,
                                         prompt_logprobs=request.prompt_logprobs and prompt is None,
-                                        alone=(lambda: len(self._active) == 1) if self.draft_alone else None,
-                                        speculate_ahead=self.scheduling.speculate_ahead)
+                                        alone=(lambda: len(self._active) == 1) if self.draft_alone else None)
             if request.logprobs is not None:  # filled in as tokens come (after those of a replaced chain)
                 del request.handle.logprobs[len(request.earlier):]
                 request.decoding.token_logprobs = request.handle.logprobs

@@ -594,7 +594,7 @@ class AutoK:
 
 
 class AheadGate:
-    """Whether a round goes ahead of the one in flight (``Decoding(speculate_ahead=True)``): the chance
+    """Whether a round goes ahead of the one in flight (``Scheduling(speculate_ahead=True)``): the chance
     it is kept against what keeping it saves and discarding it costs, from the last round's stage times.
 
     This process drafts the round and runs its stage 0 while the round before is away (the later

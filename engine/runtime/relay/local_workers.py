@@ -14,11 +14,12 @@ tests keep to processes).
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 from pathlib import Path
 
-from engine.config import MODE, FleetAccess, ShardOptions, paths
+from engine.config import FleetAccess, RelayOptions, ShardOptions, parse_devices, paths
 from engine.errors import FleetError
 from engine.launch import FleetProcess, stop_all
 from engine.manifest import part_name
@@ -46,13 +47,16 @@ class LocalWorkers:
     """Stages 1.. of a model served on this computer by workers this process starts, for a coordinator
     here (the module's docstring)."""
 
-    def __init__(self, shard_dirs: list[Path], access: FleetAccess, *, devices: list[str] | None = None,
-                 mode: str = MODE, precision: str | None = None, delay_ms: float = 0.0,
+    def __init__(self, shard_dirs: list[Path], access: FleetAccess, *, shard: ShardOptions = ShardOptions(),
+                 relay: RelayOptions = RelayOptions(), delay_ms: float = 0.0,
                  log_dir: Path | None = None, link_workers: bool = True,
                  isolate: bool = False, cpu_sets: list[str | None] | None = None, take_turns: bool = True,
                  hosting: str = "processes"):
         """``access``: the fleet key, TLS and deadline the workers go with; a worker process is told
-        its key file (``access.key_file``), whether it speaks TLS and the deadline.  ``link_workers``:
+        its key file (``access.key_file``), whether it speaks TLS and the deadline.  ``shard``: how the
+        workers compile their shards (the correctness mode every stage must run, the precision hint, and
+        one device for every worker or one per worker, ``parse_devices``; its weights go unused here);
+        ``relay``: what the workers' relay runs with (a worker process is told its heartbeat).  ``link_workers``:
         pass each worker its successor (``--next``); without it the coordinator's route tells them.
         ``isolate``: one compiled model per stream; ``cpu_sets``: a CPU list per worker to pin it to
         (``engine.runtime.relay.affinity``).  ``take_turns``: unless the workers are pinned, they compute
@@ -66,7 +70,8 @@ class LocalWorkers:
             raise FleetError("worker processes need the fleet key's file: a fleet access read from one "
                              "(engine.fleetkey.access_of)")
         self.shard_dirs = [Path(d) for d in shard_dirs]
-        self.devices = devices or ["CPU"] * len(self.shard_dirs)
+        self.shard, self.relay = shard, relay
+        self.devices = parse_devices(shard.device, len(self.shard_dirs))
         self.addresses = [f"127.0.0.1:{free_port()}" for _ in self.shard_dirs]
         self.log_dir = log_dir or paths().data / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -77,20 +82,22 @@ class LocalWorkers:
         self.logs: list[Path] = []
         self.access = access
         self.link_workers = link_workers
-        self.mode, self.precision, self.delay_ms = mode, precision, delay_ms
+        self.delay_ms = delay_ms
         self.isolate = isolate
         self.cpu_sets = cpu_sets or [None] * len(self.shard_dirs)
         self.turns = machine_turns_file() if take_turns and not any(self.cpu_sets) else None
 
+    def stage_shard(self, i: int) -> ShardOptions:
+        """How worker ``i`` compiles its shard: the shard options, on its own device."""
+        return dataclasses.replace(self.shard, device=self.devices[i])
+
     def arguments(self, i: int) -> list[str]:
         """The ``fleet`` arguments of worker ``i``."""
-        cmd = ["worker", "--shard", str(self.shard_dirs[i]), "--listen", self.addresses[i], "--device", self.devices[i],
+        cmd = ["worker", "--shard", str(self.shard_dirs[i]), "--listen", self.addresses[i],
                "--fleet-key-file", str(self.access.key_file), "--deadline", str(self.access.deadline_s),
-               "--mode", self.mode]
+               *self.stage_shard(i).worker_arguments(), *self.relay.worker_arguments()]
         if self.link_workers and i + 1 < len(self.shard_dirs):
             cmd += ["--next", self.addresses[i + 1]]
-        if self.precision:
-            cmd += ["--precision", self.precision]
         if self.delay_ms:
             cmd += ["--delay-ms", str(self.delay_ms)]
         cmd += ["--tls" if self.access.uses_tls else "--no-tls"]  # the caller's access, never the saved settings
@@ -125,9 +132,9 @@ class LocalWorkers:
 
         nxt = self.addresses[i + 1] if self.link_workers and i + 1 < len(self.shard_dirs) else None
         try:
-            shard = ShardOptions(mode=self.mode, precision=self.precision, device=self.devices[i])
-            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, access=self.access, shard=shard,
-                            delay_ms=self.delay_ms, log=write, isolate=self.isolate, turns=compute_turns(self.turns))
+            worker = Worker(self.shard_dirs[i], self.addresses[i], nxt, access=self.access, shard=self.stage_shard(i),
+                            delay_ms=self.delay_ms, log=write, isolate=self.isolate, turns=compute_turns(self.turns),
+                            relay=self.relay)
         except Exception as exc:
             out.close()
             self.close()

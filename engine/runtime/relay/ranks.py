@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.config import MODE, FleetAccess, ShardOptions
+from engine.config import FleetAccess, ShardOptions
 from engine.errors import ShardError, StageError
 from engine.manifest import Manifest, load_manifest
 from engine.runtime.interfaces import Chain
@@ -31,12 +31,13 @@ class RankChain(Chain):
     paged = False
     packs = False  # every rank must run the same forwards: one round at a time
 
-    def __init__(self, rank0: Path | str, workers: list[str], *, access: FleetAccess, device: str = "CPU",
-                 mode: str = MODE, precision: str | None = None, connect_timeout_s: float = 60.0,
+    def __init__(self, rank0: Path | str, workers: list[str], *, access: FleetAccess,
+                 shard: ShardOptions = ShardOptions(), connect_timeout_s: float = 60.0,
                  manifest: Manifest | None = None):
         """``rank0``: rank 0's shard folder (``manifest``: its manifest, when already loaded);
         ``workers``: rank 1's worker address, then rank 2's...  Each worker names its mesh port in
-        its PONG; rank 0 dials it there."""
+        its PONG; rank 0 dials it there.  ``shard``: how rank 0 is compiled (its device, the
+        correctness mode every rank must run, the precision hint; its weights go unused here)."""
         manifest = manifest or load_manifest(Path(rank0))
         if manifest.rank != 0 or manifest.ranks != len(workers) + 1:
             raise ShardError(f"{rank0} is rank {manifest.rank} of {manifest.ranks}: a rank chain runs rank 0 here "
@@ -48,12 +49,13 @@ class RankChain(Chain):
         self.access, self._connect_timeout_s = access, connect_timeout_s
         try:
             for address in workers:
-                self.remotes.append(RemoteChain(rank0, [address], access=access, shard=ShardOptions(mode=mode),
+                self.remotes.append(RemoteChain(rank0, [address], access=access, shard=shard,
                                                 connect_timeout_s=connect_timeout_s, fed=True))
             self.mesh = Mesh.dial(self._mesh_addresses(), access.key, manifest.fingerprint, manifest.ranks,
                                   timeout_s=connect_timeout_s, tls=access.tls)
             self._meshed = [remote.connections for remote in self.remotes]  # the connections the mesh went with
-            self.local = LocalChain([rank0], device, compile_config(mode, precision), paged=False, mesh=self.mesh)
+            self.local = LocalChain([rank0], shard.device, compile_config(shard.mode, shard.precision), paged=False,
+                                    mesh=self.mesh)
         except BaseException:
             self.close()
             raise
