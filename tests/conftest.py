@@ -82,6 +82,7 @@ TESTS = {
     "test_paged.py::test_the_batch_benchmark": "bench",
     "test_quality_tasks.py::test_the_quality_bench": "bench",
     "test_speculative.py::test_spec_bench": "bench",
+    "test_local_fleet_tls.py::test_the_tls_bench": "bench",
 }
 # Tests of a slow kind kept in the fast tier ("file::name" prefix): the real default model end to
 # end through the app on a local fleet, the soak's short form, and one worker process killed.
