@@ -55,6 +55,7 @@ TESTS = {
     "test_sim.py::test_fleet_sim_brings_up": "netns",
     "test_sim.py::test_a_worker_started_by_a_pinned_process": "netns",
     "test_sim.py::test_a_pcs_cpu_quota": "netns",
+    "test_sim.py::test_a_pc_whose_lid_closes": "netns",
     "test_node_limits.py::test_a_node_in_a_real_300_mb_cgroup": "netns",
     "test_no_multicast_office.py::": "netns",
     "test_pipeline.py::test_fuzzed_worker_keeps_serving": "processes",
