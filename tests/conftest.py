@@ -55,6 +55,7 @@ TESTS = {
     "test_sim.py::test_fleet_sim_brings_up": "netns",
     "test_sim.py::test_a_worker_started_by_a_pinned_process": "netns",
     "test_sim.py::test_a_pcs_cpu_quota": "netns",
+    "test_sim.py::test_a_pc_whose_lid_closes": "netns",
     "test_node_limits.py::test_a_node_in_a_real_300_mb_cgroup": "netns",
     "test_no_multicast_office.py::": "netns",
     "test_pipeline.py::test_fuzzed_worker_keeps_serving": "processes",
@@ -82,6 +83,7 @@ TESTS = {
     "test_paged.py::test_the_batch_benchmark": "bench",
     "test_quality_tasks.py::test_the_quality_bench": "bench",
     "test_speculative.py::test_spec_bench": "bench",
+    "test_local_fleet_tls.py::test_the_tls_bench": "bench",
 }
 # Tests of a slow kind kept in the fast tier ("file::name" prefix): the real default model end to
 # end through the app on a local fleet, the soak's short form, and one worker process killed.

@@ -45,10 +45,12 @@ def agent_process(key_file: Path, home: Path, *, mdns: bool = False, name: str =
         agent.stop(timeout_s=15)
 
 
-def fleet_profile(model: str, agents: dict, key: bytes, *, weights: str = "int4", memory: int = 8 << 30) -> dict:
+def fleet_profile(model: str, agents: dict, key: bytes, *, weights: str = "int4", memory: int = 8 << 30,
+                  access: FleetAccess | None = None) -> dict:
     """The fleet profile failover re-plans from and standbys are placed with, for ``agents`` (name ->
     (process, address)): their real node ids and addresses, every device alike with ``memory`` bytes
-    (the survey, which measures them, has its own tests; here what matters is where the layers go)."""
+    (the survey, which measures them, has its own tests; here what matters is where the layers go).
+    ``access``: how the agents are asked (default: ``key`` in plain text)."""
     from engine.export.exporter import export_model
     from engine.fleet.control import ControlClient
     from engine.fleet.deploy import LOCAL
@@ -58,7 +60,7 @@ def fleet_profile(model: str, agents: dict, key: bytes, *, weights: str = "int4"
 
     nodes = {"coordinator": {"name": "this PC", "address": LOCAL}}
     for name, (_, address) in agents.items():
-        with ControlClient(address, FleetAccess(key)) as client:
+        with ControlClient(address, access or FleetAccess(key)) as client:
             nodes[client.status()["node"]["node_id"]] = {"name": name, "address": address}
     folder = export_model(model, stages=1, weights=weights).folders[0]
     shape = ModelShape(**model_shape(load_manifest(folder)))

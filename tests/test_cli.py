@@ -303,3 +303,25 @@ def test_generate_prints_a_clean_reply(capsys):
     reply = _generator_reply(args, SimpleNamespace(max_new_tokens=4), Tokenizer(), Gen(), None)
     reply("hello")
     assert capsys.readouterr().out == "Hi]0;owned[2J there\tok\n\ufffd\n"
+
+
+def test_fleet_up_names_the_nodes_it_found_without_their_terminal_escapes(tmp_path, monkeypatch, capsys):
+    """`fleet up` says which nodes of the fleet it found over mDNS: their names come off the network."""
+    from types import SimpleNamespace
+
+    import engine.cli.fleet as fleet_cli
+    from engine.cli.main import main
+    from engine.errors import FleetError
+
+    name = "evil\x1b[2J\x1b]0;owned\x07node\x9b31m"  # clear the screen, retitle the terminal, a C1 CSI
+    monkeypatch.setenv("FLEETSHARD_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fleet_cli, "browse", lambda seconds, fleet: [SimpleNamespace(name=name)])
+
+    def local_up(*args, **kwargs):
+        raise FleetError("the local fleet is not needed here")
+
+    monkeypatch.setattr(fleet_cli, "local_up", local_up)
+    assert main(["up"]) == 2
+    said = capsys.readouterr().err
+    assert "found 1 node(s) of this fleet: evil[2J]0;ownednode31m. `fleet up` runs" in said, said
+    assert not any(c in said for c in "\x1b\x07\x9b"), said

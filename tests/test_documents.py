@@ -211,6 +211,24 @@ def test_a_word_file_zipped_by_a_zip_version_python_cannot_read_is_refused_by_na
         read_pages(path)
 
 
+def test_the_pypdf_floor_leaves_out_the_releases_with_known_denial_of_service_bugs():
+    """The security review: ``pypdf>=5`` admitted releases with known denial-of-service advisories
+    (6.x closed a long run of them, 7.0 four more).  The floor is the release tested here, and the
+    one installed is at least that."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    pypdf = next(r for r in map(Requirement, pyproject["project"]["dependencies"]) if r.name == "pypdf")
+    floors = [Version(s.version) for s in pypdf.specifier if s.operator == ">="]
+    assert floors and min(floors) >= Version("7.1.1"), str(pypdf)
+    assert Version(importlib.metadata.version("pypdf")) in pypdf.specifier
+
+
 @pytest.mark.skipif(os.name != "posix", reason="file modes are POSIX")
 def test_the_index_is_private_to_its_owner(tmp_path):
     docs = tmp_path / "docs"

@@ -557,3 +557,40 @@ def test_fleet_nodes_lists_discovered_and_added_nodes(key_file, tmp_path):
     assert by_name["127.0.0.1:9"]["status"] == "unreachable" and "not reachable" in by_name["127.0.0.1:9"]["error"]
     fleet("nodes", "remove", "127.0.0.1:9")
     assert [e["address"] for e in json.loads((home / "config" / "settings.json").read_text())["known_nodes"]] == [added]
+
+
+def test_an_agent_back_from_sleep_announces_its_node_again(tmp_path, monkeypatch):
+    """A PC that slept (the agent's clocks jumped past ``WAKE_GAP_S`` between two of its ticks) says so
+    and announces its node over mDNS again, so that browsers that dropped it list it again; the agent
+    itself runs on, never restarted."""
+    from engine.fleet import agent as agent_module
+    from engine.fleet.agent import Agent
+    from engine.fleetkey import access_of
+
+    class Clocks:  # the agent's clocks, which a sleep moves on at once
+        slept = 0.0
+
+        def monotonic(self):
+            return time.monotonic() + self.slept
+
+        def time(self):
+            return time.time() + self.slept
+
+    clocks = Clocks()
+    monkeypatch.setattr(agent_module, "time", clocks)
+    monkeypatch.setattr(agent_module, "WAKE_TICK_S", 0.05)
+    lines: list[str] = []
+    node = Agent("127.0.0.1:0", access=access_of(create_key(tmp_path / "fleet.key")), name="lid",
+                 store=tmp_path / "store", advertise=False, log=lines.append)
+    announced = threading.Event()
+    monkeypatch.setattr(node, "_changed", announced.set)
+    node.start()
+    try:
+        assert not announced.wait(0.5), lines  # its ticks on time: nothing to announce
+        clocks.slept = agent_module.WAKE_GAP_S + 30
+        assert announced.wait(10), lines
+        slept = [float(m[1]) for m in map(re.compile(r"awake again after about (\d+) s asleep: announcing node lid "
+                                                     r"again$").match, lines) if m]
+        assert slept and slept[0] >= agent_module.WAKE_GAP_S + 30, lines
+    finally:
+        node.stop()

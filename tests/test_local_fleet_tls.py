@@ -2,7 +2,8 @@
 ``fleet.pem``), and the local fleet speaks TLS as the caller's settings say, not as the saved
 settings file does: with ``tls=True`` (the file saying ``tls: false``) its agent and workers speak
 TLS and the chat and failover reach them with it; with ``tls=False`` (the file saying ``tls: true``)
-everything stays plaintext.  Real agent and worker processes, the tiny Llama model."""
+everything stays plaintext; ``fleet bench tls`` runs both side by side.  Real agent and worker
+processes, the tiny models."""
 
 from __future__ import annotations
 
@@ -175,3 +176,20 @@ def test_a_certificate_file_of_the_fleets_own_takes_the_keys_place(fleet_home, t
         assert not _agent_answers(address, load_key(key_path), derived)
     finally:
         node.stop()
+
+
+def test_the_tls_bench_runs_the_fleet_with_tls_and_without_side_by_side(tiny_exports, tmp_path):
+    """``fleet bench tls`` (what TLS costs, on the benchmarks page) at its smallest: the fleet over TLS
+    and the same fleet without it decode the same tokens, and the report holds the ratios the page
+    quotes (their values are the bench's to measure on a quiet machine, not a test's)."""
+    from engine.bench.tls import run_tls
+
+    out = tmp_path / "tls.json"
+    report = run_tls("tiny qwen2", shards=tiny_exports["qwen2", "2"].folders, tokens=8, prompt=32, warmup=0, runs=2,
+                     out=out, log=lambda m: None)
+    assert [(r["config"], r["tls"]) for r in report["rows"]] == [("TLS", True), ("plain", False)]
+    assert all(r["same_tokens"] and len(r["decode_runs"]) == 2 for r in report["rows"]), report["rows"]
+    ratios = report["ratios"]
+    assert {"decode_tls_vs_plain", "prefill_tls_vs_plain", "cpu_per_token_tls_vs_plain"} <= set(ratios), ratios
+    assert all(v > 0 for name, v in ratios.items() if "_vs_plain" in name), ratios
+    assert json.loads(out.read_text())["ratios"] == ratios

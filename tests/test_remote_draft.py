@@ -16,7 +16,7 @@ import pytest
 from engine.cli.args import settings_of
 from engine.config import FleetAccess, Scheduling, Settings
 from engine.errors import FleetError, ShardError
-from engine.fleetkey import create_key, load_key
+from engine.fleetkey import create_key, fleet_access, load_key
 from engine.runtime.decode.draftserver import MAX_LEAD, DraftServer, DraftText, draft_identity
 from engine.runtime.decode.generate import Generator, generate_streams
 from engine.runtime.decode.remotedraft import DraftLink, RemoteDraft
@@ -170,6 +170,31 @@ def test_a_foreign_tokenizer_and_a_wrong_key_are_refused(tiny_exports, server, k
         DraftLink(server.address, FleetAccess(key), llama.manifest)
     with pytest.raises(FleetError, match="refused"):
         DraftLink(server.address, FleetAccess(b"x" * 32))
+
+
+def test_a_draft_server_speaks_the_fleets_default_tls_and_refuses_a_coordinator_without_it(tiny_exports, target,
+                                                                                          tmp_path):
+    """TLS is on by default on every fleet connection, the draft server's too: with the access the
+    default settings give (as ``fleet worker --role draft`` and ``--draft remote:`` build it), drafts
+    come over TLS and exact mode stays token-identical; a coordinator holding the key but speaking
+    plain text is refused."""
+    key_file = create_key(tmp_path / "fleet.key")
+    access = fleet_access(Settings(fleet_key_file=str(key_file)))
+    assert access.uses_tls
+    drafts = DraftServer(tiny_exports["qwen2", "1"].folders, "127.0.0.1:0", access=access, log=lambda m: None,
+                         config=EXACT).start()
+    try:
+        want = _greedy(target, 24)
+        link = DraftLink(drafts.address, access, target.manifest)
+        try:
+            gen = Generator(target, 128).generate(PROMPT, 24, ignore_eos=True, drafter=link.drafter(0), k=3)
+        finally:
+            link.close()
+        assert gen.tokens == want and gen.accepted > 0, (gen.accepted, gen.drafted)
+        with pytest.raises(FleetError, match=f"draft server at {drafts.address}"):
+            DraftLink(drafts.address, FleetAccess(access.key), target.manifest)
+    finally:
+        drafts.stop()
 
 
 @pytest.mark.parametrize("frame", [

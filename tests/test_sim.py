@@ -2,7 +2,9 @@
 bridge, each with its own address, node agent, memory cap and CPU set.  Discovery across the bridge
 finds every PC at its own address and no further (a PC on the routed subnet is reached by address);
 a PC whose cable is cut mid-reply (link down: packets vanish, no reset) has its layers moved and the
-reply carries on token-identical; its link back, it is offered to the fleet again; shards cross a
+reply carries on token-identical; its link back, it is offered to the fleet again; a PC whose lid
+closes mid-reply (its processes stopped) is left out over TLS, and once awake, with no restart, takes
+the work back when the other PC is lost; shards cross a
 bandwidth-capped link and a cut transfer resumes; a PC given a link delay holds the rounds through
 it and no other PC's; a model no single PC's memory cap holds is placed over several PCs; two PCs of
 a split compute at the same time, several users' streams in flight, each reply token-identical; two
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fleet_support import IDS, deployed_equals_in_process, fleet_profile, simulated_office
+from fleet_support import IDS, deployed_equals_in_process, eventually, fleet_profile, simulated_office
 
 from engine.config import FleetAccess, Scheduling, ShardOptions
 from engine.fleet.sim import netns
@@ -62,8 +64,8 @@ def _key(office) -> bytes:
     return load_key(office.key_file)
 
 
-def _status(agent: str, key: bytes) -> dict:
-    with ControlClient(agent, FleetAccess(key)) as client:
+def _status(agent: str, key: bytes | FleetAccess) -> dict:
+    with ControlClient(agent, key if isinstance(key, FleetAccess) else FleetAccess(key)) as client:
         return client.status()
 
 
@@ -192,6 +194,82 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
         service.close()
         failover.deployment.stop(FleetAccess(key))
         deployment.stop(FleetAccess(key))
+
+
+def test_a_pc_whose_lid_closes_mid_reply_is_left_out_and_takes_the_work_back_when_it_wakes(tmp_path, tiny_models):
+    """An office of two PCs speaking the fleet's default TLS.  pc1's lid closes mid-reply (every process
+    on it stopped, SIGSTOP; its link up): the reply carries on over pc2, token-identical, and pc1 counts
+    as having dropped out.  While the lid stays shut failover's watch keeps it out; the lid opens
+    (SIGCONT): with no restart of its agent it is counted back in, the worker it ran stopped; when
+    pc2's cable is then cut mid-reply, pc1 takes the work back."""
+    from engine.fleet import standby
+
+    key_file = create_key(tmp_path / "fleet.key")
+    specs = [NodeSpec("pc1", memory_mb=1536, cpus="0"), NodeSpec("pc2", memory_mb=1536, cpus="1")]
+    with simulated_office(specs, key_file, tmp_path / "office", tls=True) as office:
+        access = office.access
+        assert access.uses_tls
+        pc1, pc2 = office.nodes["pc1"], office.nodes["pc2"]
+        source = str(tiny_models["gemma3"])  # its greedy reply varies
+        profile = fleet_profile(source, {n.name: (None, n.agent) for n in (pc1, pc2)}, access.key, weights="f32",
+                                memory=4 << 30, access=access)
+        pc1_id = next(node for node, info in profile["nodes"].items() if info["name"] == "pc1")
+        dropped = standby.dropouts().get(pc1_id, 0)
+        stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(pc1.agent, "CPU", 2, 4)]
+        deployment, chain = deploy(source, stages, access=access, shard=ShardOptions(weights="f32", mode="exact"))
+        folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
+        alone = ChatService(LocalChain(folders, config=compile_config("exact")), scheduling=Scheduling(streams=1))
+        try:
+            want = alone.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
+        finally:
+            alone.close()
+        assert len(set(want[4:])) > 3  # a reply that varies: carrying on and starting over would differ
+        events: list[str] = []
+        failover = Failover(deployment, profile, access=access, on_event=events.append, chain=chain).watch(0.5)
+        service = ChatService(chain, scheduling=Scheduling(streams=1), recover=failover.recover)
+        agent_pid = pc1.proc.pid
+
+        def at_token(action):
+            fired = threading.Event()
+
+            def on_text(piece, tokens):
+                if tokens >= 4 and not fired.is_set():
+                    fired.set()
+                    action()
+            return on_text, fired
+
+        try:
+            on_text, fired = at_token(lambda: office.sleep("pc1"))
+            try:
+                reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
+                assert fired.is_set() and reply.error is None, (reply.error, events)
+                assert reply.rerouted == 1 and reply.tokens == want, events
+                assert any(e.startswith("node pc1 lost") for e in events), events
+                assert [s.node for s in failover.deployment.placement] == [LOCAL, pc2.agent], events
+                assert standby.dropouts().get(pc1_id, 0) == dropped + 1  # the placement of standbys weighs it
+                time.sleep(10 * failover.access.deadline_s)  # the lid stays shut: the watch asks it all along
+                assert "pc1" in [failover.name(a) for a in failover.lost.values()], events
+            finally:
+                office.wake("pc1")
+            assert eventually(lambda: any(e.startswith("node pc1 is back") for e in events), 120), events
+            assert not failover.lost
+            assert pc1.proc.pid == agent_pid and pc1.proc.poll() is None  # the same agent, never restarted
+            status = _status(pc1.agent, access)
+            assert status["workers"] == [] and status["state"] == "idle", status  # its stale worker stopped
+
+            # pc2's cable is cut mid-reply: the woken PC takes the work back
+            on_text, fired = at_token(lambda: office.partition("pc2"))
+            reply = service.submit(MESSAGES, TOKENS, on_text=on_text, ignore_eos=True).wait(300)
+            assert fired.is_set() and reply.error is None, (reply.error, events)
+            assert reply.rerouted == 1 and reply.tokens == want, events
+            assert [s.node for s in failover.deployment.placement] == [LOCAL, pc1.agent], events
+        finally:
+            office.wake("pc1")
+            office.reconnect("pc2")
+            service.close()
+            failover.close()
+            failover.deployment.stop(access)
+            deployment.stop(access)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import ipaddress
 import itertools
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 from typing import Callable
@@ -248,6 +249,25 @@ class Office:
 
     def reconnect(self, name: str) -> None:
         netns.set_link(self.nodes[name].link, True)
+
+    # --- the PC itself -------------------------------------------------------------------------------
+
+    def sleep(self, name: str) -> None:
+        """Closes the PC's lid: every process on it (its agent and the workers it started) stopped with
+        SIGSTOP, as a laptop gone to sleep.  Its link stays up, so a peer's connection is accepted and
+        then hears nothing.  ``wake`` opens the lid again."""
+        self._signal(name, signal.SIGSTOP)
+
+    def wake(self, name: str) -> None:
+        """Opens the PC's lid: its processes carry on (SIGCONT) where they stopped."""
+        self._signal(name, signal.SIGCONT)
+
+    def _signal(self, name: str, sig: int) -> None:
+        for pid in netns.cgroup_pids(self.nodes[name].cgroup):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
 
     def set_memory(self, name: str, memory_mb: int) -> None:
         """Gives the PC another memory cap (its processes keep running)."""
