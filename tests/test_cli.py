@@ -198,7 +198,8 @@ def test_fleet_up_on_nodes_without_the_fleets_key_says_so_and_makes_none(tmp_pat
     bare = tmp_path / "bare"
     proc = fleet_in(bare, "up", "--nodes", "127.0.0.1:9")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith("error: placing the model on the fleet's nodes needs the fleet's key: no fleet key at "), proc.stderr
+    said = "error: placing the model on the fleet's nodes needs the fleet's key: no fleet key at "
+    assert proc.stderr.startswith(said), proc.stderr
     assert not (bare / "config" / "fleet.key").exists()
 
 
