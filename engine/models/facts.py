@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 
 from engine.errors import SourceError
-from engine.models.catalog import CATALOG, CatalogEntry
+from engine.models.catalog import CATALOG, CardFacts, CatalogEntry
 from engine.models.gguf_header import read_gguf_header
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*) for the formats in common use
@@ -27,30 +27,16 @@ GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelFacts:
+class ModelFacts(CardFacts):
+    """A model card's facts about one source, whatever its kind."""
+
     name: str
     source: str  # the catalog name, or the file's or folder's path: what the export takes
     kind: str  # "catalog", "gguf" or "hf"
     size: int  # bytes of the weights file(s)
-    parameters: int = 0
-    weight_format: str = ""
-    context: int = 0
-    license: str = ""
     architecture: str = ""
-    num_layers: int = 0
-    hidden_size: int = 0
-    intermediate_size: int = 0
-    num_heads: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    vocab_size: int = 0
     description: str = ""
     fingerprint: str = ""  # a catalog model's sha256, which its exports carry as their fingerprint
-
-    @property
-    def has_shape(self) -> bool:
-        """Enough is known to estimate the model's memory per layer."""
-        return all((self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads, self.vocab_size))
 
 
 def catalog_facts(e: CatalogEntry) -> ModelFacts:
