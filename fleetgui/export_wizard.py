@@ -28,7 +28,7 @@ from engine.export.compress import HEAD_FORMATS, HEAD_NOTES, WEIGHT_FORMATS, WEI
 from engine.manifest import layer_numbers
 from engine.models.catalog import CATALOG, DEFAULT_MODEL
 from engine.progress import Progress
-from fleetgui.model_cards import ModelCards, carried, read_model
+from fleetgui.model_cards import ModelCards, read_model
 from fleetgui.running import folder_tip, model_name
 from fleetgui.widgets import Banner, combo_box, explained_choice, field_row, flow_bar, plain, plain_tip, spin_box
 from fleetgui.workers import TaskRunner
@@ -59,6 +59,7 @@ class ExportWizard(QWidget):
         self.task = None
         self.result = None
         self.checking = ""  # the model file or folder whose header is being read (``use_path``)
+        self.then_choices = False  # a typed GGUF path is being read: its choices show once it is
         self.banner = Banner()
         self.pages = QStackedWidget()
         self.pages.addWidget(self._source_page())
@@ -151,9 +152,9 @@ class ExportWizard(QWidget):
         reference model); hidden for a Hugging Face folder, which has no GGUF weights to keep, and for
         a GGUF whose types cannot be carried over."""
         source = self.source()
-        can_carry = self.cards.can_carry.get(source)  # read off the GUI thread with the card, else read now
-        self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked() and (
-            can_carry if can_carry is not None else carried(source))))
+        # a GGUF's was read off the GUI thread with its card (``use_path``), a typed path's on Next
+        self.choice_box.setVisible(source in CATALOG or (self.gguf_radio.isChecked()
+                                                         and self.cards.can_carry.get(source, False)))
         for choice in CHOICES:
             measured_on = source if source in CATALOG else None
             self.choice_notes[choice.weights].setText(describe(choice, measured_on, kl=False))
@@ -283,12 +284,18 @@ class ExportWizard(QWidget):
         if self.task is None:
             self._show_page(0)
         self.cards.can_carry.update(can_carry)  # read with the header: the card reads no file here
+        self.cards.can_carry.setdefault(path, can_carry.get(facts.source, False))  # as typed ("~/…")
         self.cards.add_model(facts)
+        if self.then_choices:  # Next on a typed path: on to its choices, as it was read
+            self.then_choices = False
+            self._prepare_choices()
+            self._show_page(1)
         self.checked.emit(True)
 
     def _model_unreadable(self, path: str, message: str, kind: QRadioButton | None) -> None:
         if path != self.checking:
             return
+        self.then_choices = False
         self._checked()
         self.banner.error(message)
         if kind is not None:
@@ -376,6 +383,10 @@ class ExportWizard(QWidget):
         if index == 0:
             if not self.source():
                 self.banner.error("Choose a model: a catalog entry, a Hugging Face folder or a GGUF file.")
+                return
+            if self.gguf_radio.isChecked() and self.source() not in self.cards.can_carry:
+                self.then_choices = True  # a typed path: read off the GUI thread first, as a dropped one
+                self.use_path(self.source(), self.gguf_radio)
                 return
             self._prepare_choices()
             self._show_page(1)

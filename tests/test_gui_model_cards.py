@@ -132,6 +132,36 @@ def test_a_gguf_dropped_on_the_window_gets_a_card_and_is_the_source(qtbot, gui_h
     assert wizard.source() == str(tmp_path / "broken.gguf") and "corrupt GGUF" in wizard.banner.message
 
 
+def test_a_typed_gguf_path_is_read_off_the_gui_thread_before_its_choices(qtbot, gui_home, tmp_path, monkeypatch):
+    """Next on a GGUF path typed into its field reads the file on a worker thread, as a dropped one,
+    then shows its choices; a path that cannot be read stays on the first step, saying why."""
+    import threading
+
+    from fleetgui import model_cards
+
+    read_on = []
+    facts_of = model_cards.facts_of
+    monkeypatch.setattr(model_cards, "facts_of", lambda source: read_on.append(threading.current_thread())
+                        or facts_of(source))
+    window = open_window(qtbot, tiny_settings(tmp_path / "none"), settings_store(tmp_path / "s.ini"))
+    wizard = window.export
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
+    wizard.gguf_path.setText(str(tmp_path / "broken.gguf"))
+    wizard.gguf_radio.setChecked(True)
+    with qtbot.waitSignal(wizard.checked, timeout=30000) as checked:
+        wizard.next()
+        assert wizard.banner.message == "Checking broken.gguf…" and wizard.pages.currentIndex() == 0
+    assert checked.args == [False] and "corrupt GGUF" in wizard.banner.message and wizard.pages.currentIndex() == 0
+    gguf = write_gguf(tmp_path / "tiny.gguf")
+    wizard.gguf_path.setText(str(gguf))
+    with qtbot.waitSignal(wizard.checked, timeout=30000) as checked:
+        wizard.next()
+        assert wizard.pages.currentIndex() == 0 and not wizard.next_button.isEnabled()
+    assert checked.args == [True] and wizard.pages.currentIndex() == 1
+    assert read_on and threading.main_thread() not in read_on
+    assert not wizard.choice_box.isVisibleTo(wizard)  # a float GGUF has no codes to carry over
+
+
 def test_the_chat_model_browser_picks_a_card(qtbot, gui_home, tmp_path):
     from fleetgui.model_cards import ModelBrowser
 
