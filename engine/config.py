@@ -120,6 +120,10 @@ class ShardOptions:
         """The settings' weights, mode and device, with the launch's ``precision``."""
         return cls(settings.weights, settings.mode, precision, settings.device)
 
+    def on(self, device: str) -> "ShardOptions":
+        """The same options on ``device`` (a stage's own, or a comma-separated one per stage)."""
+        return dataclasses.replace(self, device=device)
+
     def worker_arguments(self) -> list[str]:
         """What a ``fleet worker`` process started with these options is told (its ``--device``,
         ``--mode`` and ``--precision``; it serves a shard exported already, so not the weights)."""

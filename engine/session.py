@@ -191,12 +191,12 @@ def open_chain(settings: Settings, launch: Launch | None = None, progress: Repor
             raise FleetError("local workers need a model split into at least 2 stages")
         progress(Progress("Starting the local fleet"))
         devices = parse_devices(shard.device, len(folders))
-        fleet = LocalWorkers(folders[1:], access, shard=dataclasses.replace(shard, device=",".join(devices[1:])),
+        fleet = LocalWorkers(folders[1:], access, shard=shard.on(",".join(devices[1:])),
                              delay_ms=launch.delay_ms, isolate=launch.isolate, cpu_sets=launch.cpu_sets,
                              take_turns=launch.take_turns, log_dir=launch.log_dir).start()
         remotes = fleet.addresses
     try:
-        chain = RemoteChain(folders[0], remotes, access=access, shard=dataclasses.replace(shard, device=devices[0]),
+        chain = RemoteChain(folders[0], remotes, access=access, shard=shard.on(devices[0]),
                             connect_timeout_s=launch.connect_timeout_s, isolate=launch.isolate,
                             turns=compute_turns(fleet.turns if fleet else None))
     except BaseException:

@@ -6,6 +6,7 @@ Each ``cmd_*`` is a thin layer over ``engine.fleet``, which the app drives the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -240,18 +241,26 @@ def _survey(model: str, agents: list[str], *, access: FleetAccess, devices: str,
     return path
 
 
+@contextlib.contextmanager
+def _fleets_key(nodes, doing: str):
+    """Around reading the fleet key for ``doing``: with ``nodes`` named, a missing key says that it
+    needs the fleet's own (the nodes refuse any other, so none is made for them)."""
+    try:
+        yield
+    except FleetError as exc:
+        if nodes:
+            raise FleetError(f"{doing} needs the fleet's key: {exc}") from None
+        raise
+
+
 def cmd_profile(args) -> int:
     """``fleet profile``: measures this PC, and with ``--nodes`` the fleet's nodes, for the solver.  This PC
     alone makes the default key if it is missing, as a local fleet does.  The nodes need the fleet's
     own key (they refuse any other, so a new one would only fail later, node by node): a missing one
     is refused at once, by name, and none is made (nor ever a key file the settings name)."""
     settings = settings_of(args)
-    try:
+    with _fleets_key(args.nodes, "profiling the fleet's nodes"):
         access = fleet_access(settings, create=not args.nodes)
-    except FleetError as exc:
-        if args.nodes:
-            raise FleetError(f"profiling the fleet's nodes needs the fleet's key: {exc}") from None
-        raise
     _survey(settings.default_model, _agent_addresses(args, access) if args.nodes else [], access=access,
             devices=settings.device, weights=args.weights, context=args.context,
             streams=args.streams, out=args.out)
@@ -362,12 +371,8 @@ def cmd_deploy(args) -> int:
 
 def cmd_up(args) -> int:
     settings = settings_of(args)
-    try:  # the nodes refuse any key but the fleet's: a new one is made for a local fleet only
+    with _fleets_key(args.nodes, "placing the model on the fleet's nodes"):  # a new key for a local fleet only
         key = load_key(args.fleet_key_file, create=not args.nodes)
-    except FleetError as exc:
-        if args.nodes:
-            raise FleetError(f"placing the model on the fleet's nodes needs the fleet's key: {exc}") from None
-        raise
     model = settings.default_model
     if args.demo:
         return _demo_up(args, settings, model)

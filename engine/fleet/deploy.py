@@ -317,7 +317,7 @@ def deploy(model: str, stages: list[StageSpan], *, access: FleetAccess, shard: S
             progress(deploying(i, "start", 0.0))
             try:
                 with ControlClient(stage.node, access) as agent:
-                    info = agent.start_worker(digests[i], shard=dataclasses.replace(shard, device=stage.device),
+                    info = agent.start_worker(digests[i], shard=shard.on(stage.device),
                                               delay_ms=delay_ms, timeout_s=worker_timeout_s)
             except AgentError as exc:
                 raise FleetError(f"deployment stopped while starting {part_name(i, len(stages))}: {exc}") from None

@@ -95,7 +95,7 @@ def start(folders: list[Path], where: dict[int, StageSpan], *, access: FleetAcce
             with ControlClient(span.node, access) as agent:
                 digest, _ = agent.send_shard(folders[i])
                 progress(deploying(i, "start", 0.0))
-                info = agent.start_worker(digest, shard=dataclasses.replace(shard, device=span.device),
+                info = agent.start_worker(digest, shard=shard.on(span.device),
                                           timeout_s=worker_timeout_s)
         except AgentError as exc:
             problems.append(f"no standby for stage {i} on {span.node}: {exc}")

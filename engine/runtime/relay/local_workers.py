@@ -14,7 +14,6 @@ tests keep to processes).
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import subprocess
 from pathlib import Path
@@ -89,7 +88,7 @@ class LocalWorkers:
 
     def stage_shard(self, i: int) -> ShardOptions:
         """How worker ``i`` compiles its shard: the shard options, on its own device."""
-        return dataclasses.replace(self.shard, device=self.devices[i])
+        return self.shard.on(self.devices[i])
 
     def arguments(self, i: int) -> list[str]:
         """The ``fleet`` arguments of worker ``i``."""

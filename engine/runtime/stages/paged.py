@@ -314,17 +314,17 @@ class PagedStage(PackingStage):
         CPU plugin's own copy of any matrix it repacks, such as an INT8 head) and the process has
         ``FIXED_HEADROOM_MB`` of memory to spare; short of it, the count is asked again as often."""
         # the one-row graph is compiled at once; every other one has its compile thread
-        if self._model is None or rows > FIXED_ROWS or 1 + len(self._compiling) >= FIXED_GRAPHS:
+        if (self._model is None or rows > FIXED_ROWS or rows in self._compiling
+                or 1 + len(self._compiling) >= FIXED_GRAPHS):
             return
         self._seen[rows] += 1
-        if self._seen[rows] < FIXED_ROWS_AFTER:
+        if self._seen[rows] % FIXED_ROWS_AFTER:
             return
-        self._seen[rows] = 0
         available = process_memory()[1]
         if available >= FIXED_HEADROOM_MB << 20:
             self.fix_rows(rows, wait=False)
-        else:
-            log.info("stage %s: no graph of %d rows yet, %d MB of memory to spare", self.folder, rows,
+        elif self._seen[rows] == FIXED_ROWS_AFTER:  # said once, asked again as often
+            log.info("stage %s: no graph of %d rows while %d MB of memory are to spare", self.folder, rows,
                      available >> 20)
 
     def _forward_parts(self, parts: list[Part]) -> list[np.ndarray]:
